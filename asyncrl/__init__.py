@@ -1,0 +1,77 @@
+"""asyncrl: an asyncio single controller with futures pipelining for RL post-training."""
+
+from asyncrl.dispatch import Broadcast, MeshRank, World
+from asyncrl.errors import (
+    AsyncRLError,
+    CallCancelledError,
+    CallTimeoutError,
+    DispatchError,
+    GroupBrokenError,
+    GroupClosedError,
+    PlacementError,
+    RegistrationError,
+    RemoteError,
+    UpstreamError,
+    WorkerDiedError,
+)
+from asyncrl.future import GroupFuture
+from asyncrl.register import (
+    Dispatch,
+    DispatchMode,
+    Execute,
+    Mode,
+    get_dispatch_mode,
+    register,
+    register_dispatch_mode,
+)
+from asyncrl.resources import ResourcePool
+from asyncrl.runtime import init, shutdown
+from asyncrl.worker import Worker, WorkerContext
+from asyncrl.worker_group import (
+    Colocated,
+    GroupMethod,
+    GroupStats,
+    LocalWorkerGroup,
+    RayWorkerGroup,
+    WorkerGroup,
+    colocate,
+)
+
+__all__ = [
+    "AsyncRLError",
+    "Broadcast",
+    "CallCancelledError",
+    "CallTimeoutError",
+    "Colocated",
+    "Dispatch",
+    "DispatchError",
+    "DispatchMode",
+    "Execute",
+    "GroupBrokenError",
+    "GroupClosedError",
+    "GroupFuture",
+    "GroupMethod",
+    "GroupStats",
+    "LocalWorkerGroup",
+    "MeshRank",
+    "Mode",
+    "PlacementError",
+    "RayWorkerGroup",
+    "RegistrationError",
+    "RemoteError",
+    "ResourcePool",
+    "UpstreamError",
+    "Worker",
+    "WorkerContext",
+    "WorkerDiedError",
+    "WorkerGroup",
+    "World",
+    "colocate",
+    "get_dispatch_mode",
+    "init",
+    "register",
+    "register_dispatch_mode",
+    "shutdown",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,113 @@
+"""Every public exception of asyncrl, one line each on when it is raised."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncRLError",
+    "DispatchError",
+    "RegistrationError",
+    "RemoteError",
+    "UpstreamError",
+    "WorkerDiedError",
+    "GroupClosedError",
+    "GroupBrokenError",
+    "CallTimeoutError",
+    "CallCancelledError",
+    "PlacementError",
+]
+
+
+class AsyncRLError(Exception):
+    """Base class of every error asyncrl raises on purpose."""
+
+
+class DispatchError(AsyncRLError, ValueError):
+    """Raised when a call's arguments cannot be split or merged as its dispatch mode says."""
+
+
+class RegistrationError(AsyncRLError, TypeError):
+    """Raised when a worker method or dispatch mode is registered wrongly, or an unregistered one is called."""
+
+
+class RemoteError(AsyncRLError):
+    """Raised when a worker method raised; names group, method and rank and keeps the remote traceback."""
+
+    def __init__(
+        self,
+        group: str,
+        method: str,
+        rank: int | None,
+        exc_type: str,
+        message: str,
+        remote_traceback: str,
+        cause: BaseException | None = None,
+    ) -> None:
+        self.group = group
+        self.method = method
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.cause = cause
+        where = f"{group}.{method}" + (f" on rank {rank}" if rank is not None else "")
+        super().__init__(
+            f"{where} raised {exc_type}: {message}\n--- remote traceback ---\n{remote_traceback}"
+        )
+
+    def __reduce__(self):  # keep the story when the error itself is pickled
+        return (
+            type(self),
+            (self.group, self.method, self.rank, self.exc_type, self.message, self.remote_traceback, self.cause),
+        )
+
+
+class UpstreamError(RemoteError):
+    """Raised when a call's argument was a future whose producer failed; `upstream` is the producer's error."""
+
+    def __init__(self, group: str, method: str, rank: int | None, upstream: BaseException) -> None:
+        self.upstream = upstream
+        AsyncRLError.__init__(
+            self,
+            f"{group}.{method}" + (f" on rank {rank}" if rank is not None else "")
+            + f" could not run: an input future failed: {upstream}",
+        )
+        self.group, self.method, self.rank = group, method, rank
+        self.exc_type = type(upstream).__name__
+        self.message = str(upstream)
+        self.remote_traceback = getattr(upstream, "remote_traceback", "")
+        self.cause = upstream
+
+    def __reduce__(self):
+        return (type(self), (self.group, self.method, self.rank, self.upstream))
+
+
+class WorkerDiedError(AsyncRLError, RuntimeError):
+    """Raised when the worker process running a call died (killed, crashed, out of memory)."""
+
+    def __init__(self, group: str, method: str, rank: int | None, detail: str = "") -> None:
+        self.group, self.method, self.rank = group, method, rank
+        super().__init__(
+            f"worker rank {rank} of group {group!r} died while running {method!r}"
+            + (f": {detail}" if detail else "")
+            + "; the group is now broken. Close it and create a new one (or give it a restart policy)."
+        )
+
+
+class GroupClosedError(AsyncRLError, RuntimeError):
+    """Raised when a closed group (or a future from one) is used."""
+
+
+class GroupBrokenError(AsyncRLError, RuntimeError):
+    """Raised when a call is made on a group one of whose workers has died."""
+
+
+class CallTimeoutError(AsyncRLError, TimeoutError):
+    """Raised when a call's deadline passed before its result arrived; the remote work is cancelled."""
+
+
+class CallCancelledError(AsyncRLError):
+    """Raised by `GroupFuture.result()` when the future was cancelled."""
+
+
+class PlacementError(AsyncRLError, RuntimeError):
+    """Raised when a resource pool cannot be placed on the cluster (infeasible, or not ready in time)."""

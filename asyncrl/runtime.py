@@ -1,0 +1,84 @@
+"""Starting Ray: an embedded local instance, or a connection to an existing cluster."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import structlog
+
+__all__ = ["init", "shutdown"]
+
+
+def quiet_tensor_warnings() -> None:
+    """Silence the warnings Ray and torch print for zero-copy tensors: asyncrl's
+    contract is that worker inputs are read-only (copy before writing in place)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Zero-copy tensor serialization is enabled.*")
+    warnings.filterwarnings("ignore", message=".*The given NumPy array is not writable.*")
+
+log = structlog.get_logger("asyncrl")
+
+
+def init(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    zero_copy_tensors: bool = True,
+    log_to_driver: bool = True,
+    **ray_kwargs: Any,
+) -> dict[str, Any]:
+    """Start or connect to Ray once per process (later calls are no-ops).
+
+    With no `address` (and no ``RAY_ADDRESS`` in the environment) asyncrl starts an
+    embedded Ray bound to loopback with the dashboard off and quiet logs. With an
+    address (``"auto"`` or ``"host:6379"``) it connects to that cluster; a cluster with
+    token authentication needs ``RAY_AUTH_TOKEN`` set as Ray documents.
+
+    `zero_copy_tensors` lets torch tensors cross the object store without a copy
+    (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``); a worker then receives read-only
+    views and must copy an input before writing to it in place.
+
+    Returns Ray's cluster resources.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    quiet_tensor_warnings()
+    if zero_copy_tensors:
+        os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+    env_vars = {k: os.environ[k] for k in ("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS",) if k in os.environ}
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = dict(
+        log_to_driver=log_to_driver,
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": env_vars},
+        namespace=ray_kwargs.pop("namespace", "asyncrl"),
+    )
+    if address:
+        ray.init(address=address, **kwargs, **ray_kwargs)
+        log.info("ray.connected", address=address)
+    else:
+        ray.init(
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            configure_logging=True,
+            **kwargs,
+            **ray_kwargs,
+        )
+        log.info("ray.started", num_cpus=num_cpus)
+    return ray.cluster_resources()
+
+
+def shutdown() -> None:
+    """Stop the embedded Ray (or disconnect from the cluster)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -64,6 +64,7 @@ def init(
         log.info("ray.connected", address=address)
     else:
         ray.init(
+            address="local",  # always a new embedded instance, never another driver's
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             num_cpus=num_cpus,

@@ -1,0 +1,202 @@
+"""Loading keyword-only config dataclasses from YAML and ``key=value`` overrides.
+
+Generic over any tree of dataclasses: unknown keys, wrong types and malformed
+overrides raise :class:`ConfigError` with the dotted path and the valid keys, so a
+typo fails before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TypeVar
+
+import yaml
+
+__all__ = ["ConfigError", "from_dict", "to_dict", "load", "parse_overrides", "apply_overrides"]
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """Raised when a config file, an override or a combination of values is invalid."""
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown(path: str, key: str, valid: Sequence[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    where = f"{path}.{key}" if path else key
+    return ConfigError(f"unknown config key {where!r}{hint} (valid keys here: {', '.join(sorted(valid))})")
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(path, opt, value)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} matches none of {tp}")
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path} must be one of {list(allowed)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path} is a section ({tp.__name__}); give a mapping, got {value!r}")
+        return from_dict(tp, value, _path=path)
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        inner = args[0] if args else Any
+        items = [_coerce(f"{path}[{i}]", inner, v) for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path} must be a string, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{path} must be a {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, _path: str = "") -> T:
+    """Build dataclass `cls` from a nested mapping; missing keys keep their defaults."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{_path or 'config'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown(_path, str(key), list(fields))
+        kwargs[key] = _coerce(f"{_path}.{key}" if _path else key, hints[key], value)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{_path or cls.__name__}: {e}") from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain, YAML-safe nested dict of a config dataclass (tuples become lists)."""
+
+    def conv(x: Any) -> Any:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, (list, tuple)):
+            return [conv(i) for i in x]
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    return conv(cfg)
+
+
+def parse_overrides(items: Sequence[str]) -> list[tuple[list[str], Any]]:
+    """Parse ``a.b=value`` strings; values are read as YAML scalars (``3``, ``1e-3``, ``true``, ``[1, 2]``)."""
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. trainer.steps=20)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key part")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
+        out.append((key.split("."), value))
+    return out
+
+
+def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
+    """Return a copy of `cfg` with dotted ``key=value`` overrides applied and type-checked."""
+    data = to_dict(cfg)
+    for parts, value in parse_overrides(overrides):
+        node: Any = data
+        cls: Any = type(cfg)
+        for depth, part in enumerate(parts):
+            valid = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+            if part not in valid:
+                raise _unknown(".".join(parts[:depth]), part, valid)
+            if depth == len(parts) - 1:
+                node[part] = value
+            else:
+                cls = _section_type(cls, part, ".".join(parts[: depth + 1]))
+                node = node[part]
+    return from_dict(type(cfg), data)
+
+
+def _section_type(cls: type, name: str, path: str) -> type:
+    tp = _hints(cls)[name]
+    if not dataclasses.is_dataclass(tp):
+        raise ConfigError(f"{path} is a value, not a section; write {path}=VALUE")
+    return tp
+
+
+def load(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = (), *, base: T | None = None) -> T:
+    """Config `cls` from defaults (or `base`), then the YAML file at `path`, then `overrides`."""
+    cfg: Any = base if base is not None else cls()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        merged = _deep_merge(to_dict(cfg), data, "")
+        cfg = from_dict(cls, merged)
+    return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _deep_merge(base: dict[str, Any], new: Mapping[str, Any], path: str) -> dict[str, Any]:
+    if not isinstance(new, Mapping):
+        raise ConfigError(f"{path or 'the config file'} must be a mapping, got {new!r}")
+    out = dict(base)
+    for k, v in new.items():
+        where = f"{path}.{k}" if path else str(k)
+        if k not in base:
+            raise _unknown(path, str(k), list(base))
+        if isinstance(base[k], dict) and isinstance(v, Mapping):
+            out[k] = _deep_merge(base[k], v, where)
+        else:
+            out[k] = v
+    return out

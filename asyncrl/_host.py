@@ -99,7 +99,14 @@ class WorkerHost:
                 quiet_tensor_warnings()
                 os.environ.update(spec.env)
                 self._set_threads(spec.context)
-            worker = await self._run_sync(_construct, spec)
+            try:
+                worker = await self._run_sync(_construct, spec)
+            except Exception as e:
+                raise RemoteError(
+                    spec.group, f"{spec.cls.__name__}.__init__", spec.context.rank,
+                    f"{type(e).__module__}.{type(e).__qualname__}", str(e), traceback.format_exc(),
+                    cause=_picklable(e),
+                ) from None
             self._workers[spec.role] = worker
             self._specs[spec.role] = spec
             self._methods[spec.role] = registered_methods(spec.cls)

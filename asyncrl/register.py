@@ -17,7 +17,7 @@ import functools
 import inspect
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Generic, Literal, ParamSpec, TypeVar, overload
 
 from asyncrl import dispatch as _d
 from asyncrl.errors import RegistrationError
@@ -30,6 +30,8 @@ __all__ = [
     "Execute",
     "Mode",
     "DispatchMode",
+    "ConcatMode",
+    "ListMode",
     "MethodSpec",
     "RegisteredMethod",
     "register",
@@ -40,6 +42,7 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+C_co = TypeVar("C_co", covariant=True)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,14 @@ class DispatchMode:
             )
 
 
+class ConcatMode(DispatchMode):
+    """A mode whose collected result is the merged batch (static typing: the method's own return type)."""
+
+
+class ListMode(DispatchMode):
+    """A mode whose collected result is the list of per-rank results (static typing: ``list[R]``)."""
+
+
 class Dispatch:
     """The built-in dispatch modes (attributes are :class:`DispatchMode` values).
 
@@ -81,10 +92,10 @@ class Dispatch:
     ============================  ==================================================
     """
 
-    ONE_TO_ALL: DispatchMode
-    ALL_TO_ALL: DispatchMode
-    DP_COMPUTE: DispatchMode
-    DP_COMPUTE_METRIC: DispatchMode
+    ONE_TO_ALL: ListMode
+    ALL_TO_ALL: ListMode
+    DP_COMPUTE: ConcatMode
+    DP_COMPUTE_METRIC: ListMode
 
     @staticmethod
     def mesh(name: str, *, collect: str = "concat") -> DispatchMode:
@@ -110,10 +121,10 @@ class Dispatch:
         return DispatchMode(name=name, dispatch=dispatch, collect=collect)
 
 
-Dispatch.ONE_TO_ALL = DispatchMode("ONE_TO_ALL", _d.dispatch_one_to_all, _d.collect_list)
-Dispatch.ALL_TO_ALL = DispatchMode("ALL_TO_ALL", _d.dispatch_all_to_all, _d.collect_list)
-Dispatch.DP_COMPUTE = DispatchMode("DP_COMPUTE", _d.dispatch_dp, _d.collect_dp, data_parallel=True)
-Dispatch.DP_COMPUTE_METRIC = DispatchMode("DP_COMPUTE_METRIC", _d.dispatch_dp, _d.collect_list)
+Dispatch.ONE_TO_ALL = ListMode("ONE_TO_ALL", _d.dispatch_one_to_all, _d.collect_list)
+Dispatch.ALL_TO_ALL = ListMode("ALL_TO_ALL", _d.dispatch_all_to_all, _d.collect_list)
+Dispatch.DP_COMPUTE = ConcatMode("DP_COMPUTE", _d.dispatch_dp, _d.collect_dp, data_parallel=True)
+Dispatch.DP_COMPUTE_METRIC = ListMode("DP_COMPUTE_METRIC", _d.dispatch_dp, _d.collect_list)
 
 
 class Execute(enum.Enum):
@@ -195,11 +206,13 @@ class MethodSpec:
     signature: inspect.Signature
 
 
-class RegisteredMethod(Generic[P, R_co]):
+class RegisteredMethod(Generic[P, R_co, C_co]):
     """Descriptor made by :func:`register`.
 
     On a worker instance it returns the bound method, so local calls run the
-    function directly. The group side reads :attr:`spec`.
+    function directly. The group side reads :attr:`spec`. Type parameters: the
+    method's parameters `P`, its return type `R` and the collected type `C` of a
+    group call (``list[R]`` for list modes, ``R`` for DP_COMPUTE and RANK_ZERO).
     """
 
     def __init__(self, fn: Callable[..., Any], spec: MethodSpec) -> None:
@@ -212,7 +225,7 @@ class RegisteredMethod(Generic[P, R_co]):
             object.__setattr__(self.spec, "name", name)
 
     @overload
-    def __get__(self, obj: None, objtype: type | None = None) -> "RegisteredMethod[P, R_co]": ...
+    def __get__(self, obj: None, objtype: type | None = None) -> "RegisteredMethod[P, R_co, C_co]": ...
     @overload
     def __get__(self, obj: object, objtype: type | None = None) -> Callable[P, R_co]: ...
     def __get__(self, obj: object | None, objtype: type | None = None) -> Any:
@@ -228,13 +241,36 @@ class RegisteredMethod(Generic[P, R_co]):
         )
 
 
+_Method = Callable[Concatenate[Any, P], R]
+
+
+@overload
+def register(
+    dispatch_mode: ConcatMode, execute_mode: Literal[Execute.ALL] = ..., *,
+    mode: Mode | None = ..., concurrent: bool | None = ...,
+) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
+@overload
+def register(
+    dispatch_mode: ListMode | None = ..., execute_mode: Literal[Execute.ALL] = ..., *,
+    mode: Mode | None = ..., concurrent: bool | None = ...,
+) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, list[R]]]: ...
+@overload
+def register(
+    dispatch_mode: DispatchMode | str | None = ..., execute_mode: Literal[Execute.RANK_ZERO] = ..., *,
+    mode: Mode | None = ..., concurrent: bool | None = ...,
+) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
+@overload
+def register(
+    dispatch_mode: DispatchMode | str | None = ..., execute_mode: Execute = ..., *,
+    mode: Mode | None = ..., concurrent: bool | None = ...,
+) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, Any]]: ...
 def register(
     dispatch_mode: DispatchMode | str | None = None,
     execute_mode: Execute = Execute.ALL,
     *,
     mode: Mode | None = None,
     concurrent: bool | None = None,
-) -> Callable[[Callable[..., R]], RegisteredMethod[..., R]]:
+) -> Callable[[Callable[..., Any]], RegisteredMethod[..., Any, Any]]:
     """Declare a worker method's group contract.
 
     Args:
@@ -260,7 +296,7 @@ def register(
     if not isinstance(resolved_mode, Mode):
         raise RegistrationError(f"mode must be an asyncrl.Mode, got {resolved_mode!r}")
 
-    def decorate(fn: Callable[..., R]) -> RegisteredMethod[..., R]:
+    def decorate(fn: Callable[..., Any]) -> RegisteredMethod[..., Any, Any]:
         if isinstance(fn, RegisteredMethod):
             raise RegistrationError(f"{fn.spec.name} is registered twice")
         if not callable(fn):

@@ -59,6 +59,11 @@ def init(
         runtime_env={"env_vars": env_vars},
         namespace=ray_kwargs.pop("namespace", "asyncrl"),
     )
+    if not address:
+        # Workers of an embedded Ray import the driver's local modules (worker classes
+        # defined next to the script) the way the driver does.
+        paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if address:
         ray.init(address=address, **kwargs, **ray_kwargs)
         log.info("ray.connected", address=address)

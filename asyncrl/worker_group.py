@@ -515,7 +515,7 @@ class WorkerGroup(Generic[W]):
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(self._methods))
 
-    def method(self, fn: RegisteredMethod[P, R]) -> GroupMethod[P, R]:
+    def method(self, fn: RegisteredMethod[P, Any, R]) -> GroupMethod[P, R]:
         """Typed access to a group method: ``wg.method(PolicyWorker.update)(batch)``
         has the worker method's signature for type checkers."""
         if not isinstance(fn, RegisteredMethod):

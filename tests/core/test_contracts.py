@@ -1,0 +1,210 @@
+"""The core contracts (C1, C2, C3, C5, C9) on both backends: real Ray and in-process.
+
+Every test here runs twice, once per backend, against the same worker class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+from tensordict import TensorDict
+
+import asyncrl
+from asyncrl import (
+    DispatchError,
+    LocalWorkerGroup,
+    RayWorkerGroup,
+    RemoteError,
+)
+from tests.core.workers import Probe
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+BACKENDS = ["ray", "local"]
+
+
+def make_group(backend: str, cls=Probe, **kw):
+    G = RayWorkerGroup if backend == "ray" else LocalWorkerGroup
+    return G(cls, **kw)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
+async def wg(request, ray_cluster):
+    """A group of 4 Probe workers (base=10) per backend."""
+    group = make_group(request.param, world_size=4, kwargs={"base": 10}, env={"ASYNCRL_TEST_FLAG": "on"},
+                       name=f"probe-{request.param}")
+    async with group:
+        yield group
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
+async def mesh_wg(request, ray_cluster):
+    """dp=2 x tp=2: ranks 0,1 are DP rank 0 and ranks 2,3 DP rank 1; tp rank 0 collects."""
+    group = make_group(request.param, world_size=4, kwargs={"tp": 2}, name=f"mesh-{request.param}")
+    async with group:
+        yield group
+
+
+def batch(n: int) -> TensorDict:
+    td = TensorDict({"x": torch.arange(n)}, batch_size=[n])
+    td["prompt"] = [f"p{i}" for i in range(n)]
+    return td
+
+
+async def test_one_to_all_returns_every_ranks_result(wg):
+    assert await wg.add(1) == [11, 12, 13, 14]
+
+
+async def test_rank_zero_returns_a_single_value(wg):
+    assert await wg.whoami() == 0
+
+
+async def test_all_to_all_gives_rank_i_item_i(wg):
+    assert await wg.scale([1, 2, 3, 4], factor=[10, 10, 10, 10]) == [10, 21, 32, 43]
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 10])
+async def test_dp_compute_returns_input_rows_in_order(wg, n):
+    out = await wg.tag(batch(n))
+    assert out.batch_size == torch.Size([n])
+    assert out["y"].tolist() == [2 * i for i in range(n)]
+    assert list(out["prompt"]) == [f"P{i}" for i in range(n)]
+    per_rank = -(-n // 4)  # padded to a multiple of the world size: rank r computes rows r*k .. r*k+k-1
+    assert out["rank"].tolist() == [i // per_rank for i in range(n)]
+
+
+async def test_dp_compute_splits_lists_and_tensors_and_broadcasts_scalars(wg):
+    assert await wg.square_list([1, 2, 3, 4, 5], offset=1) == [2, 5, 10, 17, 26]
+    assert (await wg.double_tensor(torch.arange(6))).tolist() == [0, 2, 4, 6, 8, 10]
+
+
+async def test_dp_compute_unpads_methods_that_multiply_rows(wg):
+    out = await wg.repeat_rows(batch(5))
+    assert out["x"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+async def test_dp_compute_metric_returns_per_rank_list(wg):
+    assert await wg.shard_rows(batch(10)) == [3, 3, 3, 3]  # 10 rows padded to 12
+
+
+async def test_mesh_dispatch_collects_one_result_per_dp_rank(mesh_wg):
+    results = await mesh_wg.mesh_info(batch(4))
+    assert results == [(0, [0, 1]), (2, [2, 3])]
+
+
+async def test_mesh_concat_matches_dp_order(mesh_wg):
+    out = await mesh_wg.mesh_tag(batch(5))
+    assert out["y"].tolist() == [0, 10, 20, 32, 42]
+
+
+async def test_custom_mode_repeats_pair_to_world_size(wg):
+    assert await wg.pair([1, 2]) == 100 + 201 + 102 + 203
+
+
+async def test_named_custom_mode(wg):
+    assert await wg.pair_by_name([1, 2]) == 1 + 3 + 3 + 5
+
+
+async def test_ordered_calls_run_in_issue_order(wg):
+    await wg.get_log()
+    futures = [wg.record(i) if i % 2 else wg.record_async(i) for i in range(200)]
+    await asyncio.gather(*futures)
+    logs = await wg.get_log()
+    assert logs == [list(range(200))] * 4
+
+
+async def test_ordered_call_keeps_its_place_while_its_argument_is_produced(wg):
+    await wg.get_log()
+    gate = wg.gather_at_barrier(2)  # concurrent; resolves only when a second call arrives
+    first = wg.record_value(gate)  # ordered, argument still being produced
+    rest = [wg.record(i) for i in range(10, 15)]  # ordered, ready arguments, issued later
+    release = wg.gather_at_barrier(2)
+    await asyncio.gather(first, *rest, release)
+    assert await wg.get_log() == [[2, 10, 11, 12, 13, 14]] * 4
+
+
+async def test_concurrent_calls_overlap(wg):
+    peaks = await asyncio.gather(*(wg.gather_at_barrier.options(timeout=60)(3) for _ in range(3)))
+    assert peaks == [[3, 3, 3, 3]] * 3
+
+
+async def test_sync_methods_run_off_the_event_loop_thread(wg):
+    names = await wg.thread_name()
+    assert all(n.startswith("asyncrl-ordered") for n in names)
+
+
+async def test_remote_error_names_group_method_rank_and_keeps_traceback(wg):
+    with pytest.raises(RemoteError) as info:
+        await wg.boom_on_rank(batch(8), rank=2)
+    e = info.value
+    assert (e.group, e.method, e.rank) == (wg.name, "boom_on_rank", 2)
+    assert e.exc_type == "builtins.KeyError"
+    assert "rank 2 failed" in e.message
+    assert "boom_on_rank" in e.remote_traceback and "raise KeyError" in e.remote_traceback
+    assert isinstance(e.cause, KeyError)
+    assert await wg.add(0) == [10, 11, 12, 13]  # a remote error does not break the group
+
+
+async def test_worker_environment_is_set_before_the_constructor(wg):
+    envs = await wg.env()
+    assert [e["RANK"] for e in envs] == (["0", "1", "2", "3"] if wg._hostset.backend.name == "ray" else [None] * 4)
+    assert [e["rank_at_init"] for e in envs] == [0, 1, 2, 3]
+    if wg._hostset.backend.name == "ray":
+        assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+        assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+        assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+        assert {e["ASYNCRL_TEST_FLAG"] for e in envs} == {"on"}
+
+
+async def test_unregistered_method_says_how_to_register(ray_cluster):
+    from tests.core.workers import Other
+
+    group = LocalWorkerGroup(Other, world_size=1)
+    with pytest.raises(AttributeError, match="not registered: decorate it with @asyncrl.register"):
+        group.not_registered
+    with pytest.raises(AttributeError, match="has no method 'nothing'"):
+        group.nothing
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+async def test_batch_arguments_that_disagree_on_rows(wg):
+    with pytest.raises(DispatchError, match="disagree on the number of rows"):
+        wg.square_list([1, 2, 3], offset=[1, 2])
+
+
+async def test_argument_dp_cannot_split(wg):
+    with pytest.raises(DispatchError, match=r"cannot split argument 0 of type dict.*asyncrl.Broadcast"):
+        wg.square_list({"a": 1})
+
+
+async def test_all_to_all_list_of_wrong_length(wg):
+    with pytest.raises(DispatchError, match=r"one item per rank \(4 items\), got a list of length 3"):
+        wg.scale([1, 2, 3], factor=[1, 1, 1, 1])
+
+
+async def test_empty_batch(wg):
+    with pytest.raises(DispatchError, match="empty batch"):
+        wg.tag(batch(0))
+
+
+async def test_mesh_name_no_worker_registered(wg):
+    with pytest.raises(DispatchError, match="registered mesh 'train'"):
+        wg.mesh_info(batch(4))
+
+
+async def test_wrong_arguments_fail_at_the_call(wg):
+    with pytest.raises(TypeError, match="add"):
+        wg.add(1, 2, 3)
+
+
+async def test_worker_constructor_error_fails_setup_and_releases(ray_cluster):
+    group = LocalWorkerGroup(Probe, world_size=2, kwargs={"tp": 3})  # rank // 3 ... dp_size 0 -> ValueError
+    with pytest.raises(RemoteError, match="dp_rank < dp_size"):
+        async with group:
+            pass
+    assert group.closed

@@ -1,0 +1,185 @@
+"""Worker classes shared by the core tests (importable by Ray worker processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import torch
+from tensordict import TensorDict
+
+from asyncrl import Dispatch, Execute, Worker, register, register_dispatch_mode
+
+
+def _repeat_dispatch(world, xs):
+    """Custom mode: a 2-element list repeated to world size (rank r gets xs[r % 2])."""
+    return ([xs[r % len(xs)] for r in range(world.world_size)],), {}
+
+
+def _sum_collect(world, results):
+    return sum(results)
+
+
+REPEAT = Dispatch.custom("repeat_pair", _repeat_dispatch, _sum_collect)
+register_dispatch_mode(Dispatch.custom("named_repeat_pair", _repeat_dispatch, _sum_collect), replace=True)
+
+
+class Probe(Worker):
+    """Exercises every dispatch mode; records the environment its constructor saw."""
+
+    def __init__(self, base: int = 0, tp: int = 1) -> None:
+        self.base = base
+        self.env_at_init = {k: os.environ.get(k) for k in
+                            ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ASYNCRL_TEST_FLAG")}
+        self.rank_at_init = self.rank
+        self.log: list[int] = []
+        self.inside = 0
+        self.peak = 0
+        self.crowd: asyncio.Event | None = None
+        if tp > 1:
+            self.register_mesh("train", dp_rank=self.rank // tp, dp_size=self.world_size // tp,
+                               collect=self.rank % tp == 0)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def add(self, x: int) -> int:
+        return x + self.rank + self.base
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def whoami(self) -> int:
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def env(self) -> dict:
+        return {**self.env_at_init, "rank_at_init": self.rank_at_init}
+
+    @register(Dispatch.ALL_TO_ALL)
+    def scale(self, x: int, factor: int) -> int:
+        return x * factor + self.rank
+
+    @register(Dispatch.DP_COMPUTE)
+    def tag(self, batch: TensorDict) -> TensorDict:
+        """Row-wise: y = 2x, plus the rank that computed the row and the prompt upper-cased."""
+        out = TensorDict({"y": batch["x"] * 2, "rank": torch.full((batch.batch_size[0],), self.rank)},
+                         batch_size=batch.batch_size)
+        out["prompt"] = [p.upper() for p in batch["prompt"]]
+        return out
+
+    @register(Dispatch.DP_COMPUTE)
+    def inc(self, batch: TensorDict) -> TensorDict:
+        return TensorDict({"y": batch["y"] + 1}, batch_size=batch.batch_size)
+
+    @register(Dispatch.DP_COMPUTE)
+    def square_list(self, xs: list, offset: int = 0) -> list:
+        return [x * x + offset for x in xs]
+
+    @register(Dispatch.DP_COMPUTE)
+    def double_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    @register(Dispatch.DP_COMPUTE)
+    def repeat_rows(self, batch: TensorDict) -> TensorDict:
+        """Not row-preserving: two output rows per input row (like n samples per prompt)."""
+        return TensorDict({"x": batch["x"].repeat_interleave(2)}, batch_size=[2 * batch.batch_size[0]])
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def shard_rows(self, batch: TensorDict) -> int:
+        return int(batch.batch_size[0])
+
+    @register(Dispatch.mesh("train", collect="list"))
+    def mesh_info(self, batch: TensorDict) -> tuple[int, list[int]]:
+        return self.rank, batch["x"].tolist()
+
+    @register(Dispatch.mesh("train"))
+    def mesh_tag(self, batch: TensorDict) -> TensorDict:
+        return TensorDict({"y": batch["x"] * 10 + self.rank}, batch_size=batch.batch_size)
+
+    @register(REPEAT)
+    def pair(self, x: int) -> int:
+        return x * 100 + self.rank
+
+    @register("named_repeat_pair")
+    def pair_by_name(self, x: int) -> int:
+        return x + self.rank
+
+    @register()
+    def record(self, i: int) -> int:
+        self.log.append(i)
+        return i
+
+    @register()
+    async def record_async(self, i: int) -> int:
+        await asyncio.sleep(0)  # yield: ordered async calls must still not interleave
+        self.log.append(i)
+        return i
+
+    @register()
+    def record_value(self, x) -> int:
+        """Ordered; its argument may be a pipelined future."""
+        value = int(x) if not isinstance(x, list) else int(x[0])
+        self.log.append(value)
+        return value
+
+    @register()
+    def get_log(self) -> list[int]:
+        out, self.log = self.log, []
+        return out
+
+    @register(concurrent=True)
+    async def gather_at_barrier(self, n: int) -> int:
+        """Returns once `n` calls are inside at the same time: only concurrent calls get there."""
+        self.inside += 1
+        self.peak = max(self.peak, self.inside)
+        if self.crowd is None:
+            self.crowd = asyncio.Event()
+        if self.inside >= n:
+            self.crowd.set()
+        await self.crowd.wait()
+        self.inside -= 1
+        peak = self.peak
+        if self.inside == 0:
+            self.crowd, self.peak = None, 0
+        return peak
+
+    @register()
+    def boom(self, message: str) -> None:
+        raise ValueError(message)
+
+    @register(Dispatch.DP_COMPUTE)
+    def boom_on_rank(self, batch: TensorDict, rank: int) -> TensorDict:
+        if self.rank == rank:
+            raise KeyError(f"rank {rank} failed")
+        return batch
+
+    @register(concurrent=True)
+    async def wait_forever(self, marker: str) -> None:
+        """Sleeps until cancelled; records that it saw the cancellation."""
+        self.log.append(1)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.log.append(-1)
+            raise
+
+    @register()
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register()
+    def thread_name(self) -> str:
+        return threading.current_thread().name
+
+
+class Other(Worker):
+    """A second class, for colocation."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def add(self, x: int) -> int:
+        return 1000 + x + self.rank
+
+    @register()
+    def pid(self) -> int:
+        return os.getpid()
+
+    def not_registered(self) -> int:
+        return 1

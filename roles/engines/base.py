@@ -1,0 +1,121 @@
+"""The generation-engine interface shared by the HF and vLLM engines, and their registry.
+
+An engine turns token-id prompts into completions: token ids, the log-prob of each
+sampled token, and why it stopped. ``log_probs`` are taken from the tempered
+distribution ``log_softmax(logits / temperature)`` before top-k/top-p filtering, so at
+temperature 1.0 they equal the model's log-softmax (what the policy recomputes).
+Engines are picked by name with :func:`make_engine`; add one with :func:`register_engine`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import UnknownNameError
+
+__all__ = ["SamplingParams", "Completion", "GenerationEngine", "make_engine", "register_engine", "engine_names"]
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How to sample one call's completions."""
+
+    max_new_tokens: int
+    """Most tokens generated per prompt (EOS included)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = -1
+    """Sample among the k most likely tokens (-1 = off)."""
+    seed: int | None = None
+    """Seed of the call: prompt i samples with seed ``seed + i`` (reproducible whatever the batching);
+    None draws from the engine's own generator."""
+
+
+@dataclass
+class Completion:
+    """One prompt's generated tokens."""
+
+    response_ids: list[int]
+    """Generated token ids (EOS included when generation stopped on it)."""
+    log_probs: list[float]
+    """Log-prob of each generated token under the sampling distribution (same length as response_ids)."""
+    finish_reason: str
+    """``"stop"`` (EOS) or ``"length"`` (max_new_tokens reached)."""
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the rollout worker needs from an inference engine."""
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Completions of every prompt, in prompt order."""
+        ...
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, Completion]]:
+        """``(prompt index, completion)`` as each finishes."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the model's weights (names as in the policy's ``state_dict``)."""
+        ...
+
+    def weights_checksum(self) -> dict[str, str]:
+        """``{name: checksum}`` of the loaded weights (see ``roles.models.tensor_checksum``)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+        ...
+
+
+EngineFactory = Callable[..., GenerationEngine]
+_ENGINES: dict[str, EngineFactory] = {}
+_LAZY = {"hf": "asyncrl.roles.engines.hf", "vllm": "asyncrl.roles.engines.vllm_engine"}
+
+
+def register_engine(name: str, *, replace: bool = False) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: make an engine class or factory available to :func:`make_engine` as `name`.
+
+    The factory is called as ``factory(model=..., tokenizer=..., model_dir=..., **kwargs)``.
+    """
+
+    def deco(factory: EngineFactory) -> EngineFactory:
+        if name in _ENGINES and not replace and _ENGINES[name] is not factory:
+            raise ValueError(f"an engine named {name!r} is already registered; pick another name or pass replace=True")
+        _ENGINES[name] = factory
+        return factory
+
+    return deco
+
+
+def engine_names() -> list[str]:
+    """Names :func:`make_engine` accepts."""
+    return sorted(set(_ENGINES) | set(_LAZY))
+
+
+def make_engine(name: str, *, model: Any, tokenizer: Any, model_dir: str | None, **kwargs: Any) -> GenerationEngine:
+    """Build the engine registered as `name` (``"hf"``, ``"vllm"`` or your own).
+
+    `model` is the in-process torch model (the HF engine runs it), `model_dir` a
+    Hugging Face directory holding the same weights (the vLLM engine loads it).
+    """
+    if name not in _ENGINES and name in _LAZY:
+        module = importlib.import_module(_LAZY[name])  # registers itself on import
+        if name not in _ENGINES:
+            cls = getattr(module, "VLLMEngine", None) or getattr(module, "HFEngine", None)
+            if cls is not None:
+                _ENGINES[name] = cls
+    try:
+        factory = _ENGINES[name]
+    except KeyError:
+        raise UnknownNameError(
+            f"no generation engine named {name!r}; known: {engine_names()}. Register one with "
+            "@asyncrl.roles.engines.register_engine(name)"
+        ) from None
+    return factory(model=model, tokenizer=tokenizer, model_dir=model_dir, **kwargs)

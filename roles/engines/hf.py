@@ -1,0 +1,212 @@
+"""The in-process Hugging Face engine: a KV-cached sampling loop run in a thread.
+
+Generation runs in a worker thread so the worker's event loop stays free (other
+calls, weight-sync control, streaming). Cancelling the awaiting task stops the loop
+at its next token step (cooperative abort) before the task finishes cancelling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from typing import Any, AsyncIterator, Callable, Iterable
+
+import torch
+
+from ..models import position_ids_from_mask, state_dict_checksums
+from .base import Completion, SamplingParams, register_engine
+
+__all__ = ["HFEngine"]
+
+
+class _Aborted(Exception):
+    pass
+
+
+@register_engine("hf")
+class HFEngine:
+    """Samples from an in-process ``transformers`` causal LM.
+
+    Args:
+        model: the causal LM (the engine samples from it in place; ``load_weights`` writes into it).
+        tokenizer: supplies the EOS and pad ids.
+        model_dir: unused (the vLLM engine loads from it).
+        max_batch_size: prompts per forward batch.
+        seed: seed of the engine's generator, used when ``SamplingParams.seed`` is None.
+    """
+
+    def __init__(self, *, model: torch.nn.Module, tokenizer: Any, model_dir: str | None = None,
+                 max_batch_size: int = 64, seed: int = 0) -> None:
+        self.model = model.eval()
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
+        self.max_batch_size = max_batch_size
+        self._rng = torch.Generator().manual_seed(seed)
+        self._rng_lock = threading.Lock()
+        self._weights_lock = threading.Lock()  # a forward step never sees half-loaded weights
+        self._closed = False
+        # transformers >= 5.2x renamed past_key_values to cache
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---- public interface --------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Completions of every prompt, in prompt order."""
+        out: list[Completion | None] = [None] * len(prompts)
+        async for i, c in self.stream(prompts, params):
+            out[i] = c
+        return out  # type: ignore[return-value]
+
+    async def stream(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, Completion]]:
+        """``(prompt index, completion)`` as each finishes; cancelling stops the sampling thread."""
+        self._check(prompts, params)
+        if not prompts:
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, Completion]] = asyncio.Queue()
+        abort = threading.Event()
+        seed = params.seed if params.seed is not None else self._next_seed()
+
+        def emit(i: int, c: Completion) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (i, c))
+
+        worker = asyncio.ensure_future(asyncio.to_thread(self._run, prompts, params, seed, emit, abort))
+        try:
+            for _ in range(len(prompts)):
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, worker}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    worker.result()  # the thread failed: raise its error
+                    getter = asyncio.ensure_future(queue.get())  # finished normally: items are queued
+                yield await getter
+            await worker
+        finally:
+            if not worker.done():
+                abort.set()
+                try:
+                    await asyncio.shield(worker)
+                except BaseException:
+                    pass
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the named tensors into the model (every parameter and buffer name must match)."""
+        state = dict(named_tensors)
+        with self._weights_lock, torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            own = set(self.model.state_dict())
+            missing = [k for k in missing if k in own and k not in state]
+            if unexpected or missing:
+                from ..errors import WeightSyncError
+
+                raise WeightSyncError(
+                    f"weights do not match the engine's model: unexpected {sorted(unexpected)[:5]}, "
+                    f"missing {sorted(missing)[:5]}; export the full state_dict of the same architecture"
+                )
+
+    def weights_checksum(self) -> dict[str, str]:
+        """``{name: checksum}`` of the model's state dict."""
+        with self._weights_lock:
+            return state_dict_checksums(self.model.state_dict().items())
+
+    def close(self) -> None:
+        """Nothing to release (the model belongs to the caller)."""
+        self._closed = True
+
+    # ---- sampling ----------------------------------------------------------------------
+
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if self._closed:
+            raise RuntimeError("the HF engine is closed")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params.temperature}, {params.top_p}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+
+    def _next_seed(self) -> int:
+        with self._rng_lock:
+            return int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
+
+    def _run(self, prompts: list[list[int]], params: SamplingParams, seed: int,
+             emit: Callable[[int, Completion], None], abort: threading.Event) -> None:
+        for start in range(0, len(prompts), self.max_batch_size):
+            idx = list(range(start, min(start + self.max_batch_size, len(prompts))))
+            self._run_batch(idx, [prompts[i] for i in idx], params, seed, emit, abort)
+
+    @torch.no_grad()
+    def _run_batch(self, idx: list[int], prompts: list[list[int]], params: SamplingParams, seed: int,
+                   emit: Callable[[int, Completion], None], abort: threading.Event) -> None:
+        B = len(prompts)
+        P = max(len(p) for p in prompts)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[b, P - len(p):] = 1
+        pos = position_ids_from_mask(mask)
+        gens = [torch.Generator().manual_seed(seed + i) for i in idx]
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        done = [False] * B
+        past = None
+        step_ids, step_pos = ids, pos
+        for _ in range(params.max_new_tokens):
+            if abort.is_set():
+                raise _Aborted()
+            with self._weights_lock:
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                                 use_cache=True, **{self._cache_kw: past})
+            past = getattr(out, "cache", None) if self._cache_kw == "cache" else out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            nxt = self._sample(logits, params, gens, done)
+            for b in range(B):
+                if done[b]:
+                    continue
+                tokens[b].append(int(nxt[b, 0]))
+                logps[b].append(float(nxt[b, 1]))
+                if tokens[b][-1] == self.eos_id:
+                    done[b] = True
+                    emit(idx[b], Completion(tokens[b], logps[b], "stop"))
+            if all(done):
+                return
+            tok = torch.tensor([t[-1] if t else self.pad_id for t in tokens], dtype=torch.long)[:, None]
+            step_ids = tok
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+        for b in range(B):
+            if not done[b]:
+                emit(idx[b], Completion(tokens[b], logps[b], "length"))
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator],
+                done: list[bool]) -> torch.Tensor:
+        """``[B, 2]``: sampled token and its log-prob under ``log_softmax(logits / T)``."""
+        t = params.temperature
+        scaled = logits / t if t > 0 else logits
+        logp = torch.log_softmax(scaled, dim=-1)
+        out = torch.zeros((logits.shape[0], 2), dtype=torch.float64)
+        filt = scaled.clone()
+        if t > 0 and params.top_k > 0 and params.top_k < filt.shape[-1]:
+            kth = torch.topk(filt, params.top_k, dim=-1).values[:, -1:]
+            filt[filt < kth] = float("-inf")
+        if t > 0 and params.top_p < 1.0:
+            sorted_l, order = torch.sort(filt, dim=-1, descending=True)
+            cum = torch.softmax(sorted_l, dim=-1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_l, dim=-1) > params.top_p  # keep the token that crosses top_p
+            sorted_l[drop] = float("-inf")
+            filt = torch.full_like(filt, float("-inf")).scatter(-1, order, sorted_l)
+        probs = torch.softmax(filt, dim=-1)
+        for b in range(logits.shape[0]):
+            if done[b]:
+                continue
+            if t == 0:
+                tok = int(torch.argmax(logits[b]))
+            else:
+                tok = int(torch.multinomial(probs[b], 1, generator=gens[b]))
+            out[b, 0] = tok
+            out[b, 1] = float(logp[b, tok])
+        return out

@@ -1,0 +1,55 @@
+"""Every public exception of asyncrl.roles, one line each on when it is raised.
+
+Raised inside a worker, they reach the controller as the ``cause`` of an
+:class:`asyncrl.RemoteError` (which names the group, method and rank).
+"""
+
+from __future__ import annotations
+
+from asyncrl.errors import AsyncRLError
+
+__all__ = [
+    "RolesError",
+    "ModelNotFoundError",
+    "TokenizerNotFoundError",
+    "PromptTooLongError",
+    "StaleWeightsError",
+    "WeightSyncError",
+    "RewardFnError",
+    "UnknownNameError",
+]
+
+
+class RolesError(AsyncRLError):
+    """Base class of every error asyncrl.roles raises on purpose."""
+
+
+class ModelNotFoundError(RolesError, FileNotFoundError):
+    """Raised when a model directory is missing or holds no loadable model config/weights."""
+
+
+class TokenizerNotFoundError(RolesError, FileNotFoundError):
+    """Raised when a tokenizer directory is missing or holds no tokenizer files."""
+
+
+class PromptTooLongError(RolesError, ValueError):
+    """Raised when prompt + max_new_tokens exceeds the model's context (prompts are never truncated silently)."""
+
+
+class StaleWeightsError(RolesError, ValueError):
+    """Raised when a weight update carries a version older than or equal to the one already loaded."""
+
+
+class WeightSyncError(RolesError, RuntimeError):
+    """Raised when a weight transfer is malformed (unknown/missing names, shapes, checksum mismatch)."""
+
+
+class RewardFnError(RolesError, RuntimeError):
+    """Raised when a reward function raises or returns the wrong type or shape; names the function."""
+
+
+class UnknownNameError(RolesError, KeyError):
+    """Raised when a registry (engines, reward functions, tokenizers) has no entry of that name."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""

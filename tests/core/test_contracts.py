@@ -21,7 +21,7 @@ from asyncrl import (
 )
 from tests.core.workers import Probe
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
+
 
 BACKENDS = ["ray", "local"]
 

@@ -1,0 +1,59 @@
+"""asyncrl.roles: the RL workers (rollout, policy, reference, critic, reward), their
+configs, models/tokenizers, generation engines and the pure RL math.
+
+The contract with the trainers is docs/roles_api.md; how to bring your own model,
+tokenizer, reward function or worker class is docs/roles.md.
+"""
+
+from . import functional
+from .critic import CriticWorker
+from .engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
+from .errors import (
+    ModelNotFoundError,
+    PromptTooLongError,
+    RewardFnError,
+    RolesError,
+    StaleWeightsError,
+    TokenizerNotFoundError,
+    UnknownNameError,
+    WeightSyncError,
+)
+from .models import ModelConfig, load_model, load_tokenizer, save_model_dir, tiny_tokenizer
+from .policy import OptimConfig, PolicyWorker, ReferenceWorker
+from .reward import RewardConfig, RewardInput, RewardWorker, register_reward_fn, toy_dataset
+from .rollout import RolloutConfig, RolloutWorker
+from .sync import sync_weights
+
+__all__ = [
+    "Completion",
+    "CriticWorker",
+    "GenerationEngine",
+    "ModelConfig",
+    "ModelNotFoundError",
+    "OptimConfig",
+    "PolicyWorker",
+    "PromptTooLongError",
+    "ReferenceWorker",
+    "RewardConfig",
+    "RewardFnError",
+    "RewardInput",
+    "RewardWorker",
+    "RolesError",
+    "RolloutConfig",
+    "RolloutWorker",
+    "SamplingParams",
+    "StaleWeightsError",
+    "TokenizerNotFoundError",
+    "UnknownNameError",
+    "WeightSyncError",
+    "functional",
+    "load_model",
+    "load_tokenizer",
+    "make_engine",
+    "register_engine",
+    "register_reward_fn",
+    "save_model_dir",
+    "sync_weights",
+    "tiny_tokenizer",
+    "toy_dataset",
+]

@@ -1,0 +1,119 @@
+"""Helpers shared by the role workers (private)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .functional import entropy_from_logits
+from .models import position_ids_from_mask
+
+
+def require(batch: TensorDictBase, fields: Iterable[str], who: str) -> None:
+    """Raise a KeyError naming the missing fields and who writes them."""
+    missing = [f for f in fields if f not in batch.keys()]
+    if missing:
+        raise KeyError(
+            f"{who} needs batch field(s) {missing}; the batch has {sorted(map(str, batch.keys()))}. "
+            "See docs/roles_api.md for which stage writes each field"
+        )
+
+
+def text_list(batch: TensorDictBase, key: str) -> list[str] | None:
+    """A non-tensor per-row string field as a list (None when absent)."""
+    if key not in batch.keys():
+        return None
+    v = batch.get(key)
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, str):  # a NonTensorData broadcast over the batch
+        return [v] * batch.batch_size[0]
+    return [str(x) for x in v]
+
+
+def with_fields(batch: TensorDictBase, fields: Mapping[str, Any]) -> TensorDict:
+    """A shallow copy of `batch` plus `fields` (the input tensors are never written)."""
+    out = batch.clone(recurse=False)
+    for k, v in fields.items():
+        out.set(k, v)
+    return out
+
+
+def micro_batches(n: int, size: int | None) -> list[slice]:
+    """Row slices of at most `size` rows covering ``range(n)`` in order."""
+    if size is None or size <= 0:
+        size = n
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def response_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[B, R]`` of the response tokens (the last R columns of `input_ids`)
+    under ``log_softmax(logits / temperature)``, and their entropy."""
+    R = response_ids.shape[1]
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                use_cache=False)
+    logits = out.logits[:, -R - 1:-1, :].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, response_ids.long().unsqueeze(-1)).squeeze(-1)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    return lp, ent
+
+
+def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Total gradient norm (before clipping); clips in place when `max_norm` is set."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm is not None and max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.norm(torch.stack([p.grad.detach().norm() for p in grads])))
+
+
+class DataParallel:
+    """Averages gradients across the ranks of a group with torch.distributed (gloo) when
+    the group has several workers in separate processes; a no-op otherwise."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        import os
+
+        self.active = False
+        if world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("RANK") == str(rank):
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            self.active = True
+        self.world_size = world_size
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Average `.grad` of `params` over the ranks."""
+        if not self.active:
+            return
+        import torch.distributed as dist
+
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= self.world_size
+
+    def mean(self, value: float) -> float:
+        """Average of a scalar over the ranks."""
+        if not self.active:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t) / self.world_size

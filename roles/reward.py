@@ -1,0 +1,276 @@
+"""`RewardWorker` and the reward-function registry.
+
+A reward function takes a :class:`RewardInput` (decoded responses, prompts, answers,
+token ids) and returns one float per row. Register your own::
+
+    @register_reward_fn("my_task")
+    def my_task(x: RewardInput) -> list[float]:
+        return [float(r.strip() == a) for r, a in zip(x.responses, x.answers)]
+
+Built-in toy tasks (see :func:`toy_dataset` for their prompts):
+
+``char_class`` (the default, learnable by a tiny model with GRPO)
+    The prompt is ``"write digits:"`` or ``"write vowels:"``; the answer names the class.
+    The score is the fraction of the R response slots filled with tokens made only of
+    that class's characters (``0-9`` or ``aeiou``; a leading space is allowed). A random
+    tiny model scores ~0.03 (about 1 in 30 tokens qualifies); a policy that learned the
+    task scores ~1.0. It is dense (every sample gets partial credit), so GRPO groups
+    carry signal from the first step.
+``echo_word``
+    The prompt is ``"say <word>"``; score 1 when the response's first word is that word.
+``exact_match``
+    Score 1 when the stripped response equals the stripped answer.
+
+A reward model (a tiny sequence classifier, or a local directory) replaces the
+function when ``RewardConfig.model`` is set.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from asyncrl import Dispatch, Worker, register
+
+from ._util import micro_batches, require, text_list
+from .errors import RewardFnError, UnknownNameError
+from .models import ModelConfig, build_reward_model, load_tokenizer, position_ids_from_mask, set_torch_threads
+
+__all__ = [
+    "RewardConfig",
+    "RewardInput",
+    "RewardWorker",
+    "register_reward_fn",
+    "get_reward_fn",
+    "reward_fn_names",
+    "toy_dataset",
+    "TOY_WORDS",
+]
+
+
+@dataclass
+class RewardInput:
+    """What a reward function sees for a batch of B rows."""
+
+    responses: list[str]
+    """Decoded responses (special tokens removed)."""
+    prompts: list[str] | None
+    """Prompt strings (the batch's ``prompt`` field), when present."""
+    answers: list[str] | None
+    """Ground truth (the batch's ``answer`` field), when present."""
+    response_ids: list[list[int]]
+    """Generated token ids per row (padding removed)."""
+    response_tokens: list[list[str]]
+    """Each generated token decoded on its own."""
+    max_new_tokens: int
+    """Width R of the response tensors."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """``RewardConfig.fn_kwargs``."""
+
+
+RewardFn = Callable[[RewardInput], Sequence[float] | torch.Tensor]
+_REWARD_FNS: dict[str, RewardFn] = {}
+
+
+def register_reward_fn(name: str, *, replace: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register a reward function under `name` (``RewardConfig(fn=name)``)."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REWARD_FNS and not replace and _REWARD_FNS[name] is not fn:
+            raise ValueError(f"a reward function named {name!r} is already registered; pass replace=True")
+        _REWARD_FNS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The reward function registered as `name`."""
+    try:
+        return _REWARD_FNS[name]
+    except KeyError:
+        raise UnknownNameError(
+            f"no reward function named {name!r}; registered: {reward_fn_names()}. Register one with "
+            "@asyncrl.roles.reward.register_reward_fn(name) in a module the worker imports"
+        ) from None
+
+
+def reward_fn_names() -> list[str]:
+    """Registered reward function names."""
+    return sorted(_REWARD_FNS)
+
+
+# --------------------------------------------------------------------------- toy tasks
+
+TOY_WORDS: tuple[str, ...] = ("cat", "dog", "sun", "sea", "red", "blue", "tree", "bird")
+"""The words of the ``echo_word`` task (single tokens, with a leading space, in the tiny tokenizer)."""
+
+_CLASSES = {"digits": set("0123456789"), "vowels": set("aeiou")}
+
+
+def toy_dataset(task: str, n: int, seed: int = 0) -> list[dict[str, str]]:
+    """`n` ``{"prompt", "answer"}`` rows of a built-in toy task (``char_class``, ``echo_word``)."""
+    rng = random.Random(seed)
+    if task == "char_class":
+        names = sorted(_CLASSES)
+        return [{"prompt": f"write {c}:", "answer": c} for c in (rng.choice(names) for _ in range(n))]
+    if task == "echo_word":
+        return [{"prompt": f"say {w}", "answer": w} for w in (rng.choice(TOY_WORDS) for _ in range(n))]
+    raise UnknownNameError(f"no toy task {task!r}; known: char_class, echo_word")
+
+
+def _answers(x: RewardInput, name: str) -> list[str]:
+    if x.answers is None:
+        raise KeyError(f"reward function {name!r} needs the batch's 'answer' field")
+    return x.answers
+
+
+@register_reward_fn("char_class")
+def char_class(x: RewardInput) -> list[float]:
+    """Fraction of the R response slots holding tokens of the class named by the answer."""
+    out = []
+    for toks, cls in zip(x.response_tokens, _answers(x, "char_class")):
+        allowed = _CLASSES.get(cls.strip())
+        if allowed is None:
+            raise ValueError(f"char_class answers must be one of {sorted(_CLASSES)}, got {cls!r}")
+        good = sum(1 for t in toks if t.strip() and set(t.lstrip(" ")) <= allowed)
+        out.append(good / max(1, x.max_new_tokens))
+    return out
+
+
+@register_reward_fn("echo_word")
+def echo_word(x: RewardInput) -> list[float]:
+    """1.0 when the response's first word is the answer."""
+    return [float((r.split() or [""])[0] == a.strip()) for r, a in zip(x.responses, _answers(x, "echo_word"))]
+
+
+@register_reward_fn("exact_match")
+def exact_match(x: RewardInput) -> list[float]:
+    """1.0 when the stripped response equals the stripped answer."""
+    return [float(r.strip() == a.strip()) for r, a in zip(x.responses, _answers(x, "exact_match"))]
+
+
+# --------------------------------------------------------------------------- worker
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """Where sequence rewards come from."""
+
+    fn: str = "char_class"
+    """Registered reward function name (ignored when `model` is set)."""
+    fn_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to the function as ``RewardInput.kwargs``."""
+    tokenizer: str = "tiny"
+    """Tokenizer that decodes responses (``"tiny"``, ``"qwen2"`` or a directory); the policy's."""
+    model: ModelConfig | None = None
+    """A reward model (sequence classifier, one label) scoring ``input_ids``; replaces `fn`."""
+    micro_batch_size: int = 16
+    """Rows per reward-model forward."""
+
+
+def _validate_scores(name: str, scores: Any, n: int) -> torch.Tensor:
+    if isinstance(scores, torch.Tensor):
+        t = scores.detach().to(torch.float32).cpu()
+    else:
+        try:
+            t = torch.tensor([float(s) for s in scores], dtype=torch.float32)
+        except (TypeError, ValueError) as e:
+            raise RewardFnError(
+                f"reward function {name!r} must return a sequence of {n} floats (or a tensor of shape [{n}]), "
+                f"got {type(scores).__name__}: {e}"
+            ) from None
+    if tuple(t.shape) != (n,):
+        raise RewardFnError(
+            f"reward function {name!r} returned shape {tuple(t.shape)} for a batch of {n} rows; return one "
+            f"float per row (shape [{n}])"
+        )
+    if not torch.isfinite(t).all():
+        raise RewardFnError(f"reward function {name!r} returned non-finite scores: {t.tolist()}")
+    return t
+
+
+class RewardWorker(Worker):
+    """Scores responses with a registered reward function or a reward model.
+
+    Args:
+        reward: which function or model, and the tokenizer that decodes responses.
+    """
+
+    def __init__(self, reward: RewardConfig | None = None) -> None:
+        self.config = reward or RewardConfig()
+        self.rm: torch.nn.Module | None = None
+        if self.config.model is not None:
+            set_torch_threads(self.context.num_cpus, self.config.model.num_threads)
+            self.rm, self.tokenizer = build_reward_model(self.config.model)
+            self.rm.eval().requires_grad_(False)
+            self.fn_name = "reward_model"
+        else:
+            set_torch_threads(self.context.num_cpus)
+            self.tokenizer = load_tokenizer(self.config.tokenizer)
+            self.fn = get_reward_fn(self.config.fn)  # fail at construction for an unknown name
+            self.fn_name = self.config.fn
+        self._token_text: dict[int, str] = {}
+
+    def _decode_token(self, i: int) -> str:
+        s = self._token_text.get(i)
+        if s is None:
+            s = self._token_text[i] = self.tokenizer.decode([i])
+        return s
+
+    def reward_input(self, batch: TensorDictBase) -> RewardInput:
+        """The :class:`RewardInput` of a batch (responses decoded)."""
+        require(batch, ["response_ids", "response_mask"], "RewardWorker.compute_reward")
+        ids, mask = batch["response_ids"], batch["response_mask"].bool()
+        rows = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+        return RewardInput(
+            responses=self.tokenizer.batch_decode(rows, skip_special_tokens=True),
+            prompts=text_list(batch, "prompt"),
+            answers=text_list(batch, "answer"),
+            response_ids=rows,
+            response_tokens=[[self._decode_token(i) for i in r] for r in rows],
+            max_new_tokens=int(ids.shape[1]),
+            kwargs=dict(self.config.fn_kwargs),
+        )
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_reward(self, batch: TensorDictBase) -> TensorDict:
+        """``TD{scores [B]}``: one float per row.
+
+        A function that raises, or returns the wrong type or shape, raises
+        :class:`RewardFnError` naming the function."""
+        n = batch.batch_size[0]
+        if self.rm is not None:
+            scores = self._model_scores(batch)
+        else:
+            x = self.reward_input(batch)
+            try:
+                raw = self.fn(x)
+            except Exception as e:
+                raise RewardFnError(
+                    f"reward function {self.fn_name!r} raised {type(e).__name__}: {e}; fix the function "
+                    "(it gets a RewardInput and returns one float per row)"
+                ) from e
+            scores = _validate_scores(self.fn_name, raw, n)
+        return TensorDict({"scores": scores}, batch_size=[n])
+
+    def _model_scores(self, batch: TensorDictBase) -> torch.Tensor:
+        require(batch, ["input_ids", "attention_mask"], "RewardWorker.compute_reward (reward model)")
+        out = []
+        with torch.no_grad():
+            for s in micro_batches(batch.batch_size[0], self.config.micro_batch_size):
+                ids, m = batch["input_ids"][s], batch["attention_mask"][s]
+                base = getattr(self.rm, self.rm.base_model_prefix)  # type: ignore[union-attr]
+                h = base(input_ids=ids, attention_mask=m, position_ids=position_ids_from_mask(m)).last_hidden_state
+                logits = self.rm.score(h).squeeze(-1).float()  # type: ignore[union-attr]
+                last = m.shape[1] - 1 - m.flip(-1).long().argmax(-1)  # the last attended position
+                out.append(logits[torch.arange(ids.shape[0]), last])
+        scores = torch.cat(out)
+        if not math.isfinite(float(scores.abs().sum())):
+            raise RewardFnError("the reward model returned non-finite scores")
+        return scores

@@ -1,0 +1,433 @@
+"""`RolloutWorker`: generates responses with a pluggable engine and takes versioned weights.
+
+Data flow of one ``generate`` call::
+
+    batch{prompt_ids (left-padded), prompt_mask, ...}
+      -> strip padding, check prompt + max_new_tokens fits the context (never truncate)
+      -> engine.stream(prompts)  (HF thread / vLLM), rows collected as each finishes
+      -> batch + {response_ids, response_mask, input_ids, attention_mask, rollout_log_probs, version}
+
+Weight sync is a transaction (``update_weights``): *begin* checks the version is newer
+and the tensors match the model (names, shapes, dtypes) before anything changes, and
+closes the gate to new generation; in-flight generation is then either waited for
+(``sync_policy="wait"``) or aborted and resubmitted after the update
+(``"abort"``); *transfer* loads the tensors; *commit* publishes the version (and, in
+verify mode, checks checksums first) and reopens the gate. Every row carries the
+version of the weights that generated all of its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator, Literal, Mapping
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from asyncrl import Dispatch, Mode, Worker, register
+
+from ._util import require, with_fields
+from .engines import Completion, SamplingParams, make_engine
+from .errors import PromptTooLongError, StaleWeightsError, WeightSyncError
+from .models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads, state_dict_checksums
+
+__all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How a rollout worker samples and syncs weights."""
+
+    engine: str = "hf"
+    """Generation engine by name (``"hf"``, ``"vllm"`` or one added with ``register_engine``)."""
+    max_new_tokens: int = 16
+    """Response length R: every returned batch has ``response_ids`` of width R."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are of ``log_softmax(logits / temperature)``)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    seed: int = 0
+    """Base seed. A call's seed is derived from it, the weight version and the prompts, so the
+    same prompts under the same weights sample the same responses whatever the call order."""
+    sync_policy: Literal["wait", "abort"] = "wait"
+    """On a weight update while generation is in flight: ``"wait"`` lets it finish under the
+    old weights; ``"abort"`` stops it and regenerates the unfinished rows under the new weights."""
+    verify_checksums: bool = False
+    """Check after each update that the engine's weights hash equal to the received ones
+    (and to ``expected_checksums`` when given); a mismatch rolls back and raises."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the engine factory."""
+    model_dir: str | None = None
+    """Directory the engine loads from (vLLM); None saves the initial model to a temp dir when the
+    engine is not ``"hf"``."""
+
+
+def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Normalise what ``update_weights`` receives to ``(version, state_dict)``.
+
+    Accepts the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` (also
+    pipelined as a future), a state dict, or ``(name, tensor)`` pairs with `version`.
+    """
+    if isinstance(weights, list) and len(weights) == 1 and isinstance(weights[0], tuple):
+        weights = weights[0]  # a RANK_ZERO future resolved worker-side arrives as a 1-item list
+    if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[0], int):
+        exported, sd = weights
+        if version is not None and version != exported:
+            raise WeightSyncError(
+                f"update_weights(version={version}) but the weights were exported as version {exported}; "
+                "pass the policy's export_weights() result and omit version, or pass the matching version"
+            )
+        version = exported
+    else:
+        sd = weights
+    if isinstance(sd, Mapping):
+        sd = dict(sd)
+    else:
+        try:
+            sd = dict(sd)
+        except (TypeError, ValueError):
+            raise WeightSyncError(
+                f"weights must be a state dict, (name, tensor) pairs or (version, state_dict); got {type(sd).__name__}"
+            ) from None
+    if version is None:
+        raise WeightSyncError("update_weights needs a version: pass version=..., or the (version, state_dict) "
+                              "pair that PolicyWorker.export_weights returns")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise WeightSyncError(f"version must be an int, got {version!r}")
+    return version, sd
+
+
+class _Job:
+    """One generate call's rows, resubmittable after an abort."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.prompts = prompts
+        self.params = params
+        self.results: list[tuple[Completion, int] | None] = [None] * len(prompts)
+        self.task: asyncio.Task[None] | None = None
+        self.aborted = False
+        self.attempt = 0
+        self.finished: asyncio.Queue[int] = asyncio.Queue()
+
+    @property
+    def pending(self) -> list[int]:
+        return [i for i, r in enumerate(self.results) if r is None]
+
+
+class RolloutWorker(Worker):
+    """Generates responses for prompt batches and receives versioned policy weights.
+
+    Args:
+        model: the model to sample from (its initial weights are version 0).
+        rollout: sampling and weight-sync settings.
+    """
+
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig | None = None) -> None:
+        self.model_config = model
+        self.config = rollout or RolloutConfig()
+        if self.config.sync_policy not in ("wait", "abort"):
+            raise ValueError(f"RolloutConfig.sync_policy must be 'wait' or 'abort', got {self.config.sync_policy!r}")
+        set_torch_threads(self.context.num_cpus, model.num_threads)
+        self.model, self.tokenizer = load_model(model)
+        self.model.eval().requires_grad_(False)
+        self.context_length = context_length(self.model)
+        self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
+        model_dir = self.config.model_dir
+        if model_dir is None and self.config.engine != "hf":
+            self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-rollout-")
+            model_dir = save_model_dir(self.model, self.tokenizer, self._tmp.name)
+        self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
+                                  model_dir=model_dir, **self.config.engine_kwargs)
+        self._version = 0
+        self._gate: asyncio.Event | None = None  # created on the worker's loop
+        self._jobs: set[_Job] = set()
+        self._streams: dict[str, tuple[_Job, asyncio.Task[TensorDict], int, int]] = {}
+
+    # ---- state --------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Version of the loaded weights (0 = initial)."""
+        return self._version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def get_version(self) -> int:
+        """Version of the loaded weights; as a group call, one int per rank."""
+        return self._version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weights_checksum(self) -> dict[str, str]:
+        """``{name: checksum}`` of the engine's weights; as a group call, one dict per rank."""
+        return self.engine.weights_checksum()
+
+    def _gate_event(self) -> asyncio.Event:
+        if self._gate is None:
+            self._gate = asyncio.Event()
+            self._gate.set()
+        return self._gate
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]:
+        require(batch, ["prompt_ids", "prompt_mask"], "RolloutWorker.generate")
+        ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+        prompts = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
+        for b, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"row {b} has an empty prompt (prompt_mask is all 0)")
+            if len(p) + max_new_tokens > self.context_length:
+                raise PromptTooLongError(
+                    f"row {b}: prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                    f"context of {self.context_length} positions; shorten or filter prompts longer than "
+                    f"{self.context_length - max_new_tokens} tokens, lower max_new_tokens, or use a model with a "
+                    "longer context (prompts are never truncated silently)"
+                )
+        return prompts
+
+    def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
+                seed: int | None) -> SamplingParams:
+        c = self.config
+        h = hashlib.sha256(f"{c.seed}|{seed}|{self._version}|".encode())
+        for p in prompts:
+            h.update(torch.tensor(p, dtype=torch.int64).numpy().tobytes() + b"|")
+        return SamplingParams(
+            max_new_tokens=max_new_tokens if max_new_tokens is not None else c.max_new_tokens,
+            temperature=temperature if temperature is not None else c.temperature,
+            top_p=c.top_p, top_k=c.top_k, seed=int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF,
+        )
+
+    async def _run_job(self, job: _Job) -> None:
+        """Generate every row of `job`, resubmitting unfinished rows after an abort."""
+        gate = self._gate_event()
+        self._jobs.add(job)
+        try:
+            while job.pending:
+                while not gate.is_set():
+                    await gate.wait()
+                idx = job.pending
+                version = self._version
+                params = job.params if job.attempt == 0 else replace(job.params, seed=job.params.seed + 7919 * job.attempt)
+                job.aborted = False
+                job.task = asyncio.ensure_future(self._consume(job, idx, version, params))
+                try:
+                    await job.task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if job.aborted and current is not None and not current.cancelling():
+                        job.attempt += 1
+                        continue  # aborted by a weight update: resubmit the unfinished rows
+                    job.task.cancel()
+                    raise
+                finally:
+                    job.task = None
+        finally:
+            self._jobs.discard(job)
+
+    async def _consume(self, job: _Job, idx: list[int], version: int, params: SamplingParams) -> None:
+        stream = self.engine.stream([job.prompts[i] for i in idx], params)
+        try:
+            async for j, c in stream:
+                job.results[idx[j]] = (c, version)
+                job.finished.put_nowait(idx[j])
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _rows(self, job: _Job, rows: list[int], R: int) -> dict[str, torch.Tensor]:
+        pad = int(self.tokenizer.pad_token_id)
+        n = len(rows)
+        resp = torch.full((n, R), pad, dtype=torch.long)
+        rmask = torch.zeros((n, R), dtype=torch.long)
+        logp = torch.zeros((n, R), dtype=torch.float32)
+        ver = torch.zeros(n, dtype=torch.long)
+        for k, i in enumerate(rows):
+            c, v = job.results[i]  # type: ignore[misc]
+            L = len(c.response_ids)
+            if L > R or len(c.log_probs) != L:
+                raise RuntimeError(f"engine returned {L} tokens and {len(c.log_probs)} log-probs for max_new_tokens={R}")
+            resp[k, :L] = torch.tensor(c.response_ids, dtype=torch.long)
+            rmask[k, :L] = 1
+            logp[k, :L] = torch.tensor(c.log_probs, dtype=torch.float32)
+            ver[k] = v
+        return {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver}
+
+    def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict:
+        fields["input_ids"] = torch.cat([batch["prompt_ids"].long(), fields["response_ids"]], dim=1)
+        fields["attention_mask"] = torch.cat([batch["prompt_mask"].long(), fields["response_mask"]], dim=1)
+        return with_fields(batch, fields)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                       temperature: float | None = None, seed: int | None = None) -> TensorDict:
+        """One response per row (row-preserving; GRPO repeats rows before calling).
+
+        Returns the batch plus ``response_ids``, ``response_mask``, ``input_ids``,
+        ``attention_mask``, ``rollout_log_probs`` and ``version`` (see docs/roles_api.md).
+        `max_new_tokens`/`temperature` override the config for this call; `seed` is mixed
+        into the derived sampling seed.
+        """
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        job = _Job(prompts, self._params(prompts, max_new_tokens, temperature, seed))
+        await self._run_job(job)
+        return self._assemble(batch, self._rows(job, list(range(len(prompts))), R))
+
+    async def stream_generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                              temperature: float | None = None, seed: int | None = None) -> AsyncIterator[TensorDict]:
+        """Like :meth:`generate`, but yields each row (a one-row batch with an ``index`` field,
+        the row's position in `batch`) as soon as it finishes. In-process use; across
+        processes use :meth:`submit` and :meth:`poll`."""
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        job = _Job(prompts, self._params(prompts, max_new_tokens, temperature, seed))
+        runner = asyncio.ensure_future(self._run_job(job))
+        try:
+            for _ in range(len(prompts)):
+                i = await self._next_finished(job, runner)
+                row = self._assemble(batch[i:i + 1], self._rows(job, [i], R))
+                row.set("index", torch.tensor([i], dtype=torch.long))
+                yield row
+            await runner
+        finally:
+            if not runner.done():
+                runner.cancel()
+                try:
+                    await runner
+                except BaseException:
+                    pass
+
+    @staticmethod
+    async def _next_finished(job: _Job, runner: asyncio.Future[None]) -> int:
+        getter = asyncio.ensure_future(job.finished.get())
+        done, _ = await asyncio.wait({getter, runner}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        runner.result()  # raises the job's error
+        return job.finished.get_nowait()
+
+    @register(Dispatch.DP_COMPUTE_METRIC, concurrent=True)
+    async def submit(self, batch: TensorDictBase, request_id: str, max_new_tokens: int | None = None) -> int:
+        """Start generating `batch` in the background under `request_id`; returns the rows this
+        rank accepted. Fetch finished rows with :meth:`poll`."""
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already running on rank {self.rank}; use a new id")
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        job = _Job(prompts, self._params(prompts, max_new_tokens, None, None))
+        runner = asyncio.ensure_future(self._run_job(job))
+        runner.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._streams[request_id] = (job, runner, R, len(prompts))
+        self._stream_batches = getattr(self, "_stream_batches", {})
+        self._stream_batches[request_id] = batch
+        return len(prompts)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def poll(self, request_id: str) -> dict[str, Any]:
+        """Wait until at least one more row of `request_id` finished on this rank (or all did).
+
+        Returns ``{"rows": TensorDict | None, "done": bool}``: the newly finished rows
+        (with ``index`` = the row's position in the submitted batch, i.e. ``rank * shard
+        rows + local row``; indices past the batch are dispatch padding) and whether this
+        rank has no more. As a group call, one such dict per rank.
+        """
+        try:
+            job, runner, R, n = self._streams[request_id]
+        except KeyError:
+            raise KeyError(f"no request {request_id!r} on rank {self.rank}; submit it first (or it was drained)") from None
+        batch = self._stream_batches[request_id]
+        rows: list[int] = []
+        if job.finished.empty() and not runner.done():
+            rows.append(await self._next_finished(job, runner))
+        while not job.finished.empty():
+            rows.append(job.finished.get_nowait())
+        if runner.done():
+            runner.result()
+        done = runner.done() and job.finished.empty()
+        if done:
+            del self._streams[request_id]
+            del self._stream_batches[request_id]
+        if not rows:
+            return {"rows": None, "done": done}
+        rows.sort()
+        td = self._assemble(batch[torch.tensor(rows)], self._rows(job, rows, R))
+        td.set("index", torch.tensor(rows, dtype=torch.long) + self.rank * n)
+        return {"rows": td, "done": done}
+
+    # ---- weight sync ----------------------------------------------------------------------
+
+    def _validate(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        if version <= self._version:
+            raise StaleWeightsError(
+                f"refusing weights of version {version}: rank {self.rank} already has version {self._version}; "
+                "updates must carry strictly increasing versions (sync after each policy update, in order)"
+            )
+        unknown = sorted(set(state) - set(self._shapes))
+        missing = sorted(set(self._shapes) - set(state))
+        if unknown or missing:
+            raise WeightSyncError(
+                f"weights of version {version} do not match the rollout model: unknown names {unknown[:5]}, "
+                f"missing names {missing[:5]}; export the full state_dict of the same architecture"
+            )
+        for k, t in state.items():
+            shape, dtype = self._shapes[k]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise WeightSyncError(f"weight {k!r}: expected {shape} {dtype}, got {got}")
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Any, version: int | None = None, *,
+                             expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """Load policy weights as one transaction (begin, transfer, commit).
+
+        `weights` is the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` --
+        pass that future straight in so the tensors go through the object store, not the
+        controller -- or a state dict with `version`. Refuses a version <= the current one
+        (:class:`StaleWeightsError`) and malformed weights (:class:`WeightSyncError`) without
+        changing anything. Returns ``{"version", "num_tensors", "waited", "aborted",
+        "checksums_verified"}``.
+        """
+        version, state = unpack_weights(weights, version)
+        # begin: every check before anything changes
+        self._validate(version, state)
+        gate = self._gate_event()
+        gate.clear()
+        try:
+            jobs = [j for j in self._jobs if j.task is not None]
+            aborted = 0
+            if self.config.sync_policy == "abort":
+                for j in jobs:
+                    j.aborted = True
+                    j.task.cancel()  # type: ignore[union-attr]
+                    aborted += len(j.pending)
+            tasks = [j.task for j in jobs if j.task is not None]
+            if tasks:
+                await asyncio.wait(tasks)  # abort: until the engine stopped; wait: until they finished
+            # transfer
+            verify = self.config.verify_checksums or expected_checksums is not None
+            backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if verify else None
+            await asyncio.to_thread(self.engine.load_weights, state.items())
+            # commit (verify first)
+            if verify:
+                got = await asyncio.to_thread(self.engine.weights_checksum)
+                want = expected_checksums if expected_checksums is not None else state_dict_checksums(state.items())
+                bad = sorted(k for k in want if got.get(k) != want[k])
+                if bad or set(want) != set(got):
+                    await asyncio.to_thread(self.engine.load_weights, backup.items())  # type: ignore[union-attr]
+                    raise WeightSyncError(
+                        f"checksum mismatch after loading version {version} on rank {self.rank} for {bad[:5]}; "
+                        f"rolled back to version {self._version}"
+                    )
+            self._version = version
+            return {"version": version, "num_tensors": len(state), "waited": 0 if aborted else len(tasks),
+                    "aborted": aborted, "checksums_verified": verify}
+        finally:
+            gate.set()
+
+    def on_close(self) -> None:
+        """Close the engine."""
+        self.engine.close()

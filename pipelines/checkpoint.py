@@ -1,0 +1,157 @@
+"""Atomic checkpoints of a training run.
+
+A checkpoint is a directory ``<output_dir>/checkpoints/step_000010/`` holding::
+
+    state.json       step, versions, data position, RNG states, config + fingerprint
+    policy/          PolicyWorker.save: weights (safetensors), optimizer, version
+    critic/          CriticWorker.save (PPO)
+    buffer.pt        the batches generated but not yet trained on (tensors and strings)
+
+It is written into ``step_000010.tmp-<pid>``, every file fsynced, then renamed into
+place and the parent directory fsynced: a crash while writing leaves a ``.tmp``
+directory that :func:`latest_checkpoint` ignores, so the previous checkpoint stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict, TensorDictBase
+
+from asyncrl.pipelines.configlib import ConfigError
+
+__all__ = ["CheckpointError", "checkpoint_dir", "latest_checkpoint", "resolve_resume", "read_state",
+           "fsync_tree", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]
+
+_PREFIX = "step_"
+
+
+class CheckpointError(ConfigError):
+    """Raised when a resume path is missing, incomplete or from a different config."""
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint taken after `step` steps lives."""
+    return Path(output_dir) / "checkpoints" / f"{_PREFIX}{step:06d}"
+
+
+def _complete(p: Path) -> bool:
+    return p.is_dir() and p.name.startswith(_PREFIX) and ".tmp" not in p.name and (p / "state.json").is_file()
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under `output_dir` (None when there is none)."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if _complete(p))
+    return done[-1] if done else None
+
+
+def resolve_resume(path: str | Path) -> Path:
+    """A checkpoint directory from `path`: the checkpoint itself or a run directory holding checkpoints."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"resume path {str(p)!r} does not exist")
+    if _complete(p):
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(
+            f"resume path {str(p)!r} holds no complete checkpoint (a directory step_NNNNNN with state.json, "
+            "or a run directory with checkpoints/step_NNNNNN); unfinished *.tmp-* directories are ignored"
+        )
+    return latest
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    """The ``state.json`` of a checkpoint."""
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (files written by workers included)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path) -> Path:
+    """fsync `tmp`, rename it to `final` (replacing an older one of the same step), fsync the parent."""
+    fsync_tree(tmp)
+    if final.exists():
+        old = final.with_name(final.name + f".old-{os.getpid()}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def prune(output_dir: str | Path, keep: int) -> None:
+    """Remove all but the `keep` newest complete checkpoints, and stale temp directories."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    done = sorted(p for p in root.iterdir() if _complete(p))
+    for p in done[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.iterdir():
+        if ".tmp-" in p.name and not p.name.endswith(f".tmp-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def batch_to_plain(td: TensorDictBase) -> dict[str, Any]:
+    """A TensorDict as a dict ``torch.load(weights_only=True)`` can read back."""
+    out: dict[str, Any] = {"__batch_size__": list(td.batch_size)}
+    for k in td.keys():
+        v = td.get(k)
+        if isinstance(v, torch.Tensor):
+            out[k] = v.clone()
+        else:
+            out[k] = {"__strings__": [str(x) for x in v.tolist()]}
+    return out
+
+
+def plain_to_batch(d: dict[str, Any]) -> TensorDict:
+    """Inverse of :func:`batch_to_plain`."""
+    fields: dict[str, Any] = {}
+    for k, v in d.items():
+        if k == "__batch_size__":
+            continue
+        fields[k] = NonTensorStack(*v["__strings__"]) if isinstance(v, dict) else v
+    return TensorDict(fields, batch_size=d["__batch_size__"])
+
+
+def rng_state() -> dict[str, Any]:
+    """The controller's RNG states (JSON-safe)."""
+    py = random.getstate()
+    return {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))

@@ -1,0 +1,248 @@
+"""The configuration of a training run: keyword-only dataclasses, one per concern.
+
+The worker sections (``model``, ``rollout``, ``actor``, ``critic``, ``reward``) are
+the roles' own configs; the sections defined here belong to the trainer. A full run is
+a function returning a :class:`JobConfig` (see :mod:`asyncrl.pipelines.presets`);
+:func:`load_config` applies a YAML file and dotted ``key=value`` overrides on top, and
+:meth:`JobConfig.validate` rejects impossible combinations before any worker starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from asyncrl.pipelines import configlib
+from asyncrl.pipelines.configlib import ConfigError
+from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
+
+__all__ = [
+    "AlgorithmConfig",
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "TrainerConfig",
+    "load_config",
+    "config_fingerprint",
+]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where prompts come from: a built-in toy task (deterministic, no files)."""
+
+    task: str = "char_class"
+    """Name of a toy task in :mod:`asyncrl.pipelines.data` (its answers go with the reward function)."""
+    num_prompts: int = 64
+    """Distinct prompts in the dataset; the loader cycles through them in epochs."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (seeded by ``trainer.seed`` and the epoch)."""
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """The RL algorithm: advantage estimator and loss settings."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    """``grpo`` (group-relative advantages, no critic) or ``ppo`` (critic + GAE)."""
+    group_size: int = 8
+    """GRPO: responses sampled per prompt (n). PPO uses 1 unless set otherwise."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred scores by the group's std."""
+    gamma: float = 1.0
+    """PPO: discount of the GAE."""
+    lam: float = 0.95
+    """PPO: lambda of the GAE."""
+    kl_in_reward_coef: float = 0.0
+    """PPO: per-token KL(policy || reference) penalty subtracted from the reward (0 = off)."""
+    kl_kind: Literal["k1", "k2", "k3"] = "k1"
+    """Estimator of the in-reward KL penalty."""
+    whiten_advantages: bool = True
+    """PPO: whiten advantages over the batch."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The controller: how many steps, how much data per step, staleness and placement."""
+
+    steps: int = 40
+    """Training steps (one actor update and one weight version each)."""
+    batch_size: int = 64
+    """Responses per step (prompts per step = batch_size / algorithm.group_size)."""
+    max_staleness: int = 1
+    """How many versions rollout may run ahead: 0 is on-policy (the synchronous loop); k lets the
+    batch of step t be generated with weights t-k."""
+    rollout_weights: Literal["fixed_lag", "latest"] = "fixed_lag"
+    """``fixed_lag``: batch t is always generated with version max(0, t - max_staleness), so a run
+    is reproducible and equals the k-step-off-policy loop; ``latest``: the newest version
+    available when the batch starts (never older than that)."""
+    buffer_capacity: int | None = None
+    """Batches the rollout→train buffer holds; None = max_staleness + 1."""
+    seed: int = 0
+    """Seed of the data order and of every sampling call (step t samples with seed + t)."""
+    colocated: bool = False
+    """Put rollout and training in the same worker processes (no overlap) instead of two pools."""
+    rollout_workers: int = 1
+    """Processes of the rollout pool (rollout engine and rule reward)."""
+    train_workers: int = 1
+    """Processes of the training pool (policy, reference and critic)."""
+    cpus_per_worker: float = 1.0
+    """CPUs each worker process reserves in Ray."""
+    num_cpus: int | None = None
+    """CPUs of the embedded Ray the job starts (None: Ray counts the machine's)."""
+    output_dir: str = "runs/grpo_toy"
+    """Where metrics, traces, plots and checkpoints go."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0 = only at the end when checkpoint_at_end)."""
+    checkpoint_at_end: bool = True
+    """Save a checkpoint after the last step."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk."""
+    trace: bool = True
+    """Record stage spans and write ``trace.json`` (Perfetto)."""
+    plot: bool = True
+    """Write ``report.png`` (reward curve and overlap timeline) when matplotlib is installed."""
+    progress: bool = True
+    """Show a progress bar."""
+    tensorboard: bool = True
+    """Also write TensorBoard scalars when ``torch.utils.tensorboard`` works."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything a training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (the reference and critic start from it)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The prompts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling settings of the rollout workers."""
+    actor: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and loss settings of the policy."""
+    critic: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer settings of the critic (PPO only)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward function."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """GRPO or PPO settings."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The controller settings."""
+
+    @property
+    def group_size(self) -> int:
+        """Responses per prompt."""
+        return self.algorithm.group_size
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Distinct prompts per step."""
+        return self.trainer.batch_size // self.algorithm.group_size
+
+    @property
+    def buffer_capacity(self) -> int:
+        """Batches the rollout→train buffer holds."""
+        t = self.trainer
+        return t.buffer_capacity if t.buffer_capacity is not None else t.max_staleness + 1
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Worker processes per pool (one pool when colocated)."""
+        t = self.trainer
+        if t.colocated:
+            return {"colocated": t.train_workers}
+        return {"rollout": t.rollout_workers, "train": t.train_workers}
+
+    def validate(self, cluster_cpus: float | None = None) -> "JobConfig":
+        """Raise :class:`ConfigError` for impossible values; `cluster_cpus` also checks the pools fit."""
+        t, a = self.trainer, self.algorithm
+        if t.steps < 1:
+            raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")
+        if t.batch_size < 1:
+            raise ConfigError(f"trainer.batch_size must be >= 1, got {t.batch_size}")
+        if a.group_size < 1:
+            raise ConfigError(f"algorithm.group_size must be >= 1, got {a.group_size}")
+        if t.batch_size % a.group_size:
+            raise ConfigError(
+                f"trainer.batch_size={t.batch_size} is not divisible by algorithm.group_size={a.group_size}; "
+                f"use a multiple such as {a.group_size * max(1, t.batch_size // a.group_size)}"
+            )
+        if a.name == "grpo" and a.group_size < 2:
+            raise ConfigError("GRPO needs algorithm.group_size >= 2 (advantages are relative within a group)")
+        if t.max_staleness < 0:
+            raise ConfigError(f"trainer.max_staleness must be >= 0, got {t.max_staleness}")
+        if self.buffer_capacity < 1:
+            raise ConfigError(f"trainer.buffer_capacity must be >= 1, got {self.buffer_capacity}")
+        for name in ("rollout_workers", "train_workers"):
+            if getattr(t, name) < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+        if t.cpus_per_worker <= 0:
+            raise ConfigError(f"trainer.cpus_per_worker must be > 0, got {t.cpus_per_worker}")
+        for name, n in self.pool_sizes().items():
+            if self.prompts_per_step % n:
+                raise ConfigError(
+                    f"the {name} pool has {n} workers but a step has {self.prompts_per_step} prompts; "
+                    "prompts per step must divide evenly so every GRPO group stays on one worker"
+                )
+        if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
+            raise ConfigError("trainer.checkpoint_every must be >= 0 and trainer.keep_checkpoints >= 1")
+        if self.data.num_prompts < 1:
+            raise ConfigError(f"data.num_prompts must be >= 1, got {self.data.num_prompts}")
+        from asyncrl.pipelines.data import task_names
+
+        if self.data.task not in task_names():
+            raise ConfigError(f"data.task {self.data.task!r} is unknown; known tasks: {task_names()}")
+        if cluster_cpus is not None:
+            need = sum(self.pool_sizes().values()) * t.cpus_per_worker
+            if need > cluster_cpus + 1e-9:
+                raise ConfigError(
+                    f"the pools need {need:g} CPUs ({self.pool_sizes()} workers x {t.cpus_per_worker:g}) but the "
+                    f"cluster has {cluster_cpus:g}; lower trainer.rollout_workers/train_workers/cpus_per_worker "
+                    "or set trainer.colocated=true"
+                )
+        return self
+
+
+_RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
+                "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
+                "trainer.num_cpus"}
+"""Settings a resumed run may change: they do not alter what the first steps compute."""
+
+
+def config_fingerprint(cfg: JobConfig) -> str:
+    """A hash of every setting that changes what a step computes (a resume must match it)."""
+    flat = _flatten(configlib.to_dict(cfg))
+    kept = {k: v for k, v in flat.items() if k not in _RESUME_FREE}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fingerprint_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two config dicts (ignoring resume-free keys)."""
+    fa, fb = _flatten(a), _flatten(b)
+    return sorted(k for k in set(fa) | set(fb) if k not in _RESUME_FREE and fa.get(k) != fb.get(k))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                base: JobConfig | None = None) -> JobConfig:
+    """A validated :class:`JobConfig`: `base` (default: the GRPO toy preset), then the YAML at
+    `path`, then dotted ``key=value`` `overrides`."""
+    if base is None:
+        from asyncrl.pipelines.presets import grpo_toy
+
+        base = grpo_toy()
+    cfg = configlib.load(JobConfig, path, overrides, base=base)
+    return cfg.validate()

@@ -1,0 +1,70 @@
+"""Metric sinks: JSON lines always, TensorBoard when it is installed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import structlog
+
+__all__ = ["MetricsWriter", "read_jsonl"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``metrics.jsonl`` (and TensorBoard scalars).
+
+    Args:
+        output_dir: the run directory.
+        tensorboard: also write TensorBoard event files when ``torch.utils.tensorboard`` imports.
+        start_step: on resume, lines of steps at or after it are dropped from an existing file
+            so the file reads as one run.
+    """
+
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, start_step: int = 0) -> None:
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) < start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._f = self.path.open("a")
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except Exception:  # tensorboard is optional
+                self._tb = None
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` of `step`."""
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        """Flush and close the sinks."""
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

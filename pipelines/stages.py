@@ -1,0 +1,181 @@
+"""The stages of one RL step, each a group call that returns a `GroupFuture`.
+
+A stage function issues its call and returns at once; the future it returns is
+passed into the next stage, so the batch flows worker to worker and the controller
+holds only descriptors. The controller awaits small things: reward scores, update
+metrics, weight-sync receipts. The canonical order of one batch (DESIGN C8)::
+
+    generate ─► score ─► old_log_prob ─► ref_log_prob ─► values ─► advantages
+      (rollout pool)       (training pool ..................................)
+          ─► critic_update ─► actor_update ─► export_weights ─► load_weights
+                                                              (rollout pool)
+
+``advantages`` runs on a small pipelines-owned :class:`AdvantageWorker` colocated with
+the policy: it merges the stage outputs into the training batch and applies the pure
+functions of ``asyncrl.roles.functional`` (GRPO group normalisation, or GAE), so no
+advantage math and no batch bytes touch the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from asyncrl import Broadcast, Dispatch, GroupFuture, Worker, WorkerGroup, register
+from asyncrl.roles import functional as F
+
+__all__ = [
+    "AdvantageWorker",
+    "Groups",
+    "generate",
+    "score",
+    "old_log_prob",
+    "ref_log_prob",
+    "values",
+    "advantages",
+    "critic_update",
+    "actor_update",
+    "export_weights",
+    "load_weights",
+]
+
+
+@dataclass
+class Groups:
+    """The worker groups one trainer drives (colocated or in two pools)."""
+
+    rollout: WorkerGroup[Any]
+    """RolloutWorker group (rollout pool)."""
+    reward: WorkerGroup[Any]
+    """RewardWorker group (rollout pool)."""
+    policy: WorkerGroup[Any]
+    """PolicyWorker group (training pool)."""
+    advantage: WorkerGroup[Any]
+    """AdvantageWorker group (training pool)."""
+    reference: WorkerGroup[Any] | None = None
+    """ReferenceWorker group, when a KL term needs it."""
+    critic: WorkerGroup[Any] | None = None
+    """CriticWorker group (PPO)."""
+
+
+class AdvantageWorker(Worker):
+    """Merges the stage outputs of one batch and computes advantages (pure functions)."""
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_advantages(self, batch: TensorDictBase, scores: TensorDictBase, log_probs: TensorDictBase,
+                           ref: TensorDictBase | None = None, values: TensorDictBase | None = None, *,
+                           algo: Mapping[str, Any]) -> TensorDict:
+        """The training batch: `batch` plus the fields of the other inputs, ``advantages``
+        and ``returns``. `algo` holds the :class:`~asyncrl.pipelines.config.AlgorithmConfig`
+        fields as a dict (workers do not import the trainer's config)."""
+        out = batch.clone(recurse=False)
+        for part in (scores, log_probs, ref, values):
+            if part is not None:
+                out.update(part)
+        adv, ret = compute_advantages(out, algo)
+        out.set("advantages", adv)
+        out.set("returns", ret)
+        return out
+
+    @register(Dispatch.DP_COMPUTE)
+    def echo(self, batch: TensorDictBase) -> TensorDictBase:
+        """`batch` unchanged: puts a concrete batch (a restored checkpoint's) into the object
+        store so later stages can take it as a future, like a freshly generated one."""
+        return batch
+
+
+def compute_advantages(batch: TensorDictBase, algo: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` of a merged batch: GRPO group-relative, or GAE over token rewards."""
+    mask = batch["response_mask"]
+    scores = batch["scores"].to(torch.float32)
+    if algo["name"] == "grpo":
+        adv = F.grpo_advantages(scores, batch["uid"], mask, norm_std=algo["norm_adv_by_std"])
+        return adv, adv.clone()
+    rewards = terminal_rewards(scores, mask)
+    if algo["kl_in_reward_coef"] > 0:
+        kl = F.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algo["kl_kind"]) * mask
+        rewards = rewards - algo["kl_in_reward_coef"] * kl
+    adv, ret = F.gae(rewards, batch["values"], mask, algo["gamma"], algo["lam"])
+    if algo["whiten_advantages"]:
+        adv = F.masked_whiten(adv, mask)
+    return adv, ret
+
+
+def terminal_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]`` token rewards: each sequence's score on its last generated token."""
+    rewards = torch.zeros(mask.shape, dtype=torch.float32)
+    last = (mask.long().sum(-1) - 1).clamp(min=0)
+    has = mask.long().sum(-1) > 0
+    rows = torch.arange(mask.shape[0])[has]
+    rewards[rows, last[has]] = scores[has]
+    return rewards
+
+
+# ---- stage functions ---------------------------------------------------------------------------
+
+
+def generate(g: Groups, prompts: TensorDictBase, *, seed: int) -> GroupFuture[TensorDict]:
+    """Sample one response per row with the rollout's current weights (row versions are set by the worker)."""
+    return g.rollout.generate(prompts, seed=seed)
+
+
+def score(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFuture[TensorDict]:
+    """``TD{scores}`` of the generated batch."""
+    return g.reward.compute_reward(batch)
+
+
+def old_log_prob(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFuture[TensorDict]:
+    """``TD{old_log_probs, entropy}`` under the policy before this step's update."""
+    return g.policy.compute_log_prob(batch)
+
+
+def ref_log_prob(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFuture[TensorDict] | None:
+    """``TD{ref_log_probs}``, or None when the run has no reference."""
+    return g.reference.compute_ref_log_prob(batch) if g.reference is not None else None
+
+
+def values(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFuture[TensorDict] | None:
+    """``TD{values}``, or None without a critic."""
+    return g.critic.compute_values(batch) if g.critic is not None else None
+
+
+def advantages(g: Groups, batch: Any, scores: Any, log_probs: Any, ref: Any, vals: Any,
+               algo: Mapping[str, Any]) -> GroupFuture[TensorDict]:
+    """The merged training batch with ``advantages`` and ``returns``."""
+    kwargs: dict[str, Any] = {}
+    if ref is not None:
+        kwargs["ref"] = ref
+    if vals is not None:
+        kwargs["values"] = vals
+    return g.advantage.compute_advantages(batch, scores, log_probs, algo=Broadcast(dict(algo)), **kwargs)
+
+
+def critic_update(g: Groups, train_batch: GroupFuture[TensorDict]) -> GroupFuture[list[dict[str, float]]] | None:
+    """One critic update (per-rank metrics), or None without a critic."""
+    return g.critic.update(train_batch) if g.critic is not None else None
+
+
+def actor_update(g: Groups, train_batch: GroupFuture[TensorDict]) -> GroupFuture[list[dict[str, float]]]:
+    """One policy update (per-rank metrics); the policy's version goes up by one."""
+    return g.policy.update(train_batch)
+
+
+def export_weights(g: Groups) -> GroupFuture[tuple[int, dict[str, torch.Tensor]]]:
+    """``(version, state_dict)`` of the policy, issued after its update (ordered on the worker)."""
+    return g.policy.export_weights()
+
+
+def load_weights(g: Groups, exported: GroupFuture[Any]) -> GroupFuture[list[dict[str, Any]]]:
+    """Load exported weights into every rollout rank (the tensors go through the object store)."""
+    return g.rollout.update_weights(exported)
+
+
+def mean_metrics(per_rank: list[Mapping[str, float]] | None, prefix: str) -> dict[str, float]:
+    """Average per-rank metric dicts and prefix their names."""
+    if not per_rank:
+        return {}
+    keys = per_rank[0].keys()
+    return {f"{prefix}/{k}": float(sum(m[k] for m in per_rank) / len(per_rank)) for k in keys}

@@ -1,0 +1,540 @@
+"""`GRPOTrainer` and `PPOTrainer`: two named loops joined by a staleness-bounded buffer.
+
+::
+
+                 rollout pool                                training pool
+   ┌──────────────── rollout loop ────────────────┐   ┌──────────────── train loop ─────────────────┐
+   │ wait: version >= t - max_staleness            │   │ get batch t (drop if too stale)              │
+   │ load_weights(export[v])  (if newer)           │   │ old_log_prob ─► ref_log_prob ─► values        │
+   │ generate(prompts t) ─► score                  │   │ ─► advantages ─► critic_update ─► actor_update│
+   │ await scores (small)                          │   │ ─► export_weights  => version t+1 published   │
+   │ put RolloutBatch(t, v, futures) ──────────────┼──►│ await update metrics (small)                  │
+   └───────────────────────────────────────────────┘   └───────────────────────────────────────────────┘
+            ▲                                StalenessBuffer(capacity = max_staleness + 1)     │
+            └──────────── exported weight futures (version -> GroupFuture) ◄───────────────────┘
+
+* The **rollout loop** consumes prompt batches and exported weights; produces
+  ``RolloutBatch`` items (futures of the generated batch and its scores); waits for
+  the version gate and for buffer space.
+* The **train loop** consumes ``RolloutBatch`` items; produces one policy version per
+  step (an ``export_weights`` future) and metrics; waits for the buffer.
+
+Batch t is generated with weights ``max(0, t - max_staleness)`` (``fixed_lag``) or the
+newest exported (``latest``, never older), so ``max_staleness=0`` is the synchronous
+loop and ``k`` lets rollout run up to k versions ahead. Per batch the stages keep the
+canonical order (DESIGN C8); the train loop is the only producer of versions, so
+updates apply in version order. Payloads move worker to worker as futures; the
+controller awaits scores, metrics and weight-sync receipts only.
+
+Both loops run in an anyio task group: the first failure cancels the other.
+**Shutdown order** (every path): (1) the loops end or are cancelled; (2) the tracer
+stops; (3) on success the final checkpoint is written; (4) metrics, trace and plot
+are flushed; (5) the rollout pool's workers close, then the training pool's; (6) the
+placement groups are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import structlog
+import torch
+
+import asyncrl
+from asyncrl import GroupFuture, ResourcePool, colocate
+from asyncrl.pipelines import checkpoint as ckpt
+from asyncrl.pipelines import stages
+from asyncrl.pipelines.buffer import StalenessBuffer
+from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, fingerprint_diff
+from asyncrl.pipelines.configlib import to_dict
+from asyncrl.pipelines.data import PromptLoader, get_task
+from asyncrl.pipelines.metrics import MetricsWriter
+from asyncrl.pipelines.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.trace import Tracer
+
+__all__ = ["RolloutBatch", "Trainer", "GRPOTrainer", "PPOTrainer", "make_trainer", "build_groups"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+@dataclass
+class RolloutBatch:
+    """One generated batch waiting to be trained on."""
+
+    step: int
+    """The train step it is for (its prompt batch index)."""
+    version: int
+    """Policy version of the weights that generated every row."""
+    batch: Any
+    """Future (or concrete TensorDict) of the generated batch."""
+    scores: Any
+    """Future of ``TD{scores}``."""
+    reward_mean: float
+    """Mean score (awaited by the rollout loop: the batch is fully generated and scored)."""
+    gen_time: float = 0.0
+    """Seconds from issuing generate to the scores being known."""
+
+
+def needs_reference(cfg: JobConfig) -> bool:
+    """True when a KL term needs reference log-probs."""
+    return cfg.actor.kl_coef > 0 or (cfg.algorithm.name == "ppo" and cfg.algorithm.kl_in_reward_coef > 0)
+
+
+def build_groups(cfg: JobConfig) -> tuple[Groups, list[Any], list[ResourcePool]]:
+    """Unstarted groups for `cfg`: two pools (rollout + reward; policy + advantage + reference +
+    critic) or one colocated pool. Returns ``(groups, things to set up and close, pools)``."""
+    from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
+
+    t = cfg.trainer
+    rollout_roles: dict[str, Any] = {
+        "rollout": (RolloutWorker, (cfg.model, cfg.rollout), {}),
+        "reward": (RewardWorker, (cfg.reward,), {}),
+    }
+    train_roles: dict[str, Any] = {
+        "policy": (PolicyWorker, (cfg.model, cfg.actor), {}),
+        "advantage": AdvantageWorker,
+    }
+    if needs_reference(cfg):
+        train_roles["reference"] = (ReferenceWorker, (cfg.model,), {"temperature": cfg.actor.temperature,
+                                                                   "micro_batch_size": cfg.actor.micro_batch_size})
+    if cfg.algorithm.name == "ppo":
+        train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})
+    if t.colocated:
+        pool = ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, name="asyncrl-colocated")
+        col = colocate({**rollout_roles, **train_roles}, pool, name="colocated")
+        parts, pools, cols = [col], [pool], {**{r: col for r in rollout_roles}, **{r: col for r in train_roles}}
+    else:
+        pool = ResourcePool([t.rollout_workers + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
+                            name="asyncrl")
+        rpool, tpool = pool.split([t.rollout_workers, t.train_workers])
+        rcol = colocate(rollout_roles, rpool, name="rollout")
+        tcol = colocate(train_roles, tpool, name="train")
+        parts, pools = [rcol, tcol], [pool]
+        cols = {**{r: rcol for r in rollout_roles}, **{r: tcol for r in train_roles}}
+    g = Groups(
+        rollout=cols["rollout"]["rollout"], reward=cols["reward"]["reward"], policy=cols["policy"]["policy"],
+        advantage=cols["advantage"]["advantage"],
+        reference=cols["reference"]["reference"] if "reference" in cols else None,
+        critic=cols["critic"]["critic"] if "critic" in cols else None,
+    )
+    return g, parts, pools
+
+
+class Trainer:
+    """The asynchronous trainer (use :class:`GRPOTrainer` or :class:`PPOTrainer`).
+
+    ``async with trainer: await trainer.fit()`` -- or ``trainer.fit_sync()`` from
+    synchronous code. Construction only checks the config; ``setup()`` (or ``async
+    with``) starts Ray, the pools and the workers, and restores `resume`.
+
+    Args:
+        config: the run's configuration (validated here, before any worker starts).
+        resume: a checkpoint directory, or a run directory whose newest checkpoint is used.
+        groups: pre-built, started groups to drive instead of building them (tests,
+            custom pipelines); the trainer then neither starts nor closes workers.
+    """
+
+    algorithm: ClassVar[str | None] = None
+
+    def __init__(self, config: JobConfig, *, resume: str | Path | None = None, groups: Groups | None = None) -> None:
+        if self.algorithm is not None and config.algorithm.name != self.algorithm:
+            raise ConfigError(
+                f"{type(self).__name__} runs algorithm.name={self.algorithm!r}, the config says "
+                f"{config.algorithm.name!r}; use make_trainer(config) or fix algorithm.name"
+            )
+        self.config = config.validate()
+        self._resume = ckpt.resolve_resume(resume) if resume is not None else None
+        if self._resume is not None:
+            self._check_resume(self._resume)
+        t = config.trainer
+        if self.config.buffer_capacity < t.max_staleness + 1:
+            raise ConfigError(
+                f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the {t.max_staleness + 1} "
+                "batches rollout may run ahead; set it to at least max_staleness + 1"
+            )
+        self.groups = groups
+        self._owns_groups = groups is None
+        self._parts: list[Any] = []
+        self._pools: list[ResourcePool] = []
+        self.buffer: StalenessBuffer[RolloutBatch] = StalenessBuffer(self.config.buffer_capacity, t.max_staleness)
+        self.tracer = Tracer(enabled=t.trace)
+        self.history: list[dict[str, Any]] = []
+        self.output_dir = Path(t.output_dir)
+        self._algo = to_dict(config.algorithm)
+        self._loader: PromptLoader | None = None
+        self._metrics: MetricsWriter | None = None
+        self._cond: asyncio.Condition | None = None
+        self._device: asyncio.Lock | None = None
+        self._exports: dict[int, GroupFuture[Any] | None] = {0: None}
+        self._exported = 0  # newest version whose export has been issued
+        self._policy_version = 0
+        self._rollout_version = 0
+        self._next_gen = 0  # index of the next batch the rollout loop generates
+        self._start_step = 0
+        self._rollout_done = False
+        self._restored: list[RolloutBatch] = []
+        self._setup_done = False
+        self._t_start = 0.0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def _check_resume(self, path: Path) -> None:
+        state = ckpt.read_state(path)
+        if state.get("fingerprint") != config_fingerprint(self.config):
+            diff = fingerprint_diff(state.get("config", {}), to_dict(self.config))
+            raise ckpt.CheckpointError(
+                f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff) or '?'}); "
+                "resume with the same settings (only trainer.steps, output_dir, checkpointing and reporting may change)"
+            )
+        if state["step"] > self.config.trainer.steps:
+            raise ckpt.CheckpointError(
+                f"checkpoint {str(path)!r} is at step {state['step']}, past trainer.steps={self.config.trainer.steps}"
+            )
+
+    async def setup(self) -> "Trainer":
+        """Start Ray (if needed), check the pools fit, start the workers, restore `resume`."""
+        if self._setup_done:
+            return self
+        cfg = self.config
+        self._cond = asyncio.Condition()
+        self._device = asyncio.Lock()
+        if self._owns_groups:
+            resources = await asyncio.to_thread(asyncrl.init, num_cpus=cfg.trainer.num_cpus)
+            cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)))
+            self.groups, self._parts, self._pools = build_groups(cfg)
+            try:
+                await asyncio.gather(*(p.setup() for p in self._parts))
+            except BaseException:
+                await self.close()
+                raise
+        from asyncrl.roles import load_tokenizer
+
+        task = get_task(cfg.data.task)
+        tok_spec = cfg.model.tokenizer or (cfg.model.path if cfg.model.path else "tiny")
+        tokenizer = await asyncio.to_thread(load_tokenizer, tok_spec)
+        self._loader = PromptLoader(tokenizer, task.make(cfg.data.num_prompts, cfg.trainer.seed),
+                                    prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        if self._resume is not None:
+            await self._restore(self._resume)
+        self._metrics = MetricsWriter(self.output_dir, tensorboard=cfg.trainer.tensorboard,
+                                      start_step=self._start_step)
+        self._setup_done = True
+        return self
+
+    async def close(self) -> None:
+        """Release everything (idempotent): rollout workers, then training workers, then pools."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        for part in self._parts:
+            with contextlib.suppress(Exception):
+                await part.close()
+        self._parts = []
+        for pool in self._pools:
+            with contextlib.suppress(Exception):
+                await pool.release()
+        self._pools = []
+
+    async def __aenter__(self) -> "Trainer":
+        try:
+            return await self.setup()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.shield(self.close())
+
+    def fit_sync(self) -> list[dict[str, Any]]:
+        """Set up, fit and close from synchronous code (runs its own event loop)."""
+
+        async def main() -> list[dict[str, Any]]:
+            async with self:
+                return await self.fit()
+
+        return asyncio.run(main())
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    async def fit(self) -> list[dict[str, Any]]:
+        """Train for ``trainer.steps`` steps; returns the per-step metrics."""
+        if not self._setup_done:
+            raise RuntimeError("the trainer is not set up; use `async with trainer:` or `await trainer.setup()`")
+        cfg = self.config.trainer
+        self._t_start = time.perf_counter()
+        bar = _progress(cfg.progress, cfg.steps, self._start_step)
+        self._bar = bar
+        ok = False
+        try:
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self.tracer.run, name="tracer")
+                    async with anyio.create_task_group() as loops:
+                        loops.start_soon(self._rollout_loop, name="rollout loop")
+                        loops.start_soon(self._train_loop, loops.cancel_scope, name="train loop")
+                    self.tracer.close()
+            except BaseExceptionGroup as eg:
+                raise _first_error(eg) from None
+            ok = True
+            if cfg.checkpoint_at_end and (not self.history or self.history[-1]["step"] + 1 == cfg.steps):
+                last = cfg.steps
+                if ckpt.latest_checkpoint(self.output_dir) != ckpt.checkpoint_dir(self.output_dir, last):
+                    await self.save_checkpoint()
+        finally:
+            self.tracer.close()
+            if bar is not None:
+                bar.close()
+            self._write_reports(ok)
+        return self.history
+
+    def _write_reports(self, ok: bool) -> None:
+        cfg = self.config.trainer
+        try:
+            if cfg.trace:
+                self.tracer.write(self.output_dir / "trace.json")
+            if cfg.plot and self.history:
+                from asyncrl.pipelines.report import plot_report
+
+                plot_report(self.history, self.tracer, self.output_dir / "report.png")
+        except Exception as e:  # reports never hide the run's own outcome
+            log.warning("report.failed", error=repr(e))
+
+    def _seed(self, step: int) -> int:
+        return self.config.trainer.seed * 1_000_003 + step
+
+    def _target_version(self, i: int) -> int:
+        return max(0, i - self.config.trainer.max_staleness)
+
+    async def _rollout_loop(self) -> None:
+        """Consumes prompt batches and exported weights; produces RolloutBatch items."""
+        assert self._cond is not None and self._device is not None and self._loader is not None
+        g, cfg = self.groups, self.config.trainer
+        assert g is not None
+        for item in self._restored:
+            await self.buffer.put(item)
+        self._restored = []
+        i = self._next_gen
+        while i < cfg.steps + self.buffer.statistics().dropped:
+            need = self._target_version(i)
+            async with self._cond:
+                await self._cond.wait_for(lambda: self._exported >= need)
+                version = need if cfg.rollout_weights == "fixed_lag" else self._exported
+            async with self._device if cfg.colocated else _null():
+                if version > self._rollout_version:
+                    with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                        await stages.load_weights(g, self._exports[version])  # weight sync (rollout side)
+                    self._rollout_version = version
+                    for v in [v for v in self._exports if v < version]:
+                        del self._exports[v]  # older exports are never loaded again
+                t0 = time.perf_counter()
+                gen = self.tracer.watch(stages.generate(g, self._loader.batch(i), seed=self._seed(i)),
+                                        "generate", step=i, version=version)
+                sc = self.tracer.watch(stages.score(g, gen), "score", step=i)
+                scores = (await sc)["scores"]
+            item = RolloutBatch(step=i, version=version, batch=gen, scores=sc,
+                                reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0)
+            await self.buffer.put(item)
+            async with self._cond:
+                self._next_gen = i = i + 1
+                self._cond.notify_all()
+        async with self._cond:
+            self._rollout_done = True
+            self._cond.notify_all()
+
+    async def _train_loop(self, loops: anyio.CancelScope) -> None:
+        """Consumes RolloutBatch items; produces one policy version per step and its metrics."""
+        assert self._cond is not None and self._device is not None
+        g, cfg = self.groups, self.config.trainer
+        assert g is not None
+        for step in range(self._start_step, cfg.steps):
+            t_wait = time.perf_counter()
+            try:
+                item = await self.buffer.get(self._policy_version)
+            except anyio.EndOfStream:
+                raise RuntimeError(f"the rollout loop ended before step {step}") from None
+            t0 = time.perf_counter()
+            async with self._device if cfg.colocated else _null():
+                with self.tracer.span("train_step", step=step):
+                    metrics = await self._train_step(g, item, step)
+            t1 = time.perf_counter()
+            metrics.update({
+                "time/step": t1 - t_wait, "time/train": t1 - t0, "time/wait_rollout": t0 - t_wait,
+                "time/generate": item.gen_time, "time/elapsed": t1 - self._t_start,
+            })
+            self._record(step, metrics)
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                await self.save_checkpoint()
+        loops.cancel()  # nothing else is needed from the rollout loop
+
+    async def _train_step(self, g: Groups, item: RolloutBatch, step: int) -> dict[str, Any]:
+        """The training-pool stages of one batch, in the canonical order."""
+        w = self.tracer.watch
+        old = w(stages.old_log_prob(g, item.batch), "old_log_prob", step=step)
+        ref = stages.ref_log_prob(g, item.batch)
+        ref = w(ref, "ref_log_prob", step=step) if ref is not None else None
+        vals = stages.values(g, item.batch)
+        vals = w(vals, "values", step=step) if vals is not None else None
+        adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
+        crit = stages.critic_update(g, adv)
+        crit = w(crit, "critic_update", step=step) if crit is not None else None
+        act = w(stages.actor_update(g, adv), "actor_update", step=step)
+        exported = w(stages.export_weights(g), "export_weights", step=step)
+        staleness = self._policy_version - item.version
+        async with self._cond:  # type: ignore[union-attr]
+            self._exports[self._policy_version + 1] = exported  # weight sync (policy side): publish
+            self._exported = self._policy_version + 1
+            self._cond.notify_all()  # type: ignore[union-attr]
+        metrics: dict[str, Any] = {}
+        if crit is not None:
+            metrics.update(stages.mean_metrics(await crit, "critic"))
+        metrics.update(stages.mean_metrics(await act, "actor"))
+        self._policy_version += 1
+        stats = self.buffer.statistics()
+        metrics.update({
+            "version": self._policy_version, "reward/mean": item.reward_mean,
+            "staleness/mean": float(staleness), "staleness/max": staleness, "staleness/dropped": stats.dropped,
+            "buffer/size": stats.size, "buffer/peak": stats.peak, "batch/version": item.version,
+        })
+        return metrics
+
+    def _record(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **metrics}
+        self.history.append(row)
+        if self._metrics is not None:
+            self._metrics.write(step, metrics)
+        bar = getattr(self, "_bar", None)
+        if bar is not None:
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", stale=metrics["staleness/max"],
+                            step_s=f"{metrics['time/step']:.2f}", refresh=False)
+            bar.update(1)
+        log.info("train.step", step=step, reward=round(metrics["reward/mean"], 4),
+                 staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
+                 pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    async def save_checkpoint(self) -> Path:
+        """Write a checkpoint of the state after the last finished step (atomic; see
+        :mod:`asyncrl.pipelines.checkpoint`). Waits until the rollout loop has generated
+        every batch the current versions allow, so the saved buffer is complete."""
+        g, t = self.groups, self.config.trainer
+        assert g is not None and self._cond is not None
+        step = self._policy_version  # steps done == versions
+        ahead = min(step + 1 + t.max_staleness, t.steps + self.buffer.statistics().dropped)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._rollout_done or self._next_gen >= ahead or step >= t.steps)
+        final = ckpt.checkpoint_dir(self.output_dir, step)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(final.name + f".tmp-{__import__('os').getpid()}")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        with self.tracer.span("checkpoint", step=step):
+            saves = [g.policy.save(str(tmp / "policy"))]
+            if g.critic is not None:
+                saves.append(g.critic.save(str(tmp / "critic")))
+            await asyncio.gather(*saves)
+            items = self.buffer.peek_all()
+            buffered = []
+            for it in items:
+                td = await it.batch
+                td.update(await it.scores)
+                buffered.append({"step": it.step, "version": it.version, "reward_mean": it.reward_mean,
+                                 "gen_time": it.gen_time, "batch": ckpt.batch_to_plain(td)})
+            torch.save(buffered, tmp / "buffer.pt")
+            state = {
+                "step": step, "policy_version": self._policy_version, "rollout_version": self._rollout_version,
+                "next_gen": self._next_gen, "dropped": self.buffer.statistics().dropped,
+                "rng": ckpt.rng_state(), "config": to_dict(self.config),
+                "fingerprint": config_fingerprint(self.config), "history": self.history,
+            }
+            (tmp / "state.json").write_text(__import__("json").dumps(state))
+            await asyncio.to_thread(ckpt.commit, tmp, final)
+            ckpt.prune(self.output_dir, t.keep_checkpoints)
+        log.info("checkpoint.saved", step=step, path=str(final))
+        return final
+
+    async def _restore(self, path: Path) -> None:
+        g = self.groups
+        assert g is not None
+        state = ckpt.read_state(path)
+        loads = [g.policy.load(str(path / "policy"))]
+        if g.critic is not None:
+            loads.append(g.critic.load(str(path / "critic")))
+        await asyncio.gather(*loads)
+        step = int(state["step"])
+        self._start_step = step
+        self._policy_version = self._exported = step
+        self._next_gen = int(state["next_gen"])
+        ckpt.set_rng_state(state["rng"])
+        self.history = [h for h in state.get("history", []) if h["step"] < step]
+        if step > 0:  # the rollout engines start at version 0: give them the restored weights
+            exported = stages.export_weights(g)
+            await stages.load_weights(g, exported)
+            self._exports = {step: exported}
+            self._rollout_version = step
+        buffered = torch.load(path / "buffer.pt", weights_only=True)
+        for b in buffered:
+            td = ckpt.plain_to_batch(b["batch"])
+            fut = g.advantage.echo(td)
+            self._restored.append(RolloutBatch(step=b["step"], version=b["version"], batch=fut,
+                                               scores=fut.select("scores"), reward_mean=b["reward_mean"],
+                                               gen_time=b["gen_time"]))
+        log.info("checkpoint.restored", step=step, path=str(path), buffered=len(buffered))
+
+
+class GRPOTrainer(Trainer):
+    """GRPO: group-relative advantages from ``algorithm.group_size`` responses per prompt, no critic."""
+
+    algorithm = "grpo"
+
+
+class PPOTrainer(Trainer):
+    """PPO: a critic, GAE advantages, optional KL penalty in the reward."""
+
+    algorithm = "ppo"
+
+
+def make_trainer(config: JobConfig, **kwargs: Any) -> Trainer:
+    """The trainer class for ``config.algorithm.name``."""
+    cls = GRPOTrainer if config.algorithm.name == "grpo" else PPOTrainer
+    return cls(config, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def _null() -> Any:
+    yield
+
+
+def _progress(enabled: bool, total: int, initial: int) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _first_error(eg: BaseExceptionGroup) -> BaseException:
+    """The first real error of a task group (a lone error is raised as itself)."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    real = [e for e in leaves if not isinstance(e, (asyncio.CancelledError, anyio.get_cancelled_exc_class()))]
+    return real[0] if real else leaves[0]

@@ -176,7 +176,7 @@ class PolicyWorker(_Trainable):
                     if cfg.kl_coef > 0:
                         kl = masked_mean(kl_penalty(lp, b["ref_log_probs"], cfg.kl_kind), mask)
                         loss = loss + cfg.kl_coef * kl
-                        add("kl", float(kl))
+                        add("kl", float(kl.detach()))
                     weight = float(mask.sum()) / tokens  # token mean over the mini-batch
                     (loss * weight).backward()
                     with torch.no_grad():

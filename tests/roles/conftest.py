@@ -1,0 +1,43 @@
+"""Fixtures of the roles tests: tiny models, the tiny tokenizer, prompt batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from asyncrl.roles import ModelConfig, tiny_tokenizer, toy_dataset
+
+
+def _prompt_batch(task: str = "char_class", n: int = 4, repeat: int = 1, seed: int = 0) -> TensorDict:
+    """A data-loader batch (left-padded prompts, strings, answers, uids), rows repeated `repeat` times."""
+    tok = tiny_tokenizer()
+    if task == "mixed":  # prompts of different lengths (real left padding)
+        rows = [r for pair in zip(toy_dataset("char_class", n, seed), toy_dataset("echo_word", n, seed)) for r in pair][:n]
+    else:
+        rows = toy_dataset(task, n, seed=seed)
+    enc = tok([r["prompt"] for r in rows], padding=True, return_tensors="pt")
+    td = TensorDict(
+        {
+            "prompt_ids": enc["input_ids"],
+            "prompt_mask": enc["attention_mask"],
+            "prompt": NonTensorStack(*[r["prompt"] for r in rows]),
+            "answer": NonTensorStack(*[r["answer"] for r in rows]),
+            "uid": torch.arange(n),
+        },
+        batch_size=[n],
+    )
+    if repeat > 1:
+        td = td[torch.arange(n).repeat_interleave(repeat)]
+    return td
+
+
+@pytest.fixture(scope="session")
+def model_config() -> ModelConfig:
+    return ModelConfig(seed=0)
+
+
+@pytest.fixture(scope="session")
+def prompt_batch():
+    """``prompt_batch(task="char_class", n=4, repeat=1, seed=0)`` -> a data-loader TensorDict."""
+    return _prompt_batch

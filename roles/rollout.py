@@ -73,8 +73,9 @@ def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, to
     Accepts the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` (also
     pipelined as a future), a state dict, or ``(name, tensor)`` pairs with `version`.
     """
-    if isinstance(weights, list) and len(weights) == 1 and isinstance(weights[0], tuple):
-        weights = weights[0]  # a RANK_ZERO future resolved worker-side arrives as a 1-item list
+    if (isinstance(weights, list) and len(weights) == 1 and isinstance(weights[0], tuple) and len(weights[0]) == 2
+            and isinstance(weights[0][0], int)):
+        weights = weights[0]  # the per-rank list of a ONE_TO_ALL (not RANK_ZERO) export
     if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[0], int):
         exported, sd = weights
         if version is not None and version != exported:

@@ -383,10 +383,14 @@ class VLLMEngine:
 
     def _submit(self, prompts: list[list[int]], params: SamplingParams) -> list[concurrent.futures.Future]:
         self._check_open()
-        if not isinstance(prompts, list) or not all(isinstance(p, list) and p for p in prompts):
-            raise TypeError("prompts must be a list of non-empty lists of token ids")
+        if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
+            raise TypeError("prompts must be a list of lists of token ids")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params.temperature}, {params.top_p}")
         if (params.top_k not in (-1, 0) or params.top_p < 1.0) and params.temperature > 0 and not self._warned_truncated:
             self._warned_truncated = True
             log.warning(

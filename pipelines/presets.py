@@ -22,7 +22,7 @@ def grpo_toy() -> JobConfig:
         actor=OptimConfig(lr=3e-3, micro_batch_size=64, kl_coef=0.0),
         reward=RewardConfig(fn="char_class"),
         algorithm=AlgorithmConfig(name="grpo", group_size=8),
-        trainer=TrainerConfig(steps=40, batch_size=64, max_staleness=1, seed=0, output_dir="runs/grpo_toy"),
+        trainer=TrainerConfig(steps=80, batch_size=64, max_staleness=1, seed=0, output_dir="runs/grpo_toy"),
     ).validate()
 
 

@@ -31,19 +31,16 @@ def plot_report(history: list[dict[str, Any]], tracer: Tracer, path: str | Path)
     ax1.grid(alpha=0.3)
     ax1.legend(loc="lower right")
     spans = [s for s in tracer.spans if s.track != "controller"]
-    tracks = sorted({s.track for s in spans})
+    rows = sorted({(s.track, s.name) for s in spans})  # one row per group and stage: queued calls stay visible
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    names = sorted({s.name for s in spans})
-    color = {n: colors[i % len(colors)] for i, n in enumerate(names)}
-    for row, track in enumerate(tracks):
-        for s in (s for s in spans if s.track == track):
-            ax2.barh(row, s.end - s.start, left=s.start, color=color[s.name], height=0.6)
-    ax2.set_yticks(range(len(tracks)), tracks)
-    ax2.set_xlabel("seconds")
-    ax2.set_title("stage spans per worker group (overlap = rollout and training at once)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=color[n]) for n in names]
-    if handles:
-        ax2.legend(handles, names, loc="upper left", fontsize=7, ncol=4)
+    tracks = sorted({t for t, _ in rows})
+    color = {t: colors[i % len(colors)] for i, t in enumerate(tracks)}
+    for y, (track, name) in enumerate(rows):
+        for s in (s for s in spans if s.track == track and s.name == name):
+            ax2.barh(y, s.end - s.start, left=s.start, color=color[track], height=0.7)
+    ax2.set_yticks(range(len(rows)), [f"{t}: {n}" for t, n in rows], fontsize=7)
+    ax2.set_xlabel("seconds since start (span = call issued -> all ranks done)")
+    ax2.set_title("stage spans per worker group (rollout and training rows overlapping in time = overlap)")
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import anyio
 import structlog
@@ -139,11 +139,14 @@ class Trainer:
         resume: a checkpoint directory, or a run directory whose newest checkpoint is used.
         groups: pre-built, started groups to drive instead of building them (tests,
             custom pipelines); the trainer then neither starts nor closes workers.
+        on_step: called as ``on_step(trainer, step, metrics)`` after each step (and its
+            checkpoint); an exception it raises stops the run like any loop failure.
     """
 
     algorithm: ClassVar[str | None] = None
 
-    def __init__(self, config: JobConfig, *, resume: str | Path | None = None, groups: Groups | None = None) -> None:
+    def __init__(self, config: JobConfig, *, resume: str | Path | None = None, groups: Groups | None = None,
+                 on_step: Callable[["Trainer", int, dict[str, Any]], None] | None = None) -> None:
         if self.algorithm is not None and config.algorithm.name != self.algorithm:
             raise ConfigError(
                 f"{type(self).__name__} runs algorithm.name={self.algorithm!r}, the config says "
@@ -160,6 +163,7 @@ class Trainer:
                 "batches rollout may run ahead; set it to at least max_staleness + 1"
             )
         self.groups = groups
+        self._on_step = on_step
         self._owns_groups = groups is None
         self._parts: list[Any] = []
         self._pools: list[ResourcePool] = []
@@ -326,7 +330,9 @@ class Trainer:
             need = self._target_version(i)
             async with self._cond:
                 await self._cond.wait_for(lambda: self._exported >= need)
-                version = need if cfg.rollout_weights == "fixed_lag" else self._exported
+                # fixed_lag: exactly `need`, except after a resume that extended a finished run, when
+                # older weights are gone and the batch gets the (fresher) loaded ones
+                version = max(need, self._rollout_version) if cfg.rollout_weights == "fixed_lag" else self._exported
             async with self._device if cfg.colocated else _null():
                 if version > self._rollout_version:
                     with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
@@ -372,6 +378,8 @@ class Trainer:
             self._record(step, metrics)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 await self.save_checkpoint()
+            if self._on_step is not None:
+                self._on_step(self, step, metrics)
         loops.cancel()  # nothing else is needed from the rollout loop
 
     async def _train_step(self, g: Groups, item: RolloutBatch, step: int) -> dict[str, Any]:

@@ -145,6 +145,9 @@ class RolloutWorker(Worker):
         self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
                                   model_dir=model_dir, **self.config.engine_kwargs)
         self._version = 0
+        self._committed: dict[str, torch.Tensor] | None = None
+        self._initial_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                               if self.config.verify_checksums else {})
         self._gate: asyncio.Event | None = None  # created on the worker's loop
         self._jobs: set[_Job] = set()
         self._streams: dict[str, tuple[_Job, asyncio.Task[TensorDict], int, int]] = {}
@@ -410,24 +413,41 @@ class RolloutWorker(Worker):
                 await asyncio.wait(tasks)  # abort: until the engine stopped; wait: until they finished
             # transfer
             verify = self.config.verify_checksums or expected_checksums is not None
-            backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if verify else None
-            await asyncio.to_thread(self.engine.load_weights, state.items())
+            await self._engine_load(state)
             # commit (verify first)
             if verify:
-                got = await asyncio.to_thread(self.engine.weights_checksum)
+                got = await self._engine_checksum()
                 want = expected_checksums if expected_checksums is not None else state_dict_checksums(state.items())
                 bad = sorted(k for k in want if got.get(k) != want[k])
                 if bad or set(want) != set(got):
-                    await asyncio.to_thread(self.engine.load_weights, backup.items())  # type: ignore[union-attr]
+                    if self.config.verify_checksums:  # roll back to the last verified weights
+                        await self._engine_load(self._committed or self._initial_state)
+                        outcome = f"rolled back to version {self._version}"
+                    else:
+                        outcome = "the engine holds unverified weights: sync again (verify_checksums=True rolls back)"
                     raise WeightSyncError(
-                        f"checksum mismatch after loading version {version} on rank {self.rank} for {bad[:5]}; "
-                        f"rolled back to version {self._version}"
+                        f"checksum mismatch after loading version {version} on rank {self.rank} for {bad[:5]}; {outcome}"
                     )
+            if self.config.verify_checksums:
+                self._committed = state  # what a later failed verification rolls back to
             self._version = version
             return {"version": version, "num_tensors": len(state), "waited": 0 if aborted else len(tasks),
                     "aborted": aborted, "checksums_verified": verify}
         finally:
             gate.set()
+
+    async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
+        aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
+        if aload is not None:
+            await aload(state.items())
+        else:
+            await asyncio.to_thread(self.engine.load_weights, state.items())
+
+    async def _engine_checksum(self) -> dict[str, str]:
+        achecksum = getattr(self.engine, "aweights_checksum", None)
+        if achecksum is not None:
+            return await achecksum()
+        return await asyncio.to_thread(self.engine.weights_checksum)
 
     def on_close(self) -> None:
         """Close the engine."""

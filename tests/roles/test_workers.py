@@ -374,3 +374,17 @@ async def test_char_class_is_learnable_with_grpo(prompt_batch):
         if means[-1] > 0.8:
             break
     assert means[0] < 0.3 and means[-1] > 0.8, means
+
+
+async def test_verify_mode_rolls_back_on_checksum_mismatch(model_config):
+    rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
+    policy = PolicyWorker(model_config, OptimConfig(lr=0.1))
+    policy.model.lm_head.weight.data.add_(1.0)  # different weights than version 0
+    before = rollout.weights_checksum()
+    good = policy.weights_checksum()
+    wrong = dict(good, **{"lm_head.weight": "0" * 16})
+    with pytest.raises(WeightSyncError, match="checksum mismatch .* rolled back to version 0"):
+        await rollout.update_weights(policy.export_weights()[1], 1, expected_checksums=wrong)
+    assert rollout.version == 0 and rollout.weights_checksum() == before
+    result = await rollout.update_weights(policy.export_weights()[1], 1, expected_checksums=good)
+    assert result["checksums_verified"] and rollout.weights_checksum() == good

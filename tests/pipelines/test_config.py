@@ -1,0 +1,77 @@
+"""Config loading and validation: every mistake is a clear ConfigError before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.pipelines.cli import main
+from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, load_config
+from asyncrl.pipelines.presets import grpo_toy, ppo_toy, tiny_test
+
+
+def test_presets_are_valid_configs():
+    for preset in (grpo_toy, ppo_toy, tiny_test):
+        assert isinstance(preset().validate(), JobConfig)
+
+
+def test_yaml_then_overrides_apply_in_order(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("trainer:\n  steps: 7\n  max_staleness: 2\nactor:\n  lr: 0.01\n  betas: [0.8, 0.9]\n")
+    cfg = load_config(f, ["trainer.steps=9", "rollout.temperature=0.5", "trainer.output_dir=out"])
+    assert (cfg.trainer.steps, cfg.trainer.max_staleness, cfg.actor.lr) == (9, 2, 0.01)
+    assert cfg.actor.betas == (0.8, 0.9)
+    assert cfg.rollout.temperature == 0.5 and cfg.trainer.output_dir == "out"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.stepz=3", "unknown config key 'trainer.stepz'; did you mean 'steps'"),
+    ("bogus.x=1", "unknown config key 'bogus'"),
+    ("trainer=3", "must be a mapping|is a section"),
+    ("trainer.steps.x=1", "is a value, not a section"),
+    ("trainer.steps=many", "trainer.steps must be an integer"),
+    ("trainer.colocated=maybe", "must be true or false"),
+    ("algorithm.name=dqn", r"must be one of \['grpo', 'ppo'\]"),
+    ("trainer.steps", "is not key=value"),
+    ("trainer.steps=0", "trainer.steps must be >= 1"),
+    ("trainer.batch_size=60", "not divisible by algorithm.group_size=8"),
+    ("trainer.max_staleness=-1", "max_staleness must be >= 0"),
+    ("data.task=chess", "data.task 'chess' is unknown"),
+    ("trainer.train_workers=3", "the train pool has 3 workers but a step has 8 prompts"),
+])
+def test_bad_settings_are_rejected_with_the_key_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_unknown_yaml_key_is_rejected(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("trainer:\n  stepss: 3\n")
+    with pytest.raises(ConfigError, match="trainer.stepss"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_pools_that_do_not_fit_the_cluster_are_rejected():
+    cfg = grpo_toy()
+    cfg.trainer.rollout_workers, cfg.trainer.train_workers, cfg.trainer.cpus_per_worker = 2, 2, 1.0
+    cfg.validate(cluster_cpus=4)
+    with pytest.raises(ConfigError, match="pools need 4 CPUs .* the cluster has 3"):
+        cfg.validate(cluster_cpus=3)
+
+
+def test_fingerprint_ignores_run_length_and_reporting_but_not_the_math():
+    a, b = grpo_toy(), grpo_toy()
+    b.trainer.steps, b.trainer.output_dir, b.trainer.plot = 500, "elsewhere", False
+    assert config_fingerprint(a) == config_fingerprint(b)
+    b.actor.lr = 0.1
+    assert config_fingerprint(a) != config_fingerprint(b)
+
+
+def test_cli_reports_config_errors_with_exit_status_2(capsys):
+    assert main(["train", "trainer.batch_size=12"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+    assert main(["train", "--resume", "/definitely/not/here"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--print-config", "trainer.steps=3"]) == 0
+    assert "steps: 3" in capsys.readouterr().out

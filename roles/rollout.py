@@ -150,7 +150,8 @@ class RolloutWorker(Worker):
                                if self.config.verify_checksums else {})
         self._gate: asyncio.Event | None = None  # created on the worker's loop
         self._jobs: set[_Job] = set()
-        self._streams: dict[str, tuple[_Job, asyncio.Task[TensorDict], int, int]] = {}
+        self._streams: dict[str, tuple[_Job, asyncio.Future[None], int, int]] = {}
+        self._stream_batches: dict[str, TensorDictBase] = {}
 
     # ---- state --------------------------------------------------------------------------
 
@@ -215,7 +216,7 @@ class RolloutWorker(Worker):
                     await gate.wait()
                 idx = job.pending
                 version = self._version
-                params = job.params if job.attempt == 0 else replace(job.params, seed=job.params.seed + 7919 * job.attempt)
+                params = job.params if job.attempt == 0 else replace(job.params, seed=(job.params.seed or 0) + 7919 * job.attempt)
                 job.aborted = False
                 job.task = asyncio.ensure_future(self._consume(job, idx, version, params))
                 try:
@@ -307,7 +308,8 @@ class RolloutWorker(Worker):
     @staticmethod
     async def _next_finished(job: _Job, runner: asyncio.Future[None]) -> int:
         getter = asyncio.ensure_future(job.finished.get())
-        done, _ = await asyncio.wait({getter, runner}, return_when=asyncio.FIRST_COMPLETED)
+        waiters: set[asyncio.Future[Any]] = {getter, runner}
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         if getter in done:
             return getter.result()
         getter.cancel()
@@ -326,7 +328,6 @@ class RolloutWorker(Worker):
         runner = asyncio.ensure_future(self._run_job(job))
         runner.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._streams[request_id] = (job, runner, R, len(prompts))
-        self._stream_batches = getattr(self, "_stream_batches", {})
         self._stream_batches[request_id] = batch
         return len(prompts)
 

@@ -423,6 +423,8 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", stale=metrics["staleness/max"],
                             step_s=f"{metrics['time/step']:.2f}", refresh=False)
             bar.update(1)
+        if bar is not None and step % 10 and step + 1 != self.config.trainer.steps:
+            return  # the bar shows every step; the log gets every 10th
         log.info("train.step", step=step, reward=round(metrics["reward/mean"], 4),
                  staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
                  pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))

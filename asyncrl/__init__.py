@@ -14,7 +14,7 @@ from asyncrl.errors import (
     UpstreamError,
     WorkerDiedError,
 )
-from asyncrl.future import GroupFuture
+from asyncrl.future import GroupFuture, gather
 from asyncrl.register import (
     Dispatch,
     DispatchMode,
@@ -67,6 +67,7 @@ __all__ = [
     "WorkerGroup",
     "World",
     "colocate",
+    "gather",
     "get_dispatch_mode",
     "init",
     "register",

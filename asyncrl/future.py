@@ -26,11 +26,11 @@ from asyncrl.errors import (
 if TYPE_CHECKING:
     from asyncrl.worker_group import _Call
 
-__all__ = ["GroupFuture"]
+__all__ = ["GroupFuture", "gather"]
 
 T = TypeVar("T")
 
-_AWAIT_CHUNK = 256  # refs awaited per batch; keeps the event loop responsive under many calls
+_AWAIT_CHUNK = 64  # futures awaited per batch by gather(); keeps each event-loop iteration short
 
 
 class GroupFuture(Generic[T]):
@@ -154,8 +154,29 @@ class GroupFuture(Generic[T]):
             method=call.method,
             refs=tuple(call.collect_refs),
             metas=tuple(call.collect_metas) if call.data_parallel else None,
-            collect=call.collect_fn,
+            collect=_first if call.rank_zero else call.collect_fn,
             world=call.world,
             data_parallel=call.data_parallel,
             select=self._select,
         )
+
+
+def _first(world: Any, results: list[Any]) -> Any:
+    """Collect of RANK_ZERO calls: the single result."""
+    return results[0]
+
+
+async def gather(*futures: "GroupFuture[Any]", chunk: int = _AWAIT_CHUNK) -> list[Any]:
+    """Await many futures, `chunk` at a time, and return their results in order.
+
+    ``asyncio.gather`` over thousands of futures starts thousands of tasks in one
+    event-loop iteration; this keeps every iteration short, so other tasks on the
+    controller (heartbeats, HTTP handlers) stay responsive. All calls are already in
+    flight, so awaiting them in chunks costs no throughput. The first error is raised.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    out: list[Any] = []
+    for i in range(0, len(futures), chunk):
+        out.extend(await asyncio.gather(*futures[i:i + chunk]))
+    return out

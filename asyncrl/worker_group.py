@@ -302,11 +302,16 @@ class _Call:
         if self.cancelled:
             raise CallCancelledError(f"{self.group.name}.{self.method} was cancelled")
         positions = self.collect_index
+        if len(self.refs) == 1 and not self.data_parallel:  # fast path: one rank, nothing to merge
+            return self._finish([await self._wait(0, self.refs[0])])
         others = [i for i in range(len(self.refs)) if i not in set(positions)]
-        values, _ = await asyncio.gather(
-            self._gather(positions, self.collect_refs),
-            self._gather(others, [self.refs[i] for i in others]),  # errors of non-collecting ranks surface too
-        )
+        if others:
+            values, _ = await asyncio.gather(
+                self._gather(positions, self.collect_refs),
+                self._gather(others, [self.refs[i] for i in others]),  # errors of non-collecting ranks surface too
+            )
+        else:
+            values = await self._gather(positions, self.collect_refs)
         if self.data_parallel:
             metas = await self._gather(positions, self.collect_metas)  # type: ignore[arg-type]
             values = [B.strip_tail(v, pad) for v, (_, pad) in zip(values, metas)]
@@ -502,6 +507,9 @@ class WorkerGroup(Generic[W]):
     def __getattr__(self, name: str) -> GroupMethod[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
+        cache = self.__dict__.setdefault("_bound", {})
+        if name in cache:
+            return cache[name]
         spec = self.__dict__.get("_methods", {}).get(name)
         if spec is None:
             attr = getattr(self.__dict__.get("cls"), name, None)
@@ -510,7 +518,8 @@ class WorkerGroup(Generic[W]):
                 hint = (f"; {self.cls.__name__}.{name} exists but is not registered: decorate it with "
                         f"@asyncrl.register(dispatch_mode=...) to call it on the group")
             raise AttributeError(f"{type(self).__name__} {self.__dict__.get('name')!r} has no method {name!r}{hint}")
-        return GroupMethod(self, spec)
+        cache[name] = GroupMethod(self, spec)
+        return cache[name]
 
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(self._methods))

@@ -6,6 +6,7 @@ The only module that imports ray (with :mod:`asyncrl.runtime`, which starts it).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any, Sequence
 
@@ -59,6 +60,89 @@ async def await_ray(ref: Any) -> Any:
         raise _translate(e) from None
 
 
+_NATIVE_LIMIT = 256  # refs awaited through Ray's asyncio integration at once; more go to the resolver thread
+_DELIVER_BATCH = 128  # results handed to the event loop per loop iteration
+
+
+class _Resolver:
+    """Resolves ObjectRefs in a background thread once many are in flight.
+
+    Awaiting thousands of refs through Ray's asyncio integration makes their
+    completions land on the event loop all at once (measured here: the loop stalls
+    for more than a second with 10,000 refs). Past `_NATIVE_LIMIT` outstanding refs,
+    a thread waits on them with ``ray.wait``, fetches the values, and hands them to
+    the loop in batches of `_DELIVER_BATCH` per iteration.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[Any, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]]] = {}
+        self._thread: threading.Thread | None = None
+        self.native = 0
+
+    async def wait(self, ref: Any) -> Any:
+        if self.native < _NATIVE_LIMIT:
+            self.native += 1
+            try:
+                return await await_ray(ref)
+            finally:
+                self.native -= 1
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        with self._cond:
+            self._pending.setdefault(ref, []).append((loop, fut))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="asyncrl-resolver", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        ok, value = await fut
+        if ok:
+            return value
+        raise _translate(value) from None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    if not self._cond.wait(timeout=5.0) and not self._pending:
+                        self._thread = None
+                        return
+                refs = list(self._pending)
+            try:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.002, fetch_local=True)
+            except Exception:  # Ray shut down under us
+                ready = refs
+            if not ready:
+                continue
+            done = []
+            for r in ready:
+                try:
+                    done.append((r, (True, ray.get(r))))
+                except Exception as e:
+                    done.append((r, (False, e)))
+            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
+            with self._cond:
+                for r, outcome in done:
+                    for loop, fut in self._pending.pop(r, []):
+                        by_loop.setdefault(loop, []).append((fut, outcome))
+            for loop, items in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver, loop, items)
+                except RuntimeError:  # that loop is closed
+                    pass
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Future[Any], Any]]) -> None:
+    for fut, outcome in items[:_DELIVER_BATCH]:
+        if not fut.done():
+            fut.set_result(outcome)
+    if len(items) > _DELIVER_BATCH:
+        loop.call_soon(_deliver, loop, items[_DELIVER_BATCH:])
+
+
+_RESOLVER = _Resolver()
+
+
 class RayBackend:
     name = "ray"
     needs_pool = True
@@ -107,7 +191,7 @@ class RayBackend:
             pass
 
     async def wait(self, ref: Any) -> Any:
-        return await await_ray(ref)
+        return await _RESOLVER.wait(ref)
 
     def get(self, refs: Sequence[Any], timeout: float | None) -> list[Any]:
         try:

@@ -80,7 +80,9 @@ class Probe(Worker):
     @register(Dispatch.DP_COMPUTE)
     def repeat_rows(self, batch: TensorDict) -> TensorDict:
         """Not row-preserving: two output rows per input row (like n samples per prompt)."""
-        return TensorDict({"x": batch["x"].repeat_interleave(2)}, batch_size=[2 * batch.batch_size[0]])
+        out = TensorDict({"x": batch["x"].repeat_interleave(2)}, batch_size=[2 * batch.batch_size[0]])
+        out["prompt"] = [p for p in batch["prompt"] for _ in range(2)]
+        return out
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     def shard_rows(self, batch: TensorDict) -> int:
@@ -160,6 +162,14 @@ class Probe(Worker):
         except asyncio.CancelledError:
             self.log.append(-1)
             raise
+
+    @register(concurrent=True)
+    async def peek_log(self) -> list[int]:
+        return list(self.log)
+
+    @register(concurrent=True)
+    async def noop(self, i: int) -> int:
+        return i
 
     @register()
     def pid(self) -> int:

@@ -1,0 +1,47 @@
+"""asyncrl.pipelines: the async RL trainers, the synchronous baseline and the main job.
+
+See docs/pipelines.md. ``asyncrl train`` runs :func:`asyncrl.pipelines.cli.main`.
+"""
+
+from asyncrl.pipelines.buffer import BufferStatistics, StaleSampleError, StalenessBuffer
+from asyncrl.pipelines.config import (
+    AlgorithmConfig,
+    ConfigError,
+    DataConfig,
+    JobConfig,
+    TrainerConfig,
+    config_fingerprint,
+    load_config,
+)
+from asyncrl.pipelines.presets import grpo_toy, ppo_toy, tiny_test
+from asyncrl.pipelines.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.sync import run_sequential, sequential_fit
+from asyncrl.pipelines.trace import Tracer
+from asyncrl.pipelines.trainer import GRPOTrainer, PPOTrainer, RolloutBatch, Trainer, build_groups, make_trainer
+
+__all__ = [
+    "AdvantageWorker",
+    "AlgorithmConfig",
+    "BufferStatistics",
+    "ConfigError",
+    "DataConfig",
+    "GRPOTrainer",
+    "Groups",
+    "JobConfig",
+    "PPOTrainer",
+    "RolloutBatch",
+    "StaleSampleError",
+    "StalenessBuffer",
+    "Tracer",
+    "Trainer",
+    "TrainerConfig",
+    "build_groups",
+    "config_fingerprint",
+    "grpo_toy",
+    "load_config",
+    "make_trainer",
+    "ppo_toy",
+    "run_sequential",
+    "sequential_fit",
+    "tiny_test",
+]

@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _StderrLogger:
+    """Writes each rendered line to the *current* ``sys.stderr`` (it may be swapped, e.g. by pytest)."""
+
+    def msg(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
 def _configure_logging() -> None:
     import structlog
 
@@ -46,7 +55,7 @@ def _configure_logging() -> None:
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="%H:%M:%S"),
                     structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *args: _StderrLogger(),
     )
 
 

@@ -71,8 +71,8 @@ class WorkerHost:
 
     def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False) -> None:
         self._local = local
-        self._arrived: set[int] = set()
-        self._skipped: set[int] = set()
+        self._running: dict[int, asyncio.Task[Any]] = {}  # call id -> the task running it
+        self._cancelled: collections.OrderedDict[int, None] = collections.OrderedDict()  # cancelled before arrival
         self._workers: dict[str, Any] = {}
         self._specs: dict[str, RoleSpec] = {}
         self._methods: dict[str, dict[str, Any]] = {}
@@ -142,8 +142,7 @@ class WorkerHost:
     # ---- ordering -----------------------------------------------------------------------
 
     async def _wait_turn(self, seq: int) -> None:
-        if seq in self._skipped or seq < self._next_seq or seq in self._finished:
-            self._skipped.discard(seq)
+        if seq < self._next_seq or seq in self._finished:
             raise asyncio.CancelledError(f"ordered call {seq} was cancelled before it started")
         if seq == self._next_seq:
             return
@@ -165,13 +164,20 @@ class WorkerHost:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def skip(self, seqs: list[int]) -> None:
-        """Mark ordered calls that never arrived (cancelled while queued) as done, so
-        later calls do not wait for them. A call that already arrived releases its
-        turn itself when it ends."""
-        for seq in seqs:
-            if seq not in self._arrived and seq >= self._next_seq:
-                self._skipped.add(seq)
+    def cancel_calls(self, entries: list[tuple[int, int | None]]) -> None:
+        """Cancel calls by id: a running or waiting call's task is cancelled; a call
+        that has not arrived yet is refused when it does, and its ordered turn is
+        released now so later calls do not wait for it. (Ray's own cancellation can
+        lose the race with a call that is just being delivered; this cannot.)"""
+        for call_id, seq in entries:
+            task = self._running.get(call_id)
+            if task is not None:
+                task.cancel()
+                continue
+            self._cancelled[call_id] = None
+            while len(self._cancelled) > 100_000:
+                self._cancelled.popitem(last=False)
+            if seq is not None:
                 self._release(seq)
 
     # ---- calls --------------------------------------------------------------------------
@@ -181,6 +187,7 @@ class WorkerHost:
         role: str,
         method: str,
         seq: int | None,
+        call_id: int,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         in_pad: int | None,
@@ -195,11 +202,12 @@ class WorkerHost:
         if mspec is None:
             raise RemoteError(spec.group, method, spec.context.rank, "RegistrationError",
                               f"{spec.cls.__name__}.{method} is not registered", "")
-        if seq is not None:
-            if seq in self._skipped:
-                self._skipped.discard(seq)
-                raise asyncio.CancelledError(f"ordered call {seq} was cancelled before it started")
-            self._arrived.add(seq)
+        if call_id in self._cancelled:
+            del self._cancelled[call_id]
+            raise asyncio.CancelledError(f"call {call_id} was cancelled before it arrived")
+        task = asyncio.current_task()
+        if task is not None:
+            self._running[call_id] = task
         resolving = asyncio.ensure_future(self._resolve(spec, method, args, kwargs))
         try:
             if seq is not None:
@@ -228,8 +236,8 @@ class WorkerHost:
         finally:
             if not resolving.done():
                 resolving.cancel()
+            self._running.pop(call_id, None)
             if seq is not None:
-                self._arrived.discard(seq)
                 self._release(seq)
 
     async def _resolve(self, spec: RoleSpec, method: str, args: Any, kwargs: Any) -> Any:

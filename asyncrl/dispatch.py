@@ -149,7 +149,7 @@ def _split(world_size: int, names_values: list[tuple[str, Any]], group: str) -> 
     pads: list[int] | None = None  # futures: each worker learns its padding from the producer
     if lengths:
         n = next(iter(lengths.values()))
-        size, rows, pads = B.shard_plan(n, world_size)
+        picks, pads = _shard_picks(n, world_size)
     for name, v in names_values:
         if isinstance(v, Broadcast):
             out.append([v.value] * world_size)
@@ -159,11 +159,28 @@ def _split(world_size: int, names_values: list[tuple[str, Any]], group: str) -> 
             out.append([DeferredShard(src, r, world_size) for r in range(world_size)])
         else:
             if isinstance(v, TensorDictBase) or B.is_batch(v):
-                if n % world_size == 0:
-                    out.append([B.take_rows(v, slice(r * size, (r + 1) * size)) for r in range(world_size)])
-                else:
-                    out.append([B.take_rows(v, rows[r]) for r in range(world_size)])
+                out.append([B.take_rows(v, picks[r]) for r in range(world_size)])
     return out, pads
+
+
+def _shard_picks(n_rows: int, world_size: int) -> tuple[list[slice | list[int]], list[int]]:
+    """The rows of each shard as :func:`asyncrl.batch.shard_plan` lays them out, without
+    building per-row lists for shards that hold no padding: those are slices (views of
+    the input, no copy, O(1) work); only a shard with padding rows gets an index list."""
+    if n_rows <= 0:
+        B.shard_plan(n_rows, world_size)  # raises its error for an empty batch
+    size = -(-n_rows // world_size)
+    picks: list[slice | list[int]] = []
+    pads: list[int] = []
+    for r in range(world_size):
+        start, stop = r * size, (r + 1) * size
+        if stop <= n_rows:
+            picks.append(slice(start, stop))
+            pads.append(0)
+        else:
+            picks.append([g if g < n_rows else (g - n_rows) % n_rows for g in range(start, stop)])
+            pads.append(stop - max(n_rows, start))
+    return picks, pads
 
 
 def dispatch_dp(world: World, *args: Any, **kwargs: Any) -> Sharded:

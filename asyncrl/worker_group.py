@@ -48,6 +48,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _group_ids = itertools.count()
+_call_ids = itertools.count()
 
 
 @dataclass
@@ -186,14 +187,14 @@ class _Call:
     """One issued group call: the state shared by its futures."""
 
     def __init__(self, group: "WorkerGroup[Any]", spec: MethodSpec, ranks: list[int], refs: list[Any],
-                 metas: list[Any] | None, seqs: list[tuple[int, int]], timeout: float | None) -> None:
+                 metas: list[Any] | None, ids: list[tuple[int, int, int | None]], timeout: float | None) -> None:
         self.group = group
         self.spec = spec
         self.method = spec.name
         self.ranks = ranks
         self.refs = refs
         self.metas = metas
-        self.seqs = seqs
+        self.ids = ids  # (rank, call id, ordered sequence number or None)
         self.cancelled = False
         self.data_parallel = spec.dispatch_mode.data_parallel
         self.rank_zero = spec.execute_mode is Execute.RANK_ZERO
@@ -249,8 +250,8 @@ class _Call:
             self.backend.cancel(ref)
         hs = self.group._hostset
         if hs.state == "ready":
-            for host_index, seq in self.seqs:
-                self.backend.skip(hs.hosts[host_index], [seq])
+            for rank, call_id, seq in self.ids:
+                self.backend.cancel_calls(hs.hosts[rank], [(call_id, seq)])
 
     # ---- resolution ---------------------------------------------------------------
 
@@ -572,7 +573,7 @@ class WorkerGroup(Generic[W]):
         if mode.mesh is not None and spec.execute_mode is not Execute.RANK_ZERO:
             keep = [r.collect for r in world.mesh(mode.mesh)]
         hs = self._hostset
-        refs, metas, seqs = [], [], []
+        refs, metas, ids = [], [], []
         for r in ranks:
             a = tuple(_defer(x[r]) for x in sharded.args)
             k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
@@ -580,14 +581,15 @@ class WorkerGroup(Generic[W]):
             if spec.mode is Mode.ORDERED:
                 seq = hs.next_seq[r]
                 hs.next_seq[r] += 1
-                seqs.append((r, seq))
+            call_id = next(_call_ids)
+            ids.append((r, call_id, seq))
             pad = sharded.pad[r] if sharded.pad is not None else None
-            ref, meta = hs.backend.submit(hs.hosts[r], self._role, spec.name, seq, a, k, pad,
+            ref, meta = hs.backend.submit(hs.hosts[r], self._role, spec.name, seq, call_id, a, k, pad,
                                           mode.data_parallel, keep[r])
             refs.append(ref)
             metas.append(meta)
         self.stats.calls += 1
-        call = _Call(self, spec, ranks, refs, metas if mode.data_parallel else None, seqs, timeout)
+        call = _Call(self, spec, ranks, refs, metas if mode.data_parallel else None, ids, timeout)
         return GroupFuture(call)
 
 

@@ -51,14 +51,14 @@ class LocalBackend:
             result = await result
         return result
 
-    def submit(self, host: WorkerHost, role: str, method: str, seq: int | None, args: tuple[Any, ...],
+    def submit(self, host: WorkerHost, role: str, method: str, seq: int | None, call_id: int, args: tuple[Any, ...],
                kwargs: dict[str, Any], in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
         loop = asyncio.get_running_loop()
         args = tuple(_roundtrip(a) for a in args)
         kwargs = {k: _roundtrip(v) for k, v in kwargs.items()}
 
         async def run() -> Any:
-            out = await host.call(role, method, seq, args, kwargs, in_pad, want_meta, keep)
+            out = await host.call(role, method, seq, call_id, args, kwargs, in_pad, want_meta, keep)
             return _roundtrip(out)
 
         task = loop.create_task(run())
@@ -86,8 +86,8 @@ class LocalBackend:
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
         return payload, meta
 
-    def skip(self, host: WorkerHost, seqs: list[int]) -> None:
-        host.skip(seqs)
+    def cancel_calls(self, host: WorkerHost, entries: list[tuple[int, int | None]]) -> None:
+        host.cancel_calls(entries)
 
     def cancel(self, ref: Any) -> None:
         task = getattr(ref, "_asyncrl_task", ref)

@@ -174,15 +174,16 @@ class RayBackend:
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         return await await_ray(getattr(host, method).remote(*args))
 
-    def submit(self, host: Any, role: str, method: str, seq: int | None, args: tuple[Any, ...],
+    def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, args: tuple[Any, ...],
                kwargs: dict[str, Any], in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
         if want_meta:
-            ref, meta = host.call.options(num_returns=2).remote(role, method, seq, args, kwargs, in_pad, True, keep)
+            ref, meta = host.call.options(num_returns=2).remote(role, method, seq, call_id, args, kwargs, in_pad,
+                                                                True, keep)
             return ref, meta
-        return host.call.remote(role, method, seq, args, kwargs, in_pad, False, keep), None
+        return host.call.remote(role, method, seq, call_id, args, kwargs, in_pad, False, keep), None
 
-    def skip(self, host: Any, seqs: list[int]) -> None:
-        host.skip.remote(seqs)
+    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]]) -> None:
+        host.cancel_calls.remote(entries)
 
     def cancel(self, ref: Any) -> None:
         try:

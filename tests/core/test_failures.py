@@ -1,0 +1,134 @@
+"""Failure semantics (C5, C6): deadlines, cancellation, worker death. No call may hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import pytest_asyncio
+
+from asyncrl import (
+    CallCancelledError,
+    CallTimeoutError,
+    GroupBrokenError,
+    LocalWorkerGroup,
+    RayWorkerGroup,
+    WorkerDiedError,
+)
+from tests.core.workers import Probe
+
+BACKENDS = ["ray", "local"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
+async def wg(request, ray_cluster):
+    G = RayWorkerGroup if request.param == "ray" else LocalWorkerGroup
+    async with G(Probe, world_size=2, name=f"fail-{request.param}") as group:
+        yield group
+
+
+async def until(predicate, what: str, deadline: float = 30.0):
+    """Poll a remote condition with a deadline (it cannot be awaited directly)."""
+    async with asyncio.timeout(deadline):
+        while not await predicate():
+            await asyncio.sleep(0.02)
+
+
+async def started_and_cancelled(wg):
+    logs = await wg.peek_log()
+    return logs
+
+
+async def test_timeout_fails_with_typed_error_and_cancels_the_remote_work(wg):
+    await wg.get_log()
+    with pytest.raises(CallTimeoutError, match="wait_forever did not finish within its timeout") as info:
+        await wg.wait_forever.options(timeout=0.5)("x")
+    assert isinstance(info.value, TimeoutError)
+    await until(lambda: _logs_are(wg, [[1, -1], [1, -1]]), "remote coroutine saw the cancellation")
+
+
+async def _logs_are(wg, want):
+    return await wg.peek_log() == want
+
+
+async def test_cancelling_the_awaiting_task_cancels_the_remote_call(wg):
+    await wg.get_log()
+    fut = wg.wait_forever("y")
+    task = asyncio.ensure_future(fut)
+    await until(lambda: _logs_are(wg, [[1], [1]]), "the call started on both ranks")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: _logs_are(wg, [[1, -1], [1, -1]]), "remote coroutine saw the cancellation")
+    with pytest.raises(CallCancelledError):
+        await fut
+
+
+async def test_future_cancel_reaches_the_worker(wg):
+    await wg.get_log()
+    fut = wg.wait_forever("z")
+    await until(lambda: _logs_are(wg, [[1], [1]]), "the call started on both ranks")
+    assert fut.cancel() is True
+    with pytest.raises(CallCancelledError):
+        await fut
+    await until(lambda: _logs_are(wg, [[1, -1], [1, -1]]), "remote coroutine saw the cancellation")
+    assert fut.cancelled() and fut.done()
+
+
+async def test_a_cancelled_queued_ordered_call_does_not_block_later_ones(wg):
+    await wg.get_log()
+    gate = wg.gather_at_barrier(2)
+    first = wg.record_value(gate)  # holds the order until the gate opens
+    second = wg.record(5)
+    third = wg.record(6)
+    second.cancel()
+    await wg.gather_at_barrier(2)  # open the gate
+    assert await first == [2, 2] and await third == [6, 6]
+    with pytest.raises(CallCancelledError):
+        await second
+    assert await wg.get_log() == [[2, 6], [2, 6]]
+
+
+async def test_timeout_must_be_positive(wg):
+    for bad in (0, -1, "1", True):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            wg.add.options(timeout=bad)
+    fut = wg.add(1)
+    await fut
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        await asyncio.to_thread(fut.result, -1)
+
+
+async def test_result_refuses_to_block_inside_a_running_loop(wg):
+    fut = wg.add(1)
+    with pytest.raises(RuntimeError, match="use `await future`"):
+        fut.result()
+    assert await fut == [1, 2]
+
+
+async def test_result_blocks_in_a_thread_without_a_loop(wg):
+    if wg._hostset.backend.name != "ray":
+        pytest.skip("the local backend needs an event loop")
+    fut = wg.add(1)
+    assert await asyncio.to_thread(fut.result, 30) == [1, 2]
+    slow = wg.wait_forever("r")
+    with pytest.raises(CallTimeoutError):
+        await asyncio.to_thread(slow.result, 0.3)
+
+
+async def test_sigkilled_worker_fails_pending_futures_fast_and_breaks_the_group(ray_cluster):
+    async with RayWorkerGroup(Probe, world_size=2, name="doomed") as wg:
+        pids = await wg.pid()
+        pending = wg.wait_forever("k")
+        await until(lambda: _logs_are(wg, [[1], [1]]), "the call started")
+        os.kill(pids[1], signal.SIGKILL)
+        async with asyncio.timeout(5):  # the contract: a typed error within 5 seconds, never a hang
+            with pytest.raises(WorkerDiedError) as info:
+                await pending
+        e = info.value
+        assert (e.group, e.method, e.rank) == ("doomed", "wait_forever", 1)
+        assert wg.broken
+        with pytest.raises(GroupBrokenError, match="rank 1 died"):
+            wg.add(1)

@@ -55,6 +55,11 @@ class Args:
     """``torch.set_flush_denormal(True)`` in this process (the HF engine's). Without it the HF engine's
     left-padded batches hit float32 denormals and run up to ~100x slower on x86 (measured: 45 vs 3,775
     tok/s at batch 8); vLLM runs in its own processes and is unaffected."""
+    hf_threads: int | None = 1
+    """Torch intra-op threads of this process (the HF engine's); None keeps torch's default. 1 by
+    default: on the shared 2-core machine, 2 OpenMP threads stalled at barriers (HF batch 64 varied
+    257-9,656 tok/s between runs; with 1 thread, 5 calls within +-20%). vLLM's engine core also
+    drops to 1 torch thread."""
     engines: list[str] = field(default_factory=lambda: ["hf", "vllm"])
     """Engines to run, by registry name; the first is the ratio's baseline."""
     out: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout_throughput.md")
@@ -73,6 +78,7 @@ def parse_args() -> Args:
     p.add_argument("--num-heads", type=int, default=d.num_heads)
     p.add_argument("--num-layers", type=int, default=d.num_layers)
     p.add_argument("--model-dir", default=d.model_dir)
+    p.add_argument("--hf-threads", type=int, default=d.hf_threads, help="0 keeps torch's default")
     p.add_argument("--no-flush-denormal", dest="flush_denormal", action="store_false")
     p.add_argument("--engines", nargs="+", default=d.engines)
     p.add_argument("--out", default=d.out)
@@ -176,14 +182,14 @@ def render(rows: list[Row], args: Args, skipped: dict[str, str], model_desc: str
         f"# Rollout throughput: {' vs '.join(args.engines)}",
         "",
         f"Run {datetime.datetime.now().isoformat(timespec='seconds')} on {platform.machine()} ({ncpu} CPUs visible, "
-        f"{'CUDA' if _cuda() else 'no GPU'}); {versions()}.",
+        f"{'CUDA' if _cuda() else 'no GPU'}; load average {os.getloadavg()[0]:.1f} at the end); {versions()}.",
         "",
         f"Model: {model_desc}. Prompts: {', '.join(str(b) for b in args.batch_sizes)} token-id prompts "
         f"(5-12 tokens); SamplingParams(max_new_tokens={args.max_new_tokens}, temperature={args.temperature}, "
         f"seed={args.seed}) for every engine. Tokens/s = generated tokens (EOS included) / wall time of one "
         f"`generate` call; median of {args.repeats} timed calls per cell, engines alternating call by call "
         f"after one warm-up call each (the machine's cores are shared, so single calls are noisy). "
-        f"Flush-denormal {'on' if args.flush_denormal else 'OFF'} in the HF engine's process "
+        f"HF engine: {_threads()} torch thread(s), flush-denormal {'on' if args.flush_denormal else 'OFF'} "
         f"(`torch.set_flush_denormal`; off, the HF engine's padded batches slow down up to ~100x).",
         "",
         *lines,
@@ -198,6 +204,12 @@ def render(rows: list[Row], args: Args, skipped: dict[str, str], model_desc: str
     return "\n".join(notes)
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _cuda() -> bool:
     import torch
 
@@ -210,6 +222,8 @@ def main() -> None:
     import torch
 
     torch.set_flush_denormal(args.flush_denormal)
+    if args.hf_threads:
+        torch.set_num_threads(args.hf_threads)
     from asyncrl.roles.models import ModelConfig, load_model, save_model_dir
 
     if args.model_dir:

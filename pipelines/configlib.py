@@ -58,7 +58,7 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         if value not in allowed:
             raise ConfigError(f"{path} must be one of {list(allowed)}, got {value!r}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
@@ -166,7 +166,7 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
 
 def _section_type(cls: type, name: str, path: str) -> type:
     tp = _hints(cls)[name]
-    if not dataclasses.is_dataclass(tp):
+    if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
         raise ConfigError(f"{path} is a value, not a section; write {path}=VALUE")
     return tp
 

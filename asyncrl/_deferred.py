@@ -80,6 +80,7 @@ async def resolve_value(d: DeferredValue, wait: Awaiter) -> Any:
     if s.data_parallel:
         metas = await asyncio.gather(*(wait(m) for m in s.metas))  # type: ignore[union-attr]
         outs = [B.strip_tail(o, pad) for o, (_, pad) in zip(outs, metas)]
+    assert s.collect is not None  # a Source always carries its producer's collect
     return _select(s.collect(s.world, list(outs)), s.select, s)
 
 
@@ -110,14 +111,14 @@ async def resolve_shard(d: DeferredShard, wait: Awaiter) -> tuple[Any, int]:
     needed = sorted({i for i, _ in loc})
     fetched = await asyncio.gather(*(wait(s.refs[i]) for i in needed))
     by_shard = dict(zip(needed, fetched))
-    pieces, run_shard, run_rows = [], None, []  # one take per run of rows from one shard
-    for i, r in loc + [(None, None)]:
-        if i != run_shard and run_rows:
+    pieces: list[Any] = []  # one take per run of consecutive rows from one shard
+    run_shard, run_rows = loc[0][0], list[int]()
+    for i, r in loc:
+        if i != run_shard:
             pieces.append(B.take_rows(by_shard[run_shard], run_rows))
-            run_rows = []
-        run_shard = i
-        if i is not None:
-            run_rows.append(r)
+            run_shard, run_rows = i, []
+        run_rows.append(r)
+    pieces.append(B.take_rows(by_shard[run_shard], run_rows))
     return _select(B.concat(pieces), s.select, s), pads[d.index]
 
 

@@ -153,7 +153,7 @@ class GroupFuture(Generic[T]):
             group=call.group.name,
             method=call.method,
             refs=tuple(call.collect_refs),
-            metas=tuple(call.collect_metas) if call.data_parallel else None,
+            metas=tuple(call.collect_metas) if call.collect_metas is not None else None,
             collect=_first if call.rank_zero else call.collect_fn,
             world=call.world,
             data_parallel=call.data_parallel,

@@ -42,6 +42,11 @@ def init(
     (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``); a worker then receives read-only
     views and must copy an input before writing to it in place.
 
+    The embedded Ray advertises `num_cpus` logical CPUs; by default at least 16 (or
+    the machine's count if larger), so that a few small workers fit on a laptop. Ray
+    CPUs are scheduling units, not cores: pass ``num_cpus=os.cpu_count()`` for strict
+    accounting.
+
     Returns Ray's cluster resources.
     """
     import ray
@@ -72,13 +77,13 @@ def init(
             address="local",  # always a new embedded instance, never another driver's
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
-            num_cpus=num_cpus,
+            num_cpus=num_cpus if num_cpus is not None else max(os.cpu_count() or 1, 16),
             num_gpus=num_gpus,
             configure_logging=True,
             **kwargs,
             **ray_kwargs,
         )
-        log.info("ray.started", num_cpus=num_cpus)
+        log.info("ray.started", cpus=ray.cluster_resources().get("CPU"))
     return ray.cluster_resources()
 
 

@@ -258,6 +258,8 @@ class _Call:
     def resolution(self) -> asyncio.Future[Any]:
         if self._task is None:
             self._task = asyncio.ensure_future(self._resolve())
+            # The awaiter may be gone (cancelled); do not report the error as never retrieved.
+            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return self._task
 
     def _timeout_error(self) -> CallTimeoutError:
@@ -331,7 +333,7 @@ class _Call:
             raise CallCancelledError(f"{self.group.name}.{self.method} was cancelled")
         try:
             values = self.backend.get(self.refs, timeout)
-            metas = self.backend.get(self.collect_metas, timeout) if self.data_parallel else None
+            metas = self.backend.get(self.collect_metas, timeout) if self.collect_metas is not None else None
         except TimeoutError:
             self._timed_out = True
             self._cancel_remote()

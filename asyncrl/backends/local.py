@@ -18,7 +18,7 @@ from asyncrl._host import WorkerHost
 try:
     from ray import cloudpickle as _pickle
 except Exception:  # pragma: no cover
-    _pickle = pickle  # type: ignore[assignment]
+    _pickle = pickle
 
 
 def _roundtrip(x: Any) -> Any:

@@ -22,7 +22,7 @@ from asyncrl import Dispatch, RayWorkerGroup, Worker, register
 @dataclass(kw_only=True)
 class Args:
     rows: int = 1000
-    """Rows in the batch."""
+    """Rows in the batch (a multiple of 4, see `checksum`)."""
     width: int = 1024
     """Floats per row (the payload that should never reach the controller)."""
 
@@ -39,6 +39,8 @@ class Stage(Worker):
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     def checksum(self, batch: TensorDict) -> float:
+        # A per-rank metric sees its shard as dispatched, padding rows included:
+        # keep `rows` a multiple of the world size here (DP_COMPUTE results are unpadded).
         return float(batch["x"][:, 0].sum())
 
     @register(concurrent=True)

@@ -7,5 +7,5 @@ import importlib
 
 async def test_pipelining_example(ray_cluster):
     ex = importlib.import_module("examples.pipelining")
-    result = await ex.main(ex.Args(rows=50, width=8))
-    assert result == {"total": 2 * sum(range(50)), "bytes_fetched": 0}
+    result = await ex.main(ex.Args(rows=48, width=8))
+    assert result == {"total": 2 * sum(range(48)), "bytes_fetched": 0}

@@ -13,7 +13,7 @@ __all__ = ["plot_report"]
 def plot_report(history: list[dict[str, Any]], tracer: Tracer, path: str | Path) -> Path | None:
     """Write a PNG with the mean reward per step and a timeline of the stage spans per group.
 
-    Returns None (and writes nothing) when matplotlib is not installed (extra ``plot``).
+    Returns None (and writes nothing) when matplotlib is not installed.
     """
     try:
         import matplotlib

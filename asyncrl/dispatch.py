@@ -9,7 +9,7 @@ Padding rows are stripped before ``collect`` runs for data-parallel modes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from tensordict import TensorDictBase
@@ -156,7 +156,12 @@ def _split(world_size: int, names_values: list[tuple[str, Any]], group: str) -> 
         elif isinstance(v, _REPLICATED):
             out.append([v] * world_size)
         elif (src := _source_of(v)) is not None:
-            out.append([DeferredShard(src, r, world_size) for r in range(world_size)])
+            if src.data_parallel and src.metas is not None and len(src.refs) == world_size:
+                # Matched layouts: rank r needs only the producer's rank-r output.
+                out.append([DeferredShard(replace(src, refs=(src.refs[r],), metas=(src.metas[r],)), 0, 1)
+                            for r in range(world_size)])
+            else:
+                out.append([DeferredShard(src, r, world_size) for r in range(world_size)])
         else:
             if isinstance(v, TensorDictBase) or B.is_batch(v):
                 out.append([B.take_rows(v, picks[r]) for r in range(world_size)])

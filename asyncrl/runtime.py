@@ -56,6 +56,14 @@ def init(
     quiet_tensor_warnings()
     if zero_copy_tensors:
         os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
+        # Ray reads the variable once, when it is imported; the controller's own
+        # serializer is built at ray.init from this constant, so set it too.
+        try:
+            from ray._private import ray_constants
+
+            ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS = os.environ["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "1"
+        except (ImportError, AttributeError):  # a Ray without the constant: the variable is all there is
+            pass
     env_vars = {k: os.environ[k] for k in ("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS",) if k in os.environ}
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = dict(

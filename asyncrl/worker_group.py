@@ -63,6 +63,26 @@ class GroupStats:
     """Per-rank results fetched into the controller."""
 
 
+class _AsyncResource:
+    """`async with` for objects with `setup()` and `close()`: close on every path."""
+
+    async def setup(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Any:
+        try:
+            return await self.setup()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
 class _HostSet:
     """The worker processes behind one group, or behind several colocated groups."""
 
@@ -394,7 +414,7 @@ class GroupMethod(Generic[P, R]):
         return f"<GroupMethod {self._group.name}.{self.spec.name}{self.__signature__}>"
 
 
-class WorkerGroup(Generic[W]):
+class WorkerGroup(_AsyncResource, Generic[W]):
     """A group of `world_size` workers of class `cls`, run by a backend.
 
     Build it, then ``await wg.setup()`` (or ``async with wg:``) to start the workers;
@@ -491,14 +511,7 @@ class WorkerGroup(Generic[W]):
             await asyncio.shield(self._hostset.close())
 
     async def __aenter__(self) -> "WorkerGroup[W]":
-        try:
-            return await self.setup()
-        except BaseException:
-            await self.close()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        return await super().__aenter__()  # type: ignore[no-any-return,unused-ignore]
 
     def _mark_broken(self, rank: int | None, detail: str) -> None:
         if self._broken is None:
@@ -606,22 +619,38 @@ def _defer(x: Any) -> Any:
     return x
 
 
-class RayWorkerGroup(WorkerGroup[W]):
+def _backend(name: str) -> Backend:
+    if name == "ray":
+        from asyncrl.backends.ray import RayBackend
+
+        return RayBackend()
+    if name == "local":
+        from asyncrl.backends.local import LocalBackend
+
+        return LocalBackend()
+    raise ValueError(f"backend must be 'ray' or 'local', got {name!r}")
+
+
+class _BackendGroup(WorkerGroup[W]):
+    _BACKEND: str
+
+    def __init__(self, cls: type[W], pool: ResourcePool | None = None, *, world_size: int | None = None,
+                 args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                 env: Mapping[str, str] | None = None, name: str | None = None) -> None:
+        super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
+                         backend=_backend(self._BACKEND))
+
+
+class RayWorkerGroup(_BackendGroup[W]):
     """A :class:`WorkerGroup` whose workers are Ray actors placed on a :class:`ResourcePool`.
 
     Starts an embedded local Ray if none is running (see :func:`asyncrl.init`).
     """
 
-    def __init__(self, cls: type[W], pool: ResourcePool | None = None, *, world_size: int | None = None,
-                 args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None, name: str | None = None) -> None:
-        from asyncrl.backends.ray import RayBackend
-
-        super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
-                         backend=RayBackend())
+    _BACKEND = "ray"
 
 
-class LocalWorkerGroup(WorkerGroup[W]):
+class LocalWorkerGroup(_BackendGroup[W]):
     """A :class:`WorkerGroup` whose workers are objects in this process.
 
     Same dispatch, ordering, padding, pipelining and error semantics as
@@ -630,16 +659,10 @@ class LocalWorkerGroup(WorkerGroup[W]):
     Needs a running event loop; ``result()`` is not available.
     """
 
-    def __init__(self, cls: type[W], pool: ResourcePool | None = None, *, world_size: int | None = None,
-                 args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None, name: str | None = None) -> None:
-        from asyncrl.backends.local import LocalBackend
-
-        super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
-                         backend=LocalBackend())
+    _BACKEND = "local"
 
 
-class Colocated:
+class Colocated(_AsyncResource):
     """Several worker classes sharing each worker process; each is its own group.
 
     ``async with colocate({"actor": PolicyWorker, "ref": ReferenceWorker}, pool) as groups:``
@@ -665,14 +688,7 @@ class Colocated:
             await g.close()
 
     async def __aenter__(self) -> "Colocated":
-        try:
-            return await self.setup()
-        except BaseException:
-            await self.close()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        return await super().__aenter__()  # type: ignore[no-any-return,unused-ignore]
 
 
 def colocate(
@@ -690,13 +706,7 @@ def colocate(
     """
     if not roles:
         raise ValueError("colocate() needs at least one role")
-    if backend == "ray":
-        from asyncrl.backends.ray import RayBackend as B_
-    elif backend == "local":
-        from asyncrl.backends.local import LocalBackend as B_  # type: ignore[assignment]
-    else:
-        raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
-    be = B_()
+    be = _backend(backend)
     n = world_size if world_size is not None else (pool.world_size if pool is not None else None)
     if n is None:
         raise ValueError("give a ResourcePool or a world_size")

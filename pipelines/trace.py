@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,29 @@ class Span:
     start: float
     end: float
     args: dict[str, Any] = field(default_factory=dict)
+
+
+def _done_flags(futures: list[Any]) -> list[bool]:
+    """Whether each watched call has finished. Ray futures are checked with one
+    non-fetching ``ray.wait`` over all their refs (a ``done()`` per future costs one
+    blocking ``ray.wait`` each, on the event loop, every poll); anything else by ``done()``."""
+    ray = sys.modules.get("ray")
+    if futures and ray is not None:
+        try:
+            refs = [list(f.refs) for f in futures]
+            flat = [r for rs in refs for r in rs]
+            if flat and ray.is_initialized() and all(isinstance(r, ray.ObjectRef) for r in flat):
+                ready = set(ray.wait(flat, num_returns=len(flat), timeout=0, fetch_local=False)[0])
+                return [f.cancelled() or all(r in ready for r in rs) for f, rs in zip(futures, refs)]
+        except Exception:  # e.g. a closed group: fall back to asking each future
+            pass
+    flags = []
+    for f in futures:
+        try:
+            flags.append(bool(f.done()))
+        except Exception:  # a closed group: the call is over one way or another
+            flags.append(True)
+    return flags
 
 
 class Tracer:
@@ -99,11 +123,8 @@ class Tracer:
     def _sweep(self) -> None:
         still = []
         t = self.now()
-        for fut, stage, track, start, args in self._pending:
-            try:
-                done = fut.done()
-            except Exception:  # a closed group: the call is over one way or another
-                done = True
+        flags = _done_flags([p[0] for p in self._pending])
+        for (fut, stage, track, start, args), done in zip(self._pending, flags):
             if done:
                 self.spans.append(Span(stage, track, start, t, args))
             else:

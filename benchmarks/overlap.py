@@ -1,0 +1,564 @@
+"""Overlap: the async trainer vs the synchronous loop, measured against the ideal.
+
+Two workloads, one run, on real Ray with real worker groups and the real loops of
+``asyncrl.pipelines`` (the trainer's ``_rollout_loop``/``_train_loop`` and the
+synchronous baseline ``sequential_fit``):
+
+1. **Simulated PPO workers.** Every stage of a PPO step is one group call on a worker
+   that sleeps a set cost (``async def`` + ``asyncio.sleep`` on the rollout side, ``def``
+   + ``time.sleep`` on the ordered thread of the training side), on two worker
+   processes: rollout pool (``generate``, ``score``) and training pool
+   (``old_log_prob``, ``values``, ``advantages``, ``critic_update``, ``actor_update``,
+   ``export_weights`` = the weight sync). Training + sync costs ``--train-ms`` (200 ms)
+   per step, rollout ``ratio x`` that. For each cost ratio (0.25, 0.5, 1, 2, 4) the
+   synchronous loop runs once and the async trainer at ``max_staleness`` 0, 1, 2.
+   Ideal step time: the sum of the stage costs for the synchronous loop (and for the
+   trainer at ``max_staleness=0``, which is the synchronous schedule, C7);
+   ``max(rollout, training + sync)`` for the trainer at ``max_staleness >= 1``.
+2. **The real tiny-model GRPO and PPO** (the ``asyncrl train`` presets ``grpo_toy`` and
+   ``ppo_toy``, rollout and training on separate worker processes) on CPU: the trainer at
+   ``max_staleness=0`` (synchronous) vs ``max_staleness=1`` (async), same steps, same seeds.
+
+Step times are steady state: the first step is discarded as warm-up. The controller's
+own work per step is the CPU time of the controller's thread (``time.thread_time``
+around the loop; the asyncio event loop runs there) and of the whole controller
+process (``time.process_time``: also Ray's driver threads that submit calls and
+receive results).
+
+    python benchmarks/overlap.py           # full: ~5 minutes on 2 cores
+    python benchmarks/overlap.py --quick   # tiny costs and step counts, GRPO only: for tests
+
+Writes ``benchmarks/results/overlap.md`` and ``overlap.png`` (``--out``/``--png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import asyncrl  # noqa: E402
+from asyncrl import Dispatch, Execute, ResourcePool, Worker, colocate, register  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "overlap.md")
+PLOT = os.path.join(HERE, "results", "overlap.png")
+
+RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)
+STALENESS = (0, 1, 2)
+# Shares of the training-pool cost (training + sync) per stage, and of the rollout cost.
+TRAIN_SHARE = {"old_log_prob": 0.15, "values": 0.10, "advantages": 0.05, "critic_update": 0.20,
+               "actor_update": 0.30, "export_weights": 0.20}
+ROLLOUT_SHARE = {"generate": 0.9, "score": 0.1}
+R = 4  # response tokens of a simulated batch
+
+COLUMNS = ["cost ratio", "max_staleness", "sync ms/step", "sync ideal", "sync eff.", "async ms/step",
+           "async ideal", "async eff.", "speedup", "ideal speedup", "ctrl thread ms/step",
+           "ctrl process ms/step"]
+REAL_COLUMNS = ["workload", "mode", "steps", "loop s", "ms/step", "rollout ms", "train+sync ms", "ideal ms/step",
+                "eff.", "speedup", "reward first 5", "reward last 10", "s to reward ≥ 0.5",
+                "ctrl thread ms/step", "ctrl process ms/step"]
+
+
+# ---- simulated workers ---------------------------------------------------------------------------
+
+
+class _Sim(Worker):
+    """A stage that costs `costs[name]` seconds."""
+
+    def __init__(self) -> None:
+        self.costs: dict[str, float] = {}
+        self.version = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def configure(self, costs: dict[str, float]) -> int:
+        """Set the stage costs (seconds) and start again at version 0."""
+        self.costs, self.version = dict(costs), 0
+        return os.getpid()
+
+    def _sleep(self, stage: str) -> None:
+        time.sleep(self.costs.get(stage, 0.0))
+
+
+class SimRollout(_Sim):
+    @register(Dispatch.DP_COMPUTE)
+    async def generate(self, batch: Any, seed: int | None = None) -> TensorDict:
+        await asyncio.sleep(self.costs.get("generate", 0.0))
+        out = batch.clone(recurse=False)
+        n = batch.batch_size[0]
+        out.set("response_ids", torch.ones(n, R, dtype=torch.long))
+        out.set("response_mask", torch.ones(n, R, dtype=torch.long))
+        out.set("version", torch.full((n,), self.version, dtype=torch.long))
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Any, version: int | None = None) -> dict[str, int]:
+        if isinstance(weights, list):
+            weights = weights[0]
+        v, _ = weights
+        assert v > self.version, f"stale weight update {v} <= {self.version}"
+        await asyncio.sleep(self.costs.get("load_weights", 0.0))
+        self.version = v
+        return {"version": v}
+
+
+class SimReward(_Sim):
+    @register(Dispatch.DP_COMPUTE)
+    async def compute_reward(self, batch: Any) -> TensorDict:
+        await asyncio.sleep(self.costs.get("score", 0.0))
+        n = batch.batch_size[0]
+        return TensorDict({"scores": batch["version"].float() / 100.0}, batch_size=[n])
+
+
+class SimPolicy(_Sim):
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Any) -> TensorDict:
+        self._sleep("old_log_prob")
+        n = batch.batch_size[0]
+        return TensorDict({"old_log_probs": torch.zeros(n, R), "entropy": torch.zeros(n, R)}, batch_size=[n])
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def update(self, batch: Any) -> dict[str, float]:
+        self._sleep("actor_update")
+        self.version += 1
+        return {"pg_loss": 0.0, "version": float(self.version)}
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        self._sleep("export_weights")
+        return self.version, {}
+
+
+class SimCritic(_Sim):
+    @register(Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Any) -> TensorDict:
+        self._sleep("values")
+        n = batch.batch_size[0]
+        return TensorDict({"values": torch.zeros(n, R)}, batch_size=[n])
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def update(self, batch: Any) -> dict[str, float]:
+        self._sleep("critic_update")
+        return {"vf_loss": 0.0}
+
+
+class SimAdvantage(_Sim):
+    @register(Dispatch.DP_COMPUTE)
+    def compute_advantages(self, batch: Any, scores: Any, log_probs: Any, ref: Any = None, values: Any = None, *,
+                           algo: Any) -> TensorDict:
+        self._sleep("advantages")
+        out = batch.clone(recurse=False)
+        for part in (scores, log_probs, ref, values):
+            if part is not None:
+                out.update(part)
+        out.set("advantages", torch.zeros(batch.batch_size[0], R))
+        out.set("returns", torch.zeros(batch.batch_size[0], R))
+        return out
+
+
+def stage_costs(ratio: float, train_s: float) -> dict[str, float]:
+    """Seconds per stage: training + sync = `train_s`, rollout = `ratio` x that."""
+    costs = {k: v * train_s for k, v in TRAIN_SHARE.items()}
+    costs.update({k: v * ratio * train_s for k, v in ROLLOUT_SHARE.items()})
+    costs["load_weights"] = 0.0  # the sync's cost sits on the policy side (export), as in DESIGN's ideal
+    return costs
+
+
+def ideals(costs: dict[str, float], k: int) -> tuple[float, float]:
+    """(synchronous ideal, async ideal) seconds per step for these stage costs."""
+    rollout = costs["generate"] + costs["score"] + costs["load_weights"]
+    train = sum(costs[s] for s in TRAIN_SHARE)
+    return rollout + train, (rollout + train if k == 0 else max(rollout, train))
+
+
+class SimBench:
+    """One pair of simulated pools (rollout, training), reused by every configuration."""
+
+    def __init__(self) -> None:
+        from asyncrl.pipelines.stages import Groups
+
+        pool = ResourcePool([2], cpus_per_bundle=1.0, name="overlap-sim")
+        self.pool = pool
+        rpool, tpool = pool.split([1, 1])
+        self.rcol = colocate({"rollout": SimRollout, "reward": SimReward}, rpool, name="rollout")
+        self.tcol = colocate({"policy": SimPolicy, "critic": SimCritic, "advantage": SimAdvantage}, tpool,
+                             name="train")
+        self.groups = Groups(rollout=self.rcol["rollout"], reward=self.rcol["reward"], policy=self.tcol["policy"],
+                             advantage=self.tcol["advantage"], critic=self.tcol["critic"])
+        self.tmp = tempfile.mkdtemp(prefix="asyncrl-overlap-")
+
+    async def setup(self) -> None:
+        await asyncio.gather(self.rcol.setup(), self.tcol.setup())
+        g = self.groups
+        pids = await asyncio.gather(g.rollout.configure({}), g.policy.configure({}))
+        assert pids[0] != pids[1], "rollout and training must be separate processes"
+
+    async def close(self) -> None:
+        await self.rcol.close()
+        await self.tcol.close()
+        await self.pool.release()
+
+    def config(self, steps: int, k: int, name: str) -> Any:
+        from asyncrl.pipelines.presets import tiny_test
+
+        cfg = tiny_test("ppo")
+        t = cfg.trainer
+        t.steps, t.max_staleness, t.checkpoint_at_end, t.trace = steps, k, False, True
+        t.output_dir = os.path.join(self.tmp, name)
+        return cfg.validate()
+
+    async def configure(self, costs: dict[str, float]) -> None:
+        g = self.groups
+        await asyncio.gather(*(grp.configure(costs) for grp in (g.rollout, g.reward, g.policy, g.critic,
+                                                                   g.advantage)))
+
+    async def run_sync(self, costs: dict[str, float], steps: int) -> dict[str, Any]:
+        from asyncrl.pipelines.data import PromptLoader, get_task
+        from asyncrl.pipelines.sync import sequential_fit
+        from asyncrl.roles import load_tokenizer
+
+        cfg = self.config(steps, 0, "sync")
+        await self.configure(costs)
+        tok = load_tokenizer("tiny")
+        loader = PromptLoader(tok, get_task(cfg.data.task).make(cfg.data.num_prompts, cfg.trainer.seed),
+                              prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+                              seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+        hist = await sequential_fit(cfg, self.groups, loader, lag=0)
+        c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
+        steady = [h["time/step"] for h in hist[1:]]
+        return {"step_s": sum(steady) / len(steady), "thread_s": (c1 - c0) / steps, "proc_s": (p1 - p0) / steps,
+                "wall_s": w1 - w0, "history": hist}
+
+    async def run_async(self, costs: dict[str, float], steps: int, k: int) -> dict[str, Any]:
+        from asyncrl.pipelines.trainer import PPOTrainer
+
+        cfg = self.config(steps, k, f"async-k{k}")
+        await self.configure(costs)
+        trainer = PPOTrainer(cfg, groups=self.groups)
+        async with trainer:
+            c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+            hist = await trainer.fit()
+            c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
+        el = [h["time/elapsed"] for h in hist]
+        return {"step_s": (el[-1] - el[0]) / (len(el) - 1), "thread_s": (c1 - c0) / steps,
+                "proc_s": (p1 - p0) / steps, "wall_s": w1 - w0, "history": hist, "spans": list(trainer.tracer.spans)}
+
+
+async def simulated(ratios: tuple[float, ...], train_s: float, steps: int) -> tuple[list[dict[str, Any]], dict]:
+    bench = SimBench()
+    rows: list[dict[str, Any]] = []
+    timelines: dict[str, Any] = {}
+    await bench.setup()
+    try:
+        await bench.run_sync(stage_costs(1.0, train_s), 2)  # warm-up: imports and first calls on the workers
+        await bench.run_async(stage_costs(1.0, train_s), 2, 1)
+        for ratio in ratios:
+            costs = stage_costs(ratio, train_s)
+            sync = await bench.run_sync(costs, steps)
+            print(f"ratio {ratio:g}: sync {sync['step_s'] * 1e3:.1f} ms/step", flush=True)
+            for k in STALENESS:
+                res = await bench.run_async(costs, steps, k)
+                ideal_sync, ideal_async = ideals(costs, k)
+                rows.append({"ratio": ratio, "k": k, "sync": sync, "async": res, "ideal_sync": ideal_sync,
+                             "ideal_async": ideal_async})
+                print(f"  k={k}: async {res['step_s'] * 1e3:.1f} ms/step (ideal {ideal_async * 1e3:.0f}), "
+                      f"speedup {sync['step_s'] / res['step_s']:.2f}x", flush=True)
+                if ratio == 1.0 and k in (0, 1):
+                    timelines[f"k{k}"] = res["spans"]
+    finally:
+        await bench.close()
+    return rows, timelines
+
+
+def sim_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+    for r in rows:
+        s, a = r["sync"]["step_s"], r["async"]["step_s"]
+        cells = [f"{r['ratio']:g}", str(r["k"]), f"{s * 1e3:.1f}", f"{r['ideal_sync'] * 1e3:.0f}",
+                 f"{r['ideal_sync'] / s:.3f}", f"{a * 1e3:.1f}", f"{r['ideal_async'] * 1e3:.0f}",
+                 f"{r['ideal_async'] / a:.3f}", f"{s / a:.2f}x", f"{r['ideal_sync'] / r['ideal_async']:.2f}x",
+                 f"{r['async']['thread_s'] * 1e3:.2f}", f"{r['async']['proc_s'] * 1e3:.2f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+# ---- the real tiny-model runs --------------------------------------------------------------------
+
+
+def real_config(preset: str, k: int, steps: int | None, quick: bool, tmp: str) -> Any:
+    from asyncrl.pipelines.presets import PRESETS, tiny_test
+
+    cfg = tiny_test("ppo" if preset.startswith("ppo") else "grpo") if quick else PRESETS[preset]()
+    t = cfg.trainer
+    if steps is not None:
+        t.steps = steps
+    t.max_staleness, t.rollout_weights, t.buffer_capacity = k, "fixed_lag", None
+    t.colocated, t.rollout_workers, t.train_workers, t.cpus_per_worker = False, 1, 1, 1.0
+    t.progress = t.plot = t.tensorboard = t.checkpoint_at_end = False
+    t.trace = True
+    t.output_dir = os.path.join(tmp, f"{preset}-k{k}")
+    return cfg.validate()
+
+
+async def real_run(preset: str, k: int, steps: int | None, quick: bool, tmp: str) -> dict[str, Any]:
+    from asyncrl.pipelines.trainer import make_trainer
+
+    cfg = real_config(preset, k, steps, quick, tmp)
+    trainer = make_trainer(cfg)
+    async with trainer:  # starts the two worker processes (not timed)
+        c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+        hist = await trainer.fit()
+        c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
+    n = len(hist)
+    el = [h["time/elapsed"] for h in hist]
+    steady = hist[1:]
+    gen = statistics.mean(h["time/generate"] for h in steady)
+    step = (el[-1] - el[0]) / (n - 1)
+    return {"preset": preset, "k": k, "steps": n, "loop_s": w1 - w0, "step_s": step, "gen_s": gen,
+            "train_s": statistics.mean(h["time/train"] for h in steady),
+            "step_minus_gen_s": statistics.mean(h["time/step"] for h in steady) - gen if k == 0 else None,
+            "thread_s": (c1 - c0) / n, "proc_s": (p1 - p0) / n, "history": hist}
+
+
+async def real(presets: list[str], steps: int | None, quick: bool) -> list[dict[str, Any]]:
+    tmp = tempfile.mkdtemp(prefix="asyncrl-overlap-real-")
+    out = []
+    for preset in presets:
+        for k in (0, 1):
+            r = await real_run(preset, k, steps, quick, tmp)
+            print(f"{preset} max_staleness={k}: {r['step_s'] * 1e3:.0f} ms/step, loop {r['loop_s']:.1f} s, "
+                  f"reward last {statistics.mean(h['reward/mean'] for h in r['history'][-10:]):.3f}", flush=True)
+            out.append(r)
+    return out
+
+
+def time_to(hist: list[dict[str, Any]], level: float, window: int = 5) -> float | None:
+    rew = [h["reward/mean"] for h in hist]
+    for i in range(window - 1, len(rew)):
+        if statistics.mean(rew[i - window + 1:i + 1]) >= level:
+            return float(hist[i]["time/elapsed"])
+    return None
+
+
+def real_table(runs: list[dict[str, Any]]) -> str:
+    out = ["| " + " | ".join(REAL_COLUMNS) + " |", "|---|---|" + "---:|" * (len(REAL_COLUMNS) - 2)]
+    by = {(r["preset"], r["k"]): r for r in runs}
+    for r in runs:
+        sync = by[(r["preset"], 0)]
+        rollout, train = sync["gen_s"], sync["step_minus_gen_s"]  # stage times measured in the synchronous run
+        ideal = rollout + train if r["k"] == 0 else max(rollout, train)
+        t = time_to(r["history"], 0.5)
+        hist = r["history"]
+        cells = [r["preset"], "sync (max_staleness=0)" if r["k"] == 0 else f"async (max_staleness={r['k']})",
+                 str(r["steps"]), f"{r['loop_s']:.1f}", f"{r['step_s'] * 1e3:.0f}",
+                 f"{r['gen_s'] * 1e3:.0f}", f"{(r['step_minus_gen_s'] or r['train_s']) * 1e3:.0f}",
+                 f"{ideal * 1e3:.0f}", f"{ideal / r['step_s']:.2f}", f"{sync['step_s'] / r['step_s']:.2f}x",
+                 f"{statistics.mean(h['reward/mean'] for h in hist[:5]):.3f}",
+                 f"{statistics.mean(h['reward/mean'] for h in hist[-10:]):.3f}",
+                 "—" if t is None else f"{t:.1f}", f"{r['thread_s'] * 1e3:.1f}", f"{r['proc_s'] * 1e3:.1f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+# ---- the plot ------------------------------------------------------------------------------------
+
+STAGE_COLORS = {"generate": "#4c72b0", "score": "#8172b2", "weight_sync": "#937860", "old_log_prob": "#dd8452",
+                "values": "#da8bc3", "advantages": "#8c8c8c", "critic_update": "#ccb974",
+                "actor_update": "#c44e52", "export_weights": "#55a868"}
+
+
+def executed(spans: list[Any]) -> list[tuple[str, str, float, float]]:
+    """(pool, stage, start, end) per group span. A span starts when its call was issued;
+    calls on one worker process run one at a time in issue order, so a queued call is
+    drawn from when the previous call of its pool ended, and a weight sync from when the
+    export it loads had finished (before that it only waits)."""
+    out = []
+    exports = sorted(s.end for s in spans if s.name == "export_weights")
+    for pool in ("rollout", "train"):
+        free = 0.0
+        mine = sorted((s for s in spans if s.track.startswith(pool + ".") or (pool == "rollout"
+                       and s.name == "weight_sync")), key=lambda s: (s.start, s.end))
+        for s in mine:
+            start = max(s.start, free)
+            if s.name == "weight_sync":
+                start = max([start] + [e for e in exports if e <= s.end])
+            out.append((pool, s.name, start, s.end))
+            free = max(free, s.end)
+    return out
+
+
+def plot(rows: list[dict[str, Any]], timelines: dict[str, Any], runs: list[dict[str, Any]], path: str,
+         window: float) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return None
+    fig = plt.figure(figsize=(14, 9))
+    gs = fig.add_gridspec(2, 2, height_ratios=[1, 1.2])
+    for col, (key, title) in enumerate([("k0", "synchronous schedule (trainer, max_staleness=0)"),
+                                        ("k1", "async (trainer, max_staleness=1)")]):
+        ax = fig.add_subplot(gs[0, col])
+        spans = executed(timelines.get(key, []))
+        train_starts = sorted(s for p, n, s, _ in spans if n == "old_log_prob")
+        t0 = train_starts[2] if len(train_starts) > 2 else 0.0  # past the warm-up steps
+        seen = set()
+        for pool, name, s, e in spans:
+            if e < t0 or s > t0 + window:
+                continue
+            y = 1 if pool == "rollout" else 0
+            lab = name if name not in seen else None
+            seen.add(name)
+            ax.barh(y, e - s, left=s - t0, height=0.6, color=STAGE_COLORS.get(name, "#333333"), label=lab,
+                    edgecolor="white", linewidth=0.5)
+        ax.set_xlim(0, window)
+        ax.set_yticks([0, 1], ["training pool", "rollout pool"])
+        ax.set_xlabel("seconds (simulated PPO, cost ratio 1)")
+        ax.set_title(title, fontsize=10)
+        if col == 1:
+            ax.legend(fontsize=7, loc="upper right", ncol=3)
+    ax = fig.add_subplot(gs[1, 0])
+    ratios = sorted({r["ratio"] for r in rows})
+    ideal = [(1 + x) / max(1.0, x) for x in ratios]
+    ax.plot(ratios, ideal, "k--", label="ideal (max_staleness ≥ 1)")
+    ax.plot(ratios, [1.0] * len(ratios), "k:", label="ideal (max_staleness = 0)")
+    for k, m in zip(STALENESS, "os^"):
+        pts = [(r["ratio"], r["sync"]["step_s"] / r["async"]["step_s"]) for r in rows if r["k"] == k]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=m, label=f"measured, max_staleness={k}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
+    ax.set_xlabel("rollout / (training + sync) cost")
+    ax.set_ylabel("speedup (sync step time / async step time)")
+    ax.set_title("simulated PPO: speedup vs cost ratio", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax = fig.add_subplot(gs[1, 1])
+    for r in runs:
+        h = r["history"]
+        ax.plot([x["time/elapsed"] for x in h], [x["reward/mean"] for x in h],
+                ls="-" if r["k"] else "--", label=f"{r['preset']} max_staleness={r['k']}")
+    ax.set_xlabel("wall seconds of the training loop")
+    ax.set_ylabel("mean reward")
+    ax.set_title("real tiny-model runs on CPU: reward vs wall clock", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def header(argv: list[str], load: tuple[float, float]) -> str:
+    import ray
+    import tensordict
+
+    return (
+        f"Run {datetime.datetime.now().isoformat(timespec='seconds')} on {platform.machine()} "
+        f"({os.cpu_count()} CPUs visible, no GPU; shared with other jobs: 1-minute load average "
+        f"{load[0]:.1f} at the start, {load[1]:.1f} at the end); python {platform.python_version()}, "
+        f"ray {ray.__version__}, torch {torch.__version__}, tensordict {tensordict.__version__}.\n\n"
+        f"Command: `python benchmarks/overlap.py {' '.join(argv)}`".rstrip()
+    )
+
+
+async def amain(args: argparse.Namespace) -> tuple[list, dict, list]:
+    ratios = tuple(float(x) for x in args.ratios.split(",")) if args.ratios else RATIOS
+    rows, timelines = await simulated(ratios, args.train_ms / 1e3, args.steps)
+    runs = [] if args.no_real else await real(args.presets.split(","), args.real_steps, args.quick)
+    return rows, timelines, runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="10 ms training cost, 3 steps per simulated run, 3-step tiny GRPO only")
+    p.add_argument("--train-ms", type=float, default=None, help="training + sync cost per step (default 200)")
+    p.add_argument("--steps", type=int, default=None, help="steps per simulated run (default 12)")
+    p.add_argument("--real-steps", type=int, default=None, help="steps per real run (default: the preset's)")
+    p.add_argument("--ratios", default=None, help="comma-separated cost ratios (default 0.25,0.5,1,2,4)")
+    p.add_argument("--presets", default=None,
+                   help="real runs: comma-separated presets (default grpo_toy,ppo_toy; --quick: grpo_toy)")
+    p.add_argument("--no-real", action="store_true", help="skip the real tiny-model runs")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--png", default=None, help="the plot (default: next to --out, overlap.png)")
+    args = p.parse_args(argv)
+    args.train_ms = args.train_ms or (10.0 if args.quick else 200.0)
+    args.steps = args.steps or (3 if args.quick else 12)
+    args.presets = args.presets or ("grpo_toy" if args.quick else "grpo_toy,ppo_toy")
+    png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.out)), "overlap.png")
+    load0 = os.getloadavg()[0]
+    asyncrl.init(num_cpus=16)
+    try:
+        rows, timelines, runs = asyncio.run(amain(args))
+    finally:
+        asyncrl.shutdown()
+    worst = max(r["ideal_sync"] for r in rows)
+    plot(rows, timelines, runs, png, window=8 * args.train_ms / 1e3)  # 4 synchronous steps at ratio 1
+    r1 = next((r for r in rows if r["ratio"] == 1.0 and r["k"] == 1), None)
+    verdict = ""
+    if r1 is not None:
+        eff = r1["ideal_async"] / r1["async"]["step_s"]
+        sp = r1["sync"]["step_s"] / r1["async"]["step_s"]
+        verdict = (f"At cost ratio 1, max_staleness=1: efficiency {eff:.3f} (target ≥ 0.95), "
+                   f"speedup {sp:.2f}x (target ≥ 1.9x, ideal 2.00x).")
+    sections = [
+        "# Overlap: async trainer vs synchronous loop",
+        header(argv, (load0, os.getloadavg()[0])),
+        "## Simulated PPO workers (real Ray, real worker groups, real trainer loops)",
+        f"Training + sync = {args.train_ms:g} ms per step (old_log_prob 15 %, values 10 %, advantages 5 %, "
+        "critic_update 20 %, actor_update 30 %, export_weights = weight sync 20 %), rollout = cost ratio x that "
+        f"(generate 90 %, score 10 %); two worker processes (rollout pool, training pool). {args.steps} steps "
+        "per run, the first discarded. `sync` = `sequential_fit(lag=0)` (the synchronous baseline loop, one "
+        "run per cost ratio, shown on each row); `async` = the trainer at that `max_staleness` "
+        "(`fixed_lag`). Ideal: sum of the stage costs for sync and for max_staleness=0; "
+        "max(rollout, training + sync) for max_staleness ≥ 1. eff. = ideal / measured. "
+        "ctrl thread / process = CPU time of the controller's event-loop thread / whole process per step "
+        f"(async runs; the slowest step here is {worst * 1e3:.0f} ms).",
+        sim_table(rows),
+        verdict,
+    ]
+    if runs:
+        sections += [
+            "## Real tiny-model GRPO and PPO on CPU",
+            "The `asyncrl train` presets (tiny Qwen2 from a config, `char_class` task"
+            + (", shrunk to `tiny_test` sizes by --quick" if args.quick else "")
+            + "), rollout and training on two worker processes (1 CPU each in Ray; 1 torch thread each), "
+            "same steps and seeds; the trainer at max_staleness=0 (synchronous) and 1 (async, `fixed_lag`). "
+            "ms/step is steady state (first step discarded). `rollout ms` = generate + score per step and "
+            "`train+sync ms` = the rest of a step, both measured in that run (for the async run: its "
+            "generate time and its train time, contention included); the ideal of both rows uses the "
+            "synchronous run's stage times. `s to reward ≥ 0.5` = wall seconds of the loop until the "
+            "5-step mean reward first reaches 0.5.",
+            real_table(runs),
+        ]
+    text = "\n\n".join(s for s in sections if s) + "\n"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

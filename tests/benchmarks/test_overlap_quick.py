@@ -1,0 +1,57 @@
+"""benchmarks/overlap.py --quick runs end to end (simulated PPO workers through the real
+trainer and synchronous loop, plus a tiny real GRPO run) and writes the expected tables
+and plot. No timing asserts: speed is measured by the benchmark, not by tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SIM_COLUMNS = ["cost ratio", "max_staleness", "sync ms/step", "sync ideal", "sync eff.", "async ms/step",
+               "async ideal", "async eff.", "speedup", "ideal speedup", "ctrl thread ms/step",
+               "ctrl process ms/step"]
+REAL_COLUMNS = ["workload", "mode", "steps", "loop s", "ms/step", "rollout ms", "train+sync ms", "ideal ms/step",
+                "eff.", "speedup", "reward first 5", "reward last 10", "s to reward ≥ 0.5",
+                "ctrl thread ms/step", "ctrl process ms/step"]
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """Every markdown table of `text`, as rows of cells (header first, separator dropped)."""
+    out: list[list[list[str]]] = []
+    prev = False
+    for ln in text.splitlines():
+        is_row = ln.startswith("|")
+        if is_row and not set(ln) <= set("|-: "):
+            if not prev:
+                out.append([])
+            out[-1].append([c.strip() for c in ln.strip("|").split("|")])
+        prev = is_row
+    return out
+
+
+def test_overlap_quick(tmp_path):
+    out = tmp_path / "overlap.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)  # its own embedded Ray, never the test session's
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overlap.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    assert "Command: `python benchmarks/overlap.py --quick" in text and "ray 2." in text
+    sim, real = tables(text)
+    assert sim[0] == SIM_COLUMNS
+    assert [(r[0], r[1]) for r in sim[1:]] == [(ratio, k) for ratio in ("0.25", "0.5", "1", "2", "4")
+                                                for k in ("0", "1", "2")]
+    for r in sim[1:]:
+        assert all(float(c.rstrip("x")) > 0 for c in r[2:])
+    assert real[0] == REAL_COLUMNS
+    assert [(r[0], r[1], r[2]) for r in real[1:]] == [("grpo_toy", "sync (max_staleness=0)", "3"),
+                                                       ("grpo_toy", "async (max_staleness=1)", "3")]
+    assert real[1][9] == "1.00x"  # the synchronous run is its own baseline
+    assert "At cost ratio 1, max_staleness=1: efficiency" in text
+    png = tmp_path / "overlap.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

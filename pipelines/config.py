@@ -25,6 +25,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "JobConfig",
+    "RestartConfig",
     "TrainerConfig",
     "load_config",
     "config_fingerprint",
@@ -63,6 +64,19 @@ class AlgorithmConfig:
     """Estimator of the in-reward KL penalty."""
     whiten_advantages: bool = True
     """PPO: whiten advantages over the batch."""
+
+
+@dataclass(kw_only=True)
+class RestartConfig:
+    """Supervision: what the trainer does when a worker dies or a stage misses its deadline
+    (see docs/reliability.md)."""
+
+    max_restarts: int = 0
+    """How many times a run may recover (0 = fail fast: raise the typed error and release every
+    worker). A recovery closes every group, starts new ones, restores the last checkpoint this run
+    wrote (or the run's start) and replays the steps after it, which recompute the same results."""
+    on_timeout: bool = True
+    """Also recover when a stage misses ``trainer.stage_timeout_s`` (a hung worker); False fails fast."""
 
 
 @dataclass(kw_only=True)
@@ -110,6 +124,12 @@ class TrainerConfig:
     """Show a progress bar."""
     tensorboard: bool = True
     """Also write TensorBoard scalars when ``torch.utils.tensorboard`` works."""
+    stage_timeout_s: float | None = None
+    """Deadline of every stage call (generate, score, log-probs, updates, weight sync, checkpoint
+    save/load), counted from when the call is issued; a stage past it fails with
+    ``asyncrl.CallTimeoutError`` and its remote work is cancelled. None = no deadline."""
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    """What to do when a worker dies or hangs (default: fail fast)."""
 
 
 @dataclass(kw_only=True)
@@ -189,6 +209,11 @@ class JobConfig:
                 )
         if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
             raise ConfigError("trainer.checkpoint_every must be >= 0 and trainer.keep_checkpoints >= 1")
+        if t.restart.max_restarts < 0:
+            raise ConfigError(f"trainer.restart.max_restarts must be >= 0, got {t.restart.max_restarts}")
+        if t.stage_timeout_s is not None and not (t.stage_timeout_s > 0 and math.isfinite(t.stage_timeout_s)):
+            raise ConfigError(f"trainer.stage_timeout_s must be a positive number of seconds or null, "
+                              f"got {t.stage_timeout_s}")
         if self.data.num_prompts < 1:
             raise ConfigError(f"data.num_prompts must be >= 1, got {self.data.num_prompts}")
         from asyncrl.pipelines.data import task_names
@@ -208,7 +233,8 @@ class JobConfig:
 
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
-                "trainer.num_cpus"}
+                "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.restart.max_restarts",
+                "trainer.restart.on_timeout"}
 """Settings a resumed run may change: they do not alter what the first steps compute."""
 
 

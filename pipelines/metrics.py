@@ -29,8 +29,7 @@ class MetricsWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) < start_step]
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) < start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._f = self.path.open("a")
         self._tb: Any = None
@@ -57,6 +56,15 @@ class MetricsWriter:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _step_of(line: str) -> float:
+    """The step of one line; a blank or torn line (a process killed mid-write) sorts last and is dropped."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return math.inf
+    return row.get("step", 0) if isinstance(row, dict) else math.inf
 
 
 def _plain(v: Any) -> Any:

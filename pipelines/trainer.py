@@ -27,6 +27,11 @@ updates apply in version order. Payloads move worker to worker as futures; the
 controller awaits scores, metrics and weight-sync receipts only.
 
 Both loops run in an anyio task group: the first failure cancels the other.
+**Supervision** (``trainer.restart``, docs/reliability.md): a worker that dies, or a stage
+that misses ``trainer.stage_timeout_s``, fails its futures with a typed error; without a
+restart policy that error is raised as itself. With one, the trainer closes every group,
+starts new ones, restores the last checkpoint this run wrote (or the run's start) and
+replays the steps after it -- deterministic, so they recompute the same weights.
 **Shutdown order** (every path): (1) the loops end or are cancelled; (2) the tracer
 stops; (3) on success the final checkpoint is written; (4) metrics, trace and plot
 are flushed; (5) the rollout pool's workers close, then the training pool's; (6) the
@@ -41,14 +46,15 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import anyio
 import structlog
 import torch
 
 import asyncrl
-from asyncrl import GroupFuture, ResourcePool, colocate
+from asyncrl import CallTimeoutError, GroupBrokenError, GroupFuture, GroupMethod, ResourcePool, UpstreamError, WorkerDiedError
+from asyncrl import colocate
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.buffer import StalenessBuffer
@@ -59,7 +65,7 @@ from asyncrl.pipelines.metrics import MetricsWriter
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.trace import Tracer
 
-__all__ = ["RolloutBatch", "Trainer", "GRPOTrainer", "PPOTrainer", "make_trainer", "build_groups"]
+__all__ = ["RolloutBatch", "Trainer", "GRPOTrainer", "PPOTrainer", "make_trainer", "build_groups", "is_worker_fault"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -87,9 +93,14 @@ def needs_reference(cfg: JobConfig) -> bool:
     return cfg.actor.kl_coef > 0 or (cfg.algorithm.name == "ppo" and cfg.algorithm.kl_in_reward_coef > 0)
 
 
-def build_groups(cfg: JobConfig) -> tuple[Groups, list[Any], list[ResourcePool]]:
+def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None
+                 ) -> tuple[Groups, list[Any], list[ResourcePool]]:
     """Unstarted groups for `cfg`: two pools (rollout + reward; policy + advantage + reference +
-    critic) or one colocated pool. Returns ``(groups, things to set up and close, pools)``."""
+    critic) or one colocated pool. Returns ``(groups, things to set up and close, pools)``.
+
+    `overrides` maps a role (``rollout``, ``reward``, ``policy``, ``advantage``, ``reference``,
+    ``critic``) to a worker class that replaces the default one with the same constructor
+    arguments, or to ``(cls, extra_kwargs)`` (e.g. a subclass that injects faults in tests)."""
     from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
     t = cfg.trainer
@@ -106,6 +117,14 @@ def build_groups(cfg: JobConfig) -> tuple[Groups, list[Any], list[ResourcePool]]
                                                                    "micro_batch_size": cfg.actor.micro_batch_size})
     if cfg.algorithm.name == "ppo":
         train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})
+    for role, spec in (overrides or {}).items():
+        roles = rollout_roles if role in rollout_roles else train_roles if role in train_roles else None
+        if roles is None:
+            raise ValueError(f"cannot override role {role!r}: this run has {sorted([*rollout_roles, *train_roles])}")
+        cls, extra = spec if isinstance(spec, tuple) else (spec, {})
+        base = roles[role]
+        args, kwargs = (base[1], base[2]) if isinstance(base, tuple) else ((), {})
+        roles[role] = (cls, args, {**kwargs, **extra})
     if t.colocated:
         pool = ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, name="asyncrl-colocated")
         col = colocate({**rollout_roles, **train_roles}, pool, name="colocated")
@@ -140,13 +159,17 @@ class Trainer:
         groups: pre-built, started groups to drive instead of building them (tests,
             custom pipelines); the trainer then neither starts nor closes workers.
         on_step: called as ``on_step(trainer, step, metrics)`` after each step (and its
-            checkpoint); an exception it raises stops the run like any loop failure.
+            checkpoint); an exception it raises stops the run like any loop failure. After a
+            restart the replayed steps call it again.
+        worker_overrides: replace roles' worker classes (see :func:`build_groups`); kept
+            across restarts.
     """
 
     algorithm: ClassVar[str | None] = None
 
     def __init__(self, config: JobConfig, *, resume: str | Path | None = None, groups: Groups | None = None,
-                 on_step: Callable[["Trainer", int, dict[str, Any]], None] | None = None) -> None:
+                 on_step: Callable[["Trainer", int, dict[str, Any]], None] | None = None,
+                 worker_overrides: Mapping[str, Any] | None = None) -> None:
         if self.algorithm is not None and config.algorithm.name != self.algorithm:
             raise ConfigError(
                 f"{type(self).__name__} runs algorithm.name={self.algorithm!r}, the config says "
@@ -162,7 +185,8 @@ class Trainer:
                 f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the {t.max_staleness + 1} "
                 "batches rollout may run ahead; set it to at least max_staleness + 1"
             )
-        self.groups = groups
+        self.groups = _with_deadlines(groups, t.stage_timeout_s) if groups is not None else None
+        self._overrides = dict(worker_overrides or {})
         self._on_step = on_step
         self._owns_groups = groups is None
         self._parts: list[Any] = []
@@ -186,6 +210,10 @@ class Trainer:
         self._restored: list[RolloutBatch] = []
         self._setup_done = False
         self._t_start = 0.0
+        self._last_checkpoint: Path | None = None  # the newest checkpoint this trainer wrote
+        self._initial_rng: dict[str, Any] | None = None
+        self.restarts: list[dict[str, Any]] = []
+        """One record per recovery: ``{"error", "error_type", "from_checkpoint", "from_step", "time_s"}``."""
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -212,12 +240,7 @@ class Trainer:
         if self._owns_groups:
             resources = await asyncio.to_thread(asyncrl.init, num_cpus=cfg.trainer.num_cpus)
             cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)))
-            self.groups, self._parts, self._pools = build_groups(cfg)
-            try:
-                await asyncio.gather(*(p.setup() for p in self._parts))
-            except BaseException:
-                await self.close()
-                raise
+            await self._start_groups()
         from asyncrl.roles import load_tokenizer
 
         task = get_task(cfg.data.task)
@@ -226,6 +249,7 @@ class Trainer:
         self._loader = PromptLoader(tokenizer, task.make(cfg.data.num_prompts, cfg.trainer.seed),
                                     prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
                                     seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        self._initial_rng = ckpt.rng_state()
         if self._resume is not None:
             await self._restore(self._resume)
         self._metrics = MetricsWriter(self.output_dir, tensorboard=cfg.trainer.tensorboard,
@@ -233,11 +257,23 @@ class Trainer:
         self._setup_done = True
         return self
 
+    async def _start_groups(self) -> None:
+        groups, self._parts, self._pools = build_groups(self.config, self._overrides)
+        self.groups = _with_deadlines(groups, self.config.trainer.stage_timeout_s)
+        try:
+            await asyncio.gather(*(p.setup() for p in self._parts))
+        except BaseException:
+            await self.close()
+            raise
+
     async def close(self) -> None:
         """Release everything (idempotent): rollout workers, then training workers, then pools."""
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        await self._release_groups()
+
+    async def _release_groups(self) -> None:
         for part in self._parts:
             with contextlib.suppress(Exception):
                 await part.close()
@@ -281,9 +317,7 @@ class Trainer:
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self.tracer.run, name="tracer")
-                    async with anyio.create_task_group() as loops:
-                        loops.start_soon(self._rollout_loop, name="rollout loop")
-                        loops.start_soon(self._train_loop, loops.cancel_scope, name="train loop")
+                    await self._supervise()
                     self.tracer.close()
             except BaseExceptionGroup as eg:
                 raise _first_error(eg) from None
@@ -298,6 +332,64 @@ class Trainer:
                 bar.close()
             self._write_reports(ok)
         return self.history
+
+    async def _run_loops(self) -> None:
+        try:
+            async with anyio.create_task_group() as loops:
+                loops.start_soon(self._rollout_loop, name="rollout loop")
+                loops.start_soon(self._train_loop, loops.cancel_scope, name="train loop")
+        except BaseExceptionGroup as eg:
+            raise _first_error(eg) from None
+
+    async def _supervise(self) -> None:
+        """Run the loops; on a worker fault, recover and run them again (``trainer.restart``)."""
+        fault: Exception | None = None
+        while True:
+            try:
+                if fault is not None:
+                    await self._recover(fault)
+                await self._run_loops()
+                return
+            except Exception as e:
+                policy = self.config.trainer.restart
+                if not (self._owns_groups and len(self.restarts) < policy.max_restarts
+                        and is_worker_fault(e, timeouts=policy.on_timeout)):
+                    raise
+                fault = e
+
+    async def _recover(self, fault: Exception) -> None:
+        """Close every group, start new ones and restore the newest state this run saved."""
+        t0 = time.perf_counter()
+        point = self._last_checkpoint or self._resume
+        log.warning("trainer.restart", error=type(fault).__name__, detail=str(fault).splitlines()[0][:200],
+                    restart=len(self.restarts) + 1, from_checkpoint=str(point) if point else "start")
+        self.restarts.append({"error_type": type(fault).__name__, "error": str(fault).splitlines()[0],
+                              "from_checkpoint": str(point) if point else None, "from_step": 0, "time_s": 0.0})
+        await self._release_groups()
+        t = self.config.trainer
+        self.buffer = StalenessBuffer(self.config.buffer_capacity, t.max_staleness)
+        self._cond, self._device = asyncio.Condition(), asyncio.Lock()
+        self._exports = {0: None}
+        self._exported = self._policy_version = self._rollout_version = 0
+        self._next_gen = self._start_step = 0
+        self._rollout_done = False
+        self._restored = []
+        await self._start_groups()
+        if point is not None:
+            await self._restore(point)
+        else:
+            self.history = []
+            if self._initial_rng is not None:
+                ckpt.set_rng_state(self._initial_rng)
+        if self._metrics is not None:
+            self._metrics.close()
+        self._metrics = MetricsWriter(self.output_dir, tensorboard=t.tensorboard, start_step=self._start_step)
+        bar = getattr(self, "_bar", None)
+        if bar is not None:
+            bar.n = self._start_step
+            bar.refresh()
+        self.restarts[-1].update(from_step=self._start_step, time_s=time.perf_counter() - t0)
+        log.warning("trainer.restarted", from_step=self._start_step, seconds=round(time.perf_counter() - t0, 2))
 
     def _write_reports(self, ok: bool) -> None:
         cfg = self.config.trainer
@@ -470,6 +562,7 @@ class Trainer:
             }
             (tmp / "state.json").write_text(__import__("json").dumps(state))
             await asyncio.to_thread(ckpt.commit, tmp, final)
+            self._last_checkpoint = final
             ckpt.prune(self.output_dir, t.keep_checkpoints)
         log.info("checkpoint.saved", step=step, path=str(final))
         return final
@@ -548,3 +641,48 @@ def _first_error(eg: BaseExceptionGroup) -> BaseException:
     walk(eg)
     real = [e for e in leaves if not isinstance(e, (asyncio.CancelledError, anyio.get_cancelled_exc_class()))]
     return real[0] if real else leaves[0]
+
+
+_RAY_DEATH = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "OwnerDiedError", "ObjectLostError"}
+
+
+def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
+    """True when `error` comes from a worker process that died or hung (so a new process may
+    succeed), not from the code it ran: ``WorkerDiedError``, ``GroupBrokenError``, a
+    ``CallTimeoutError`` (when `timeouts`), or an ``UpstreamError`` whose producer failed so."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (WorkerDiedError, GroupBrokenError)):
+            return True
+        if isinstance(e, CallTimeoutError):
+            return timeouts
+        if isinstance(e, UpstreamError):
+            e = e.upstream
+            continue
+        return any(c.__name__ in _RAY_DEATH for c in type(e).__mro__)  # a worker saw its producer die
+    return False
+
+
+class _Deadlined:
+    """A worker group whose every call carries a deadline (``trainer.stage_timeout_s``)."""
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        self._group = group
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._group, name)
+        return attr.options(timeout=self._timeout) if isinstance(attr, GroupMethod) else attr
+
+    def __repr__(self) -> str:
+        return f"<{self._group!r} with a {self._timeout:g} s deadline per call>"
+
+
+def _with_deadlines(g: Groups, timeout: float | None) -> Groups:
+    if timeout is None:
+        return g
+    wrap = lambda x: _Deadlined(x, timeout) if x is not None else None  # noqa: E731
+    return Groups(rollout=wrap(g.rollout), reward=wrap(g.reward), policy=wrap(g.policy),
+                  advantage=wrap(g.advantage), reference=wrap(g.reference), critic=wrap(g.critic))

@@ -1,0 +1,123 @@
+"""Worker subclasses that inject one fault at a chosen point (imported by the Ray workers).
+
+A :class:`Fault` fires once across every process and restart of a run: the first worker
+to reach its trigger creates ``<dir>/fired`` atomically, writes its pid to ``<dir>/pid`` and
+then hangs (``hang``) or raises (``raise``). A test waits for the pid file and SIGKILLs
+that process (a death at exactly that point) or leaves it hanging (a deadline must fire).
+Until the trigger, the subclasses behave exactly like the real workers, so a run that
+recovers must end with the same weights as a fault-free run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from asyncrl.roles import PolicyWorker, RewardWorker, RolloutWorker
+from asyncrl.roles.reward import RewardInput, register_reward_fn
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Where to fire: the `call`-th (1-based) call of hook `point` in one worker process."""
+
+    dir: str
+    point: Literal["generate", "load_weights", "update"]
+    call: int = 1
+    action: Literal["hang", "raise"] = "hang"
+
+    def fire(self) -> bool:
+        """Claim the fault (True once per run) and publish this process's pid."""
+        try:
+            fd = os.open(os.path.join(self.dir, "fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        tmp = os.path.join(self.dir, f"pid.tmp-{os.getpid()}")
+        Path(tmp).write_text(str(os.getpid()))
+        os.rename(tmp, os.path.join(self.dir, "pid"))
+        return True
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a fault whose action is ``raise``."""
+
+
+class _Counter:
+    def __init__(self, fault: Fault | None) -> None:
+        self.fault = fault
+        self.calls = 0
+
+    def hit(self, point: str) -> bool:
+        if self.fault is None or self.fault.point != point:
+            return False
+        self.calls += 1
+        if self.calls != self.fault.call or not self.fault.fire():
+            return False
+        if self.fault.action == "raise":
+            raise InjectedFault(f"injected fault at {point} call {self.calls}")
+        return True
+
+
+class FaultyRollout(RolloutWorker):
+    """A rollout worker that hangs inside generation (``generate``) or inside loading new
+    weights (``load_weights``) when its fault fires."""
+
+    def __init__(self, *args: Any, fault: Fault | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fault = _Counter(fault)
+
+    async def _run_job(self, job: Any) -> None:
+        if self._fault.hit("generate"):
+            await asyncio.Event().wait()  # mid-generation until killed (or cancelled by a deadline)
+        await super()._run_job(job)
+
+    async def _engine_load(self, state: Any) -> None:
+        if self._fault.hit("load_weights"):
+            await asyncio.Event().wait()
+        await super()._engine_load(state)
+
+
+class _HangingDP:
+    """Wraps the policy's gradient all-reduce: the point between backward and optimizer step."""
+
+    def __init__(self, dp: Any, counter: _Counter) -> None:
+        self._dp, self._counter = dp, counter
+
+    def all_reduce_grads(self, params: Any) -> None:
+        if self._counter.hit("update"):
+            while True:  # a plain `def` method cannot be interrupted: only killing the process ends it
+                time.sleep(0.05)
+        self._dp.all_reduce_grads(params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dp, name)
+
+
+class FaultyPolicy(PolicyWorker):
+    """A policy worker that hangs in the middle of ``update`` (gradients computed, optimizer
+    step not taken) when its fault fires."""
+
+    def __init__(self, *args: Any, fault: Fault | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dp = _HangingDP(self.dp, _Counter(fault))
+
+
+@register_reward_fn("raises_on_third_batch", replace=True)
+def raises_on_third_batch(x: RewardInput) -> list[float]:
+    """A buggy reward function: fine for two batches, then a ZeroDivisionError."""
+    _calls[0] += 1
+    if _calls[0] >= 3:
+        return [1 / 0]
+    return [0.0] * len(x.responses)
+
+
+_calls = [0]
+
+
+class BuggyReward(RewardWorker):
+    """The reward worker, imported from this module so the buggy function is registered."""

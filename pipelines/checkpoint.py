@@ -26,7 +26,7 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from asyncrl.pipelines.configlib import ConfigError
 
-__all__ = ["CheckpointError", "checkpoint_dir", "latest_checkpoint", "resolve_resume", "read_state",
+__all__ = ["CheckpointError", "checkpoint_dir", "latest_checkpoint", "resolve_resume", "read_state", "verify",
            "fsync_tree", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]
 
 _PREFIX = "step_"
@@ -70,9 +70,51 @@ def resolve_resume(path: str | Path) -> Path:
     return latest
 
 
+_STATE_KEYS = ("step", "policy_version", "next_gen", "rng", "config", "fingerprint")
+
+
 def read_state(ckpt: Path) -> dict[str, Any]:
-    """The ``state.json`` of a checkpoint."""
-    return json.loads((ckpt / "state.json").read_text())
+    """The ``state.json`` of a checkpoint (:class:`CheckpointError` when it is unreadable)."""
+    path = Path(ckpt) / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is unreadable or corrupt ({type(e).__name__}: {e}); "
+                              "resume from an older checkpoint") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {str(path)!r} is corrupt: not a JSON object")
+    return state
+
+
+def verify(ckpt: Path) -> dict[str, Any]:
+    """Read every file of a checkpoint in the controller, without starting a worker: the state,
+    the buffered batches and the policy/critic weights and optimizer states, each through a
+    loader that cannot run code (``json``, ``safetensors``, ``torch.load(weights_only=True)``).
+    Returns the state; raises :class:`CheckpointError` naming the first missing, truncated or
+    corrupt file."""
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} has a corrupt state.json (missing or bad {missing or ['step']})")
+    from safetensors.torch import load_file
+
+    files = [ckpt / "buffer.pt", ckpt / "policy" / "model.safetensors", ckpt / "policy" / "optimizer.pt",
+             ckpt / "policy" / "meta.json"]
+    if (ckpt / "critic").exists() or state.get("config", {}).get("algorithm", {}).get("name") == "ppo":
+        files += [ckpt / "critic" / "model.safetensors", ckpt / "critic" / "optimizer.pt", ckpt / "critic" / "meta.json"]
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                load_file(str(f))
+            elif f.suffix == ".pt":
+                torch.load(f, weights_only=True)
+            else:
+                json.loads(f.read_text())
+        except Exception as e:  # every loader has its own error types; all mean "corrupt"
+            raise CheckpointError(f"checkpoint file {str(f)!r} is missing, truncated or corrupt "
+                                  f"({type(e).__name__}: {str(e)[:200]}); resume from an older checkpoint") from None
+    return state
 
 
 def fsync_tree(root: Path) -> None:

@@ -220,11 +220,13 @@ class Trainer:
     def _check_resume(self, path: Path) -> None:
         state = ckpt.read_state(path)
         if state.get("fingerprint") != config_fingerprint(self.config):
-            diff = fingerprint_diff(state.get("config", {}), to_dict(self.config))
+            saved = state.get("config")
+            diff = fingerprint_diff(saved if isinstance(saved, dict) else {}, to_dict(self.config))
             raise ckpt.CheckpointError(
                 f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff) or '?'}); "
                 "resume with the same settings (only trainer.steps, output_dir, checkpointing and reporting may change)"
             )
+        ckpt.verify(path)  # every file readable, before any worker starts
         if state["step"] > self.config.trainer.steps:
             raise ckpt.CheckpointError(
                 f"checkpoint {str(path)!r} is at step {state['step']}, past trainer.steps={self.config.trainer.steps}"

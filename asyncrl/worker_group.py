@@ -328,15 +328,13 @@ class _Call:
         if len(self.refs) == 1 and not self.data_parallel:  # fast path: one rank, nothing to merge
             return self._finish([await self._wait(0, self.refs[0])])
         others = [i for i in range(len(self.refs)) if i not in set(positions)]
-        if others:
-            values, _ = await asyncio.gather(
-                self._gather(positions, self.collect_refs),
-                self._gather(others, [self.refs[i] for i in others]),  # errors of non-collecting ranks surface too
-            )
-        else:
-            values = await self._gather(positions, self.collect_refs)
-        if self.data_parallel:
-            metas = await self._gather(positions, self.collect_metas)  # type: ignore[arg-type]
+        # One round trip: payloads, the non-collecting ranks (their errors surface too)
+        # and the padding metadata, awaited together.
+        refs = self.collect_refs + [self.refs[i] for i in others] + (self.collect_metas or [])
+        got = await self._gather(positions + others + (positions if self.collect_metas else []), refs)
+        values = got[:len(positions)]
+        if self.collect_metas is not None:
+            metas = got[len(positions) + len(others):]
             values = [B.strip_tail(v, pad) for v, (_, pad) in zip(values, metas)]
         return self._finish(values)
 

@@ -152,6 +152,7 @@ class RayBackend:
 
         init()
         self._actor_cls = ray.remote(WorkerHost)
+        self._call2: dict[int, Any] = {}
 
     def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[Any]:
         hosts = []
@@ -177,8 +178,10 @@ class RayBackend:
     def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, args: tuple[Any, ...],
                kwargs: dict[str, Any], in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
         if want_meta:
-            ref, meta = host.call.options(num_returns=2).remote(role, method, seq, call_id, args, kwargs, in_pad,
-                                                                True, keep)
+            call2 = self._call2.get(id(host))
+            if call2 is None:  # .options() builds a new method object: once per host, not per call
+                call2 = self._call2[id(host)] = host.call.options(num_returns=2)
+            ref, meta = call2.remote(role, method, seq, call_id, args, kwargs, in_pad, True, keep)
             return ref, meta
         return host.call.remote(role, method, seq, call_id, args, kwargs, in_pad, False, keep), None
 
@@ -207,6 +210,7 @@ class RayBackend:
         return len(ready) == len(refs)
 
     def kill(self, host: Any) -> None:
+        self._call2.pop(id(host), None)
         try:
             ray.kill(host, no_restart=True)
         except Exception:

@@ -147,8 +147,9 @@ async def test_a_killed_worker_is_restarted_and_the_run_ends_identical_to_a_faul
     out = await run_with_fault(fault_cfg(tmp_path / "run", restarts=1), fault, {role: (cls, {"fault": fault})},
                                kill=True, bound=120, checksum=True)
     assert out.error is None, out.error
-    assert len(out.trainer.restarts) == 1 and is_worker_fault(asyncrl.WorkerDiedError("g", "m", 0))
+    assert len(out.trainer.restarts) == 1
     r = out.trainer.restarts[0]
+    assert r["error_type"] in ("WorkerDiedError", "GroupBrokenError", "UpstreamError")
     assert 0 <= r["from_step"] <= call  # the newest checkpoint before the fault
     want_history, want_sum = baseline
     assert out.checksum == want_sum  # no step lost or applied twice

@@ -203,3 +203,25 @@ def test_make_engine_refuses_a_missing_model_dir(tmp_path):
         make_engine("vllm", model=None, tokenizer=None, model_dir=None)
     with pytest.raises(ModelNotFoundError):
         make_engine("vllm", model=None, tokenizer=None, model_dir=str(tmp_path))
+
+
+async def test_rollout_worker_on_vllm_matches_the_policy_by_default(tiny):
+    """Through RolloutWorker, with no engine dtype given: the engine computes in the
+    model's dtype (vLLM's own "auto" would serve float32 in half precision: 2.5e-3 off)."""
+    from asyncrl.pipelines.data import PromptLoader
+    from asyncrl.roles import OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker
+
+    _, tok, _ = tiny
+    rollout = RolloutWorker(TINY, RolloutConfig(engine="vllm", max_new_tokens=8,
+                                                engine_kwargs={"max_model_len": 256, "max_num_seqs": 16}))
+    try:
+        policy = PolicyWorker(TINY, OptimConfig())
+        batch = PromptLoader(tok, [("write digits:", "d"), ("write vowels:", "v")], prompts_per_step=2,
+                             group_size=4, seed=0).batch(0)
+        out = await rollout.generate(batch)
+        lp = policy.compute_log_prob(out)
+        diff = ((lp["old_log_probs"] - out["rollout_log_probs"]) * out["response_mask"]).abs().max().item()
+        assert out["version"].tolist() == [0] * 8
+        assert diff < 1e-5
+    finally:
+        rollout.engine.close()

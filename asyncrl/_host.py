@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
+from asyncrl._backend import Died
 from asyncrl._deferred import resolve_args
-from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError
+from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError, WorkerDiedError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
 
@@ -249,7 +250,10 @@ class WorkerHost:
             raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
                               str(e), traceback.format_exc(), cause=e) from None
         except BaseException as e:
-            raise UpstreamError(spec.group, method, spec.context.rank, upstream=_unwrap(e)) from None
+            upstream = _unwrap(e)
+            if isinstance(upstream, Died):  # a producer's worker process died
+                upstream = WorkerDiedError("(producer of a pipelined argument)", "(unknown)", None, str(upstream))
+            raise UpstreamError(spec.group, method, spec.context.rank, upstream=upstream) from None
 
     @staticmethod
     def _meta(spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int) -> tuple[int, int]:

@@ -34,7 +34,10 @@ def init(
     """Start or connect to Ray once per process (later calls are no-ops).
 
     With no `address` (and no ``RAY_ADDRESS`` in the environment) asyncrl starts an
-    embedded Ray bound to loopback with the dashboard off and quiet logs. With an
+    embedded Ray with the dashboard off, quiet logs and Ray's token authentication (on
+    by default in Ray 2.60). It asks for 127.0.0.1 as the node address, but Ray 2.60
+    still listens on the machine's interfaces: on an untrusted network, firewall its
+    ports (the token is what guards them). With an
     address (``"auto"`` or ``"host:6379"``) it connects to that cluster; a cluster with
     token authentication needs ``RAY_AUTH_TOKEN`` set as Ray documents.
 

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import inspect
 import os
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +50,7 @@ if "--late-zero-copy" not in sys.argv:
 
 import torch  # noqa: E402
 
+from _common import run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 import asyncrl.worker_group as _wg  # noqa: E402
 from asyncrl import Dispatch, RayWorkerGroup, Worker, register  # noqa: E402
@@ -222,16 +221,8 @@ def _driver_zero_copy() -> bool:
 
 
 def header(args: argparse.Namespace) -> str:
-    import ray
-    import tensordict
-
-    return (
-        f"Run {datetime.datetime.now().isoformat(timespec='seconds')} on {platform.machine()} "
-        f"({os.cpu_count()} CPUs visible, no GPU; shared with other jobs); python {platform.python_version()}, "
-        f"ray {ray.__version__}, torch {torch.__version__}, tensordict {tensordict.__version__}; "
-        f"zero-copy torch tensors in the controller: {_driver_zero_copy()}.\n\n"
-        f"Command: `python benchmarks/dispatch_overhead.py {' '.join(sys.argv[1:])}`".rstrip()
-    )
+    return run_header("dispatch_overhead.py",
+                      extra=f"; zero-copy torch tensors in the controller: {_driver_zero_copy()}")
 
 
 def main() -> None:
@@ -264,10 +255,7 @@ def main() -> None:
         ]) + "\n"
     finally:
         asyncrl.shutdown()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_result(args.out, text)
 
 
 if __name__ == "__main__":

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -50,6 +48,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
+from _common import run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, Execute, ResourcePool, Worker, colocate, register  # noqa: E402
 
@@ -470,16 +469,8 @@ def plot(rows: list[dict[str, Any]], timelines: dict[str, Any], runs: list[dict[
 
 
 def header(argv: list[str], load: tuple[float, float]) -> str:
-    import ray
-    import tensordict
-
-    return (
-        f"Run {datetime.datetime.now().isoformat(timespec='seconds')} on {platform.machine()} "
-        f"({os.cpu_count()} CPUs visible, no GPU; shared with other jobs: 1-minute load average "
-        f"{load[0]:.1f} at the start, {load[1]:.1f} at the end); python {platform.python_version()}, "
-        f"ray {ray.__version__}, torch {torch.__version__}, tensordict {tensordict.__version__}.\n\n"
-        f"Command: `python benchmarks/overlap.py {' '.join(argv)}`".rstrip()
-    )
+    return run_header("overlap.py", machine_note=f"shared with other jobs: 1-minute load average {load[0]:.1f} "
+                      f"at the start, {load[1]:.1f} at the end")
 
 
 async def amain(args: argparse.Namespace) -> tuple[list, dict, list]:
@@ -554,10 +545,7 @@ def main(argv: list[str] | None = None) -> None:
             real_table(runs),
         ]
     text = "\n\n".join(s for s in sections if s) + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_result(args.out, text)
 
 
 if __name__ == "__main__":

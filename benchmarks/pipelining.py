@@ -32,9 +32,7 @@ Writes the table to ``benchmarks/results/pipelining.md`` (``--out`` to change).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,6 +46,7 @@ import asyncio  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
+from _common import run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, RayWorkerGroup, Worker, register  # noqa: E402
 from asyncrl import batch as B  # noqa: E402
@@ -181,17 +180,10 @@ def table(res: dict[str, dict[str, float]]) -> str:
 
 
 def header() -> str:
-    import ray
-    import tensordict
     from ray._private import ray_constants
 
-    return (
-        f"Run {datetime.datetime.now().isoformat(timespec='seconds')} on {platform.machine()} "
-        f"({os.cpu_count()} CPUs visible, no GPU; shared with other jobs); python {platform.python_version()}, "
-        f"ray {ray.__version__}, torch {torch.__version__}, tensordict {tensordict.__version__}; "
-        f"zero-copy torch tensors in the controller: {bool(ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS)}.\n\n"
-        f"Command: `python benchmarks/pipelining.py {' '.join(sys.argv[1:])}`".rstrip()
-    )
+    return run_header("pipelining.py", extra="; zero-copy torch tensors in the controller: "
+                      f"{bool(ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS)}")
 
 
 def main() -> None:
@@ -222,10 +214,7 @@ def main() -> None:
         ]) + "\n"
     finally:
         asyncrl.shutdown()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_result(args.out, text)
 
 
 if __name__ == "__main__":

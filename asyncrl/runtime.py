@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import structlog
 
@@ -34,10 +35,8 @@ def init(
     """Start or connect to Ray once per process (later calls are no-ops).
 
     With no `address` (and no ``RAY_ADDRESS`` in the environment) asyncrl starts an
-    embedded Ray with the dashboard off, quiet logs and Ray's token authentication (on
-    by default in Ray 2.60). It asks for 127.0.0.1 as the node address, but Ray 2.60
-    still listens on the machine's interfaces: on an untrusted network, firewall its
-    ports (the token is what guards them). With an
+    embedded Ray bound to loopback (every Ray server listens on 127.0.0.1 only) with the
+    dashboard off, quiet logs and Ray's token authentication (on by default in Ray 2.60). With an
     address (``"auto"`` or ``"host:6379"``) it connects to that cluster; a cluster with
     token authentication needs ``RAY_AUTH_TOKEN`` set as Ray documents.
 
@@ -75,27 +74,60 @@ def init(
         runtime_env={"env_vars": env_vars},
         namespace=ray_kwargs.pop("namespace", "asyncrl"),
     )
-    if not address:
-        # Workers of an embedded Ray import the driver's local modules (worker classes
-        # defined next to the script) the way the driver does.
-        paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if address:
         ray.init(address=address, **kwargs, **ray_kwargs)
         log.info("ray.connected", address=address)
-    else:
-        ray.init(
-            address="local",  # always a new embedded instance, never another driver's
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            num_cpus=num_cpus if num_cpus is not None else max(os.cpu_count() or 1, 16),
-            num_gpus=num_gpus,
-            configure_logging=True,
-            **kwargs,
-            **ray_kwargs,
-        )
-        log.info("ray.started", cpus=ray.cluster_resources().get("CPU"))
+        return ray.cluster_resources()
+    # Workers of an embedded Ray import the driver's local modules (worker classes
+    # defined next to the script) the way the driver does.
+    paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    with _loopback_only(env_vars):
+        _start_embedded(ray, num_cpus, num_gpus, kwargs, ray_kwargs)
+    log.info("ray.started", cpus=ray.cluster_resources().get("CPU"))
     return ray.cluster_resources()
+
+
+@contextlib.contextmanager
+def _loopback_only(env_vars: dict[str, str]) -> Iterator[None]:
+    """Bind every Ray server of the embedded instance to 127.0.0.1.
+
+    Ray rewrites a loopback node address to the machine's routable IP unless its
+    multi-node switch is off (as Ray does on macOS and Windows). The embedded Ray is
+    one node: switch it off for ``ray.init`` and the processes it starts (and their
+    workers, through `env_vars`), then restore it so later connections to real
+    clusters in this process behave as usual.
+    """
+    from ray._private import ray_constants
+
+    key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    env_vars[key] = "0"
+    saved_env, saved_flag = os.environ.get(key), getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[key] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved_env
+        if saved_flag is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+def _start_embedded(ray: Any, num_cpus: int | None, num_gpus: int | None, kwargs: dict[str, Any],
+                    ray_kwargs: dict[str, Any]) -> None:
+    ray.init(
+        address="local",  # always a new embedded instance, never another driver's
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        num_cpus=num_cpus if num_cpus is not None else max(os.cpu_count() or 1, 16),
+        num_gpus=num_gpus,
+        configure_logging=True,
+        **kwargs,
+        **ray_kwargs,
+    )
 
 
 def shutdown() -> None:

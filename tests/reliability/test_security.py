@@ -82,13 +82,33 @@ def test_embedded_ray_has_no_dashboard_and_requires_token_authentication(ray_clu
         "the token file must not be writable by others"
 
 
-@pytest.mark.xfail(strict=True, reason="Ray 2.60 rewrites _node_ip_address='127.0.0.1' to the node's routable IP "
-                   "(ray._private.services.resolve_ip_for_localhost) and its gRPC servers listen on all interfaces; "
-                   "token authentication is what guards them (docs/reliability.md)")
 def test_embedded_ray_node_is_bound_to_loopback(ray_cluster):
     info = ray._private.worker.global_worker.node.address_info
     assert info["node_ip_address"] == "127.0.0.1"
     assert info["gcs_address"].startswith("127.0.0.1:")
+    node = ray._private.worker._global_node
+    ports = {int(info["gcs_address"].rsplit(":", 1)[1]), node.node_manager_port, node.runtime_env_agent_port}
+    ports |= {p for p in (node.metrics_agent_port, node.dashboard_agent_listen_port) if p and p > 0}
+    listening = _listening_addresses()
+    for port in ports:
+        assert listening.get(port), f"Ray port {port} is not listening"
+        assert listening[port] <= _LOOPBACK, f"Ray port {port} listens on {listening[port]}, not only loopback"
+
+
+_LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
+def _listening_addresses() -> dict[int, set[str]]:
+    """Listening TCP port -> the local addresses (hex, as /proc/net/tcp* writes them) it is bound to."""
+    out: dict[int, set[str]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in Path(table).read_text().splitlines()[1:]:
+                parts = line.split()
+                if parts[3] == "0A":  # LISTEN
+                    addr, port = parts[1].rsplit(":", 1)
+                    out.setdefault(int(port, 16), set()).add(addr.upper())
+    return out
 
 
 def _listening_ports() -> set[int]:

@@ -82,7 +82,6 @@ class WorkerHost:
         self._finished: set[int] = set()
         self._turns: dict[int, asyncio.Future[None]] = {}
         self._wait = wait or _await_plain
-        self.started_calls: collections.deque[tuple[str, str, int | None]] = collections.deque(maxlen=100_000)
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -214,7 +213,6 @@ class WorkerHost:
             if seq is not None:
                 await self._wait_turn(seq)
             args2, kwargs2, pipe_pad = await resolving
-            self.started_calls.append((role, method, seq))
             pad = in_pad if in_pad is not None else (pipe_pad or 0)
             fn = getattr(worker, method)
             try:
@@ -283,8 +281,6 @@ class WorkerHost:
     def ping(self) -> int:
         return os.getpid()
 
-    def get_started_calls(self) -> list[tuple[str, str, int | None]]:
-        return list(self.started_calls)
 
 
 def _construct(spec: RoleSpec) -> Any:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from asyncrl import Dispatch, Execute, register
+from asyncrl import Dispatch, register
 
 from ._util import DataParallel, grad_norm_and_clip, micro_batches, require
 from .functional import masked_mean, value_clip_loss
-from .models import ModelConfig, build_value_model, set_torch_threads, state_dict_checksums
+from .models import ModelConfig, build_value_model, set_torch_threads
 from .policy import OptimConfig, _adam, _Trainable
 
 __all__ = ["CriticWorker"]
@@ -90,18 +90,3 @@ class CriticWorker(_Trainable):
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["version"] = float(self._version)
         return metrics
-
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def weights_checksum(self) -> dict[str, str]:
-        """``{name: checksum}`` of the current weights."""
-        return state_dict_checksums(self.model.state_dict().items())
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save(self, path: str) -> str:
-        """Save model (safetensors), optimizer and version to directory `path` (rank 0 writes)."""
-        return self._save(path)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load(self, path: str) -> int:
-        """Load what :meth:`save` wrote; returns the restored update count."""
-        return self._load(path)

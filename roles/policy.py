@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -78,10 +78,18 @@ class _Trainable(Worker):
     optim_config: OptimConfig
     _version: int
 
-    def _save(self, path: str) -> str:
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def weights_checksum(self) -> dict[str, str]:
+        """``{name: checksum}`` of the current weights (compare with the rollout's)."""
+        return state_dict_checksums(self.model.state_dict().items())
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save(self, path: str) -> str:
+        """Save model (safetensors), optimizer (torch.save of tensors and numbers) and version to
+        directory `path` (rank 0 writes; every rank holds the same weights)."""
         from safetensors.torch import save_model
 
-        if self.rank != 0:  # every rank holds the same weights
+        if self.rank != 0:
             return path
         os.makedirs(path, exist_ok=True)
         save_model(self.model, os.path.join(path, "model.safetensors"))
@@ -90,7 +98,9 @@ class _Trainable(Worker):
             json.dump({"version": self._version, "optim": asdict(self.optim_config)}, f)
         return path
 
-    def _load(self, path: str) -> int:
+    @register(Dispatch.ONE_TO_ALL)
+    def load(self, path: str) -> int:
+        """Load what :meth:`save` wrote (``torch.load(weights_only=True)``); returns the restored version."""
         from safetensors.torch import load_model
 
         files = [os.path.join(path, n) for n in ("model.safetensors", "optimizer.pt", "meta.json")]
@@ -201,24 +211,10 @@ class PolicyWorker(_Trainable):
         return self._version, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def weights_checksum(self) -> dict[str, str]:
-        """``{name: checksum}`` of the current weights (compare with the rollout's)."""
-        return state_dict_checksums(self.model.state_dict().items())
-
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:
         """Number of updates applied."""
         return self._version
 
-    @register(Dispatch.ONE_TO_ALL)
-    def save(self, path: str) -> str:
-        """Save model (safetensors), optimizer (torch.save of tensors and numbers) and version to directory `path`."""
-        return self._save(path)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load(self, path: str) -> int:
-        """Load what :meth:`save` wrote (``torch.load(weights_only=True)``); returns the restored version."""
-        return self._load(path)
 
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,

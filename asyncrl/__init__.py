@@ -25,7 +25,7 @@ from asyncrl.register import (
     register_dispatch_mode,
 )
 from asyncrl.resources import ResourcePool
-from asyncrl.runtime import init, shutdown
+from asyncrl.runtime import ainit, ashutdown, init, shutdown
 from asyncrl.worker import Worker, WorkerContext
 from asyncrl.worker_group import (
     Colocated,
@@ -38,6 +38,8 @@ from asyncrl.worker_group import (
 )
 
 __all__ = [
+    "ainit",
+    "ashutdown",
     "AsyncRLError",
     "Broadcast",
     "CallCancelledError",

@@ -1,15 +1,74 @@
-"""Starting Ray: an embedded local instance, or a connection to an existing cluster."""
+"""Starting Ray: an embedded local instance, or a connection to an existing cluster.
+
+Who owns Ray's processes. Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG``: the
+kernel kills them when the *thread* that spawned them ends, not the process. Starting
+Ray from a short-lived thread (``asyncio.to_thread`` inside ``asyncio.run``, whose
+executor is shut down when the loop ends) therefore kills the embedded cluster behind
+the driver's back: the next Ray call, or Ray's exception hook reporting the real
+error, blocks for 60 s on the dead GCS and the process exits with "Failed to connect to
+GCS". So every start and stop runs on one daemon thread that lives as long as the
+process (`_RayOwner`); `init()` from any thread and `await ainit()` from a loop both
+hand the work to it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+import queue
+import threading
+from typing import Any, Callable, Iterator, TypeVar
 
 import structlog
 
-__all__ = ["init", "shutdown"]
+__all__ = ["init", "ainit", "shutdown", "ashutdown"]
+
+_T = TypeVar("_T")
+
+
+class _RayOwner:
+    """A daemon thread, started once, that runs Ray's start and stop for the process.
+
+    It never exits while the process runs, so the processes Ray starts from it (bound to
+    it by the parent-death signal) live as long as the process does.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+        """Run `fn` on the owner thread; the returned future holds its result or error."""
+        fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:  # re-entrant use from the owner itself
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+            return fut
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="asyncrl-ray-owner", daemon=True)
+                self._thread.start()
+        self._queue.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+
+_OWNER = _RayOwner()
 
 
 def quiet_tensor_warnings() -> None:
@@ -47,10 +106,54 @@ def init(
     The embedded Ray advertises `num_cpus` logical CPUs; by default at least 16 (or
     the machine's count if larger), so that a few small workers fit on a laptop. Ray
     CPUs are scheduling units, not cores: pass ``num_cpus=os.cpu_count()`` for strict
-    accounting.
+    accounting. A ``runtime_env`` passed here is merged with asyncrl's own (its
+    ``env_vars`` are added to asyncrl's; asyncrl's zero-copy and loopback settings win).
 
-    Returns Ray's cluster resources.
+    The start runs on a thread that lives as long as the process (see the module
+    docstring), whatever thread calls this; from a running event loop use
+    ``await ainit(...)``, which does not block the loop. Returns Ray's cluster resources.
     """
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    return _OWNER.submit(
+        lambda: _init_here(address, num_cpus=num_cpus, num_gpus=num_gpus, zero_copy_tensors=zero_copy_tensors,
+                           log_to_driver=log_to_driver, **ray_kwargs)
+    ).result()
+
+
+async def ainit(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    zero_copy_tensors: bool = True,
+    log_to_driver: bool = True,
+    **ray_kwargs: Any,
+) -> dict[str, Any]:
+    """`init` for a running event loop: Ray starts on the owner thread while the loop runs on."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    fut = _OWNER.submit(
+        lambda: _init_here(address, num_cpus=num_cpus, num_gpus=num_gpus, zero_copy_tensors=zero_copy_tensors,
+                           log_to_driver=log_to_driver, **ray_kwargs)
+    )
+    return await asyncio.wrap_future(fut)
+
+
+def _init_here(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    zero_copy_tensors: bool = True,
+    log_to_driver: bool = True,
+    **ray_kwargs: Any,
+) -> dict[str, Any]:
+    """Start or connect to Ray on the calling thread (the owner thread; see `init`)."""
     import ray
 
     if ray.is_initialized():
@@ -68,10 +171,12 @@ def init(
             pass
     env_vars = {k: os.environ[k] for k in ("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS",) if k in os.environ}
     address = address or os.environ.get("RAY_ADDRESS")
+    user_env = dict(ray_kwargs.pop("runtime_env", None) or {})
+    env_vars = {**dict(user_env.pop("env_vars", None) or {}), **env_vars}
     kwargs: dict[str, Any] = dict(
         log_to_driver=log_to_driver,
         logging_level=logging.WARNING,
-        runtime_env={"env_vars": env_vars},
+        runtime_env={**user_env, "env_vars": env_vars},
         namespace=ray_kwargs.pop("namespace", "asyncrl"),
     )
     if address:
@@ -80,7 +185,8 @@ def init(
         return ray.cluster_resources()
     # Workers of an embedded Ray import the driver's local modules (worker classes
     # defined next to the script) the way the driver does.
-    paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [os.getcwd(), *filter(None, env_vars.get("PYTHONPATH", "").split(os.pathsep)),
+             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     with _loopback_only(env_vars):
         _start_embedded(ray, num_cpus, num_gpus, kwargs, ray_kwargs)
@@ -131,8 +237,16 @@ def _start_embedded(ray: Any, num_cpus: int | None, num_gpus: int | None, kwargs
 
 
 def shutdown() -> None:
-    """Stop the embedded Ray (or disconnect from the cluster)."""
+    """Stop the embedded Ray (or disconnect from the cluster); runs on the owner thread."""
     import ray
 
     if ray.is_initialized():
-        ray.shutdown()
+        _OWNER.submit(ray.shutdown).result()
+
+
+async def ashutdown() -> None:
+    """`shutdown` for a running event loop."""
+    import ray
+
+    if ray.is_initialized():
+        await asyncio.wrap_future(_OWNER.submit(ray.shutdown))

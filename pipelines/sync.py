@@ -96,7 +96,7 @@ async def run_sequential(config: JobConfig, *, lag: int | None = None) -> tuple[
     from asyncrl.pipelines.trainer import build_groups
     from asyncrl.roles import load_tokenizer
 
-    resources = await asyncio.to_thread(asyncrl.init, num_cpus=config.trainer.num_cpus)
+    resources = await asyncrl.ainit(num_cpus=config.trainer.num_cpus)
     config.validate(cluster_cpus=float(resources.get("CPU", 0.0)))
     groups, parts, pools = build_groups(config)
     try:

@@ -240,7 +240,7 @@ class Trainer:
         self._cond = asyncio.Condition()
         self._device = asyncio.Lock()
         if self._owns_groups:
-            resources = await asyncio.to_thread(asyncrl.init, num_cpus=cfg.trainer.num_cpus)
+            resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
             cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)))
             await self._start_groups()
         from asyncrl.roles import load_tokenizer

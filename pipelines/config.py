@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -60,8 +60,8 @@ class AlgorithmConfig:
     """PPO: lambda of the GAE."""
     kl_in_reward_coef: float = 0.0
     """PPO: per-token KL(policy || reference) penalty subtracted from the reward (0 = off)."""
-    kl_kind: Literal["k1", "k2", "k3"] = "k1"
-    """Estimator of the in-reward KL penalty."""
+    kl_penalty: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "k1"
+    """Estimator of the in-reward KL penalty (verl's ``algorithm.kl_penalty``)."""
     whiten_advantages: bool = True
     """PPO: whiten advantages over the batch."""
 
@@ -164,6 +164,17 @@ class JobConfig:
         return self.trainer.batch_size // self.algorithm.group_size
 
     @property
+    def correction(self) -> str:
+        """The actor's effective off-policy correction: ``none``, ``tis`` or ``decoupled``
+        (``auto`` is ``tis`` when ``trainer.max_staleness >= 1``)."""
+        return self.actor.rollout_correction.resolve(self.trainer.max_staleness)
+
+    def worker_actor(self) -> OptimConfig:
+        """The actor config the workers get: ``temperature`` taken from the rollout (one temperature
+        for sampling, the recomputed log-probs and the reference)."""
+        return replace(self.actor, temperature=self.rollout.temperature)
+
+    @property
     def buffer_capacity(self) -> int:
         """Batches the rollout→train buffer holds."""
         t = self.trainer
@@ -214,6 +225,7 @@ class JobConfig:
         if t.stage_timeout_s is not None and not (t.stage_timeout_s > 0 and math.isfinite(t.stage_timeout_s)):
             raise ConfigError(f"trainer.stage_timeout_s must be a positive number of seconds or null, "
                               f"got {t.stage_timeout_s}")
+        self._validate_loss()
         if self.data.num_prompts < 1:
             raise ConfigError(f"data.num_prompts must be >= 1, got {self.data.num_prompts}")
         from asyncrl.pipelines.data import task_names
@@ -229,6 +241,28 @@ class JobConfig:
                     "or set trainer.colocated=true"
                 )
         return self
+
+
+    def _validate_loss(self) -> None:
+        """Sampling temperature, loss and off-policy settings (docs: README "Correctness")."""
+        r, a, t = self.rollout, self.actor, self.trainer
+        if not r.temperature > 0:
+            raise ConfigError(
+                f"rollout.temperature={r.temperature}: training needs a sampling temperature > 0 (greedy samples "
+                "have no log-probability to train on or to correct with); use e.g. 1.0"
+            )
+        if a.temperature is not None and a.temperature != r.temperature:
+            raise ConfigError(
+                f"actor.temperature={a.temperature} differs from rollout.temperature={r.temperature}: the policy's "
+                "log-probs must use the temperature the rollout sampled with. Leave actor.temperature unset (null): "
+                "it is taken from rollout.temperature"
+            )
+        sections = [("actor", a)] + ([("critic", self.critic)] if self.algorithm.name == "ppo" else [])
+        for name, optim in sections:
+            try:
+                optim.validate(t.train_workers)
+            except ValueError as e:
+                raise ConfigError(f"{name}: {e}") from None
 
 
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",

@@ -19,7 +19,7 @@ advantage math and no batch bytes touch the controller.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -62,7 +62,20 @@ class Groups:
 
 
 class AdvantageWorker(Worker):
-    """Merges the stage outputs of one batch and computes advantages (pure functions)."""
+    """Merges the stage outputs of one batch and computes advantages (pure functions).
+
+    With several ranks, whitening (PPO) takes the mean and variance of *every* rank's valid
+    tokens: each rank sums its shard's moments and the ranks all-reduce them (gloo), so two
+    ranks give the advantages one rank gives for the same batch."""
+
+    _dp: Any = None
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self._dp is None:  # created on first use: every rank reaches this call together
+            from asyncrl.roles._util import DataParallel
+
+            self._dp = DataParallel(self.rank, self.world_size)
+        return self._dp.all_reduce(t)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_advantages(self, batch: TensorDictBase, scores: TensorDictBase, log_probs: TensorDictBase,
@@ -75,7 +88,7 @@ class AdvantageWorker(Worker):
         for part in (scores, log_probs, ref, values):
             if part is not None:
                 out.update(part)
-        adv, ret = compute_advantages(out, algo)
+        adv, ret = compute_advantages(out, algo, all_reduce=self._all_reduce)
         out.set("advantages", adv)
         out.set("returns", ret)
         return out
@@ -87,8 +100,15 @@ class AdvantageWorker(Worker):
         return batch
 
 
-def compute_advantages(batch: TensorDictBase, algo: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)`` of a merged batch: GRPO group-relative, or GAE over token rewards."""
+def compute_advantages(batch: TensorDictBase, algo: Mapping[str, Any], *,
+                       all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` of a merged batch: GRPO group-relative, or GAE over token rewards
+    (whitened with verl's Bessel-corrected ``masked_whiten`` when ``whiten_advantages``).
+
+    `batch` may be one data-parallel shard: `all_reduce` (a sum across the shards) then turns the
+    shard's whitening moments into the whole batch's. GRPO groups never span shards (the trainer
+    keeps every prompt's responses on one rank)."""
     mask = batch["response_mask"]
     scores = batch["scores"].to(torch.float32)
     if algo["name"] == "grpo":
@@ -96,11 +116,12 @@ def compute_advantages(batch: TensorDictBase, algo: Mapping[str, Any]) -> tuple[
         return adv, adv.clone()
     rewards = terminal_rewards(scores, mask)
     if algo["kl_in_reward_coef"] > 0:
-        kl = F.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algo["kl_kind"]) * mask
+        kl = F.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algo["kl_penalty"]) * mask
         rewards = rewards - algo["kl_in_reward_coef"] * kl
     adv, ret = F.gae(rewards, batch["values"], mask, algo["gamma"], algo["lam"])
     if algo["whiten_advantages"]:
-        adv = F.masked_whiten(adv, mask)
+        moments = F.masked_moments(adv, mask)
+        adv = F.masked_whiten(adv, mask, moments=all_reduce(moments) if all_reduce is not None else moments)
     return adv, ret
 
 

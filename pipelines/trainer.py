@@ -109,11 +109,11 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None
         "reward": (RewardWorker, (cfg.reward,), {}),
     }
     train_roles: dict[str, Any] = {
-        "policy": (PolicyWorker, (cfg.model, cfg.actor), {}),
+        "policy": (PolicyWorker, (cfg.model, cfg.worker_actor()), {"max_staleness": t.max_staleness}),
         "advantage": AdvantageWorker,
     }
     if needs_reference(cfg):
-        train_roles["reference"] = (ReferenceWorker, (cfg.model,), {"temperature": cfg.actor.temperature,
+        train_roles["reference"] = (ReferenceWorker, (cfg.model,), {"temperature": cfg.rollout.temperature,
                                                                    "micro_batch_size": cfg.actor.micro_batch_size})
     if cfg.algorithm.name == "ppo":
         train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})

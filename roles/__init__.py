@@ -13,13 +13,14 @@ from .errors import (
     PromptTooLongError,
     RewardFnError,
     RolesError,
+    StaleBatchError,
     StaleWeightsError,
     TokenizerNotFoundError,
     UnknownNameError,
     WeightSyncError,
 )
 from .models import ModelConfig, load_model, load_tokenizer, save_model_dir, tiny_tokenizer
-from .policy import OptimConfig, PolicyWorker, ReferenceWorker
+from .policy import OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
 from .reward import RewardConfig, RewardInput, RewardWorker, register_reward_fn, toy_dataset
 from .rollout import RolloutConfig, RolloutWorker
 from .sync import sync_weights
@@ -40,8 +41,10 @@ __all__ = [
     "RewardWorker",
     "RolesError",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "RolloutWorker",
     "SamplingParams",
+    "StaleBatchError",
     "StaleWeightsError",
     "TokenizerNotFoundError",
     "UnknownNameError",

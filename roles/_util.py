@@ -81,8 +81,11 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float | None)
 
 
 class DataParallel:
-    """Averages gradients across the ranks of a group with torch.distributed (gloo) when
-    the group has several workers in separate processes; a no-op otherwise."""
+    """Collectives over the ranks of a group with torch.distributed (gloo) when the group has
+    several workers in separate processes; every method is the identity otherwise.
+
+    Every rank must call the same collectives in the same order (the group's ordered calls
+    guarantee it for methods that all ranks run)."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         import os
@@ -94,10 +97,22 @@ class DataParallel:
             if not dist.is_initialized():
                 dist.init_process_group("gloo", rank=rank, world_size=world_size)
             self.active = True
+        self.rank = rank
         self.world_size = world_size
 
-    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Average `.grad` of `params` over the ranks."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`t` reduced over the ranks (``"sum"`` or ``"max"``), as a new tensor."""
+        out = t.detach().clone()
+        if not self.active:
+            return out
+        import torch.distributed as dist
+
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return out
+
+    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum `.grad` of `params` over the ranks: each rank's loss is its share of the global
+        loss (``roles.functional.agg_loss`` with global denominators), so the shares add up."""
         if not self.active:
             return
         import torch.distributed as dist
@@ -106,14 +121,33 @@ class DataParallel:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= self.world_size
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Average `.grad` of `params` over the ranks (for per-rank mean losses)."""
+        if not self.active:
+            return
+        self.sum_grads(params)
+        for p in params:
+            p.grad /= self.world_size  # type: ignore[operator]
+
+    def agree(self, kind: int, problem: str | None) -> tuple[int, str | None]:
+        """Every rank learns whether any rank found a problem (one collective), so all ranks raise
+        together instead of some waiting forever in the next collective.
+
+        `kind` is 0 when this rank's shard is fine, else a caller-defined error code (> 0) with
+        its `problem` message. Returns ``(kind, message)``: this rank's own, or the code of the
+        first rank that found one and a message naming it; ``(0, None)`` when every rank is fine."""
+        if not self.active:
+            return kind, problem
+        flags = torch.zeros(self.world_size, dtype=torch.float64)
+        flags[self.rank] = float(kind)
+        flags = self.all_reduce(flags)
+        if kind or not flags.any():
+            return kind, problem
+        bad = [r for r in range(self.world_size) if flags[r] > 0]
+        return int(flags[bad[0]]), (f"rank(s) {bad} rejected their shard of this batch (see the error of rank "
+                                    f"{bad[0]}); nothing was applied on any rank")
 
     def mean(self, value: float) -> float:
         """Average of a scalar over the ranks."""
-        if not self.active:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t) / self.world_size
+        return float(self.all_reduce(torch.tensor([value], dtype=torch.float64))) / self.world_size

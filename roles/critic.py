@@ -8,7 +8,7 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, register
 
 from ._util import DataParallel, grad_norm_and_clip, micro_batches, require
-from .functional import masked_mean, value_clip_loss
+from . import functional as F
 from .models import ModelConfig, build_value_model, set_torch_threads
 from .policy import OptimConfig, _adam, _Trainable
 
@@ -23,12 +23,14 @@ class CriticWorker(_Trainable):
 
     Args:
         model: backbone config (a tiny model, or a local directory whose base model is used).
-        optim: optimizer settings (``kl_coef``, ``entropy_coef`` and ``temperature`` are unused).
+        optim: optimizer settings (``clip_eps`` is the value clip; ``loss_agg_mode`` and the batch
+            sizes apply as for the policy; the actor-only loss settings are unused).
     """
 
     def __init__(self, model: ModelConfig, optim: OptimConfig | None = None) -> None:
         self.model_config = model
         self.optim_config = optim or OptimConfig()
+        self.optim_config.validate(self.world_size)
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.model, self.tokenizer = build_value_model(model)
         self.model.train()
@@ -59,34 +61,44 @@ class CriticWorker(_Trainable):
     @register(Dispatch.DP_COMPUTE_METRIC)
     def update(self, batch: TensorDictBase) -> dict[str, float]:
         """Clipped value-loss update against ``returns`` (old values from ``values``); returns
-        ``{vf_loss, vf_clip_frac, values_mean, grad_norm, lr, version}``."""
+        ``{vf_loss, vf_clip_frac, values_mean, grad_norm, lr, version}`` of the whole batch.
+
+        As the policy's: ``mini_batch_size`` counts rows over all ranks, each micro-batch's loss is
+        its share of the global ``loss_agg_mode`` aggregate, and gradients are summed across ranks,
+        so several ranks train like one."""
         cfg = self.optim_config
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask", "values", "returns"],
                 "CriticWorker.update")
         params = [p for p in self.model.parameters() if p.requires_grad]
-        sums: dict[str, list[float]] = {}
         n = batch.batch_size[0]
+        mini = None if cfg.mini_batch_size is None else cfg.mini_batch_size // self.world_size
+        vf_loss, tokens, clipped, values_sum = 0.0, 0.0, 0.0, 0.0
+        grad_norms: list[float] = []
         for _ in range(cfg.ppo_epochs):
-            for mini in micro_batches(n, cfg.mini_batch_size):
-                mb = batch[mini]
-                tokens = float(mb["response_mask"].sum().clamp(min=1))
+            for mini_rows in micro_batches(n, mini):
+                mb = batch[mini_rows]
+                denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in micro_batches(mb.batch_size[0], cfg.micro_batch_size):
                     b = mb[micro]
                     mask = b["response_mask"]
                     v = self._values(b)
-                    loss = value_clip_loss(v, b["values"], b["returns"], mask, cfg.clip_eps)
-                    (loss * float(mask.sum()) / tokens).backward()
+                    losses, clip = F.value_clip_losses(v, b["values"], b["returns"], cfg.clip_eps)
+                    loss = 0.5 * F.agg_loss(losses, mask, cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
+                                            loss_scale_factor=cfg.loss_scale_factor)
+                    loss.backward()
                     with torch.no_grad():
-                        clipped = ((v - b["values"]).abs() > cfg.clip_eps).float()
-                        sums.setdefault("vf_loss", []).append(float(loss))
-                        sums.setdefault("vf_clip_frac", []).append(float(masked_mean(clipped, mask)))
-                        sums.setdefault("values_mean", []).append(float(masked_mean(v, mask)))
-                self.dp.all_reduce_grads(params)
-                sums.setdefault("grad_norm", []).append(grad_norm_and_clip(params, cfg.max_grad_norm))
+                        vf_loss += float(loss)
+                        tokens += float(mask.sum())
+                        clipped += float(F.masked_sum(clip.float(), mask))
+                        values_sum += float(F.masked_sum(v, mask))
+                self.dp.sum_grads(params)
+                grad_norms.append(grad_norm_and_clip(params, cfg.max_grad_norm))
                 self.optimizer.step()
         self._version += 1
-        metrics = {k: sum(v) / len(v) for k, v in sums.items()}
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["version"] = float(self._version)
-        return metrics
+        vf_loss, tokens, clipped, values_sum = self.dp.all_reduce(
+            torch.tensor([vf_loss, tokens, clipped, values_sum], dtype=torch.float64)).tolist()
+        steps, tok = max(len(grad_norms), 1), max(tokens, 1.0)
+        return {"vf_loss": vf_loss / steps, "vf_clip_frac": clipped / tok, "values_mean": values_sum / tok,
+                "grad_norm": sum(grad_norms) / steps, "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "version": float(self._version)}

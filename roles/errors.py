@@ -14,6 +14,7 @@ __all__ = [
     "TokenizerNotFoundError",
     "PromptTooLongError",
     "StaleWeightsError",
+    "StaleBatchError",
     "WeightSyncError",
     "RewardFnError",
     "UnknownNameError",
@@ -38,6 +39,11 @@ class PromptTooLongError(RolesError, ValueError):
 
 class StaleWeightsError(RolesError, ValueError):
     """Raised when a weight update carries a version older than or equal to the one already loaded."""
+
+
+class StaleBatchError(RolesError, ValueError):
+    """Raised when a training batch holds rows generated more than ``max_staleness`` versions before
+    the policy it would update (or by a version the policy has not reached); nothing is applied."""
 
 
 class WeightSyncError(RolesError, RuntimeError):

@@ -1,24 +1,30 @@
 """`PolicyWorker` (the actor) and `ReferenceWorker` (the frozen reference policy).
 
-``update`` runs the PPO clipped objective with an optional KL penalty against
-``ref_log_probs`` and an entropy bonus::
+``update`` runs verl's PPO actor loss, off-policy corrected, with an optional KL loss
+against ``ref_log_probs`` and an entropy bonus::
 
+    check every row's weight version against max_staleness (all ranks agree, else StaleBatchError)
+    w = importance_weights(old_log_probs, rollout_log_probs)    # pi_old / pi_behaviour: tis or decoupled
     for epoch in ppo_epochs:                      # no shuffling: deterministic given the seed
-      for mini-batch (mini_batch_size rows):      # one optimizer step each
-        for micro-batch (micro_batch_size rows):  # gradient accumulation
-          loss = pg_loss + kl_coef * kl - entropy_coef * entropy   (token means, weighted by tokens)
-        all-reduce grads (DP), clip to max_grad_norm, step
+      for mini-batch (mini_batch_size rows, global):   # one optimizer step each
+        num_tokens, num_seqs = all-reduce(loss_denominators(mini-batch))
+        for micro-batch (micro_batch_size rows per rank):   # gradient accumulation
+          loss = agg(w * ppo_clip) - entropy_coef * agg(entropy) + kl_coef * agg(kl)
+                 # agg = agg_loss(loss_agg_mode, global num_tokens/num_seqs): this shard's share
+        all-reduce (sum) grads, clip to max_grad_norm, step
     version += 1
 
-With several ranks each computes the token mean of its own shard and gradients are
-averaged across ranks.
+Because every share is normalised by the *global* token (or sequence) count, summing the
+gradients of all micro-batches on all ranks gives exactly the gradient of the loss of the
+whole mini-batch: two ranks with unequal token counts train like one (tested). Metrics are
+reduced across ranks too, so every rank reports the values of the whole batch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
@@ -26,16 +32,59 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, Execute, Worker, register
 
+from . import functional as F
 from ._util import DataParallel, grad_norm_and_clip, micro_batches, require, response_log_probs
-from .functional import kl_penalty, masked_mean, ppo_clip_fraction, ppo_clip_loss
+from .errors import StaleBatchError
 from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
 
-__all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker"]
+__all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
+
+
+@dataclass(kw_only=True)
+class RolloutCorrectionConfig:
+    """Off-policy correction of the actor loss for rows sampled by an older policy (verl's
+    ``algorithm.rollout_correction``; AReaL's decoupled PPO). See ``functional.importance_weights``."""
+
+    mode: Literal["auto", "none", "tis", "decoupled"] = "auto"
+    """``tis``: truncated importance sampling, loss x ``min(pi_old / pi_behaviour, threshold)`` (verl's
+    ``rollout_is``); ``decoupled``: AReaL's decoupled PPO, tokens whose weight exceeds the threshold are
+    dropped (``behav_imp_weight_cap``); ``none``: no correction; ``auto``: ``tis`` when the trainer's
+    ``max_staleness >= 1`` (a PolicyWorker built with ``max_staleness >= 1``), else ``none``."""
+    rollout_is: Literal["token", "sequence"] = "token"
+    """Weight per token, or one weight per row (the product of its token ratios), as verl's ``rollout_is``."""
+    rollout_is_threshold: float = 2.0
+    """Cap of the weights (verl's ``rollout_is_threshold``, default 2.0); must be > 0 (> 1 for ``decoupled``)."""
+
+    def resolve(self, max_staleness: int | None) -> str:
+        """The effective mode (``none``, ``tis`` or ``decoupled``) for a run with `max_staleness`."""
+        if self.mode == "auto":
+            return "tis" if (max_staleness or 0) >= 1 else "none"
+        return self.mode
+
+    def validate(self) -> None:
+        """Raise ValueError for an unknown mode or level, or a threshold out of range."""
+        if self.mode not in ("auto", "none", *F.CORRECTION_MODES):
+            raise ValueError(f"rollout_correction.mode must be one of ['auto', 'none', 'tis', 'decoupled'], "
+                             f"got {self.mode!r}")
+        if self.rollout_is not in F.IS_LEVELS:
+            raise ValueError(f"rollout_correction.rollout_is must be 'token' or 'sequence', got {self.rollout_is!r}")
+        t = self.rollout_is_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t or t == float("inf"):
+            raise ValueError(f"rollout_correction.rollout_is_threshold must be a finite number > 0, got {t!r}")
+        if self.mode == "decoupled" and not t > 1:
+            raise ValueError(f"rollout_correction.rollout_is_threshold must be > 1 for mode='decoupled' (AReaL's "
+                             f"behav_imp_weight_cap: weights above it are dropped), got {t}")
 
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """Optimizer and loss settings of a trained role (policy or critic)."""
+    """Optimizer and loss settings of a trained role (policy or critic).
+
+    Names follow verl where they differ only in spelling: ``clip_eps`` is verl's ``clip_ratio``
+    (and the critic's ``cliprange_value``), ``kl_coef`` its ``kl_loss_coef``, ``entropy_coef`` its
+    ``entropy_coeff``, ``mini_batch_size`` its ``ppo_mini_batch_size`` (in rows, global) and
+    ``micro_batch_size`` its ``ppo_micro_batch_size_per_gpu``.
+    """
 
     lr: float = 1e-3
     """Adam learning rate."""
@@ -48,21 +97,70 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping; the norm is still reported)."""
     micro_batch_size: int = 8
-    """Rows per forward/backward (gradient accumulation over a mini-batch)."""
+    """Rows per forward/backward on each rank (gradient accumulation over a mini-batch)."""
     mini_batch_size: int | None = None
-    """Rows per optimizer step; None uses the whole batch for one step per epoch."""
+    """Rows per optimizer step over all ranks together (each rank takes mini_batch_size / ranks of its
+    shard, so it must divide by the number of ranks); None uses the whole batch for one step per epoch."""
     ppo_epochs: int = 1
     """Passes over the batch per ``update`` call."""
     clip_eps: float = 0.2
-    """PPO ratio clip (policy) or value clip (critic)."""
+    """PPO ratio clip (verl's ``clip_ratio``; policy) or value clip (critic)."""
+    clip_ratio_low: float | None = None
+    """Lower ratio clip: ratio >= 1 - clip_ratio_low (None = ``clip_eps``)."""
+    clip_ratio_high: float | None = None
+    """Upper ratio clip: ratio <= 1 + clip_ratio_high (None = ``clip_eps``; e.g. 0.28 for DAPO's clip-higher)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip PPO bound for negative advantages (verl's default 3.0; must be > 1; None = off)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses become one number (verl's ``loss_agg_mode``), over the global mini-batch:
+    every rank and micro-batch contributes its share of the same global denominator."""
+    loss_scale_factor: float | None = None
+    """``seq-mean-token-sum-norm``'s constant normaliser (None = the response width R)."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty against ``ref_log_probs`` (0 = off; the batch then needs no reference)."""
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator of the penalty."""
+    """Weight of the KL loss against ``ref_log_probs`` (verl's ``kl_loss_coef``; 0 = off, the batch then
+    needs no reference)."""
+    kl_loss_type: str = "k3"
+    """KL estimator of the loss: ``k1``/``kl``, ``abs``, ``k2``/``mse``, ``k3``/``low_var_kl`` (verl's clamps),
+    optionally ending in ``+`` (straight-through k2 gradient)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
-    temperature: float = 1.0
-    """Logit temperature of the recomputed log-probs (match the rollout's sampling temperature)."""
+    temperature: float | None = None
+    """Logit temperature of the recomputed log-probs. None: the rollout's (the trainer fills it in; a
+    PolicyWorker used alone takes 1.0); a value that differs from ``rollout.temperature`` is a config error."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction of the actor loss (unused by the critic)."""
+
+    def validate(self, world_size: int = 1) -> None:
+        """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.mini_batch_size is not None:
+            if self.mini_batch_size < 1 or self.mini_batch_size % world_size:
+                raise ValueError(
+                    f"mini_batch_size={self.mini_batch_size} must be a positive multiple of the {world_size} training "
+                    "rank(s): it counts the rows of one optimizer step over all ranks together (None = whole batch)"
+                )
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        if self.loss_agg_mode not in F.LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {list(F.LOSS_AGG_MODES)}, got {self.loss_agg_mode!r}")
+        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
+            raise ValueError(f"loss_scale_factor must be > 0 or None, got {self.loss_scale_factor}")
+        base = self.kl_loss_type[:-1] if self.kl_loss_type.endswith("+") else self.kl_loss_type
+        if base not in F.KL_ESTIMATORS:
+            raise ValueError(f"kl_loss_type must be one of {list(F.KL_ESTIMATORS)} (optionally ending in '+'), "
+                             f"got {self.kl_loss_type!r}")
+        for name in ("clip_eps", "clip_ratio_low", "clip_ratio_high"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1 or None, got {self.clip_ratio_c}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (log-probs of a greedy policy are undefined), "
+                             f"got {self.temperature}")
+        self.rollout_correction.validate()
 
 
 def _adam(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -114,17 +212,32 @@ class _Trainable(Worker):
         return self._version
 
 
+_MISSING, _STALE = 1, 2  # error codes ranks agree on before an update (DataParallel.agree)
+
+
 class PolicyWorker(_Trainable):
     """The trained policy: recomputes log-probs, runs PPO updates, exports versioned weights.
 
     Args:
         model: the model to train (same config as the rollout's, so version 0 matches).
-        optim: optimizer and loss settings.
+        optim: optimizer and loss settings (``temperature=None`` means 1.0 here; the trainer
+            sets the rollout's).
+        max_staleness: the trainer's bound: ``update`` refuses a batch holding a row whose
+            ``version`` is more than this many versions behind the policy (``StaleBatchError``),
+            and ``rollout_correction.mode="auto"`` corrects when it is >= 1. None (default):
+            no bound is enforced and ``auto`` means no correction.
     """
 
-    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None) -> None:
+    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None, *,
+                 max_staleness: int | None = None) -> None:
         self.model_config = model
         self.optim_config = optim or OptimConfig()
+        self.optim_config.validate(self.world_size)
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
+        self.max_staleness = max_staleness
+        self.correction = self.optim_config.rollout_correction.resolve(max_staleness)
+        self.temperature = 1.0 if self.optim_config.temperature is None else self.optim_config.temperature
         set_torch_threads(self.context.num_cpus, model.num_threads)
         torch.manual_seed(model.seed)
         self.model, self.tokenizer = load_model(model)
@@ -143,67 +256,164 @@ class PolicyWorker(_Trainable):
         """``TD{old_log_probs [B, R], entropy [B, R]}`` of the response tokens (0 where masked).
 
         Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``."""
-        return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.optim_config.temperature,
+        return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.temperature,
                           "old_log_probs", with_entropy=True, who="PolicyWorker.compute_log_prob")
 
-    @register(Dispatch.DP_COMPUTE_METRIC)
-    def update(self, batch: TensorDictBase) -> dict[str, float]:
-        """One PPO update over `batch`; returns mean metrics (floats) and the new ``version``.
-
-        Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``,
-        ``old_log_probs``, ``advantages``, and ``ref_log_probs`` when ``kl_coef > 0``.
-        """
+    def _check_batch(self, batch: TensorDictBase) -> tuple[int, str | None]:
+        """What is wrong with this rank's shard: ``(0, None)``, ``(_MISSING, message)`` or ``(_STALE, message)``."""
         cfg = self.optim_config
         need = ["input_ids", "attention_mask", "response_ids", "response_mask", "old_log_probs", "advantages"]
         if cfg.kl_coef > 0:
             need.append("ref_log_probs")
-        require(batch, need, "PolicyWorker.update")
+        if self.correction != "none":
+            need.append("rollout_log_probs")
+        if self.max_staleness is not None:
+            need.append("version")
+        missing = [f for f in need if f not in batch.keys()]
+        if missing:
+            why = {"rollout_log_probs": f"off-policy correction ({self.correction!r}) needs the behaviour "
+                                        "log-probs the rollout returns; keep the field or set "
+                                        "rollout_correction.mode='none'",
+                   "version": f"max_staleness={self.max_staleness} is enforced on every row's weight version",
+                   "ref_log_probs": "kl_coef > 0 needs the reference's log-probs"}
+            notes = "; ".join(why[f] for f in missing if f in why)
+            return _MISSING, (f"PolicyWorker.update needs batch field(s) {missing}; the batch has "
+                          f"{sorted(map(str, batch.keys()))}. {notes}. See docs/roles_api.md for which stage writes each field")
+        if self.max_staleness is not None:
+            lag = self._version - batch["version"].long()
+            if (lag < 0).any():
+                return _STALE, (f"rows generated by weight version {int(batch['version'].max())} reached the policy at "
+                              f"version {self._version}: a batch cannot come from the future (a bookkeeping bug)")
+            if (lag > self.max_staleness).any():
+                return _STALE, (f"{int((lag > self.max_staleness).sum())} row(s) were generated {int(lag.max())} versions "
+                              f"before the policy (version {self._version}, row versions "
+                              f"{sorted(set(batch['version'].tolist()))}), more than max_staleness="
+                              f"{self.max_staleness}; regenerate them with newer weights or raise the bound")
+        return 0, None
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def update(self, batch: TensorDictBase) -> dict[str, float]:
+        """One PPO update over `batch`; returns metrics of the whole batch (reduced across ranks)
+        and the new ``version``.
+
+        Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``,
+        ``old_log_probs``, ``advantages``; ``ref_log_probs`` when ``kl_coef > 0``;
+        ``rollout_log_probs`` when off-policy correction is on; ``version`` when
+        ``max_staleness`` is set. A missing field raises KeyError and a row outside the
+        staleness bound :class:`StaleBatchError`, on every rank, before anything changes.
+        """
+        cfg = self.optim_config
+        kind, problem = self.dp.agree(*self._check_batch(batch))
+        if kind == _MISSING:
+            raise KeyError(problem)
+        if kind == _STALE:
+            raise StaleBatchError(problem)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
         n = batch.batch_size[0]
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def add(k: str, v: float) -> None:
-            sums[k] = sums.get(k, 0.0) + v
-            counts[k] = counts.get(k, 0) + 1
-
+        mask_all = batch["response_mask"]
+        # off-policy weights: fixed for the whole update (pi_old and pi_behaviour do not change)
+        has_behaviour = "rollout_log_probs" in batch.keys()
+        rc = cfg.rollout_correction
+        iw = (F.importance_weights(batch["old_log_probs"], batch["rollout_log_probs"], mask_all,
+                                   mode=self.correction if self.correction != "none" else "tis",
+                                   level=rc.rollout_is, threshold=rc.rollout_is_threshold)
+              if has_behaviour else None)
+        weights = iw.weights if (iw is not None and self.correction != "none") else None
+        low = cfg.clip_eps if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+        high = cfg.clip_eps if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+        mini = None if cfg.mini_batch_size is None else cfg.mini_batch_size // self.world_size
+        # per-step shares (sum over ranks = the global value) and token counts for fractions
+        shares = dict.fromkeys(("pg_loss", "entropy", "kl", "loss"), 0.0)
+        counts = dict.fromkeys(("tokens", "clipped", "clipped_lower", "ppo_kl"), 0.0)
+        grad_norms: list[float] = []
         for _ in range(cfg.ppo_epochs):
-            for mini in micro_batches(n, cfg.mini_batch_size):
-                mb = batch[mini]
-                tokens = float(mb["response_mask"].sum().clamp(min=1))
+            for mini_rows in micro_batches(n, mini):
+                mb = batch[mini_rows]
+                mb_w = weights[mini_rows] if weights is not None else None
+                denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
+                agg = dict(loss_agg_mode=cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
+                           loss_scale_factor=cfg.loss_scale_factor)
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in micro_batches(mb.batch_size[0], cfg.micro_batch_size):
                     b = mb[micro]
                     mask = b["response_mask"]
                     lp, ent = response_log_probs(self.model, b["input_ids"], b["attention_mask"], b["response_ids"],
-                                                 cfg.temperature, with_entropy=True)
-                    pg = ppo_clip_loss(lp, b["old_log_probs"], b["advantages"], mask, cfg.clip_eps)
-                    loss = pg
-                    entropy = masked_mean(ent, mask)  # type: ignore[arg-type]
-                    if cfg.entropy_coef:
-                        loss = loss - cfg.entropy_coef * entropy
+                                                 self.temperature, with_entropy=True)
+                    terms = F.ppo_policy_terms(lp, b["old_log_probs"], b["advantages"], clip_ratio_low=low,
+                                               clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c)
+                    losses = terms.losses if mb_w is None else terms.losses * mb_w[micro]
+                    pg = F.agg_loss(losses, mask, **agg)
+                    entropy = F.agg_loss(ent, mask, **agg)  # type: ignore[arg-type]
+                    loss = pg - cfg.entropy_coef * entropy if cfg.entropy_coef else pg
                     if cfg.kl_coef > 0:
-                        kl = masked_mean(kl_penalty(lp, b["ref_log_probs"], cfg.kl_kind), mask)
+                        kl = F.agg_loss(F.kl_penalty(lp, b["ref_log_probs"], cfg.kl_loss_type), mask, **agg)
                         loss = loss + cfg.kl_coef * kl
-                        add("kl", float(kl.detach()))
-                    weight = float(mask.sum()) / tokens  # token mean over the mini-batch
-                    (loss * weight).backward()
+                        shares["kl"] += float(kl.detach())
+                    loss.backward()
                     with torch.no_grad():
-                        add("pg_loss", float(pg))
-                        add("entropy", float(entropy))
-                        add("clip_frac", float(ppo_clip_fraction(lp, b["old_log_probs"], b["advantages"], mask,
-                                                                 cfg.clip_eps)))
-                        add("approx_kl", float(masked_mean(0.5 * (lp - b["old_log_probs"]) ** 2, mask)))
-                        add("loss", float(loss))
-                self.dp.all_reduce_grads(params)
-                add("grad_norm", grad_norm_and_clip(params, cfg.max_grad_norm))
+                        shares["pg_loss"] += float(pg)
+                        shares["entropy"] += float(entropy)
+                        shares["loss"] += float(loss)
+                        counts["tokens"] += float(mask.sum())
+                        counts["clipped"] += float(F.masked_sum(terms.clipped.float(), mask))
+                        counts["clipped_lower"] += float(F.masked_sum(terms.clipped_lower.float(), mask))
+                        counts["ppo_kl"] += float(F.masked_sum(b["old_log_probs"] - lp, mask))
+                self.dp.sum_grads(params)
+                grad_norms.append(grad_norm_and_clip(params, cfg.max_grad_norm))
                 self.optimizer.step()
         self._version += 1
-        metrics = {k: sums[k] / counts[k] for k in sums}
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["version"] = float(self._version)
-        return metrics
+        return self._metrics(batch, shares, counts, grad_norms, iw, has_behaviour)
+
+    def _metrics(self, batch: TensorDictBase, shares: dict[str, float], counts: dict[str, float],
+                 grad_norms: list[float], iw: F.ISWeights | None, has_behaviour: bool) -> dict[str, float]:
+        """Metrics of the whole batch: local sums reduced across ranks in two collectives."""
+        cfg = self.optim_config
+        mask = batch["response_mask"]
+        local = [*shares.values(), *counts.values()]
+        maxes = [0.0]
+        if has_behaviour and iw is not None:
+            behav = F.masked_sum(batch["rollout_log_probs"] - batch["old_log_probs"], mask)
+            local += [float(mask.sum()), float(iw.raw.sum()), float(iw.weights.sum()), float(iw.over.sum()),
+                      float(behav)]
+            maxes = [float(iw.raw.max()) if iw.raw.numel() else 0.0]
+        lags: list[float] = []
+        if "version" in batch.keys():
+            lag = (self._version - 1 - batch["version"].long()).clamp(min=0)
+            top = self.max_staleness if self.max_staleness is not None else int(lag.max()) if lag.numel() else 0
+            hist = torch.bincount(lag.clamp(max=top), minlength=top + 1)[: top + 1]
+            lags = [float(x) for x in hist]
+            maxes.append(float(lag.max()) if lag.numel() else 0.0)
+        if self.max_staleness is None and lags:
+            # bins must match across ranks: pad every rank's histogram to the global max lag
+            top = int(self.dp.all_reduce(torch.tensor([len(lags) - 1.0]), op="max")[0])
+            lags += [0.0] * (top + 1 - len(lags))
+        total = self.dp.all_reduce(torch.tensor(local + lags, dtype=torch.float64)).tolist()
+        top_vals = self.dp.all_reduce(torch.tensor(maxes, dtype=torch.float64), op="max").tolist()
+        steps = max(len(grad_norms), 1)
+        out = {k: total[i] / steps for i, k in enumerate(shares)}
+        if cfg.kl_coef <= 0:
+            del out["kl"]
+        c = dict(zip(counts, total[len(shares):len(shares) + len(counts)]))
+        tok = max(c["tokens"], 1.0)
+        out.update(clip_frac=c["clipped"] / tok, clip_frac_lower=c["clipped_lower"] / tok, ppo_kl=c["ppo_kl"] / tok)
+        out["grad_norm"] = sum(grad_norms) / steps
+        i = len(shares) + len(counts)
+        if has_behaviour and iw is not None:
+            ntok, raw, w, over, behav = total[i:i + 5]
+            i += 5
+            ntok = max(ntok, 1.0)
+            out.update({"is_weight_mean": raw / ntok, "is_weight_max": top_vals[0], "is_weight_used_mean": w / ntok,
+                        "is_over_threshold_frac": over / ntok, "behaviour_kl": behav / ntok})
+        if lags:
+            hist = total[i:]
+            rows = max(sum(hist), 1.0)
+            out.update({f"row_staleness/{k}": h for k, h in enumerate(hist)})
+            out["row_staleness_mean"] = sum(k * h for k, h in enumerate(hist)) / rows
+            out["row_staleness_max"] = top_vals[-1]
+        out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out["version"] = float(self._version)
+        return out
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
@@ -214,7 +424,6 @@ class PolicyWorker(_Trainable):
     def get_version(self) -> int:
         """Number of updates applied."""
         return self._version
-
 
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,

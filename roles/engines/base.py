@@ -1,9 +1,12 @@
 """The generation-engine interface shared by the HF and vLLM engines, and their registry.
 
 An engine turns token-id prompts into completions: token ids, the log-prob of each
-sampled token, and why it stopped. ``log_probs`` are taken from the tempered
-distribution ``log_softmax(logits / temperature)`` before top-k/top-p filtering, so at
-temperature 1.0 they equal the model's log-softmax (what the policy recomputes).
+sampled token, and why it stopped. ``log_probs`` are those of the distribution each token
+was actually sampled from -- ``log_softmax(logits / temperature)`` after top-k/top-p
+filtering (renormalised) -- because off-policy correction divides by them (they are the
+behaviour policy). Without top-k/top-p they equal the policy's recomputed log-probs at the
+same temperature; with them, the policy (which is unfiltered) differs on purpose, and the
+importance weights account for it.
 Engines are picked by name with :func:`make_engine`; add one with :func:`register_engine`.
 """
 
@@ -44,7 +47,8 @@ class Completion:
     response_ids: list[int]
     """Generated token ids (EOS included when generation stopped on it)."""
     log_probs: list[float]
-    """Log-prob of each generated token under the sampling distribution (same length as response_ids)."""
+    """Log-prob of each generated token under the distribution it was sampled from (tempered, top-k/top-p
+    filtered; same length as response_ids)."""
     finish_reason: str
     """``"stop"`` (EOS) or ``"length"`` (max_new_tokens reached)."""
 

@@ -184,10 +184,11 @@ class HFEngine:
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator],
                 done: list[bool]) -> torch.Tensor:
-        """``[B, 2]``: sampled token and its log-prob under ``log_softmax(logits / T)``."""
+        """``[B, 2]``: sampled token and its log-prob under the distribution it was sampled from,
+        ``log_softmax`` of the tempered logits after top-k/top-p filtering (the behaviour policy
+        that off-policy correction divides by; as vLLM's ``processed_logprobs``)."""
         t = params.temperature
         scaled = logits / t if t > 0 else logits
-        logp = torch.log_softmax(scaled, dim=-1)
         out = torch.zeros((logits.shape[0], 2), dtype=torch.float64)
         filt = scaled.clone()
         if t > 0 and params.top_k > 0 and params.top_k < filt.shape[-1]:
@@ -199,7 +200,8 @@ class HFEngine:
             drop = cum - torch.softmax(sorted_l, dim=-1) > params.top_p  # keep the token that crosses top_p
             sorted_l[drop] = float("-inf")
             filt = torch.full_like(filt, float("-inf")).scatter(-1, order, sorted_l)
-        probs = torch.softmax(filt, dim=-1)
+        logp = torch.log_softmax(filt, dim=-1)  # == log_softmax(scaled) when nothing is filtered
+        probs = logp.exp()
         for b in range(logits.shape[0]):
             if done[b]:
                 continue

@@ -223,10 +223,9 @@ class VLLMEngine:
     Build it from a local Hugging Face model directory (``save_model_dir``); the
     constructor returns at once and the engine starts in the background (every call
     waits for it; :meth:`wait_ready` waits explicitly). Log-probs follow the interface:
-    ``log_softmax(logits / temperature)`` of each sampled token (vLLM's
-    ``logprobs_mode="processed_logprobs"``), exact when top-k/top-p are off; with
-    top-k/top-p on, vLLM reports the log-prob under the truncated, renormalised
-    distribution instead.
+    ``log_softmax(logits / temperature)`` of each sampled token after top-k/top-p
+    filtering (vLLM's ``logprobs_mode="processed_logprobs"``): the distribution the token
+    was sampled from, as off-policy correction needs.
 
     Sync methods (:meth:`load_weights`, :meth:`weights_checksum`, :meth:`close`) block
     their caller until the engine answers; from an event loop use :meth:`aload_weights`
@@ -306,7 +305,6 @@ class VLLMEngine:
         args.update(engine_kwargs or {})
         self._ids = itertools.count()
         self._closed = False
-        self._warned_truncated = False
         self._llm: Any = None
         self._specs: dict[str, tuple[str, list[int]]] | None = None
         self._loop = asyncio.new_event_loop()
@@ -397,12 +395,6 @@ class VLLMEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params.temperature}, {params.top_p}")
-        if (params.top_k not in (-1, 0) or params.top_p < 1.0) and params.temperature > 0 and not self._warned_truncated:
-            self._warned_truncated = True
-            log.warning(
-                "vLLM engine: with top_k/top_p on, log_probs are under the truncated, renormalised distribution "
-                "(the interface asks for the tempered one before truncation)"
-            )
         call = next(self._ids)
         return [
             asyncio.run_coroutine_threadsafe(self._one(f"asyncrl-{call}-{i}", i, p, params), self._loop)

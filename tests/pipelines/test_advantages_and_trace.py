@@ -12,7 +12,7 @@ from asyncrl.pipelines.stages import compute_advantages, terminal_rewards
 from asyncrl.pipelines.trace import Span, Tracer
 
 GRPO = {"name": "grpo", "norm_adv_by_std": True}
-PPO = {"name": "ppo", "kl_in_reward_coef": 0.0, "kl_kind": "k1", "gamma": 1.0, "lam": 1.0, "whiten_advantages": False}
+PPO = {"name": "ppo", "kl_in_reward_coef": 0.0, "kl_penalty": "k1", "gamma": 1.0, "lam": 1.0, "whiten_advantages": False}
 
 
 def test_terminal_rewards_put_the_score_on_the_last_generated_token():

@@ -284,7 +284,7 @@ async def test_policy_update_is_deterministic_versioned_and_checkpointable(model
     batch = _trained_batch(await rollout.generate(prompt_batch(n=4, repeat=2)), p1, ref, critic, reward)
     assert torch.equal(batch["ref_log_probs"], batch["old_log_probs"])  # same initial weights
     m1 = p1.update(batch)
-    assert set(m1) >= {"pg_loss", "kl", "entropy", "clip_frac", "approx_kl", "grad_norm", "lr", "version"}
+    assert set(m1) >= {"pg_loss", "kl", "entropy", "clip_frac", "clip_frac_lower", "ppo_kl", "grad_norm", "lr", "version"}
     assert all(isinstance(v, float) for v in m1.values()) and m1["version"] == 1.0
     m2 = p2.update(batch)
     assert m1 == m2 and p1.weights_checksum() == p2.weights_checksum()  # same seeds -> identical weights

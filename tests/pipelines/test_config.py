@@ -37,6 +37,17 @@ def test_yaml_then_overrides_apply_in_order(tmp_path):
     ("trainer.max_staleness=-1", "max_staleness must be >= 0"),
     ("data.task=chess", "data.task 'chess' is unknown"),
     ("trainer.train_workers=3", "the train pool has 3 workers but a step has 8 prompts"),
+    # off-policy correction and loss conventions
+    ("actor.rollout_correction.mode=magic", r"actor.rollout_correction.mode must be one of \['auto', 'none', 'tis'"),
+    ("actor.rollout_correction.rollout_is_threshold=0", "rollout_is_threshold must be a finite number > 0, got 0"),
+    ("actor.rollout_correction.rollout_is_threshold=-2.5", "rollout_is_threshold must be a finite number > 0"),
+    ("actor.rollout_correction.rollout_is=word", r"rollout_is must be one of \['token', 'sequence'\]"),
+    ("actor.temperature=0.7", "actor.temperature=0.7 differs from rollout.temperature=1.0"),
+    ("rollout.temperature=0", "rollout.temperature=0.0: training needs a sampling temperature > 0"),
+    ("actor.loss_agg_mode=token-sum", "actor.loss_agg_mode must be one of"),
+    ("actor.kl_loss_type=k4", "kl_loss_type must be one of"),
+    ("actor.clip_ratio_c=1.0", "clip_ratio_c .* must be > 1"),
+    ("actor.mini_batch_size=0", "mini_batch_size=0 must be a positive multiple"),
 ])
 def test_bad_settings_are_rejected_with_the_key_named(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -75,3 +86,33 @@ def test_cli_reports_config_errors_with_exit_status_2(capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["train", "--print-config", "trainer.steps=3"]) == 0
     assert "steps: 3" in capsys.readouterr().out
+
+
+def test_off_policy_correction_is_on_by_default_exactly_when_rollout_may_run_ahead():
+    cfg = grpo_toy()
+    assert cfg.trainer.max_staleness == 1 and cfg.correction == "tis"
+    cfg.trainer.max_staleness = 0
+    assert cfg.correction == "none"
+    cfg.actor.rollout_correction.mode = "decoupled"
+    assert cfg.correction == "decoupled"
+
+
+def test_bad_correction_settings_in_code_are_config_errors_too():
+    cfg = grpo_toy()
+    cfg.actor.rollout_correction.mode = "magic"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="actor: rollout_correction.mode must be one of"):
+        cfg.validate()
+    cfg = grpo_toy()
+    cfg.actor.rollout_correction.mode, cfg.actor.rollout_correction.rollout_is_threshold = "decoupled", 1.0
+    with pytest.raises(ConfigError, match="must be > 1 for mode='decoupled'"):
+        cfg.validate()
+    cfg = grpo_toy()
+    cfg.trainer.train_workers, cfg.actor.mini_batch_size = 2, 9
+    with pytest.raises(ConfigError, match="actor: mini_batch_size=9 must be a positive multiple of the 2 training"):
+        cfg.validate()
+
+
+def test_the_workers_get_the_rollout_temperature():
+    cfg = load_config(None, ["rollout.temperature=0.6"])
+    assert cfg.actor.temperature is None and cfg.worker_actor().temperature == 0.6
+    assert load_config(None, ["rollout.temperature=0.6", "actor.temperature=0.6"]).worker_actor().temperature == 0.6

@@ -1,0 +1,132 @@
+"""2 ranks == 1 rank on real Ray: the same batch, split over two training workers whose shards hold
+very different token counts, gives the gradient (every loss_agg_mode, with the importance weights,
+KL and entropy terms on), the metrics and the whitened PPO advantages of one worker, to fp32
+tolerance. The two ranks are one colocated Ray group (policy, critic, advantage per process, as the
+trainer places them); the one-rank reference runs in this process."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray
+import torch
+
+import asyncrl
+from asyncrl import Dispatch, register
+from asyncrl.pipelines.stages import AdvantageWorker, compute_advantages
+from asyncrl.roles import CriticWorker, OptimConfig, PolicyWorker, RolloutConfig, RolloutCorrectionConfig, RolloutWorker
+from asyncrl.roles.functional import LOSS_AGG_MODES
+
+
+class PolicyProbe(PolicyWorker):
+    """The policy plus a method that runs ``update`` under a given loss_agg_mode and returns the
+    summed gradient it applied (lr=0: the weights do not move, so modes can be compared in turn)."""
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def update_and_grads(self, batch, loss_agg_mode: str) -> dict:
+        self.optim_config.loss_agg_mode = loss_agg_mode
+        metrics = self.update(batch)
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {"metrics": metrics, "grads": grads}
+
+
+class CriticProbe(CriticWorker):
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def update_and_grads(self, batch) -> dict:
+        metrics = self.update(batch)
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {"metrics": metrics, "grads": grads}
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this test module is not importable by workers
+
+OPTIM = OptimConfig(lr=0.0, micro_batch_size=3, max_grad_norm=None, kl_coef=0.1, kl_loss_type="low_var_kl",
+                    entropy_coef=0.01, rollout_correction=RolloutCorrectionConfig(mode="tis", rollout_is_threshold=1.5))
+
+
+@pytest.fixture(scope="module")
+async def uneven_batch(model_config, prompt_batch):
+    """8 rows: rank 0 of two gets rows 0-3 with their full responses, rank 1 rows 4-7 cut to one token."""
+    b = (await RolloutWorker(model_config, RolloutConfig(max_new_tokens=6)).generate(prompt_batch(n=4, repeat=2)))
+    b = b.clone(False)
+    P = b["prompt_ids"].shape[1]
+    mask = b["response_mask"].clone()
+    mask[4:, 1:] = 0
+    b["response_mask"] = mask
+    b["attention_mask"] = torch.cat([b["prompt_mask"], mask], 1)
+    b.update(PolicyWorker(model_config).compute_log_prob(b))
+    g = torch.Generator().manual_seed(0)
+    noise = lambda: torch.randn(mask.shape, generator=g) * 0.3 * mask  # noqa: E731
+    b["rollout_log_probs"] = b["old_log_probs"] + noise()  # importance weights around 1, some above the cap
+    b["ref_log_probs"] = b["old_log_probs"] + noise()
+    b["advantages"] = torch.randn(mask.shape, generator=g) * mask
+    b["values"] = torch.randn(mask.shape, generator=g) * mask
+    b["returns"] = b["values"] + torch.randn(mask.shape, generator=g) * mask
+    b["scores"] = torch.randn(8, generator=g)
+    tokens = mask.sum(1)
+    assert tokens[:4].sum() >= 4 * tokens[4:].sum() and P > 0  # very unequal shards
+    return b
+
+
+@pytest.fixture(scope="module")
+async def two_ranks(ray_cluster, model_config):
+    """Policy, critic and advantage workers colocated on two Ray processes (gloo between them)."""
+    critic_optim = OptimConfig(lr=0.0, micro_batch_size=3, max_grad_norm=None)
+    col = asyncrl.colocate({"policy": (PolicyProbe, (model_config, OPTIM), {}),
+                            "critic": (CriticProbe, (model_config, critic_optim), {}),
+                            "advantage": AdvantageWorker}, world_size=2, name="two-ranks")
+    await col.setup()
+    try:
+        yield col, critic_optim
+    finally:
+        await col.close()
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
+
+
+def _same_metrics(one: dict, two: dict, what: str) -> None:
+    for k, v in one.items():
+        assert two[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (what, k)
+
+
+async def test_two_policy_ranks_give_the_gradient_of_one_for_every_aggregation_mode(two_ranks, model_config,
+                                                                                    uneven_batch):
+    col, _ = two_ranks
+    one = PolicyProbe(model_config, OPTIM)
+    for mode in LOSS_AGG_MODES:
+        r1 = one.update_and_grads(uneven_batch, mode)
+        r2a, r2b = await col["policy"].update_and_grads(uneven_batch, mode)
+        _same(r2a["grads"], r2b["grads"])  # the summed gradient is the same on both ranks
+        _same(r1["grads"], r2a["grads"])  # ... and it is the one-rank gradient
+        assert r2a["metrics"] == r2b["metrics"]  # metrics are of the whole batch on every rank
+        _same_metrics(r1["metrics"], r2a["metrics"], mode)
+    m = r1["metrics"]
+    assert m["is_over_threshold_frac"] > 0 and m["kl"] > 0 and m["entropy"] > 0  # every term was live
+
+
+async def test_two_critic_ranks_give_the_gradient_of_one(two_ranks, model_config, uneven_batch):
+    col, critic_optim = two_ranks
+    r1 = CriticProbe(model_config, critic_optim).update_and_grads(uneven_batch)
+    r2a, r2b = await col["critic"].update_and_grads(uneven_batch)
+    _same(r1["grads"], r2a["grads"])
+    _same(r2a["grads"], r2b["grads"])
+    _same_metrics(r1["metrics"], r2a["metrics"], "critic")
+
+
+async def test_two_advantage_ranks_whiten_with_the_statistics_of_the_whole_batch(two_ranks, uneven_batch):
+    col, _ = two_ranks
+    algo = {"name": "ppo", "kl_in_reward_coef": 0.0, "kl_penalty": "k1", "gamma": 1.0, "lam": 0.95,
+            "whiten_advantages": True}
+    parts = uneven_batch.select("scores", "values", "response_mask", "old_log_probs")
+    a1 = AdvantageWorker().compute_advantages(parts, parts.select("scores"), parts.select("old_log_probs"), algo=algo)
+    a2 = await col["advantage"].compute_advantages(parts, parts.select("scores"), parts.select("old_log_probs"),
+                                                   algo=asyncrl.Broadcast(algo))
+    torch.testing.assert_close(a2["advantages"], a1["advantages"], rtol=1e-5, atol=1e-6)
+    # whitening each shard with its own statistics (the old behaviour) moves advantages a lot
+    per_shard = torch.cat([compute_advantages(parts[:4], algo)[0], compute_advantages(parts[4:], algo)[0]])
+    assert (per_shard - a1["advantages"]).abs().max() > 0.1

@@ -38,17 +38,22 @@ async def _reference(cfg, lag):
     return await run_sequential(ref, lag=lag)
 
 
-async def test_on_policy_async_trainer_equals_the_synchronous_loop(ray_cluster, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2], ids=["1+1 workers", "2+2 workers"])
+async def test_on_policy_async_trainer_equals_the_synchronous_loop(ray_cluster, tmp_path, workers):
+    """Also with 2 rollout and 2 training workers (gradients summed across ranks with gloo): the async
+    trainer's two pools against the sequential loop's one colocated pool of 2."""
     cfg = tiny_test()
     cfg.trainer.steps = 3
     cfg.trainer.max_staleness = 0
+    cfg.trainer.rollout_workers = cfg.trainer.train_workers = workers
     history, policy_sum, rollout_sums = await _async_run(cfg, tmp_path)
     ref_history, ref_sum = await _reference(cfg, lag=0)
     assert policy_sum == ref_sum
     _same_metrics(history, ref_history)
     assert [r["staleness/max"] for r in history] == [0, 0, 0]
+    assert [r["actor/row_staleness/0"] for r in history] == [8.0] * 3  # every row checked on the workers
     # the last version was exported but not loaded (no batch needs it): rollout holds version 2's weights
-    assert policy_sum != rollout_sums[0]
+    assert all(policy_sum != s for s in rollout_sums) and len(rollout_sums) == workers
 
 
 async def test_one_step_off_async_trainer_equals_the_sequential_one_step_off_loop(ray_cluster, tmp_path):
@@ -61,6 +66,10 @@ async def test_one_step_off_async_trainer_equals_the_sequential_one_step_off_loo
     _same_metrics(history, ref_history)
     assert [r["batch/version"] for r in history] == [0, 0, 1, 2]
     assert [r["staleness/max"] for r in history] == [0, 1, 1, 1]
+    # off-policy correction is on by default at max_staleness=1; the workers saw the rows' own versions
+    assert [r["actor/row_staleness/1"] for r in history] == [0.0, 8.0, 8.0, 8.0]
+    assert history[0]["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy batch
+    assert all(abs(r["actor/is_weight_mean"] - 1.0) > 1e-4 for r in history[1:])  # stale: corrected
 
 
 async def test_on_policy_ppo_equals_the_synchronous_loop(ray_cluster, tmp_path):

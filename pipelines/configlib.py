@@ -159,7 +159,10 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
             if depth == len(parts) - 1:
                 node[part] = value
             else:
-                cls = _section_type(cls, part, ".".join(parts[: depth + 1]))
+                path = ".".join(parts[: depth + 1])
+                cls = _section_type(cls, part, path)
+                if not isinstance(node.get(part), dict):  # an earlier override replaced the section
+                    raise ConfigError(f"{path} is a section ({cls.__name__}); give a mapping, got {node.get(part)!r}")
                 node = node[part]
     return from_dict(type(cfg), data)
 

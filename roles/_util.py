@@ -122,14 +122,6 @@ class DataParallel:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
 
-    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Average `.grad` of `params` over the ranks (for per-rank mean losses)."""
-        if not self.active:
-            return
-        self.sum_grads(params)
-        for p in params:
-            p.grad /= self.world_size  # type: ignore[operator]
-
     def agree(self, kind: int, problem: str | None) -> tuple[int, str | None]:
         """Every rank learns whether any rank found a problem (one collective), so all ranks raise
         together instead of some waiting forever in the next collective.

@@ -88,11 +88,11 @@ class _HangingDP:
     def __init__(self, dp: Any, counter: _Counter) -> None:
         self._dp, self._counter = dp, counter
 
-    def all_reduce_grads(self, params: Any) -> None:
+    def sum_grads(self, params: Any) -> None:
         if self._counter.hit("update"):
             while True:  # a plain `def` method cannot be interrupted: only killing the process ends it
                 time.sleep(0.05)
-        self._dp.all_reduce_grads(params)
+        self._dp.sum_grads(params)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dp, name)

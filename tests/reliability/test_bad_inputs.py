@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorStack, TensorDict
 
@@ -132,7 +132,10 @@ def test_malformed_call_arguments_give_a_typed_error_or_a_correct_result_never_a
 keys = st.sampled_from(["trainer.steps", "trainer.batch_size", "trainer.max_staleness", "trainer.restart.max_restarts",
                         "trainer.stage_timeout_s", "trainer.restart", "actor.lr", "actor.betas", "algorithm.name",
                         "algorithm.group_size", "model.hidden_size", "data.task", "trainer", "nope", "trainer.nope",
-                        "trainer.steps.x", "", ".", "a..b", "rollout.max_new_tokens", "reward.fn_kwargs"])
+                        "trainer.steps.x", "", ".", "a..b", "rollout.max_new_tokens", "reward.fn_kwargs",
+                        "rollout.temperature", "actor.temperature", "actor.loss_agg_mode", "actor.rollout_correction",
+                        "actor.rollout_correction.mode", "actor.rollout_correction.rollout_is_threshold",
+                        "actor.clip_ratio_c", "actor.kl_loss_type", "actor.mini_batch_size"])
 raw_values = st.one_of(st.sampled_from(["3", "-1", "0", "1e-3", "true", "null", "[1, 2]", "{a: 1}", "grpo", "ppo",
                                         "'", "[", "{", "nan", "inf", "1.5", "x: [", "", "!!python/object:os.system"]),
                        st.text(max_size=8))
@@ -141,6 +144,7 @@ raw_values = st.one_of(st.sampled_from(["3", "-1", "0", "1e-3", "true", "null", 
 @settings(max_examples=150, deadline=None)
 @given(overrides=st.lists(st.tuples(keys, raw_values).map(lambda kv: f"{kv[0]}={kv[1]}") | st.text(max_size=10),
                           max_size=3))
+@example(overrides=["trainer.restart=3", "trainer.restart.max_restarts=3"])  # was a TypeError (found by this test)
 def test_random_config_overrides_load_or_raise_config_error(overrides):
     try:
         cfg = load_config(None, overrides, base=tiny_test())

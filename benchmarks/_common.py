@@ -28,3 +28,10 @@ def write_result(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
     print(text)
+
+
+def load_note(start: float, end: float | None = None) -> str:
+    """The machine's 1-minute load average around a run (the machine is shared: say how busy it was)."""
+    cores = os.cpu_count() or 1
+    tail = f" at the start, {end:.1f} at the end" if end is not None else " at the start"
+    return f"shared with other jobs: 1-minute load average {start:.1f}{tail} on {cores} cores"

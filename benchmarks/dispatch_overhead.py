@@ -1,30 +1,41 @@
-"""Dispatch overhead: one asyncrl group call vs the same Ray actor calls made by hand.
+"""Dispatch overhead: one asyncrl group call vs what a user writes instead (plain Ray, verl).
 
-For each worker count and payload, one run times three ways of doing the same work:
+Every cell times the same work, side by side in one run, on ``--workers`` workers (4):
 
-* ``asyncrl``: ``await wg.consume(t)``, a ``DP_COMPUTE`` method (ordered, the default):
-  the tensor is split into one shard per rank, every rank returns a one-row tensor,
-  the controller collects (strips padding, concatenates) the rows.
-* ``raw``: the floor. ``asyncio.gather`` over the *same actors* (the group's own
-  ``wg._hostset.hosts[r]``) called exactly as the Ray backend calls them:
-  ``host.call.options(num_returns=2).remote("worker", "consume", seq, [call_id,] (shard,), {}, 0, True, True)``
-  with the shards cut the same way (views ``t[r*size:(r+1)*size]``) and the per-worker
-  sequence numbers taken from the group's counters. The worker-side work is identical
-  byte for byte, so ``asyncrl / raw`` is the cost of the controller path alone
-  (signature check, dispatch, futures, collect, stats).
-* ``plain``: plain ``ray.remote`` actors (one per rank, sync, ``OMP_NUM_THREADS=1``)
-  with a trivial ``consume(t)``, called with the same shards: everything asyncrl adds,
-  controller *and* worker host (ordering, argument resolution, the method's thread hop,
-  the meta return). Shown for context; the targets are about ``asyncrl / raw``.
+* ``tiny``: a ``ONE_TO_ALL`` call with one int argument; every rank returns an int.
+* ``32 B`` / ``1 MiB`` / ``64 MiB``: a ``DP_COMPUTE`` call on an int32 tensor, split into one
+  shard per rank; every rank returns a one-row tensor and the caller concatenates them.
+
+Variants:
+
+* ``asyncrl``: ``await wg.ping(1)`` / ``await wg.consume(t)`` (ordered mode, the default).
+* ``plain Ray`` (**the floor**; the headline ratio is against it): what a user writes
+  with ordinary Ray actors, one per rank (sync, ``OMP_NUM_THREADS=1``):
+  ``await asyncio.gather(*(a.ping.remote(1) for a in actors))``; for DP the hand-written
+  split/put/cat: shards ``t[r*size:(r+1)*size]`` (views) passed to ``a.consume.remote`` (Ray
+  puts each into the object store), gathered, ``torch.cat``.
+* ``host path`` (a breakdown, not a baseline): asyncrl's own worker processes called the
+  way the Ray backend calls them (``backend.submit`` with the group's sequence numbers
+  and call ids), awaited with ``asyncio.gather``: no dispatch, no futures, no collect.
+  ``host path / plain`` is what asyncrl's worker host costs (ordering, argument
+  resolution, the method's thread hop, the second return); ``asyncrl / host path`` is the
+  controller's share.
+* ``verl`` (where ``verl`` is importable): verl 0.9.1's ``RayWorkerGroup`` with a worker
+  registered ``ONE_TO_ALL`` / ``DP_COMPUTE_PROTO`` (a ``DataProto`` built once outside the
+  timing), called the blocking way verl's trainer calls it. Install beside asyncrl with
+  ``.venv/bin/pip install --no-deps verl==0.9.1 omegaconf`` (verl's own pins,
+  tensordict<=0.10 and transformers<5.11, would replace ours; its single controller runs
+  with ours).
 
 Per cell: warm-up calls for each variant, then ``--reps`` repetitions; in each
-repetition every variant runs ``k`` sequential calls back to back (variant order
-rotates between repetitions); the table shows the median time per call and the ratio.
+repetition every variant runs ``k`` sequential calls back to back, variant order rotating
+between repetitions (ABAB...); the table shows the median time per call and the ratios.
 It also checks that the controller's split makes no copy of the tensor (every shard
 handed to the backend shares the input's storage).
 
-    python benchmarks/dispatch_overhead.py            # full run (a few minutes)
-    python benchmarks/dispatch_overhead.py --quick    # tiny sizes, a few seconds after Ray starts
+    python benchmarks/dispatch_overhead.py            # 4 workers, all cells (~3 min)
+    python benchmarks/dispatch_overhead.py --workers 1 2 4 8
+    python benchmarks/dispatch_overhead.py --quick    # 2 workers, tiny and 1 MiB, a few seconds after Ray starts
 
 Writes the table to ``benchmarks/results/dispatch_overhead.md`` (``--out`` to change).
 """
@@ -33,37 +44,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
-# asyncrl.init() sets RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1, but only after `import ray`,
-# and Ray reads it when ray is imported: the workers get zero-copy, this controller
-# process does not (it pickles a tensor view with torch's reducer, which writes the
-# view's whole storage). Set it before anything imports ray, as asyncrl intends;
-# --late-zero-copy leaves it to asyncrl.init() to show today's behaviour.
+# asyncrl.init() makes Ray zero-copy torch tensors in the controller too; set it before
+# anything imports ray so the plain-Ray and verl variants get it as well.
 if "--late-zero-copy" not in sys.argv:
     os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
 
 import torch  # noqa: E402
 
-from _common import run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+from _common import load_note, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
-import asyncrl.worker_group as _wg  # noqa: E402
 from asyncrl import Dispatch, RayWorkerGroup, Worker, register  # noqa: E402
-from asyncrl._host import WorkerHost  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "dispatch_overhead.md")
 
-# name -> number of int32 elements (4 bytes each); all divisible by 8 so every shard is an equal view
-PAYLOADS = {"32 B": 8, "1 MiB": (1 << 20) // 4, "64 MiB": (64 << 20) // 4}
-CALLS_PER_REP = {"32 B": 40, "1 MiB": 20, "64 MiB": 6}
+# cell -> number of int32 elements (4 bytes each), None for the tiny ONE_TO_ALL call;
+# all divisible by 8 so every shard is an equal view
+CELLS: dict[str, int | None] = {"tiny": None, "32 B": 8, "1 MiB": (1 << 20) // 4, "64 MiB": (64 << 20) // 4}
+CALLS_PER_REP = {"tiny": 40, "32 B": 40, "1 MiB": 20, "64 MiB": 6}
 
 
 class Sink(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self, x: int) -> int:
+        return x
+
     @register(Dispatch.DP_COMPUTE)
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([t.shape[0]])  # one row per rank: the controller fetches a few bytes
@@ -76,8 +86,42 @@ class PlainSink:
         quiet_tensor_warnings()
         torch.set_num_threads(1)
 
+    def ping(self, x: int) -> int:
+        return x
+
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([t.shape[0]])
+
+
+def _verl_worker_class() -> type | None:
+    """verl's Worker with the same two methods, or None when verl is not installed."""
+    try:
+        from verl import DataProto
+        from verl.single_controller.base import Worker as VerlWorker
+        from verl.single_controller.base.decorator import Dispatch as VDispatch
+        from verl.single_controller.base.decorator import register as vregister
+    except Exception as e:  # noqa: BLE001 - any import failure means: no verl column
+        global VERL_MISSING
+        VERL_MISSING = f"{type(e).__name__}: {e}"
+        return None
+
+    class VerlSink(VerlWorker):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.set_num_threads(1)
+
+        @vregister(dispatch_mode=VDispatch.ONE_TO_ALL)
+        def ping(self, x: int) -> int:
+            return x
+
+        @vregister(dispatch_mode=VDispatch.DP_COMPUTE_PROTO)
+        def consume(self, data: Any) -> Any:
+            return DataProto.from_dict({"n": torch.tensor([len(data)])})
+
+    return VerlSink
+
+
+VERL_MISSING = ""
 
 
 def shards(t: torch.Tensor, n: int) -> list[torch.Tensor]:
@@ -85,42 +129,58 @@ def shards(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     return [t[r * size:(r + 1) * size] for r in range(n)]
 
 
-async def call_asyncrl(wg: RayWorkerGroup, t: torch.Tensor, n: int, _: Any) -> Any:
-    return await wg.consume(t)
+# ---- the variants: each is `async fn(ctx, cell_input) -> result` ------------------------------
 
 
-# WorkerHost.call's parameters, in order (the host protocol is internal and may gain
-# parameters, e.g. a call id; build the positional arguments by name so the floor keeps
-# calling the actor exactly as the backend does).
-_HOST_PARAMS = list(inspect.signature(WorkerHost.call).parameters)[1:]
+async def v_asyncrl(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
+    wg = ctx["wg"]
+    return await (wg.ping(1) if t is None else wg.consume(t))
 
 
-def host_args(seq: int, shard: torch.Tensor) -> list[Any]:
-    values = {"role": "worker", "method": "consume", "seq": seq, "args": (shard,), "kwargs": {}, "in_pad": 0,
-              "want_meta": True, "keep": True}
-    if "call_id" in _HOST_PARAMS:
-        values["call_id"] = next(_wg._call_ids)  # the group's own id counter: ids stay unique per host
-    return [values[p] for p in _HOST_PARAMS]
+async def v_plain(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
+    actors = ctx["actors"]
+    if t is None:
+        return await asyncio.gather(*(a.ping.remote(1) for a in actors))
+    return torch.cat(await asyncio.gather(*(a.consume.remote(s) for a, s in zip(actors, shards(t, len(actors))))))
 
 
-async def call_raw(wg: RayWorkerGroup, t: torch.Tensor, n: int, _: Any) -> Any:
+def _host_submit(wg: RayWorkerGroup, rank: int, method: str, args: tuple[Any, ...], data_parallel: bool) -> Any:
+    """One call of `method` on the group's worker process `rank`, made as the group makes it
+    (its own sequence number and call id) but without dispatch, futures or collect."""
+    import asyncrl.worker_group as _wg
+
     hs = wg._hostset
-    refs, metas = [], []
-    for r, shard in enumerate(shards(t, n)):
-        seq = hs.next_seq[r]
-        hs.next_seq[r] += 1
-        ref, meta = hs.hosts[r].call.options(num_returns=2).remote(*host_args(seq, shard))
-        refs.append(ref)
-        metas.append(meta)
-    out = await asyncio.gather(*refs, *metas)
-    return out[:n]
+    seq = hs.next_seq[rank]
+    hs.next_seq[rank] += 1
+    ref, meta = hs.backend.submit(hs.hosts[rank], wg._role, method, seq, next(_wg._call_ids), args, {},
+                                  0 if data_parallel else None, data_parallel, True)
+    return (ref, meta) if data_parallel else (ref,)
 
 
-async def call_plain(wg: RayWorkerGroup, t: torch.Tensor, n: int, actors: list[Any]) -> Any:
-    return await asyncio.gather(*(a.consume.remote(s) for a, s in zip(actors, shards(t, n))))
+async def v_host(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
+    wg = ctx["wg"]
+    n = wg.world_size
+    if t is None:
+        refs = [r for rank in range(n) for r in _host_submit(wg, rank, "ping", (1,), False)]
+        return await asyncio.gather(*refs)
+    refs = [r for rank, s in enumerate(shards(t, n)) for r in _host_submit(wg, rank, "consume", (s,), True)]
+    out = await asyncio.gather(*refs)
+    return torch.cat(out[0::2])
 
 
-VARIANTS = {"asyncrl": call_asyncrl, "raw": call_raw, "plain": call_plain}
+async def v_verl(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
+    vwg = ctx["verl"]
+    if t is None:
+        return vwg.ping(1)  # verl's blocking call (ray.get inside)
+    return vwg.consume(ctx["protos"][t.numel()]).batch["n"]
+
+
+VARIANTS: dict[str, Callable[[dict[str, Any], torch.Tensor | None], Awaitable[Any]]] = {
+    "asyncrl": v_asyncrl, "plain Ray": v_plain, "host path": v_host, "verl": v_verl,
+}
+
+
+# ---- the no-copy check ---------------------------------------------------------------------------
 
 
 def check_no_copy(wg: RayWorkerGroup, t: torch.Tensor) -> tuple[Any, bool, int]:
@@ -129,20 +189,20 @@ def check_no_copy(wg: RayWorkerGroup, t: torch.Tensor) -> tuple[Any, bool, int]:
     bytes Ray's serializer makes of those shards (what is written to the object store)."""
     import ray
 
-    ctx = ray._private.worker.global_worker.get_serialization_context()
+    sctx = ray._private.worker.global_worker.get_serialization_context()
     backend = wg._hostset.backend
     seen: list[tuple[int, int]] = []
     serialized = 0
     orig = backend.submit
 
-    def spy(*call_args):
+    def spy(*call_args: Any, **kw: Any) -> Any:
         nonlocal serialized
-        for x in call_args:
+        for x in [*call_args, *kw.values()]:
             for a in x if isinstance(x, tuple) else ():
                 if isinstance(a, torch.Tensor):
                     seen.append((a.untyped_storage().data_ptr(), a.data_ptr()))
-                    serialized += ctx.serialize(a).total_bytes
-        return orig(*call_args)
+                    serialized += sctx.serialize(a).total_bytes
+        return orig(*call_args, **kw)
 
     backend.submit = spy  # type: ignore[method-assign]
     try:
@@ -157,60 +217,86 @@ def check_no_copy(wg: RayWorkerGroup, t: torch.Tensor) -> tuple[Any, bool, int]:
     return fut, ok, serialized
 
 
-async def measure(workers: list[int], payloads: list[str], reps: int, quick: bool) -> tuple[list[dict], list[str]]:
+# ---- measurement ---------------------------------------------------------------------------------
+
+
+async def measure(workers: list[int], cells: list[str], reps: int, quick: bool,
+                  use_verl: bool) -> tuple[list[dict], list[str]]:
     import ray
 
     rows, checks = [], []
     plain_cls = ray.remote(PlainSink)
+    verl_cls = _verl_worker_class() if use_verl else None
+    variants = [v for v in VARIANTS if v != "verl" or verl_cls is not None]
     for n in workers:
-        wg = RayWorkerGroup(Sink, world_size=n, name=f"sink{n}")
-        actors = [plain_cls.options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote()
-                  for _ in range(n)]
+        ctx: dict[str, Any] = {"wg": RayWorkerGroup(Sink, world_size=n, name=f"sink{n}")}
+        ctx["actors"] = [plain_cls.options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote()
+                         for _ in range(n)]
         try:
-            await wg.setup()
-            await asyncio.gather(*(a.consume.remote(torch.zeros(1)) for a in actors))
-            for name in payloads:
-                t = torch.arange(PAYLOADS[name], dtype=torch.int32)
-                fut, ok, ser = check_no_copy(wg, t)
-                got = await fut
-                assert got.tolist() == [t.shape[0] // n] * n, got
-                checks.append(f"{n} workers, {name}: {'every shard is a view of the input' if ok else 'COPY MADE'}; "
-                              f"Ray serializes the shards to {ser:,} bytes for {t.numel() * t.element_size():,} "
-                              f"payload bytes")
-                k = max(1, CALLS_PER_REP[name] // (4 if quick else 1))
-                for fn in VARIANTS.values():  # warm-up
+            await ctx["wg"].setup()
+            await asyncio.gather(*(a.ping.remote(0) for a in ctx["actors"]))
+            if verl_cls is not None:
+                from verl import DataProto
+                from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool
+                from verl.single_controller.ray import RayWorkerGroup as VerlGroup
+
+                pool = RayResourcePool([n], use_gpu=False, max_colocate_count=1)
+                ctx["verl"] = VerlGroup(pool, RayClassWithInitArgs(cls=ray.remote(verl_cls)), device_name="cpu")
+                ctx["protos"] = {}
+            for cell in cells:
+                t = None if CELLS[cell] is None else torch.arange(CELLS[cell], dtype=torch.int32)  # type: ignore[arg-type]
+                if t is not None:
+                    fut, ok, ser = check_no_copy(ctx["wg"], t)
+                    got = await fut
+                    assert got.tolist() == [t.shape[0] // n] * n, got
+                    checks.append(f"{n} workers, {cell}: {'every shard is a view of the input' if ok else 'COPY MADE'}; "
+                                  f"Ray serializes the shards to {ser:,} bytes for {t.numel() * t.element_size():,} "
+                                  f"payload bytes")
+                    if "verl" in ctx:
+                        ctx["protos"][t.numel()] = DataProto.from_dict({"x": t})
+                expected = [1] * n if t is None else [t.shape[0] // n] * n
+                for v in variants:  # warm-up, and every variant computes the same thing
                     for _ in range(2):
-                        await fn(wg, t, n, actors)
-                times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-                order = list(VARIANTS)
+                        got = await VARIANTS[v](ctx, t)
+                    got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
+                    assert got == expected, (v, cell, got, expected)
+                k = max(1, CALLS_PER_REP[cell] // (4 if quick else 1))
+                times: dict[str, list[float]] = {v: [] for v in variants}
                 for rep in range(reps):
-                    for v in order[rep % len(order):] + order[:rep % len(order)]:
+                    for v in variants[rep % len(variants):] + variants[:rep % len(variants)]:
                         fn = VARIANTS[v]
                         t0 = time.perf_counter()
                         for _ in range(k):
-                            await fn(wg, t, n, actors)
+                            await fn(ctx, t)
                         times[v].append((time.perf_counter() - t0) / k)
                 med = {v: statistics.median(ts) for v, ts in times.items()}
-                rows.append({"workers": n, "payload": name, **med})
-                print(f"  {n} workers {name:>6}: asyncrl {med['asyncrl'] * 1e6:9.0f} us  raw {med['raw'] * 1e6:9.0f} us"
-                      f"  ratio {med['asyncrl'] / med['raw']:.2f}x  plain {med['plain'] * 1e6:9.0f} us", flush=True)
+                rows.append({"workers": n, "cell": cell, **med})
+                print(f"  {n} workers {cell:>6}: " + "  ".join(f"{v} {med[v] * 1e6:8.0f} us" for v in variants)
+                      + f"  asyncrl/plain {med['asyncrl'] / med['plain Ray']:.2f}x", flush=True)
         finally:
-            await wg.close()
-            for a in actors:
+            await ctx["wg"].close()
+            for a in ctx["actors"]:
                 ray.kill(a)
+            for w in getattr(ctx.get("verl"), "workers", []):
+                ray.kill(w)
     return rows, checks
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| workers | payload | asyncrl µs/call | raw µs/call | asyncrl / raw | plain-actor µs/call | asyncrl / plain |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    has_verl = any("verl" in r for r in rows)
+    head = ["workers", "call", "asyncrl µs", "plain Ray µs", "asyncrl / plain Ray", "host path µs",
+            "host path / plain Ray"]
+    if has_verl:
+        head += ["verl µs", "asyncrl / verl"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
-        lines.append(
-            f"| {r['workers']} | {r['payload']} | {r['asyncrl'] * 1e6:.0f} | {r['raw'] * 1e6:.0f} | "
-            f"{r['asyncrl'] / r['raw']:.2f}x | {r['plain'] * 1e6:.0f} | {r['asyncrl'] / r['plain']:.2f}x |"
-        )
+        call = "tiny ONE_TO_ALL" if r["cell"] == "tiny" else f"{r['cell']} DP_COMPUTE"
+        cells = [str(r["workers"]), call, f"{r['asyncrl'] * 1e6:.0f}", f"{r['plain Ray'] * 1e6:.0f}",
+                 f"{r['asyncrl'] / r['plain Ray']:.2f}x", f"{r['host path'] * 1e6:.0f}",
+                 f"{r['host path'] / r['plain Ray']:.2f}x"]
+        if has_verl:
+            cells += [f"{r['verl'] * 1e6:.0f}", f"{r['asyncrl'] / r['verl']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -220,38 +306,45 @@ def _driver_zero_copy() -> bool:
     return bool(ray_constants.RAY_ENABLE_ZERO_COPY_TORCH_TENSORS)
 
 
-def header(args: argparse.Namespace) -> str:
-    return run_header("dispatch_overhead.py",
-                      extra=f"; zero-copy torch tensors in the controller: {_driver_zero_copy()}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 and 2 workers, 32 B and 1 MiB, 2 repetitions")
-    p.add_argument("--workers", type=int, nargs="+", default=None)
-    p.add_argument("--payloads", nargs="+", default=None, choices=list(PAYLOADS))
+    p.add_argument("--quick", action="store_true", help="2 workers, tiny and 1 MiB, 2 repetitions")
+    p.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts (default 4)")
+    p.add_argument("--cells", nargs="+", default=None, choices=list(CELLS))
     p.add_argument("--reps", type=int, default=None, help="repetitions per cell (median reported)")
+    p.add_argument("--no-verl", action="store_true", help="leave verl out even when it is installed")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--late-zero-copy", action="store_true",
                    help="do not set RAY_ENABLE_ZERO_COPY_TORCH_TENSORS before importing ray (leave it to asyncrl.init)")
     args = p.parse_args()
-    workers = args.workers or ([1, 2] if args.quick else [1, 2, 4, 8])
-    payloads = args.payloads or (["32 B", "1 MiB"] if args.quick else list(PAYLOADS))
+    workers = args.workers or ([2] if args.quick else [4])
+    cells = args.cells or (["tiny", "1 MiB"] if args.quick else list(CELLS))
     reps = args.reps or (2 if args.quick else 9)
+    load0 = os.getloadavg()[0]
     asyncrl.init(num_cpus=64)
     try:
-        rows, checks = asyncio.run(measure(workers, payloads, reps, args.quick))
+        rows, checks = asyncio.run(measure(workers, cells, reps, args.quick, use_verl=not args.no_verl))
+        has_verl = any("verl" in r for r in rows)
+        verl_note = ("`verl` = verl's RayWorkerGroup, blocking call (ONE_TO_ALL / DP_COMPUTE_PROTO on a DataProto)."
+                     if has_verl else
+                     "verl: not measured (" + ("--no-verl" if args.no_verl else f"not importable here: {VERL_MISSING}; "
+                                               "install it beside asyncrl with `.venv/bin/pip install --no-deps "
+                                               "verl==0.9.1 omegaconf`") + ").")
         text = "\n\n".join([
-            "# Dispatch overhead: asyncrl group call vs raw Ray",
-            header(args),
-            f"Median time per call over {reps} repetitions (each of {', '.join(f'{k} calls for {p}' for p, k in CALLS_PER_REP.items() if p in payloads)}"
-            f"{', divided by 4 in --quick' if args.quick else ''}), after 2 warm-up calls per variant. "
-            "`raw` = the same actors called exactly as the Ray backend calls them (same shards, same "
-            "sequence numbers, same worker-side work): its ratio is the controller's overhead. `plain` = "
-            "plain sync `ray.remote` actors with a trivial method: the ratio includes asyncrl's worker host too.",
+            "# Dispatch overhead: asyncrl group call vs plain Ray actors (and verl)",
+            run_header("dispatch_overhead.py", machine_note=load_note(load0, os.getloadavg()[0]),
+                       extra=f"; zero-copy torch tensors in the controller: {_driver_zero_copy()}"),
+            f"Median time per call over {reps} repetitions (each of "
+            f"{', '.join(f'{CALLS_PER_REP[c]} calls for {c}' for c in cells)}"
+            f"{', divided by 4 in --quick' if args.quick else ''}), variant order rotating, after 2 warm-up calls "
+            "per variant. `plain Ray` (the floor) = `asyncio.gather` over `actor.method.remote` on ordinary Ray "
+            "actors (for DP: the hand-written split / put / `torch.cat`). `host path` (breakdown) = asyncrl's own "
+            "worker processes called as its Ray backend calls them, without the controller's dispatch, futures "
+            "and collect. " + verl_note,
             table(rows),
             "No-copy check (the shards handed to the backend share the input tensor's storage, at the expected "
-            "offsets) and the bytes Ray's serializer makes of them in the controller:\n\n" + "\n".join(f"- {c}" for c in checks),
+            "offsets) and the bytes Ray's serializer makes of them in the controller:\n\n"
+            + "\n".join(f"- {c}" for c in checks),
         ]) + "\n"
     finally:
         asyncrl.shutdown()

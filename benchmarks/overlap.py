@@ -210,12 +210,12 @@ class SimBench:
         await self.tcol.close()
         await self.pool.release()
 
-    def config(self, steps: int, k: int, name: str) -> Any:
+    def config(self, steps: int, k: int, name: str, trace: bool = True) -> Any:
         from asyncrl.pipelines.presets import tiny_test
 
         cfg = tiny_test("ppo")
         t = cfg.trainer
-        t.steps, t.max_staleness, t.checkpoint_at_end, t.trace = steps, k, False, True
+        t.steps, t.max_staleness, t.checkpoint_at_end, t.trace = steps, k, False, trace
         t.output_dir = os.path.join(self.tmp, name)
         return cfg.validate()
 
@@ -242,10 +242,10 @@ class SimBench:
         return {"step_s": sum(steady) / len(steady), "thread_s": (c1 - c0) / steps, "proc_s": (p1 - p0) / steps,
                 "wall_s": w1 - w0, "history": hist}
 
-    async def run_async(self, costs: dict[str, float], steps: int, k: int) -> dict[str, Any]:
+    async def run_async(self, costs: dict[str, float], steps: int, k: int, trace: bool = True) -> dict[str, Any]:
         from asyncrl.pipelines.trainer import PPOTrainer
 
-        cfg = self.config(steps, k, f"async-k{k}")
+        cfg = self.config(steps, k, f"async-k{k}", trace)
         await self.configure(costs)
         trainer = PPOTrainer(cfg, groups=self.groups)
         async with trainer:
@@ -292,6 +292,237 @@ def sim_table(rows: list[dict[str, Any]]) -> str:
                  f"{r['ideal_async'] / a:.3f}", f"{s / a:.2f}x", f"{r['ideal_sync'] / r['ideal_async']:.2f}x",
                  f"{r['async']['thread_s'] * 1e3:.2f}", f"{r['async']['proc_s'] * 1e3:.2f}"]
         out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+# ---- the same step on plain Ray actors (the floor) --------------------------------------------------
+
+
+def _sim_generate(costs: dict[str, float], version: int, batch: TensorDict) -> TensorDict:
+    out = batch.clone(recurse=False)
+    n = batch.batch_size[0]
+    out.set("response_ids", torch.ones(n, R, dtype=torch.long))
+    out.set("response_mask", torch.ones(n, R, dtype=torch.long))
+    out.set("version", torch.full((n,), version, dtype=torch.long))
+    return out
+
+
+class PlainRollout:
+    """The rollout pool's process as an ordinary async Ray actor: generate, score, load weights."""
+
+    def __init__(self) -> None:
+        from asyncrl.runtime import quiet_tensor_warnings
+
+        quiet_tensor_warnings()
+        self.costs: dict[str, float] = {}
+        self.version = 0
+
+    async def configure(self, costs: dict[str, float]) -> int:
+        self.costs, self.version = dict(costs), 0
+        return os.getpid()
+
+    async def generate(self, batch: TensorDict, seed: int) -> TensorDict:
+        await asyncio.sleep(self.costs.get("generate", 0.0))
+        return _sim_generate(self.costs, self.version, batch)
+
+    async def compute_reward(self, batch: TensorDict) -> TensorDict:
+        await asyncio.sleep(self.costs.get("score", 0.0))
+        return TensorDict({"scores": batch["version"].float() / 100.0}, batch_size=batch.batch_size)
+
+    async def update_weights(self, weights: tuple[int, dict[str, torch.Tensor]]) -> dict[str, int]:
+        v, _ = weights
+        assert v > self.version, f"stale weight update {v} <= {self.version}"
+        await asyncio.sleep(self.costs.get("load_weights", 0.0))
+        self.version = v
+        return {"version": v}
+
+
+class PlainTrain:
+    """The training pool's process as an ordinary sync Ray actor (runs calls in submission order)."""
+
+    def __init__(self) -> None:
+        from asyncrl.runtime import quiet_tensor_warnings
+
+        quiet_tensor_warnings()
+        self.costs: dict[str, float] = {}
+        self.version = 0
+
+    def configure(self, costs: dict[str, float]) -> int:
+        self.costs, self.version = dict(costs), 0
+        return os.getpid()
+
+    def _sleep(self, stage: str) -> None:
+        time.sleep(self.costs.get(stage, 0.0))
+
+    def compute_log_prob(self, batch: TensorDict) -> TensorDict:
+        self._sleep("old_log_prob")
+        n = batch.batch_size[0]
+        return TensorDict({"old_log_probs": torch.zeros(n, R), "entropy": torch.zeros(n, R)}, batch_size=[n])
+
+    def compute_values(self, batch: TensorDict) -> TensorDict:
+        self._sleep("values")
+        return TensorDict({"values": torch.zeros(batch.batch_size[0], R)}, batch_size=batch.batch_size)
+
+    def compute_advantages(self, batch: TensorDict, scores: TensorDict, log_probs: TensorDict,
+                           values: TensorDict) -> TensorDict:
+        self._sleep("advantages")
+        out = batch.clone(recurse=False)
+        for part in (scores, log_probs, values):
+            out.update(part)
+        out.set("advantages", torch.zeros(batch.batch_size[0], R))
+        out.set("returns", torch.zeros(batch.batch_size[0], R))
+        return out
+
+    def critic_update(self, batch: TensorDict) -> dict[str, float]:
+        self._sleep("critic_update")
+        return {"vf_loss": 0.0}
+
+    def actor_update(self, batch: TensorDict) -> dict[str, float]:
+        self._sleep("actor_update")
+        self.version += 1
+        return {"pg_loss": 0.0, "version": float(self.version)}
+
+    def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        self._sleep("export_weights")
+        return self.version, {}
+
+
+async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int) -> list[float]:
+    """The trainer's schedule written with plain Ray actors and ObjectRefs: a rollout loop
+    (batch i with weights version max(0, i - k), scores awaited) and a train loop (the six
+    training stages, each ObjectRef passed straight into the next call; the export is
+    published to the rollout loop, then the updates' metrics are awaited). Returns the
+    wall time at the end of every step."""
+    cond = asyncio.Condition()
+    queue: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
+    exports: dict[int, Any] = {}
+    exported = 0
+    ends: list[float] = []
+
+    async def rollout_loop() -> None:
+        rollout_version = 0
+        for i in range(steps):
+            need = max(0, i - k)
+            async with cond:
+                await cond.wait_for(lambda: exported >= need)
+            if need > rollout_version:
+                await roll.update_weights.remote(exports.pop(need))
+                rollout_version = need
+            gen = roll.generate.remote(loader.batch(i), seed=i)
+            sc = roll.compute_reward.remote(gen)
+            float((await sc)["scores"].float().mean())
+            await queue.put((gen, sc))
+
+    async def train_loop() -> None:
+        nonlocal exported
+        for step in range(steps):
+            gen, sc = await queue.get()
+            old = train.compute_log_prob.remote(gen)
+            vals = train.compute_values.remote(gen)
+            adv = train.compute_advantages.remote(gen, sc, old, vals)
+            crit = train.critic_update.remote(adv)
+            act = train.actor_update.remote(adv)
+            exp = train.export_weights.remote()
+            async with cond:
+                exports[step + 1] = exp
+                exported = step + 1
+                cond.notify_all()
+            await crit
+            await act
+            ends.append(time.perf_counter())
+
+    await asyncio.gather(rollout_loop(), train_loop())
+    return ends
+
+
+class PlainBench:
+    """The two plain Ray actors (rollout, training) of the floor, reused by every run."""
+
+    def __init__(self) -> None:
+        import ray
+
+        opts = {"num_cpus": 1, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
+        self.roll = ray.remote(PlainRollout).options(max_concurrency=1000, **opts).remote()
+        self.train = ray.remote(PlainTrain).options(**opts).remote()
+
+    async def setup(self) -> None:
+        pids = await asyncio.gather(self.roll.configure.remote({}), self.train.configure.remote({}))
+        assert pids[0] != pids[1]
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.roll)
+        ray.kill(self.train)
+
+    async def run(self, costs: dict[str, float], steps: int, k: int, loader: Any) -> dict[str, Any]:
+        await asyncio.gather(self.roll.configure.remote(costs), self.train.configure.remote(costs))
+        c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+        ends = await plain_fit(self.roll, self.train, loader, steps, k)
+        c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
+        return {"step_s": (ends[-1] - ends[0]) / (len(ends) - 1), "thread_s": (c1 - c0) / steps,
+                "proc_s": (p1 - p0) / steps, "wall_s": w1 - w0}
+
+
+def make_loader() -> Any:
+    from asyncrl.pipelines.data import PromptLoader, get_task
+    from asyncrl.pipelines.presets import tiny_test
+    from asyncrl.roles import load_tokenizer
+
+    cfg = tiny_test("ppo")
+    tok = load_tokenizer("tiny")
+    return PromptLoader(tok, get_task(cfg.data.task).make(cfg.data.num_prompts, cfg.trainer.seed),
+                        prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+                        seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+
+
+FLOOR_VARIANTS = ("asyncrl trainer", "asyncrl trainer, trace off", "plain Ray")
+
+
+async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
+                   rounds: int) -> list[dict[str, Any]]:
+    """The trainer (trace on, its default; and off) and the plain-Ray loop on the same
+    simulated step, interleaved: each round runs every variant once, order rotating."""
+    bench, plain = SimBench(), PlainBench()
+    loader = make_loader()
+    rows = []
+    await asyncio.gather(bench.setup(), plain.setup())
+    try:
+        await bench.run_async(stage_costs(1.0, train_s), 2, 1)  # warm-up
+        await plain.run(stage_costs(1.0, train_s), 2, 1, loader)
+        for ratio, k in configs:
+            costs = stage_costs(ratio, train_s)
+            runs: dict[str, list[dict[str, Any]]] = {v: [] for v in FLOOR_VARIANTS}
+            order = list(FLOOR_VARIANTS)
+            for r in range(rounds):
+                for v in order[r % len(order):] + order[:r % len(order)]:
+                    if v == "plain Ray":
+                        res = await plain.run(costs, steps, k, loader)
+                    else:
+                        res = await bench.run_async(costs, steps, k, trace=(v == "asyncrl trainer"))
+                    runs[v].append(res)
+                    print(f"  ratio {ratio:g} k={k} round {r} {v:28s} {res['step_s'] * 1e3:7.1f} ms/step  "
+                          f"ctrl thread {res['thread_s'] * 1e3:5.1f} ms/step", flush=True)
+            med = {v: {key: statistics.median(x[key] for x in rs) for key in ("step_s", "thread_s", "proc_s")}
+                   for v, rs in runs.items()}
+            rows.append({"ratio": ratio, "k": k, "ideal": ideals(costs, k)[1], "med": med})
+    finally:
+        await bench.close()
+        plain.close()
+    return rows
+
+
+def floor_table(rows: list[dict[str, Any]]) -> str:
+    head = ["cost ratio", "max_staleness", "ideal ms/step", "variant", "ms/step", "eff. vs ideal", "vs plain Ray",
+            "ctrl thread ms/step", "ctrl process ms/step"]
+    out = ["| " + " | ".join(head) + " |", "|---:|---:|---:|---|" + "---:|" * (len(head) - 4)]
+    for r in rows:
+        floor = r["med"]["plain Ray"]["step_s"]
+        for v in FLOOR_VARIANTS:
+            m = r["med"][v]
+            out.append(f"| {r['ratio']:g} | {r['k']} | {r['ideal'] * 1e3:.0f} | {v} | {m['step_s'] * 1e3:.1f} | "
+                       f"{r['ideal'] / m['step_s']:.3f} | {m['step_s'] / floor:.3f}x | {m['thread_s'] * 1e3:.2f} | "
+                       f"{m['proc_s'] * 1e3:.2f} |")
     return "\n".join(out)
 
 
@@ -473,11 +704,15 @@ def header(argv: list[str], load: tuple[float, float]) -> str:
                       f"at the start, {load[1]:.1f} at the end")
 
 
-async def amain(args: argparse.Namespace) -> tuple[list, dict, list]:
+async def amain(args: argparse.Namespace) -> tuple[list, dict, list, list]:
     ratios = tuple(float(x) for x in args.ratios.split(",")) if args.ratios else RATIOS
-    rows, timelines = await simulated(ratios, args.train_ms / 1e3, args.steps)
+    floor = []
+    if args.floor_rounds:
+        configs = [(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.floor_configs.split(",")]
+        floor = await vs_plain(configs, args.train_ms / 1e3, args.steps, args.floor_rounds)
+    rows, timelines = ([], {}) if args.no_sweep else await simulated(ratios, args.train_ms / 1e3, args.steps)
     runs = [] if args.no_real else await real(args.presets.split(","), args.real_steps, args.quick)
-    return rows, timelines, runs
+    return rows, timelines, runs, floor
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -492,21 +727,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--presets", default=None,
                    help="real runs: comma-separated presets (default grpo_toy,ppo_toy; --quick: grpo_toy)")
     p.add_argument("--no-real", action="store_true", help="skip the real tiny-model runs")
+    p.add_argument("--no-sweep", action="store_true", help="skip the ratio x max_staleness sweep")
+    p.add_argument("--floor-configs", default="1:1,1:0",
+                   help="ratio:max_staleness pairs compared with the plain-Ray floor (default 1:1,1:0)")
+    p.add_argument("--floor-rounds", type=int, default=None,
+                   help="interleaved rounds of the plain-Ray comparison (default 3, --quick 1; 0 skips it)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--png", default=None, help="the plot (default: next to --out, overlap.png)")
     args = p.parse_args(argv)
     args.train_ms = args.train_ms or (10.0 if args.quick else 200.0)
     args.steps = args.steps or (3 if args.quick else 12)
     args.presets = args.presets or ("grpo_toy" if args.quick else "grpo_toy,ppo_toy")
+    if args.floor_rounds is None:
+        args.floor_rounds = 1 if args.quick else 3
     png = args.png or os.path.join(os.path.dirname(os.path.abspath(args.out)), "overlap.png")
     load0 = os.getloadavg()[0]
     asyncrl.init(num_cpus=16)
     try:
-        rows, timelines, runs = asyncio.run(amain(args))
+        rows, timelines, runs, floor = asyncio.run(amain(args))
     finally:
         asyncrl.shutdown()
-    worst = max(r["ideal_sync"] for r in rows)
-    plot(rows, timelines, runs, png, window=8 * args.train_ms / 1e3)  # 4 synchronous steps at ratio 1
+    worst = max((r["ideal_sync"] for r in rows), default=0.0)
+    if rows:
+        plot(rows, timelines, runs, png, window=8 * args.train_ms / 1e3)  # 4 synchronous steps at ratio 1
     r1 = next((r for r in rows if r["ratio"] == 1.0 and r["k"] == 1), None)
     verdict = ""
     if r1 is not None:
@@ -517,18 +760,45 @@ def main(argv: list[str] | None = None) -> None:
     sections = [
         "# Overlap: async trainer vs synchronous loop",
         header(argv, (load0, os.getloadavg()[0])),
-        "## Simulated PPO workers (real Ray, real worker groups, real trainer loops)",
-        f"Training + sync = {args.train_ms:g} ms per step (old_log_prob 15 %, values 10 %, advantages 5 %, "
-        "critic_update 20 %, actor_update 30 %, export_weights = weight sync 20 %), rollout = cost ratio x that "
-        f"(generate 90 %, score 10 %); two worker processes (rollout pool, training pool). {args.steps} steps "
-        "per run, the first discarded. `sync` = `sequential_fit(lag=0)` (the synchronous baseline loop, one "
-        "run per cost ratio, shown on each row); `async` = the trainer at that `max_staleness` "
-        "(`fixed_lag`). Ideal: sum of the stage costs for sync and for max_staleness=0; "
-        "max(rollout, training + sync) for max_staleness ≥ 1. eff. = ideal / measured. "
-        "ctrl thread / process = CPU time of the controller's event-loop thread / whole process per step "
-        f"(async runs; the slowest step here is {worst * 1e3:.0f} ms).",
-        sim_table(rows),
-        verdict,
+    ]
+    if floor:
+        f1 = next((r for r in floor if r["ratio"] == 1.0 and r["k"] == 1), None)
+        fverdict = ""
+        if f1 is not None:
+            m = f1["med"]
+            fverdict = (f"At cost ratio 1, max_staleness=1: the trainer's efficiency {f1['ideal'] / m['asyncrl trainer']['step_s']:.3f} "
+                        f"(trace off {f1['ideal'] / m['asyncrl trainer, trace off']['step_s']:.3f}; target ≥ 0.97), "
+                        f"{m['asyncrl trainer']['step_s'] / m['plain Ray']['step_s']:.3f}x the plain-Ray step "
+                        f"(trace off {m['asyncrl trainer, trace off']['step_s'] / m['plain Ray']['step_s']:.3f}x; "
+                        f"target ≤ 1.05x), controller thread CPU {m['asyncrl trainer']['thread_s'] * 1e3:.1f} ms/step "
+                        f"(trace off {m['asyncrl trainer, trace off']['thread_s'] * 1e3:.1f}; plain Ray "
+                        f"{m['plain Ray']['thread_s'] * 1e3:.1f}; target ≤ 5 ms).")
+        sections += [
+            "## The simulated step: asyncrl trainer vs the same step on plain Ray",
+            f"The simulated PPO step of the sweep below (training + sync = {args.train_ms:g} ms), run by the "
+            "asyncrl trainer (trace on, its default; and trace off) and by the same schedule written with plain Ray "
+            "actors and ObjectRefs (`plain_fit`: an async rollout actor, a sync training actor, each stage's "
+            "ObjectRef passed straight into the next call, the same staleness gate). The plain-Ray row is the floor: "
+            "what Ray itself costs per step. Medians over "
+            f"{args.floor_rounds} interleaved round(s) (variant order rotating), {args.steps} steps per run, the "
+            "first discarded. ctrl thread / process = controller CPU per step (event-loop thread / whole process).",
+            floor_table(floor),
+            fverdict,
+        ]
+    if rows:
+        sections += [
+            "## Simulated PPO workers (real Ray, real worker groups, real trainer loops)",
+            f"Training + sync = {args.train_ms:g} ms per step (old_log_prob 15 %, values 10 %, advantages 5 %, "
+            "critic_update 20 %, actor_update 30 %, export_weights = weight sync 20 %), rollout = cost ratio x that "
+            f"(generate 90 %, score 10 %); two worker processes (rollout pool, training pool). {args.steps} steps "
+            "per run, the first discarded. `sync` = `sequential_fit(lag=0)` (the synchronous baseline loop, one "
+            "run per cost ratio, shown on each row); `async` = the trainer at that `max_staleness` "
+            "(`fixed_lag`). Ideal: sum of the stage costs for sync and for max_staleness=0; "
+            "max(rollout, training + sync) for max_staleness ≥ 1. eff. = ideal / measured. "
+            "ctrl thread / process = CPU time of the controller's event-loop thread / whole process per step "
+            f"(async runs; the slowest step here is {worst * 1e3:.0f} ms).",
+            sim_table(rows),
+            verdict,
     ]
     if runs:
         sections += [

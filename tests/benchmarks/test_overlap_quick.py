@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SIM_COLUMNS = ["cost ratio", "max_staleness", "sync ms/step", "sync ideal", "sync eff.", "async ms/step",
                "async ideal", "async eff.", "speedup", "ideal speedup", "ctrl thread ms/step",
                "ctrl process ms/step"]
+FLOOR_COLUMNS = ["cost ratio", "max_staleness", "ideal ms/step", "variant", "ms/step", "eff. vs ideal", "vs plain Ray",
+                 "ctrl thread ms/step", "ctrl process ms/step"]
 REAL_COLUMNS = ["workload", "mode", "steps", "loop s", "ms/step", "rollout ms", "train+sync ms", "ideal ms/step",
                 "eff.", "speedup", "reward first 5", "reward last 10", "s to reward ≥ 0.5",
                 "ctrl thread ms/step", "ctrl process ms/step"]
@@ -42,7 +44,13 @@ def test_overlap_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "Command: `python benchmarks/overlap.py --quick" in text and "ray 2." in text
-    sim, real = tables(text)
+    floor, sim, real = tables(text)
+    assert floor[0] == FLOOR_COLUMNS
+    assert [(r[0], r[1], r[3]) for r in floor[1:]] == [("1", k, v) for k in ("1", "0") for v in
+                                                       ("asyncrl trainer", "asyncrl trainer, trace off", "plain Ray")]
+    assert floor[3][6] == "1.000x" and floor[6][6] == "1.000x"  # the plain-Ray floor is its own baseline
+    for r in floor[1:]:
+        assert all(float(c.rstrip("x")) > 0 for c in r[4:])
     assert sim[0] == SIM_COLUMNS
     assert [(r[0], r[1]) for r in sim[1:]] == [(ratio, k) for ratio in ("0.25", "0.5", "1", "2", "4")
                                                 for k in ("0", "1", "2")]
@@ -53,5 +61,6 @@ def test_overlap_quick(tmp_path):
                                                        ("grpo_toy", "async (max_staleness=1)", "3")]
     assert real[1][9] == "1.00x"  # the synchronous run is its own baseline
     assert "At cost ratio 1, max_staleness=1: efficiency" in text
+    assert "At cost ratio 1, max_staleness=1: the trainer's efficiency" in text
     png = tmp_path / "overlap.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

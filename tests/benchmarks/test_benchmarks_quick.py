@@ -53,3 +53,13 @@ def test_pipelining_quick(tmp_path):
     assert body["pipelined"][5] == "0" and body["raw Ray"][5] == "0"  # a contract, not a timing
     assert int(body["collect + redispatch"][5].replace(",", "")) > 0
     assert body["raw Ray"][3] == "1.00x"
+
+
+def test_inflight_quick(tmp_path):
+    rows = table_rows(run("inflight.py", tmp_path / "inflight.md"))
+    assert rows[0] == ["variant", "worst lag, submitting (ms)", "worst lag, awaiting (ms)",
+                       "worst lag, all rounds (ms)", "wall s", "calls/s"]
+    assert [r[0] for r in rows[2:]] == ["asyncrl, asyncrl.gather", "asyncrl, asyncio.gather", "asyncrl, ordered",
+                                        "plain Ray, asyncio.gather", "plain Ray, chunked"]
+    for r in rows[2:]:
+        assert all(float(c.replace(",", "")) >= 0 for c in r[1:]) and float(r[4]) > 0

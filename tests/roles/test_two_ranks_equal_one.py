@@ -15,7 +15,8 @@ import torch
 import asyncrl
 from asyncrl import Dispatch, register
 from asyncrl.pipelines.stages import AdvantageWorker, compute_advantages
-from asyncrl.roles import CriticWorker, OptimConfig, PolicyWorker, RolloutConfig, RolloutCorrectionConfig, RolloutWorker
+from asyncrl.roles import (CriticWorker, OptimConfig, PolicyWorker, RolloutConfig, RolloutCorrectionConfig, RolloutWorker,
+                           StaleBatchError)
 from asyncrl.roles.functional import LOSS_AGG_MODES
 
 
@@ -29,6 +30,15 @@ class PolicyProbe(PolicyWorker):
         metrics = self.update(batch)
         grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
         return {"metrics": metrics, "grads": grads}
+
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def try_update(self, batch) -> dict:
+        """``update``'s outcome on this rank: its error (type, message) or its metrics, and the version."""
+        try:
+            return {"ok": self.update(batch)["version"], "version": self._version}
+        except (StaleBatchError, KeyError) as e:
+            return {"error": type(e).__name__, "message": str(e), "version": self._version}
 
 
 class CriticProbe(CriticWorker):
@@ -75,7 +85,9 @@ async def two_ranks(ray_cluster, model_config):
     critic_optim = OptimConfig(lr=0.0, micro_batch_size=3, max_grad_norm=None)
     col = asyncrl.colocate({"policy": (PolicyProbe, (model_config, OPTIM), {}),
                             "critic": (CriticProbe, (model_config, critic_optim), {}),
-                            "advantage": AdvantageWorker}, world_size=2, name="two-ranks")
+                            "advantage": AdvantageWorker,
+                            "bounded": (PolicyProbe, (model_config, OptimConfig(micro_batch_size=3)),
+                                        {"max_staleness": 0})}, world_size=2, name="two-ranks")
     await col.setup()
     try:
         yield col, critic_optim
@@ -130,3 +142,19 @@ async def test_two_advantage_ranks_whiten_with_the_statistics_of_the_whole_batch
     # whitening each shard with its own statistics (the old behaviour) moves advantages a lot
     per_shard = torch.cat([compute_advantages(parts[:4], algo)[0], compute_advantages(parts[4:], algo)[0]])
     assert (per_shard - a1["advantages"]).abs().max() > 0.1
+
+
+async def test_a_shard_outside_the_bound_on_one_rank_fails_the_update_on_every_rank_and_applies_nothing(
+        two_ranks, uneven_batch):
+    """Before updating, the ranks agree on whether any shard is bad: a rank whose own rows are fine
+    raises too (instead of waiting forever in the gradient all-reduce), and the group stays in step."""
+    col, _ = two_ranks
+    bad = uneven_batch.clone(False)
+    bad["version"] = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])  # rank 1's rows claim a version the policy lacks
+    r0, r1 = await col["bounded"].try_update(bad)
+    assert r1["error"] == "StaleBatchError" and "from the future" in r1["message"]
+    assert r0["error"] == "StaleBatchError" and "rank(s) [1] rejected their shard" in r0["message"]
+    assert r0["version"] == r1["version"] == 0  # nothing applied anywhere
+    missing = uneven_batch.exclude("rollout_log_probs")
+    r0, r1 = await col["bounded"].try_update(missing)  # the default policy has no correction at max_staleness=0
+    assert r0 == r1 == {"ok": 1.0, "version": 1}  # the collectives are still paired: a good update goes through

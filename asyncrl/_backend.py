@@ -1,34 +1,128 @@
-"""The small interface a group needs from a backend (Ray actors, or in-process)."""
+"""What a group needs from a backend, and the one place a backend's outcome becomes a public error.
+
+A backend (Ray actors in :mod:`asyncrl.backends.ray`, in-process objects in
+:mod:`asyncrl.backends.local`) reports what happened to a call in four internal
+shapes: a value, :class:`Died` (the worker process is gone), :class:`Cancelled` (the
+remote work was cancelled), :class:`Failed` (it failed outside the worker method: an
+argument or result that could not be unpickled, a serialization error), or an
+:class:`~asyncrl.AsyncRLError` raised on purpose on the worker (passed through as it
+is). :func:`public_error` turns the internal shapes into the public errors of
+:mod:`asyncrl.errors`, naming group, method and rank; nothing else does, so no
+internal type and no unnamed error reaches a user.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from asyncrl.resources import ResourcePool, Slot
+from asyncrl.errors import (
+    AsyncRLError,
+    CallCancelledError,
+    GroupClosedError,
+    RemoteError,
+    WorkerDiedError,
+)
+
+__all__ = ["Backend", "Slot", "Died", "Cancelled", "Failed", "public_error"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One worker's place: a bundle of a placement group."""
+
+    placement_group: Any
+    bundle_index: int
+    node_key: Any
+    local_rank: int
+    num_cpus: float
+    num_gpus: float
 
 
 class Died(Exception):
-    """Internal: a worker process died while a call was pending."""
+    """Internal: the worker process running a call is gone."""
 
 
 class Cancelled(Exception):
     """Internal: a call's remote work was cancelled."""
 
 
+class Failed(Exception):
+    """Internal: a call failed outside the worker method (e.g. a value could not be unpickled)."""
+
+    def __init__(self, exc_type: str, message: str, remote_traceback: str = "") -> None:
+        super().__init__(f"{exc_type}: {message}")
+        self.exc_type, self.message, self.remote_traceback = exc_type, message, remote_traceback
+
+
+def public_error(
+    e: BaseException,
+    *,
+    group: str,
+    method: str,
+    rank: int | None,
+    closed: bool = False,
+    cancelled: Callable[[], BaseException] | None = None,
+) -> BaseException:
+    """The public error for a backend outcome `e` of `group.method` on `rank`.
+
+    `closed`: the group was closed meanwhile, so a death or cancellation is the close's
+    doing (:class:`~asyncrl.GroupClosedError`). `cancelled` builds the error for a
+    cancellation the controller asked for (a timeout, say).
+    """
+    if isinstance(e, AsyncRLError):
+        return e
+    if isinstance(e, (Died, Cancelled)) and closed:
+        return GroupClosedError(
+            f"group {group!r} was closed while {group}.{method} was in flight"
+            + (f" on rank {rank}" if rank is not None else "")
+        )
+    if isinstance(e, Died):
+        return WorkerDiedError(group, method, rank, str(e))
+    if isinstance(e, Cancelled):
+        return cancelled() if cancelled is not None else CallCancelledError(f"{group}.{method} was cancelled")
+    if isinstance(e, Failed):
+        return RemoteError(group, method, rank, e.exc_type, e.message, e.remote_traceback)
+    import traceback
+
+    return RemoteError(group, method, rank, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
+                       "".join(traceback.format_exception(e)), cause=e)
+
+
 class Backend(Protocol):
+    """How a group starts, calls and stops its worker hosts."""
+
     name: str
     needs_pool: bool
 
-    def make_hosts(self, group: str, slots: "Sequence[Slot]", n: int) -> list[Any]: ...
-    async def admin(self, host: Any, method: str, *args: Any) -> Any: ...
-    def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, args: tuple[Any, ...],
-               kwargs: dict[str, Any], in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]: ...
-    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]]) -> None: ...
-    def cancel(self, ref: Any) -> None: ...
+    async def start(self) -> None:
+        """Make the backend usable (Ray: start or connect, off the event loop)."""
+
+    def make_hosts(self, group: str, slots: Sequence[Slot], n: int) -> list[Any]: ...
+
+    async def admin(self, host: Any, method: str, *args: Any) -> Any:
+        """Run a host method (set-up, close); errors arrive in the internal shapes."""
+
+    def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, payload: Any,
+               in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
+        """Send one call to a host; returns ``(result ref, meta ref or None)``."""
+
+    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
+        """Send the one cancel message of the sequencing protocol (see :mod:`asyncrl._sequencer`)."""
+
     async def wait(self, ref: Any) -> Any: ...
-    def get(self, refs: Sequence[Any], timeout: float | None) -> list[Any]: ...
-    def all_done(self, refs: Sequence[Any]) -> bool: ...
-    def kill(self, host: Any) -> None: ...
-    async def place(self, pool: "ResourcePool") -> tuple[list["Slot"], list[Any]]: ...
+
+    def get(self, refs: Sequence[Any], timeout: float | None) -> list[Any] | None:
+        """Blocking: the values, or None when `timeout` passed first (the one blocking path)."""
+
+    async def all_done(self, refs: Sequence[Any]) -> bool:
+        """Whether every ref has completed (any outcome) without fetching a value or blocking the loop."""
+
+    def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
+        """Call `callback` (from any thread) once every ref has completed; never fetches."""
+
+    async def kill(self, hosts: Sequence[Any]) -> None: ...
+
+    async def place(self, pool: Any) -> tuple[list[Slot], list[Any]]: ...
+
     async def remove_placement(self, handles: list[Any]) -> None: ...

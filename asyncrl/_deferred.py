@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 from asyncrl import batch as B
+from asyncrl._backend import public_error
 from asyncrl.errors import DispatchError
 
 
@@ -55,6 +56,20 @@ class DeferredShard:
 Awaiter = Callable[[Any], Awaitable[Any]]
 
 
+def _named(s: Source, wait: Awaiter) -> Awaiter:
+    """`wait`, with a failure of the producer named after it (group and method)."""
+
+    async def named_wait(ref: Any) -> Any:
+        try:
+            return await wait(ref)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise public_error(e, group=s.group, method=s.method, rank=None) from None
+
+    return named_wait
+
+
 def _select(value: Any, fields: tuple[str, ...] | None, source: Source) -> Any:
     if fields is None:
         return value
@@ -76,6 +91,7 @@ def _select(value: Any, fields: tuple[str, ...] | None, source: Source) -> Any:
 
 async def resolve_value(d: DeferredValue, wait: Awaiter) -> Any:
     s = d.source
+    wait = _named(s, wait)
     outs = await asyncio.gather(*(wait(r) for r in s.refs))
     if s.data_parallel:
         metas = await asyncio.gather(*(wait(m) for m in s.metas))  # type: ignore[union-attr]
@@ -87,6 +103,7 @@ async def resolve_value(d: DeferredValue, wait: Awaiter) -> Any:
 async def resolve_shard(d: DeferredShard, wait: Awaiter) -> tuple[Any, int]:
     """Returns ``(shard, trailing padding rows in it)``."""
     s = d.source
+    wait = _named(s, wait)
     if not s.data_parallel:
         whole = await resolve_value(DeferredValue(s), wait)
         _, rows, pads = B.shard_plan(B.batch_len(whole), d.count)

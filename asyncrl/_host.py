@@ -1,18 +1,21 @@
 """The worker side of a group: one host per worker process.
 
 A host constructs the worker objects of one process (several, for colocated
-groups), resolves pipelined arguments, and runs calls. Ordered calls carry a
-sequence number the controller assigned when it issued them; the host runs them
-one at a time in that order, whatever order they arrive in (an async Ray actor
-does not keep submission order). Concurrent calls run as soon as they arrive.
+groups), resolves pipelined arguments, and runs calls. Ordered calls are admitted by
+the process's :class:`~asyncrl._sequencer.Lane` in the order the controller numbered
+them, whatever order they arrive in (an async Ray actor does not keep submission
+order); concurrent calls run as soon as they arrive. A call's arguments travel as one
+:class:`Payload`, so a worker that cannot unpickle them still runs the host method,
+which reports the failure and releases the call's number.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextvars
+import functools
+import io
 import os
 import pickle
 import socket
@@ -21,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
-from asyncrl._backend import Died
-from asyncrl._deferred import resolve_args
-from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError, WorkerDiedError
+from asyncrl._deferred import DeferredShard, DeferredValue, resolve_args
+from asyncrl._sequencer import Lane
+from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
 
@@ -39,6 +42,73 @@ class RoleSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     context: WorkerContext = field(default_factory=WorkerContext)
     env: dict[str, str] = field(default_factory=dict)
+
+
+class Payload:
+    """A call's arguments on their way to a worker.
+
+    Pickled as a nested pickle stream (with Ray's reducers and out-of-band buffers, so
+    tensors still cross without copies) whose unpickling on the worker never raises: a
+    failure (a class that is not importable there, a ``__setstate__`` that raises)
+    arrives as `error` and the host reports it as the call's ``RemoteError``, releasing
+    the call's number (case 3 of :mod:`asyncrl._sequencer`).
+    """
+
+    __slots__ = ("args", "kwargs", "error")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 error: tuple[str, str, str] | None = None) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self.error = error
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from ray import cloudpickle  # the pickler Ray registered its reducers on (zero-copy tensors, refs)
+
+        buffers: list[pickle.PickleBuffer] = []
+        data = cloudpickle.dumps((self.args, self.kwargs), protocol=5, buffer_callback=buffers.append)
+        return (_unpack, (data, *buffers))
+
+    def local_copy(self) -> "Payload":
+        """What a worker process would receive, made in this process (the local backend):
+        pickled and unpickled, deferred values passed through as they are."""
+        from ray import cloudpickle
+
+        kept: list[Any] = []
+
+        class _Pickler(cloudpickle.CloudPickler):
+            def persistent_id(self, obj: Any) -> Any:
+                if isinstance(obj, (DeferredShard, DeferredValue)):
+                    kept.append(obj)
+                    return len(kept) - 1
+                return None
+
+        class _Unpickler(pickle.Unpickler):
+            def persistent_load(self, pid: Any) -> Any:
+                return kept[pid]
+
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=5).dump((self.args, self.kwargs))  # raises at submission, as Ray's would
+        try:
+            args, kwargs = _Unpickler(io.BytesIO(buf.getvalue())).load()
+        except Exception as e:
+            return Payload((), {}, _unpickling_error(e))
+        return Payload(args, kwargs)
+
+
+def _unpack(data: bytes, *buffers: Any) -> Payload:
+    try:
+        args, kwargs = pickle.loads(data, buffers=buffers)
+    except Exception as e:
+        return Payload((), {}, _unpickling_error(e))
+    return Payload(args, kwargs)
+
+
+def _unpickling_error(e: BaseException) -> tuple[str, str, str]:
+    return (f"{type(e).__module__}.{type(e).__qualname__}",
+            f"the worker could not unpickle the call's arguments ({e}); an argument's class must be importable "
+            "on the workers (put its module on their PYTHONPATH, or in runtime_env py_modules/working_dir)",
+            traceback.format_exc())
 
 
 def free_port() -> int:
@@ -72,15 +142,11 @@ class WorkerHost:
 
     def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False) -> None:
         self._local = local
-        self._running: dict[int, asyncio.Task[Any]] = {}  # call id -> the task running it
-        self._cancelled: collections.OrderedDict[int, None] = collections.OrderedDict()  # cancelled before arrival
+        self._lane = Lane()
         self._workers: dict[str, Any] = {}
         self._specs: dict[str, RoleSpec] = {}
         self._methods: dict[str, dict[str, Any]] = {}
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncrl-ordered")
-        self._next_seq = 0
-        self._finished: set[int] = set()
-        self._turns: dict[int, asyncio.Future[None]] = {}
         self._wait = wait or _await_plain
 
     # ---- set-up -------------------------------------------------------------------------
@@ -92,6 +158,7 @@ class WorkerHost:
     async def init_workers(self, specs: list[RoleSpec]) -> dict[str, dict[str, Any]]:
         """Construct the workers; returns each role's registered meshes."""
         out = {}
+        loop = asyncio.get_running_loop()
         for spec in specs:
             if not self._local:  # in-process workers share the controller's environment
                 from asyncrl.runtime import quiet_tensor_warnings
@@ -100,7 +167,7 @@ class WorkerHost:
                 os.environ.update(spec.env)
                 self._set_threads(spec.context)
             try:
-                worker = await self._run_sync(_construct, spec)
+                worker = await loop.run_in_executor(self._executor, contextvars.copy_context().run, _construct, spec)
             except Exception as e:
                 raise RemoteError(
                     spec.group, f"{spec.cls.__name__}.__init__", spec.context.rank,
@@ -124,63 +191,11 @@ class WorkerHost:
         except Exception:  # pragma: no cover
             pass
 
-    async def _run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        ctx = contextvars.copy_context()
-        fut = loop.run_in_executor(self._executor, ctx.run, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            # A sync method cannot be interrupted: let it finish so the next ordered
-            # call never overlaps it, then report the cancellation.
-            try:
-                await fut
-            except BaseException:
-                pass
-            raise
-
-    # ---- ordering -----------------------------------------------------------------------
-
-    async def _wait_turn(self, seq: int) -> None:
-        if seq < self._next_seq or seq in self._finished:
-            raise asyncio.CancelledError(f"ordered call {seq} was cancelled before it started")
-        if seq == self._next_seq:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._turns[seq] = fut
-        try:
-            await fut
-        finally:
-            self._turns.pop(seq, None)
-
-    def _release(self, seq: int) -> None:
-        if seq < self._next_seq:
-            return
-        self._finished.add(seq)
-        while self._next_seq in self._finished:
-            self._finished.remove(self._next_seq)
-            self._next_seq += 1
-        waiter = self._turns.get(self._next_seq)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def cancel_calls(self, entries: list[tuple[int, int | None]]) -> None:
-        """Cancel calls by id: a running or waiting call's task is cancelled; a call
-        that has not arrived yet is refused when it does, and its ordered turn is
-        released now so later calls do not wait for it. (Ray's own cancellation can
-        lose the race with a call that is just being delivered; this cannot.)"""
-        for call_id, seq in entries:
-            task = self._running.get(call_id)
-            if task is not None:
-                task.cancel()
-                continue
-            self._cancelled[call_id] = None
-            while len(self._cancelled) > 100_000:
-                self._cancelled.popitem(last=False)
-            if seq is not None:
-                self._release(seq)
-
     # ---- calls --------------------------------------------------------------------------
+
+    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
+        """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`)."""
+        self._lane.cancel(entries, deadline)
 
     async def call(
         self,
@@ -188,44 +203,43 @@ class WorkerHost:
         method: str,
         seq: int | None,
         call_id: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        payload: Payload,
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
     ) -> Any:
         """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
         ``(result, (rows, trailing padding rows))``."""
-        spec = self._specs[role]
-        worker = self._workers[role]
-        mspec = self._methods[role].get(method)
-        if mspec is None:
-            raise RemoteError(spec.group, method, spec.context.rank, "RegistrationError",
-                              f"{spec.cls.__name__}.{method} is not registered", "")
-        if call_id in self._cancelled:
-            del self._cancelled[call_id]
-            raise asyncio.CancelledError(f"call {call_id} was cancelled before it arrived")
-        task = asyncio.current_task()
-        if task is not None:
-            self._running[call_id] = task
-        resolving = asyncio.ensure_future(self._resolve(spec, method, args, kwargs))
+        spec = self._specs.get(role)
+        rank = spec.context.rank if spec is not None else -1
+        group = spec.group if spec is not None else role
+        lane = self._lane
+        ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
+        resolving: asyncio.Future[Any] | None = None
         try:
+            mspec = self._methods[role].get(method) if spec is not None else None
+            if spec is None or mspec is None:
+                raise RemoteError(group, method, rank, "asyncrl.errors.RegistrationError",
+                                  f"{role}.{method} is not a registered method of this worker", "")
+            if payload.error is not None:
+                raise RemoteError(group, method, rank, *payload.error)
+            resolving = asyncio.ensure_future(self._resolve(spec, method, payload.args, payload.kwargs))
             if seq is not None:
-                await self._wait_turn(seq)
+                await lane.turn(ticket)
             args2, kwargs2, pipe_pad = await resolving
             pad = in_pad if in_pad is not None else (pipe_pad or 0)
-            fn = getattr(worker, method)
+            fn = getattr(self._workers[role], method)
             try:
                 if mspec.is_async:
                     result = await fn(*args2, **kwargs2)
                 else:
-                    result = await self._run_sync(lambda: fn(*args2, **kwargs2))
+                    run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
+                    result = await lane.run_thread(ticket, run, self._executor)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 raise RemoteError(
-                    spec.group, method, spec.context.rank,
-                    f"{type(e).__module__}.{type(e).__qualname__}", str(e),
+                    group, method, rank, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
                     traceback.format_exc(), cause=_picklable(e),
                 ) from None
             if not want_meta:
@@ -233,11 +247,9 @@ class WorkerHost:
             meta = self._meta(spec, method, args2, kwargs2, result, pad)
             return (result if keep else None), meta
         finally:
-            if not resolving.done():
+            if resolving is not None and not resolving.done():
                 resolving.cancel()
-            self._running.pop(call_id, None)
-            if seq is not None:
-                self._release(seq)
+            lane.leave(ticket)
 
     async def _resolve(self, spec: RoleSpec, method: str, args: Any, kwargs: Any) -> Any:
         try:
@@ -247,11 +259,8 @@ class WorkerHost:
         except DispatchError as e:
             raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
                               str(e), traceback.format_exc(), cause=e) from None
-        except BaseException as e:
-            upstream = _unwrap(e)
-            if isinstance(upstream, Died):  # a producer's worker process died
-                upstream = WorkerDiedError("(producer of a pipelined argument)", "(unknown)", None, str(upstream))
-            raise UpstreamError(spec.group, method, spec.context.rank, upstream=upstream) from None
+        except AsyncRLError as e:  # a producer's failure, already named by resolve_args
+            raise UpstreamError(spec.group, method, spec.context.rank, upstream=e) from None
 
     @staticmethod
     def _meta(spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int) -> tuple[int, int]:
@@ -270,7 +279,8 @@ class WorkerHost:
         return rows, rows * pad // in_rows
 
     async def close(self) -> None:
-        """Call each worker's `on_close`, then stop the thread."""
+        """Cancel the calls in flight, call each worker's `on_close`, then stop the thread."""
+        self._lane.cancel_all()
         for w in self._workers.values():
             try:
                 w.on_close()
@@ -278,9 +288,12 @@ class WorkerHost:
                 traceback.print_exc()
         self._executor.shutdown(wait=False)
 
+    def abort(self) -> None:
+        """Cancel every call in flight at once (the local backend's stand-in for killing the process)."""
+        self._lane.cancel_all()
+
     def ping(self) -> int:
         return os.getpid()
-
 
 
 def _construct(spec: RoleSpec) -> Any:
@@ -293,11 +306,3 @@ def _construct(spec: RoleSpec) -> Any:
 
 async def _await_plain(x: Any) -> Any:
     return await x
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The asyncrl error inside a Ray error, when there is one."""
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, AsyncRLError):
-        return cause
-    return e

@@ -13,6 +13,7 @@ __all__ = [
     "GroupBrokenError",
     "CallTimeoutError",
     "CallCancelledError",
+    "LaneWedgedError",
     "PlacementError",
 ]
 
@@ -106,7 +107,24 @@ class CallTimeoutError(AsyncRLError, TimeoutError):
 
 
 class CallCancelledError(AsyncRLError):
-    """Raised by `GroupFuture.result()` when the future was cancelled."""
+    """Raised when a call was cancelled (`GroupFuture.cancel()`, or every task awaiting it was cancelled)."""
+
+
+class LaneWedgedError(AsyncRLError, RuntimeError):
+    """Raised when an ordered call cannot run because an earlier ordered call on its worker outlived its
+    deadline and is still running in its thread."""
+
+    def __init__(self, group: str, method: str, rank: int | None, stuck: str, running_s: float) -> None:
+        self.group, self.method, self.rank, self.stuck, self.running_s = group, method, rank, stuck, running_s
+        super().__init__(
+            f"{group}.{method} cannot run on rank {rank}: the earlier ordered call {stuck} outlived its deadline "
+            f"and has been running in its thread for {running_s:.1f}s (a plain def method cannot be interrupted). "
+            "Ordered calls on this worker fail until it returns; make the method return (e.g. check a stop "
+            "flag), or close the group and create a new one"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.group, self.method, self.rank, self.stuck, self.running_s))
 
 
 class PlacementError(AsyncRLError, RuntimeError):

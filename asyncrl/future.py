@@ -1,45 +1,421 @@
-"""`GroupFuture`: the one result type of every group call.
+"""`GroupFuture`: the one result type of every group call, and the call's state machine.
 
-A future holds the per-rank references of a call that was dispatched when the
-method was called. Await it for the collected result, pass it into another group's
-call to pipeline the data worker to worker, or stream per-rank results as they
-complete. ``result(timeout)`` is the blocking path for synchronous scripts.
+A future holds the per-rank references of a call that was dispatched when the method
+was called. Await it for the collected result, pass it into another group's call to
+pipeline the data worker to worker, or stream per-rank results as they complete.
+``result(timeout)`` is the blocking path for synchronous scripts.
+
+The call's state lives here (`_Call`, shared by a future and its field selections):
+
+``pending`` → ``completed`` (every rank finished; the value or the error is fetched on
+await) or ``failed`` by the controller: cancelled, timed out, or its group closed. The
+first outcome wins and every holder sees the same one.
+
+*One deadline.* ``wg.m.options(timeout=s)(...)`` gives the call a deadline, checked
+against completion: when it passes, the controller asks the backend (off the event
+loop) whether every rank has finished; if so the call completed in time and never
+raises :class:`~asyncrl.CallTimeoutError`, however late it is awaited. Otherwise the
+call fails with ``CallTimeoutError`` for every holder and its remote work is cancelled
+through the one cancel path (:mod:`asyncrl._sequencer`).
+
+*Cancelling a shared future.* A call runs as long as someone waits for it: a task
+awaiting it, or a pending call it feeds (a pipelined consumer). Cancelling a task that
+awaits it withdraws that task's claim; the remote work is cancelled only when the last
+claim is withdrawn so. ``future.cancel()`` cancels it for everyone. Cancellation never
+flows upstream: cancelling a consumer leaves its producers running for their other
+holders. To stop waiting without ever cancelling, await ``asyncio.shield(future)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Generic, Protocol, Sequence, TypeVar
 
 from asyncrl import batch as B
+from asyncrl._backend import Backend, public_error
 from asyncrl._deferred import Source
+from asyncrl.register import Execute
 from asyncrl.errors import (
-    AsyncRLError,
     CallCancelledError,
     CallTimeoutError,
     GroupClosedError,
-    RemoteError,
     WorkerDiedError,
 )
 
 if TYPE_CHECKING:
-    from asyncrl.worker_group import _Call
+    from asyncrl._sequencer import Entry, Sequencer
+    from asyncrl.dispatch import World
+    from asyncrl.register import MethodSpec
 
 __all__ = ["GroupFuture", "gather"]
 
 T = TypeVar("T")
 
 _AWAIT_CHUNK = 64  # futures awaited per batch by gather(); keeps each event-loop iteration short
+_BACKGROUND: set[asyncio.Task[Any]] = set()  # deadline checks in flight (a task needs a strong reference)
+
+
+class _Site(Protocol):
+    """What a call needs from the group that issued it."""
+
+    name: str
+    stats: Any
+
+    @property
+    def closed(self) -> bool: ...
+
+    def _mark_broken(self, rank: int | None, detail: str) -> None: ...
+
+
+class _Call:
+    """One issued group call: the state its futures share (see the module docstring)."""
+
+    __slots__ = (
+        "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
+        "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas",
+        "timeout", "deadline", "claims", "consumers", "cancel_requested",
+        "_producers", "_timer", "_fut", "_task", "_error", "_completed", "_watching", "_failure", "_loop",
+    )
+
+    def __init__(self, site: _Site, backend: Backend, sequencer: "Sequencer", spec: "MethodSpec", world: "World",
+                 ranks: list[int], refs: list[Any], metas: list[Any] | None, entries: "list[Entry]",
+                 timeout: float | None, producers: "list[_Call]") -> None:
+        self.site = site
+        self.backend = backend
+        self.sequencer = sequencer
+        self.method = spec.name
+        self.ranks = ranks
+        self.refs = refs
+        self.metas = metas
+        self.entries = entries
+        self.world = world
+        mode = spec.dispatch_mode
+        self.data_parallel = mode.data_parallel
+        self.rank_zero = spec.execute_mode is Execute.RANK_ZERO
+        self.collect_fn = mode.collect
+        # Which of the executing ranks' results are collected, in collect (DP) order.
+        order = list(range(len(ranks)))
+        if mode.mesh is not None and not self.rank_zero:
+            mranks = world.meshes[mode.mesh]
+            order = sorted((i for i, r in enumerate(ranks) if mranks[r].collect), key=lambda i: mranks[ranks[i]].dp_rank)
+        self.collect_index = order
+        self.collect_refs = [refs[i] for i in order]
+        self.collect_metas = [metas[i] for i in order] if metas is not None else None
+        self.claims = 0  # tasks awaiting the call now
+        self.consumers = 0  # issued calls that take this call's result as an argument
+        self.cancel_requested = False
+        self._producers = producers
+        for p in producers:
+            p.consumers += 1
+        self._fut: asyncio.Future[Any] | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._failure: asyncio.Future[BaseException] | None = None
+        self._error: BaseException | None = None
+        self._completed = False
+        self._watching = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.timeout = timeout
+        self.deadline: float | None = None
+        if timeout is not None:
+            self.deadline = time.monotonic() + timeout
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # issued from a thread without a loop: checked on await or result()
+                pass
+            else:
+                self._loop = loop
+                self._timer = loop.call_later(timeout, self._on_deadline)
+
+    # ---- state --------------------------------------------------------------------------
+
+    @property
+    def group(self) -> str:
+        return self.site.name
+
+    def settled(self) -> bool:
+        """True once the outcome is known to the controller (value, error, or failure)."""
+        return self._error is not None or (self._fut is not None and self._fut.done())
+
+    def is_done(self) -> bool:
+        """Non-blocking: every rank finished, or the controller failed the call. The
+        first call starts watching completion in the background (Ray: a watcher thread)."""
+        if self._completed or self.settled():
+            return True
+        if not self._watching:
+            self._watching = True
+            self.backend.watch(self.refs, self._mark_completed)
+        return self._completed
+
+    def state(self) -> str:
+        """What the controller knows, without asking anyone (for repr)."""
+        if self._error is not None:
+            return "cancelled" if self.cancel_requested else f"failed ({type(self._error).__name__})"
+        if self._fut is not None and self._fut.done():
+            return "done" if self._fut.exception() is None else f"failed ({type(self._fut.exception()).__name__})"
+        return "completed" if self._completed else "pending"
+
+    def _mark_completed(self) -> None:  # may run on a backend thread: one attribute write
+        self._completed = True
+
+    # ---- failing the call (cancel, deadline, withdrawal) ------------------------------------
+
+    def fail(self, error: BaseException, *, cancel_remote: bool, deadline: bool = False) -> bool:
+        """Settle the call with `error` for every holder (first outcome wins); cancel its
+        remote work through the one cancel path. Runs on the loop (or with no loop at all)."""
+        if self.settled():
+            return False
+        self._error = error
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._fut is not None:
+            self._fut.set_exception(error)
+        if self._failure is not None and not self._failure.done():
+            self._failure.set_result(error)
+        if self._task is not None:
+            self._task.cancel()
+        if cancel_remote:
+            self.sequencer.cancel(self.entries, deadline=deadline)
+        self._release_producers()
+        return True
+
+    def fail_from_thread(self, error: BaseException, *, cancel_remote: bool, deadline: bool = False) -> None:
+        """`fail` from a thread that is not the loop's (the blocking `result()` path)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop:
+                loop.call_soon_threadsafe(lambda: self.fail(error, cancel_remote=cancel_remote, deadline=deadline))
+                return
+        self.fail(error, cancel_remote=cancel_remote, deadline=deadline)
+
+    def cancel(self) -> bool:
+        if self._completed or self.settled():
+            return False
+        self.cancel_requested = True
+        return self.fail(CallCancelledError(f"{self.group}.{self.method} was cancelled"), cancel_remote=True)
+
+    def withdraw(self) -> None:
+        """An awaiting task was cancelled: cancel the call if nobody else waits for it."""
+        if self.claims == 0 and self.consumers == 0 and not self._completed and not self.settled():
+            self.cancel_requested = True
+            self.fail(CallCancelledError(f"{self.group}.{self.method} was cancelled: every task awaiting it "
+                                         "was cancelled"), cancel_remote=True)
+
+    def _release_producers(self) -> None:
+        producers, self._producers = self._producers, []
+        for p in producers:
+            p.consumers -= 1
+
+    def _timeout_error(self, waited: float | None = None) -> CallTimeoutError:
+        t = self.timeout if waited is None else waited
+        return CallTimeoutError(
+            f"{self.group}.{self.method} did not finish within its timeout of {t:g}s; the remote work was "
+            "cancelled (a plain def method cannot be interrupted: while it runs, later ordered calls on its "
+            "worker fail with LaneWedgedError)"
+        )
+
+    # ---- the deadline -----------------------------------------------------------------------
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        if self._completed or self.settled():
+            return
+        task = asyncio.ensure_future(self._check_deadline())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+    async def _check_deadline(self) -> None:
+        if not self._completed:
+            try:
+                self._completed = await self.backend.all_done(self.refs)
+            except Exception:  # the backend is gone (Ray shut down): let the fetch report it
+                self._completed = True
+        if not self._completed:
+            self.fail(self._timeout_error(), cancel_remote=True, deadline=True)
+
+    def _arm_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A call issued without a running loop gets its deadline timer on first await."""
+        if self.deadline is None or self._timer is not None or self._loop is not None:
+            return
+        self._loop = loop
+        self._timer = loop.call_later(max(0.0, self.deadline - time.monotonic()), self._on_deadline)
+
+    # ---- resolution ---------------------------------------------------------------------
+
+    def outcome(self) -> asyncio.Future[Any]:
+        """The future every awaiter shares; fetching starts on the first await."""
+        if self._fut is None:
+            loop = asyncio.get_running_loop()
+            self._arm_deadline(loop)
+            fut = self._fut = loop.create_future()
+            fut.add_done_callback(_retrieve)  # a failure nobody awaits is not "never retrieved"
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                self._task = loop.create_task(self._fetch())
+        return self._fut
+
+    def failure(self) -> asyncio.Future[BaseException]:
+        """Resolves with the error when the controller fails the call (for streaming)."""
+        if self._failure is None:
+            loop = asyncio.get_running_loop()
+            self._arm_deadline(loop)
+            self._failure = loop.create_future()
+            if self._error is not None:
+                self._failure.set_result(self._error)
+        return self._failure
+
+    async def _fetch(self) -> None:
+        fut = self._fut
+        assert fut is not None
+        try:
+            value = await self._fetch_and_collect()
+        except asyncio.CancelledError:
+            return  # failed by the controller (fail() cancels this task)
+        except BaseException as e:  # noqa: BLE001 - handed to every awaiter
+            self._finish(fut, error=e)
+        else:
+            self._finish(fut, value=value)
+
+    def _finish(self, fut: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+        self._completed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not fut.done():
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+        self._release_producers()
+
+    def _error_of(self, e: BaseException, rank: int | None) -> BaseException:
+        """The one translation of a backend outcome for this call (see asyncrl._backend)."""
+        err = public_error(e, group=self.group, method=self.method, rank=rank, closed=self.site.closed)
+        if isinstance(err, WorkerDiedError):
+            self.site._mark_broken(rank, str(e))
+        return err
+
+    async def _wait(self, pos: int, ref: Any) -> Any:
+        try:
+            return await self.backend.wait(ref)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise self._error_of(e, self.ranks[pos]) from None
+
+    async def _gather(self, positions: list[int], refs: list[Any]) -> list[Any]:
+        out: list[Any] = []
+        for i in range(0, len(refs), _AWAIT_CHUNK):
+            out.extend(await asyncio.gather(
+                *(self._wait(p, r) for p, r in zip(positions[i:i + _AWAIT_CHUNK], refs[i:i + _AWAIT_CHUNK]))))
+        return out
+
+    async def _fetch_and_collect(self) -> Any:
+        positions = self.collect_index
+        if len(self.refs) == 1 and not self.data_parallel:  # fast path: one rank, nothing to merge
+            return self._collect([await self._wait(0, self.refs[0])])
+        collected = set(positions)
+        others = [i for i in range(len(self.refs)) if i not in collected]
+        # One round trip: payloads, the non-collecting ranks (their errors surface too)
+        # and the padding metadata, awaited together.
+        refs = self.collect_refs + [self.refs[i] for i in others] + (self.collect_metas or [])
+        got = await self._gather(positions + others + (positions if self.collect_metas else []), refs)
+        values = got[:len(positions)]
+        if self.collect_metas is not None:
+            metas = got[len(positions) + len(others):]
+            values = [B.strip_tail(v, pad) for v, (_, pad) in zip(values, metas)]
+        return self._collect(values)
+
+    def _collect(self, values: list[Any]) -> Any:
+        stats = self.site.stats
+        stats.results_fetched += len(values)
+        stats.bytes_fetched += B.payload_nbytes(values)
+        if self.rank_zero:
+            return values[0]
+        return self.collect_fn(self.world, values)
+
+    def resolve_blocking(self, timeout: float | None) -> Any:
+        """The one blocking path (`GroupFuture.result`), for a thread without a running loop."""
+        fut = self._fut
+        if fut is not None and fut.done():
+            return fut.result()
+        if self._error is not None:
+            raise self._error
+        now = time.monotonic()
+        limits = [t for t in (None if timeout is None else now + timeout, self.deadline) if t is not None]
+        until = min(limits) if limits else None
+        refs = self.refs + (self.collect_metas or [])
+        outcomes = self.backend.get(refs, None if until is None else max(0.0, until - now))
+        if outcomes is None:  # nothing failed, but not every rank finished in time
+            if self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
+                err = self._timeout_error()
+                self.fail_from_thread(err, cancel_remote=True, deadline=True)
+            else:
+                err = self._timeout_error(timeout)
+                # result()'s own limit is this waiter's: cancel only when nobody else waits
+                self.fail_from_thread(err, cancel_remote=self.claims == 0 and self.consumers == 0)
+            raise err
+        self._completed = True
+        values = []
+        for pos, (ok, value) in enumerate(outcomes):
+            if not ok:
+                rank = self.ranks[pos] if pos < len(self.ranks) else self.ranks[self.collect_index[pos - len(self.ranks)]]
+                raise self._error_of(value, rank)
+            values.append(value)
+        n = len(self.refs)
+        payloads = [values[i] for i in self.collect_index]
+        if self.collect_metas is not None:
+            payloads = [B.strip_tail(v, pad) for v, (_, pad) in zip(payloads, values[n:])]
+        return self._collect(payloads)
+
+    async def stream(self) -> AsyncIterator[tuple[int, Any]]:
+        async def one(i: int) -> tuple[int, Any]:
+            value = await self._wait(self.collect_index[i], self.collect_refs[i])
+            if self.data_parallel:
+                _, pad = await self._wait(self.collect_index[i], self.collect_metas[i])  # type: ignore[index]
+                value = B.strip_tail(value, pad)
+            self.site.stats.results_fetched += 1
+            self.site.stats.bytes_fetched += B.payload_nbytes(value)
+            return self.ranks[self.collect_index[i]], value
+
+        failure: asyncio.Future[Any] = self.failure()
+        pending: set[asyncio.Future[Any]] = {asyncio.ensure_future(one(i)) for i in range(len(self.collect_refs))}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending | {failure}, return_when=asyncio.FIRST_COMPLETED)
+                if failure in done:
+                    raise failure.result()
+                for t in done:
+                    pending.discard(t)
+                    item: tuple[int, Any] = t.result()
+                    yield item
+        finally:
+            for t in pending:
+                t.cancel()
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 class GroupFuture(Generic[T]):
     """An awaitable over the per-rank results of one group call.
 
-    Not constructed by users: a group call returns it.
+    Not constructed by users: a group call returns it. See the module docstring for
+    what a deadline and cancelling a shared future mean.
     """
 
-    def __init__(self, call: "_Call", select: tuple[str, ...] | None = None) -> None:
+    __slots__ = ("_call", "_select")
+
+    def __init__(self, call: _Call, select: tuple[str, ...] | None = None) -> None:
         self._call = call
         self._select = select
 
@@ -48,7 +424,7 @@ class GroupFuture(Generic[T]):
     @property
     def group(self) -> str:
         """Name of the group that runs the call."""
-        return self._call.group.name
+        return self._call.group
 
     @property
     def method(self) -> str:
@@ -66,8 +442,7 @@ class GroupFuture(Generic[T]):
         return list(self._call.refs)
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"<GroupFuture {self.group}.{self.method} ranks={self.ranks} {state}>"
+        return f"<GroupFuture {self.group}.{self.method} ranks={self.ranks} {self._call.state()}>"
 
     # ---- results ---------------------------------------------------------------------
 
@@ -75,20 +450,27 @@ class GroupFuture(Generic[T]):
         return self._await().__await__()
 
     async def _await(self) -> T:
-        try:
-            value = await asyncio.shield(self._call.resolution())
-        except asyncio.CancelledError:
-            # The awaiting task was cancelled (not the call): cancel the remote work too.
-            self.cancel()
-            raise
-        return self._apply_select(value)
+        call = self._call
+        fut = call.outcome()
+        if not fut.done():
+            call.claims += 1
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                call.claims -= 1
+                call.withdraw()  # this task's claim is gone; cancel if it was the last
+                raise
+            except BaseException:  # noqa: BLE001 - the outcome is in `fut`, raised below
+                pass
+            call.claims -= 1
+        return self._apply_select(fut.result())
 
     def result(self, timeout: float | None = None) -> T:
         """Block until the collected result is ready (for synchronous scripts).
 
         Raises :class:`RuntimeError` inside a running event loop (use ``await``), and
-        :class:`CallTimeoutError` when `timeout` seconds pass first (the remote work is
-        cancelled).
+        :class:`CallTimeoutError` when `timeout` seconds (or the call's own deadline)
+        pass first; the remote work is then cancelled unless a task is awaiting it.
         """
         try:
             asyncio.get_running_loop()
@@ -103,21 +485,25 @@ class GroupFuture(Generic[T]):
         return self._apply_select(self._call.resolve_blocking(timeout))
 
     def done(self) -> bool:
-        """True when every rank has finished (successfully or not) or the call was cancelled."""
+        """True when every rank has finished (successfully or not) or the call failed
+        (cancelled, timed out). Never blocks: it reports what the controller has seen;
+        the first call starts watching the ranks in the background, so a polling loop
+        sees it turn true within milliseconds of the last rank finishing."""
         return self._call.is_done()
 
     def cancel(self) -> bool:
-        """Cancel the remote work of every rank that has not finished. Returns False
-        when the call had already finished."""
+        """Cancel the call for every holder: its remote work on every rank that has not
+        finished. Returns False when the controller has already seen it finish."""
         return self._call.cancel()
 
     def cancelled(self) -> bool:
-        """True when :meth:`cancel` was called before the call finished."""
-        return self._call.cancelled
+        """True when the call was cancelled (:meth:`cancel`, or its last awaiting task cancelled)."""
+        return self._call.cancel_requested
 
     async def as_completed(self) -> AsyncIterator[tuple[int, Any]]:
         """Yield ``(rank, result)`` per rank as each completes (padding stripped for
-        data-parallel calls; not collected)."""
+        data-parallel calls; not collected). Raises the call's error if the controller
+        fails it meanwhile (deadline, cancel)."""
         async for item in self._call.stream():
             yield item
 
@@ -144,13 +530,13 @@ class GroupFuture(Generic[T]):
 
     def _as_source(self) -> Source:
         call = self._call
-        if call.group.closed:
+        if call.site.closed:
             raise GroupClosedError(
-                f"a future of {call.group.name}.{call.method} was passed on after its group closed; "
+                f"a future of {call.group}.{call.method} was passed on after its group closed; "
                 "its results are gone. Await it before closing the group"
             )
         return Source(
-            group=call.group.name,
+            group=call.group,
             method=call.method,
             refs=tuple(call.collect_refs),
             metas=tuple(call.collect_metas) if call.collect_metas is not None else None,
@@ -164,6 +550,17 @@ class GroupFuture(Generic[T]):
 def _first(world: Any, results: list[Any]) -> Any:
     """Collect of RANK_ZERO calls: the single result."""
     return results[0]
+
+
+def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> list[_Call]:
+    """The calls whose futures are among a call's arguments (top level, or in a list)."""
+    out: list[_Call] = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, GroupFuture):
+            out.append(x._call)
+        elif isinstance(x, (list, tuple)):
+            out.extend(i._call for i in x if isinstance(i, GroupFuture))
+    return out
 
 
 async def gather(*futures: "GroupFuture[Any]", chunk: int = _AWAIT_CHUNK) -> list[Any]:

@@ -5,34 +5,29 @@ A pool lists bundles per node (``ResourcePool([4])``: four bundles on one node;
 become one STRICT_PACK placement group; worker i of a group takes bundle i. With
 ``max_colocate_count=k`` up to k groups can share every bundle (each worker takes
 1/k of its CPUs and GPUs). Pools can be split into sub-pools and merged.
+
+Lifecycle: a pool is placed (its placement groups created) by the first group that
+sets up on it, and released by its owner. A group that made its own pool (no pool
+given, only ``world_size``) releases it when it closes; a pool you pass to groups is
+yours: release it with ``await pool.release()`` after closing its groups, or use it as
+``async with ResourcePool([4]) as pool:``, which releases it on every path.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-if TYPE_CHECKING:
-    from asyncrl._backend import Backend
+from asyncrl._backend import Backend, Slot
 
 __all__ = ["ResourcePool", "Slot"]
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One worker's place: a bundle of a placement group."""
-
-    placement_group: Any
-    bundle_index: int
-    node_key: Any
-    local_rank: int
-    num_cpus: float
-    num_gpus: float
-
-
 class ResourcePool:
     """Bundles per node that groups are placed on.
+
+    Placed by the first group that sets up on it; released by its owner with
+    ``await pool.release()`` (close its groups first), or by ``async with pool:``.
 
     Args:
         bundles_per_node: how many bundles (workers) on each node.
@@ -103,6 +98,12 @@ class ResourcePool:
             raise RuntimeError("the pool is not placed yet; a group places it in `await wg.setup()`")
         return self._slots
 
+    async def __aenter__(self) -> "ResourcePool":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
     def __repr__(self) -> str:
         return (f"ResourcePool({self.bundles_per_node}, cpus_per_bundle={self.cpus_per_bundle}, "
                 f"gpus_per_bundle={self.gpus_per_bundle}, max_colocate_count={self.max_colocate_count})")
@@ -127,12 +128,15 @@ class ResourcePool:
                 self._backend = backend
 
     async def release(self) -> None:
-        """Remove the pool's placement groups (sub-pools and merged pools release
-        through the pools that own them)."""
-        if self._backend is not None and self._handles:
-            await self._backend.remove_placement(self._handles)
-        self._handles = []
-        self._slots = None
+        """Remove the pool's placement groups (idempotent; sub-pools and merged pools
+        release through the pools that own them). Workers still placed on it lose
+        their resources: close their groups first."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            handles, self._handles, self._slots = self._handles, [], None
+            if self._backend is not None and handles:
+                await self._backend.remove_placement(handles)
         if self._members is not None:
             for m in self._members:
                 await m.release()

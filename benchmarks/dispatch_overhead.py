@@ -147,12 +147,12 @@ async def v_plain(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
 def _host_submit(wg: RayWorkerGroup, rank: int, method: str, args: tuple[Any, ...], data_parallel: bool) -> Any:
     """One call of `method` on the group's worker process `rank`, made as the group makes it
     (its own sequence number and call id) but without dispatch, futures or collect."""
-    import asyncrl.worker_group as _wg
+    from asyncrl._host import Payload
+    from asyncrl._sequencer import new_call_id
 
     hs = wg._hostset
-    seq = hs.next_seq[rank]
-    hs.next_seq[rank] += 1
-    ref, meta = hs.backend.submit(hs.hosts[rank], wg._role, method, seq, next(_wg._call_ids), args, {},
+    seq = hs.sequencer.take(rank)  # the group's own numbering: its later calls stay in order
+    ref, meta = hs.backend.submit(hs.hosts[rank], wg._role, method, seq, new_call_id(), Payload(args, {}),
                                   0 if data_parallel else None, data_parallel, True)
     return (ref, meta) if data_parallel else (ref,)
 
@@ -198,7 +198,7 @@ def check_no_copy(wg: RayWorkerGroup, t: torch.Tensor) -> tuple[Any, bool, int]:
     def spy(*call_args: Any, **kw: Any) -> Any:
         nonlocal serialized
         for x in [*call_args, *kw.values()]:
-            for a in x if isinstance(x, tuple) else ():
+            for a in getattr(x, "args", ()):  # the call's Payload
                 if isinstance(a, torch.Tensor):
                     seen.append((a.untyped_storage().data_ptr(), a.data_ptr()))
                     serialized += sctx.serialize(a).total_bytes

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from asyncrl._backend import Cancelled
-from asyncrl._deferred import DeferredShard, DeferredValue
-from asyncrl._host import WorkerHost
+from asyncrl._backend import Cancelled, Slot
+from asyncrl._host import Payload, WorkerHost
 
 try:
     from ray import cloudpickle as _pickle
@@ -22,10 +21,6 @@ except Exception:  # pragma: no cover
 
 
 def _roundtrip(x: Any) -> Any:
-    if isinstance(x, (DeferredShard, DeferredValue)):
-        return x
-    if isinstance(x, list) and any(isinstance(i, (DeferredShard, DeferredValue)) for i in x):
-        return [_roundtrip(i) for i in x]
     return pickle.loads(_pickle.dumps(x))
 
 
@@ -39,8 +34,13 @@ async def _await_local(ref: Any) -> Any:
 
 
 class LocalBackend:
+    """Worker hosts as objects on the controller's event loop."""
+
     name = "local"
     needs_pool = False
+
+    async def start(self) -> None:
+        pass
 
     def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[WorkerHost]:
         return [WorkerHost(wait=_await_local, local=True) for _ in range(n)]
@@ -51,24 +51,24 @@ class LocalBackend:
             result = await result
         return result
 
-    def submit(self, host: WorkerHost, role: str, method: str, seq: int | None, call_id: int, args: tuple[Any, ...],
-               kwargs: dict[str, Any], in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
+    def submit(self, host: WorkerHost, role: str, method: str, seq: int | None, call_id: int, payload: Payload,
+               in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
         loop = asyncio.get_running_loop()
-        args = tuple(_roundtrip(a) for a in args)
-        kwargs = {k: _roundtrip(v) for k, v in kwargs.items()}
+        arrived = payload.local_copy()
 
         async def run() -> Any:
-            out = await host.call(role, method, seq, call_id, args, kwargs, in_pad, want_meta, keep)
+            out = await host.call(role, method, seq, call_id, arrived, in_pad, want_meta, keep)
             return _roundtrip(out)
 
         task = loop.create_task(run())
         if not want_meta:
+            task.add_done_callback(_retrieve)
             return task, None
-        payload: asyncio.Future[Any] = loop.create_future()
+        payload_fut: asyncio.Future[Any] = loop.create_future()
         meta: asyncio.Future[Any] = loop.create_future()
 
         def split(t: asyncio.Task[Any]) -> None:
-            for f in (payload, meta):
+            for f in (payload_fut, meta):
                 if f.done():
                     continue
                 if t.cancelled():
@@ -77,44 +77,56 @@ class LocalBackend:
                     f.set_exception(t.exception())  # type: ignore[arg-type]
             if not t.cancelled() and t.exception() is None:
                 value, m = t.result()
-                payload.set_result(value)
+                payload_fut.set_result(value)
                 meta.set_result(m)
 
         task.add_done_callback(split)
-        payload._asyncrl_task = task  # type: ignore[attr-defined]
-        for f in (payload, meta):  # a failure nobody awaits must not be logged as "never retrieved"
-            f.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return payload, meta
+        for f in (payload_fut, meta):  # a failure nobody awaits must not be logged as "never retrieved"
+            f.add_done_callback(_retrieve)
+        return payload_fut, meta
 
-    def cancel_calls(self, host: WorkerHost, entries: list[tuple[int, int | None]]) -> None:
-        host.cancel_calls(entries)
-
-    def cancel(self, ref: Any) -> None:
-        task = getattr(ref, "_asyncrl_task", ref)
-        if not task.done():
-            task.cancel()
+    def cancel_calls(self, host: WorkerHost, entries: list[tuple[int, int | None]], deadline: bool) -> None:
+        host.cancel_calls(entries, deadline)
 
     async def wait(self, ref: Any) -> Any:
         return await _await_local(ref)
 
-    def get(self, refs: Sequence[Any], timeout: float | None) -> list[Any]:
+    def get(self, refs: Sequence[Any], timeout: float | None) -> list[tuple[bool, Any]] | None:
         raise RuntimeError("LocalWorkerGroup futures have no blocking result(); await them inside an event loop")
 
-    def all_done(self, refs: Sequence[Any]) -> bool:
+    async def all_done(self, refs: Sequence[Any]) -> bool:
         return all(r.done() for r in refs)
 
-    def kill(self, host: WorkerHost) -> None:
-        pass
+    def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
+        pending = [r for r in refs if not r.done()]
+        if not pending:
+            callback()
+            return
+        left = [len(pending)]
+
+        def one_done(_: Any) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                callback()
+
+        for r in pending:
+            r.add_done_callback(one_done)
+
+    async def kill(self, hosts: Sequence[WorkerHost]) -> None:
+        for h in hosts:
+            h.abort()
 
     async def place(self, pool: Any) -> tuple[list[Any], list[Any]]:
-        from asyncrl.resources import Slot
-
-        slots, rank = [], 0
+        slots = []
         for node, count in enumerate(pool.bundles_per_node):
             for b in range(count):
                 slots.append(Slot(None, b, node, b, pool.cpus_per_actor, pool.gpus_per_actor))
-                rank += 1
         return slots, []
 
     async def remove_placement(self, handles: list[Any]) -> None:
         pass
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    if not f.cancelled():
+        f.exception()

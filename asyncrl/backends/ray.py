@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.exceptions import (
     ActorDiedError,
     ActorUnavailableError,
-    GetTimeoutError,
     ObjectLostError,
     OwnerDiedError,
     RayActorError,
@@ -24,9 +23,9 @@ from ray.exceptions import (
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from asyncrl._backend import Cancelled, Died
+from asyncrl._backend import Cancelled, Died, Failed, Slot
 from asyncrl._host import WorkerHost
-from asyncrl.errors import AsyncRLError, PlacementError, RemoteError
+from asyncrl.errors import AsyncRLError, PlacementError
 
 _MAX_CONCURRENCY = 100_000  # in-flight calls per worker process; ordering is by sequence number, not by slot
 
@@ -34,20 +33,25 @@ _DEATH = (ActorDiedError, ActorUnavailableError, RayActorError, OwnerDiedError, 
 
 
 def _translate(e: BaseException) -> BaseException:
+    """A Ray error as one of the internal outcomes of :mod:`asyncrl._backend` (or the
+    asyncrl error a worker raised on purpose)."""
     if isinstance(e, TaskCancelledError):
         return Cancelled(str(e))
     if isinstance(e, RayTaskError):
         cause = getattr(e, "cause", None)
         if isinstance(cause, AsyncRLError):
             return cause
-        if isinstance(cause, TaskCancelledError) or isinstance(cause, asyncio.CancelledError):
+        if isinstance(cause, (TaskCancelledError, asyncio.CancelledError)):
             return Cancelled(str(e))
         if isinstance(cause, _DEATH):
             return Died(str(cause).splitlines()[0])
-        return RemoteError("?", "?", None, type(cause).__name__ if cause else "RayTaskError", str(cause or e), str(e))
+        name = f"{type(cause).__module__}.{type(cause).__qualname__}" if cause is not None else "ray.exceptions.RayTaskError"
+        return Failed(name, str(cause) if cause is not None else str(e).splitlines()[0], str(e))
     if isinstance(e, _DEATH):
         return Died(str(e).splitlines()[0])
-    return e
+    if isinstance(e, AsyncRLError):
+        return e
+    return Failed(f"{type(e).__module__}.{type(e).__qualname__}", str(e), "")
 
 
 async def await_ray(ref: Any) -> Any:
@@ -143,16 +147,72 @@ def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Future[A
 _RESOLVER = _Resolver()
 
 
+class _Watcher:
+    """Reports completion of ObjectRefs without fetching them, from one background thread.
+
+    ``ray.wait(..., fetch_local=False)`` answers "has this task finished?" without
+    moving the value; it is a blocking call, so it never runs on the event loop.
+    """
+
+    _POLL_S = 0.005
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._watches: list[tuple[list[Any], Callable[[], None]]] = []
+        self._thread: threading.Thread | None = None
+
+    def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
+        with self._cond:
+            self._watches.append((list(refs), callback))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="asyncrl-watcher", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._watches:
+                    if not self._cond.wait(timeout=5.0) and not self._watches:
+                        self._thread = None
+                        return
+                watches = list(self._watches)
+            refs = list({r for rs, _ in watches for r in rs})
+            try:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._POLL_S, fetch_local=False)
+            except Exception:  # Ray shut down under us: nothing will complete any more
+                ready = refs
+            done = set(ready)
+            finished = [(rs, cb) for rs, cb in watches if all(r in done for r in rs)]
+            if finished:
+                with self._cond:
+                    self._watches = [w for w in self._watches if w not in finished]
+                for _, cb in finished:
+                    cb()
+
+
+_WATCHER = _Watcher()
+
+
+def _all_ready(refs: list[Any]) -> bool:
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    return len(ready) == len(refs)
+
+
 class RayBackend:
+    """Worker hosts as Ray actors; every blocking Ray call runs off the event loop."""
+
     name = "ray"
     needs_pool = True
 
     def __init__(self) -> None:
-        from asyncrl.runtime import init
-
-        init()
-        self._actor_cls = ray.remote(WorkerHost)
+        self._actor_cls = ray.remote(WorkerHost)  # a local wrapper: needs no running Ray
         self._call2: dict[int, Any] = {}
+
+    async def start(self) -> None:
+        from asyncrl.runtime import ainit
+
+        await ainit()
 
     def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[Any]:
         hosts = []
@@ -175,83 +235,112 @@ class RayBackend:
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         return await await_ray(getattr(host, method).remote(*args))
 
-    def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, args: tuple[Any, ...],
-               kwargs: dict[str, Any], in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
+    def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, payload: Any,
+               in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
         if want_meta:
             call2 = self._call2.get(id(host))
             if call2 is None:  # .options() builds a new method object: once per host, not per call
                 call2 = self._call2[id(host)] = host.call.options(num_returns=2)
-            ref, meta = call2.remote(role, method, seq, call_id, args, kwargs, in_pad, True, keep)
+            ref, meta = call2.remote(role, method, seq, call_id, payload, in_pad, True, keep)
             return ref, meta
-        return host.call.remote(role, method, seq, call_id, args, kwargs, in_pad, False, keep), None
+        return host.call.remote(role, method, seq, call_id, payload, in_pad, False, keep), None
 
-    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]]) -> None:
-        host.cancel_calls.remote(entries)
-
-    def cancel(self, ref: Any) -> None:
-        try:
-            ray.cancel(ref)
-        except Exception:  # already finished, or its worker is gone
-            pass
+    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
+        host.cancel_calls.remote(entries, deadline)
 
     async def wait(self, ref: Any) -> Any:
         return await _RESOLVER.wait(ref)
 
-    def get(self, refs: Sequence[Any], timeout: float | None) -> list[Any]:
-        try:
-            return ray.get(list(refs), timeout=timeout)
-        except GetTimeoutError:
-            raise TimeoutError() from None
-        except Exception as e:
-            raise _translate(e) from None
+    def get(self, refs: Sequence[Any], timeout: float | None) -> list[tuple[bool, Any]] | None:
+        refs = list(refs)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=True)
+        if len(ready) < len(refs):
+            return None
+        out: list[tuple[bool, Any]] = []
+        for r in refs:
+            try:
+                out.append((True, ray.get(r)))
+            except Exception as e:
+                out.append((False, _translate(e)))
+        return out
 
-    def all_done(self, refs: Sequence[Any]) -> bool:
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0, fetch_local=False)
-        return len(ready) == len(refs)
+    async def all_done(self, refs: Sequence[Any]) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(None, _all_ready, list(refs))
 
-    def kill(self, host: Any) -> None:
-        self._call2.pop(id(host), None)
+    def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
+        _WATCHER.watch(refs, callback)
+
+    async def kill(self, hosts: Sequence[Any]) -> None:
+        for h in hosts:
+            self._call2.pop(id(h), None)
+        await asyncio.get_running_loop().run_in_executor(None, _kill_all, list(hosts))
+
+    async def place(self, pool: Any) -> tuple[list[Any], list[Any]]:
+        """Create the pool's placement groups in a thread (every call there blocks on
+        the GCS); a cancelled wait stops the thread, which removes what it created."""
+        stop = threading.Event()
+        fut = asyncio.get_running_loop().run_in_executor(None, _place, pool, stop)
         try:
-            ray.kill(host, no_restart=True)
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            stop.set()
+            while not fut.done():  # wait for its clean-up, even if cancelled again meanwhile
+                try:
+                    await asyncio.shield(fut)
+                except BaseException:  # noqa: BLE001 - its error is moot: we were cancelled
+                    pass
+            raise
+
+    async def remove_placement(self, handles: list[Any]) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, _remove_all, list(handles))
+
+
+def _kill_all(hosts: list[Any]) -> None:
+    for h in hosts:
+        try:
+            ray.kill(h, no_restart=True)
         except Exception:
             pass
 
-    async def place(self, pool: Any) -> tuple[list[Any], list[Any]]:
-        from asyncrl.resources import Slot
 
-        _check_capacity(pool)
-        nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not n.get("IsHeadNode", False), n["NodeID"]))
-        pin = len(pool.bundles_per_node) > 1 and len(nodes) >= len(pool.bundles_per_node)
-        bundle: dict[str, float] = {}
-        if pool.cpus_per_bundle:
-            bundle["CPU"] = pool.cpus_per_bundle
-        if pool.gpus_per_bundle:
-            bundle["GPU"] = pool.gpus_per_bundle
-        pgs = []
+def _remove_all(handles: list[Any]) -> None:
+    for pg in handles:
         try:
-            for i, count in enumerate(pool.bundles_per_node):
-                kw: dict[str, Any] = {}
-                if pin:  # one placement group per node, on distinct nodes
-                    kw["bundle_label_selector"] = [{"ray.io/node-id": nodes[i]["NodeID"]}] * count
-                pgs.append(placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
-                                           name=f"{pool.name}-{id(pool):x}-{i}", **kw))
-            await _wait_ready(pgs, pool)
-        except BaseException:
-            for pg in pgs:
-                remove_placement_group(pg)
-            raise
-        slots = []
-        for node, (pg, count) in enumerate(zip(pgs, pool.bundles_per_node)):
-            for b in range(count):
-                slots.append(Slot(pg, b, node, b, pool.cpus_per_actor, pool.gpus_per_actor))
-        return slots, pgs
+            remove_placement_group(pg)
+        except Exception:
+            pass
 
-    async def remove_placement(self, handles: list[Any]) -> None:
-        for pg in handles:
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
+
+def _place(pool: Any, stop: threading.Event) -> tuple[list[Any], list[Any]]:
+    _check_capacity(pool)
+    nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not n.get("IsHeadNode", False), n["NodeID"]))
+    pin = len(pool.bundles_per_node) > 1 and len(nodes) >= len(pool.bundles_per_node)
+    bundle: dict[str, float] = {}
+    if pool.cpus_per_bundle:
+        bundle["CPU"] = pool.cpus_per_bundle
+    if pool.gpus_per_bundle:
+        bundle["GPU"] = pool.gpus_per_bundle
+    pgs = []
+    try:
+        for i, count in enumerate(pool.bundles_per_node):
+            kw: dict[str, Any] = {}
+            if pin:  # one placement group per node, on distinct nodes
+                kw["bundle_label_selector"] = [{"ray.io/node-id": nodes[i]["NodeID"]}] * count
+            pgs.append(placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
+                                       name=f"{pool.name}-{id(pool):x}-{i}", **kw))
+        _wait_ready(pgs, pool, stop)
+    except BaseException:
+        _remove_all(pgs)
+        raise
+    slots = []
+    for node, (pg, count) in enumerate(zip(pgs, pool.bundles_per_node)):
+        for b in range(count):
+            slots.append(Slot(pg, b, node, b, pool.cpus_per_actor, pool.gpus_per_actor))
+    return slots, pgs
+
+
+class _Stopped(Exception):
+    """The placement's waiter was cancelled."""
 
 
 def _check_capacity(pool: Any) -> None:
@@ -267,7 +356,7 @@ def _check_capacity(pool: Any) -> None:
         )
 
 
-async def _wait_ready(pgs: list[Any], pool: Any) -> None:
+def _wait_ready(pgs: list[Any], pool: Any, stop: threading.Event) -> None:
     deadline = time.monotonic() + pool.placement_timeout
     while True:
         if all(_state(pg) == "CREATED" for pg in pgs):
@@ -285,7 +374,8 @@ async def _wait_ready(pgs: list[Any], pool: Any) -> None:
                 f"{pool!r} was not placed within {pool.placement_timeout:g}s (the cluster's free resources are "
                 f"{ray.available_resources()}); free resources or raise placement_timeout"
             )
-        await asyncio.sleep(0.05)
+        if stop.wait(0.05):
+            raise _Stopped()
 
 
 def _state(pg: Any, table: dict[str, Any] | None = None) -> str:

@@ -1,0 +1,302 @@
+"""Ordered calls: numbering, submit-or-release, cancellation and lane health, in one place.
+
+Ray's async actors do not keep submission order, so the controller numbers the ordered
+calls of each worker process (a *lane*) and the process runs them by number. Two halves
+share this protocol:
+
+* :class:`Sequencer` (controller, one per set of worker processes) takes a number per
+  ordered call and submits every call (ordered or concurrent) to its host.
+* :class:`Lane` (worker host, one per process) admits ordered calls one at a time in
+  number order, refuses calls cancelled before they arrive, and knows whether the call
+  holding it is still running in its thread.
+
+The invariant: **every number taken is released exactly once on the worker**, whatever
+fails, so the next number's call always gets its turn. A number is released when its
+call leaves the lane (returned, raised, cancelled), or, for a call that never ran
+(cancelled, refused, never delivered), by the one cancel message. Cancellation has one
+path, :meth:`Sequencer.cancel` → the host's ``cancel_calls`` → :meth:`Lane.cancel`;
+cancelling twice is harmless.
+
+Failure cases, and what happens:
+
+1. *Building a rank's arguments raises* (a custom dispatch's short padding list, a
+   closed producer): no number was taken for that rank; the ranks already submitted are
+   cancelled (case 4) and the error is raised at the call site.
+2. *Submission raises after the number was taken* (an argument that cannot be pickled,
+   Ray shut down): the number is released by a cancel message for that call id (it may
+   or may not have left, so the worker refuses it if it ever arrives), the ranks already
+   submitted are cancelled, and the error is raised at the call site.
+3. *The worker cannot unpickle the arguments* (a class not importable there): the
+   arguments travel as one :class:`~asyncrl._host.Payload` whose unpickling never
+   raises, so the host method still runs, reports a ``RemoteError`` naming the failure,
+   and releases the number.
+4. *Cancelled before the call arrives*: the host remembers the call id, releases its
+   number at once, and refuses the call when it arrives (also by number, if the id was
+   forgotten: a number below the lane's next one never runs).
+5. *Cancelled while waiting for its turn or resolving its arguments*: the waiting task is
+   cancelled; leaving the lane releases the number.
+6. *Cancelled while running an ``async def`` method*: the coroutine sees
+   ``CancelledError``; leaving the lane releases the number.
+7. *Cancelled while running a plain ``def`` method in its thread*: a thread cannot be
+   interrupted. The call fails at once (its result will be dropped) but keeps the lane
+   until the thread returns, so the next ordered call never overlaps it; later calls
+   wait for the thread (the lane is *draining*).
+8. *Its deadline passed while its thread runs*: as 7, and the lane is *wedged*: every
+   ordered call waiting behind it, and every later one, fails at once with
+   :class:`~asyncrl.LaneWedgedError` naming the stuck call (their numbers are released),
+   until the thread returns — the worker's proof that the thread ended — after which
+   the lane runs normally again.
+9. *The cancel message arrives twice, or after the call finished*: a no-op (a finished
+   call's number is already released; a refused id is forgotten after 100,000 entries,
+   and the number check of case 4 covers it).
+10. *The worker process dies*: its lane dies with it; the calls on it fail with
+    ``WorkerDiedError`` on the controller and the group is broken.
+11. *The cancel message cannot be sent* (the worker is gone or Ray is shutting down):
+    logged; the lane is gone with its process (case 10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import structlog
+
+from asyncrl.errors import LaneWedgedError
+
+if TYPE_CHECKING:
+    from asyncrl._backend import Backend
+
+__all__ = ["Sequencer", "Lane", "Ticket", "Entry"]
+
+log = structlog.get_logger("asyncrl")
+
+Entry = tuple[int, int, "int | None"]
+"""``(rank, call id, number or None)`` of one submitted per-rank call."""
+
+_call_ids = itertools.count()
+_REFUSED_MEMORY = 100_000
+
+
+# ---- controller half -------------------------------------------------------------------
+
+
+class Sequencer:
+    """Numbers the ordered calls of each worker process and submits every call.
+
+    One per set of worker processes (a group, or colocated groups sharing processes):
+    all ordered calls to one process share one numbering, whatever role they call.
+    """
+
+    __slots__ = ("backend", "hosts", "_counters")
+
+    def __init__(self, backend: "Backend", hosts: list[Any], world_size: int) -> None:
+        self.backend = backend
+        self.hosts = hosts  # filled in by the owner as the processes start
+        self._counters = [itertools.count() for _ in range(world_size)]  # next() is atomic: safe from any thread
+
+    def take(self, rank: int) -> int:
+        """The next number of `rank`'s lane. Whoever takes one must submit it or cancel it."""
+        return next(self._counters[rank])
+
+    def submit(self, role: str, method: str, ordered: bool, want_meta: bool,
+               per_rank: Iterable[tuple[int, Any, int | None, bool]]) -> tuple[list[Any], list[Any], list[Entry]]:
+        """Submit one call per ``(rank, payload, input padding, keep result)``; returns
+        ``(result refs, meta refs, entries)``. On any failure (building a rank's
+        arguments included) nothing stays half-issued: the calls already submitted and
+        the number taken for the failing one are cancelled, then the error is raised."""
+        backend, hosts, counters = self.backend, self.hosts, self._counters
+        refs: list[Any] = []
+        metas: list[Any] = []
+        entries: list[Entry] = []
+        try:
+            for rank, payload, pad, keep in per_rank:
+                call_id = next(_call_ids)
+                seq = next(counters[rank]) if ordered else None
+                entries.append((rank, call_id, seq))
+                ref, meta = backend.submit(hosts[rank], role, method, seq, call_id, payload, pad, want_meta, keep)
+                refs.append(ref)
+                metas.append(meta)
+        except BaseException:
+            self.cancel(entries, deadline=False)
+            raise
+        return refs, metas, entries
+
+    def cancel(self, entries: Iterable[Entry], *, deadline: bool) -> None:
+        """The one cancel path: one message per worker process. `deadline`: the calls'
+        deadline passed (a call still running in its thread wedges its lane)."""
+        by_rank: dict[int, list[tuple[int, int | None]]] = {}
+        for rank, call_id, seq in entries:
+            by_rank.setdefault(rank, []).append((call_id, seq))
+        for rank, items in by_rank.items():
+            try:
+                self.backend.cancel_calls(self.hosts[rank], items, deadline)
+            except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
+                log.warning("cancel.unsent", rank=rank, calls=len(items), error=repr(e))
+
+
+def new_call_id() -> int:
+    """A fresh call id (unique in this controller process)."""
+    return next(_call_ids)
+
+
+# ---- worker half -----------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One arrived call on a host, ordered (`seq` set) or concurrent."""
+
+    call_id: int
+    seq: int | None
+    group: str
+    method: str
+    rank: int
+    task: "asyncio.Task[Any] | None" = None
+    thread: "asyncio.Future[Any] | None" = None
+    """The executor future of a plain ``def`` method while it runs."""
+    thread_started: float = 0.0
+    cancelled: bool = False
+
+    def describe(self) -> str:
+        return f"{self.group}.{self.method} (call {self.call_id}, ordered #{self.seq})"
+
+
+class Lane:
+    """The worker half: admits ordered calls one at a time, in number order.
+
+    Used by :class:`~asyncrl._host.WorkerHost` on the worker's event loop thread.
+    """
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._released: set[int] = set()  # numbers above _next already released
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._refused: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._live: dict[int, Ticket] = {}  # call id -> arrived, not yet left
+        self._threads: dict[int, Ticket] = {}  # call id -> left, but its thread still runs
+        self._wedged_by: Ticket | None = None
+
+    # ---- state, for tests and error messages --------------------------------------------
+
+    @property
+    def next_number(self) -> int:
+        """The number whose turn it is."""
+        return self._next
+
+    @property
+    def wedged_by(self) -> Ticket | None:
+        """The call whose thread outlived its deadline and still holds the lane, if any."""
+        return self._wedged_by
+
+    # ---- the protocol -------------------------------------------------------------------
+
+    def arrive(self, call_id: int, seq: int | None, group: str, method: str, rank: int) -> Ticket:
+        """Register an arriving call; raises ``CancelledError`` for one cancelled before it arrived."""
+        refused = call_id in self._refused
+        if refused:
+            del self._refused[call_id]
+        if refused or (seq is not None and (seq < self._next or seq in self._released)):
+            raise asyncio.CancelledError(f"call {call_id} was cancelled before it arrived")
+        ticket = Ticket(call_id, seq, group, method, rank, task=asyncio.current_task())
+        self._live[call_id] = ticket
+        return ticket
+
+    async def turn(self, ticket: Ticket) -> None:
+        """Wait until `ticket` is the next ordered call; fail fast while the lane is wedged."""
+        seq = ticket.seq
+        assert seq is not None
+        if self._wedged_by is None and seq == self._next:
+            return
+        if self._wedged_by is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters[seq] = fut
+            try:
+                await fut
+            finally:
+                self._waiters.pop(seq, None)
+        if self._wedged_by is not None:
+            stuck = self._wedged_by
+            raise LaneWedgedError(ticket.group, ticket.method, ticket.rank, stuck.describe(),
+                                  time.monotonic() - stuck.thread_started)
+
+    async def run_thread(self, ticket: Ticket, run: Callable[[], Any], executor: Any) -> Any:
+        """Run a plain ``def`` method in the lane's thread. Cancelled, the call fails at
+        once but keeps the lane until the thread returns (case 7)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(executor, run)
+        ticket.thread = fut
+        ticket.thread_started = time.monotonic()
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not fut.done():
+                self._threads[ticket.call_id] = ticket
+                fut.add_done_callback(lambda _: self._thread_ended(ticket))
+            raise
+
+    def leave(self, ticket: Ticket) -> None:
+        """The call is over on the event loop; release its number unless its thread still runs."""
+        self._live.pop(ticket.call_id, None)
+        if ticket.seq is None:
+            return
+        if ticket.thread is not None and not ticket.thread.done():
+            return  # _thread_ended releases it
+        self._release(ticket.seq)
+
+    def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> None:
+        """Cancel calls by id (idempotent). A call not arrived yet is refused when it
+        does and its number is released now; a running one is cancelled; with
+        `deadline`, one still running in its thread wedges the lane (case 8)."""
+        for call_id, seq in entries:
+            ticket = self._live.get(call_id) or self._threads.get(call_id)
+            if ticket is None:
+                self._refused[call_id] = None
+                while len(self._refused) > _REFUSED_MEMORY:
+                    self._refused.popitem(last=False)
+                if seq is not None:
+                    self._release(seq)
+                continue
+            ticket.cancelled = True
+            if ticket.task is not None and not ticket.task.done():
+                ticket.task.cancel()
+            if deadline and ticket.seq is not None and ticket.thread is not None and not ticket.thread.done():
+                self._wedge(ticket)
+
+    def cancel_all(self) -> None:
+        """Cancel every arrived call (the host is closing)."""
+        for ticket in list(self._live.values()):
+            if ticket.task is not None and not ticket.task.done():
+                ticket.task.cancel()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _release(self, seq: int) -> None:
+        if seq < self._next:
+            return
+        self._released.add(seq)
+        while self._next in self._released:
+            self._released.remove(self._next)
+            self._next += 1
+        waiter = self._waiters.get(self._next)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _wedge(self, ticket: Ticket) -> None:
+        if self._wedged_by is not None:
+            return
+        self._wedged_by = ticket
+        for fut in list(self._waiters.values()):  # every ordered call waiting behind it fails now
+            if not fut.done():
+                fut.set_result(None)
+
+    def _thread_ended(self, ticket: Ticket) -> None:
+        self._threads.pop(ticket.call_id, None)
+        if self._wedged_by is ticket:
+            self._wedged_by = None
+        if ticket.seq is not None and ticket.call_id not in self._live:
+            self._release(ticket.seq)

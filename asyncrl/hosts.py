@@ -1,0 +1,219 @@
+"""The worker processes behind one group, or behind several colocated groups.
+
+A :class:`HostSet` owns the processes' whole life: placement on a
+:class:`~asyncrl.ResourcePool`, starting one host per rank (each host builds the
+worker objects of every colocated role in its process), the torch.distributed
+environment, the registered meshes, the ordered-call :class:`~asyncrl._sequencer.Sequencer`,
+and closing. Several :class:`~asyncrl.WorkerGroup` views (one per role) can share one
+HostSet; the processes go when the last view closes.
+
+States: ``new`` → ``starting`` → ``ready`` → ``closed``. `setup()` runs the start-up
+as one task that every caller awaits; `close()` at any point (during start-up too)
+cancels that task, waits for it to unwind, and releases whatever exists by then:
+hosts are killed, a pool the set made for itself is released. A closed set never
+becomes ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Mapping
+
+import structlog
+
+from asyncrl._backend import Backend, public_error
+from asyncrl._host import RoleSpec
+from asyncrl._sequencer import Sequencer
+from asyncrl.dispatch import MeshRank
+from asyncrl.errors import DispatchError, GroupClosedError
+from asyncrl.resources import ResourcePool
+from asyncrl.worker import WorkerContext
+
+__all__ = ["HostSet", "AsyncResource"]
+
+log = structlog.get_logger("asyncrl")
+
+_CLOSE_GRACE_S = 10.0  # how long close() waits for the workers' on_close hooks before killing
+
+
+class AsyncResource:
+    """`async with` for objects with `setup()` and `close()`: close on every path."""
+
+    async def setup(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Any:
+        try:
+            return await self.setup()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class HostSet:
+    """The worker processes behind one group, or behind several colocated groups."""
+
+    def __init__(self, backend: Backend, pool: ResourcePool | None, world_size: int,
+                 roles: list[tuple[str, type, tuple[Any, ...], dict[str, Any]]],
+                 env: Mapping[str, str], name: str, owns_pool: bool) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.world_size = world_size
+        self.roles = roles
+        self.env = dict(env)
+        self.name = name
+        self.owns_pool = owns_pool
+        self.hosts: list[Any] = []
+        self.sequencer = Sequencer(backend, self.hosts, world_size)
+        self.meshes: dict[str, dict[str, tuple[MeshRank, ...]]] = {}
+        self.contexts: list[WorkerContext] = []
+        self.state = "new"  # new -> starting -> ready -> closed
+        self.views = 0
+        self._starting: asyncio.Task[None] | None = None
+        self._closing: asyncio.Future[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.state == "closed"
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Start the processes (idempotent; concurrent callers share one start-up)."""
+        if self.state == "ready":
+            return
+        if self.state == "closed":
+            raise GroupClosedError(f"group {self.name!r} is closed; create a new group")
+        if self._starting is None:
+            self.state = "starting"
+            self._starting = asyncio.ensure_future(self._start())
+        task = self._starting
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self.state == "closed":  # close() stopped the start-up, not our caller
+                current = asyncio.current_task()
+                if current is None or not current.cancelling():
+                    raise GroupClosedError(f"group {self.name!r} was closed during setup()") from None
+            await self.close()  # the caller gave up: nothing of a half-started group stays
+            raise
+        except BaseException:
+            await self.close()
+            raise
+        if self.state != "ready":
+            raise GroupClosedError(f"group {self.name!r} was closed during setup()")
+
+    async def _start(self) -> None:
+        await self.backend.start()
+        n = self.world_size
+        slots = []
+        if self.pool is not None:
+            await self.pool.place(self.backend)
+            if self.pool.world_size < n:
+                raise ValueError(f"group {self.name!r} needs {n} bundles but its pool has {self.pool.world_size}")
+            slots = self.pool.slots[:n]
+        self.hosts.extend(self.backend.make_hosts(self.name, slots, n))
+        info = await self._admin(0, "node_info", "node_info")
+        local_world: dict[Any, int] = {}
+        for s in slots:
+            local_world[s.node_key] = local_world.get(s.node_key, 0) + 1
+        specs_per_host = []
+        self.contexts = []
+        for rank in range(n):
+            slot = slots[rank] if slots else None
+            ctx = WorkerContext(
+                rank=rank, world_size=n, local_rank=slot.local_rank if slot else rank,
+                group=self.name, role=self.roles[0][0],
+                num_cpus=slot.num_cpus if slot else 1.0, num_gpus=slot.num_gpus if slot else 0.0,
+            )
+            self.contexts.append(ctx)
+            env = {
+                "RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(ctx.local_rank),
+                "LOCAL_WORLD_SIZE": str(local_world.get(slot.node_key, n) if slot else n),
+                "MASTER_ADDR": str(info["ip"]), "MASTER_PORT": str(info["port"]),
+                **self.env,
+            }
+            specs_per_host.append([
+                RoleSpec(role=role, group=gname, cls=cls, args=args, kwargs=kwargs,
+                         context=WorkerContext(**{**ctx.__dict__, "role": role, "group": gname}), env=env)
+                for role, cls, args, kwargs, gname in self.role_names()
+            ])
+        label = "/".join(f"{cls.__name__}.__init__" for _, cls, *_ in self.roles)
+        results = await asyncio.gather(*(self._admin(rank, "init_workers", label, specs)
+                                         for rank, specs in enumerate(specs_per_host)))
+        self.meshes = {role: _check_meshes(self.name, role, [r[role] for r in results]) for role, *_ in self.roles}
+        if self.state == "starting":
+            self.state = "ready"
+
+    async def _admin(self, rank: int, method: str, label: str, *args: Any) -> Any:
+        try:
+            return await self.backend.admin(self.hosts[rank], method, *args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise public_error(e, group=self.name, method=label, rank=rank, closed=self.closed) from None
+
+    def role_names(self) -> list[tuple[str, type, tuple[Any, ...], dict[str, Any], str]]:
+        """``(role, class, args, kwargs, group name)`` per role hosted in each process."""
+        if len(self.roles) == 1:
+            role, cls, args, kwargs = self.roles[0]
+            return [(role, cls, args, kwargs, self.name)]
+        return [(role, cls, args, kwargs, f"{self.name}.{role}") for role, cls, args, kwargs in self.roles]
+
+    # ---- closing --------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Stop the processes and release what the set owns, on every path (idempotent;
+        concurrent callers wait for the same close)."""
+        if self._closing is None:
+            self.state = "closed"
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        starting = self._starting
+        if starting is not None and not starting.done():
+            starting.cancel()
+            try:
+                await starting  # placement and host start-up unwind before anything is released
+            except BaseException:  # noqa: BLE001 - the start-up's own error is its caller's
+                pass
+        hosts = list(self.hosts)
+        if hosts:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(self.backend.admin(h, "close") for h in hosts),
+                                                      return_exceptions=True), timeout=_CLOSE_GRACE_S)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+            finally:
+                await self.backend.kill(hosts)
+        if self.pool is not None and self.owns_pool:
+            await self.pool.release()
+
+
+def _check_meshes(group: str, role: str, per_rank: list[dict[str, MeshRank]]) -> dict[str, tuple[MeshRank, ...]]:
+    names = set().union(*per_rank) if per_rank else set()
+    out = {}
+    for name in sorted(names):
+        missing = [r for r, m in enumerate(per_rank) if name not in m]
+        if missing:
+            raise DispatchError(f"group {group!r}: mesh {name!r} is registered on some ranks but not on ranks {missing}")
+        ranks = tuple(m[name] for m in per_rank)
+        sizes = {r.dp_size for r in ranks}
+        if len(sizes) != 1:
+            raise DispatchError(f"group {group!r}: mesh {name!r} ranks disagree on dp_size: {sorted(sizes)}")
+        dp = sizes.pop()
+        collectors = sorted(r.dp_rank for r in ranks if r.collect)
+        if collectors != list(range(dp)):
+            raise DispatchError(
+                f"group {group!r}: mesh {name!r} must have exactly one collecting rank per DP rank "
+                f"0..{dp - 1}; collecting DP ranks are {collectors}"
+            )
+        out[name] = ranks
+    return out

@@ -135,8 +135,8 @@ async def ainit(
     """`init` for a running event loop: Ray starts on the owner thread while the loop runs on."""
     import ray
 
-    if ray.is_initialized():
-        return ray.cluster_resources()
+    if ray.is_initialized():  # even the resource query is a GCS round trip: off the loop
+        return await asyncio.get_running_loop().run_in_executor(None, ray.cluster_resources)
     fut = _OWNER.submit(
         lambda: _init_here(address, num_cpus=num_cpus, num_gpus=num_gpus, zero_copy_tensors=zero_copy_tensors,
                            log_to_driver=log_to_driver, **ray_kwargs)

@@ -210,9 +210,10 @@ class RayBackend:
         self._call2: dict[int, Any] = {}
 
     async def start(self) -> None:
-        from asyncrl.runtime import ainit
+        if not ray.is_initialized():
+            from asyncrl.runtime import ainit
 
-        await ainit()
+            await ainit()
 
     def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[Any]:
         hosts = []

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import threading
+import time
 
 import torch
 from tensordict import TensorDict
@@ -22,6 +24,16 @@ def _sum_collect(world, results):
 
 
 REPEAT = Dispatch.custom("repeat_pair", _repeat_dispatch, _sum_collect)
+
+
+def _short_pad_dispatch(world, x):
+    """A broken custom mode: padding reported for one rank only."""
+    from asyncrl.dispatch import Sharded
+
+    return Sharded(([x] * world.world_size,), {}, pad=[0])
+
+
+SHORT_PAD = Dispatch.custom("short_pad", _short_pad_dispatch, _sum_collect)
 register_dispatch_mode(Dispatch.custom("named_repeat_pair", _repeat_dispatch, _sum_collect), replace=True)
 
 
@@ -37,6 +49,10 @@ class Probe(Worker):
         self.inside = 0
         self.peak = 0
         self.crowd: asyncio.Event | None = None
+        self.sync_inside = 0  # plain def methods inside right now, and the most ever at once
+        self.sync_peak = 0
+        self.blocked = False
+        self.release = threading.Event()
         if tp > 1:
             self.register_mesh("train", dp_rank=self.rank // tp, dp_size=self.world_size // tp,
                                collect=self.rank % tp == 0)
@@ -100,14 +116,56 @@ class Probe(Worker):
     def pair(self, x: int) -> int:
         return x * 100 + self.rank
 
+    @register(SHORT_PAD)
+    def short_pad(self, x: int) -> int:
+        return x
+
     @register("named_repeat_pair")
     def pair_by_name(self, x: int) -> int:
         return x + self.rank
 
+    def _enter_sync(self) -> None:
+        self.sync_inside += 1
+        self.sync_peak = max(self.sync_peak, self.sync_inside)
+
     @register()
     def record(self, i: int) -> int:
+        self._enter_sync()
         self.log.append(i)
+        self.sync_inside -= 1
         return i
+
+    @register(Dispatch.ALL_TO_ALL)
+    def record_each(self, x) -> int:
+        """Ordered; rank r logs item r."""
+        self.log.append(x)
+        return x
+
+    @register()
+    def block(self) -> int:
+        """Ordered plain def: holds its thread until a concurrent `unblock` call releases it."""
+        self._enter_sync()
+        self.blocked = True
+        try:
+            self.release.wait()
+            self.release.clear()
+            return self.rank
+        finally:
+            self.blocked = False
+            self.sync_inside -= 1
+
+    @register(concurrent=True)
+    async def unblock(self) -> None:
+        self.release.set()
+
+    @register(concurrent=True)
+    async def is_blocked(self) -> bool:
+        return self.blocked
+
+    @register(concurrent=True)
+    async def peak_sync(self) -> int:
+        """The most plain def methods ever inside at once on this worker (1: never overlapped)."""
+        return self.sync_peak
 
     @register()
     async def record_async(self, i: int) -> int:
@@ -193,3 +251,40 @@ class Other(Worker):
 
     def not_registered(self) -> int:
         return 1
+
+
+def _refuse_unpickling() -> None:
+    raise ModuleNotFoundError("No module named 'only_on_the_controller'")
+
+
+class RefusesUnpickling:
+    """Pickles fine; unpickling it fails (as a class whose module the worker lacks would)."""
+
+    def __reduce__(self):
+        return (_refuse_unpickling, ())
+
+
+class DiesInInit(Worker):
+    """Its process exits in the constructor."""
+
+    def __init__(self) -> None:
+        os._exit(3)
+
+    @register()
+    def never(self) -> None:
+        """Never reached."""
+
+
+class WaitsInInit(Worker):
+    """Its constructor writes `started-<rank>` in `flags` and waits for `go` there (at most a minute)."""
+
+    def __init__(self, flags: str) -> None:
+        d = pathlib.Path(flags)
+        (d / f"started-{self.rank}").touch()
+        end = time.monotonic() + 60
+        while not (d / "go").exists() and time.monotonic() < end:
+            time.sleep(0.02)
+
+    @register()
+    def ping(self) -> int:
+        return self.rank

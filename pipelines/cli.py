@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a training job (GRPO on a toy task by default)",
                        description="Run a training job. Settings: a preset, then --config YAML, then key=value.")
     t.add_argument("--config", metavar="FILE", help="YAML file with settings (sections as in JobConfig)")
-    t.add_argument("--preset", default="grpo_toy", help="starting config (grpo_toy, ppo_toy); default grpo_toy")
+    t.add_argument("--preset", default="grpo_toy", help="starting config (grpo_toy, ppo_toy, grpo_smollm_arith); default grpo_toy")
     t.add_argument("--resume", metavar="DIR", help="checkpoint directory or run directory to continue from")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.steps=20")
@@ -70,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from asyncrl.pipelines.config import ConfigError, load_config
     from asyncrl.pipelines.presets import PRESETS
     from asyncrl.pipelines.trainer import make_trainer
+    from asyncrl.roles import RolesError
 
     log = structlog.get_logger("asyncrl.pipelines")
     try:
@@ -92,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"asyncrl train: config error: {e}", file=sys.stderr)
         return 2
+    except RolesError as e:  # a missing model extra, a corrupt model file, a prompt that cannot fit
+        print(f"asyncrl train: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     wall = time.perf_counter() - t0
     if history:
         first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
@@ -101,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("train.done", steps=len(history), reward_first=round(first, 3), reward_last=round(last, 3),
                  reward_first5=round(head, 3), reward_last5=round(tail, 3), wall_s=round(wall, 1),
                  output=str(trainer.output_dir))
+    evals = trainer.evaluator.records if trainer.evaluator is not None else []
+    if evals:
+        key = "eval/accuracy_flexible" if "eval/accuracy_flexible" in evals[0] else "eval/reward_mean"
+        log.info("eval.done", metric=key.removeprefix("eval/"),
+                 **{f"v{e['eval/version']}": round(e[key], 3) for e in evals})
     return 0
 
 

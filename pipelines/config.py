@@ -18,12 +18,14 @@ from typing import Any, Literal, Sequence
 
 from asyncrl.pipelines import configlib
 from asyncrl.pipelines.configlib import ConfigError
+from asyncrl.pipelines.evaluation import EvalConfig
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 
 __all__ = [
     "AlgorithmConfig",
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "JobConfig",
     "RestartConfig",
     "TrainerConfig",
@@ -34,14 +36,22 @@ __all__ = [
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where prompts come from: a built-in toy task (deterministic, no files)."""
+    """Where prompts come from: a built-in task (deterministic, no files)."""
 
     task: str = "char_class"
-    """Name of a toy task in :mod:`asyncrl.pipelines.data` (its answers go with the reward function)."""
+    """Name of a task in :mod:`asyncrl.pipelines.data` (``char_class``, ``echo_word``, ``arith``); its answers
+    go with the reward function."""
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to the task's generator, e.g. ``{"levels": [1, 2], "ops": ["add", "mul"]}`` for ``arith``."""
     num_prompts: int = 64
     """Distinct prompts in the dataset; the loader cycles through them in epochs."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by ``trainer.seed`` and the epoch)."""
+    chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template (a user turn + the assistant generation prompt), as an
+    instruct model expects."""
+    system_prompt: str | None = None
+    """System message of the chat template; None keeps the template's default."""
 
 
 @dataclass(kw_only=True)
@@ -152,6 +162,8 @@ class JobConfig:
     """GRPO or PPO settings."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The controller settings."""
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation (greedy) before, during and after training (off by default)."""
 
     @property
     def group_size(self) -> int:
@@ -232,6 +244,16 @@ class JobConfig:
 
         if self.data.task not in task_names():
             raise ConfigError(f"data.task {self.data.task!r} is unknown; known tasks: {task_names()}")
+        from asyncrl.pipelines.data import task_pairs
+
+        try:
+            task_pairs(self.data, t.seed, num_prompts=1)
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from None
+        self.evaluation.validate()
+        if self.model.path is not None and self.model.gguf is not None:
+            raise ConfigError(f"model.path={self.model.path!r} and model.gguf={self.model.gguf!r} are both set; "
+                              "set one of them")
         if cluster_cpus is not None:
             need = sum(self.pool_sizes().values()) * t.cpus_per_worker
             if need > cluster_cpus + 1e-9:
@@ -268,8 +290,10 @@ class JobConfig:
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
                 "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.restart.max_restarts",
-                "trainer.restart.on_timeout"}
-"""Settings a resumed run may change: they do not alter what the first steps compute."""
+                "trainer.restart.on_timeout", "evaluation.every", "evaluation.at_start", "evaluation.at_end",
+                "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples"}
+"""Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its
+own sampling seeds and never touches the training RNG)."""
 
 
 def config_fingerprint(cfg: JobConfig) -> str:

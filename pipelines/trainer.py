@@ -60,7 +60,8 @@ from asyncrl.pipelines import stages
 from asyncrl.pipelines.buffer import StalenessBuffer
 from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
-from asyncrl.pipelines.data import PromptLoader, get_task
+from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
+from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.metrics import MetricsWriter
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.trace import Tracer
@@ -197,6 +198,8 @@ class Trainer:
         self.output_dir = Path(t.output_dir)
         self._algo = to_dict(config.algorithm)
         self._loader: PromptLoader | None = None
+        self.evaluator: Evaluator | None = None
+        """Held-out evaluation (``config.evaluation``); its ``records`` hold one row per evaluation."""
         self._metrics: MetricsWriter | None = None
         self._cond: asyncio.Condition | None = None
         self._device: asyncio.Lock | None = None
@@ -239,18 +242,13 @@ class Trainer:
         cfg = self.config
         self._cond = asyncio.Condition()
         self._device = asyncio.Lock()
+        # first: a missing model extra, a corrupt GGUF or a prompt that cannot fit fails before any worker starts
+        # (and a GGUF model is converted once here, so the workers load the cached directory)
+        self._loader, self.evaluator = await asyncio.to_thread(self._make_data)
         if self._owns_groups:
             resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
             cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)))
             await self._start_groups()
-        from asyncrl.roles import load_tokenizer
-
-        task = get_task(cfg.data.task)
-        tok_spec = cfg.model.tokenizer or (cfg.model.path if cfg.model.path else "tiny")
-        tokenizer = await asyncio.to_thread(load_tokenizer, tok_spec)
-        self._loader = PromptLoader(tokenizer, task.make(cfg.data.num_prompts, cfg.trainer.seed),
-                                    prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
-                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         self._initial_rng = ckpt.rng_state()
         if self._resume is not None:
             await self._restore(self._resume)
@@ -258,6 +256,51 @@ class Trainer:
                                       start_step=self._start_step)
         self._setup_done = True
         return self
+
+    def _make_data(self) -> tuple[PromptLoader, Evaluator | None]:
+        """The prompt loader and the evaluator; prompts that cannot fit the context fail here, before step 0."""
+        from asyncrl.roles.models import model_context_length, tokenizer_for
+
+        cfg = self.config
+        tokenizer = tokenizer_for(cfg.model)
+        loader = make_loader(cfg.data, tokenizer, task_pairs(cfg.data, cfg.trainer.seed),
+                             prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, seed=cfg.trainer.seed)
+        context = model_context_length(cfg.model)
+        loader.check_fits(context, cfg.rollout.max_new_tokens)
+        evaluator = None
+        if cfg.evaluation.enabled:
+            evaluator = Evaluator(cfg.evaluation, cfg.data, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                                  output_dir=self.output_dir)
+            evaluator.check_fits(context)
+        return loader, evaluator
+
+    async def _evaluate(self, version: int) -> None:
+        """Evaluate the rollout group's weights (`version`) and record the row in the metrics sinks."""
+        ev, g = self.evaluator, self.groups
+        assert ev is not None and g is not None
+        with self.tracer.span("evaluate", track=g.rollout.name, version=version):
+            row = await ev.run(g, version, watch=self.tracer.watch)
+        if self._metrics is not None:
+            self._metrics.write(version, row)  # step = steps done = version
+
+    async def _final_evaluation(self) -> None:
+        """After the last step: evaluate the due versions the rollout loop never loaded (the last
+        ``max_staleness`` ones) and, with ``evaluation.at_end``, the final weights."""
+        ev, g = self.evaluator, self.groups
+        final = self._policy_version
+        if ev is None or g is None:
+            return
+        for v in sorted(x for x in self._exports if self._rollout_version < x <= final):
+            if not (ev.due(v) or (v == final and ev.due_final(v))):
+                continue
+            exported = self._exports[v]
+            assert exported is not None
+            with self.tracer.span("weight_sync", track=g.rollout.name, version=v):
+                await stages.load_weights(g, exported)
+            self._rollout_version = v
+            await self._evaluate(v)
+        if ev.due_final(final) and self._rollout_version == final:
+            await self._evaluate(final)
 
     async def _start_groups(self) -> None:
         groups, self._parts, self._pools = build_groups(self.config, self._overrides)
@@ -320,6 +363,7 @@ class Trainer:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self.tracer.run, name="tracer")
                     await self._supervise()
+                    await self._final_evaluation()
                     self.tracer.close()
             except BaseExceptionGroup as eg:
                 raise _first_error(eg) from None
@@ -381,6 +425,8 @@ class Trainer:
             await self._restore(point)
         else:
             self.history = []
+            if self.evaluator is not None:
+                self.evaluator.restore([], 0)
             if self._initial_rng is not None:
                 ckpt.set_rng_state(self._initial_rng)
         if self._metrics is not None:
@@ -401,7 +447,8 @@ class Trainer:
             if cfg.plot and self.history:
                 from asyncrl.pipelines.report import plot_report
 
-                plot_report(self.history, self.tracer, self.output_dir / "report.png")
+                evals = self.evaluator.records if self.evaluator is not None else None
+                plot_report(self.history, self.tracer, self.output_dir / "report.png", evals=evals)
         except Exception as e:  # reports never hide the run's own outcome
             log.warning("report.failed", error=repr(e))
 
@@ -434,6 +481,8 @@ class Trainer:
                     self._rollout_version = version
                     for v in [v for v in self._exports if v < version]:
                         del self._exports[v]  # older exports are never loaded again
+                if self.evaluator is not None and self.evaluator.due(version):
+                    await self._evaluate(version)
                 t0 = time.perf_counter()
                 gen = self.tracer.watch(stages.generate(g, self._loader.batch(i), seed=self._seed(i)),
                                         "generate", step=i, version=version)
@@ -561,6 +610,7 @@ class Trainer:
                 "next_gen": self._next_gen, "dropped": self.buffer.statistics().dropped,
                 "rng": ckpt.rng_state(), "config": to_dict(self.config),
                 "fingerprint": config_fingerprint(self.config), "history": self.history,
+                "evals": self.evaluator.records if self.evaluator is not None else [],
             }
             (tmp / "state.json").write_text(__import__("json").dumps(state))
             await asyncio.to_thread(ckpt.commit, tmp, final)
@@ -583,6 +633,8 @@ class Trainer:
         self._next_gen = int(state["next_gen"])
         ckpt.set_rng_state(state["rng"])
         self.history = [h for h in state.get("history", []) if h["step"] < step]
+        if self.evaluator is not None:
+            self.evaluator.restore(state.get("evals", []), step)
         if step > 0:  # the rollout engines start at version 0: give them the restored weights
             exported = stages.export_weights(g)
             await stages.load_weights(g, exported)

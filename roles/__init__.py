@@ -5,10 +5,12 @@ The contract with the trainers is docs/roles_api.md; how to bring your own model
 tokenizer, reward function or worker class is docs/roles.md.
 """
 
-from . import functional
+from . import arithmetic, functional
 from .critic import CriticWorker
 from .engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
 from .errors import (
+    MissingDependencyError,
+    ModelFormatError,
     ModelNotFoundError,
     PromptTooLongError,
     RewardFnError,
@@ -19,6 +21,7 @@ from .errors import (
     UnknownNameError,
     WeightSyncError,
 )
+from .gguf import SMOLLM2_135M_INSTRUCT
 from .models import ModelConfig, load_model, load_tokenizer, save_model_dir, tiny_tokenizer
 from .policy import OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
 from .reward import RewardConfig, RewardInput, RewardWorker, register_reward_fn, toy_dataset
@@ -26,9 +29,12 @@ from .rollout import RolloutConfig, RolloutWorker
 from .sync import sync_weights
 
 __all__ = [
+    "SMOLLM2_135M_INSTRUCT",
     "Completion",
     "CriticWorker",
     "GenerationEngine",
+    "MissingDependencyError",
+    "ModelFormatError",
     "ModelConfig",
     "ModelNotFoundError",
     "OptimConfig",
@@ -49,6 +55,7 @@ __all__ = [
     "TokenizerNotFoundError",
     "UnknownNameError",
     "WeightSyncError",
+    "arithmetic",
     "functional",
     "load_model",
     "load_tokenizer",

@@ -12,6 +12,8 @@ __all__ = [
     "RolesError",
     "ModelNotFoundError",
     "TokenizerNotFoundError",
+    "ModelFormatError",
+    "MissingDependencyError",
     "PromptTooLongError",
     "StaleWeightsError",
     "StaleBatchError",
@@ -31,6 +33,14 @@ class ModelNotFoundError(RolesError, FileNotFoundError):
 
 class TokenizerNotFoundError(RolesError, FileNotFoundError):
     """Raised when a tokenizer directory is missing or holds no tokenizer files."""
+
+
+class ModelFormatError(RolesError, ValueError):
+    """Raised when a model file exists but cannot be read (a corrupt or truncated GGUF, an unsupported format)."""
+
+
+class MissingDependencyError(RolesError, ImportError):
+    """Raised when a feature needs an optional package (an extra) that is not installed; names the install command."""
 
 
 class PromptTooLongError(RolesError, ValueError):

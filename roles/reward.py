@@ -20,6 +20,10 @@ Built-in toy tasks (see :func:`toy_dataset` for their prompts):
     The prompt is ``"say <word>"``; score 1 when the response's first word is that word.
 ``exact_match``
     Score 1 when the stripped response equals the stripped answer.
+``arith`` (arithmetic word problems, :mod:`asyncrl.roles.arithmetic`)
+    1.0 when the number after ``Answer:`` equals the answer; ``fn_kwargs``:
+    ``format_score`` (default 0.0: what a wrong answer in the asked format earns),
+    ``method`` (``"strict"``, the default, or ``"flexible"``: the last number counts).
 
 A reward model (a tiny sequence classifier, or a local directory) replaces the
 function when ``RewardConfig.model`` is set.
@@ -38,6 +42,7 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, Worker, register
 
 from ._util import micro_batches, require, text_list
+from .arithmetic import compute_score
 from .errors import RewardFnError, UnknownNameError
 from .models import ModelConfig, build_reward_model, load_tokenizer, position_ids_from_mask, set_torch_threads
 
@@ -153,6 +158,19 @@ def echo_word(x: RewardInput) -> list[float]:
 def exact_match(x: RewardInput) -> list[float]:
     """1.0 when the stripped response equals the stripped answer."""
     return [float(r.strip() == a.strip()) for r, a in zip(x.responses, _answers(x, "exact_match"))]
+
+
+@register_reward_fn("arith")
+def arith(x: RewardInput) -> list[float]:
+    """Exact-match reward of an arithmetic answer, with an optional format reward (``fn_kwargs``:
+    ``format_score``, ``method``); see :func:`asyncrl.roles.arithmetic.compute_score`."""
+    kw = x.kwargs
+    unknown = sorted(set(kw) - {"format_score", "method", "score"})
+    if unknown:
+        raise ValueError(f"reward 'arith' takes fn_kwargs format_score, method, score; got unknown {unknown}")
+    return [compute_score(r, a, method=kw.get("method", "strict"), format_score=float(kw.get("format_score", 0.0)),
+                          score=float(kw.get("score", 1.0)))
+            for r, a in zip(x.responses, _answers(x, "arith"))]
 
 
 # --------------------------------------------------------------------------- worker

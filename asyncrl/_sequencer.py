@@ -224,11 +224,11 @@ class Lane:
             raise LaneWedgedError(ticket.group, ticket.method, ticket.rank, stuck.describe(),
                                   time.monotonic() - stuck.thread_started)
 
-    async def run_thread(self, ticket: Ticket, run: Callable[[], Any], executor: Any) -> Any:
-        """Run a plain ``def`` method in the lane's thread. Cancelled, the call fails at
-        once but keeps the lane until the thread returns (case 7)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(executor, run)
+    async def run_thread(self, ticket: Ticket, run: Callable[[], Any], thread: Any) -> Any:
+        """Run a plain ``def`` method in the lane's thread (`thread.run(fn)` returns an
+        asyncio future of its outcome). Cancelled, the call fails at once but keeps the
+        lane until the thread returns (case 7)."""
+        fut = thread.run(run)
         ticket.thread = fut
         ticket.thread_started = time.monotonic()
         try:

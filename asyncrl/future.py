@@ -311,10 +311,20 @@ class _Call:
             raise self._error_of(e, self.ranks[pos]) from None
 
     async def _gather(self, positions: list[int], refs: list[Any]) -> list[Any]:
+        """Await `refs` (of the executing ranks at `positions`) as the backend's plain
+        futures, `_AWAIT_CHUNK` at a time: no task per ref. The first error is raised as
+        `_wait` raises it."""
         out: list[Any] = []
         for i in range(0, len(refs), _AWAIT_CHUNK):
-            out.extend(await asyncio.gather(
-                *(self._wait(p, r) for p, r in zip(positions[i:i + _AWAIT_CHUNK], refs[i:i + _AWAIT_CHUNK]))))
+            futs = self.backend.futures(refs[i:i + _AWAIT_CHUNK])
+            try:
+                out.extend(await asyncio.gather(*futs))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                pos = next((p for p, f in zip(positions[i:i + _AWAIT_CHUNK], futs)
+                            if f.done() and not f.cancelled() and f.exception() is e), positions[i])
+                raise self._error_of(self.backend.translate(e), self.ranks[pos]) from None
         return out
 
     async def _fetch_and_collect(self) -> Any:

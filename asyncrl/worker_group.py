@@ -231,10 +231,11 @@ class WorkerGroup(AsyncResource, Generic[W]):
         self._check_usable()
         world = self.world
         mode = spec.dispatch_mode
-        try:
-            spec.signature.bind(None, *args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{self.name}.{spec.name}: {e}") from None
+        if not _positional_fits(spec, args, kwargs):
+            try:
+                spec.signature.bind(None, *args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{self.name}.{spec.name}: {e}") from None
         sharded = mode.dispatch(world, *args, **kwargs)
         if not isinstance(sharded, Sharded):
             try:
@@ -396,3 +397,21 @@ def colocate(
     groups = {role: WorkerGroup(cls, backend=be, _hostset=hs, _role=role, name=f"{name}.{role}")
               for role, cls, _, _ in specs}
     return Colocated(hs, groups)
+
+
+_ARITY: dict[int, tuple[MethodSpec, tuple[int, int] | None]] = {}
+
+
+def _positional_fits(spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True when `args` alone surely bind to the method's parameters: all of them plain
+    positional-or-keyword, and as many as required..all. The common call is checked in
+    O(1); anything else goes through ``Signature.bind`` for its error message."""
+    if kwargs:
+        return False
+    entry = _ARITY.get(id(spec))
+    if entry is None or entry[0] is not spec:  # (the spec is kept in the entry: its id stays its own)
+        params = list(spec.signature.parameters.values())[1:]  # without self
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        entry = _ARITY[id(spec)] = (spec, (sum(p.default is p.empty for p in params), len(params)) if plain else None)
+    arity = entry[1]
+    return arity is not None and arity[0] <= len(args) <= arity[1]

@@ -3,6 +3,9 @@
 Every cell times the same work, side by side in one run, on ``--workers`` workers (4):
 
 * ``tiny``: a ``ONE_TO_ALL`` call with one int argument; every rank returns an int.
+* ``tiny async``: the same call to an ``async def`` worker method (ordered as well; it
+  runs on the worker's event loop, without the thread hop of a plain ``def``). The
+  plain-Ray and verl variants call their same sync method: the floor does not change.
 * ``32 B`` / ``1 MiB`` / ``64 MiB``: a ``DP_COMPUTE`` call on an int32 tensor, split into one
   shard per rank; every rank returns a one-row tensor and the caller concatenates them.
 
@@ -15,8 +18,8 @@ Variants:
   split/put/cat: shards ``t[r*size:(r+1)*size]`` (views) passed to ``a.consume.remote`` (Ray
   puts each into the object store), gathered, ``torch.cat``.
 * ``host path`` (a breakdown, not a baseline): asyncrl's own worker processes called the
-  way the Ray backend calls them (``backend.submit`` with the group's sequence numbers
-  and call ids), awaited with ``asyncio.gather``: no dispatch, no futures, no collect.
+  way the group submits them (its sequencer: numbers, call ids, the backend's submit),
+  awaited with ``asyncio.gather``: no dispatch, no futures, no collect.
   ``host path / plain`` is what asyncrl's worker host costs (ordering, argument
   resolution, the method's thread hop, the second return); ``asyncrl / host path`` is the
   controller's share.
@@ -65,13 +68,20 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "d
 
 # cell -> number of int32 elements (4 bytes each), None for the tiny ONE_TO_ALL call;
 # all divisible by 8 so every shard is an equal view
-CELLS: dict[str, int | None] = {"tiny": None, "32 B": 8, "1 MiB": (1 << 20) // 4, "64 MiB": (64 << 20) // 4}
-CALLS_PER_REP = {"tiny": 40, "32 B": 40, "1 MiB": 20, "64 MiB": 6}
+CELLS: dict[str, int | None] = {"tiny": None, "tiny async": None, "32 B": 8, "1 MiB": (1 << 20) // 4,
+                                 "64 MiB": (64 << 20) // 4}
+CALLS_PER_REP = {"tiny": 40, "tiny async": 40, "32 B": 40, "1 MiB": 20, "64 MiB": 6}
+# the worker method each cell calls (asyncrl and host path; plain Ray and verl always call their sync `ping`)
+TINY_METHOD = {"tiny": "ping", "tiny async": "ping_async"}
 
 
 class Sink(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def ping(self, x: int) -> int:
+        return x
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def ping_async(self, x: int) -> int:  # ordered too; runs on the worker's loop, no thread hop
         return x
 
     @register(Dispatch.DP_COMPUTE)
@@ -134,7 +144,7 @@ def shards(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 async def v_asyncrl(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
     wg = ctx["wg"]
-    return await (wg.ping(1) if t is None else wg.consume(t))
+    return await (getattr(wg, ctx["tiny"])(1) if t is None else wg.consume(t))
 
 
 async def v_plain(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
@@ -145,23 +155,22 @@ async def v_plain(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
 
 
 def _host_submit(wg: RayWorkerGroup, rank: int, method: str, args: tuple[Any, ...], data_parallel: bool) -> Any:
-    """One call of `method` on the group's worker process `rank`, made as the group makes it
-    (its own sequence number and call id) but without dispatch, futures or collect."""
+    """One call of `method` on the group's worker process `rank`, submitted as the group
+    submits it (its sequencer: numbering, call id, the backend's submit) but without
+    dispatch, futures or collect."""
     from asyncrl._host import Payload
-    from asyncrl._sequencer import new_call_id
 
     hs = wg._hostset
-    seq = hs.sequencer.take(rank)  # the group's own numbering: its later calls stay in order
-    ref, meta = hs.backend.submit(hs.hosts[rank], wg._role, method, seq, new_call_id(), Payload(args, {}),
-                                  0 if data_parallel else None, data_parallel, True)
-    return (ref, meta) if data_parallel else (ref,)
+    refs, metas, _ = hs.sequencer.submit(wg._role, method, True, data_parallel,
+                                         [(rank, Payload(args, {}), 0 if data_parallel else None, True)])
+    return (refs[0], metas[0]) if data_parallel else (refs[0],)
 
 
 async def v_host(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
     wg = ctx["wg"]
     n = wg.world_size
     if t is None:
-        refs = [r for rank in range(n) for r in _host_submit(wg, rank, "ping", (1,), False)]
+        refs = [r for rank in range(n) for r in _host_submit(wg, rank, ctx["tiny"], (1,), False)]
         return await asyncio.gather(*refs)
     refs = [r for rank, s in enumerate(shards(t, n)) for r in _host_submit(wg, rank, "consume", (s,), True)]
     out = await asyncio.gather(*refs)
@@ -198,7 +207,7 @@ def check_no_copy(wg: RayWorkerGroup, t: torch.Tensor) -> tuple[Any, bool, int]:
     def spy(*call_args: Any, **kw: Any) -> Any:
         nonlocal serialized
         for x in [*call_args, *kw.values()]:
-            for a in getattr(x, "args", ()):  # the call's Payload
+            for a in getattr(x, "args", None) or (x if isinstance(x, tuple) else ()):  # a Payload's, or a tuple
                 if isinstance(a, torch.Tensor):
                     seen.append((a.untyped_storage().data_ptr(), a.data_ptr()))
                     serialized += sctx.serialize(a).total_bytes
@@ -244,6 +253,7 @@ async def measure(workers: list[int], cells: list[str], reps: int, quick: bool,
                 ctx["verl"] = VerlGroup(pool, RayClassWithInitArgs(cls=ray.remote(verl_cls)), device_name="cpu")
                 ctx["protos"] = {}
             for cell in cells:
+                ctx["tiny"] = TINY_METHOD.get(cell, "ping")
                 t = None if CELLS[cell] is None else torch.arange(CELLS[cell], dtype=torch.int32)  # type: ignore[arg-type]
                 if t is not None:
                     fut, ok, ser = check_no_copy(ctx["wg"], t)
@@ -290,7 +300,8 @@ def table(rows: list[dict]) -> str:
         head += ["verl µs", "asyncrl / verl"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
-        call = "tiny ONE_TO_ALL" if r["cell"] == "tiny" else f"{r['cell']} DP_COMPUTE"
+        call = {"tiny": "tiny ONE_TO_ALL", "tiny async": "tiny ONE_TO_ALL, `async def`"}.get(
+            r["cell"], f"{r['cell']} DP_COMPUTE")
         cells = [str(r["workers"]), call, f"{r['asyncrl'] * 1e6:.0f}", f"{r['plain Ray'] * 1e6:.0f}",
                  f"{r['asyncrl'] / r['plain Ray']:.2f}x", f"{r['host path'] * 1e6:.0f}",
                  f"{r['host path'] / r['plain Ray']:.2f}x"]

@@ -91,6 +91,12 @@ class LocalBackend:
     async def wait(self, ref: Any) -> Any:
         return await _await_local(ref)
 
+    def futures(self, refs: Sequence[Any]) -> list[asyncio.Future[Any]]:
+        return [asyncio.ensure_future(_await_local(r)) for r in refs]
+
+    def translate(self, e: BaseException) -> BaseException:
+        return e
+
     def get(self, refs: Sequence[Any], timeout: float | None) -> list[tuple[bool, Any]] | None:
         raise RuntimeError("LocalWorkerGroup futures have no blocking result(); await them inside an event loop")
 

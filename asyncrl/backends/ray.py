@@ -6,6 +6,8 @@ The only module that imports ray (with :mod:`asyncrl.runtime`, which starts it).
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -17,6 +19,7 @@ from ray.exceptions import (
     ObjectLostError,
     OwnerDiedError,
     RayActorError,
+    RayError,
     RayTaskError,
     TaskCancelledError,
 )
@@ -64,84 +67,87 @@ async def await_ray(ref: Any) -> Any:
         raise _translate(e) from None
 
 
-_NATIVE_LIMIT = 256  # refs awaited through Ray's asyncio integration at once; more go to the resolver thread
+_NATIVE_LIMIT = 256  # refs awaited through Ray's own asyncio futures at once; more are delivered in batches
 _DELIVER_BATCH = 128  # results handed to the event loop per loop iteration
 
 
 class _Resolver:
-    """Resolves ObjectRefs in a background thread once many are in flight.
+    """Awaits ObjectRefs without stalling the event loop when thousands are in flight.
 
-    Awaiting thousands of refs through Ray's asyncio integration makes their
-    completions land on the event loop all at once (measured here: the loop stalls
-    for more than a second with 10,000 refs). Past `_NATIVE_LIMIT` outstanding refs,
-    a thread waits on them with ``ray.wait``, fetches the values, and hands them to
-    the loop in batches of `_DELIVER_BATCH` per iteration.
+    Ray's asyncio integration (``ref.as_future()``) schedules one loop callback per
+    completion, so thousands of completions can land on the loop in one iteration.
+    While at most `_NATIVE_LIMIT` refs are outstanding that path is used as is; past
+    it, each ref gets a completion callback (Ray's ``_on_completed``, on which
+    ``as_future`` is built) that only appends to a queue, and the loop drains the queue
+    `_DELIVER_BATCH` results per iteration. No polling, no thread of ours, no task per ref.
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._pending: dict[Any, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]]] = {}
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._ready: dict[asyncio.AbstractEventLoop, collections.deque[tuple[asyncio.Future[Any], Any]]] = {}
+        self._draining: set[asyncio.AbstractEventLoop] = set()
         self.native = 0
 
-    async def wait(self, ref: Any) -> Any:
-        if self.native < _NATIVE_LIMIT:
-            self.native += 1
-            try:
-                return await await_ray(ref)
-            finally:
-                self.native -= 1
+    def futures(self, refs: Sequence[Any]) -> list[asyncio.Future[Any]]:
+        """An asyncio future per ref: its value, or Ray's own error (see :func:`_translate`)."""
+        if self.native + len(refs) <= _NATIVE_LIMIT:
+            self.native += len(refs)
+            futs = [r.as_future(_internal=True) for r in refs]
+            for f in futs:
+                f.add_done_callback(self._native_done)
+            return futs
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        with self._cond:
-            self._pending.setdefault(ref, []).append((loop, fut))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="asyncrl-resolver", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-        ok, value = await fut
-        if ok:
-            return value
-        raise _translate(value) from None
+        out = []
+        for ref in refs:
+            fut: asyncio.Future[Any] = loop.create_future()
+            ref._on_completed(functools.partial(self._completed, loop, fut))
+            out.append(fut)
+        return out
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending:
-                    if not self._cond.wait(timeout=5.0) and not self._pending:
-                        self._thread = None
-                        return
-                refs = list(self._pending)
-            try:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.002, fetch_local=True)
-            except Exception:  # Ray shut down under us
-                ready = refs
-            if not ready:
+    async def wait(self, ref: Any) -> Any:
+        try:
+            return await self.futures([ref])[0]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise _translate(e) from None
+
+    def _native_done(self, _: Any) -> None:
+        self.native -= 1
+
+    def _completed(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: Any) -> None:
+        """On Ray's thread: queue the result; wake the loop unless it is draining already."""
+        with self._lock:
+            self._ready.setdefault(loop, collections.deque()).append((fut, result))
+            if loop in self._draining:
+                return
+            self._draining.add(loop)
+        try:
+            loop.call_soon_threadsafe(self._drain, loop)
+        except RuntimeError:  # that loop is closed
+            with self._lock:
+                self._draining.discard(loop)
+                self._ready.pop(loop, None)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            q = self._ready.get(loop)
+            batch = [q.popleft() for _ in range(min(_DELIVER_BATCH, len(q)))] if q else []
+            more = bool(q)
+            if not more:
+                self._draining.discard(loop)
+                self._ready.pop(loop, None)
+        for fut, result in batch:
+            if fut.done():
                 continue
-            done = []
-            for r in ready:
-                try:
-                    done.append((r, (True, ray.get(r))))
-                except Exception as e:
-                    done.append((r, (False, e)))
-            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
-            with self._cond:
-                for r, outcome in done:
-                    for loop, fut in self._pending.pop(r, []):
-                        by_loop.setdefault(loop, []).append((fut, outcome))
-            for loop, items in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_deliver, loop, items)
-                except RuntimeError:  # that loop is closed
-                    pass
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Future[Any], Any]]) -> None:
-    for fut, outcome in items[:_DELIVER_BATCH]:
-        if not fut.done():
-            fut.set_result(outcome)
-    if len(items) > _DELIVER_BATCH:
-        loop.call_soon(_deliver, loop, items[_DELIVER_BATCH:])
+            if isinstance(result, RayTaskError):  # as Ray's own as_future does
+                fut.set_exception(result.as_instanceof_cause())
+            elif isinstance(result, RayError):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+        if more:
+            loop.call_soon(self._drain, loop)
 
 
 _RESOLVER = _Resolver()
@@ -241,16 +247,23 @@ class RayBackend:
         if want_meta:
             call2 = self._call2.get(id(host))
             if call2 is None:  # .options() builds a new method object: once per host, not per call
-                call2 = self._call2[id(host)] = host.call.options(num_returns=2)
-            ref, meta = call2.remote(role, method, seq, call_id, payload, in_pad, True, keep)
+                call2 = self._call2[id(host)] = host.call_packed.options(num_returns=2)
+            ref, meta = call2.remote((role, method, seq, call_id, payload, in_pad, True, keep))
             return ref, meta
-        return host.call.remote(role, method, seq, call_id, payload, in_pad, False, keep), None
+        # One Ray argument, not eight: Ray serializes each argument on its own (~10 µs each).
+        return host.call_packed.remote((role, method, seq, call_id, payload, in_pad, False, keep)), None
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
         host.cancel_calls.remote(entries, deadline)
 
     async def wait(self, ref: Any) -> Any:
         return await _RESOLVER.wait(ref)
+
+    def futures(self, refs: Sequence[Any]) -> list[asyncio.Future[Any]]:
+        return _RESOLVER.futures(refs)
+
+    def translate(self, e: BaseException) -> BaseException:
+        return _translate(e)
 
     def get(self, refs: Sequence[Any], timeout: float | None) -> list[tuple[bool, Any]] | None:
         refs = list(refs)

@@ -139,3 +139,25 @@ async def test_loop_stays_responsive_with_10000_calls_in_flight(ray_cluster):
         assert results == [[i] for i in range(10_000)]
         assert ticks - ticks_submitted >= 10, f"heartbeat starved while resolving (max lag {max_lag:.3f}s)"
         print(f"heartbeat max lag with 10,000 calls in flight: {max_lag * 1000:.0f} ms")
+
+
+async def test_many_outstanding_refs_keep_errors_and_release_the_native_budget(ray_cluster):
+    """Past 256 outstanding refs results arrive through the batched resolver: values,
+    remote errors (named by rank) and cancellations come out exactly as through Ray's
+    own futures, and every ref awaited returns its slot of the native budget."""
+    from asyncrl.backends.ray import _RESOLVER
+
+    async with RayWorkerGroup(Probe, world_size=1, name="many") as wg:
+        futures = [wg.noop(i) for i in range(400)] + [wg.boom(f"no {i}") for i in range(3)]
+        blocked = wg.wait_forever("x")
+        got = await asyncio.gather(*futures, return_exceptions=True)  # one task per future: > 256 refs at once
+        assert got[:400] == [[i] for i in range(400)]
+        for i, e in enumerate(got[400:]):
+            assert isinstance(e, RemoteError) and (e.rank, e.exc_type, e.message) == (0, "builtins.ValueError", f"no {i}")
+        waiter = asyncio.ensure_future(blocked)
+        await asyncio.sleep(0.2)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await asyncio.sleep(0.2)  # the cancelled ref settles on the worker
+        assert _RESOLVER.native == 0

@@ -205,7 +205,7 @@ async def test_wrong_arguments_fail_at_the_call(wg):
     with pytest.raises(TypeError, match=r"\.add: too many positional arguments"):
         wg.add(1, 2)
     with pytest.raises(TypeError, match=r"\.add: got an unexpected keyword argument 'y'"):
-        wg.add(y=1)
+        wg.add(1, y=1)
     # the same method called rightly, positionally (the O(1) arity check) and by keyword (bound)
     assert await wg.add(1) == await wg.add(x=1) == [11, 12, 13, 14]
 

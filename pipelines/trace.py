@@ -7,8 +7,9 @@ The controller records two kinds of spans:
 * **group spans** (``tracer.watch(future, stage="old_log_prob", step=3)``): a group
   call from the moment it was issued until every rank finished. The controller does
   not await pipelined futures, so one watcher task polls ``GroupFuture.done()``
-  (a non-fetching readiness check) every ``poll_s`` seconds: the end of a group span
-  is exact to that resolution, and no payload bytes move.
+  every ``poll_s`` seconds (it never blocks: the backend watches the ranks off the
+  loop, without fetching): the end of a group span is exact to that resolution, and
+  no payload bytes move.
 
 Each group is a track (``pid`` = the group, ``tid`` = its ranks), so opening
 ``trace.json`` in https://ui.perfetto.dev shows rollout and training side by side.
@@ -20,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,19 +41,9 @@ class Span:
 
 
 def _done_flags(futures: list[Any]) -> list[bool]:
-    """Whether each watched call has finished. Ray futures are checked with one
-    non-fetching ``ray.wait`` over all their refs (a ``done()`` per future costs one
-    blocking ``ray.wait`` each, on the event loop, every poll); anything else by ``done()``."""
-    ray = sys.modules.get("ray")
-    if futures and ray is not None:
-        try:
-            refs = [list(f.refs) for f in futures]
-            flat = [r for rs in refs for r in rs]
-            if flat and ray.is_initialized() and all(isinstance(r, ray.ObjectRef) for r in flat):
-                ready = set(ray.wait(flat, num_returns=len(flat), timeout=0, fetch_local=False)[0])
-                return [f.cancelled() or all(r in ready for r in rs) for f, rs in zip(futures, refs)]
-        except Exception:  # e.g. a closed group: fall back to asking each future
-            pass
+    """Whether each watched call has finished. ``GroupFuture.done()`` never blocks: its
+    first call starts the backend watching the call's ranks off the loop (Ray: one
+    watcher thread, non-fetching ``ray.wait``), later calls read what it saw."""
     flags = []
     for f in futures:
         try:

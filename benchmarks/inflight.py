@@ -9,6 +9,8 @@ as a well-behaved producer does (each ``.remote()`` is ~150 µs of synchronous w
 
 Variants (one run, interleaved rounds, medians):
 
+* ``idle (heartbeat alone)``: the heartbeat for 2 s with nothing else running: the
+  machine's own scheduling noise, the floor of every other row.
 * ``asyncrl, asyncrl.gather``: ``wg.noop(i)`` (a concurrent ``async def`` method),
   awaited with ``asyncrl.gather`` (chunks of 64).
 * ``asyncrl, asyncio.gather``: the same calls, awaited with one ``asyncio.gather``
@@ -112,6 +114,7 @@ def variants(wg: RayWorkerGroup, actor: Any) -> dict[str, tuple[Callable[[int], 
         return await asyncio.gather(*xs)
 
     return {
+        "idle (heartbeat alone)": (None, None, None),
         "asyncrl, asyncrl.gather": (wg.noop, lambda fs: asyncrl.gather(*fs), first),
         "asyncrl, asyncio.gather": (wg.noop, agather, first),
         "asyncrl, ordered": (wg.noop_ordered, lambda fs: asyncrl.gather(*fs), first),
@@ -125,6 +128,11 @@ async def one_round(name: str, spec: tuple, n: int, every: int, beat_ms: float) 
     hb = Heartbeat(beat_ms / 1e3)
     hb.start()
     await asyncio.sleep(3 * beat_ms / 1e3)
+    if make is None:  # the machine's own noise: the same heartbeat with nothing else to do
+        m = hb.mark()
+        await asyncio.sleep(2.0)
+        await hb.stop()
+        return {"submit_lag": 0.0, "await_lag": max(hb.lags[m:], default=0.0), "wall": 2.0, "submit": 0.0}
     t0 = time.perf_counter()
     pending = await _submit(make, n, every)
     t1 = time.perf_counter()
@@ -170,6 +178,9 @@ def table(res: dict[str, dict[str, float]], n: int) -> str:
             "wall s", "calls/s"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for v, r in res.items():
+        if v.startswith("idle"):
+            lines.append(f"| {v} | — | {r['await_lag'] * 1e3:.1f} | {r['worst'] * 1e3:.1f} | — | — |")
+            continue
         lines.append(f"| {v} | {r['submit_lag'] * 1e3:.1f} | {r['await_lag'] * 1e3:.1f} | {r['worst'] * 1e3:.1f} | "
                      f"{r['wall']:.2f} | {n / r['wall']:,.0f} |")
     return "\n".join(lines)

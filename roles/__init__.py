@@ -9,6 +9,7 @@ from . import arithmetic, functional
 from .critic import CriticWorker
 from .engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
 from .errors import (
+    DeviceError,
     MissingDependencyError,
     ModelFormatError,
     ModelNotFoundError,
@@ -26,12 +27,14 @@ from .models import ModelConfig, load_model, load_tokenizer, save_model_dir, tin
 from .policy import OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
 from .reward import RewardConfig, RewardInput, RewardWorker, register_reward_fn, toy_dataset
 from .rollout import RolloutConfig, RolloutWorker
-from .sync import sync_weights
+from .sync import open_weight_channel, sync_weights
+from .transfer import WeightHandle
 
 __all__ = [
     "SMOLLM2_135M_INSTRUCT",
     "Completion",
     "CriticWorker",
+    "DeviceError",
     "GenerationEngine",
     "MissingDependencyError",
     "ModelFormatError",
@@ -54,12 +57,14 @@ __all__ = [
     "StaleWeightsError",
     "TokenizerNotFoundError",
     "UnknownNameError",
+    "WeightHandle",
     "WeightSyncError",
     "arithmetic",
     "functional",
     "load_model",
     "load_tokenizer",
     "make_engine",
+    "open_weight_channel",
     "register_engine",
     "register_reward_fn",
     "save_model_dir",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any, Iterable, Mapping
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from .device import Placement, device_uuid
 from .functional import entropy_from_logits
 from .models import position_ids_from_mask
 
@@ -55,12 +58,21 @@ def response_log_probs(
     response_ids: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    placement: Placement | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of the response tokens (the last R columns of `input_ids`)
-    under ``log_softmax(logits / temperature)``, and their entropy."""
+    under ``log_softmax(logits / temperature)``, and their entropy.
+
+    With a `placement` the inputs move to its device and the forward runs under its
+    autocast; the log-softmax and entropy are always computed in float32 (on the device)."""
     R = response_ids.shape[1]
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False)
+    if placement is not None:
+        dev = placement.device
+        input_ids, attention_mask, response_ids = (t.to(dev, non_blocking=True)
+                                                   for t in (input_ids, attention_mask, response_ids))
+    with placement.autocast() if placement is not None else contextlib.nullcontext():
+        out = model(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     logits = out.logits[:, -R - 1:-1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -81,24 +93,47 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float | None)
 
 
 class DataParallel:
-    """Collectives over the ranks of a group with torch.distributed (gloo) when the group has
-    several workers in separate processes; every method is the identity otherwise.
+    """Collectives over the ranks of a group with torch.distributed when the group has several
+    workers in separate processes; every method is the identity otherwise.
 
     Every rank must call the same collectives in the same order (the group's ordered calls
-    guarantee it for methods that all ranks run)."""
+    guarantee it for methods that all ranks run). The process group comes from the group's
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, set by asyncrl per worker). Gloo
+    carries the small control traffic; on GPUs gradients go through NCCL when every rank has a
+    GPU of its own, and through gloo (staged via the CPU) when ranks share one GPU (fractional
+    GPU pools), since NCCL refuses two ranks on one device."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        import os
-
+    def __init__(self, rank: int, world_size: int, device: torch.device | None = None) -> None:
         self.active = False
+        self.device = device or torch.device("cpu")
+        self.backend = "none"
+        self._group: Any = None
         if world_size > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("RANK") == str(rank):
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo", rank=rank, world_size=world_size)
             self.active = True
+            self.backend = "gloo"
+            if self.device.type == "cuda":
+                self._group = _nccl_group(self.device, world_size)
+                if self._group is not None:
+                    self.backend = "nccl"
         self.rank = rank
         self.world_size = world_size
+
+    def _reduce(self, t: torch.Tensor, op: Any) -> None:
+        """In-place all-reduce of `t` wherever it lives (NCCL on a GPU of its own, else gloo)."""
+        import torch.distributed as dist
+
+        if t.device.type == "cpu":
+            dist.all_reduce(t, op=op)
+        elif self._group is not None:
+            dist.all_reduce(t, op=op, group=self._group)
+        else:
+            host = t.cpu()
+            dist.all_reduce(host, op=op)
+            t.copy_(host)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """`t` reduced over the ranks (``"sum"`` or ``"max"``), as a new tensor."""
@@ -107,12 +142,13 @@ class DataParallel:
             return out
         import torch.distributed as dist
 
-        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        self._reduce(out, dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return out
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum `.grad` of `params` over the ranks: each rank's loss is its share of the global
-        loss (``roles.functional.agg_loss`` with global denominators), so the shares add up."""
+        loss (``roles.functional.agg_loss`` with global denominators), so the shares add up.
+        One flat bucket per dtype (elementwise sums, so bit-identical to reducing each tensor)."""
         if not self.active:
             return
         import torch.distributed as dist
@@ -120,7 +156,17 @@ class DataParallel:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)  # type: ignore[union-attr]
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._reduce(flat, dist.ReduceOp.SUM)
+            off = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[off:off + n].view_as(g))
+                off += n
 
     def agree(self, kind: int, problem: str | None) -> tuple[int, str | None]:
         """Every rank learns whether any rank found a problem (one collective), so all ranks raise
@@ -143,3 +189,24 @@ class DataParallel:
     def mean(self, value: float) -> float:
         """Average of a scalar over the ranks."""
         return float(self.all_reduce(torch.tensor([value], dtype=torch.float64))) / self.world_size
+
+
+_NCCL_GROUPS: dict[str, Any] = {}
+
+
+def _nccl_group(device: torch.device, world_size: int) -> Any:
+    """An NCCL group over the default group's ranks when they all have distinct GPUs, else None.
+
+    Decided from every rank's GPU UUID (gathered over gloo), so all ranks agree; created once per
+    process (colocated trained roles share it)."""
+    import torch.distributed as dist
+
+    if "group" in _NCCL_GROUPS:
+        return _NCCL_GROUPS["group"]
+    uuids: list[Any] = [None] * world_size
+    dist.all_gather_object(uuids, device_uuid(device))
+    group = None
+    if len(set(uuids)) == world_size and all(str(u).startswith("cuda") for u in uuids):
+        group = dist.new_group(backend="nccl")  # pragma: no cover - needs several GPUs
+    _NCCL_GROUPS["group"] = group
+    return group

@@ -9,6 +9,7 @@ from asyncrl import Dispatch, register
 
 from ._util import DataParallel, grad_norm_and_clip, micro_batches, require
 from . import functional as F
+from .device import place_model, resolve_placement
 from .models import ModelConfig, build_value_model, set_torch_threads
 from .policy import OptimConfig, _adam, _Trainable
 
@@ -32,15 +33,19 @@ class CriticWorker(_Trainable):
         self.optim_config = optim or OptimConfig()
         self.optim_config.validate(self.world_size)
         set_torch_threads(self.context.num_cpus, model.num_threads)
-        self.model, self.tokenizer = build_value_model(model)
+        self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="CriticWorker")
+        built, self.tokenizer = build_value_model(model)
+        self.model = place_model(built, self.placement, trained=True, who="CriticWorker")
         self.model.train()
         self.optimizer = _adam(self.model, self.optim_config)
-        self.dp = DataParallel(self.rank, self.world_size)
+        self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
         self._version = 0
 
     def _values(self, b: TensorDictBase) -> torch.Tensor:
         R = b["response_ids"].shape[1]
-        v = self.model(b["input_ids"], b["attention_mask"])
+        dev = self.placement.device
+        with self.placement.autocast():
+            v = self.model(b["input_ids"].to(dev), b["attention_mask"].to(dev))
         return v[:, -R - 1:-1].float()
 
     @register(Dispatch.DP_COMPUTE)
@@ -53,7 +58,7 @@ class CriticWorker(_Trainable):
             with torch.no_grad():
                 for s in micro_batches(batch.batch_size[0], self.optim_config.micro_batch_size):
                     b = batch[s]
-                    out.append(self._values(b) * b["response_mask"].float())
+                    out.append((self._values(b) * b["response_mask"].to(self.placement.device).float()).cpu())
         finally:
             self.model.train()
         return TensorDict({"values": torch.cat(out)}, batch_size=batch.batch_size[:1])
@@ -69,6 +74,7 @@ class CriticWorker(_Trainable):
         cfg = self.optim_config
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask", "values", "returns"],
                 "CriticWorker.update")
+        batch = batch.to(self.placement.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         n = batch.batch_size[0]
         mini = None if cfg.mini_batch_size is None else cfg.mini_batch_size // self.world_size

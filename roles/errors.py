@@ -20,6 +20,7 @@ __all__ = [
     "WeightSyncError",
     "RewardFnError",
     "UnknownNameError",
+    "DeviceError",
 ]
 
 
@@ -58,6 +59,11 @@ class StaleBatchError(RolesError, ValueError):
 
 class WeightSyncError(RolesError, RuntimeError):
     """Raised when a weight transfer is malformed (unknown/missing names, shapes, checksum mismatch)."""
+
+
+class DeviceError(RolesError, RuntimeError):
+    """Raised at setup when a role's device or precision is unavailable (``cuda`` without a GPU, bf16
+    without hardware support, a GPU with too little free memory)."""
 
 
 class RewardFnError(RolesError, RuntimeError):

@@ -90,8 +90,13 @@ class ModelConfig:
     """Context length of a tiny model: prompt + response must fit."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the LM head of a tiny model."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype. fp32 on CPU (the log-prob equality checks are stated for fp32)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype. ``auto``: float32 on the CPU; on a GPU float32 master weights (with bf16
+    autocast) for trained roles and bfloat16 for frozen ones (see :mod:`asyncrl.roles.device`)."""
+    device: str = "auto"
+    """``auto`` (the worker's GPU when its bundle reserves one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    autocast: Literal["auto", "off", "bfloat16", "float16"] = "auto"
+    """Mixed precision of the forward pass; ``auto`` is bf16 where dtype ``auto`` picked float32 weights on a GPU."""
     seed: int = 0
     """Seed of the tiny model's initial weights (and of the worker's other randomness)."""
     attn_implementation: str = "eager"
@@ -236,6 +241,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _dtype(cfg: ModelConfig) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.float32  # built in float32; each role casts to its resolved dtype (roles.device)
     try:
         return _DTYPES[cfg.dtype]
     except KeyError:

@@ -34,8 +34,10 @@ from asyncrl import Dispatch, Execute, Worker, register
 
 from . import functional as F
 from ._util import DataParallel, grad_norm_and_clip, micro_batches, require, response_log_probs
+from .device import Placement, place_model, resolve_placement
 from .errors import StaleBatchError
 from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
+from .transfer import WeightSource, _cast
 
 __all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
 
@@ -174,12 +176,23 @@ class _Trainable(Worker):
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     optim_config: OptimConfig
+    placement: Placement
     _version: int
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def weights_checksum(self) -> dict[str, str]:
-        """``{name: checksum}`` of the current weights (compare with the rollout's)."""
-        return state_dict_checksums(self.model.state_dict().items())
+    def weights_checksum(self, dtype: str | None = None) -> dict[str, str]:
+        """``{name: checksum}`` of the current weights (compare with the rollout's); `dtype` casts
+        floating tensors first, as ``export_weights(dtype=...)`` does."""
+        items = self.model.state_dict().items()
+        if dtype is not None:
+            dt = getattr(torch, dtype)
+            items = ((k, v.to(dt) if v.is_floating_point() else v) for k, v in items)  # type: ignore[assignment]
+        return state_dict_checksums(items)
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def placement_info(self) -> dict[str, str]:
+        """``{"device", "param_dtype", "autocast"}`` this role resolved (see asyncrl.roles.device)."""
+        return self.placement.describe()
 
     @register(Dispatch.ONE_TO_ALL)
     def save(self, path: str) -> str:
@@ -206,7 +219,7 @@ class _Trainable(Worker):
         if missing:
             raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {missing}; save one with save(path)")
         load_model(self.model, files[0], strict=True)
-        self.optimizer.load_state_dict(torch.load(files[1], weights_only=True))
+        self.optimizer.load_state_dict(torch.load(files[1], weights_only=True, map_location=self.placement.device))
         with open(files[2]) as f:
             self._version = int(json.load(f)["version"])
         return self._version
@@ -215,7 +228,7 @@ class _Trainable(Worker):
 _MISSING, _STALE = 1, 2  # error codes ranks agree on before an update (DataParallel.agree)
 
 
-class PolicyWorker(_Trainable):
+class PolicyWorker(_Trainable, WeightSource):
     """The trained policy: recomputes log-probs, runs PPO updates, exports versioned weights.
 
     Args:
@@ -240,10 +253,12 @@ class PolicyWorker(_Trainable):
         self.temperature = 1.0 if self.optim_config.temperature is None else self.optim_config.temperature
         set_torch_threads(self.context.num_cpus, model.num_threads)
         torch.manual_seed(model.seed)
-        self.model, self.tokenizer = load_model(model)
+        self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="PolicyWorker")
+        built, self.tokenizer = load_model(model)
+        self.model = place_model(built, self.placement, trained=True, who="PolicyWorker")
         self.model.train()
         self.optimizer = _adam(self.model, self.optim_config)
-        self.dp = DataParallel(self.rank, self.world_size)
+        self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
         self._version = 0
 
     @property
@@ -257,7 +272,8 @@ class PolicyWorker(_Trainable):
 
         Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``."""
         return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.temperature,
-                          "old_log_probs", with_entropy=True, who="PolicyWorker.compute_log_prob")
+                          "old_log_probs", with_entropy=True, who="PolicyWorker.compute_log_prob",
+                          placement=self.placement)
 
     def _check_batch(self, batch: TensorDictBase) -> tuple[int, str | None]:
         """What is wrong with this rank's shard: ``(0, None)``, ``(_MISSING, message)`` or ``(_STALE, message)``."""
@@ -310,6 +326,7 @@ class PolicyWorker(_Trainable):
             raise KeyError(problem)
         if kind == _STALE:
             raise StaleBatchError(problem)
+        batch = batch.to(self.placement.device)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
         n = batch.batch_size[0]
@@ -341,7 +358,7 @@ class PolicyWorker(_Trainable):
                     b = mb[micro]
                     mask = b["response_mask"]
                     lp, ent = response_log_probs(self.model, b["input_ids"], b["attention_mask"], b["response_ids"],
-                                                 self.temperature, with_entropy=True)
+                                                 self.temperature, with_entropy=True, placement=self.placement)
                     terms = F.ppo_policy_terms(lp, b["old_log_probs"], b["advantages"], clip_ratio_low=low,
                                                clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c)
                     losses = terms.losses if mb_w is None else terms.losses * mb_w[micro]
@@ -418,18 +435,26 @@ class PolicyWorker(_Trainable):
         return out
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def export_weights(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """``(version, state_dict)`` (detached copies) for ``RolloutWorker.update_weights``."""
-        return self._version, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    def export_weights(self, dtype: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(version, state_dict)`` for ``RolloutWorker.update_weights`` through the object store:
+        detached CPU copies, floating tensors cast to `dtype` when given (e.g. the rollout's
+        ``"bfloat16"``, halving the bytes moved). See also ``stage_weights`` (local/collective)."""
+        dt = getattr(torch, dtype) if dtype is not None else None
+        with torch.no_grad():
+            return self._version, {k: _cast(v, dt, "cpu") for k, v in self.model.state_dict().items()}
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:
         """Number of updates applied."""
         return self._version
 
+    def on_close(self) -> None:
+        """Drop the weight channel and the staged snapshots."""
+        self.close_weight_channel()
+
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,
-               with_entropy: bool, who: str) -> TensorDict:
+               with_entropy: bool, who: str, placement: Placement | None = None) -> TensorDict:
     require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask"], who)
     was_training = model.training
     model.eval()
@@ -439,11 +464,11 @@ def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temper
             for s in micro_batches(batch.batch_size[0], micro):
                 b = batch[s]
                 lp, ent = response_log_probs(model, b["input_ids"], b["attention_mask"], b["response_ids"],
-                                             temperature, with_entropy)
-                m = b["response_mask"].to(lp.dtype)
-                lps.append(lp * m)
+                                             temperature, with_entropy, placement=placement)
+                m = b["response_mask"].to(device=lp.device, dtype=lp.dtype)
+                lps.append((lp * m).cpu())
                 if ent is not None:
-                    ents.append(ent * m)
+                    ents.append((ent * m).cpu())
     finally:
         model.train(was_training)
     out = {key: torch.cat(lps)}
@@ -463,7 +488,9 @@ class ReferenceWorker(Worker):
 
     def __init__(self, model: ModelConfig, *, micro_batch_size: int = 16, temperature: float = 1.0) -> None:
         set_torch_threads(self.context.num_cpus, model.num_threads)
-        self.model, self.tokenizer = load_model(model)
+        self.placement = resolve_placement(model, self.context.num_gpus, trained=False, who="ReferenceWorker")
+        built, self.tokenizer = load_model(model)
+        self.model = place_model(built, self.placement, trained=False, who="ReferenceWorker")
         self.model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
@@ -472,7 +499,7 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: TensorDictBase) -> TensorDict:
         """``TD{ref_log_probs [B, R]}`` (0 where masked)."""
         return _log_probs(self.model, batch, self.micro_batch_size, self.temperature, "ref_log_probs",
-                          with_entropy=False, who="ReferenceWorker.compute_ref_log_prob")
+                          with_entropy=False, who="ReferenceWorker.compute_ref_log_prob", placement=self.placement)
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def weights_checksum(self) -> dict[str, str]:

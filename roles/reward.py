@@ -44,6 +44,7 @@ from asyncrl import Dispatch, Worker, register
 from ._util import micro_batches, require, text_list
 from .arithmetic import compute_score
 from .errors import RewardFnError, UnknownNameError
+from .device import place_model, resolve_placement
 from .models import ModelConfig, build_reward_model, load_tokenizer, position_ids_from_mask, set_torch_threads
 
 __all__ = [
@@ -225,7 +226,10 @@ class RewardWorker(Worker):
         self.rm: torch.nn.Module | None = None
         if self.config.model is not None:
             set_torch_threads(self.context.num_cpus, self.config.model.num_threads)
-            self.rm, self.tokenizer = build_reward_model(self.config.model)
+            self.placement = resolve_placement(self.config.model, self.context.num_gpus, trained=False,
+                                               who="RewardWorker (reward model)")
+            rm, self.tokenizer = build_reward_model(self.config.model)
+            self.rm = place_model(rm, self.placement, trained=False, who="RewardWorker (reward model)")
             self.rm.eval().requires_grad_(False)
             self.fn_name = "reward_model"
         else:
@@ -282,12 +286,14 @@ class RewardWorker(Worker):
         out = []
         with torch.no_grad():
             for s in micro_batches(batch.batch_size[0], self.config.micro_batch_size):
-                ids, m = batch["input_ids"][s], batch["attention_mask"][s]
+                dev = self.placement.device
+                ids, m = batch["input_ids"][s].to(dev), batch["attention_mask"][s].to(dev)
                 base = getattr(self.rm, self.rm.base_model_prefix)  # type: ignore[union-attr]
-                h = base(input_ids=ids, attention_mask=m, position_ids=position_ids_from_mask(m)).last_hidden_state
-                logits = self.rm.score(h).squeeze(-1).float()  # type: ignore[union-attr]
+                with self.placement.autocast():
+                    h = base(input_ids=ids, attention_mask=m, position_ids=position_ids_from_mask(m)).last_hidden_state
+                    logits = self.rm.score(h).squeeze(-1).float()  # type: ignore[union-attr]
                 last = m.shape[1] - 1 - m.flip(-1).long().argmax(-1)  # the last attended position
-                out.append(logits[torch.arange(ids.shape[0]), last])
+                out.append(logits[torch.arange(ids.shape[0], device=dev), last].cpu())
         scores = torch.cat(out)
         if not math.isfinite(float(scores.abs().sum())):
             raise RewardFnError("the reward model returned non-finite scores")

@@ -14,6 +14,17 @@ closes the gate to new generation; in-flight generation is then either waited fo
 (``"abort"``); *transfer* loads the tensors; *commit* publishes the version (and, in
 verify mode, checks checksums first) and reopens the gate. Every row carries the
 version of the weights that generated all of its tokens.
+
+``update_weights`` takes weights by any transport (:mod:`asyncrl.roles.transfer`): the
+``(version, state_dict)`` of ``export_weights`` through the object store, or a
+:class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``local`` (copied
+from the colocated policy's snapshot in this process) or ``collective`` (received over the
+weight channel first, then loaded in the same transaction). Floating tensors are cast to
+the rollout's dtype (e.g. the policy's float32 master weights into a bf16 rollout).
+
+Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to the CPU;
+level 2: discarded) and KV cache around training, ``wake_up()`` re-acquires them; after a
+level-2 sleep the next sync may reload the same version (``RolloutConfig.sleep_level``).
 """
 
 from __future__ import annotations
@@ -27,12 +38,14 @@ from typing import Any, AsyncIterator, Literal, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from asyncrl import Dispatch, Mode, Worker, register
+from asyncrl import Dispatch, Execute, Mode, Worker, register
 
 from ._util import require, with_fields
+from .device import check_gpu_memory, place_model, resolve_placement
 from .engines import Completion, SamplingParams, make_engine
-from .errors import PromptTooLongError, StaleWeightsError, WeightSyncError
+from .errors import DeviceError, PromptTooLongError, StaleWeightsError, WeightSyncError
 from .models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads, state_dict_checksums
+from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, layout_of, member_info
 
 __all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
 
@@ -65,6 +78,10 @@ class RolloutConfig:
     model_dir: str | None = None
     """Directory the engine loads from (vLLM); None saves the initial model to a temp dir when the
     engine is not ``"hf"``."""
+    sleep_level: int = 0
+    """What ``sleep()`` releases while the policy trains on a shared GPU (colocated): 0 = nothing
+    (``sleep`` is a no-op), 1 = weights offloaded to the CPU and the KV cache freed, 2 = weights
+    discarded (the next weight sync restores them). verl's / vLLM's sleep levels."""
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -133,8 +150,15 @@ class RolloutWorker(Worker):
         self.config = rollout or RolloutConfig()
         if self.config.sync_policy not in ("wait", "abort"):
             raise ValueError(f"RolloutConfig.sync_policy must be 'wait' or 'abort', got {self.config.sync_policy!r}")
+        if self.config.sleep_level not in (0, 1, 2):
+            raise ValueError(f"RolloutConfig.sleep_level must be 0, 1 or 2, got {self.config.sleep_level!r}")
         set_torch_threads(self.context.num_cpus, model.num_threads)
-        self.model, self.tokenizer = load_model(model)
+        self.placement = resolve_placement(model, self.context.num_gpus, trained=False, who="RolloutWorker")
+        built, self.tokenizer = load_model(model)
+        if self.config.engine == "hf":
+            self.model = place_model(built, self.placement, trained=False, who="RolloutWorker")
+        else:  # the engine (vLLM) loads its own copy onto the GPU; this one stays on the CPU
+            self.model = built.to(dtype=self.placement.param_dtype)
         self.model.eval().requires_grad_(False)
         self.context_length = context_length(self.model)
         self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
@@ -142,8 +166,21 @@ class RolloutWorker(Worker):
         if model_dir is None and self.config.engine != "hf":
             self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-rollout-")
             model_dir = save_model_dir(self.model, self.tokenizer, self._tmp.name)
+        engine_kwargs = dict(self.config.engine_kwargs)
+        if self.config.engine == "hf" and self.placement.autocast_dtype is not None:
+            engine_kwargs.setdefault("autocast", self.placement.autocast_dtype)
+        if self.config.engine == "vllm":
+            _check_vllm_memory(engine_kwargs, self.placement)
+            if self.config.sleep_level:
+                engine_kwargs.setdefault("sleep_mode", True)
         self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
-                                  model_dir=model_dir, **self.config.engine_kwargs)
+                                  model_dir=model_dir, **engine_kwargs)
+        if self.config.sleep_level and not callable(getattr(self.engine, "sleep", None)):
+            raise ValueError(f"RolloutConfig.sleep_level={self.config.sleep_level} but the {self.config.engine!r} "
+                             "engine has no sleep/wake_up; set sleep_level=0")
+        self._asleep = 0
+        self._needs_weights = False
+        self._channel: WeightChannel | None = None
         self._version = 0
         self._committed: dict[str, torch.Tensor] | None = None
         self._initial_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -179,6 +216,12 @@ class RolloutWorker(Worker):
     # ---- generation ---------------------------------------------------------------------
 
     def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]:
+        if self._asleep:
+            raise RuntimeError(f"rollout rank {self.rank} is asleep (level {self._asleep}); call wake_up() before "
+                               "generating")
+        if self._needs_weights:
+            raise RuntimeError(f"rollout rank {self.rank} discarded its weights in sleep(level=2); sync weights "
+                               "(update_weights) after wake_up() before generating")
         require(batch, ["prompt_ids", "prompt_mask"], "RolloutWorker.generate")
         ids, mask = batch["prompt_ids"], batch["prompt_mask"]
         prompts = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
@@ -365,12 +408,21 @@ class RolloutWorker(Worker):
 
     # ---- weight sync ----------------------------------------------------------------------
 
-    def _validate(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        if version <= self._version:
+    def _vote(self, version: int) -> int:
+        """A collective transfer's vote on `version` (before any bytes move)."""
+        if version < self._version or (version == self._version and not self._needs_weights):
+            return STALE
+        return OK
+
+    def _check_version(self, version: int) -> None:
+        if self._vote(version) != OK:
             raise StaleWeightsError(
                 f"refusing weights of version {version}: rank {self.rank} already has version {self._version}; "
                 "updates must carry strictly increasing versions (sync after each policy update, in order)"
             )
+
+    def _validate(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self._check_version(version)
         unknown = sorted(set(state) - set(self._shapes))
         missing = sorted(set(self._shapes) - set(state))
         if unknown or missing:
@@ -380,9 +432,104 @@ class RolloutWorker(Worker):
             )
         for k, t in state.items():
             shape, dtype = self._shapes[k]
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            ok = isinstance(t, torch.Tensor) and tuple(t.shape) == shape and (
+                t.dtype == dtype or (t.is_floating_point() and dtype.is_floating_point))
+            if not ok:
                 got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise WeightSyncError(f"weight {k!r}: expected {shape} {dtype}, got {got}")
+
+    def _cast(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with floating tensors in the rollout's dtypes (what the engine will hold)."""
+        return {k: t if t.dtype == self._shapes[k][1] else t.to(self._shapes[k][1]) for k, t in state.items()}
+
+    # ---- weight transports ----------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{name: (shape, dtype)}`` of the weights this rollout holds (what a sync must bring)."""
+        return {k: (shape, str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self._shapes.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def channel_member(self) -> dict[str, Any]:
+        """This rank's process and device, for choosing a weight channel's backend."""
+        return member_info(self.placement.device)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
+                                  timeout_s: float = 120.0, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+        """Join weight channel `name` as channel rank ``1 + rank`` (policy rank 0 sends)."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        ch = await asyncio.to_thread(WeightChannel, name, host, port, 1 + self.rank, world_size, backend=backend,
+                                     device=self.placement.device, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        self._channel = ch
+        return {"rank": ch.rank, "backend": ch.backend, "world_size": world_size}
+
+    async def _receive(self, handle: WeightHandle) -> dict[str, torch.Tensor]:
+        ch = self._channel
+        if ch is None or ch.name != handle.channel:
+            raise WeightSyncError(f"rollout rank {self.rank} has no open weight channel {handle.channel!r}; call "
+                                  "open_weight_channel(policy, rollout) first")
+        layout = layout_of(self.weight_spec())
+        target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
+        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received)
+
+    def _on_bucket_received(self, what: str) -> None:
+        """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
+
+    async def _resolve_weights(self, weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+        if isinstance(weights, list) and len(weights) == 1 and isinstance(weights[0], WeightHandle):
+            weights = weights[0]
+        if not isinstance(weights, WeightHandle):
+            return unpack_weights(weights, version)
+        if version is not None and version != weights.version:
+            raise WeightSyncError(f"update_weights(version={version}) but the handle holds version {weights.version}")
+        if weights.transport == "local":
+            self._check_version(weights.version)
+            return weights.version, SNAPSHOTS.take_local(weights)
+        if weights.transport == "collective":
+            return weights.version, await self._receive(weights)
+        raise WeightSyncError(f"unknown weight transport {weights.transport!r}")
+
+    # ---- memory on a shared GPU ----------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def sleep(self, level: int | None = None) -> dict[str, Any]:
+        """Release the engine's weights and KV cache until :meth:`wake_up` (`level` defaults to
+        ``RolloutConfig.sleep_level``; 0 does nothing). In-flight generation finishes first."""
+        lvl = self.config.sleep_level if level is None else level
+        if lvl == 0 or self._asleep:
+            return {"asleep": bool(self._asleep), "level": self._asleep}
+        gate = self._gate_event()
+        gate.clear()
+        try:
+            tasks = [j.task for j in self._jobs if j.task is not None]
+            if tasks:
+                await asyncio.wait(tasks)
+            asleep = getattr(self.engine, "asleep", None)
+            if asleep is not None:
+                await asleep(lvl)
+            else:
+                await asyncio.to_thread(self.engine.sleep, lvl)  # type: ignore[attr-defined]
+            self._asleep = lvl
+        finally:
+            gate.set()
+        return {"asleep": True, "level": lvl}
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def wake_up(self) -> dict[str, Any]:
+        """Re-acquire what :meth:`sleep` released. Returns ``{"needs_weights", "version"}``: after a
+        level-2 sleep the weights must be synced again (the same version is accepted) before generating."""
+        if self._asleep:
+            awake = getattr(self.engine, "awake_up", None)
+            if awake is not None:
+                await awake()
+            else:
+                await asyncio.to_thread(self.engine.wake_up)  # type: ignore[attr-defined]
+            self._needs_weights = self._needs_weights or self._asleep == 2
+            self._asleep = 0
+        return {"needs_weights": self._needs_weights, "version": self._version}
 
     @register(Dispatch.ONE_TO_ALL)
     async def update_weights(self, weights: Any, version: int | None = None, *,
@@ -391,14 +538,21 @@ class RolloutWorker(Worker):
 
         `weights` is the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` --
         pass that future straight in so the tensors go through the object store, not the
-        controller -- or a state dict with `version`. Refuses a version <= the current one
-        (:class:`StaleWeightsError`) and malformed weights (:class:`WeightSyncError`) without
-        changing anything. Returns ``{"version", "num_tensors", "waited", "aborted",
-        "checksums_verified"}``.
+        controller -- a state dict with `version`, or a ``WeightHandle`` of ``stage_weights``
+        (``local``: copied from the colocated policy's snapshot; ``collective``: received over
+        the weight channel while ``PolicyWorker.send_weights`` sends it). Refuses a version <=
+        the current one (:class:`StaleWeightsError`) and malformed weights
+        (:class:`WeightSyncError`) without changing anything. Returns ``{"version",
+        "num_tensors", "waited", "aborted", "checksums_verified"}``.
         """
-        version, state = unpack_weights(weights, version)
+        if self._asleep == 2:
+            raise RuntimeError(f"rollout rank {self.rank} is asleep at level 2 (weights discarded); call wake_up() "
+                               "before syncing weights")
+        handle = weights[0] if isinstance(weights, list) and len(weights) == 1 else weights
+        version, state = await self._resolve_weights(weights, version)
         # begin: every check before anything changes
         self._validate(version, state)
+        state = self._cast(state)
         gate = self._gate_event()
         gate.clear()
         try:
@@ -432,6 +586,9 @@ class RolloutWorker(Worker):
             if self.config.verify_checksums:
                 self._committed = state  # what a later failed verification rolls back to
             self._version = version
+            self._needs_weights = False
+            if isinstance(handle, WeightHandle) and handle.transport == "local":
+                SNAPSHOTS.drop_older(handle.owner, version)
             return {"version": version, "num_tensors": len(state), "waited": 0 if aborted else len(tasks),
                     "aborted": aborted, "checksums_verified": verify}
         finally:
@@ -451,5 +608,21 @@ class RolloutWorker(Worker):
         return await asyncio.to_thread(self.engine.weights_checksum)
 
     def on_close(self) -> None:
-        """Close the engine."""
+        """Close the weight channel and the engine."""
+        if self._channel is not None:
+            self._channel.close()
         self.engine.close()
+
+
+def _check_vllm_memory(engine_kwargs: dict[str, Any], placement: Any) -> None:
+    """A colocated vLLM engine takes ``gpu_memory_utilization`` of the whole GPU up front: refuse at
+    setup when that much is not free (other roles on the GPU hold the rest)."""
+    if not placement.is_cuda:
+        return
+    share = float(engine_kwargs.get("gpu_memory_utilization", 0.2))
+    free, total = torch.cuda.mem_get_info(placement.device)
+    try:
+        check_gpu_memory(int(share * total), free, total, who=f"RolloutWorker (vLLM, gpu_memory_utilization={share:g})",
+                         device=placement.device)
+    except DeviceError as e:
+        raise DeviceError(f"{e}; or lower engine_kwargs.gpu_memory_utilization") from None

@@ -3,6 +3,12 @@
 Generation runs in a worker thread so the worker's event loop stays free (other
 calls, weight-sync control, streaming). Cancelling the awaiting task stops the loop
 at its next token step (cooperative abort) before the task finishes cancelling.
+
+The loop runs on the model's device (a GPU when the rollout worker placed it there), in
+batches of ``max_batch_size`` prompts, with one device-to-host copy per token step. Each
+prompt samples from its own generator (seed + prompt index) on that device, so a call is
+reproducible whatever the batching. ``sleep``/``wake_up`` release the GPU memory of the
+weights between rollouts (see :meth:`HFEngine.sleep`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class HFEngine:
         model_dir: unused (the vLLM engine loads from it).
         max_batch_size: prompts per forward batch.
         seed: seed of the engine's generator, used when ``SamplingParams.seed`` is None.
+        autocast: run the forward under ``torch.autocast`` in this dtype (None: the weights' dtype).
         exact_log_probs: after sampling a batch, recompute its log-probs with one full forward pass
             over prompt + response -- the computation the policy's ``compute_log_prob`` does -- instead
             of keeping the KV-cached decode's. The two differ by fp32 rounding that grows with depth
@@ -43,9 +50,15 @@ class HFEngine:
     """
 
     def __init__(self, *, model: torch.nn.Module, tokenizer: Any, model_dir: str | None = None,
-                 max_batch_size: int = 64, seed: int = 0, exact_log_probs: bool = False) -> None:
+                 max_batch_size: int = 64, seed: int = 0, autocast: torch.dtype | None = None,
+                 exact_log_probs: bool = False) -> None:
         self.model = model.eval()
         self.exact_log_probs = exact_log_probs
+        self.autocast = autocast
+        self.sleep_level = 0  # 0 awake; 1 weights on the CPU; 2 weights discarded
+        self.needs_weights = False  # woken from level 2: the next load_weights restores them
+        self._home: torch.device | None = None
+        self._param_specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
         self.max_batch_size = max_batch_size
@@ -99,8 +112,11 @@ class HFEngine:
                     pass
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the named tensors into the model (every parameter and buffer name must match)."""
+        """Copy the named tensors into the model (every parameter and buffer name must match;
+        floating tensors are cast to the model's dtype, and moved to its device)."""
         state = dict(named_tensors)
+        if self.sleep_level == 2:
+            raise RuntimeError("the HF engine is asleep at level 2 (weights discarded); call wake_up() before loading")
         with self._weights_lock, torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
             own = set(self.model.state_dict())
@@ -112,6 +128,7 @@ class HFEngine:
                     f"weights do not match the engine's model: unexpected {sorted(unexpected)[:5]}, "
                     f"missing {sorted(missing)[:5]}; export the full state_dict of the same architecture"
                 )
+            self.needs_weights = False
 
     def weights_checksum(self) -> dict[str, str]:
         """``{name: checksum}`` of the model's state dict."""
@@ -122,20 +139,72 @@ class HFEngine:
         """Nothing to release (the model belongs to the caller)."""
         self._closed = True
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are (the CPU while asleep at level 1)."""
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the GPU memory of the weights until :meth:`wake_up` (verl's / vLLM's sleep levels).
+
+        Level 1 moves the weights to the CPU (restored by ``wake_up``); level 2 discards them
+        (``wake_up`` reallocates, and the next ``load_weights`` must restore them before
+        generating). The KV cache is per call here, so nothing else is held; on a GPU the
+        allocator's cached blocks are returned to the driver for other processes. On the CPU
+        level 1 keeps the weights where they are. Generating while asleep raises.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard weights), got {level}")
+        with self._weights_lock:
+            if self.sleep_level:
+                return
+            self._home = self.device
+            self._param_specs = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if level == 1:
+                        if self._home.type != "cpu":
+                            p.data = p.data.to("cpu")
+                    else:
+                        p.data = torch.empty(0, dtype=p.dtype, device=self._home)
+            self.sleep_level = level
+        _empty_cache(self._home)
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`: weights back on their device (level 1) or reallocated, awaiting a
+        ``load_weights`` (level 2: :attr:`needs_weights` is then True)."""
+        with self._weights_lock:
+            if not self.sleep_level:
+                return
+            home = self._home or torch.device("cpu")
+            with torch.no_grad():
+                params = dict(self.model.named_parameters())
+                for n, p in params.items():
+                    if self.sleep_level == 1:
+                        if home.type != "cpu":
+                            p.data = p.data.to(home)
+                    else:
+                        shape, dtype = self._param_specs[n]
+                        p.data = torch.empty(shape, dtype=dtype, device=home)
+            self.needs_weights = self.sleep_level == 2
+            self.sleep_level = 0
+
     # ---- sampling ----------------------------------------------------------------------
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if self._closed:
             raise RuntimeError("the HF engine is closed")
+        if self.sleep_level:
+            raise RuntimeError(f"the HF engine is asleep (level {self.sleep_level}); call wake_up() before generating")
+        if self.needs_weights:
+            raise RuntimeError("the HF engine's weights were discarded by sleep(level=2); load weights before generating")
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params.temperature}, {params.top_p}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if self.exact_log_probs and params.temperature > 0 and (0 < params.top_k or params.top_p < 1.0):
-            raise ValueError("exact_log_probs recomputes unfiltered log-probs; it cannot be used with top-k/top-p "
-                             "sampling (set top_k=-1 and top_p=1.0, or exact_log_probs=False)")
 
     def _next_seed(self) -> int:
         with self._rng_lock:
@@ -152,13 +221,15 @@ class HFEngine:
                    emit: Callable[[int, Completion], None], abort: threading.Event) -> None:
         B = len(prompts)
         P = max(len(p) for p in prompts)
+        dev = self.device
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, P), dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[b, P - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
         pos = position_ids_from_mask(mask)
-        gens = [torch.Generator().manual_seed(seed + i) for i in idx]
+        gens = [torch.Generator(device=dev).manual_seed(seed + i) for i in idx]
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
         done = [False] * B
@@ -175,26 +246,26 @@ class HFEngine:
         for _ in range(params.max_new_tokens):
             if abort.is_set():
                 raise _Aborted()
-            with self._weights_lock:
+            with self._weights_lock, _autocast(dev, self.autocast):
                 out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                  use_cache=True, **{self._cache_kw: past})
             past = getattr(out, "cache", None) if self._cache_kw == "cache" else out.past_key_values
             logits = out.logits[:, -1, :].float()
-            nxt = self._sample(logits, params, gens, done)
+            nxt = self._sample(logits, params, gens, done).tolist()  # one device-to-host copy per step
             for b in range(B):
                 if done[b]:
                     continue
-                tokens[b].append(int(nxt[b, 0]))
-                logps[b].append(float(nxt[b, 1]))
+                tokens[b].append(int(nxt[b][0]))
+                logps[b].append(nxt[b][1])
                 if tokens[b][-1] == self.eos_id:
                     done[b] = True
                     finish(b, "stop")
             if all(done):
                 break
             tok = torch.tensor([t[-1] if t else self.pad_id for t in tokens], dtype=torch.long)[:, None]
-            step_ids = tok
+            step_ids = tok.to(dev)
             step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
         for b in range(B):
             if not done[b]:
                 finish(b, "length")
@@ -214,8 +285,9 @@ class HFEngine:
         for b, t in enumerate(tokens):
             resp[b, :len(t)] = torch.tensor(t, dtype=torch.long)
             rmask[b, :len(t)] = 1
+        resp, rmask = resp.to(prompt_ids.device), rmask.to(prompt_ids.device)
         temperature = params.temperature if params.temperature > 0 else 1.0
-        with self._weights_lock:
+        with self._weights_lock, _autocast(prompt_ids.device, self.autocast):
             lp, _ = response_log_probs(self.model, torch.cat([prompt_ids, resp], 1), torch.cat([prompt_mask, rmask], 1),
                                        resp, temperature, with_entropy=False)
         for b, t in enumerate(tokens):
@@ -224,12 +296,12 @@ class HFEngine:
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator],
                 done: list[bool]) -> torch.Tensor:
-        """``[B, 2]``: sampled token and its log-prob under the distribution it was sampled from,
-        ``log_softmax`` of the tempered logits after top-k/top-p filtering (the behaviour policy
-        that off-policy correction divides by; as vLLM's ``processed_logprobs``)."""
+        """``[B, 2]`` on the CPU (float64): sampled token and its log-prob under the distribution it
+        was sampled from, ``log_softmax`` of the tempered logits after top-k/top-p filtering (the
+        behaviour policy that off-policy correction divides by; as vLLM's ``processed_logprobs``).
+        float32 math on the logits' device, one copy to the host; rows that are done get 0, 0."""
         t = params.temperature
         scaled = logits / t if t > 0 else logits
-        out = torch.zeros((logits.shape[0], 2), dtype=torch.float64)
         filt = scaled.clone()
         if t > 0 and params.top_k > 0 and params.top_k < filt.shape[-1]:
             kth = torch.topk(filt, params.top_k, dim=-1).values[:, -1:]
@@ -241,14 +313,28 @@ class HFEngine:
             sorted_l[drop] = float("-inf")
             filt = torch.full_like(filt, float("-inf")).scatter(-1, order, sorted_l)
         logp = torch.log_softmax(filt, dim=-1)  # == log_softmax(scaled) when nothing is filtered
-        probs = logp.exp()
-        for b in range(logits.shape[0]):
-            if done[b]:
-                continue
-            if t == 0:
-                tok = int(torch.argmax(logits[b]))
-            else:
-                tok = int(torch.multinomial(probs[b], 1, generator=gens[b]))
-            out[b, 0] = tok
-            out[b, 1] = float(logp[b, tok])
+        B = logits.shape[0]
+        if t == 0:
+            toks = torch.argmax(logits, dim=-1)
+        else:
+            probs = logp.exp()
+            zero = torch.zeros((1,), dtype=torch.long, device=logits.device)
+            toks = torch.cat([zero if done[b] else torch.multinomial(probs[b], 1, generator=gens[b])
+                              for b in range(B)])
+        lp = logp.gather(-1, toks[:, None]).squeeze(-1)
+        out = torch.stack([toks.to(torch.float64), lp.to(torch.float64)], dim=1).cpu()
+        out[torch.tensor(done, dtype=torch.bool)] = 0.0
         return out
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    import contextlib
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _empty_cache(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,592 @@
+"""Weight transports between the policy and the rollout: in-process hand-over and a collective channel.
+
+Three transports move a policy version to the rollout ranks (``sync_weights(transport=...)``):
+
+``object_store``
+    ``PolicyWorker.export_weights()`` returns ``(version, state_dict)`` on the CPU; the future
+    goes straight into ``RolloutWorker.update_weights``, which fetches the tensors from Ray's
+    object store. Works for every placement.
+``local``
+    Policy and rollout are colocated in one process (``colocate`` / ``trainer.colocated``).
+    ``PolicyWorker.stage_weights("local")`` keeps a snapshot of the version on its device in
+    this process and returns a small :class:`WeightHandle`; ``update_weights(handle)`` copies
+    from the snapshot. No tensor leaves the process or touches the object store.
+``collective``
+    Separate pools: a :class:`WeightChannel` -- its own torch.distributed process group over
+    policy rank 0 (channel rank 0) and every rollout rank (channel ranks 1..n), NCCL when all
+    members sit on distinct GPUs, gloo otherwise (CPU, or members sharing one GPU).
+    ``stage_weights("collective")`` snapshots the version; ``send_weights(handle)`` on the
+    policy and ``update_weights(handle)`` on the rollout run the protocol below together.
+
+Protocol of one collective transfer (every step is a collective with a timeout, so a rank
+that dies or stalls ends it with an error on every other rank, never a hang)::
+
+    1. header    root broadcasts [magic, version, tensors, layout hash, root code]
+    2. vote      all-gather one code per rank: 0 = accept; STALE (version not newer than
+                 the rank's), MISMATCH (not the version the controller asked for), LAYOUT
+                 (names/shapes/dtypes differ), SENDER (root lost the snapshot)
+                 -> any refusal: every rank stops here, nothing moved, channel still usable
+    3. data      root broadcasts the tensors as byte buckets (bit-exact), receivers fill
+                 fresh buffers (the engine's weights are untouched)
+    4. ack       all-gather "received" codes -> only when every rank has everything
+    5. commit    each rollout rank loads the buffers in its usual transaction (gate,
+                 wait/abort in-flight generation, load, verify, publish the version)
+
+A failure in 1-4 (peer died, timeout) marks the channel broken on that rank: the call
+raises :class:`~asyncrl.roles.WeightSyncError` and every later use raises at once until the
+channel is reopened (``open_weight_channel``). Rollout ranks keep their previous weights and
+version. Transfers over one channel must not overlap: ``sync_weights`` and the trainer
+issue one at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal, Mapping, NoReturn
+
+import torch
+
+from asyncrl import Dispatch, Execute, register
+
+from .errors import StaleWeightsError, WeightSyncError
+
+__all__ = [
+    "WeightHandle",
+    "WeightChannel",
+    "WeightSource",
+    "SNAPSHOTS",
+    "layout_of",
+    "Transport",
+]
+
+Transport = Literal["object_store", "local", "collective"]
+
+MAGIC = 0x5EED_A5C1
+OK, STALE, MISMATCH, LAYOUT, SENDER, RECEIVE = 0, 1, 2, 3, 4, 5
+_CODE_NAMES = {STALE: "stale version", MISMATCH: "not the version the controller asked for",
+               LAYOUT: "different weight names/shapes/dtypes", SENDER: "the policy no longer holds that version",
+               RECEIVE: "failed to receive"}
+
+
+@dataclass(frozen=True)
+class WeightHandle:
+    """A staged policy version: what ``stage_weights`` returns and ``update_weights`` accepts.
+
+    It is a few bytes; the tensors stay with the policy (a snapshot in its process) until a
+    rollout rank copies them (``local``) or receives them over a channel (``collective``).
+    """
+
+    version: int
+    """The policy version the snapshot holds."""
+    transport: Literal["local", "collective"]
+    """How the rollout gets the tensors."""
+    owner: str
+    """Id of the policy worker that holds the snapshot."""
+    pid: int
+    """Process that holds it (a ``local`` handle only works there)."""
+    channel: str | None
+    """The channel's name (``collective``)."""
+    num_tensors: int
+    """Tensors in the snapshot."""
+    nbytes: int
+    """Bytes in the snapshot."""
+
+
+class _Snapshots:
+    """Process-wide store of staged versions, ``owner -> {version: state}`` (oldest evicted first)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, collections.OrderedDict[int, dict[str, torch.Tensor]]] = {}
+
+    def put(self, owner: str, version: int, state: dict[str, torch.Tensor], keep: int) -> None:
+        with self._lock:
+            d = self._items.setdefault(owner, collections.OrderedDict())
+            d[version] = state
+            d.move_to_end(version)
+            while len(d) > max(1, keep):
+                d.popitem(last=False)
+
+    def get(self, owner: str, version: int) -> dict[str, torch.Tensor] | None:
+        with self._lock:
+            return self._items.get(owner, {}).get(version)
+
+    def versions(self, owner: str) -> list[int]:
+        with self._lock:
+            return list(self._items.get(owner, {}))
+
+    def drop_older(self, owner: str, version: int) -> None:
+        """Forget the versions older than `version` (a rollout holds `version` or newer)."""
+        with self._lock:
+            d = self._items.get(owner)
+            if d is not None:
+                for v in [v for v in d if v < version]:
+                    del d[v]
+
+    def clear(self, owner: str) -> None:
+        with self._lock:
+            self._items.pop(owner, None)
+
+    def take_local(self, handle: WeightHandle) -> dict[str, torch.Tensor]:
+        """The snapshot a ``local`` handle names, or a WeightSyncError saying why not."""
+        if handle.pid != os.getpid():
+            raise WeightSyncError(
+                f"a local weight handle of version {handle.version} from process {handle.pid} reached process "
+                f"{os.getpid()}: transport='local' needs the policy and the rollout colocated in one process "
+                "(colocate(...) / trainer.colocated=true); use transport='object_store' or 'collective' otherwise"
+            )
+        state = self.get(handle.owner, handle.version)
+        if state is None:
+            raise WeightSyncError(
+                f"version {handle.version} is no longer staged on the policy (it keeps {self.versions(handle.owner)}); "
+                "stage it again, or raise stage_weights(keep=...) when rollout lags further behind"
+            )
+        return state
+
+
+SNAPSHOTS = _Snapshots()
+"""The staged versions of every policy worker in this process."""
+
+
+def new_owner_id() -> str:
+    """A process-unique id for a policy worker's snapshots."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def layout_of(state: Mapping[str, torch.Tensor] | Mapping[str, tuple[tuple[int, ...], str]]) -> list[tuple[str, tuple[int, ...], str]]:
+    """``[(name, shape, dtype name)]`` in order, from tensors or from a ``weight_spec`` dict."""
+    out = []
+    for name, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out.append((name, tuple(v.shape), str(v.dtype).removeprefix("torch.")))
+        else:
+            shape, dtype = v
+            out.append((name, tuple(shape), str(dtype).removeprefix("torch.")))
+    return out
+
+
+def layout_hash(layout: list[tuple[str, tuple[int, ...], str]]) -> int:
+    """A 62-bit hash of a layout (fits an int64 header field)."""
+    h = hashlib.sha256(repr(layout).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 62) - 1)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+          "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
+
+
+def _buckets(layout: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `layout` grouped into byte buckets of at most `bucket_bytes` (a lone larger tensor
+    gets its own); both sides compute the same plan from the same layout."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, (_, shape, dtype) in enumerate(layout):
+        n = _numel(shape) * _DTYPE[dtype].itemsize
+        if cur and size + n > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+class WeightChannel:
+    """One member of a collective weight channel (a process group of its own).
+
+    Args:
+        name: the channel's name (keys the rendezvous).
+        host, port: where channel rank 0 (the policy) serves the rendezvous store.
+        rank, world_size: this member's channel rank (0 = sender) and the member count.
+        backend: ``"gloo"`` (tensors staged through the CPU) or ``"nccl"`` (tensors on `device`).
+        device: where received tensors are made (``nccl``: must be this member's GPU).
+        timeout_s: deadline of the rendezvous and of every collective.
+        bucket_bytes: most bytes per broadcast.
+    """
+
+    def __init__(self, name: str, host: str, port: int, rank: int, world_size: int, *, backend: str,
+                 device: torch.device, timeout_s: float = 120.0, bucket_bytes: int = 256 << 20) -> None:
+        import torch.distributed as dist
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"WeightChannel backend must be 'gloo' or 'nccl', got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"channel rank {rank} is outside a world of {world_size}")
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self.backend, self.timeout_s, self.bucket_bytes = backend, float(timeout_s), int(bucket_bytes)
+        self.device = device if backend == "nccl" else torch.device("cpu")
+        self.broken: str | None = None
+        self._lock = threading.Lock()
+        td = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(host, port, world_size, rank == 0, timeout=td, wait_for_workers=True)
+        except Exception as e:
+            raise WeightSyncError(
+                f"weight channel {name!r}: rank {rank} could not meet the other {world_size - 1} member(s) at "
+                f"{host}:{port} within {timeout_s:g}s ({type(e).__name__}: {e}); every member must join "
+                "(open_weight_channel joins policy rank 0 and every rollout rank together)"
+            ) from e
+        self._store = store
+        prefix = dist.PrefixStore(f"asyncrl-weights/{name}", store)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, td)
+        else:  # pragma: no cover - needs GPUs (unverified on real hardware, see README "On a GPU")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            torch.cuda.set_device(device)
+            self.pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        self._td = td
+        self._check(torch.tensor([MAGIC], dtype=torch.int64), "handshake")
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    def _wait(self, work: Any) -> None:
+        try:
+            if self.backend == "nccl":  # pragma: no cover
+                work.wait(self._td)
+                torch.cuda.current_stream(self.device).synchronize()
+            else:
+                work.wait()
+        except BaseException:
+            del work  # a failed Work keeps the group alive from the traceback; _abort needs it gone
+            raise
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.broadcast([t], opts))
+
+    def _all_gather(self, value: int) -> list[int]:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        out = [torch.zeros_like(t) for _ in range(self.world_size)]
+        self._wait(self.pg.allgather([out], [t]))
+        return [int(x.item()) for x in out]
+
+    def _check(self, t: torch.Tensor, what: str) -> None:
+        try:
+            codes = self._all_gather(int(t.item()))
+        except Exception as e:
+            self._break(e, what)
+        if any(c != MAGIC for c in codes):
+            self._break(RuntimeError(f"handshake codes {codes}"), what)
+
+    def _break(self, e: BaseException, what: str) -> NoReturn:
+        self.broken = f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        self._abort()  # the peers' pending collectives fail now instead of at their timeout
+        raise WeightSyncError(
+            f"weight channel {self.name!r} (rank {self.rank} of {self.world_size}, {self.backend}) failed during "
+            f"{self.broken}; a member died or stalled past {self.timeout_s:g}s. Rollout ranks keep their previous "
+            "weights; reopen the channel (open_weight_channel) or fall back to transport='object_store'"
+        ) from e
+
+    def _usable(self) -> None:
+        if self.broken is not None:
+            raise WeightSyncError(
+                f"weight channel {self.name!r} is broken by an earlier failure ({self.broken}); reopen it with "
+                "open_weight_channel before syncing again"
+            )
+
+    # ---- the protocol --------------------------------------------------------------------------
+
+    def send(self, version: int, state: dict[str, torch.Tensor] | None, layout: list[tuple[str, tuple[int, ...], str]],
+             on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Run the protocol as channel rank 0. `state` None means the version is not staged (every
+        rank is told, nothing moves). Returns ``{"version", "sent", "codes", "bytes"}``; raises
+        :class:`WeightSyncError` only when the channel fails."""
+        if self.rank != 0:
+            raise RuntimeError("only channel rank 0 sends")
+        with self._lock:
+            self._usable()
+            root_code = OK if state is not None else SENDER
+            header = torch.tensor([MAGIC, version, len(layout), layout_hash(layout), root_code], dtype=torch.int64,
+                                  device=self.device)
+            try:
+                self._broadcast(header)
+                codes = self._all_gather(root_code)
+            except Exception as e:
+                self._break(e, f"the header/vote of version {version}")
+            if any(codes):
+                return {"version": version, "sent": False, "codes": codes, "bytes": 0}
+            assert state is not None
+            sent = 0
+            try:
+                for idx in _buckets(layout, self.bucket_bytes):
+                    parts = [state[layout[i][0]].detach().reshape(-1).view(torch.uint8) for i in idx]
+                    flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+                    flat = flat.to(self.device)
+                    self._broadcast(flat)
+                    sent += flat.numel()
+                    if on_progress is not None:
+                        on_progress("bucket")
+                acks = self._all_gather(OK)
+            except Exception as e:
+                self._break(e, f"the transfer of version {version}")
+            return {"version": version, "sent": not any(acks), "codes": acks, "bytes": sent}
+
+    def receive(self, expected_version: int, layout: list[tuple[str, tuple[int, ...], str]],
+                vote: Callable[[int], int], device: torch.device,
+                on_progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+        """Run the protocol as a receiving rank: `vote(version)` returns OK or STALE for this rank.
+
+        Returns the received tensors (fresh buffers on `device`, in `layout` order). Raises
+        :class:`StaleWeightsError` when this rank refused a stale version, and
+        :class:`WeightSyncError` when another rank refused or the channel failed."""
+        if self.rank == 0:
+            raise RuntimeError("channel rank 0 sends; it does not receive")
+        with self._lock:
+            self._usable()
+            header = torch.zeros(5, dtype=torch.int64, device=self.device)
+            try:
+                self._broadcast(header)
+            except Exception as e:
+                self._break(e, f"the header of version {expected_version}")
+            magic, version, _, lhash, root_code = (int(x) for x in header.tolist())
+            if magic != MAGIC:
+                self._break(RuntimeError(f"bad header magic {magic:#x}"), "the header")
+            if root_code:
+                code = OK
+            elif version != expected_version:
+                code = MISMATCH
+            elif lhash != layout_hash(layout):
+                code = LAYOUT
+            else:
+                code = vote(version)
+            try:
+                codes = self._all_gather(code)
+            except Exception as e:
+                self._break(e, f"the vote on version {version}")
+            if any(codes):
+                raise _refusal(self.rank, version, expected_version, codes)
+            out: dict[str, torch.Tensor] = {}
+            try:
+                for idx in _buckets(layout, self.bucket_bytes):
+                    nbytes = [_numel(layout[i][1]) * _DTYPE[layout[i][2]].itemsize for i in idx]
+                    flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=self.device)
+                    self._broadcast(flat)
+                    flat = flat.to(device)
+                    off = 0
+                    for i, n in zip(idx, nbytes):
+                        name, shape, dtype = layout[i]
+                        out[name] = flat[off:off + n].view(_DTYPE[dtype]).view(shape)
+                        off += n
+                    if on_progress is not None:
+                        on_progress("bucket")
+                acks = self._all_gather(OK)
+            except Exception as e:
+                self._break(e, f"the transfer of version {version}")
+            if any(acks):
+                raise WeightSyncError(f"weight channel {self.name!r}: version {version} aborted, ranks {acks} "
+                                      "did not receive everything; weights unchanged")
+            return out
+
+    def _abort(self) -> None:
+        # Dropping the last reference closes the group's sockets, so the peers' pending collectives
+        # fail at once ("connection closed") instead of at their timeout. (ProcessGroupGloo.abort()
+        # keeps the sockets open until the process exits, and measured here it could crash a peer.)
+        self.pg = None
+
+    def close(self) -> None:
+        """Drop the process group (the peers' pending and next collectives fail)."""
+        self._abort()
+        self.broken = self.broken or "closed"
+
+
+def _refusal(rank: int, version: int, expected: int, codes: list[int]) -> Exception:
+    own = codes[rank]
+    others = {r: _CODE_NAMES.get(c, str(c)) for r, c in enumerate(codes) if c and r != rank}
+    if own == STALE:
+        return StaleWeightsError(
+            f"refusing weights of version {version} on channel rank {rank}: this rank already has that version or a "
+            "newer one; updates must carry strictly increasing versions (nothing was transferred)"
+        )
+    if own == MISMATCH:
+        return WeightSyncError(
+            f"channel rank {rank} was asked to receive version {expected} but the policy sent version {version} "
+            "(concurrent or misordered syncs on one channel); nothing was transferred, issue one sync at a time"
+        )
+    if own == LAYOUT:
+        return WeightSyncError(
+            f"channel rank {rank}: the policy's weight layout differs from this rollout's (names, shapes or dtypes); "
+            "nothing was transferred; policy and rollout must be the same architecture"
+        )
+    return WeightSyncError(f"version {version} was refused by channel rank(s) {others}; nothing was transferred and "
+                           "this rank keeps its weights")
+
+
+def channel_backend(members: Iterable[Mapping[str, Any]], requested: str = "auto") -> str:
+    """``nccl`` when every member is on a distinct GPU (and `requested` allows it), else ``gloo``.
+
+    Raises WeightSyncError when two members share a process (colocated: use ``local``) or
+    ``nccl`` is requested where it cannot work."""
+    ms = list(members)
+    pids = [(m["node"], m["pid"]) for m in ms]
+    if len(set(pids)) != len(pids):
+        raise WeightSyncError(
+            "the policy and a rollout rank share one process (colocated): a collective channel would deadlock "
+            "there; use transport='local' (in-process hand-over) for colocated roles"
+        )
+    on_gpu = all(str(m["device"]).startswith("cuda") for m in ms)
+    distinct = len({m["uuid"] for m in ms}) == len(ms)
+    if requested == "gloo":
+        return "gloo"
+    if requested == "nccl":
+        if not (on_gpu and distinct):
+            raise WeightSyncError(
+                "backend='nccl' needs every channel member on its own GPU, but the members are on "
+                f"{[m['device'] for m in ms]} ({'shared GPUs' if on_gpu else 'some on the CPU'}); use backend='auto' "
+                "(gloo, staged through the CPU) or place policy and rollout on distinct GPUs"
+            )
+        return "nccl"
+    if requested != "auto":
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {requested!r}")
+    return "nccl" if on_gpu and distinct else "gloo"
+
+
+def member_info(device: torch.device) -> dict[str, Any]:
+    """Who a prospective channel member is: process, node, device and the device's physical id."""
+    from .device import device_uuid
+
+    return {"pid": os.getpid(), "node": socket.gethostname(), "device": str(device), "uuid": device_uuid(device)}
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
+    """A detached copy of `t` on `device`, floating tensors cast to `dtype` (when given)."""
+    target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    return t.detach().to(device=device, dtype=target, copy=True)
+
+
+class WeightSource:
+    """The sending side of the weight transports, mixed into :class:`~asyncrl.roles.PolicyWorker`.
+
+    Expects ``self.model`` (the trained module), ``self._version`` and ``self.placement``.
+    Only rank 0 stages and sends (every rank holds the same weights).
+    """
+
+    model: torch.nn.Module
+    _version: int
+    placement: Any
+    _channel: "WeightChannel | None" = None
+    _channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
+    _owner: str | None = None
+
+    def _owner_id(self) -> str:
+        if self._owner is None:
+            self._owner = new_owner_id()
+        return self._owner
+
+    def _state_for(self, dtype: str | torch.dtype | None, device: torch.device | str) -> dict[str, torch.Tensor]:
+        dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
+        with torch.no_grad():
+            return {k: _cast(v, dt, device) for k, v in self.model.state_dict().items()}
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{name: (shape, dtype)}`` of the weights as they would be exported."""
+        return {n: (s, d) for n, s, d in layout_of(self.model.state_dict())}
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def stage_weights(self, transport: Literal["local", "collective"] = "local", dtype: str | None = None,
+                      keep: int = 4) -> WeightHandle:
+        """Snapshot the current version on this worker's device and return its :class:`WeightHandle`.
+
+        `dtype` casts floating tensors (e.g. the rollout's ``bfloat16``; a collective channel
+        uses the dtypes the rollout announced when it opened). The `keep` newest snapshots are
+        kept; older ones are dropped (a handle to a dropped version is refused)."""
+        if transport not in ("local", "collective"):
+            raise ValueError(f"stage_weights transport must be 'local' or 'collective', got {transport!r}")
+        channel = None
+        if transport == "collective":
+            if self._channel is None or self._channel_layout is None:
+                raise WeightSyncError("stage_weights('collective') needs an open weight channel: call "
+                                      "open_weight_channel(policy, rollout) first")
+            channel = self._channel.name
+            dtypes = {n: _DTYPE[d] for n, _, d in self._channel_layout}
+            with torch.no_grad():
+                state = {k: _cast(v, dtypes.get(k), self.placement.device) for k, v in self.model.state_dict().items()}
+        else:
+            state = self._state_for(dtype, self.placement.device)
+        SNAPSHOTS.put(self._owner_id(), self._version, state, keep)
+        return WeightHandle(version=self._version, transport=transport, owner=self._owner_id(), pid=os.getpid(),
+                            channel=channel, num_tensors=len(state),
+                            nbytes=sum(t.numel() * t.element_size() for t in state.values()))
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def channel_member(self) -> dict[str, Any]:
+        """This rank's process/device (``member_info``) and a free port to serve a channel's rendezvous."""
+        host = os.environ.get("MASTER_ADDR") or "127.0.0.1"  # this group's rank 0 (this worker) address
+        return {**member_info(self.placement.device), "host": host, "port": free_port()}
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
+    async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
+                                  layout: list[tuple[str, tuple[int, ...], str]], timeout_s: float = 120.0,
+                                  bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+        """Join channel `name` as its rank 0 (the sender); `layout` is the rollout's weight layout
+        (names must match this model's; floating dtypes may differ and are cast when staging)."""
+        import asyncio
+
+        own = {n: s for n, s, _ in layout_of(self.model.state_dict())}
+        theirs = {n: tuple(s) for n, s, _ in layout}
+        if own != theirs:
+            diff = sorted(set(own) ^ set(theirs)) or sorted(n for n in own if own[n] != theirs.get(n))
+            raise WeightSyncError(f"the rollout's weights differ from the policy's (names or shapes), e.g. {diff[:5]}; "
+                                  "policy and rollout must be the same architecture")
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        ch = await asyncio.to_thread(WeightChannel, name, host, port, 0, world_size, backend=backend,
+                                     device=self.placement.device, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        self._channel, self._channel_layout = ch, [(n, tuple(s), d) for n, s, d in layout]
+        return {"rank": 0, "backend": ch.backend, "world_size": world_size}
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
+    async def send_weights(self, handle: WeightHandle) -> dict[str, Any]:
+        """Send the staged version `handle` over the open channel (the rollout ranks receive it in
+        ``update_weights(handle)`` at the same time). Runs beside training: the snapshot is immutable."""
+        import asyncio
+
+        if not isinstance(handle, WeightHandle) or handle.transport != "collective":
+            raise WeightSyncError(f"send_weights needs a collective WeightHandle from stage_weights, got {handle!r}")
+        ch, layout = self._channel, self._channel_layout
+        if ch is None or layout is None or ch.name != handle.channel:
+            raise WeightSyncError(f"no open weight channel {handle.channel!r} on the policy; call open_weight_channel")
+        state = SNAPSHOTS.get(handle.owner, handle.version) if handle.owner == self._owner else None
+        receipt = await asyncio.to_thread(ch.send, handle.version, state, layout, self._on_bucket_sent)
+        if receipt["sent"]:
+            SNAPSHOTS.drop_older(self._owner_id(), handle.version)
+        return receipt
+
+    def _on_bucket_sent(self, what: str) -> None:
+        """Called after each bucket a transfer sends (a seam for fault-injection tests)."""
+
+    def close_weight_channel(self) -> None:
+        """Drop the channel and the staged snapshots (called on close)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self._owner is not None:
+            SNAPSHOTS.clear(self._owner)

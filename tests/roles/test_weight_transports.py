@@ -1,0 +1,256 @@
+"""Weight sync by the transport that fits the placement, on real local Ray (CPU, gloo).
+
+* ``collective``: a process group of policy rank 0 + two rollout ranks in separate
+  processes; the rollout side ends bit-identical to the policy; stale and mismatched
+  versions are refused before a byte moves and the channel stays usable; a rank that dies
+  mid-transfer ends the transfer on every member with a typed error (bounded by the
+  channel's timeout), the survivors keep their previous weights, and the broken channel
+  refuses further use until reopened.
+* ``local``: policy and rollout colocated in one process hand a snapshot over in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+import asyncrl
+from asyncrl import Dispatch, Execute, register
+from asyncrl.roles import (
+    OptimConfig,
+    PolicyWorker,
+    RolloutConfig,
+    RolloutWorker,
+    StaleWeightsError,
+    WeightHandle,
+    WeightSyncError,
+    open_weight_channel,
+    sync_weights,
+)
+from asyncrl.roles.functional import grpo_advantages
+from asyncrl.roles.models import state_dict_checksums
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only worker subclasses
+
+TIMEOUT = 15.0  # the channel's deadline in these tests: every failure ends within it
+
+
+class Policy(PolicyWorker):
+    """The policy plus its exact weight bytes, to compare bit for bit."""
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def raw_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+class Rollout(RolloutWorker):
+    @register(Dispatch.ONE_TO_ALL)
+    def raw_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+class DyingRollout(Rollout):
+    """Rollout rank 1 dies after the first bucket of a transfer it receives; rank 0 writes down
+    how its receive ended (its group cannot be called once a rank died)."""
+
+    def _on_bucket_received(self, what: str) -> None:
+        if self.rank == 1:
+            os._exit(1)
+
+    async def _receive(self, handle):
+        try:
+            return await super()._receive(handle)
+        except Exception as e:
+            if self.rank == 0:
+                with open(os.environ["SURVIVOR_LOG"], "w") as f:
+                    json.dump({"error": type(e).__name__, "message": str(e), "version": self._version,
+                               "checksums": self.engine.weights_checksum()}, f)
+            raise
+
+
+class DyingPolicy(Policy):
+    """The policy dies after sending the first bucket of a transfer."""
+
+    def _on_bucket_sent(self, what: str) -> None:
+        os._exit(1)
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def jump_to_version(self, version: int) -> None:
+        self._version = version  # ahead of the rollout that earlier tests advanced
+
+
+def _groups(model_config, policy_cls=Policy, rollout_cls=Rollout, name="wt", env=None):
+    policy = asyncrl.RayWorkerGroup(policy_cls, world_size=1, name=f"{name}-policy",
+                                    kwargs={"model": model_config, "optim": OptimConfig(lr=1e-2, micro_batch_size=4)})
+    rollout = asyncrl.RayWorkerGroup(rollout_cls, world_size=2, name=f"{name}-rollout", env=env,
+                                     kwargs={"model": model_config, "rollout": RolloutConfig(max_new_tokens=5)})
+    return policy, rollout
+
+
+async def _train_once(policy, rollout, batch):
+    out = rollout.generate(batch)
+    lp = policy.compute_log_prob(out)
+    b = (await out).clone(False)
+    b.update(await lp)
+    b["scores"] = (b["response_ids"][:, 0] % 2).float()
+    b["advantages"] = grpo_advantages(b["scores"], b["uid"], b["response_mask"])
+    return await policy.update(b)
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        x.dtype == b[k].dtype and x.shape == b[k].shape and torch.equal(x.view(torch.uint8), b[k].view(torch.uint8))
+        for k, x in a.items())
+
+
+@pytest.fixture(scope="module")
+async def channel_groups(ray_cluster, model_config):
+    policy, rollout = _groups(model_config)
+    async with policy, rollout:
+        info = await open_weight_channel(policy, rollout, timeout_s=TIMEOUT, bucket_bytes=64 << 10)
+        assert info == {"name": "weights", "backend": "gloo", "world_size": 3}
+        yield policy, rollout
+
+
+async def test_collective_sync_gives_bit_identical_weights_on_every_rollout_rank(channel_groups, prompt_batch):
+    policy, rollout = channel_groups
+    await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+    fetched = policy.stats.bytes_fetched + rollout.stats.bytes_fetched
+    version = await sync_weights(policy, rollout, transport="collective", verify=True)
+    assert version == 1 and await rollout.get_version() == [1, 1]
+    assert policy.stats.bytes_fetched + rollout.stats.bytes_fetched == fetched  # no weights via the controller
+    want = await policy.raw_state()
+    ranks = await rollout.raw_state()
+    assert len(ranks) == 2 and all(_same_bits(r, want) for r in ranks)
+    assert await rollout.weights_checksum() == [state_dict_checksums(want.items())] * 2
+    # the rows generated after the sync carry the new version on both ranks
+    out = await rollout.generate(prompt_batch(n=4))
+    assert out["version"].tolist() == [1, 1, 1, 1]
+
+
+async def test_collective_refuses_a_stale_version_before_any_byte_moves(channel_groups, prompt_batch):
+    policy, rollout = channel_groups
+    v = (await rollout.get_version())[0]
+    if await policy.get_version() == v:  # make sure the policy is ahead, then sync once
+        await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+        v = await sync_weights(policy, rollout, transport="collective")
+    handle = await policy.stage_weights("collective")  # the version the rollout already has
+    sent, got = await _both(policy.send_weights(handle), rollout.update_weights(handle))
+    assert sent == {"version": v, "sent": False, "codes": [0, 1, 1], "bytes": 0}
+    assert isinstance(got, asyncrl.RemoteError) and isinstance(got.cause, StaleWeightsError)
+    assert "nothing was transferred" in str(got.cause)
+    # the channel is still in step on every member: the next real update goes through
+    await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+    assert await sync_weights(policy, rollout, transport="collective", verify=True) == v + 1
+
+
+async def test_collective_refuses_a_version_the_controller_did_not_ask_for(channel_groups, prompt_batch):
+    policy, rollout = channel_groups
+    await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+    handle = await policy.stage_weights("collective")
+    before = await rollout.get_version()
+    wrong = dataclasses.replace(handle, version=handle.version + 5)  # a misordered sync's handle
+    sent, got = await _both(policy.send_weights(handle), rollout.update_weights(wrong))
+    assert sent["sent"] is False and sent["codes"] == [0, 2, 2]
+    assert isinstance(got.cause, WeightSyncError)
+    assert f"asked to receive version {handle.version + 5} but the policy sent version {handle.version}" in str(got.cause)
+    assert await rollout.get_version() == before
+    assert await sync_weights(policy, rollout, transport="collective", verify=True) == handle.version
+
+
+async def test_local_handoff_between_colocated_policy_and_rollout(ray_cluster, model_config, prompt_batch):
+    col = asyncrl.colocate({
+        "policy": (Policy, (model_config, OptimConfig(lr=1e-2, micro_batch_size=4)), {}),
+        "rollout": (Rollout, (model_config, RolloutConfig(max_new_tokens=5)), {}),
+    }, world_size=1, name="local-sync")
+    async with col:
+        policy, rollout = col["policy"], col["rollout"]
+        with pytest.raises(WeightSyncError, match="share one process"):
+            await open_weight_channel(policy, rollout)
+        await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+        fetched = policy.stats.bytes_fetched + rollout.stats.bytes_fetched
+        assert await sync_weights(policy, rollout, transport="local", verify=True) == 1
+        assert policy.stats.bytes_fetched + rollout.stats.bytes_fetched == fetched
+        assert _same_bits((await rollout.raw_state())[0], await policy.raw_state())
+        handle = await policy.stage_weights("local")
+        with pytest.raises(asyncrl.RemoteError) as info:
+            await rollout.update_weights(handle)  # version 1 again
+        assert isinstance(info.value.cause, StaleWeightsError)
+
+
+async def test_a_local_handle_outside_its_process_is_refused(channel_groups):
+    policy, rollout = channel_groups
+    handle = await policy.stage_weights("local")
+    assert isinstance(handle, WeightHandle) and handle.transport == "local"
+    with pytest.raises(asyncrl.RemoteError) as info:
+        await rollout.update_weights(dataclasses.replace(handle, version=handle.version + 100))
+    assert isinstance(info.value.cause, WeightSyncError)
+    assert "transport='local' needs the policy and the rollout colocated in one process" in str(info.value.cause)
+
+
+async def test_the_policy_dying_mid_transfer_leaves_every_rollout_rank_unchanged(channel_groups, model_config,
+                                                                               prompt_batch):
+    _, rollout = channel_groups
+    policy = asyncrl.RayWorkerGroup(DyingPolicy, world_size=1, name="wt-policy-dies", kwargs={"model": model_config})
+    async with policy:
+        await open_weight_channel(policy, rollout, timeout_s=TIMEOUT, bucket_bytes=16 << 10)
+        before, versions = await rollout.raw_state(), await rollout.get_version()
+        await policy.jump_to_version(versions[0] + 1)
+        handle = await policy.stage_weights("collective")
+        sent, got = await _both(policy.send_weights(handle), rollout.update_weights(handle))
+        assert isinstance(sent, asyncrl.WorkerDiedError)
+        assert isinstance(got, asyncrl.RemoteError) and isinstance(got.cause, WeightSyncError)
+        assert f"failed during the transfer of version {handle.version}" in str(got.cause)
+        assert "Rollout ranks keep their previous weights" in str(got.cause)
+        assert await rollout.get_version() == versions
+        assert all(_same_bits(a, b) for a, b in zip(await rollout.raw_state(), before))
+        out = await rollout.generate(prompt_batch(n=4))  # still serving, on the old weights
+        assert out["version"].tolist() == [versions[0]] * 4
+        # the broken channel refuses at once instead of waiting for a peer that is gone
+        with pytest.raises(asyncrl.RemoteError) as info:
+            await rollout.update_weights(handle)
+        assert "is broken by an earlier failure" in str(info.value.cause)
+
+
+async def test_a_rollout_rank_dying_mid_transfer_ends_the_sync_on_every_member(channel_groups, model_config, tmp_path):
+    policy, _ = channel_groups
+    log = tmp_path / "survivor.json"
+    rollout = asyncrl.RayWorkerGroup(DyingRollout, world_size=2, name="wt-rollout-dies", env={"SURVIVOR_LOG": str(log)},
+                                     kwargs={"model": model_config, "rollout": RolloutConfig(max_new_tokens=5)})
+    async with rollout:
+        await open_weight_channel(policy, rollout, timeout_s=TIMEOUT, bucket_bytes=16 << 10)
+        initial = (await rollout.weights_checksum())[0]
+        handle = await policy.stage_weights("collective")  # earlier tests trained the policy: version >= 1
+        update = rollout.update_weights(handle)
+        t0 = time.monotonic()
+        sent, got = await _both(policy.send_weights(handle), update)
+        assert isinstance(sent, asyncrl.RemoteError) and isinstance(sent.cause, WeightSyncError)
+        assert f"failed during the transfer of version {handle.version}" in str(sent.cause)
+        assert isinstance(got, asyncrl.WorkerDiedError)  # rank 1's process is gone
+        # the surviving rank's own call ends too (the group future failed at the first death)
+        with pytest.raises(Exception, match="WeightSyncError"):
+            await update.refs[0]
+        print(f"every member of the transfer ended {time.monotonic() - t0:.2f}s after it started")
+        survivor = json.loads(log.read_text())  # it failed typed, and kept version 0 and its weights
+        assert survivor["error"] == "WeightSyncError"
+        assert f"failed during the transfer of version {handle.version}" in survivor["message"]
+        assert survivor["version"] == 0 and survivor["checksums"] == initial
+        # the broken channel refuses at once on the policy's side
+        with pytest.raises(asyncrl.RemoteError, match="is broken by an earlier failure"):
+            await policy.send_weights(handle)
+
+
+async def _both(a, b):
+    """Await two futures; each result or the error it raised."""
+    import asyncio
+
+    return await asyncio.gather(a, b, return_exceptions=True)
+
+

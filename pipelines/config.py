@@ -116,6 +116,17 @@ class TrainerConfig:
     """Processes of the training pool (policy, reference and critic)."""
     cpus_per_worker: float = 1.0
     """CPUs each worker process reserves in Ray."""
+    gpus_per_worker: float = 0.0
+    """GPUs each worker process reserves (0: CPU-only pools). A fraction shares a GPU: 0.5 with one
+    rollout and one training worker puts both pools on one GPU. Roles with ``model.device="auto"``
+    compute on the GPU their bundle reserves."""
+    weight_sync: Literal["auto", "object_store", "local", "collective"] = "auto"
+    """How policy weights reach the rollout (asyncrl.roles.sync): ``local`` (colocated, in-process
+    snapshot), ``collective`` (two pools, a process group: NCCL on distinct GPUs, else gloo),
+    ``object_store``. ``auto``: local when colocated, collective when the pools have GPUs, else
+    object_store."""
+    weight_sync_timeout_s: float = 120.0
+    """Deadline of the collective weight channel's rendezvous and of each transfer over it."""
     num_cpus: int | None = None
     """CPUs of the embedded Ray the job starts (None: Ray counts the machine's)."""
     output_dir: str = "runs/grpo_toy"
@@ -199,8 +210,17 @@ class JobConfig:
             return {"colocated": t.train_workers}
         return {"rollout": t.rollout_workers, "train": t.train_workers}
 
-    def validate(self, cluster_cpus: float | None = None) -> "JobConfig":
-        """Raise :class:`ConfigError` for impossible values; `cluster_cpus` also checks the pools fit."""
+    def weight_transport(self) -> str:
+        """The resolved ``trainer.weight_sync``."""
+        t = self.trainer
+        if t.weight_sync != "auto":
+            return t.weight_sync
+        if t.colocated:
+            return "local"
+        return "collective" if t.gpus_per_worker > 0 else "object_store"
+
+    def validate(self, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> "JobConfig":
+        """Raise :class:`ConfigError` for impossible values; `cluster_cpus`/`cluster_gpus` also check the pools fit."""
         t, a = self.trainer, self.algorithm
         if t.steps < 1:
             raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")
@@ -224,6 +244,21 @@ class JobConfig:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
         if t.cpus_per_worker <= 0:
             raise ConfigError(f"trainer.cpus_per_worker must be > 0, got {t.cpus_per_worker}")
+        if t.gpus_per_worker < 0:
+            raise ConfigError(f"trainer.gpus_per_worker must be >= 0, got {t.gpus_per_worker}")
+        if t.weight_sync not in ("auto", "object_store", "local", "collective"):
+            raise ConfigError(f"trainer.weight_sync must be auto, object_store, local or collective, got {t.weight_sync!r}")
+        if t.weight_sync == "local" and not t.colocated:
+            raise ConfigError("trainer.weight_sync=local hands weights over inside one process: it needs "
+                              "trainer.colocated=true (two pools: use collective or object_store)")
+        if t.weight_sync == "collective" and t.colocated:
+            raise ConfigError("trainer.weight_sync=collective needs two pools; colocated roles share a process "
+                              "(use local, or auto)")
+        if not t.weight_sync_timeout_s > 0:
+            raise ConfigError(f"trainer.weight_sync_timeout_s must be > 0, got {t.weight_sync_timeout_s}")
+        if self.rollout.sleep_level and not t.colocated:
+            raise ConfigError(f"rollout.sleep_level={self.rollout.sleep_level} releases the rollout's memory while "
+                              "the policy trains on the same GPU: it needs trainer.colocated=true (set it to 0)")
         for name, n in self.pool_sizes().items():
             if self.prompts_per_step % n:
                 raise ConfigError(
@@ -254,6 +289,14 @@ class JobConfig:
         if self.model.path is not None and self.model.gguf is not None:
             raise ConfigError(f"model.path={self.model.path!r} and model.gguf={self.model.gguf!r} are both set; "
                               "set one of them")
+        if cluster_gpus is not None and t.gpus_per_worker > 0:
+            need_gpu = sum(self.pool_sizes().values()) * t.gpus_per_worker
+            if need_gpu > cluster_gpus + 1e-9:
+                raise ConfigError(
+                    f"the pools need {need_gpu:g} GPUs ({self.pool_sizes()} workers x {t.gpus_per_worker:g}) but the "
+                    f"cluster has {cluster_gpus:g}; lower trainer.gpus_per_worker (0.5 shares a GPU between two "
+                    "workers), the worker counts, or set trainer.colocated=true"
+                )
         if cluster_cpus is not None:
             need = sum(self.pool_sizes().values()) * t.cpus_per_worker
             if need > cluster_cpus + 1e-9:
@@ -291,7 +334,8 @@ _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
                 "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.restart.max_restarts",
                 "trainer.restart.on_timeout", "evaluation.every", "evaluation.at_start", "evaluation.at_end",
-                "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples"}
+                "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",
+                "trainer.weight_sync", "trainer.weight_sync_timeout_s"}
 """Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its
 own sampling seeds and never touches the training RNG)."""
 

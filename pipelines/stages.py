@@ -184,14 +184,33 @@ def actor_update(g: Groups, train_batch: GroupFuture[TensorDict]) -> GroupFuture
     return g.policy.update(train_batch)
 
 
-def export_weights(g: Groups) -> GroupFuture[tuple[int, dict[str, torch.Tensor]]]:
-    """``(version, state_dict)`` of the policy, issued after its update (ordered on the worker)."""
-    return g.policy.export_weights()
+def export_weights(g: Groups, *, transport: str = "object_store", dtype: str | None = None,
+                   keep: int = 4) -> GroupFuture[Any]:
+    """The policy's current version for the rollout, issued after its update (ordered on the worker):
+    ``(version, state_dict)`` through the object store, or a ``WeightHandle`` to a snapshot kept by
+    the policy (``local``: colocated; ``collective``: sent over the weight channel at load time).
+    `dtype` is the rollout's weight dtype (floating tensors are cast to it)."""
+    if transport == "object_store":
+        return g.policy.export_weights(dtype=dtype)
+    if transport == "local":
+        return g.policy.stage_weights("local", dtype=dtype, keep=keep)
+    return g.policy.stage_weights("collective", keep=keep)
 
 
-def load_weights(g: Groups, exported: GroupFuture[Any]) -> GroupFuture[list[dict[str, Any]]]:
-    """Load exported weights into every rollout rank (the tensors go through the object store)."""
-    return g.rollout.update_weights(exported)
+async def load_weights(g: Groups, exported: GroupFuture[Any], *, transport: str = "object_store") -> list[dict[str, Any]]:
+    """Load an exported version into every rollout rank (rollout-side receipts). With the
+    ``collective`` transport the policy sends while the rollout ranks receive; a failure of
+    either side fails the sync (the rollout's error first: it says which rank and why)."""
+    if transport != "collective":
+        return await g.rollout.update_weights(exported)
+    import asyncio
+
+    got, sent = await asyncio.gather(g.rollout.update_weights(exported), g.policy.send_weights(exported),
+                                     return_exceptions=True)
+    for r in (got, sent):
+        if isinstance(r, BaseException):
+            raise r
+    return got  # type: ignore[return-value]
 
 
 def mean_metrics(per_rank: list[Mapping[str, float]] | None, prefix: str) -> dict[str, float]:

@@ -127,12 +127,13 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None
         args, kwargs = (base[1], base[2]) if isinstance(base, tuple) else ((), {})
         roles[role] = (cls, args, {**kwargs, **extra})
     if t.colocated:
-        pool = ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, name="asyncrl-colocated")
+        pool = ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, gpus_per_bundle=t.gpus_per_worker,
+                            name="asyncrl-colocated")
         col = colocate({**rollout_roles, **train_roles}, pool, name="colocated")
         parts, pools, cols = [col], [pool], {**{r: col for r in rollout_roles}, **{r: col for r in train_roles}}
     else:
         pool = ResourcePool([t.rollout_workers + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
-                            name="asyncrl")
+                            gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
         rpool, tpool = pool.split([t.rollout_workers, t.train_workers])
         rcol = colocate(rollout_roles, rpool, name="rollout")
         tcol = colocate(train_roles, tpool, name="train")
@@ -205,6 +206,9 @@ class Trainer:
         self._device: asyncio.Lock | None = None
         self._exports: dict[int, GroupFuture[Any] | None] = {0: None}
         self._exported = 0  # newest version whose export has been issued
+        self._transport = config.weight_transport()
+        self._sync_dtype: str | None = None  # the rollout's weight dtype (exports are cast to it)
+        self._sleep = t.colocated and config.rollout.sleep_level > 0
         self._policy_version = 0
         self._rollout_version = 0
         self._next_gen = 0  # index of the next batch the rollout loop generates
@@ -247,8 +251,10 @@ class Trainer:
         self._loader, self.evaluator = await asyncio.to_thread(self._make_data)
         if self._owns_groups:
             resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
-            cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)))
+            cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)), cluster_gpus=float(resources.get("GPU", 0.0)))
             await self._start_groups()
+        else:
+            await self._prepare_sync()
         self._initial_rng = ckpt.rng_state()
         if self._resume is not None:
             await self._restore(self._resume)
@@ -307,9 +313,31 @@ class Trainer:
         self.groups = _with_deadlines(groups, self.config.trainer.stage_timeout_s)
         try:
             await asyncio.gather(*(p.setup() for p in self._parts))
+            await self._prepare_sync()
         except BaseException:
             await self.close()
             raise
+
+    async def _prepare_sync(self) -> None:
+        """Learn the rollout's weight dtype and open the weight channel (``collective``); with
+        sleep level 2, stage version 0 so the rollout can reload it after its first sleep."""
+        from asyncrl.roles.sync import open_weight_channel, rollout_dtype
+
+        g, t = self.groups, self.config.trainer
+        assert g is not None
+        if t.gpus_per_worker > 0 or self._transport != "object_store":
+            self._sync_dtype = await rollout_dtype(g.rollout)
+        if self._transport == "collective":
+            await open_weight_channel(g.policy, g.rollout, timeout_s=t.weight_sync_timeout_s)
+        if self._sleep and self.config.rollout.sleep_level == 2 and self._exports.get(0) is None:
+            self._exports[0] = self._export(g)
+
+    def _export(self, g: Groups) -> GroupFuture[Any]:
+        return stages.export_weights(g, transport=self._transport, dtype=self._sync_dtype,
+                                     keep=self.config.trainer.max_staleness + 3)
+
+    async def _load(self, g: Groups, exported: GroupFuture[Any]) -> None:
+        await stages.load_weights(g, exported, transport=self._transport)
 
     async def close(self) -> None:
         """Release everything (idempotent): rollout workers, then training workers, then pools."""
@@ -416,6 +444,7 @@ class Trainer:
         self.buffer = StalenessBuffer(self.config.buffer_capacity, t.max_staleness)
         self._cond, self._device = asyncio.Condition(), asyncio.Lock()
         self._exports = {0: None}
+        self._sync_dtype = None
         self._exported = self._policy_version = self._rollout_version = 0
         self._next_gen = self._start_step = 0
         self._rollout_done = False
@@ -475,9 +504,14 @@ class Trainer:
                 # older weights are gone and the batch gets the (fresher) loaded ones
                 version = max(need, self._rollout_version) if cfg.rollout_weights == "fixed_lag" else self._exported
             async with self._device if cfg.colocated else _null():
+                if self._sleep:  # re-acquire the memory the rollout released for training
+                    woke = await g.rollout.wake_up()
+                    if any(w["needs_weights"] for w in woke) and version == self._rollout_version:
+                        with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                            await self._load(g, self._exports[version])  # level 2: the same version again
                 if version > self._rollout_version:
                     with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
-                        await stages.load_weights(g, self._exports[version])  # weight sync (rollout side)
+                        await self._load(g, self._exports[version])  # weight sync (rollout side)
                     self._rollout_version = version
                     for v in [v for v in self._exports if v < version]:
                         del self._exports[v]  # older exports are never loaded again
@@ -488,6 +522,8 @@ class Trainer:
                                         "generate", step=i, version=version)
                 sc = self.tracer.watch(stages.score(g, gen), "score", step=i)
                 scores = (await sc)["scores"]
+                if self._sleep:  # release the rollout's memory while the policy trains
+                    await g.rollout.sleep()
             item = RolloutBatch(step=i, version=version, batch=gen, scores=sc,
                                 reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0)
             await self.buffer.put(item)
@@ -537,7 +573,7 @@ class Trainer:
         crit = stages.critic_update(g, adv)
         crit = w(crit, "critic_update", step=step) if crit is not None else None
         act = w(stages.actor_update(g, adv), "actor_update", step=step)
-        exported = w(stages.export_weights(g), "export_weights", step=step)
+        exported = w(self._export(g), "export_weights", step=step)
         staleness = self._policy_version - item.version
         async with self._cond:  # type: ignore[union-attr]
             self._exports[self._policy_version + 1] = exported  # weight sync (policy side): publish
@@ -636,8 +672,8 @@ class Trainer:
         if self.evaluator is not None:
             self.evaluator.restore(state.get("evals", []), step)
         if step > 0:  # the rollout engines start at version 0: give them the restored weights
-            exported = stages.export_weights(g)
-            await stages.load_weights(g, exported)
+            exported = self._export(g)
+            await self._load(g, exported)
             self._exports = {step: exported}
             self._rollout_version = step
         buffered = torch.load(path / "buffer.pt", weights_only=True)

@@ -1,0 +1,92 @@
+"""The trainer's weight sync fits the placement, and every transport trains the same weights.
+
+Two pools sync through the collective channel (gloo here), a colocated process hands
+weights over in-process and lets its rollout sleep (level 2: weights discarded and
+restored) around every train step; both equal the sequential one-step-off reference that
+syncs through the object store, step for step and bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from asyncrl.pipelines import load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import grpo_toy, tiny_test
+from asyncrl.pipelines.sync import run_sequential
+from asyncrl.pipelines.trainer import GRPOTrainer
+
+COMPARED = ("version", "reward/mean", "staleness/max", "batch/version", "actor/pg_loss", "actor/grad_norm")
+
+
+def test_auto_weight_sync_fits_the_placement():
+    cfg = grpo_toy()
+    assert cfg.weight_transport() == "object_store"  # two CPU pools
+    cfg.trainer.gpus_per_worker = 0.5
+    assert cfg.weight_transport() == "collective"  # two pools with GPUs
+    cfg.trainer.colocated = True
+    assert cfg.weight_transport() == "local"  # one process
+    cfg.trainer.weight_sync = "object_store"
+    assert cfg.weight_transport() == "object_store"  # explicit wins
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.weight_sync=local"], "weight_sync=local hands weights over inside one process: it needs "
+                                    "trainer.colocated=true"),
+    (["trainer.weight_sync=collective", "trainer.colocated=true"], "weight_sync=collective needs two pools"),
+    (["trainer.weight_sync=nccl"], r"must be one of \['auto', 'object_store', 'local', 'collective'\]"),
+    (["rollout.sleep_level=1"], "rollout.sleep_level=1 .* needs trainer.colocated=true"),
+    (["trainer.gpus_per_worker=-1"], "gpus_per_worker must be >= 0"),
+    (["trainer.weight_sync_timeout_s=0"], "weight_sync_timeout_s must be > 0"),
+])
+def test_bad_weight_sync_settings_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_pools_that_need_more_gpus_than_the_cluster_has_are_rejected():
+    cfg = grpo_toy()
+    cfg.trainer.gpus_per_worker = 0.5
+    cfg.validate(cluster_cpus=8, cluster_gpus=1)  # rollout + train worker share one GPU
+    cfg.trainer.gpus_per_worker = 1
+    with pytest.raises(ConfigError, match="pools need 2 GPUs .* the cluster has 1; lower trainer.gpus_per_worker"):
+        cfg.validate(cluster_cpus=8, cluster_gpus=1)
+
+
+async def _run(cfg, tmp_path, name):
+    cfg.trainer.output_dir = str(tmp_path / name)
+    async with GRPOTrainer(cfg) as trainer:
+        history = await trainer.fit()
+        asleep = await trainer.groups.rollout.sleep()  # a no-op that reports whether the last step left it asleep
+        return history, await trainer.groups.policy.weights_checksum(), trainer._transport, asleep
+
+
+def _same(a, b):
+    assert [{k: r[k] for k in COMPARED} for r in a] == [{k: r[k] for k in COMPARED} for r in b]
+
+
+async def test_collective_and_local_sleeping_runs_equal_the_object_store_reference(ray_cluster, tmp_path):
+    cfg = tiny_test()
+    cfg.trainer.steps = 3
+    cfg.trainer.max_staleness = 1
+
+    split = copy.deepcopy(cfg)  # two pools: auto is object_store on CPU, so ask for the channel
+    split.trainer.weight_sync = "collective"
+    split_history, split_sum, transport, asleep = await _run(split, tmp_path, "collective")
+    assert transport == "collective" and asleep == [{"asleep": False, "level": 0}]
+
+    col = copy.deepcopy(cfg)
+    col.trainer.colocated = True
+    col.rollout.sleep_level = 2  # the rollout discards its weights around every train step
+    col_history, col_sum, transport, asleep = await _run(col, tmp_path, "local")
+    assert transport == "local" and asleep == [{"asleep": True, "level": 2}]  # slept after its last batch
+
+    ref = copy.deepcopy(cfg)
+    ref.trainer.colocated = True
+    ref_history, ref_sum = await run_sequential(ref, lag=1)  # object store, nothing overlaps, nothing sleeps
+    assert split_sum == ref_sum and col_sum == ref_sum
+    _same(split_history, ref_history)
+    _same(col_history, ref_history)
+    assert [r["batch/version"] for r in col_history] == [0, 0, 1]

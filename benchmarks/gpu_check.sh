@@ -1,54 +1,161 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM engine: the same contract test as on CPU, then the throughput benchmark.
+# The GPU check: asyncrl's roles on CUDA and a GRPO run (sync vs async) on one GPU, in one go.
 #
-# On a machine with an NVIDIA GPU, from the repository root:
-#   bash benchmarks/gpu_check.sh                      # makes .venv-vllm-gpu and pip-installs vllm (network)
-#   WHEELHOUSE=/path/to/wheels bash benchmarks/gpu_check.sh   # offline: pip --no-index --find-links
-#   VENV=/existing/venv SKIP_INSTALL=1 bash benchmarks/gpu_check.sh   # an environment that already has vllm
+# Made for the offline GPU machine (../shared/device/README.md: one H200, no network, torch with
+# CUDA preinstalled, 64 MiB carried, ~15 minutes in all). Before, on a machine with network, from
+# the repository root:  bash ../shared/device/prepare_wheels.sh     (makes .whl/, ~43 MB, git-ignored)
+# Then carry .whl along and run from the repository root there:
 #
-# Prints the measured log-prob differences (pytest -s) and writes
-#   benchmarks/results/gpu_check.log, benchmarks/results/rollout_throughput_gpu.md
-# (also copied to $OUT when it is set).
-set -euo pipefail
+#   bash benchmarks/gpu_check.sh              # installs .whl + asyncrl into $HOME/site, ~5-6 minutes
+#   bash benchmarks/gpu_check.sh --dry-run    # every step on the CPU with tiny sizes, in this checkout's
+#                                             # .venv (no install, no GPU): proves the script's logic
+#
+# Phases, each under its own time limit so a stuck one cannot eat the others' time (seconds,
+# override with the env vars): install (INSTALL_S=90), roles tests on CUDA in-process
+# (TESTS_S=150), roles on GPU pools through Ray (RAY_TESTS_S=90), GRPO sync vs async with a
+# ~76 M-parameter model built from a config (GRPO_S=240; GRPO_STEPS=24). The whole script stays
+# within TOTAL_S=570 (the device runs one command for at most 600 s): a phase gets what is left.
+#
+# Writes $OUT/gpu_check/ (without $OUT: benchmarks/results/gpu_check/; --dry-run: .../gpu_check_dry/):
+#   results.md             summary: machine, command, test outcomes, the GRPO table, peak GPU memory
+#   gpu_grpo.md/.json      step times, speedup, tokens/s, peak GPU memory per process, per-step history
+#   tests_cuda.log, tests_ray_gpu.log, grpo.log, install.log, env.txt, gpu_memory.csv
+# Exit status: 0 when every phase passed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 
-VENV=${VENV:-.venv-vllm-gpu}
-VLLM_SPEC=${VLLM_SPEC:-vllm>=0.33}
-RESULTS=benchmarks/results
-mkdir -p "$RESULTS"
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+START=$(date +%s)
 
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "nvidia-smi not found"
+if [ -n "${OUT:-}" ]; then R="$OUT/gpu_check"; else R="$ROOT/benchmarks/results/gpu_check"; fi
+[ $DRY = 1 ] && R="${R}_dry"
+mkdir -p "$R"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-  python3 -m venv "$VENV"
-  # shellcheck disable=SC1091
-  . "$VENV/bin/activate"
-  PIP=(pip install -q)
-  if [ -n "${WHEELHOUSE:-}" ]; then PIP+=(--no-index --find-links "$WHEELHOUSE"); fi
-  "${PIP[@]}" "$VLLM_SPEC"   # brings the CUDA torch and the transformers it pins
-  "${PIP[@]}" tensordict ray anyio uvloop structlog numpy pyyaml tqdm safetensors pytest pytest-asyncio pytest-timeout
-  "${PIP[@]}" --no-deps -e .
+if [ $DRY = 1 ]; then
+  PY="${PYTHON:-$ROOT/.venv/bin/python}"
+  DEVICE=cpu
+  GRPO_ARGS=(--dry-run)
 else
-  # shellcheck disable=SC1091
-  . "$VENV/bin/activate"
+  PY="${PYTHON:-python3}"
+  DEVICE=cuda
+  GRPO_ARGS=(--steps "${GRPO_STEPS:-24}")
 fi
 
-python - <<'PY'
-import torch, vllm, transformers
-assert torch.cuda.is_available(), "no CUDA device visible to torch"
-print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), vllm {vllm.__version__}, "
-      f"transformers {transformers.__version__}, GPU {torch.cuda.get_device_name(0)}")
-PY
-
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 status=0
-python -m pytest -m slow tests/roles/test_vllm_engine.py -p no:cacheprovider -q -rA -s 2>&1 \
-  | tee "$RESULTS/gpu_check.log" | grep -E "vllm log-probs|PASSED|FAILED|ERROR|passed|failed|error" || true
-grep -qE "[0-9]+ passed" "$RESULTS/gpu_check.log" && ! grep -qE "[0-9]+ (failed|error)" "$RESULTS/gpu_check.log" || status=1
+declare -A PHASE
+note() { echo "[gpu_check $(( $(date +%s) - START ))s] $*" | tee -a "$R/progress.log"; }
 
-python benchmarks/rollout_throughput.py --batch-sizes 8 64 256 --out "$RESULTS/rollout_throughput_gpu.md" \
-  > "$RESULTS/rollout_throughput_gpu.log" 2>&1 || status=1
-cat "$RESULTS/rollout_throughput_gpu.md" 2>/dev/null || tail -20 "$RESULTS/rollout_throughput_gpu.log"
+# ---- 0. the machine ------------------------------------------------------------------------------
+{
+  echo "date: $(date -Iseconds)"; echo "host: $(uname -a)"; echo "cpus: $(nproc)"
+  echo "tree: $(du -sh --exclude=.git --exclude=.venv . | cut -f1) (carried: $(du -sh .whl 2>/dev/null | cut -f1) of wheels)"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
+    || echo "nvidia-smi: not found"
+  "$PY" - <<'PY' 2>&1
+import torch, platform
+print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+      f"cuda available {torch.cuda.is_available()}")
+if torch.cuda.is_available():
+    print(f"GPU {torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability(0)}, "
+          f"bf16 {torch.cuda.is_bf16_supported()}, memory {torch.cuda.mem_get_info()[1] / 2**30:.1f} GiB")
+PY
+} > "$R/env.txt" 2>&1
+cat "$R/env.txt"
 
-if [ -n "${OUT:-}" ]; then cp "$RESULTS"/gpu_check.log "$RESULTS"/rollout_throughput_gpu.* "$OUT"/ 2>/dev/null || true; fi
+# ---- 1. install (the device image lacks ray, tensordict, structlog, pytest-asyncio) ----------------
+if [ $DRY = 1 ] || [ "${SKIP_INSTALL:-0}" = 1 ]; then
+  note "install: skipped ($([ $DRY = 1 ] && echo dry run || echo SKIP_INSTALL=1)); python: $PY"
+  PHASE[install]=skipped
+else
+  SITE="${SITE:-$HOME/site}"
+  {
+    set -e
+    ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run ../shared/device/prepare_wheels.sh and carry .whl"; exit 3; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl
+    export PYTHONPATH="$SITE"
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" . ; then
+      # no setuptools/wheel there: lay the packages out as pyproject's package-dir does
+      echo "pip install . failed: copying the packages into $SITE/asyncrl instead"
+      rm -rf "$SITE/asyncrl" && cp -r asyncrl "$SITE/asyncrl" && cp -r roles "$SITE/asyncrl/roles" \
+        && cp -r pipelines "$SITE/asyncrl/pipelines"
+    fi
+    "$PY" -c "import asyncrl, asyncrl.roles.engines.hf, asyncrl.pipelines, ray, tensordict; print('asyncrl', asyncrl.__version__, 'ray', ray.__version__)"
+  } > "$R/install.log" 2>&1 &
+  wait_pid=$!
+  ( sleep "${INSTALL_S:-90}" && kill "$wait_pid" 2>/dev/null ) & guard=$!
+  if wait "$wait_pid"; then PHASE[install]=ok; else PHASE[install]=FAILED; status=1; fi
+  kill "$guard" 2>/dev/null
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  note "install: ${PHASE[install]} ($(tail -1 "$R/install.log"))"
+fi
+
+# ---- GPU memory, sampled device-wide every 0.5 s while the checks run -------------------------------
+sampler=""
+if [ $DRY = 0 ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$R/gpu_memory.csv" 2>/dev/null &
+  sampler=$!
+fi
+
+run_phase() {  # name, limit_s, log, command...
+  local name=$1 limit=$2 log=$3; shift 3
+  local left=$(( ${TOTAL_S:-570} - ($(date +%s) - START) - 20 ))  # 20 s kept for the summary
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then PHASE[$name]="not run (time budget spent)"; status=1; note "$name: ${PHASE[$name]}"; return; fi
+  note "$name: running (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" > "$R/$log" 2>&1
+  local rc=$?
+  if [ $rc = 0 ]; then PHASE[$name]=ok
+  elif [ $rc = 124 ] || [ $rc = 137 ]; then PHASE[$name]="TIMED OUT after ${limit}s"; status=1
+  else PHASE[$name]="FAILED (exit $rc)"; status=1; fi
+  note "$name: ${PHASE[$name]} -- $(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)|passed|failed' "$R/$log" | tail -1)"
+}
+
+# ---- 2. the roles in-process on the device (fixture model_config -> device=cuda, fp32) ----------------
+export ASYNCRL_TEST_DEVICE=$DEVICE
+run_phase tests_cuda "${TESTS_S:-150}" tests_cuda.log "$PY" -m pytest -p no:cacheprovider -q -rfEs --timeout 120 \
+  tests/roles/test_device.py tests/roles/test_workers.py tests/roles/test_functional.py
+unset ASYNCRL_TEST_DEVICE
+
+# ---- 3. roles on GPU pools through Ray (half a GPU each: weight channel, bf16 rollout) ----------------
+run_phase tests_ray_gpu "${RAY_TESTS_S:-90}" tests_ray_gpu.log "$PY" -m pytest -p no:cacheprovider -q -rfEs \
+  --timeout 120 tests/roles/test_weight_transports.py -k "sharing_one_gpu or bit_identical"
+
+# ---- 4. GRPO, sync vs async, a model built from a config ---------------------------------------------
+run_phase grpo "${GRPO_S:-240}" grpo.log "$PY" benchmarks/gpu_grpo.py --out-dir "$R" "${GRPO_ARGS[@]}"
+
+[ -n "$sampler" ] && kill "$sampler" 2>/dev/null
+
+# ---- summary -----------------------------------------------------------------------------------------
+{
+  echo "# GPU check $([ $DRY = 1 ] && echo '(DRY RUN on the CPU: logic only, no GPU numbers)')"
+  echo
+  echo "Command: \`bash benchmarks/gpu_check.sh $*\` ($(( $(date +%s) - START )) s in all)"
+  echo
+  echo '```'; cat "$R/env.txt"; echo '```'
+  echo
+  echo "| phase | outcome | summary |"
+  echo "|---|---|---|"
+  for p in install tests_cuda tests_ray_gpu grpo; do
+    log="$R/$p.log"; [ $p = install ] && log="$R/install.log"
+    line=$(grep -E '[0-9]+ (passed|failed)' "$log" 2>/dev/null | tail -1 | tr '|' '/')
+    echo "| $p | ${PHASE[$p]:-not run} | ${line:-} |"
+  done
+  echo
+  if [ -s "$R/gpu_memory.csv" ]; then
+    peak=$(awk -F', ' 'NR>0 && $2+0>m {m=$2+0} END {print m}' "$R/gpu_memory.csv")
+    echo "Peak GPU memory used on the device (nvidia-smi, every 0.5 s, all processes): ${peak} MiB"
+    echo
+  fi
+  grep -hE "^(FAILED|ERROR)" "$R"/tests_*.log 2>/dev/null | head -30 | sed 's/^/    /'
+  echo
+  [ -f "$R/gpu_grpo.md" ] && cat "$R/gpu_grpo.md" || echo "(no GRPO results: see grpo.log)"
+  echo
+  echo "Not checked here: NCCL (one GPU: every collective member shares it, so gloo is used), vLLM on a GPU"
+  echo "(its wheel does not fit the 64 MiB carried; the vLLM path stays unverified)."
+} > "$R/results.md"
+cat "$R/results.md"
+note "done: exit $status; results in $R"
 exit $status

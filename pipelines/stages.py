@@ -190,8 +190,8 @@ def export_weights(g: Groups, *, transport: str = "object_store", dtype: str | N
     ``(version, state_dict)`` through the object store, or a ``WeightHandle`` to a snapshot kept by
     the policy (``local``: colocated; ``collective``: sent over the weight channel at load time).
     `dtype` is the rollout's weight dtype (floating tensors are cast to it)."""
-    if transport == "object_store":
-        return g.policy.export_weights(dtype=dtype)
+    if transport == "object_store":  # a policy class of one's own may take no dtype: pass it only when set
+        return g.policy.export_weights(dtype=dtype) if dtype is not None else g.policy.export_weights()
     if transport == "local":
         return g.policy.stage_weights("local", dtype=dtype, keep=keep)
     return g.policy.stage_weights("collective", keep=keep)

@@ -226,8 +226,16 @@ def check_model_fits(model: torch.nn.Module, placement: Placement, *, trained: b
 
 
 def place_model(model: torch.nn.Module, placement: Placement, *, trained: bool, who: str) -> torch.nn.Module:
-    """`model` in the placement's parameter dtype on its device (checking the GPU memory first)."""
+    """`model` in the placement's parameter dtype on its device (checking the GPU memory first).
+
+    Non-persistent floating buffers (rotary ``inv_freq``) keep their dtype: they are derived
+    constants, not weights, and casting them to bf16 would make a bf16 rollout's positions
+    differ from the float32 policy's."""
+    keep = [(mod, name, buf.dtype) for mod in model.modules() for name, buf in mod._buffers.items()
+            if buf is not None and buf.is_floating_point() and name in mod._non_persistent_buffers_set]
     model = model.to(dtype=placement.param_dtype)
+    for mod, name, dtype in keep:
+        mod._buffers[name] = mod._buffers[name].to(dtype)  # type: ignore[union-attr]
     check_model_fits(model, placement, trained=trained, who=who)
     return model.to(placement.device)
 

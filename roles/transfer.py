@@ -392,7 +392,10 @@ class WeightChannel:
                     off = 0
                     for i, n in zip(idx, nbytes):
                         name, shape, dtype = layout[i]
-                        out[name] = flat[off:off + n].view(_DTYPE[dtype]).view(shape)
+                        part = flat[off:off + n]
+                        if off % _DTYPE[dtype].itemsize:  # a view needs an aligned offset
+                            part = part.clone()
+                        out[name] = part.view(_DTYPE[dtype]).view(shape)
                         off += n
                     if on_progress is not None:
                         on_progress("bucket")

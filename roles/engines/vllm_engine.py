@@ -245,6 +245,7 @@ class VLLMEngine:
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = True,
         seed: int = 0,
+        sleep_mode: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """
@@ -263,6 +264,8 @@ class VLLMEngine:
                 ``VLLM_CPU_KVCACHE_SPACE`` GiB).
             enforce_eager: skip CUDA graphs / torch.compile (start-up in seconds; tiny models gain nothing).
             seed: the engine's seed (calls without a seed draw from it).
+            sleep_mode: enable vLLM's sleep mode (``enable_sleep_mode``), needed by :meth:`sleep`
+                (``RolloutConfig.sleep_level`` turns it on; CUDA only in vLLM).
             engine_kwargs: further ``vllm.AsyncEngineArgs`` fields, passed through.
         """
         if model_dir is None:
@@ -302,6 +305,8 @@ class VLLMEngine:
             worker_extension_cls=_EXTENSION_QUALNAME,
             disable_log_stats=True,
         )
+        if sleep_mode:
+            args["enable_sleep_mode"] = True
         args.update(engine_kwargs or {})
         self._ids = itertools.count()
         self._closed = False
@@ -517,6 +522,38 @@ class VLLMEngine:
         if any(r != first for r in results[1:]):
             raise WeightSyncError("vLLM workers disagree on their weights (tensor-parallel ranks differ)")
         return dict(first)
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: level 1 offloads the weights to the CPU and drops the KV cache, level 2
+        drops both (the next ``load_weights`` must restore the weights). Waits for in-flight
+        requests. Needs ``sleep_mode=True``. Unverified on a GPU so far (see README "On a GPU")."""
+        self._result(self._sleep(level))
+
+    async def asleep(self, level: int = 1) -> None:
+        """:meth:`sleep` without blocking the caller's loop."""
+        self._check_open()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._sleep(level), self._loop))
+
+    def wake_up(self) -> None:
+        """Re-acquire the weights' and KV cache's GPU memory after :meth:`sleep`."""
+        self._result(self._wake())
+
+    async def awake_up(self) -> None:
+        """:meth:`wake_up` without blocking the caller's loop."""
+        self._check_open()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._wake(), self._loop))
+
+    async def _sleep(self, level: int) -> None:
+        await asyncio.wrap_future(self._ready)
+        assert self._gate is not None
+        async with await self._gate.exclusive():
+            await self._llm.sleep(level)
+
+    async def _wake(self) -> None:
+        await asyncio.wrap_future(self._ready)
+        await self._llm.wake_up()
 
     # ------------------------------------------------------------------ helpers
 

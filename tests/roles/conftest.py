@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
@@ -34,7 +36,10 @@ def _prompt_batch(task: str = "char_class", n: int = 4, repeat: int = 1, seed: i
 
 @pytest.fixture(scope="session")
 def model_config() -> ModelConfig:
-    return ModelConfig(seed=0)
+    """The tiny test model. ``ASYNCRL_TEST_DEVICE=cuda`` puts the roles that tests build in-process on
+    the GPU (in float32 without autocast, so the exact log-prob checks keep their meaning); tests that
+    build Ray groups need ``cpu`` (their bundles reserve no GPU). benchmarks/gpu_check.sh sets it."""
+    return ModelConfig(seed=0, device=os.environ.get("ASYNCRL_TEST_DEVICE", "cpu"), dtype="float32", autocast="off")
 
 
 @pytest.fixture(scope="session")

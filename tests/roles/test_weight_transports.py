@@ -24,6 +24,7 @@ import torch
 import asyncrl
 from asyncrl import Dispatch, Execute, register
 from asyncrl.roles import (
+    ModelConfig,
     OptimConfig,
     PolicyWorker,
     RolloutConfig,
@@ -108,6 +109,83 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
         x.dtype == b[k].dtype and x.shape == b[k].shape and torch.equal(x.view(torch.uint8), b[k].view(torch.uint8))
         for k, x in a.items())
+
+
+# ---------------------------------------------------------------- the channel itself (threads of this process)
+
+
+def _channels(n: int, timeout_s: float, bucket_bytes: int = 1 << 20):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.roles.transfer import WeightChannel, free_port
+
+    port = free_port()
+    with ThreadPoolExecutor(n) as ex:
+        return list(ex.map(lambda r: WeightChannel("t", "127.0.0.1", port, r, n, backend="gloo",
+                                                   device=torch.device("cpu"), timeout_s=timeout_s,
+                                                   bucket_bytes=bucket_bytes), range(n)))
+
+
+def test_channel_moves_mixed_dtypes_bit_exactly_across_unaligned_bucket_offsets():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.roles.transfer import OK, layout_of
+
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(3, generator=g).to(torch.bfloat16),  # 6 bytes: what follows is unaligned
+             "b": torch.randn(5, 7, generator=g), "c": torch.arange(3, dtype=torch.int64),
+             "d": torch.randn(1, generator=g).to(torch.float16)}
+    layout = layout_of(state)
+    chans = _channels(3, timeout_s=30, bucket_bytes=64)
+    with ThreadPoolExecutor(3) as ex:
+        sent = ex.submit(chans[0].send, 7, state, layout)
+        got = [ex.submit(c.receive, 7, layout, lambda v: OK, torch.device("cpu")) for c in chans[1:]]
+        assert sent.result(timeout=60) == {"version": 7, "sent": True, "codes": [0, 0, 0], "bytes": 6 + 140 + 24 + 2}
+        for f in got:
+            assert _same_bits(f.result(timeout=60), state)
+    for c in chans:
+        c.close()
+
+
+def test_a_stalled_member_ends_the_transfer_at_the_deadline_on_every_other_member():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.roles.transfer import OK, layout_of
+
+    state = {"w": torch.ones(4)}
+    layout = layout_of(state)
+    chans = _channels(3, timeout_s=2)
+    with ThreadPoolExecutor(2) as ex:  # member 2 joined the channel but never takes part
+        sent = ex.submit(chans[0].send, 1, state, layout)
+        got = ex.submit(chans[1].receive, 1, layout, lambda v: OK, torch.device("cpu"))
+        with pytest.raises(WeightSyncError, match="failed during the header/vote of version 1"):
+            sent.result(timeout=60)
+        with pytest.raises(WeightSyncError, match="failed during the vote on version 1"):
+            got.result(timeout=60)
+    with pytest.raises(WeightSyncError, match="is broken by an earlier failure"):
+        chans[0].send(2, state, layout)
+    for c in chans:
+        c.close()
+
+
+def test_channel_backend_follows_the_members_devices():
+    from asyncrl.roles.transfer import channel_backend
+
+    def m(pid, device, uuid):
+        return {"node": "n", "pid": pid, "device": device, "uuid": uuid}
+
+    cpu = [m(1, "cpu", "cpu:n"), m(2, "cpu", "cpu:n")]
+    one_gpu = [m(1, "cuda:0", "cuda:A"), m(2, "cuda:0", "cuda:A")]
+    two_gpus = [m(1, "cuda:0", "cuda:A"), m(2, "cuda:0", "cuda:B")]
+    assert channel_backend(cpu) == "gloo" and channel_backend(one_gpu) == "gloo"
+    assert channel_backend(two_gpus) == "nccl" and channel_backend(two_gpus, "gloo") == "gloo"
+    with pytest.raises(WeightSyncError, match="needs every channel member on its own GPU.*shared GPUs"):
+        channel_backend(one_gpu, "nccl")
+    with pytest.raises(WeightSyncError, match="share one process \\(colocated\\).*transport='local'"):
+        channel_backend([m(1, "cpu", "cpu:n"), m(1, "cpu", "cpu:n")])
+
+
+# ---------------------------------------------------------------- across processes (Ray)
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +323,32 @@ async def test_a_rollout_rank_dying_mid_transfer_ends_the_sync_on_every_member(c
         # the broken channel refuses at once on the policy's side
         with pytest.raises(asyncrl.RemoteError, match="is broken by an earlier failure"):
             await policy.send_weights(handle)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run benchmarks/gpu_check.sh)")
+async def test_weight_channel_between_processes_sharing_one_gpu(ray_cluster, prompt_batch):
+    """Policy and rollout on half a GPU each: the channel picks gloo (NCCL refuses two ranks on one
+    GPU), stages through the CPU, and the bf16 rollout ends bit-identical to the cast policy."""
+    from asyncrl import ResourcePool
+
+    cfg = ModelConfig(seed=0)  # device="auto": the GPU the bundle reserves; dtype auto: bf16 rollout
+    pool = ResourcePool([2], gpus_per_bundle=0.5, name="wt-gpu")
+    ppool, rpool = pool.split([1, 1])
+    policy = asyncrl.RayWorkerGroup(Policy, ppool, name="wt-gpu-policy",
+                                    kwargs={"model": cfg, "optim": OptimConfig(lr=1e-2, micro_batch_size=4)})
+    rollout = asyncrl.RayWorkerGroup(Rollout, rpool, name="wt-gpu-rollout",
+                                     kwargs={"model": cfg, "rollout": RolloutConfig(max_new_tokens=5)})
+    try:
+        async with policy, rollout:
+            assert (await policy.placement_info())["device"] == "cuda:0"
+            info = await open_weight_channel(policy, rollout, timeout_s=60)
+            assert info["backend"] == "gloo"
+            await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+            assert await sync_weights(policy, rollout, transport="collective", verify=True) == 1
+            sums = await policy.weights_checksum(dtype="bfloat16" if torch.cuda.is_bf16_supported() else None)
+            assert await rollout.weights_checksum() == [sums]
+    finally:
+        await pool.release()
 
 
 async def _both(a, b):

@@ -296,17 +296,27 @@ class Trainer:
         final = self._policy_version
         if ev is None or g is None:
             return
-        for v in sorted(x for x in self._exports if self._rollout_version < x <= final):
-            if not (ev.due(v) or (v == final and ev.due_final(v))):
-                continue
+        due = [v for v in sorted(x for x in self._exports if self._rollout_version < x <= final)
+               if ev.due(v) or (v == final and ev.due_final(v))]
+        if not due and not (ev.due_final(final) and self._rollout_version == final):
+            return
+        needs_weights = self._sleep and await self._wake(g)  # the rollout slept after its last batch
+        for v in due:
             exported = self._exports[v]
             assert exported is not None
             with self.tracer.span("weight_sync", track=g.rollout.name, version=v):
-                await stages.load_weights(g, exported)
-            self._rollout_version = v
+                await self._load(g, exported)
+            self._rollout_version, needs_weights = v, False
             await self._evaluate(v)
         if ev.due_final(final) and self._rollout_version == final:
+            if needs_weights:
+                await self._load(g, self._exports[final])  # level 2: the same version again
             await self._evaluate(final)
+
+    async def _wake(self, g: Groups) -> bool:
+        """Re-acquire the memory the rollout released; True when it must reload its weights (level 2)."""
+        woke = await g.rollout.wake_up()
+        return any(w["needs_weights"] for w in woke)
 
     async def _start_groups(self) -> None:
         groups, self._parts, self._pools = build_groups(self.config, self._overrides)
@@ -504,11 +514,9 @@ class Trainer:
                 # older weights are gone and the batch gets the (fresher) loaded ones
                 version = max(need, self._rollout_version) if cfg.rollout_weights == "fixed_lag" else self._exported
             async with self._device if cfg.colocated else _null():
-                if self._sleep:  # re-acquire the memory the rollout released for training
-                    woke = await g.rollout.wake_up()
-                    if any(w["needs_weights"] for w in woke) and version == self._rollout_version:
-                        with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
-                            await self._load(g, self._exports[version])  # level 2: the same version again
+                if self._sleep and await self._wake(g) and version == self._rollout_version:
+                    with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                        await self._load(g, self._exports[version])  # level 2: the same version again
                 if version > self._rollout_version:
                     with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
                         await self._load(g, self._exports[version])  # weight sync (rollout side)

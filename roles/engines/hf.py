@@ -205,6 +205,9 @@ class HFEngine:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params.temperature}, {params.top_p}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if self.exact_log_probs and params.temperature > 0 and (0 < params.top_k or params.top_p < 1.0):
+            raise ValueError("exact_log_probs recomputes unfiltered log-probs; it cannot be used with top-k/top-p "
+                             "sampling (set top_k=-1 and top_p=1.0, or exact_log_probs=False)")
 
     def _next_seed(self) -> int:
         with self._rng_lock:

@@ -9,14 +9,37 @@ syncs through the object store, step for step and bit for bit.
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
+import ray
+
+from asyncrl import Dispatch, register
+from asyncrl.roles import RolloutWorker
 
 from asyncrl.pipelines import load_config
 from asyncrl.pipelines.config import ConfigError
 from asyncrl.pipelines.presets import grpo_toy, tiny_test
 from asyncrl.pipelines.sync import run_sequential
 from asyncrl.pipelines.trainer import GRPOTrainer
+
+class CountingRollout(RolloutWorker):
+    """The rollout worker, counting the times it actually went to sleep."""
+
+    slept = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def sleep(self, level: int | None = None) -> dict:
+        out = await super().sleep(level)
+        self.slept += int(out["asleep"])
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def times_slept(self) -> int:
+        return self.slept
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test module is not importable by workers
 
 COMPARED = ("version", "reward/mean", "staleness/max", "batch/version", "actor/pg_loss", "actor/grad_norm")
 
@@ -57,10 +80,11 @@ def test_pools_that_need_more_gpus_than_the_cluster_has_are_rejected():
 
 async def _run(cfg, tmp_path, name):
     cfg.trainer.output_dir = str(tmp_path / name)
-    async with GRPOTrainer(cfg) as trainer:
+    async with GRPOTrainer(cfg, worker_overrides={"rollout": CountingRollout}) as trainer:
         history = await trainer.fit()
-        asleep = await trainer.groups.rollout.sleep()  # a no-op that reports whether the last step left it asleep
-        return history, await trainer.groups.policy.weights_checksum(), trainer._transport, asleep
+        slept = await trainer.groups.rollout.times_slept()
+        evals = [int(r["eval/version"]) for r in trainer.evaluator.records] if trainer.evaluator is not None else []
+        return history, await trainer.groups.policy.weights_checksum(), trainer._transport, (slept, evals)
 
 
 def _same(a, b):
@@ -74,14 +98,16 @@ async def test_collective_and_local_sleeping_runs_equal_the_object_store_referen
 
     split = copy.deepcopy(cfg)  # two pools: auto is object_store on CPU, so ask for the channel
     split.trainer.weight_sync = "collective"
-    split_history, split_sum, transport, asleep = await _run(split, tmp_path, "collective")
-    assert transport == "collective" and asleep == [{"asleep": False, "level": 0}]
+    split_history, split_sum, transport, (slept, _) = await _run(split, tmp_path, "collective")
+    assert transport == "collective" and slept == [0]
 
     col = copy.deepcopy(cfg)
     col.trainer.colocated = True
     col.rollout.sleep_level = 2  # the rollout discards its weights around every train step
-    col_history, col_sum, transport, asleep = await _run(col, tmp_path, "local")
-    assert transport == "local" and asleep == [{"asleep": True, "level": 2}]  # slept after its last batch
+    col.evaluation.every, col.evaluation.at_end, col.evaluation.num_prompts = 1, True, 4  # woken to evaluate too
+    col_history, col_sum, transport, (slept, evals) = await _run(col, tmp_path, "local")
+    assert transport == "local" and slept == [3]  # after each of the 3 generated batches
+    assert evals == [1, 2, 3]  # version 1 in the loop; 2 and 3 (the final) after it, each after a wake + reload
 
     ref = copy.deepcopy(cfg)
     ref.trainer.colocated = True

@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a training job (GRPO on a toy task by default)",
                        description="Run a training job. Settings: a preset, then --config YAML, then key=value.")
     t.add_argument("--config", metavar="FILE", help="YAML file with settings (sections as in JobConfig)")
-    t.add_argument("--preset", default="grpo_toy", help="starting config (grpo_toy, ppo_toy, grpo_smollm_arith); default grpo_toy")
+    t.add_argument("--preset", default="grpo_toy", help="starting config (grpo_toy, ppo_toy, grpo_smollm_arith, "
+                   "grpo_smollm_arith_vllm); default grpo_toy")
     t.add_argument("--resume", metavar="DIR", help="checkpoint directory or run directory to continue from")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.steps=20")

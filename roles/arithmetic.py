@@ -60,8 +60,11 @@ OPS: tuple[str, ...] = ("add", "sub", "mul")
 LEVELS: tuple[int, ...] = (1, 2, 3)
 """The difficulty levels (operand ranges: see the module docstring)."""
 
-INSTRUCTION = "Reply with the number only, like this: Answer: 7"
-"""Appended to every question: the answer format that ``method="strict"`` extraction reads."""
+INSTRUCTION = 'End your reply with "Answer: " followed by the number.'
+"""Appended to every question: the answer format that ``method="strict"`` extraction reads. It holds no
+example number on purpose: with "like this: Answer: 7" SmolLM2 learned under GRPO with a format reward to
+append "The answer is: 7" to every reply (format credit for any wrong answer, and the flexible extraction then
+read 7)."""
 
 Split = Literal["train", "eval", "all"]
 

@@ -36,7 +36,7 @@ def test_problems_are_pinned_for_a_seed():
     assert ps[0].question == "There are 13 shells in a box and 14 shells on the table. How many shells are there in total?"
     assert ps[1].question == "What is 11 minus 8?"
     assert ps[2].prompt == ("There are 11 baskets with 4 marbles in each. How many marbles are there in total?\n"
-                            "Reply with the number only, like this: Answer: 7")
+                            'End your reply with "Answer: " followed by the number.')
     assert make_problems(3, 0) == ps and make_problems(3, 1) != ps
 
 

@@ -119,6 +119,8 @@ def main() -> None:
                    "--quick a folder beside --out)")
     p.add_argument("--from-run", default=None, help="summarize this existing run directory instead of training")
     p.add_argument("--wall-s", type=float, default=None, help="with --from-run: the run's measured wall-clock")
+    p.add_argument("--job", default=None, help="with --from-run: the command that made the run")
+    p.add_argument("--note", default="", help="a paragraph printed under the header (what differed, what it shows)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for asyncrl train")
     args = p.parse_args()
     load0 = os.getloadavg()[0]
@@ -136,10 +138,12 @@ def main() -> None:
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"asyncrl train failed with status {proc.returncode}")
-    command = " ".join(["asyncrl train --preset grpo_smollm_arith", *overrides])
-    header = run_header("smollm_arith.py", load_note(load0, os.getloadavg()[0]))
+    command = args.job or " ".join(["asyncrl train --preset grpo_smollm_arith", *overrides])
+    note = (load_note(load0, os.getloadavg()[0]) if not args.from_run
+            else "shared with other jobs; summarized from an earlier run, whose load is not recorded here")
+    header = run_header("smollm_arith.py", note)
     out = Path(args.out)
-    text = summarize(run_dir, wall, command, header)
+    text = summarize(run_dir, wall, command, header + (f"\n\n{args.note}" if args.note else ""))
     png = out.with_suffix(".png")
     out.parent.mkdir(parents=True, exist_ok=True)
     train, evals = _rows(run_dir)

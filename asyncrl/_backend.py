@@ -98,7 +98,8 @@ class Backend(Protocol):
     async def start(self) -> None:
         """Make the backend usable (Ray: start or connect, off the event loop)."""
 
-    def make_hosts(self, group: str, slots: Sequence[Slot], n: int) -> list[Any]: ...
+    async def make_hosts(self, group: str, slots: Sequence[Slot], n: int) -> list[Any]:
+        """Start one host per rank (Ray: actors created off the event loop)."""
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         """Run a host method (set-up, close); errors arrive in the internal shapes."""

@@ -119,7 +119,7 @@ class HostSet:
             if self.pool.world_size < n:
                 raise ValueError(f"group {self.name!r} needs {n} bundles but its pool has {self.pool.world_size}")
             slots = self.pool.slots[:n]
-        self.hosts.extend(self.backend.make_hosts(self.name, slots, n))
+        self.hosts.extend(await self.backend.make_hosts(self.name, slots, n))
         info = await self._admin(0, "node_info", "node_info")
         local_world: dict[Any, int] = {}
         for s in slots:

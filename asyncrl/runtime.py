@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -132,10 +133,10 @@ async def ainit(
     log_to_driver: bool = True,
     **ray_kwargs: Any,
 ) -> dict[str, Any]:
-    """`init` for a running event loop: Ray starts on the owner thread while the loop runs on."""
-    import ray
-
-    if ray.is_initialized():  # even the resource query is a GCS round trip: off the loop
+    """`init` for a running event loop: Ray starts on the owner thread while the loop runs on
+    (importing ray, a second or more the first time, happens there too)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # even the resource query is a GCS round trip: off the loop
         return await asyncio.get_running_loop().run_in_executor(None, ray.cluster_resources)
     fut = _OWNER.submit(
         lambda: _init_here(address, num_cpus=num_cpus, num_gpus=num_gpus, zero_copy_tensors=zero_copy_tensors,

@@ -9,12 +9,26 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The session's Ray advertises a fixed number of logical CPUs whatever the machine has
+# (CPUs are scheduling units here: the suite runs on 2 cores as on 64), so no test
+# depends on os.cpu_count(). Set ASYNCRL_TEST_NUM_CPUS to run the suite as a bigger
+# (or smaller) cluster would, e.g. ASYNCRL_TEST_NUM_CPUS=128.
+SESSION_CPUS = int(os.environ.get("ASYNCRL_TEST_NUM_CPUS", "32"))
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray with 32 logical CPUs (accounting only; the machine has 2 cores)."""
+    """The session's local Ray with SESSION_CPUS logical CPUs (accounting only).
+
+    A Ray that something else started first with another size is replaced, so the
+    suite sees the same cluster whatever order its tests run in.
+    """
+    import ray
+
     import asyncrl
 
-    resources = asyncrl.init(num_cpus=32)
+    if ray.is_initialized() and ray.cluster_resources().get("CPU") != SESSION_CPUS:
+        asyncrl.shutdown()
+    resources = asyncrl.init(num_cpus=SESSION_CPUS)
     yield resources
     asyncrl.shutdown()

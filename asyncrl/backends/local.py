@@ -42,7 +42,7 @@ class LocalBackend:
     async def start(self) -> None:
         pass
 
-    def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[WorkerHost]:
+    async def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[WorkerHost]:
         return [WorkerHost(wait=_await_local, local=True) for _ in range(n)]
 
     async def admin(self, host: WorkerHost, method: str, *args: Any) -> Any:

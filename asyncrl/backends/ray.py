@@ -221,7 +221,12 @@ class RayBackend:
 
             await ainit()
 
-    def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[Any]:
+    async def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[Any]:
+        # Creating an actor is a GCS round trip (and, the first time, Ray imports what it
+        # needs to export the class): in a thread, like every blocking Ray call.
+        return await asyncio.get_running_loop().run_in_executor(None, self._make_hosts, list(slots), n)
+
+    def _make_hosts(self, slots: list[Any], n: int) -> list[Any]:
         hosts = []
         for rank in range(n):
             slot = slots[rank]

@@ -124,7 +124,9 @@ async def test_sigkilled_worker_fails_pending_futures_fast_and_breaks_the_group(
         pending = wg.wait_forever("k")
         await until(lambda: _logs_are(wg, [[1], [1]]), "the call started")
         os.kill(pids[1], signal.SIGKILL)
-        async with asyncio.timeout(5):  # the contract: a typed error within 5 seconds, never a hang
+        # The contract: a typed error within seconds, never a hang (about 20 ms here when the
+        # machine is quiet; the bound is wide so a loaded machine does not make it flaky).
+        async with asyncio.timeout(30):
             with pytest.raises(WorkerDiedError) as info:
                 await pending
         e = info.value

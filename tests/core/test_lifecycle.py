@@ -24,13 +24,15 @@ def live_pgs() -> int:
     return sum(1 for pg in placement_group_table().values() if pg["state"] in ("CREATED", "PENDING", "RESCHEDULING"))
 
 
-async def settle(check, want):
-    """Actor death is reported asynchronously by the GCS; poll with a deadline."""
-    for _ in range(200):
-        if check() == want:
-            return want
+async def settle(check, want, deadline: float = 60.0):
+    """Actor death is reported asynchronously by the GCS; poll with a deadline (generous:
+    it only runs out when something leaked, and a loaded machine reports deaths late)."""
+    end = asyncio.get_running_loop().time() + deadline
+    while True:
+        now = await asyncio.to_thread(check)
+        if now == want or asyncio.get_running_loop().time() > end:
+            return now
         await asyncio.sleep(0.05)
-    return check()
 
 
 async def test_colocated_groups_share_processes_and_match_separate_groups(ray_cluster):
@@ -124,6 +126,17 @@ async def test_pool_asking_for_absent_gpus_fails_fast(ray_cluster):
     assert live_pgs() == before
 
 
+async def test_a_pool_used_with_async_with_is_released_on_exit(ray_cluster):
+    before = live_pgs()
+    async with ResourcePool([2], name="scoped") as pool:
+        async with RayWorkerGroup(Probe, pool) as wg:
+            assert await wg.add(0) == [0, 1]
+        assert pool.placed and await settle(live_pgs, before + 1) == before + 1  # the group does not release it
+    assert not pool.placed
+    assert await settle(live_pgs, before) == before
+    await pool.release()  # idempotent
+
+
 def test_bad_pool_arguments():
     with pytest.raises(ValueError, match="positive ints"):
         ResourcePool([0])
@@ -140,40 +153,53 @@ TWO_NODES = textwrap.dedent("""
     from asyncrl import RayWorkerGroup, ResourcePool
     from tests.core.workers import Probe
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    asyncrl.init(address=cluster.address)
+    # Every size explicit: nothing here depends on the machine (cores, memory).
+    node = {"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        asyncrl.init(address=cluster.address)
 
-    async def main():
-        pool = ResourcePool([2, 2])
-        async with RayWorkerGroup(Probe, pool) as wg:
-            assert await wg.add(0) == [0, 1, 2, 3]
-            envs = await wg.env()
-            print("LOCAL_RANKS", [e["LOCAL_RANK"] for e in envs])
-            nodes = [ray.util.placement_group_table(s.placement_group)["bundles_to_node_id"][s.bundle_index]
-                     for s in pool.slots]
-            print("NODES", len(set(nodes[:2])), len(set(nodes[2:])), len(set(nodes)))
-        await pool.release()
-        # 4 CPUs in the cluster, but no node has 3: INFEASIBLE, reported at once (not pending forever)
-        try:
-            async with RayWorkerGroup(Probe, ResourcePool([1], cpus_per_bundle=3, placement_timeout=600)):
-                pass
-        except asyncrl.PlacementError as e:
-            print("INFEASIBLE" if "INFEASIBLE" in str(e) else str(e))
-    asyncio.run(main())
-    ray.shutdown()
-    cluster.shutdown()
+        async def main():
+            async with ResourcePool([2, 2]) as pool:
+                async with RayWorkerGroup(Probe, pool) as wg:
+                    assert await wg.add(0) == [0, 1, 2, 3]
+                    envs = await wg.env()
+                    print("LOCAL_RANKS", [e["LOCAL_RANK"] for e in envs])
+                    nodes = [ray.util.placement_group_table(s.placement_group)["bundles_to_node_id"][s.bundle_index]
+                             for s in pool.slots]
+                    print("NODES", len(set(nodes[:2])), len(set(nodes[2:])), len(set(nodes)))
+            # 4 CPUs in the cluster, but no node has 3: INFEASIBLE, reported at once (not pending forever)
+            try:
+                async with RayWorkerGroup(Probe, ResourcePool([1], cpus_per_bundle=3, placement_timeout=600)):
+                    pass
+            except asyncrl.PlacementError as e:
+                print("INFEASIBLE" if "INFEASIBLE" in str(e) else str(e))
+        asyncio.run(main())
+    finally:
+        asyncrl.shutdown()
+        cluster.shutdown()
+    print("CLEAN")
 """)
 
 
-def test_pool_of_two_nodes_spans_both(tmp_path):
-    """Ray's cluster utilities start a head and a worker node on this machine."""
+async def test_pool_of_two_nodes_spans_both_and_leaves_the_session_ray_working(ray_cluster):
+    """Ray's cluster utilities start a head and a worker node on this machine, in a process
+    of their own (with an environment free of this session's Ray settings); afterwards the
+    session's Ray still places and runs groups."""
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", TWO_NODES], cwd=root, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "LOCAL_RANKS ['0', '1', '0', '1']" in proc.stdout
-    assert "NODES 1 1 2" in proc.stdout
-    assert "INFEASIBLE" in proc.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", TWO_NODES, cwd=root, env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=240)
+    stdout = out.decode()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert "LOCAL_RANKS ['0', '1', '0', '1']" in stdout
+    assert "NODES 1 1 2" in stdout
+    assert "INFEASIBLE" in stdout and "CLEAN" in stdout
+    assert ray.cluster_resources().get("CPU") == ray_cluster.get("CPU")
+    async with RayWorkerGroup(Probe, world_size=2, name="after-two-nodes") as wg:
+        assert await wg.add(0) == [0, 1]

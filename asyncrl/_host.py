@@ -65,11 +65,8 @@ class Payload:
         self.error = error
 
     def __reduce__(self) -> tuple[Any, ...]:
-        from ray import cloudpickle  # the pickler Ray registered its reducers on (zero-copy tensors, refs)
-
-        buffers: list[pickle.PickleBuffer] = []
-        data = cloudpickle.dumps((self.args, self.kwargs), protocol=5, buffer_callback=buffers.append)
-        return (_unpack, (data, *buffers))
+        data, buffers = _inner_pickler().dumps((self.args, self.kwargs))
+        return (_UNPACK, (data, *buffers))
 
     def local_copy(self) -> "Payload":
         """What a worker process would receive, made in this process (the local backend):
@@ -98,12 +95,70 @@ class Payload:
         return Payload(args, kwargs)
 
 
-def _unpack(data: bytes, *buffers: Any) -> Payload:
-    try:
-        args, kwargs = pickle.loads(data, buffers=buffers)
-    except Exception as e:
-        return Payload((), {}, _unpickling_error(e))
-    return Payload(args, kwargs)
+class _InnerPickler:
+    """One cloudpickle pickler per thread, reused for every Payload (building a pickler
+    costs several times more than pickling a few small arguments). It is Ray's
+    cloudpickle, so Ray's reducers apply (zero-copy tensors, ObjectRef accounting)."""
+
+    def __init__(self) -> None:
+        from ray import cloudpickle
+
+        self._file = io.BytesIO()
+        self._buffers: list[pickle.PickleBuffer] = []
+        self._pickler = cloudpickle.CloudPickler(self._file, protocol=5, buffer_callback=self._buffer)
+        self._busy = False
+
+    def _buffer(self, b: pickle.PickleBuffer) -> None:
+        self._buffers.append(b)
+
+    def dumps(self, obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        if self._busy:  # a Payload inside a Payload's arguments: a one-off pickler
+            from ray import cloudpickle
+
+            buffers: list[pickle.PickleBuffer] = []
+            return cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append), buffers
+        self._busy = True
+        f, self._buffers = self._file, []
+        try:
+            f.seek(0)
+            f.truncate()
+            self._pickler.clear_memo()
+            self._pickler.globals_ref = {}  # cloudpickle's per-dump state: never shared between calls
+            self._pickler.dump(obj)
+            return f.getvalue(), self._buffers
+        finally:
+            self._busy = False
+
+
+_INNER = threading.local()
+
+
+def _inner_pickler() -> _InnerPickler:
+    p = getattr(_INNER, "pickler", None)
+    if p is None:
+        p = _INNER.pickler = _InnerPickler()
+    return p
+
+
+class _Unpacker:
+    """Rebuilds a Payload on the worker; unpickling failures become its `error`.
+
+    An object, not a function: pickled as a plain global name (``__reduce__`` returns
+    one), so Ray's cloudpickle does not inspect it on every call as it does functions.
+    """
+
+    def __call__(self, data: bytes, *buffers: Any) -> Payload:
+        try:
+            args, kwargs = pickle.loads(data, buffers=buffers)
+        except Exception as e:
+            return Payload((), {}, _unpickling_error(e))
+        return Payload(args, kwargs)
+
+    def __reduce__(self) -> str:
+        return "_UNPACK"
+
+
+_UNPACK = _Unpacker()
 
 
 def _unpickling_error(e: BaseException) -> tuple[str, str, str]:

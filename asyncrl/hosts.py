@@ -20,8 +20,6 @@ import asyncio
 import gc
 from typing import Any, Mapping
 
-import structlog
-
 from asyncrl._backend import Backend, public_error
 from asyncrl._host import RoleSpec
 from asyncrl._sequencer import Sequencer
@@ -31,8 +29,6 @@ from asyncrl.resources import ResourcePool
 from asyncrl.worker import WorkerContext
 
 __all__ = ["HostSet", "AsyncResource"]
-
-log = structlog.get_logger("asyncrl")
 
 _CLOSE_GRACE_S = 10.0  # how long close() waits for the workers' on_close hooks before killing
 

@@ -331,6 +331,15 @@ def _remove_all(handles: list[Any]) -> None:
 
 
 def _place(pool: Any, stop: threading.Event) -> tuple[list[Any], list[Any]]:
+    try:
+        return _place_groups(pool, stop)
+    except (PlacementError, _Stopped):
+        raise
+    except Exception as e:  # the GCS unreachable, a malformed request: still a placement failure, named
+        raise PlacementError(f"{pool!r} could not be placed: {type(e).__name__}: {e}") from e
+
+
+def _place_groups(pool: Any, stop: threading.Event) -> tuple[list[Any], list[Any]]:
     _check_capacity(pool)
     nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not n.get("IsHeadNode", False), n["NodeID"]))
     pin = len(pool.bundles_per_node) > 1 and len(nodes) >= len(pool.bundles_per_node)

@@ -47,3 +47,20 @@ def test_the_wheel_holds_every_module_and_imports_outside_the_repository(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = proc.stdout.split()
     assert len(files) == 3 and all(f.startswith(str(site)) for f in files), proc.stdout
+
+
+def test_the_torch_floor_is_what_the_code_needs():
+    """torch's lower bound is tensordict's own floor (2.11; the core runs there): a higher
+    pin would shut out users on 2.11/2.12 for nothing."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = [Requirement(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    ours = next(r for r in deps if r.name == "torch")
+    theirs = next(Requirement(r) for r in importlib.metadata.requires("tensordict") or []
+                  if Requirement(r).name == "torch")
+    floor = lambda req: min(s.version for s in req.specifier if s.operator == ">=")  # noqa: E731
+    assert floor(ours).split(".")[:2] == floor(theirs).split(".")[:2] == ["2", "11"]
+    assert not ours.specifier.contains("2.15.0")  # the upper bound stays: 2.15 is untested

@@ -51,7 +51,8 @@ note() { echo "[gpu_check $(( $(date +%s) - START ))s] $*" | tee -a "$R/progress
 # ---- 0. the machine ------------------------------------------------------------------------------
 {
   echo "date: $(date -Iseconds)"; echo "host: $(uname -a)"; echo "cpus: $(nproc)"
-  echo "tree: $(du -sh --exclude=.git --exclude=.venv . | cut -f1) (carried: $(du -sh .whl 2>/dev/null | cut -f1) of wheels)"
+  echo "tree: $(du -sh --exclude=.git --exclude=.venv --exclude=.mypy_cache --exclude=.hypothesis --exclude=.whl . | cut -f1)," \
+       "wheels: $(du -sh .whl 2>/dev/null | cut -f1 || true)$([ -d .whl ] || echo 'none (.whl missing)')"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv \
     || echo "nvidia-smi: not found"
   "$PY" - <<'PY' 2>&1
@@ -110,7 +111,7 @@ run_phase() {  # name, limit_s, log, command...
   if [ $rc = 0 ]; then PHASE[$name]=ok
   elif [ $rc = 124 ] || [ $rc = 137 ]; then PHASE[$name]="TIMED OUT after ${limit}s"; status=1
   else PHASE[$name]="FAILED (exit $rc)"; status=1; fi
-  note "$name: ${PHASE[$name]} -- $(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)|passed|failed' "$R/$log" | tail -1)"
+  note "$name: ${PHASE[$name]} -- $(grep -E '[0-9]+ (passed|failed)|^\[gpu_grpo\] .*ms/step|FAILED' "$R/$log" | tail -1)"
 }
 
 # ---- 2. the roles in-process on the device (fixture model_config -> device=cuda, fp32) ----------------
@@ -140,7 +141,7 @@ run_phase grpo "${GRPO_S:-240}" grpo.log "$PY" benchmarks/gpu_grpo.py --out-dir 
   echo "|---|---|---|"
   for p in install tests_cuda tests_ray_gpu grpo; do
     log="$R/$p.log"; [ $p = install ] && log="$R/install.log"
-    line=$(grep -E '[0-9]+ (passed|failed)' "$log" 2>/dev/null | tail -1 | tr '|' '/')
+    line=$(grep -E '[0-9]+ (passed|failed)|^\[gpu_grpo\] .*(ms/step|FAILED)|^asyncrl ' "$log" 2>/dev/null | tail -3 | tr '|\n' '/ ')
     echo "| $p | ${PHASE[$p]:-not run} | ${line:-} |"
   done
   echo

@@ -205,12 +205,12 @@ async def load_weights(g: Groups, exported: GroupFuture[Any], *, transport: str 
         return await g.rollout.update_weights(exported)
     import asyncio
 
-    got, sent = await asyncio.gather(g.rollout.update_weights(exported), g.policy.send_weights(exported),
-                                     return_exceptions=True)
-    for r in (got, sent):
+    outcome: tuple[Any, Any] = await asyncio.gather(g.rollout.update_weights(exported),
+                                                    g.policy.send_weights(exported), return_exceptions=True)
+    for r in outcome:
         if isinstance(r, BaseException):
             raise r
-    return got  # type: ignore[return-value]
+    return list(outcome[0])
 
 
 def mean_metrics(per_rank: list[Mapping[str, float]] | None, prefix: str) -> dict[str, float]:

@@ -346,7 +346,8 @@ class Trainer:
         return stages.export_weights(g, transport=self._transport, dtype=self._sync_dtype,
                                      keep=self.config.trainer.max_staleness + 3)
 
-    async def _load(self, g: Groups, exported: GroupFuture[Any]) -> None:
+    async def _load(self, g: Groups, exported: GroupFuture[Any] | None) -> None:
+        assert exported is not None, "version 0 has no export unless rollout.sleep_level=2 staged it at setup"
         await stages.load_weights(g, exported, transport=self._transport)
 
     async def close(self) -> None:

@@ -101,7 +101,8 @@ async def sync_weights(policy: WorkerGroup[Any], rollout: WorkerGroup[Any], *, v
         send = policy.send_weights(exported)
     recv = rollout.update_weights(exported, expected_checksums=expected)
     if send is not None:
-        got, sent = await asyncio.gather(recv, send, return_exceptions=True)
+        outcome: tuple[Any, Any] = await asyncio.gather(recv, send, return_exceptions=True)
+        got, sent = outcome
         if isinstance(got, BaseException):
             raise got  # the rollout's error says most (stale, layout, which rank failed)
         if isinstance(sent, BaseException):

@@ -116,7 +116,8 @@ class _Snapshots:
 
     def get(self, owner: str, version: int) -> dict[str, torch.Tensor] | None:
         with self._lock:
-            return self._items.get(owner, {}).get(version)
+            d = self._items.get(owner)
+            return d.get(version) if d is not None else None
 
     def versions(self, owner: str) -> list[int]:
         with self._lock:

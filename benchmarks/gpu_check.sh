@@ -3,8 +3,11 @@
 #
 # Made for the offline GPU machine (../shared/device/README.md: one H200, no network, torch with
 # CUDA preinstalled, 64 MiB carried, ~15 minutes in all). Before, on a machine with network, from
-# the repository root:  bash ../shared/device/prepare_wheels.sh     (makes .whl/, ~43 MB, git-ignored)
-# Then carry .whl along and run from the repository root there:
+# the repository root:
+#   bash benchmarks/gpu_check.sh --prepare-wheels   # runs ../shared/device/prepare_wheels.sh in a scratch
+#                                                   # dir (it writes .git/info/exclude, which fails in a git
+#                                                   # worktree) and moves .whl/ here (~43 MB, git-ignored)
+# Then carry .whl along (run(..., carry=[".whl"])) and run from the repository root there:
 #
 #   bash benchmarks/gpu_check.sh              # installs .whl + asyncrl into $HOME/site, ~5-6 minutes
 #   bash benchmarks/gpu_check.sh --dry-run    # every step on the CPU with tiny sizes, in this checkout's
@@ -24,6 +27,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
+
+if [ "${1:-}" = "--prepare-wheels" ]; then
+  script="${PREPARE_WHEELS:-}"
+  for c in "$ROOT/../shared/device/prepare_wheels.sh" "$ROOT/../../shared/device/prepare_wheels.sh"; do
+    [ -z "$script" ] && [ -f "$c" ] && script=$c
+  done
+  [ -n "$script" ] && [ -f "$script" ] || { echo "prepare_wheels.sh not found; set PREPARE_WHEELS=/path/to/it"; exit 2; }
+  scratch=$(mktemp -d)
+  mkdir -p "$scratch/.git/info"
+  ( cd "$scratch" && bash "$script" ) || { rm -rf "$scratch"; exit 1; }
+  rm -rf "$ROOT/.whl" && mv "$scratch/.whl" "$ROOT/.whl" && rm -rf "$scratch"
+  du -sh "$ROOT/.whl"; ls "$ROOT/.whl"
+  exit 0
+fi
 
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1

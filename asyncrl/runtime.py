@@ -83,6 +83,19 @@ def quiet_tensor_warnings() -> None:
 log = structlog.get_logger("asyncrl")
 
 
+class _NoSigtermWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def _quiet_sigterm_warning() -> None:
+    """Ray warns that it cannot install its driver SIGTERM handler off the main thread; by design
+    Ray starts on the owner thread, and the controller handles SIGTERM itself (``fit_sync``)."""
+    logger = logging.getLogger("ray._private.worker")
+    if not any(isinstance(f, _NoSigtermWarning) for f in logger.filters):
+        logger.addFilter(_NoSigtermWarning())
+
+
 def init(
     address: str | None = None,
     *,
@@ -160,6 +173,7 @@ def _init_here(
     if ray.is_initialized():
         return ray.cluster_resources()
     quiet_tensor_warnings()
+    _quiet_sigterm_warning()
     if zero_copy_tensors:
         os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
         # Ray reads the variable once, when it is imported; the controller's own

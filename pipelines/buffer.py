@@ -59,10 +59,12 @@ class StalenessBuffer(Generic[T]):
         max_staleness: an item of version ``v`` is delivered to ``get(current)`` only
             when ``current - v <= max_staleness``; older ones are dropped and counted.
         version_of: how to read an item's policy version (default: ``item.version``).
+        on_drop: called as ``on_drop(item, current_version)`` for each item dropped as too stale.
     """
 
     def __init__(self, capacity: int, max_staleness: int, *,
-                 version_of: Callable[[T], int] = lambda item: item.version) -> None:  # type: ignore[attr-defined]
+                 version_of: Callable[[T], int] = lambda item: item.version,  # type: ignore[attr-defined]
+                 on_drop: Callable[[T, int], None] | None = None) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         if not isinstance(max_staleness, int) or max_staleness < 0:
@@ -70,6 +72,7 @@ class StalenessBuffer(Generic[T]):
         self.capacity = capacity
         self.max_staleness = max_staleness
         self._version_of = version_of
+        self._on_drop = on_drop
         self._items: deque[T] = deque()
         self._cond: asyncio.Condition | None = None
         self._put_waiters = 0
@@ -145,6 +148,8 @@ class StalenessBuffer(Generic[T]):
                     cond.notify_all()  # space freed
                     if lag > self.max_staleness:
                         self._dropped += 1
+                        if self._on_drop is not None:
+                            self._on_drop(item, current_version)
                         continue
                     self._delivered += 1
                     return item

@@ -6,14 +6,18 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step_000010/`` holding::
     policy/          PolicyWorker.save: weights (safetensors), optimizer, version
     critic/          CriticWorker.save (PPO)
     buffer.pt        the batches generated but not yet trained on (tensors and strings)
+    manifest.json    size and sha256 of every other file
 
 It is written into ``step_000010.tmp-<pid>``, every file fsynced, then renamed into
 place and the parent directory fsynced: a crash while writing leaves a ``.tmp``
 directory that :func:`latest_checkpoint` ignores, so the previous checkpoint stays usable.
+:func:`verify` (run on resume before any worker starts) checks every file against the
+manifest, so a flipped byte that keeps the file's size is caught there, not later as NaNs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -27,9 +31,10 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from asyncrl.pipelines.configlib import ConfigError
 
 __all__ = ["CheckpointError", "checkpoint_dir", "latest_checkpoint", "resolve_resume", "read_state", "verify",
-           "fsync_tree", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]
+           "fsync_tree", "file_sha256", "write_manifest", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]
 
 _PREFIX = "step_"
+MANIFEST = "manifest.json"
 
 
 class CheckpointError(ConfigError):
@@ -86,23 +91,29 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def verify(ckpt: Path) -> dict[str, Any]:
-    """Read every file of a checkpoint in the controller, without starting a worker: the state,
-    the buffered batches and the policy/critic weights and optimizer states, each through a
+def verify(ckpt: Path, *, hashes: bool = True) -> dict[str, Any]:
+    """Check every file of a checkpoint in the controller, without starting a worker.
+
+    With a ``manifest.json`` (every checkpoint written by this version): each listed file
+    must exist with its recorded size and (when `hashes`) sha256 -- `hashes=False` is the
+    quick structural check. Without one (older checkpoints): every file is read through a
     loader that cannot run code (``json``, ``safetensors``, ``torch.load(weights_only=True)``).
-    Returns the state; raises :class:`CheckpointError` naming the first missing, truncated or
-    corrupt file."""
+    Returns the state; raises :class:`CheckpointError` naming the first missing, truncated
+    or corrupt file."""
     ckpt = Path(ckpt)
     state = read_state(ckpt)
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} has a corrupt state.json (missing or bad {missing or ['step']})")
-    from safetensors.torch import load_file
-
     files = [ckpt / "buffer.pt", ckpt / "policy" / "model.safetensors", ckpt / "policy" / "optimizer.pt",
              ckpt / "policy" / "meta.json"]
     if (ckpt / "critic").exists() or state.get("config", {}).get("algorithm", {}).get("name") == "ppo":
         files += [ckpt / "critic" / "model.safetensors", ckpt / "critic" / "optimizer.pt", ckpt / "critic" / "meta.json"]
+    if (ckpt / MANIFEST).exists():
+        _verify_manifest(ckpt, files, hashes)
+        return state
+    from safetensors.torch import load_file
+
     for f in files:
         try:
             if f.suffix == ".safetensors":
@@ -115,6 +126,59 @@ def verify(ckpt: Path) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint file {str(f)!r} is missing, truncated or corrupt "
                                   f"({type(e).__name__}: {str(e)[:200]}); resume from an older checkpoint") from None
     return state
+
+
+def _corrupt(f: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {str(f)!r} is {why}; the checkpoint is damaged: resume from an older "
+                           "checkpoint (or from the run directory after deleting this one)")
+
+
+def _verify_manifest(ckpt: Path, required: list[Path], hashes: bool) -> None:
+    path = ckpt / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        entries = {str(k): (int(v["size"]), str(v["sha256"])) for k, v in manifest["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _corrupt(path, f"unreadable or corrupt ({type(e).__name__})") from None
+    listed = {ckpt / k for k in entries}
+    for f in required:
+        if f not in listed:
+            raise _corrupt(f, "not listed in manifest.json")
+    for rel, (size, digest) in entries.items():
+        f = ckpt / rel
+        try:
+            actual = f.stat().st_size
+        except OSError:
+            raise _corrupt(f, "missing") from None
+        if actual != size:
+            raise _corrupt(f, f"truncated or overwritten ({actual} bytes, the manifest says {size})")
+        if hashes and file_sha256(f) != digest:
+            raise _corrupt(f, "corrupt (its sha256 differs from the one recorded in manifest.json)")
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(root: Path) -> Path:
+    """Write ``manifest.json`` in `root`: the size and sha256 of every other file under it."""
+    root = Path(root)
+    files = {}
+    for dirpath, _, names in os.walk(root):
+        for name in sorted(names):
+            f = Path(dirpath) / name
+            rel = f.relative_to(root).as_posix()
+            if rel == MANIFEST:
+                continue
+            files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
+    out = root / MANIFEST
+    out.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1))
+    return out
 
 
 def fsync_tree(root: Path) -> None:
@@ -138,7 +202,9 @@ def _fsync_dir(p: Path) -> None:
 
 
 def commit(tmp: Path, final: Path) -> Path:
-    """fsync `tmp`, rename it to `final` (replacing an older one of the same step), fsync the parent."""
+    """Write `tmp`'s manifest, fsync `tmp`, rename it to `final` (replacing an older one of the same
+    step), fsync the parent."""
+    write_manifest(tmp)
     fsync_tree(tmp)
     if final.exists():
         old = final.with_name(final.name + f".old-{os.getpid()}")

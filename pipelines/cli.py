@@ -1,26 +1,36 @@
-"""``asyncrl train``: the main job.
+"""``asyncrl train`` (the main job) and ``asyncrl replay`` (re-run a run from its journal).
 
 ::
 
     asyncrl train                                  # GRPO on the toy task, tiny model, local Ray, CPU
     asyncrl train --config run.yaml trainer.steps=60 actor.lr=1e-3
-    asyncrl train --resume runs/grpo_toy           # continue from the newest checkpoint
+    asyncrl train --resume runs/grpo_toy           # continue that run, in that directory
+    asyncrl replay runs/grpo_toy                   # the same run again from its journal, bit for bit
 
-Every setting is checked (unknown keys, impossible sizes, a resume from another
-config) before Ray or any worker starts; the pools are checked against the cluster
-right after Ray starts, before any worker does. The run writes ``metrics.jsonl``
-(and TensorBoard scalars when installed), ``trace.json`` (open in ui.perfetto.dev),
-``report.png`` (reward curve and overlap timeline; needs matplotlib) and checkpoints
-under ``trainer.output_dir``.
+Every setting is checked (unknown keys, impossible values, unregistered reward functions
+and engines, missing paths, a resume from another config, corrupt checkpoint files)
+before Ray or any worker starts; the pools are checked against the cluster right after
+Ray starts, before any worker does. The run writes ``metrics.jsonl`` (and TensorBoard
+scalars when installed), ``journal.jsonl``, ``trace.json`` (open in ui.perfetto.dev),
+``report.png`` and checkpoints under ``trainer.output_dir``.
+
+Failures end the process with a one-line message that names the problem and what to do,
+and a non-zero status: 2 for a config or checkpoint error, 1 when the run failed (the full
+traceback goes to ``<output_dir>/error.log``), 130/143 when SIGINT/SIGTERM stopped it (the
+first signal finishes the step in progress and writes a checkpoint; the message gives the
+command that resumes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
-from typing import Sequence
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -30,13 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncrl", description="asyncrl: async RL post-training on Ray")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run a training job (GRPO on a toy task by default)",
-                       description="Run a training job. Settings: a preset, then --config YAML, then key=value.")
+                       description="Run a training job. Settings: a preset (or, with --resume, the run's own "
+                                   "config), then --config YAML, then key=value.")
     t.add_argument("--config", metavar="FILE", help="YAML file with settings (sections as in JobConfig)")
-    t.add_argument("--preset", default="grpo_toy", help="starting config (grpo_toy, ppo_toy, grpo_smollm_arith, "
+    t.add_argument("--preset", default=None, help="starting config (grpo_toy, ppo_toy, grpo_smollm_arith, "
                    "grpo_smollm_arith_vllm); default grpo_toy")
-    t.add_argument("--resume", metavar="DIR", help="checkpoint directory or run directory to continue from")
+    t.add_argument("--resume", metavar="RUN", help="continue RUN (a run directory, or one of its checkpoints) "
+                                                   "with its own config, writing into RUN")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.steps=20")
+    r = sub.add_parser("replay", help="re-run a run from its journal and check it reaches the same weights",
+                       description="Re-run RUN from RUN/journal.jsonl: every batch is generated with the weight "
+                                   "version the original run used, and the final weights and per-step metrics "
+                                   "are compared with the original's. Exit 0 when identical, 1 when not.")
+    r.add_argument("run", metavar="RUN", help="the run directory (holding journal.jsonl and metrics.jsonl)")
+    r.add_argument("--output-dir", metavar="DIR", help="where the replay writes its outputs (default RUN/replay)")
+    r.add_argument("--progress", action="store_true", help="show a progress bar")
     return p
 
 
@@ -60,43 +79,95 @@ def _configure_logging() -> None:
     )
 
 
+def _say(prog: str, text: str) -> None:
+    print(f"{prog}: {text}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``asyncrl``; returns the exit status."""
     args = build_parser().parse_args(argv)
     _configure_logging()
+    if args.command == "replay":
+        return _replay(args)
+    return _train(args)
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
+    """The run's config and the checkpoint to resume from. With ``--resume RUN`` the base is the
+    config saved in RUN's checkpoint and the outputs go to RUN (unless an override says otherwise)."""
+    from asyncrl.pipelines import checkpoint as ckpt
+    from asyncrl.pipelines import configlib
+    from asyncrl.pipelines.config import ConfigError, JobConfig, load_config
+    from asyncrl.pipelines.presets import PRESETS
+
+    if args.resume is None:
+        preset = args.preset or "grpo_toy"
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
+        return load_config(args.config, args.overrides, base=PRESETS[preset]()), None
+    if args.preset is not None:
+        raise ConfigError("--preset does not apply to --resume: the run's checkpoint holds its config; drop "
+                          "--preset (settings that may change on resume, like trainer.steps, go as key=value)")
+    point = ckpt.resolve_resume(args.resume)
+    saved = ckpt.read_state(point).get("config")
+    if not isinstance(saved, dict):
+        raise ckpt.CheckpointError(f"checkpoint {str(point)!r} holds no config; resume with --config and the "
+                                   "run's settings instead")
+    base = configlib.from_dict(JobConfig, saved)
+    base.trainer.output_dir = str(point.parent.parent)  # continue in the run's own directory
+    return load_config(args.config, args.overrides, base=base), point
+
+
+def _train(args: argparse.Namespace) -> int:
     import structlog
     import yaml
 
     from asyncrl.pipelines import configlib
-    from asyncrl.pipelines.config import ConfigError, load_config
-    from asyncrl.pipelines.presets import PRESETS
+    from asyncrl.pipelines.config import ConfigError
+    from asyncrl.pipelines.interrupt import RunAbandoned
     from asyncrl.pipelines.trainer import make_trainer
     from asyncrl.roles import RolesError
 
+    prog = "asyncrl train"
     log = structlog.get_logger("asyncrl.pipelines")
     try:
-        if args.preset not in PRESETS:
-            raise ConfigError(f"unknown preset {args.preset!r}; known: {sorted(PRESETS)}")
-        cfg = load_config(args.config, args.overrides, base=PRESETS[args.preset]())
+        cfg, point = _resolve(args)
         if args.print_config:
             print(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
             return 0
-        trainer = make_trainer(cfg, resume=args.resume)
+        trainer = make_trainer(cfg, resume=point)
     except ConfigError as e:
-        print(f"asyncrl train: config error: {e}", file=sys.stderr)
+        _say(prog, f"config error: {e}")
         return 2
     t0 = time.perf_counter()
     try:
         history = trainer.fit_sync()
+    except RunAbandoned as e:
+        if not trainer.history and e.last_checkpoint is None:
+            _say(prog, f"interrupted by {e.reason} before the first step finished; every worker was released, "
+                       "nothing to resume")
+        else:
+            _say(prog, f"{e.reason}: the step in progress was abandoned and every worker released. "
+                       + _resume_hint(trainer, e.last_checkpoint))
+        return 128 + _signum(e.reason)
     except KeyboardInterrupt:
-        print("asyncrl train: interrupted; the workers were released", file=sys.stderr)
+        _say(prog, "interrupted before training started; every worker was released, nothing to resume")
         return 130
     except ConfigError as e:
-        print(f"asyncrl train: config error: {e}", file=sys.stderr)
+        _say(prog, f"config error: {e}")
         return 2
     except RolesError as e:  # a missing model extra, a corrupt model file, a prompt that cannot fit
-        print(f"asyncrl train: error: {type(e).__name__}: {e}", file=sys.stderr)
+        _say(prog, f"error: {type(e).__name__}: {e}")
         return 2
+    except Exception as e:  # the run failed: one line here, the whole story in error.log
+        _report_failure(prog, trainer, e)
+        return 1
+    stop = trainer.interrupted
+    if stop is not None:
+        _say(prog, f"stopped by {stop.reason} after step {stop.steps_done} of {stop.steps}; checkpoint written to "
+                   f"{stop.checkpoint}; every worker released.\n  resume with: asyncrl train --resume "
+                   f"{trainer.output_dir}")
+        return 128 + _signum(stop.reason)
     wall = time.perf_counter() - t0
     if history:
         first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
@@ -112,6 +183,81 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("eval.done", metric=key.removeprefix("eval/"),
                  **{f"v{e['eval/version']}": round(e[key], 3) for e in evals})
     return 0
+
+
+def _signum(name: str) -> int:
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        return int(signal.SIGINT)
+
+
+def _resume_hint(trainer: Any, point: Path | None) -> str:
+    if point is None:
+        return ("No checkpoint was written, so the progress of this run is lost (set trainer.checkpoint_every=N "
+                "to keep it, or stop with a single Ctrl-C, which checkpoints).")
+    return f"The last checkpoint is {point}.\n  resume with: asyncrl train --resume {trainer.output_dir}"
+
+
+def _report_failure(prog: str, trainer: Any, error: BaseException) -> None:
+    from asyncrl.pipelines.recovery import describe, is_worker_fault
+
+    out = Path(trainer.output_dir)
+    where = out / "error.log"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        where.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        where = None  # type: ignore[assignment]
+    done = len(trainer.history)
+    steps = trainer.config.trainer.steps
+    _say(prog, f"error: {describe(error)}")
+    lines = [f"the run stopped after {done} of {steps} steps; every worker was released."]
+    point = trainer.last_checkpoint
+    if point is not None:
+        lines.append(f"resume from {point} with: asyncrl train --resume {out}")
+    if is_worker_fault(error):
+        lines.append("a worker process died or hung: give the run a restart policy "
+                     "(trainer.restart.max_restarts=2 trainer.checkpoint_every=1) to recover from this")
+    if where is not None:
+        lines.append(f"full traceback (with the worker's): {where}")
+    print("\n".join("  " + x for x in lines), file=sys.stderr, flush=True)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from asyncrl.pipelines.config import ConfigError
+    from asyncrl.pipelines.replay import replay
+
+    prog = "asyncrl replay"
+    try:
+        result = asyncio.run(replay(args.run, output_dir=args.output_dir, reporting={"progress": args.progress}))
+    except ConfigError as e:
+        _say(prog, f"error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        _say(prog, "interrupted")
+        return 130
+    except Exception as e:
+        from asyncrl.pipelines.recovery import describe
+
+        _say(prog, f"error: {describe(e)}")
+        return 1
+    if result.identical:
+        weights = ("final weights identical (sha256 " + (result.weights_sha256 or "")[:16] + ")"
+                   if result.original_weights_sha256 else "the original run recorded no final weights")
+        _say(prog, f"replayed {result.steps} steps of {args.run}: same weight version for every batch, "
+                   f"every per-step metric identical, {weights}; outputs in {result.output_dir}")
+        return 0
+    diffs = result.metric_differences
+    first = f"; first metric difference at step {diffs[0][0]}: {diffs[0][1]} {diffs[0][2]!r} != {diffs[0][3]!r}" \
+        if diffs else ""
+    _say(prog, f"replay of {args.run} DIFFERS from the original: weights "
+               f"{'identical' if result.weights_sha256 == result.original_weights_sha256 else 'differ'}, "
+               f"{len(diffs)} metric differences{first}"
+               + ("" if result.versions == result.original_versions else "; batch versions differ"))
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -82,11 +82,17 @@ class RestartConfig:
     (see docs/reliability.md)."""
 
     max_restarts: int = 0
-    """How many times a run may recover (0 = fail fast: raise the typed error and release every
-    worker). A recovery closes every group, starts new ones, restores the last checkpoint this run
-    wrote (or the run's start) and replays the steps after it, which recompute the same results."""
+    """How many times a run may recover, replacements and restarts together (0 = fail fast: raise
+    the typed error and release every worker). A restart closes every group, starts new actors in
+    the same placement groups, restores the last checkpoint this run wrote (or the run's start) and
+    recomputes the steps after it."""
     on_timeout: bool = True
     """Also recover when a stage misses ``trainer.stage_timeout_s`` (a hung worker); False fails fast."""
+    replace_stateless: bool = True
+    """Recover a dead or hung rollout-pool worker (rollout engine, rule reward: no training state)
+    by replacing that pool's processes in place and re-issuing the lost batch with the same prompts,
+    seed and weight version, while training goes on -- no checkpoint restored. False: a full
+    restart. Needs two pools (``colocated=false``)."""
 
 
 @dataclass(kw_only=True)
@@ -297,6 +303,12 @@ class JobConfig:
                     f"cluster has {cluster_gpus:g}; lower trainer.gpus_per_worker (0.5 shares a GPU between two "
                     "workers), the worker counts, or set trainer.colocated=true"
                 )
+        out = Path(t.output_dir)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"trainer.output_dir={t.output_dir!r} is a file; give a directory for the run's outputs")
+        from asyncrl.pipelines.validation import check_worker_sections
+
+        check_worker_sections(self)
         if cluster_cpus is not None:
             need = sum(self.pool_sizes().values()) * t.cpus_per_worker
             if need > cluster_cpus + 1e-9:
@@ -333,7 +345,8 @@ class JobConfig:
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
                 "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.restart.max_restarts",
-                "trainer.restart.on_timeout", "evaluation.every", "evaluation.at_start", "evaluation.at_end",
+                "trainer.restart.on_timeout", "trainer.restart.replace_stateless", "evaluation.every",
+                "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",
                 "trainer.weight_sync", "trainer.weight_sync_timeout_s"}
 """Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its

@@ -1,34 +1,41 @@
 """The run report: reward curve, held-out evaluation (when the run evaluates) and the
-rollout/training overlap timeline (matplotlib, optional)."""
+rollout/training overlap timeline (matplotlib, optional).
+
+Drawn with matplotlib's object API (a ``Figure`` on the Agg canvas, no ``pyplot`` state), so
+the trainer can draw it in a worker thread while its event loop keeps running.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from asyncrl.pipelines.trace import Tracer
+from asyncrl.pipelines.trace import Span, Tracer
 
 __all__ = ["plot_report"]
 
 
-def plot_report(history: list[dict[str, Any]], tracer: Tracer, path: str | Path,
+def plot_report(history: list[dict[str, Any]], spans: Tracer | Sequence[Span], path: str | Path,
                 evals: list[dict[str, Any]] | None = None) -> Path | None:
     """Write a PNG with the mean reward per step, the held-out evaluation per version (`evals`:
     rows with ``eval/version`` and ``eval/*`` metrics; the panel is drawn only when there are
-    any) and a timeline of the stage spans per group.
+    any) and a timeline of the stage spans per group (`spans`: a :class:`Tracer` or its spans).
+    Blocking: the trainer calls it in a thread.
 
     Returns None (and writes nothing) when matplotlib is not installed.
     """
     try:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         return None
+    all_spans = spans.spans if isinstance(spans, Tracer) else list(spans)
     evals = [e for e in (evals or []) if "eval/version" in e]
     n = 3 if evals else 2
-    fig, axes = plt.subplots(n, 1, figsize=(10, 3.5 * n), gridspec_kw={"height_ratios": [1] * n})
+    fig = Figure(figsize=(10, 3.5 * n))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(n, 1, gridspec_kw={"height_ratios": [1] * n})
     ax1, ax2 = axes[0], axes[-1]
     steps = [h["step"] for h in history]
     ax1.plot(steps, [h["reward/mean"] for h in history], marker="o", ms=3, label="mean reward")
@@ -50,13 +57,13 @@ def plot_report(history: list[dict[str, Any]], tracer: Tracer, path: str | Path,
         ax3.set_ylim(-0.02, 1.02)
         ax3.grid(alpha=0.3)
         ax3.legend(loc="lower right", fontsize=8)
-    spans = [s for s in tracer.spans if s.track != "controller"]
-    rows = sorted({(s.track, s.name) for s in spans})  # one row per group and stage: queued calls stay visible
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    shown = [s for s in all_spans if s.track != "controller"]
+    rows = sorted({(s.track, s.name) for s in shown})  # one row per group and stage: queued calls stay visible
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     tracks = sorted({t for t, _ in rows})
     color = {t: colors[i % len(colors)] for i, t in enumerate(tracks)}
     for y, (track, name) in enumerate(rows):
-        for s in (s for s in spans if s.track == track and s.name == name):
+        for s in (s for s in shown if s.track == track and s.name == name):
             ax2.barh(y, s.end - s.start, left=s.start, color=color[track], height=0.7)
     ax2.set_yticks(range(len(rows)), [f"{t}: {n}" for t, n in rows], fontsize=7)
     ax2.set_xlabel("seconds since start (span = call issued -> all ranks done)")
@@ -65,5 +72,4 @@ def plot_report(history: list[dict[str, Any]], tracer: Tracer, path: str | Path,
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, dpi=100)
-    plt.close(fig)
     return p

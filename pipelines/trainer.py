@@ -42,18 +42,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping
 
 import anyio
+import anyio.to_thread
 import structlog
 import torch
 
 import asyncrl
-from asyncrl import CallTimeoutError, GroupBrokenError, GroupFuture, GroupMethod, ResourcePool, UpstreamError, WorkerDiedError
+from asyncrl import GroupFuture, GroupMethod, ResourcePool, WorkerDiedError
 from asyncrl import colocate
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines import stages
@@ -62,11 +66,15 @@ from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint,
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
 from asyncrl.pipelines.evaluation import Evaluator
+from asyncrl.pipelines.interrupt import Interruption, RunAbandoned, handle_signals
+from asyncrl.pipelines.journal import Journal, JournalData, JournalError, read_journal
+from asyncrl.pipelines.recovery import describe, fault_origin, fault_record, is_worker_fault, root_cause
 from asyncrl.pipelines.metrics import MetricsWriter
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.trace import Tracer
 
-__all__ = ["RolloutBatch", "Trainer", "GRPOTrainer", "PPOTrainer", "make_trainer", "build_groups", "is_worker_fault"]
+__all__ = ["RolloutBatch", "Trainer", "GRPOTrainer", "PPOTrainer", "make_trainer", "build_groups", "build_rollout_part",
+           "is_worker_fault", "weights_digest"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -94,14 +102,8 @@ def needs_reference(cfg: JobConfig) -> bool:
     return cfg.actor.kl_coef > 0 or (cfg.algorithm.name == "ppo" and cfg.algorithm.kl_in_reward_coef > 0)
 
 
-def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None
-                 ) -> tuple[Groups, list[Any], list[ResourcePool]]:
-    """Unstarted groups for `cfg`: two pools (rollout + reward; policy + advantage + reference +
-    critic) or one colocated pool. Returns ``(groups, things to set up and close, pools)``.
-
-    `overrides` maps a role (``rollout``, ``reward``, ``policy``, ``advantage``, ``reference``,
-    ``critic``) to a worker class that replaces the default one with the same constructor
-    arguments, or to ``(cls, extra_kwargs)`` (e.g. a subclass that injects faults in tests)."""
+def _role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(rollout-pool roles, training-pool roles)``: role -> worker class or (cls, args, kwargs)."""
     from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
     t = cfg.trainer
@@ -126,18 +128,48 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None
         base = roles[role]
         args, kwargs = (base[1], base[2]) if isinstance(base, tuple) else ((), {})
         roles[role] = (cls, args, {**kwargs, **extra})
+    return rollout_roles, train_roles
+
+
+def _main_pool(cfg: JobConfig) -> ResourcePool:
+    t = cfg.trainer
     if t.colocated:
-        pool = ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, gpus_per_bundle=t.gpus_per_worker,
+        return ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, gpus_per_bundle=t.gpus_per_worker,
                             name="asyncrl-colocated")
+    return ResourcePool([t.rollout_workers + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
+                        gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
+
+
+def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pool: ResourcePool) -> Any:
+    """A new, unstarted rollout-pool part (rollout and reward workers, colocated) on the rollout
+    bundles of `pool` (the main pool of a two-pool run, placed or not): what replaces the
+    rollout pool's workers after one of them died."""
+    t = cfg.trainer
+    rpool, _ = pool.split([t.rollout_workers, t.train_workers])
+    return colocate(_role_specs(cfg, overrides)[0], rpool, name="rollout")
+
+
+def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
+                 pools: list[ResourcePool] | None = None) -> tuple[Groups, list[Any], list[ResourcePool]]:
+    """Unstarted groups for `cfg`: two pools (rollout + reward; policy + advantage + reference +
+    critic) or one colocated pool. Returns ``(groups, things to set up and close, pools)``.
+
+    `overrides` maps a role (``rollout``, ``reward``, ``policy``, ``advantage``, ``reference``,
+    ``critic``) to a worker class that replaces the default one with the same constructor
+    arguments, or to ``(cls, extra_kwargs)`` (e.g. a subclass that injects faults in tests).
+    `pools` reuses the pools of an earlier ``build_groups`` of the same config (their placement
+    groups stay; new actors take the same bundles)."""
+    t = cfg.trainer
+    rollout_roles, train_roles = _role_specs(cfg, overrides)
+    pool = pools[0] if pools else _main_pool(cfg)
+    if t.colocated:
         col = colocate({**rollout_roles, **train_roles}, pool, name="colocated")
-        parts, pools, cols = [col], [pool], {**{r: col for r in rollout_roles}, **{r: col for r in train_roles}}
+        parts, cols = [col], {**{r: col for r in rollout_roles}, **{r: col for r in train_roles}}
     else:
-        pool = ResourcePool([t.rollout_workers + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
-                            gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
         rpool, tpool = pool.split([t.rollout_workers, t.train_workers])
         rcol = colocate(rollout_roles, rpool, name="rollout")
         tcol = colocate(train_roles, tpool, name="train")
-        parts, pools = [rcol, tcol], [pool]
+        parts = [rcol, tcol]
         cols = {**{r: rcol for r in rollout_roles}, **{r: tcol for r in train_roles}}
     g = Groups(
         rollout=cols["rollout"]["rollout"], reward=cols["reward"]["reward"], policy=cols["policy"]["policy"],
@@ -145,7 +177,7 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None
         reference=cols["reference"]["reference"] if "reference" in cols else None,
         critic=cols["critic"]["critic"] if "critic" in cols else None,
     )
-    return g, parts, pools
+    return g, parts, [pool]
 
 
 class Trainer:
@@ -165,13 +197,16 @@ class Trainer:
             restart the replayed steps call it again.
         worker_overrides: replace roles' worker classes (see :func:`build_groups`); kept
             across restarts.
+        replay: a run journal (or a run directory holding ``journal.jsonl``) whose batches this
+            run generates with exactly the recorded weight versions (see
+            :mod:`asyncrl.pipelines.replay`); the config must be the journal's.
     """
 
     algorithm: ClassVar[str | None] = None
 
     def __init__(self, config: JobConfig, *, resume: str | Path | None = None, groups: Groups | None = None,
                  on_step: Callable[["Trainer", int, dict[str, Any]], None] | None = None,
-                 worker_overrides: Mapping[str, Any] | None = None) -> None:
+                 worker_overrides: Mapping[str, Any] | None = None, replay: str | Path | None = None) -> None:
         if self.algorithm is not None and config.algorithm.name != self.algorithm:
             raise ConfigError(
                 f"{type(self).__name__} runs algorithm.name={self.algorithm!r}, the config says "
@@ -179,8 +214,17 @@ class Trainer:
             )
         self.config = config.validate()
         self._resume = ckpt.resolve_resume(resume) if resume is not None else None
+        self._verified = False  # checkpoint file hashes checked
         if self._resume is not None:
             self._check_resume(self._resume)
+        self._replay: JournalData | None = None
+        if replay is not None:
+            self._replay = read_journal(replay)
+            header = self._replay.header or {}
+            if header.get("fingerprint") != config_fingerprint(self.config):
+                diff = fingerprint_diff(header.get("config") or {}, to_dict(self.config))
+                raise JournalError(f"the journal {str(replay)!r} was written by a different config (differs in: "
+                                   f"{', '.join(diff) or '?'}); replay with the run's own config")
         t = config.trainer
         if self.config.buffer_capacity < t.max_staleness + 1:
             raise ConfigError(
@@ -193,7 +237,7 @@ class Trainer:
         self._owns_groups = groups is None
         self._parts: list[Any] = []
         self._pools: list[ResourcePool] = []
-        self.buffer: StalenessBuffer[RolloutBatch] = StalenessBuffer(self.config.buffer_capacity, t.max_staleness)
+        self.buffer: StalenessBuffer[RolloutBatch] = self._new_buffer()
         self.tracer = Tracer(enabled=t.trace)
         self.history: list[dict[str, Any]] = []
         self.output_dir = Path(t.output_dir)
@@ -202,6 +246,8 @@ class Trainer:
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (``config.evaluation``); its ``records`` hold one row per evaluation."""
         self._metrics: MetricsWriter | None = None
+        self._journal: Journal | None = None
+        self._schedule: dict[int, int] = {}  # batch index -> weight version to follow (journal)
         self._cond: asyncio.Condition | None = None
         self._device: asyncio.Lock | None = None
         self._exports: dict[int, GroupFuture[Any] | None] = {0: None}
@@ -219,8 +265,27 @@ class Trainer:
         self._t_start = 0.0
         self._last_checkpoint: Path | None = None  # the newest checkpoint this trainer wrote
         self._initial_rng: dict[str, Any] | None = None
+        self._stop: str | None = None
+        self._pending_faults: list[tuple[str, int, float, dict[str, Any]]] = []  # (kind, step/batch, t, record)
+        self.fitting = False
+        """True while :meth:`fit` runs its loops."""
+        self.interrupted: Interruption | None = None
+        """Set when the run stopped early on :meth:`request_stop` (or SIGINT/SIGTERM in ``fit_sync``)."""
+        self.abandoned: str | None = None
+        """The signal that abandoned the step in progress (a second SIGINT/SIGTERM), if any."""
         self.restarts: list[dict[str, Any]] = []
-        """One record per recovery: ``{"error", "error_type", "from_checkpoint", "from_step", "time_s"}``."""
+        """One record per recovery: ``{"kind": "replace" | "restart", "error_type", "error", "origin",
+        "from_checkpoint", "from_step", "time_s", "interrupted_s"}`` (``time_s``: the recovery itself;
+        ``interrupted_s``: how long training was held up by the fault, see docs/reliability.md)."""
+
+    def _new_buffer(self) -> StalenessBuffer[RolloutBatch]:
+        t = self.config.trainer
+
+        def dropped(item: RolloutBatch, current: int) -> None:
+            if self._journal is not None:
+                self._journal.drop(item.step, version=item.version, at_version=current)
+
+        return StalenessBuffer(self.config.buffer_capacity, t.max_staleness, on_drop=dropped)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -233,23 +298,38 @@ class Trainer:
                 f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff) or '?'}); "
                 "resume with the same settings (only trainer.steps, output_dir, checkpointing and reporting may change)"
             )
-        ckpt.verify(path)  # every file readable, before any worker starts
+        # Every file present with its recorded size, before any worker starts; the sha256 of each
+        # is checked here too, unless an event loop is running (then setup() hashes in a thread).
+        try:
+            asyncio.get_running_loop()
+            in_loop = True
+        except RuntimeError:
+            in_loop = False
+        ckpt.verify(path, hashes=not in_loop)
+        self._verified = not in_loop
         if state["step"] > self.config.trainer.steps:
             raise ckpt.CheckpointError(
                 f"checkpoint {str(path)!r} is at step {state['step']}, past trainer.steps={self.config.trainer.steps}"
             )
 
     async def setup(self) -> "Trainer":
-        """Start Ray (if needed), check the pools fit, start the workers, restore `resume`."""
+        """Start Ray (if needed), check the pools fit, start the workers, restore `resume`.
+
+        The blocking parts (imports, checkpoint hashing, tokenizer, prompt encoding, sinks)
+        run in threads, so the event loop keeps serving other tasks."""
         if self._setup_done:
             return self
         cfg = self.config
         self._cond = asyncio.Condition()
         self._device = asyncio.Lock()
+        if self._resume is not None and not self._verified:
+            await anyio.to_thread.run_sync(ckpt.verify, self._resume)
+            self._verified = True
         # first: a missing model extra, a corrupt GGUF or a prompt that cannot fit fails before any worker starts
         # (and a GGUF model is converted once here, so the workers load the cached directory)
         self._loader, self.evaluator = await asyncio.to_thread(self._make_data)
         if self._owns_groups:
+            await anyio.to_thread.run_sync(_import_ray)
             resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
             cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)), cluster_gpus=float(resources.get("GPU", 0.0)))
             await self._start_groups()
@@ -258,8 +338,8 @@ class Trainer:
         self._initial_rng = ckpt.rng_state()
         if self._resume is not None:
             await self._restore(self._resume)
-        self._metrics = MetricsWriter(self.output_dir, tensorboard=cfg.trainer.tensorboard,
-                                      start_step=self._start_step)
+        self._metrics = await anyio.to_thread.run_sync(self._make_metrics)
+        await anyio.to_thread.run_sync(self._start_journal)
         self._setup_done = True
         return self
 
@@ -318,8 +398,36 @@ class Trainer:
         woke = await g.rollout.wake_up()
         return any(w["needs_weights"] for w in woke)
 
+    def _make_metrics(self) -> MetricsWriter:
+        return MetricsWriter(self.output_dir, tensorboard=self.config.trainer.tensorboard,
+                             start_step=self._start_step)
+
+    def _start_journal(self) -> None:
+        """Open ``journal.jsonl``: continue the resumed run's (rewound to its checkpoint, following
+        the versions it recorded after it), or follow a replayed run's, or start a new one."""
+        header = {"fingerprint": config_fingerprint(self.config), "config": to_dict(self.config)}
+        previous = None
+        if self._resume is not None:
+            source = self._resume.parent.parent / "journal.jsonl"
+            if source.is_file():
+                previous = read_journal(source)
+        self._journal = Journal(self.output_dir / "journal.jsonl")
+        schedule = self._journal.start(header, previous=previous, next_gen=self._next_gen,
+                                       start_step=self._start_step)
+        if self._replay is not None:
+            schedule = self._replay.schedule()
+            self._check_replay(self._replay)
+        self._schedule = schedule
+
+    def _check_replay(self, data: JournalData) -> None:
+        assert self._loader is not None
+        for i, b in sorted(data.batches.items()):
+            if list(b["prompts"]) != self._loader.indices(i) or int(b["seed"]) != self._seed(i):
+                raise JournalError(f"batch {i} of the journal has other prompts or another seed than this run "
+                                   "would use; replay with the journal's config and data")
+
     async def _start_groups(self) -> None:
-        groups, self._parts, self._pools = build_groups(self.config, self._overrides)
+        groups, self._parts, self._pools = build_groups(self.config, self._overrides, pools=self._pools or None)
         self.groups = _with_deadlines(groups, self.config.trainer.stage_timeout_s)
         try:
             await asyncio.gather(*(p.setup() for p in self._parts))
@@ -355,13 +463,17 @@ class Trainer:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self._journal is not None:
+            self._journal.close()
         await self._release_groups()
 
-    async def _release_groups(self) -> None:
+    async def _release_groups(self, *, keep_pools: bool = False) -> None:
         for part in self._parts:
             with contextlib.suppress(Exception):
                 await part.close()
         self._parts = []
+        if keep_pools:
+            return
         for pool in self._pools:
             with contextlib.suppress(Exception):
                 await pool.release()
@@ -378,13 +490,37 @@ class Trainer:
         await asyncio.shield(self.close())
 
     def fit_sync(self) -> list[dict[str, Any]]:
-        """Set up, fit and close from synchronous code (runs its own event loop)."""
+        """Set up, fit and close from synchronous code (runs its own event loop).
+
+        SIGINT and SIGTERM are handled while it runs (main thread): the first stops after the
+        step in progress and writes a checkpoint (``trainer.interrupted`` says where); a second
+        abandons the step and raises :class:`~asyncrl.pipelines.interrupt.RunAbandoned`."""
 
         async def main() -> list[dict[str, Any]]:
-            async with self:
-                return await self.fit()
+            with handle_signals(self) as route:
+                async with self:
+                    route.reinstall()  # over the handler Ray's driver installed when it started
+                    return await self.fit()
 
-        return asyncio.run(main())
+        try:
+            return asyncio.run(main())
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            if self.abandoned is not None:
+                raise RunAbandoned(self.abandoned, self.last_checkpoint) from None
+            raise
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The newest checkpoint of this run: the last one it wrote, else the one it resumed from."""
+        return self._last_checkpoint or self._resume
+
+    def request_stop(self, reason: str = "request") -> None:
+        """Stop after the step in progress: finish it, write a checkpoint, and return from
+        :meth:`fit` with :attr:`interrupted` set. Safe to call from the loop at any time."""
+        if self._stop is None:
+            self._stop = reason
+            log.warning("trainer.stopping", reason=reason, step=self._policy_version,
+                        detail="finishing the step in progress, then writing a checkpoint")
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -397,26 +533,42 @@ class Trainer:
         bar = _progress(cfg.progress, cfg.steps, self._start_step)
         self._bar = bar
         ok = False
+        self.fitting = True
         try:
             try:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self.tracer.run, name="tracer")
                     await self._supervise()
-                    await self._final_evaluation()
+                    if self.interrupted is None:
+                        await self._final_evaluation()
                     self.tracer.close()
             except BaseExceptionGroup as eg:
                 raise _first_error(eg) from None
             ok = True
-            if cfg.checkpoint_at_end and (not self.history or self.history[-1]["step"] + 1 == cfg.steps):
+            if (self.interrupted is None and cfg.checkpoint_at_end
+                    and (not self.history or self.history[-1]["step"] + 1 == cfg.steps)):
                 last = cfg.steps
                 if ckpt.latest_checkpoint(self.output_dir) != ckpt.checkpoint_dir(self.output_dir, last):
                     await self.save_checkpoint()
+            await self._journal_end()
         finally:
+            self.fitting = False
             self.tracer.close()
             if bar is not None:
                 bar.close()
-            self._write_reports(ok)
+            await self._write_reports(ok)
         return self.history
+
+    async def _journal_end(self) -> None:
+        if self._journal is None or self.groups is None:
+            return
+        try:
+            sums = await self.groups.policy.weights_checksum()
+        except AttributeError:  # a custom policy without checksums
+            digest = None
+        else:
+            digest = weights_digest(sums)
+        self._journal.end(self._policy_version, digest)
 
     async def _run_loops(self) -> None:
         try:
@@ -427,7 +579,8 @@ class Trainer:
             raise _first_error(eg) from None
 
     async def _supervise(self) -> None:
-        """Run the loops; on a worker fault, recover and run them again (``trainer.restart``)."""
+        """Run the loops; on a worker fault, restart and run them again (``trainer.restart``).
+        Stateless-role faults are handled inside the rollout loop (:meth:`_replace_rollout`)."""
         fault: Exception | None = None
         while True:
             try:
@@ -443,16 +596,19 @@ class Trainer:
                 fault = e
 
     async def _recover(self, fault: Exception) -> None:
-        """Close every group, start new ones and restore the newest state this run saved."""
+        """Close every group, start new actors in the same placement groups and restore the newest
+        state this run saved; the journal is rewound to it, and the batches it recorded after it
+        are generated again with the same weight versions."""
         t0 = time.perf_counter()
         point = self._last_checkpoint or self._resume
-        log.warning("trainer.restart", error=type(fault).__name__, detail=str(fault).splitlines()[0][:200],
-                    restart=len(self.restarts) + 1, from_checkpoint=str(point) if point else "start")
-        self.restarts.append({"error_type": type(fault).__name__, "error": str(fault).splitlines()[0],
-                              "from_checkpoint": str(point) if point else None, "from_step": 0, "time_s": 0.0})
-        await self._release_groups()
+        log.warning("trainer.restart", error=describe(fault), restart=len(self.restarts) + 1,
+                    from_checkpoint=str(point) if point else "start")
+        record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
+        self.restarts.append(record)
+        self._pending_faults.append(("restart", self._policy_version, t0, record))
+        await self._release_groups(keep_pools=True)
         t = self.config.trainer
-        self.buffer = StalenessBuffer(self.config.buffer_capacity, t.max_staleness)
+        self.buffer = self._new_buffer()
         self._cond, self._device = asyncio.Condition(), asyncio.Lock()
         self._exports = {0: None}
         self._sync_dtype = None
@@ -471,24 +627,78 @@ class Trainer:
                 ckpt.set_rng_state(self._initial_rng)
         if self._metrics is not None:
             self._metrics.close()
-        self._metrics = MetricsWriter(self.output_dir, tensorboard=t.tensorboard, start_step=self._start_step)
+        self._metrics = await anyio.to_thread.run_sync(self._make_metrics)
+        if self._journal is not None and self._replay is None:
+            journal = self._journal
+            self._schedule = await anyio.to_thread.run_sync(
+                lambda: journal.rewind(next_gen=self._next_gen, start_step=self._start_step))
         bar = getattr(self, "_bar", None)
         if bar is not None:
             bar.n = self._start_step
             bar.refresh()
-        self.restarts[-1].update(from_step=self._start_step, time_s=time.perf_counter() - t0)
+        record.update(from_step=self._start_step, time_s=time.perf_counter() - t0)
         log.warning("trainer.restarted", from_step=self._start_step, seconds=round(time.perf_counter() - t0, 2))
 
-    def _write_reports(self, ok: bool) -> None:
+    def _can_replace(self, error: Exception) -> bool:
+        """A fault of the rollout pool (rollout or reward worker) that a replacement can cure."""
+        t = self.config.trainer
+        policy = t.restart
+        if not (self._owns_groups and policy.replace_stateless and not t.colocated and self.groups is not None
+                and len(self.restarts) < policy.max_restarts and is_worker_fault(error, timeouts=policy.on_timeout)):
+            return False
+        if self._transport == "collective":  # the policy's side of the weight channel names the old ranks
+            return False
+        origin = fault_origin(error)
+        return origin is None or origin in (self.groups.rollout.name, self.groups.reward.name)
+
+    async def _replace_rollout(self, error: Exception, batch: int) -> None:
+        """Kill the rollout pool's processes and start new ones in the same bundles; the caller
+        then loads the weight version it needs and issues its batch again."""
+        g = self.groups
+        assert g is not None
+        t0 = time.perf_counter()
+        record = fault_record("replace", error, from_step=self._policy_version)
+        self.restarts.append(record)
+        self._pending_faults.append(("replace", batch, t0, record))
+        log.warning("trainer.replace", error=describe(error), batch=batch, replacement=len(self.restarts))
+        old = (g.rollout.name, g.reward.name)
+        # Buffered batches are futures of the dying groups: re-home them on the training pool
+        # (their data lives in the object store, owned by this process) before those groups close.
+        # No stage deadline: the echo waits in the training processes' ordered lane behind the step
+        # in progress, which has deadlines of its own.
+        advantage = getattr(g.advantage, "_group", g.advantage)
+        for item in [*self.buffer.peek_all(), *self._restored]:
+            if getattr(item.batch, "group", None) in old:
+                item.batch = advantage.echo(item.batch)
+            if getattr(item.scores, "group", None) in old:
+                item.scores = advantage.echo(item.scores)
+        dead = self._parts[0]
+        new = build_rollout_part(self.config, self._overrides, self._pools[0])
+        self._parts = [new, *self._parts[1:]]  # closed with the rest on any later failure
+        with contextlib.suppress(Exception):
+            await dead.close()  # kills the old processes; the placement group stays
+        await new.setup()
+        timeout = self.config.trainer.stage_timeout_s
+        fresh = _with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
+                                       advantage=g.advantage), timeout)
+        g.rollout, g.reward = fresh.rollout, fresh.reward
+        self._rollout_version = 0  # new engines hold the initial weights
+        await self._prepare_sync()  # the new engines' weight dtype
+        record["time_s"] = time.perf_counter() - t0
+        log.warning("trainer.replaced", batch=batch, seconds=round(record["time_s"], 2))
+
+    async def _write_reports(self, ok: bool) -> None:
         cfg = self.config.trainer
         try:
             if cfg.trace:
-                self.tracer.write(self.output_dir / "trace.json")
+                await anyio.to_thread.run_sync(self.tracer.write, self.output_dir / "trace.json")
             if cfg.plot and self.history:
                 from asyncrl.pipelines.report import plot_report
 
-                evals = self.evaluator.records if self.evaluator is not None else None
-                plot_report(self.history, self.tracer, self.output_dir / "report.png", evals=evals)
+                history, spans = list(self.history), list(self.tracer.spans)
+                evals = list(self.evaluator.records) if self.evaluator is not None else None
+                await anyio.to_thread.run_sync(
+                    lambda: plot_report(history, spans, self.output_dir / "report.png", evals=evals))
         except Exception as e:  # reports never hide the run's own outcome
             log.warning("report.failed", error=repr(e))
 
@@ -501,40 +711,24 @@ class Trainer:
     async def _rollout_loop(self) -> None:
         """Consumes prompt batches and exported weights; produces RolloutBatch items."""
         assert self._cond is not None and self._device is not None and self._loader is not None
-        g, cfg = self.groups, self.config.trainer
-        assert g is not None
+        cfg = self.config.trainer
         for item in self._restored:
             await self.buffer.put(item)
         self._restored = []
         i = self._next_gen
         while i < cfg.steps + self.buffer.statistics().dropped:
-            need = self._target_version(i)
-            async with self._cond:
-                await self._cond.wait_for(lambda: self._exported >= need)
-                # fixed_lag: exactly `need`, except after a resume that extended a finished run, when
-                # older weights are gone and the batch gets the (fresher) loaded ones
-                version = max(need, self._rollout_version) if cfg.rollout_weights == "fixed_lag" else self._exported
-            async with self._device if cfg.colocated else _null():
-                if self._sleep and await self._wake(g) and version == self._rollout_version:
-                    with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
-                        await self._load(g, self._exports[version])  # level 2: the same version again
-                if version > self._rollout_version:
-                    with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
-                        await self._load(g, self._exports[version])  # weight sync (rollout side)
-                    self._rollout_version = version
-                    for v in [v for v in self._exports if v < version]:
-                        del self._exports[v]  # older exports are never loaded again
-                if self.evaluator is not None and self.evaluator.due(version):
-                    await self._evaluate(version)
-                t0 = time.perf_counter()
-                gen = self.tracer.watch(stages.generate(g, self._loader.batch(i), seed=self._seed(i)),
-                                        "generate", step=i, version=version)
-                sc = self.tracer.watch(stages.score(g, gen), "score", step=i)
-                scores = (await sc)["scores"]
-                if self._sleep:  # release the rollout's memory while the policy trains
-                    await g.rollout.sleep()
-            item = RolloutBatch(step=i, version=version, batch=gen, scores=sc,
-                                reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0)
+            version = await self._version_for(i)
+            while True:
+                try:
+                    item = await self._produce(i, version)
+                    break
+                except Exception as e:
+                    if not self._can_replace(e):
+                        raise
+                    await self._replace_rollout(e, i)  # then the same batch again: same prompts, seed, version
+            if self._journal is not None:
+                self._journal.batch(i, prompts=self._loader.indices(i), seed=self._seed(i), version=version,
+                                    rows=self.config.trainer.batch_size)
             await self.buffer.put(item)
             async with self._cond:
                 self._next_gen = i = i + 1
@@ -542,6 +736,53 @@ class Trainer:
         async with self._cond:
             self._rollout_done = True
             self._cond.notify_all()
+
+    async def _version_for(self, i: int) -> int:
+        """The weight version batch `i` is generated with, once it is published: the journal's
+        (replay, resume), else ``fixed_lag``'s or the newest (``latest``)."""
+        assert self._cond is not None
+        cfg = self.config.trainer
+        planned = self._schedule.get(i)
+        need = planned if planned is not None else self._target_version(i)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._exported >= need)
+            if planned is not None:
+                if planned >= self._rollout_version:
+                    return planned
+                log.warning("journal.diverged", batch=i, recorded=planned, loaded=self._rollout_version,
+                            detail="the recorded version is older than the loaded weights; using the loaded ones")
+                return self._rollout_version
+            # fixed_lag: exactly `need`, except after a resume that extended a finished run, when
+            # older weights are gone and the batch gets the (fresher) loaded ones
+            return max(need, self._rollout_version) if cfg.rollout_weights == "fixed_lag" else self._exported
+
+    async def _produce(self, i: int, version: int) -> RolloutBatch:
+        """Load `version` if the engines are behind, evaluate it when due, generate batch `i` and
+        score it."""
+        assert self._device is not None and self._loader is not None
+        g, cfg = self.groups, self.config.trainer
+        assert g is not None
+        async with self._device if cfg.colocated else _null():
+            if self._sleep and await self._wake(g) and version == self._rollout_version:
+                with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                    await self._load(g, self._exports[version])  # level 2: the same version again
+            if version > self._rollout_version:
+                with self.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                    await self._load(g, self._exports[version])  # weight sync (rollout side)
+                self._rollout_version = version
+                for v in [v for v in self._exports if v < version]:
+                    del self._exports[v]  # older exports are never loaded again
+            if self.evaluator is not None and self.evaluator.due(version):
+                await self._evaluate(version)
+            t0 = time.perf_counter()
+            gen = self.tracer.watch(stages.generate(g, self._loader.batch(i), seed=self._seed(i)),
+                                    "generate", step=i, version=version)
+            sc = self.tracer.watch(stages.score(g, gen), "score", step=i)
+            scores = (await sc)["scores"]
+            if self._sleep:  # release the rollout's memory while the policy trains
+                await g.rollout.sleep()
+        return RolloutBatch(step=i, version=version, batch=gen, scores=sc,
+                            reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0)
 
     async def _train_loop(self, loops: anyio.CancelScope) -> None:
         """Consumes RolloutBatch items; produces one policy version per step and its metrics."""
@@ -555,6 +796,9 @@ class Trainer:
             except anyio.EndOfStream:
                 raise RuntimeError(f"the rollout loop ended before step {step}") from None
             t0 = time.perf_counter()
+            self._note_resumed(step, item, t_wait, t0)
+            if self._journal is not None:
+                self._journal.step(step, batch=item.step, version=item.version)
             async with self._device if cfg.colocated else _null():
                 with self.tracer.span("train_step", step=step):
                     metrics = await self._train_step(g, item, step)
@@ -564,11 +808,30 @@ class Trainer:
                 "time/generate": item.gen_time, "time/elapsed": t1 - self._t_start,
             })
             self._record(step, metrics)
+            saved = False
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 await self.save_checkpoint()
+                saved = True
             if self._on_step is not None:
                 self._on_step(self, step, metrics)
+            if self._stop is not None and step + 1 < cfg.steps:
+                path = self._last_checkpoint if saved else await self.save_checkpoint()
+                self.interrupted = Interruption(self._stop, step + 1, cfg.steps, path)
+                log.warning("trainer.stopped", reason=self._stop, steps_done=step + 1, checkpoint=str(path))
+                break
         loops.cancel()  # nothing else is needed from the rollout loop
+
+    def _note_resumed(self, step: int, item: RolloutBatch, t_wait: float, t_got: float) -> None:
+        """Fill ``interrupted_s`` of the recoveries this step's batch ends: a replacement held
+        training up from the fault (or from when training started waiting, if later) until the
+        re-issued batch arrived; a restart from the fault until the first step not done before it
+        got its batch (restart, restore and recomputed steps included)."""
+        for entry in list(self._pending_faults):
+            kind, at, t_fault, record = entry
+            if (kind == "replace" and item.step == at) or (kind == "restart" and step >= at):
+                start = max(t_wait, t_fault) if kind == "replace" else t_fault
+                record["interrupted_s"] = max(0.0, t_got - start)
+                self._pending_faults.remove(entry)
 
     async def _train_step(self, g: Groups, item: RolloutBatch, step: int) -> dict[str, Any]:
         """The training-pool stages of one batch, in the canonical order."""
@@ -630,13 +893,8 @@ class Trainer:
         async with self._cond:
             await self._cond.wait_for(lambda: self._rollout_done or self._next_gen >= ahead or step >= t.steps)
         final = ckpt.checkpoint_dir(self.output_dir, step)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(final.name + f".tmp-{__import__('os').getpid()}")
-        if tmp.exists():
-            import shutil
-
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+        await anyio.to_thread.run_sync(_fresh_dir, tmp)
         with self.tracer.span("checkpoint", step=step):
             saves = [g.policy.save(str(tmp / "policy"))]
             if g.critic is not None:
@@ -649,18 +907,22 @@ class Trainer:
                 td.update(await it.scores)
                 buffered.append({"step": it.step, "version": it.version, "reward_mean": it.reward_mean,
                                  "gen_time": it.gen_time, "batch": ckpt.batch_to_plain(td)})
-            torch.save(buffered, tmp / "buffer.pt")
             state = {
                 "step": step, "policy_version": self._policy_version, "rollout_version": self._rollout_version,
                 "next_gen": self._next_gen, "dropped": self.buffer.statistics().dropped,
                 "rng": ckpt.rng_state(), "config": to_dict(self.config),
-                "fingerprint": config_fingerprint(self.config), "history": self.history,
-                "evals": self.evaluator.records if self.evaluator is not None else [],
+                "fingerprint": config_fingerprint(self.config), "history": list(self.history),
+                "evals": list(self.evaluator.records) if self.evaluator is not None else [],
             }
-            (tmp / "state.json").write_text(__import__("json").dumps(state))
-            await asyncio.to_thread(ckpt.commit, tmp, final)
+
+            def write() -> None:  # serialising, hashing, fsync: off the event loop
+                torch.save(buffered, tmp / "buffer.pt")
+                (tmp / "state.json").write_text(json.dumps(state))
+                ckpt.commit(tmp, final)
+                ckpt.prune(self.output_dir, t.keep_checkpoints)
+
+            await anyio.to_thread.run_sync(write)
             self._last_checkpoint = final
-            ckpt.prune(self.output_dir, t.keep_checkpoints)
         log.info("checkpoint.saved", step=step, path=str(final))
         return final
 
@@ -685,7 +947,7 @@ class Trainer:
             await self._load(g, exported)
             self._exports = {step: exported}
             self._rollout_version = step
-        buffered = torch.load(path / "buffer.pt", weights_only=True)
+        buffered = await anyio.to_thread.run_sync(lambda: torch.load(path / "buffer.pt", weights_only=True))
         for b in buffered:
             td = ckpt.plain_to_batch(b["batch"])
             fut = g.advantage.echo(td)
@@ -739,29 +1001,27 @@ def _first_error(eg: BaseExceptionGroup) -> BaseException:
 
     walk(eg)
     real = [e for e in leaves if not isinstance(e, (asyncio.CancelledError, anyio.get_cancelled_exc_class()))]
-    return real[0] if real else leaves[0]
+    # A worker's death is the cause; a broken group or a failed input elsewhere is its consequence.
+    deaths = [e for e in real if isinstance(root_cause(e), WorkerDiedError)]
+    return deaths[0] if deaths else real[0] if real else leaves[0]
 
 
-_RAY_DEATH = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "OwnerDiedError", "ObjectLostError"}
+def _fresh_dir(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
 
 
-def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
-    """True when `error` comes from a worker process that died or hung (so a new process may
-    succeed), not from the code it ran: ``WorkerDiedError``, ``GroupBrokenError``, a
-    ``CallTimeoutError`` (when `timeouts`), or an ``UpstreamError`` whose producer failed so."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (WorkerDiedError, GroupBrokenError)):
-            return True
-        if isinstance(e, CallTimeoutError):
-            return timeouts
-        if isinstance(e, UpstreamError):
-            e = e.upstream
-            continue
-        return any(c.__name__ in _RAY_DEATH for c in type(e).__mro__)  # a worker saw its producer die
-    return False
+def _import_ray() -> None:
+    import ray  # noqa: F401  (a second of imports, kept off the event loop)
+
+
+def weights_digest(checksums: Mapping[str, str]) -> str:
+    """One sha256 over a ``{name: checksum}`` dict of weights (order-independent)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(dict(sorted(checksums.items()))).encode()).hexdigest()
 
 
 class _Deadlined:

@@ -19,3 +19,5 @@ def test_fit_in_app_serves_status_while_training(ray_cluster, tmp_path):
     steps_seen = {s["step"] for s in out["during_training"]}
     assert steps_seen and steps_seen <= {0, 1, 2, 3}  # answered while steps were completing
     assert all(s["buffer"]["capacity"] == 2 for _, s in out["requests"])
+    lag = out["loop_lag"]  # the heartbeat ran through fit(); its worst delay is a no-freeze bound only
+    assert lag["samples"] > 0 and lag["max_s"] < 5.0, lag

@@ -2,7 +2,8 @@
 
 A :class:`Fault` fires once across every process and restart of a run: the first worker
 to reach its trigger creates ``<dir>/fired`` atomically, writes its pid to ``<dir>/pid`` and
-then hangs (``hang``) or raises (``raise``). A test waits for the pid file and SIGKILLs
+then hangs (``hang``) or raises (``raise``). A fault with ``after`` fires only once that other
+fault has fired, and only in another process (the replacement of the one it killed). A test waits for the pid file and SIGKILLs
 that process (a death at exactly that point) or leaves it hanging (a deadline must fire).
 Until the trigger, the subclasses behave exactly like the real workers, so a run that
 recovers must end with the same weights as a fault-free run.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +31,15 @@ class Fault:
     point: Literal["generate", "load_weights", "update"]
     call: int = 1
     action: Literal["hang", "raise"] = "hang"
+    after: str | None = None
+    """The ``dir`` of a fault that must have fired first, in another process."""
 
     def fire(self) -> bool:
         """Claim the fault (True once per run) and publish this process's pid."""
+        if self.after is not None:
+            first = Path(self.after) / "pid"
+            if not first.exists() or first.read_text() == str(os.getpid()):
+                return False
         try:
             fd = os.open(os.path.join(self.dir, "fired"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -48,26 +56,27 @@ class InjectedFault(RuntimeError):
 
 
 class _Counter:
-    def __init__(self, fault: Fault | None) -> None:
-        self.fault = fault
-        self.calls = 0
+    def __init__(self, fault: Fault | tuple[Fault, ...] | None) -> None:
+        self.faults = fault if isinstance(fault, tuple) else (fault,) if fault is not None else ()
+        self.calls: dict[str, int] = {}
 
     def hit(self, point: str) -> bool:
-        if self.fault is None or self.fault.point != point:
+        if not any(f.point == point for f in self.faults):
             return False
-        self.calls += 1
-        if self.calls != self.fault.call or not self.fault.fire():
-            return False
-        if self.fault.action == "raise":
-            raise InjectedFault(f"injected fault at {point} call {self.calls}")
-        return True
+        self.calls[point] = n = self.calls.get(point, 0) + 1
+        for f in self.faults:
+            if f.point == point and n == f.call and f.fire():
+                if f.action == "raise":
+                    raise InjectedFault(f"injected fault at {point} call {n}")
+                return True
+        return False
 
 
 class FaultyRollout(RolloutWorker):
     """A rollout worker that hangs inside generation (``generate``) or inside loading new
     weights (``load_weights``) when its fault fires."""
 
-    def __init__(self, *args: Any, fault: Fault | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fault: Fault | tuple[Fault, ...] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fault = _Counter(fault)
 
@@ -121,3 +130,36 @@ _calls = [0]
 
 class BuggyReward(RewardWorker):
     """The reward worker, imported from this module so the buggy function is registered."""
+
+
+class DelayedRollout(RolloutWorker):
+    """A rollout worker that waits a random time (uniform in [0, max_delay], seeded) before each
+    generation: the timing changes, what is computed does not."""
+
+    def __init__(self, *args: Any, delay_seed: int = 0, max_delay: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rng, self._max_delay = random.Random(delay_seed), max_delay
+
+    async def _run_job(self, job: Any) -> None:
+        await asyncio.sleep(self._rng.uniform(0, self._max_delay))
+        await super()._run_job(job)
+
+
+class _DelayedDP:
+    def __init__(self, dp: Any, rng: random.Random, max_delay: float) -> None:
+        self._dp, self._rng, self._max_delay = dp, rng, max_delay
+
+    def sum_grads(self, params: Any) -> None:
+        time.sleep(self._rng.uniform(0, self._max_delay))
+        self._dp.sum_grads(params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dp, name)
+
+
+class DelayedPolicy(PolicyWorker):
+    """A policy worker whose update waits a random time (seeded) between backward and step."""
+
+    def __init__(self, *args: Any, delay_seed: int = 0, max_delay: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dp = _DelayedDP(self.dp, random.Random(delay_seed), max_delay)

@@ -218,3 +218,18 @@ def test_state_json_with_wrong_shapes_is_a_checkpoint_error(real_checkpoint, tmp
         (bad / "state.json").write_text(text)
         with pytest.raises(ckpt.CheckpointError):
             GRPOTrainer(cfg, resume=bad)
+
+
+def test_a_same_size_corruption_inside_the_weights_fails_resume_on_its_checksum(real_checkpoint, tmp_path):
+    cfg, good = real_checkpoint
+    bad = tmp_path / good.name
+    shutil.copytree(good, bad)
+    f = bad / "policy" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-64:-60] = b"\xff\xff\x7f\x7f"  # inside the last tensor: a NaN-ish float, same file size
+    f.write_bytes(bytes(data))
+    from safetensors.torch import load_file
+
+    load_file(str(f))  # still a well-formed safetensors file: only the checksum can tell
+    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors.*sha256"):
+        GRPOTrainer(cfg, resume=bad)  # before any worker starts

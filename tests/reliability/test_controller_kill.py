@@ -103,8 +103,8 @@ async def test_a_killed_controller_resumes_from_its_checkpoint_and_leaks_nothing
     while (left := {p: n for p, n in session.items() if p in _session(proc.pid)}) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
     assert not left, f"processes of the killed controller's Ray session still alive: {left}"
-    fault_row(order=9, fault=f"controller SIGKILLed after step {KILL_AFTER}", policy="`asyncrl train --resume RUN`",
+    fault_row(order=30, fault=f"controller SIGKILLed after step {KILL_AFTER}", policy="`asyncrl train --resume RUN`",
               outcome=f"new process resumed from step {saved_step}, ran to step {STEPS}",
-              seconds=t_resumed, bound=f"Ray session reaped < {REAP_BOUND_S:g} s",
+              seconds=t_resumed, bound=f"Ray session reaped < {REAP_BOUND_S:g} s", interrupted="until `--resume`",
               leaks=f"none ({len(session)} processes of the dead session gone)",
               state="final weights == uninterrupted run; metrics.jsonl one row per step")

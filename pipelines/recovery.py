@@ -1,0 +1,76 @@
+"""Which failures a trainer can recover from, and where they came from.
+
+Two recoveries (``trainer.restart``, docs/reliability.md):
+
+* **Replace** (stateless roles). The rollout pool's workers -- rollout engines and the
+  rule-based reward -- hold nothing that is not recomputable: their weights are a published
+  policy version, their output a function of (weights, prompts, seed). When one of them
+  dies or hangs, the trainer kills that pool's processes, starts new ones *in the same
+  placement-group bundles*, loads the weight version the interrupted batch needs and issues
+  that batch again with the same prompts and seed. The train loop keeps training on the
+  batches already buffered; no checkpoint is restored.
+* **Restart** (training roles). A policy, critic, reference or advantage worker holds (or
+  shares a process with) optimizer state: every group is closed, new actors are started in
+  the same placement groups, the newest checkpoint of the run is restored, and the steps
+  after it are recomputed (following the run journal, so they compute what was lost).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl import CallTimeoutError, GroupBrokenError, RemoteError, UpstreamError, WorkerDiedError
+
+__all__ = ["is_worker_fault", "fault_origin", "root_cause", "describe", "fault_record"]
+
+_RAY_DEATH = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "OwnerDiedError", "ObjectLostError"}
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost error of an ``UpstreamError`` chain (the producer's own failure)."""
+    seen: set[int] = set()
+    e = error
+    while isinstance(e, UpstreamError) and id(e) not in seen:
+        seen.add(id(e))
+        e = e.upstream
+    return e
+
+
+def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
+    """True when `error` comes from a worker process that died or hung (so a new process may
+    succeed), not from the code it ran: ``WorkerDiedError``, ``GroupBrokenError``, a
+    ``CallTimeoutError`` (when `timeouts`), or an ``UpstreamError`` whose producer failed so."""
+    e = root_cause(error)
+    if isinstance(e, (WorkerDiedError, GroupBrokenError)):
+        return True
+    if isinstance(e, CallTimeoutError):
+        return timeouts
+    return any(c.__name__ in _RAY_DEATH for c in type(e).__mro__)  # a worker saw its producer die
+
+
+def fault_origin(error: BaseException) -> str | None:
+    """The name of the group whose worker failed (``"rollout.rollout"``), when the error says;
+    None for errors that do not name a group (a missed deadline, a raw Ray error)."""
+    e = root_cause(error)
+    group = getattr(e, "group", None)
+    if isinstance(e, (WorkerDiedError, RemoteError)) and isinstance(group, str) and group != "?":
+        return group
+    if isinstance(e, GroupBrokenError):
+        msg = str(e)
+        if msg.startswith("group '"):
+            return msg.split("'")[1]
+    return None
+
+
+def describe(error: BaseException) -> str:
+    """One line for a log or a table: the root cause's type and first line."""
+    e = root_cause(error)
+    first = (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def fault_record(kind: str, error: BaseException, **fields: Any) -> dict[str, Any]:
+    """A ``trainer.restarts`` entry."""
+    return {"kind": kind, "error_type": type(error).__name__, "error": (str(error).splitlines() or [""])[0],
+            "origin": fault_origin(error), "from_checkpoint": None, "from_step": 0, "time_s": 0.0,
+            "interrupted_s": None, **fields}

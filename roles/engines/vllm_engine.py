@@ -80,6 +80,7 @@ class VLLMWorkerExtension:
         # Worker.reload_weights restores checkpoint layout, loads through the model's
         # load_weights (fusing qkv / gate_up) and re-runs the kernel repacking.
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        _repack_tied_head(self.model_runner.model)  # type: ignore[attr-defined]
         received = _asyncrl_received(self)
         received.update({name: tensor_checksum(t) for name, t in tensors.items()})
         return len(tensors)
@@ -99,6 +100,24 @@ class VLLMWorkerExtension:
             sums["lm_head.weight"] = sums["model.embed_tokens.weight"]  # a tied state_dict lists both names
         return sums
 
+
+
+def _repack_tied_head(model: Any) -> None:
+    """Re-run the LM head's post-load processing when it shares its weight with the input embedding.
+
+    A tied checkpoint has no ``lm_head.weight`` to load, so vLLM's in-place reload never marks the head
+    as loaded and skips its ``process_weights_after_loading`` -- but on CPU that step packs the weight for
+    oneDNN (``layer.cpu_linear``): the head kept computing with the old embedding while every checksum
+    (read from the shared parameter) looked right. Measured on SmolLM2-135M (tied): after one update,
+    vLLM's log-probs were up to 0.125 off the updated policy's; with the repack, within fp32 noise.
+    On GPU the step is a no-op for an unquantized head."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
 
 
 def _asyncrl_received(worker: Any) -> dict[str, str]:

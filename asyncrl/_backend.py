@@ -24,7 +24,7 @@ from asyncrl.errors import (
     WorkerDiedError,
 )
 
-__all__ = ["Backend", "Slot", "Died", "Cancelled", "Failed", "public_error"]
+__all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "public_error"]
 
 
 @dataclass(frozen=True)
@@ -89,14 +89,24 @@ def public_error(
                        "".join(traceback.format_exception(e)), cause=e)
 
 
+class BackendSpec(Protocol):
+    """What a group needs to know of its backend before it starts (a backend, or a
+    stand-in that imports one in :meth:`start`, off the event loop)."""
+
+    name: str
+    needs_pool: bool
+
+    async def start(self) -> "Backend": ...
+
+
 class Backend(Protocol):
     """How a group starts, calls and stops its worker hosts."""
 
     name: str
     needs_pool: bool
 
-    async def start(self) -> None:
-        """Make the backend usable (Ray: start or connect, off the event loop)."""
+    async def start(self) -> "Backend":
+        """Make the backend usable (Ray: start or connect, off the event loop); returns itself."""
 
     async def make_hosts(self, group: str, slots: Sequence[Slot], n: int) -> list[Any]:
         """Start one host per rank (Ray: actors created off the event loop)."""

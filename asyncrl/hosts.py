@@ -20,7 +20,7 @@ import asyncio
 import gc
 from typing import Any, Mapping
 
-from asyncrl._backend import Backend, public_error
+from asyncrl._backend import Backend, BackendSpec, public_error
 from asyncrl._host import RoleSpec
 from asyncrl._sequencer import Sequencer
 from asyncrl.dispatch import MeshRank
@@ -56,10 +56,10 @@ class AsyncResource:
 class HostSet:
     """The worker processes behind one group, or behind several colocated groups."""
 
-    def __init__(self, backend: Backend, pool: ResourcePool | None, world_size: int,
+    def __init__(self, backend: BackendSpec, pool: ResourcePool | None, world_size: int,
                  roles: list[tuple[str, type, tuple[Any, ...], dict[str, Any]]],
                  env: Mapping[str, str], name: str, owns_pool: bool) -> None:
-        self.backend = backend
+        self.backend: Backend = backend  # type: ignore[assignment]  # a stand-in until _start()
         self.pool = pool
         self.world_size = world_size
         self.roles = roles
@@ -67,7 +67,7 @@ class HostSet:
         self.name = name
         self.owns_pool = owns_pool
         self.hosts: list[Any] = []
-        self.sequencer = Sequencer(backend, self.hosts, world_size)
+        self.sequencer = Sequencer(self.backend, self.hosts, world_size)
         self.meshes: dict[str, dict[str, tuple[MeshRank, ...]]] = {}
         self.contexts: list[WorkerContext] = []
         self.state = "new"  # new -> starting -> ready -> closed
@@ -107,7 +107,12 @@ class HostSet:
             raise GroupClosedError(f"group {self.name!r} was closed during setup()")
 
     async def _start(self) -> None:
-        await self.backend.start()
+        self.backend = self.sequencer.backend = await self.backend.start()
+        # Ray (and torch) are imported and running now: their objects live as long as the
+        # process. Freeze them before the set-up allocates, or the collector's next full
+        # pass walks them all on the loop (measured: a 270 ms stall in the middle of
+        # setup(), benchmarks/loop_lag.py). The same reasoning as the freeze below.
+        gc.freeze()
         n = self.world_size
         slots = []
         if self.pool is not None:

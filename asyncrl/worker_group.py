@@ -18,7 +18,8 @@ from typing import Any, Generic, Iterator, Mapping, ParamSpec, Sequence, TypeVar
 
 import structlog
 
-from asyncrl._backend import Backend
+from asyncrl import backends
+from asyncrl._backend import BackendSpec
 from asyncrl._deferred import DeferredValue
 from asyncrl._host import Payload
 from asyncrl.dispatch import Sharded, World
@@ -101,7 +102,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         kwargs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         name: str | None = None,
-        backend: Backend,
+        backend: BackendSpec,
         _hostset: HostSet | None = None,
         _role: str | None = None,
     ) -> None:
@@ -291,18 +292,6 @@ def _defer(x: Any) -> Any:
     return x
 
 
-def _backend(name: str) -> Backend:
-    if name == "ray":
-        from asyncrl.backends.ray import RayBackend
-
-        return RayBackend()
-    if name == "local":
-        from asyncrl.backends.local import LocalBackend
-
-        return LocalBackend()
-    raise ValueError(f"backend must be 'ray' or 'local', got {name!r}")
-
-
 class _BackendGroup(WorkerGroup[W]):
     _BACKEND: str
 
@@ -310,7 +299,7 @@ class _BackendGroup(WorkerGroup[W]):
                  args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, name: str | None = None) -> None:
         super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
-                         backend=_backend(self._BACKEND))
+                         backend=backends.named(self._BACKEND))
 
 
 class RayWorkerGroup(_BackendGroup[W]):
@@ -380,7 +369,7 @@ def colocate(
     """
     if not roles:
         raise ValueError("colocate() needs at least one role")
-    be = _backend(backend)
+    be = backends.named(backend)
     n = world_size if world_size is not None else (pool.world_size if pool is not None else None)
     if n is None:
         raise ValueError("give a ResourcePool or a world_size")

@@ -32,10 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import gc
 import os
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from typing import Any, Awaitable, Callable
 
 os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")  # as the other benchmarks (see dispatch_overhead.py)
@@ -48,6 +52,8 @@ from asyncrl import Dispatch, RayWorkerGroup, Worker, register  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loop_lag.md")
 TICK_S = 0.001
+STALL_S = 0.020  # the target: no wake-up later than this
+WATCH_S = 0.002
 
 
 class Sink(Worker):
@@ -65,32 +71,74 @@ class PlainSink:
 
 
 class Heartbeat:
-    """Sleeps TICK_S in a loop and records how late each wake-up is."""
+    """Sleeps TICK_S in a loop and records how late each wake-up is.
+
+    A watchdog thread looks at the loop thread every 2 ms while a wake-up is more than
+    STALL_S late: either the loop thread is running code (the stall is that code's: the
+    innermost asyncrl/Ray/pipelines frame is recorded), or it is waiting in its selector
+    and could not run (the OS did not schedule the process, or another thread held the
+    GIL: the machine's share, which also shows in the ``idle`` row).
+    """
 
     def __init__(self) -> None:
         self.lags: list[float] = []
-        self._task: asyncio.Task[None] | None = None
+        self._last = time.perf_counter()
+        self._loop_thread: int | None = None
+        self.busy: collections.Counter[str] = collections.Counter()
+        self.waiting = 0
+        self.gc_pauses: list[float] = []
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._gc)
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="loop-lag-watchdog", daemon=True).start()
+
+    def _gc(self, phase: str, info: dict[str, Any]) -> None:
+        # A collection runs on whichever thread allocates, holding the GIL: it stalls the loop too.
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_pauses.append(time.perf_counter() - self._gc_t0)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            ident = self._loop_thread
+            if ident is None or time.perf_counter() - self._last < STALL_S:
+                continue
+            frame = sys._current_frames().get(ident)
+            if frame is None:
+                continue
+            stack = traceback.extract_stack(frame)
+            if stack[-1].name == "select" and stack[-1].filename.endswith("selectors.py"):
+                self.waiting += 1
+                continue
+            ours = [f for f in reversed(stack) if any(k in f.filename for k in ("asyncrl", "/ray/", "pipelines", "roles"))]
+            where = ours[0] if ours else stack[-1]
+            self.busy[f"{os.path.basename(where.filename)}:{where.lineno} {where.name}"] += 1
 
     async def _run(self) -> None:
         while True:
-            t0 = time.perf_counter()
+            t0 = self._last = time.perf_counter()
             await asyncio.sleep(TICK_S)
             self.lags.append(time.perf_counter() - t0 - TICK_S)
 
-    async def measure(self, fn: Callable[[], Awaitable[Any]]) -> tuple[dict[str, float], Any]:
-        self.lags = []
-        self._task = asyncio.ensure_future(self._run())
+    async def measure(self, fn: Callable[[], Awaitable[Any]]) -> tuple[dict[str, Any], Any]:
+        self._loop_thread = threading.get_ident()
+        task = asyncio.ensure_future(self._run())
         await asyncio.sleep(0.01)  # the heartbeat is ticking before the phase starts
-        self.lags = []
+        self.lags, self.busy, self.waiting, self.gc_pauses = [], collections.Counter(), 0, []
         t0 = time.perf_counter()
         try:
             out = await fn()
         finally:
             took = time.perf_counter() - t0
-            self._task.cancel()
+            task.cancel()
         lags = sorted(self.lags) or [0.0]
+        top = self.busy.most_common(1)
         return {"max_ms": lags[-1] * 1e3, "p99_ms": lags[int(0.99 * (len(lags) - 1))] * 1e3,
-                "ticks": len(lags), "phase_s": took}, out
+                "stalls": sum(lag > STALL_S for lag in lags), "ticks": len(lags), "phase_s": took,
+                "busy_ms": sum(self.busy.values()) * WATCH_S * 1e3, "waiting_ms": self.waiting * WATCH_S * 1e3,
+                "gc_ms": max(self.gc_pauses, default=0.0) * 1e3,
+                "culprit": f"{top[0][0]} ({top[0][1] * WATCH_S * 1e3:.0f} ms)" if top else "-"}, out
 
 
 async def measure(quick: bool) -> list[dict[str, Any]]:
@@ -100,13 +148,14 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
     hb = Heartbeat()
     rows: list[dict[str, Any]] = []
 
-    def add(phase: str, variant: str, stats: dict[str, float]) -> None:
+    def add(phase: str, variant: str, stats: dict[str, Any]) -> None:
         rows.append({"phase": phase, "variant": variant, **stats})
-        print(f"  {phase:<20} {variant:<8} max {stats['max_ms']:7.1f} ms  p99 {stats['p99_ms']:6.1f} ms  "
-              f"({stats['phase_s']:.2f} s)", flush=True)
+        print(f"  {phase:<22} {variant:<9} max {stats['max_ms']:7.1f} ms  p99 {stats['p99_ms']:5.1f} ms  "
+              f"stalls {stats['stalls']:3d}  loop busy {stats['busy_ms']:5.0f} ms  gc {stats['gc_ms']:4.0f} ms  "
+              f"({stats['phase_s']:.2f} s)  {stats['culprit']}", flush=True)
 
-    stats, _ = await hb.measure(lambda: asyncio.sleep(1.0))
-    add("idle (1 s)", "-", stats)
+    stats, _ = await hb.measure(lambda: asyncio.sleep(3.0 if quick else 10.0))
+    add("idle", "-", stats)
     stats, _ = await hb.measure(lambda: asyncrl.ainit(num_cpus=16))
     add("Ray start", "asyncrl", stats)
 
@@ -115,7 +164,15 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
         wg = RayWorkerGroup(Sink, world_size=4, name=f"lag{rep}")
         stats, _ = await hb.measure(wg.setup)
         add("setup, 4 workers", "asyncrl", stats)
-        stats, _ = await hb.measure(lambda: asyncrl.gather(*(wg.ping(i) for i in range(n_calls))))
+        async def asyncrl_calls() -> None:
+            futures = []
+            for i in range(n_calls):  # a well-behaved producer yields while it submits
+                futures.append(wg.ping(i))
+                if i % 25 == 24:
+                    await asyncio.sleep(0)
+            await asyncrl.gather(*futures)
+
+        stats, _ = await hb.measure(asyncrl_calls)
         add(f"{n_calls:,} calls", "asyncrl", stats)
         stats, _ = await hb.measure(wg.close)
         add("close", "asyncrl", stats)
@@ -132,7 +189,12 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
             await asyncio.gather(*(a.ready.remote() for a in actors))
 
         async def plain_calls() -> None:
-            await asyncio.gather(*(a.ping.remote(i) for i in range(n_calls) for a in state["actors"]))
+            refs = []
+            for i in range(n_calls):  # submitted as the asyncrl variant is
+                refs.extend(a.ping.remote(i) for a in state["actors"])
+                if i % 25 == 24:
+                    await asyncio.sleep(0)
+            await asyncio.gather(*refs)
 
         async def plain_close() -> None:
             for a in state["actors"]:
@@ -168,11 +230,13 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| phase | variant | worst lag ms | p99 lag ms | heartbeats | phase s |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| phase | variant | worst lag ms | p99 lag ms | wake-ups > 20 ms | of which loop busy, ms | "
+             "loop waiting, ms | longest GC pause ms | phase s | top code on the loop during stalls |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['phase']} | {r['variant']} | {r['max_ms']:.1f} | {r['p99_ms']:.1f} | {r['ticks']} | "
-                     f"{r['phase_s']:.2f} |")
+        lines.append(f"| {r['phase']} | {r['variant']} | {r['max_ms']:.1f} | {r['p99_ms']:.1f} | {r['stalls']} / "
+                     f"{r['ticks']} | {r['busy_ms']:.0f} | {r['waiting_ms']:.0f} | {r['gc_ms']:.0f} | "
+                     f"{r['phase_s']:.2f} | {r['culprit']} |")
     return "\n".join(lines)
 
 
@@ -190,9 +254,14 @@ def main() -> None:
         "# Loop lag: the controller's event loop while asyncrl works",
         run_header("loop_lag.py", extra=f"; load average at start {load[0]:.1f}"),
         f"A heartbeat task sleeps {TICK_S * 1e3:g} ms in a loop; lag = how late each wake-up is. Worst and 99th "
-        "percentile per phase; `idle` is the heartbeat alone (the machine's own noise). `plain Ray` = the same "
-        "work written directly on Ray in asyncio (placement group, actors, calls, kill), no asyncrl. "
-        "Target: worst lag < 20 ms during setup of 4 workers and during a trainer run.",
+        "percentile per phase, and the wake-ups later than 20 ms. During those, a watchdog thread looks at the "
+        "loop thread every 2 ms: *loop busy* = it was running code (the top asyncrl/Ray/pipelines frame is "
+        "named: the stall is that code's), *loop waiting* = it sat in its selector unable to run (the OS did not "
+        "schedule the process, or another thread held the GIL); the longest garbage-collector pause (it holds "
+        "the GIL, on whatever thread allocated). `idle` is the heartbeat alone (the machine's "
+        "own noise). `plain Ray` = the same work written directly on Ray in asyncio (placement group, actors, "
+        "calls, kill), no asyncrl. Both submit their calls yielding every 25 calls. Target: worst lag < 20 ms "
+        "during setup of 4 workers and during a trainer run.",
         table(rows),
     ]) + "\n"
     write_result(args.out, text)

@@ -39,8 +39,8 @@ class LocalBackend:
     name = "local"
     needs_pool = False
 
-    async def start(self) -> None:
-        pass
+    async def start(self) -> "LocalBackend":
+        return self
 
     async def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[WorkerHost]:
         return [WorkerHost(wait=_await_local, local=True) for _ in range(n)]

@@ -215,11 +215,12 @@ class RayBackend:
         self._actor_cls = ray.remote(WorkerHost)  # a local wrapper: needs no running Ray
         self._call2: dict[int, Any] = {}
 
-    async def start(self) -> None:
+    async def start(self) -> "RayBackend":
         if not ray.is_initialized():
             from asyncrl.runtime import ainit
 
             await ainit()
+        return self
 
     async def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[Any]:
         # Creating an actor is a GCS round trip (and, the first time, Ray imports what it

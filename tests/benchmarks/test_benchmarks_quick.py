@@ -64,3 +64,12 @@ def test_inflight_quick(tmp_path):
     assert rows[2][1] == "—" and float(rows[2][2]) >= 0
     for r in rows[3:]:
         assert all(float(c.replace(",", "")) >= 0 for c in r[1:]) and float(r[4]) > 0
+
+
+def test_loop_lag_quick(tmp_path):
+    rows = table_rows(run("loop_lag.py", tmp_path / "loop_lag.md"))
+    assert rows[0][:4] == ["phase", "variant", "worst lag ms", "p99 lag ms"]
+    phases = [(r[0], r[1]) for r in rows[2:]]
+    assert phases[:2] == [("idle", "-"), ("Ray start", "asyncrl")]
+    assert ("setup, 4 workers", "asyncrl") in phases and ("setup, 4 workers", "plain Ray") in phases
+    assert [p for p, _ in phases[-3:]] == ["trainer set-up", "trainer fit (3 steps)", "trainer close"]

@@ -29,7 +29,8 @@ Failure cases, and what happens:
 3. *The worker cannot unpickle the arguments* (a class not importable there): the
    arguments travel as one :class:`~asyncrl._host.Payload` whose unpickling never
    raises, so the host method still runs, reports a ``RemoteError`` naming the failure,
-   and releases the number.
+   and releases the number. (The price: the arguments are pickled as a nested stream,
+   about 8 µs per rank on the controller; tensors still go out of band, without copies.)
 4. *Cancelled before the call arrives*: the host remembers the call id, releases its
    number at once, and refuses the call when it arrives (also by number, if the id was
    forgotten: a number below the lane's next one never runs).

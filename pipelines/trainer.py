@@ -646,8 +646,6 @@ class Trainer:
         if not (self._owns_groups and policy.replace_stateless and not t.colocated and self.groups is not None
                 and len(self.restarts) < policy.max_restarts and is_worker_fault(error, timeouts=policy.on_timeout)):
             return False
-        if self._transport == "collective":  # the policy's side of the weight channel names the old ranks
-            return False
         origin = fault_origin(error)
         return origin is None or origin in (self.groups.rollout.name, self.groups.reward.name)
 
@@ -683,7 +681,7 @@ class Trainer:
                                        advantage=g.advantage), timeout)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         self._rollout_version = 0  # new engines hold the initial weights
-        await self._prepare_sync()  # the new engines' weight dtype
+        await self._prepare_sync()  # the new engines' weight dtype; a collective weight channel is reopened
         record["time_s"] = time.perf_counter() - t0
         log.warning("trainer.replaced", batch=batch, seconds=round(record["time_s"], 2))
 

@@ -36,9 +36,11 @@ leaves room for a loaded 2-core machine)."""
 STAGE_TIMEOUT_S = 4.0
 
 
-def fault_cfg(out: Path, *, restarts: int = 0, stage_timeout_s: float | None = None, replace: bool = True):
+def fault_cfg(out: Path, *, restarts: int = 0, stage_timeout_s: float | None = None, replace: bool = True,
+              weight_sync: str = "auto"):
     cfg = tiny_test()
     t = cfg.trainer
+    t.weight_sync = weight_sync
     t.steps, t.max_staleness, t.checkpoint_every = STEPS, 1, 1
     t.output_dir = str(out)
     t.restart.max_restarts = restarts
@@ -190,6 +192,27 @@ async def test_a_killed_rollout_worker_is_replaced_in_place_and_the_run_ends_ide
               seconds=r["time_s"], bound="-", interrupted=r["interrupted_s"],
               leaks="none" if after == before else f"LEAK {after} vs {before}",
               state="weights and per-step metrics == fault-free run; every step once")
+
+
+@pytest.mark.slow
+async def test_a_replacement_reopens_the_collective_weight_channel(ray_cluster, tmp_path, baseline, fault_row):
+    before = await asyncio.to_thread(live_actors)
+    fault = _fault(tmp_path, "generate", 3)
+    out = await run_with_fault(fault_cfg(tmp_path / "run", restarts=1, weight_sync="collective"), fault,
+                               {"rollout": (FaultyRollout, {"fault": fault})}, kill=True, bound=120, checksum=True)
+    assert out.error is None, out.error
+    [r] = out.trainer.restarts
+    assert r["kind"] == "replace" and r["from_checkpoint"] is None
+    assert out.checksum == baseline[1] and strip(out.history) == baseline[0]  # as the object-store run
+    _exactly_once(tmp_path / "run")
+    after = await settled(before)
+    assert after == before
+    fault_row(order=1.5, fault="rollout worker SIGKILLed mid-generation (batch 2), weights over the collective "
+                               "channel (gloo)", policy="`restart.max_restarts=1`, `weight_sync=collective`",
+              outcome="rollout pool replaced in place, weight channel reopened, batch re-issued, run completed",
+              seconds=r["time_s"], bound="-", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="weights and per-step metrics == fault-free run")
 
 
 @pytest.mark.slow

@@ -8,12 +8,17 @@ the stages run, and the policy refuses a batch older than the staleness bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from typing import TYPE_CHECKING, AsyncIterator
 
 import torch
 from tensordict import TensorDict
 
-from asyncrl import Dispatch, Execute, Worker, register
+from asyncrl import Dispatch, Execute, LocalWorkerGroup, Worker, register
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.stages import Groups
 
 R = 3
 
@@ -112,3 +117,26 @@ class FakePolicy(Worker):
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def weights_checksum(self):
         return {"version": str(self.version)}
+
+
+@contextlib.asynccontextmanager
+async def fake_groups(rec: Recorder, seed: int, prompts_per_step: int, max_delay: float,
+                      max_staleness: int) -> AsyncIterator["Groups"]:
+    """Started in-process groups of the fake workers (one rank each), closed on exit."""
+    from asyncrl.pipelines.stages import AdvantageWorker, Groups
+
+    groups = Groups(
+        rollout=LocalWorkerGroup(FakeRollout, world_size=1, args=(rec, seed, prompts_per_step, max_delay)),
+        reward=LocalWorkerGroup(FakeReward, world_size=1, args=(rec, seed, prompts_per_step, max_delay)),
+        policy=LocalWorkerGroup(FakePolicy, world_size=1, args=(rec, seed, prompts_per_step, max_delay,
+                                                                max_staleness)),
+        advantage=LocalWorkerGroup(AdvantageWorker, world_size=1),
+    )
+    members = (groups.rollout, groups.reward, groups.policy, groups.advantage)
+    try:
+        for g in members:
+            await g.setup()
+        yield groups
+    finally:
+        for g in members:
+            await g.close()

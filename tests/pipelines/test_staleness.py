@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl import LocalWorkerGroup
 from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.trainer import GRPOTrainer
 
-from .fakes import FakePolicy, FakeReward, FakeRollout, Recorder
+from .fakes import Recorder, fake_groups
 
 STEPS = 10
 
@@ -27,21 +25,9 @@ async def _run(k: int, mode: str, seed: int, tmp_path):
     cfg.trainer.checkpoint_at_end = False
     cfg.trainer.output_dir = str(tmp_path / f"{k}-{mode}-{seed}")
     rec = Recorder()
-    pps = cfg.prompts_per_step
-    groups = Groups(
-        rollout=LocalWorkerGroup(FakeRollout, world_size=1, args=(rec, seed, pps, 0.004)),
-        reward=LocalWorkerGroup(FakeReward, world_size=1, args=(rec, seed, pps, 0.004)),
-        policy=LocalWorkerGroup(FakePolicy, world_size=1, args=(rec, seed, pps, 0.004, k)),
-        advantage=LocalWorkerGroup(AdvantageWorker, world_size=1),
-    )
-    for g in (groups.rollout, groups.reward, groups.policy, groups.advantage):
-        await g.setup()
-    try:
+    async with fake_groups(rec, seed, cfg.prompts_per_step, 0.004, k) as groups:
         async with GRPOTrainer(cfg, groups=groups) as trainer:
             history = await trainer.fit()
-    finally:
-        for g in (groups.rollout, groups.reward, groups.policy, groups.advantage):
-            await g.close()
     return history, rec.events
 
 

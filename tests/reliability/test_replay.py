@@ -15,15 +15,13 @@ import json
 
 import pytest
 
-from asyncrl import LocalWorkerGroup
 from asyncrl.pipelines.cli import main
 from asyncrl.pipelines.journal import Journal, JournalError, read_journal
 from asyncrl.pipelines.metrics import read_jsonl
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.replay import compare_metrics
-from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.trainer import GRPOTrainer
-from tests.pipelines.fakes import FakePolicy, FakeReward, FakeRollout, Recorder
+from tests.pipelines.fakes import Recorder, fake_groups
 from tests.reliability.faults import DelayedPolicy, DelayedRollout
 
 STEPS = 6
@@ -64,21 +62,9 @@ def test_a_latest_run_with_random_stage_delays_replays_to_identical_weights_and_
 async def _fake_run(cfg, delay_seed: int, *, replay=None):
     cfg.trainer.checkpoint_at_end = False  # fake workers have no weights to save
     rec = Recorder()
-    pps = cfg.prompts_per_step
-    groups = Groups(
-        rollout=LocalWorkerGroup(FakeRollout, world_size=1, args=(rec, delay_seed, pps, 0.01)),
-        reward=LocalWorkerGroup(FakeReward, world_size=1, args=(rec, delay_seed, pps, 0.01)),
-        policy=LocalWorkerGroup(FakePolicy, world_size=1, args=(rec, delay_seed, pps, 0.01, K)),
-        advantage=LocalWorkerGroup(AdvantageWorker, world_size=1),
-    )
-    for g in (groups.rollout, groups.reward, groups.policy, groups.advantage):
-        await g.setup()
-    try:
+    async with fake_groups(rec, delay_seed, cfg.prompts_per_step, 0.01, K) as groups:
         async with GRPOTrainer(cfg, groups=groups, replay=replay) as trainer:
             await trainer.fit()
-    finally:
-        for g in (groups.rollout, groups.reward, groups.policy, groups.advantage):
-            await g.close()
     return [(step, v) for stage, step, v in rec.events if stage == "generate"]
 
 

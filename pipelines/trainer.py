@@ -266,7 +266,7 @@ class Trainer:
         self._last_checkpoint: Path | None = None  # the newest checkpoint this trainer wrote
         self._initial_rng: dict[str, Any] | None = None
         self._stop: str | None = None
-        self._pending_faults: list[tuple[str, int, float, dict[str, Any]]] = []  # (kind, step/batch, t, record)
+        self._pending_faults: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
         self.fitting = False
         """True while :meth:`fit` runs its loops."""
         self.interrupted: Interruption | None = None
@@ -605,7 +605,7 @@ class Trainer:
                     from_checkpoint=str(point) if point else "start")
         record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
         self.restarts.append(record)
-        self._pending_faults.append(("restart", self._policy_version, t0, record))
+        self._pending_faults.append({"kind": "restart", "at": self._policy_version, "t": t0, "record": record})
         await self._release_groups(keep_pools=True)
         t = self.config.trainer
         self.buffer = self._new_buffer()
@@ -657,7 +657,7 @@ class Trainer:
         t0 = time.perf_counter()
         record = fault_record("replace", error, from_step=self._policy_version)
         self.restarts.append(record)
-        self._pending_faults.append(("replace", batch, t0, record))
+        self._pending_faults.append({"kind": "replace", "at": batch, "t": t0, "record": record, "busy": 0.0})
         log.warning("trainer.replace", error=describe(error), batch=batch, replacement=len(self.restarts))
         old = (g.rollout.name, g.reward.name)
         # Buffered batches are futures of the dying groups: re-home them on the training pool
@@ -794,13 +794,14 @@ class Trainer:
             except anyio.EndOfStream:
                 raise RuntimeError(f"the rollout loop ended before step {step}") from None
             t0 = time.perf_counter()
-            self._note_resumed(step, item, t_wait, t0)
+            self._note_resumed(step, item, t0)
             if self._journal is not None:
                 self._journal.step(step, batch=item.step, version=item.version)
             async with self._device if cfg.colocated else _null():
                 with self.tracer.span("train_step", step=step):
                     metrics = await self._train_step(g, item, step)
             t1 = time.perf_counter()
+            self._note_trained(t0, t1)
             metrics.update({
                 "time/step": t1 - t_wait, "time/train": t1 - t0, "time/wait_rollout": t0 - t_wait,
                 "time/generate": item.gen_time, "time/elapsed": t1 - self._t_start,
@@ -819,17 +820,26 @@ class Trainer:
                 break
         loops.cancel()  # nothing else is needed from the rollout loop
 
-    def _note_resumed(self, step: int, item: RolloutBatch, t_wait: float, t_got: float) -> None:
-        """Fill ``interrupted_s`` of the recoveries this step's batch ends: a replacement held
-        training up from the fault (or from when training started waiting, if later) until the
-        re-issued batch arrived; a restart from the fault until the first step not done before it
-        got its batch (restart, restore and recomputed steps included)."""
+    def _note_resumed(self, step: int, item: RolloutBatch, t_got: float) -> None:
+        """Fill ``interrupted_s`` of the recoveries this step's batch ends. A replacement held
+        training up for the time from the fault until the re-issued batch reached training, less
+        the time training spent computing steps meanwhile (it waits in the buffer or in a
+        checkpoint for the lost batch). A restart: from the fault until the first step not done
+        before it got its batch (restart, restore and recomputed steps included)."""
         for entry in list(self._pending_faults):
-            kind, at, t_fault, record = entry
-            if (kind == "replace" and item.step == at) or (kind == "restart" and step >= at):
-                start = max(t_wait, t_fault) if kind == "replace" else t_fault
-                record["interrupted_s"] = max(0.0, t_got - start)
-                self._pending_faults.remove(entry)
+            if entry["kind"] == "replace" and item.step == entry["at"]:
+                entry["record"]["interrupted_s"] = max(0.0, t_got - entry["t"] - entry["busy"])
+            elif entry["kind"] == "restart" and step >= entry["at"]:
+                entry["record"]["interrupted_s"] = max(0.0, t_got - entry["t"])
+            else:
+                continue
+            self._pending_faults.remove(entry)
+
+    def _note_trained(self, t_start: float, t_end: float) -> None:
+        """Count the training time after each pending replacement's fault (see :meth:`_note_resumed`)."""
+        for entry in self._pending_faults:
+            if entry["kind"] == "replace":
+                entry["busy"] += max(0.0, t_end - max(t_start, entry["t"]))
 
     async def _train_step(self, g: Groups, item: RolloutBatch, step: int) -> dict[str, Any]:
         """The training-pool stages of one batch, in the canonical order."""

@@ -92,8 +92,8 @@ def pytest_sessionfinish(session, exitstatus):
         )
     lines += ["", f"Measured on {os.cpu_count()} cores; `measured` is from the fault (kill, raise or hang start) "
               "to the typed error, or to the end of the recovery (new workers up and state restored). "
-              "`training interrupted for`: for a replacement, from the fault (or from when training next "
-              "needed a batch, if later) until the re-issued batch reached training; for a restart, from "
-              "the fault until training got the batch of the first step it had not finished before the "
-              "fault (restart, restore and recomputed steps included)."]
+              "`training interrupted for`: for a replacement, from the fault until the re-issued batch reached "
+              "training, less the time training spent computing steps on buffered batches meanwhile; for a "
+              "restart, from the fault until training got the batch of the first step it had not finished "
+              "before the fault (restart, restore and recomputed steps included)."]
     Path(target).write_text("\n".join(lines) + "\n")

@@ -108,8 +108,9 @@ class Backend(Protocol):
     async def start(self) -> "Backend":
         """Make the backend usable (Ray: start or connect, off the event loop); returns itself."""
 
-    async def make_hosts(self, group: str, slots: Sequence[Slot], n: int) -> list[Any]:
-        """Start one host per rank (Ray: actors created off the event loop)."""
+    async def make_hosts(self, group: str, slots: Sequence[Slot], n: int, threaded: bool = False) -> list[Any]:
+        """Start one host per rank (Ray: actors created off the event loop); `threaded`:
+        hosts without an event loop on the call path (for processes with no concurrent methods)."""
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         """Run a host method (set-up, close); errors arrive in the internal shapes."""

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
 from asyncrl._deferred import DeferredShard, DeferredValue, resolve_args
-from asyncrl._sequencer import Lane
+from asyncrl._sequencer import CallCancelled, Lane, LoopCall, ThreadLane
 from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
@@ -193,50 +193,49 @@ def _picklable(exc: BaseException) -> BaseException | None:
         return None
 
 
-class WorkerHost:
-    """Runs the worker objects of one process. Wrapped as a Ray actor by the Ray backend
-    and used directly by the local backend."""
+class _HostBase:
+    """What both host kinds share: the worker objects, their specs, set-up and the
+    per-call checks. No ``async def`` here: Ray makes an actor async when its class has one."""
 
-    def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False) -> None:
+    def __init__(self, lane: Lane, local: bool) -> None:
         self._local = local
-        self._lane = Lane()
+        self._lane = lane
         self._workers: dict[str, Any] = {}
         self._specs: dict[str, RoleSpec] = {}
         self._methods: dict[str, dict[str, Any]] = {}
         self._thread = OrderedThread()
-        self._wait = wait or _await_plain
-
-    # ---- set-up -------------------------------------------------------------------------
 
     def node_info(self) -> dict[str, Any]:
         """Address and a free port of this process's node (rank 0 serves as MASTER_ADDR)."""
         return {"ip": node_ip(), "port": free_port(), "pid": os.getpid()}
 
-    async def init_workers(self, specs: list[RoleSpec]) -> dict[str, dict[str, Any]]:
-        """Construct the workers; returns each role's registered meshes."""
-        out = {}
-        for spec in specs:
-            if not self._local:  # in-process workers share the controller's environment
-                from asyncrl.runtime import quiet_tensor_warnings
+    def _prepare(self, spec: RoleSpec) -> Callable[[], Any]:
+        """Set the process up for `spec`; returns the constructor to run on the ordered thread."""
+        if not self._local:  # in-process workers share the controller's environment
+            from asyncrl.runtime import quiet_tensor_warnings
 
-                quiet_tensor_warnings()
-                os.environ.update(spec.env)
-                self._set_threads(spec.context)
-            try:
-                worker = await self._thread.run(functools.partial(contextvars.copy_context().run, _construct, spec))
-            except Exception as e:
-                raise RemoteError(
-                    spec.group, f"{spec.cls.__name__}.__init__", spec.context.rank,
-                    f"{type(e).__module__}.{type(e).__qualname__}", str(e), traceback.format_exc(),
-                    cause=_picklable(e),
-                ) from None
-            self._workers[spec.role] = worker
-            self._specs[spec.role] = spec
-            self._methods[spec.role] = registered_methods(spec.cls)
-            out[spec.role] = dict(worker._asyncrl_meshes)
+            quiet_tensor_warnings()
+            os.environ.update(spec.env)
+            self._set_threads(spec.context)
+        return functools.partial(contextvars.copy_context().run, _construct, spec)
+
+    def _constructed(self, spec: RoleSpec, outcome: tuple[bool, Any], out: dict[str, dict[str, Any]]) -> None:
+        ok, worker = outcome
+        if not ok:
+            e = worker
+            raise RemoteError(
+                spec.group, f"{spec.cls.__name__}.__init__", spec.context.rank,
+                f"{type(e).__module__}.{type(e).__qualname__}", str(e),
+                "".join(traceback.format_exception(e)), cause=_picklable(e),
+            ) from None
+        self._workers[spec.role] = worker
+        self._specs[spec.role] = spec
+        self._methods[spec.role] = registered_methods(spec.cls)
+        out[spec.role] = dict(worker._asyncrl_meshes)
+
+    def _started(self) -> None:
         if not self._local:  # (in-process workers: the controller's group set-up does it)
             gc.freeze()  # see asyncrl.hosts: start-up objects out of the collector's full passes
-        return out
 
     @staticmethod
     def _set_threads(ctx: WorkerContext) -> None:
@@ -249,11 +248,88 @@ class WorkerHost:
         except Exception:  # pragma: no cover
             pass
 
-    # ---- calls --------------------------------------------------------------------------
-
     def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
         """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`)."""
         self._lane.cancel(entries, deadline)
+
+    def _lookup(self, role: str, method: str, payload: "Payload") -> tuple[RoleSpec, Any]:
+        """The call's role and method spec; raises the call's error for an unknown method
+        or arguments the worker could not unpickle."""
+        spec = self._specs.get(role)
+        mspec = self._methods[role].get(method) if spec is not None else None
+        if spec is None or mspec is None:
+            rank = spec.context.rank if spec is not None else -1
+            group = spec.group if spec is not None else role
+            raise RemoteError(group, method, rank, "asyncrl.errors.RegistrationError",
+                              f"{role}.{method} is not a registered method of this worker", "")
+        if payload.error is not None:
+            raise RemoteError(spec.group, method, spec.context.rank, *payload.error)
+        return spec, mspec
+
+    @staticmethod
+    def _method_error(spec: RoleSpec, method: str, e: Exception) -> RemoteError:
+        return RemoteError(spec.group, method, spec.context.rank, f"{type(e).__module__}.{type(e).__qualname__}",
+                           str(e), "".join(traceback.format_exception(e)), cause=_picklable(e))
+
+    def _finish(self, spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int,
+                want_meta: bool, keep: bool) -> Any:
+        if not want_meta:
+            return result if keep else None
+        meta = self._meta(spec, method, args, kwargs, result, pad)
+        return (result if keep else None), meta
+
+    @staticmethod
+    def _meta(spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int) -> tuple[int, int]:
+        rows = B.result_len(result)
+        if rows is None:
+            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                              f"a DP_COMPUTE method must return a batch (TensorDict, tensor or list), "
+                              f"got {type(result).__name__}; use DP_COMPUTE_METRIC for per-rank values", "")
+        if pad == 0:
+            return rows, 0
+        in_rows = next((B.batch_len(a) for a in [*args, *kwargs.values()] if B.is_batch(a)), None)
+        if not in_rows or (rows * pad) % in_rows:
+            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                              f"returned {rows} rows for {in_rows} input rows of which {pad} are padding; "
+                              "a padded DP_COMPUTE method must return a whole multiple of its input rows", "")
+        return rows, rows * pad // in_rows
+
+    def _close_workers(self) -> None:
+        self._lane.cancel_all()
+        for w in self._workers.values():
+            try:
+                w.on_close()
+            except Exception:  # closing must not fail the group's close
+                traceback.print_exc()
+        self._thread.stop()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+class WorkerHost(_HostBase):
+    """Runs the worker objects of one process on an event loop: an async Ray actor (the
+    Ray backend's host for processes with concurrent methods), and the local backend's host."""
+
+    def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False) -> None:
+        super().__init__(Lane(), local)
+        self._wait = wait or _await_plain
+
+    def host_kind(self) -> str:
+        return "async"
+
+    async def init_workers(self, specs: list[RoleSpec]) -> dict[str, dict[str, Any]]:
+        """Construct the workers; returns each role's registered meshes."""
+        out: dict[str, dict[str, Any]] = {}
+        for spec in specs:
+            construct = self._prepare(spec)
+            try:
+                outcome: tuple[bool, Any] = (True, await self._thread.run(construct))
+            except Exception as e:
+                outcome = (False, e)
+            self._constructed(spec, outcome, out)
+        self._started()
+        return out
 
     async def call(
         self,
@@ -275,14 +351,9 @@ class WorkerHost:
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: asyncio.Future[Any] | None = None
         try:
-            mspec = self._methods[role].get(method) if spec is not None else None
-            if spec is None or mspec is None:
-                raise RemoteError(group, method, rank, "asyncrl.errors.RegistrationError",
-                                  f"{role}.{method} is not a registered method of this worker", "")
-            if payload.error is not None:
-                raise RemoteError(group, method, rank, *payload.error)
+            spec, mspec = self._lookup(role, method, payload)
             if has_deferred(payload.args, payload.kwargs):  # pipelined inputs: fetch them while waiting our turn
-                resolving = asyncio.ensure_future(self._resolve(spec, method, payload.args, payload.kwargs))
+                resolving = asyncio.ensure_future(_resolve(spec, method, payload.args, payload.kwargs, self._wait))
             if seq is not None:
                 await lane.turn(ticket)
             if resolving is None:
@@ -300,14 +371,8 @@ class WorkerHost:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                raise RemoteError(
-                    group, method, rank, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
-                    traceback.format_exc(), cause=_picklable(e),
-                ) from None
-            if not want_meta:
-                return result if keep else None
-            meta = self._meta(spec, method, args2, kwargs2, result, pad)
-            return (result if keep else None), meta
+                raise self._method_error(spec, method, e) from None
+            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep)
         finally:
             if resolving is not None and not resolving.done():
                 resolving.cancel()
@@ -318,87 +383,189 @@ class WorkerHost:
         (one argument for Ray to serialize and deserialize per call, not eight)."""
         return await self.call(*packed)
 
-    async def _resolve(self, spec: RoleSpec, method: str, args: Any, kwargs: Any) -> Any:
-        try:
-            return await resolve_args(args, kwargs, self._wait)
-        except asyncio.CancelledError:
-            raise
-        except DispatchError as e:
-            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                              str(e), traceback.format_exc(), cause=e) from None
-        except AsyncRLError as e:  # a producer's failure, already named by resolve_args
-            raise UpstreamError(spec.group, method, spec.context.rank, upstream=e) from None
-
-    @staticmethod
-    def _meta(spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int) -> tuple[int, int]:
-        rows = B.result_len(result)
-        if rows is None:
-            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                              f"a DP_COMPUTE method must return a batch (TensorDict, tensor or list), "
-                              f"got {type(result).__name__}; use DP_COMPUTE_METRIC for per-rank values", "")
-        if pad == 0:
-            return rows, 0
-        in_rows = next((B.batch_len(a) for a in [*args, *kwargs.values()] if B.is_batch(a)), None)
-        if not in_rows or (rows * pad) % in_rows:
-            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                              f"returned {rows} rows for {in_rows} input rows of which {pad} are padding; "
-                              "a padded DP_COMPUTE method must return a whole multiple of its input rows", "")
-        return rows, rows * pad // in_rows
-
     async def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the thread."""
-        self._lane.cancel_all()
-        for w in self._workers.values():
-            try:
-                w.on_close()
-            except Exception:  # closing must not fail the group's close
-                traceback.print_exc()
-        self._thread.stop()
+        self._close_workers()
 
     def abort(self) -> None:
         """Cancel every call in flight at once (the local backend's stand-in for killing the process)."""
         self._lane.cancel_all()
 
-    def ping(self) -> int:
-        return os.getpid()
+
+class ThreadedHost(_HostBase):
+    """Runs the worker objects of one process without an event loop on the call path:
+    the Ray backend's host for processes with no concurrent methods.
+
+    A sync Ray actor whose calls arrive in Ray's threads (a concurrency group of
+    :data:`THREADED_CALLS` threads; cancel messages have their own). A plain ``def``
+    method runs on the host's one ordered thread, as on the async host, and its Ray
+    thread waits for it: two thread hand-offs per call where an async actor has four
+    (Ray's thread to the actor's loop, the loop to the ordered thread, and back).
+    ``async def`` methods and the resolution of pipelined arguments run on an event loop
+    of the host's own (a thread started at the first use). Ordering, cancellation and
+    the wedged lane are :class:`~asyncrl._sequencer.ThreadLane`'s (case 12 of
+    :mod:`asyncrl._sequencer` says why a waiting call never holds the thread its
+    predecessor needs).
+    """
+
+    def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None) -> None:
+        super().__init__(ThreadLane(), local=False)
+        self._wait = wait or _await_plain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+
+    def host_kind(self) -> str:
+        return "threaded"
+
+    def init_workers(self, specs: list[RoleSpec]) -> dict[str, dict[str, Any]]:
+        """Construct the workers (on the ordered thread); returns each role's registered meshes."""
+        out: dict[str, dict[str, Any]] = {}
+        for spec in specs:
+            self._constructed(spec, self._thread.run_blocking(self._prepare(spec)), out)
+        self._started()
+        return out
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="asyncrl-host-loop", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def call(
+        self,
+        role: str,
+        method: str,
+        seq: int | None,
+        call_id: int,
+        payload: Payload,
+        in_pad: int | None,
+        want_meta: bool,
+        keep: bool = True,
+    ) -> Any:
+        """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
+        With `want_meta` returns ``(result, (rows, trailing padding rows))``."""
+        spec = self._specs.get(role)
+        rank = spec.context.rank if spec is not None else -1
+        group = spec.group if spec is not None else role
+        lane: ThreadLane = self._lane  # type: ignore[assignment]
+        ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
+        resolving: LoopCall | None = None
+        try:
+            spec, mspec = self._lookup(role, method, payload)
+            if has_deferred(payload.args, payload.kwargs):  # pipelined inputs: fetch them while waiting our turn
+                resolving = lane.start_on_loop(
+                    ticket, _resolve(spec, method, payload.args, payload.kwargs, self._wait), self._event_loop())
+            if seq is not None:
+                lane.wait_turn(ticket)
+            if resolving is None:
+                args2, kwargs2, pipe_pad = payload.args, payload.kwargs, None
+            else:
+                args2, kwargs2, pipe_pad = lane.wait_loop(resolving)
+            pad = in_pad if in_pad is not None else (pipe_pad or 0)
+            fn = getattr(self._workers[role], method)
+            try:
+                if mspec.is_async:
+                    result = lane.run_on_loop(ticket, fn(*args2, **kwargs2), self._event_loop())
+                else:
+                    run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
+                    result = lane.run_in_thread(ticket, run, self._thread)
+            except CallCancelled:
+                raise
+            except Exception as e:
+                raise self._method_error(spec, method, e) from None
+            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep)
+        finally:
+            if resolving is not None and not resolving.finished:
+                resolving.cancel()
+            lane.leave(ticket)
+
+    def call_packed(self, packed: tuple[Any, ...]) -> Any:
+        """:meth:`call` with its arguments in one tuple: the Ray backend's entry point."""
+        return self.call(*packed)
+
+    def close(self) -> None:
+        """Cancel the calls in flight, call each worker's `on_close`, then stop the threads."""
+        self._close_workers()
+        with self._loop_lock:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+async def _resolve(spec: RoleSpec, method: str, args: Any, kwargs: Any,
+                   wait: Callable[[Any], Awaitable[Any]]) -> Any:
+    try:
+        return await resolve_args(args, kwargs, wait)
+    except asyncio.CancelledError:
+        raise
+    except DispatchError as e:
+        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                          str(e), traceback.format_exc(), cause=e) from None
+    except AsyncRLError as e:  # a producer's failure, already named by resolve_args
+        raise UpstreamError(spec.group, method, spec.context.rank, upstream=e) from None
 
 
 class OrderedThread:
     """The host's one thread for plain ``def`` methods: a queue and a loop (no executor
-    machinery); each outcome goes back to the event loop with one ``call_soon_threadsafe``."""
+    machinery); each outcome is handed back by a `deliver` callback run on the thread."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], Any], deliver: Callable[[tuple[bool, Any]], None]) -> None:
+        """Run `fn` on the thread, then `deliver((True, value))` or `deliver((False, error))` there."""
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._main, name="asyncrl-ordered_0", daemon=True)
+                    self._thread.start()
+        self._q.put((fn, deliver))
 
     def run(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
         """Run `fn` on the thread; the returned future (of the running loop) gets its outcome."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="asyncrl-ordered_0", daemon=True)
-            self._thread.start()
-        self._q.put((loop, fut, fn))
+        self.submit(fn, functools.partial(_deliver_to_loop, loop, fut))
         return fut
+
+    def run_blocking(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run `fn` on the thread and wait for it here; returns ``(ok, value or error)``."""
+        done = threading.Event()
+        box: list[tuple[bool, Any]] = []
+
+        def deliver(outcome: tuple[bool, Any]) -> None:
+            box.append(outcome)
+            done.set()
+
+        self.submit(fn, deliver)
+        done.wait()
+        return box[0]
 
     def _main(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            loop, fut, fn = item
+            fn, deliver = item
             try:
                 outcome: tuple[bool, Any] = (True, fn())
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting call
                 outcome = (False, e)
-            try:
-                loop.call_soon_threadsafe(_settle, fut, outcome)
-            except RuntimeError:  # that loop is closed
-                pass
+            deliver(outcome)
 
     def stop(self) -> None:
         if self._thread is not None:
             self._q.put(None)
+
+
+def _deliver_to_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, fut, outcome)
+    except RuntimeError:  # that loop is closed
+        pass
 
 
 def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:

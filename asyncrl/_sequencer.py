@@ -8,7 +8,9 @@ share this protocol:
   ordered call and submits every call (ordered or concurrent) to its host.
 * :class:`Lane` (worker host, one per process) admits ordered calls one at a time in
   number order, refuses calls cancelled before they arrive, and knows whether the call
-  holding it is still running in its thread.
+  holding it is still running in its thread. An async host's calls wait on its event
+  loop; :class:`ThreadLane` is the same lane for a threaded host, whose calls wait in
+  Ray's threads (same states, same cases; only the waiting differs).
 
 The invariant: **every number taken is released exactly once on the worker**, whatever
 fails, so the next number's call always gets its turn. A number is released when its
@@ -54,6 +56,12 @@ Failure cases, and what happens:
     ``WorkerDiedError`` on the controller and the group is broken.
 11. *The cancel message cannot be sent* (the worker is gone or Ray is shutting down):
     logged; the lane is gone with its process (case 10).
+12. *A threaded host* (:class:`ThreadLane`) holds one of Ray's threads per call that
+    waits for its turn. Ray dispatches its calls in submission order (a sync actor
+    with concurrency groups keeps it), and the controller submits the calls of one
+    host in number order (:meth:`Sequencer.submit` takes the number and submits under
+    one lock), so the threads always hold the lowest outstanding numbers: the call
+    whose turn it is never waits for a thread behind calls that wait for it.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -72,7 +81,7 @@ from asyncrl.errors import LaneWedgedError
 if TYPE_CHECKING:
     from asyncrl._backend import Backend
 
-__all__ = ["Sequencer", "Lane", "Ticket", "Entry"]
+__all__ = ["Sequencer", "Lane", "ThreadLane", "Ticket", "Entry"]
 
 log = structlog.get_logger("asyncrl")
 
@@ -93,12 +102,13 @@ class Sequencer:
     all ordered calls to one process share one numbering, whatever role they call.
     """
 
-    __slots__ = ("backend", "hosts", "_counters")
+    __slots__ = ("backend", "hosts", "_counters", "_lock")
 
     def __init__(self, backend: "Backend", hosts: list[Any], world_size: int) -> None:
         self.backend = backend
         self.hosts = hosts  # filled in by the owner as the processes start
         self._counters = [itertools.count() for _ in range(world_size)]  # next() is atomic: safe from any thread
+        self._lock = threading.Lock()  # number order = submission order per host, from any thread (case 12)
 
     def take(self, rank: int) -> int:
         """The next number of `rank`'s lane. Whoever takes one must submit it or cancel it."""
@@ -115,13 +125,14 @@ class Sequencer:
         metas: list[Any] = []
         entries: list[Entry] = []
         try:
-            for rank, payload, pad, keep in per_rank:
-                call_id = next(_call_ids)
-                seq = next(counters[rank]) if ordered else None
-                entries.append((rank, call_id, seq))
-                ref, meta = backend.submit(hosts[rank], role, method, seq, call_id, payload, pad, want_meta, keep)
-                refs.append(ref)
-                metas.append(meta)
+            with self._lock:
+                for rank, payload, pad, keep in per_rank:
+                    call_id = next(_call_ids)
+                    seq = next(counters[rank]) if ordered else None
+                    entries.append((rank, call_id, seq))
+                    ref, meta = backend.submit(hosts[rank], role, method, seq, call_id, payload, pad, want_meta, keep)
+                    refs.append(ref)
+                    metas.append(meta)
         except BaseException:
             self.cancel(entries, deadline=False)
             raise
@@ -158,10 +169,14 @@ class Ticket:
     method: str
     rank: int
     task: "asyncio.Task[Any] | None" = None
-    thread: "asyncio.Future[Any] | None" = None
-    """The executor future of a plain ``def`` method while it runs."""
+    thread: Any = None
+    """The outcome of a plain ``def`` method while it runs in the lane's thread (an
+    asyncio future, or a :class:`ThreadCall`): ``done()`` tells whether it returned."""
     thread_started: float = 0.0
     cancelled: bool = False
+    loop_calls: "list[LoopCall] | None" = None
+    """A threaded host's work on its event loop for this call (argument resolution, an
+    ``async def`` method): cancelled with the call."""
 
     def describe(self) -> str:
         return f"{self.group}.{self.method} (call {self.call_id}, ordered #{self.seq})"
@@ -263,18 +278,22 @@ class Lane:
                     self._release(seq)
                 continue
             ticket.cancelled = True
-            if ticket.task is not None and not ticket.task.done():
-                ticket.task.cancel()
+            self._abort(ticket)
             if deadline and ticket.seq is not None and ticket.thread is not None and not ticket.thread.done():
                 self._wedge(ticket)
 
     def cancel_all(self) -> None:
         """Cancel every arrived call (the host is closing)."""
         for ticket in list(self._live.values()):
-            if ticket.task is not None and not ticket.task.done():
-                ticket.task.cancel()
+            ticket.cancelled = True
+            self._abort(ticket)
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _abort(self, ticket: Ticket) -> None:
+        """Stop a cancelled call's waiting (an async host: cancel its task)."""
+        if ticket.task is not None and not ticket.task.done():
+            ticket.task.cancel()
 
     def _release(self, seq: int) -> None:
         if seq < self._next:
@@ -301,3 +320,206 @@ class Lane:
             self._wedged_by = None
         if ticket.seq is not None and ticket.call_id not in self._live:
             self._release(ticket.seq)
+
+
+# ---- the worker half on a threaded host -------------------------------------------------
+
+
+class CallCancelled(Exception):
+    """Internal: a threaded host's call was cancelled (an ``Exception``, not asyncio's
+    ``CancelledError``, so that Ray reports it as the call's error; the controller
+    reads it as a cancellation)."""
+
+
+class ThreadCall:
+    """The outcome of one plain ``def`` method run in the lane's thread."""
+
+    __slots__ = ("finished", "outcome")
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.outcome: tuple[bool, Any] = (False, None)
+
+    def done(self) -> bool:
+        return self.finished
+
+
+class LoopCall:
+    """A coroutine run on a threaded host's event loop for one call; the call's thread
+    waits for its outcome. Cancelling it cancels the task; it finishes once the
+    coroutine has unwound (or at once, if it had not started)."""
+
+    __slots__ = ("loop", "task", "finished", "outcome", "cancel_requested", "_settle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, settle: Callable[["LoopCall"], None]) -> None:
+        self.loop = loop
+        self.task: asyncio.Task[Any] | None = None
+        self.finished = False
+        self.outcome: tuple[bool, Any] = (False, None)
+        self.cancel_requested = False
+        self._settle = settle
+
+    def start(self, coro: Any) -> None:
+        self.loop.call_soon_threadsafe(self._start, coro)
+
+    def cancel(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._cancel)
+        except RuntimeError:  # the loop is closed (the host is closing): nothing runs there any more
+            pass
+
+    def _start(self, coro: Any) -> None:
+        if self.cancel_requested:
+            coro.close()
+            self._finish((False, CallCancelled("cancelled before it started")))
+            return
+        self.task = self.loop.create_task(coro)
+        self.task.add_done_callback(self._done)
+
+    def _cancel(self) -> None:  # on the loop, after _start (both go through the loop's FIFO queue)
+        self.cancel_requested = True
+        if self.task is not None:
+            self.task.cancel()
+
+    def _done(self, task: "asyncio.Task[Any]") -> None:
+        if task.cancelled():
+            self._finish((False, CallCancelled("cancelled")))
+        elif task.exception() is not None:
+            self._finish((False, task.exception()))
+        else:
+            self._finish((True, task.result()))
+
+    def _finish(self, outcome: tuple[bool, Any]) -> None:
+        self.outcome = outcome
+        self._settle(self)
+
+
+class ThreadLane(Lane):
+    """:class:`Lane` for a threaded host: each call waits in its own (Ray) thread.
+
+    The same states and cases as :class:`Lane`; every change happens under one lock and
+    wakes the waiting threads. A cancelled call stops waiting at once (case 5), an
+    ``async def`` method or an argument resolution on the host's loop is cancelled and
+    waited for (case 6), a plain ``def`` method keeps the lane until its thread returns
+    (cases 7 and 8).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cond = threading.Condition(threading.RLock())
+
+    def arrive(self, call_id: int, seq: int | None, group: str, method: str, rank: int) -> Ticket:
+        """Register an arriving call; raises :class:`CallCancelled` for one cancelled before it arrived."""
+        with self._cond:
+            refused = call_id in self._refused
+            if refused:
+                del self._refused[call_id]
+            if refused or (seq is not None and (seq < self._next or seq in self._released)):
+                raise CallCancelled(f"call {call_id} was cancelled before it arrived")
+            ticket = Ticket(call_id, seq, group, method, rank)
+            self._live[call_id] = ticket
+            return ticket
+
+    def wait_turn(self, ticket: Ticket) -> None:
+        """Block until `ticket` is the next ordered call; fail fast while the lane is wedged."""
+        seq = ticket.seq
+        assert seq is not None
+        with self._cond:
+            self._cond.wait_for(lambda: ticket.cancelled or self._wedged_by is not None or self._next == seq)
+            if ticket.cancelled:
+                raise CallCancelled(f"call {ticket.call_id} was cancelled while waiting for its turn")
+            if self._wedged_by is not None:
+                stuck = self._wedged_by
+                raise LaneWedgedError(ticket.group, ticket.method, ticket.rank, stuck.describe(),
+                                      time.monotonic() - stuck.thread_started)
+
+    def run_in_thread(self, ticket: Ticket, run: Callable[[], Any], thread: Any) -> Any:
+        """Run a plain ``def`` method in the lane's thread (`thread.submit(fn, deliver)`).
+        Cancelled, the call fails at once but keeps the lane until the thread returns (case 7)."""
+        call = ThreadCall()
+        with self._cond:
+            if ticket.cancelled:
+                raise CallCancelled(f"call {ticket.call_id} was cancelled")
+            ticket.thread = call
+            ticket.thread_started = time.monotonic()
+        thread.submit(run, lambda outcome: self._thread_returned(ticket, call, outcome))
+        with self._cond:
+            self._cond.wait_for(lambda: call.finished or ticket.cancelled)
+            if not call.finished:
+                self._threads[ticket.call_id] = ticket  # _thread_returned releases the lane
+                raise CallCancelled(f"call {ticket.call_id} was cancelled while its thread runs")
+        return _unwrap(call.outcome)
+
+    def run_on_loop(self, ticket: Ticket, coro: Any, loop: asyncio.AbstractEventLoop) -> Any:
+        """Run `coro` on the host's event loop for `ticket`; block until it is over."""
+        call = self.start_on_loop(ticket, coro, loop)
+        return self.wait_loop(call)
+
+    def start_on_loop(self, ticket: Ticket, coro: Any, loop: asyncio.AbstractEventLoop) -> LoopCall:
+        """Start `coro` on the host's loop for `ticket` (cancelled with it); see :meth:`wait_loop`."""
+        call = LoopCall(loop, self._loop_settled)
+        with self._cond:
+            if ticket.cancelled:
+                coro.close()
+                raise CallCancelled(f"call {ticket.call_id} was cancelled")
+            if ticket.loop_calls is None:
+                ticket.loop_calls = []
+            ticket.loop_calls.append(call)
+            call.start(coro)
+        return call
+
+    def wait_loop(self, call: LoopCall) -> Any:
+        """Block until `call` is over (a cancelled one unwinds first); its value or error."""
+        with self._cond:
+            self._cond.wait_for(lambda: call.finished)
+        return _unwrap(call.outcome)
+
+    def leave(self, ticket: Ticket) -> None:
+        with self._cond:
+            super().leave(ticket)
+
+    def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> None:
+        with self._cond:
+            super().cancel(entries, deadline)
+
+    def cancel_all(self) -> None:
+        with self._cond:
+            super().cancel_all()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _abort(self, ticket: Ticket) -> None:
+        for call in ticket.loop_calls or ():
+            if not call.finished:
+                call.cancel()
+        self._cond.notify_all()
+
+    def _release(self, seq: int) -> None:
+        super()._release(seq)
+        self._cond.notify_all()
+
+    def _wedge(self, ticket: Ticket) -> None:
+        super()._wedge(ticket)
+        self._cond.notify_all()
+
+    def _thread_returned(self, ticket: Ticket, call: ThreadCall, outcome: tuple[bool, Any]) -> None:
+        with self._cond:
+            call.outcome = outcome
+            call.finished = True
+            if ticket.call_id in self._threads:
+                self._thread_ended(ticket)
+            self._cond.notify_all()
+
+    def _loop_settled(self, call: LoopCall) -> None:
+        with self._cond:
+            call.finished = True
+            self._cond.notify_all()
+
+
+def _unwrap(outcome: tuple[bool, Any]) -> Any:
+    ok, value = outcome
+    if ok:
+        return value
+    if isinstance(value, asyncio.CancelledError):
+        raise CallCancelled(str(value) or "cancelled") from None
+    raise value

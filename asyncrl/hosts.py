@@ -24,6 +24,7 @@ from asyncrl._backend import Backend, BackendSpec, public_error
 from asyncrl._host import RoleSpec
 from asyncrl._sequencer import Sequencer
 from asyncrl.dispatch import MeshRank
+from asyncrl.register import Mode, registered_methods
 from asyncrl.errors import DispatchError, GroupClosedError
 from asyncrl.resources import ResourcePool
 from asyncrl.worker import WorkerContext
@@ -31,6 +32,10 @@ from asyncrl.worker import WorkerContext
 __all__ = ["HostSet", "AsyncResource"]
 
 _CLOSE_GRACE_S = 10.0  # how long close() waits for the workers' on_close hooks before killing
+
+HOST_KIND: str | None = None
+"""``None``: each set picks its host kind (:attr:`HostSet.threaded`); ``"threaded"`` or
+``"async"`` forces one (the tests run the protocol on both)."""
 
 
 class AsyncResource:
@@ -79,6 +84,15 @@ class HostSet:
     def closed(self) -> bool:
         return self.state == "closed"
 
+    @property
+    def threaded(self) -> bool:
+        """Whether the processes get threaded hosts: when no hosted role has a concurrent
+        method (those may run unboundedly many calls at once, which an event loop carries
+        and a thread per call would not). ``HOST_KIND`` overrides it (tests)."""
+        if HOST_KIND is not None:
+            return HOST_KIND == "threaded"
+        return not any(m.mode is Mode.CONCURRENT for _, cls, *_ in self.roles for m in registered_methods(cls).values())
+
     # ---- start-up -----------------------------------------------------------------------
 
     async def setup(self) -> None:
@@ -120,7 +134,7 @@ class HostSet:
             if self.pool.world_size < n:
                 raise ValueError(f"group {self.name!r} needs {n} bundles but its pool has {self.pool.world_size}")
             slots = self.pool.slots[:n]
-        self.hosts.extend(await self.backend.make_hosts(self.name, slots, n))
+        self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=self.threaded))
         info = await self._admin(0, "node_info", "node_info")
         local_world: dict[Any, int] = {}
         for s in slots:

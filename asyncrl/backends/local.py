@@ -42,7 +42,8 @@ class LocalBackend:
     async def start(self) -> "LocalBackend":
         return self
 
-    async def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[WorkerHost]:
+    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False) -> list[WorkerHost]:
+        # In process, every host runs on the controller's loop (`threaded` is a Ray host kind).
         return [WorkerHost(wait=_await_local, local=True) for _ in range(n)]
 
     async def admin(self, host: WorkerHost, method: str, *args: Any) -> Any:

@@ -27,10 +27,14 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl._backend import Cancelled, Died, Failed, Slot
-from asyncrl._host import WorkerHost
+from asyncrl._host import ThreadedHost, WorkerHost
+from asyncrl._sequencer import CallCancelled
 from asyncrl.errors import AsyncRLError, PlacementError
 
-_MAX_CONCURRENCY = 100_000  # in-flight calls per worker process; ordering is by sequence number, not by slot
+_MAX_CONCURRENCY = 100_000  # in-flight calls per async host; ordering is by sequence number, not by slot
+THREADED_CALLS = 64
+"""Calls a threaded host runs or holds at once (Ray threads of its ``calls`` concurrency
+group); more wait in Ray's queue, in submission order."""
 
 _DEATH = (ActorDiedError, ActorUnavailableError, RayActorError, OwnerDiedError, ObjectLostError)
 
@@ -44,7 +48,7 @@ def _translate(e: BaseException) -> BaseException:
         cause = getattr(e, "cause", None)
         if isinstance(cause, AsyncRLError):
             return cause
-        if isinstance(cause, (TaskCancelledError, asyncio.CancelledError)):
+        if isinstance(cause, (TaskCancelledError, asyncio.CancelledError, CallCancelled)):
             return Cancelled(str(e))
         if isinstance(cause, _DEATH):
             return Died(str(cause).splitlines()[0])
@@ -54,6 +58,8 @@ def _translate(e: BaseException) -> BaseException:
         return Died(str(e).splitlines()[0])
     if isinstance(e, AsyncRLError):
         return e
+    if isinstance(e, CallCancelled):
+        return Cancelled(str(e))
     return Failed(f"{type(e).__module__}.{type(e).__qualname__}", str(e), "")
 
 
@@ -205,6 +211,21 @@ def _all_ready(refs: list[Any]) -> bool:
     return len(ready) == len(refs)
 
 
+class _ThreadedWorkerHost(ThreadedHost):
+    """The threaded host as a sync Ray actor: calls in the ``calls`` concurrency group
+    (:data:`THREADED_CALLS` threads), cancel messages in ``control`` (never queued behind
+    calls), set-up and close in the default group. With ``max_concurrency=1`` Ray keeps
+    the submission order when it dispatches the calls (case 12 of :mod:`asyncrl._sequencer`)."""
+
+    @ray.method(concurrency_group="calls")
+    def call_packed(self, packed: tuple[Any, ...]) -> Any:
+        return self.call(*packed)
+
+    @ray.method(concurrency_group="control")
+    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
+        self._lane.cancel(entries, deadline)
+
+
 class RayBackend:
     """Worker hosts as Ray actors; every blocking Ray call runs off the event loop."""
 
@@ -212,7 +233,9 @@ class RayBackend:
     needs_pool = True
 
     def __init__(self) -> None:
-        self._actor_cls = ray.remote(WorkerHost)  # a local wrapper: needs no running Ray
+        # Local wrappers: need no running Ray.
+        self._actor_cls = ray.remote(WorkerHost)
+        self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1})(_ThreadedWorkerHost)
         self._call2: dict[int, Any] = {}
 
     async def start(self) -> "RayBackend":
@@ -222,21 +245,22 @@ class RayBackend:
             await ainit()
         return self
 
-    async def make_hosts(self, group: str, slots: Sequence[Any], n: int) -> list[Any]:
+    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False) -> list[Any]:
         # Creating an actor is a GCS round trip (and, the first time, Ray imports what it
         # needs to export the class): in a thread, like every blocking Ray call.
-        return await asyncio.get_running_loop().run_in_executor(None, self._make_hosts, list(slots), n)
+        return await asyncio.get_running_loop().run_in_executor(None, self._make_hosts, list(slots), n, threaded)
 
-    def _make_hosts(self, slots: list[Any], n: int) -> list[Any]:
+    def _make_hosts(self, slots: list[Any], n: int, threaded: bool) -> list[Any]:
         hosts = []
+        cls, kind = (self._threaded_cls, {}) if threaded else (self._actor_cls, {"max_concurrency": _MAX_CONCURRENCY})
         for rank in range(n):
             slot = slots[rank]
-            hosts.append(self._actor_cls.options(
+            hosts.append(cls.options(
                 name=None,
                 num_cpus=slot.num_cpus,
                 num_gpus=slot.num_gpus,
-                max_concurrency=_MAX_CONCURRENCY,
                 max_restarts=0,
+                **kind,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=slot.placement_group,
                     placement_group_bundle_index=slot.bundle_index,

@@ -19,32 +19,23 @@ from asyncrl import (
     RayWorkerGroup,
     RemoteError,
 )
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
 from tests.core.workers import Probe
-
-
-
-BACKENDS = ["ray", "local"]
-
-
-def make_group(backend: str, cls=Probe, **kw):
-    G = RayWorkerGroup if backend == "ray" else LocalWorkerGroup
-    return G(cls, **kw)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
 async def wg(request, ray_cluster):
     """A group of 4 Probe workers (base=10) per backend."""
-    group = make_group(request.param, world_size=4, kwargs={"base": 10}, env={"ASYNCRL_TEST_FLAG": "on"},
-                       name=f"probe-{request.param}")
-    async with group:
+    async with kinds.group(request.param, Probe, world_size=4, kwargs={"base": 10}, env={"ASYNCRL_TEST_FLAG": "on"},
+                           name=f"probe-{request.param}") as group:
         yield group
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
 async def mesh_wg(request, ray_cluster):
     """dp=2 x tp=2: ranks 0,1 are DP rank 0 and ranks 2,3 DP rank 1; tp rank 0 collects."""
-    group = make_group(request.param, world_size=4, kwargs={"tp": 2}, name=f"mesh-{request.param}")
-    async with group:
+    async with kinds.group(request.param, Probe, world_size=4, kwargs={"tp": 2}, name=f"mesh-{request.param}") as group:
         yield group
 
 

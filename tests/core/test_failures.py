@@ -17,15 +17,15 @@ from asyncrl import (
     RayWorkerGroup,
     WorkerDiedError,
 )
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
 from tests.core.workers import Probe
 
-BACKENDS = ["ray", "local"]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
 async def wg(request, ray_cluster):
-    G = RayWorkerGroup if request.param == "ray" else LocalWorkerGroup
-    async with G(Probe, world_size=2, name=f"fail-{request.param}") as group:
+    async with kinds.group(request.param, Probe, world_size=2, name=f"fail-{request.param}") as group:
         yield group
 
 

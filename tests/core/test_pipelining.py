@@ -12,17 +12,19 @@ from tensordict import TensorDict
 
 import asyncrl
 from asyncrl import DispatchError, GroupClosedError, LocalWorkerGroup, RayWorkerGroup, RemoteError, UpstreamError
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
 from tests.core.workers import Probe
 
-BACKENDS = ["ray", "local"]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
 async def groups(request, ray_cluster):
     """A group of 4 and a group of 2 on the same backend (matched and mismatched layouts)."""
-    G = RayWorkerGroup if request.param == "ray" else LocalWorkerGroup
+    G = kinds.group_class(request.param)
     four, two = G(Probe, world_size=4, name="four"), G(Probe, world_size=2, name="two")
-    await asyncio.gather(four.setup(), two.setup())
+    with kinds.forced(request.param):
+        await asyncio.gather(four.setup(), two.setup())
     try:
         yield four, two
     finally:

@@ -29,16 +29,16 @@ from asyncrl import (
     UpstreamError,
     WorkerDiedError,
 )
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
 from tests.core.workers import DiesInInit, Probe, RefusesUnpickling, WaitsInInit
 
-BACKENDS = ["ray", "local"]
 HANG = 30  # seconds: a call that should finish at once but has not by then hangs
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
 async def wg(request, ray_cluster):
-    G = RayWorkerGroup if request.param == "ray" else LocalWorkerGroup
-    async with G(Probe, world_size=2, name=f"protocol-{request.param}") as group:
+    async with kinds.group(request.param, Probe, world_size=2, name=f"protocol-{request.param}") as group:
         yield group
 
 
@@ -242,9 +242,9 @@ async def _logs_end_with(wg, value) -> bool:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_close_with_calls_in_flight_fails_them_with_group_closed(ray_cluster, backend):
-    G = RayWorkerGroup if backend == "ray" else LocalWorkerGroup
-    g = G(Probe, world_size=2, name=f"closing-{backend}")
-    await g.setup()
+    g = kinds.group_class(backend)(Probe, world_size=2, name=f"closing-{backend}")
+    with kinds.forced(backend):
+        await g.setup()
     running = g.wait_forever("c")
     await until(lambda: _logs_end_with(g, 1))
     await g.close()
@@ -261,11 +261,11 @@ async def test_close_during_setup_leaves_nothing_and_the_group_never_becomes_rea
     from tests.core.test_lifecycle import alive_hosts, live_pgs, settle
 
     before = (alive_hosts(), live_pgs())
-    G = RayWorkerGroup if backend == "ray" else LocalWorkerGroup
-    g = G(WaitsInInit, world_size=2, args=(str(tmp_path),), name=f"half-started-{backend}")
-    setup = asyncio.ensure_future(g.setup())
+    g = kinds.group_class(backend)(WaitsInInit, world_size=2, args=(str(tmp_path),), name=f"half-started-{backend}")
     try:
-        await until(lambda: _exists(tmp_path / "started-0"), deadline=120)  # constructors are running
+        with kinds.forced(backend):  # until the hosts exist: their kind is chosen then
+            setup = asyncio.ensure_future(g.setup())
+            await until(lambda: _exists(tmp_path / "started-0"), deadline=120)  # constructors are running
         await g.close()
         async with asyncio.timeout(HANG):
             with pytest.raises(GroupClosedError, match="closed during setup"):

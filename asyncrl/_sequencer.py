@@ -331,6 +331,43 @@ class CallCancelled(Exception):
     reads it as a cancellation)."""
 
 
+class _Wake:
+    """A one-shot wake-up for one waiting thread: a lock released once (cheaper than a
+    condition: one futex hand-off). ``done``/``set_result`` as an asyncio future's, so the
+    lane's bookkeeping treats both kinds of waiter alike; called under the lane's lock."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def done(self) -> bool:
+        return self._set
+
+    def set_result(self, _: Any = None) -> bool:
+        """Mark it set; returns whether the caller must :meth:`release` (the first to set it)."""
+        if self._set:
+            return False
+        self._set = True
+        self._lock.release()
+        return True
+
+    def claim(self) -> bool:
+        """Mark it set without waking yet (the caller releases after leaving the lane's lock)."""
+        if self._set:
+            return False
+        self._set = True
+        return True
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def wait(self) -> None:
+        self._lock.acquire()
+
+
 class ThreadCall:
     """The outcome of one plain ``def`` method run in the lane's thread."""
 
@@ -349,7 +386,7 @@ class LoopCall:
     waits for its outcome. Cancelling it cancels the task; it finishes once the
     coroutine has unwound (or at once, if it had not started)."""
 
-    __slots__ = ("loop", "task", "finished", "outcome", "cancel_requested", "_settle")
+    __slots__ = ("loop", "task", "finished", "outcome", "cancel_requested", "wake", "_settle")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, settle: Callable[["LoopCall"], None]) -> None:
         self.loop = loop
@@ -357,6 +394,7 @@ class LoopCall:
         self.finished = False
         self.outcome: tuple[bool, Any] = (False, None)
         self.cancel_requested = False
+        self.wake = _Wake()
         self._settle = settle
 
     def start(self, coro: Any) -> None:
@@ -397,20 +435,23 @@ class LoopCall:
 class ThreadLane(Lane):
     """:class:`Lane` for a threaded host: each call waits in its own (Ray) thread.
 
-    The same states and cases as :class:`Lane`; every change happens under one lock and
-    wakes the waiting threads. A cancelled call stops waiting at once (case 5), an
-    ``async def`` method or an argument resolution on the host's loop is cancelled and
-    waited for (case 6), a plain ``def`` method keeps the lane until its thread returns
-    (cases 7 and 8).
+    The same states and cases as :class:`Lane`; every change happens under one lock.
+    A waiting thread sleeps on a one-shot :class:`_Wake` of its own (its turn, its
+    method's return, or its cancellation sets it), so a plain ``def`` call costs one
+    hand-off to the lane's thread and one back. A cancelled call stops waiting at once
+    (case 5), an ``async def`` method or an argument resolution on the host's loop is
+    cancelled and waited for (case 6), a plain ``def`` method keeps the lane until its
+    thread returns (cases 7 and 8).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._cond = threading.Condition(threading.RLock())
+        self._lock = threading.Lock()
+        self._wakes: dict[int, _Wake] = {}  # call id -> the wake-up its thread sleeps on
 
     def arrive(self, call_id: int, seq: int | None, group: str, method: str, rank: int) -> Ticket:
         """Register an arriving call; raises :class:`CallCancelled` for one cancelled before it arrived."""
-        with self._cond:
+        with self._lock:
             refused = call_id in self._refused
             if refused:
                 del self._refused[call_id]
@@ -424,41 +465,53 @@ class ThreadLane(Lane):
         """Block until `ticket` is the next ordered call; fail fast while the lane is wedged."""
         seq = ticket.seq
         assert seq is not None
-        with self._cond:
-            self._cond.wait_for(lambda: ticket.cancelled or self._wedged_by is not None or self._next == seq)
-            if ticket.cancelled:
-                raise CallCancelled(f"call {ticket.call_id} was cancelled while waiting for its turn")
-            if self._wedged_by is not None:
-                stuck = self._wedged_by
-                raise LaneWedgedError(ticket.group, ticket.method, ticket.rank, stuck.describe(),
-                                      time.monotonic() - stuck.thread_started)
+        while True:
+            with self._lock:
+                if ticket.cancelled:
+                    raise CallCancelled(f"call {ticket.call_id} was cancelled while waiting for its turn")
+                if self._wedged_by is not None:
+                    stuck = self._wedged_by
+                    raise LaneWedgedError(ticket.group, ticket.method, ticket.rank, stuck.describe(),
+                                          time.monotonic() - stuck.thread_started)
+                if self._next == seq:
+                    return
+                wake = _Wake()
+                self._waiters[seq] = wake  # type: ignore[assignment]  # _release and _wedge set it
+                self._wakes[ticket.call_id] = wake  # _abort sets it
+            wake.wait()
+            with self._lock:
+                if self._waiters.get(seq) is wake:  # type: ignore[comparison-overlap]
+                    del self._waiters[seq]
+                self._wakes.pop(ticket.call_id, None)
 
     def run_in_thread(self, ticket: Ticket, run: Callable[[], Any], thread: Any) -> Any:
         """Run a plain ``def`` method in the lane's thread (`thread.submit(fn, deliver)`).
         Cancelled, the call fails at once but keeps the lane until the thread returns (case 7)."""
         call = ThreadCall()
-        with self._cond:
+        wake = _Wake()
+        with self._lock:
             if ticket.cancelled:
                 raise CallCancelled(f"call {ticket.call_id} was cancelled")
             ticket.thread = call
             ticket.thread_started = time.monotonic()
-        thread.submit(run, lambda outcome: self._thread_returned(ticket, call, outcome))
-        with self._cond:
-            self._cond.wait_for(lambda: call.finished or ticket.cancelled)
-            if not call.finished:
+            self._wakes[ticket.call_id] = wake
+        thread.submit(run, lambda outcome: self._thread_returned(ticket, call, outcome, wake))
+        wake.wait()
+        with self._lock:
+            self._wakes.pop(ticket.call_id, None)
+            if not call.finished:  # woken by the cancellation
                 self._threads[ticket.call_id] = ticket  # _thread_returned releases the lane
                 raise CallCancelled(f"call {ticket.call_id} was cancelled while its thread runs")
         return _unwrap(call.outcome)
 
     def run_on_loop(self, ticket: Ticket, coro: Any, loop: asyncio.AbstractEventLoop) -> Any:
         """Run `coro` on the host's event loop for `ticket`; block until it is over."""
-        call = self.start_on_loop(ticket, coro, loop)
-        return self.wait_loop(call)
+        return self.wait_loop(self.start_on_loop(ticket, coro, loop))
 
     def start_on_loop(self, ticket: Ticket, coro: Any, loop: asyncio.AbstractEventLoop) -> LoopCall:
         """Start `coro` on the host's loop for `ticket` (cancelled with it); see :meth:`wait_loop`."""
         call = LoopCall(loop, self._loop_settled)
-        with self._cond:
+        with self._lock:
             if ticket.cancelled:
                 coro.close()
                 raise CallCancelled(f"call {ticket.call_id} was cancelled")
@@ -470,50 +523,47 @@ class ThreadLane(Lane):
 
     def wait_loop(self, call: LoopCall) -> Any:
         """Block until `call` is over (a cancelled one unwinds first); its value or error."""
-        with self._cond:
-            self._cond.wait_for(lambda: call.finished)
+        call.wake.wait()
         return _unwrap(call.outcome)
 
     def leave(self, ticket: Ticket) -> None:
-        with self._cond:
+        with self._lock:
             super().leave(ticket)
 
     def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> None:
-        with self._cond:
+        with self._lock:
             super().cancel(entries, deadline)
 
     def cancel_all(self) -> None:
-        with self._cond:
+        with self._lock:
             super().cancel_all()
 
-    # ---- internals ------------------------------------------------------------------------
+    # ---- internals (under the lane's lock) ---------------------------------------------------
 
     def _abort(self, ticket: Ticket) -> None:
         for call in ticket.loop_calls or ():
             if not call.finished:
                 call.cancel()
-        self._cond.notify_all()
+        wake = self._wakes.get(ticket.call_id)
+        if wake is not None:
+            wake.set_result(None)
 
-    def _release(self, seq: int) -> None:
-        super()._release(seq)
-        self._cond.notify_all()
-
-    def _wedge(self, ticket: Ticket) -> None:
-        super()._wedge(ticket)
-        self._cond.notify_all()
-
-    def _thread_returned(self, ticket: Ticket, call: ThreadCall, outcome: tuple[bool, Any]) -> None:
-        with self._cond:
+    def _thread_returned(self, ticket: Ticket, call: ThreadCall, outcome: tuple[bool, Any], wake: _Wake) -> None:
+        with self._lock:
             call.outcome = outcome
             call.finished = True
             if ticket.call_id in self._threads:
                 self._thread_ended(ticket)
-            self._cond.notify_all()
+            first = wake.claim()
+        if first:  # woken after the lane's lock is free: the waiter does not block on it again
+            wake.release()
 
     def _loop_settled(self, call: LoopCall) -> None:
-        with self._cond:
+        with self._lock:
             call.finished = True
-            self._cond.notify_all()
+            first = call.wake.claim()
+        if first:
+            call.wake.release()
 
 
 def _unwrap(outcome: tuple[bool, Any]) -> Any:

@@ -23,6 +23,10 @@ Variants:
   ``host path / plain`` is what asyncrl's worker host costs (ordering, argument
   resolution, the method's thread hop, the second return); ``asyncrl / host path`` is the
   controller's share.
+* ``async host`` (a breakdown): the same asyncrl call to a second group of the same
+  worker class forced onto the async host (an async Ray actor, the host every group had
+  before the threaded host; a group now gets it only when a worker has a concurrent
+  method). ``async host / asyncrl`` is what the threaded host saves.
 * ``verl`` (where ``verl`` is importable): verl 0.9.1's ``RayWorkerGroup`` with a worker
   registered ``ONE_TO_ALL`` / ``DP_COMPUTE_PROTO`` (a ``DataProto`` built once outside the
   timing), called the blocking way verl's trainer calls it. Install beside asyncrl with
@@ -184,8 +188,12 @@ async def v_verl(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
     return vwg.consume(ctx["protos"][t.numel()]).batch["n"]
 
 
+async def v_async_host(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
+    return await v_asyncrl({**ctx, "wg": ctx["wg_async"]}, t)
+
+
 VARIANTS: dict[str, Callable[[dict[str, Any], torch.Tensor | None], Awaitable[Any]]] = {
-    "asyncrl": v_asyncrl, "plain Ray": v_plain, "host path": v_host, "verl": v_verl,
+    "asyncrl": v_asyncrl, "plain Ray": v_plain, "host path": v_host, "async host": v_async_host, "verl": v_verl,
 }
 
 
@@ -241,8 +249,16 @@ async def measure(workers: list[int], cells: list[str], reps: int, quick: bool,
         ctx: dict[str, Any] = {"wg": RayWorkerGroup(Sink, world_size=n, name=f"sink{n}")}
         ctx["actors"] = [plain_cls.options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote()
                          for _ in range(n)]
+        ctx["wg_async"] = RayWorkerGroup(Sink, world_size=n, name=f"sink{n}-async-host")
         try:
             await ctx["wg"].setup()
+            from asyncrl import hosts
+
+            hosts.HOST_KIND = "async"  # private: the previous host kind, for the breakdown column
+            try:
+                await ctx["wg_async"].setup()
+            finally:
+                hosts.HOST_KIND = None
             await asyncio.gather(*(a.ping.remote(0) for a in ctx["actors"]))
             if verl_cls is not None:
                 from verl import DataProto
@@ -285,6 +301,7 @@ async def measure(workers: list[int], cells: list[str], reps: int, quick: bool,
                       + f"  asyncrl/plain {med['asyncrl'] / med['plain Ray']:.2f}x", flush=True)
         finally:
             await ctx["wg"].close()
+            await ctx["wg_async"].close()
             for a in ctx["actors"]:
                 ray.kill(a)
             for w in getattr(ctx.get("verl"), "workers", []):
@@ -295,7 +312,7 @@ async def measure(workers: list[int], cells: list[str], reps: int, quick: bool,
 def table(rows: list[dict]) -> str:
     has_verl = any("verl" in r for r in rows)
     head = ["workers", "call", "asyncrl µs", "plain Ray µs", "asyncrl / plain Ray", "host path µs",
-            "host path / plain Ray"]
+            "host path / plain Ray", "async host µs", "async host / plain Ray"]
     if has_verl:
         head += ["verl µs", "asyncrl / verl"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
@@ -304,7 +321,8 @@ def table(rows: list[dict]) -> str:
             r["cell"], f"{r['cell']} DP_COMPUTE")
         cells = [str(r["workers"]), call, f"{r['asyncrl'] * 1e6:.0f}", f"{r['plain Ray'] * 1e6:.0f}",
                  f"{r['asyncrl'] / r['plain Ray']:.2f}x", f"{r['host path'] * 1e6:.0f}",
-                 f"{r['host path'] / r['plain Ray']:.2f}x"]
+                 f"{r['host path'] / r['plain Ray']:.2f}x", f"{r['async host'] * 1e6:.0f}",
+                 f"{r['async host'] / r['plain Ray']:.2f}x"]
         if has_verl:
             cells += [f"{r['verl'] * 1e6:.0f}", f"{r['asyncrl'] / r['verl']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")

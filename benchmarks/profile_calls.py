@@ -55,8 +55,8 @@ class Sink(Worker):
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([t.shape[0]])
 
-    @register(Dispatch.ONE_TO_ALL, concurrent=True)
-    async def pid(self) -> int:
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
         return os.getpid()
 
 
@@ -80,9 +80,12 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK  # utime + stime
 
 
+VARIANTS = ("asyncrl", "async host", "plain")
+
+
 async def one(variant: str, ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
-    if variant == "asyncrl":
-        wg = ctx["wg"]
+    if variant in ("asyncrl", "async host"):
+        wg = ctx["wg" if variant == "asyncrl" else "wg_async"]
         return await (wg.ping(1) if t is None else wg.consume(t))
     actors = ctx["actors"]
     if t is None:
@@ -147,26 +150,39 @@ async def main_async(args: argparse.Namespace) -> None:
     plain = ray.remote(PlainSink)
     ctx["actors"] = [plain.options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote()
                      for _ in range(n)]
-    await ctx["wg"].setup()
-    ctx["pids"] = {"asyncrl": await ctx["wg"].pid(), "plain": await asyncio.gather(*(a.pid.remote() for a in ctx["actors"]))}
+    await ctx["wg"].setup()  # no concurrent method: the threaded host
+    from asyncrl import hosts
+
+    ctx["wg_async"] = RayWorkerGroup(Sink, world_size=n, name="prof-async-host")
+    hosts.HOST_KIND = "async"  # private: the host kind of a worker with a concurrent method, for comparison
+    try:
+        await ctx["wg_async"].setup()
+    finally:
+        hosts.HOST_KIND = None
+    ctx["pids"] = {"asyncrl": await ctx["wg"].pid(), "async host": await ctx["wg_async"].pid(),
+                   "plain": await asyncio.gather(*(a.pid.remote() for a in ctx["actors"]))}
     cells = {"tiny ONE_TO_ALL": None, "1 MiB DP_COMPUTE": torch.arange((1 << 20) // 4, dtype=torch.int32)}
     try:
         for name, t in cells.items():
-            for v in ("asyncrl", "plain"):
+            for v in VARIANTS:
                 for _ in range(20):
                     await one(v, ctx, t)
-            res: dict[str, list[dict[str, float]]] = {"asyncrl": [], "plain": []}
+            res: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
             for r in range(args.rounds):
-                for v in (("asyncrl", "plain") if r % 2 == 0 else ("plain", "asyncrl")):
+                for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
                     res[v].append(await cpu_per_call(v, ctx, t, args.calls))
             med = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in res.items()}
             rem = {v: await remotes_per_call(v, ctx, t) for v in res}
             print(f"\n{name}, {n} workers, {args.calls} calls x {args.rounds} rounds (µs per call, medians; "
                   f"load {os.getloadavg()[0]:.1f}):")
-            print(f"  {'variant':8s} {'wall':>8s} {'ctrl thread':>12s} {'ctrl process':>13s} {'workers':>9s} {'.remote()':>10s}")
+            print(f"  {'variant':10s} {'wall':>8s} {'ctrl thread':>12s} {'ctrl process':>13s} {'workers':>9s} {'.remote()':>10s}")
             for v, m in med.items():
-                print(f"  {v:8s} {m['wall'] * 1e6:8.0f} {m['thread'] * 1e6:12.0f} {m['process'] * 1e6:13.0f} "
+                print(f"  {v:10s} {m['wall'] * 1e6:8.0f} {m['thread'] * 1e6:12.0f} {m['process'] * 1e6:13.0f} "
                       f"{m['workers'] * 1e6:9.0f} {rem[v]:10d}")
+            p = med["plain"]
+            for v in VARIANTS[:2]:
+                m = med[v]
+                print(f"  {v + ' / plain':22s} " + "  ".join(f"{k} {m[k] / p[k]:.2f}x" for k in ("wall", "thread", "process", "workers")))
             if args.cprofile:
                 prof = cProfile.Profile()
                 prof.enable()
@@ -184,7 +200,7 @@ async def main_async(args: argparse.Namespace) -> None:
             if args.pyspy:
                 spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
                 os.makedirs(args.pyspy, exist_ok=True)
-                for v in ("asyncrl", "plain"):
+                for v in VARIANTS:
                     out = os.path.join(args.pyspy, f"{v}-{name.split()[0]}-{name.split()[1]}.txt")
                     proc = subprocess.Popen([spy, "record", "-p", str(ctx["pids"][v][0]), "-r", "500", "--threads",
                                              "-f", "raw", "-o", out, "-d", "60", "--nonblocking"],
@@ -198,6 +214,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     print(pyspy_summary(out) if os.path.exists(out) else "  (no output)")
     finally:
         await ctx["wg"].close()
+        await ctx["wg_async"].close()
         for a in ctx["actors"]:
             ray.kill(a)
 
@@ -207,7 +224,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--cprofile", choices=["asyncrl", "plain"], default=None)
+    p.add_argument("--cprofile", choices=list(VARIANTS), default=None)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--pyspy", default=None, help="record the rank-0 worker of each variant with py-spy into DIR")
     args = p.parse_args()

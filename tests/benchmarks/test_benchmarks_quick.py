@@ -32,13 +32,14 @@ def table_rows(text: str) -> list[list[str]]:
 def test_dispatch_overhead_quick(tmp_path):
     text = run("dispatch_overhead.py", tmp_path / "dispatch_overhead.md")
     rows = table_rows(text)
-    assert rows[0][:7] == ["workers", "call", "asyncrl µs", "plain Ray µs", "asyncrl / plain Ray", "host path µs",
-                           "host path / plain Ray"]
-    assert rows[0][7:] in ([], ["verl µs", "asyncrl / verl"])  # verl's columns only where verl is installed
+    assert rows[0][:9] == ["workers", "call", "asyncrl µs", "plain Ray µs", "asyncrl / plain Ray", "host path µs",
+                           "host path / plain Ray", "async host µs", "async host / plain Ray"]
+    assert rows[0][9:] in ([], ["verl µs", "asyncrl / verl"])  # verl's columns only where verl is installed
     body = rows[2:]
     assert [(r[0], r[1]) for r in body] == [("2", "tiny ONE_TO_ALL"), ("2", "1 MiB DP_COMPUTE")]
     for r in body:
         assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[5]) > 0 and r[4].endswith("x") and r[6].endswith("x")
+        assert float(r[7]) > 0 and r[8].endswith("x")
     assert "1-minute load average" in text
     checks = [ln for ln in text.splitlines() if ln.startswith("- ") and "workers," in ln]
     assert len(checks) == 1 and all("every shard is a view of the input" in c for c in checks)

@@ -68,6 +68,19 @@ class Payload:
         data, buffers = _inner_pickler().dumps((self.args, self.kwargs))
         return (_UNPACK, (data, *buffers))
 
+    def wire(self) -> "Payload | list[Any]":
+        """What the Ray backend sends: when every argument is a plain scalar (an int of
+        64 bits, a float, a string, a bool, None) the list ``[args, kwargs]``, which Ray
+        encodes with msgpack (no pickling on either side, and nothing that can fail to
+        unpickle on the worker); otherwise the Payload itself. :func:`arrived` undoes it."""
+        for x in self.args:
+            if not _plain(x):
+                return self
+        for x in self.kwargs.values():
+            if not _plain(x):
+                return self
+        return [list(self.args), self.kwargs]
+
     def local_copy(self) -> "Payload":
         """What a worker process would receive, made in this process (the local backend):
         pickled and unpickled, deferred values passed through as they are."""
@@ -93,6 +106,18 @@ class Payload:
         except Exception as e:
             return Payload((), {}, _unpickling_error(e))
         return Payload(args, kwargs)
+
+
+def _plain(x: Any) -> bool:
+    t = type(x)
+    return t is str or t is float or t is bool or x is None or (t is int and -(1 << 63) <= x < (1 << 63))
+
+
+def arrived(payload: "Payload | list[Any]") -> Payload:
+    """The Payload of a call as it arrived on the worker (see :meth:`Payload.wire`)."""
+    if type(payload) is list:
+        return Payload(tuple(payload[0]), payload[1])
+    return payload  # type: ignore[return-value]
 
 
 class _InnerPickler:
@@ -337,7 +362,7 @@ class WorkerHost(_HostBase):
         method: str,
         seq: int | None,
         call_id: int,
-        payload: Payload,
+        payload: "Payload | list[Any]",
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
@@ -351,6 +376,7 @@ class WorkerHost(_HostBase):
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: asyncio.Future[Any] | None = None
         try:
+            payload = arrived(payload)
             spec, mspec = self._lookup(role, method, payload)
             if has_deferred(payload.args, payload.kwargs):  # pipelined inputs: fetch them while waiting our turn
                 resolving = asyncio.ensure_future(_resolve(spec, method, payload.args, payload.kwargs, self._wait))
@@ -378,7 +404,7 @@ class WorkerHost(_HostBase):
                 resolving.cancel()
             lane.leave(ticket)
 
-    async def call_packed(self, packed: tuple[Any, ...]) -> Any:
+    async def call_packed(self, packed: list[Any]) -> Any:
         """:meth:`call` with its arguments in one tuple: the Ray backend's entry point
         (one argument for Ray to serialize and deserialize per call, not eight)."""
         return await self.call(*packed)
@@ -439,7 +465,7 @@ class ThreadedHost(_HostBase):
         method: str,
         seq: int | None,
         call_id: int,
-        payload: Payload,
+        payload: "Payload | list[Any]",
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
@@ -453,6 +479,7 @@ class ThreadedHost(_HostBase):
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: LoopCall | None = None
         try:
+            payload = arrived(payload)
             spec, mspec = self._lookup(role, method, payload)
             if has_deferred(payload.args, payload.kwargs):  # pipelined inputs: fetch them while waiting our turn
                 resolving = lane.start_on_loop(
@@ -481,7 +508,7 @@ class ThreadedHost(_HostBase):
                 resolving.cancel()
             lane.leave(ticket)
 
-    def call_packed(self, packed: tuple[Any, ...]) -> Any:
+    def call_packed(self, packed: list[Any]) -> Any:
         """:meth:`call` with its arguments in one tuple: the Ray backend's entry point."""
         return self.call(*packed)
 

@@ -218,7 +218,7 @@ class _ThreadedWorkerHost(ThreadedHost):
     the submission order when it dispatches the calls (case 12 of :mod:`asyncrl._sequencer`)."""
 
     @ray.method(concurrency_group="calls")
-    def call_packed(self, packed: tuple[Any, ...]) -> Any:
+    def call_packed(self, packed: list[Any]) -> Any:
         return self.call(*packed)
 
     @ray.method(concurrency_group="control")
@@ -274,14 +274,18 @@ class RayBackend:
 
     def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, payload: Any,
                in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
+        # One Ray argument, not eight: Ray serializes each argument on its own (~10 µs each).
+        # A list, not a tuple: Ray encodes lists, strings and numbers with msgpack and
+        # pickles anything else (a tuple too), so a call whose arguments are plain scalars
+        # (Payload.wire) crosses without pickling on either side.
+        packed = [role, method, seq, call_id, payload.wire(), in_pad, want_meta, keep]
         if want_meta:
             call2 = self._call2.get(id(host))
             if call2 is None:  # .options() builds a new method object: once per host, not per call
                 call2 = self._call2[id(host)] = host.call_packed.options(num_returns=2)
-            ref, meta = call2.remote((role, method, seq, call_id, payload, in_pad, True, keep))
+            ref, meta = call2.remote(packed)
             return ref, meta
-        # One Ray argument, not eight: Ray serializes each argument on its own (~10 µs each).
-        return host.call_packed.remote((role, method, seq, call_id, payload, in_pad, False, keep)), None
+        return host.call_packed.remote(packed), None
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
         host.cancel_calls.remote(entries, deadline)

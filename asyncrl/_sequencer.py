@@ -480,7 +480,7 @@ class ThreadLane(Lane):
                 self._wakes[ticket.call_id] = wake  # _abort sets it
             wake.wait()
             with self._lock:
-                if self._waiters.get(seq) is wake:  # type: ignore[comparison-overlap]
+                if self._waiters.get(seq) is wake:
                     del self._waiters[seq]
                 self._wakes.pop(ticket.call_id, None)
 

@@ -16,7 +16,6 @@ import asyncrl
 from asyncrl import (
     DispatchError,
     LocalWorkerGroup,
-    RayWorkerGroup,
     RemoteError,
 )
 from tests.core import kinds

@@ -13,8 +13,6 @@ from asyncrl import (
     CallCancelledError,
     CallTimeoutError,
     GroupBrokenError,
-    LocalWorkerGroup,
-    RayWorkerGroup,
     WorkerDiedError,
 )
 from tests.core import kinds
@@ -118,8 +116,9 @@ async def test_result_blocks_in_a_thread_without_a_loop(wg):
         await asyncio.to_thread(slow.result, 0.3)
 
 
-async def test_sigkilled_worker_fails_pending_futures_fast_and_breaks_the_group(ray_cluster):
-    async with RayWorkerGroup(Probe, world_size=2, name="doomed") as wg:
+@pytest.mark.parametrize("backend", ["ray", "ray-threaded"])
+async def test_sigkilled_worker_fails_pending_futures_fast_and_breaks_the_group(ray_cluster, backend):
+    async with kinds.group(backend, Probe, world_size=2, name="doomed") as wg:
         pids = await wg.pid()
         pending = wg.wait_forever("k")
         await until(lambda: _logs_are(wg, [[1], [1]]), "the call started")

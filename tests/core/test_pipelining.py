@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 import asyncrl
-from asyncrl import DispatchError, GroupClosedError, LocalWorkerGroup, RayWorkerGroup, RemoteError, UpstreamError
+from asyncrl import DispatchError, GroupClosedError, RayWorkerGroup, RemoteError, UpstreamError
 from tests.core import kinds
 from tests.core.kinds import BACKENDS
 from tests.core.workers import Probe

@@ -23,7 +23,6 @@ from asyncrl import (
     CallCancelledError,
     CallTimeoutError,
     GroupClosedError,
-    LocalWorkerGroup,
     RayWorkerGroup,
     RemoteError,
     UpstreamError,

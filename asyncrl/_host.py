@@ -423,7 +423,7 @@ class ThreadedHost(_HostBase):
     the Ray backend's host for processes with no concurrent methods.
 
     A sync Ray actor whose calls arrive in Ray's threads (a concurrency group of
-    :data:`THREADED_CALLS` threads; cancel messages have their own). A plain ``def``
+    :data:`THREADED_CALLS` threads; cancel messages and close have their own). A plain ``def``
     method runs on the host's one ordered thread, as on the async host, and its Ray
     thread waits for it: two thread hand-offs per call where an async actor has four
     (Ray's thread to the actor's loop, the loop to the ordered thread, and back).

@@ -213,8 +213,8 @@ def _all_ready(refs: list[Any]) -> bool:
 
 class _ThreadedWorkerHost(ThreadedHost):
     """The threaded host as a sync Ray actor: calls in the ``calls`` concurrency group
-    (:data:`THREADED_CALLS` threads), cancel messages in ``control`` (never queued behind
-    calls), set-up and close in the default group. With ``max_concurrency=1`` Ray keeps
+    (:data:`THREADED_CALLS` threads), cancel messages and close in ``control`` (never
+    queued behind calls or constructors), set-up in the default group. With ``max_concurrency=1`` Ray keeps
     the submission order when it dispatches the calls (case 12 of :mod:`asyncrl._sequencer`)."""
 
     @ray.method(concurrency_group="calls")
@@ -224,6 +224,12 @@ class _ThreadedWorkerHost(ThreadedHost):
     @ray.method(concurrency_group="control")
     def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
         self._lane.cancel(entries, deadline)
+
+    @ray.method(concurrency_group="control")
+    def close(self) -> None:
+        # Beside the calls and the constructors (default group), as on the async host: a
+        # close during set-up need not wait for the constructors.
+        super().close()
 
 
 class RayBackend:

@@ -44,6 +44,21 @@ def with_fields(batch: TensorDictBase, fields: Mapping[str, Any]) -> TensorDict:
     return out
 
 
+def mini_batches(n: int, size: int | None) -> list[slice]:
+    """Row selections of one optimizer step each, strided: with ``k = ceil(n / size)`` mini-batches,
+    mini-batch ``j`` is rows ``j, j + k, j + 2k, ...``.
+
+    Strided rather than contiguous so that R data-parallel ranks train like one: rank r holds the
+    contiguous shard ``[r*n/R, (r+1)*n/R)`` of the batch and takes ``size / R`` rows per step, and
+    when ``n / R`` is a multiple of ``k`` its mini-batch ``j`` is exactly the rows of the one-rank
+    mini-batch ``j`` that fall in its shard (contiguous mini-batches would mix other rows). When
+    ``size`` does not divide ``n`` the selections differ in size by at most one row."""
+    if size is None or size <= 0 or size >= n:
+        return [slice(0, n)]
+    k = -(-n // size)
+    return [slice(j, n, k) for j in range(k)]
+
+
 def micro_batches(n: int, size: int | None) -> list[slice]:
     """Row slices of at most `size` rows covering ``range(n)`` in order."""
     if size is None or size <= 0:

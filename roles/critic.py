@@ -7,7 +7,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, register
 
-from ._util import DataParallel, grad_norm_and_clip, micro_batches, require
+from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches, require
 from . import functional as F
 from .device import place_model, resolve_placement
 from .models import ModelConfig, build_value_model, set_torch_threads
@@ -81,7 +81,7 @@ class CriticWorker(_Trainable):
         vf_loss, tokens, clipped, values_sum = 0.0, 0.0, 0.0, 0.0
         grad_norms: list[float] = []
         for _ in range(cfg.ppo_epochs):
-            for mini_rows in micro_batches(n, mini):
+            for mini_rows in mini_batches(n, mini):
                 mb = batch[mini_rows]
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 self.optimizer.zero_grad(set_to_none=True)

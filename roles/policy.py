@@ -6,7 +6,7 @@ against ``ref_log_probs`` and an entropy bonus::
     check every row's weight version against max_staleness (all ranks agree, else StaleBatchError)
     w = importance_weights(old_log_probs, rollout_log_probs)    # pi_old / pi_behaviour: tis or decoupled
     for epoch in ppo_epochs:                      # no shuffling: deterministic given the seed
-      for mini-batch (mini_batch_size rows, global):   # one optimizer step each
+      for mini-batch (mini_batch_size rows, global; strided: rows j, j+k, ...):   # one optimizer step each
         num_tokens, num_seqs = all-reduce(loss_denominators(mini-batch))
         for micro-batch (micro_batch_size rows per rank):   # gradient accumulation
           loss = agg(w * ppo_clip) - entropy_coef * agg(entropy) + kl_coef * agg(kl)
@@ -33,7 +33,7 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, Execute, Worker, register
 
 from . import functional as F
-from ._util import DataParallel, grad_norm_and_clip, micro_batches, require, response_log_probs
+from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches, require, response_log_probs
 from .device import Placement, place_model, resolve_placement
 from .errors import StaleBatchError
 from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
@@ -347,7 +347,7 @@ class PolicyWorker(_Trainable, WeightSource):
         counts = dict.fromkeys(("tokens", "clipped", "clipped_lower", "ppo_kl"), 0.0)
         grad_norms: list[float] = []
         for _ in range(cfg.ppo_epochs):
-            for mini_rows in micro_batches(n, mini):
+            for mini_rows in mini_batches(n, mini):
                 mb = batch[mini_rows]
                 mb_w = weights[mini_rows] if weights is not None else None
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))

@@ -17,6 +17,7 @@ from asyncrl import Dispatch, register
 from asyncrl.pipelines.stages import AdvantageWorker, compute_advantages
 from asyncrl.roles import (CriticWorker, OptimConfig, PolicyWorker, RolloutConfig, RolloutCorrectionConfig, RolloutWorker,
                            StaleBatchError)
+from asyncrl.roles._util import mini_batches
 from asyncrl.roles.functional import LOSS_AGG_MODES
 
 
@@ -31,6 +32,19 @@ class PolicyProbe(PolicyWorker):
         grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
         return {"metrics": metrics, "grads": grads}
 
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def grads_of_the_last_mini_batch(self, batch, mini_batch_size: int) -> dict:
+        """``update`` in mini-batches of `mini_batch_size` rows (over all ranks); with lr=0 the
+        gradient left behind is the last mini-batch's alone."""
+        saved = self.optim_config.mini_batch_size
+        self.optim_config.loss_agg_mode, self.optim_config.mini_batch_size = "token-mean", mini_batch_size
+        try:
+            metrics = self.update(batch)
+        finally:
+            self.optim_config.mini_batch_size = saved
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {"metrics": metrics, "grads": grads}
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     def try_update(self, batch) -> dict:
@@ -119,6 +133,32 @@ async def test_two_policy_ranks_give_the_gradient_of_one_for_every_aggregation_m
         _same_metrics(r1["metrics"], r2a["metrics"], mode)
     m = r1["metrics"]
     assert m["is_over_threshold_frac"] > 0 and m["kl"] > 0 and m["entropy"] > 0  # every term was live
+
+
+async def test_with_several_mini_batches_two_ranks_step_on_the_rows_of_one(two_ranks, model_config, uneven_batch):
+    """Mini-batches are strided (rows j, j+k, ...), so mini-batch j of two ranks holding contiguous
+    shards is the same rows as one rank's mini-batch j: the last one's gradient is one rank's.
+    (Contiguous mini-batches gave rows 4-7 on one rank but rows 2, 3, 6, 7 on two.)"""
+    col, _ = two_ranks
+    r1 = PolicyProbe(model_config, OPTIM).grads_of_the_last_mini_batch(uneven_batch, 4)
+    r2a, r2b = await col["policy"].grads_of_the_last_mini_batch(uneven_batch, 4)
+    _same(r2a["grads"], r2b["grads"])
+    _same(r1["grads"], r2a["grads"])
+    fresh = {k: v for k, v in r1["metrics"].items() if not k.startswith(("row_staleness", "version"))}
+    _same_metrics(fresh, r2a["metrics"], "two mini-batches")  # (the two-rank policy has stepped before)
+    whole = PolicyProbe(model_config, OPTIM).grads_of_the_last_mini_batch(uneven_batch, 8)
+    assert any((whole["grads"][n] - g).abs().max() > 1e-4 for n, g in r1["grads"].items())  # a real split
+
+
+def test_mini_batches_are_strided_and_cover_every_row_once():
+    assert mini_batches(8, 4) == [slice(0, 8, 2), slice(1, 8, 2)]
+    assert mini_batches(8, None) == mini_batches(8, 8) == mini_batches(8, 16) == [slice(0, 8)]
+    rows = [sorted(range(10)[s]) for s in mini_batches(10, 4)]
+    assert rows == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    # two ranks with contiguous shards of 8 rows, 2 rows each per step == one rank, 4 rows per step
+    for j, s in enumerate(mini_batches(8, 4)):
+        two = sorted([r for r in range(4)[mini_batches(4, 2)[j]]] + [4 + r for r in range(4)[mini_batches(4, 2)[j]]])
+        assert two == sorted(range(8)[s])
 
 
 async def test_two_critic_ranks_give_the_gradient_of_one(two_ranks, model_config, uneven_batch):

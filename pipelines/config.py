@@ -295,29 +295,28 @@ class JobConfig:
         if self.model.path is not None and self.model.gguf is not None:
             raise ConfigError(f"model.path={self.model.path!r} and model.gguf={self.model.gguf!r} are both set; "
                               "set one of them")
-        if cluster_gpus is not None and t.gpus_per_worker > 0:
-            need_gpu = sum(self.pool_sizes().values()) * t.gpus_per_worker
-            if need_gpu > cluster_gpus + 1e-9:
-                raise ConfigError(
-                    f"the pools need {need_gpu:g} GPUs ({self.pool_sizes()} workers x {t.gpus_per_worker:g}) but the "
-                    f"cluster has {cluster_gpus:g}; lower trainer.gpus_per_worker (0.5 shares a GPU between two "
-                    "workers), the worker counts, or set trainer.colocated=true"
-                )
+        if t.gpus_per_worker > 0:
+            self._check_capacity("GPUs", t.gpus_per_worker, cluster_gpus,
+                                 "lower trainer.gpus_per_worker (0.5 shares a GPU between two workers), the worker "
+                                 "counts, or set trainer.colocated=true")
         out = Path(t.output_dir)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"trainer.output_dir={t.output_dir!r} is a file; give a directory for the run's outputs")
         from asyncrl.pipelines.validation import check_worker_sections
 
         check_worker_sections(self)
-        if cluster_cpus is not None:
-            need = sum(self.pool_sizes().values()) * t.cpus_per_worker
-            if need > cluster_cpus + 1e-9:
-                raise ConfigError(
-                    f"the pools need {need:g} CPUs ({self.pool_sizes()} workers x {t.cpus_per_worker:g}) but the "
-                    f"cluster has {cluster_cpus:g}; lower trainer.rollout_workers/train_workers/cpus_per_worker "
-                    "or set trainer.colocated=true"
-                )
+        self._check_capacity("CPUs", t.cpus_per_worker, cluster_cpus,
+                             "lower trainer.rollout_workers/train_workers/cpus_per_worker or set trainer.colocated=true")
         return self
+
+    def _check_capacity(self, unit: str, per_worker: float, available: float | None, fix: str) -> None:
+        """ConfigError when the pools need more `unit` than the cluster has (`available`; None: unknown)."""
+        if available is None:
+            return
+        need = sum(self.pool_sizes().values()) * per_worker
+        if need > available + 1e-9:
+            raise ConfigError(f"the pools need {need:g} {unit} ({self.pool_sizes()} workers x {per_worker:g}) but the "
+                              f"cluster has {available:g}; {fix}")
 
 
     def _validate_loss(self) -> None:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import yaml
@@ -103,10 +104,12 @@ def _alive_hosts() -> dict[str, int]:
             if a["State"] == "ALIVE" and a["ActorClassName"].endswith("WorkerHost")}
 
 
-async def _wait_rows(path: Path, n: int, proc: subprocess.Popen, deadline: float) -> None:
+async def _wait_rows(path: Path, n: int, deadline: float, ended: Callable[[], str | None]) -> None:
+    """Poll until `path` has `n` lines; `ended()` returns why the run is over (a failure) or None."""
     async with asyncio.timeout(deadline):
         while not (path.exists() and len(path.read_text().splitlines()) >= n):
-            assert proc.poll() is None, f"the run ended early with status {proc.returncode}"
+            why = ended()
+            assert why is None, why
             await asyncio.sleep(0.1)
 
 
@@ -116,10 +119,8 @@ async def test_a_killed_worker_ends_the_cli_with_a_one_line_error_and_status_1(r
     cfg = _tiny_yaml(tmp_path / "run.yaml", run, steps=500, max_staleness=1, checkpoint_every=2)
     before = set(_alive_hosts())
     cli = asyncio.create_task(asyncio.to_thread(main, ["train", "--config", str(cfg)]))  # its own loop, in a thread
-    async with asyncio.timeout(RUN_BOUND_S):
-        while not ((run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
-            assert not cli.done(), capsys.readouterr().err[-3000:]
-            await asyncio.sleep(0.1)
+    await _wait_rows(run / "metrics.jsonl", 3, RUN_BOUND_S,
+                     lambda: capsys.readouterr().err[-3000:] if cli.done() else None)
     mine = sorted(pid for aid, pid in _alive_hosts().items() if aid not in before)
     assert mine, "the run's worker processes were not found"
     os.kill(mine[0], signal.SIGKILL)
@@ -194,7 +195,8 @@ async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray
         proc = subprocess.Popen(_cli("train", "--config", str(cfg_file)), env=_env(), start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=err)
     try:
-        await _wait_rows(run / "metrics.jsonl", 3, proc, RUN_BOUND_S)
+        await _wait_rows(run / "metrics.jsonl", 3, RUN_BOUND_S,
+                         lambda: None if proc.poll() is None else f"the run ended early with status {proc.returncode}")
         os.kill(proc.pid, sig)
         rc = await asyncio.wait_for(asyncio.to_thread(proc.wait), RUN_BOUND_S)
     finally:
@@ -235,7 +237,10 @@ first = threading.Event()
 def signal_twice():
     first.wait()
     os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while trainer._stop is None:  # the first signal has reached the trainer: the second is a second one
+        assert time.monotonic() < deadline, "the first SIGINT never reached the trainer"
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGINT)
 
 threading.Thread(target=signal_twice, daemon=True).start()

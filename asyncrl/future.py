@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Generic, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Generic, Protocol, Sequence, TypeVar
 
 from asyncrl import batch as B
 from asyncrl._backend import Backend, public_error
@@ -72,6 +72,7 @@ class _Call:
     """One issued group call: the state its futures share (see the module docstring)."""
 
     __slots__ = (
+        "_done_callbacks",
         "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested",
@@ -114,6 +115,8 @@ class _Call:
         self._error: BaseException | None = None
         self._completed = False
         self._watching = False
+        # add_done_callback's: (its loop, callbacks), run on that loop
+        self._done_callbacks: tuple[asyncio.AbstractEventLoop, list[Callable[[], None]]] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.timeout = timeout
@@ -143,10 +146,41 @@ class _Call:
         first call starts watching completion in the background (Ray: a watcher thread)."""
         if self._completed or self.settled():
             return True
+        self._watch()
+        return self._completed
+
+    def _watch(self) -> None:
         if not self._watching:
             self._watching = True
             self.backend.watch(self.refs, self._mark_completed)
-        return self._completed
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` on the running loop once `is_done()` turns true (see GroupFuture)."""
+        loop = asyncio.get_running_loop()
+        if self._done_callbacks is None:
+            self._done_callbacks = (loop, [])
+        self._done_callbacks[1].append(fn)
+        if self._completed or self.settled():
+            loop.call_soon(self._run_done_callbacks)
+            return
+        self._watch()
+        if self._completed:  # the backend thread finished it between the two checks
+            loop.call_soon(self._run_done_callbacks)
+
+    def _run_done_callbacks(self) -> None:  # on the loop only: each callback runs once
+        pending, self._done_callbacks = self._done_callbacks, None
+        for fn in pending[1] if pending is not None else ():
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - reported like asyncio's own callbacks
+                pending[0].call_exception_handler({"message": f"done callback of {self.group}.{self.method} "
+                                                   "raised", "exception": e})
+
+    def _done_soon(self) -> None:
+        """Schedule the done callbacks on the loop, from any thread."""
+        pending = self._done_callbacks
+        if pending is not None and not pending[0].is_closed():
+            pending[0].call_soon_threadsafe(self._run_done_callbacks)
 
     def state(self) -> str:
         """What the controller knows, without asking anyone (for repr)."""
@@ -156,8 +190,10 @@ class _Call:
             return "done" if self._fut.exception() is None else f"failed ({type(self._fut.exception()).__name__})"
         return "completed" if self._completed else "pending"
 
-    def _mark_completed(self) -> None:  # may run on a backend thread: one attribute write
+    def _mark_completed(self) -> None:  # may run on a backend thread
         self._completed = True
+        if self._done_callbacks is not None:
+            self._done_soon()
 
     # ---- failing the call (cancel, deadline, withdrawal) ------------------------------------
 
@@ -167,6 +203,7 @@ class _Call:
         if self.settled():
             return False
         self._error = error
+        self._done_soon()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -500,6 +537,14 @@ class GroupFuture(Generic[T]):
         the first call starts watching the ranks in the background, so a polling loop
         sees it turn true within milliseconds of the last rank finishing."""
         return self._call.is_done()
+
+    def add_done_callback(self, fn: "Callable[[GroupFuture[T]], None]") -> None:
+        """Call ``fn(future)`` on the event loop once :meth:`done` turns true: every rank
+        finished (successfully or not), or the controller failed the call (cancelled,
+        timed out, group closed). Like ``done()`` it fetches nothing and never blocks (the
+        backend watches the ranks off the loop; Ray: within ~5 ms of the last rank); if the
+        call is done already, `fn` is scheduled at once. Call it from the event loop."""
+        self._call.add_done_callback(lambda: fn(self))
 
     def cancel(self) -> bool:
         """Cancel the call for every holder: its remote work on every rank that has not

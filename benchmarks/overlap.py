@@ -27,6 +27,7 @@ receive results).
 
     python benchmarks/overlap.py           # full: ~5 minutes on 2 cores
     python benchmarks/overlap.py --quick   # tiny costs and step counts, GRPO only: for tests
+    python benchmarks/overlap.py --profile trainer --steps 30   # cProfile of the controller thread
 
 Writes ``benchmarks/results/overlap.md`` and ``overlap.png`` (``--out``/``--png``).
 """
@@ -75,27 +76,53 @@ REAL_COLUMNS = ["workload", "mode", "steps", "loop s", "ms/step", "rollout ms", 
 # ---- simulated workers ---------------------------------------------------------------------------
 
 
-class _Sim(Worker):
+class _Marks:
+    """Each stage's (name, start, end) on the worker's monotonic clock (one tuple per stage:
+    microseconds against stages of milliseconds), to see where a step's time goes."""
+
+    costs: dict[str, float]
+    marks: list[tuple[str, float, float]]
+
+    def _sleep(self, stage: str) -> None:
+        t0 = time.monotonic()
+        time.sleep(self.costs.get(stage, 0.0))
+        self.marks.append((stage, t0, time.monotonic()))
+
+
+class _AsyncMarks(_Marks):
+    """`_Marks` with an asyncio sleep (kept apart: one `async def` makes a Ray actor an async
+    actor, and the plain training actor must stay a sync one, which runs calls in order)."""
+
+    async def _asleep(self, stage: str, cost: str | None = None) -> None:
+        t0 = time.monotonic()
+        await asyncio.sleep(self.costs.get(cost or stage, 0.0))
+        self.marks.append((stage, t0, time.monotonic()))
+
+
+class _Sim(_AsyncMarks, Worker):
     """A stage that costs `costs[name]` seconds."""
 
     def __init__(self) -> None:
         self.costs: dict[str, float] = {}
+        self.marks: list[tuple[str, float, float]] = []
         self.version = 0
 
     @register(Dispatch.ONE_TO_ALL)
     def configure(self, costs: dict[str, float]) -> int:
-        """Set the stage costs (seconds) and start again at version 0."""
-        self.costs, self.version = dict(costs), 0
+        """Set the stage costs (seconds), start again at version 0, forget the marks."""
+        self.costs, self.version, self.marks = dict(costs), 0, []
         return os.getpid()
 
-    def _sleep(self, stage: str) -> None:
-        time.sleep(self.costs.get(stage, 0.0))
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The stages run since `configure`: (name, start, end), monotonic seconds."""
+        return list(self.marks)
 
 
 class SimRollout(_Sim):
     @register(Dispatch.DP_COMPUTE)
     async def generate(self, batch: Any, seed: int | None = None) -> TensorDict:
-        await asyncio.sleep(self.costs.get("generate", 0.0))
+        await self._asleep("generate")
         out = batch.clone(recurse=False)
         n = batch.batch_size[0]
         out.set("response_ids", torch.ones(n, R, dtype=torch.long))
@@ -109,7 +136,7 @@ class SimRollout(_Sim):
             weights = weights[0]
         v, _ = weights
         assert v > self.version, f"stale weight update {v} <= {self.version}"
-        await asyncio.sleep(self.costs.get("load_weights", 0.0))
+        await self._asleep("update_weights", "load_weights")
         self.version = v
         return {"version": v}
 
@@ -117,7 +144,7 @@ class SimRollout(_Sim):
 class SimReward(_Sim):
     @register(Dispatch.DP_COMPUTE)
     async def compute_reward(self, batch: Any) -> TensorDict:
-        await asyncio.sleep(self.costs.get("score", 0.0))
+        await self._asleep("score")
         n = batch.batch_size[0]
         return TensorDict({"scores": batch["version"].float() / 100.0}, batch_size=[n])
 
@@ -254,7 +281,15 @@ class SimBench:
             c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
         el = [h["time/elapsed"] for h in hist]
         return {"step_s": (el[-1] - el[0]) / (len(el) - 1), "thread_s": (c1 - c0) / steps,
-                "proc_s": (p1 - p0) / steps, "wall_s": w1 - w0, "history": hist, "spans": list(trainer.tracer.spans)}
+                "proc_s": (p1 - p0) / steps, "wall_s": w1 - w0, "history": hist, "spans": list(trainer.tracer.spans),
+                "hops": await self.hops(costs)}
+
+    async def hops(self, costs: dict[str, float]) -> dict[str, dict[str, float]]:
+        """Where each worker process's time went in the last run (see :func:`hop_breakdown`)."""
+        g = self.groups
+        parts = await asyncio.gather(g.rollout.timeline(), g.reward.timeline(), g.policy.timeline(),
+                                     g.critic.timeline(), g.advantage.timeline())
+        return hop_breakdown({"rollout": parts[0] + parts[1], "train": parts[2] + parts[3] + parts[4]}, costs)
 
 
 async def simulated(ratios: tuple[float, ...], train_s: float, steps: int) -> tuple[list[dict[str, Any]], dict]:
@@ -307,7 +342,7 @@ def _sim_generate(costs: dict[str, float], version: int, batch: TensorDict) -> T
     return out
 
 
-class PlainRollout:
+class PlainRollout(_AsyncMarks):
     """The rollout pool's process as an ordinary async Ray actor: generate, score, load weights."""
 
     def __init__(self) -> None:
@@ -315,29 +350,33 @@ class PlainRollout:
 
         quiet_tensor_warnings()
         self.costs: dict[str, float] = {}
+        self.marks: list[tuple[str, float, float]] = []
         self.version = 0
 
     async def configure(self, costs: dict[str, float]) -> int:
-        self.costs, self.version = dict(costs), 0
+        self.costs, self.version, self.marks = dict(costs), 0, []
         return os.getpid()
 
+    async def timeline(self) -> list[tuple[str, float, float]]:
+        return list(self.marks)
+
     async def generate(self, batch: TensorDict, seed: int) -> TensorDict:
-        await asyncio.sleep(self.costs.get("generate", 0.0))
+        await self._asleep("generate")
         return _sim_generate(self.costs, self.version, batch)
 
     async def compute_reward(self, batch: TensorDict) -> TensorDict:
-        await asyncio.sleep(self.costs.get("score", 0.0))
+        await self._asleep("score")
         return TensorDict({"scores": batch["version"].float() / 100.0}, batch_size=batch.batch_size)
 
     async def update_weights(self, weights: tuple[int, dict[str, torch.Tensor]]) -> dict[str, int]:
         v, _ = weights
         assert v > self.version, f"stale weight update {v} <= {self.version}"
-        await asyncio.sleep(self.costs.get("load_weights", 0.0))
+        await self._asleep("update_weights", "load_weights")
         self.version = v
         return {"version": v}
 
 
-class PlainTrain:
+class PlainTrain(_Marks):
     """The training pool's process as an ordinary sync Ray actor (runs calls in submission order)."""
 
     def __init__(self) -> None:
@@ -345,14 +384,15 @@ class PlainTrain:
 
         quiet_tensor_warnings()
         self.costs: dict[str, float] = {}
+        self.marks: list[tuple[str, float, float]] = []
         self.version = 0
 
     def configure(self, costs: dict[str, float]) -> int:
-        self.costs, self.version = dict(costs), 0
+        self.costs, self.version, self.marks = dict(costs), 0, []
         return os.getpid()
 
-    def _sleep(self, stage: str) -> None:
-        time.sleep(self.costs.get(stage, 0.0))
+    def timeline(self) -> list[tuple[str, float, float]]:
+        return list(self.marks)
 
     def compute_log_prob(self, batch: TensorDict) -> TensorDict:
         self._sleep("old_log_prob")
@@ -460,8 +500,46 @@ class PlainBench:
         c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         ends = await plain_fit(self.roll, self.train, loader, steps, k)
         c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
+        marks = await asyncio.gather(self.roll.timeline.remote(), self.train.timeline.remote())
         return {"step_s": (ends[-1] - ends[0]) / (len(ends) - 1), "thread_s": (c1 - c0) / steps,
-                "proc_s": (p1 - p0) / steps, "wall_s": w1 - w0}
+                "proc_s": (p1 - p0) / steps, "wall_s": w1 - w0,
+                "hops": hop_breakdown({"rollout": marks[0], "train": marks[1]}, costs)}
+
+
+PROCESS_STAGES = {"rollout": ("update_weights", "generate", "score"),
+                  "train": tuple(TRAIN_SHARE)}
+HOP_KEYS = ["period", "over"] + [f"{p}:{st}" for p, sts in PROCESS_STAGES.items() for st in sts]
+
+
+def hop_breakdown(marks: dict[str, list[tuple[str, float, float]]], costs: dict[str, float],
+                  skip: int = 1) -> dict[str, dict[str, float]]:
+    """Per worker process, seconds per step in steady state: ``period`` (from one step's first
+    stage to the next), ``over`` (stages running longer than their cost: the sleeps' own
+    overshoot) and, per stage, the idle time of the process just before that stage started
+    (waiting for its call or its arguments to arrive: the hops between stages). The first
+    `skip` + 1 steps are left out. Per step: period = costs + over + idle (up to the window's ends)."""
+    out: dict[str, dict[str, float]] = {}
+    for proc, recs in marks.items():
+        recs = sorted(recs, key=lambda r: r[1])
+        first = PROCESS_STAGES[proc][1 if proc == "rollout" else 0]  # generate / old_log_prob
+        starts = [r[1] for r in recs if r[0] == first]
+        if len(starts) < skip + 3:
+            continue
+        t_from, t_to = starts[skip + 1], starts[-1]
+        n = len(starts) - skip - 2
+        row = {"period": (t_to - t_from) / n, "over": 0.0}
+        prev_end = None
+        for stage, start, end in recs:
+            if t_from <= start < t_to:
+                cost = costs.get("load_weights" if stage == "update_weights" else stage, 0.0)
+                row["over"] += (end - start - cost) / n
+                if prev_end is not None:
+                    key = f"{proc}:{stage}"
+                    row[key] = row.get(key, 0.0) + max(0.0, start - prev_end) / n
+            if start < t_to:
+                prev_end = end if prev_end is None else max(prev_end, end)
+        out[proc] = row
+    return out
 
 
 def make_loader() -> Any:
@@ -505,6 +583,10 @@ async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
                           f"ctrl thread {res['thread_s'] * 1e3:5.1f} ms/step", flush=True)
             med = {v: {key: statistics.median(x[key] for x in rs) for key in ("step_s", "thread_s", "proc_s")}
                    for v, rs in runs.items()}
+            for v, rs in runs.items():
+                med[v]["hops"] = {proc: {key: statistics.median(x["hops"].get(proc, {}).get(key, 0.0) for x in rs)
+                                         for key in HOP_KEYS if key in ("period", "over") or key.startswith(proc)}
+                                  for proc in PROCESS_STAGES}
             rows.append({"ratio": ratio, "k": k, "ideal": ideals(costs, k)[1], "med": med})
     finally:
         await bench.close()
@@ -523,6 +605,23 @@ def floor_table(rows: list[dict[str, Any]]) -> str:
             out.append(f"| {r['ratio']:g} | {r['k']} | {r['ideal'] * 1e3:.0f} | {v} | {m['step_s'] * 1e3:.1f} | "
                        f"{r['ideal'] / m['step_s']:.3f} | {m['step_s'] / floor:.3f}x | {m['thread_s'] * 1e3:.2f} | "
                        f"{m['proc_s'] * 1e3:.2f} |")
+    return "\n".join(out)
+
+
+def hop_table(rows: list[dict[str, Any]]) -> str:
+    """Per variant and worker process: ms per step of period, sleep overshoot, and idle time
+    before each stage (the hops), medians over the rounds."""
+    head = ["cost ratio", "max_staleness", "variant", "process", "period ms", "stage overshoot ms", "idle ms",
+            "idle before each stage, ms per step"]
+    out = ["| " + " | ".join(head) + " |", "|---:|---:|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        for v in FLOOR_VARIANTS:
+            for proc, stages_ in PROCESS_STAGES.items():
+                h = r["med"][v]["hops"][proc]
+                idle = {st: h.get(f"{proc}:{st}", 0.0) for st in stages_}
+                detail = ", ".join(f"{st} {x * 1e3:.1f}" for st, x in idle.items())
+                out.append(f"| {r['ratio']:g} | {r['k']} | {v} | {proc} | {h['period'] * 1e3:.1f} | "
+                           f"{h['over'] * 1e3:.1f} | {sum(idle.values()) * 1e3:.1f} | {detail} |")
     return "\n".join(out)
 
 
@@ -704,7 +803,50 @@ def header(argv: list[str], load: tuple[float, float]) -> str:
                       f"at the start, {load[1]:.1f} at the end")
 
 
+async def profile_variant(variant: str, train_s: float, steps: int, k: int, top: int) -> None:
+    """cProfile of the controller's event-loop thread (the thread cProfile sees) over one run
+    of `variant` on the simulated step at cost ratio 1, after a warm-up run; prints the top
+    functions by own time and by cumulative time, and the thread CPU per step unprofiled."""
+    import cProfile
+    import pstats
+
+    costs = stage_costs(1.0, train_s)
+    if variant == "plain":
+        plain, loader = PlainBench(), make_loader()
+        await plain.setup()
+        try:
+            await plain.run(costs, 2, k, loader)
+            res = await plain.run(costs, steps, k, loader)
+            prof = cProfile.Profile()
+            prof.enable()
+            await plain.run(costs, steps, k, loader)
+            prof.disable()
+        finally:
+            plain.close()
+    else:
+        trace = variant == "trainer"
+        bench = SimBench()
+        await bench.setup()
+        try:
+            await bench.run_async(costs, 2, k, trace=trace)
+            res = await bench.run_async(costs, steps, k, trace=trace)
+            prof = cProfile.Profile()
+            prof.enable()
+            await bench.run_async(costs, steps, k, trace=trace)
+            prof.disable()
+        finally:
+            await bench.close()
+    print(f"{variant}, max_staleness={k}, {steps} steps: unprofiled {res['step_s'] * 1e3:.1f} ms/step, "
+          f"ctrl thread {res['thread_s'] * 1e3:.2f} ms/step, process {res['proc_s'] * 1e3:.2f} ms/step")
+    for key in ("tottime", "cumulative"):
+        print(f"\n---- by {key} (whole profiled run of {steps} steps; divide by {steps} for per step) ----")
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
+
+
 async def amain(args: argparse.Namespace) -> tuple[list, dict, list, list]:
+    if args.profile:
+        await profile_variant(args.profile, args.train_ms / 1e3, args.steps, args.profile_staleness, args.profile_top)
+        return [], {}, [], []
     ratios = tuple(float(x) for x in args.ratios.split(",")) if args.ratios else RATIOS
     floor = []
     if args.floor_rounds:
@@ -732,6 +874,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="ratio:max_staleness pairs compared with the plain-Ray floor (default 1:1,1:0)")
     p.add_argument("--floor-rounds", type=int, default=None,
                    help="interleaved rounds of the plain-Ray comparison (default 3, --quick 1; 0 skips it)")
+    p.add_argument("--profile", choices=["trainer", "trainer-notrace", "plain"], default=None,
+                   help="only profile the controller thread (cProfile) over one run of this variant of the "
+                        "simulated step at cost ratio 1, print the top functions, write nothing")
+    p.add_argument("--profile-staleness", type=int, default=1, help="max_staleness of the --profile run (default 1)")
+    p.add_argument("--profile-top", type=int, default=45, help="functions printed per --profile table")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--png", default=None, help="the plot (default: next to --out, overlap.png)")
     args = p.parse_args(argv)
@@ -747,6 +894,8 @@ def main(argv: list[str] | None = None) -> None:
         rows, timelines, runs, floor = asyncio.run(amain(args))
     finally:
         asyncrl.shutdown()
+    if args.profile:
+        return
     worst = max((r["ideal_sync"] for r in rows), default=0.0)
     if rows:
         plot(rows, timelines, runs, png, window=8 * args.train_ms / 1e3)  # 4 synchronous steps at ratio 1
@@ -784,6 +933,15 @@ def main(argv: list[str] | None = None) -> None:
             "first discarded. ctrl thread / process = controller CPU per step (event-loop thread / whole process).",
             floor_table(floor),
             fverdict,
+            "### Where a step's time goes, per worker process",
+            "Each simulated stage records its start and end on its worker (monotonic clock). Per step in "
+            "steady state: `period` = from one step's first stage (generate / old_log_prob) to the next; "
+            "`stage overshoot` = the stages' run time beyond their cost (the sleeps' own lateness); `idle` = the "
+            "process waiting between its stages, split by the stage it was waiting to start (for its call or its "
+            "pipelined arguments to arrive: each is one or more hops through Ray and the controller). "
+            "period = stage costs + overshoot + idle. A process whose idle time is near zero is the critical "
+            "one; the other waits for it (at cost ratio 1 both do 200 ms of work per step).",
+            hop_table(floor),
         ]
     if rows:
         sections += [

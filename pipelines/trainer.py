@@ -536,12 +536,10 @@ class Trainer:
         self.fitting = True
         try:
             try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self.tracer.run, name="tracer")
-                    await self._supervise()
-                    if self.interrupted is None:
-                        await self._final_evaluation()
-                    self.tracer.close()
+                await self._supervise()
+                if self.interrupted is None:
+                    await self._final_evaluation()
+                self.tracer.close()
             except BaseExceptionGroup as eg:
                 raise _first_error(eg) from None
             ok = True

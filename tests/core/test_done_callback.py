@@ -1,0 +1,95 @@
+"""`GroupFuture.add_done_callback`: a call's completion reported on the loop, without
+fetching its results (what the trainer's tracer ends its stage spans with)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest_asyncio
+
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
+from tests.core.workers import Probe
+
+HANG = 30  # seconds: a callback that should have run by then never will
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
+async def wg(request, ray_cluster):
+    async with kinds.group(request.param, Probe, world_size=2, name=f"done-cb-{request.param}") as group:
+        yield group
+
+
+class Recorder:
+    """A done callback that records (future, thread, future.done()) per call."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[object, int, bool]] = []
+        self.fired = asyncio.Event()
+
+    def __call__(self, fut) -> None:
+        self.seen.append((fut, threading.get_ident(), fut.done()))
+        self.fired.set()
+
+    async def wait(self) -> None:
+        async with asyncio.timeout(HANG):
+            await self.fired.wait()
+
+
+async def test_runs_once_on_the_loop_after_every_rank_finished_and_fetches_nothing(wg):
+    rec = Recorder()
+    first = wg.gather_at_barrier(2)  # pending until a second call arrives on each rank
+    first.add_done_callback(rec)
+    assert await wg.noop(7) == [7, 7]  # a later call finished; the first has not
+    assert rec.seen == [] and not first.done()
+    fetched = wg.stats.results_fetched
+    second = wg.gather_at_barrier(2)
+    await rec.wait()
+    assert rec.seen == [(first, threading.get_ident(), True)]
+    assert wg.stats.results_fetched == fetched  # the callback fetched no result
+    assert await second == [2, 2] and await first == [2, 2]
+    await asyncio.sleep(0)
+    assert len(rec.seen) == 1
+
+
+async def test_on_a_finished_call_it_is_scheduled_not_called_inline(wg):
+    fut = wg.add(1)
+    assert await fut == [1, 2]
+    rec = Recorder()
+    fut.add_done_callback(rec)
+    assert rec.seen == []
+    await rec.wait()
+    assert rec.seen == [(fut, threading.get_ident(), True)]
+
+
+async def test_runs_when_the_controller_fails_the_call(wg):
+    rec = Recorder()
+    fut = wg.wait_forever("done-callback")  # never finishes by itself
+    fut.add_done_callback(rec)
+    assert fut.cancel()
+    await rec.wait()
+    assert rec.seen == [(fut, threading.get_ident(), True)] and fut.cancelled()
+
+
+async def test_a_raising_callback_is_reported_to_the_loop_and_the_others_still_run(wg):
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, ctx: reported.append(ctx))
+    try:
+        rec = Recorder()
+        fut = wg.add(2)
+
+        def boom(_):
+            raise ValueError("callback failed")
+
+        fut.add_done_callback(boom)
+        fut.add_done_callback(rec)
+        await rec.wait()
+    finally:
+        loop.set_exception_handler(previous)
+    assert rec.seen == [(fut, threading.get_ident(), True)]
+    assert [(type(c["exception"]), c["message"]) for c in reported] == [
+        (ValueError, f"done callback of {wg.name}.add raised")]
+    assert await fut == [2, 3]

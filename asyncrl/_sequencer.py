@@ -115,7 +115,7 @@ class Sequencer:
         return next(self._counters[rank])
 
     def submit(self, role: str, method: str, ordered: bool, want_meta: bool,
-               per_rank: Iterable[tuple[int, Any, int | None, bool]]) -> tuple[list[Any], list[Any], list[Entry]]:
+               per_rank: Iterable[tuple[int, Any, int | None, bool]]) -> tuple[list[Any], list[Any], tuple[Entry, ...]]:
         """Submit one call per ``(rank, payload, input padding, keep result)``; returns
         ``(result refs, meta refs, entries)``. On any failure (building a rank's
         arguments included) nothing stays half-issued: the calls already submitted and
@@ -136,7 +136,7 @@ class Sequencer:
         except BaseException:
             self.cancel(entries, deadline=False)
             raise
-        return refs, metas, entries
+        return refs, metas, tuple(entries)  # a tuple of ints: the collector stops tracking it
 
     def cancel(self, entries: Iterable[Entry], *, deadline: bool) -> None:
         """The one cancel path: one message per worker process. `deadline`: the calls'

@@ -76,12 +76,17 @@ class _Call:
         "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested",
-        "_producers", "_timer", "_fut", "_task", "_error", "_completed", "_watching", "_failure", "_loop",
+        "_producers", "_timer", "_fut", "_waits", "_left", "_error", "_completed", "_watching", "_failure", "_loop",
     )
 
     def __init__(self, site: _Site, backend: Backend, sequencer: "Sequencer", spec: "MethodSpec", world: "World",
-                 ranks: list[int], refs: list[Any], metas: list[Any] | None, entries: "list[Entry]",
-                 timeout: float | None, producers: "list[_Call]") -> None:
+                 ranks: Sequence[int], collect_index: Sequence[int], refs: list[Any], metas: list[Any] | None,
+                 entries: "Sequence[Entry]", timeout: float | None, producers: "Sequence[_Call]") -> None:
+        # Thousands of calls may be in flight at once, each holding its _Call: every
+        # container here is one more object for the garbage collector's full passes to
+        # walk (benchmarks/inflight.py), so the per-group parts (ranks, collect order)
+        # are shared tuples and the collected refs are the refs themselves when the
+        # order is the identity.
         self.site = site
         self.backend = backend
         self.sequencer = sequencer
@@ -96,13 +101,13 @@ class _Call:
         self.rank_zero = spec.execute_mode is Execute.RANK_ZERO
         self.collect_fn = mode.collect
         # Which of the executing ranks' results are collected, in collect (DP) order.
-        order = list(range(len(ranks)))
-        if mode.mesh is not None and not self.rank_zero:
-            mranks = world.meshes[mode.mesh]
-            order = sorted((i for i, r in enumerate(ranks) if mranks[r].collect), key=lambda i: mranks[ranks[i]].dp_rank)
-        self.collect_index = order
-        self.collect_refs = [refs[i] for i in order]
-        self.collect_metas = [metas[i] for i in order] if metas is not None else None
+        self.collect_index = collect_index
+        if len(collect_index) == len(refs) and all(i == j for j, i in enumerate(collect_index)):
+            self.collect_refs = refs
+            self.collect_metas = metas
+        else:
+            self.collect_refs = [refs[i] for i in collect_index]
+            self.collect_metas = [metas[i] for i in collect_index] if metas is not None else None
         self.claims = 0  # tasks awaiting the call now
         self.consumers = 0  # issued calls that take this call's result as an argument
         self.cancel_requested = False
@@ -110,7 +115,8 @@ class _Call:
         for p in producers:
             p.consumers += 1
         self._fut: asyncio.Future[Any] | None = None
-        self._task: asyncio.Task[Any] | None = None
+        self._waits: list[asyncio.Future[Any]] | None = None  # the backend futures being awaited
+        self._left = 0  # of them, not finished yet
         self._failure: asyncio.Future[BaseException] | None = None
         self._error: BaseException | None = None
         self._completed = False
@@ -211,8 +217,9 @@ class _Call:
             self._fut.set_exception(error)
         if self._failure is not None and not self._failure.done():
             self._failure.set_result(error)
-        if self._task is not None:
-            self._task.cancel()
+        waits, self._waits = self._waits, None
+        for w in waits or ():
+            w.cancel()
         if cancel_remote:
             self.sequencer.cancel(self.entries, deadline=deadline)
         self._release_producers()
@@ -245,7 +252,7 @@ class _Call:
                                          "was cancelled"), cancel_remote=True)
 
     def _release_producers(self) -> None:
-        producers, self._producers = self._producers, []
+        producers, self._producers = self._producers, ()
         for p in producers:
             p.consumers -= 1
 
@@ -295,7 +302,7 @@ class _Call:
             if self._error is not None:
                 fut.set_exception(self._error)
             else:
-                self._task = loop.create_task(self._fetch())
+                self._start_fetch()
         return self._fut
 
     def failure(self) -> asyncio.Future[BaseException]:
@@ -307,18 +314,6 @@ class _Call:
             if self._error is not None:
                 self._failure.set_result(self._error)
         return self._failure
-
-    async def _fetch(self) -> None:
-        fut = self._fut
-        assert fut is not None
-        try:
-            value = await self._fetch_and_collect()
-        except asyncio.CancelledError:
-            return  # failed by the controller (fail() cancels this task)
-        except BaseException as e:  # noqa: BLE001 - handed to every awaiter
-            self._finish(fut, error=e)
-        else:
-            self._finish(fut, value=value)
 
     def _finish(self, fut: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
         self._completed = True
@@ -347,38 +342,56 @@ class _Call:
         except Exception as e:
             raise self._error_of(e, self.ranks[pos]) from None
 
-    async def _gather(self, positions: list[int], refs: list[Any]) -> list[Any]:
-        """Await `refs` (of the executing ranks at `positions`) as the backend's plain
-        futures, `_AWAIT_CHUNK` at a time: no task per ref. The first error is raised as
-        `_wait` raises it."""
-        out: list[Any] = []
-        for i in range(0, len(refs), _AWAIT_CHUNK):
-            futs = self.backend.futures(refs[i:i + _AWAIT_CHUNK])
-            try:
-                out.extend(await asyncio.gather(*futs))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                pos = next((p for p, f in zip(positions[i:i + _AWAIT_CHUNK], futs)
-                            if f.done() and not f.cancelled() and f.exception() is e), positions[i])
-                raise self._error_of(self.backend.translate(e), self.ranks[pos]) from None
-        return out
+    # The fetch: no task, no coroutine. Each ref is awaited as the backend's plain
+    # future (Ray: a completion callback, no thread of ours), and a done-callback per
+    # ref counts them down; the last one collects. The first error settles the call at
+    # once (the other ranks are not waited for), translated once, with its rank.
 
-    async def _fetch_and_collect(self) -> Any:
-        positions = self.collect_index
-        if len(self.refs) == 1 and not self.data_parallel:  # fast path: one rank, nothing to merge
-            return self._collect([await self._wait(0, self.refs[0])])
+    def _wait_order(self) -> list[int]:
+        """The positions (in `refs`) of what `_start_fetch` awaits, in its order:
+        the collected ranks, the non-collecting ones, then the padding metadata."""
+        positions = list(self.collect_index)
         collected = set(positions)
         others = [i for i in range(len(self.refs)) if i not in collected]
-        # One round trip: payloads, the non-collecting ranks (their errors surface too)
-        # and the padding metadata, awaited together.
-        refs = self.collect_refs + [self.refs[i] for i in others] + (self.collect_metas or [])
-        got = await self._gather(positions + others + (positions if self.collect_metas else []), refs)
-        values = got[:len(positions)]
+        return positions + others + (positions if self.collect_metas is not None else [])
+
+    def _start_fetch(self) -> None:
+        refs = self.collect_refs
+        if len(self.collect_index) < len(self.refs):  # non-collecting ranks: their errors surface too
+            collected = set(self.collect_index)
+            refs = list(refs) + [self.refs[i] for i in range(len(self.refs)) if i not in collected]
         if self.collect_metas is not None:
-            metas = got[len(positions) + len(others):]
-            values = [B.strip_tail(v, pad) for v, (_, pad) in zip(values, metas)]
-        return self._collect(values)
+            refs = list(refs) + list(self.collect_metas)
+        waits = self._waits = self.backend.futures(refs)
+        self._left = len(waits)
+        for w in waits:
+            w.add_done_callback(self._one_done)
+
+    def _one_done(self, w: asyncio.Future[Any]) -> None:
+        fut, waits = self._fut, self._waits
+        if fut is None or waits is None or fut.done() or w.cancelled():
+            return  # failed by the controller meanwhile (fail() cancels the waits)
+        e = w.exception()
+        if e is not None:
+            self._waits = None
+            pos = self._wait_order()[waits.index(w)]
+            self._finish(fut, error=self._error_of(self.backend.translate(e), self.ranks[pos]))
+            return
+        self._left -= 1
+        if self._left:
+            return
+        self._waits = None
+        try:
+            got = [x.result() for x in waits]
+            n = len(self.collect_index)
+            values = got[:n]
+            if self.collect_metas is not None:
+                values = [B.strip_tail(v, pad) for v, (_, pad) in zip(values, got[len(got) - n:])]
+            value = self._collect(values)
+        except BaseException as err:  # noqa: BLE001 - a collect function's error, handed to every awaiter
+            self._finish(fut, error=err)
+        else:
+            self._finish(fut, value=value)
 
     def _collect(self, values: list[Any]) -> Any:
         stats = self.site.stats
@@ -607,7 +620,7 @@ def _first(world: Any, results: list[Any]) -> Any:
     return results[0]
 
 
-def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> list[_Call]:
+def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[_Call]:
     """The calls whose futures are among a call's arguments (top level, or in a list)."""
     out: list[_Call] = []
     for x in (*args, *kwargs.values()):
@@ -615,7 +628,7 @@ def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> list[_Call]:
             out.append(x._call)
         elif isinstance(x, (list, tuple)):
             out.extend(i._call for i in x if isinstance(i, GroupFuture))
-    return out
+    return out or ()  # (most calls have none: no list kept per call)
 
 
 async def gather(*futures: "GroupFuture[Any]", chunk: int = _AWAIT_CHUNK) -> list[Any]:
@@ -623,12 +636,60 @@ async def gather(*futures: "GroupFuture[Any]", chunk: int = _AWAIT_CHUNK) -> lis
 
     ``asyncio.gather`` over thousands of futures starts thousands of tasks in one
     event-loop iteration; this keeps every iteration short, so other tasks on the
-    controller (heartbeats, HTTP handlers) stay responsive. All calls are already in
-    flight, so awaiting them in chunks costs no throughput. The first error is raised.
+    controller (heartbeats, HTTP handlers) stay responsive; GroupFutures are awaited
+    without a task each. All calls are already in flight, so awaiting them in chunks
+    costs no throughput. The first error is raised. Cancelling the awaiting task
+    withdraws its claim on the futures it is waiting for, as cancelling ``await future``
+    does (a call nobody else awaits is cancelled).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be positive, got {chunk}")
     out: list[Any] = []
     for i in range(0, len(futures), chunk):
-        out.extend(await asyncio.gather(*futures[i:i + chunk]))
+        part = futures[i:i + chunk]
+        if all(type(f) is GroupFuture for f in part):
+            out.extend(await _await_all(part))
+        else:  # other awaitables too: a task each, as asyncio.gather does
+            out.extend(await asyncio.gather(*part))
     return out
+
+
+async def _await_all(futures: "Sequence[GroupFuture[Any]]") -> list[Any]:
+    """Await `futures` as ``await f`` would each, without a task per future: one waiter
+    for all, woken by the calls' shared outcome futures (at the first error, or when the
+    last one is done). Raises the first error, as ``asyncio.gather`` does."""
+    outcomes = [f._call.outcome() for f in futures]
+    failed = next((o for o in outcomes if o.done() and (o.cancelled() or o.exception() is not None)), None)
+    pending = [(f._call, o) for f, o in zip(futures, outcomes) if not o.done()]
+    if failed is None and pending:
+        waiter: asyncio.Future[asyncio.Future[Any] | None] = asyncio.get_running_loop().create_future()
+        left = len(pending)
+
+        def one_done(o: asyncio.Future[Any]) -> None:
+            nonlocal left
+            left -= 1
+            if waiter.done():
+                return
+            if o.cancelled() or o.exception() is not None:
+                waiter.set_result(o)
+            elif left == 0:
+                waiter.set_result(None)
+
+        for call, o in pending:
+            call.claims += 1
+            o.add_done_callback(one_done)
+        try:
+            failed = await waiter
+        except asyncio.CancelledError:
+            for call, o in pending:
+                o.remove_done_callback(one_done)
+                call.claims -= 1
+            for call, _ in pending:
+                call.withdraw()  # this task's claim is gone; cancel the call if it was the last
+            raise
+        for call, o in pending:
+            o.remove_done_callback(one_done)
+            call.claims -= 1
+    if failed is not None:
+        failed.result()  # raises its error
+    return [f._apply_select(o.result()) for f, o in zip(futures, outcomes)]

@@ -150,7 +150,35 @@ class WorkerGroup(AsyncResource, Generic[W]):
     @property
     def world(self) -> World:
         """What dispatch functions see: world size, group name and registered meshes."""
-        return World(self.world_size, self.name, self._hostset.meshes.get(self._role, {}))
+        w = self.__dict__.get("_world")
+        if w is not None:
+            return w
+        w = World(self.world_size, self.name, self._hostset.meshes.get(self._role, {}))
+        if self._hostset.state == "ready":  # the meshes are known: one World for every call
+            self._world = w
+        return w
+
+    def _layout(self, spec: MethodSpec, world: World) -> tuple[tuple[int, ...], tuple[int, ...], list[bool]]:
+        """``(executing ranks, collect order, keep per rank)`` of `spec`'s calls: the same for
+        every call of a started group, so computed once (and shared by every call's state)."""
+        cache = self.__dict__.setdefault("_layouts", {})
+        key = (spec.name, id(world))
+        got = cache.get(key)
+        if got is not None and got[0] is spec and got[1] is world:
+            return got[2]
+        mode = spec.dispatch_mode
+        n = world.world_size
+        rank_zero = spec.execute_mode is Execute.RANK_ZERO
+        ranks = (0,) if rank_zero else tuple(range(n))
+        keep = [True] * n
+        order = tuple(range(len(ranks)))
+        if mode.mesh is not None and not rank_zero:
+            mranks = world.mesh(mode.mesh)
+            keep = [r.collect for r in mranks]
+            order = tuple(sorted((i for i, r in enumerate(ranks) if mranks[r].collect), key=lambda i: mranks[ranks[i]].dp_rank))
+        layout = (ranks, order, keep)
+        cache[key] = (spec, world, layout)
+        return layout
 
     @property
     def closed(self) -> bool:
@@ -257,21 +285,18 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if sharded.pad is not None and len(sharded.pad) != n:
             raise DispatchError(f"dispatch mode {mode.name!r} reported padding for {len(sharded.pad)} ranks; "
                                 f"a group of {n} workers needs one entry per rank")
-        ranks = [0] if spec.execute_mode is Execute.RANK_ZERO else list(range(n))
-        keep = [True] * n
-        if mode.mesh is not None and spec.execute_mode is not Execute.RANK_ZERO:
-            keep = [r.collect for r in world.mesh(mode.mesh)]
+        ranks, order, keep = self._layout(spec, world)
         hs = self._hostset
         refs, metas, entries = hs.sequencer.submit(
             self._role, spec.name, spec.mode is Mode.ORDERED, mode.data_parallel,
             _per_rank(ranks, sharded, keep))
         self.stats.calls += 1
-        call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, refs, metas if mode.data_parallel else None,
-                     entries, timeout, producers_of(args, kwargs))
+        call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
+                     metas if mode.data_parallel else None, entries, timeout, producers_of(args, kwargs))
         return GroupFuture(call)
 
 
-def _per_rank(ranks: list[int], sharded: Sharded, keep: list[bool]) -> Iterator[tuple[int, Payload, int | None, bool]]:
+def _per_rank(ranks: Sequence[int], sharded: Sharded, keep: list[bool]) -> Iterator[tuple[int, Payload, int | None, bool]]:
     """Each executing rank's ``(rank, arguments, input padding, keep result)``, built as
     the sequencer submits them (an error here is covered by its submit-or-release)."""
     pads = sharded.pad

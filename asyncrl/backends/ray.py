@@ -95,17 +95,23 @@ class _Resolver:
         self.native = 0
 
     def futures(self, refs: Sequence[Any]) -> list[asyncio.Future[Any]]:
-        """An asyncio future per ref: its value, or Ray's own error (see :func:`_translate`)."""
-        if self.native + len(refs) <= _NATIVE_LIMIT:
-            self.native += len(refs)
-            futs = [r.as_future(_internal=True) for r in refs]
-            for f in futs:
-                f.add_done_callback(self._native_done)
-            return futs
+        """An asyncio future per ref: its value, or Ray's own error (see :func:`_translate`).
+
+        Not ``ref.as_future()``: that builds a ``concurrent.futures.Future`` (with its
+        condition and lock) and chains an asyncio future to it, per ref. Here a ref gets
+        one plain asyncio future and one completion callback on Ray's thread."""
         loop = asyncio.get_running_loop()
         out = []
+        if self.native + len(refs) <= _NATIVE_LIMIT:
+            self.native += len(refs)
+            for ref in refs:
+                fut: asyncio.Future[Any] = loop.create_future()
+                fut.add_done_callback(self._native_done)
+                ref._on_completed(functools.partial(_deliver, loop, fut))
+                out.append(fut)
+            return out
         for ref in refs:
-            fut: asyncio.Future[Any] = loop.create_future()
+            fut = loop.create_future()
             ref._on_completed(functools.partial(self._completed, loop, fut))
             out.append(fut)
         return out
@@ -144,19 +150,31 @@ class _Resolver:
                 self._draining.discard(loop)
                 self._ready.pop(loop, None)
         for fut, result in batch:
-            if fut.done():
-                continue
-            if isinstance(result, RayTaskError):  # as Ray's own as_future does
-                fut.set_exception(result.as_instanceof_cause())
-            elif isinstance(result, RayError):
-                fut.set_exception(result)
-            else:
-                fut.set_result(result)
+            _settle(fut, result)
         if more:
             loop.call_soon(self._drain, loop)
 
 
 _RESOLVER = _Resolver()
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: Any) -> None:
+    """On Ray's thread: hand a ref's outcome to its future on the loop."""
+    try:
+        loop.call_soon_threadsafe(_settle, fut, result)
+    except RuntimeError:  # that loop is closed
+        pass
+
+
+def _settle(fut: asyncio.Future[Any], result: Any) -> None:
+    if fut.done():  # cancelled meanwhile (the call was failed by the controller)
+        return
+    if isinstance(result, RayTaskError):  # as Ray's own as_future does
+        fut.set_exception(result.as_instanceof_cause())
+    elif isinstance(result, RayError):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)
 
 
 class _Watcher:

@@ -126,6 +126,21 @@ async def test_sync_methods_run_off_the_event_loop_thread(wg):
     assert all(n.startswith("asyncrl-ordered") for n in names)
 
 
+async def test_asyncrl_gather_returns_results_in_order_and_raises_the_first_error(wg):
+    async def plain(x):
+        return x
+
+    futs = [wg.add(i) for i in range(5)]
+    assert await asyncrl.gather(*futs, chunk=2) == [[10 + i, 11 + i, 12 + i, 13 + i] for i in range(5)]
+    # a future twice, a selection's parent beside other awaitables: each is awaited as `await` would
+    f = wg.add(1)
+    assert await asyncrl.gather(f, f, plain(7), chunk=3) == [[11, 12, 13, 14], [11, 12, 13, 14], 7]
+    with pytest.raises(RemoteError) as info:
+        await asyncrl.gather(wg.add(0), wg.boom_on_rank(batch(8), rank=1), wg.add(1))
+    assert (info.value.method, info.value.rank, info.value.exc_type) == ("boom_on_rank", 1, "builtins.KeyError")
+    assert await wg.add(0) == [10, 11, 12, 13]
+
+
 async def test_remote_error_names_group_method_rank_and_keeps_traceback(wg):
     with pytest.raises(RemoteError) as info:
         await wg.boom_on_rank(batch(8), rank=2)

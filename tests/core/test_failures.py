@@ -9,6 +9,8 @@ import signal
 import pytest
 import pytest_asyncio
 
+import asyncrl
+
 from asyncrl import (
     CallCancelledError,
     CallTimeoutError,
@@ -62,6 +64,27 @@ async def test_cancelling_the_awaiting_task_cancels_the_remote_call(wg):
     await until(lambda: _logs_are(wg, [[1, -1], [1, -1]]), "remote coroutine saw the cancellation")
     with pytest.raises(CallCancelledError):
         await fut
+
+
+async def test_cancelling_a_task_in_asyncrl_gather_cancels_what_nobody_else_awaits(wg):
+    await wg.get_log()
+    done, shared, alone = wg.add(1), wg.wait_forever("g1"), wg.wait_forever("g2")
+    assert await done == [1, 2]  # settled: cancelling the gather leaves it as it is
+    other = asyncio.ensure_future(shared)  # a second task awaits `shared`
+    task = asyncio.ensure_future(asyncrl.gather(done, shared, alone))
+    await until(lambda: _logs_are(wg, [[1, 1], [1, 1]]), "both calls started on both ranks")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(CallCancelledError):
+        await alone  # only the gather waited for it: its claim was the last
+    await until(lambda: _logs_are(wg, [[1, 1, -1], [1, 1, -1]]), "remote coroutine saw the cancellation")
+    assert not shared.cancelled() and not other.done()  # `other` still waits for it
+    assert await done == [1, 2]
+    assert shared.cancel() is True
+    with pytest.raises(CallCancelledError):
+        await other
+    await until(lambda: _logs_are(wg, [[1, 1, -1, -1], [1, 1, -1, -1]]), "the second cancellation")
 
 
 async def test_future_cancel_reaches_the_worker(wg):

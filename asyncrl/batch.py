@@ -147,8 +147,13 @@ def shard_plan(n_rows: int, world: int) -> tuple[int, list[list[int]], list[int]
     return size, rows, pads
 
 
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
 def payload_nbytes(x: Any) -> int:
     """Bytes of tensor payload in `x` (TensorDicts, tensors, arrays, nested containers)."""
+    if type(x) in _SCALARS:  # the common small result: no isinstance checks against ABCs
+        return 0
     if isinstance(x, TensorDictBase):
         return int(sum(t.numel() * t.element_size() for t in x.values(True, True) if isinstance(t, torch.Tensor)))
     if isinstance(x, torch.Tensor):

@@ -21,8 +21,9 @@ Variants (one run, interleaved rounds, medians):
   awaited with one ``asyncio.gather`` over the ObjectRefs.
 * ``plain Ray, chunked``: the same, awaited in chunks of 64.
 
-Columns: worst heartbeat lag while submitting and while awaiting, total wall time, and
-calls/s. Target (issue 14): worst lag < 50 ms for asyncrl.
+Columns: worst heartbeat lag while submitting and while awaiting, the longest garbage
+collection while awaiting (``gc.callbacks``: a full collection walks every tracked object
+the calls in flight hold, with the GIL held), total wall time, and calls/s. Target (issue 14): worst lag < 50 ms for asyncrl.
 
     python benchmarks/inflight.py            # 10,000 calls, 3 rounds
     python benchmarks/inflight.py --quick    # 1,000 calls, 1 round
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import statistics
 import time
@@ -63,13 +65,23 @@ class PlainBusy:
 
 
 class Heartbeat:
-    """Sleeps `period` in a loop and records how late each wake-up is."""
+    """Sleeps `period` in a loop and records how late each wake-up is, and how long each
+    garbage collection took (a collection holds the GIL: while it runs the loop stalls)."""
 
     def __init__(self, period: float) -> None:
         self.period = period
         self.lags: list[float] = []
+        self.gc: list[tuple[float, float]] = []  # (end time, duration) of each collection
+        self._gc_t0 = 0.0
         self._stop = False
         self._task: asyncio.Task[None] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            t = time.perf_counter()
+            self.gc.append((t, t - self._gc_t0))
 
     async def _run(self) -> None:
         while not self._stop:
@@ -78,6 +90,7 @@ class Heartbeat:
             self.lags.append(time.perf_counter() - t0 - self.period)
 
     def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
         self._task = asyncio.ensure_future(self._run())
 
     def mark(self) -> int:
@@ -87,6 +100,10 @@ class Heartbeat:
         self._stop = True
         assert self._task is not None
         await self._task
+        gc.callbacks.remove(self._on_gc)
+
+    def longest_gc(self, since: float) -> float:
+        return max((d for t, d in self.gc if t >= since), default=0.0)
 
 
 async def _submit(make: Callable[[int], Any], n: int, every: int) -> list[Any]:
@@ -132,7 +149,8 @@ async def one_round(name: str, spec: tuple, n: int, every: int, beat_ms: float) 
         m = hb.mark()
         await asyncio.sleep(2.0)
         await hb.stop()
-        return {"submit_lag": 0.0, "await_lag": max(hb.lags[m:], default=0.0), "wall": 2.0, "submit": 0.0}
+        return {"submit_lag": 0.0, "await_lag": max(hb.lags[m:], default=0.0), "wall": 2.0, "submit": 0.0,
+                "gc_await": 0.0}
     t0 = time.perf_counter()
     pending = await _submit(make, n, every)
     t1 = time.perf_counter()
@@ -144,7 +162,7 @@ async def one_round(name: str, spec: tuple, n: int, every: int, beat_ms: float) 
     assert [unwrap(r) for r in results] == list(range(n)), name
     lags = hb.lags
     return {"submit_lag": max(lags[:m], default=0.0), "await_lag": max(lags[m:], default=0.0),
-            "wall": t2 - t0, "submit": t1 - t0}
+            "wall": t2 - t0, "submit": t1 - t0, "gc_await": hb.longest_gc(t1)}
 
 
 async def measure(n: int, rounds: int, every: int, beat_ms: float) -> dict[str, dict[str, float]]:
@@ -165,7 +183,7 @@ async def measure(n: int, rounds: int, every: int, beat_ms: float) -> dict[str, 
                 res[v].append(await one_round(v, vs[v], n, every, beat_ms))
                 x = res[v][-1]
                 print(f"  round {r} {v:28s} lag submit {x['submit_lag'] * 1e3:6.1f} ms  await {x['await_lag'] * 1e3:6.1f} ms"
-                      f"  wall {x['wall']:.2f} s", flush=True)
+                      f"  (longest GC {x['gc_await'] * 1e3:5.1f} ms)  wall {x['wall']:.2f} s", flush=True)
         return {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} | {"worst": max(max(x["submit_lag"], x["await_lag"]) for x in rs)}
                 for v, rs in res.items()}
     finally:
@@ -175,14 +193,14 @@ async def measure(n: int, rounds: int, every: int, beat_ms: float) -> dict[str, 
 
 def table(res: dict[str, dict[str, float]], n: int) -> str:
     head = ["variant", "worst lag, submitting (ms)", "worst lag, awaiting (ms)", "worst lag, all rounds (ms)",
-            "wall s", "calls/s"]
+            "longest GC pause, awaiting (ms)", "wall s", "calls/s"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for v, r in res.items():
         if v.startswith("idle"):
-            lines.append(f"| {v} | — | {r['await_lag'] * 1e3:.1f} | {r['worst'] * 1e3:.1f} | — | — |")
+            lines.append(f"| {v} | — | {r['await_lag'] * 1e3:.1f} | {r['worst'] * 1e3:.1f} | — | — | — |")
             continue
         lines.append(f"| {v} | {r['submit_lag'] * 1e3:.1f} | {r['await_lag'] * 1e3:.1f} | {r['worst'] * 1e3:.1f} | "
-                     f"{r['wall']:.2f} | {n / r['wall']:,.0f} |")
+                     f"{r['gc_await'] * 1e3:.1f} | {r['wall']:.2f} | {n / r['wall']:,.0f} |")
     return "\n".join(lines)
 
 

@@ -508,7 +508,9 @@ class PlainBench:
 
 PROCESS_STAGES = {"rollout": ("update_weights", "generate", "score"),
                   "train": tuple(TRAIN_SHARE)}
-HOP_KEYS = ["period", "over"] + [f"{p}:{st}" for p, sts in PROCESS_STAGES.items() for st in sts]
+CROSS_HOPS = (("train", "export_weights", "rollout", "update_weights"), ("rollout", "score", "train", "old_log_prob"))
+HOP_KEYS = (["period", "over"] + [f"{p}:{st}" for p, sts in PROCESS_STAGES.items() for st in sts]
+            + [f"{a}->{b}" for _, a, _, b in CROSS_HOPS])
 
 
 def hop_breakdown(marks: dict[str, list[tuple[str, float, float]]], costs: dict[str, float],
@@ -539,6 +541,15 @@ def hop_breakdown(marks: dict[str, list[tuple[str, float, float]]], costs: dict[
             if start < t_to:
                 prev_end = end if prev_end is None else max(prev_end, end)
         out[proc] = row
+    # Across the two processes (one monotonic clock on one machine): from the end of the stage
+    # a stage waits for to its start. At max_staleness=0 each is a pure hop; at >= 1 it also
+    # holds the time the consumer's process was still busy with the previous step.
+    for p_from, s_from, p_to, s_to in CROSS_HOPS:
+        ends = sorted(e for st, _, e in marks.get(p_from, []) if st == s_from)
+        starts = sorted(b for st, b, _ in marks.get(p_to, []) if st == s_to)[skip + 1:]
+        gaps = [b - max(e for e in ends if e <= b) for b in starts if ends and ends[0] <= b]
+        if gaps and p_to in out:
+            out[p_to][f"{s_from}->{s_to}"] = statistics.mean(gaps)
     return out
 
 
@@ -585,7 +596,8 @@ async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
                    for v, rs in runs.items()}
             for v, rs in runs.items():
                 med[v]["hops"] = {proc: {key: statistics.median(x["hops"].get(proc, {}).get(key, 0.0) for x in rs)
-                                         for key in HOP_KEYS if key in ("period", "over") or key.startswith(proc)}
+                                         for key in HOP_KEYS if key in ("period", "over") or key.startswith(proc)
+                                         or any(key == f"{a}->{b}" and pt == proc for _, a, pt, b in CROSS_HOPS)}
                                   for proc in PROCESS_STAGES}
             rows.append({"ratio": ratio, "k": k, "ideal": ideals(costs, k)[1], "med": med})
     finally:
@@ -612,16 +624,18 @@ def hop_table(rows: list[dict[str, Any]]) -> str:
     """Per variant and worker process: ms per step of period, sleep overshoot, and idle time
     before each stage (the hops), medians over the rounds."""
     head = ["cost ratio", "max_staleness", "variant", "process", "period ms", "stage overshoot ms", "idle ms",
-            "idle before each stage, ms per step"]
-    out = ["| " + " | ".join(head) + " |", "|---:|---:|---|---|---:|---:|---:|---|"]
+            "idle before each stage, ms per step", "from the other process, ms"]
+    out = ["| " + " | ".join(head) + " |", "|---:|---:|---|---|---:|---:|---:|---|---|"]
     for r in rows:
         for v in FLOOR_VARIANTS:
             for proc, stages_ in PROCESS_STAGES.items():
                 h = r["med"][v]["hops"][proc]
                 idle = {st: h.get(f"{proc}:{st}", 0.0) for st in stages_}
                 detail = ", ".join(f"{st} {x * 1e3:.1f}" for st, x in idle.items())
+                cross = ", ".join(f"{a} end → {b} start {h.get(f'{a}->{b}', 0.0) * 1e3:.1f}"
+                                  for _, a, pt, b in CROSS_HOPS if pt == proc)
                 out.append(f"| {r['ratio']:g} | {r['k']} | {v} | {proc} | {h['period'] * 1e3:.1f} | "
-                           f"{h['over'] * 1e3:.1f} | {sum(idle.values()) * 1e3:.1f} | {detail} |")
+                           f"{h['over'] * 1e3:.1f} | {sum(idle.values()) * 1e3:.1f} | {detail} | {cross} |")
     return "\n".join(out)
 
 
@@ -939,8 +953,10 @@ def main(argv: list[str] | None = None) -> None:
             "`stage overshoot` = the stages' run time beyond their cost (the sleeps' own lateness); `idle` = the "
             "process waiting between its stages, split by the stage it was waiting to start (for its call or its "
             "pipelined arguments to arrive: each is one or more hops through Ray and the controller). "
-            "period = stage costs + overshoot + idle. A process whose idle time is near zero is the critical "
-            "one; the other waits for it (at cost ratio 1 both do 200 ms of work per step).",
+            "period = stage costs + overshoot + idle. The last column: from the end of the other process's stage "
+            "to the start of the one that waits for it (one clock: same machine); at max_staleness=0, where "
+            "every stage is on the critical path, each idle number and each of these is one hop, and "
+            "period − 400 ms − overshoot is the sum of the step's hops.",
             hop_table(floor),
         ]
     if rows:

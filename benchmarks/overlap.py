@@ -282,14 +282,22 @@ class SimBench:
         el = [h["time/elapsed"] for h in hist]
         return {"step_s": (el[-1] - el[0]) / (len(el) - 1), "thread_s": (c1 - c0) / steps,
                 "proc_s": (p1 - p0) / steps, "wall_s": w1 - w0, "history": hist, "spans": list(trainer.tracer.spans),
-                "hops": await self.hops(costs)}
+                "hops": await self.hops(costs, trainer.tracer if trace else None)}
 
-    async def hops(self, costs: dict[str, float]) -> dict[str, dict[str, float]]:
-        """Where each worker process's time went in the last run (see :func:`hop_breakdown`)."""
+    async def hops(self, costs: dict[str, float], tracer: Any = None) -> dict[str, dict[str, float]]:
+        """Where each worker process's time went in the last run (see :func:`hop_breakdown`); with
+        the run's tracer, the cross-process hops are split at the moment the controller issued the
+        waiting stage (its span's start)."""
         g = self.groups
         parts = await asyncio.gather(g.rollout.timeline(), g.reward.timeline(), g.policy.timeline(),
                                      g.critic.timeline(), g.advantage.timeline())
-        return hop_breakdown({"rollout": parts[0] + parts[1], "train": parts[2] + parts[3] + parts[4]}, costs)
+        issued = None
+        if tracer is not None:
+            issued = {}
+            for sp in tracer.spans:
+                issued.setdefault(sp.name, []).append(sp.start + tracer.origin)
+        return hop_breakdown({"rollout": parts[0] + parts[1], "train": parts[2] + parts[3] + parts[4]}, costs,
+                             issued=issued)
 
 
 async def simulated(ratios: tuple[float, ...], train_s: float, steps: int) -> tuple[list[dict[str, Any]], dict]:
@@ -510,11 +518,11 @@ PROCESS_STAGES = {"rollout": ("update_weights", "generate", "score"),
                   "train": tuple(TRAIN_SHARE)}
 CROSS_HOPS = (("train", "export_weights", "rollout", "update_weights"), ("rollout", "score", "train", "old_log_prob"))
 HOP_KEYS = (["period", "over"] + [f"{p}:{st}" for p, sts in PROCESS_STAGES.items() for st in sts]
-            + [f"{a}->{b}" for _, a, _, b in CROSS_HOPS])
+            + [f"{a}->{b}{x}" for _, a, _, b in CROSS_HOPS for x in ("", ":issued")])
 
 
 def hop_breakdown(marks: dict[str, list[tuple[str, float, float]]], costs: dict[str, float],
-                  skip: int = 1) -> dict[str, dict[str, float]]:
+                  skip: int = 1, issued: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
     """Per worker process, seconds per step in steady state: ``period`` (from one step's first
     stage to the next), ``over`` (stages running longer than their cost: the sleeps' own
     overshoot) and, per stage, the idle time of the process just before that stage started
@@ -550,6 +558,14 @@ def hop_breakdown(marks: dict[str, list[tuple[str, float, float]]], costs: dict[
         gaps = [b - max(e for e in ends if e <= b) for b in starts if ends and ends[0] <= b]
         if gaps and p_to in out:
             out[p_to][f"{s_from}->{s_to}"] = statistics.mean(gaps)
+        # the part from the controller's issue of the waiting stage to its start on the worker
+        # (only where the issue came after the awaited stage ended: the controller's hop)
+        sent = sorted((issued or {}).get(s_to, []))
+        split = [b - max(i for i in sent if i <= b) for b in starts
+                 if ends and ends[0] <= b and sent and sent[0] <= b
+                 and max(i for i in sent if i <= b) >= max(e for e in ends if e <= b)]
+        if split and p_to in out:
+            out[p_to][f"{s_from}->{s_to}:issued"] = statistics.mean(split)
     return out
 
 
@@ -597,7 +613,8 @@ async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
             for v, rs in runs.items():
                 med[v]["hops"] = {proc: {key: statistics.median(x["hops"].get(proc, {}).get(key, 0.0) for x in rs)
                                          for key in HOP_KEYS if key in ("period", "over") or key.startswith(proc)
-                                         or any(key == f"{a}->{b}" and pt == proc for _, a, pt, b in CROSS_HOPS)}
+                                         or any(key.startswith(f"{a}->{b}") and pt == proc
+                                                for _, a, pt, b in CROSS_HOPS)}
                                   for proc in PROCESS_STAGES}
             rows.append({"ratio": ratio, "k": k, "ideal": ideals(costs, k)[1], "med": med})
     finally:
@@ -633,6 +650,8 @@ def hop_table(rows: list[dict[str, Any]]) -> str:
                 idle = {st: h.get(f"{proc}:{st}", 0.0) for st in stages_}
                 detail = ", ".join(f"{st} {x * 1e3:.1f}" for st, x in idle.items())
                 cross = ", ".join(f"{a} end → {b} start {h.get(f'{a}->{b}', 0.0) * 1e3:.1f}"
+                                  + (f" (of which issue → start {h[f'{a}->{b}:issued'] * 1e3:.1f})"
+                                     if h.get(f"{a}->{b}:issued") else "")
                                   for _, a, pt, b in CROSS_HOPS if pt == proc)
                 out.append(f"| {r['ratio']:g} | {r['k']} | {v} | {proc} | {h['period'] * 1e3:.1f} | "
                            f"{h['over'] * 1e3:.1f} | {sum(idle.values()) * 1e3:.1f} | {detail} | {cross} |")
@@ -954,7 +973,9 @@ def main(argv: list[str] | None = None) -> None:
             "process waiting between its stages, split by the stage it was waiting to start (for its call or its "
             "pipelined arguments to arrive: each is one or more hops through Ray and the controller). "
             "period = stage costs + overshoot + idle. The last column: from the end of the other process's stage "
-            "to the start of the one that waits for it (one clock: same machine); at max_staleness=0, where "
+            "to the start of the one that waits for it (one clock: same machine) and, with the trainer's trace, "
+            "the part from the controller issuing the waiting stage to its start on the worker (the rest is "
+            "the controller's hop); at max_staleness=0, where "
             "every stage is on the critical path, each idle number and each of these is one hop, and "
             "period − 400 ms − overshoot is the sum of the step's hops.",
             hop_table(floor),

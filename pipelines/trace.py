@@ -60,6 +60,12 @@ class Tracer:
         """Seconds since the tracer was created."""
         return time.perf_counter() - self._t0
 
+    @property
+    def origin(self) -> float:
+        """``time.perf_counter()`` when the tracer was created: span times are relative to it
+        (on Linux the same clock as ``time.monotonic()`` in any process of the machine)."""
+        return self._t0
+
     @contextlib.contextmanager
     def span(self, name: str, track: str = "controller", **args: Any) -> Iterator[None]:
         """Record the enclosed block as one span on `track`."""

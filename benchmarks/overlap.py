@@ -533,8 +533,9 @@ def hop_breakdown(marks: dict[str, list[tuple[str, float, float]]], costs: dict[
         recs = sorted(recs, key=lambda r: r[1])
         first = PROCESS_STAGES[proc][1 if proc == "rollout" else 0]  # generate / old_log_prob
         starts = [r[1] for r in recs if r[0] == first]
-        if len(starts) < skip + 3:
+        if len(starts) < 3:
             continue
+        skip = max(0, min(skip, len(starts) - 3))  # short runs (--quick) keep at least one step
         t_from, t_to = starts[skip + 1], starts[-1]
         n = len(starts) - skip - 2
         row = {"period": (t_to - t_from) / n, "over": 0.0}

@@ -16,6 +16,8 @@ SIM_COLUMNS = ["cost ratio", "max_staleness", "sync ms/step", "sync ideal", "syn
                "ctrl process ms/step"]
 FLOOR_COLUMNS = ["cost ratio", "max_staleness", "ideal ms/step", "variant", "ms/step", "eff. vs ideal", "vs plain Ray",
                  "ctrl thread ms/step", "ctrl process ms/step"]
+HOP_COLUMNS = ["cost ratio", "max_staleness", "variant", "process", "period ms", "stage overshoot ms", "idle ms",
+               "idle before each stage, ms per step", "from the other process, ms"]
 REAL_COLUMNS = ["workload", "mode", "steps", "loop s", "ms/step", "rollout ms", "train+sync ms", "ideal ms/step",
                 "eff.", "speedup", "reward first 5", "reward last 10", "s to reward ≥ 0.5",
                 "ctrl thread ms/step", "ctrl process ms/step"]
@@ -44,13 +46,22 @@ def test_overlap_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
     assert "Command: `python benchmarks/overlap.py --quick" in text and "ray 2." in text
-    floor, sim, real = tables(text)
+    floor, hops, sim, real = tables(text)
     assert floor[0] == FLOOR_COLUMNS
     assert [(r[0], r[1], r[3]) for r in floor[1:]] == [("1", k, v) for k in ("1", "0") for v in
                                                        ("asyncrl trainer", "asyncrl trainer, trace off", "plain Ray")]
     assert floor[3][6] == "1.000x" and floor[6][6] == "1.000x"  # the plain-Ray floor is its own baseline
     for r in floor[1:]:
         assert all(float(c.rstrip("x")) > 0 for c in r[4:])
+    assert hops[0] == HOP_COLUMNS  # where each step's time went, per worker process
+    assert [tuple(r[:4]) for r in hops[1:]] == [("1", k, v, p) for k in ("1", "0") for v in
+                                                ("asyncrl trainer", "asyncrl trainer, trace off", "plain Ray")
+                                                for p in ("rollout", "train")]
+    for r in hops[1:]:
+        assert float(r[4]) > 0 and float(r[6]) >= 0  # period, idle
+        stages = ("update_weights", "generate", "score") if r[3] == "rollout" else (
+            "old_log_prob", "values", "advantages", "critic_update", "actor_update", "export_weights")
+        assert [part.rsplit(" ", 1)[0] for part in r[7].split(", ")] == list(stages)
     assert sim[0] == SIM_COLUMNS
     assert [(r[0], r[1]) for r in sim[1:]] == [(ratio, k) for ratio in ("0.25", "0.5", "1", "2", "4")
                                                 for k in ("0", "1", "2")]

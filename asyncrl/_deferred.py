@@ -27,6 +27,7 @@ class Source:
     metas: tuple[Any, ...] | None
     """Refs of ``(rows, pad)`` per payload, for data-parallel producers."""
     collect: Callable[..., Any] | None
+    """The producer's collect function; None in a matched-layout shard (rank r reads rank r)."""
     world: Any
     data_parallel: bool
     select: tuple[str, ...] | None = None

@@ -157,8 +157,10 @@ def _split(world_size: int, names_values: list[tuple[str, Any]], group: str) -> 
             out.append([v] * world_size)
         elif (src := _source_of(v)) is not None:
             if src.data_parallel and src.metas is not None and len(src.refs) == world_size:
-                # Matched layouts: rank r needs only the producer's rank-r output.
-                out.append([DeferredShard(replace(src, refs=(src.refs[r],), metas=(src.metas[r],)), 0, 1)
+                # Matched layouts: rank r needs only the producer's rank-r output (not the
+                # producer's world or collect function either: half the pickling per call).
+                out.append([DeferredShard(replace(src, refs=(src.refs[r],), metas=(src.metas[r],), collect=None,
+                                                  world=None), 0, 1)
                             for r in range(world_size)])
             else:
                 out.append([DeferredShard(src, r, world_size) for r in range(world_size)])

@@ -175,11 +175,14 @@ class _Call:
 
     def _run_done_callbacks(self) -> None:  # on the loop only: each callback runs once
         pending, self._done_callbacks = self._done_callbacks, None
-        for fn in pending[1] if pending is not None else ():
+        if pending is None:
+            return
+        loop, callbacks = pending
+        for fn in callbacks:
             try:
                 fn()
             except Exception as e:  # noqa: BLE001 - reported like asyncio's own callbacks
-                pending[0].call_exception_handler({"message": f"done callback of {self.group}.{self.method} "
+                loop.call_exception_handler({"message": f"done callback of {self.group}.{self.method} "
                                                    "raised", "exception": e})
 
     def _done_soon(self) -> None:

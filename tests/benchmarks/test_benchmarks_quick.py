@@ -74,3 +74,13 @@ def test_loop_lag_quick(tmp_path):
     assert phases[:2] == [("idle", "-"), ("Ray start", "asyncrl")]
     assert ("setup, 4 workers", "asyncrl") in phases and ("setup, 4 workers", "plain Ray") in phases
     assert [p for p, _ in phases[-3:]] == ["trainer set-up", "trainer fit (3 steps)", "trainer close"]
+
+
+def test_pipelined_hop_quick(tmp_path):
+    rows = table_rows(run("pipelined_hop.py", tmp_path / "pipelined_hop.md"))
+    assert rows[0] == ["variant", "issue -> start ms", "min–max ms", "vs plain Ray"]
+    body = {r[0]: r for r in rows[2:]}
+    assert set(body) == {"asyncrl, pipelined", "asyncrl, value", "plain Ray"}
+    assert body["plain Ray"][3] == "1.00x"
+    for r in body.values():
+        assert float(r[1]) > 0 and r[3].endswith("x")

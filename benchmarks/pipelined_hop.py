@@ -13,8 +13,14 @@ for every process on the machine):
 - **plain Ray**: ``await actor.use.remote(ref)`` with the producer's ObjectRef top-level (Ray
   inlines a small finished value into the task).
 
-    python benchmarks/pipelined_hop.py            # 100 repetitions
-    python benchmarks/pipelined_hop.py --quick    # 5 repetitions (tests)
+With ``--after-ms N`` each variant runs twice more: right after issuing the call, the
+controller's thread runs N ms of Python (``busy``: what the trainer does when it issues the
+rest of a step's stages in one go) or sleeps N ms (``asleep``: the thread releases the GIL)
+before it awaits the result.
+
+    python benchmarks/pipelined_hop.py                  # 100 repetitions
+    python benchmarks/pipelined_hop.py --after-ms 4     # + the busy / asleep variants
+    python benchmarks/pipelined_hop.py --quick          # 5 repetitions (tests)
 
 Writes ``benchmarks/results/pipelined_hop.md`` (``--out``).
 """
@@ -68,7 +74,17 @@ class PlainConsumer:
         return _started(td)
 
 
-async def measure(reps: int, fields: int, warmup: int = 5) -> dict[str, list[float]]:
+def _then(kind: str, seconds: float) -> None:
+    """What the controller's thread does between issuing the call and awaiting it."""
+    if kind == "busy":
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            pass
+    elif kind == "asleep":
+        time.sleep(seconds)
+
+
+async def measure(reps: int, fields: int, after_ms: float = 0.0, warmup: int = 5) -> dict[str, list[float]]:
     import ray
 
     await asyncrl.ainit()
@@ -78,23 +94,29 @@ async def measure(reps: int, fields: int, warmup: int = 5) -> dict[str, list[flo
     await c.setup()
     plain = ray.remote(PlainConsumer).options(num_cpus=0).remote()
     td = TensorDict({f"x{i}": torch.zeros(16, 8) for i in range(fields)}, batch_size=[16])
-    lags: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    thens = ("",) if after_ms <= 0 else ("", "busy", "asleep")
+    names = [v + (f", then {after_ms:g} ms {k}" if k else "") for k in thens for v in VARIANTS]
+    lags: dict[str, list[float]] = {n: [] for n in names}
     try:
         for i in range(warmup + reps):
             f = p.make(td)
             value = await f
             ref = f.refs[0]
-            order = VARIANTS[i % 3:] + VARIANTS[:i % 3]  # rotate the variant order
-            for v in order:
+            k = i % len(names)
+            for name in names[k:] + names[:k]:  # rotate the variant order
+                v = next(x for x in VARIANTS if name.startswith(x))
+                then = name.rsplit(" ", 1)[1] if name != v else ""
                 t = time.monotonic()
                 if v == "asyncrl, pipelined":
-                    out = await c.use(f)
+                    pending = c.use(f)
                 elif v == "asyncrl, value":
-                    out = await c.use(value)
+                    pending = c.use(value)
                 else:
-                    out = await plain.use.remote(ref)
+                    pending = plain.use.remote(ref)
+                _then(then, after_ms / 1e3)
+                out = await pending
                 if i >= warmup:
-                    lags[v].append((float(out["t"][0]) - t) * 1e3)
+                    lags[name].append((float(out["t"][0]) - t) * 1e3)
     finally:
         ray.kill(plain)
         await c.close()
@@ -107,15 +129,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="5 repetitions")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 100)")
     ap.add_argument("--fields", type=int, default=6, help="fields of the TensorDict passed on")
+    ap.add_argument("--after-ms", type=float, default=0.0,
+                    help="also run each variant with N ms of Python (busy) or of sleep after the issue")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     reps = args.reps or (5 if args.quick else 100)
     load0 = os.getloadavg()[0]
-    lags = asyncio.run(measure(reps, args.fields))
+    lags = asyncio.run(measure(reps, args.fields, args.after_ms))
     load1 = os.getloadavg()[0]
     plain = statistics.median(lags["plain Ray"])
-    rows = [f"| {v} | {statistics.median(lags[v]):.2f} | {min(lags[v]):.2f}–{max(lags[v]):.2f} | "
-            f"{statistics.median(lags[v]) / plain:.2f}x |" for v in VARIANTS]
+    rows = [f"| {n} | {statistics.median(x):.2f} | {min(x):.2f}–{max(x):.2f} | {statistics.median(x) / plain:.2f}x |"
+            for n, x in lags.items()]
     text = "\n".join([
         "# One pipelined hop with a finished input: issue -> start on the worker",
         "",
@@ -123,7 +147,8 @@ def main() -> None:
         "",
         f"A {args.fields}-field TensorDict (16 rows) produced by a one-rank group and awaited, then passed to a "
         "one-rank consumer group (threaded host) as the finished future (pipelined), as the value, or to a plain "
-        f"Ray actor as the ObjectRef (top level). Medians of {reps} repetitions, variant order rotating.",
+        f"Ray actor as the ObjectRef (top level). Medians of {reps} repetitions, variant order rotating. "
+        "'then N ms busy / asleep': the controller's thread runs Python / sleeps for N ms after the issue.",
         "",
         "| variant | issue -> start ms | min–max ms | vs plain Ray |",
         "|---|---:|---:|---:|",

@@ -11,11 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(script: str, out: Path) -> str:
+def run(script: str, out: Path, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)  # its own embedded Ray, never the test session's
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,10 +77,11 @@ def test_loop_lag_quick(tmp_path):
 
 
 def test_pipelined_hop_quick(tmp_path):
-    rows = table_rows(run("pipelined_hop.py", tmp_path / "pipelined_hop.md"))
+    rows = table_rows(run("pipelined_hop.py", tmp_path / "pipelined_hop.md", "--after-ms", "1"))
     assert rows[0] == ["variant", "issue -> start ms", "min–max ms", "vs plain Ray"]
     body = {r[0]: r for r in rows[2:]}
-    assert set(body) == {"asyncrl, pipelined", "asyncrl, value", "plain Ray"}
+    base = ["asyncrl, pipelined", "asyncrl, value", "plain Ray"]
+    assert list(body) == base + [f"{v}, then 1 ms {k}" for k in ("busy", "asleep") for v in base]
     assert body["plain Ray"][3] == "1.00x"
     for r in body.values():
         assert float(r[1]) > 0 and r[3].endswith("x")

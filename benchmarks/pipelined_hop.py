@@ -13,10 +13,11 @@ for every process on the machine):
 - **plain Ray**: ``await actor.use.remote(ref)`` with the producer's ObjectRef top-level (Ray
   inlines a small finished value into the task).
 
-With ``--after-ms N`` each variant runs twice more: right after issuing the call, the
+With ``--after-ms N`` each variant runs three times more: right after issuing the call, the
 controller's thread runs N ms of Python (``busy``: what the trainer does when it issues the
-rest of a step's stages in one go) or sleeps N ms (``asleep``: the thread releases the GIL)
-before it awaits the result.
+rest of a step's stages in one go), sleeps N ms (``asleep``), or runs N ms of small
+``torch.mm`` calls, which release the GIL (``nogil``: busy on a core without holding the
+GIL), before it awaits the result.
 
     python benchmarks/pipelined_hop.py                  # 100 repetitions
     python benchmarks/pipelined_hop.py --after-ms 4     # + the busy / asleep variants
@@ -82,6 +83,11 @@ def _then(kind: str, seconds: float) -> None:
             pass
     elif kind == "asleep":
         time.sleep(seconds)
+    elif kind == "nogil":
+        a = torch.ones(128, 128)
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            torch.mm(a, a)
 
 
 async def measure(reps: int, fields: int, after_ms: float = 0.0, warmup: int = 5) -> dict[str, list[float]]:
@@ -94,7 +100,7 @@ async def measure(reps: int, fields: int, after_ms: float = 0.0, warmup: int = 5
     await c.setup()
     plain = ray.remote(PlainConsumer).options(num_cpus=0).remote()
     td = TensorDict({f"x{i}": torch.zeros(16, 8) for i in range(fields)}, batch_size=[16])
-    thens = ("",) if after_ms <= 0 else ("", "busy", "asleep")
+    thens = ("",) if after_ms <= 0 else ("", "busy", "asleep", "nogil")
     names = [v + (f", then {after_ms:g} ms {k}" if k else "") for k in thens for v in VARIANTS]
     lags: dict[str, list[float]] = {n: [] for n in names}
     try:
@@ -148,7 +154,8 @@ def main() -> None:
         f"A {args.fields}-field TensorDict (16 rows) produced by a one-rank group and awaited, then passed to a "
         "one-rank consumer group (threaded host) as the finished future (pipelined), as the value, or to a plain "
         f"Ray actor as the ObjectRef (top level). Medians of {reps} repetitions, variant order rotating. "
-        "'then N ms busy / asleep': the controller's thread runs Python / sleeps for N ms after the issue.",
+        "'then N ms busy / asleep / nogil': after the issue the controller's thread runs Python / sleeps / runs "
+        "torch.mm calls (which release the GIL) for N ms.",
         "",
         "| variant | issue -> start ms | min–max ms | vs plain Ray |",
         "|---|---:|---:|---:|",

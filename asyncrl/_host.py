@@ -277,14 +277,18 @@ class _HostBase:
         """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`)."""
         self._lane.cancel(entries, deadline)
 
+    def _identity(self, role: str) -> tuple[str, int]:
+        """``(group, rank)`` a call to `role` is reported under (an unknown role: itself, -1)."""
+        spec = self._specs.get(role)
+        return (spec.group, spec.context.rank) if spec is not None else (role, -1)
+
     def _lookup(self, role: str, method: str, payload: "Payload") -> tuple[RoleSpec, Any]:
         """The call's role and method spec; raises the call's error for an unknown method
         or arguments the worker could not unpickle."""
         spec = self._specs.get(role)
         mspec = self._methods[role].get(method) if spec is not None else None
         if spec is None or mspec is None:
-            rank = spec.context.rank if spec is not None else -1
-            group = spec.group if spec is not None else role
+            group, rank = self._identity(role)
             raise RemoteError(group, method, rank, "asyncrl.errors.RegistrationError",
                               f"{role}.{method} is not a registered method of this worker", "")
         if payload.error is not None:
@@ -369,9 +373,7 @@ class WorkerHost(_HostBase):
     ) -> Any:
         """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
         ``(result, (rows, trailing padding rows))``."""
-        spec = self._specs.get(role)
-        rank = spec.context.rank if spec is not None else -1
-        group = spec.group if spec is not None else role
+        group, rank = self._identity(role)
         lane = self._lane
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: asyncio.Future[Any] | None = None
@@ -472,9 +474,7 @@ class ThreadedHost(_HostBase):
     ) -> Any:
         """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
         With `want_meta` returns ``(result, (rows, trailing padding rows))``."""
-        spec = self._specs.get(role)
-        rank = spec.context.rank if spec is not None else -1
-        group = spec.group if spec is not None else role
+        group, rank = self._identity(role)
         lane: ThreadLane = self._lane  # type: ignore[assignment]
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: LoopCall | None = None

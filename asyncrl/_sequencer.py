@@ -213,12 +213,16 @@ class Lane:
 
     def arrive(self, call_id: int, seq: int | None, group: str, method: str, rank: int) -> Ticket:
         """Register an arriving call; raises ``CancelledError`` for one cancelled before it arrived."""
+        return self._admit(call_id, seq, group, method, rank, asyncio.current_task(), asyncio.CancelledError)
+
+    def _admit(self, call_id: int, seq: int | None, group: str, method: str, rank: int,
+               task: "asyncio.Task[Any] | None", cancelled: type[BaseException]) -> Ticket:
         refused = call_id in self._refused
         if refused:
             del self._refused[call_id]
         if refused or (seq is not None and (seq < self._next or seq in self._released)):
-            raise asyncio.CancelledError(f"call {call_id} was cancelled before it arrived")
-        ticket = Ticket(call_id, seq, group, method, rank, task=asyncio.current_task())
+            raise cancelled(f"call {call_id} was cancelled before it arrived")
+        ticket = Ticket(call_id, seq, group, method, rank, task=task)
         self._live[call_id] = ticket
         return ticket
 
@@ -347,7 +351,7 @@ class _Wake:
         return self._set
 
     def set_result(self, _: Any = None) -> bool:
-        """Mark it set; returns whether the caller must :meth:`release` (the first to set it)."""
+        """Set it and wake the waiter; returns whether this was the first to set it."""
         if self._set:
             return False
         self._set = True
@@ -452,14 +456,7 @@ class ThreadLane(Lane):
     def arrive(self, call_id: int, seq: int | None, group: str, method: str, rank: int) -> Ticket:
         """Register an arriving call; raises :class:`CallCancelled` for one cancelled before it arrived."""
         with self._lock:
-            refused = call_id in self._refused
-            if refused:
-                del self._refused[call_id]
-            if refused or (seq is not None and (seq < self._next or seq in self._released)):
-                raise CallCancelled(f"call {call_id} was cancelled before it arrived")
-            ticket = Ticket(call_id, seq, group, method, rank)
-            self._live[call_id] = ticket
-            return ticket
+            return self._admit(call_id, seq, group, method, rank, None, CallCancelled)
 
     def wait_turn(self, ticket: Ticket) -> None:
         """Block until `ticket` is the next ordered call; fail fast while the lane is wedged."""

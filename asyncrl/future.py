@@ -682,17 +682,16 @@ async def _await_all(futures: "Sequence[GroupFuture[Any]]") -> list[Any]:
             call.claims += 1
             o.add_done_callback(one_done)
         try:
-            failed = await waiter
+            try:
+                failed = await waiter
+            finally:
+                for call, o in pending:
+                    o.remove_done_callback(one_done)
+                    call.claims -= 1
         except asyncio.CancelledError:
-            for call, o in pending:
-                o.remove_done_callback(one_done)
-                call.claims -= 1
             for call, _ in pending:
                 call.withdraw()  # this task's claim is gone; cancel the call if it was the last
             raise
-        for call, o in pending:
-            o.remove_done_callback(one_done)
-            call.claims -= 1
     if failed is not None:
         failed.result()  # raises its error
     return [f._apply_select(o.result()) for f, o in zip(futures, outcomes)]

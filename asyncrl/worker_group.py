@@ -139,6 +139,8 @@ class WorkerGroup(AsyncResource, Generic[W]):
         self.stats = GroupStats()
         self._broken: tuple[int | None, str] | None = None
         self._closed = False
+        self._world: World | None = None  # once the group is ready: one World for every call
+        self._layouts: dict[str, tuple[tuple[int, ...], tuple[int, ...], list[bool]]] = {}  # per method, of _world
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -150,9 +152,8 @@ class WorkerGroup(AsyncResource, Generic[W]):
     @property
     def world(self) -> World:
         """What dispatch functions see: world size, group name and registered meshes."""
-        w = self.__dict__.get("_world")
-        if w is not None:
-            return w
+        if self._world is not None:
+            return self._world
         w = World(self.world_size, self.name, self._hostset.meshes.get(self._role, {}))
         if self._hostset.state == "ready":  # the meshes are known: one World for every call
             self._world = w
@@ -161,24 +162,12 @@ class WorkerGroup(AsyncResource, Generic[W]):
     def _layout(self, spec: MethodSpec, world: World) -> tuple[tuple[int, ...], tuple[int, ...], list[bool]]:
         """``(executing ranks, collect order, keep per rank)`` of `spec`'s calls: the same for
         every call of a started group, so computed once (and shared by every call's state)."""
-        cache = self.__dict__.setdefault("_layouts", {})
-        key = (spec.name, id(world))
-        got = cache.get(key)
-        if got is not None and got[0] is spec and got[1] is world:
-            return got[2]
-        mode = spec.dispatch_mode
-        n = world.world_size
-        rank_zero = spec.execute_mode is Execute.RANK_ZERO
-        ranks = (0,) if rank_zero else tuple(range(n))
-        keep = [True] * n
-        order = tuple(range(len(ranks)))
-        if mode.mesh is not None and not rank_zero:
-            mranks = world.mesh(mode.mesh)
-            keep = [r.collect for r in mranks]
-            order = tuple(sorted((i for i, r in enumerate(ranks) if mranks[r].collect), key=lambda i: mranks[ranks[i]].dp_rank))
-        layout = (ranks, order, keep)
-        cache[key] = (spec, world, layout)
-        return layout
+        if world is not self._world:  # not ready yet: the meshes may still change
+            return _layout(spec, world)
+        got = self._layouts.get(spec.name)
+        if got is None:
+            got = self._layouts[spec.name] = _layout(spec, world)
+        return got
 
     @property
     def closed(self) -> bool:
@@ -294,6 +283,21 @@ class WorkerGroup(AsyncResource, Generic[W]):
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
                      metas if mode.data_parallel else None, entries, timeout, producers_of(args, kwargs))
         return GroupFuture(call)
+
+
+def _layout(spec: MethodSpec, world: World) -> tuple[tuple[int, ...], tuple[int, ...], list[bool]]:
+    """See :meth:`WorkerGroup._layout`."""
+    n = world.world_size
+    rank_zero = spec.execute_mode is Execute.RANK_ZERO
+    ranks = (0,) if rank_zero else tuple(range(n))
+    keep = [True] * n
+    order = tuple(range(len(ranks)))
+    mesh = spec.dispatch_mode.mesh
+    if mesh is not None and not rank_zero:
+        mranks = world.mesh(mesh)
+        keep = [r.collect for r in mranks]
+        order = tuple(sorted((i for i, r in enumerate(ranks) if mranks[r].collect), key=lambda i: mranks[ranks[i]].dp_rank))
+    return ranks, order, keep
 
 
 def _per_rank(ranks: Sequence[int], sharded: Sharded, keep: list[bool]) -> Iterator[tuple[int, Payload, int | None, bool]]:

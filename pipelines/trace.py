@@ -17,7 +17,6 @@ Each group is a track (``pid`` = the group, ``tid`` = its ranks), so opening
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -54,7 +53,6 @@ class Tracer:
         self._pending: dict[int, tuple[str, str, float, dict[str, Any]]] = {}  # watched calls not done yet
         self._next = 0
         self._closed = False
-        self._stopped: asyncio.Event | None = None
 
     def now(self) -> float:
         """Seconds since the tracer was created."""
@@ -96,15 +94,6 @@ class Tracer:
             stage, track, start, args = entry
             self.spans.append(Span(stage, track, start, self.now(), args))
 
-    async def run(self) -> None:
-        """Returns after :meth:`close`. Nothing needs to run for spans to be recorded (they
-        end in done callbacks); kept for code that runs the tracer in a task group."""
-        if not self.enabled or self._closed:
-            return
-        if self._stopped is None:
-            self._stopped = asyncio.Event()
-        await self._stopped.wait()
-
     def close(self) -> None:
         """Stop watching: pending calls are closed at the current time (``unfinished``)."""
         t = self.now()
@@ -112,8 +101,6 @@ class Tracer:
             self.spans.append(Span(stage, track, start, t, {**args, "unfinished": True}))
         self._pending = {}
         self._closed = True
-        if self._stopped is not None:
-            self._stopped.set()
 
     def to_chrome(self) -> dict[str, Any]:
         """The trace as a Chrome trace-event object (``{"traceEvents": [...]}``)."""

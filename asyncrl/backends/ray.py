@@ -241,7 +241,7 @@ class _ThreadedWorkerHost(ThreadedHost):
 
     @ray.method(concurrency_group="control")
     def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
-        self._lane.cancel(entries, deadline)
+        super().cancel_calls(entries, deadline)
 
     @ray.method(concurrency_group="control")
     def close(self) -> None:

@@ -49,7 +49,9 @@ async def test_runs_once_on_the_loop_after_every_rank_finished_and_fetches_nothi
     assert rec.seen == [(first, threading.get_ident(), True)]
     assert wg.stats.results_fetched == fetched  # the callback fetched no result
     assert await second == [2, 2] and await first == [2, 2]
-    await asyncio.sleep(0)
+    later = Recorder()  # scheduled after anything the first callback could still have pending
+    first.add_done_callback(later)
+    await later.wait()
     assert len(rec.seen) == 1
 
 

@@ -149,7 +149,8 @@ class _Call:
 
     def is_done(self) -> bool:
         """Non-blocking: every rank finished, or the controller failed the call. The
-        first call starts watching completion in the background (Ray: a watcher thread)."""
+        first call starts watching completion in the background (Ray: a completion
+        callback per rank on Ray's own thread, no polling)."""
         if self._completed or self.settled():
             return True
         self._watch()
@@ -558,7 +559,8 @@ class GroupFuture(Generic[T]):
         """Call ``fn(future)`` on the event loop once :meth:`done` turns true: every rank
         finished (successfully or not), or the controller failed the call (cancelled,
         timed out, group closed). Like ``done()`` it fetches nothing and never blocks (the
-        backend watches the ranks off the loop; Ray: within ~5 ms of the last rank); if the
+        backend watches the ranks off the loop; Ray: its ``_on_ready`` callback, as the last
+        rank's task finishes, no polling); if the
         call is done already, `fn` is scheduled at once. Call it from the event loop."""
         self._call.add_done_callback(lambda: fn(self))
 

@@ -8,8 +8,8 @@ The controller records two kinds of spans:
   call from the moment it was issued until every rank finished. The controller does
   not await pipelined futures, so the span is closed by a done callback on the future
   (``GroupFuture.add_done_callback``: the backend watches the ranks off the loop,
-  without fetching; Ray reports within ~5 ms of the last rank). Nothing polls on the
-  event loop, and no payload bytes move.
+  without fetching; Ray reports it as the last rank's task finishes, through a
+  completion callback on its own thread). Nothing polls, and no payload bytes move.
 
 Each group is a track (``pid`` = the group, ``tid`` = its ranks), so opening
 ``trace.json`` in https://ui.perfetto.dev shows rollout and training side by side.

@@ -177,51 +177,41 @@ def _settle(fut: asyncio.Future[Any], result: Any) -> None:
         fut.set_result(result)
 
 
-class _Watcher:
-    """Reports completion of ObjectRefs without fetching them, from one background thread.
+class _Watch:
+    """Reports when every ObjectRef of one call exists, without fetching any of them.
 
-    ``ray.wait(..., fetch_local=False)`` answers "has this task finished?" without
-    moving the value; it is a blocking call, so it never runs on the event loop.
+    Each ref gets Ray's ``_on_ready`` callback (``CoreWorker::WaitAsync``: no fetch, no
+    deserialization, no polling): it runs on Ray's thread when the task that makes the
+    object has finished, successfully or not (a failed task's ref holds its error), or
+    with an error when the wait itself ends (the owner or Ray gone): either way nothing
+    more will come, so the ref counts as done. The last one calls `callback` (on Ray's
+    thread). A ref that cannot be watched (Ray shut down) counts as done at once.
     """
 
-    _POLL_S = 0.005
+    __slots__ = ("_left", "_callback", "_refs")
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._watches: list[tuple[list[Any], Callable[[], None]]] = []
-        self._thread: threading.Thread | None = None
+    _LOCK = threading.Lock()  # the count-down, across Ray's callback threads and the registering one
 
-    def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
-        with self._cond:
-            self._watches.append((list(refs), callback))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="asyncrl-watcher", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._watches:
-                    if not self._cond.wait(timeout=5.0) and not self._watches:
-                        self._thread = None
-                        return
-                watches = list(self._watches)
-            refs = list({r for rs, _ in watches for r in rs})
+    def __init__(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
+        self._refs = list(refs)  # "dropping the ObjectRef does not run the callback": keep them until done
+        self._left = len(self._refs) + 1  # +1: registration itself, so no callback finishes it half-registered
+        self._callback = callback
+        for ref in self._refs:
             try:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self._POLL_S, fetch_local=False)
+                ref._on_ready(self._one)  # (Ray >= 2.60, as _on_completed above)
+            except AttributeError:
+                raise
             except Exception:  # Ray shut down under us: nothing will complete any more
-                ready = refs
-            done = set(ready)
-            finished = [(rs, cb) for rs, cb in watches if all(r in done for r in rs)]
-            if finished:
-                with self._cond:
-                    self._watches = [w for w in self._watches if w not in finished]
-                for _, cb in finished:
-                    cb()
+                self._one(None)
+        self._one(None)
 
-
-_WATCHER = _Watcher()
+    def _one(self, _exc: BaseException | None) -> None:
+        with self._LOCK:
+            self._left -= 1
+            if self._left:
+                return
+        self._refs = []
+        self._callback()
 
 
 def _all_ready(refs: list[Any]) -> bool:
@@ -340,7 +330,7 @@ class RayBackend:
         return await asyncio.get_running_loop().run_in_executor(None, _all_ready, list(refs))
 
     def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
-        _WATCHER.watch(refs, callback)
+        _Watch(refs, callback)
 
     async def kill(self, hosts: Sequence[Any]) -> None:
         for h in hosts:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 import pytest_asyncio
+import torch
+from tensordict import TensorDict
+
+from asyncrl import RemoteError
 
 from tests.core import kinds
 from tests.core.kinds import BACKENDS
@@ -95,3 +100,58 @@ async def test_a_raising_callback_is_reported_to_the_loop_and_the_others_still_r
     assert [(type(c["exception"]), c["message"]) for c in reported] == [
         (ValueError, f"done callback of {wg.name}.add raised")]
     assert await fut == [2, 3]
+
+
+async def test_a_call_whose_rank_fails_fires_once_and_its_error_names_the_rank(wg):
+    rec = Recorder()
+    batch = TensorDict({"x": torch.arange(4)}, batch_size=[4])
+    fut = wg.boom_on_rank(batch, 1)  # rank 1 raises, rank 0 returns
+    fut.add_done_callback(rec)
+    await rec.wait()
+    assert rec.seen == [(fut, threading.get_ident(), True)]
+    with pytest.raises(RemoteError) as info:
+        await fut
+    assert (info.value.group, info.value.method, info.value.rank) == (wg.name, "boom_on_rank", 1)
+    later = Recorder()
+    fut.add_done_callback(later)
+    await later.wait()
+    assert len(rec.seen) == 1 and later.seen == [(fut, threading.get_ident(), True)]
+
+
+async def test_many_watches_at_once_each_fire_once(wg):
+    recs = [Recorder() for _ in range(50)]
+    futs = [wg.add(i) for i in range(50)]
+    for f, r in zip(futs, recs):
+        f.add_done_callback(r)
+    for r in recs:
+        await r.wait()
+    assert [len(r.seen) for r in recs] == [1] * 50
+    assert [await f for f in futs] == [[i, i + 1] for i in range(50)]
+
+
+def test_the_ray_watch_counts_every_ref_once_even_when_ready_or_unwatchable(ray_cluster):
+    """The Ray backend's watch (``ObjectRef._on_ready``, no polling): refs that exist
+    already fire at registration, once; a ref Ray cannot watch (Ray shut down) counts
+    as done rather than hanging the watch."""
+    import ray
+
+    from asyncrl.backends.ray import _Watch
+
+    fired: list[int] = []
+    all_fired = threading.Event()
+
+    def fire(tag: int) -> None:  # on Ray's thread, or inline at registration
+        fired.append(tag)
+        if len(fired) == 3:
+            all_fired.set()
+
+    _Watch([ray.put(1), ray.put(2)], lambda: fire(1))
+    _Watch([], lambda: fire(2))
+
+    class Unwatchable:
+        def _on_ready(self, _cb):
+            raise RuntimeError("Ray is shut down")
+
+    _Watch([ray.put(3), Unwatchable()], lambda: fire(3))
+    assert all_fired.wait(HANG)
+    assert sorted(fired) == [1, 2, 3]

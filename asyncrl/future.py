@@ -74,14 +74,15 @@ class _Call:
     __slots__ = (
         "_done_callbacks",
         "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
-        "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas",
+        "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested",
         "_producers", "_timer", "_fut", "_waits", "_left", "_error", "_completed", "_watching", "_failure", "_loop",
     )
 
     def __init__(self, site: _Site, backend: Backend, sequencer: "Sequencer", spec: "MethodSpec", world: "World",
                  ranks: Sequence[int], collect_index: Sequence[int], refs: list[Any], metas: list[Any] | None,
-                 entries: "Sequence[Entry]", timeout: float | None, producers: "Sequence[_Call]") -> None:
+                 entries: "Sequence[Entry]", timeout: float | None, producers: "Sequence[_Call]",
+                 pads: Sequence[int] | None = None) -> None:
         # Thousands of calls may be in flight at once, each holding its _Call: every
         # container here is one more object for the garbage collector's full passes to
         # walk (benchmarks/inflight.py), so the per-group parts (ranks, collect order)
@@ -108,6 +109,18 @@ class _Call:
         else:
             self.collect_refs = [refs[i] for i in collect_index]
             self.collect_metas = [metas[i] for i in collect_index] if metas is not None else None
+        # The collected positions whose (rows, padding) metadata the controller fetches to
+        # strip padding: a rank whose input the controller split itself with no padding rows
+        # (`pads`, per executing rank) returns none, so its metadata need not be awaited
+        # (the common case: none at all). Padding of pipelined inputs comes from their
+        # producer, unknown here: fetched. The metas stay in the call for pipelined
+        # consumers with another layout (C4), fetched or not.
+        self.fetch_metas: Sequence[int] = ()
+        if metas is not None:
+            if pads is None:
+                self.fetch_metas = range(len(collect_index))
+            elif any(pads[ranks[i]] for i in collect_index):
+                self.fetch_metas = tuple(j for j, i in enumerate(collect_index) if pads[ranks[i]])
         self.claims = 0  # tasks awaiting the call now
         self.consumers = 0  # issued calls that take this call's result as an argument
         self.cancel_requested = False
@@ -357,15 +370,16 @@ class _Call:
         positions = list(self.collect_index)
         collected = set(positions)
         others = [i for i in range(len(self.refs)) if i not in collected]
-        return positions + others + (positions if self.collect_metas is not None else [])
+        return positions + others + [positions[j] for j in self.fetch_metas]
 
     def _start_fetch(self) -> None:
         refs = self.collect_refs
         if len(self.collect_index) < len(self.refs):  # non-collecting ranks: their errors surface too
             collected = set(self.collect_index)
             refs = list(refs) + [self.refs[i] for i in range(len(self.refs)) if i not in collected]
-        if self.collect_metas is not None:
-            refs = list(refs) + list(self.collect_metas)
+        if self.fetch_metas:
+            metas = self.collect_metas
+            refs = list(refs) + [metas[j] for j in self.fetch_metas]  # type: ignore[index]
         waits = self._waits = self.backend.futures(refs)
         self._left = len(waits)
         for w in waits:
@@ -387,10 +401,11 @@ class _Call:
         self._waits = None
         try:
             got = [x.result() for x in waits]
-            n = len(self.collect_index)
-            values = got[:n]
-            if self.collect_metas is not None:
-                values = [B.strip_tail(v, pad) for v, (_, pad) in zip(values, got[len(got) - n:])]
+            values = got[:len(self.collect_index)]
+            if self.fetch_metas:
+                m = len(self.fetch_metas)
+                for j, (_, pad) in zip(self.fetch_metas, got[len(got) - m:]):
+                    values[j] = B.strip_tail(values[j], pad)
             value = self._collect(values)
         except BaseException as err:  # noqa: BLE001 - a collect function's error, handed to every awaiter
             self._finish(fut, error=err)
@@ -415,7 +430,8 @@ class _Call:
         now = time.monotonic()
         limits = [t for t in (None if timeout is None else now + timeout, self.deadline) if t is not None]
         until = min(limits) if limits else None
-        refs = self.refs + (self.collect_metas or [])
+        metas = self.collect_metas
+        refs = self.refs + [metas[j] for j in self.fetch_metas]  # type: ignore[index]
         outcomes = self.backend.get(refs, None if until is None else max(0.0, until - now))
         if outcomes is None:  # nothing failed, but not every rank finished in time
             if self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
@@ -430,19 +446,20 @@ class _Call:
         values = []
         for pos, (ok, value) in enumerate(outcomes):
             if not ok:
-                rank = self.ranks[pos] if pos < len(self.ranks) else self.ranks[self.collect_index[pos - len(self.ranks)]]
+                rank = (self.ranks[pos] if pos < len(self.ranks)
+                        else self.ranks[self.collect_index[self.fetch_metas[pos - len(self.ranks)]]])
                 raise self._error_of(value, rank)
             values.append(value)
         n = len(self.refs)
         payloads = [values[i] for i in self.collect_index]
-        if self.collect_metas is not None:
-            payloads = [B.strip_tail(v, pad) for v, (_, pad) in zip(payloads, values[n:])]
+        for j, (_, pad) in zip(self.fetch_metas, values[n:]):
+            payloads[j] = B.strip_tail(payloads[j], pad)
         return self._collect(payloads)
 
     async def stream(self) -> AsyncIterator[tuple[int, Any]]:
         async def one(i: int) -> tuple[int, Any]:
             value = await self._wait(self.collect_index[i], self.collect_refs[i])
-            if self.data_parallel:
+            if i in self.fetch_metas:
                 _, pad = await self._wait(self.collect_index[i], self.collect_metas[i])  # type: ignore[index]
                 value = B.strip_tail(value, pad)
             self.site.stats.results_fetched += 1

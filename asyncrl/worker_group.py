@@ -281,7 +281,8 @@ class WorkerGroup(AsyncResource, Generic[W]):
             _per_rank(ranks, sharded, keep))
         self.stats.calls += 1
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
-                     metas if mode.data_parallel else None, entries, timeout, producers_of(args, kwargs))
+                     metas if mode.data_parallel else None, entries, timeout, producers_of(args, kwargs),
+                     sharded.pad)
         return GroupFuture(call)
 
 

@@ -211,6 +211,11 @@ class Probe(Worker):
             raise KeyError(f"rank {rank} failed")
         return batch
 
+    @register(Dispatch.DP_COMPUTE)
+    def no_batch_on_rank(self, batch: TensorDict, rank: int) -> "TensorDict | int":
+        """A DP_COMPUTE method that breaks its contract on one rank (returns no batch)."""
+        return 7 if self.rank == rank else batch
+
     @register(concurrent=True)
     async def wait_forever(self, marker: str) -> None:
         """Sleeps until cancelled; records that it saw the cancellation."""

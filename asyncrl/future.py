@@ -72,7 +72,7 @@ class _Call:
     """One issued group call: the state its futures share (see the module docstring)."""
 
     __slots__ = (
-        "_done_callbacks",
+        "_done_callbacks", "done_at",
         "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested",
@@ -133,6 +133,7 @@ class _Call:
         self._failure: asyncio.Future[BaseException] | None = None
         self._error: BaseException | None = None
         self._completed = False
+        self.done_at: float | None = None  # time.perf_counter() when the controller learned the call is done
         self._watching = False
         # add_done_callback's: (its loop, callbacks), run on that loop
         self._done_callbacks: tuple[asyncio.AbstractEventLoop, list[Callable[[], None]]] | None = None
@@ -213,7 +214,12 @@ class _Call:
             return "done" if self._fut.exception() is None else f"failed ({type(self._fut.exception()).__name__})"
         return "completed" if self._completed else "pending"
 
+    def _mark_done_at(self) -> None:
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
+
     def _mark_completed(self) -> None:  # may run on a backend thread
+        self._mark_done_at()  # before `_completed`: whoever sees that also sees the time
         self._completed = True
         if self._done_callbacks is not None:
             self._done_soon()
@@ -225,6 +231,7 @@ class _Call:
         remote work through the one cancel path. Runs on the loop (or with no loop at all)."""
         if self.settled():
             return False
+        self._mark_done_at()
         self._error = error
         self._done_soon()
         if self._timer is not None:
@@ -294,8 +301,11 @@ class _Call:
     async def _check_deadline(self) -> None:
         if not self._completed:
             try:
-                self._completed = await self.backend.all_done(self.refs)
+                done = await self.backend.all_done(self.refs)
             except Exception:  # the backend is gone (Ray shut down): let the fetch report it
+                done = True
+            if done:
+                self._mark_done_at()
                 self._completed = True
         if not self._completed:
             self.fail(self._timeout_error(), cancel_remote=True, deadline=True)
@@ -333,6 +343,7 @@ class _Call:
         return self._failure
 
     def _finish(self, fut: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
+        self._mark_done_at()
         self._completed = True
         if self._timer is not None:
             self._timer.cancel()
@@ -442,6 +453,7 @@ class _Call:
                 # result()'s own limit is this waiter's: cancel only when nobody else waits
                 self.fail_from_thread(err, cancel_remote=self.claims == 0 and self.consumers == 0)
             raise err
+        self._mark_done_at()
         self._completed = True
         values = []
         for pos, (ok, value) in enumerate(outcomes):
@@ -580,6 +592,16 @@ class GroupFuture(Generic[T]):
         rank's task finishes, no polling); if the
         call is done already, `fn` is scheduled at once. Call it from the event loop."""
         self._call.add_done_callback(lambda: fn(self))
+
+    def done_time(self) -> float | None:
+        """When :meth:`done` turned true, as ``time.perf_counter()`` (the same clock as
+        ``time.monotonic()`` in any process of the machine, on Linux): the moment the
+        backend saw the last rank finish (Ray: on its own thread, as the task ended) or
+        the controller failed the call; None while not done. Like ``done()`` it starts
+        watching the ranks, fetches nothing and never blocks; unlike a done callback it
+        never wakes the event loop, so a tracer can read it later, at leisure."""
+        call = self._call
+        return call.done_at if call.is_done() else None
 
     def cancel(self) -> bool:
         """Cancel the call for every holder: its remote work on every rank that has not

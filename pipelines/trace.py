@@ -6,10 +6,11 @@ The controller records two kinds of spans:
   code, measured exactly;
 * **group spans** (``tracer.watch(future, stage="old_log_prob", step=3)``): a group
   call from the moment it was issued until every rank finished. The controller does
-  not await pipelined futures, so the span is closed by a done callback on the future
-  (``GroupFuture.add_done_callback``: the backend watches the ranks off the loop,
-  without fetching; Ray reports it as the last rank's task finishes, through a
-  completion callback on its own thread). Nothing polls, and no payload bytes move.
+  not await pipelined futures, so the span's end is the time the backend saw the last
+  rank finish (``GroupFuture.done_time()``: Ray records it on its own thread as the
+  task ends, without fetching). The tracer reads it later — at its next ``watch``,
+  when ``spans`` is read, at ``close`` — so tracing never wakes the event loop: no
+  callback, no polling, and no payload bytes move.
 
 Each group is a track (``pid`` = the group, ``tid`` = its ranks), so opening
 ``trace.json`` in https://ui.perfetto.dev shows rollout and training side by side.
@@ -48,11 +49,20 @@ class Tracer:
 
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.spans: list[Span] = []
+        self._spans: list[Span] = []
         self._t0 = time.perf_counter()
-        self._pending: dict[int, tuple[str, str, float, dict[str, Any]]] = {}  # watched calls not done yet
-        self._next = 0
+        self._pending: list[tuple[Any, str, str, float, dict[str, Any]]] = []  # watched calls not seen done yet
         self._closed = False
+
+    @property
+    def spans(self) -> list[Span]:
+        """The finished spans, a watched call's as soon as it is done."""
+        self._sweep()
+        return self._spans
+
+    @spans.setter
+    def spans(self, spans: list[Span]) -> None:
+        self._spans = spans
 
     def now(self) -> float:
         """Seconds since the tracer was created."""
@@ -74,32 +84,42 @@ class Tracer:
         try:
             yield
         finally:
-            self.spans.append(Span(name, track, start, self.now(), args))
+            self._spans.append(Span(name, track, start, self.now(), args))
 
     def watch(self, future: Any, stage: str, **args: Any) -> Any:
-        """Record a group call from now until it completes; returns `future` unchanged.
-        Call it from the event loop (the span ends in a done callback on that loop)."""
+        """Record a group call from now until it completes; returns `future` unchanged."""
         if self.enabled and not self._closed:
-            key, self._next = self._next, self._next + 1
-            self._pending[key] = (stage, f"{future.group}", self.now(), args)
+            self._sweep()
+            start = self.now()
             try:
-                future.add_done_callback(lambda _: self._ended(key))
+                future.done()  # starts the backend's watch of its ranks
             except Exception:  # a closed group: the call is over one way or another
-                self._ended(key)
+                self._spans.append(Span(stage, f"{future.group}", start, start, args))
+            else:
+                self._pending.append((future, stage, f"{future.group}", start, args))
         return future
 
-    def _ended(self, key: int) -> None:
-        entry = self._pending.pop(key, None)
-        if entry is not None:
-            stage, track, start, args = entry
-            self.spans.append(Span(stage, track, start, self.now(), args))
+    def _sweep(self) -> None:
+        """Close the spans of the watched calls that are done, at their done time."""
+        if not self._pending:
+            return
+        still = []
+        for entry in self._pending:
+            future, stage, track, start, args = entry
+            t = future.done_time()
+            if t is None:
+                still.append(entry)
+            else:
+                self._spans.append(Span(stage, track, start, max(start, t - self._t0), args))
+        self._pending = still
 
     def close(self) -> None:
         """Stop watching: pending calls are closed at the current time (``unfinished``)."""
+        self._sweep()
         t = self.now()
-        for stage, track, start, args in self._pending.values():
-            self.spans.append(Span(stage, track, start, t, {**args, "unfinished": True}))
-        self._pending = {}
+        for _, stage, track, start, args in self._pending:
+            self._spans.append(Span(stage, track, start, t, {**args, "unfinished": True}))
+        self._pending = []
         self._closed = True
 
     def to_chrome(self) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """`GroupFuture.add_done_callback`: a call's completion reported on the loop, without
-fetching its results (what the trainer's tracer ends its stage spans with)."""
+fetching its results, and `done_time()`, the moment it was seen (what the trainer's tracer
+ends its stage spans with)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import pytest_asyncio
@@ -155,3 +157,28 @@ def test_the_ray_watch_counts_every_ref_once_even_when_ready_or_unwatchable(ray_
     _Watch([ray.put(3), Unwatchable()], lambda: fire(3))
     assert all_fired.wait(HANG)
     assert sorted(fired) == [1, 2, 3]
+
+
+async def test_done_time_is_when_the_last_rank_finished_and_never_changes(wg):
+    first = wg.gather_at_barrier(2)  # pending until a second call arrives on each rank
+    assert first.done_time() is None  # starts watching; nothing is done yet
+    assert await wg.noop(1) == [1, 1]
+    assert first.done_time() is None
+    rec = Recorder()
+    first.add_done_callback(rec)
+    released = time.perf_counter()
+    second = wg.gather_at_barrier(2)  # first cannot finish before this call is issued
+    await rec.wait()
+    t = first.done_time()
+    assert t is not None and released <= t <= time.perf_counter()
+    assert await first == [2, 2] and await second == [2, 2]
+    assert first.done_time() == t  # fetching the results later does not move it
+
+
+async def test_done_time_of_a_call_failed_by_the_controller_is_when_it_failed(wg):
+    fut = wg.wait_forever("done-time")
+    assert fut.done_time() is None
+    before = time.perf_counter()
+    assert fut.cancel()
+    t = fut.done_time()
+    assert t is not None and before <= t <= time.perf_counter()

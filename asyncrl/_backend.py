@@ -24,7 +24,7 @@ from asyncrl.errors import (
     WorkerDiedError,
 )
 
-__all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "public_error"]
+__all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "InputFailed", "public_error"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,30 @@ class Failed(Exception):
         self.exc_type, self.message, self.remote_traceback = exc_type, message, remote_traceback
 
 
+class InputFailed(Exception):
+    """Internal: the backend failed a call before its host ran it, because a top-level
+    argument could not be read (lost, or not unpicklable on the worker); `outcome` is
+    what the argument's failure was, in this module's shapes (see asyncrl._deferred)."""
+
+    def __init__(self, outcome: BaseException) -> None:
+        super().__init__(str(outcome))
+        self.outcome = outcome
+
+
+def input_error(outcome: BaseException, *, group: str, method: str) -> RemoteError:
+    """The producer's side of an :class:`InputFailed`: its result `group.method` could
+    not be read by the consumer (named as the producer's error, as a nested input's is)."""
+    exc_type, message, tb = _parts(outcome)
+    return RemoteError(group, method, None, exc_type,
+                       f"its result could not be read by a consumer (lost, or not unpicklable there): {message}", tb)
+
+
+def _parts(outcome: BaseException) -> tuple[str, str, str]:
+    if isinstance(outcome, Failed):
+        return outcome.exc_type, outcome.message, outcome.remote_traceback
+    return f"{type(outcome).__module__}.{type(outcome).__qualname__}", str(outcome), ""
+
+
 def public_error(
     e: BaseException,
     *,
@@ -83,6 +107,10 @@ def public_error(
         return cancelled() if cancelled is not None else CallCancelledError(f"{group}.{method} was cancelled")
     if isinstance(e, Failed):
         return RemoteError(group, method, rank, e.exc_type, e.message, e.remote_traceback)
+    if isinstance(e, InputFailed):  # (a consumer's own future names its producer: asyncrl.future)
+        exc_type, message, tb = _parts(e.outcome)
+        return RemoteError(group, method, rank, exc_type,
+                           f"a top-level input could not be read (lost, or not unpicklable there): {message}", tb)
     import traceback
 
     return RemoteError(group, method, rank, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
@@ -104,6 +132,9 @@ class Backend(Protocol):
 
     name: str
     needs_pool: bool
+    top_level_inputs: bool
+    """Whether :meth:`submit` takes a payload's ``top`` refs as top-level arguments of the
+    host's call (see asyncrl._deferred); otherwise every pipelined input stays nested."""
 
     async def start(self) -> "Backend":
         """Make the backend usable (Ray: start or connect, off the event loop); returns itself."""

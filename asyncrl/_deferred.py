@@ -3,6 +3,35 @@
 When a :class:`~asyncrl.GroupFuture` is passed into another group's call, the
 controller sends a small descriptor holding the producer's per-rank ObjectRefs; the
 worker that receives it fetches what it needs straight from the object store.
+
+Two ways to send a pipelined input:
+
+* *nested* (:class:`DeferredShard`, :class:`DeferredValue`): the refs ride inside the
+  call's pickled :class:`~asyncrl._host.Payload`; the host fetches them itself, through
+  their owner (the controller), while the call waits for its turn. Any producer outcome
+  (a value, the producer's error, a dead producer, a lost object) reaches the host
+  method, which names the producer in an :class:`~asyncrl.UpstreamError` and releases
+  the call's number.
+* *top level* (:class:`TopShard`): on the Ray backend, a matched-layout shard (consumer
+  rank r reads exactly producer rank r's output) of a producer the controller **knows
+  finished successfully** goes as two top-level Ray arguments of the host's call (the
+  shard and its ``(rows, pad)`` metadata); the payload holds only their indices. Ray
+  resolves top-level arguments itself (a small finished value is inlined into the task,
+  a larger one is read from the local object store before the task starts): the
+  ``.remote()`` takes Ray's fast path (no nested refs to account for) and the host needs
+  no fetch and no hand-off to its event loop.
+
+Why only known-finished producers: Ray fails a task whose top-level argument is an
+error *before* the host method runs, so the host would never see the call's sequence
+number and every later ordered call on that process would wait for it (a lane gap).
+What the controller knows (see ``_Call.ok`` in :mod:`asyncrl.future`): a call it
+awaited successfully, or one all of whose collected results were read by a consumer
+call that then succeeded. Such an input can still fail before the host runs when its
+object is lost after it was read (its node died), or when it cannot be unpickled on the
+consumer's worker; the Ray backend observes every call sent with top-level inputs and
+releases the number of one that failed so (the one cancel message, case 4 of
+:mod:`asyncrl._sequencer`), and the call's future fails with an ``UpstreamError``
+naming the producer.
 """
 
 from __future__ import annotations
@@ -41,6 +70,27 @@ class DeferredValue:
 
 
 @dataclass(frozen=True)
+class TopShard:
+    """A matched-layout shard passed as top-level Ray arguments (see the module docstring).
+
+    `value` and `meta` are indices into the call's top-level arguments: the producer
+    rank's output and its ``(rows, pad)``. Resolved by :func:`take_top`, without awaiting.
+    """
+
+    group: str
+    method: str
+    select: tuple[str, ...] | None
+    value: int
+    meta: int
+
+
+def take_top(x: TopShard, top: Sequence[Any]) -> tuple[Any, int]:
+    """A :class:`TopShard`'s ``(shard, trailing padding rows in it)`` from the call's
+    top-level arguments (already resolved by Ray)."""
+    return _select(top[x.value], x.select, x), int(top[x.meta][1])
+
+
+@dataclass(frozen=True)
 class DeferredShard:
     """Resolves to shard `index` of `count` of a data-parallel producer's batch.
 
@@ -71,7 +121,7 @@ def _named(s: Source, wait: Awaiter) -> Awaiter:
     return named_wait
 
 
-def _select(value: Any, fields: tuple[str, ...] | None, source: Source) -> Any:
+def _select(value: Any, fields: tuple[str, ...] | None, source: "Source | TopShard") -> Any:
     if fields is None:
         return value
     from tensordict import TensorDictBase

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
-from asyncrl._deferred import DeferredShard, DeferredValue, resolve_args
+from asyncrl._deferred import DeferredShard, DeferredValue, TopShard, resolve_args, take_top
 from asyncrl._sequencer import CallCancelled, Lane, LoopCall, ThreadLane
 from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
@@ -56,13 +56,16 @@ class Payload:
     the call's number (case 3 of :mod:`asyncrl._sequencer`).
     """
 
-    __slots__ = ("args", "kwargs", "error")
+    __slots__ = ("args", "kwargs", "error", "top")
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 error: tuple[str, str, str] | None = None) -> None:
+                 error: tuple[str, str, str] | None = None, top: list[Any] | None = None) -> None:
         self.args = args
         self.kwargs = kwargs
         self.error = error
+        self.top = top
+        """Refs sent as top-level arguments of the host's call (the :class:`TopShard`
+        placeholders in `args`/`kwargs` index them); not part of the pickled payload."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         data, buffers = _inner_pickler().dumps((self.args, self.kwargs))
@@ -370,9 +373,10 @@ class WorkerHost(_HostBase):
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
+        top: tuple[Any, ...] = (),
     ) -> Any:
         """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
-        ``(result, (rows, trailing padding rows))``."""
+        ``(result, (rows, trailing padding rows))``. `top`: the call's top-level inputs."""
         group, rank = self._identity(role)
         lane = self._lane
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
@@ -380,15 +384,16 @@ class WorkerHost(_HostBase):
         try:
             payload = arrived(payload)
             spec, mspec = self._lookup(role, method, payload)
-            if has_deferred(payload.args, payload.kwargs):  # pipelined inputs: fetch them while waiting our turn
-                resolving = asyncio.ensure_future(_resolve(spec, method, payload.args, payload.kwargs, self._wait))
+            args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
+            if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
+                resolving = asyncio.ensure_future(_resolve(spec, method, args1, kwargs1, self._wait))
             if seq is not None:
                 await lane.turn(ticket)
             if resolving is None:
-                args2, kwargs2, pipe_pad = payload.args, payload.kwargs, None
+                args2, kwargs2, pipe_pad = args1, kwargs1, None
             else:
                 args2, kwargs2, pipe_pad = await resolving
-            pad = in_pad if in_pad is not None else (pipe_pad or 0)
+            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad)
             fn = getattr(self._workers[role], method)
             try:
                 if mspec.is_async:
@@ -406,10 +411,11 @@ class WorkerHost(_HostBase):
                 resolving.cancel()
             lane.leave(ticket)
 
-    async def call_packed(self, packed: list[Any]) -> Any:
-        """:meth:`call` with its arguments in one tuple: the Ray backend's entry point
-        (one argument for Ray to serialize and deserialize per call, not eight)."""
-        return await self.call(*packed)
+    async def call_packed(self, packed: list[Any], *top: Any) -> Any:
+        """:meth:`call` with its arguments in one list: the Ray backend's entry point
+        (one argument for Ray to serialize and deserialize per call, not eight), then the
+        call's top-level inputs, resolved by Ray."""
+        return await self.call(*packed, top=top)
 
     async def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the thread."""
@@ -471,9 +477,11 @@ class ThreadedHost(_HostBase):
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
+        top: tuple[Any, ...] = (),
     ) -> Any:
         """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
-        With `want_meta` returns ``(result, (rows, trailing padding rows))``."""
+        With `want_meta` returns ``(result, (rows, trailing padding rows))``. `top`: the
+        call's top-level inputs (resolved by Ray: no hand-off to the host's loop for them)."""
         group, rank = self._identity(role)
         lane: ThreadLane = self._lane  # type: ignore[assignment]
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
@@ -481,16 +489,17 @@ class ThreadedHost(_HostBase):
         try:
             payload = arrived(payload)
             spec, mspec = self._lookup(role, method, payload)
-            if has_deferred(payload.args, payload.kwargs):  # pipelined inputs: fetch them while waiting our turn
+            args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
+            if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
                 resolving = lane.start_on_loop(
-                    ticket, _resolve(spec, method, payload.args, payload.kwargs, self._wait), self._event_loop())
+                    ticket, _resolve(spec, method, args1, kwargs1, self._wait), self._event_loop())
             if seq is not None:
                 lane.wait_turn(ticket)
             if resolving is None:
-                args2, kwargs2, pipe_pad = payload.args, payload.kwargs, None
+                args2, kwargs2, pipe_pad = args1, kwargs1, None
             else:
                 args2, kwargs2, pipe_pad = lane.wait_loop(resolving)
-            pad = in_pad if in_pad is not None else (pipe_pad or 0)
+            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad)
             fn = getattr(self._workers[role], method)
             try:
                 if mspec.is_async:
@@ -508,9 +517,9 @@ class ThreadedHost(_HostBase):
                 resolving.cancel()
             lane.leave(ticket)
 
-    def call_packed(self, packed: list[Any]) -> Any:
-        """:meth:`call` with its arguments in one tuple: the Ray backend's entry point."""
-        return self.call(*packed)
+    def call_packed(self, packed: list[Any], *top: Any) -> Any:
+        """:meth:`call` with its arguments in one list, then its top-level inputs: the Ray backend's entry point."""
+        return self.call(*packed, top=top)
 
     def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the threads."""
@@ -531,6 +540,56 @@ async def _resolve(spec: RoleSpec, method: str, args: Any, kwargs: Any,
                           str(e), traceback.format_exc(), cause=e) from None
     except AsyncRLError as e:  # a producer's failure, already named by resolve_args
         raise UpstreamError(spec.group, method, spec.context.rank, upstream=e) from None
+
+
+def _take_top(spec: RoleSpec, method: str, payload: Payload,
+              top: tuple[Any, ...]) -> tuple[Any, Any, int | None]:
+    """The call's arguments with its :class:`TopShard` inputs replaced by their values
+    (at the levels :func:`has_deferred` looks at); also the padding they report."""
+    if not top:
+        return payload.args, payload.kwargs, None
+    pads: list[int] = []
+
+    def one(x: Any) -> Any:
+        if isinstance(x, TopShard):
+            value, pad = take_top(x, top)
+            pads.append(pad)
+            return value
+        return x
+
+    def arg(x: Any) -> Any:
+        if isinstance(x, list) and any(isinstance(i, TopShard) for i in x):
+            return [one(i) for i in x]
+        if isinstance(x, dict) and any(isinstance(i, TopShard) for i in x.values()):
+            return {k: one(v) for k, v in x.items()}
+        return one(x)
+
+    try:
+        args = [arg(a) for a in payload.args]
+        kwargs = {k: arg(v) for k, v in payload.kwargs.items()}
+        return args, kwargs, _one_pad(pads)
+    except DispatchError as e:  # a field selection the producer's result lacks
+        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                          str(e), traceback.format_exc(), cause=e) from None
+
+
+def _one_pad(pads: list[int]) -> int | None:
+    if not pads:
+        return None
+    if len(set(pads)) != 1:
+        raise DispatchError(f"pipelined inputs disagree on padding ({pads}); pass futures of the same batch to one call")
+    return pads[0]
+
+
+def _input_pad(spec: RoleSpec, method: str, top_pad: int | None, pipe_pad: int | None) -> int:
+    """The input padding reported by the call's pipelined inputs, top-level and nested."""
+    if top_pad is None or pipe_pad is None:
+        return (top_pad if pipe_pad is None else pipe_pad) or 0
+    try:
+        return _one_pad([top_pad, pipe_pad]) or 0
+    except DispatchError as e:
+        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError", str(e), "",
+                          cause=e) from None
 
 
 class OrderedThread:

@@ -86,12 +86,15 @@ class WorkerDiedError(AsyncRLError, RuntimeError):
     """Raised when the worker process running a call died (killed, crashed, out of memory)."""
 
     def __init__(self, group: str, method: str, rank: int | None, detail: str = "") -> None:
-        self.group, self.method, self.rank = group, method, rank
+        self.group, self.method, self.rank, self.detail = group, method, rank, detail
         super().__init__(
             f"worker rank {rank} of group {group!r} died while running {method!r}"
             + (f": {detail}" if detail else "")
             + "; the group is now broken. Close it and create a new one (or give it a restart policy)."
         )
+
+    def __reduce__(self):  # pickled inside an UpstreamError from a worker: rebuild it from its parts
+        return (type(self), (self.group, self.method, self.rank, self.detail))
 
 
 class GroupClosedError(AsyncRLError, RuntimeError):

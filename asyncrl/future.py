@@ -33,13 +33,14 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generator, Generic, Protocol, Sequence, TypeVar
 
 from asyncrl import batch as B
-from asyncrl._backend import Backend, public_error
+from asyncrl._backend import Backend, InputFailed, input_error, public_error
 from asyncrl._deferred import Source
 from asyncrl.register import Execute
 from asyncrl.errors import (
     CallCancelledError,
     CallTimeoutError,
     GroupClosedError,
+    UpstreamError,
     WorkerDiedError,
 )
 
@@ -75,7 +76,7 @@ class _Call:
         "_done_callbacks", "done_at",
         "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
-        "timeout", "deadline", "claims", "consumers", "cancel_requested",
+        "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_timer", "_fut", "_waits", "_left", "_error", "_completed", "_watching", "_failure", "_loop",
     )
 
@@ -124,6 +125,13 @@ class _Call:
         self.claims = 0  # tasks awaiting the call now
         self.consumers = 0  # issued calls that take this call's result as an argument
         self.cancel_requested = False
+        self.ok = False
+        """Known to have finished successfully: every collected result (and its padding
+        metadata) was read without error, by this controller's await or by a consumer
+        call that then succeeded (`reads`). Only such a call's results are passed
+        top-level into later calls (asyncrl._deferred says why). Never set on failure."""
+        self.reads: "tuple[_Call, ...]" = ()  # producers whose every collected result this call reads
+        self.top_from: tuple[tuple[str, str], ...] | None = None  # (group, method) of its top-level inputs' producers
         self._producers = producers
         for p in producers:
             p.consumers += 1
@@ -279,6 +287,14 @@ class _Call:
         producers, self._producers = self._producers, ()
         for p in producers:
             p.consumers -= 1
+        self.reads = ()
+
+    def _succeeded(self) -> None:
+        """Every result was read without error: this call, and the producers whose every
+        result it read, finished successfully (see `ok`)."""
+        self.ok = True
+        for p in self.reads:
+            p.ok = True
 
     def _timeout_error(self, waited: float | None = None) -> CallTimeoutError:
         t = self.timeout if waited is None else waited
@@ -352,11 +368,18 @@ class _Call:
             if error is not None:
                 fut.set_exception(error)
             else:
+                self._succeeded()
                 fut.set_result(value)
         self._release_producers()
 
     def _error_of(self, e: BaseException, rank: int | None) -> BaseException:
         """The one translation of a backend outcome for this call (see asyncrl._backend)."""
+        if isinstance(e, InputFailed) and self.top_from:  # Ray failed it before its host ran: an input's fault
+            (group, method), *more = self.top_from
+            if more:  # Ray does not say which argument: name every producer passed top-level
+                group = " / ".join(g for g, _ in self.top_from)
+                method = " / ".join(m for _, m in self.top_from)
+            return UpstreamError(self.group, self.method, rank, input_error(e.outcome, group=group, method=method))
         err = public_error(e, group=self.group, method=self.method, rank=rank, closed=self.site.closed)
         if isinstance(err, WorkerDiedError):
             self.site._mark_broken(rank, str(e))
@@ -466,7 +489,9 @@ class _Call:
         payloads = [values[i] for i in self.collect_index]
         for j, (_, pad) in zip(self.fetch_metas, values[n:]):
             payloads[j] = B.strip_tail(payloads[j], pad)
-        return self._collect(payloads)
+        value = self._collect(payloads)
+        self._succeeded()  # (from the caller's thread: plain flags, read later by issuing calls)
+        return value
 
     async def stream(self) -> AsyncIterator[tuple[int, Any]]:
         async def one(i: int) -> tuple[int, Any]:

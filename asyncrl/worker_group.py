@@ -20,7 +20,7 @@ import structlog
 
 from asyncrl import backends
 from asyncrl._backend import BackendSpec
-from asyncrl._deferred import DeferredValue
+from asyncrl._deferred import DeferredShard, DeferredValue, TopShard
 from asyncrl._host import Payload
 from asyncrl.dispatch import Sharded, World
 from asyncrl.errors import (
@@ -276,13 +276,17 @@ class WorkerGroup(AsyncResource, Generic[W]):
                                 f"a group of {n} workers needs one entry per rank")
         ranks, order, keep = self._layout(spec, world)
         hs = self._hostset
+        producers = producers_of(args, kwargs)
+        inputs = _Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs) if producers else None
         refs, metas, entries = hs.sequencer.submit(
             self._role, spec.name, spec.mode is Mode.ORDERED, mode.data_parallel,
-            _per_rank(ranks, sharded, keep))
+            _per_rank(ranks, sharded, keep, inputs))
         self.stats.calls += 1
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
-                     metas if mode.data_parallel else None, entries, timeout, producers_of(args, kwargs),
-                     sharded.pad)
+                     metas if mode.data_parallel else None, entries, timeout, producers, sharded.pad)
+        if inputs is not None:
+            call.reads = inputs.fully_read()
+            call.top_from = tuple(inputs.top_from) or None
         return GroupFuture(call)
 
 
@@ -301,14 +305,73 @@ def _layout(spec: MethodSpec, world: World) -> tuple[tuple[int, ...], tuple[int,
     return ranks, order, keep
 
 
-def _per_rank(ranks: Sequence[int], sharded: Sharded, keep: list[bool]) -> Iterator[tuple[int, Payload, int | None, bool]]:
+class _Inputs:
+    """The pipelined inputs of one call, as its ranks' payloads are built: which of them
+    go top-level (see asyncrl._deferred), and which producers' results every executing
+    rank together reads whole (a producer whose results a successful call read is known
+    to have finished successfully: ``_Call.ok``)."""
+
+    __slots__ = ("producers", "ok", "top", "read", "top_from")
+
+    def __init__(self, producers: "Sequence[Any]", top: bool) -> None:
+        self.producers = producers
+        # The producers known to have finished successfully, by their collected refs (the
+        # same ref objects a Source holds): only their matched shards may go top-level.
+        self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
+        self.top = top
+        self.read: set[int] = set()
+        self.top_from: dict[tuple[str, str], None] = {}
+
+    def rank_args(self, x: Any, top: list[Any]) -> Any:
+        """One rank's argument (or an item of a list argument): a matched shard of a
+        known-ok producer becomes a :class:`TopShard` whose refs are appended to `top`."""
+        if isinstance(x, DeferredShard):
+            s = x.source
+            if x.count == len(s.refs) or not s.data_parallel:
+                self.read.update(map(id, s.refs))  # matched (rank r reads producer rank r), or the whole value
+            if s.metas is not None:
+                self.read.update(map(id, s.metas))
+            if (self.ok and x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
+                    and id(s.refs[0]) in self.ok):
+                self.top_from[(s.group, s.method)] = None
+                top.extend((s.refs[0], s.metas[0]))
+                return TopShard(s.group, s.method, s.select, len(top) - 2, len(top) - 1)
+        elif isinstance(x, DeferredValue):
+            s = x.source
+            self.read.update(map(id, s.refs))
+            if s.metas is not None:
+                self.read.update(map(id, s.metas))
+        return x
+
+    def fully_read(self) -> tuple[Any, ...]:
+        """The producers (not yet known ok) whose every collected result (and padding
+        metadata) some executing rank of this call reads."""
+        read = self.read
+        return tuple(p for p in self.producers if not p.ok
+                     and all(id(r) in read for r in p.collect_refs)
+                     and (p.collect_metas is None or all(id(m) in read for m in p.collect_metas)))
+
+
+def _per_rank(ranks: Sequence[int], sharded: Sharded, keep: list[bool],
+              inputs: _Inputs | None = None) -> Iterator[tuple[int, Payload, int | None, bool]]:
     """Each executing rank's ``(rank, arguments, input padding, keep result)``, built as
     the sequencer submits them (an error here is covered by its submit-or-release)."""
     pads = sharded.pad
     for r in ranks:
         a = tuple(_defer(x[r]) for x in sharded.args)
         k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
-        yield r, Payload(a, k), (pads[r] if pads is not None else None), keep[r]
+        top: list[Any] | None = None
+        if inputs is not None:
+            top = []
+            a = tuple(_each(inputs, x, top) for x in a)
+            k = {key: _each(inputs, v, top) for key, v in k.items()}
+        yield r, Payload(a, k, top=top or None), (pads[r] if pads is not None else None), keep[r]
+
+
+def _each(inputs: _Inputs, x: Any, top: list[Any]) -> Any:
+    if isinstance(x, list):
+        return [inputs.rank_args(i, top) for i in x]
+    return inputs.rank_args(x, top)
 
 
 def _defer(x: Any) -> Any:

@@ -38,6 +38,7 @@ class LocalBackend:
 
     name = "local"
     needs_pool = False
+    top_level_inputs = False  # in process there is no argument path to save: every pipelined input stays nested
 
     async def start(self) -> "LocalBackend":
         return self

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import ray
+import structlog
 from ray.exceptions import (
     ActorDiedError,
     ActorUnavailableError,
@@ -26,7 +27,7 @@ from ray.exceptions import (
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from asyncrl._backend import Cancelled, Died, Failed, Slot
+from asyncrl._backend import Cancelled, Died, Failed, InputFailed, Slot
 from asyncrl._host import ThreadedHost, WorkerHost
 from asyncrl._sequencer import CallCancelled
 from asyncrl.errors import AsyncRLError, PlacementError
@@ -38,6 +39,24 @@ group); more wait in Ray's queue, in submission order."""
 
 _DEATH = (ActorDiedError, ActorUnavailableError, RayActorError, OwnerDiedError, ObjectLostError)
 
+log = structlog.get_logger("asyncrl")
+
+
+def _input_failed(e: BaseException) -> bool:
+    """Whether `e` (a call's outcome) says Ray failed the task before running it because
+    a top-level argument could not be read: Ray raises it from
+    ``ray._raylet.raise_if_dependency_failed`` (in the task's traceback), and its cause
+    is a Ray error (ObjectLostError, RaySystemError for an argument that failed to
+    unpickle, a dead producer's ActorDiedError). The host itself only ever fails a call
+    with an asyncrl error or a cancellation."""
+    if not isinstance(e, RayTaskError):
+        return False
+    if "raise_if_dependency_failed" in (getattr(e, "traceback_str", "") or ""):
+        return True
+    cause = getattr(e, "cause", None)
+    return isinstance(cause, RayError) and not isinstance(cause, (TaskCancelledError, ActorDiedError,
+                                                                     ActorUnavailableError, RayActorError))
+
 
 def _translate(e: BaseException) -> BaseException:
     """A Ray error as one of the internal outcomes of :mod:`asyncrl._backend` (or the
@@ -46,6 +65,11 @@ def _translate(e: BaseException) -> BaseException:
         return Cancelled(str(e))
     if isinstance(e, RayTaskError):
         cause = getattr(e, "cause", None)
+        if _input_failed(e):
+            inner = _translate(cause) if cause is not None else Failed("ray.exceptions.RayTaskError", str(e), "")
+            if isinstance(inner, Failed) and not inner.remote_traceback:
+                inner = Failed(inner.exc_type, inner.message, str(e))
+            return InputFailed(inner)
         if isinstance(cause, AsyncRLError):
             return cause
         if isinstance(cause, (TaskCancelledError, asyncio.CancelledError, CallCancelled)):
@@ -226,8 +250,8 @@ class _ThreadedWorkerHost(ThreadedHost):
     the submission order when it dispatches the calls (case 12 of :mod:`asyncrl._sequencer`)."""
 
     @ray.method(concurrency_group="calls")
-    def call_packed(self, packed: list[Any]) -> Any:
-        return self.call(*packed)
+    def call_packed(self, packed: list[Any], *top: Any) -> Any:
+        return self.call(*packed, top=top)
 
     @ray.method(concurrency_group="control")
     def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
@@ -245,6 +269,7 @@ class RayBackend:
 
     name = "ray"
     needs_pool = True
+    top_level_inputs = True
 
     def __init__(self) -> None:
         # Local wrappers: need no running Ray.
@@ -293,13 +318,54 @@ class RayBackend:
         # pickles anything else (a tuple too), so a call whose arguments are plain scalars
         # (Payload.wire) crosses without pickling on either side.
         packed = [role, method, seq, call_id, payload.wire(), in_pad, want_meta, keep]
+        top = payload.top
         if want_meta:
             call2 = self._call2.get(id(host))
             if call2 is None:  # .options() builds a new method object: once per host, not per call
                 call2 = self._call2[id(host)] = host.call_packed.options(num_returns=2)
-            ref, meta = call2.remote(packed)
+            if top:
+                ref, meta = call2.remote(packed, *top)
+                self._observe(meta, host, call_id, seq)
+            else:
+                ref, meta = call2.remote(packed)
             return ref, meta
+        if top:
+            ref = host.call_packed.remote(packed, *top)
+            self._observe(ref, host, call_id, seq)
+            return ref, None
         return host.call_packed.remote(packed), None
+
+    def _observe(self, ref: Any, host: Any, call_id: int, seq: int | None) -> None:
+        """Watch a call sent with top-level inputs: if Ray fails it before its host runs
+        it (an input lost, or not unpicklable there: see asyncrl._deferred), the host
+        never saw its number, so release it with the one cancel message (case 4 of
+        asyncrl._sequencer; idempotent). `ref` is the call's metadata ref (a few bytes);
+        Ray calls back on its own thread; nothing runs on the loop unless it failed so."""
+        if seq is None:
+            return  # a concurrent call holds no number
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # issued from a thread without a loop
+            loop = None
+        ref._on_completed(functools.partial(self._observed, loop, host, call_id, seq))
+
+    def _observed(self, loop: asyncio.AbstractEventLoop | None, host: Any, call_id: int, seq: int,
+                  result: Any) -> None:  # on Ray's thread
+        if not _input_failed(result):
+            return
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._release, host, call_id, seq)
+                return
+            except RuntimeError:  # that loop is closed
+                pass
+        threading.Thread(target=self._release, args=(host, call_id, seq), daemon=True).start()
+
+    def _release(self, host: Any, call_id: int, seq: int) -> None:
+        try:
+            self.cancel_calls(host, [(call_id, seq)], False)
+        except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
+            log.warning("release.unsent", call_id=call_id, error=repr(e))
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
         host.cancel_calls.remote(entries, deadline)

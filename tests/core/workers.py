@@ -37,6 +37,26 @@ SHORT_PAD = Dispatch.custom("short_pad", _short_pad_dispatch, _sum_collect)
 register_dispatch_mode(Dispatch.custom("named_repeat_pair", _repeat_dispatch, _sum_collect), replace=True)
 
 
+FRAGILE_ENV = "ASYNCRL_TEST_FRAGILE"
+
+
+def _fragile(value: int) -> "Fragile":
+    if os.environ.get(FRAGILE_ENV):
+        raise RuntimeError(f"Fragile({value}) cannot be unpickled in this process ({FRAGILE_ENV} is set)")
+    return Fragile(value)
+
+
+class Fragile:
+    """A value that cannot be unpickled in a process whose environment sets FRAGILE_ENV
+    (as a class missing on one worker's PYTHONPATH would be)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        return (_fragile, (self.value,))
+
+
 class Probe(Worker):
     """Exercises every dispatch mode; records the environment its constructor saw."""
 
@@ -84,6 +104,20 @@ class Probe(Worker):
     @register(Dispatch.DP_COMPUTE)
     def inc(self, batch: TensorDict) -> TensorDict:
         return TensorDict({"y": batch["y"] + 1}, batch_size=batch.batch_size)
+
+    @register(Dispatch.DP_COMPUTE)
+    def log_rows(self, batch: TensorDict) -> TensorDict:
+        """Ordered, data-parallel: logs its shard's y values, returns y + 1."""
+        self.log.extend(int(v) for v in batch["y"])
+        return TensorDict({"y": batch["y"] + 1}, batch_size=batch.batch_size)
+
+    @register(Dispatch.DP_COMPUTE)
+    def fragile(self, xs: list) -> list:
+        return [Fragile(int(x)) for x in xs]
+
+    @register(Dispatch.DP_COMPUTE)
+    def unwrap(self, xs: list) -> list:
+        return [x.value for x in xs]
 
     @register(Dispatch.DP_COMPUTE)
     def square_list(self, xs: list, offset: int = 0) -> list:

@@ -1,0 +1,211 @@
+"""Pipelined inputs passed as top-level Ray arguments (asyncrl._deferred): only the
+matched shards of producers the controller knows finished successfully, and what a
+user sees when such an input still fails before the consumer's host runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import pytest_asyncio
+import torch
+from tensordict import TensorDict
+
+from asyncrl import CallCancelledError, CallTimeoutError, RemoteError, UpstreamError, WorkerDiedError
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
+from tests.core.workers import FRAGILE_ENV, Probe
+
+RAY_KINDS = ["ray", "ray-threaded"]
+
+
+def batch(n: int) -> TensorDict:
+    td = TensorDict({"x": torch.arange(n)}, batch_size=[n])
+    td["prompt"] = [f"p{i}" for i in range(n)]
+    return td
+
+
+def top_from(fut) -> tuple | None:
+    """The producers whose results `fut`'s call received as top-level arguments."""
+    return fut._call.top_from
+
+
+async def until(predicate, deadline: float = 30.0) -> None:
+    """Poll a remote condition that cannot be awaited directly, with a deadline."""
+    async with asyncio.timeout(deadline):
+        while not await predicate():
+            await asyncio.sleep(0.02)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
+async def groups(request, ray_cluster):
+    """A group of 4 and a group of 2 on one backend (matched and mismatched layouts)."""
+    G = kinds.group_class(request.param)
+    four, two = G(Probe, world_size=4, name="four"), G(Probe, world_size=2, name="two")
+    with kinds.forced(request.param):
+        await asyncio.gather(four.setup(), two.setup())
+    try:
+        yield four, two
+    finally:
+        await four.close()
+        await two.close()
+
+
+def expect_top(g, fut, producer: tuple[str, str]) -> None:
+    """`fut` got its input top-level on the Ray backend; the local backend keeps it nested."""
+    want = (producer,) if g._hostset.backend.name == "ray" else None
+    assert top_from(fut) == want
+
+
+@pytest.mark.parametrize("n", [3, 5, 8])
+async def test_a_finished_future_goes_top_level_with_its_padding_and_selection(groups, n):
+    four, _ = groups
+    produced = four.tag(batch(n))
+    await produced
+    whole, selected = four.inc(produced), four.inc(produced.select("y"))
+    expect_top(four, whole, ("four", "tag"))
+    expect_top(four, selected, ("four", "tag"))
+    want = [2 * i + 1 for i in range(n)]  # padding rows (n = 3, 5) stripped by the producer's meta
+    assert (await whole)["y"].tolist() == want
+    assert (await selected)["y"].tolist() == want
+    nested = four.inc(four.tag(batch(n)))  # not known to have finished: stays nested
+    assert top_from(nested) is None
+    assert (await nested)["y"].tolist() == want
+
+
+async def test_a_missing_selected_field_is_named_on_the_top_level_path(groups):
+    four, _ = groups
+    produced = four.tag(batch(4))
+    await produced
+    with pytest.raises(RemoteError, match=r"four.tag has no field\(s\) \['nope'\]") as info:
+        await four.inc(produced.select("nope"))
+    assert (info.value.group, info.value.method, info.value.exc_type) == ("four", "inc", "asyncrl.errors.DispatchError")
+
+
+async def test_known_ok_is_exact(groups):
+    four, two = groups
+    b = batch(8)
+    # Never awaited, never read: not known ok, even once it has finished.
+    unread = four.tag(b)
+    assert top_from(four.inc(unread)) is None
+    # A consumer that read every result and succeeded marks its producer ok.
+    read = four.tag(b)
+    assert (await four.inc(read))["y"].tolist() == [2 * i + 1 for i in range(8)]
+    assert read._call.ok
+    expect_top(four, four.inc(read), ("four", "tag"))
+    # A consumer that failed marks nothing.
+    failed_reader = four.tag(b)
+    with pytest.raises(RemoteError, match="rank 1 failed"):
+        await four.boom_on_rank(failed_reader, 1)
+    assert not failed_reader._call.ok
+    # A consumer that read only some results (4 -> 2: each rank fetches the shards it
+    # overlaps) marks nothing, though it succeeded.
+    partly = four.tag(b)
+    assert (await two.inc(partly))["y"].tolist() == [2 * i + 1 for i in range(8)]
+    assert not partly._call.ok
+    assert top_from(four.inc(partly)) is None
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_a_failed_producer_is_never_passed_top_level(ray_cluster, kind):
+    async with kinds.group(kind, Probe, world_size=2, name="fails") as g:
+        b = batch(4)
+        b["y"] = b["x"] * 10
+        failed = g.boom_on_rank(b, 1)  # rank 0 returns its rows as they are
+        with pytest.raises(RemoteError, match="rank 1 failed"):
+            await failed
+        assert not failed._call.ok
+        consumer = g.log_rows(failed)
+        assert top_from(consumer) is None
+        with pytest.raises(UpstreamError) as info:
+            await consumer
+        e = info.value
+        assert (e.group, e.method) == ("fails", "log_rows")
+        assert (e.upstream.group, e.upstream.method, e.upstream.rank) == ("fails", "boom_on_rank", 1)
+        assert await g.record(3) == [3, 3]  # the lanes kept their order: the next ordered call runs
+        assert await g.get_log() == [[0, 10, 3], [3]]  # rank 0's input was fine
+
+
+@pytest.mark.parametrize("kind", RAY_KINDS)
+async def test_an_input_the_consumer_cannot_unpickle_releases_its_lane(ray_cluster, kind):
+    """Ray fails such a call before the host runs it: the backend's observer releases its
+    number even though nobody awaits the call, and its future names the producer."""
+    async with kinds.group(kind, Probe, world_size=1, name="maker") as maker, \
+            kinds.group(kind, Probe, world_size=1, name="taker", env={FRAGILE_ENV: "1"}) as taker:
+        made = maker.fragile([1, 2, 3])
+        assert [x.value for x in await made] == [1, 2, 3]  # this process can unpickle it
+        top = taker.unwrap(made)
+        assert top_from(top) == (("maker", "fragile"),)
+        assert await taker.record(7) == [7]  # not awaited, yet its number was released
+        with pytest.raises(UpstreamError, match="cannot be unpickled") as info:
+            await top
+        e = info.value
+        assert (e.group, e.method, e.rank) == ("taker", "unwrap", 0)
+        assert isinstance(e.upstream, RemoteError)
+        assert (e.upstream.group, e.upstream.method) == ("maker", "fragile")
+        assert e.upstream.exc_type == "ray.exceptions.RaySystemError"
+        # The same input nested (its producer not known ok): the host reports it.
+        nested = taker.unwrap(maker.fragile([4]))
+        assert top_from(nested) is None
+        assert await taker.record(8) == [8]
+        with pytest.raises(UpstreamError, match="cannot be unpickled") as info:
+            await nested
+        assert (info.value.upstream.group, info.value.upstream.method) == ("maker", "fragile")
+        assert await taker.get_log() == [[7, 8]]
+        assert not taker.broken
+
+
+@pytest.mark.parametrize("kind", RAY_KINDS)
+async def test_producer_killed_after_or_before_it_finished(ray_cluster, kind):
+    async with kinds.group(kind, Probe, world_size=1, name="dies") as dies, \
+            kinds.group(kind, Probe, world_size=1, name="lives") as lives:
+        done = dies.tag(batch(3))
+        await done
+        [pid] = await dies.pid()
+        holding = dies.block()  # the producer's lane is held: `unfinished` never finishes
+        unfinished = dies.tag(batch(2))
+        nested = lives.log_rows(unfinished)
+        await until(lambda: _blocked(dies))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError):
+            await holding
+        # Finished before the kill: its (small) result lives with its owner, the
+        # controller, and reaches the consumer top-level.
+        top = lives.log_rows(done)
+        assert top_from(top) == (("dies", "tag"),)
+        assert (await top)["y"].tolist() == [1, 3, 5]
+        with pytest.raises(UpstreamError) as info:
+            await nested
+        assert isinstance(info.value.upstream, WorkerDiedError)
+        assert (info.value.upstream.group, info.value.upstream.method) == ("dies", "tag")
+        assert await lives.record(4) == [4]
+        assert await lives.get_log() == [[0, 2, 4, 4]]
+
+
+async def _blocked(g) -> bool:
+    return await g.is_blocked() == [True] * g.world_size
+
+
+@pytest.mark.parametrize("kind", RAY_KINDS)
+async def test_cancel_and_deadline_of_a_top_level_call_waiting_for_its_turn(ray_cluster, kind):
+    async with kinds.group(kind, Probe, world_size=2, name="lane") as g:
+        produced = g.tag(batch(4))
+        await produced
+        holding = g.block()
+        await until(lambda: _blocked(g))
+        cancelled = g.log_rows(produced)
+        timed = g.log_rows.options(timeout=0.2)(produced)
+        assert top_from(cancelled) == top_from(timed) == (("lane", "tag"),)
+        assert cancelled.cancel()
+        with pytest.raises(CallCancelledError):
+            await cancelled
+        with pytest.raises(CallTimeoutError):
+            await timed
+        await g.unblock()
+        assert await holding == [0, 1]
+        after = g.log_rows(produced)
+        assert (await after)["y"].tolist() == [1, 3, 5, 7]
+        assert await g.record(9) == [9, 9]
+        assert await g.get_log() == [[0, 2, 9], [4, 6, 9]]  # the cancelled and timed-out calls never ran

@@ -373,6 +373,7 @@ class WorkerHost(_HostBase):
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
+        *,
         top: tuple[Any, ...] = (),
     ) -> Any:
         """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
@@ -477,6 +478,7 @@ class ThreadedHost(_HostBase):
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
+        *,
         top: tuple[Any, ...] = (),
     ) -> Any:
         """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.

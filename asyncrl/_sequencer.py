@@ -62,6 +62,15 @@ Failure cases, and what happens:
     host in number order (:meth:`Sequencer.submit` takes the number and submits under
     one lock), so the threads always hold the lowest outstanding numbers: the call
     whose turn it is never waits for a thread behind calls that wait for it.
+13. *Ray fails the call before the host runs it* because a top-level argument cannot
+    be read (Ray backend: a pipelined input passed top-level, see
+    :mod:`asyncrl._deferred`; only inputs known to have finished successfully go so,
+    so this is an object lost after it was read, or one that cannot be unpickled on
+    that worker): the host never sees the number. The backend observes every call sent
+    with top-level inputs (a completion callback on its metadata ref, on Ray's thread;
+    awaited or not) and releases the number with the cancel message, as in case 4
+    (idempotent: case 9); the call's future fails with an ``UpstreamError`` naming the
+    producer. If the controller process itself dies, so do the lanes' owner and calls.
 """
 
 from __future__ import annotations

@@ -7,8 +7,13 @@ the controller awaits it, then calls a one-rank consumer group (threaded host) t
 interleaved; the consumer's method records ``time.monotonic()`` when it starts (one clock
 for every process on the machine):
 
-- **asyncrl, pipelined**: ``await c.use(f)`` with the finished future (the worker fetches the
-  value through its owner, the controller);
+- **asyncrl, pipelined**: ``await c.use(f)`` with the finished future: the controller
+  awaited it, so it is known to have succeeded and goes as a top-level Ray argument
+  (Ray inlines the small value into the task; see ``asyncrl/_deferred.py``);
+- **asyncrl, pipelined nested**: the same call with the future nested in the call's
+  payload, as for a future the controller does not know finished (the backend's
+  top-level path switched off for this call): the worker fetches the value through its
+  owner, the controller;
 - **asyncrl, value**: ``await c.use(value)`` (the value the controller already holds);
 - **plain Ray**: ``await actor.use.remote(ref)`` with the producer's ObjectRef top-level (Ray
   inlines a small finished value into the task).
@@ -44,7 +49,7 @@ import asyncrl  # noqa: E402
 from asyncrl import Dispatch, RayWorkerGroup, Worker, register  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipelined_hop.md")
-VARIANTS = ("asyncrl, pipelined", "asyncrl, value", "plain Ray")
+VARIANTS = ("asyncrl, pipelined", "asyncrl, pipelined nested", "asyncrl, value", "plain Ray")
 
 
 class Producer(Worker):
@@ -99,6 +104,8 @@ async def measure(reps: int, fields: int, after_ms: float = 0.0, warmup: int = 5
     await p.setup()
     await c.setup()
     plain = ray.remote(PlainConsumer).options(num_cpus=0).remote()
+    backend = c._hostset.backend
+    has_top = hasattr(backend, "top_level_inputs")  # (older code: every pipelined input is nested)
     td = TensorDict({f"x{i}": torch.zeros(16, 8) for i in range(fields)}, batch_size=[16])
     thens = ("",) if after_ms <= 0 else ("", "busy", "asleep", "nogil")
     names = [v + (f", then {after_ms:g} ms {k}" if k else "") for k in thens for v in VARIANTS]
@@ -110,11 +117,19 @@ async def measure(reps: int, fields: int, after_ms: float = 0.0, warmup: int = 5
             ref = f.refs[0]
             k = i % len(names)
             for name in names[k:] + names[:k]:  # rotate the variant order
-                v = next(x for x in VARIANTS if name.startswith(x))
+                v = next(x for x in sorted(VARIANTS, key=len, reverse=True) if name.startswith(x))
                 then = name.rsplit(" ", 1)[1] if name != v else ""
                 t = time.monotonic()
                 if v == "asyncrl, pipelined":
                     pending = c.use(f)
+                elif v == "asyncrl, pipelined nested":
+                    if has_top:
+                        backend.top_level_inputs = False
+                    try:
+                        pending = c.use(f)
+                    finally:
+                        if has_top:
+                            del backend.top_level_inputs  # back to the class's True
                 elif v == "asyncrl, value":
                     pending = c.use(value)
                 else:
@@ -152,8 +167,9 @@ def main() -> None:
         run_header("pipelined_hop.py", machine_note=load_note(load0, load1)),
         "",
         f"A {args.fields}-field TensorDict (16 rows) produced by a one-rank group and awaited, then passed to a "
-        "one-rank consumer group (threaded host) as the finished future (pipelined), as the value, or to a plain "
-        f"Ray actor as the ObjectRef (top level). Medians of {reps} repetitions, variant order rotating. "
+        "one-rank consumer group (threaded host) as the finished future (pipelined: top-level, as it is known to "
+        "have finished; pipelined nested: the same call with the future nested in the payload), as the value, or "
+        f"to a plain Ray actor as the ObjectRef (top level). Medians of {reps} repetitions, variant order rotating. "
         "'then N ms busy / asleep / nogil': after the issue the controller's thread runs Python / sleeps / runs "
         "torch.mm calls (which release the GIL) for N ms.",
         "",

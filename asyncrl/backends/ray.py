@@ -347,10 +347,11 @@ class RayBackend:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # issued from a thread without a loop
             loop = None
-        ref._on_completed(functools.partial(self._observed, loop, host, call_id, seq))
+        # The callback holds `ref`: a future dropped by its caller is still observed.
+        ref._on_completed(functools.partial(self._observed, loop, host, call_id, seq, ref))
 
     def _observed(self, loop: asyncio.AbstractEventLoop | None, host: Any, call_id: int, seq: int,
-                  result: Any) -> None:  # on Ray's thread
+                  ref: Any, result: Any) -> None:  # on Ray's thread
         if not _input_failed(result):
             return
         if loop is not None:

@@ -110,7 +110,7 @@ def public_error(
     if isinstance(e, InputFailed):  # (a consumer's own future names its producer: asyncrl.future)
         exc_type, message, tb = _parts(e.outcome)
         return RemoteError(group, method, rank, exc_type,
-                           f"a top-level input could not be read (lost, or not unpicklable there): {message}", tb)
+                           f"an argument of the call could not be read on the worker (lost, or not unpicklable there): {message}", tb)
     import traceback
 
     return RemoteError(group, method, rank, f"{type(e).__module__}.{type(e).__qualname__}", str(e),

@@ -56,6 +56,9 @@ class GroupStats:
     """Tensor payload bytes fetched into the controller by awaiting this group's futures."""
     results_fetched: int = 0
     """Per-rank results fetched into the controller."""
+    inputs_top_level: int = 0
+    """Pipelined per-rank inputs sent as top-level Ray arguments (a producer known to have
+    finished successfully: see asyncrl._deferred); the others travel nested."""
 
 
 class GroupMethod(Generic[P, R]):
@@ -287,6 +290,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if inputs is not None:
             call.reads = inputs.fully_read()
             call.top_from = tuple(inputs.top_from) or None
+            self.stats.inputs_top_level += inputs.sent
         return GroupFuture(call)
 
 
@@ -311,7 +315,7 @@ class _Inputs:
     rank together reads whole (a producer whose results a successful call read is known
     to have finished successfully: ``_Call.ok``)."""
 
-    __slots__ = ("producers", "ok", "top", "read", "top_from")
+    __slots__ = ("producers", "ok", "top", "read", "top_from", "sent")
 
     def __init__(self, producers: "Sequence[Any]", top: bool) -> None:
         self.producers = producers
@@ -321,6 +325,7 @@ class _Inputs:
         self.top = top
         self.read: set[int] = set()
         self.top_from: dict[tuple[str, str], None] = {}
+        self.sent = 0  # TopShards made (one per rank and input)
 
     def rank_args(self, x: Any, top: list[Any]) -> Any:
         """One rank's argument (or an item of a list argument): a matched shard of a
@@ -334,6 +339,7 @@ class _Inputs:
             if (self.ok and x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
                     and id(s.refs[0]) in self.ok):
                 self.top_from[(s.group, s.method)] = None
+                self.sent += 1
                 top.extend((s.refs[0], s.metas[0]))
                 return TopShard(s.group, s.method, s.select, len(top) - 2, len(top) - 1)
         elif isinstance(x, DeferredValue):

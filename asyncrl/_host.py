@@ -73,16 +73,28 @@ class Payload:
 
     def wire(self) -> "Payload | list[Any]":
         """What the Ray backend sends: when every argument is a plain scalar (an int of
-        64 bits, a float, a string, a bool, None) the list ``[args, kwargs]``, which Ray
-        encodes with msgpack (no pickling on either side, and nothing that can fail to
-        unpickle on the worker); otherwise the Payload itself. :func:`arrived` undoes it."""
-        for x in self.args:
+        64 bits, a float, a string, a bool, None) or a :class:`TopShard` (a pipelined
+        input sent top-level: ints and strings), the list ``[args, kwargs]`` (plus, with
+        TopShards, their places and fields), which Ray encodes with msgpack (no pickling on
+        either side, and nothing that can fail to unpickle on the worker); otherwise the
+        Payload itself. :func:`arrived` undoes it."""
+        tops: list[Any] | None = None
+        for i, x in enumerate(self.args):
             if not _plain(x):
-                return self
-        for x in self.kwargs.values():
+                if type(x) is not TopShard:
+                    return self
+                tops = tops or []
+                tops.append(_top_wire(i, x))
+        for k, x in self.kwargs.items():
             if not _plain(x):
-                return self
-        return [list(self.args), self.kwargs]
+                if type(x) is not TopShard:
+                    return self
+                tops = tops or []
+                tops.append(_top_wire(k, x))
+        if tops is None:
+            return [list(self.args), self.kwargs]
+        return [[None if type(x) is TopShard else x for x in self.args],
+                {k: (None if type(x) is TopShard else x) for k, x in self.kwargs.items()}, tops]
 
     def local_copy(self) -> "Payload":
         """What a worker process would receive, made in this process (the local backend):
@@ -116,10 +128,23 @@ def _plain(x: Any) -> bool:
     return t is str or t is float or t is bool or x is None or (t is int and -(1 << 63) <= x < (1 << 63))
 
 
+def _top_wire(place: int | str, x: TopShard) -> list[Any]:
+    return [place, x.group, x.method, list(x.select) if x.select is not None else None, x.value, x.meta]
+
+
 def arrived(payload: "Payload | list[Any]") -> Payload:
     """The Payload of a call as it arrived on the worker (see :meth:`Payload.wire`)."""
     if type(payload) is list:
-        return Payload(tuple(payload[0]), payload[1])
+        if len(payload) == 2:
+            return Payload(tuple(payload[0]), payload[1])
+        args, kwargs, tops = payload
+        for place, group, method, select, value, meta in tops:
+            shard = TopShard(group, method, tuple(select) if select is not None else None, value, meta)
+            if type(place) is int:
+                args[place] = shard
+            else:
+                kwargs[place] = shard
+        return Payload(tuple(args), kwargs)
     return payload  # type: ignore[return-value]
 
 

@@ -65,11 +65,10 @@ def _translate(e: BaseException) -> BaseException:
         return Cancelled(str(e))
     if isinstance(e, RayTaskError):
         cause = getattr(e, "cause", None)
-        if _input_failed(e):
-            inner = _translate(cause) if cause is not None else Failed("ray.exceptions.RayTaskError", str(e), "")
-            if isinstance(inner, Failed) and not inner.remote_traceback:
-                inner = Failed(inner.exc_type, inner.message, str(e))
-            return InputFailed(inner)
+        if _input_failed(e):  # named by the Ray error that made the argument unreadable
+            what = cause if cause is not None else e
+            return InputFailed(Failed(f"{type(what).__module__}.{type(what).__qualname__}",
+                                      str(what).splitlines()[0] if str(what) else "", str(e)))
         if isinstance(cause, AsyncRLError):
             return cause
         if isinstance(cause, (TaskCancelledError, asyncio.CancelledError, CallCancelled)):

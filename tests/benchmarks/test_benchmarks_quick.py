@@ -80,7 +80,7 @@ def test_pipelined_hop_quick(tmp_path):
     rows = table_rows(run("pipelined_hop.py", tmp_path / "pipelined_hop.md", "--after-ms", "1"))
     assert rows[0] == ["variant", "issue -> start ms", "min–max ms", "vs plain Ray"]
     body = {r[0]: r for r in rows[2:]}
-    base = ["asyncrl, pipelined", "asyncrl, value", "plain Ray"]
+    base = ["asyncrl, pipelined", "asyncrl, pipelined nested", "asyncrl, value", "plain Ray"]
     assert list(body) == base + [f"{v}, then 1 ms {k}" for k in ("busy", "asleep", "nogil") for v in base]
     assert body["plain Ray"][3] == "1.00x"
     for r in body.values():

@@ -420,10 +420,12 @@ class _Call:
             w.add_done_callback(self._one_done)
 
     def _one_done(self, w: asyncio.Future[Any]) -> None:
-        fut, waits = self._fut, self._waits
-        if fut is None or waits is None or fut.done() or w.cancelled():
+        if w.cancelled():
             return  # failed by the controller meanwhile (fail() cancels the waits)
-        e = w.exception()
+        e = w.exception()  # (retrieved even when the call is settled already: no "never retrieved" log)
+        fut, waits = self._fut, self._waits
+        if fut is None or waits is None or fut.done():
+            return  # settled meanwhile: by the controller, or by another rank's error
         if e is not None:
             self._waits = None
             pos = self._wait_order()[waits.index(w)]

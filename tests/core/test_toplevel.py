@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import pytest_asyncio
@@ -211,3 +214,62 @@ async def test_cancel_and_deadline_of_a_top_level_call_waiting_for_its_turn(grou
     assert (await after)["y"].tolist() == [1, 3, 5, 7]
     assert await g.record(9) == [9, 9]
     assert await g.get_log() == [[0, 2, 9], [4, 6, 9]]  # the cancelled and timed-out calls never ran
+
+
+LOST_OBJECT = textwrap.dedent("""
+    import asyncio, ray, torch
+    from ray.cluster_utils import Cluster
+    import asyncrl
+    from asyncrl import RayWorkerGroup, ResourcePool, UpstreamError
+    from tests.core.workers import Probe
+
+    node = {"num_cpus": 2, "object_store_memory": 80 * 1024 * 1024}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        second = cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        asyncrl.init(address=cluster.address)
+
+        async def main():
+            async with ResourcePool([1, 1]) as pool:  # one bundle on each node
+                first, other = pool.split([1, 1])
+                async with RayWorkerGroup(Probe, first, name="g0") as g0, \\
+                        RayWorkerGroup(Probe, other, name="g1") as g1:
+                    nodes = [ray.util.placement_group_table(s.placement_group)["bundles_to_node_id"][s.bundle_index]
+                             for s in pool.slots]
+                    p, c = (g0, g1) if nodes[0] == second.node_id else (g1, g0)  # the producer on the node that goes
+                    big = p.double_tensor(torch.ones(4, 65536))  # 1 MiB: in the second node's store only
+                    assert (await p.double_tensor(big)).shape == (4, 65536)  # read whole there: known ok
+                    cluster.remove_node(second)  # its only copy is gone; Ray cannot rebuild an actor's result
+                    lost = c.double_tensor(big)
+                    print("TOP", lost._call.top_from == ((p.name, "double_tensor"),))
+                    print("NEXT", await asyncio.wait_for(c.record(5), 60))  # not awaited, yet released
+                    try:
+                        await asyncio.wait_for(lost, 60)
+                    except UpstreamError as e:
+                        print("LOST", (e.group, e.method, e.rank) == (c.name, "double_tensor", 0),
+                              (e.upstream.group, e.upstream.method) == (p.name, "double_tensor"), e.upstream.exc_type)
+        asyncio.run(main())
+    finally:
+        asyncrl.shutdown()
+        cluster.shutdown()
+    print("CLEAN")
+""")
+
+
+@pytest.mark.slow
+async def test_an_input_lost_with_its_node_releases_the_lane(ray_cluster):
+    """Two nodes on this machine (a Ray cluster of its own, in a subprocess): a known-ok
+    input whose only copy was on a node that died fails its consumer before the host
+    runs; the lane goes on and the future names the producer."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", LOST_OBJECT, cwd=root, env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=240)
+    stdout = out.decode()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert "TOP True" in stdout
+    assert "NEXT [5]" in stdout
+    assert "LOST True True ray.exceptions.ObjectReconstructionFailedError" in stdout
+    assert "CLEAN" in stdout

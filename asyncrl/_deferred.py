@@ -214,11 +214,14 @@ async def resolve_args(
     new_args = list(await asyncio.gather(*(one(a) for a in args)))
     keys = list(kwargs)
     new_vals = await asyncio.gather(*(one(kwargs[k]) for k in keys))
-    pad = None
-    if pads:
-        if len(set(pads)) != 1:
-            raise DispatchError(
-                f"pipelined inputs disagree on padding ({pads}); pass futures of the same batch to one call"
-            )
-        pad = pads[0]
-    return new_args, dict(zip(keys, new_vals)), pad
+    return new_args, dict(zip(keys, new_vals)), one_pad(pads)
+
+
+def one_pad(pads: list[int]) -> int | None:
+    """The one input padding that a call's pipelined inputs report (None for none); they
+    must agree."""
+    if not pads:
+        return None
+    if len(set(pads)) != 1:
+        raise DispatchError(f"pipelined inputs disagree on padding ({pads}); pass futures of the same batch to one call")
+    return pads[0]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
-from asyncrl._deferred import DeferredShard, DeferredValue, TopShard, resolve_args, take_top
+from asyncrl._deferred import DeferredShard, DeferredValue, TopShard, one_pad, resolve_args, take_top
 from asyncrl._sequencer import CallCancelled, Lane, LoopCall, ThreadLane
 from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
@@ -594,26 +594,16 @@ def _take_top(spec: RoleSpec, method: str, payload: Payload,
     try:
         args = [arg(a) for a in payload.args]
         kwargs = {k: arg(v) for k, v in payload.kwargs.items()}
-        return args, kwargs, _one_pad(pads)
-    except DispatchError as e:  # a field selection the producer's result lacks
+        return args, kwargs, one_pad(pads)
+    except DispatchError as e:  # a field selection the producer's result lacks, or inputs disagreeing on padding
         raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
                           str(e), traceback.format_exc(), cause=e) from None
 
 
-def _one_pad(pads: list[int]) -> int | None:
-    if not pads:
-        return None
-    if len(set(pads)) != 1:
-        raise DispatchError(f"pipelined inputs disagree on padding ({pads}); pass futures of the same batch to one call")
-    return pads[0]
-
-
 def _input_pad(spec: RoleSpec, method: str, top_pad: int | None, pipe_pad: int | None) -> int:
     """The input padding reported by the call's pipelined inputs, top-level and nested."""
-    if top_pad is None or pipe_pad is None:
-        return (top_pad if pipe_pad is None else pipe_pad) or 0
     try:
-        return _one_pad([top_pad, pipe_pad]) or 0
+        return one_pad([p for p in (top_pad, pipe_pad) if p is not None]) or 0
     except DispatchError as e:
         raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError", str(e), "",
                           cause=e) from None

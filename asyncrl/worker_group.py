@@ -315,14 +315,13 @@ class _Inputs:
     rank together reads whole (a producer whose results a successful call read is known
     to have finished successfully: ``_Call.ok``)."""
 
-    __slots__ = ("producers", "ok", "top", "read", "top_from", "sent")
+    __slots__ = ("producers", "ok", "read", "top_from", "sent")
 
     def __init__(self, producers: "Sequence[Any]", top: bool) -> None:
         self.producers = producers
         # The producers known to have finished successfully, by their collected refs (the
         # same ref objects a Source holds): only their matched shards may go top-level.
         self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
-        self.top = top
         self.read: set[int] = set()
         self.top_from: dict[tuple[str, str], None] = {}
         self.sent = 0  # TopShards made (one per rank and input)

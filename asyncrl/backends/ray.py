@@ -317,21 +317,17 @@ class RayBackend:
         # pickles anything else (a tuple too), so a call whose arguments are plain scalars
         # (Payload.wire) crosses without pickling on either side.
         packed = [role, method, seq, call_id, payload.wire(), in_pad, want_meta, keep]
-        top = payload.top
         if want_meta:
             call2 = self._call2.get(id(host))
             if call2 is None:  # .options() builds a new method object: once per host, not per call
                 call2 = self._call2[id(host)] = host.call_packed.options(num_returns=2)
+            top = payload.top  # (only data-parallel calls, which return their meta, take top-level inputs)
             if top:
                 ref, meta = call2.remote(packed, *top)
                 self._observe(meta, host, call_id, seq)
             else:
                 ref, meta = call2.remote(packed)
             return ref, meta
-        if top:
-            ref = host.call_packed.remote(packed, *top)
-            self._observe(ref, host, call_id, seq)
-            return ref, None
         return host.call_packed.remote(packed), None
 
     def _observe(self, ref: Any, host: Any, call_id: int, seq: int | None) -> None:

@@ -8,8 +8,12 @@ that every contract is checked on both, whatever the worker class.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Iterator
+import os
+import subprocess
+import sys
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from asyncrl import LocalWorkerGroup, RayWorkerGroup
 
@@ -43,3 +47,23 @@ async def group(backend: str, cls: type, **kw: Any) -> AsyncIterator[Any]:
         yield g
     finally:
         await g.close()
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], deadline: float = 30.0) -> None:
+    """Poll a remote condition that cannot be awaited directly, with a deadline."""
+    async with asyncio.timeout(deadline):
+        while not await predicate():
+            await asyncio.sleep(0.02)
+
+
+async def run_script(code: str, timeout: float = 240) -> str:
+    """Run `code` in a fresh Python process at the repository root, with an environment
+    free of this session's Ray settings (it starts a Ray cluster of its own); returns
+    its stdout, and fails the test with its stderr if it exits non-zero."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, cwd=root, env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return out.decode()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,6 +11,7 @@ from ray.util import placement_group_table
 
 import asyncrl
 from asyncrl import GroupClosedError, PlacementError, RayWorkerGroup, ResourcePool, colocate
+from tests.core.kinds import run_script
 from tests.core.workers import Other, Probe
 
 def alive_hosts() -> int:
@@ -188,15 +187,7 @@ async def test_pool_of_two_nodes_spans_both_and_leaves_the_session_ray_working(r
     """Ray's cluster utilities start a head and a worker node on this machine, in a process
     of their own (with an environment free of this session's Ray settings); afterwards the
     session's Ray still places and runs groups."""
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", TWO_NODES, cwd=root, env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=240)
-    stdout = out.decode()
-    assert proc.returncode == 0, err.decode()[-3000:]
+    stdout = await run_script(TWO_NODES)
     assert "LOCAL_RANKS ['0', '1', '0', '1']" in stdout
     assert "NODES 1 1 2" in stdout
     assert "INFEASIBLE" in stdout and "CLEAN" in stdout

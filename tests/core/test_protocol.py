@@ -29,7 +29,7 @@ from asyncrl import (
     WorkerDiedError,
 )
 from tests.core import kinds
-from tests.core.kinds import BACKENDS
+from tests.core.kinds import BACKENDS, until
 from tests.core.workers import DiesInInit, Probe, RefusesUnpickling, WaitsInInit
 
 HANG = 30  # seconds: a call that should finish at once but has not by then hangs
@@ -39,13 +39,6 @@ HANG = 30  # seconds: a call that should finish at once but has not by then hang
 async def wg(request, ray_cluster):
     async with kinds.group(request.param, Probe, world_size=2, name=f"protocol-{request.param}") as group:
         yield group
-
-
-async def until(predicate, deadline: float = 30.0):
-    """Poll a remote condition that cannot be awaited directly, with a deadline."""
-    async with asyncio.timeout(deadline):
-        while not await predicate():
-            await asyncio.sleep(0.02)
 
 
 async def blocked_on_every_rank(wg) -> bool:

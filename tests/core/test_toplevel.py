@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,7 +16,7 @@ from tensordict import TensorDict
 
 from asyncrl import CallCancelledError, CallTimeoutError, RemoteError, UpstreamError, WorkerDiedError
 from tests.core import kinds
-from tests.core.kinds import BACKENDS
+from tests.core.kinds import BACKENDS, run_script, until
 from tests.core.workers import FRAGILE_ENV, Probe
 
 RAY_KINDS = ["ray", "ray-threaded"]
@@ -33,13 +31,6 @@ def batch(n: int) -> TensorDict:
 def top_from(fut) -> tuple | None:
     """The producers whose results `fut`'s call received as top-level arguments."""
     return fut._call.top_from
-
-
-async def until(predicate, deadline: float = 30.0) -> None:
-    """Poll a remote condition that cannot be awaited directly, with a deadline."""
-    async with asyncio.timeout(deadline):
-        while not await predicate():
-            await asyncio.sleep(0.02)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
@@ -262,13 +253,7 @@ async def test_an_input_lost_with_its_node_releases_the_lane(ray_cluster):
     """Two nodes on this machine (a Ray cluster of its own, in a subprocess): a known-ok
     input whose only copy was on a node that died fails its consumer before the host
     runs; the lane goes on and the future names the producer."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", LOST_OBJECT, cwd=root, env=env,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=240)
-    stdout = out.decode()
-    assert proc.returncode == 0, err.decode()[-3000:]
+    stdout = await run_script(LOST_OBJECT)
     assert "TOP True" in stdout
     assert "NEXT [5]" in stdout
     assert "LOST True True ray.exceptions.ObjectReconstructionFailedError" in stdout

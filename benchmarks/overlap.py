@@ -237,12 +237,14 @@ class SimBench:
         await self.tcol.close()
         await self.pool.release()
 
-    def config(self, steps: int, k: int, name: str, trace: bool = True) -> Any:
+    def config(self, steps: int, k: int, name: str, trace: bool = True, precompute: bool = True) -> Any:
         from asyncrl.pipelines.presets import tiny_test
 
         cfg = tiny_test("ppo")
         t = cfg.trainer
         t.steps, t.max_staleness, t.checkpoint_at_end, t.trace = steps, k, False, trace
+        if hasattr(t, "precompute_log_probs"):  # (absent in code before it: A/B runs against an older main)
+            t.precompute_log_probs = precompute
         t.output_dir = os.path.join(self.tmp, name)
         return cfg.validate()
 
@@ -269,10 +271,11 @@ class SimBench:
         return {"step_s": sum(steady) / len(steady), "thread_s": (c1 - c0) / steps, "proc_s": (p1 - p0) / steps,
                 "wall_s": w1 - w0, "history": hist}
 
-    async def run_async(self, costs: dict[str, float], steps: int, k: int, trace: bool = True) -> dict[str, Any]:
+    async def run_async(self, costs: dict[str, float], steps: int, k: int, trace: bool = True,
+                        precompute: bool = True) -> dict[str, Any]:
         from asyncrl.pipelines.trainer import PPOTrainer
 
-        cfg = self.config(steps, k, f"async-k{k}", trace)
+        cfg = self.config(steps, k, f"async-k{k}", trace, precompute)
         await self.configure(costs)
         trainer = PPOTrainer(cfg, groups=self.groups)
         async with trainer:
@@ -435,17 +438,30 @@ class PlainTrain(_Marks):
         return self.version, {}
 
 
-async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int) -> list[float]:
+async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, precompute: bool = True) -> list[float]:
     """The trainer's schedule written with plain Ray actors and ObjectRefs: a rollout loop
     (batch i with weights version max(0, i - k), scores awaited) and a train loop (the six
     training stages, each ObjectRef passed straight into the next call; the export is
     published to the rollout loop, then the updates' metrics are awaited). Returns the
-    wall time at the end of every step."""
+    wall time at the end of every step.
+
+    With `precompute` (and k >= 1), the trainer's ``trainer.precompute_log_probs`` schedule as a
+    Ray user would write it: batch i's ``compute_log_prob`` and ``compute_values`` get batch i's
+    generate ObjectRef as soon as both that generate is issued and step i - 1's export is (the
+    training actor runs its calls in submission order, so they run right after that export, with
+    step i's weights); step i then passes those refs into its advantages."""
     cond = asyncio.Condition()
     queue: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
     exports: dict[int, Any] = {}
     exported = 0
     ends: list[float] = []
+    gens: dict[int, Any] = {}  # batch index -> its generate ref, once issued (batch i is step i's)
+    early: dict[int, tuple[Any, Any]] = {}  # step -> (old, values) refs issued ahead
+    taken = -1  # the last step whose batch the train loop took
+
+    def issue_early(i: int) -> None:
+        if precompute and k >= 1 and i < steps and i in gens and exported >= i and taken < i and i not in early:
+            early[i] = (train.compute_log_prob.remote(gens[i]), train.compute_values.remote(gens[i]))
 
     async def rollout_loop() -> None:
         rollout_version = 0
@@ -457,16 +473,23 @@ async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int) -> l
                 await roll.update_weights.remote(exports.pop(need))
                 rollout_version = need
             gen = roll.generate.remote(loader.batch(i), seed=i)
+            gens[i] = gen
+            issue_early(i)
             sc = roll.compute_reward.remote(gen)
             float((await sc)["scores"].float().mean())
             await queue.put((gen, sc))
 
     async def train_loop() -> None:
-        nonlocal exported
+        nonlocal exported, taken
         for step in range(steps):
             gen, sc = await queue.get()
-            old = train.compute_log_prob.remote(gen)
-            vals = train.compute_values.remote(gen)
+            taken = step
+            gens.pop(step, None)
+            if step in early:
+                old, vals = early.pop(step)
+            else:
+                old = train.compute_log_prob.remote(gen)
+                vals = train.compute_values.remote(gen)
             adv = train.compute_advantages.remote(gen, sc, old, vals)
             crit = train.critic_update.remote(adv)
             act = train.actor_update.remote(adv)
@@ -475,6 +498,7 @@ async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int) -> l
                 exports[step + 1] = exp
                 exported = step + 1
                 cond.notify_all()
+            issue_early(step + 1)
             await crit
             await act
             ends.append(time.perf_counter())
@@ -503,10 +527,11 @@ class PlainBench:
         ray.kill(self.roll)
         ray.kill(self.train)
 
-    async def run(self, costs: dict[str, float], steps: int, k: int, loader: Any) -> dict[str, Any]:
+    async def run(self, costs: dict[str, float], steps: int, k: int, loader: Any,
+                  precompute: bool = True) -> dict[str, Any]:
         await asyncio.gather(self.roll.configure.remote(costs), self.train.configure.remote(costs))
         c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
-        ends = await plain_fit(self.roll, self.train, loader, steps, k)
+        ends = await plain_fit(self.roll, self.train, loader, steps, k, precompute)
         c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
         marks = await asyncio.gather(self.roll.timeline.remote(), self.train.timeline.remote())
         return {"step_s": (ends[-1] - ends[0]) / (len(ends) - 1), "thread_s": (c1 - c0) / steps,
@@ -516,7 +541,8 @@ class PlainBench:
 
 PROCESS_STAGES = {"rollout": ("update_weights", "generate", "score"),
                   "train": tuple(TRAIN_SHARE)}
-CROSS_HOPS = (("train", "export_weights", "rollout", "update_weights"), ("rollout", "score", "train", "old_log_prob"))
+CROSS_HOPS = (("train", "export_weights", "rollout", "update_weights"), ("rollout", "score", "train", "old_log_prob"),
+              ("rollout", "generate", "train", "old_log_prob"), ("rollout", "score", "train", "advantages"))
 HOP_KEYS = (["period", "over"] + [f"{p}:{st}" for p, sts in PROCESS_STAGES.items() for st in sts]
             + [f"{a}->{b}{x}" for _, a, _, b in CROSS_HOPS for x in ("", ":issued")])
 
@@ -583,10 +609,18 @@ def make_loader() -> Any:
 
 
 FLOOR_VARIANTS = ("asyncrl trainer", "asyncrl trainer, trace off", "plain Ray")
+CANONICAL = ", canonical order"
+"""Suffix of the variants run with the canonical stage order (``--canonical``: the next batch's
+old_log_prob and values issued only after its scores; ``trainer.precompute_log_probs=false``)."""
+
+
+def floor_of(variant: str) -> str:
+    """The plain-Ray variant a variant is compared with: the same schedule."""
+    return "plain Ray" + (CANONICAL if variant.endswith(CANONICAL) else "")
 
 
 async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
-                   rounds: int) -> list[dict[str, Any]]:
+                   rounds: int, variants: tuple[str, ...] = FLOOR_VARIANTS) -> list[dict[str, Any]]:
     """The trainer (trace on, its default; and off) and the plain-Ray loop on the same
     simulated step, interleaved: each round runs every variant once, order rotating."""
     bench, plain = SimBench(), PlainBench()
@@ -598,14 +632,16 @@ async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
         await plain.run(stage_costs(1.0, train_s), 2, 1, loader)
         for ratio, k in configs:
             costs = stage_costs(ratio, train_s)
-            runs: dict[str, list[dict[str, Any]]] = {v: [] for v in FLOOR_VARIANTS}
-            order = list(FLOOR_VARIANTS)
+            runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+            order = list(variants)
             for r in range(rounds):
                 for v in order[r % len(order):] + order[:r % len(order)]:
-                    if v == "plain Ray":
-                        res = await plain.run(costs, steps, k, loader)
+                    precompute = not v.endswith(CANONICAL)
+                    if v.startswith("plain Ray"):
+                        res = await plain.run(costs, steps, k, loader, precompute)
                     else:
-                        res = await bench.run_async(costs, steps, k, trace=(v == "asyncrl trainer"))
+                        trace = not v.startswith("asyncrl trainer, trace off")
+                        res = await bench.run_async(costs, steps, k, trace=trace, precompute=precompute)
                     runs[v].append(res)
                     print(f"  ratio {ratio:g} k={k} round {r} {v:28s} {res['step_s'] * 1e3:7.1f} ms/step  "
                           f"ctrl thread {res['thread_s'] * 1e3:5.1f} ms/step", flush=True)
@@ -617,7 +653,7 @@ async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
                                          or any(key.startswith(f"{a}->{b}") and pt == proc
                                                 for _, a, pt, b in CROSS_HOPS)}
                                   for proc in PROCESS_STAGES}
-            rows.append({"ratio": ratio, "k": k, "ideal": ideals(costs, k)[1], "med": med})
+            rows.append({"ratio": ratio, "k": k, "ideal": ideals(costs, k)[1], "med": med, "variants": variants})
     finally:
         await bench.close()
         plain.close()
@@ -629,9 +665,9 @@ def floor_table(rows: list[dict[str, Any]]) -> str:
             "ctrl thread ms/step", "ctrl process ms/step"]
     out = ["| " + " | ".join(head) + " |", "|---:|---:|---:|---|" + "---:|" * (len(head) - 4)]
     for r in rows:
-        floor = r["med"]["plain Ray"]["step_s"]
-        for v in FLOOR_VARIANTS:
+        for v in r["variants"]:
             m = r["med"][v]
+            floor = r["med"][floor_of(v)]["step_s"]
             out.append(f"| {r['ratio']:g} | {r['k']} | {r['ideal'] * 1e3:.0f} | {v} | {m['step_s'] * 1e3:.1f} | "
                        f"{r['ideal'] / m['step_s']:.3f} | {m['step_s'] / floor:.3f}x | {m['thread_s'] * 1e3:.2f} | "
                        f"{m['proc_s'] * 1e3:.2f} |")
@@ -645,7 +681,7 @@ def hop_table(rows: list[dict[str, Any]]) -> str:
             "idle before each stage, ms per step", "from the other process, ms"]
     out = ["| " + " | ".join(head) + " |", "|---:|---:|---|---|---:|---:|---:|---|---|"]
     for r in rows:
-        for v in FLOOR_VARIANTS:
+        for v in r["variants"]:
             for proc, stages_ in PROCESS_STAGES.items():
                 h = r["med"][v]["hops"][proc]
                 idle = {st: h.get(f"{proc}:{st}", 0.0) for st in stages_}
@@ -885,7 +921,8 @@ async def amain(args: argparse.Namespace) -> tuple[list, dict, list, list]:
     floor = []
     if args.floor_rounds:
         configs = [(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.floor_configs.split(",")]
-        floor = await vs_plain(configs, args.train_ms / 1e3, args.steps, args.floor_rounds)
+        variants = FLOOR_VARIANTS + ((f"asyncrl trainer{CANONICAL}", f"plain Ray{CANONICAL}") if args.canonical else ())
+        floor = await vs_plain(configs, args.train_ms / 1e3, args.steps, args.floor_rounds, variants)
     rows, timelines = ([], {}) if args.no_sweep else await simulated(ratios, args.train_ms / 1e3, args.steps)
     runs = [] if args.no_real else await real(args.presets.split(","), args.real_steps, args.quick)
     return rows, timelines, runs, floor
@@ -908,6 +945,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="ratio:max_staleness pairs compared with the plain-Ray floor (default 1:1,1:0)")
     p.add_argument("--floor-rounds", type=int, default=None,
                    help="interleaved rounds of the plain-Ray comparison (default 3, --quick 1; 0 skips it)")
+    p.add_argument("--canonical", action="store_true",
+                   help="also run the trainer and the plain-Ray step with the canonical stage order (the next "
+                        "batch's old_log_prob and values issued only after its scores: "
+                        "trainer.precompute_log_probs=false), to show what that schedule gains")
     p.add_argument("--profile", choices=["trainer", "trainer-notrace", "plain"], default=None,
                    help="only profile the controller thread (cProfile) over one run of this variant of the "
                         "simulated step at cost ratio 1, print the top functions, write nothing")
@@ -956,13 +997,21 @@ def main(argv: list[str] | None = None) -> None:
                         f"target ≤ 1.05x), controller thread CPU {m['asyncrl trainer']['thread_s'] * 1e3:.1f} ms/step "
                         f"(trace off {m['asyncrl trainer, trace off']['thread_s'] * 1e3:.1f}; plain Ray "
                         f"{m['plain Ray']['thread_s'] * 1e3:.1f}; target ≤ 5 ms).")
+            if f"plain Ray{CANONICAL}" in m:
+                fverdict += (f" With the canonical stage order (`--canonical`): the trainer "
+                             f"{f1['ideal'] / m[f'asyncrl trainer{CANONICAL}']['step_s']:.3f}, plain Ray "
+                             f"{f1['ideal'] / m[f'plain Ray{CANONICAL}']['step_s']:.3f} "
+                             f"(precomputed: plain Ray {f1['ideal'] / m['plain Ray']['step_s']:.3f}).")
         sections += [
             "## The simulated step: asyncrl trainer vs the same step on plain Ray",
             f"The simulated PPO step of the sweep below (training + sync = {args.train_ms:g} ms), run by the "
             "asyncrl trainer (trace on, its default; and trace off) and by the same schedule written with plain Ray "
             "actors and ObjectRefs (`plain_fit`: an async rollout actor, a sync training actor, each stage's "
-            "ObjectRef passed straight into the next call, the same staleness gate). The plain-Ray row is the floor: "
-            "what Ray itself costs per step. Medians over "
+            "ObjectRef passed straight into the next call, the same staleness gate; at max_staleness ≥ 1 the next "
+            "batch's old_log_prob and values get its generate ref right after the current step's export, as the "
+            "trainer's `trainer.precompute_log_probs` does). The plain-Ray row is the floor: "
+            "what Ray itself costs per step; a `canonical order` row (`--canonical`) is compared with the plain-Ray "
+            "row of the same schedule. Medians over "
             f"{args.floor_rounds} interleaved round(s) (variant order rotating), {args.steps} steps per run, the "
             "first discarded. ctrl thread / process = controller CPU per step (event-loop thread / whole process).",
             floor_table(floor),

@@ -157,6 +157,16 @@ class TrainerConfig:
     ``asyncrl.CallTimeoutError`` and its remote work is cancelled. None = no deadline."""
     restart: RestartConfig = field(default_factory=RestartConfig)
     """What to do when a worker dies or hangs (default: fail fast)."""
+    precompute_log_probs: bool = True
+    """Issue the next step's ``old_log_prob``, ``ref_log_prob`` and ``values`` as soon as its batch is
+    generated (or being generated) and the weights it trains from are final -- right after this step's
+    ``export_weights`` on the training workers -- instead of after its scores reached the controller.
+    Same numbers (the same weights, the same calls in the same order on each training worker); the
+    training workers no longer wait for the score and the controller's hand-over. Only with two pools
+    and ``max_staleness >= 1`` (``max_staleness=0`` keeps the canonical stage order). The precomputed
+    calls carry no ``stage_timeout_s`` of their own (they may wait a whole step for their turn); the
+    step's ``advantages`` call, which waits for them, does. Turn off to get the per-batch stage order of
+    ``max_staleness=0`` at every staleness (e.g. to read a trace stage by stage)."""
 
 
 @dataclass(kw_only=True)
@@ -347,7 +357,7 @@ _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every
                 "trainer.restart.on_timeout", "trainer.restart.replace_stateless", "evaluation.every",
                 "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",
-                "trainer.weight_sync", "trainer.weight_sync_timeout_s"}
+                "trainer.weight_sync", "trainer.weight_sync_timeout_s", "trainer.precompute_log_probs"}
 """Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its
 own sampling seeds and never touches the training RNG)."""
 

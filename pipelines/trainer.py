@@ -97,6 +97,35 @@ class RolloutBatch:
     """Seconds from issuing generate to the scores being known."""
 
 
+@dataclass
+class _Precomputed:
+    """The next step's ``old_log_prob`` / ``ref_log_prob`` / ``values``, issued before its batch left
+    the buffer (``trainer.precompute_log_probs``). Used only by the step it was issued for, on the
+    batch it read, with the policy version it was computed with; otherwise discarded."""
+
+    step: int
+    """The train step it is for, which is also the policy version it was computed with."""
+    batch_index: int
+    """The batch it read (its prompt batch index)."""
+    batch: Any
+    """The generate future it read (identity is what counts: a regenerated batch is another future)."""
+    old: GroupFuture[Any]
+    ref: GroupFuture[Any] | None
+    vals: GroupFuture[Any] | None
+
+    def matches(self, item: RolloutBatch, version: int) -> bool:
+        """True when step `version` trains `item` and this read exactly `item`'s batch future."""
+        return self.step == version and self.batch_index == item.step and self.batch is item.batch
+
+    def discard(self) -> None:
+        """Cancel what has not run yet (a call waiting for its batch or its turn leaves the training
+        worker's ordered lane at once). Nothing is awaited, so nothing is fetched or logged."""
+        for f in (self.old, self.ref, self.vals):
+            if f is not None:
+                with contextlib.suppress(Exception):  # a closed group: the call is over already
+                    f.cancel()
+
+
 def needs_reference(cfg: JobConfig) -> bool:
     """True when a KL term needs reference log-probs."""
     return cfg.actor.kl_coef > 0 or (cfg.algorithm.name == "ppo" and cfg.algorithm.kl_in_reward_coef > 0)
@@ -258,6 +287,13 @@ class Trainer:
         self._policy_version = 0
         self._rollout_version = 0
         self._next_gen = 0  # index of the next batch the rollout loop generates
+        self._generating: tuple[int, int, Any] | None = None  # (index, version, generate future) not yet buffered
+        self._taken = -1  # the last step whose batch the train loop took out of the buffer
+        self._precomputed: _Precomputed | None = None
+        self._precompute = t.precompute_log_probs and t.max_staleness >= 1 and not t.colocated
+        self.precompute_stats = {"issued": 0, "used": 0, "discarded": 0}
+        """``trainer.precompute_log_probs``: how many steps' first stages were issued ahead, used by
+        their step, and discarded (their batch was regenerated or re-homed, or the run stopped)."""
         self._start_step = 0
         self._rollout_done = False
         self._restored: list[RolloutBatch] = []
@@ -575,6 +611,10 @@ class Trainer:
                 loops.start_soon(self._train_loop, loops.cancel_scope, name="train loop")
         except BaseExceptionGroup as eg:
             raise _first_error(eg) from None
+        finally:
+            # A run that failed trains no further step; its last precomputed calls finish or fail with
+            # their batch's generate (or with the groups, when they close), unawaited.
+            self._precomputed = None
 
     async def _supervise(self) -> None:
         """Run the loops; on a worker fault, restart and run them again (``trainer.restart``).
@@ -614,6 +654,7 @@ class Trainer:
         self._next_gen = self._start_step = 0
         self._rollout_done = False
         self._restored = []
+        self._generating, self._taken, self._precomputed = None, -1, None  # their calls died with the groups
         await self._start_groups()
         if point is not None:
             await self._restore(point)
@@ -719,6 +760,7 @@ class Trainer:
                     item = await self._produce(i, version)
                     break
                 except Exception as e:
+                    self._generating = None  # a failed batch is not trained; nothing precomputes from it
                     if not self._can_replace(e):
                         raise
                     await self._replace_rollout(e, i)  # then the same batch again: same prompts, seed, version
@@ -726,6 +768,7 @@ class Trainer:
                 self._journal.batch(i, prompts=self._loader.indices(i), seed=self._seed(i), version=version,
                                     rows=self.config.trainer.batch_size)
             await self.buffer.put(item)
+            self._generating = None  # in the buffer now
             async with self._cond:
                 self._next_gen = i = i + 1
                 self._cond.notify_all()
@@ -773,6 +816,8 @@ class Trainer:
             t0 = time.perf_counter()
             gen = self.tracer.watch(stages.generate(g, self._loader.batch(i), seed=self._seed(i)),
                                     "generate", step=i, version=version)
+            self._generating = (i, version, gen)
+            self._precompute_next()  # the train loop may be waiting for this very batch
             sc = self.tracer.watch(stages.score(g, gen), "score", step=i)
             scores = (await sc)["scores"]
             if self._sleep:  # release the rollout's memory while the policy trains
@@ -785,12 +830,14 @@ class Trainer:
         assert self._cond is not None and self._device is not None
         g, cfg = self.groups, self.config.trainer
         assert g is not None
+        self._taken = self._start_step - 1
         for step in range(self._start_step, cfg.steps):
             t_wait = time.perf_counter()
             try:
                 item = await self.buffer.get(self._policy_version)
             except anyio.EndOfStream:
                 raise RuntimeError(f"the rollout loop ended before step {step}") from None
+            self._taken = step
             t0 = time.perf_counter()
             self._note_resumed(step, item, t0)
             if self._journal is not None:
@@ -812,6 +859,7 @@ class Trainer:
             if self._on_step is not None:
                 self._on_step(self, step, metrics)
             if self._stop is not None and step + 1 < cfg.steps:
+                self._discard_precomputed()  # no next step: free the training workers' lane for the save
                 path = self._last_checkpoint if saved else await self.save_checkpoint()
                 self.interrupted = Interruption(self._stop, step + 1, cfg.steps, path)
                 log.warning("trainer.stopped", reason=self._stop, steps_done=step + 1, checkpoint=str(path))
@@ -840,13 +888,20 @@ class Trainer:
                 entry["busy"] += max(0.0, t_end - max(t_start, entry["t"]))
 
     async def _train_step(self, g: Groups, item: RolloutBatch, step: int) -> dict[str, Any]:
-        """The training-pool stages of one batch, in the canonical order."""
+        """The training-pool stages of one batch, in the canonical order (``old_log_prob``,
+        ``ref_log_prob`` and ``values`` possibly issued already, see :meth:`_precompute_next`)."""
         w = self.tracer.watch
-        old = w(stages.old_log_prob(g, item.batch), "old_log_prob", step=step)
-        ref = stages.ref_log_prob(g, item.batch)
-        ref = w(ref, "ref_log_prob", step=step) if ref is not None else None
-        vals = stages.values(g, item.batch)
-        vals = w(vals, "values", step=step) if vals is not None else None
+        pre, self._precomputed = self._precomputed, None
+        if pre is not None and not pre.matches(item, self._policy_version):
+            log.debug("precompute.discarded", step=step, batch=item.step, precomputed_batch=pre.batch_index,
+                      precomputed_step=pre.step)
+            self._discard(pre)
+            pre = None
+        if pre is not None:
+            self.precompute_stats["used"] += 1
+            old, ref, vals = pre.old, pre.ref, pre.vals
+        else:
+            old, ref, vals = self._first_stages(g, item.batch, step)
         adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
         crit = stages.critic_update(g, adv)
         crit = w(crit, "critic_update", step=step) if crit is not None else None
@@ -857,6 +912,7 @@ class Trainer:
             self._exports[self._policy_version + 1] = exported  # weight sync (policy side): publish
             self._exported = self._policy_version + 1
             self._cond.notify_all()  # type: ignore[union-attr]
+        self._precompute_next()  # the next step's first stages, right behind this export on the workers
         metrics: dict[str, Any] = {}
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))
@@ -869,6 +925,71 @@ class Trainer:
             "buffer/size": stats.size, "buffer/peak": stats.peak, "batch/version": item.version,
         })
         return metrics
+
+    def _first_stages(self, g: Groups, batch: Any, step: int, **span: Any) -> tuple[Any, Any, Any]:
+        """Issue ``old_log_prob``, ``ref_log_prob`` and ``values`` of `batch` (None for an absent role)."""
+        w = self.tracer.watch
+        old = w(stages.old_log_prob(g, batch), "old_log_prob", step=step, **span)
+        ref = stages.ref_log_prob(g, batch)
+        ref = w(ref, "ref_log_prob", step=step, **span) if ref is not None else None
+        vals = stages.values(g, batch)
+        vals = w(vals, "values", step=step, **span) if vals is not None else None
+        return old, ref, vals
+
+    def _next_batch(self, step: int) -> tuple[int, Any] | None:
+        """``(index, generate future)`` of the batch ``buffer.get(step)`` will return, when that is
+        already decided: the first buffered batch within the staleness bound of `step` (older ones
+        are dropped), else the batch whose generate is in flight if it is within the bound; None
+        while that batch is not issued yet."""
+        k = self.config.trainer.max_staleness
+        for it in self.buffer.peek_all():
+            if step - it.version <= k:
+                return it.step, it.batch
+        if self._generating is not None:
+            i, version, gen = self._generating
+            if step - version <= k:
+                return i, gen
+        return None
+
+    def _precompute_next(self) -> None:
+        """Issue the next step's ``old_log_prob``/``ref_log_prob``/``values`` now, if it is certain
+        which batch it trains and with which weights (``trainer.precompute_log_probs``).
+
+        The next step is ``self._exported`` (its weights: the export issued last, so on each
+        training worker the calls run right after it, in its ordered lane, with exactly the weights
+        the step trains from); its batch is the one :meth:`_next_batch` names, once its generate is
+        issued (so nothing on the training workers waits for a generate that is not running). Not
+        past the last step, not after a stop was requested, not before the train loop took the
+        current step's batch, not while restored batches are still being buffered. Called when a
+        step's export is published and when a generate is issued. The calls carry no stage deadline:
+        they may wait a whole step for their turn; the step's ``advantages`` call, which waits for
+        them, carries it."""
+        if not self._precompute or self._stop is not None or self._restored or self.groups is None:
+            return
+        step = self._exported
+        if step >= self.config.trainer.steps or self._taken >= step:
+            return
+        nxt = self._next_batch(step)
+        if nxt is None:
+            return
+        index, batch = nxt
+        pre = self._precomputed
+        if pre is not None:
+            if pre.step == step and pre.batch is batch:
+                return  # issued already
+            self._discard_precomputed()  # another batch (regenerated after a replacement)
+        old, ref, vals = self._first_stages(_without_deadlines(self.groups), batch, step, precomputed=True)
+        self._precomputed = _Precomputed(step=step, batch_index=index, batch=batch, old=old, ref=ref, vals=vals)
+        self.precompute_stats["issued"] += 1
+
+    def _discard_precomputed(self) -> None:
+        pre, self._precomputed = self._precomputed, None
+        if pre is not None:
+            self._discard(pre)
+
+    def _discard(self, pre: _Precomputed) -> None:
+        pre.discard()
+        self.precompute_stats["discarded"] += 1
 
     def _record(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}
@@ -1043,6 +1164,12 @@ class _Deadlined:
 
     def __repr__(self) -> str:
         return f"<{self._group!r} with a {self._timeout:g} s deadline per call>"
+
+
+def _without_deadlines(g: Groups) -> Groups:
+    unwrap = lambda x: x._group if isinstance(x, _Deadlined) else x  # noqa: E731
+    return Groups(rollout=unwrap(g.rollout), reward=unwrap(g.reward), policy=unwrap(g.policy),
+                  advantage=unwrap(g.advantage), reference=unwrap(g.reference), critic=unwrap(g.critic))
 
 
 def _with_deadlines(g: Groups, timeout: float | None) -> Groups:

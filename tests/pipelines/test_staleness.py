@@ -17,13 +17,14 @@ from .fakes import Recorder, fake_groups
 STEPS = 10
 
 
-async def _run(k: int, mode: str, seed: int, tmp_path):
+async def _run(k: int, mode: str, seed: int, tmp_path, precompute: bool = True):
     cfg = tiny_test()
     cfg.trainer.steps = STEPS
     cfg.trainer.max_staleness = k
     cfg.trainer.rollout_weights = mode
     cfg.trainer.checkpoint_at_end = False
-    cfg.trainer.output_dir = str(tmp_path / f"{k}-{mode}-{seed}")
+    cfg.trainer.precompute_log_probs = precompute
+    cfg.trainer.output_dir = str(tmp_path / f"{k}-{mode}-{seed}-{precompute}")
     rec = Recorder()
     async with fake_groups(rec, seed, cfg.prompts_per_step, 0.004, k) as groups:
         async with GRPOTrainer(cfg, groups=groups) as trainer:
@@ -44,13 +45,19 @@ async def test_no_consumed_sample_is_older_than_the_bound(k, mode, seed, tmp_pat
     assert all(r["staleness/dropped"] == 0 for r in history)  # the version gate keeps rollout within the bound
 
 
-@pytest.mark.parametrize("k", [0, 2])
-async def test_stages_run_in_canonical_order_and_updates_in_version_order(k, tmp_path):
-    _, events = await _run(k, "latest", seed=3, tmp_path=tmp_path)
+@pytest.mark.parametrize("k, precompute", [(0, True), (2, False), (2, True)])
+async def test_stages_run_in_canonical_order_and_updates_in_version_order(k, precompute, tmp_path):
+    """Canonical per batch at max_staleness=0 (and with trainer.precompute_log_probs off); with it
+    on at k >= 1 a batch's old_log_prob may run before its score (it does not read the scores)."""
+    _, events = await _run(k, "latest", seed=3, tmp_path=tmp_path, precompute=precompute)
     where = {(name, step): i for i, (name, step, _) in enumerate(events) if step >= 0}
+    canonical = k == 0 or not precompute
     for t in range(STEPS):
-        order = [where[(s, t)] for s in ("generate", "score", "old_log_prob", "actor_update")]
-        assert order == sorted(order), f"step {t}: stages ran out of order"
+        chains = [("generate", "score", "old_log_prob", "actor_update")] if canonical else [
+            ("generate", "score", "actor_update"), ("generate", "old_log_prob", "actor_update")]
+        for chain in chains:
+            order = [where[(s, t)] for s in chain]
+            assert order == sorted(order), f"step {t}: stages ran out of order"
     updates = [v for name, _, v in events if name == "actor_update"]
     assert updates == list(range(STEPS))
     exports = [v for name, _, v in events if name == "export_weights"]

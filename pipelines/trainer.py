@@ -19,6 +19,12 @@
 * The **train loop** consumes ``RolloutBatch`` items; produces one policy version per
   step (an ``export_weights`` future) and metrics; waits for the buffer.
 
+With ``trainer.precompute_log_probs`` (``max_staleness >= 1``, two pools) the train loop's first
+three stages of step t+1 are issued early, on batch t+1's generate future, as soon as that
+generate is issued and step t's export is (:meth:`Trainer._precompute_next`): they run on the
+training workers right behind that export, with the weights step t+1 trains from, without
+waiting for the batch's scores; step t+1 uses them if batch, future and version match.
+
 Batch t is generated with weights ``max(0, t - max_staleness)`` (``fixed_lag``) or the
 newest exported (``latest``, never older), so ``max_staleness=0`` is the synchronous
 loop and ``k`` lets rollout run up to k versions ahead. Per batch the stages keep the

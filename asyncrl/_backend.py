@@ -24,7 +24,7 @@ from asyncrl.errors import (
     WorkerDiedError,
 )
 
-__all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "InputFailed", "public_error"]
+__all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "InputFailed", "FetchHandle", "public_error"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,13 @@ class BackendSpec(Protocol):
     async def start(self) -> "Backend": ...
 
 
+class FetchHandle(Protocol):
+    """A fetch in progress (:meth:`Backend.fetch`)."""
+
+    def cancel(self) -> None:
+        """On the loop: the delivery will not run (one already posted becomes a no-op)."""
+
+
 class Backend(Protocol):
     """How a group starts, calls and stops its worker hosts."""
 
@@ -155,13 +162,19 @@ class Backend(Protocol):
 
     async def wait(self, ref: Any) -> Any: ...
 
-    def futures(self, refs: Sequence[Any]) -> list[Any]:
-        """An asyncio future per ref (its value, or the backend's raw error: see `translate`),
-        without a task per ref."""
+    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> "FetchHandle":
+        """Fetch every ref and wake the event loop ONCE for all of them: call
+        ``deliver(outcomes, failed, at)`` on the running loop when the last ref is done
+        (``failed == -1``, ``outcomes`` the values in the order of `refs`), or at once when
+        the first one fails (``failed`` its position, ``outcomes[failed]`` the backend's
+        raw error: see `translate`; the other refs' outcomes are still retrieved, and
+        dropped). `at` is ``time.perf_counter()`` when the backend saw it. Never a task
+        per ref; with thousands of fetches outstanding, deliveries are spread over loop
+        iterations. Call from the event loop."""
         ...
 
     def translate(self, e: BaseException) -> BaseException:
-        """A raw error of `futures` as one of this module's outcomes (what `wait` raises)."""
+        """A raw error of `fetch` as one of this module's outcomes (what `wait` raises)."""
         ...
 
     def get(self, refs: Sequence[Any], timeout: float | None) -> list[Any] | None:

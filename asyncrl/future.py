@@ -77,7 +77,7 @@ class _Call:
         "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
-        "_producers", "_timer", "_fut", "_waits", "_left", "_error", "_completed", "_watching", "_failure", "_loop",
+        "_producers", "_timer", "_fut", "_fetch", "_error", "_completed", "_watching", "_failure", "_loop",
     )
 
     def __init__(self, site: _Site, backend: Backend, sequencer: "Sequencer", spec: "MethodSpec", world: "World",
@@ -136,8 +136,7 @@ class _Call:
         for p in producers:
             p.consumers += 1
         self._fut: asyncio.Future[Any] | None = None
-        self._waits: list[asyncio.Future[Any]] | None = None  # the backend futures being awaited
-        self._left = 0  # of them, not finished yet
+        self._fetch: Any = None  # the backend's fetch of the refs, while it is outstanding
         self._failure: asyncio.Future[BaseException] | None = None
         self._error: BaseException | None = None
         self._completed = False
@@ -249,9 +248,9 @@ class _Call:
             self._fut.set_exception(error)
         if self._failure is not None and not self._failure.done():
             self._failure.set_result(error)
-        waits, self._waits = self._waits, None
-        for w in waits or ():
-            w.cancel()
+        fetch, self._fetch = self._fetch, None
+        if fetch is not None:
+            fetch.cancel()  # its delivery, if it comes, is a no-op
         if cancel_remote:
             self.sequencer.cancel(self.entries, deadline=deadline)
         self._release_producers()
@@ -393,13 +392,13 @@ class _Call:
         except Exception as e:
             raise self._error_of(e, self.ranks[pos]) from None
 
-    # The fetch: no task, no coroutine. Each ref is awaited as the backend's plain
-    # future (Ray: a completion callback, no thread of ours), and a done-callback per
-    # ref counts them down; the last one collects. The first error settles the call at
-    # once (the other ranks are not waited for), translated once, with its rank.
+    # The fetch: no task, no coroutine, and one event-loop wake-up per call, not per
+    # rank: the backend counts the refs down off the loop (Ray: on its own thread) and
+    # delivers them together when the last one is done, or at once on the first error
+    # (the other ranks are not waited for), which is translated once, with its rank.
 
     def _wait_order(self) -> list[int]:
-        """The positions (in `refs`) of what `_start_fetch` awaits, in its order:
+        """The positions (in `refs`) of what `_start_fetch` fetches, in its order:
         the collected ranks, the non-collecting ones, then the padding metadata."""
         positions = list(self.collect_index)
         collected = set(positions)
@@ -414,29 +413,21 @@ class _Call:
         if self.fetch_metas:
             metas = self.collect_metas
             refs = list(refs) + [metas[j] for j in self.fetch_metas]  # type: ignore[index]
-        waits = self._waits = self.backend.futures(refs)
-        self._left = len(waits)
-        for w in waits:
-            w.add_done_callback(self._one_done)
+        self._fetch = self.backend.fetch(refs, self._delivered)
 
-    def _one_done(self, w: asyncio.Future[Any]) -> None:
-        if w.cancelled():
-            return  # failed by the controller meanwhile (fail() cancels the waits)
-        e = w.exception()  # (retrieved even when the call is settled already: no "never retrieved" log)
-        fut, waits = self._fut, self._waits
-        if fut is None or waits is None or fut.done():
-            return  # settled meanwhile: by the controller, or by another rank's error
-        if e is not None:
-            self._waits = None
-            pos = self._wait_order()[waits.index(w)]
-            self._finish(fut, error=self._error_of(self.backend.translate(e), self.ranks[pos]))
+    def _delivered(self, got: list[Any], failed: int, at: float) -> None:
+        """The backend's one delivery (on the loop): every outcome, or the first error."""
+        fut = self._fut
+        if fut is None or self._fetch is None or fut.done():
+            return  # settled meanwhile by the controller (fail() cancels the fetch)
+        self._fetch = None
+        if self.done_at is None:
+            self.done_at = at  # when the backend saw it, not when the loop got to it
+        if failed >= 0:
+            pos = self._wait_order()[failed]
+            self._finish(fut, error=self._error_of(self.backend.translate(got[failed]), self.ranks[pos]))
             return
-        self._left -= 1
-        if self._left:
-            return
-        self._waits = None
         try:
-            got = [x.result() for x in waits]
             values = got[:len(self.collect_index)]
             if self.fetch_metas:
                 m = len(self.fetch_metas)

@@ -8,7 +8,9 @@ object store, so a worker can never mutate the controller's batch by accident.
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
+import time
 from typing import Any, Callable, Sequence
 
 from asyncrl._backend import Cancelled, Slot
@@ -93,8 +95,8 @@ class LocalBackend:
     async def wait(self, ref: Any) -> Any:
         return await _await_local(ref)
 
-    def futures(self, refs: Sequence[Any]) -> list[asyncio.Future[Any]]:
-        return [asyncio.ensure_future(_await_local(r)) for r in refs]
+    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> "_LocalFetch":
+        return _LocalFetch(refs, deliver)
 
     def translate(self, e: BaseException) -> BaseException:
         return e
@@ -133,6 +135,34 @@ class LocalBackend:
 
     async def remove_placement(self, handles: list[Any]) -> None:
         pass
+
+
+class _LocalFetch:
+    """:meth:`LocalBackend.fetch`: the refs are futures on this loop; their done
+    callbacks count down and the last one (or the first error) delivers, once. Every
+    ref's outcome is retrieved, so asyncio never logs one as never retrieved."""
+
+    __slots__ = ("_deliver", "_outcomes", "_left", "_live")
+
+    def __init__(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> None:
+        self._deliver = deliver
+        self._outcomes: list[Any] = [None] * len(refs)
+        self._left = len(refs)
+        self._live = True
+        for i, ref in enumerate(refs):
+            ref.add_done_callback(functools.partial(self._one, i))
+
+    def _one(self, i: int, ref: asyncio.Future[Any]) -> None:
+        failed = ref.cancelled() or ref.exception() is not None  # (retrieves it)
+        self._outcomes[i] = (Cancelled() if ref.cancelled() else ref.exception()) if failed else ref.result()
+        self._left -= 1
+        if not self._live or (self._left and not failed):
+            return
+        self._live = False
+        self._deliver(self._outcomes, i if failed else -1, time.perf_counter())
+
+    def cancel(self) -> None:
+        self._live = False
 
 
 def _retrieve(f: asyncio.Future[Any]) -> None:

@@ -96,64 +96,141 @@ async def await_ray(ref: Any) -> Any:
         raise _translate(e) from None
 
 
-_NATIVE_LIMIT = 256  # refs awaited through Ray's own asyncio futures at once; more are delivered in batches
-_DELIVER_BATCH = 128  # results handed to the event loop per loop iteration
+_NATIVE_LIMIT = 256  # refs fetched with a direct loop wake-up each at once; past it deliveries are queued
+_DELIVER_BATCH = 128  # refs' worth of fetch deliveries handed to the event loop per loop iteration
+
+
+class _Fetch:
+    """One fetch: a set of ObjectRefs whose outcomes reach the event loop together, in
+    ONE loop wake-up — when the last ref is done, or at once on the first error.
+
+    Each ref gets Ray's ``_on_completed`` callback (the value, or Ray's error object, on
+    Ray's own thread: every outcome is retrieved, so Ray never reports an unhandled
+    error, even for ranks that fail after the first error was delivered). The callbacks
+    count down under a lock; the one that completes the set, or brings its first error,
+    posts the delivery (:meth:`_Resolver.post`): one ``call_soon_threadsafe`` per fetch
+    instead of one per ref. On the loop, `deliver(outcomes, failed, at)` runs once:
+    `failed` is -1 and `outcomes` the values in the order of the refs, or the position of
+    the first error and ``outcomes[failed]`` Ray's raw error (see :func:`_translate`);
+    `at` is ``time.perf_counter()`` when Ray's thread saw it. :meth:`cancel` (on the loop)
+    makes a later delivery a no-op.
+    """
+
+    __slots__ = ("_loop", "_deliver", "_refs", "_outcomes", "_left", "_failed", "_sent", "_live", "_queued", "at")
+
+    _LOCK = threading.Lock()  # the count-down, across Ray's callback threads
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, refs: Sequence[Any],
+                 deliver: Callable[[list[Any], int, float], None], queued: bool) -> None:
+        self._loop = loop
+        self._deliver = deliver
+        self._refs: list[Any] | None = list(refs)  # held until every callback ran (as _Watch)
+        n = len(self._refs)
+        self._outcomes: list[Any] = [None] * n
+        self._left = n
+        self._failed = -1
+        self._sent = False  # the delivery was posted (Ray's side, under the lock)
+        self._live = True  # not delivered, not cancelled (the loop's side)
+        self._queued = queued  # delivered through the resolver's batched queue
+        self.at = 0.0
+        try:
+            for i, ref in enumerate(self._refs):
+                ref._on_completed(functools.partial(self._one, i))
+        except BaseException:  # Ray shut down under us: the caller sees the error, nothing is delivered
+            self._live = False
+            raise
+
+    def _one(self, i: int, outcome: Any) -> None:  # on Ray's thread
+        with self._LOCK:
+            self._outcomes[i] = outcome
+            self._left -= 1
+            if not self._left:
+                self._refs = None
+            if self._sent:
+                return  # settled by an earlier error: this outcome is retrieved, and dropped
+            if isinstance(outcome, RayError):
+                self._failed = i
+            elif self._left:
+                return
+            self._sent = True
+        self.at = time.perf_counter()
+        _RESOLVER.post(self)
+
+    def _fire(self) -> None:  # on the loop, once
+        if not self._live:
+            return  # cancelled meanwhile
+        self._live = False
+        if not self._queued:
+            _RESOLVER.native -= len(self._outcomes)
+        self._deliver(self._outcomes, self._failed, self.at)
+
+    def cancel(self) -> None:
+        """On the loop: no delivery after this (a posted one becomes a no-op)."""
+        if self._live:
+            self._live = False
+            if not self._queued:
+                _RESOLVER.native -= len(self._outcomes)
 
 
 class _Resolver:
-    """Awaits ObjectRefs without stalling the event loop when thousands are in flight.
+    """Hands fetches' outcomes to the event loop without stalling it when thousands of
+    calls are in flight.
 
-    Ray's asyncio integration (``ref.as_future()``) schedules one loop callback per
-    completion, so thousands of completions can land on the loop in one iteration.
-    While at most `_NATIVE_LIMIT` refs are outstanding that path is used as is; past
-    it, each ref gets a completion callback (Ray's ``_on_completed``, on which
-    ``as_future`` is built) that only appends to a queue, and the loop drains the queue
-    `_DELIVER_BATCH` results per iteration. No polling, no thread of ours, no task per ref.
+    While at most `_NATIVE_LIMIT` refs are being fetched, a fetch's delivery is one
+    ``call_soon_threadsafe`` of its own. Past it, a delivery only appends to a queue on
+    Ray's thread and the loop drains the queue `_DELIVER_BATCH` refs' worth per
+    iteration, so 10,000 completions never land on the loop in one iteration. No
+    polling, no thread of ours, no task per ref.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ready: dict[asyncio.AbstractEventLoop, collections.deque[tuple[asyncio.Future[Any], Any]]] = {}
+        self._ready: dict[asyncio.AbstractEventLoop, collections.deque[_Fetch]] = {}
         self._draining: set[asyncio.AbstractEventLoop] = set()
-        self.native = 0
+        self.native = 0  # refs being fetched with a direct wake-up (the loop's side only)
 
-    def futures(self, refs: Sequence[Any]) -> list[asyncio.Future[Any]]:
-        """An asyncio future per ref: its value, or Ray's own error (see :func:`_translate`).
-
-        Not ``ref.as_future()``: that builds a ``concurrent.futures.Future`` (with its
-        condition and lock) and chains an asyncio future to it, per ref. Here a ref gets
-        one plain asyncio future and one completion callback on Ray's thread."""
+    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> _Fetch:
+        """Fetch `refs` with one loop wake-up (see :class:`_Fetch`); returns its handle."""
         loop = asyncio.get_running_loop()
-        out = []
-        if self.native + len(refs) <= _NATIVE_LIMIT:
+        queued = self.native + len(refs) > _NATIVE_LIMIT
+        if not queued:
             self.native += len(refs)
-            for ref in refs:
-                fut: asyncio.Future[Any] = loop.create_future()
-                fut.add_done_callback(self._native_done)
-                ref._on_completed(functools.partial(_deliver, loop, fut))
-                out.append(fut)
-            return out
-        for ref in refs:
-            fut = loop.create_future()
-            ref._on_completed(functools.partial(self._completed, loop, fut))
-            out.append(fut)
-        return out
+        try:
+            return _Fetch(loop, refs, deliver, queued)
+        except BaseException:
+            if not queued:
+                self.native -= len(refs)
+            raise
 
     async def wait(self, ref: Any) -> Any:
+        """One ref's value; Ray's error as :func:`_translate` makes it."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def got(outcomes: list[Any], failed: int, _at: float) -> None:
+            if fut.done():
+                return
+            if failed < 0:
+                fut.set_result(outcomes[0])
+            else:
+                fut.set_exception(_translate(outcomes[0]))
+
+        handle = self.fetch([ref], got)
         try:
-            return await self.futures([ref])[0]
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise _translate(e) from None
+            return await fut
+        finally:
+            handle.cancel()  # (a no-op once delivered)
 
-    def _native_done(self, _: Any) -> None:
-        self.native -= 1
-
-    def _completed(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: Any) -> None:
-        """On Ray's thread: queue the result; wake the loop unless it is draining already."""
+    def post(self, f: _Fetch) -> None:
+        """On Ray's thread: hand a finished fetch to its loop."""
+        loop = f._loop
+        if not f._queued:
+            try:
+                loop.call_soon_threadsafe(f._fire)
+            except RuntimeError:  # that loop is closed
+                pass
+            return
         with self._lock:
-            self._ready.setdefault(loop, collections.deque()).append((fut, result))
+            self._ready.setdefault(loop, collections.deque()).append(f)
             if loop in self._draining:
                 return
             self._draining.add(loop)
@@ -165,39 +242,28 @@ class _Resolver:
                 self._ready.pop(loop, None)
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch: list[_Fetch] = []
         with self._lock:
             q = self._ready.get(loop)
-            batch = [q.popleft() for _ in range(min(_DELIVER_BATCH, len(q)))] if q else []
+            weight = 0
+            while q and weight < _DELIVER_BATCH:
+                f = q.popleft()
+                batch.append(f)
+                weight += len(f._outcomes)
             more = bool(q)
             if not more:
                 self._draining.discard(loop)
                 self._ready.pop(loop, None)
-        for fut, result in batch:
-            _settle(fut, result)
+        for f in batch:
+            try:
+                f._fire()
+            except Exception as e:  # noqa: BLE001 - reported as asyncio reports a callback's error
+                loop.call_exception_handler({"message": "asyncrl: a fetch's delivery raised", "exception": e})
         if more:
             loop.call_soon(self._drain, loop)
 
 
 _RESOLVER = _Resolver()
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], result: Any) -> None:
-    """On Ray's thread: hand a ref's outcome to its future on the loop."""
-    try:
-        loop.call_soon_threadsafe(_settle, fut, result)
-    except RuntimeError:  # that loop is closed
-        pass
-
-
-def _settle(fut: asyncio.Future[Any], result: Any) -> None:
-    if fut.done():  # cancelled meanwhile (the call was failed by the controller)
-        return
-    if isinstance(result, RayTaskError):  # as Ray's own as_future does
-        fut.set_exception(result.as_instanceof_cause())
-    elif isinstance(result, RayError):
-        fut.set_exception(result)
-    else:
-        fut.set_result(result)
 
 
 class _Watch:
@@ -369,8 +435,8 @@ class RayBackend:
     async def wait(self, ref: Any) -> Any:
         return await _RESOLVER.wait(ref)
 
-    def futures(self, refs: Sequence[Any]) -> list[asyncio.Future[Any]]:
-        return _RESOLVER.futures(refs)
+    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> _Fetch:
+        return _RESOLVER.fetch(refs, deliver)
 
     def translate(self, e: BaseException) -> BaseException:
         return _translate(e)

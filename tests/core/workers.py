@@ -73,6 +73,7 @@ class Probe(Worker):
         self.sync_peak = 0
         self.blocked = False
         self.release = threading.Event()
+        self.gate: asyncio.Event | None = None  # fail_or_wait's, on the worker's loop while one waits
         if tp > 1:
             self.register_mesh("train", dp_rank=self.rank // tp, dp_size=self.world_size // tp,
                                collect=self.rank % tp == 0)
@@ -267,6 +268,29 @@ class Probe(Worker):
     @register(concurrent=True)
     async def noop(self, i: int) -> int:
         return i
+
+    @register()
+    async def fail_or_wait(self, rank: int) -> int:
+        """Ordered: raises on `rank` at once; every other rank waits until `open_gate`
+        (or until cancelled)."""
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} failed")
+        self.gate = asyncio.Event()
+        try:
+            await self.gate.wait()
+        finally:
+            self.gate = None
+        return self.rank
+
+    @register(concurrent=True)
+    async def open_gate(self) -> None:
+        if self.gate is not None:
+            self.gate.set()
+
+    @register(concurrent=True)
+    async def is_waiting(self) -> bool:
+        """Whether a fail_or_wait call is waiting at its gate on this rank."""
+        return self.gate is not None
 
     @register()
     def pid(self) -> int:

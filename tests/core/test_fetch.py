@@ -1,0 +1,215 @@
+"""An awaited call's fetch: one event-loop wake-up per call, not per rank.
+
+The backend counts a call's refs down off the loop (Ray: completion callbacks on Ray's
+own thread; local: done callbacks) and delivers them together once — when the last rank
+is done, or at once on the first error. These tests pin what that must keep: exact
+values; the first error settling the call while other ranks still run, named by rank;
+every rank's outcome retrieved (nothing logged as never retrieved); a late delivery
+after a deadline or cancel changing nothing; thousands of refs past the batching limit
+each delivered exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+import pytest_asyncio
+import torch
+from tensordict import TensorDict
+
+from asyncrl import CallCancelledError, CallTimeoutError, RemoteError
+from asyncrl.backends import local as local_backend
+from asyncrl.future import _Call
+
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
+from tests.core.workers import Probe
+
+HANG = 60  # seconds: what should be delivered by then never will be
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
+async def wg(request, ray_cluster):
+    async with kinds.group(request.param, Probe, world_size=2, name=f"fetch-{request.param}") as group:
+        group.kind = request.param
+        yield group
+
+
+def _ray_fetch():
+    from asyncrl.backends import ray as ray_backend
+
+    return ray_backend._Fetch
+
+
+def deliveries(monkeypatch, kind: str) -> list:
+    """Record every fetch whose outcomes reached the loop, live or late (cancelled)."""
+    seen: list = []
+    if kind == "local":
+        one = local_backend._LocalFetch._one
+
+        def recording_one(self, i, ref):
+            one(self, i, ref)
+            if self._left == 0:
+                seen.append(self)
+
+        monkeypatch.setattr(local_backend._LocalFetch, "_one", recording_one)
+    else:
+        cls = _ray_fetch()
+        fire = cls._fire
+
+        def recording_fire(self):
+            fire(self)
+            seen.append(self)
+
+        monkeypatch.setattr(cls, "_fire", recording_fire)
+    return seen
+
+
+async def all_retrieved(handle) -> None:
+    """Wait until the backend has the outcome of every ref of a fetch."""
+    async def done() -> bool:
+        return handle._left == 0
+
+    await kinds.until(done)
+
+
+def rows(n: int) -> TensorDict:
+    td = TensorDict({"x": torch.arange(n)}, batch_size=[n])
+    td["prompt"] = [f"p{i}" for i in range(n)]
+    return td
+
+
+async def test_one_delivery_per_call_with_exact_values(wg, monkeypatch):
+    calls: list = []
+    delivered = _Call._delivered
+
+    def counting(self, got, failed, at):
+        calls.append((self.method, failed))
+        delivered(self, got, failed, at)
+
+    monkeypatch.setattr(_Call, "_delivered", counting)
+    fetched = wg.stats.results_fetched
+    fut = wg.add(5)
+    assert await fut == [5, 6]
+    assert fut.done_time() is not None
+    padded = await wg.tag(rows(3))  # rank 1 padded: its metadata is fetched in the same delivery
+    assert padded["y"].tolist() == [0, 2, 4] and padded["prompt"] == ["P0", "P1", "P2"]
+    assert await wg.whoami() == 0  # RANK_ZERO: rank 1's ref is fetched too (its errors surface)
+    assert calls == [("add", -1), ("tag", -1), ("whoami", -1)]
+    assert wg.stats.results_fetched == fetched + 2 + 2 + 1
+
+
+async def test_the_first_error_settles_the_call_while_another_rank_still_runs(wg):
+    fut = wg.fail_or_wait(0)
+    with pytest.raises(RemoteError) as err:
+        async with asyncio.timeout(HANG):  # (a fetch waiting for every rank would never finish)
+            await fut
+    assert (err.value.rank, err.value.exc_type, err.value.message) == (0, "builtins.ValueError", "rank 0 failed")
+    assert await wg.is_waiting() == [False, True]  # rank 1 is still inside the call
+    assert fut.done() and fut.done_time() is not None
+    handle = fut._call._fetch
+    assert handle is None  # delivered
+    await wg.open_gate()
+    assert await wg.add(1) == [1, 2]  # rank 1 finished its part; the ordered lane goes on
+    with pytest.raises(RemoteError) as again:
+        await fut  # the same outcome for every awaiter
+    assert again.value is err.value
+
+
+async def test_every_rank_failing_retrieves_every_error_and_logs_none(wg, monkeypatch):
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, ctx: reported.append(ctx))
+    unhandled: list = []
+    if wg.kind != "local":
+        import ray._private.worker as ray_worker
+
+        monkeypatch.setattr(ray_worker, "_unhandled_error_handler", unhandled.append)
+    try:
+        fut = wg.boom("all fail")
+        fut._call.outcome()  # the fetch starts
+        handle = fut._call._fetch
+        with pytest.raises(RemoteError) as err:
+            await fut
+        assert err.value.rank in (0, 1)
+        assert (err.value.exc_type, err.value.message) == ("builtins.ValueError", "all fail")
+        await all_retrieved(handle)  # the other rank's error came in after the call was settled
+        assert all(isinstance(o, BaseException) for o in handle._outcomes)  # both errors, retrieved
+        del fut, handle, err
+        gc.collect()
+        assert await wg.add(0) == [0, 1]  # a round trip after the collection
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == [] and unhandled == []
+
+
+@pytest.mark.parametrize("how", ["deadline", "cancel"])
+async def test_a_late_delivery_after_the_controller_failed_the_call_changes_nothing(wg, monkeypatch, how):
+    seen = deliveries(monkeypatch, wg.kind)
+    if how == "deadline":
+        fut = wg.fail_or_wait.options(timeout=0.3)(-1)  # no rank fails: every rank waits until cancelled
+        outcome = fut._call.outcome()  # the fetch starts
+        handle = fut._call._fetch
+        with pytest.raises(CallTimeoutError):
+            await fut
+    else:
+        fut = wg.fail_or_wait(-1)
+        outcome = fut._call.outcome()
+        handle = fut._call._fetch
+        assert await wg.is_waiting() == [True, True]
+        assert fut.cancel()
+        with pytest.raises(CallCancelledError):
+            await fut
+    assert handle is not None and fut._call._fetch is None
+    done_at, error, fetched = fut.done_time(), outcome.exception(), wg.stats.results_fetched
+
+    async def delivered() -> bool:
+        return handle in seen
+
+    await kinds.until(delivered)  # the ranks' cancelled outcomes arrived after the call was failed
+    assert outcome.exception() is error and fut.done_time() == done_at
+    assert wg.stats.results_fetched == fetched
+    assert await wg.is_waiting() == [False, False]
+    assert await wg.add(2) == [2, 3]
+
+
+async def test_many_calls_past_the_batching_limit_are_each_delivered_exactly_once(wg, monkeypatch):
+    if wg.kind == "local":
+        pytest.skip("the local backend has no threads to batch deliveries from")
+    from asyncrl.backends.ray import _NATIVE_LIMIT, _RESOLVER
+
+    counts: dict[int, int] = {}
+    queued: list[bool] = []
+    delivered = _Call._delivered
+
+    def counting(self, got, failed, at):
+        counts[id(self)] = counts.get(id(self), 0) + 1
+        queued.append(self._fetch._queued)
+        delivered(self, got, failed, at)
+
+    monkeypatch.setattr(_Call, "_delivered", counting)
+    n = 300  # 600 refs on 2 ranks: past the limit of refs fetched with a direct wake-up each
+    assert 2 * n > _NATIVE_LIMIT
+    futures = [wg.noop(i) for i in range(n)] + [wg.boom(f"no {i}") for i in range(3)]
+    blocked = [wg.wait_forever(str(i)) for i in range(4)]
+    waiters = [asyncio.ensure_future(b) for b in blocked]  # fetched through the queue, then cancelled
+    got = await asyncio.gather(*futures, return_exceptions=True)  # a task per future: all fetches outstanding
+    assert got[:n] == [[i, i] for i in range(n)]
+    for i, e in enumerate(got[n:]):
+        assert isinstance(e, RemoteError) and (e.exc_type, e.message) == ("builtins.ValueError", f"no {i}")
+    assert sorted(counts.get(id(f._call)) for f in futures) == [1] * (n + 3)
+    assert True in queued and False in queued  # both paths were taken
+    for w in waiters:
+        w.cancel()
+    for w in waiters:
+        with pytest.raises(asyncio.CancelledError):
+            await w
+    handles = [b._call for b in blocked]
+    assert all(c._fetch is None for c in handles)
+    assert _RESOLVER.native == 0
+    assert all(counts.get(id(c), 0) == 0 for c in handles)  # their late outcomes were not delivered
+    assert await wg.noop(7) == [7, 7]

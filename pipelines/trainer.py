@@ -965,8 +965,8 @@ class Trainer:
         training worker the calls run right after it, in its ordered lane, with exactly the weights
         the step trains from); its batch is the one :meth:`_next_batch` names, once its generate is
         issued (so nothing on the training workers waits for a generate that is not running). Not
-        past the last step, not after a stop was requested, not before the train loop took the
-        current step's batch, not while restored batches are still being buffered. Called when a
+        past the last step, not after a stop was requested, not once the train loop has taken that
+        step's batch (it issues them itself then), not while restored batches are being buffered. Called when a
         step's export is published and when a generate is issued. The calls carry no stage deadline:
         they may wait a whole step for their turn; the step's ``advantages`` call, which waits for
         them, carries it."""

@@ -438,7 +438,8 @@ class PlainTrain(_Marks):
         return self.version, {}
 
 
-async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, precompute: bool = True) -> list[float]:
+async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, precompute: bool = True,
+                    score_behind: bool = False) -> list[float]:
     """The trainer's schedule written with plain Ray actors and ObjectRefs: a rollout loop
     (batch i with weights version max(0, i - k), scores awaited) and a train loop (the six
     training stages, each ObjectRef passed straight into the next call; the export is
@@ -449,7 +450,12 @@ async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, prec
     Ray user would write it: batch i's ``compute_log_prob`` and ``compute_values`` get batch i's
     generate ObjectRef as soon as both that generate is issued and step i - 1's export is (the
     training actor runs its calls in submission order, so they run right after that export, with
-    step i's weights); step i then passes those refs into its advantages."""
+    step i's weights); step i then passes those refs into its advantages.
+
+    With `score_behind` (an experiment, ``--score-behind``: not what the trainer does) the rollout
+    loop waits for batch i's generate, not its score, before loading the next weights and
+    generating batch i + 1; the scores are awaited off the loop (the train loop passes the score
+    ref into advantages anyway), so the score leaves the rollout loop's own cycle too."""
     cond = asyncio.Condition()
     queue: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
     exports: dict[int, Any] = {}
@@ -458,6 +464,7 @@ async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, prec
     gens: dict[int, Any] = {}  # batch index -> its generate ref, once issued (batch i is step i's)
     early: dict[int, tuple[Any, Any]] = {}  # step -> (old, values) refs issued ahead
     taken = -1  # the last step whose batch the train loop took
+    behind: list[Any] = []  # scores awaited off the rollout loop (score_behind)
 
     def issue_early(i: int) -> None:
         if precompute and k >= 1 and i < steps and i in gens and exported >= i and taken < i and i not in early:
@@ -476,7 +483,11 @@ async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, prec
             gens[i] = gen
             issue_early(i)
             sc = roll.compute_reward.remote(gen)
-            float((await sc)["scores"].float().mean())
+            if score_behind:
+                await gen  # generated: the engine is free for the next weights (the score runs meanwhile)
+                behind.append(asyncio.ensure_future(sc))
+            else:
+                float((await sc)["scores"].float().mean())
             await queue.put((gen, sc))
 
     async def train_loop() -> None:
@@ -504,6 +515,8 @@ async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, prec
             ends.append(time.perf_counter())
 
     await asyncio.gather(rollout_loop(), train_loop())
+    for f in behind:
+        float((await f)["scores"].float().mean())
     return ends
 
 
@@ -528,10 +541,10 @@ class PlainBench:
         ray.kill(self.train)
 
     async def run(self, costs: dict[str, float], steps: int, k: int, loader: Any,
-                  precompute: bool = True) -> dict[str, Any]:
+                  precompute: bool = True, score_behind: bool = False) -> dict[str, Any]:
         await asyncio.gather(self.roll.configure.remote(costs), self.train.configure.remote(costs))
         c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
-        ends = await plain_fit(self.roll, self.train, loader, steps, k, precompute)
+        ends = await plain_fit(self.roll, self.train, loader, steps, k, precompute, score_behind)
         c1, p1, w1 = time.thread_time(), time.process_time(), time.perf_counter()
         marks = await asyncio.gather(self.roll.timeline.remote(), self.train.timeline.remote())
         return {"step_s": (ends[-1] - ends[0]) / (len(ends) - 1), "thread_s": (c1 - c0) / steps,
@@ -610,6 +623,8 @@ def make_loader() -> Any:
 
 FLOOR_VARIANTS = ("asyncrl trainer", "asyncrl trainer, trace off", "plain Ray")
 CANONICAL = ", canonical order"
+SCORE_BEHIND = ", score behind"
+"""Suffix of the plain-Ray variant that also takes the score off the rollout loop (``--score-behind``)."""
 """Suffix of the variants run with the canonical stage order (``--canonical``: the next batch's
 old_log_prob and values issued only after its scores; ``trainer.precompute_log_probs=false``)."""
 
@@ -638,7 +653,7 @@ async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
                 for v in order[r % len(order):] + order[:r % len(order)]:
                     precompute = not v.endswith(CANONICAL)
                     if v.startswith("plain Ray"):
-                        res = await plain.run(costs, steps, k, loader, precompute)
+                        res = await plain.run(costs, steps, k, loader, precompute, v.endswith(SCORE_BEHIND))
                     else:
                         trace = not v.startswith("asyncrl trainer, trace off")
                         res = await bench.run_async(costs, steps, k, trace=trace, precompute=precompute)
@@ -922,6 +937,7 @@ async def amain(args: argparse.Namespace) -> tuple[list, dict, list, list]:
     if args.floor_rounds:
         configs = [(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.floor_configs.split(",")]
         variants = FLOOR_VARIANTS + ((f"asyncrl trainer{CANONICAL}", f"plain Ray{CANONICAL}") if args.canonical else ())
+        variants += (f"plain Ray{SCORE_BEHIND}",) if args.score_behind else ()
         floor = await vs_plain(configs, args.train_ms / 1e3, args.steps, args.floor_rounds, variants)
     rows, timelines = ([], {}) if args.no_sweep else await simulated(ratios, args.train_ms / 1e3, args.steps)
     runs = [] if args.no_real else await real(args.presets.split(","), args.real_steps, args.quick)
@@ -949,6 +965,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="also run the trainer and the plain-Ray step with the canonical stage order (the next "
                         "batch's old_log_prob and values issued only after its scores: "
                         "trainer.precompute_log_probs=false), to show what that schedule gains")
+    p.add_argument("--score-behind", action="store_true",
+                   help="also run the plain-Ray step with the score off the rollout loop's cycle (an experiment: the "
+                        "next weights and generate once the current generate finished, the score awaited later)")
     p.add_argument("--profile", choices=["trainer", "trainer-notrace", "plain"], default=None,
                    help="only profile the controller thread (cProfile) over one run of this variant of the "
                         "simulated step at cost ratio 1, print the top functions, write nothing")

@@ -237,7 +237,7 @@ class SimBench:
         await self.tcol.close()
         await self.pool.release()
 
-    def config(self, steps: int, k: int, name: str, trace: bool = True, precompute: bool = True) -> Any:
+    def config(self, steps: int, k: int, name: str, trace: bool = True, precompute: bool = False) -> Any:
         from asyncrl.pipelines.presets import tiny_test
 
         cfg = tiny_test("ppo")
@@ -272,7 +272,7 @@ class SimBench:
                 "wall_s": w1 - w0, "history": hist}
 
     async def run_async(self, costs: dict[str, float], steps: int, k: int, trace: bool = True,
-                        precompute: bool = True) -> dict[str, Any]:
+                        precompute: bool = False) -> dict[str, Any]:
         from asyncrl.pipelines.trainer import PPOTrainer
 
         cfg = self.config(steps, k, f"async-k{k}", trace, precompute)
@@ -438,7 +438,7 @@ class PlainTrain(_Marks):
         return self.version, {}
 
 
-async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, precompute: bool = True,
+async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, precompute: bool = False,
                     score_behind: bool = False) -> list[float]:
     """The trainer's schedule written with plain Ray actors and ObjectRefs: a rollout loop
     (batch i with weights version max(0, i - k), scores awaited) and a train loop (the six
@@ -446,7 +446,7 @@ async def plain_fit(roll: Any, train: Any, loader: Any, steps: int, k: int, prec
     published to the rollout loop, then the updates' metrics are awaited). Returns the
     wall time at the end of every step.
 
-    With `precompute` (and k >= 1), the trainer's ``trainer.precompute_log_probs`` schedule as a
+    With `precompute` (and k >= 1), the trainer's ``trainer.precompute_log_probs=true`` schedule as a
     Ray user would write it: batch i's ``compute_log_prob`` and ``compute_values`` get batch i's
     generate ObjectRef as soon as both that generate is issued and step i - 1's export is (the
     training actor runs its calls in submission order, so they run right after that export, with
@@ -541,7 +541,7 @@ class PlainBench:
         ray.kill(self.train)
 
     async def run(self, costs: dict[str, float], steps: int, k: int, loader: Any,
-                  precompute: bool = True, score_behind: bool = False) -> dict[str, Any]:
+                  precompute: bool = False, score_behind: bool = False) -> dict[str, Any]:
         await asyncio.gather(self.roll.configure.remote(costs), self.train.configure.remote(costs))
         c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         ends = await plain_fit(self.roll, self.train, loader, steps, k, precompute, score_behind)
@@ -622,16 +622,17 @@ def make_loader() -> Any:
 
 
 FLOOR_VARIANTS = ("asyncrl trainer", "asyncrl trainer, trace off", "plain Ray")
-CANONICAL = ", canonical order"
+PRECOMPUTED = ", precomputed"
+"""In the variants run with ``trainer.precompute_log_probs=true`` (``--precompute``): the next batch's
+old_log_prob and values issued on its generate right after the current step's export, not after its
+scores (the plain-Ray step written the same way)."""
 SCORE_BEHIND = ", score behind"
 """Suffix of the plain-Ray variant that also takes the score off the rollout loop (``--score-behind``)."""
-"""Suffix of the variants run with the canonical stage order (``--canonical``: the next batch's
-old_log_prob and values issued only after its scores; ``trainer.precompute_log_probs=false``)."""
 
 
 def floor_of(variant: str) -> str:
     """The plain-Ray variant a variant is compared with: the same schedule."""
-    return "plain Ray" + (CANONICAL if variant.endswith(CANONICAL) else "")
+    return "plain Ray" + (PRECOMPUTED if PRECOMPUTED in variant else "")
 
 
 async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
@@ -651,7 +652,7 @@ async def vs_plain(configs: list[tuple[float, int]], train_s: float, steps: int,
             order = list(variants)
             for r in range(rounds):
                 for v in order[r % len(order):] + order[:r % len(order)]:
-                    precompute = not v.endswith(CANONICAL)
+                    precompute = PRECOMPUTED in v
                     if v.startswith("plain Ray"):
                         res = await plain.run(costs, steps, k, loader, precompute, v.endswith(SCORE_BEHIND))
                     else:
@@ -936,8 +937,9 @@ async def amain(args: argparse.Namespace) -> tuple[list, dict, list, list]:
     floor = []
     if args.floor_rounds:
         configs = [(float(c.split(":")[0]), int(c.split(":")[1])) for c in args.floor_configs.split(",")]
-        variants = FLOOR_VARIANTS + ((f"asyncrl trainer{CANONICAL}", f"plain Ray{CANONICAL}") if args.canonical else ())
-        variants += (f"plain Ray{SCORE_BEHIND}",) if args.score_behind else ()
+        variants = FLOOR_VARIANTS + ((f"asyncrl trainer{PRECOMPUTED}", f"plain Ray{PRECOMPUTED}")
+                                     if args.precompute or args.score_behind else ())
+        variants += (f"plain Ray{PRECOMPUTED}{SCORE_BEHIND}",) if args.score_behind else ()
         floor = await vs_plain(configs, args.train_ms / 1e3, args.steps, args.floor_rounds, variants)
     rows, timelines = ([], {}) if args.no_sweep else await simulated(ratios, args.train_ms / 1e3, args.steps)
     runs = [] if args.no_real else await real(args.presets.split(","), args.real_steps, args.quick)
@@ -961,13 +963,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="ratio:max_staleness pairs compared with the plain-Ray floor (default 1:1,1:0)")
     p.add_argument("--floor-rounds", type=int, default=None,
                    help="interleaved rounds of the plain-Ray comparison (default 3, --quick 1; 0 skips it)")
-    p.add_argument("--canonical", action="store_true",
-                   help="also run the trainer and the plain-Ray step with the canonical stage order (the next "
-                        "batch's old_log_prob and values issued only after its scores: "
-                        "trainer.precompute_log_probs=false), to show what that schedule gains")
+    p.add_argument("--precompute", action="store_true",
+                   help="also run the trainer with trainer.precompute_log_probs=true and the plain-Ray step written "
+                        "the same way (the next batch's old_log_prob and values issued on its generate right after "
+                        "the current step's export), to show what that schedule gains")
     p.add_argument("--score-behind", action="store_true",
-                   help="also run the plain-Ray step with the score off the rollout loop's cycle (an experiment: the "
-                        "next weights and generate once the current generate finished, the score awaited later)")
+                   help="also run the plain-Ray step, precomputed, with the score off the rollout loop's cycle (an "
+                        "experiment: the next weights and generate once the current generate finished, the score "
+                        "awaited later); implies --precompute")
     p.add_argument("--profile", choices=["trainer", "trainer-notrace", "plain"], default=None,
                    help="only profile the controller thread (cProfile) over one run of this variant of the "
                         "simulated step at cost ratio 1, print the top functions, write nothing")
@@ -1016,21 +1019,20 @@ def main(argv: list[str] | None = None) -> None:
                         f"target ≤ 1.05x), controller thread CPU {m['asyncrl trainer']['thread_s'] * 1e3:.1f} ms/step "
                         f"(trace off {m['asyncrl trainer, trace off']['thread_s'] * 1e3:.1f}; plain Ray "
                         f"{m['plain Ray']['thread_s'] * 1e3:.1f}; target ≤ 5 ms).")
-            if f"plain Ray{CANONICAL}" in m:
-                fverdict += (f" With the canonical stage order (`--canonical`): the trainer "
-                             f"{f1['ideal'] / m[f'asyncrl trainer{CANONICAL}']['step_s']:.3f}, plain Ray "
-                             f"{f1['ideal'] / m[f'plain Ray{CANONICAL}']['step_s']:.3f} "
-                             f"(precomputed: plain Ray {f1['ideal'] / m['plain Ray']['step_s']:.3f}).")
+            if f"plain Ray{PRECOMPUTED}" in m:
+                fverdict += (f" With trainer.precompute_log_probs (`--precompute`): the trainer "
+                             f"{f1['ideal'] / m[f'asyncrl trainer{PRECOMPUTED}']['step_s']:.3f}, plain Ray written the "
+                             f"same way {f1['ideal'] / m[f'plain Ray{PRECOMPUTED}']['step_s']:.3f}.")
         sections += [
             "## The simulated step: asyncrl trainer vs the same step on plain Ray",
             f"The simulated PPO step of the sweep below (training + sync = {args.train_ms:g} ms), run by the "
             "asyncrl trainer (trace on, its default; and trace off) and by the same schedule written with plain Ray "
             "actors and ObjectRefs (`plain_fit`: an async rollout actor, a sync training actor, each stage's "
-            "ObjectRef passed straight into the next call, the same staleness gate; at max_staleness ≥ 1 the next "
-            "batch's old_log_prob and values get its generate ref right after the current step's export, as the "
-            "trainer's `trainer.precompute_log_probs` does). The plain-Ray row is the floor: "
-            "what Ray itself costs per step; a `canonical order` row (`--canonical`) is compared with the plain-Ray "
-            "row of the same schedule. Medians over "
+            "ObjectRef passed straight into the next call, the same staleness gate). The plain-Ray row is the floor: "
+            "what Ray itself costs per step. `precomputed` rows (`--precompute`): the trainer with "
+            "`trainer.precompute_log_probs=true` and plain Ray written the same way (at max_staleness ≥ 1 the next "
+            "batch's old_log_prob and values get its generate ref right after the current step's export), each "
+            "compared with the plain-Ray row of its own schedule. Medians over "
             f"{args.floor_rounds} interleaved round(s) (variant order rotating), {args.steps} steps per run, the "
             "first discarded. ctrl thread / process = controller CPU per step (event-loop thread / whole process).",
             floor_table(floor),

@@ -157,7 +157,7 @@ class TrainerConfig:
     ``asyncrl.CallTimeoutError`` and its remote work is cancelled. None = no deadline."""
     restart: RestartConfig = field(default_factory=RestartConfig)
     """What to do when a worker dies or hangs (default: fail fast)."""
-    precompute_log_probs: bool = True
+    precompute_log_probs: bool = False
     """Issue the next step's ``old_log_prob``, ``ref_log_prob`` and ``values`` as soon as its batch is
     generated (or being generated) and the weights it trains from are final -- right after this step's
     ``export_weights`` on the training workers -- instead of after its scores reached the controller.
@@ -165,8 +165,9 @@ class TrainerConfig:
     training workers no longer wait for the score and the controller's hand-over. Only with two pools
     and ``max_staleness >= 1`` (``max_staleness=0`` keeps the canonical stage order). The precomputed
     calls carry no ``stage_timeout_s`` of their own (they may wait a whole step for their turn); the
-    step's ``advantages`` call, which waits for them, does. Turn off to get the per-batch stage order of
-    ``max_staleness=0`` at every staleness (e.g. to read a trace stage by stage)."""
+    step's ``advantages`` call, which waits for them, does. Off by default: measured no faster on the
+    2-core development machine (docs/benchmarks_core.md, "Round 5"); off keeps the canonical per-batch
+    stage order and a deadline on every stage."""
 
 
 @dataclass(kw_only=True)

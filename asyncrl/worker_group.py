@@ -12,6 +12,7 @@ runs on two backends: Ray actors (:class:`RayWorkerGroup`) and in-process object
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Any, Generic, Iterator, Mapping, ParamSpec, Sequence, TypeVar
@@ -486,19 +487,47 @@ def colocate(
     return Colocated(hs, groups)
 
 
-_ARITY: dict[int, tuple[MethodSpec, tuple[int, int] | None]] = {}
+_ARITY: dict[int, tuple[MethodSpec, "_Params | None"]] = {}
+
+
+class _Params:
+    """What `_positional_fits` needs of a method's parameters (without self): how many can
+    be passed positionally, each name's position, and the required positions."""
+
+    __slots__ = ("positional", "names", "index", "required")
+
+    def __init__(self, params: "list[inspect.Parameter]") -> None:
+        self.positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        self.names = tuple(p.name for p in params)  # positional-or-keyword first, then keyword-only
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.required = tuple(i for i, p in enumerate(params) if p.default is p.empty)
 
 
 def _positional_fits(spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """True when `args` alone surely bind to the method's parameters: all of them plain
-    positional-or-keyword, and as many as required..all. The common call is checked in
-    O(1); anything else goes through ``Signature.bind`` for its error message."""
-    if kwargs:
-        return False
+    """True when `args` and `kwargs` surely bind to the method's parameters (plain
+    positional-or-keyword and keyword-only ones: no ``*args``, ``**kwargs`` or
+    positional-only): no more positional arguments than it takes, every keyword names a
+    parameter not given positionally, every required parameter given. A few dict look-ups
+    instead of ``Signature.bind``; whatever this does not accept goes through
+    ``Signature.bind``, for its error message (or its verdict on the rare signature)."""
     entry = _ARITY.get(id(spec))
     if entry is None or entry[0] is not spec:  # (the spec is kept in the entry: its id stays its own)
         params = list(spec.signature.parameters.values())[1:]  # without self
-        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
-        entry = _ARITY[id(spec)] = (spec, (sum(p.default is p.empty for p in params), len(params)) if plain else None)
-    arity = entry[1]
-    return arity is not None and arity[0] <= len(args) <= arity[1]
+        plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+        entry = _ARITY[id(spec)] = (spec, _Params(params) if plain else None)
+    info = entry[1]
+    if info is None:
+        return False
+    n = len(args)
+    if n > info.positional:
+        return False
+    required = info.required
+    if not kwargs:
+        return not required or required[-1] < n
+    index = info.index
+    for k in kwargs:
+        i = index.get(k)
+        if i is None or i < n:
+            return False  # an unknown name, or one given positionally as well
+    names = info.names
+    return all(i < n or names[i] in kwargs for i in required)

@@ -221,3 +221,39 @@ async def test_worker_constructor_error_fails_setup_and_releases(ray_cluster):
         async with group:
             pass
     assert group.closed
+
+
+def test_the_argument_fast_path_accepts_exactly_what_signature_bind_accepts():
+    """The issue path checks plain signatures with a few look-ups instead of
+    ``Signature.bind``; it must never accept what bind rejects (the error would then come
+    from the worker, late), and for plain signatures it accepts everything bind does."""
+    import itertools
+
+    from asyncrl import register
+    from asyncrl.worker_group import _positional_fits
+
+    def a(self, x, y=1): ...
+    def b(self, x, *, k, m=2): ...
+    def c(self): ...
+    def d(self, x, y, z=0, *, w=1): ...
+    def e(self, *args, **kw): ...
+    def f(self, x, /, y=0): ...
+
+    checked = 0
+    for fn, plain in [(a, True), (b, True), (c, True), (d, True), (e, False), (f, False)]:
+        spec = register()(fn).spec
+        names = list(spec.signature.parameters)[1:] + ["bogus"]
+        for n in range(5):
+            for r in range(len(names) + 1):
+                for keys in itertools.combinations(names, r):
+                    args, kwargs = tuple(range(n)), {k: 0 for k in keys}
+                    try:
+                        spec.signature.bind(None, *args, **kwargs)
+                        binds = True
+                    except TypeError:
+                        binds = False
+                    fits = _positional_fits(spec, args, kwargs)
+                    assert not fits or binds, (fn.__name__, args, kwargs)
+                    assert fits == (binds and plain), (fn.__name__, args, kwargs)
+                    checked += 1
+    assert checked == 5 * (8 + 16 + 2 + 32 + 8 + 8)  # every combination was tried

@@ -18,6 +18,7 @@ Median µs per call; the controller thread's CPU per call (``time.thread_time``)
 
     python benchmarks/fetch_wakeups.py            # 4 workers, 15 repetitions of 40 calls
     python benchmarks/fetch_wakeups.py --quick    # 2 workers, 2 repetitions
+    python benchmarks/fetch_wakeups.py --uvloop   # the controller's loop is uvloop's
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import asyncio
 import functools
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
@@ -81,6 +83,7 @@ async def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=40, help="calls per variant per repetition")
+    ap.add_argument("--uvloop", action="store_true", help="run the controller on uvloop's event loop")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.quick:
@@ -153,7 +156,8 @@ async def main() -> None:
         run_header("fetch_wakeups.py", load_note(load0, load1)),
         "",
         f"A tiny ONE_TO_ALL call to {args.workers} workers; median over {args.reps} repetitions of "
-        f"{args.calls} sequential calls per variant, variant order rotating; µs per call.",
+        f"{args.calls} sequential calls per variant, variant order rotating; µs per call; the controller's "
+        f"event loop: {type(asyncio.get_running_loop()).__module__}.",
         "",
         "| variant | µs per call | / a wake-up per rank | controller thread CPU µs per call |",
         "|---|---:|---:|---:|",
@@ -165,4 +169,9 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    if "--uvloop" in sys.argv:
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())

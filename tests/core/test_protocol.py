@@ -276,17 +276,20 @@ async def _exists(path) -> bool:
 
 
 async def test_close_while_placement_is_pending_removes_the_placement_groups(ray_cluster):
+    """The group's placement group stays pending (its one bundle asks for every CPU of the
+    session's Ray while a blocker holds one of them), close() ends setup with a clear error
+    and removes it. Only this test's placement groups are counted: another test's groups
+    may still be going away meanwhile (Ray removes them asynchronously)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from tests.core.test_lifecycle import live_pgs, settle
+    from tests.core.test_lifecycle import settle
 
-    before = live_pgs()
-    blockers = []  # hold every free CPU (more may free up meanwhile): the group's pool must wait
-    while (free := int(ray.available_resources().get("CPU", 0))) > 0:
-        blockers.append(placement_group([{"CPU": 1}] * free, strategy="PACK"))
-        await asyncio.wrap_future(blockers[-1].ready().future())
-    g = RayWorkerGroup(Probe, asyncrl.ResourcePool([1], placement_timeout=20, name="pending"), name="pending")
+    total = int(ray.cluster_resources()["CPU"])
+    blocker = placement_group([{"CPU": 1}], name="blocker-of-pending")
+    await asyncio.wrap_future(blocker.ready().future())
+    pool = asyncrl.ResourcePool([1], cpus_per_bundle=total, placement_timeout=20, name="pending")
+    g = RayWorkerGroup(Probe, pool, name="pending")
     setup = asyncio.ensure_future(g.setup())
     try:
         await until(lambda: _pending_pg("pending"))
@@ -295,9 +298,15 @@ async def test_close_while_placement_is_pending_removes_the_placement_groups(ray
             with pytest.raises(GroupClosedError, match="closed during setup"):
                 await setup
     finally:
-        for b in blockers:
-            remove_placement_group(b)
-    assert await settle(live_pgs, before) == before
+        remove_placement_group(blocker)
+    assert await settle(lambda: _live_pgs("pending"), 0) == 0
+
+
+def _live_pgs(prefix: str) -> int:
+    from ray.util import placement_group_table
+
+    return sum(1 for pg in placement_group_table().values()
+               if pg["name"].startswith(prefix) and pg["state"] in ("CREATED", "PENDING", "RESCHEDULING"))
 
 
 async def _pending_pg(prefix: str) -> bool:

@@ -19,8 +19,10 @@ def alive_hosts() -> int:
                if a["State"] == "ALIVE" and a["ActorClassName"].endswith("WorkerHost"))
 
 
-def live_pgs() -> int:
-    return sum(1 for pg in placement_group_table().values() if pg["state"] in ("CREATED", "PENDING", "RESCHEDULING"))
+def live_pgs(prefix: str = "") -> int:
+    """Placement groups not removed (those whose name starts with `prefix`)."""
+    return sum(1 for pg in placement_group_table().values()
+               if pg["name"].startswith(prefix) and pg["state"] in ("CREATED", "PENDING", "RESCHEDULING"))
 
 
 async def settle(check, want, deadline: float = 60.0):

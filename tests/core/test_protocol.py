@@ -283,7 +283,7 @@ async def test_close_while_placement_is_pending_removes_the_placement_groups(ray
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from tests.core.test_lifecycle import settle
+    from tests.core.test_lifecycle import live_pgs, settle
 
     total = int(ray.cluster_resources()["CPU"])
     blocker = placement_group([{"CPU": 1}], name="blocker-of-pending")
@@ -299,14 +299,7 @@ async def test_close_while_placement_is_pending_removes_the_placement_groups(ray
                 await setup
     finally:
         remove_placement_group(blocker)
-    assert await settle(lambda: _live_pgs("pending"), 0) == 0
-
-
-def _live_pgs(prefix: str) -> int:
-    from ray.util import placement_group_table
-
-    return sum(1 for pg in placement_group_table().values()
-               if pg["name"].startswith(prefix) and pg["state"] in ("CREATED", "PENDING", "RESCHEDULING"))
+    assert await settle(lambda: live_pgs("pending"), 0) == 0
 
 
 async def _pending_pg(prefix: str) -> bool:

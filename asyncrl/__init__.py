@@ -26,7 +26,7 @@ from asyncrl.register import (
     register_dispatch_mode,
 )
 from asyncrl.resources import ResourcePool
-from asyncrl.runtime import ainit, ashutdown, init, shutdown
+from asyncrl.runtime import ainit, ashutdown, init, run, shutdown
 from asyncrl.worker import Worker, WorkerContext
 from asyncrl.worker_group import (
     Colocated,
@@ -76,6 +76,7 @@ __all__ = [
     "init",
     "register",
     "register_dispatch_mode",
+    "run",
     "shutdown",
 ]
 

@@ -342,6 +342,8 @@ def main() -> None:
     p.add_argument("--cells", nargs="+", default=None, choices=list(CELLS))
     p.add_argument("--reps", type=int, default=None, help="repetitions per cell (median reported)")
     p.add_argument("--no-verl", action="store_true", help="leave verl out even when it is installed")
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="the controller's event loop, for asyncrl and plain Ray alike (asyncrl.run)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--late-zero-copy", action="store_true",
                    help="do not set RAY_ENABLE_ZERO_COPY_TORCH_TENSORS before importing ray (leave it to asyncrl.init)")
@@ -352,7 +354,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     asyncrl.init(num_cpus=64)
     try:
-        rows, checks = asyncio.run(measure(workers, cells, reps, args.quick, use_verl=not args.no_verl))
+        rows, checks = asyncrl.run(measure(workers, cells, reps, args.quick, use_verl=not args.no_verl), loop=args.loop)
         has_verl = any("verl" in r for r in rows)
         verl_note = ("`verl` = verl's RayWorkerGroup, blocking call (ONE_TO_ALL / DP_COMPUTE_PROTO on a DataProto)."
                      if has_verl else
@@ -362,7 +364,8 @@ def main() -> None:
         text = "\n\n".join([
             "# Dispatch overhead: asyncrl group call vs plain Ray actors (and verl)",
             run_header("dispatch_overhead.py", machine_note=load_note(load0, os.getloadavg()[0]),
-                       extra=f"; zero-copy torch tensors in the controller: {_driver_zero_copy()}"),
+                       extra=f"; zero-copy torch tensors in the controller: {_driver_zero_copy()}; "
+                             f"controller loop: {args.loop}"),
             f"Median time per call over {reps} repetitions (each of "
             f"{', '.join(f'{CALLS_PER_REP[c]} calls for {c}' for c in cells)}"
             f"{', divided by 4 in --quick' if args.quick else ''}), variant order rotating, after 2 warm-up calls "

@@ -976,6 +976,9 @@ def main(argv: list[str] | None = None) -> None:
                         "simulated step at cost ratio 1, print the top functions, write nothing")
     p.add_argument("--profile-staleness", type=int, default=1, help="max_staleness of the --profile run (default 1)")
     p.add_argument("--profile-top", type=int, default=45, help="functions printed per --profile table")
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
+                   help="the controller's event loop, for every variant alike (asyncrl.run; `asyncrl train` uses "
+                        "uvloop by default, trainer.event_loop)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--png", default=None, help="the plot (default: next to --out, overlap.png)")
     args = p.parse_args(argv)
@@ -988,7 +991,7 @@ def main(argv: list[str] | None = None) -> None:
     load0 = os.getloadavg()[0]
     asyncrl.init(num_cpus=16)
     try:
-        rows, timelines, runs, floor = asyncio.run(amain(args))
+        rows, timelines, runs, floor = asyncrl.run(amain(args), loop=args.loop)
     finally:
         asyncrl.shutdown()
     if args.profile:

@@ -176,7 +176,7 @@ def _train(args: argparse.Namespace) -> int:
         tail = sum(h["reward/mean"] for h in history[-k:]) / k
         log.info("train.done", steps=len(history), reward_first=round(first, 3), reward_last=round(last, 3),
                  reward_first5=round(head, 3), reward_last5=round(tail, 3), wall_s=round(wall, 1),
-                 output=str(trainer.output_dir))
+                 output=str(trainer.output_dir), loop=trainer.event_loop)
     evals = trainer.evaluator.records if trainer.evaluator is not None else []
     if evals:
         key = "eval/accuracy_flexible" if "eval/accuracy_flexible" in evals[0] else "eval/reward_mean"
@@ -225,14 +225,13 @@ def _report_failure(prog: str, trainer: Any, error: BaseException) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import asyncio
-
+    import asyncrl
     from asyncrl.pipelines.config import ConfigError
     from asyncrl.pipelines.replay import replay
 
     prog = "asyncrl replay"
     try:
-        result = asyncio.run(replay(args.run, output_dir=args.output_dir, reporting={"progress": args.progress}))
+        result = asyncrl.run(replay(args.run, output_dir=args.output_dir, reporting={"progress": args.progress}))
     except ConfigError as e:
         _say(prog, f"error: {e}")
         return 2

@@ -157,6 +157,11 @@ class TrainerConfig:
     ``asyncrl.CallTimeoutError`` and its remote work is cancelled. None = no deadline."""
     restart: RestartConfig = field(default_factory=RestartConfig)
     """What to do when a worker dies or hangs (default: fail fast)."""
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    """The controller's event loop when the trainer runs its own (``fit_sync()``, so ``asyncrl train``):
+    ``uvloop`` (libuv's loop: cheaper wake-ups and scheduling for the controller), ``asyncio`` (the standard
+    library's), or ``auto`` (uvloop when it can be imported, else asyncio). An app that calls
+    ``await trainer.fit()`` runs it on its own loop and this setting does not apply."""
     precompute_log_probs: bool = False
     """Issue the next step's ``old_log_prob``, ``ref_log_prob`` and ``values`` as soon as its batch is
     generated (or being generated) and the weights it trains from are final -- right after this step's
@@ -265,6 +270,15 @@ class JobConfig:
             raise ConfigError(f"trainer.gpus_per_worker must be >= 0, got {t.gpus_per_worker}")
         if t.weight_sync not in ("auto", "object_store", "local", "collective"):
             raise ConfigError(f"trainer.weight_sync must be auto, object_store, local or collective, got {t.weight_sync!r}")
+        if t.event_loop not in ("auto", "uvloop", "asyncio"):
+            raise ConfigError(f"trainer.event_loop must be auto, uvloop or asyncio, got {t.event_loop!r}")
+        if t.event_loop == "uvloop":
+            from asyncrl.runtime import loop_factory
+
+            try:
+                loop_factory("uvloop")
+            except ValueError as e:
+                raise ConfigError(f"trainer.event_loop: {e}") from None
         if t.weight_sync == "local" and not t.colocated:
             raise ConfigError("trainer.weight_sync=local hands weights over inside one process: it needs "
                               "trainer.colocated=true (two pools: use collective or object_store)")
@@ -358,7 +372,8 @@ _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every
                 "trainer.restart.on_timeout", "trainer.restart.replace_stateless", "evaluation.every",
                 "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",
-                "trainer.weight_sync", "trainer.weight_sync_timeout_s", "trainer.precompute_log_probs"}
+                "trainer.weight_sync", "trainer.weight_sync_timeout_s", "trainer.precompute_log_probs",
+                "trainer.event_loop"}
 """Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its
 own sampling seeds and never touches the training RNG)."""
 

@@ -315,6 +315,8 @@ class Trainer:
         """Set when the run stopped early on :meth:`request_stop` (or SIGINT/SIGTERM in ``fit_sync``)."""
         self.abandoned: str | None = None
         """The signal that abandoned the step in progress (a second SIGINT/SIGTERM), if any."""
+        self.event_loop: str | None = None
+        """The controller's event loop the last ``fit()`` ran on (``"uvloop"`` or ``"asyncio"``)."""
         self.restarts: list[dict[str, Any]] = []
         """One record per recovery: ``{"kind": "replace" | "restart", "error_type", "error", "origin",
         "from_checkpoint", "from_step", "time_s", "interrupted_s"}`` (``time_s``: the recovery itself;
@@ -532,7 +534,8 @@ class Trainer:
         await asyncio.shield(self.close())
 
     def fit_sync(self) -> list[dict[str, Any]]:
-        """Set up, fit and close from synchronous code (runs its own event loop).
+        """Set up, fit and close from synchronous code (runs its own event loop: uvloop's by
+        default, ``trainer.event_loop``).
 
         SIGINT and SIGTERM are handled while it runs (main thread): the first stops after the
         step in progress and writes a checkpoint (``trainer.interrupted`` says where); a second
@@ -545,7 +548,7 @@ class Trainer:
                     return await self.fit()
 
         try:
-            return asyncio.run(main())
+            return asyncrl.run(main(), loop=self.config.trainer.event_loop)
         except (asyncio.CancelledError, KeyboardInterrupt):
             if self.abandoned is not None:
                 raise RunAbandoned(self.abandoned, self.last_checkpoint) from None
@@ -571,6 +574,7 @@ class Trainer:
         if not self._setup_done:
             raise RuntimeError("the trainer is not set up; use `async with trainer:` or `await trainer.setup()`")
         cfg = self.config.trainer
+        self.event_loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
         self._t_start = time.perf_counter()
         bar = _progress(cfg.progress, cfg.steps, self._start_step)
         self._bar = bar

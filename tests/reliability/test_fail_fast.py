@@ -180,10 +180,14 @@ def _weights(run: Path, step: int) -> str:
 STOP_STEPS = 12
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
-async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray_cluster, tmp_path, sig, capsys):
+@pytest.mark.parametrize("sig, loop", [
+    (signal.SIGINT, "auto"),  # uvloop's loop (the default), which the CLI's signal handlers run on
+    pytest.param(signal.SIGINT, "asyncio", marks=pytest.mark.slow),
+    pytest.param(signal.SIGTERM, "auto", marks=pytest.mark.slow),
+])
+async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray_cluster, tmp_path, sig, loop, capsys):
     run, full = tmp_path / "run", tmp_path / "full"
-    cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8)
+    cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8, event_loop=loop)
     # checkpoint_every stays 0 (the default): only the signal writes a checkpoint
     cfg = tiny_test()
     cfg.trainer.steps, cfg.trainer.max_staleness, cfg.trainer.output_dir = STOP_STEPS, 1, str(full)
@@ -219,6 +223,7 @@ async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray
     resumed = capsys.readouterr().err
     assert rc == 0, resumed[-3000:]
     assert re.search(rf"checkpoint.restored .*step={k}\b", resumed)
+    assert re.search(rf"train.done .*loop={'asyncio' if loop == 'asyncio' else 'uvloop'}\b", resumed), resumed[-3000:]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(STOP_STEPS))  # in RUN, once each
     assert _weights(run, STOP_STEPS) == _weights(full, STOP_STEPS)  # as if never interrupted
 

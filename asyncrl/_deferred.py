@@ -21,6 +21,24 @@ Two ways to send a pipelined input:
   ``.remote()`` takes Ray's fast path (no nested refs to account for) and the host needs
   no fetch and no hand-off to its event loop.
 
+* *local* (:class:`LocalShard`): a matched-layout shard of a producer that was an
+  **ordered** call on the consumer rank's **own worker process** (colocated roles share
+  one), consumed by an ordered call there. The data would otherwise go worker →
+  controller → the same worker; instead the payload carries a marker of plain scalars
+  (the producer's call id and number, its name, the field selection: Ray's msgpack fast
+  path, no refs, no dependency wait at submission) and the host hands the consumer the
+  producer's result from its own memory when the consumer's turn comes (the producer ran
+  earlier in the same lane). Each host retains the outcomes of its process's last
+  ``local_results`` ordered numbers (a window that moves with the lane, so nothing is
+  ever released by message); the controller, which numbers the calls, uses the marker
+  only when the producer's number is within that window of the consumer's, and so
+  provably still retained at the consumer's turn (:meth:`asyncrl._sequencer.Lane.outcome`);
+  otherwise the input takes one of the two paths above, unchanged. The consumer gets a
+  shallow copy of the producer's container (a TensorDict, dict or list: its own keys);
+  tensor storage is shared, as with Ray's zero-copy read-only views (inputs are
+  read-only). A failed, cancelled or never-run producer gives the consumer the same
+  :class:`~asyncrl.UpstreamError` as the nested path.
+
 Why only known-finished producers: Ray fails a task whose top-level argument is an
 error *before* the host method runs, so the host would never see the call's sequence
 number and every later ordered call on that process would wait for it (a lane gap).
@@ -84,6 +102,40 @@ class TopShard:
     meta: int
 
 
+@dataclass(frozen=True)
+class LocalShard:
+    """A matched-layout shard handed over inside the worker process (see the module
+    docstring): the producer's name, the field selection, and the producer's call id and
+    ordered number on this process's lane. Resolved by the host at the consumer's turn."""
+
+    group: str
+    method: str
+    select: tuple[str, ...] | None
+    call_id: int
+    seq: int
+
+
+def shallow(value: Any) -> Any:
+    """A consumer's own container over the producer's values: a TensorDict, dict or list
+    is copied one level (nested TensorDicts too: their own keys), tensors are shared."""
+    from tensordict import TensorDictBase
+
+    if isinstance(value, TensorDictBase):
+        return value.copy()
+    if type(value) is dict:
+        return dict(value)
+    if type(value) is list:
+        return list(value)
+    return value
+
+
+def take_local(x: LocalShard, result: Any, meta: tuple[int, int]) -> tuple[Any, int]:
+    """A :class:`LocalShard`'s ``(shard, trailing padding rows in it)`` from the
+    producer's retained result and its ``(rows, pad)``."""
+    value = _select(result, x.select, x)
+    return (value if x.select is not None else shallow(value)), int(meta[1])
+
+
 def take_top(x: TopShard, top: Sequence[Any]) -> tuple[Any, int]:
     """A :class:`TopShard`'s ``(shard, trailing padding rows in it)`` from the call's
     top-level arguments (already resolved by Ray)."""
@@ -121,7 +173,7 @@ def _named(s: Source, wait: Awaiter) -> Awaiter:
     return named_wait
 
 
-def _select(value: Any, fields: tuple[str, ...] | None, source: "Source | TopShard") -> Any:
+def _select(value: Any, fields: tuple[str, ...] | None, source: "Source | TopShard | LocalShard") -> Any:
     if fields is None:
         return value
     from tensordict import TensorDictBase

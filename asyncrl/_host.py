@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
-from asyncrl._deferred import DeferredShard, DeferredValue, TopShard, one_pad, resolve_args, take_top
-from asyncrl._sequencer import CallCancelled, Lane, LoopCall, ThreadLane
-from asyncrl.errors import AsyncRLError, DispatchError, RemoteError, UpstreamError
+from asyncrl._deferred import (DeferredShard, DeferredValue, LocalShard, TopShard, one_pad, resolve_args, take_local,
+                               take_top)
+from asyncrl._sequencer import NEVER_RAN, CallCancelled, Lane, LoopCall, ThreadLane, Ticket
+from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
 
@@ -73,28 +74,29 @@ class Payload:
 
     def wire(self) -> "Payload | list[Any]":
         """What the Ray backend sends: when every argument is a plain scalar (an int of
-        64 bits, a float, a string, a bool, None) or a :class:`TopShard` (a pipelined
-        input sent top-level: ints and strings), the list ``[args, kwargs]`` (plus, with
+        64 bits, a float, a string, a bool, None), a :class:`TopShard` (a pipelined
+        input sent top-level) or a :class:`LocalShard` (one handed over in the worker's
+        process): ints and strings, the list ``[args, kwargs]`` (plus, with
         TopShards, their places and fields), which Ray encodes with msgpack (no pickling on
         either side, and nothing that can fail to unpickle on the worker); otherwise the
         Payload itself. :func:`arrived` undoes it."""
         tops: list[Any] | None = None
         for i, x in enumerate(self.args):
             if not _plain(x):
-                if type(x) is not TopShard:
+                if type(x) not in _MARKERS:
                     return self
                 tops = tops or []
                 tops.append(_top_wire(i, x))
         for k, x in self.kwargs.items():
             if not _plain(x):
-                if type(x) is not TopShard:
+                if type(x) not in _MARKERS:
                     return self
                 tops = tops or []
                 tops.append(_top_wire(k, x))
         if tops is None:
             return [list(self.args), self.kwargs]
-        return [[None if type(x) is TopShard else x for x in self.args],
-                {k: (None if type(x) is TopShard else x) for k, x in self.kwargs.items()}, tops]
+        return [[None if type(x) in _MARKERS else x for x in self.args],
+                {k: (None if type(x) in _MARKERS else x) for k, x in self.kwargs.items()}, tops]
 
     def local_copy(self) -> "Payload":
         """What a worker process would receive, made in this process (the local backend):
@@ -128,8 +130,14 @@ def _plain(x: Any) -> bool:
     return t is str or t is float or t is bool or x is None or (t is int and -(1 << 63) <= x < (1 << 63))
 
 
-def _top_wire(place: int | str, x: TopShard) -> list[Any]:
-    return [place, x.group, x.method, list(x.select) if x.select is not None else None, x.value, x.meta]
+_MARKERS = (TopShard, LocalShard)
+
+
+def _top_wire(place: int | str, x: "TopShard | LocalShard") -> list[Any]:
+    select = list(x.select) if x.select is not None else None
+    if type(x) is LocalShard:
+        return [place, x.group, x.method, select, x.call_id, x.seq, True]
+    return [place, x.group, x.method, select, x.value, x.meta]  # type: ignore[union-attr]
 
 
 def arrived(payload: "Payload | list[Any]") -> Payload:
@@ -138,8 +146,9 @@ def arrived(payload: "Payload | list[Any]") -> Payload:
         if len(payload) == 2:
             return Payload(tuple(payload[0]), payload[1])
         args, kwargs, tops = payload
-        for place, group, method, select, value, meta in tops:
-            shard = TopShard(group, method, tuple(select) if select is not None else None, value, meta)
+        for place, group, method, select, a, b, *local in tops:
+            sel = tuple(select) if select is not None else None
+            shard = LocalShard(group, method, sel, a, b) if local else TopShard(group, method, sel, a, b)
             if type(place) is int:
                 args[place] = shard
             else:
@@ -329,11 +338,70 @@ class _HostBase:
                            str(e), "".join(traceback.format_exception(e)), cause=_picklable(e))
 
     def _finish(self, spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int,
-                want_meta: bool, keep: bool) -> Any:
+                want_meta: bool, keep: bool, ticket: Ticket) -> Any:
         if not want_meta:
             return result if keep else None
         meta = self._meta(spec, method, args, kwargs, result, pad)
+        if ticket.outcome is not None:  # kept for same-process consumers (case 14 of asyncrl._sequencer)
+            ticket.outcome = (True, result, meta)
         return (result if keep else None), meta
+
+    def _keeps(self, ticket: Ticket, want_meta: bool, keep: bool) -> None:
+        """Mark an ordered call whose outcome its lane keeps for same-process consumers:
+        a data-parallel call whose result is kept (what a :class:`LocalShard` can name).
+        Until it returns, its outcome is a failure that never ran."""
+        if want_meta and keep and ticket.seq is not None and self._lane.keep_results:
+            ticket.outcome = NEVER_RAN
+
+    @staticmethod
+    def _failed(ticket: Ticket, e: BaseException) -> None:
+        if ticket.outcome is not None:
+            ticket.outcome = (False, e)
+
+    def _take_local(self, spec: RoleSpec, method: str, ticket: Ticket, args: Any,
+                    kwargs: Any) -> tuple[Any, Any, int | None]:
+        """At the call's turn: its :class:`LocalShard` inputs replaced by the producers'
+        kept results (shallow copies), and the padding they report. A producer that
+        failed, was cancelled or never ran fails the call with the
+        :class:`~asyncrl.UpstreamError` the nested path gives."""
+        pads: list[int] = []
+        lane = self._lane
+
+        def one(x: Any) -> Any:
+            if type(x) is not LocalShard:
+                return x
+            got = lane.outcome(x.seq, x.call_id) if ticket.seq is not None else None
+            if got is None:
+                raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                                  f"the result of {x.group}.{x.method} (call {x.call_id}, ordered #{x.seq}) is not "
+                                  "held by this worker process (it keeps the outcomes of its last "
+                                  f"{lane.keep_results} ordered calls); this is a bug of asyncrl, please report it",
+                                  "")
+            if not got[0]:
+                raise UpstreamError(spec.group, method, spec.context.rank,
+                                    upstream=_upstream(x.group, x.method, got[1])) from None
+            try:
+                value, pad = take_local(x, got[1], got[2])
+            except DispatchError as e:  # a field selection the producer's result lacks
+                raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                                  str(e), traceback.format_exc(), cause=e) from None
+            pads.append(pad)
+            return value
+
+        def arg(x: Any) -> Any:
+            if type(x) is list and any(type(i) is LocalShard for i in x):
+                return [one(i) for i in x]
+            if type(x) is dict and any(type(i) is LocalShard for i in x.values()):
+                return {k: one(v) for k, v in x.items()}
+            return one(x)
+
+        new_args = [arg(a) for a in args]
+        new_kwargs = {k: arg(v) for k, v in kwargs.items()}
+        try:
+            return new_args, new_kwargs, one_pad(pads)
+        except DispatchError as e:
+            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                              str(e), "", cause=e) from None
 
     @staticmethod
     def _meta(spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int) -> tuple[int, int]:
@@ -375,8 +443,11 @@ class WorkerHost(_HostBase):
     def host_kind(self) -> str:
         return "async"
 
-    async def init_workers(self, specs: list[RoleSpec]) -> dict[str, dict[str, Any]]:
-        """Construct the workers; returns each role's registered meshes."""
+    async def init_workers(self, specs: list[RoleSpec], keep_results: int = 0) -> dict[str, dict[str, Any]]:
+        """Construct the workers; returns each role's registered meshes. `keep_results`:
+        how many of its latest ordered numbers the lane keeps outcomes of (case 14 of
+        :mod:`asyncrl._sequencer`)."""
+        self._lane.keep_results = keep_results
         out: dict[str, dict[str, Any]] = {}
         for spec in specs:
             construct = self._prepare(spec)
@@ -407,6 +478,7 @@ class WorkerHost(_HostBase):
         lane = self._lane
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: asyncio.Future[Any] | None = None
+        self._keeps(ticket, want_meta, keep)
         try:
             payload = arrived(payload)
             spec, mspec = self._lookup(role, method, payload)
@@ -419,7 +491,10 @@ class WorkerHost(_HostBase):
                 args2, kwargs2, pipe_pad = args1, kwargs1, None
             else:
                 args2, kwargs2, pipe_pad = await resolving
-            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad)
+            local_pad = None
+            if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
+                args2, kwargs2, local_pad = self._take_local(spec, method, ticket, args2, kwargs2)
+            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
             fn = getattr(self._workers[role], method)
             try:
                 if mspec.is_async:
@@ -431,7 +506,10 @@ class WorkerHost(_HostBase):
                 raise
             except Exception as e:
                 raise self._method_error(spec, method, e) from None
-            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep)
+            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
+        except BaseException as e:
+            self._failed(ticket, e)
+            raise
         finally:
             if resolving is not None and not resolving.done():
                 resolving.cancel()
@@ -477,8 +555,10 @@ class ThreadedHost(_HostBase):
     def host_kind(self) -> str:
         return "threaded"
 
-    def init_workers(self, specs: list[RoleSpec]) -> dict[str, dict[str, Any]]:
-        """Construct the workers (on the ordered thread); returns each role's registered meshes."""
+    def init_workers(self, specs: list[RoleSpec], keep_results: int = 0) -> dict[str, dict[str, Any]]:
+        """Construct the workers (on the ordered thread); returns each role's registered
+        meshes. `keep_results`: as :meth:`WorkerHost.init_workers`'s."""
+        self._lane.keep_results = keep_results
         out: dict[str, dict[str, Any]] = {}
         for spec in specs:
             self._constructed(spec, self._thread.run_blocking(self._prepare(spec)), out)
@@ -513,6 +593,7 @@ class ThreadedHost(_HostBase):
         lane: ThreadLane = self._lane  # type: ignore[assignment]
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: LoopCall | None = None
+        self._keeps(ticket, want_meta, keep)
         try:
             payload = arrived(payload)
             spec, mspec = self._lookup(role, method, payload)
@@ -526,7 +607,10 @@ class ThreadedHost(_HostBase):
                 args2, kwargs2, pipe_pad = args1, kwargs1, None
             else:
                 args2, kwargs2, pipe_pad = lane.wait_loop(resolving)
-            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad)
+            local_pad = None
+            if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
+                args2, kwargs2, local_pad = self._take_local(spec, method, ticket, args2, kwargs2)
+            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
             fn = getattr(self._workers[role], method)
             try:
                 if mspec.is_async:
@@ -538,7 +622,10 @@ class ThreadedHost(_HostBase):
                 raise
             except Exception as e:
                 raise self._method_error(spec, method, e) from None
-            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep)
+            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
+        except BaseException as e:
+            self._failed(ticket, e)
+            raise
         finally:
             if resolving is not None and not resolving.finished:
                 resolving.cancel()
@@ -600,10 +687,11 @@ def _take_top(spec: RoleSpec, method: str, payload: Payload,
                           str(e), traceback.format_exc(), cause=e) from None
 
 
-def _input_pad(spec: RoleSpec, method: str, top_pad: int | None, pipe_pad: int | None) -> int:
-    """The input padding reported by the call's pipelined inputs, top-level and nested."""
+def _input_pad(spec: RoleSpec, method: str, top_pad: int | None, pipe_pad: int | None,
+               local_pad: int | None = None) -> int:
+    """The input padding reported by the call's pipelined inputs, top-level, nested and local."""
     try:
-        return one_pad([p for p in (top_pad, pipe_pad) if p is not None]) or 0
+        return one_pad([p for p in (top_pad, pipe_pad, local_pad) if p is not None]) or 0
     except DispatchError as e:
         raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError", str(e), "",
                           cause=e) from None
@@ -695,6 +783,31 @@ def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
         if isinstance(x, dict) and any(isinstance(i, _DEFERRED) for i in x.values()):
             return True
     return False
+
+
+def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
+    for x in (*args, *kwargs.values()):
+        t = type(x)
+        if t is LocalShard:
+            return True
+        if t is list and any(type(i) is LocalShard for i in x):
+            return True
+        if t is dict and any(type(i) is LocalShard for i in x.values()):
+            return True
+    return False
+
+
+def _upstream(group: str, method: str, e: BaseException) -> BaseException:
+    """A kept producer failure as the nested path names it (see asyncrl._deferred._named):
+    a cancellation as the producer's CallCancelledError, an asyncrl error as it is, any
+    other error as the producer's RemoteError."""
+    if isinstance(e, (asyncio.CancelledError, CallCancelled)):
+        return CallCancelledError(f"{group}.{method} was cancelled")
+    if isinstance(e, AsyncRLError):
+        return e
+    return RemoteError(group, method, None, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
+                       "".join(traceback.format_exception(e)))
 
 
 def _construct(spec: RoleSpec) -> Any:

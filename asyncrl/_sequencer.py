@@ -71,6 +71,17 @@ Failure cases, and what happens:
     awaited or not) and releases the number with the cancel message, as in case 4
     (idempotent: case 9); the call's future fails with an ``UpstreamError`` naming the
     producer. If the controller process itself dies, so do the lanes' owner and calls.
+14. *A same-process input* (:class:`~asyncrl._deferred.LocalShard`: the consumer's input
+    is the result of an earlier ordered call on the same lane). The lane keeps the
+    outcome of every number it released (a value, an error, a cancellation, or "never
+    ran" for a number released by a cancel message) while it is within
+    ``keep_results`` of the lane's next number; the controller sends the marker only
+    when ``consumer number - producer number <= keep_results`` (it numbers the calls
+    itself, :meth:`Sequencer.submit`), so at the consumer's turn — every lower number
+    released, the lane's next number the consumer's — the producer's outcome is
+    retained, whatever ran, failed or was cancelled in between. Nothing is released by
+    message and nothing outlives the window. An outcome that is not there (a controller
+    bug, a host that was replaced) fails the consumer with a clear error, never a wait.
 """
 
 from __future__ import annotations
@@ -111,33 +122,38 @@ class Sequencer:
     all ordered calls to one process share one numbering, whatever role they call.
     """
 
-    __slots__ = ("backend", "hosts", "_counters", "_lock")
+    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock")
 
-    def __init__(self, backend: "Backend", hosts: list[Any], world_size: int) -> None:
+    def __init__(self, backend: "Backend", hosts: list[Any], world_size: int, keep_results: int = 0) -> None:
         self.backend = backend
         self.hosts = hosts  # filled in by the owner as the processes start
-        self._counters = [itertools.count() for _ in range(world_size)]  # next() is atomic: safe from any thread
+        self.keep_results = keep_results
+        """How many of its latest ordered numbers each lane keeps the outcome of (case 14)."""
+        self._next = [0] * world_size  # each lane's next number; only under the lock
         self._lock = threading.Lock()  # number order = submission order per host, from any thread (case 12)
 
-    def take(self, rank: int) -> int:
-        """The next number of `rank`'s lane. Whoever takes one must submit it or cancel it."""
-        return next(self._counters[rank])
-
-    def submit(self, role: str, method: str, ordered: bool, want_meta: bool,
-               per_rank: Iterable[tuple[int, Any, int | None, bool]]) -> tuple[list[Any], list[Any], tuple[Entry, ...]]:
-        """Submit one call per ``(rank, payload, input padding, keep result)``; returns
+    def submit(self, role: str, method: str, ordered: bool, want_meta: bool, ranks: Iterable[int],
+               build: Callable[[int, int | None], tuple[Any, int | None, bool]]) -> tuple[list[Any], list[Any], tuple[Entry, ...]]:
+        """Submit one call per rank of `ranks`; ``build(rank, number)`` makes its
+        ``(payload, input padding, keep result)`` knowing the number the call will have
+        (None for a concurrent call): same-process inputs depend on it (case 14). Returns
         ``(result refs, meta refs, entries)``. On any failure (building a rank's
-        arguments included) nothing stays half-issued: the calls already submitted and
-        the number taken for the failing one are cancelled, then the error is raised."""
-        backend, hosts, counters = self.backend, self.hosts, self._counters
+        arguments included: no number is taken then) nothing stays half-issued: the calls
+        already submitted and the number taken for the failing one are cancelled, then
+        the error is raised."""
+        backend, hosts, numbers = self.backend, self.hosts, self._next
         refs: list[Any] = []
         metas: list[Any] = []
         entries: list[Entry] = []
         try:
             with self._lock:
-                for rank, payload, pad, keep in per_rank:
+                for rank in ranks:
+                    payload, pad, keep = build(rank, numbers[rank] if ordered else None)
                     call_id = next(_call_ids)
-                    seq = next(counters[rank]) if ordered else None
+                    seq = None
+                    if ordered:
+                        seq = numbers[rank]
+                        numbers[rank] = seq + 1
                     entries.append((rank, call_id, seq))
                     ref, meta = backend.submit(hosts[rank], role, method, seq, call_id, payload, pad, want_meta, keep)
                     refs.append(ref)
@@ -186,6 +202,9 @@ class Ticket:
     loop_calls: "list[LoopCall] | None" = None
     """A threaded host's work on its event loop for this call (argument resolution, an
     ``async def`` method): cancelled with the call."""
+    outcome: Any = None
+    """What the lane keeps of an ordered call when it leaves (case 14): ``(True, result,
+    (rows, pad))`` or ``(False, error)``; None: nothing to keep."""
 
     def describe(self) -> str:
         return f"{self.group}.{self.method} (call {self.call_id}, ordered #{self.seq})"
@@ -205,6 +224,8 @@ class Lane:
         self._live: dict[int, Ticket] = {}  # call id -> arrived, not yet left
         self._threads: dict[int, Ticket] = {}  # call id -> left, but its thread still runs
         self._wedged_by: Ticket | None = None
+        self.keep_results = 0  # set by the host when its workers are built (case 14)
+        self._kept: dict[int, tuple[int, Any]] = {}  # number -> (call id, outcome), within the window
 
     # ---- state, for tests and error messages --------------------------------------------
 
@@ -217,6 +238,14 @@ class Lane:
     def wedged_by(self) -> Ticket | None:
         """The call whose thread outlived its deadline and still holds the lane, if any."""
         return self._wedged_by
+
+    def outcome(self, seq: int, call_id: int) -> Any:
+        """The kept outcome of ordered call `call_id` (number `seq`), or None when this
+        lane does not hold it. Read by the call whose turn it is (case 14)."""
+        got = self._kept.get(seq)
+        if got is None or got[0] != call_id:
+            return None
+        return got[1]
 
     # ---- the protocol -------------------------------------------------------------------
 
@@ -273,6 +302,8 @@ class Lane:
         self._live.pop(ticket.call_id, None)
         if ticket.seq is None:
             return
+        if ticket.outcome is not None:
+            self._kept[ticket.seq] = (ticket.call_id, ticket.outcome)
         if ticket.thread is not None and not ticket.thread.done():
             return  # _thread_ended releases it
         self._release(ticket.seq)
@@ -288,6 +319,8 @@ class Lane:
                 while len(self._refused) > _REFUSED_MEMORY:
                     self._refused.popitem(last=False)
                 if seq is not None:
+                    if self.keep_results and seq >= self._next and seq not in self._released:
+                        self._kept[seq] = (call_id, NEVER_RAN)  # its consumers fail as the nested path's do
                     self._release(seq)
                 continue
             ticket.cancelled = True
@@ -315,6 +348,10 @@ class Lane:
         while self._next in self._released:
             self._released.remove(self._next)
             self._next += 1
+        if self._kept:
+            oldest = self._next - self.keep_results  # the window of case 14
+            for s in [s for s in self._kept if s < oldest]:
+                del self._kept[s]
         waiter = self._waiters.get(self._next)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -335,13 +372,17 @@ class Lane:
             self._release(ticket.seq)
 
 
-# ---- the worker half on a threaded host -------------------------------------------------
-
-
 class CallCancelled(Exception):
     """Internal: a threaded host's call was cancelled (an ``Exception``, not asyncio's
     ``CancelledError``, so that Ray reports it as the call's error; the controller
     reads it as a cancellation)."""
+
+
+NEVER_RAN: tuple[bool, Any] = (False, CallCancelled("cancelled before it ran"))
+"""The kept outcome of an ordered call that never ran (case 14)."""
+
+
+# ---- the worker half on a threaded host -------------------------------------------------
 
 
 class _Wake:
@@ -526,6 +567,10 @@ class ThreadLane(Lane):
             ticket.loop_calls.append(call)
             call.start(coro)
         return call
+
+    def outcome(self, seq: int, call_id: int) -> Any:
+        with self._lock:
+            return super().outcome(seq, call_id)
 
     def wait_loop(self, call: LoopCall) -> Any:
         """Block until `call` is over (a cancelled one unwinds first); its value or error."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from typing import Any, Mapping
 
 from asyncrl._backend import Backend, BackendSpec, public_error
@@ -32,6 +33,34 @@ from asyncrl.worker import WorkerContext
 __all__ = ["HostSet", "AsyncResource"]
 
 _CLOSE_GRACE_S = 10.0  # how long close() waits for the workers' on_close hooks before killing
+
+LOCAL_RESULTS = 4
+"""Default of :attr:`HostSet.local_results`; the environment variable
+``ASYNCRL_LOCAL_RESULTS`` overrides it (``0`` turns same-process hand-off off)."""
+
+
+def default_local_results() -> int:
+    """``ASYNCRL_LOCAL_RESULTS`` if set (a non-negative int), else :data:`LOCAL_RESULTS`."""
+    raw = os.environ.get("ASYNCRL_LOCAL_RESULTS")
+    if raw is None or raw == "":
+        return LOCAL_RESULTS
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"ASYNCRL_LOCAL_RESULTS must be a non-negative int, got {raw!r}")
+    return n
+
+
+def check_local_results(n: Any) -> int:
+    """`n` as a number of kept results (None: the default), or a clear error."""
+    if n is None:
+        return default_local_results()
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"local_results must be a non-negative int (0 turns same-process hand-off off), got {n!r}")
+    return n
+
 
 HOST_KIND: str | None = None
 """``None``: each set picks its host kind (:attr:`HostSet.threaded`); ``"threaded"`` or
@@ -63,7 +92,7 @@ class HostSet:
 
     def __init__(self, backend: BackendSpec, pool: ResourcePool | None, world_size: int,
                  roles: list[tuple[str, type, tuple[Any, ...], dict[str, Any]]],
-                 env: Mapping[str, str], name: str, owns_pool: bool) -> None:
+                 env: Mapping[str, str], name: str, owns_pool: bool, local_results: int | None = None) -> None:
         self.backend: Backend = backend  # type: ignore[assignment]  # a stand-in until _start()
         self.pool = pool
         self.world_size = world_size
@@ -72,7 +101,11 @@ class HostSet:
         self.name = name
         self.owns_pool = owns_pool
         self.hosts: list[Any] = []
-        self.sequencer = Sequencer(self.backend, self.hosts, world_size)
+        self.local_results = check_local_results(local_results)
+        """How many of its latest ordered calls' outcomes each process keeps, so that a
+        later ordered call in the same process takes such a result as its input from
+        memory (see asyncrl._deferred, ``LocalShard``); 0: off."""
+        self.sequencer = Sequencer(self.backend, self.hosts, world_size, self.local_results)
         self.meshes: dict[str, dict[str, tuple[MeshRank, ...]]] = {}
         self.contexts: list[WorkerContext] = []
         self.state = "new"  # new -> starting -> ready -> closed
@@ -161,7 +194,7 @@ class HostSet:
                 for role, cls, args, kwargs, gname in self.role_names()
             ])
         label = "/".join(f"{cls.__name__}.__init__" for _, cls, *_ in self.roles)
-        results = await asyncio.gather(*(self._admin(rank, "init_workers", label, specs)
+        results = await asyncio.gather(*(self._admin(rank, "init_workers", label, specs, self.local_results)
                                          for rank, specs in enumerate(specs_per_host)))
         self.meshes = {role: _check_meshes(self.name, role, [r[role] for r in results]) for role, *_ in self.roles}
         if self.state == "starting":

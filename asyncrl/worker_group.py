@@ -15,13 +15,13 @@ import asyncio
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Any, Generic, Iterator, Mapping, ParamSpec, Sequence, TypeVar
+from typing import Any, Generic, Mapping, ParamSpec, Sequence, TypeVar
 
 import structlog
 
 from asyncrl import backends
 from asyncrl._backend import BackendSpec
-from asyncrl._deferred import DeferredShard, DeferredValue, TopShard
+from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard
 from asyncrl._host import Payload
 from asyncrl.dispatch import Sharded, World
 from asyncrl.errors import (
@@ -60,6 +60,9 @@ class GroupStats:
     inputs_top_level: int = 0
     """Pipelined per-rank inputs sent as top-level Ray arguments (a producer known to have
     finished successfully: see asyncrl._deferred); the others travel nested."""
+    inputs_local: int = 0
+    """Pipelined per-rank inputs handed over inside the worker process (the producer an
+    earlier ordered call on the same process: see asyncrl._deferred, ``LocalShard``)."""
 
 
 class GroupMethod(Generic[P, R]):
@@ -94,6 +97,11 @@ class WorkerGroup(AsyncResource, Generic[W]):
     Build it, then ``await wg.setup()`` (or ``async with wg:``) to start the workers;
     ``await wg.close()`` releases them. Every method registered on `cls` is an
     attribute that issues a group call and returns a :class:`GroupFuture`.
+
+    `local_results`: how many of its latest ordered calls' results each worker process
+    keeps, so that a later ordered call in the same process takes one as its pipelined
+    input from memory instead of through the controller (default 4, or the environment
+    variable ``ASYNCRL_LOCAL_RESULTS``; 0 turns it off).
     """
 
     def __init__(
@@ -107,6 +115,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         env: Mapping[str, str] | None = None,
         name: str | None = None,
         backend: BackendSpec,
+        local_results: int | None = None,
         _hostset: HostSet | None = None,
         _role: str | None = None,
     ) -> None:
@@ -133,7 +142,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
                 pool = ResourcePool([n])
             self.name = name or f"{cls.__name__}_{next(_group_ids)}"
             _hostset = HostSet(backend, pool, n, [("worker", cls, tuple(args), dict(kwargs or {}))], env or {},
-                                self.name, owns_pool=owns)
+                                self.name, owns_pool=owns, local_results=local_results)
             self._role = "worker"
         else:
             self._role = _role  # type: ignore[assignment]
@@ -281,10 +290,13 @@ class WorkerGroup(AsyncResource, Generic[W]):
         ranks, order, keep = self._layout(spec, world)
         hs = self._hostset
         producers = producers_of(args, kwargs)
-        inputs = _Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs) if producers else None
+        ordered = spec.mode is Mode.ORDERED
+        inputs = None
+        if producers:
+            inputs = _Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs,
+                             hs.sequencer if ordered and mode.data_parallel else None)
         refs, metas, entries = hs.sequencer.submit(
-            self._role, spec.name, spec.mode is Mode.ORDERED, mode.data_parallel,
-            _per_rank(ranks, sharded, keep, inputs))
+            self._role, spec.name, ordered, mode.data_parallel, ranks, _Builder(sharded, keep, inputs))
         self.stats.calls += 1
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
                      metas if mode.data_parallel else None, entries, timeout, producers, sharded.pad)
@@ -292,6 +304,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
             call.reads = inputs.fully_read()
             call.top_from = tuple(inputs.top_from) or None
             self.stats.inputs_top_level += inputs.sent
+            self.stats.inputs_local += inputs.local_sent
         return GroupFuture(call)
 
 
@@ -312,32 +325,59 @@ def _layout(spec: MethodSpec, world: World) -> tuple[tuple[int, ...], tuple[int,
 
 class _Inputs:
     """The pipelined inputs of one call, as its ranks' payloads are built: which of them
-    go top-level (see asyncrl._deferred), and which producers' results every executing
-    rank together reads whole (a producer whose results a successful call read is known
-    to have finished successfully: ``_Call.ok``)."""
+    are handed over inside the worker process or go top-level (see asyncrl._deferred),
+    and which producers' results every executing rank together reads whole (a producer
+    whose results a successful call read is known to have finished successfully:
+    ``_Call.ok``)."""
 
-    __slots__ = ("producers", "ok", "read", "top_from", "sent")
+    __slots__ = ("producers", "ok", "read", "top_from", "sent", "local", "window", "local_sent")
 
-    def __init__(self, producers: "Sequence[Any]", top: bool) -> None:
+    def __init__(self, producers: "Sequence[Any]", top: bool, sequencer: Any = None) -> None:
         self.producers = producers
         # The producers known to have finished successfully, by their collected refs (the
         # same ref objects a Source holds): only their matched shards may go top-level.
         self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
+        # Same-process candidates, by collected ref: the producer's (rank, call id, number)
+        # of an ordered data-parallel producer numbered by this call's own sequencer (the
+        # same processes). `sequencer` is given for an ordered data-parallel consumer only.
+        self.local: dict[int, tuple[int, int, int]] = {}
+        self.window = sequencer.keep_results if sequencer is not None else 0
+        if self.window:
+            for p in producers:
+                if p.sequencer is sequencer and p.collect_metas is not None:
+                    entries, index = p.entries, p.collect_index
+                    for j, ref in enumerate(p.collect_refs):
+                        entry = entries[index[j]]
+                        if entry[2] is not None:
+                            self.local[id(ref)] = entry  # type: ignore[assignment]
         self.read: set[int] = set()
         self.top_from: dict[tuple[str, str], None] = {}
         self.sent = 0  # TopShards made (one per rank and input)
+        self.local_sent = 0  # LocalShards made
 
-    def rank_args(self, x: Any, top: list[Any]) -> Any:
-        """One rank's argument (or an item of a list argument): a matched shard of a
-        known-ok producer becomes a :class:`TopShard` whose refs are appended to `top`."""
+    def rank_args(self, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
+        """One rank's argument (or an item of a list argument) for a call that will have
+        number `seq` on `rank`'s lane: a matched shard of an ordered producer on the same
+        process, whose outcome that lane provably still keeps at this call's turn (its
+        number within the window: case 14 of asyncrl._sequencer), becomes a
+        :class:`LocalShard`; a matched shard of a known-ok producer a :class:`TopShard`
+        whose refs are appended to `top`."""
         if isinstance(x, DeferredShard):
             s = x.source
+            matched = x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
+            if matched and self.local and seq is not None:
+                entry = self.local.get(id(s.refs[0]))
+                if entry is not None and entry[0] == rank and 0 < seq - entry[2] <= self.window:
+                    # Not counted as a read of the producer's refs: the consumer reads the
+                    # host's outcome, not the object Ray made of it (which could still fail,
+                    # e.g. a result Ray cannot serialize), so it proves nothing of `ok`.
+                    self.local_sent += 1
+                    return LocalShard(s.group, s.method, s.select, entry[1], entry[2])
             if x.count == len(s.refs) or not s.data_parallel:
                 self.read.update(map(id, s.refs))  # matched (rank r reads producer rank r), or the whole value
             if s.metas is not None:
                 self.read.update(map(id, s.metas))
-            if (self.ok and x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
-                    and id(s.refs[0]) in self.ok):
+            if self.ok and matched and id(s.refs[0]) in self.ok:
                 self.top_from[(s.group, s.method)] = None
                 self.sent += 1
                 top.extend((s.refs[0], s.metas[0]))
@@ -358,26 +398,33 @@ class _Inputs:
                      and (p.collect_metas is None or all(id(m) in read for m in p.collect_metas)))
 
 
-def _per_rank(ranks: Sequence[int], sharded: Sharded, keep: list[bool],
-              inputs: _Inputs | None = None) -> Iterator[tuple[int, Payload, int | None, bool]]:
-    """Each executing rank's ``(rank, arguments, input padding, keep result)``, built as
-    the sequencer submits them (an error here is covered by its submit-or-release)."""
-    pads = sharded.pad
-    for r in ranks:
+class _Builder:
+    """Each executing rank's ``(arguments, input padding, keep result)``, built as the
+    sequencer submits them, knowing the number the call gets on that rank's lane (an
+    error here is covered by the sequencer's submit-or-release)."""
+
+    __slots__ = ("sharded", "keep", "inputs")
+
+    def __init__(self, sharded: Sharded, keep: list[bool], inputs: _Inputs | None) -> None:
+        self.sharded, self.keep, self.inputs = sharded, keep, inputs
+
+    def __call__(self, r: int, seq: int | None) -> tuple[Payload, int | None, bool]:
+        sharded, inputs = self.sharded, self.inputs
+        pads = sharded.pad
         a = tuple(_defer(x[r]) for x in sharded.args)
         k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
         top: list[Any] | None = None
         if inputs is not None:
             top = []
-            a = tuple(_each(inputs, x, top) for x in a)
-            k = {key: _each(inputs, v, top) for key, v in k.items()}
-        yield r, Payload(a, k, top=top or None), (pads[r] if pads is not None else None), keep[r]
+            a = tuple(_each(inputs, x, top, r, seq) for x in a)
+            k = {key: _each(inputs, v, top, r, seq) for key, v in k.items()}
+        return Payload(a, k, top=top or None), (pads[r] if pads is not None else None), self.keep[r]
 
 
-def _each(inputs: _Inputs, x: Any, top: list[Any]) -> Any:
+def _each(inputs: _Inputs, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
     if isinstance(x, list):
-        return [inputs.rank_args(i, top) for i in x]
-    return inputs.rank_args(x, top)
+        return [inputs.rank_args(i, top, rank, seq) for i in x]
+    return inputs.rank_args(x, top, rank, seq)
 
 
 def _defer(x: Any) -> Any:
@@ -396,9 +443,10 @@ class _BackendGroup(WorkerGroup[W]):
 
     def __init__(self, cls: type[W], pool: ResourcePool | None = None, *, world_size: int | None = None,
                  args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
-                 env: Mapping[str, str] | None = None, name: str | None = None) -> None:
+                 env: Mapping[str, str] | None = None, name: str | None = None,
+                 local_results: int | None = None) -> None:
         super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
-                         backend=backends.named(self._BACKEND))
+                         backend=backends.named(self._BACKEND), local_results=local_results)
 
 
 class RayWorkerGroup(_BackendGroup[W]):
@@ -461,10 +509,15 @@ def colocate(
     env: Mapping[str, str] | None = None,
     name: str = "colocated",
     backend: str = "ray",
+    local_results: int | None = None,
 ) -> Colocated:
     """Put several worker classes in the same processes (e.g. policy and reference).
 
     `roles` maps a role name to a worker class, or to ``(cls, args, kwargs)``.
+    `local_results`: how many of its latest ordered calls' results each process keeps
+    so that a later ordered call there (any role) takes one as its pipelined input from
+    memory instead of through the controller (default 4, or ``ASYNCRL_LOCAL_RESULTS``;
+    0 turns it off).
     """
     if not roles:
         raise ValueError("colocate() needs at least one role")
@@ -481,7 +534,7 @@ def colocate(
         specs.append((role, cls, tuple(a), dict(k)))
     if env and PROTECTED_ENV & set(env):
         raise ValueError(f"env may not set {sorted(PROTECTED_ENV & set(env))}")
-    hs = HostSet(be, pool, n, specs, env or {}, name, owns_pool=owns)
+    hs = HostSet(be, pool, n, specs, env or {}, name, owns_pool=owns, local_results=local_results)
     groups = {role: WorkerGroup(cls, backend=be, _hostset=hs, _role=role, name=f"{name}.{role}")
               for role, cls, _, _ in specs}
     return Colocated(hs, groups)

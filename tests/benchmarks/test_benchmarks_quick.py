@@ -93,3 +93,19 @@ def test_pipelined_hop_quick(tmp_path):
     assert body["plain Ray"][3] == "1.00x"
     for r in body.values():
         assert float(r[1]) > 0 and r[3].endswith("x")
+
+
+def test_local_chain_quick(tmp_path):
+    """The script itself asserts that every same-process call took the local hand-off and
+    none of the controller-path ones did."""
+    rows = table_rows(run("local_chain.py", tmp_path / "local_chain.md"))
+    assert rows[0] == ["payload", "variant", "chain ms", "min–max ms", "chain vs plain Ray", "hop ms",
+                       "hop vs plain Ray"]
+    body = rows[2:]
+    assert sorted((r[0], r[1]) for r in body) == sorted(
+        (p, v) for p in ("small", "1 MiB")
+        for v in ("asyncrl, same process", "asyncrl, through the controller", "plain Ray"))
+    for r in body:
+        assert float(r[2]) > 0 and r[4].endswith("x") and r[6].endswith("x")
+        if r[1] == "plain Ray":
+            assert r[4] == r[6] == "1.00x"

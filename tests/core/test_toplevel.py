@@ -37,7 +37,9 @@ def top_from(fut) -> tuple | None:
 async def groups(request, ray_cluster):
     """A group of 2 and a group of 1 on one backend (matched and mismatched layouts)."""
     G = kinds.group_class(request.param)
-    pair, one = G(Probe, world_size=2, name="pair"), G(Probe, world_size=1, name="one")
+    # local_results=0: these producers and consumers share processes; this file is about
+    # the paths through Ray (test_local_handoff.py is about the same-process one).
+    pair, one = G(Probe, world_size=2, name="pair", local_results=0), G(Probe, world_size=1, name="one", local_results=0)
     with kinds.forced(request.param):
         await asyncio.gather(pair.setup(), one.setup())
     try:
@@ -126,8 +128,8 @@ async def test_a_failed_producer_is_never_passed_top_level(groups):
 async def test_an_input_the_consumer_cannot_unpickle_releases_its_lane(ray_cluster, kind):
     """Ray fails such a call before the host runs it: the backend's observer releases its
     number even though nobody awaits the call, and its future names the producer."""
-    async with kinds.group(kind, Probe, world_size=1, name="maker") as maker, \
-            kinds.group(kind, Probe, world_size=1, name="taker", env={FRAGILE_ENV: "1"}) as taker:
+    async with kinds.group(kind, Probe, world_size=1, name="maker", local_results=0) as maker, \
+            kinds.group(kind, Probe, world_size=1, name="taker", env={FRAGILE_ENV: "1"}, local_results=0) as taker:
         made = maker.fragile([1, 2, 3])
         assert [x.value for x in await made] == [1, 2, 3]  # this process can unpickle it
         top = taker.unwrap(made)
@@ -153,8 +155,8 @@ async def test_an_input_the_consumer_cannot_unpickle_releases_its_lane(ray_clust
 
 @pytest.mark.parametrize("kind", [pytest.param("ray", marks=pytest.mark.slow), "ray-threaded"])
 async def test_producer_killed_after_or_before_it_finished(ray_cluster, kind):
-    async with kinds.group(kind, Probe, world_size=1, name="dies") as dies, \
-            kinds.group(kind, Probe, world_size=1, name="lives") as lives:
+    async with kinds.group(kind, Probe, world_size=1, name="dies", local_results=0) as dies, \
+            kinds.group(kind, Probe, world_size=1, name="lives", local_results=0) as lives:
         done = dies.tag(batch(3))
         await done
         [pid] = await dies.pid()

@@ -113,6 +113,44 @@ class Probe(Worker):
         return TensorDict({"y": batch["y"] + 1}, batch_size=batch.batch_size)
 
     @register(Dispatch.DP_COMPUTE)
+    def add_fields(self, a: TensorDict, b: TensorDict) -> TensorDict:
+        """Two pipelined inputs of one batch: y = a.y + b.y."""
+        return TensorDict({"y": a["y"] + b["y"]}, batch_size=a.batch_size)
+
+    @register(Dispatch.DP_COMPUTE)
+    def tag_fields(self, batch: TensorDict) -> TensorDict:
+        """How many fields its input has, per row."""
+        n = batch.batch_size[0]
+        return TensorDict({"fields": torch.full((n,), len(list(batch.keys())))}, batch_size=[n])
+
+    @register(Dispatch.DP_COMPUTE)
+    def grab(self, batch: TensorDict) -> TensorDict:
+        """Writes a key into its input container (its own, whatever path it came by);
+        returns the keys it was given, as one row of counts: (number of keys, has 'grabbed')."""
+        keys = sorted(batch.keys())
+        batch["grabbed"] = torch.zeros(batch.batch_size[0])
+        n = batch.batch_size[0]
+        return TensorDict({"y": torch.full((n,), len(keys)), "seen": torch.full((n,), int("grabbed" in keys))},
+                          batch_size=[n])
+
+    @register(Dispatch.DP_COMPUTE)
+    def grab_list(self, xs: list) -> list:
+        """Appends to its input list; returns its length before, per row."""
+        n = len(xs)
+        xs.append(-1)
+        return [n] * n
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def tag_concurrent(self, batch: TensorDict) -> TensorDict:
+        """`tag`, as a concurrent method."""
+        return TensorDict({"y": batch["x"] * 2}, batch_size=batch.batch_size)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def inc_concurrent(self, batch: TensorDict) -> TensorDict:
+        """`inc`, as a concurrent method."""
+        return TensorDict({"y": batch["y"] + 1}, batch_size=batch.batch_size)
+
+    @register(Dispatch.DP_COMPUTE)
     def fragile(self, xs: list) -> list:
         return [Fragile(int(x)) for x in xs]
 
@@ -146,6 +184,10 @@ class Probe(Worker):
     @register(Dispatch.mesh("train"))
     def mesh_tag(self, batch: TensorDict) -> TensorDict:
         return TensorDict({"y": batch["x"] * 10 + self.rank}, batch_size=batch.batch_size)
+
+    @register(Dispatch.mesh("train"))
+    def mesh_inc(self, batch: TensorDict) -> TensorDict:
+        return TensorDict({"y": batch["y"] + 1}, batch_size=batch.batch_size)
 
     @register(REPEAT)
     def pair(self, x: int) -> int:
@@ -294,6 +336,10 @@ class Probe(Worker):
 
     @register()
     def pid(self) -> int:
+        return os.getpid()
+
+    @register(concurrent=True)
+    async def concurrent_pid(self) -> int:
         return os.getpid()
 
     @register()

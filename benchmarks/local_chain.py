@@ -117,7 +117,7 @@ async def measure(reps: int, fields: int, warmup: int = 5) -> dict[tuple[str, st
                 wall = (time.perf_counter() - t) * 1e3
                 if i >= warmup:
                     out[(v, p)].append((wall, float(got["hop"][0])))
-        assert on["user"].stats.inputs_local == warmup + reps and off["user"].stats.inputs_local == 0
+        assert on["user"].stats.inputs_local == len(tds) * (warmup + reps) and off["user"].stats.inputs_local == 0
     finally:
         ray.kill(plain)
         await on.close()

@@ -70,6 +70,14 @@ async def _blocked(g) -> bool:
     return await g.is_blocked() == [True] * g.world_size
 
 
+async def ended_remotely(g, *futures) -> None:
+    """Wait until the workers have ended `futures`' calls (the cancel message reached them):
+    a cancel message and a later concurrent call are not ordered by Ray, so unblocking the
+    lane before that could let a cancelled call run."""
+    refs = [r for f in futures for r in f._call.refs]
+    await until(lambda: g._hostset.backend.all_done(refs))
+
+
 def same(a: TensorDict, b: TensorDict) -> None:
     assert sorted(a.keys()) == sorted(b.keys())
     for k in a.keys():
@@ -207,6 +215,7 @@ async def test_cancelled_or_timed_out_producer(groups):
         assert cancelled.cancel()
         with pytest.raises(CallTimeoutError):
             await timed
+        await ended_remotely(g, cancelled, timed)
         await g.unblock()
         assert await holding == [0, 1]
         for f, producer in ((after_cancel, cancelled), (after_timeout, timed)):
@@ -234,6 +243,7 @@ async def test_a_consumer_cancelled_or_timed_out_while_waiting_its_turn(groups):
         await cancelled
     with pytest.raises(CallTimeoutError):
         await timed
+    await ended_remotely(pair, cancelled, timed)
     await pair.unblock()
     assert await holding == [0, 1]
     after = pair.log_rows(produced)  # still within the window

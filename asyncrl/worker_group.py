@@ -380,7 +380,7 @@ class _Inputs:
             if self.ok and matched and id(s.refs[0]) in self.ok:
                 self.top_from[(s.group, s.method)] = None
                 self.sent += 1
-                top.extend((s.refs[0], s.metas[0]))
+                top.extend((s.refs[0], s.metas[0]))  # type: ignore[index]  # (matched: metas is set)
                 return TopShard(s.group, s.method, s.select, len(top) - 2, len(top) - 1)
         elif isinstance(x, DeferredValue):
             s = x.source

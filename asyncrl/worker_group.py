@@ -349,7 +349,7 @@ class _Inputs:
                     for j, ref in enumerate(p.collect_refs):
                         entry = entries[index[j]]
                         if entry[2] is not None:
-                            self.local[id(ref)] = entry  # type: ignore[assignment]
+                            self.local[id(ref)] = entry
         self.read: set[int] = set()
         self.top_from: dict[tuple[str, str], None] = {}
         self.sent = 0  # TopShards made (one per rank and input)

@@ -294,7 +294,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         inputs = None
         if producers:
             inputs = _Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs,
-                             hs.sequencer if ordered and mode.data_parallel else None)
+                             hs.sequencer if ordered else None)
         refs, metas, entries = hs.sequencer.submit(
             self._role, spec.name, ordered, mode.data_parallel, ranks, _Builder(sharded, keep, inputs))
         self.stats.calls += 1
@@ -339,7 +339,8 @@ class _Inputs:
         self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
         # Same-process candidates, by collected ref: the producer's (rank, call id, number)
         # of an ordered data-parallel producer numbered by this call's own sequencer (the
-        # same processes). `sequencer` is given for an ordered data-parallel consumer only.
+        # same processes). `sequencer` is given for an ordered consumer only (of any
+        # dispatch mode that makes matched shards: DP_COMPUTE, DP_COMPUTE_METRIC, meshes).
         self.local: dict[int, tuple[int, int, int]] = {}
         self.window = sequencer.keep_results if sequencer is not None else 0
         if self.window:

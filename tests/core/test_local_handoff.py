@@ -94,14 +94,17 @@ async def test_a_same_process_input_has_the_ray_paths_value_padding_and_selectio
     local = Local(pair)
     produced = pair.tag(batch(n))
     whole, selected, both = pair.inc(produced), pair.inc(produced.select("y")), pair.tag_fields(produced)
-    assert local.sent() == 6  # 2 ranks x 3 consumers
+    per_rank = pair.shard_rows(produced)  # DP_COMPUTE_METRIC: a consumer that is not data-parallel
+    assert local.sent() == 8  # 2 ranks x 4 consumers
     twin = flat.tag(batch(n))
     twins = flat.inc(twin), flat.inc(twin.select("y")), flat.tag_fields(twin)
+    twin_rows = flat.shard_rows(twin)
     assert flat.stats.inputs_local == 0
     got = [await f for f in (whole, selected, both)]
     want = [await f for f in twins]
     for a, b in zip(got, want):
         same(a, b)
+    assert await per_rank == await twin_rows == [-(-n // 2)] * 2  # each rank's shard, its padding rows included
     assert got[0]["y"].tolist() == rows(n)  # padding rows (n = 3, 5) stripped by the producer's meta
     assert got[2]["fields"].tolist() == [3] * n  # y, rank, prompt
     assert (await produced)["prompt"] == [f"P{i}" for i in range(n)]

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
-from asyncrl._deferred import (DeferredShard, DeferredValue, LocalShard, TopShard, one_pad, resolve_args, take_local,
-                               take_top)
+from asyncrl._deferred import (DeferredShard, DeferredValue, LocalShard, TopShard, one_pad, resolve_args, shallow,
+                               take_local, take_top)
 from asyncrl._sequencer import NEVER_RAN, CallCancelled, Lane, LoopCall, ThreadLane, Ticket
 from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
@@ -343,7 +343,10 @@ class _HostBase:
             return result if keep else None
         meta = self._meta(spec, method, args, kwargs, result, pad)
         if ticket.outcome is not None:  # kept for same-process consumers (case 14 of asyncrl._sequencer)
-            ticket.outcome = (True, result, meta)
+            # The container as it is now, as Ray serializes it now: a worker that returns a
+            # container it keeps (a buffer it refills) and changes its keys in a later call
+            # does not change what this call's consumers read.
+            ticket.outcome = (True, shallow(result), meta)
         return (result if keep else None), meta
 
     def _keeps(self, ticket: Ticket, want_meta: bool, keep: bool) -> None:

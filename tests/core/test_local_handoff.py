@@ -146,6 +146,23 @@ async def test_each_consumer_gets_its_own_container(groups):
     assert await listed == [1, 4, 9, 16]
 
 
+async def test_a_consumer_reads_the_container_as_it_was_returned(groups):
+    """A producer that returns a container it keeps, and gives that container's key a new
+    tensor in its next call: the first call's consumer reads what the first call returned
+    (the kept outcome is the container as it was when the call returned), not the refilled
+    container. (Through Ray the same holds only if Ray serialized the first result before
+    the next call changed it: not ordered on either host kind, so the contract is to
+    return objects the worker no longer changes; README, Pipelining.)"""
+    pair, _, _ = groups
+    local = Local(pair)
+    first = pair.refill(batch(4), 10)
+    second = pair.refill(batch(4), 100)  # runs before `after` on each worker
+    after = pair.inc(first)
+    assert local.sent() == 2
+    assert (await after)["y"].tolist() == [1, 11, 21, 31]
+    assert (await second)["y"].tolist() == [0, 100, 200, 300]
+
+
 async def test_many_consumers_of_one_producer_and_the_window(groups):
     """Within `local_results` (4) ordered numbers of the producer the input is handed over;
     past it, it takes the Ray path — the same values either way."""

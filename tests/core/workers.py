@@ -140,6 +140,15 @@ class Probe(Worker):
         xs.append(-1)
         return [n] * n
 
+    @register(Dispatch.DP_COMPUTE)
+    def refill(self, batch: TensorDict, factor: int) -> TensorDict:
+        """Returns a container the worker keeps and refills on its next call (y = x * factor)."""
+        n = batch.batch_size[0]
+        if getattr(self, "_refilled", None) is None or self._refilled.batch_size[0] != n:
+            self._refilled = TensorDict({}, batch_size=[n])
+        self._refilled["y"] = batch["x"] * factor  # a new tensor under the same key of the same container
+        return self._refilled
+
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def tag_concurrent(self, batch: TensorDict) -> TensorDict:
         """`tag`, as a concurrent method."""

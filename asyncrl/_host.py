@@ -744,11 +744,17 @@ class OrderedThread:
             if item is None:
                 return
             fn, deliver = item
+            item = None
             try:
                 outcome: tuple[bool, Any] = (True, fn())
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting call
                 outcome = (False, e)
+            fn = None
             deliver(outcome)
+            # Hold nothing of this call while waiting for the next one: its arguments
+            # (a shard that aliases the object store, with zero-copy tensors) and its
+            # result would otherwise stay alive until another call reaches this thread.
+            deliver = outcome = None  # type: ignore[assignment]
 
     def stop(self) -> None:
         if self._thread is not None:

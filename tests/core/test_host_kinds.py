@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 
+import pytest
 import torch
 
 import asyncrl
@@ -95,3 +97,29 @@ async def test_a_threaded_host_resolves_pipelined_arguments(ray_cluster):
         t = torch.arange(6)
         assert torch.equal(await wg.double(wg.double(t)), t * 4)
         assert await wg.record(wg.record(5)) == [5, 5]
+
+
+class Keeps(Worker):
+    """Records a weak reference to every argument its plain def method received."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref] = []
+
+    @register(Dispatch.DP_COMPUTE)
+    def rowsum(self, t: torch.Tensor) -> torch.Tensor:
+        self.refs.append(weakref.ref(t))
+        return t.sum(dim=1, keepdim=True)
+
+    @register()
+    async def alive(self) -> list[bool]:  # on the host's loop: the ordered thread stays idle meanwhile
+        return [r() is not None for r in self.refs]
+
+
+@pytest.mark.parametrize("backend", kinds.BACKENDS)
+async def test_the_ordered_thread_drops_a_calls_arguments_when_it_returns(ray_cluster, backend):
+    """Once a plain def call has returned, its host holds nothing of its arguments (a shard
+    that aliases the object store), also while no other call comes to the ordered thread."""
+    async with kinds.group(backend, Keeps, world_size=2, name=f"keeps-{backend}") as wg:
+        t = torch.arange(12.0).reshape(4, 3)
+        assert (await wg.rowsum(t)).flatten().tolist() == [3.0, 12.0, 21.0, 30.0]
+        assert await wg.alive() == [[False], [False]]

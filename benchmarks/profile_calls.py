@@ -15,9 +15,16 @@ does not. With ``--cprofile`` it also prints the controller's top functions for 
 variant; with ``--pyspy DIR`` it records the rank-0 worker process of each variant with
 py-spy (``pip install py-spy``) and prints the self time of the hottest frames.
 
+With ``--timeline`` it splits instead the wall time of a data-parallel call (32 B and 1 MiB)
+into segments, per variant, interleaved: the controller's issue to the first rank's
+method entry, the spread of the ranks' entries, the method itself, and the last rank's
+method exit to the controller holding the concatenated result (the worker methods stamp
+``time.time_ns()``, one clock for every process on the machine).
+
     python benchmarks/profile_calls.py                 # CPU per call, both variants, both calls
     python benchmarks/profile_calls.py --cprofile asyncrl --calls 500
     python benchmarks/profile_calls.py --pyspy /tmp/prof --calls 3000
+    python benchmarks/profile_calls.py --timeline --calls 20 --rounds 15   # where a DP call's wall time goes
 """
 
 from __future__ import annotations
@@ -55,9 +62,20 @@ class Sink(Worker):
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([t.shape[0]])
 
+    @register(Dispatch.DP_COMPUTE)
+    def consume_stamped(self, t: torch.Tensor) -> torch.Tensor:
+        return _stamped(t)
+
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
         return os.getpid()
+
+
+def _stamped(t: torch.Tensor) -> torch.Tensor:
+    """One row per rank: [rows, entry ns, exit ns] (the method's own work is reading its input's length)."""
+    entry = time.time_ns()
+    rows = t.shape[0]
+    return torch.tensor([[rows, entry, time.time_ns()]], dtype=torch.int64)
 
 
 class PlainSink:
@@ -69,6 +87,9 @@ class PlainSink:
 
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([t.shape[0]])
+
+    def consume_stamped(self, t: torch.Tensor) -> torch.Tensor:
+        return _stamped(t)
 
     def pid(self) -> int:
         return os.getpid()
@@ -93,6 +114,41 @@ async def one(variant: str, ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
     size = t.shape[0] // len(actors)
     return torch.cat(await asyncio.gather(*(a.consume.remote(t[r * size:(r + 1) * size])
                                             for r, a in enumerate(actors))))
+
+
+async def stamped(variant: str, ctx: dict[str, Any], t: torch.Tensor) -> torch.Tensor:
+    if variant in ("asyncrl", "async host"):
+        return await ctx["wg" if variant == "asyncrl" else "wg_async"].consume_stamped(t)
+    actors = ctx["actors"]
+    size = t.shape[0] // len(actors)
+    return torch.cat(await asyncio.gather(*(a.consume_stamped.remote(t[r * size:(r + 1) * size])
+                                            for r, a in enumerate(actors))))
+
+
+async def timeline(ctx: dict[str, Any], calls: int, rounds: int) -> None:
+    """Where a DP call's wall time goes, per variant (medians over calls, µs)."""
+    segs = ("issue -> 1st entry", "1st -> last entry", "method (max)", "last exit -> result", "total")
+    for name, t in (("32 B DP_COMPUTE", torch.arange(8, dtype=torch.int32)),
+                    ("1 MiB DP_COMPUTE", torch.arange((1 << 20) // 4, dtype=torch.int32))):
+        for v in VARIANTS:
+            for _ in range(10):
+                await stamped(v, ctx, t)
+        got: dict[str, list[tuple[int, ...]]] = {v: [] for v in VARIANTS}
+        load0 = os.getloadavg()[0]
+        for r in range(rounds):
+            for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+                for _ in range(calls):
+                    t0 = time.time_ns()
+                    out = await stamped(v, ctx, t)
+                    t1 = time.time_ns()
+                    entry, exit_ = out[:, 1], out[:, 2]
+                    got[v].append((int(entry.min()) - t0, int(entry.max() - entry.min()), int((exit_ - entry).max()),
+                                   t1 - int(exit_.max()), t1 - t0))
+        print(f"\n{name}, where the wall time goes ({rounds} x {calls} calls per variant, interleaved; load "
+              f"{load0:.1f} -> {os.getloadavg()[0]:.1f}; µs, medians):")
+        print(f"  {'variant':10s} " + " ".join(f"{s_:>20s}" for s_ in segs))
+        for v, rows in got.items():
+            print(f"  {v:10s} " + " ".join(f"{statistics.median(x[i] for x in rows) / 1e3:20.0f}" for i in range(len(segs))))
 
 
 async def cpu_per_call(variant: str, ctx: dict[str, Any], t: torch.Tensor | None, calls: int) -> dict[str, float]:
@@ -163,6 +219,9 @@ async def main_async(args: argparse.Namespace) -> None:
                    "plain": await asyncio.gather(*(a.pid.remote() for a in ctx["actors"]))}
     cells = {"tiny ONE_TO_ALL": None, "1 MiB DP_COMPUTE": torch.arange((1 << 20) // 4, dtype=torch.int32)}
     try:
+        if args.timeline:
+            await timeline(ctx, args.calls, args.rounds)
+            cells = {}
         for name, t in cells.items():
             for v in VARIANTS:
                 for _ in range(20):
@@ -227,6 +286,9 @@ def main() -> None:
     p.add_argument("--cprofile", choices=list(VARIANTS), default=None)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--pyspy", default=None, help="record the rank-0 worker of each variant with py-spy into DIR")
+    p.add_argument("--timeline", action="store_true",
+                   help="instead of CPU per call: split a DP call's wall time into segments (issue, entries, "
+                        "method, return), per variant; --calls per variant and round, --rounds rounds")
     args = p.parse_args()
     asyncrl.init(num_cpus=16)
     try:

@@ -165,8 +165,9 @@ def _host_submit(wg: RayWorkerGroup, rank: int, method: str, args: tuple[Any, ..
     from asyncrl._host import Payload
 
     hs = wg._hostset
-    refs, metas, _ = hs.sequencer.submit(wg._role, method, True, data_parallel,
-                                         [(rank, Payload(args, {}), 0 if data_parallel else None, True)])
+    payload = Payload(args, {})
+    refs, metas, _ = hs.sequencer.submit(wg._role, method, True, data_parallel, (rank,),
+                                         lambda _rank, _number: (payload, 0 if data_parallel else None, True))
     return (refs[0], metas[0]) if data_parallel else (refs[0],)
 
 

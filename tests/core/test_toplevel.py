@@ -230,8 +230,10 @@ LOST_OBJECT = textwrap.dedent("""
         async def main():
             async with ResourcePool([1, 1]) as pool:  # one bundle on each node
                 first, other = pool.split([1, 1])
-                async with RayWorkerGroup(Probe, first, name="g0") as g0, \\
-                        RayWorkerGroup(Probe, other, name="g1") as g1:
+                # local_results=0: the producer's own group reads `big` through Ray (so it is
+                # known ok); handed over in the process, that read would prove nothing of Ray's copy
+                async with RayWorkerGroup(Probe, first, name="g0", local_results=0) as g0, \\
+                        RayWorkerGroup(Probe, other, name="g1", local_results=0) as g1:
                     nodes = [ray.util.placement_group_table(s.placement_group)["bundles_to_node_id"][s.bundle_index]
                              for s in pool.slots]
                     p, c = (g0, g1) if nodes[0] == second.node_id else (g1, g0)  # the producer on the node that goes

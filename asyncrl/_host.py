@@ -391,15 +391,7 @@ class _HostBase:
             pads.append(pad)
             return value
 
-        def arg(x: Any) -> Any:
-            if type(x) is list and any(type(i) is LocalShard for i in x):
-                return [one(i) for i in x]
-            if type(x) is dict and any(type(i) is LocalShard for i in x.values()):
-                return {k: one(v) for k, v in x.items()}
-            return one(x)
-
-        new_args = [arg(a) for a in args]
-        new_kwargs = {k: arg(v) for k, v in kwargs.items()}
+        new_args, new_kwargs = _substitute(args, kwargs, LocalShard, one)
         try:
             return new_args, new_kwargs, one_pad(pads)
         except DispatchError as e:
@@ -674,16 +666,8 @@ def _take_top(spec: RoleSpec, method: str, payload: Payload,
             return value
         return x
 
-    def arg(x: Any) -> Any:
-        if isinstance(x, list) and any(isinstance(i, TopShard) for i in x):
-            return [one(i) for i in x]
-        if isinstance(x, dict) and any(isinstance(i, TopShard) for i in x.values()):
-            return {k: one(v) for k, v in x.items()}
-        return one(x)
-
     try:
-        args = [arg(a) for a in payload.args]
-        kwargs = {k: arg(v) for k, v in payload.kwargs.items()}
+        args, kwargs = _substitute(payload.args, payload.kwargs, TopShard, one)
         return args, kwargs, one_pad(pads)
     except DispatchError as e:  # a field selection the producer's result lacks, or inputs disagreeing on padding
         raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
@@ -781,30 +765,42 @@ def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
 _DEFERRED = (DeferredShard, DeferredValue)
 
 
+def _contains(args: Any, kwargs: dict[str, Any], kinds: type | tuple[type, ...]) -> bool:
+    """Whether an argument, or an item of a list or dict argument (the levels where
+    pipelined inputs are placed), is an instance of `kinds`."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, kinds):
+            return True
+        if isinstance(x, list) and any(isinstance(i, kinds) for i in x):
+            return True
+        if isinstance(x, dict) and any(isinstance(i, kinds) for i in x.values()):
+            return True
+    return False
+
+
+def _substitute(args: Any, kwargs: dict[str, Any], kind: type,
+                one: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any]]:
+    """`args` and `kwargs` with `one` applied to each argument, or to each item of a list
+    or dict argument that holds a `kind` (the levels :func:`_contains` looks at)."""
+    def arg(x: Any) -> Any:
+        if isinstance(x, list) and any(isinstance(i, kind) for i in x):
+            return [one(i) for i in x]
+        if isinstance(x, dict) and any(isinstance(i, kind) for i in x.values()):
+            return {k: one(v) for k, v in x.items()}
+        return one(x)
+
+    return [arg(a) for a in args], {k: arg(v) for k, v in kwargs.items()}
+
+
 def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether an argument (or an item of a list or dict argument, the levels
     :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, _DEFERRED):
-            return True
-        if isinstance(x, list) and any(isinstance(i, _DEFERRED) for i in x):
-            return True
-        if isinstance(x, dict) and any(isinstance(i, _DEFERRED) for i in x.values()):
-            return True
-    return False
+    return _contains(args, kwargs, _DEFERRED)
 
 
 def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
-    for x in (*args, *kwargs.values()):
-        t = type(x)
-        if t is LocalShard:
-            return True
-        if t is list and any(type(i) is LocalShard for i in x):
-            return True
-        if t is dict and any(type(i) is LocalShard for i in x.values()):
-            return True
-    return False
+    return _contains(args, kwargs, LocalShard)
 
 
 def _upstream(group: str, method: str, e: BaseException) -> BaseException:

@@ -158,7 +158,11 @@ class Backend(Protocol):
         """Send one call to a host; returns ``(result ref, meta ref or None)``."""
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
-        """Send the one cancel message of the sequencing protocol (see :mod:`asyncrl._sequencer`)."""
+        """Send the one cancel message of the sequencing protocol (see :mod:`asyncrl._sequencer`).
+        A backend with ``pins_ordered_calls = True`` (Ray's threaded hosts: case 15) also takes
+        ``wedged=callback`` (the host's reply to a deadline's cancel when its lane is wedged,
+        on the loop) and has ``watch_unwedged(host, call_id, callback)`` and
+        ``unfence(host, call_id, upto)``."""
 
     async def wait(self, ref: Any) -> Any: ...
 

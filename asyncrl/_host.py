@@ -310,9 +310,10 @@ class _HostBase:
         except Exception:  # pragma: no cover
             pass
 
-    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
-        """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`)."""
-        self._lane.cancel(entries, deadline)
+    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> Any:
+        """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`); after a
+        deadline's cancel, the call wedging the lane, if any (case 15)."""
+        return self._lane.cancel(entries, deadline)
 
     def _identity(self, role: str) -> tuple[str, int]:
         """``(group, rank)`` a call to `role` is reported under (an unknown role: itself, -1)."""
@@ -529,16 +530,20 @@ class ThreadedHost(_HostBase):
     """Runs the worker objects of one process without an event loop on the call path:
     the Ray backend's host for processes with no concurrent methods.
 
-    A sync Ray actor whose calls arrive in Ray's threads (a concurrency group of
-    :data:`THREADED_CALLS` threads; cancel messages and close have their own). A plain ``def``
-    method runs on the host's one ordered thread, as on the async host, and its Ray
-    thread waits for it: two thread hand-offs per call where an async actor has four
-    (Ray's thread to the actor's loop, the loop to the ordered thread, and back).
-    ``async def`` methods and the resolution of pipelined arguments run on an event loop
-    of the host's own (a thread started at the first use). Ordering, cancellation and
-    the wedged lane are :class:`~asyncrl._sequencer.ThreadLane`'s (case 12 of
-    :mod:`asyncrl._sequencer` says why a waiting call never holds the thread its
-    predecessor needs).
+    A sync Ray actor with three concurrency groups: ``ordered``, ONE thread (the
+    *pinned* thread), which builds the workers and receives every ordered call the
+    controller can run at once (no pipelined input to fetch first); ``calls``
+    (:data:`THREADED_CALLS` threads) for concurrent calls and ordered calls with nested
+    pipelined inputs, which fetch them while their predecessors run; ``control`` for
+    cancel messages and close. A pinned call waits for its turn and runs its plain
+    ``def`` method right there, on the thread that received it and built the worker:
+    no thread hand-off. A ``calls``-group call hands its ``def`` method to the pinned
+    thread as a job (the pinned call waiting for its turn runs it, or a call the host
+    submits to itself does: case 15 of :mod:`asyncrl._sequencer`). ``async def``
+    methods and the resolution of pipelined arguments run on an event loop of the
+    host's own (a thread started at the first use). Ordering, cancellation and the
+    wedged lane are :class:`~asyncrl._sequencer.ThreadLane`'s; a wedge that pinned calls
+    queued in Ray cannot see is the controller's to act on (case 15).
     """
 
     def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None) -> None:
@@ -551,14 +556,37 @@ class ThreadedHost(_HostBase):
         return "threaded"
 
     def init_workers(self, specs: list[RoleSpec], keep_results: int = 0) -> dict[str, dict[str, Any]]:
-        """Construct the workers (on the ordered thread); returns each role's registered
-        meshes. `keep_results`: as :meth:`WorkerHost.init_workers`'s."""
+        """Construct the workers here, on the pinned thread (every plain ``def`` call runs
+        on it); returns each role's registered meshes. `keep_results`: as
+        :meth:`WorkerHost.init_workers`'s."""
+        threading.current_thread().name = "asyncrl-ordered_0"
         self._lane.keep_results = keep_results
         out: dict[str, dict[str, Any]] = {}
         for spec in specs:
-            self._constructed(spec, self._thread.run_blocking(self._prepare(spec)), out)
+            construct = self._prepare(spec)
+            try:
+                outcome: tuple[bool, Any] = (True, construct())
+            except Exception as e:
+                outcome = (False, e)
+            self._constructed(spec, outcome, out)
         self._started()
         return out
+
+    def serve_jobs(self) -> None:
+        """On the pinned thread: run the ``def`` methods of ``calls``-group calls waiting for it (case 15)."""
+        self._lane.serve_jobs()  # type: ignore[attr-defined]
+
+    def wait_unwedged(self, call_id: int) -> bool:
+        """Return once call `call_id` no longer wedges this process's lane (case 15)."""
+        return self._lane.wait_unwedged(call_id)  # type: ignore[attr-defined]
+
+    def pinned_state(self) -> dict[str, Any]:
+        """For tests: the pinned thread's state (:meth:`~asyncrl._sequencer.ThreadLane.pinned_state`)."""
+        return self._lane.pinned_state()  # type: ignore[attr-defined]
+
+    def unfence(self, call_id: int, upto: int) -> None:
+        """The controller saw call `call_id`'s wedge end: admit ordered numbers from `upto` on (case 15)."""
+        self._lane.unfence(call_id, upto)  # type: ignore[attr-defined]
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:
@@ -580,10 +608,12 @@ class ThreadedHost(_HostBase):
         keep: bool = True,
         *,
         top: tuple[Any, ...] = (),
+        pinned: bool = False,
     ) -> Any:
         """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
         With `want_meta` returns ``(result, (rows, trailing padding rows))``. `top`: the
-        call's top-level inputs (resolved by Ray: no hand-off to the host's loop for them)."""
+        call's top-level inputs (resolved by Ray: no hand-off to the host's loop for them).
+        `pinned`: this is the pinned thread (case 15)."""
         group, rank = self._identity(role)
         lane: ThreadLane = self._lane  # type: ignore[assignment]
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
@@ -597,7 +627,7 @@ class ThreadedHost(_HostBase):
                 resolving = lane.start_on_loop(
                     ticket, _resolve(spec, method, args1, kwargs1, self._wait), self._event_loop())
             if seq is not None:
-                lane.wait_turn(ticket)
+                lane.wait_turn(ticket, serve=pinned)
             if resolving is None:
                 args2, kwargs2, pipe_pad = args1, kwargs1, None
             else:
@@ -612,7 +642,10 @@ class ThreadedHost(_HostBase):
                     result = lane.run_on_loop(ticket, fn(*args2, **kwargs2), self._event_loop())
                 else:
                     run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
-                    result = lane.run_in_thread(ticket, run, self._thread)
+                    if pinned:
+                        result = lane.run_pinned(ticket, run)
+                    else:
+                        result = lane.run_in_thread(ticket, run, lane)
             except CallCancelled:
                 raise
             except Exception as e:
@@ -627,8 +660,13 @@ class ThreadedHost(_HostBase):
             lane.leave(ticket)
 
     def call_packed(self, packed: list[Any], *top: Any) -> Any:
-        """:meth:`call` with its arguments in one list, then its top-level inputs: the Ray backend's entry point."""
+        """:meth:`call` with its arguments in one list, then its top-level inputs: the Ray
+        backend's entry point (``calls`` group)."""
         return self.call(*packed, top=top)
+
+    def call_pinned(self, packed: list[Any], *top: Any) -> Any:
+        """:meth:`call_packed` received on the pinned thread (``ordered`` group)."""
+        return self.call(*packed, top=top, pinned=True)
 
     def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the threads."""

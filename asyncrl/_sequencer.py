@@ -57,7 +57,8 @@ Failure cases, and what happens:
 11. *The cancel message cannot be sent* (the worker is gone or Ray is shutting down):
     logged; the lane is gone with its process (case 10).
 12. *A threaded host* (:class:`ThreadLane`) holds one of Ray's threads per call that
-    waits for its turn. Ray dispatches its calls in submission order (a sync actor
+    waits for its turn in its ``calls`` group (case 15: most ordered calls wait on the
+    pinned thread instead). Ray dispatches its calls in submission order (a sync actor
     with concurrency groups keeps it), and the controller submits the calls of one
     host in number order (:meth:`Sequencer.submit` takes the number and submits under
     one lock), so the threads always hold the lowest outstanding numbers: the call
@@ -82,15 +83,67 @@ Failure cases, and what happens:
     retained, whatever ran, failed or was cancelled in between. Nothing is released by
     message and nothing outlives the window. An outcome that is not there (a controller
     bug, a host that was replaced) fails the consumer with a clear error, never a wait.
+15. *The pinned thread of a threaded host* (Ray backend). The host's Ray actor has a
+    concurrency group ``ordered`` of ONE thread, the *pinned thread*, which ran the
+    constructors; an ordered call without nested pipelined inputs is sent there
+    (``call_pinned``) and runs its plain ``def`` method on the thread that received it
+    (:meth:`ThreadLane.run_pinned`: no hand-off). An ordered call with nested inputs goes
+    to the ``calls`` group (case 12) so that it fetches them while its predecessors run;
+    at its turn its method becomes a *job* for the pinned thread
+    (:meth:`ThreadLane.submit`): the pinned call waiting for its turn runs it (it waits
+    with ``serve=True`` and runs jobs before anything else), or, when none waits, a call
+    of :meth:`ThreadLane.serve_jobs` the host submits to itself into ``ordered`` does.
+    Ray facts this rests on (Ray 2.60, measured, ``docs/benchmarks_core.md`` round 7): a
+    one-thread group is one OS thread for the actor's life; a sync actor with
+    ``max_concurrency=1`` dispatches each group's calls in submission order (calls with
+    1 MiB arguments included); a ``control`` call runs while ``ordered`` is held.
+
+    *No deadlock.* A job exists only while its call holds the lane (it is the next number,
+    every lower one released), so no other ordered method runs meanwhile and the pinned
+    thread is, in finite time, one of: idle; in a pinned call waiting for its turn (a
+    higher number: it runs the job); in a ``serve_jobs`` call (it runs the job); or
+    finishing a call that already left the lane, refused one, or the constructors (set-up
+    ends before any call is issued). Which of the first two serves is decided under the
+    lane's lock: :meth:`ThreadLane.submit` wakes the registered waiter, or, when none is
+    registered and no ``serve_jobs`` call is pending, submits one; a waiter leaves
+    ``wait_turn`` only under that lock with no job queued (the jobs go first), and
+    ``serve_jobs`` clears its pending flag under it only with no job queued, so a job is
+    never left with nobody to run it. A pending ``serve_jobs`` call waits in Ray's queue
+    only behind pinned calls, each of which waits for its turn (serving jobs) or runs in
+    finite time. A pinned call never waits for a Ray thread (its group's one thread is
+    its own), and ``calls``-group calls keep case 12. If the self-submission fails (Ray
+    shutting down), the queued jobs fail with :class:`CallCancelled` instead of waiting.
+
+    *The wedge* (case 8) with pinned calls: the stuck method runs on the pinned thread
+    (a pinned call's own, or a job), so every pinned call behind it waits inside Ray,
+    invisible to the host; the controller acts. The host's reply to a deadline's cancel
+    message is the lane's wedge (``(call id, number, description, seconds)``, or None);
+    on it the controller (:meth:`Sequencer._wedged_reply`, on its loop) fails at once,
+    with ``LaneWedgedError`` naming the stuck call, every call it issued on that lane
+    with a higher number that is still pending, and every ordered call issued to that
+    lane later (:meth:`Sequencer.issued`); failing a call sends its cancel message, so
+    each number is released once, by the host (not arrived: case 4; arrived: on leaving).
+    The host holds a *fence* from the wedge on: an ordered call arriving while it is up
+    fails with the same ``LaneWedgedError`` (so a call the controller has failed never
+    runs, even if it reaches the host after the thread returned). The controller watches
+    ``wait_unwedged`` (a ``calls``-group call that returns when the stuck thread returned,
+    or fails when the process dies); then it stops failing new calls and sends
+    ``unfence(upto)`` with its next number on that lane: every number below it was failed
+    by the controller, numbers from it on run normally (a call that reaches the host
+    before that message is refused as wedged: consistent, never run). Calls that can see
+    the wedge on the host (waiting in ``calls``) fail there as in case 8; failing them on
+    both sides is harmless (first outcome wins, case 9).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -108,8 +161,12 @@ log = structlog.get_logger("asyncrl")
 Entry = tuple[int, int, "int | None"]
 """``(rank, call id, number or None)`` of one submitted per-rank call."""
 
+Wedge = tuple[int, int, str, float]
+"""``(call id, number, description, seconds its thread has run)`` of the call wedging a lane."""
+
 _call_ids = itertools.count()
 _REFUSED_MEMORY = 100_000
+_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (case 15)
 
 
 # ---- controller half -------------------------------------------------------------------
@@ -122,7 +179,7 @@ class Sequencer:
     all ordered calls to one process share one numbering, whatever role they call.
     """
 
-    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock")
+    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock", "pinned", "wedged", "_issued", "_sweep_at")
 
     def __init__(self, backend: "Backend", hosts: list[Any], world_size: int, keep_results: int = 0) -> None:
         self.backend = backend
@@ -131,6 +188,13 @@ class Sequencer:
         """How many of its latest ordered numbers each lane keeps the outcome of (case 14)."""
         self._next = [0] * world_size  # each lane's next number; only under the lock
         self._lock = threading.Lock()  # number order = submission order per host, from any thread (case 12)
+        self.pinned = False
+        """The hosts run ordered calls on a pinned thread (threaded Ray hosts): a wedge is
+        also the controller's to act on (case 15). Set by the owner when the hosts start."""
+        self.wedged: dict[int, tuple[int, int, str, float]] = {}
+        """Lane -> ``(call id, number, description, monotonic start)`` of the call wedging it, as its host reported."""
+        self._issued: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in range(world_size)]
+        self._sweep_at = [_ISSUED_SWEEP] * world_size
 
     def submit(self, role: str, method: str, ordered: bool, want_meta: bool, ranks: Iterable[int],
                build: Callable[[int, int | None], tuple[Any, int | None, bool]]) -> tuple[list[Any], list[Any], tuple[Entry, ...]]:
@@ -171,9 +235,79 @@ class Sequencer:
             by_rank.setdefault(rank, []).append((call_id, seq))
         for rank, items in by_rank.items():
             try:
-                self.backend.cancel_calls(self.hosts[rank], items, deadline)
+                if deadline and self.pinned:
+                    self.backend.cancel_calls(self.hosts[rank], items, deadline,  # type: ignore[call-arg]
+                                              wedged=functools.partial(self._wedged_reply, rank))
+                else:
+                    self.backend.cancel_calls(self.hosts[rank], items, deadline)
             except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
                 log.warning("cancel.unsent", rank=rank, calls=len(items), error=repr(e))
+
+    # ---- the wedge of a pinned lane (case 15), on the controller's loop --------------------------
+
+    def issued(self, call: Any) -> None:
+        """A call was submitted (`call`: its ``_Call``). On pinned hosts, remember its ordered
+        numbers (a wedge fails the ones still queued) and fail it at once if a lane it
+        needs is wedged."""
+        if not self.pinned:
+            return
+        ref = weakref.ref(call)
+        wedged = None
+        for rank, _, seq in call.entries:
+            if seq is None:
+                continue
+            q = self._issued[rank]
+            q.append((seq, ref))
+            if len(q) >= self._sweep_at[rank]:
+                self._sweep(rank)
+            if self.wedged and wedged is None and rank in self.wedged:
+                wedged = rank
+        if wedged is not None:
+            self._fail_wedged(call, wedged)
+
+    def _sweep(self, rank: int) -> None:
+        """Forget the calls that are over (amortized: the bound doubles with what stays)."""
+        q = self._issued[rank]
+        self._issued[rank] = collections.deque(e for e in q if _pending(e[1]()))
+        self._sweep_at[rank] = max(_ISSUED_SWEEP, 2 * len(self._issued[rank]))
+
+    def _wedged_reply(self, rank: int, wedge: "Wedge") -> None:
+        """A host said its lane is wedged (its reply to a deadline's cancel): fail every
+        ordered call numbered after the stuck one there, until it reports the wedge over."""
+        call_id, seq, _, running = wedge
+        now = self.wedged.get(rank)
+        if now is not None and now[0] == call_id:
+            return
+        self.wedged[rank] = (call_id, seq, wedge[2], time.monotonic() - running)
+        try:
+            self.backend.watch_unwedged(self.hosts[rank], call_id,  # type: ignore[attr-defined]
+                                        functools.partial(self._unwedged, rank, call_id))
+        except Exception as e:  # Ray is shutting down: the lane goes with it
+            log.warning("wedge.unwatched", rank=rank, error=repr(e))
+        for s, ref in list(self._issued[rank]):
+            call = ref()
+            if s > seq and _pending(call):
+                self._fail_wedged(call, rank)
+
+    def _unwedged(self, rank: int, call_id: int) -> None:
+        now = self.wedged.get(rank)
+        if now is None or now[0] != call_id:
+            return
+        with self._lock:  # every number below `upto` was failed here while the lane was wedged
+            del self.wedged[rank]
+            upto = self._next[rank]
+        try:
+            self.backend.unfence(self.hosts[rank], call_id, upto)  # type: ignore[attr-defined]
+        except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
+            log.warning("unfence.unsent", rank=rank, error=repr(e))
+
+    def _fail_wedged(self, call: Any, rank: int) -> None:
+        _, _, stuck, since = self.wedged[rank]
+        call.fail(LaneWedgedError(call.group, call.method, rank, stuck, time.monotonic() - since), cancel_remote=True)
+
+
+def _pending(call: Any) -> bool:
+    return call is not None and not call.settled() and not call._completed
 
 
 def new_call_id() -> int:
@@ -308,10 +442,22 @@ class Lane:
             return  # _thread_ended releases it
         self._release(ticket.seq)
 
-    def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> None:
+    def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> "Wedge | None":
         """Cancel calls by id (idempotent). A call not arrived yet is refused when it
         does and its number is released now; a running one is cancelled; with
-        `deadline`, one still running in its thread wedges the lane (case 8)."""
+        `deadline`, one still running in its thread wedges the lane (case 8). Returns the
+        lane's wedge after a deadline's cancel (case 15: the controller's half), else None."""
+        self._cancel(entries, deadline)
+        return self.wedge() if deadline else None
+
+    def wedge(self) -> "Wedge | None":
+        """``(call id, number, description, seconds running)`` of the call wedging the lane, or None."""
+        stuck = self._wedged_by
+        if stuck is None or stuck.seq is None:  # (only an ordered call wedges a lane)
+            return None
+        return (stuck.call_id, stuck.seq, stuck.describe(), time.monotonic() - stuck.thread_started)
+
+    def _cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> None:
         for call_id, seq in entries:
             ticket = self._live.get(call_id) or self._threads.get(call_id)
             if ticket is None:
@@ -356,6 +502,14 @@ class Lane:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _clear_wedge(self, ticket: Ticket) -> None:
+        if self._wedged_by is ticket:
+            self._wedged_by = None
+            self._unwedged()
+
+    def _unwedged(self) -> None:
+        """The wedge is over (a threaded host wakes its :meth:`ThreadLane.wait_unwedged` callers)."""
+
     def _wedge(self, ticket: Ticket) -> None:
         if self._wedged_by is not None:
             return
@@ -366,8 +520,7 @@ class Lane:
 
     def _thread_ended(self, ticket: Ticket) -> None:
         self._threads.pop(ticket.call_id, None)
-        if self._wedged_by is ticket:
-            self._wedged_by = None
+        self._clear_wedge(ticket)
         if ticket.seq is not None and ticket.call_id not in self._live:
             self._release(ticket.seq)
 
@@ -491,45 +644,178 @@ class ThreadLane(Lane):
 
     The same states and cases as :class:`Lane`; every change happens under one lock.
     A waiting thread sleeps on a one-shot :class:`_Wake` of its own (its turn, its
-    method's return, or its cancellation sets it), so a plain ``def`` call costs one
-    hand-off to the lane's thread and one back. A cancelled call stops waiting at once
+    method's return, its cancellation, or a job for the pinned thread sets it). A call
+    received on the pinned thread runs its plain ``def`` method there, with no hand-off
+    (:meth:`run_pinned`); one that waited in another Ray thread hands it to the pinned
+    thread as a job and back (:meth:`run_in_thread`, case 15). A cancelled call stops waiting at once
     (case 5), an ``async def`` method or an argument resolution on the host's loop is
     cancelled and waited for (case 6), a plain ``def`` method keeps the lane until its
     thread returns (cases 7 and 8).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pump: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self._wakes: dict[int, _Wake] = {}  # call id -> the wake-up its thread sleeps on
+        self.pump = pump
+        """Submits a call of :meth:`serve_jobs` to the pinned thread (the host's own Ray
+        handle, the ``ordered`` concurrency group): how a job finds the thread idle (case 15)."""
+        self._jobs: collections.deque[tuple[Callable[[], Any], Callable[[tuple[bool, Any]], None]]] = collections.deque()
+        self._server: _Wake | None = None  # the wake-up of the pinned call waiting for its turn: it serves jobs
+        self._pumping = False  # a serve_jobs call is on its way to the pinned thread, or running there
+        self._unwedge_wakes: list[_Wake] = []
+        self.jobs_run = {"waiter": 0, "pump": 0}  # who ran the jobs (for tests and profiles)
+        self._fence: Ticket | None = None  # the stuck call of the last wedge, until the controller lifts it
+        self._fence_upto: int | None = None  # numbers from here on are the controller's after the wedge
+
+    # ---- the pinned thread (case 15) -------------------------------------------------------
+
+    def submit(self, fn: Callable[[], Any], deliver: Callable[[tuple[bool, Any]], None]) -> None:
+        """Run `fn` on the pinned thread, then `deliver((ok, value or error))` there (the
+        lane is the `thread` of :meth:`run_in_thread` for calls that waited in the
+        ``calls`` group). The pinned call waiting for its turn runs it; when none waits,
+        a :meth:`serve_jobs` call submitted to the pinned thread does (case 15)."""
+        with self._lock:
+            self._jobs.append((fn, deliver))
+            server = self._server
+            wake = server is not None and server.claim()
+            pump = server is None and not self._pumping
+            if pump:
+                self._pumping = True
+        if wake:
+            server.release()  # type: ignore[union-attr]
+        if pump:
+            try:
+                assert self.pump is not None, "a ThreadLane that runs jobs needs its pump"
+                self.pump()
+            except BaseException as e:  # noqa: BLE001 - Ray is shutting down under us: fail the jobs, never strand them
+                with self._lock:
+                    jobs, self._jobs = list(self._jobs), collections.deque()
+                    self._pumping = False
+                for _, failed in jobs:
+                    failed((False, CallCancelled(f"the host could not reach its pinned thread: {e!r}")))
+
+    def serve_jobs(self) -> None:
+        """On the pinned thread: run the waiting jobs until none is left (case 15)."""
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._pumping = False
+                    return
+                job = self._jobs.popleft()
+                self.jobs_run["pump"] += 1
+            _run_job(job)
+            job = None  # type: ignore[assignment]  # hold nothing of it while waiting (see OrderedThread)
+
+    def run_pinned(self, ticket: Ticket, run: Callable[[], Any]) -> Any:
+        """Run a plain ``def`` method here, on the pinned thread that received the call
+        (no hand-off). A deadline's cancel meanwhile wedges the lane until it returns
+        (case 8); a cancelled call's result is dropped."""
+        call = ThreadCall()
+        with self._lock:
+            if ticket.cancelled:
+                raise CallCancelled(f"call {ticket.call_id} was cancelled")
+            ticket.thread = call
+            ticket.thread_started = time.monotonic()
+        try:
+            outcome: tuple[bool, Any] = (True, run())
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            outcome = (False, e)
+        with self._lock:
+            call.finished = True
+            self._clear_wedge(ticket)
+            cancelled = ticket.cancelled
+        if cancelled:
+            raise CallCancelled(f"call {ticket.call_id} was cancelled while its thread ran")
+        return _unwrap(outcome)
+
+    def wait_unwedged(self, call_id: int) -> bool:
+        """Block until call `call_id` no longer wedges the lane (its thread returned);
+        returns whether it did wedge it when asked (case 15: the controller's signal)."""
+        with self._lock:
+            stuck = self._wedged_by
+            if stuck is None or stuck.call_id != call_id:
+                return False
+            wake = _Wake()
+            self._unwedge_wakes.append(wake)
+        wake.wait()
+        return True
+
+    def pinned_state(self) -> dict[str, Any]:
+        """For tests: whether a pinned call waits for its turn (and so serves jobs), and who ran the jobs so far."""
+        with self._lock:
+            return {"serving": self._server is not None, "next": self._next, **self.jobs_run}
+
+    def unfence(self, call_id: int, upto: int) -> None:
+        """The controller saw call `call_id`'s wedge end and failed every ordered call it
+        numbered below `upto` meanwhile: admit numbers from `upto` on (case 15)."""
+        with self._lock:
+            if self._fence is not None and self._fence.call_id == call_id:
+                self._fence_upto = upto
+
+    def _fenced(self, seq: int) -> Ticket | None:
+        """The stuck call an ordered call numbered `seq` fails behind: the lane is wedged,
+        or was and the controller has not yet said which numbers are its own (case 15)."""
+        if self._wedged_by is not None:
+            return self._wedged_by
+        fence, upto = self._fence, self._fence_upto
+        if fence is None:
+            return None
+        if upto is not None and self._next >= upto:
+            self._fence = self._fence_upto = None
+            return None
+        return fence if upto is None or seq < upto else None
+
+    def _wedge(self, ticket: Ticket) -> None:
+        if self._wedged_by is None:
+            self._fence, self._fence_upto = ticket, None
+        super()._wedge(ticket)
+
+    def _unwedged(self) -> None:  # under the lane's lock
+        wakes, self._unwedge_wakes = self._unwedge_wakes, []
+        for w in wakes:
+            w.set_result(None)
 
     def arrive(self, call_id: int, seq: int | None, group: str, method: str, rank: int) -> Ticket:
         """Register an arriving call; raises :class:`CallCancelled` for one cancelled before it arrived."""
         with self._lock:
             return self._admit(call_id, seq, group, method, rank, None, CallCancelled)
 
-    def wait_turn(self, ticket: Ticket) -> None:
-        """Block until `ticket` is the next ordered call; fail fast while the lane is wedged."""
+    def wait_turn(self, ticket: Ticket, serve: bool = False) -> None:
+        """Block until `ticket` is the next ordered call; fail fast while the lane is wedged.
+        `serve`: this is the pinned thread; run the jobs submitted meanwhile (case 15)."""
         seq = ticket.seq
         assert seq is not None
         while True:
+            job = None
             with self._lock:
-                if ticket.cancelled:
-                    raise CallCancelled(f"call {ticket.call_id} was cancelled while waiting for its turn")
-                if self._wedged_by is not None:
-                    stuck = self._wedged_by
-                    raise LaneWedgedError(ticket.group, ticket.method, ticket.rank, stuck.describe(),
-                                          time.monotonic() - stuck.thread_started)
-                if self._next == seq:
-                    return
-                wake = _Wake()
-                self._waiters[seq] = wake  # type: ignore[assignment]  # _release and _wedge set it
-                self._wakes[ticket.call_id] = wake  # _abort sets it
+                if serve and self._jobs:  # first: a job is the lane holder's, which this call waits for
+                    job = self._jobs.popleft()
+                    self.jobs_run["waiter"] += 1
+                else:
+                    if ticket.cancelled:
+                        raise CallCancelled(f"call {ticket.call_id} was cancelled while waiting for its turn")
+                    stuck = self._fenced(seq)
+                    if stuck is not None:
+                        raise LaneWedgedError(ticket.group, ticket.method, ticket.rank, stuck.describe(),
+                                              time.monotonic() - stuck.thread_started)
+                    if self._next == seq:
+                        return
+                    wake = _Wake()
+                    self._waiters[seq] = wake  # type: ignore[assignment]  # _release and _wedge set it
+                    self._wakes[ticket.call_id] = wake  # _abort sets it
+                    if serve:
+                        self._server = wake  # submit sets it
+            if job is not None:
+                _run_job(job)
+                continue
             wake.wait()
             with self._lock:
                 if self._waiters.get(seq) is wake:
                     del self._waiters[seq]
                 self._wakes.pop(ticket.call_id, None)
+                if self._server is wake:
+                    self._server = None
 
     def run_in_thread(self, ticket: Ticket, run: Callable[[], Any], thread: Any) -> Any:
         """Run a plain ``def`` method in the lane's thread (`thread.submit(fn, deliver)`).
@@ -581,13 +867,14 @@ class ThreadLane(Lane):
         with self._lock:
             super().leave(ticket)
 
-    def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> None:
+    def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> "Wedge | None":
         with self._lock:
-            super().cancel(entries, deadline)
+            return super().cancel(entries, deadline)
 
     def cancel_all(self) -> None:
         with self._lock:
             super().cancel_all()
+            self._unwedged()  # the host is closing: nobody waits for the wedge to end
 
     # ---- internals (under the lane's lock) ---------------------------------------------------
 
@@ -615,6 +902,15 @@ class ThreadLane(Lane):
             first = call.wake.claim()
         if first:
             call.wake.release()
+
+
+def _run_job(job: tuple[Callable[[], Any], Callable[[tuple[bool, Any]], None]]) -> None:
+    fn, deliver = job
+    try:
+        outcome: tuple[bool, Any] = (True, fn())
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting call
+        outcome = (False, e)
+    deliver(outcome)
 
 
 def _unwrap(outcome: tuple[bool, Any]) -> Any:

@@ -78,6 +78,7 @@ class _Call:
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_timer", "_fut", "_fetch", "_error", "_completed", "_watching", "_failure", "_loop",
+        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of asyncrl._sequencer)
     )
 
     def __init__(self, site: _Site, backend: Backend, sequencer: "Sequencer", spec: "MethodSpec", world: "World",

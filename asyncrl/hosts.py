@@ -167,7 +167,9 @@ class HostSet:
             if self.pool.world_size < n:
                 raise ValueError(f"group {self.name!r} needs {n} bundles but its pool has {self.pool.world_size}")
             slots = self.pool.slots[:n]
-        self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=self.threaded))
+        threaded = self.threaded
+        self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=threaded))
+        self.sequencer.pinned = threaded and getattr(self.backend, "pins_ordered_calls", False)
         info = await self._admin(0, "node_info", "node_info")
         local_world: dict[Any, int] = {}
         for s in slots:

@@ -300,6 +300,8 @@ class WorkerGroup(AsyncResource, Generic[W]):
         self.stats.calls += 1
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
                      metas if mode.data_parallel else None, entries, timeout, producers, sharded.pad)
+        if hs.sequencer.pinned:
+            hs.sequencer.issued(call)  # (a wedged lane fails it at once: case 15 of asyncrl._sequencer)
         if inputs is not None:
             call.reads = inputs.fully_read()
             call.top_from = tuple(inputs.top_from) or None

@@ -28,7 +28,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl._backend import Cancelled, Died, Failed, InputFailed, Slot
-from asyncrl._host import ThreadedHost, WorkerHost
+from asyncrl._host import ThreadedHost, WorkerHost, has_deferred
 from asyncrl._sequencer import CallCancelled
 from asyncrl.errors import AsyncRLError, PlacementError
 
@@ -303,28 +303,67 @@ class _Watch:
         self._callback()
 
 
+def _host_methods(host: Any) -> tuple[Any, Any, Any, Any]:
+    """A host's call methods: ``calls`` group, the same with 2 returns, and (a threaded
+    host) its pinned thread's, with 2 returns; None for an async host."""
+    calls = host.call_packed
+    try:
+        pinned = host.call_pinned
+    except AttributeError:  # an async host
+        return calls, calls.options(num_returns=2), None, None
+    return calls, calls.options(num_returns=2), pinned, pinned.options(num_returns=2)
+
+
 def _all_ready(refs: list[Any]) -> bool:
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
     return len(ready) == len(refs)
 
 
 class _ThreadedWorkerHost(ThreadedHost):
-    """The threaded host as a sync Ray actor: calls in the ``calls`` concurrency group
-    (:data:`THREADED_CALLS` threads), cancel messages and close in ``control`` (never
-    queued behind calls or constructors), set-up in the default group. With ``max_concurrency=1`` Ray keeps
-    the submission order when it dispatches the calls (case 12 of :mod:`asyncrl._sequencer`)."""
+    """The threaded host as a sync Ray actor (``max_concurrency=1``, so Ray keeps the
+    submission order when it dispatches each group's calls: case 12 of
+    :mod:`asyncrl._sequencer`): set-up and the ordered calls that can run at once in
+    ``ordered``, a group of ONE thread (the pinned thread); ordered calls with nested
+    pipelined inputs (and concurrent calls) in ``calls`` (:data:`THREADED_CALLS` threads);
+    cancel messages and close in ``control`` (never queued behind calls or constructors)."""
+
+    @ray.method(concurrency_group="ordered")
+    def init_workers(self, specs: list[Any], keep_results: int = 0) -> dict[str, dict[str, Any]]:
+        # A job that finds the pinned thread idle gets it by a call of our own into its group.
+        self._lane.pump = ray.get_runtime_context().current_actor.serve_jobs.remote  # type: ignore[attr-defined]
+        return super().init_workers(specs, keep_results)
+
+    @ray.method(concurrency_group="ordered")
+    def call_pinned(self, packed: list[Any], *top: Any) -> Any:
+        return self.call(*packed, top=top, pinned=True)
+
+    @ray.method(concurrency_group="ordered")
+    def serve_jobs(self) -> None:
+        super().serve_jobs()
 
     @ray.method(concurrency_group="calls")
     def call_packed(self, packed: list[Any], *top: Any) -> Any:
         return self.call(*packed, top=top)
 
+    @ray.method(concurrency_group="calls")
+    def wait_unwedged(self, call_id: int) -> bool:
+        return super().wait_unwedged(call_id)
+
     @ray.method(concurrency_group="control")
-    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> None:
-        super().cancel_calls(entries, deadline)
+    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> Any:
+        return super().cancel_calls(entries, deadline)
+
+    @ray.method(concurrency_group="control")
+    def unfence(self, call_id: int, upto: int) -> None:
+        super().unfence(call_id, upto)
+
+    @ray.method(concurrency_group="control")
+    def pinned_state(self) -> dict[str, Any]:
+        return super().pinned_state()
 
     @ray.method(concurrency_group="control")
     def close(self) -> None:
-        # Beside the calls and the constructors (default group), as on the async host: a
+        # Beside the calls and the constructors (ordered group), as on the async host: a
         # close during set-up need not wait for the constructors.
         super().close()
 
@@ -335,12 +374,14 @@ class RayBackend:
     name = "ray"
     needs_pool = True
     top_level_inputs = True
+    pins_ordered_calls = True
+    """A threaded host runs ordered calls on its pinned thread (case 15 of asyncrl._sequencer)."""
 
     def __init__(self) -> None:
         # Local wrappers: need no running Ray.
         self._actor_cls = ray.remote(WorkerHost)
-        self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1})(_ThreadedWorkerHost)
-        self._call2: dict[int, Any] = {}
+        self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1, "ordered": 1})(_ThreadedWorkerHost)
+        self._methods: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(host) -> _host_methods(host)
 
     async def start(self) -> "RayBackend":
         if not ray.is_initialized():
@@ -383,10 +424,14 @@ class RayBackend:
         # pickles anything else (a tuple too), so a call whose arguments are plain scalars
         # (Payload.wire) crosses without pickling on either side.
         packed = [role, method, seq, call_id, payload.wire(), in_pad, want_meta, keep]
+        methods = self._methods.get(id(host))
+        if methods is None:  # .options() builds a new method object: once per host, not per call
+            methods = self._methods[id(host)] = _host_methods(host)
+        # An ordered call to a threaded host goes to its pinned thread unless it has nested
+        # pipelined inputs to fetch while its predecessors run (case 15 of asyncrl._sequencer).
+        pinned = seq is not None and methods[2] is not None and not has_deferred(payload.args, payload.kwargs)
         if want_meta:
-            call2 = self._call2.get(id(host))
-            if call2 is None:  # .options() builds a new method object: once per host, not per call
-                call2 = self._call2[id(host)] = host.call_packed.options(num_returns=2)
+            call2 = methods[3] if pinned else methods[1]
             top = payload.top  # (only data-parallel calls, which return their meta, take top-level inputs)
             if top:
                 ref, meta = call2.remote(packed, *top)
@@ -394,7 +439,7 @@ class RayBackend:
             else:
                 ref, meta = call2.remote(packed)
             return ref, meta
-        return host.call_packed.remote(packed), None
+        return (methods[2] if pinned else methods[0]).remote(packed), None
 
     def _observe(self, ref: Any, host: Any, call_id: int, seq: int | None) -> None:
         """Watch a call sent with top-level inputs: if Ray fails it before its host runs
@@ -429,8 +474,31 @@ class RayBackend:
         except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
             log.warning("release.unsent", call_id=call_id, error=repr(e))
 
-    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
-        host.cancel_calls.remote(entries, deadline)
+    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool,
+                     wedged: Callable[[Any], None] | None = None) -> None:
+        """Send the cancel message. `wedged`: called on the caller's loop with the host's
+        reply to a deadline's cancel when it says the lane is wedged (case 15)."""
+        ref = host.cancel_calls.remote(entries, deadline)
+        if deadline and wedged is not None:
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            ref._on_completed(functools.partial(_cancel_replied, loop, wedged))
+
+    def unfence(self, host: Any, call_id: int, upto: int) -> None:
+        """Tell `host` which ordered numbers are past call `call_id`'s wedge (case 15)."""
+        host.unfence.remote(call_id, upto)
+
+    def watch_unwedged(self, host: Any, call_id: int, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the caller's loop) once call `call_id` no longer wedges
+        `host`'s lane, or the host is gone (case 15)."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        ref = host.wait_unwedged.remote(call_id)
+        _Watch([ref], functools.partial(_on_loop, loop, callback))
 
     async def wait(self, ref: Any) -> Any:
         return await _RESOLVER.wait(ref)
@@ -462,7 +530,7 @@ class RayBackend:
 
     async def kill(self, hosts: Sequence[Any]) -> None:
         for h in hosts:
-            self._call2.pop(id(h), None)
+            self._methods.pop(id(h), None)
         await asyncio.get_running_loop().run_in_executor(None, _kill_all, list(hosts))
 
     async def place(self, pool: Any) -> tuple[list[Any], list[Any]]:
@@ -483,6 +551,22 @@ class RayBackend:
 
     async def remove_placement(self, handles: list[Any]) -> None:
         await asyncio.get_running_loop().run_in_executor(None, _remove_all, list(handles))
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., None], *args: Any) -> None:
+    """Run `fn(*args)` on `loop` (from Ray's thread); with no loop (or a closed one), here."""
+    if loop is not None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+            return
+        except RuntimeError:  # that loop is closed
+            pass
+    fn(*args)
+
+
+def _cancel_replied(loop: asyncio.AbstractEventLoop | None, wedged: Callable[[Any], None], reply: Any) -> None:
+    if isinstance(reply, (list, tuple)) and len(reply) == 4:  # (a Ray error or None: nothing to report)
+        _on_loop(loop, wedged, tuple(reply))
 
 
 def _kill_all(hosts: list[Any]) -> None:

@@ -71,11 +71,8 @@ async def _blocked(g) -> bool:
 
 
 async def ended_remotely(g, *futures) -> None:
-    """Wait until the workers have ended `futures`' calls (the cancel message reached them):
-    a cancel message and a later concurrent call are not ordered by Ray, so unblocking the
-    lane before that could let a cancelled call run."""
-    refs = [r for f in futures for r in f._call.refs]
-    await until(lambda: g._hostset.backend.all_done(refs))
+    """Wait until the cancel messages of `futures`' calls reached the workers (see kinds.cancels_reached)."""
+    await kinds.cancels_reached(g, *futures)
 
 
 def same(a: TensorDict, b: TensorDict) -> None:

@@ -203,8 +203,7 @@ async def test_cancel_and_deadline_of_a_top_level_call_waiting_for_its_turn(grou
         await timed
     # A cancel message and a later concurrent call are not ordered by Ray: unblocking the
     # lane before the cancellations reached the worker could let a cancelled call run.
-    refs = [*cancelled._call.refs, *timed._call.refs]
-    await until(lambda: g._hostset.backend.all_done(refs))
+    await kinds.cancels_reached(g, cancelled, timed)
     await g.unblock()
     assert await holding == [0, 1]
     after = g.log_rows(produced)

@@ -113,6 +113,8 @@ Failure cases, and what happens:
     finite time. A pinned call never waits for a Ray thread (its group's one thread is
     its own), and ``calls``-group calls keep case 12. If the self-submission fails (Ray
     shutting down), the queued jobs fail with :class:`CallCancelled` instead of waiting.
+    A call cancelled while its job waits for the pinned thread fails at once (case 5); when
+    the thread reaches the job it does not start the method, and the lane is released then.
 
     *The wedge* (case 8) with pinned calls: the stuck method runs on the pinned thread
     (a pinned call's own, or a job), so every pinned call behind it waits inside Ray,
@@ -819,7 +821,9 @@ class ThreadLane(Lane):
 
     def run_in_thread(self, ticket: Ticket, run: Callable[[], Any], thread: Any) -> Any:
         """Run a plain ``def`` method in the lane's thread (`thread.submit(fn, deliver)`).
-        Cancelled, the call fails at once but keeps the lane until the thread returns (case 7)."""
+        Cancelled, the call fails at once but keeps the lane until the thread returns (case 7);
+        cancelled before the thread took it, the method never starts (the lane is released
+        when the thread reaches it)."""
         call = ThreadCall()
         wake = _Wake()
         with self._lock:
@@ -828,7 +832,14 @@ class ThreadLane(Lane):
             ticket.thread = call
             ticket.thread_started = time.monotonic()
             self._wakes[ticket.call_id] = wake
-        thread.submit(run, lambda outcome: self._thread_returned(ticket, call, outcome, wake))
+        def started() -> Any:
+            with self._lock:
+                cancelled = ticket.cancelled
+            if cancelled:  # cancelled while its job waited for the thread: the method never starts
+                raise CallCancelled(f"call {ticket.call_id} was cancelled before its method started")
+            return run()
+
+        thread.submit(started, lambda outcome: self._thread_returned(ticket, call, outcome, wake))
         wake.wait()
         with self._lock:
             self._wakes.pop(ticket.call_id, None)

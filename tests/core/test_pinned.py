@@ -284,6 +284,40 @@ def test_jobs_never_strand_whoever_wins_the_race_for_the_thread():
     assert st["waiter"] + st["pump"] == len(helpers)
 
 
+def test_a_job_cancelled_before_the_pinned_thread_takes_it_never_runs():
+    """A calls-group call (nested input) whose job waits for the pinned thread is cancelled
+    before the thread takes the job: the call fails at once, its method never runs, and its
+    number is released when the thread reaches the job."""
+    queued = threading.Event()
+    pumps: list = []
+    lane = ThreadLane(pump=lambda: (pumps.append(lane.serve_jobs), queued.set()))
+    ran: list[int] = []
+    failed: list[BaseException] = []
+    ticket = lane.arrive(7, 0, "g", "m", 0)
+    lane.wait_turn(ticket)
+
+    def call() -> None:
+        try:
+            lane.run_in_thread(ticket, lambda: ran.append(1), lane)
+        except CallCancelled as e:
+            failed.append(e)
+        finally:
+            lane.leave(ticket)
+
+    h = threading.Thread(target=call)
+    h.start()
+    assert queued.wait(HANG)  # the job waits for the pinned thread (nobody serves it yet)
+    lane.cancel([(7, 0)], deadline=False)
+    h.join(HANG)
+    assert not h.is_alive() and len(failed) == 1  # the call failed at once
+    assert lane.next_number == 0  # it keeps the lane until the thread reaches its job
+    assert len(pumps) == 1
+    pumps[0]()  # the pinned thread takes the job
+    assert ran == []  # the method never started
+    assert lane.next_number == 1  # and the number is released
+    assert lane.pinned_state()["pump"] == 1
+
+
 # ---- the wedge, seen by the controller ------------------------------------------------------------
 
 

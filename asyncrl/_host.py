@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable
 from asyncrl import batch as B
 from asyncrl._deferred import (DeferredShard, DeferredValue, LocalShard, TopShard, one_pad, resolve_args, shallow,
                                take_local, take_top)
-from asyncrl._sequencer import NEVER_RAN, CallCancelled, Lane, LoopCall, ThreadLane, Ticket
+from asyncrl._sequencer import NEVER_RAN, CallCancelled, Lane, LoopCall, ThreadLane, Ticket, outcome_of
 from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
@@ -57,16 +57,20 @@ class Payload:
     the call's number (case 3 of :mod:`asyncrl._sequencer`).
     """
 
-    __slots__ = ("args", "kwargs", "error", "top")
+    __slots__ = ("args", "kwargs", "error", "top", "nested")
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 error: tuple[str, str, str] | None = None, top: list[Any] | None = None) -> None:
+                 error: tuple[str, str, str] | None = None, top: list[Any] | None = None,
+                 nested: bool = False) -> None:
         self.args = args
         self.kwargs = kwargs
         self.error = error
         self.top = top
         """Refs sent as top-level arguments of the host's call (the :class:`TopShard`
         placeholders in `args`/`kwargs` index them); not part of the pickled payload."""
+        self.nested = nested
+        """Set by the controller: some argument is resolved on the worker (:func:`has_deferred`);
+        not part of the pickled payload."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         data, buffers = _inner_pickler().dumps((self.args, self.kwargs))
@@ -265,14 +269,13 @@ class _HostBase:
         self._workers: dict[str, Any] = {}
         self._specs: dict[str, RoleSpec] = {}
         self._methods: dict[str, dict[str, Any]] = {}
-        self._thread = OrderedThread()
 
     def node_info(self) -> dict[str, Any]:
         """Address and a free port of this process's node (rank 0 serves as MASTER_ADDR)."""
         return {"ip": node_ip(), "port": free_port(), "pid": os.getpid()}
 
     def _prepare(self, spec: RoleSpec) -> Callable[[], Any]:
-        """Set the process up for `spec`; returns the constructor to run on the ordered thread."""
+        """Set the process up for `spec`; returns the constructor to run on the thread of its plain ``def`` methods."""
         if not self._local:  # in-process workers share the controller's environment
             from asyncrl.runtime import quiet_tensor_warnings
 
@@ -422,7 +425,6 @@ class _HostBase:
                 w.on_close()
             except Exception:  # closing must not fail the group's close
                 traceback.print_exc()
-        self._thread.stop()
 
     def ping(self) -> int:
         return os.getpid()
@@ -435,6 +437,7 @@ class WorkerHost(_HostBase):
     def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False) -> None:
         super().__init__(Lane(), local)
         self._wait = wait or _await_plain
+        self._thread = OrderedThread()  # runs the constructors and every plain def method
 
     def host_kind(self) -> str:
         return "async"
@@ -520,6 +523,7 @@ class WorkerHost(_HostBase):
     async def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the thread."""
         self._close_workers()
+        self._thread.stop()
 
     def abort(self) -> None:
         """Cancel every call in flight at once (the local backend's stand-in for killing the process)."""
@@ -664,10 +668,6 @@ class ThreadedHost(_HostBase):
         backend's entry point (``calls`` group)."""
         return self.call(*packed, top=top)
 
-    def call_pinned(self, packed: list[Any], *top: Any) -> Any:
-        """:meth:`call_packed` received on the pinned thread (``ordered`` group)."""
-        return self.call(*packed, top=top, pinned=True)
-
     def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the threads."""
         self._close_workers()
@@ -723,7 +723,7 @@ def _input_pad(spec: RoleSpec, method: str, top_pad: int | None, pipe_pad: int |
 
 
 class OrderedThread:
-    """The host's one thread for plain ``def`` methods: a queue and a loop (no executor
+    """The async host's one thread for plain ``def`` methods: a queue and a loop (no executor
     machinery); each outcome is handed back by a `deliver` callback run on the thread."""
 
     def __init__(self) -> None:
@@ -747,19 +747,6 @@ class OrderedThread:
         self.submit(fn, functools.partial(_deliver_to_loop, loop, fut))
         return fut
 
-    def run_blocking(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
-        """Run `fn` on the thread and wait for it here; returns ``(ok, value or error)``."""
-        done = threading.Event()
-        box: list[tuple[bool, Any]] = []
-
-        def deliver(outcome: tuple[bool, Any]) -> None:
-            box.append(outcome)
-            done.set()
-
-        self.submit(fn, deliver)
-        done.wait()
-        return box[0]
-
     def _main(self) -> None:
         while True:
             item = self._q.get()
@@ -767,10 +754,7 @@ class OrderedThread:
                 return
             fn, deliver = item
             item = None
-            try:
-                outcome: tuple[bool, Any] = (True, fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting call
-                outcome = (False, e)
+            outcome = outcome_of(fn)
             fn = None
             deliver(outcome)
             # Hold nothing of this call while waiting for the next one: its arguments

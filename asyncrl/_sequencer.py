@@ -715,14 +715,8 @@ class ThreadLane(Lane):
         (case 8); a cancelled call's result is dropped."""
         call = ThreadCall()
         with self._lock:
-            if ticket.cancelled:
-                raise CallCancelled(f"call {ticket.call_id} was cancelled")
-            ticket.thread = call
-            ticket.thread_started = time.monotonic()
-        try:
-            outcome: tuple[bool, Any] = (True, run())
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            outcome = (False, e)
+            self._thread_starts(ticket, call)
+        outcome = outcome_of(run)
         with self._lock:
             call.finished = True
             self._clear_wedge(ticket)
@@ -827,10 +821,7 @@ class ThreadLane(Lane):
         call = ThreadCall()
         wake = _Wake()
         with self._lock:
-            if ticket.cancelled:
-                raise CallCancelled(f"call {ticket.call_id} was cancelled")
-            ticket.thread = call
-            ticket.thread_started = time.monotonic()
+            self._thread_starts(ticket, call)
             self._wakes[ticket.call_id] = wake
         def started() -> Any:
             with self._lock:
@@ -889,6 +880,15 @@ class ThreadLane(Lane):
 
     # ---- internals (under the lane's lock) ---------------------------------------------------
 
+    @staticmethod
+    def _thread_starts(ticket: Ticket, call: ThreadCall) -> None:
+        """`ticket`'s plain ``def`` method is about to run (:meth:`run_pinned`,
+        :meth:`run_in_thread`); a call cancelled by now never starts it."""
+        if ticket.cancelled:
+            raise CallCancelled(f"call {ticket.call_id} was cancelled")
+        ticket.thread = call
+        ticket.thread_started = time.monotonic()
+
     def _abort(self, ticket: Ticket) -> None:
         for call in ticket.loop_calls or ():
             if not call.finished:
@@ -915,13 +915,17 @@ class ThreadLane(Lane):
             call.wake.release()
 
 
+def outcome_of(fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, fn())``, or ``(False, error)`` if it raised: a thread's outcome, handed to the call that waits for it."""
+    try:
+        return True, fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting call
+        return False, e
+
+
 def _run_job(job: tuple[Callable[[], Any], Callable[[tuple[bool, Any]], None]]) -> None:
     fn, deliver = job
-    try:
-        outcome: tuple[bool, Any] = (True, fn())
-    except BaseException as e:  # noqa: BLE001 - handed to the waiting call
-        outcome = (False, e)
-    deliver(outcome)
+    deliver(outcome_of(fn))
 
 
 def _unwrap(outcome: tuple[bool, Any]) -> Any:

@@ -22,7 +22,7 @@ import structlog
 from asyncrl import backends
 from asyncrl._backend import BackendSpec
 from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard
-from asyncrl._host import Payload
+from asyncrl._host import Payload, has_deferred
 from asyncrl.dispatch import Sharded, World
 from asyncrl.errors import (
     DispatchError,
@@ -417,11 +417,13 @@ class _Builder:
         a = tuple(_defer(x[r]) for x in sharded.args)
         k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
         top: list[Any] | None = None
-        if inputs is not None:
+        nested = False
+        if inputs is not None:  # (without producers no argument is resolved on the worker)
             top = []
             a = tuple(_each(inputs, x, top, r, seq) for x in a)
             k = {key: _each(inputs, v, top, r, seq) for key, v in k.items()}
-        return Payload(a, k, top=top or None), (pads[r] if pads is not None else None), self.keep[r]
+            nested = has_deferred(a, k)
+        return Payload(a, k, top=top or None, nested=nested), (pads[r] if pads is not None else None), self.keep[r]
 
 
 def _each(inputs: _Inputs, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:

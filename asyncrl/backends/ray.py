@@ -28,7 +28,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl._backend import Cancelled, Died, Failed, InputFailed, Slot
-from asyncrl._host import ThreadedHost, WorkerHost, has_deferred
+from asyncrl._host import ThreadedHost, WorkerHost
 from asyncrl._sequencer import CallCancelled
 from asyncrl.errors import AsyncRLError, PlacementError
 
@@ -429,7 +429,7 @@ class RayBackend:
             methods = self._methods[id(host)] = _host_methods(host)
         # An ordered call to a threaded host goes to its pinned thread unless it has nested
         # pipelined inputs to fetch while its predecessors run (case 15 of asyncrl._sequencer).
-        pinned = seq is not None and methods[2] is not None and not has_deferred(payload.args, payload.kwargs)
+        pinned = seq is not None and methods[2] is not None and not payload.nested
         if want_meta:
             call2 = methods[3] if pinned else methods[1]
             top = payload.top  # (only data-parallel calls, which return their meta, take top-level inputs)

@@ -1,10 +1,15 @@
-"""One event-loop wake-up per awaited call vs one per rank, in one process, interleaved.
+"""How an awaited call reaches the loop: the getter thread, one wake-up per call, one per rank.
 
-A tiny ``ONE_TO_ALL`` call to ``--workers`` (4) workers, awaited four ways, variant order
+A tiny ``ONE_TO_ALL`` call to ``--workers`` (4) workers, awaited five ways, variant order
 rotating between repetitions (so both asyncrl variants see the same machine):
 
-* ``asyncrl``: ``await wg.ping(1)``: the backend counts the ranks down on Ray's thread
-  and wakes the loop once per call (:meth:`asyncrl._backend.Backend.fetch`).
+* ``asyncrl``: ``await wg.ping(1)``: the backend's getter thread waits for the call in
+  Ray's blocking ``ray.get`` and wakes the loop once per call
+  (:meth:`asyncrl._backend.Backend.fetch`, ``_Getter`` in asyncrl/backends/ray.py).
+* ``asyncrl, callbacks only``: the same group call with the getter thread switched off:
+  Ray's completion callbacks count the ranks down on Ray's thread and wake the loop once
+  per call (asyncrl from issue 14's round 5 to round 7; still the path of a call that
+  arrives while the getter thread is busy).
 * ``asyncrl, a wake-up per rank``: the same group call, its fetch replaced by one that
   hands every rank's outcome to the loop on its own (``call_soon_threadsafe`` per rank,
   counted down on the loop): what asyncrl did before (without its per-rank asyncio
@@ -120,6 +125,15 @@ async def main() -> None:
         for _ in range(args.calls):
             assert await g.ping(1) == [1] * args.workers
 
+    async def run_callbacks() -> None:
+        from asyncrl.backends import ray as ray_backend
+
+        ray_backend._GETTER.enabled = False
+        try:
+            await run_group(grouped)
+        finally:
+            ray_backend._GETTER.enabled = True
+
     async def run_gather() -> None:
         for _ in range(args.calls):
             await asyncio.gather(*(a.ping.remote(1) for a in actors))
@@ -130,6 +144,7 @@ async def main() -> None:
 
     variants: dict[str, Callable[[], Any]] = {
         "asyncrl": lambda: run_group(grouped),
+        "asyncrl, callbacks only": run_callbacks,
         "asyncrl, a wake-up per rank": lambda: run_group(per_rank),
         "plain Ray, asyncio.gather": run_gather,
         "plain Ray, blocking ray.get": run_blocking,
@@ -151,7 +166,7 @@ async def main() -> None:
     load1 = os.getloadavg()[0]
     floor = statistics.median(wall["asyncrl, a wake-up per rank"])
     lines = [
-        "# Fetch wake-ups: one per call vs one per rank",
+        "# Fetch wake-ups: the getter thread, one per call, one per rank",
         "",
         run_header("fetch_wakeups.py", load_note(load0, load1)),
         "",

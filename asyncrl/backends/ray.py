@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -104,16 +105,18 @@ class _Fetch:
     """One fetch: a set of ObjectRefs whose outcomes reach the event loop together, in
     ONE loop wake-up — when the last ref is done, or at once on the first error.
 
-    Each ref gets Ray's ``_on_completed`` callback (the value, or Ray's error object, on
-    Ray's own thread: every outcome is retrieved, so Ray never reports an unhandled
+    If the getter thread is idle it takes the fetch and waits for it in ``ray.get`` (see
+    :class:`_Getter`); it hands a fetch not done in time, or that failed, to the callbacks.
+    With the callbacks, each ref gets Ray's ``_on_completed`` callback (the value, or
+    Ray's error object, on Ray's own thread: every outcome is retrieved, so Ray never reports an unhandled
     error, even for ranks that fail after the first error was delivered). The callbacks
     count down under a lock; the one that completes the set, or brings its first error,
     posts the delivery (:meth:`_Resolver.post`): one ``call_soon_threadsafe`` per fetch
     instead of one per ref. On the loop, `deliver(outcomes, failed, at)` runs once:
     `failed` is -1 and `outcomes` the values in the order of the refs, or the position of
     the first error and ``outcomes[failed]`` Ray's raw error (see :func:`_translate`);
-    `at` is ``time.perf_counter()`` when Ray's thread saw it. :meth:`cancel` (on the loop)
-    makes a later delivery a no-op.
+    `at` is ``time.perf_counter()`` when Ray's thread (or the getter's) saw it.
+    :meth:`cancel` (on the loop) makes a later delivery a no-op.
     """
 
     __slots__ = ("_loop", "_deliver", "_refs", "_outcomes", "_left", "_failed", "_sent", "_live", "_queued", "at")
@@ -133,12 +136,30 @@ class _Fetch:
         self._live = True  # not delivered, not cancelled (the loop's side)
         self._queued = queued  # delivered through the resolver's batched queue
         self.at = 0.0
-        try:
-            for i, ref in enumerate(self._refs):
-                ref._on_completed(functools.partial(self._one, i))
-        except BaseException:  # Ray shut down under us: the caller sees the error, nothing is delivered
-            self._live = False
-            raise
+        if not _GETTER.take(self):
+            try:
+                self._register()
+            except BaseException:  # Ray shut down under us: the caller sees the error, nothing is delivered
+                self._live = False
+                raise
+
+    def _register(self) -> None:
+        """Hand every ref to Ray's ``_on_completed`` callbacks (raises if Ray shut down)."""
+        refs = self._refs
+        assert refs is not None
+        for i, ref in enumerate(refs):
+            ref._on_completed(functools.partial(self._one, i))
+
+    def _got(self, values: list[Any]) -> None:  # on the getter's thread: every value at once
+        with self._LOCK:
+            if self._sent:
+                return
+            self._outcomes = list(values)
+            self._left = 0
+            self._refs = None
+            self._sent = True
+        self.at = time.perf_counter()
+        _RESOLVER.post(self)
 
     def _one(self, i: int, outcome: Any) -> None:  # on Ray's thread
         with self._LOCK:
@@ -170,6 +191,88 @@ class _Fetch:
             self._live = False
             if not self._queued:
                 _RESOLVER.native -= len(self._outcomes)
+
+
+_GET_WINDOW = 0.02
+"""Seconds the getter thread waits in Ray's blocking get for one fetch before it hands the
+fetch to Ray's completion callbacks (see :class:`_Getter`)."""
+
+
+def _getter_allowed() -> bool:
+    """Whether this process may wait in ``ray.get`` on a thread of its own: not inside an
+    async Ray actor, where Ray warns about any blocking get (a controller run there keeps
+    the callbacks only)."""
+    core = getattr(ray._private.worker.global_worker, "core_worker", None)
+    return core is None or not core.current_actor_is_asyncio()
+
+
+class _Getter:
+    """One thread that waits for a fetch the way a blocking caller does: ``ray.get``.
+
+    Ray's blocking get returns to the waiting thread as soon as the objects are there,
+    while its completion callbacks first run on Ray's own thread, one per ref, each
+    taking the GIL: measured on the tiny 4-rank call, a wait in ``ray.get`` on this thread
+    plus one loop wake-up is 3-6% cheaper per call than the callbacks (round 8 of issue
+    14, docs/benchmarks_core.md). So while the thread is idle a new fetch is handed to it
+    instead of the callbacks; it waits at most `_GET_WINDOW` and posts the delivery. A
+    fetch not done by then (a long call), or whose get raised (a failed rank: Ray's get
+    stops at the first error; the callbacks then retrieve every outcome and report the
+    first error, as always), is handed to the callbacks and the thread is free again.
+    While it is busy, fetches take the callbacks at once: a long call never delays
+    another one's delivery by more than it would without the thread. The event loop only
+    hands the fetch over; it never waits.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = False
+        self._queue: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._allowed: bool | None = None
+        self.enabled = True  # False: every fetch takes the callbacks (benchmarks/fetch_wakeups.py compares)
+        self.served = 0  # fetches delivered from the thread's get (for tests)
+        self.handed = 0  # fetches the thread handed to the callbacks
+
+    def take(self, f: "_Fetch") -> bool:
+        """On the loop: hand `f` to the thread if it is idle (start it the first time)."""
+        if f._queued or not self.enabled:
+            return False  # (thousands in flight: the resolver's batched queue, as before)
+        with self._lock:
+            if self._thread is None:
+                if self._allowed is None:
+                    self._allowed = _getter_allowed()
+                if not self._allowed:
+                    return False
+                self._thread = threading.Thread(target=self._run, name="asyncrl-getter", daemon=True)
+                self._thread.start()
+            elif not self._idle:
+                return False
+            self._idle = False
+        self._queue.put(f)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            f = self._queue.get()
+            try:
+                values = ray.get(f._refs, timeout=_GET_WINDOW)
+            except BaseException:  # not done in time, an error, or Ray shutting down: the callbacks take over
+                try:
+                    f._register()
+                except BaseException:  # Ray shut down under us: nothing is delivered (as with the callbacks);
+                    pass  # the fetch stays live, so the call's cancel or its group's close still settles it
+                with self._lock:
+                    self.handed += 1
+            else:
+                f._got(values)
+                with self._lock:
+                    self.served += 1
+            del f  # (the refs: not held while idle)
+            with self._lock:
+                self._idle = True
+
+
+_GETTER = _Getter()
 
 
 class _Resolver:
@@ -288,9 +391,9 @@ class _Watch:
         for ref in self._refs:
             try:
                 ref._on_ready(self._one)  # (Ray >= 2.60, as _on_completed above)
-            except AttributeError:
-                raise
-            except Exception:  # Ray shut down under us: nothing will complete any more
+            except Exception:  # Ray shut down under us (its worker has no core worker any more):
+                if not hasattr(ref, "_on_ready"):  # nothing will complete any more
+                    raise  # (Ray < 2.60: not a shutdown)
                 self._one(None)
         self._one(None)
 

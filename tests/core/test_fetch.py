@@ -7,6 +7,12 @@ values; the first error settling the call while other ranks still run, named by 
 every rank's outcome retrieved (nothing logged as never retrieved); a late delivery
 after a deadline or cancel changing nothing; thousands of refs past the batching limit
 each delivered exactly once.
+
+On Ray, an idle getter thread first waits for a fetch in Ray's blocking get; these tests
+also pin that path: its exact values; a call not done within the window handed to the
+callbacks; a busy thread never holding up another call's delivery; a call cancelled
+while the thread waits staying cancelled; no thread inside an async Ray actor; Ray
+shutting down while it waits leaving the thread alive and serving the next session.
 """
 
 from __future__ import annotations
@@ -224,3 +230,177 @@ async def test_many_calls_past_the_batching_limit_are_each_delivered_exactly_onc
     assert _RESOLVER.native == 0
     assert all(counts.get(id(c), 0) == 0 for c in handles)  # their late outcomes were not delivered
     assert await wg.noop(7) == [7, 7]
+
+
+# ---- the getter thread (Ray backend): a fetch waited for in ray.get, off the loop ----------------
+
+
+def _getter(wg):
+    if wg.kind == "local":
+        pytest.skip("the local backend has no getter thread")
+    from asyncrl.backends import ray as ray_backend
+
+    return ray_backend, ray_backend._GETTER
+
+
+async def _getter_idle(g) -> tuple[int, int]:
+    """Wait until the getter thread is idle (it marks itself so just after posting a
+    delivery, which the loop may already have run); then (served, handed)."""
+    async def idle() -> bool:
+        return g._idle or g._thread is None
+
+    await kinds.until(idle)
+    return g.served, g.handed
+
+
+async def test_an_idle_getter_thread_delivers_a_call_from_rays_get(wg):
+    rb, g = _getter(wg)
+    await wg.add(0)  # (the thread exists from the first fetch on)
+    served, handed = await _getter_idle(g)
+    fut = wg.add(5)
+    assert await fut == [5, 6]
+    assert fut.done_time() is not None
+    assert await _getter_idle(g) == (served + 1, handed)
+    assert await wg.whoami() == 0  # RANK_ZERO: rank 1's ref is waited for as well
+    assert await _getter_idle(g) == (served + 2, handed)
+
+
+async def test_a_call_not_done_within_the_window_moves_to_the_callbacks(wg, monkeypatch):
+    rb, g = _getter(wg)
+    monkeypatch.setattr(rb, "_GET_WINDOW", 0.05)
+    served, handed = await _getter_idle(g)
+    fut = wg.fail_or_wait(-1)  # every rank waits at its gate
+    fut._call.outcome()  # the fetch starts: the idle thread takes it
+
+    async def handed_over() -> bool:
+        return g.handed == handed + 1
+
+    await kinds.until(handed_over)
+    await _waiting(wg, [True, True])
+    served, _ = await _getter_idle(g)
+    assert await wg.noop(3) == [3, 3]  # the thread is free again: it delivers this one
+    assert await _getter_idle(g) == (served + 1, handed + 1)
+    await wg.open_gate()  # (the thread's too)
+    assert await fut == [0, 1]  # through the callbacks
+    assert await _getter_idle(g) == (served + 2, handed + 1)
+
+
+async def test_a_busy_getter_thread_never_holds_up_another_calls_delivery(wg, monkeypatch):
+    rb, g = _getter(wg)
+    monkeypatch.setattr(rb, "_GET_WINDOW", HANG)  # the thread stays in the long call's get
+    served, handed = await _getter_idle(g)
+    fut = wg.fail_or_wait(-1)
+    fut._call.outcome()
+    assert not g._idle  # taken on the loop, at once
+    async with asyncio.timeout(HANG / 2):
+        await _waiting(wg, [True, True])  # concurrent calls, delivered meanwhile through the callbacks
+        assert await wg.noop(3) == [3, 3]
+    assert (g.served, g.handed) == (served, handed)
+    await wg.open_gate()
+    assert await fut == [0, 1]  # from the thread's get
+    assert await _getter_idle(g) == (served + 1, handed)
+
+
+async def test_a_call_cancelled_while_the_getter_thread_waits_for_it_stays_cancelled(wg, monkeypatch):
+    rb, g = _getter(wg)
+    monkeypatch.setattr(rb, "_GET_WINDOW", HANG)
+    seen = deliveries(monkeypatch, wg.kind)
+    served, handed = await _getter_idle(g)
+    fut = wg.fail_or_wait(-1)
+    outcome = fut._call.outcome()
+    handle = fut._call._fetch
+    try:
+        await _waiting(wg, [True, True])
+    finally:
+        assert fut.cancel()
+    with pytest.raises(CallCancelledError):
+        await fut
+    error, fetched = outcome.exception(), wg.stats.results_fetched
+    # the ranks end their part cancelled; the thread's get raises and hands the fetch to the
+    # callbacks, whose delivery finds the call failed already
+    assert await _getter_idle(g) == (served, handed + 1)
+
+    async def delivered() -> bool:
+        return handle in seen
+
+    await kinds.until(delivered)
+    assert outcome.exception() is error and wg.stats.results_fetched == fetched
+    assert await wg.add(2) == [2, 3]
+
+
+async def test_no_getter_thread_inside_an_async_ray_actor(wg):
+    rb, _ = _getter(wg)
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class AsyncActor:
+        async def allowed(self) -> bool:
+            from asyncrl.backends.ray import _getter_allowed
+
+            return _getter_allowed()
+
+    @ray.remote(num_cpus=0)
+    class SyncActor:
+        def allowed(self) -> bool:
+            from asyncrl.backends.ray import _getter_allowed
+
+            return _getter_allowed()
+
+    a, s = AsyncActor.remote(), SyncActor.remote()
+    try:
+        # Ray warns about any blocking get inside an async actor: a controller run there keeps
+        # the callbacks only; a driver or a sync actor has the thread
+        assert (await a.allowed.remote(), await s.allowed.remote(), rb._getter_allowed()) == (False, True, True)
+    finally:
+        ray.kill(a)
+        ray.kill(s)
+
+
+SHUTDOWN_WHILE_GETTING = """
+import asyncio
+import asyncrl
+from asyncrl.backends import ray as rb
+from tests.core.workers import Probe
+
+
+async def idle(g):
+    async with asyncio.timeout(30):
+        while not g._idle:
+            await asyncio.sleep(0.02)
+
+
+async def main():
+    rb._GET_WINDOW = 60.0  # the thread would stay in the call's get for a minute
+    g = rb._GETTER
+    await asyncrl.ainit(num_cpus=2)
+    wg = asyncrl.RayWorkerGroup(Probe, world_size=1, name="first")
+    await wg.setup()
+    assert await wg.add(1) == [1]
+    await idle(g)
+    fut = wg.fail_or_wait(-1)  # never ends on its own
+    fut._call.outcome()
+    assert not g._idle
+    await asyncrl.ashutdown()  # Ray goes away while the thread waits in ray.get
+    await idle(g)  # the thread is back, not dead: Ray's get raised, the callbacks could not be registered
+    assert g._thread.is_alive()
+    assert fut.done()  # (nothing will come: its refs count as done, and asking does not raise)
+    rb._GET_WINDOW = 0.02
+    await asyncrl.ainit(num_cpus=2)  # a new Ray session in the same process: the same thread serves it
+    wg2 = asyncrl.RayWorkerGroup(Probe, world_size=1, name="second")
+    await wg2.setup()
+    served = g.served
+    assert await wg2.add(2) == [2]
+    await idle(g)
+    print("served", g.served - served, "handed", g.handed)
+    await wg2.close()
+    await asyncrl.ashutdown()
+
+
+asyncrl.run(main())
+"""
+
+
+@pytest.mark.parametrize("backend", ["ray"])
+async def test_ray_shutting_down_while_the_getter_thread_waits_leaves_it_serving(backend):
+    out = await kinds.run_script(SHUTDOWN_WHILE_GETTING)
+    assert out.strip().splitlines()[-1] == "served 1 handed 1"

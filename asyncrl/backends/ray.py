@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import os
 import queue
 import threading
 import time
@@ -272,7 +273,13 @@ class _Getter:
                 self._idle = True
 
 
+    def _after_fork(self) -> None:
+        """In a forked child: the thread did not come along; start afresh."""
+        self.__init__()  # type: ignore[misc]
+
+
 _GETTER = _Getter()
+os.register_at_fork(after_in_child=_GETTER._after_fork)
 
 
 class _Resolver:

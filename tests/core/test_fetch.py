@@ -12,7 +12,8 @@ On Ray, an idle getter thread first waits for a fetch in Ray's blocking get; the
 also pin that path: its exact values; a call not done within the window handed to the
 callbacks; a busy thread never holding up another call's delivery; a call cancelled
 while the thread waits staying cancelled; no thread inside an async Ray actor; Ray
-shutting down while it waits leaving the thread alive and serving the next session.
+shutting down while it waits leaving the thread alive and serving the next session; a
+forked child starting without it.
 """
 
 from __future__ import annotations
@@ -404,3 +405,20 @@ asyncrl.run(main())
 async def test_ray_shutting_down_while_the_getter_thread_waits_leaves_it_serving(backend):
     out = await kinds.run_script(SHUTDOWN_WHILE_GETTING)
     assert out.strip().splitlines()[-1] == "served 1 handed 1"
+
+
+def test_a_forked_child_does_not_inherit_the_getter_thread(monkeypatch):
+    import os
+    import threading
+
+    from asyncrl.backends import ray as ray_backend
+
+    g = ray_backend._GETTER
+    monkeypatch.setattr(g, "_thread", threading.Thread(target=lambda: None))  # the parent's, idle
+    monkeypatch.setattr(g, "_idle", True)
+    pid = os.fork()
+    if pid == 0:  # the child: a fetch handed to a thread that is not there would never be delivered
+        os._exit(0 if g._thread is None and not g._idle and g.served == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert g._idle  # the parent's state is untouched

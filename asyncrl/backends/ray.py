@@ -151,14 +151,9 @@ class _Fetch:
         for i, ref in enumerate(refs):
             ref._on_completed(functools.partial(self._one, i))
 
-    def _got(self, values: list[Any]) -> None:  # on the getter's thread: every value at once
-        with self._LOCK:
-            if self._sent:
-                return
-            self._outcomes = list(values)
-            self._left = 0
-            self._refs = None
-            self._sent = True
+    def _got(self, values: list[Any]) -> None:
+        """On the getter's thread, which alone holds this fetch (no callback registered)."""
+        self._outcomes, self._left, self._refs, self._sent = list(values), 0, None, True
         self.at = time.perf_counter()
         _RESOLVER.post(self)
 
@@ -258,18 +253,20 @@ class _Getter:
             try:
                 values = ray.get(f._refs, timeout=_GET_WINDOW)
             except BaseException:  # not done in time, an error, or Ray shutting down: the callbacks take over
+                served = False
                 try:
                     f._register()
                 except BaseException:  # Ray shut down under us: nothing is delivered (as with the callbacks);
                     pass  # the fetch stays live, so the call's cancel or its group's close still settles it
-                with self._lock:
-                    self.handed += 1
             else:
+                served = True
                 f._got(values)
-                with self._lock:
-                    self.served += 1
             del f  # (the refs: not held while idle)
             with self._lock:
+                if served:
+                    self.served += 1
+                else:
+                    self.handed += 1
                 self._idle = True
 
 

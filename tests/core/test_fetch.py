@@ -358,16 +358,17 @@ async def test_no_getter_thread_inside_an_async_ray_actor(wg):
 
 
 SHUTDOWN_WHILE_GETTING = """
-import asyncio
 import asyncrl
 from asyncrl.backends import ray as rb
+from tests.core import kinds
 from tests.core.workers import Probe
 
 
 async def idle(g):
-    async with asyncio.timeout(30):
-        while not g._idle:
-            await asyncio.sleep(0.02)
+    async def is_idle():
+        return g._idle
+
+    await kinds.until(is_idle)
 
 
 async def main():

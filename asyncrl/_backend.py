@@ -57,7 +57,8 @@ class Failed(Exception):
 
 class InputFailed(Exception):
     """Internal: the backend failed a call before its host ran it, because a top-level
-    argument could not be read (lost, or not unpicklable on the worker); `outcome` is
+    argument could not be read (lost, never stored because Ray could not serialize it, or
+    not unpicklable on the worker); `outcome` is
     what the argument's failure was, in this module's shapes (see asyncrl._deferred)."""
 
     def __init__(self, outcome: BaseException) -> None:
@@ -70,7 +71,8 @@ def input_error(outcome: BaseException, *, group: str, method: str) -> RemoteErr
     not be read by the consumer (named as the producer's error, as a nested input's is)."""
     exc_type, message, tb = _parts(outcome)
     return RemoteError(group, method, None, exc_type,
-                       f"its result could not be read by a consumer (lost, or not unpicklable there): {message}", tb)
+                       f"its result could not be read by a consumer (lost, not serializable, or not unpicklable "
+                       f"there): {message}", tb)
 
 
 def _parts(outcome: BaseException) -> tuple[str, str, str]:

@@ -44,8 +44,11 @@ error *before* the host method runs, so the host would never see the call's sequ
 number and every later ordered call on that process would wait for it (a lane gap).
 What the controller knows (see ``_Call.ok`` in :mod:`asyncrl.future`): a call it
 awaited successfully, or one all of whose collected results were read by a consumer
-call that then succeeded. Such an input can still fail before the host runs when its
-object is lost after it was read (its node died), or when it cannot be unpickled on the
+call that then succeeded (through Ray, or handed over in the producer's process: the
+consumer got the value, so the producer's host finished it). Such an input can still
+fail before the host runs when its object is lost after it was read (its node died),
+when Ray could not store it (a result it cannot serialize, which a consumer in the
+producer's own process never noticed), or when it cannot be unpickled on the
 consumer's worker; the Ray backend observes every call sent with top-level inputs and
 releases the number of one that failed so (the one cancel message, case 4 of
 :mod:`asyncrl._sequencer`), and the call's future fails with an ``UpstreamError``

@@ -66,8 +66,9 @@ Failure cases, and what happens:
 13. *Ray fails the call before the host runs it* because a top-level argument cannot
     be read (Ray backend: a pipelined input passed top-level, see
     :mod:`asyncrl._deferred`; only inputs known to have finished successfully go so,
-    so this is an object lost after it was read, or one that cannot be unpickled on
-    that worker): the host never sees the number. The backend observes every call sent
+    so this is an object lost after it was read, one Ray could not serialize (read
+    before only by a consumer in the producer's own process, case 14), or one that
+    cannot be unpickled on that worker): the host never sees the number. The backend observes every call sent
     with top-level inputs (a completion callback on its metadata ref, on Ray's thread;
     awaited or not) and releases the number with the cancel message, as in case 4
     (idempotent: case 9); the call's future fails with an ``UpstreamError`` naming the

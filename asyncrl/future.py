@@ -129,7 +129,7 @@ class _Call:
         self.ok = False
         """Known to have finished successfully: every collected result (and its padding
         metadata) was read without error, by this controller's await or by a consumer
-        call that then succeeded (`reads`). Only such a call's results are passed
+        call that then succeeded (`reads`; a same-process hand-off counts). Only such a call's results are passed
         top-level into later calls (asyncrl._deferred says why). Never set on failure."""
         self.reads: "tuple[_Call, ...]" = ()  # producers whose every collected result this call reads
         self.top_from: tuple[tuple[str, str], ...] | None = None  # (group, method) of its top-level inputs' producers

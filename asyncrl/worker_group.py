@@ -371,9 +371,12 @@ class _Inputs:
             if matched and self.local and seq is not None:
                 entry = self.local.get(id(s.refs[0]))
                 if entry is not None and entry[0] == rank and 0 < seq - entry[2] <= self.window:
-                    # Not counted as a read of the producer's refs: the consumer reads the
-                    # host's outcome, not the object Ray made of it (which could still fail,
-                    # e.g. a result Ray cannot serialize), so it proves nothing of `ok`.
+                    # Counted as a read: a consumer that succeeded got the producer's value,
+                    # so the producer's host finished it. Ray's object of it could still have
+                    # failed (a result Ray cannot serialize); a later top-level read of it then
+                    # fails before its host runs, which the backend observes (case 13 of
+                    # asyncrl._sequencer), as for an object lost after it was read.
+                    self.read.update((id(s.refs[0]), id(s.metas[0])))  # type: ignore[index]
                     self.local_sent += 1
                     return LocalShard(s.group, s.method, s.select, entry[1], entry[2])
             if x.count == len(s.refs) or not s.data_parallel:

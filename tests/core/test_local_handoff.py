@@ -218,6 +218,63 @@ async def test_a_failed_producer_fails_its_consumer_as_the_nested_path_does(grou
     assert mine.upstream.message == theirs.upstream.message == "'rank 1 failed'"
 
 
+async def test_a_consumer_that_succeeded_makes_its_producer_known_ok(groups):
+    """A same-process read counts towards the producer's ``ok`` (as a read through Ray does):
+    the producer's result then reaches another process's consumer top-level on Ray."""
+    pair, flat, _ = groups
+    local = Local(pair)
+    produced = pair.tag(batch(5))
+    consumer = pair.inc(produced)
+    assert local.sent() == 2
+    assert (await consumer)["y"].tolist() == rows(5)
+    assert produced._call.ok
+    elsewhere = flat.inc(produced)
+    want = (("pair", "tag"),) if pair._hostset.backend.name == "ray" else None  # local: always nested
+    assert elsewhere._call.top_from == want
+    assert (await elsewhere)["y"].tolist() == rows(5)
+    # A consumer that failed proves nothing: the producer stays nested.
+    unproven = pair.tag(batch(4))
+    failed = pair.boom_on_rank(unproven, 1)
+    assert local.sent() == 2
+    with pytest.raises(RemoteError, match="rank 1 failed"):
+        await failed
+    assert not unproven._call.ok
+    nested = flat.inc(unproven)
+    assert nested._call.top_from is None
+    assert (await nested)["y"].tolist() == rows(4)
+
+
+async def test_a_result_ray_cannot_store_read_only_in_its_process(groups):
+    """The producer's host returns a value that cannot be serialized: its same-process
+    consumer succeeds (and makes it known ok), so on Ray another process's consumer gets it
+    top-level, and Ray fails that call before its host runs (case 13 of asyncrl._sequencer);
+    the local backend (which round-trips results through pickle as Ray would) keeps it
+    nested. Either way: an UpstreamError naming the producer, and that lane goes on.
+    Awaiting the producer raises the serialization error."""
+    pair, flat, _ = groups
+    await flat.get_log()
+    on_ray = pair._hostset.backend.name == "ray"
+    produced = pair.tag_unpicklable(batch(4))
+    assert (await pair.inc(produced))["y"].tolist() == rows(4)
+    assert produced._call.ok
+    consumer = flat.log_rows(produced)
+    assert consumer._call.top_from == ((("pair", "tag_unpicklable"),) if on_ray else None)
+    with pytest.raises(UpstreamError) as info:
+        await consumer
+    e = info.value
+    assert (e.group, e.method) == ("flat", "log_rows")
+    assert (e.upstream.group, e.upstream.method, e.upstream.exc_type) == ("pair", "tag_unpicklable", "builtins.TypeError")
+    assert "Unpicklable cannot be pickled" in e.upstream.message
+    if on_ray:
+        assert "not serializable" in e.upstream.message
+    assert await flat.record(7) == [7, 7]  # nobody awaits the failed call's number: it was released
+    assert await flat.get_log() == [[7], [7]]  # the failed call never ran
+    with pytest.raises(RemoteError, match="Unpicklable cannot be pickled") as raised:
+        await produced
+    assert (raised.value.group, raised.value.method, raised.value.exc_type) == ("pair", "tag_unpicklable",
+                                                                               "builtins.TypeError")
+
+
 async def test_cancelled_or_timed_out_producer(groups):
     pair, flat, _ = groups
     for g in (pair, flat):

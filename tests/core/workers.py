@@ -57,6 +57,13 @@ class Fragile:
         return (_fragile, (self.value,))
 
 
+class Unpicklable:
+    """A value that cannot be pickled at all (Ray cannot store a result holding one)."""
+
+    def __reduce__(self):
+        raise TypeError("Unpicklable cannot be pickled")
+
+
 class Probe(Worker):
     """Exercises every dispatch mode; records the environment its constructor saw."""
 
@@ -162,6 +169,13 @@ class Probe(Worker):
     @register(Dispatch.DP_COMPUTE)
     def fragile(self, xs: list) -> list:
         return [Fragile(int(x)) for x in xs]
+
+    @register(Dispatch.DP_COMPUTE)
+    def tag_unpicklable(self, batch: TensorDict) -> TensorDict:
+        """`tag`, plus a field Ray cannot serialize: its host returns, Ray fails to store it."""
+        out = self.tag(batch)
+        out.set_non_tensor("unpicklable", Unpicklable())
+        return out
 
     @register(Dispatch.DP_COMPUTE)
     def unwrap(self, xs: list) -> list:

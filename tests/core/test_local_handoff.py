@@ -263,7 +263,8 @@ async def test_a_result_ray_cannot_store_read_only_in_its_process(groups):
         await consumer
     e = info.value
     assert (e.group, e.method) == ("flat", "log_rows")
-    assert (e.upstream.group, e.upstream.method, e.upstream.exc_type) == ("pair", "tag_unpicklable", "builtins.TypeError")
+    upstream = (e.upstream.group, e.upstream.method, e.upstream.exc_type)
+    assert upstream == ("pair", "tag_unpicklable", "builtins.TypeError")
     assert "Unpicklable cannot be pickled" in e.upstream.message
     if on_ray:
         assert "not serializable" in e.upstream.message

@@ -77,10 +77,11 @@ class Payload:
         return (_UNPACK, (data, *buffers))
 
     def wire(self) -> "Payload | list[Any]":
-        """What the Ray backend sends: when every argument is a plain scalar (an int of
-        64 bits, a float, a string, a bool, None), a :class:`TopShard` (a pipelined
-        input sent top-level) or a :class:`LocalShard` (one handed over in the worker's
-        process): ints and strings, the list ``[args, kwargs]`` (plus, with
+        """What the Ray backend sends: when every argument is plain (a scalar — an int of
+        64 bits, a float, a string, a bool, None — or a small list or string-keyed dict
+        of plain values, such as a config dict: :func:`_plain`), a :class:`TopShard` (a
+        pipelined input sent top-level) or a :class:`LocalShard` (one handed over in the
+        worker's process): ints and strings, the list ``[args, kwargs]`` (plus, with
         TopShards, their places and fields), which Ray encodes with msgpack (no pickling on
         either side, and nothing that can fail to unpickle on the worker); otherwise the
         Payload itself. :func:`arrived` undoes it."""
@@ -129,9 +130,47 @@ class Payload:
         return Payload(args, kwargs)
 
 
-def _plain(x: Any) -> bool:
+_PLAIN_ITEMS = 64  # list items and dict values, over all levels, that still count as plain
+_PLAIN_DEPTH = 4  # levels of nested lists and dicts that still count as plain
+
+
+def _scalar(x: Any) -> bool:
     t = type(x)
     return t is str or t is float or t is bool or x is None or (t is int and -(1 << 63) <= x < (1 << 63))
+
+
+def _plain(x: Any) -> bool:
+    """A value Ray encodes with msgpack and the worker decodes without unpickling anything
+    (so it cannot fail there: case 3 of asyncrl._sequencer): a scalar (an int of 64 bits,
+    a float, a string, a bool, None), or lists and string-keyed dicts of such — a config
+    dict — with at most ``_PLAIN_ITEMS`` items in all, nested at most ``_PLAIN_DEPTH``
+    levels. Tuples, other key types, subclasses and anything larger take the pickled Payload."""
+    if _scalar(x):
+        return True
+    t = type(x)
+    if t is not dict and t is not list:
+        return False
+    budget = _PLAIN_ITEMS
+    todo: list[tuple[Any, int]] = [(x, 1)]
+    while todo:
+        y, depth = todo.pop()
+        if depth > _PLAIN_DEPTH:
+            return False
+        if type(y) is dict:
+            if any(type(k) is not str for k in y):
+                return False
+            items: Any = y.values()
+        else:
+            items = y
+        budget -= len(y)
+        if budget < 0:
+            return False
+        for v in items:
+            if not _scalar(v):
+                if type(v) is not dict and type(v) is not list:
+                    return False
+                todo.append((v, depth + 1))
+    return True
 
 
 _MARKERS = (TopShard, LocalShard)

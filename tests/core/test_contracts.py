@@ -257,3 +257,35 @@ def test_the_argument_fast_path_accepts_exactly_what_signature_bind_accepts():
                     assert fits == (binds and plain), (fn.__name__, args, kwargs)
                     checked += 1
     assert checked == 5 * (8 + 16 + 2 + 32 + 8 + 8)  # every combination was tried
+
+
+CONFIG = {"name": "grpo", "clip": [0.2, 0.28], "norm": True, "kl": None, "nested": {"gamma": 1.0, "lam": [0.95]}}
+CONFIG_TYPED = ["dict", [
+    [["str", "name"], ["str", "grpo"]],
+    [["str", "clip"], ["list", [["float", 0.2], ["float", 0.28]]]],
+    [["str", "norm"], ["bool", True]],
+    [["str", "kl"], ["NoneType", None]],
+    [["str", "nested"], ["dict", [[["str", "gamma"], ["float", 1.0]], [["str", "lam"], ["list", [["float", 0.95]]]]]]],
+]]
+
+
+async def test_plain_and_other_arguments_arrive_with_their_exact_types(wg):
+    """A small str-keyed dict or list of scalars (a config) crosses as msgpack on Ray
+    (`Payload.wire`); a tuple, an int-keyed dict and a dict holding a tensor take the pickled
+    payload: every one arrives with the same values and the same types, on every host kind."""
+    from asyncrl._host import Payload
+
+    odd = {1: "int key", "t": (1, 2)}
+    assert isinstance(Payload((CONFIG, [1, "a"]), {"algo": CONFIG}).wire(), list)
+    assert isinstance(Payload((odd,), {}).wire(), Payload)
+    assert isinstance(Payload((list(range(65)),), {}).wire(), Payload)  # past _PLAIN_ITEMS
+    assert await wg.types_of(CONFIG, [1, "a", 2.5], algo=CONFIG) == [
+        ["tuple", [CONFIG_TYPED, ["list", [["int", 1], ["str", "a"], ["float", 2.5]]]]],
+        ["dict", [[["str", "algo"], CONFIG_TYPED]]],
+    ]
+    assert await wg.types_of((3, 4), odd, big=list(range(65)), w={"t": torch.ones(2)}) == [
+        ["tuple", [["tuple", [["int", 3], ["int", 4]]],
+                   ["dict", [[["int", 1], ["str", "int key"]], [["str", "t"], ["tuple", [["int", 1], ["int", 2]]]]]]]],
+        ["dict", [[["str", "big"], ["list", [["int", i] for i in range(65)]]],
+                  [["str", "w"], ["dict", [[["str", "t"], ["Tensor", [1.0, 1.0]]]]]]]],
+    ]

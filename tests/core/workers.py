@@ -57,6 +57,16 @@ class Fragile:
         return (_fragile, (self.value,))
 
 
+def _typed(x):
+    if isinstance(x, torch.Tensor):
+        return ["Tensor", x.tolist()]
+    if isinstance(x, dict):
+        return ["dict", [[_typed(k), _typed(v)] for k, v in x.items()]]
+    if isinstance(x, (list, tuple)):
+        return [type(x).__name__, [_typed(v) for v in x]]
+    return [type(x).__name__, x]
+
+
 class Unpicklable:
     """A value that cannot be pickled at all (Ray cannot store a result holding one)."""
 
@@ -272,6 +282,11 @@ class Probe(Worker):
         await asyncio.sleep(0)  # yield: ordered async calls must still not interleave
         self.log.append(i)
         return i
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def types_of(self, *args, **kwargs) -> list:
+        """The arguments as they arrived: each value with its exact type, recursively."""
+        return [_typed(args), _typed(kwargs)]
 
     @register()
     def record_value(self, x) -> int:

@@ -156,15 +156,15 @@ def _plain(x: Any) -> bool:
         y, depth = todo.pop()
         if depth > _PLAIN_DEPTH:
             return False
+        budget -= len(y)
+        if budget < 0:
+            return False
         if type(y) is dict:
             if any(type(k) is not str for k in y):
                 return False
             items: Any = y.values()
         else:
             items = y
-        budget -= len(y)
-        if budget < 0:
-            return False
         for v in items:
             if not _scalar(v):
                 if type(v) is not dict and type(v) is not list:

@@ -109,8 +109,8 @@ class _Fetch:
     If the getter thread is idle it takes the fetch and waits for it in ``ray.get`` (see
     :class:`_Getter`); it hands a fetch not done in time, or that failed, to the callbacks.
     With the callbacks, each ref gets Ray's ``_on_completed`` callback (the value, or
-    Ray's error object, on Ray's own thread: every outcome is retrieved, so Ray never reports an unhandled
-    error, even for ranks that fail after the first error was delivered). The callbacks
+    Ray's error object, on Ray's own thread: every outcome is retrieved, so Ray never
+    reports an unhandled error, even for ranks that fail after the first error was delivered). The callbacks
     count down under a lock; the one that completes the set, or brings its first error,
     posts the delivery (:meth:`_Resolver.post`): one ``call_soon_threadsafe`` per fetch
     instead of one per ref. On the loop, `deliver(outcomes, failed, at)` runs once:
@@ -209,8 +209,8 @@ class _Getter:
     while its completion callbacks first run on Ray's own thread, one per ref, each
     taking the GIL: measured on the tiny 4-rank call, a wait in ``ray.get`` on this thread
     plus one loop wake-up takes 0.85-0.92x the callbacks' time with asyncio's loop and
-    0.87-0.99x with uvloop's (round 8 of issue 14, docs/benchmarks_core.md). So while the thread is idle a new fetch is handed to it
-    instead of the callbacks; it waits at most `_GET_WINDOW` and posts the delivery. A
+    0.87-0.99x with uvloop's (round 8 of issue 14, docs/benchmarks_core.md). So while the
+    thread is idle a new fetch is handed to it instead of the callbacks; it waits at most `_GET_WINDOW` and posts the delivery. A
     fetch not done by then (a long call), or whose get raised (a failed rank: Ray's get
     stops at the first error; the callbacks then retrieve every outcome and report the
     first error, as always), is handed to the callbacks and the thread is free again.
@@ -268,7 +268,6 @@ class _Getter:
                 else:
                     self.handed += 1
                 self._idle = True
-
 
     def _after_fork(self) -> None:
         """In a forked child: the thread did not come along; start afresh."""

@@ -83,3 +83,14 @@ async def run_script(code: str, timeout: float = 240) -> str:
     out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout)
     assert proc.returncode == 0, err.decode()[-3000:]
     return out.decode()
+
+
+def top_from(fut: Any) -> tuple | None:
+    """The producers whose results `fut`'s call received as top-level arguments."""
+    return fut._call.top_from
+
+
+def expect_top(g: Any, fut: Any, producer: tuple[str, str]) -> None:
+    """`fut` got its input top-level on the Ray backend; the local backend keeps it nested."""
+    want = (producer,) if g._hostset.backend.name == "ray" else None
+    assert top_from(fut) == want

@@ -23,7 +23,7 @@ from asyncrl import (
     WorkerDiedError,
 )
 from tests.core import kinds
-from tests.core.kinds import BACKENDS, until
+from tests.core.kinds import BACKENDS, expect_top, until
 from tests.core.workers import Probe
 
 
@@ -229,8 +229,7 @@ async def test_a_consumer_that_succeeded_makes_its_producer_known_ok(groups):
     assert (await consumer)["y"].tolist() == rows(5)
     assert produced._call.ok
     elsewhere = flat.inc(produced)
-    want = (("pair", "tag"),) if pair._hostset.backend.name == "ray" else None  # local: always nested
-    assert elsewhere._call.top_from == want
+    expect_top(pair, elsewhere, ("pair", "tag"))
     assert (await elsewhere)["y"].tolist() == rows(5)
     # A consumer that failed proves nothing: the producer stays nested.
     unproven = pair.tag(batch(4))
@@ -253,12 +252,11 @@ async def test_a_result_ray_cannot_store_read_only_in_its_process(groups):
     Awaiting the producer raises the serialization error."""
     pair, flat, _ = groups
     await flat.get_log()
-    on_ray = pair._hostset.backend.name == "ray"
     produced = pair.tag_unpicklable(batch(4))
     assert (await pair.inc(produced))["y"].tolist() == rows(4)
     assert produced._call.ok
     consumer = flat.log_rows(produced)
-    assert consumer._call.top_from == ((("pair", "tag_unpicklable"),) if on_ray else None)
+    expect_top(pair, consumer, ("pair", "tag_unpicklable"))
     with pytest.raises(UpstreamError) as info:
         await consumer
     e = info.value
@@ -266,7 +264,7 @@ async def test_a_result_ray_cannot_store_read_only_in_its_process(groups):
     upstream = (e.upstream.group, e.upstream.method, e.upstream.exc_type)
     assert upstream == ("pair", "tag_unpicklable", "builtins.TypeError")
     assert "Unpicklable cannot be pickled" in e.upstream.message
-    if on_ray:
+    if pair._hostset.backend.name == "ray":
         assert "not serializable" in e.upstream.message
     assert await flat.record(7) == [7, 7]  # nobody awaits the failed call's number: it was released
     assert await flat.get_log() == [[7], [7]]  # the failed call never ran

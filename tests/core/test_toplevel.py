@@ -16,7 +16,7 @@ from tensordict import TensorDict
 
 from asyncrl import CallCancelledError, CallTimeoutError, RemoteError, UpstreamError, WorkerDiedError
 from tests.core import kinds
-from tests.core.kinds import BACKENDS, run_script, until
+from tests.core.kinds import BACKENDS, expect_top, run_script, top_from, until
 from tests.core.workers import FRAGILE_ENV, Probe
 
 RAY_KINDS = ["ray", "ray-threaded"]
@@ -26,11 +26,6 @@ def batch(n: int) -> TensorDict:
     td = TensorDict({"x": torch.arange(n)}, batch_size=[n])
     td["prompt"] = [f"p{i}" for i in range(n)]
     return td
-
-
-def top_from(fut) -> tuple | None:
-    """The producers whose results `fut`'s call received as top-level arguments."""
-    return fut._call.top_from
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
@@ -47,12 +42,6 @@ async def groups(request, ray_cluster):
     finally:
         await pair.close()
         await one.close()
-
-
-def expect_top(g, fut, producer: tuple[str, str]) -> None:
-    """`fut` got its input top-level on the Ray backend; the local backend keeps it nested."""
-    want = (producer,) if g._hostset.backend.name == "ray" else None
-    assert top_from(fut) == want
 
 
 @pytest.mark.parametrize("n", [3, 5, 8])

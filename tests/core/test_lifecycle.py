@@ -11,7 +11,7 @@ from ray.util import placement_group_table
 
 import asyncrl
 from asyncrl import GroupClosedError, PlacementError, RayWorkerGroup, ResourcePool, colocate
-from tests.core.kinds import run_script
+from tests.core.kinds import run_script, until
 from tests.core.workers import Other, Probe
 
 def alive_hosts() -> int:
@@ -75,8 +75,12 @@ async def test_cancelled_setup_releases_everything(ray_cluster):
             await asyncio.Event().wait()
 
     task = asyncio.ensure_future(use())
-    while wg._hostset.state != "ready":  # wait until it is really up, then cancel
-        await asyncio.sleep(0.05)
+
+    async def up() -> bool:
+        assert not task.done(), task  # a set-up that failed would never be ready
+        return wg._hostset.state == "ready"
+
+    await until(up, deadline=120)  # wait until it is really up, then cancel
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -13,7 +13,7 @@ from tensordict import TensorDict
 import asyncrl
 from asyncrl import DispatchError, GroupClosedError, RayWorkerGroup, RemoteError, UpstreamError
 from tests.core import kinds
-from tests.core.kinds import BACKENDS
+from tests.core.kinds import BACKENDS, until
 from tests.core.workers import Probe
 
 
@@ -159,9 +159,18 @@ async def test_many_outstanding_refs_keep_errors_and_release_the_native_budget(r
         for i, e in enumerate(got[400:]):
             assert isinstance(e, RemoteError) and (e.rank, e.exc_type, e.message) == (0, "builtins.ValueError", f"no {i}")
         waiter = asyncio.ensure_future(blocked)
-        await asyncio.sleep(0.2)
+
+        async def fetching() -> bool:  # the call runs on the worker and the waiter's fetch holds its slot
+            return await wg.peek_log() == [[1]] and _RESOLVER.native == 1
+
+        await until(fetching)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        await asyncio.sleep(0.2)  # the cancelled ref settles on the worker
+        assert _RESOLVER.native == 0  # the cancelled fetch gave its slot back at once
+
+        async def cancelled_there() -> bool:  # the cancellation reached the worker's coroutine
+            return await wg.peek_log() == [[1, -1]]
+
+        await until(cancelled_there)
         assert _RESOLVER.native == 0

@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 
 import asyncrl
+import asyncrl.future
 from asyncrl import (
     CallCancelledError,
     CallTimeoutError,
@@ -188,13 +189,19 @@ async def test_a_call_that_finished_in_time_never_times_out_when_awaited_late(wg
             break
     else:
         pytest.fail("the call never finished well inside its deadline")
-    await asyncio.sleep(max(0.0, t0 + timeout - time.monotonic()) + 0.2)  # let the deadline pass: it is the subject
+    await until(lambda: _deadline_fired(fut._call), deadline=timeout + 30)  # the deadline passing is the subject
+    await asyncio.gather(*list(asyncrl.future._BACKGROUND))  # and its check, if it started one, has run
     assert fut.done()
     assert await fut == [1, 2]
 
 
 async def _done(fut) -> bool:
     return fut.done()
+
+
+async def _deadline_fired(call) -> bool:
+    """The call's deadline timer has fired (it clears itself then) and its time has passed."""
+    return call._timer is None and time.monotonic() >= call.deadline
 
 
 # ---- defect 4: lifecycle races -------------------------------------------------------------

@@ -1,5 +1,9 @@
 """asyncrl: an asyncio single controller with futures pipelining for RL post-training."""
 
+from asyncrl._tensordict_import import import_tensordict
+
+import_tensordict()  # first: without torch._dynamo (asyncrl/_tensordict_import.py says why)
+
 from asyncrl.dispatch import Broadcast, MeshRank, World
 from asyncrl.errors import (
     AsyncRLError,

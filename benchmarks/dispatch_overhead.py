@@ -42,7 +42,7 @@ handed to the backend shares the input's storage).
 
     python benchmarks/dispatch_overhead.py            # 4 workers, all cells (~3 min)
     python benchmarks/dispatch_overhead.py --workers 1 2 4 8
-    python benchmarks/dispatch_overhead.py --quick    # 2 workers, tiny and 1 MiB, a few seconds after Ray starts
+    python benchmarks/dispatch_overhead.py --quick    # 1 worker, tiny and 1 MiB, a few seconds after Ray starts
 
 Writes the table to ``benchmarks/results/dispatch_overhead.md`` (``--out`` to change).
 """
@@ -338,7 +338,7 @@ def _driver_zero_copy() -> bool:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 workers, tiny and 1 MiB, 2 repetitions")
+    p.add_argument("--quick", action="store_true", help="1 worker, tiny and 1 MiB, 2 repetitions")
     p.add_argument("--workers", type=int, nargs="+", default=None, help="worker counts (default 4)")
     p.add_argument("--cells", nargs="+", default=None, choices=list(CELLS))
     p.add_argument("--reps", type=int, default=None, help="repetitions per cell (median reported)")
@@ -349,7 +349,7 @@ def main() -> None:
     p.add_argument("--late-zero-copy", action="store_true",
                    help="do not set RAY_ENABLE_ZERO_COPY_TORCH_TENSORS before importing ray (leave it to asyncrl.init)")
     args = p.parse_args()
-    workers = args.workers or ([2] if args.quick else [4])
+    workers = args.workers or ([1] if args.quick else [4])
     cells = args.cells or (["tiny", "1 MiB"] if args.quick else list(CELLS))
     reps = args.reps or (2 if args.quick else 9)
     load0 = os.getloadavg()[0]

@@ -22,7 +22,7 @@ rotating between repetitions (so both asyncrl variants see the same machine):
 Median µs per call; the controller thread's CPU per call (``time.thread_time``) too.
 
     python benchmarks/fetch_wakeups.py            # 4 workers, 15 repetitions of 40 calls
-    python benchmarks/fetch_wakeups.py --quick    # 2 workers, 2 repetitions
+    python benchmarks/fetch_wakeups.py --quick    # 1 worker, 2 repetitions
     python benchmarks/fetch_wakeups.py --uvloop   # the controller's loop is uvloop's
 """
 
@@ -84,7 +84,7 @@ class _PerRankFetch:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 workers, 2 repetitions")
+    ap.add_argument("--quick", action="store_true", help="1 worker, 2 repetitions")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=40, help="calls per variant per repetition")
@@ -92,7 +92,7 @@ async def main() -> None:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.quick:
-        args.workers, args.reps, args.calls = 2, 2, 10
+        args.workers, args.reps, args.calls = 1, 2, 10
     load0 = os.getloadavg()[0]
     await asyncrl.ainit(num_cpus=max(8, args.workers * 2))
     import ray

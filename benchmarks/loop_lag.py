@@ -160,10 +160,11 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
     add("Ray start", "asyncrl", stats)
 
     n_calls = 200 if quick else 1000
+    n = 2 if quick else 4  # workers per group
     for rep in range(1 if quick else 2):
-        wg = RayWorkerGroup(Sink, world_size=4, name=f"lag{rep}")
+        wg = RayWorkerGroup(Sink, world_size=n, name=f"lag{rep}")
         stats, _ = await hb.measure(wg.setup)
-        add("setup, 4 workers", "asyncrl", stats)
+        add(f"setup, {n} workers", "asyncrl", stats)
         async def asyncrl_calls() -> None:
             futures = []
             for i in range(n_calls):  # a well-behaved producer yields while it submits
@@ -181,11 +182,11 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
         state: dict[str, Any] = {}
 
         async def plain_setup() -> None:
-            pg = state["pg"] = placement_group([{"CPU": 1}] * 4, strategy="STRICT_PACK")
+            pg = state["pg"] = placement_group([{"CPU": 1}] * n, strategy="STRICT_PACK")
             await pg.ready()
             state["actors"] = actors = [actor_cls.options(
                 num_cpus=1, scheduling_strategy=ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(4)]
+                    placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
             await asyncio.gather(*(a.ready.remote() for a in actors))
 
         async def plain_calls() -> None:
@@ -202,7 +203,7 @@ async def measure(quick: bool) -> list[dict[str, Any]]:
             remove_placement_group(state["pg"])
 
         stats, _ = await hb.measure(plain_setup)
-        add("setup, 4 workers", "plain Ray", stats)
+        add(f"setup, {n} workers", "plain Ray", stats)
         stats, _ = await hb.measure(plain_calls)
         add(f"{n_calls:,} calls", "plain Ray", stats)
         stats, _ = await hb.measure(plain_close)

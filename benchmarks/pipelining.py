@@ -24,7 +24,7 @@ chain, the ratios, and the tensor payload bytes the controller fetched per chain
 (``wg.stats.bytes_fetched`` for asyncrl; the bytes of the fetched values for raw Ray).
 
     python benchmarks/pipelining.py            # 64 MiB, 4 workers
-    python benchmarks/pipelining.py --quick    # 1 MiB, a few seconds after Ray starts
+    python benchmarks/pipelining.py --quick    # 1 MiB, 2 workers, a few seconds after Ray starts
 
 Writes the table to ``benchmarks/results/pipelining.md`` (``--out`` to change).
 """
@@ -188,15 +188,16 @@ def header() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 MiB batch, 2 repetitions")
+    p.add_argument("--quick", action="store_true", help="1 MiB batch, 2 workers, 2 repetitions")
     p.add_argument("--mib", type=int, default=None, help="batch size in MiB (default 64)")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=None, help="workers per stage group (default 4, --quick 2)")
     p.add_argument("--reps", type=int, default=None, help="timed chains per variant (median reported)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--late-zero-copy", action="store_true",
                    help="do not set RAY_ENABLE_ZERO_COPY_TORCH_TENSORS before importing ray (leave it to asyncrl.init)")
     args = p.parse_args()
     mib = args.mib or (1 if args.quick else 64)
+    args.workers = args.workers or (2 if args.quick else 4)
     reps = args.reps or (2 if args.quick else 11)
     warmup = 1 if args.quick else 2
     asyncrl.init(num_cpus=64)

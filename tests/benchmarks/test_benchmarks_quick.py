@@ -1,5 +1,6 @@
 """The core benchmarks run end to end with --quick (tiny sizes) and print the expected
-table. No timing asserts: speed is measured by the benchmarks, not by tests."""
+table. No timing asserts: speed is measured by the benchmarks, not by tests. The quick runs
+happen in one process for the session (`quick_runs`, tests/benchmarks/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(script: str, out: Path, *extra: str) -> str:
+    """A benchmark's --quick run in a process of its own (for those benchmarks/quick.py does not run)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)  # its own embedded Ray, never the test session's
     proc = subprocess.run(
@@ -29,14 +31,14 @@ def table_rows(text: str) -> list[list[str]]:
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
 
 
-def test_dispatch_overhead_quick(tmp_path):
-    text = run("dispatch_overhead.py", tmp_path / "dispatch_overhead.md")
+def test_dispatch_overhead_quick(quick_runs):
+    text = quick_runs.text("dispatch_overhead")
     rows = table_rows(text)
     assert rows[0][:9] == ["workers", "call", "asyncrl µs", "plain Ray µs", "asyncrl / plain Ray", "host path µs",
                            "host path / plain Ray", "async host µs", "async host / plain Ray"]
     assert rows[0][9:] in ([], ["verl µs", "asyncrl / verl"])  # verl's columns only where verl is installed
     body = rows[2:]
-    assert [(r[0], r[1]) for r in body] == [("2", "tiny ONE_TO_ALL"), ("2", "1 MiB DP_COMPUTE")]
+    assert [(r[0], r[1]) for r in body] == [("1", "tiny ONE_TO_ALL"), ("1", "1 MiB DP_COMPUTE")]
     for r in body:
         assert float(r[2]) > 0 and float(r[3]) > 0 and float(r[5]) > 0 and r[4].endswith("x") and r[6].endswith("x")
         assert float(r[7]) > 0 and r[8].endswith("x")
@@ -45,8 +47,8 @@ def test_dispatch_overhead_quick(tmp_path):
     assert len(checks) == 1 and all("every shard is a view of the input" in c for c in checks)
 
 
-def test_pipelining_quick(tmp_path):
-    rows = table_rows(run("pipelining.py", tmp_path / "pipelining.md"))
+def test_pipelining_quick(quick_runs):
+    rows = table_rows(quick_runs.text("pipelining"))
     assert rows[0] == ["variant", "median ms/chain", "min–max ms", "vs raw Ray floor", "pipelined speed-up",
                        "controller payload bytes/chain"]
     body = {r[0]: r for r in rows[2:]}
@@ -56,8 +58,8 @@ def test_pipelining_quick(tmp_path):
     assert body["raw Ray"][3] == "1.00x"
 
 
-def test_inflight_quick(tmp_path):
-    rows = table_rows(run("inflight.py", tmp_path / "inflight.md"))
+def test_inflight_quick(quick_runs):
+    rows = table_rows(quick_runs.text("inflight"))
     assert rows[0] == ["variant", "worst lag, submitting (ms)", "worst lag, awaiting (ms)",
                        "worst lag, all rounds (ms)", "longest GC pause, awaiting (ms)", "wall s", "calls/s"]
     assert [r[0] for r in rows[2:]] == ["idle (heartbeat alone)", "asyncrl, asyncrl.gather", "asyncrl, asyncio.gather",
@@ -67,25 +69,25 @@ def test_inflight_quick(tmp_path):
         assert all(float(c.replace(",", "")) >= 0 for c in r[1:]) and float(r[5]) > 0
 
 
-def test_fetch_wakeups_quick(tmp_path):
-    rows = table_rows(run("fetch_wakeups.py", tmp_path / "fetch_wakeups.md"))
+def test_fetch_wakeups_quick(quick_runs):
+    rows = table_rows(quick_runs.text("fetch_wakeups"))
     assert rows[0] == ["variant", "µs per call", "/ a wake-up per rank", "controller thread CPU µs per call"]
     assert [r[0] for r in rows[2:]] == ["asyncrl", "asyncrl, callbacks only", "asyncrl, a wake-up per rank",
                                         "plain Ray, asyncio.gather", "plain Ray, blocking ray.get"]
     assert rows[4][2] == "1.00x" and all(float(r[1]) > 0 and float(r[3]) >= 0 for r in rows[2:])
 
 
-def test_loop_lag_quick(tmp_path):
-    rows = table_rows(run("loop_lag.py", tmp_path / "loop_lag.md"))
+def test_loop_lag_quick(quick_runs):
+    rows = table_rows(quick_runs.text("loop_lag"))
     assert rows[0][:4] == ["phase", "variant", "worst lag ms", "p99 lag ms"]
     phases = [(r[0], r[1]) for r in rows[2:]]
     assert phases[:2] == [("idle", "-"), ("Ray start", "asyncrl")]
-    assert ("setup, 4 workers", "asyncrl") in phases and ("setup, 4 workers", "plain Ray") in phases
+    assert ("setup, 2 workers", "asyncrl") in phases and ("setup, 2 workers", "plain Ray") in phases
     assert [p for p, _ in phases[-3:]] == ["trainer set-up", "trainer fit (3 steps)", "trainer close"]
 
 
-def test_pipelined_hop_quick(tmp_path):
-    rows = table_rows(run("pipelined_hop.py", tmp_path / "pipelined_hop.md", "--after-ms", "1"))
+def test_pipelined_hop_quick(quick_runs):
+    rows = table_rows(quick_runs.text("pipelined_hop"))
     assert rows[0] == ["variant", "issue -> start ms", "min–max ms", "vs plain Ray"]
     body = {r[0]: r for r in rows[2:]}
     base = ["asyncrl, pipelined", "asyncrl, pipelined nested", "asyncrl, value", "plain Ray"]
@@ -95,10 +97,10 @@ def test_pipelined_hop_quick(tmp_path):
         assert float(r[1]) > 0 and r[3].endswith("x")
 
 
-def test_local_chain_quick(tmp_path):
+def test_local_chain_quick(quick_runs):
     """The script itself asserts that every same-process call took the local hand-off and
     none of the controller-path ones did."""
-    rows = table_rows(run("local_chain.py", tmp_path / "local_chain.md"))
+    rows = table_rows(quick_runs.text("local_chain"))
     assert rows[0] == ["payload", "variant", "chain ms", "min–max ms", "chain vs plain Ray", "hop ms",
                        "hop vs plain Ray"]
     body = rows[2:]

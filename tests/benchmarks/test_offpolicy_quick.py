@@ -5,17 +5,15 @@ report about staleness and importance weights, which the schedule fixes."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .test_benchmarks_quick import run, table_rows
+from .test_benchmarks_quick import table_rows
 
 COLUMNS = ["variant", "max_staleness", "correction", "seeds", "reward first 5", "reward last 10",
            "steps to 0.5", "steps to 0.9", "s to 0.5", "s to 0.9", "loop s", "ms/step", "row staleness",
            "IS weight mean", "IS weight max", "over cap"]
 
 
-def test_offpolicy_quick(tmp_path: Path):
-    text = run("offpolicy.py", tmp_path / "offpolicy.md")
+def test_offpolicy_quick(quick_runs):
+    text = quick_runs.text("offpolicy")
     rows = table_rows(text)
     assert rows[0] == COLUMNS
     body = rows[2:]
@@ -23,5 +21,5 @@ def test_offpolicy_quick(tmp_path: Path):
     # 4 steps with fixed_lag: the synchronous rows are never stale; at k=1 the last 3 of 4 batches are
     assert body[0][12] == "0.00" and body[0][13] == "1.0000"
     assert body[1][12] == "0.75"
-    png = tmp_path / "offpolicy.png"
+    png = quick_runs.path("offpolicy.png")
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

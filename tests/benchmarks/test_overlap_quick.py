@@ -4,13 +4,6 @@ and plot. No timing asserts: speed is measured by the benchmark, not by tests.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
 SIM_COLUMNS = ["cost ratio", "max_staleness", "sync ms/step", "sync ideal", "sync eff.", "async ms/step",
                "async ideal", "async eff.", "speedup", "ideal speedup", "ctrl thread ms/step",
                "ctrl process ms/step"]
@@ -37,15 +30,8 @@ def tables(text: str) -> list[list[list[str]]]:
     return out
 
 
-def test_overlap_quick(tmp_path):
-    out = tmp_path / "overlap.md"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RAY_ADDRESS", None)  # its own embedded Ray, never the test session's
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overlap.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = out.read_text()
-    assert "Command: `python benchmarks/overlap.py --quick" in text and "ray 2." in text
+def test_overlap_quick(quick_runs):
+    text = quick_runs.text("overlap")
     floor, hops, sim, real = tables(text)
     assert floor[0] == FLOOR_COLUMNS
     assert [(r[0], r[1], r[3]) for r in floor[1:]] == [("1", k, v) for k in ("1", "0") for v in
@@ -73,5 +59,5 @@ def test_overlap_quick(tmp_path):
     assert real[1][9] == "1.00x"  # the synchronous run is its own baseline
     assert "At cost ratio 1, max_staleness=1: efficiency" in text
     assert "At cost ratio 1, max_staleness=1: the trainer's efficiency" in text
-    png = tmp_path / "overlap.png"
+    png = quick_runs.path("overlap.png")
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

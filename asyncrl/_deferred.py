@@ -81,6 +81,8 @@ class Source:
     world: Any
     data_parallel: bool
     select: tuple[str, ...] | None = None
+    ranks: tuple[int, ...] | None = None
+    """The producer rank of each of `refs` (and `metas`), for errors that name it."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ Awaiter = Callable[[Any], Awaitable[Any]]
 
 
 def _named(s: Source, wait: Awaiter) -> Awaiter:
-    """`wait`, with a failure of the producer named after it (group and method)."""
+    """`wait`, with a failure of the producer named after it (group, method, and the rank
+    whose result or metadata failed)."""
 
     async def named_wait(ref: Any) -> Any:
         try:
@@ -171,9 +174,19 @@ def _named(s: Source, wait: Awaiter) -> Awaiter:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            raise public_error(e, group=s.group, method=s.method, rank=None) from None
+            raise public_error(e, group=s.group, method=s.method, rank=_rank_of(s, ref)) from None
 
     return named_wait
+
+
+def _rank_of(s: Source, ref: Any) -> int | None:
+    if s.ranks is None:
+        return None
+    for refs in (s.refs, s.metas or ()):
+        for i, r in enumerate(refs):
+            if r is ref:
+                return s.ranks[i]
+    return None
 
 
 def _select(value: Any, fields: tuple[str, ...] | None, source: "Source | TopShard | LocalShard") -> Any:

@@ -675,6 +675,7 @@ class GroupFuture(Generic[T]):
             world=call.world,
             data_parallel=call.data_parallel,
             select=self._select,
+            ranks=tuple(call.ranks[i] for i in call.collect_index),
         )
 
 

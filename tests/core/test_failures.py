@@ -11,10 +11,14 @@ import pytest_asyncio
 
 import asyncrl
 
+import torch
+from tensordict import TensorDict
+
 from asyncrl import (
     CallCancelledError,
     CallTimeoutError,
     GroupBrokenError,
+    UpstreamError,
     WorkerDiedError,
 )
 from tests.core import kinds
@@ -137,6 +141,37 @@ async def test_result_blocks_in_a_thread_without_a_loop(wg):
     slow = wg.wait_forever("r")
     with pytest.raises(CallTimeoutError):
         await asyncio.to_thread(slow.result, 0.3)
+
+
+@pytest.mark.parametrize("backend", ["ray", "ray-threaded"])
+async def test_a_consumer_of_a_killed_producer_rank_names_that_rank(ray_cluster, backend):
+    """The consumer's worker learns of the death from Ray alone ("the actor died"), reading
+    the producer's metadata of each rank: its UpstreamError names the producer's group,
+    method and the rank that died, as the producer's own future does."""
+    async with kinds.group(backend, Probe, world_size=2, name="producer", local_results=0) as producer, \
+            kinds.group(backend, Probe, world_size=1, name="consumer") as consumer:
+        pids = await producer.pid()
+        holding = producer.block()  # both lanes held: `unfinished` waits behind it, so it travels nested
+        await until(lambda: _all_blocked(producer), "both producer ranks hold their lane")
+        unfinished = producer.tag(TensorDict({"x": torch.arange(4.0), "prompt": list("abcd")}, batch_size=[4]))
+        downstream = consumer.log_rows(unfinished)  # 2 producer shards -> 1 consumer rank: reads both
+        os.kill(pids[1], signal.SIGKILL)
+        async with asyncio.timeout(30):
+            with pytest.raises(UpstreamError) as info:
+                await downstream
+            with pytest.raises(WorkerDiedError) as own:
+                await unfinished
+        up = info.value.upstream
+        assert isinstance(up, WorkerDiedError)
+        assert (up.group, up.method, up.rank) == (own.value.group, own.value.method, own.value.rank) == \
+            ("producer", "tag", 1)
+        assert str(up).startswith("worker rank 1 of group 'producer' died while running 'tag'")
+        assert await consumer.record(3) == [3]  # the consumer's lane goes on
+        del holding
+
+
+async def _all_blocked(g) -> bool:
+    return await g.is_blocked() == [True] * g.world_size
 
 
 @pytest.mark.parametrize("backend", ["ray", "ray-threaded"])

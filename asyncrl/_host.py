@@ -130,6 +130,10 @@ class Payload:
         return Payload(args, kwargs)
 
 
+CONTROL_WAIT = 60.0
+"""Seconds a call waits at most for a control message sent before it (case 16 of
+:mod:`asyncrl._sequencer`); the control thread handles each one in microseconds, so
+only a process that is going away reaches it (then the call goes on, with a warning)."""
 _PLAIN_ITEMS = 64  # list items and dict values, over all levels, that still count as plain
 _PLAIN_DEPTH = 4  # levels of nested lists and dicts that still count as plain
 
@@ -352,10 +356,19 @@ class _HostBase:
         except Exception:  # pragma: no cover
             pass
 
-    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> Any:
+    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False, note: int = 0) -> Any:
         """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`); after a
-        deadline's cancel, the call wedging the lane, if any (case 15)."""
-        return self._lane.cancel(entries, deadline)
+        deadline's cancel, the call wedging the lane, if any (case 15). `note`: this
+        control message's number (case 16; 0: unnumbered)."""
+        try:
+            return self._lane.cancel(entries, deadline)
+        finally:
+            self._lane.control.done(note)
+
+    def control_state(self) -> dict[str, int]:
+        """For tests: the control messages handled (every one numbered up to ``seen``) and
+        the calls waiting for one now (case 16 of :mod:`asyncrl._sequencer`)."""
+        return {"seen": self._lane.control.seen, "waiting": self._lane.control.waiting}
 
     def _identity(self, role: str) -> tuple[str, int]:
         """``(group, rank)`` a call to `role` is reported under (an unknown role: itself, -1)."""
@@ -507,13 +520,18 @@ class WorkerHost(_HostBase):
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
+        after: int = 0,
         *,
         top: tuple[Any, ...] = (),
     ) -> Any:
         """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
-        ``(result, (rows, trailing padding rows))``. `top`: the call's top-level inputs."""
+        ``(result, (rows, trailing padding rows))``. `after`: how many control messages
+        the controller had sent this process before this call (case 16). `top`: the
+        call's top-level inputs."""
         group, rank = self._identity(role)
         lane = self._lane
+        if after > lane.control.seen:  # a cancel message sent before this call is not handled yet
+            await lane.control.wait_async(after, CONTROL_WAIT)
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: asyncio.Future[Any] | None = None
         self._keeps(ticket, want_meta, keep)
@@ -627,9 +645,13 @@ class ThreadedHost(_HostBase):
         """For tests: the pinned thread's state (:meth:`~asyncrl._sequencer.ThreadLane.pinned_state`)."""
         return self._lane.pinned_state()  # type: ignore[attr-defined]
 
-    def unfence(self, call_id: int, upto: int) -> None:
-        """The controller saw call `call_id`'s wedge end: admit ordered numbers from `upto` on (case 15)."""
-        self._lane.unfence(call_id, upto)  # type: ignore[attr-defined]
+    def unfence(self, call_id: int, upto: int, note: int = 0) -> None:
+        """The controller saw call `call_id`'s wedge end: admit ordered numbers from `upto`
+        on (case 15). `note`: this control message's number (case 16)."""
+        try:
+            self._lane.unfence(call_id, upto)  # type: ignore[attr-defined]
+        finally:
+            self._lane.control.done(note)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:
@@ -649,16 +671,20 @@ class ThreadedHost(_HostBase):
         in_pad: int | None,
         want_meta: bool,
         keep: bool = True,
+        after: int = 0,
         *,
         top: tuple[Any, ...] = (),
         pinned: bool = False,
     ) -> Any:
         """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
-        With `want_meta` returns ``(result, (rows, trailing padding rows))``. `top`: the
-        call's top-level inputs (resolved by Ray: no hand-off to the host's loop for them).
-        `pinned`: this is the pinned thread (case 15)."""
+        With `want_meta` returns ``(result, (rows, trailing padding rows))``. `after`: as
+        :meth:`WorkerHost.call`'s (case 16). `top`: the call's top-level inputs (resolved
+        by Ray: no hand-off to the host's loop for them). `pinned`: this is the pinned
+        thread (case 15)."""
         group, rank = self._identity(role)
         lane: ThreadLane = self._lane  # type: ignore[assignment]
+        if after > lane.control.seen:  # a control message sent before this call is not handled yet
+            lane.control.wait(after, CONTROL_WAIT)
         ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
         resolving: LoopCall | None = None
         self._keeps(ticket, want_meta, keep)

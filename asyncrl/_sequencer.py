@@ -132,10 +132,25 @@ Failure cases, and what happens:
     ``wait_unwedged`` (a ``calls``-group call that returns when the stuck thread returned,
     or fails when the process dies); then it stops failing new calls and sends
     ``unfence(upto)`` with its next number on that lane: every number below it was failed
-    by the controller, numbers from it on run normally (a call that reaches the host
-    before that message is refused as wedged: consistent, never run). Calls that can see
+    by the controller, numbers from it on run normally (a call sent after that message
+    waits until the host has handled it: case 16). Calls that can see
     the wedge on the host (waiting in ``calls``) fail there as in case 8; failing them on
     both sides is harmless (first outcome wins, case 9).
+16. *A call overtakes a control message sent before it* (Ray backend). Ray runs a
+    host's control messages (cancel messages, ``unfence``) in their own place (the
+    threaded host's ``control`` thread; an async host's tasks, which Ray may start out of
+    order), so a call submitted after a cancel message could run first: seen in CI, a
+    concurrent ``unblock()`` sent after ``cancel()`` of a queued pinned call released
+    the pinned thread, which then ran the cancelled call before the cancel message was
+    handled. So the controller numbers its control messages to each process (1, 2, ...,
+    under a lock, in the order sent) and stamps every call with how many it had sent;
+    the host starts a call only once it has handled every message up to that count
+    (:class:`ControlOrder`; a count check per call, a wait only when behind). Every
+    effect of a call sent after a cancel (or an unfence) follows that message, so a
+    cancelled queued call never runs because of a later call, and a call sent after an
+    unfence is not refused as wedged. The control thread never waits for a call, so
+    the wait ends in finite time; a message never handled (its process gone) ends it
+    after ``CONTROL_WAIT`` with a warning.
 """
 
 from __future__ import annotations
@@ -157,7 +172,7 @@ from asyncrl.errors import LaneWedgedError
 if TYPE_CHECKING:
     from asyncrl._backend import Backend
 
-__all__ = ["Sequencer", "Lane", "ThreadLane", "Ticket", "Entry"]
+__all__ = ["Sequencer", "Lane", "ThreadLane", "ControlOrder", "Ticket", "Entry"]
 
 log = structlog.get_logger("asyncrl")
 
@@ -347,6 +362,90 @@ class Ticket:
         return f"{self.group}.{self.method} (call {self.call_id}, ordered #{self.seq})"
 
 
+class ControlOrder:
+    """The worker half of case 16: a call runs only after every control message (a
+    cancel message, an ``unfence``) its controller sent to this process before it.
+
+    The controller numbers its control messages to each process 1, 2, 3, ... and stamps
+    every call with how many it had sent (`after`). Ray runs the two kinds in different
+    places (a threaded host's ``control`` thread and its call threads; an async host's
+    tasks), so without this a call submitted after a cancel message could run before it
+    and make the cancelled call run (seen: ``unblock()`` sent after ``cancel()`` released
+    the thread that then ran the cancelled call). Thread-safe; :meth:`wait` for a thread,
+    :meth:`wait_async` on an event loop. A message never seen (its process gone, which
+    ends the calls too) stops the wait after `timeout` with a warning, never a hang.
+    """
+
+    __slots__ = ("_cond", "seen", "_early", "_waiters", "waiting")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.seen = 0
+        """Every control message numbered up to here has been handled."""
+        self._early: set[int] = set()  # handled above `seen` (out of order)
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.waiting = 0
+        """How many calls wait for a message now (for tests)."""
+
+    def done(self, n: int) -> None:
+        """Control message `n` was handled (0: an unnumbered one, nothing to do)."""
+        if n <= 0:
+            return
+        with self._cond:
+            if n <= self.seen:
+                return
+            self._early.add(n)
+            while self.seen + 1 in self._early:
+                self._early.discard(self.seen + 1)
+                self.seen += 1
+            self._cond.notify_all()
+            ready = [w for w in self._waiters if w[0] <= self.seen]
+            if ready:
+                self._waiters = [w for w in self._waiters if w[0] > self.seen]
+        for _, loop, fut in ready:
+            try:
+                loop.call_soon_threadsafe(_resolve_waiter, fut)
+            except RuntimeError:  # that loop is closed: nobody waits there any more
+                pass
+
+    def wait(self, after: int, timeout: float) -> None:
+        """In a thread: return once every message up to `after` was handled."""
+        if after <= self.seen:
+            return
+        with self._cond:
+            self.waiting += 1
+            try:
+                ok = self._cond.wait_for(lambda: self.seen >= after, timeout)
+            finally:
+                self.waiting -= 1
+        if not ok:
+            log.warning("control.unseen", after=after, seen=self.seen, waited_s=timeout)
+
+    async def wait_async(self, after: int, timeout: float) -> None:
+        """On an event loop: as :meth:`wait`."""
+        if after <= self.seen:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if self.seen >= after:
+                return
+            self._waiters.append((after, asyncio.get_running_loop(), fut))
+            self.waiting += 1
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            log.warning("control.unseen", after=after, seen=self.seen, waited_s=timeout)
+        finally:
+            with self._cond:
+                self.waiting -= 1
+                self._waiters = [w for w in self._waiters if w[2] is not fut]
+
+
+def _resolve_waiter(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Lane:
     """The worker half: admits ordered calls one at a time, in number order.
 
@@ -363,6 +462,8 @@ class Lane:
         self._wedged_by: Ticket | None = None
         self.keep_results = 0  # set by the host when its workers are built (case 14)
         self._kept: dict[int, tuple[int, Any]] = {}  # number -> (call id, outcome), within the window
+        self.control = ControlOrder()
+        """The control messages handled so far; a call waits for those sent before it (case 16)."""
 
     # ---- state, for tests and error messages --------------------------------------------
 

@@ -456,16 +456,20 @@ class _ThreadedWorkerHost(ThreadedHost):
         return super().wait_unwedged(call_id)
 
     @ray.method(concurrency_group="control")
-    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False) -> Any:
-        return super().cancel_calls(entries, deadline)
+    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False, note: int = 0) -> Any:
+        return super().cancel_calls(entries, deadline, note)
 
     @ray.method(concurrency_group="control")
-    def unfence(self, call_id: int, upto: int) -> None:
-        super().unfence(call_id, upto)
+    def unfence(self, call_id: int, upto: int, note: int = 0) -> None:
+        super().unfence(call_id, upto, note)
 
     @ray.method(concurrency_group="control")
     def pinned_state(self) -> dict[str, Any]:
         return super().pinned_state()
+
+    @ray.method(concurrency_group="control")
+    def control_state(self) -> dict[str, int]:
+        return super().control_state()
 
     @ray.method(concurrency_group="control")
     def close(self) -> None:
@@ -488,6 +492,10 @@ class RayBackend:
         self._actor_cls = ray.remote(WorkerHost)
         self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1, "ordered": 1})(_ThreadedWorkerHost)
         self._methods: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(host) -> _host_methods(host)
+        # id(host) -> control messages (cancel, unfence) sent to it: each is numbered and
+        # every call carries the count, so it runs only after them (case 16 of asyncrl._sequencer).
+        self._notes: dict[int, int] = {}
+        self._notes_lock = threading.Lock()  # (a release can be sent from Ray's thread)
 
     async def start(self) -> "RayBackend":
         if not ray.is_initialized():
@@ -529,7 +537,7 @@ class RayBackend:
         # A list, not a tuple: Ray encodes lists, strings and numbers with msgpack and
         # pickles anything else (a tuple too), so a call whose arguments are plain scalars
         # (Payload.wire) crosses without pickling on either side.
-        packed = [role, method, seq, call_id, payload.wire(), in_pad, want_meta, keep]
+        packed = [role, method, seq, call_id, payload.wire(), in_pad, want_meta, keep, self._notes.get(id(host), 0)]
         methods = self._methods.get(id(host))
         if methods is None:  # .options() builds a new method object: once per host, not per call
             methods = self._methods[id(host)] = _host_methods(host)
@@ -584,7 +592,10 @@ class RayBackend:
                      wedged: Callable[[Any], None] | None = None) -> None:
         """Send the cancel message. `wedged`: called on the caller's loop with the host's
         reply to a deadline's cancel when it says the lane is wedged (case 15)."""
-        ref = host.cancel_calls.remote(entries, deadline)
+        with self._notes_lock:  # numbered in the order they are sent
+            note = self._notes.get(id(host), 0) + 1
+            ref = host.cancel_calls.remote(entries, deadline, note)
+            self._notes[id(host)] = note
         if deadline and wedged is not None:
             try:
                 loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -594,7 +605,10 @@ class RayBackend:
 
     def unfence(self, host: Any, call_id: int, upto: int) -> None:
         """Tell `host` which ordered numbers are past call `call_id`'s wedge (case 15)."""
-        host.unfence.remote(call_id, upto)
+        with self._notes_lock:
+            note = self._notes.get(id(host), 0) + 1
+            host.unfence.remote(call_id, upto, note)
+            self._notes[id(host)] = note
 
     def watch_unwedged(self, host: Any, call_id: int, callback: Callable[[], None]) -> None:
         """Call `callback` (on the caller's loop) once call `call_id` no longer wedges

@@ -56,22 +56,6 @@ async def until(predicate: Callable[[], Awaitable[bool]], deadline: float = 30.0
             await asyncio.sleep(0.02)
 
 
-async def cancels_reached(g: Any, *futures: Any) -> None:
-    """Wait until the cancel messages of `futures`' calls have reached `g`'s workers (a
-    cancel message and a later concurrent call are not ordered by Ray, so unblocking a lane
-    before that could let a cancelled call run): until their calls have ended there; on a
-    threaded host, whose cancelled call may stay queued in Ray behind the blocked pinned
-    thread until it is free, until a call into the hosts' control group has returned (Ray
-    runs it after the cancel messages this process sent there before: one thread, one
-    submitter, in order)."""
-    hs = g._hostset
-    if hs.sequencer.pinned:
-        await asyncio.gather(*(hs.backend.admin(h, "pinned_state") for h in hs.hosts))
-        return
-    refs = [r for f in futures for r in f._call.refs]
-    await until(lambda: hs.backend.all_done(refs))
-
-
 async def run_script(code: str, timeout: float = 240) -> str:
     """Run `code` in a fresh Python process at the repository root, with an environment
     free of this session's Ray settings (it starts a Ray cluster of its own); returns

@@ -87,6 +87,23 @@ class Pinned(Worker):
     async def pid(self) -> int:
         return os.getpid()
 
+    @register(concurrent=True)
+    async def hold_next_cancel(self, until_logged: int) -> None:
+        """Make this process's next cancel message wait (once) until a call waits for it
+        (case 16) or `until_logged` was recorded: the order Ray allows and CI once hit."""
+        import asyncrl._sequencer as seq
+
+        original, worker = seq.ThreadLane.cancel, self
+
+        def cancel(lane, entries, deadline):
+            seq.ThreadLane.cancel = original
+            end = time.monotonic() + HANG
+            while not (lane.control.waiting or until_logged in worker.log) and time.monotonic() < end:
+                threading.Event().wait(0.005)
+            return original(lane, entries, deadline)
+
+        seq.ThreadLane.cancel = cancel
+
     @register()
     def take(self) -> list[int]:
         self._seen()
@@ -380,6 +397,27 @@ async def test_a_cancelled_queued_pinned_call_never_runs_and_releases_its_number
         assert await stuck == [0, 1]
         assert await later == [42, 42]
     assert await pinned.take() == [[42], [42]]
+
+
+async def test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_late(pinned):
+    """The cancel message of a queued pinned call is held on the host until either a
+    later call waits for it (case 16) or the cancelled call has run. Without the
+    ordering, the later unblock() frees the pinned thread, which runs the cancelled call."""
+    await pinned.hold_next_cancel(43)
+    stuck = pinned.block()
+    await until(lambda: blocked(pinned), HANG)
+    queued = pinned.record(43)
+    later = pinned.record(44)
+    assert queued.cancel() is True
+    with pytest.raises(CallCancelledError):
+        await queued
+    async with asyncio.timeout(HANG):
+        await pinned.unblock()
+        assert await stuck == [0, 1]
+        assert await later == [44, 44]
+    assert await pinned.take() == [[44], [44]]
+    states = [await pinned._hostset.backend.admin(h, "control_state") for h in pinned._hostset.hosts]
+    assert states == [{"seen": 1, "waiting": 0}] * 2
 
 
 async def test_a_sigkilled_worker_fails_its_running_and_queued_pinned_calls(ray_cluster):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -58,6 +60,7 @@ def test_pipelining_quick(quick_runs):
     assert body["raw Ray"][3] == "1.00x"
 
 
+@pytest.mark.slow  # default suite: dispatch_overhead, pipelining and overlap quick runs (README, Tests)
 def test_inflight_quick(quick_runs):
     rows = table_rows(quick_runs.text("inflight"))
     assert rows[0] == ["variant", "worst lag, submitting (ms)", "worst lag, awaiting (ms)",
@@ -69,6 +72,7 @@ def test_inflight_quick(quick_runs):
         assert all(float(c.replace(",", "")) >= 0 for c in r[1:]) and float(r[5]) > 0
 
 
+@pytest.mark.slow  # default suite: dispatch_overhead, pipelining and overlap quick runs (README, Tests)
 def test_fetch_wakeups_quick(quick_runs):
     rows = table_rows(quick_runs.text("fetch_wakeups"))
     assert rows[0] == ["variant", "µs per call", "/ a wake-up per rank", "controller thread CPU µs per call"]
@@ -77,6 +81,7 @@ def test_fetch_wakeups_quick(quick_runs):
     assert rows[4][2] == "1.00x" and all(float(r[1]) > 0 and float(r[3]) >= 0 for r in rows[2:])
 
 
+@pytest.mark.slow  # default suite: dispatch_overhead, pipelining and overlap quick runs (README, Tests)
 def test_loop_lag_quick(quick_runs):
     rows = table_rows(quick_runs.text("loop_lag"))
     assert rows[0][:4] == ["phase", "variant", "worst lag ms", "p99 lag ms"]
@@ -86,6 +91,7 @@ def test_loop_lag_quick(quick_runs):
     assert [p for p, _ in phases[-3:]] == ["trainer set-up", "trainer fit (3 steps)", "trainer close"]
 
 
+@pytest.mark.slow  # default suite: dispatch_overhead, pipelining and overlap quick runs (README, Tests)
 def test_pipelined_hop_quick(quick_runs):
     rows = table_rows(quick_runs.text("pipelined_hop"))
     assert rows[0] == ["variant", "issue -> start ms", "min–max ms", "vs plain Ray"]
@@ -97,6 +103,7 @@ def test_pipelined_hop_quick(quick_runs):
         assert float(r[1]) > 0 and r[3].endswith("x")
 
 
+@pytest.mark.slow  # default suite: dispatch_overhead, pipelining and overlap quick runs (README, Tests)
 def test_local_chain_quick(quick_runs):
     """The script itself asserts that every same-process call took the local hand-off and
     none of the controller-path ones did."""

@@ -5,6 +5,8 @@ report about staleness and importance weights, which the schedule fixes."""
 
 from __future__ import annotations
 
+import pytest
+
 from .test_benchmarks_quick import table_rows
 
 COLUMNS = ["variant", "max_staleness", "correction", "seeds", "reward first 5", "reward last 10",
@@ -12,6 +14,7 @@ COLUMNS = ["variant", "max_staleness", "correction", "seeds", "reward first 5", 
            "IS weight mean", "IS weight max", "over cap"]
 
 
+@pytest.mark.slow  # default suite: dispatch_overhead, pipelining and overlap quick runs (README, Tests)
 def test_offpolicy_quick(quick_runs):
     text = quick_runs.text("offpolicy")
     rows = table_rows(text)

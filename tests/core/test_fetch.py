@@ -402,6 +402,7 @@ asyncrl.run(main())
 """
 
 
+@pytest.mark.slow  # a Ray of its own in a subprocess (22 s)
 @pytest.mark.parametrize("backend", ["ray"])
 async def test_ray_shutting_down_while_the_getter_thread_waits_leaves_it_serving(backend):
     out = await kinds.run_script(SHUTDOWN_WHILE_GETTING)

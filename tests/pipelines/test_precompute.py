@@ -66,6 +66,7 @@ async def test_training_is_identical_with_and_without_precomputed_log_probs(ray_
     assert off_stats == {"issued": 0, "used": 0, "discarded": 0}
 
 
+@pytest.mark.slow  # precompute is opt-in; its default tests: equality with and without it, the in-process cases
 async def test_a_stop_discards_the_precomputed_step_and_the_resumed_run_ends_identical(ray_cluster, tmp_path,
                                                                                       caplog, capfd):
     """request_stop after step 1: step 2's precomputed calls are cancelled (the checkpoint behind
@@ -102,6 +103,7 @@ async def test_a_stop_discards_the_precomputed_step_and_the_resumed_run_ends_ide
     assert not any(n in logged for n in NOISE), logged
 
 
+@pytest.mark.slow  # precompute is opt-in; its default tests: equality with and without it, the in-process cases
 async def test_a_regenerated_batch_discards_the_precompute_of_the_lost_one(ray_cluster, tmp_path, caplog, capfd):
     """A rollout worker SIGKILLed mid-generation of batch 2, after step 2's first stages were issued
     on that generate: they fail (their input died), the replacement regenerates batch 2, its new

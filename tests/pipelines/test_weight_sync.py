@@ -91,6 +91,7 @@ def _same(a, b):
     assert [{k: r[k] for k in COMPARED} for r in a] == [{k: r[k] for k in COMPARED} for r in b]
 
 
+@pytest.mark.slow  # each transport's bit-identical weights stay in the default suite (tests/roles/test_weight_transports.py)
 async def test_collective_and_local_sleeping_runs_equal_the_object_store_reference(ray_cluster, tmp_path):
     cfg = tiny_test()
     cfg.trainer.steps = 3

@@ -104,6 +104,22 @@ class Pinned(Worker):
 
         seq.ThreadLane.cancel = cancel
 
+    @register(concurrent=True)
+    async def hold_unfences(self) -> None:
+        """Make every ``unfence`` message to this process wait until a call waits for it
+        (case 16): the controller has lifted the wedge, the host not yet."""
+        import asyncrl._sequencer as seq
+
+        original = seq.ThreadLane.unfence
+
+        def unfence(lane, call_id, upto):
+            end = time.monotonic() + HANG
+            while not lane.control.waiting and time.monotonic() < end:
+                threading.Event().wait(0.005)
+            return original(lane, call_id, upto)
+
+        seq.ThreadLane.unfence = unfence
+
     @register()
     def take(self) -> list[int]:
         self._seen()
@@ -418,6 +434,28 @@ async def test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_
     assert await pinned.take() == [[44], [44]]
     states = [await pinned._hostset.backend.admin(h, "control_state") for h in pinned._hostset.hosts]
     assert states == [{"seen": 1, "waiting": 0}] * 2
+
+
+async def test_a_call_sent_after_the_wedge_is_lifted_runs_even_when_the_unfence_is_late(pinned):
+    """The controller saw the stuck thread return and sent ``unfence``; the host handles it
+    only once a later call waits for it (case 16). Without the ordering that call reaches
+    the host's fence first and fails as wedged although the wedge is over."""
+    await pinned.hold_unfences()
+    await timed_out_while_running(pinned)
+    seq = pinned._hostset.sequencer
+
+    async def wedged() -> bool:
+        return len(seq.wedged) == 2
+
+    async def lifted() -> bool:
+        return not seq.wedged
+
+    await until(wedged, HANG)  # both hosts answered the deadline's cancel: their lanes are wedged
+    await pinned.unblock()
+    await until(lifted, HANG)  # the controller heard both threads return and sent unfence
+    async with asyncio.timeout(HANG):
+        assert await pinned.record(61) == [61, 61]
+    assert await pinned.take() == [[61], [61]]
 
 
 async def test_a_sigkilled_worker_fails_its_running_and_queued_pinned_calls(ray_cluster):

@@ -592,10 +592,7 @@ class RayBackend:
                      wedged: Callable[[Any], None] | None = None) -> None:
         """Send the cancel message. `wedged`: called on the caller's loop with the host's
         reply to a deadline's cancel when it says the lane is wedged (case 15)."""
-        with self._notes_lock:  # numbered in the order they are sent
-            note = self._notes.get(id(host), 0) + 1
-            ref = host.cancel_calls.remote(entries, deadline, note)
-            self._notes[id(host)] = note
+        ref = self._control(host, host.cancel_calls, entries, deadline)
         if deadline and wedged is not None:
             try:
                 loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -605,10 +602,16 @@ class RayBackend:
 
     def unfence(self, host: Any, call_id: int, upto: int) -> None:
         """Tell `host` which ordered numbers are past call `call_id`'s wedge (case 15)."""
+        self._control(host, host.unfence, call_id, upto)
+
+    def _control(self, host: Any, method: Any, *args: Any) -> Any:
+        """Send a control message to `host`, numbered in the order sent (case 16 of
+        asyncrl._sequencer); the count moves on only once Ray took the message."""
         with self._notes_lock:
             note = self._notes.get(id(host), 0) + 1
-            host.unfence.remote(call_id, upto, note)
+            ref = method.remote(*args, note)
             self._notes[id(host)] = note
+        return ref
 
     def watch_unwedged(self, host: Any, call_id: int, callback: Callable[[], None]) -> None:
         """Call `callback` (on the caller's loop) once call `call_id` no longer wedges

@@ -91,40 +91,35 @@ class Pinned(Worker):
     async def hold_next_cancel(self, until_logged: int) -> None:
         """Make this process's next cancel message wait (once) until a call waits for it
         (case 16) or `until_logged` was recorded: the order Ray allows and CI once hit."""
-        import asyncrl._sequencer as seq
-
-        original, worker = seq.ThreadLane.cancel, self
-
-        def cancel(lane, entries, deadline):
-            seq.ThreadLane.cancel = original
-            end = time.monotonic() + HANG
-            while not (lane.control.waiting or until_logged in worker.log) and time.monotonic() < end:
-                threading.Event().wait(0.005)
-            return original(lane, entries, deadline)
-
-        seq.ThreadLane.cancel = cancel
+        _hold("cancel", lambda lane: lane.control.waiting or until_logged in self.log, once=True)
 
     @register(concurrent=True)
     async def hold_unfences(self) -> None:
         """Make every ``unfence`` message to this process wait until a call waits for it
         (case 16): the controller has lifted the wedge, the host not yet."""
-        import asyncrl._sequencer as seq
-
-        original = seq.ThreadLane.unfence
-
-        def unfence(lane, call_id, upto):
-            end = time.monotonic() + HANG
-            while not lane.control.waiting and time.monotonic() < end:
-                threading.Event().wait(0.005)
-            return original(lane, call_id, upto)
-
-        seq.ThreadLane.unfence = unfence
+        _hold("unfence", lambda lane: lane.control.waiting, once=False)
 
     @register()
     def take(self) -> list[int]:
         self._seen()
         out, self.log = self.log, []
         return out
+
+
+def _hold(name: str, ready, once: bool) -> None:
+    """Patch this process's ``ThreadLane.<name>`` (a control message's handler) to poll,
+    with a deadline, until ``ready(lane)`` before it runs; `once`: then restore it."""
+    original = getattr(ThreadLane, name)
+
+    def held(lane, *args):
+        if once:
+            setattr(ThreadLane, name, original)
+        end = time.monotonic() + HANG
+        while not ready(lane) and time.monotonic() < end:
+            threading.Event().wait(0.005)
+        return original(lane, *args)
+
+    setattr(ThreadLane, name, held)
 
 
 class Source(Worker):

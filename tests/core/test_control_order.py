@@ -17,6 +17,11 @@ import pytest
 from asyncrl import Worker, register
 from asyncrl._host import Payload, RoleSpec, WorkerHost
 from asyncrl._sequencer import ControlOrder
+from tests.core.kinds import until
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 def test_the_watermark_counts_only_contiguous_messages():
@@ -57,8 +62,8 @@ def test_a_wait_for_a_message_never_handled_ends_with_a_warning(capsys):
 async def test_a_loop_waits_until_the_messages_before_its_call_were_handled():
     order = ControlOrder()
     waiter = asyncio.ensure_future(order.wait_async(1, timeout=60))
-    await asyncio.sleep(0)
-    assert not waiter.done() and order.waiting == 1
+    await until(lambda: _true(order.waiting == 1), 60)  # the waiter registered
+    assert not waiter.done()
     threading.Thread(target=order.done, args=(1,)).start()  # the message may be handled on another thread
     await asyncio.wait_for(waiter, 60)
     assert order.waiting == 0 and order._waiters == []
@@ -82,7 +87,7 @@ async def test_the_async_host_refuses_a_call_cancelled_by_a_message_sent_before_
     host = WorkerHost(local=True)
     await host.init_workers([RoleSpec(role="r", group="g", cls=Recorder)])
     later = asyncio.ensure_future(host.call("r", "record", 1, 11, Payload((2,), {}), None, False, True, 1))
-    await asyncio.sleep(0)
+    await until(lambda: _true(host.control_state()["waiting"] == 1), 60)  # it waits for message 1
     assert host.control_state() == {"seen": 0, "waiting": 1}
     host.cancel_calls([(10, 0)], False, note=1)
     assert await asyncio.wait_for(later, 60) == 2

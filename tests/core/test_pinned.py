@@ -395,19 +395,25 @@ async def test_a_wedge_by_a_calls_group_call_fails_the_pinned_calls_behind_it(pi
         assert await pinned.record(32) == [32, 32]
 
 
-async def test_a_cancelled_queued_pinned_call_never_runs_and_releases_its_number(pinned):
+async def cancel_a_queued_call_then_unblock(pinned, cancelled: int, kept: int) -> None:
+    """Block the pinned threads, queue `record(cancelled)` and `record(kept)` behind them,
+    cancel the first, unblock: only `kept` ever runs, and the lane moves on."""
     stuck = pinned.block()
     await until(lambda: blocked(pinned), HANG)
-    queued = pinned.record(41)
-    later = pinned.record(42)
+    queued = pinned.record(cancelled)
+    later = pinned.record(kept)
     assert queued.cancel() is True
     with pytest.raises(CallCancelledError):
         await queued
-    await pinned.unblock()
     async with asyncio.timeout(HANG):
+        await pinned.unblock()
         assert await stuck == [0, 1]
-        assert await later == [42, 42]
-    assert await pinned.take() == [[42], [42]]
+        assert await later == [kept, kept]
+    assert await pinned.take() == [[kept], [kept]]
+
+
+async def test_a_cancelled_queued_pinned_call_never_runs_and_releases_its_number(pinned):
+    await cancel_a_queued_call_then_unblock(pinned, 41, 42)
 
 
 async def test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_late(pinned):
@@ -415,18 +421,7 @@ async def test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_
     later call waits for it (case 16) or the cancelled call has run. Without the
     ordering, the later unblock() frees the pinned thread, which runs the cancelled call."""
     await pinned.hold_next_cancel(43)
-    stuck = pinned.block()
-    await until(lambda: blocked(pinned), HANG)
-    queued = pinned.record(43)
-    later = pinned.record(44)
-    assert queued.cancel() is True
-    with pytest.raises(CallCancelledError):
-        await queued
-    async with asyncio.timeout(HANG):
-        await pinned.unblock()
-        assert await stuck == [0, 1]
-        assert await later == [44, 44]
-    assert await pinned.take() == [[44], [44]]
+    await cancel_a_queued_call_then_unblock(pinned, 43, 44)
     states = [await pinned._hostset.backend.admin(h, "control_state") for h in pinned._hostset.hosts]
     assert states == [{"seen": 1, "waiting": 0}] * 2
 

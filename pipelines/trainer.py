@@ -63,13 +63,14 @@ import structlog
 import torch
 
 import asyncrl
-from asyncrl import GroupFuture, GroupMethod, ResourcePool, WorkerDiedError
+from asyncrl import GroupFuture, ResourcePool, WorkerDiedError
 from asyncrl import colocate
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.buffer import StalenessBuffer
 from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
+from asyncrl.pipelines.deadlines import unwrap, with_deadlines, without_deadlines
 from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
 from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.interrupt import Interruption, RunAbandoned, handle_signals
@@ -266,7 +267,7 @@ class Trainer:
                 f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the {t.max_staleness + 1} "
                 "batches rollout may run ahead; set it to at least max_staleness + 1"
             )
-        self.groups = _with_deadlines(groups, t.stage_timeout_s) if groups is not None else None
+        self.groups = with_deadlines(groups, t.stage_timeout_s) if groups is not None else None
         self._overrides = dict(worker_overrides or {})
         self._on_step = on_step
         self._owns_groups = groups is None
@@ -472,7 +473,7 @@ class Trainer:
 
     async def _start_groups(self) -> None:
         groups, self._parts, self._pools = build_groups(self.config, self._overrides, pools=self._pools or None)
-        self.groups = _with_deadlines(groups, self.config.trainer.stage_timeout_s)
+        self.groups = with_deadlines(groups, self.config.trainer.stage_timeout_s)
         try:
             await asyncio.gather(*(p.setup() for p in self._parts))
             await self._prepare_sync()
@@ -713,7 +714,7 @@ class Trainer:
         # (their data lives in the object store, owned by this process) before those groups close.
         # No stage deadline: the echo waits in the training processes' ordered lane behind the step
         # in progress, which has deadlines of its own.
-        advantage = getattr(g.advantage, "_group", g.advantage)
+        advantage = unwrap(g.advantage)
         for item in [*self.buffer.peek_all(), *self._restored]:
             if getattr(item.batch, "group", None) in old:
                 item.batch = advantage.echo(item.batch)
@@ -726,7 +727,7 @@ class Trainer:
             await dead.close()  # kills the old processes; the placement group stays
         await new.setup()
         timeout = self.config.trainer.stage_timeout_s
-        fresh = _with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
+        fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
                                        advantage=g.advantage), timeout)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         self._rollout_version = 0  # new engines hold the initial weights
@@ -988,7 +989,7 @@ class Trainer:
             if pre.step == step and pre.batch is batch:
                 return  # issued already
             self._discard_precomputed()  # another batch (regenerated after a replacement)
-        old, ref, vals = self._first_stages(_without_deadlines(self.groups), batch, step, precomputed=True)
+        old, ref, vals = self._first_stages(without_deadlines(self.groups), batch, step, precomputed=True)
         self._precomputed = _Precomputed(step=step, batch_index=index, batch=batch, old=old, ref=ref, vals=vals)
         self.precompute_stats["issued"] += 1
 
@@ -1159,32 +1160,3 @@ def weights_digest(checksums: Mapping[str, str]) -> str:
     import json
 
     return hashlib.sha256(json.dumps(dict(sorted(checksums.items()))).encode()).hexdigest()
-
-
-class _Deadlined:
-    """A worker group whose every call carries a deadline (``trainer.stage_timeout_s``)."""
-
-    def __init__(self, group: Any, timeout: float) -> None:
-        self._group = group
-        self._timeout = timeout
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._group, name)
-        return attr.options(timeout=self._timeout) if isinstance(attr, GroupMethod) else attr
-
-    def __repr__(self) -> str:
-        return f"<{self._group!r} with a {self._timeout:g} s deadline per call>"
-
-
-def _without_deadlines(g: Groups) -> Groups:
-    unwrap = lambda x: x._group if isinstance(x, _Deadlined) else x  # noqa: E731
-    return Groups(rollout=unwrap(g.rollout), reward=unwrap(g.reward), policy=unwrap(g.policy),
-                  advantage=unwrap(g.advantage), reference=unwrap(g.reference), critic=unwrap(g.critic))
-
-
-def _with_deadlines(g: Groups, timeout: float | None) -> Groups:
-    if timeout is None:
-        return g
-    wrap = lambda x: _Deadlined(x, timeout) if x is not None else None  # noqa: E731
-    return Groups(rollout=wrap(g.rollout), reward=wrap(g.reward), policy=wrap(g.policy),
-                  advantage=wrap(g.advantage), reference=wrap(g.reference), critic=wrap(g.critic))

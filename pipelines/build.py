@@ -1,4 +1,4 @@
-"""Group and pool building: which worker classes a config needs, and where they are placed.
+"""Group and pool building: which workers a config needs, where they are placed, and its data.
 
 Two pools (rollout + reward on the rollout bundles; policy + advantage + reference + critic
 on the training bundles) or one colocated pool, all carved out of one placement-group pool so
@@ -7,13 +7,18 @@ that a recovery can start new actors in the same bundles.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from pathlib import Path
 from typing import Any, Mapping
 
 from asyncrl import ResourcePool, colocate
 from asyncrl.pipelines.config import JobConfig
+from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
+from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 
-__all__ = ["needs_reference", "role_specs", "main_pool", "build_rollout_part", "build_groups"]
+__all__ = ["needs_reference", "role_specs", "main_pool", "build_rollout_part", "build_groups", "Workers", "build_data"]
 
 
 def needs_reference(cfg: JobConfig) -> bool:
@@ -98,3 +103,68 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
         critic=cols["critic"]["critic"] if "critic" in cols else None,
     )
     return g, parts, [pool]
+
+
+class Workers:
+    """The worker processes a trainer owns: the started parts (colocated group sets) and the
+    placement-group pools they sit in, which outlive a restart so new actors take the same bundles.
+
+    Args:
+        config: the run's configuration.
+        overrides: role -> worker class replacements (see :func:`build_groups`); kept across restarts.
+    """
+
+    def __init__(self, config: JobConfig, overrides: Mapping[str, Any] | None = None) -> None:
+        self.config = config
+        self.overrides = dict(overrides or {})
+        self.parts: list[Any] = []
+        """The started parts: the rollout pool's first (when two pools), then the training pool's."""
+        self.pools: list[ResourcePool] = []
+
+    async def start(self) -> Groups:
+        """Build the groups (in the pools of an earlier start, if any) and start every process.
+        On failure the caller closes them (:meth:`release`)."""
+        groups, self.parts, self.pools = build_groups(self.config, self.overrides, pools=self.pools or None)
+        await asyncio.gather(*(p.setup() for p in self.parts))
+        return groups
+
+    async def replace_rollout(self) -> Any:
+        """Kill the rollout pool's processes and start new ones in the same bundles; returns the new
+        part (its ``["rollout"]`` and ``["reward"]`` groups)."""
+        new = build_rollout_part(self.config, self.overrides, self.pools[0])
+        dead, self.parts = self.parts[0], [new, *self.parts[1:]]  # closed with the rest on any later failure
+        with contextlib.suppress(Exception):
+            await dead.close()  # the placement group stays
+        await new.setup()
+        return new
+
+    async def release(self, *, keep_pools: bool = False) -> None:
+        """Close the processes (the rollout pool's first); release the placement groups unless `keep_pools`."""
+        for part in self.parts:
+            with contextlib.suppress(Exception):
+                await part.close()
+        self.parts = []
+        if keep_pools:
+            return
+        for pool in self.pools:
+            with contextlib.suppress(Exception):
+                await pool.release()
+        self.pools = []
+
+
+def build_data(cfg: JobConfig, output_dir: Path) -> tuple[PromptLoader, Evaluator | None]:
+    """The prompt loader and the evaluator (blocking: tokenizer, prompt encoding; call it in a
+    thread); prompts that cannot fit the model's context fail here, before step 0."""
+    from asyncrl.roles.models import model_context_length, tokenizer_for
+
+    tokenizer = tokenizer_for(cfg.model)
+    loader = make_loader(cfg.data, tokenizer, task_pairs(cfg.data, cfg.trainer.seed),
+                         prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, seed=cfg.trainer.seed)
+    context = model_context_length(cfg.model)
+    loader.check_fits(context, cfg.rollout.max_new_tokens)
+    evaluator = None
+    if cfg.evaluation.enabled:
+        evaluator = Evaluator(cfg.evaluation, cfg.data, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                              output_dir=output_dir)
+        evaluator.check_fits(context)
+    return loader, evaluator

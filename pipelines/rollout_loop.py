@@ -174,8 +174,7 @@ class BatchRollout:
         assert ev is not None and g is not None
         with tr.tracer.span("evaluate", track=g.rollout.name, version=version):
             row = await ev.run(g, version, watch=tr.tracer.watch)
-        if tr.metrics is not None:
-            tr.metrics.write(version, row)  # step = steps done = version
+        tr.report.evaluation(version, row)
 
     async def finish(self) -> None:
         """After the last step: evaluate the due versions the rollout loop never loaded (the last

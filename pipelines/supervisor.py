@@ -28,7 +28,6 @@ import structlog
 
 from asyncrl import WorkerDiedError
 from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.build import build_rollout_part
 from asyncrl.pipelines.deadlines import unwrap, with_deadlines
 from asyncrl.pipelines.loop_state import RolloutBatch
 from asyncrl.pipelines.recovery import describe, fault_origin, fault_record, is_worker_fault, root_cause
@@ -99,7 +98,7 @@ class Supervisor:
         record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
         self.restarts.append(record)
         self._pending.append({"kind": "restart", "at": tr.state.policy_version, "t": t0, "record": record})
-        await tr.release_groups(keep_pools=True)
+        await tr.workers.release(keep_pools=True)
         tr.state = tr.new_state()  # the old one's calls died with the groups
         await tr.start_groups()
         if point is not None:
@@ -110,12 +109,10 @@ class Supervisor:
                 tr.evaluator.restore([], 0)
             if tr.initial_rng is not None:
                 ckpt.set_rng_state(tr.initial_rng)
-        await tr.reopen_metrics()
+        await tr.report.open()
         await tr.journal.rewind()
+        tr.report.rewind()
         start = tr.state.start_step
-        if tr.progress_bar is not None:
-            tr.progress_bar.n = start
-            tr.progress_bar.refresh()
         record.update(from_step=start, time_s=time.perf_counter() - t0)
         log.warning("trainer.restarted", from_step=start, seconds=round(time.perf_counter() - t0, 2))
 
@@ -152,7 +149,7 @@ class Supervisor:
                 item.batch = advantage.echo(item.batch)
             if getattr(item.scores, "group", None) in old:
                 item.scores = advantage.echo(item.scores)
-        new = await tr.swap_rollout_part(build_rollout_part(tr.config, tr.worker_overrides, tr.pools[0]))
+        new = await tr.workers.replace_rollout()
         fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
                                       advantage=g.advantage), tr.config.trainer.stage_timeout_s)
         g.rollout, g.reward = fresh.rollout, fresh.reward

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping
@@ -57,23 +56,22 @@ import anyio.to_thread
 import structlog
 
 import asyncrl
-from asyncrl import ResourcePool
 from asyncrl.hosts import AsyncResource
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.buffer import StalenessBuffer
-from asyncrl.pipelines.build import build_groups, build_rollout_part
+from asyncrl.pipelines.build import Workers, build_data, build_groups, build_rollout_part
 from asyncrl.pipelines.checkpointing import Checkpointer
 from asyncrl.pipelines.config import ConfigError, JobConfig
 from asyncrl.pipelines.configlib import to_dict
-from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
+from asyncrl.pipelines.data import PromptLoader
 from asyncrl.pipelines.deadlines import with_deadlines
 from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.interrupt import Interruption, RunAbandoned, handle_signals
 from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
-from asyncrl.pipelines.metrics import MetricsWriter
 from asyncrl.pipelines.precompute import Precompute
 from asyncrl.pipelines.recovery import is_worker_fault
+from asyncrl.pipelines.reporting import RunReport
 from asyncrl.pipelines.rollout_loop import BatchRollout
 from asyncrl.pipelines.run_journal import RunJournal, weights_digest
 from asyncrl.pipelines.stages import Groups
@@ -133,9 +131,7 @@ class Trainer(AsyncResource):
         self.groups = with_deadlines(groups, t.stage_timeout_s) if groups is not None else None
         self.owns_groups = groups is None
         """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
-        self.worker_overrides = dict(worker_overrides or {})
-        self.pools: list[ResourcePool] = []
-        self._parts: list[Any] = []
+        self.workers = Workers(self.config, worker_overrides)
         self._on_step = on_step
         self.weights = WeightSync(self)
         self.state = self.new_state()
@@ -150,10 +146,9 @@ class Trainer(AsyncResource):
         self.loader: PromptLoader | None = None
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (``config.evaluation``); its ``records`` hold one row per evaluation."""
-        self.metrics: MetricsWriter | None = None
+        self.report = RunReport(self)
         self.initial_rng: dict[str, Any] | None = None
         """The RNG states at setup (a restart with no checkpoint starts from them)."""
-        self.progress_bar: Any = None
         self.stop_reason: str | None = None
         """Why the run was asked to stop after the step in progress (:meth:`request_stop`), if it was."""
         self._algo = to_dict(config.algorithm)
@@ -208,7 +203,7 @@ class Trainer(AsyncResource):
         await self.checkpoints.verify_resume()
         # first: a missing model extra, a corrupt GGUF or a prompt that cannot fit fails before any worker starts
         # (and a GGUF model is converted once here, so the workers load the cached directory)
-        self.loader, self.evaluator = await asyncio.to_thread(self._make_data)
+        self.loader, self.evaluator = await asyncio.to_thread(build_data, cfg, self.output_dir)
         if self.owns_groups:
             await anyio.to_thread.run_sync(_import_ray)
             resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
@@ -219,75 +214,25 @@ class Trainer(AsyncResource):
         self.initial_rng = ckpt.rng_state()
         if self.checkpoints.resume is not None:
             await self.checkpoints.restore(self.checkpoints.resume)
-        await self.reopen_metrics()
+        await self.report.open()
         await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume)
         self._setup_done = True
         return self
 
-    def _make_data(self) -> tuple[PromptLoader, Evaluator | None]:
-        """The prompt loader and the evaluator; prompts that cannot fit the context fail here, before step 0."""
-        from asyncrl.roles.models import model_context_length, tokenizer_for
-
-        cfg = self.config
-        tokenizer = tokenizer_for(cfg.model)
-        loader = make_loader(cfg.data, tokenizer, task_pairs(cfg.data, cfg.trainer.seed),
-                             prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, seed=cfg.trainer.seed)
-        context = model_context_length(cfg.model)
-        loader.check_fits(context, cfg.rollout.max_new_tokens)
-        evaluator = None
-        if cfg.evaluation.enabled:
-            evaluator = Evaluator(cfg.evaluation, cfg.data, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
-                                  output_dir=self.output_dir)
-            evaluator.check_fits(context)
-        return loader, evaluator
-
-    async def reopen_metrics(self) -> None:
-        """(Re)open the metrics sinks at the state's first step (a restored run rewrites what follows)."""
-        if self.metrics is not None:
-            self.metrics.close()
-        self.metrics = await anyio.to_thread.run_sync(lambda: MetricsWriter(
-            self.output_dir, tensorboard=self.config.trainer.tensorboard, start_step=self.state.start_step))
-
     async def start_groups(self) -> None:
-        """Build and start the workers (in the pools of an earlier start, if any); close all on failure."""
-        groups, self._parts, self.pools = build_groups(self.config, self.worker_overrides, pools=self.pools or None)
-        self.groups = with_deadlines(groups, self.config.trainer.stage_timeout_s)
+        """Start the workers (in the pools of an earlier start, if any); close everything on failure."""
         try:
-            await asyncio.gather(*(p.setup() for p in self._parts))
+            self.groups = with_deadlines(await self.workers.start(), self.config.trainer.stage_timeout_s)
             await self.weights.prepare()
         except BaseException:
             await self.close()
             raise
 
-    async def swap_rollout_part(self, new: Any) -> Any:
-        """Close the rollout pool's workers (kills their processes; the placement group stays) and
-        start `new` in their place; returns it, started."""
-        dead, self._parts = self._parts[0], [new, *self._parts[1:]]  # closed with the rest on any later failure
-        with contextlib.suppress(Exception):
-            await dead.close()
-        await new.setup()
-        return new
-
     async def close(self) -> None:
         """Release everything (idempotent): rollout workers, then training workers, then pools."""
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
+        self.report.close()
         self.journal.close()
-        await self.release_groups()
-
-    async def release_groups(self, *, keep_pools: bool = False) -> None:
-        """Close the workers (rollout pool first); release the placement groups unless `keep_pools`."""
-        for part in self._parts:
-            with contextlib.suppress(Exception):
-                await part.close()
-        self._parts = []
-        if keep_pools:
-            return
-        for pool in self.pools:
-            with contextlib.suppress(Exception):
-                await pool.release()
-        self.pools = []
+        await self.workers.release()
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.shield(self.close())  # a second cancellation must not leave workers running
@@ -335,8 +280,7 @@ class Trainer(AsyncResource):
         cfg = self.config.trainer
         self.event_loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
         self._t_start = time.perf_counter()
-        self.progress_bar = bar = _progress(cfg.progress, cfg.steps, self.state.start_step)
-        ok = False
+        self.report.start()
         self.fitting = True
         try:
             try:
@@ -346,7 +290,6 @@ class Trainer(AsyncResource):
                 self.tracer.close()
             except BaseExceptionGroup as eg:
                 raise first_error(eg) from None
-            ok = True
             if (self.interrupted is None and cfg.checkpoint_at_end
                     and (not self.history or self.history[-1]["step"] + 1 == cfg.steps)):
                 if ckpt.latest_checkpoint(self.output_dir) != ckpt.checkpoint_dir(self.output_dir, cfg.steps):
@@ -355,9 +298,7 @@ class Trainer(AsyncResource):
         finally:
             self.fitting = False
             self.tracer.close()
-            if bar is not None:
-                bar.close()
-            await self._write_reports(ok)
+            await self.report.finish()
         return self.history
 
     async def _run_loops(self) -> None:
@@ -391,7 +332,8 @@ class Trainer(AsyncResource):
                 "time/step": t1 - t_wait, "time/train": t1 - t0, "time/wait_rollout": t0 - t_wait,
                 "time/generate": item.gen_time, "time/elapsed": t1 - self._t_start,
             })
-            self._record(step, metrics)
+            self.history.append({"step": step, **metrics})
+            self.report.step(step, metrics)
             saved = await self.checkpoints.after_step(step)
             if self._on_step is not None:
                 self._on_step(self, step, metrics)
@@ -430,36 +372,6 @@ class Trainer(AsyncResource):
         })
         return metrics
 
-    def _record(self, step: int, metrics: dict[str, Any]) -> None:
-        self.history.append({"step": step, **metrics})
-        if self.metrics is not None:
-            self.metrics.write(step, metrics)
-        bar = self.progress_bar
-        if bar is not None:
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", stale=metrics["staleness/max"],
-                            step_s=f"{metrics['time/step']:.2f}", refresh=False)
-            bar.update(1)
-        if bar is not None and step % 10 and step + 1 != self.config.trainer.steps:
-            return  # the bar shows every step; the log gets every 10th
-        log.info("train.step", step=step, reward=round(metrics["reward/mean"], 4),
-                 staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
-                 pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))
-
-    async def _write_reports(self, ok: bool) -> None:
-        cfg = self.config.trainer
-        try:
-            if cfg.trace:
-                await anyio.to_thread.run_sync(self.tracer.write, self.output_dir / "trace.json")
-            if cfg.plot and self.history:
-                from asyncrl.pipelines.report import plot_report
-
-                history, spans = list(self.history), list(self.tracer.spans)
-                evals = list(self.evaluator.records) if self.evaluator is not None else None
-                await anyio.to_thread.run_sync(
-                    lambda: plot_report(history, spans, self.output_dir / "report.png", evals=evals))
-        except Exception as e:  # reports never hide the run's own outcome
-            log.warning("report.failed", error=repr(e))
-
 
 class GRPOTrainer(Trainer):
     """GRPO: group-relative advantages from ``algorithm.group_size`` responses per prompt, no critic."""
@@ -477,14 +389,6 @@ def make_trainer(config: JobConfig, **kwargs: Any) -> Trainer:
     """The trainer class for ``config.algorithm.name``."""
     cls = GRPOTrainer if config.algorithm.name == "grpo" else PPOTrainer
     return cls(config, **kwargs)
-
-
-def _progress(enabled: bool, total: int, initial: int) -> Any:
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
 
 def _import_ray() -> None:

@@ -165,7 +165,7 @@ async def one_run(name: str, cfg: JobConfig, out_dir: str, warmup: int) -> dict[
     per_process = {m["pid"]: m for m in mem}  # colocated roles share one process
     return {
         "run": name, "steps": len(history), "params": params, "placement": placement,
-        "transport": trainer._transport, "max_staleness": cfg.trainer.max_staleness,
+        "transport": trainer.weights.transport, "max_staleness": cfg.trainer.max_staleness,
         "setup_s": setup_s, "loop_s": loop_s, "ms_per_step": 1000 * mean("time/step"),
         "generate_ms": 1000 * mean("time/generate"), "train_ms": 1000 * mean("time/train"),
         "tokens": tokens, "tokens_per_s": tokens / loop_s,

@@ -79,7 +79,7 @@ async def test_a_stop_discards_the_precomputed_step_and_the_resumed_run_ends_ide
 
     def stop_after_step_1(trainer: GRPOTrainer, step: int, metrics: dict[str, Any]) -> None:
         if step == 1:  # step 2's calls are issued once batch 2's generate is (almost always by now)
-            pre = trainer._precomputed
+            pre = trainer.state.precomputed
             pending.append(pre is not None)
             assert pre is None or (pre.step, pre.batch_index) == (2, 2)
             trainer.request_stop("test")
@@ -90,7 +90,7 @@ async def test_a_stop_discards_the_precomputed_step_and_the_resumed_run_ends_ide
         assert t.interrupted is not None and t.interrupted.steps_done == 2
         n = int(pending[0])  # none is issued after the stop request
         assert t.precompute_stats == {"issued": 2 + n, "used": 2, "discarded": n}
-        assert t._precomputed is None
+        assert t.state.precomputed is None
     saved = ckpt.latest_checkpoint(tmp_path / "cut")
     assert saved is not None and saved.name == "step_000002"
     resumed, resumed_sum, stats = await _fit(_cfg(tmp_path / "cut"), resume=tmp_path / "cut")
@@ -134,7 +134,7 @@ async def test_a_regenerated_batch_discards_the_precompute_of_the_lost_one(ray_c
     task = asyncio.create_task(run())
     await wait_for_file(d / "pid", 120)  # batch 2's generate hangs on the worker
     await stepped.wait()  # step 1 done: its export published version 2, step 2's batch is batch 2
-    pre = trainer._precomputed
+    pre = trainer.state.precomputed
     assert pre is not None and (pre.step, pre.batch_index) == (2, 2) and not pre.old.done()
     os.kill(int((d / "pid").read_text()), signal.SIGKILL)
     history, checksum = await asyncio.wait_for(task, 180)
@@ -247,7 +247,7 @@ async def test_the_next_steps_stages_wait_in_the_lane_for_a_slow_generate_withou
 
     def on_step(trainer: GRPOTrainer, step: int, metrics: dict[str, Any]) -> None:
         if step == 1:
-            pre = trainer._precomputed
+            pre = trainer.state.precomputed
             assert pre is not None and (pre.step, pre.batch_index) == (2, 2) and not pre.old.done()
             released.append(step)
             StalledRollout.release.set()
@@ -276,12 +276,12 @@ async def test_the_precompute_names_the_batch_the_buffer_delivers(tmp_path):
     for it in items:
         trainer.buffer.put_nowait(it)
     gen = object()
-    trainer._generating = (6, 3, gen)
-    assert trainer._next_batch(3) == (4, items[1].batch)  # batch 3 (version 1) is dropped at step 3
+    trainer.state.generating = (6, 3, gen)
+    assert trainer.rollout.upcoming(3) == (4, items[1].batch)  # batch 3 (version 1) is dropped at step 3
     assert (await trainer.buffer.get(3)) is items[1]
-    assert trainer._next_batch(4) == (5, items[2].batch)
+    assert trainer.rollout.upcoming(4) == (5, items[2].batch)
     assert (await trainer.buffer.get(4)) is items[2]
-    assert trainer._next_batch(4) == (6, gen)  # nothing buffered: the batch in generation
-    assert trainer._next_batch(5) is None  # version 3 is too stale for step 5
-    trainer._generating = (6, 2, gen)
-    assert trainer._next_batch(4) is None  # it would be dropped; the one after is not issued yet
+    assert trainer.rollout.upcoming(4) == (6, gen)  # nothing buffered: the batch in generation
+    assert trainer.rollout.upcoming(5) is None  # version 3 is too stale for step 5
+    trainer.state.generating = (6, 2, gen)
+    assert trainer.rollout.upcoming(4) is None  # it would be dropped; the one after is not issued yet

@@ -84,7 +84,7 @@ async def _run(cfg, tmp_path, name):
         history = await trainer.fit()
         slept = await trainer.groups.rollout.times_slept()
         evals = [int(r["eval/version"]) for r in trainer.evaluator.records] if trainer.evaluator is not None else []
-        return history, await trainer.groups.policy.weights_checksum(), trainer._transport, (slept, evals)
+        return history, await trainer.groups.policy.weights_checksum(), trainer.weights.transport, (slept, evals)
 
 
 def _same(a, b):

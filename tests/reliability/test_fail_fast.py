@@ -243,7 +243,7 @@ def signal_twice():
     first.wait()
     os.kill(os.getpid(), signal.SIGINT)
     deadline = time.monotonic() + 30
-    while trainer._stop is None:  # the first signal has reached the trainer: the second is a second one
+    while trainer.stop_reason is None:  # the first signal has reached the trainer: the second is a second one
         assert time.monotonic() < deadline, "the first SIGINT never reached the trainer"
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGINT)

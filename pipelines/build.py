@@ -1,0 +1,170 @@
+"""Group and pool building: which workers a config needs, where they are placed, and its data.
+
+Two pools (rollout + reward on the rollout bundles; policy + advantage + reference + critic
+on the training bundles) or one colocated pool, all carved out of one placement-group pool so
+that a recovery can start new actors in the same bundles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import Any, Mapping
+
+from asyncrl import ResourcePool, colocate
+from asyncrl.pipelines.config import JobConfig
+from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
+from asyncrl.pipelines.evaluation import Evaluator
+from asyncrl.pipelines.stages import AdvantageWorker, Groups
+
+__all__ = ["needs_reference", "role_specs", "main_pool", "build_rollout_part", "build_groups", "Workers", "build_data"]
+
+
+def needs_reference(cfg: JobConfig) -> bool:
+    """True when a KL term needs reference log-probs."""
+    return cfg.actor.kl_coef > 0 or (cfg.algorithm.name == "ppo" and cfg.algorithm.kl_in_reward_coef > 0)
+
+
+def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(rollout-pool roles, training-pool roles)``: role -> worker class or (cls, args, kwargs)."""
+    from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
+
+    t = cfg.trainer
+    rollout_roles: dict[str, Any] = {
+        "rollout": (RolloutWorker, (cfg.model, cfg.rollout), {}),
+        "reward": (RewardWorker, (cfg.reward,), {}),
+    }
+    train_roles: dict[str, Any] = {
+        "policy": (PolicyWorker, (cfg.model, cfg.worker_actor()), {"max_staleness": t.max_staleness}),
+        "advantage": AdvantageWorker,
+    }
+    if needs_reference(cfg):
+        train_roles["reference"] = (ReferenceWorker, (cfg.model,), {"temperature": cfg.rollout.temperature,
+                                                                   "micro_batch_size": cfg.actor.micro_batch_size})
+    if cfg.algorithm.name == "ppo":
+        train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})
+    for role, spec in (overrides or {}).items():
+        roles = rollout_roles if role in rollout_roles else train_roles if role in train_roles else None
+        if roles is None:
+            raise ValueError(f"cannot override role {role!r}: this run has {sorted([*rollout_roles, *train_roles])}")
+        cls, extra = spec if isinstance(spec, tuple) else (spec, {})
+        base = roles[role]
+        args, kwargs = (base[1], base[2]) if isinstance(base, tuple) else ((), {})
+        roles[role] = (cls, args, {**kwargs, **extra})
+    return rollout_roles, train_roles
+
+
+def main_pool(cfg: JobConfig) -> ResourcePool:
+    """The run's one placement-group pool: rollout + training bundles, or the colocated ones."""
+    t = cfg.trainer
+    if t.colocated:
+        return ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, gpus_per_bundle=t.gpus_per_worker,
+                            name="asyncrl-colocated")
+    return ResourcePool([t.rollout_workers + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
+                        gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
+
+
+def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pool: ResourcePool) -> Any:
+    """A new, unstarted rollout-pool part (rollout and reward workers, colocated) on the rollout
+    bundles of `pool` (the main pool of a two-pool run, placed or not): what replaces the
+    rollout pool's workers after one of them died."""
+    t = cfg.trainer
+    rpool, _ = pool.split([t.rollout_workers, t.train_workers])
+    return colocate(role_specs(cfg, overrides)[0], rpool, name="rollout")
+
+
+def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
+                 pools: list[ResourcePool] | None = None) -> tuple[Groups, list[Any], list[ResourcePool]]:
+    """Unstarted groups for `cfg`: two pools (rollout + reward; policy + advantage + reference +
+    critic) or one colocated pool. Returns ``(groups, things to set up and close, pools)``.
+
+    `overrides` maps a role (``rollout``, ``reward``, ``policy``, ``advantage``, ``reference``,
+    ``critic``) to a worker class that replaces the default one with the same constructor
+    arguments, or to ``(cls, extra_kwargs)`` (e.g. a subclass that injects faults in tests).
+    `pools` reuses the pools of an earlier ``build_groups`` of the same config (their placement
+    groups stay; new actors take the same bundles)."""
+    t = cfg.trainer
+    rollout_roles, train_roles = role_specs(cfg, overrides)
+    pool = pools[0] if pools else main_pool(cfg)
+    if t.colocated:
+        col = colocate({**rollout_roles, **train_roles}, pool, name="colocated")
+        parts, cols = [col], {**{r: col for r in rollout_roles}, **{r: col for r in train_roles}}
+    else:
+        rpool, tpool = pool.split([t.rollout_workers, t.train_workers])
+        rcol = colocate(rollout_roles, rpool, name="rollout")
+        tcol = colocate(train_roles, tpool, name="train")
+        parts = [rcol, tcol]
+        cols = {**{r: rcol for r in rollout_roles}, **{r: tcol for r in train_roles}}
+    g = Groups(
+        rollout=cols["rollout"]["rollout"], reward=cols["reward"]["reward"], policy=cols["policy"]["policy"],
+        advantage=cols["advantage"]["advantage"],
+        reference=cols["reference"]["reference"] if "reference" in cols else None,
+        critic=cols["critic"]["critic"] if "critic" in cols else None,
+    )
+    return g, parts, [pool]
+
+
+class Workers:
+    """The worker processes a trainer owns: the started parts (colocated group sets) and the
+    placement-group pools they sit in, which outlive a restart so new actors take the same bundles.
+
+    Args:
+        config: the run's configuration.
+        overrides: role -> worker class replacements (see :func:`build_groups`); kept across restarts.
+    """
+
+    def __init__(self, config: JobConfig, overrides: Mapping[str, Any] | None = None) -> None:
+        self.config = config
+        self.overrides = dict(overrides or {})
+        self.parts: list[Any] = []
+        """The started parts: the rollout pool's first (when two pools), then the training pool's."""
+        self.pools: list[ResourcePool] = []
+
+    async def start(self) -> Groups:
+        """Build the groups (in the pools of an earlier start, if any) and start every process.
+        On failure the caller closes them (:meth:`release`)."""
+        groups, self.parts, self.pools = build_groups(self.config, self.overrides, pools=self.pools or None)
+        await asyncio.gather(*(p.setup() for p in self.parts))
+        return groups
+
+    async def replace_rollout(self) -> Any:
+        """Kill the rollout pool's processes and start new ones in the same bundles; returns the new
+        part (its ``["rollout"]`` and ``["reward"]`` groups)."""
+        new = build_rollout_part(self.config, self.overrides, self.pools[0])
+        dead, self.parts = self.parts[0], [new, *self.parts[1:]]  # closed with the rest on any later failure
+        with contextlib.suppress(Exception):
+            await dead.close()  # the placement group stays
+        await new.setup()
+        return new
+
+    async def release(self, *, keep_pools: bool = False) -> None:
+        """Close the processes (the rollout pool's first); release the placement groups unless `keep_pools`."""
+        for part in self.parts:
+            with contextlib.suppress(Exception):
+                await part.close()
+        self.parts = []
+        if keep_pools:
+            return
+        for pool in self.pools:
+            with contextlib.suppress(Exception):
+                await pool.release()
+        self.pools = []
+
+
+def build_data(cfg: JobConfig, output_dir: Path) -> tuple[PromptLoader, Evaluator | None]:
+    """The prompt loader and the evaluator (blocking: tokenizer, prompt encoding; call it in a
+    thread); prompts that cannot fit the model's context fail here, before step 0."""
+    from asyncrl.roles.models import model_context_length, tokenizer_for
+
+    tokenizer = tokenizer_for(cfg.model)
+    loader = make_loader(cfg.data, tokenizer, task_pairs(cfg.data, cfg.trainer.seed),
+                         prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size, seed=cfg.trainer.seed)
+    context = model_context_length(cfg.model)
+    loader.check_fits(context, cfg.rollout.max_new_tokens)
+    evaluator = None
+    if cfg.evaluation.enabled:
+        evaluator = Evaluator(cfg.evaluation, cfg.data, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
+                              output_dir=output_dir)
+        evaluator.check_fits(context)
+    return loader, evaluator

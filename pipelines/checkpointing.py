@@ -1,0 +1,180 @@
+"""Checkpoint save and restore of a training run (the directory format and its atomic
+commit: :mod:`asyncrl.pipelines.checkpoint`).
+
+A checkpoint holds the state after a finished step: the policy's (and critic's) weights and
+optimizer, the batches generated but not yet trained on, the data position, the RNG states,
+the metrics history and the evaluations. Restoring it into a fresh loop state lets the run
+continue exactly where it was (resume) or recompute the steps after it (restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio.to_thread
+import structlog
+import torch
+
+from asyncrl.pipelines import checkpoint as ckpt
+from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
+from asyncrl.pipelines.configlib import to_dict
+from asyncrl.pipelines.loop_state import RolloutBatch
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.trainer import Trainer
+
+__all__ = ["Checkpointer"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+class Checkpointer:
+    """Saves the trainer's state after a step and restores it into a fresh loop state.
+
+    Args:
+        trainer: the trainer whose state it saves.
+        resume: the checkpoint the run starts from (already resolved), if any; its files are
+            checked here, before any worker starts.
+    """
+
+    def __init__(self, trainer: "Trainer", resume: Path | None) -> None:
+        self._trainer = trainer
+        self.resume = resume
+        """The checkpoint this run resumed from."""
+        self.last_written: Path | None = None
+        """The newest checkpoint this trainer wrote."""
+        self._verified = False  # checkpoint file hashes checked
+        if resume is not None:
+            self._check_resume(resume)
+
+    @property
+    def latest(self) -> Path | None:
+        """The newest checkpoint of this run: the last one it wrote, else the one it resumed from."""
+        return self.last_written or self.resume
+
+    def _check_resume(self, path: Path) -> None:
+        cfg = self._trainer.config
+        state = ckpt.read_state(path)
+        if state.get("fingerprint") != config_fingerprint(cfg):
+            saved = state.get("config")
+            diff = fingerprint_diff(saved if isinstance(saved, dict) else {}, to_dict(cfg))
+            raise ckpt.CheckpointError(
+                f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff) or '?'}); "
+                "resume with the same settings (only trainer.steps, output_dir, checkpointing and reporting may change)"
+            )
+        # Every file present with its recorded size, before any worker starts; the sha256 of each
+        # is checked here too, unless an event loop is running (then setup() hashes in a thread).
+        try:
+            asyncio.get_running_loop()
+            in_loop = True
+        except RuntimeError:
+            in_loop = False
+        ckpt.verify(path, hashes=not in_loop)
+        self._verified = not in_loop
+        if state["step"] > cfg.trainer.steps:
+            raise ckpt.CheckpointError(
+                f"checkpoint {str(path)!r} is at step {state['step']}, past trainer.steps={cfg.trainer.steps}"
+            )
+
+    async def verify_resume(self) -> None:
+        """Hash the resume checkpoint's files (in a thread), if construction could not."""
+        if self.resume is not None and not self._verified:
+            await anyio.to_thread.run_sync(ckpt.verify, self.resume)
+            self._verified = True
+
+    async def after_step(self, step: int) -> bool:
+        """Save when ``trainer.checkpoint_every`` steps are done (not after the last step: the
+        final checkpoint is the run's); True when it saved."""
+        t = self._trainer.config.trainer
+        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+            await self.save()
+            return True
+        return False
+
+    async def save(self) -> Path:
+        """Write a checkpoint of the state after the last finished step (atomic). Waits until the
+        rollout loop has generated every batch the current versions allow, so the saved buffer is
+        complete."""
+        tr = self._trainer
+        g, t, s = tr.groups, tr.config.trainer, tr.state
+        assert g is not None
+        step = s.policy_version  # steps done == versions
+        ahead = min(step + 1 + t.max_staleness, t.steps + s.buffer.statistics().dropped)
+        await s.wait_for(lambda: s.rollout_done or s.next_gen >= ahead or step >= t.steps)
+        final = ckpt.checkpoint_dir(tr.output_dir, step)
+        tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+        await anyio.to_thread.run_sync(_fresh_dir, tmp)
+        with tr.tracer.span("checkpoint", step=step):
+            saves = [g.policy.save(str(tmp / "policy"))]
+            if g.critic is not None:
+                saves.append(g.critic.save(str(tmp / "critic")))
+            await asyncio.gather(*saves)
+            buffered = []
+            for it in s.buffer.peek_all():
+                td = await it.batch
+                td.update(await it.scores)
+                buffered.append({"step": it.step, "version": it.version, "reward_mean": it.reward_mean,
+                                 "gen_time": it.gen_time, "batch": ckpt.batch_to_plain(td)})
+            state = {
+                "step": step, "policy_version": s.policy_version, "rollout_version": s.rollout_version,
+                "next_gen": s.next_gen, "dropped": s.buffer.statistics().dropped,
+                "rng": ckpt.rng_state(), "config": to_dict(tr.config),
+                "fingerprint": config_fingerprint(tr.config), "history": list(tr.history),
+                "evals": list(tr.evaluator.records) if tr.evaluator is not None else [],
+            }
+
+            def write() -> None:  # serialising, hashing, fsync: off the event loop
+                torch.save(buffered, tmp / "buffer.pt")
+                (tmp / "state.json").write_text(json.dumps(state))
+                ckpt.commit(tmp, final)
+                ckpt.prune(tr.output_dir, t.keep_checkpoints)
+
+            await anyio.to_thread.run_sync(write)
+            self.last_written = final
+        log.info("checkpoint.saved", step=step, path=str(final))
+        return final
+
+    async def restore(self, path: Path) -> None:
+        """Load `path` into the workers and the (fresh) loop state: weights, versions, data
+        position, RNG, history, evaluations, and the buffered batches (re-homed on the training
+        pool, put back in the buffer when the rollout loop starts)."""
+        tr = self._trainer
+        g, s = tr.groups, tr.state
+        assert g is not None
+        state = ckpt.read_state(path)
+        loads = [g.policy.load(str(path / "policy"))]
+        if g.critic is not None:
+            loads.append(g.critic.load(str(path / "critic")))
+        await asyncio.gather(*loads)
+        step = int(state["step"])
+        s.start_step = step
+        s.policy_version = s.exported = step
+        s.next_gen = int(state["next_gen"])
+        ckpt.set_rng_state(state["rng"])
+        tr.history = [h for h in state.get("history", []) if h["step"] < step]
+        if tr.evaluator is not None:
+            tr.evaluator.restore(state.get("evals", []), step)
+        if step > 0:  # the rollout engines start at version 0: give them the restored weights
+            exported = tr.weights.export(g)
+            await tr.weights.load(g, exported)
+            s.exports = {step: exported}
+            s.rollout_version = step
+        buffered = await anyio.to_thread.run_sync(lambda: torch.load(path / "buffer.pt", weights_only=True))
+        for b in buffered:
+            td = ckpt.plain_to_batch(b["batch"])
+            fut = g.advantage.echo(td)
+            s.restored.append(RolloutBatch(step=b["step"], version=b["version"], batch=fut,
+                                           scores=fut.select("scores"), reward_mean=b["reward_mean"],
+                                           gen_time=b["gen_time"]))
+        log.info("checkpoint.restored", step=step, path=str(path), buffered=len(buffered))
+
+
+def _fresh_dir(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)

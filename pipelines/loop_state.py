@@ -1,0 +1,102 @@
+"""The loop state: everything the rollout and train loops share and change, in one object.
+
+A recovery (:mod:`asyncrl.pipelines.supervisor`) replaces it whole with a fresh one and
+then restores a checkpoint into it; nothing else in the trainer changes while the loops run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from asyncrl import GroupFuture
+from asyncrl.pipelines.buffer import StalenessBuffer
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.precompute import Precomputed
+
+__all__ = ["RolloutBatch", "LoopState"]
+
+
+@dataclass
+class RolloutBatch:
+    """One generated batch waiting to be trained on."""
+
+    step: int
+    """The train step it is for (its prompt batch index)."""
+    version: int
+    """Policy version of the weights that generated every row."""
+    batch: Any
+    """Future (or concrete TensorDict) of the generated batch."""
+    scores: Any
+    """Future of ``TD{scores}``."""
+    reward_mean: float
+    """Mean score (awaited by the rollout loop: the batch is fully generated and scored)."""
+    gen_time: float = 0.0
+    """Seconds from issuing generate to the scores being known."""
+
+
+@dataclass(eq=False)
+class LoopState:
+    """The shared state of one attempt at running the loops (a recovery starts a new one).
+
+    Versions: the train loop is the only producer (``policy_version``, ``exported``); the
+    rollout loop follows (``rollout_version``). ``cond`` is notified whenever ``exported``,
+    ``next_gen`` or ``rollout_done`` change."""
+
+    buffer: StalenessBuffer[RolloutBatch]
+    """Generated batches waiting for the train loop."""
+    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+    """Guards and announces the version and progress counters."""
+    device: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Taken around each generate and each train step when the pools are colocated."""
+    exports: dict[int, GroupFuture[Any] | None] = field(default_factory=lambda: {0: None})
+    """Version -> its ``export_weights`` future (version 0 has none unless staged at setup)."""
+    exported: int = 0
+    """The newest version whose export has been issued."""
+    sync_dtype: str | None = None
+    """The rollout's weight dtype (exports are cast to it)."""
+    policy_version: int = 0
+    """Steps done (the policy's version)."""
+    rollout_version: int = 0
+    """The version the rollout engines hold."""
+    next_gen: int = 0
+    """Index of the next batch the rollout loop generates."""
+    start_step: int = 0
+    """The first step this attempt trains (a restored checkpoint's step)."""
+    rollout_done: bool = False
+    """The rollout loop generated its last batch."""
+    restored: list[RolloutBatch] = field(default_factory=list)
+    """Batches a restored checkpoint held, put back in the buffer when the rollout loop starts."""
+    generating: tuple[int, int, Any] | None = None
+    """``(index, version, generate future)`` of the batch being generated, not yet buffered."""
+    taken: int = -1
+    """The last step whose batch the train loop took out of the buffer."""
+    precomputed: Precomputed | None = None
+    """The next step's first stages, issued early (``trainer.precompute_log_probs``)."""
+
+    @classmethod
+    def new(cls, capacity: int, max_staleness: int,
+            on_drop: Callable[[RolloutBatch, int], None] | None = None) -> "LoopState":
+        """A fresh state with an empty buffer of `capacity` batches."""
+        return cls(buffer=StalenessBuffer(capacity, max_staleness, on_drop=on_drop))
+
+    async def publish(self, version: int, exported: GroupFuture[Any]) -> None:
+        """Weight sync, policy side: `version` is exported (its future) and may be loaded."""
+        async with self.cond:
+            self.exports[version] = exported
+            self.exported = version
+            self.cond.notify_all()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Until `predicate()` holds (checked whenever a counter changes)."""
+        async with self.cond:
+            await self.cond.wait_for(predicate)
+
+    async def advance(self, **changes: Any) -> None:
+        """Set counters (``next_gen``, ``rollout_done``) and wake every waiter."""
+        async with self.cond:
+            for name, value in changes.items():
+                setattr(self, name, value)
+            self.cond.notify_all()

@@ -1,0 +1,145 @@
+"""Precompute-ahead (``trainer.precompute_log_probs``): the next step's first stages, issued early.
+
+With ``max_staleness >= 1`` and two pools, step t+1's ``old_log_prob``, ``ref_log_prob`` and
+``values`` are issued on batch t+1's generate future as soon as that generate is issued and
+step t's export is: they run on the training workers right behind that export, with the
+weights step t+1 trains from, without waiting for the batch's scores. Step t+1 uses them if
+batch, future and version match; otherwise they are cancelled and the step issues its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from asyncrl import GroupFuture
+from asyncrl.pipelines import stages
+from asyncrl.pipelines.deadlines import without_deadlines
+from asyncrl.pipelines.loop_state import RolloutBatch
+from asyncrl.pipelines.stages import Groups
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.trainer import Trainer
+
+__all__ = ["Precomputed", "Precompute", "first_stages"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+FirstStages = tuple[Any, Any, Any]
+
+
+def first_stages(g: Groups, batch: Any, step: int, watch: Any, **span: Any) -> FirstStages:
+    """Issue ``old_log_prob``, ``ref_log_prob`` and ``values`` of `batch` (None for an absent role)."""
+    old = watch(stages.old_log_prob(g, batch), "old_log_prob", step=step, **span)
+    ref = stages.ref_log_prob(g, batch)
+    ref = watch(ref, "ref_log_prob", step=step, **span) if ref is not None else None
+    vals = stages.values(g, batch)
+    vals = watch(vals, "values", step=step, **span) if vals is not None else None
+    return old, ref, vals
+
+
+@dataclass
+class Precomputed:
+    """The next step's ``old_log_prob`` / ``ref_log_prob`` / ``values``, issued before its batch left
+    the buffer. Used only by the step it was issued for, on the batch it read, with the policy
+    version it was computed with; otherwise discarded."""
+
+    step: int
+    """The train step it is for, which is also the policy version it was computed with."""
+    batch_index: int
+    """The batch it read (its prompt batch index)."""
+    batch: Any
+    """The generate future it read (identity is what counts: a regenerated batch is another future)."""
+    old: GroupFuture[Any]
+    ref: GroupFuture[Any] | None
+    vals: GroupFuture[Any] | None
+
+    def matches(self, item: RolloutBatch, version: int) -> bool:
+        """True when step `version` trains `item` and this read exactly `item`'s batch future."""
+        return self.step == version and self.batch_index == item.step and self.batch is item.batch
+
+    def discard(self) -> None:
+        """Cancel what has not run yet (a call waiting for its batch or its turn leaves the training
+        worker's ordered lane at once). Nothing is awaited, so nothing is fetched or logged."""
+        for f in (self.old, self.ref, self.vals):
+            if f is not None:
+                with contextlib.suppress(Exception):  # a closed group: the call is over already
+                    f.cancel()
+
+
+class Precompute:
+    """Issues the next step's first stages ahead (:meth:`issue_next`) and hands them to the step
+    that trains that batch (:meth:`take`). The calls live in ``trainer.state.precomputed``, so a
+    recovery that replaces the loop state forgets them with the groups they ran on."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        t = trainer.config.trainer
+        self._trainer = trainer
+        self.enabled = t.precompute_log_probs and t.max_staleness >= 1 and not t.colocated
+        """Whether this run precomputes at all (opt-in; two pools and some staleness needed)."""
+        self.stats = {"issued": 0, "used": 0, "discarded": 0}
+        """How many steps' first stages were issued ahead, used by their step, and discarded."""
+
+    def take(self, g: Groups, item: RolloutBatch, step: int) -> FirstStages:
+        """The first stages of the step training `item`: the precomputed ones when they read exactly
+        this batch with this step's weights, else issued now."""
+        tr = self._trainer
+        version = tr.state.policy_version
+        pre, tr.state.precomputed = tr.state.precomputed, None
+        if pre is not None and not pre.matches(item, version):
+            log.debug("precompute.discarded", step=step, batch=item.step, precomputed_batch=pre.batch_index,
+                      precomputed_step=pre.step)
+            self._discard(pre)
+            pre = None
+        if pre is not None:
+            self.stats["used"] += 1
+            return pre.old, pre.ref, pre.vals
+        return first_stages(g, item.batch, step, tr.tracer.watch)
+
+    def issue_next(self) -> None:
+        """Issue the next step's first stages now, if it is certain which batch it trains and with
+        which weights.
+
+        The next step is ``state.exported`` (its weights: the export issued last, so on each
+        training worker the calls run right after it, in its ordered lane, with exactly the weights
+        the step trains from); its batch is the one the rollout names
+        (:meth:`~asyncrl.pipelines.rollout_loop.BatchRollout.upcoming`), once its generate is
+        issued (so nothing on the training workers waits for a generate that is not running). Not
+        past the last step, not after a stop was requested, not once the train loop has taken that
+        step's batch (it issues them itself then), not while restored batches are being buffered.
+        Called when a step's export is published and when a generate is issued. The calls carry no
+        stage deadline: they may wait a whole step for their turn; the step's ``advantages`` call,
+        which waits for them, carries it."""
+        tr = self._trainer
+        s = tr.state
+        if not self.enabled or tr.stop_reason is not None or s.restored or tr.groups is None:
+            return
+        step = s.exported
+        if step >= tr.config.trainer.steps or s.taken >= step:
+            return
+        nxt = tr.rollout.upcoming(step)
+        if nxt is None:
+            return
+        index, batch = nxt
+        pre = s.precomputed
+        if pre is not None:
+            if pre.step == step and pre.batch is batch:
+                return  # issued already
+            self.discard()  # another batch (regenerated after a replacement)
+        old, ref, vals = first_stages(without_deadlines(tr.groups), batch, step, tr.tracer.watch, precomputed=True)
+        s.precomputed = Precomputed(step=step, batch_index=index, batch=batch, old=old, ref=ref, vals=vals)
+        self.stats["issued"] += 1
+
+    def discard(self) -> None:
+        """Cancel the precomputed calls, if any (the run stops, or their batch was regenerated)."""
+        s = self._trainer.state
+        pre, s.precomputed = s.precomputed, None
+        if pre is not None:
+            self._discard(pre)
+
+    def _discard(self, pre: Precomputed) -> None:
+        pre.discard()
+        self.stats["discarded"] += 1

@@ -1,0 +1,99 @@
+"""Where a run's results go: the metrics sinks, the progress bar and the log line of each step,
+and, when the run ends, the trace and the plot (an observer of the train loop)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+import structlog
+
+from asyncrl.pipelines.metrics import MetricsWriter
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.trainer import Trainer
+
+__all__ = ["RunReport"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+class RunReport:
+    """Writes each step's metrics (``metrics.jsonl``, TensorBoard), shows progress, and writes
+    ``trace.json`` and ``report.png`` at the end; never changes what the loops do."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self._trainer = trainer
+        self.metrics: MetricsWriter | None = None
+        """The open metrics sinks (between setup and close)."""
+        self.bar: Any = None
+        """The progress bar of the ``fit`` in progress (``trainer.progress``)."""
+
+    async def open(self) -> None:
+        """(Re)open the metrics sinks at the loop state's first step (a restored run rewrites what follows)."""
+        tr = self._trainer
+        self.close()
+        self.metrics = await anyio.to_thread.run_sync(lambda: MetricsWriter(
+            tr.output_dir, tensorboard=tr.config.trainer.tensorboard, start_step=tr.state.start_step))
+
+    def start(self) -> None:
+        """A progress bar for the steps ``fit`` is about to run (when ``trainer.progress``)."""
+        tr = self._trainer
+        t = tr.config.trainer
+        if t.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=t.steps, initial=tr.state.start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def rewind(self) -> None:
+        """Show the restored state's step (after a restart)."""
+        if self.bar is not None:
+            self.bar.n = self._trainer.state.start_step
+            self.bar.refresh()
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        """Step `step` finished with `metrics`."""
+        if self.metrics is not None:
+            self.metrics.write(step, metrics)
+        bar = self.bar
+        if bar is not None:
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", stale=metrics["staleness/max"],
+                            step_s=f"{metrics['time/step']:.2f}", refresh=False)
+            bar.update(1)
+        if bar is not None and step % 10 and step + 1 != self._trainer.config.trainer.steps:
+            return  # the bar shows every step; the log gets every 10th
+        log.info("train.step", step=step, reward=round(metrics["reward/mean"], 4),
+                 staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
+                 pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))
+
+    def evaluation(self, version: int, row: dict[str, Any]) -> None:
+        """An evaluation of `version` (its step: steps done = version)."""
+        if self.metrics is not None:
+            self.metrics.write(version, row)
+
+    async def finish(self) -> None:
+        """Close the bar; write the trace and the plot (failures are logged: reports never hide the
+        run's own outcome)."""
+        tr = self._trainer
+        cfg = tr.config.trainer
+        if self.bar is not None:
+            self.bar.close()
+        try:
+            if cfg.trace:
+                await anyio.to_thread.run_sync(tr.tracer.write, tr.output_dir / "trace.json")
+            if cfg.plot and tr.history:
+                from asyncrl.pipelines.report import plot_report
+
+                history, spans = list(tr.history), list(tr.tracer.spans)
+                evals = list(tr.evaluator.records) if tr.evaluator is not None else None
+                await anyio.to_thread.run_sync(
+                    lambda: plot_report(history, spans, tr.output_dir / "report.png", evals=evals))
+        except Exception as e:
+            log.warning("report.failed", error=repr(e))
+
+    def close(self) -> None:
+        """Close the metrics sinks (idempotent)."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None

@@ -1,0 +1,129 @@
+"""The run journal as an observer of the loops (the file format: :mod:`asyncrl.pipelines.journal`).
+
+The loops report to it in one line each -- a batch generated, a step trained, a batch dropped
+-- and the rollout loop asks it which weight version a batch must follow (resume, restart,
+replay). It never changes what the loops do otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+import anyio.to_thread
+
+from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
+from asyncrl.pipelines.configlib import to_dict
+from asyncrl.pipelines.journal import JOURNAL, Journal, JournalData, JournalError, read_journal
+from asyncrl.pipelines.loop_state import RolloutBatch
+from asyncrl.pipelines.rollout_loop import batch_seed
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.trainer import Trainer
+
+__all__ = ["RunJournal", "weights_digest"]
+
+
+def weights_digest(checksums: Mapping[str, str]) -> str:
+    """One sha256 over a ``{name: checksum}`` dict of weights (order-independent)."""
+    return hashlib.sha256(json.dumps(dict(sorted(checksums.items()))).encode()).hexdigest()
+
+
+class RunJournal:
+    """Writes ``<output_dir>/journal.jsonl`` as the loops run and holds the versions to follow.
+
+    Args:
+        trainer: the trainer it observes.
+        replay: a run journal (or a run directory holding ``journal.jsonl``) whose batches this run
+            generates with exactly the recorded weight versions; it must be the same config's.
+    """
+
+    def __init__(self, trainer: "Trainer", replay: str | Path | None = None) -> None:
+        self._trainer = trainer
+        self._file: Journal | None = None
+        self._schedule: dict[int, int] = {}  # batch index -> weight version to follow
+        self._replay: JournalData | None = None
+        if replay is not None:
+            self._replay = read_journal(replay)
+            header = self._replay.header or {}
+            if header.get("fingerprint") != config_fingerprint(trainer.config):
+                diff = fingerprint_diff(header.get("config") or {}, to_dict(trainer.config))
+                raise JournalError(f"the journal {str(replay)!r} was written by a different config (differs in: "
+                                   f"{', '.join(diff) or '?'}); replay with the run's own config")
+
+    def open(self, resume: Path | None) -> None:
+        """Open the journal (blocking file I/O: call it in a thread): continue the resumed run's
+        (rewound to its checkpoint `resume`, following the versions it recorded after it), or
+        follow a replayed run's, or start a new one."""
+        tr = self._trainer
+        header = {"fingerprint": config_fingerprint(tr.config), "config": to_dict(tr.config)}
+        previous = None
+        if resume is not None:
+            source = resume.parent.parent / JOURNAL
+            if source.is_file():
+                previous = read_journal(source)
+        self._file = Journal(tr.output_dir / JOURNAL)
+        schedule = self._file.start(header, previous=previous, next_gen=tr.state.next_gen,
+                                    start_step=tr.state.start_step)
+        if self._replay is not None:
+            schedule = self._replay.schedule()
+            self._check_replay(self._replay)
+        self._schedule = schedule
+
+    def _check_replay(self, data: JournalData) -> None:
+        tr = self._trainer
+        assert tr.loader is not None
+        for i, b in sorted(data.batches.items()):
+            if list(b["prompts"]) != tr.loader.indices(i) or int(b["seed"]) != batch_seed(tr.config, i):
+                raise JournalError(f"batch {i} of the journal has other prompts or another seed than this run "
+                                   "would use; replay with the journal's config and data")
+
+    async def rewind(self) -> None:
+        """Back to the restored state's position (a restart): drop what was recorded after it and
+        follow the versions recorded for the batches after it (a replay keeps following its own)."""
+        if self._file is None or self._replay is not None:
+            return
+        journal, s = self._file, self._trainer.state
+        self._schedule = await anyio.to_thread.run_sync(
+            lambda: journal.rewind(next_gen=s.next_gen, start_step=s.start_step))
+
+    def planned(self, index: int) -> int | None:
+        """The weight version batch `index` must be generated with, when the journal says."""
+        return self._schedule.get(index)
+
+    def batch(self, index: int, version: int) -> None:
+        """Batch `index` was generated and scored with weights `version`."""
+        tr = self._trainer
+        if self._file is not None and tr.loader is not None:
+            self._file.batch(index, prompts=tr.loader.indices(index), seed=batch_seed(tr.config, index),
+                             version=version, rows=tr.config.trainer.batch_size)
+
+    def step(self, step: int, item: RolloutBatch) -> None:
+        """Step `step` trains on `item`."""
+        if self._file is not None:
+            self._file.step(step, batch=item.step, version=item.version)
+
+    def drop(self, item: RolloutBatch, current: int) -> None:
+        """`item` was dropped as too stale at policy version `current` (the buffer's ``on_drop``)."""
+        if self._file is not None:
+            self._file.drop(item.step, version=item.version, at_version=current)
+
+    async def end(self) -> None:
+        """The run finished (or stopped cleanly): record the steps done and the weights' digest."""
+        tr = self._trainer
+        if self._file is None or tr.groups is None:
+            return
+        try:
+            sums = await tr.groups.policy.weights_checksum()
+        except AttributeError:  # a custom policy without checksums
+            digest = None
+        else:
+            digest = weights_digest(sums)
+        self._file.end(tr.state.policy_version, digest)
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()

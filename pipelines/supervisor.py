@@ -1,0 +1,180 @@
+"""Recovery: a supervisor around the loops (``trainer.restart``, docs/reliability.md).
+
+The loops run inside :meth:`Supervisor.run`. Two recoveries (which faults qualify:
+:mod:`asyncrl.pipelines.recovery`):
+
+* **Replace** -- a rollout or reward worker died or hung. The rollout loop asks
+  :meth:`Supervisor.can_replace` and calls :meth:`Supervisor.replace_rollout`: the rollout
+  pool's processes are killed and new ones start in the same bundles; the loop then loads the
+  version the batch needs and generates it again. Training goes on from the buffer.
+* **Restart** -- any other worker fault ends the loops. The supervisor closes every group,
+  replaces the loop state whole, starts new actors in the same placement groups, restores the
+  newest checkpoint this run saved (or the run's start) and runs the loops again; the journal
+  is rewound so the steps after the checkpoint recompute exactly what was lost.
+
+Each recovery adds a record to :attr:`Supervisor.restarts`; its ``interrupted_s`` is measured
+as the train loop reports the steps after the fault (:meth:`note_resumed`, :meth:`note_trained`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from asyncrl import WorkerDiedError
+from asyncrl.pipelines import checkpoint as ckpt
+from asyncrl.pipelines.deadlines import unwrap, with_deadlines
+from asyncrl.pipelines.loop_state import RolloutBatch
+from asyncrl.pipelines.recovery import describe, fault_origin, fault_record, is_worker_fault, root_cause
+from asyncrl.pipelines.stages import Groups
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.trainer import Trainer
+
+__all__ = ["Supervisor", "first_error"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+def first_error(eg: BaseExceptionGroup) -> BaseException:
+    """The first real error of a task group (a lone error is raised as itself)."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    real = [e for e in leaves if not isinstance(e, (asyncio.CancelledError, anyio.get_cancelled_exc_class()))]
+    # A worker's death is the cause; a broken group or a failed input elsewhere is its consequence.
+    deaths = [e for e in real if isinstance(root_cause(e), WorkerDiedError)]
+    return deaths[0] if deaths else real[0] if real else leaves[0]
+
+
+class Supervisor:
+    """Runs the loops and recovers them from worker faults, within ``trainer.restart``'s limits."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self._trainer = trainer
+        self.restarts: list[dict[str, Any]] = []
+        """One record per recovery (see :attr:`~asyncrl.pipelines.trainer.Trainer.restarts`)."""
+        self._pending: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
+
+    async def run(self, loops: Callable[[], Awaitable[None]]) -> None:
+        """Run `loops`; on a worker fault, restart and run them again. Faults of the stateless
+        rollout pool are handled inside the rollout loop (:meth:`replace_rollout`)."""
+        tr = self._trainer
+        fault: Exception | None = None
+        while True:
+            try:
+                if fault is not None:
+                    await self._restart(fault)
+                await loops()
+                return
+            except Exception as e:
+                policy = tr.config.trainer.restart
+                if not (tr.owns_groups and len(self.restarts) < policy.max_restarts
+                        and is_worker_fault(e, timeouts=policy.on_timeout)):
+                    raise
+                fault = e
+
+    async def _restart(self, fault: Exception) -> None:
+        """Close every group, start new actors in the same placement groups and restore the newest
+        state this run saved into a new loop state; the journal is rewound to it, and the batches it
+        recorded after it are generated again with the same weight versions."""
+        tr = self._trainer
+        t0 = time.perf_counter()
+        point = tr.last_checkpoint
+        log.warning("trainer.restart", error=describe(fault), restart=len(self.restarts) + 1,
+                    from_checkpoint=str(point) if point else "start")
+        record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
+        self.restarts.append(record)
+        self._pending.append({"kind": "restart", "at": tr.state.policy_version, "t": t0, "record": record})
+        await tr.workers.release(keep_pools=True)
+        tr.state = tr.new_state()  # the old one's calls died with the groups
+        await tr.start_groups()
+        if point is not None:
+            await tr.checkpoints.restore(point)
+        else:
+            tr.history = []
+            if tr.evaluator is not None:
+                tr.evaluator.restore([], 0)
+            if tr.initial_rng is not None:
+                ckpt.set_rng_state(tr.initial_rng)
+        await tr.report.open()
+        await tr.journal.rewind()
+        tr.report.rewind()
+        start = tr.state.start_step
+        record.update(from_step=start, time_s=time.perf_counter() - t0)
+        log.warning("trainer.restarted", from_step=start, seconds=round(time.perf_counter() - t0, 2))
+
+    def can_replace(self, error: Exception) -> bool:
+        """A fault of the rollout pool (rollout or reward worker) that a replacement can cure."""
+        tr = self._trainer
+        t = tr.config.trainer
+        policy = t.restart
+        if not (tr.owns_groups and policy.replace_stateless and not t.colocated and tr.groups is not None
+                and len(self.restarts) < policy.max_restarts and is_worker_fault(error, timeouts=policy.on_timeout)):
+            return False
+        origin = fault_origin(error)
+        return origin is None or origin in (tr.groups.rollout.name, tr.groups.reward.name)
+
+    async def replace_rollout(self, error: Exception, batch: int) -> None:
+        """Kill the rollout pool's processes and start new ones in the same bundles; the caller
+        then loads the weight version it needs and issues its batch again."""
+        tr = self._trainer
+        g, s = tr.groups, tr.state
+        assert g is not None
+        t0 = time.perf_counter()
+        record = fault_record("replace", error, from_step=s.policy_version)
+        self.restarts.append(record)
+        self._pending.append({"kind": "replace", "at": batch, "t": t0, "record": record, "busy": 0.0})
+        log.warning("trainer.replace", error=describe(error), batch=batch, replacement=len(self.restarts))
+        old = (g.rollout.name, g.reward.name)
+        # Buffered batches are futures of the dying groups: re-home them on the training pool
+        # (their data lives in the object store, owned by this process) before those groups close.
+        # No stage deadline: the echo waits in the training processes' ordered lane behind the step
+        # in progress, which has deadlines of its own.
+        advantage = unwrap(g.advantage)
+        for item in [*s.buffer.peek_all(), *s.restored]:
+            if getattr(item.batch, "group", None) in old:
+                item.batch = advantage.echo(item.batch)
+            if getattr(item.scores, "group", None) in old:
+                item.scores = advantage.echo(item.scores)
+        new = await tr.workers.replace_rollout()
+        fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
+                                      advantage=g.advantage), tr.config.trainer.stage_timeout_s)
+        g.rollout, g.reward = fresh.rollout, fresh.reward
+        s.rollout_version = 0  # new engines hold the initial weights
+        await tr.weights.prepare()  # the new engines' weight dtype; a collective weight channel is reopened
+        record["time_s"] = time.perf_counter() - t0
+        log.warning("trainer.replaced", batch=batch, seconds=round(record["time_s"], 2))
+
+    def note_resumed(self, step: int, item: RolloutBatch, t_got: float) -> None:
+        """Fill ``interrupted_s`` of the recoveries this step's batch ends. A replacement held
+        training up for the time from the fault until the re-issued batch reached training, less
+        the time training spent computing steps meanwhile (it waits in the buffer or in a
+        checkpoint for the lost batch). A restart: from the fault until the first step not done
+        before it got its batch (restart, restore and recomputed steps included)."""
+        for entry in list(self._pending):
+            if entry["kind"] == "replace" and item.step == entry["at"]:
+                entry["record"]["interrupted_s"] = max(0.0, t_got - entry["t"] - entry["busy"])
+            elif entry["kind"] == "restart" and step >= entry["at"]:
+                entry["record"]["interrupted_s"] = max(0.0, t_got - entry["t"])
+            else:
+                continue
+            self._pending.remove(entry)
+
+    def note_trained(self, t_start: float, t_end: float) -> None:
+        """Count the training time after each pending replacement's fault (see :meth:`note_resumed`)."""
+        for entry in self._pending:
+            if entry["kind"] == "replace":
+                entry["busy"] += max(0.0, t_end - max(t_start, entry["t"]))

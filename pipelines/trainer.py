@@ -67,6 +67,7 @@ from asyncrl import GroupFuture, GroupMethod, ResourcePool, WorkerDiedError
 from asyncrl import colocate
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines import stages
+from asyncrl.pipelines.autosave import checkpoint_due
 from asyncrl.pipelines.buffer import StalenessBuffer
 from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
@@ -144,7 +145,7 @@ def _role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[di
     t = cfg.trainer
     rollout_roles: dict[str, Any] = {
         "rollout": (RolloutWorker, (cfg.model, cfg.rollout), {}),
-        "reward": (RewardWorker, (cfg.reward,), {}),
+        "reward": (RewardWorker, (cfg.worker_reward(),), {}),
     }
     train_roles: dict[str, Any] = {
         "policy": (PolicyWorker, (cfg.model, cfg.worker_actor()), {"max_staleness": t.max_staleness}),
@@ -306,6 +307,7 @@ class Trainer:
         self._setup_done = False
         self._t_start = 0.0
         self._last_checkpoint: Path | None = None  # the newest checkpoint this trainer wrote
+        self._last_save_t = 0.0  # perf_counter of the newest checkpoint this trainer wrote (0: none yet)
         self._initial_rng: dict[str, Any] | None = None
         self._stop: str | None = None
         self._pending_faults: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
@@ -863,7 +865,7 @@ class Trainer:
             })
             self._record(step, metrics)
             saved = False
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            if checkpoint_due(cfg, step, now=time.perf_counter(), last=self._last_save_t or self._t_start):
                 await self.save_checkpoint()
                 saved = True
             if self._on_step is not None:
@@ -1060,6 +1062,7 @@ class Trainer:
 
             await anyio.to_thread.run_sync(write)
             self._last_checkpoint = final
+            self._last_save_t = time.perf_counter()  # trainer.checkpoint_every_s counts from here
         log.info("checkpoint.saved", step=step, path=str(final))
         return final
 

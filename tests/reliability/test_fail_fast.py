@@ -189,8 +189,9 @@ STOP_STEPS = 12
 ])
 async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray_cluster, tmp_path, sig, loop, capsys):
     run, full = tmp_path / "run", tmp_path / "full"
-    cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8, event_loop=loop)
-    # checkpoint_every stays 0 (the default): only the signal writes a checkpoint
+    cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8, event_loop=loop,
+                          checkpoint_every_s=None)
+    # checkpoint_every stays 0 (the default) and no time-based checkpoints: only the signal writes a checkpoint
     cfg = tiny_test()
     cfg.trainer.steps, cfg.trainer.max_staleness, cfg.trainer.output_dir = STOP_STEPS, 1, str(full)
     async with GRPOTrainer(cfg) as trainer:  # the uninterrupted run

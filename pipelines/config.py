@@ -19,6 +19,7 @@ from typing import Any, Literal, Sequence
 from asyncrl.pipelines import configlib
 from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.evaluation import EvalConfig
+from asyncrl.pipelines.sampling import FilterGroupsConfig
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "FilterGroupsConfig",
     "JobConfig",
     "RestartConfig",
     "TrainerConfig",
@@ -91,6 +93,9 @@ class AlgorithmConfig:
     """Estimator of the in-reward KL penalty (verl's ``algorithm.kl_penalty``)."""
     whiten_advantages: bool = True
     """PPO: whiten advantages over the batch."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """GRPO: dynamic sampling (DAPO; verl's ``algorithm.filter_groups``): drop groups whose rewards are all
+    equal and sample more prompts until the batch is full (:mod:`asyncrl.pipelines.sampling`)."""
 
 
 @dataclass(kw_only=True)
@@ -288,6 +293,12 @@ class JobConfig:
                 f"trainer.batch_size={t.batch_size} is not divisible by algorithm.group_size={a.group_size}; "
                 f"use a multiple such as {a.group_size * max(1, t.batch_size // a.group_size)}"
             )
+        if a.filter_groups.enable and a.name != "grpo":
+            raise ConfigError("algorithm.filter_groups.enable=true drops GRPO groups with equal rewards: it needs "
+                              "algorithm.name=grpo (set it to false for PPO)")
+        if a.filter_groups.max_num_gen_batches < 1:
+            raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 1, got "
+                              f"{a.filter_groups.max_num_gen_batches}")
         if a.name == "grpo" and a.group_size < 2:
             raise ConfigError("GRPO needs algorithm.group_size >= 2 (advantages are relative within a group)")
         if t.max_staleness < 0:

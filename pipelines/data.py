@@ -250,7 +250,11 @@ class PromptLoader:
         """Prompt rows of step `step`: ``prompt_ids``/``prompt_mask`` (left-padded), ``uid``,
         ``prompt`` and ``answer`` (one row per response); from data files also ``data_source`` and
         ``extra_info`` (JSON text)."""
-        idx = [i for i in self.indices(step) for _ in range(self.group_size)]
+        return self.batch_of(self.indices(step), step)
+
+    def batch_of(self, prompts: Sequence[int], step: int) -> TensorDict:
+        """Like :meth:`batch`, for the dataset rows `prompts` (``uid`` numbered from step `step`'s)."""
+        idx = [i for i in prompts for _ in range(self.group_size)]
         P = max(len(self._ids[i]) for i in idx)
         ids = torch.full((len(idx), P), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(idx), P), dtype=torch.long)
@@ -259,7 +263,7 @@ class PromptLoader:
             ids[r, P - len(t):] = torch.tensor(t, dtype=torch.long)
             mask[r, P - len(t):] = 1
         # uid: position of the prompt in this step (unique per group even if a prompt repeats)
-        uid = torch.arange(self.prompts_per_step, dtype=torch.long).repeat_interleave(self.group_size)
+        uid = torch.arange(len(prompts), dtype=torch.long).repeat_interleave(self.group_size)
         fields: dict[str, Any] = {
             "prompt_ids": ids,
             "prompt_mask": mask,

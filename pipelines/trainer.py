@@ -68,6 +68,7 @@ from asyncrl import colocate
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.autosave import checkpoint_due
+from asyncrl.pipelines.sampling import fill_batch
 from asyncrl.pipelines.buffer import StalenessBuffer
 from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
@@ -102,6 +103,8 @@ class RolloutBatch:
     """Mean score (awaited by the rollout loop: the batch is fully generated and scored)."""
     gen_time: float = 0.0
     """Seconds from issuing generate to the scores being known."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-batch metrics of its sampling (``algorithm.filter_groups``: ``sampling/...``)."""
 
 
 @dataclass
@@ -832,10 +835,23 @@ class Trainer:
             self._precompute_next()  # the train loop may be waiting for this very batch
             sc = self.tracer.watch(stages.score(g, gen), "score", step=i)
             scores = (await sc)["scores"]
+            sampling: dict[str, float] = {}
+            fg = self.config.algorithm.filter_groups
+            if fg.enable:  # dynamic sampling: more prompts until every group has reward variance
+
+                def again(prompts: Any, k: int) -> tuple[Any, Any]:
+                    more = self.tracer.watch(stages.generate(g, prompts, seed=self._seed(i) + k * 1_000_000_007),
+                                             "generate", step=i, version=version, call=k)
+                    return more, self.tracer.watch(stages.score(g, more), "score", step=i, call=k)
+
+                gen, sc, scores, sampling = await fill_batch(
+                    step=i, first=(gen, sc, scores), loader=self._loader, group_size=self.config.group_size,
+                    max_calls=fg.max_num_gen_batches, seed=cfg.seed, generate=again, echo=g.advantage.echo)
             if self._sleep:  # release the rollout's memory while the policy trains
                 await g.rollout.sleep()
         return RolloutBatch(step=i, version=version, batch=gen, scores=sc,
-                            reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0)
+                            reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0,
+                            metrics=sampling)
 
     async def _train_loop(self, loops: anyio.CancelScope) -> None:
         """Consumes RolloutBatch items; produces one policy version per step and its metrics."""
@@ -936,6 +952,7 @@ class Trainer:
             "staleness/mean": float(staleness), "staleness/max": staleness, "staleness/dropped": stats.dropped,
             "buffer/size": stats.size, "buffer/peak": stats.peak, "batch/version": item.version,
         })
+        metrics.update(item.metrics)  # algorithm.filter_groups
         return metrics
 
     def _first_stages(self, g: Groups, batch: Any, step: int, **span: Any) -> tuple[Any, Any, Any]:

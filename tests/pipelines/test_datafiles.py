@@ -209,3 +209,15 @@ def test_the_reward_decodes_with_the_policys_tokenizer_unless_told_otherwise(mod
 
 def test_the_template_of_the_model_directory_is_its_own(model_dir):
     assert load_tokenizer(str(model_dir)).chat_template == TEMPLATE
+
+
+def test_val_files_feed_the_evaluation_set_and_a_val_file_without_train_files_is_refused(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "say a", "reward_model": {"ground_truth": "a"}}])
+    val = write_jsonl(tmp_path / "val.jsonl", [{"prompt": f"say {w}", "reward_model": {"ground_truth": w}}
+                                               for w in ("x", "y", "z")])
+    cfg = _cfg(f"data.train_files={train}", f"data.val_files={val}")
+    assert [tuple(p) for p in task_pairs(cfg.data, 0)] == [("say a", "a")]
+    assert [tuple(p) for p in task_pairs(cfg.data, 0, split="eval")] == [("say x", "x"), ("say y", "y"), ("say z", "z")]
+    assert [tuple(p) for p in task_pairs(cfg.data, 0, split="eval", num_prompts=2)] == [("say x", "x"), ("say y", "y")]
+    with pytest.raises(ConfigError, match="data.val_files is set but data.train_files is not"):
+        _cfg(f"data.val_files={val}")

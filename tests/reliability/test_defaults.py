@@ -106,6 +106,7 @@ async def test_a_killed_controller_resumes_from_a_checkpoint_at_most_checkpoint_
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(step + 2))
     fault_row(order=31, fault=f"controller SIGKILLed after {done[-1]['time/elapsed']:.0f} s",
               policy=f"the defaults (`checkpoint_every_s={EVERY_S:g}` here for speed; 600 by default)",
-              outcome=f"resumed from the time-based step-{step} checkpoint", seconds=0.0,
+              outcome=f"resumed from the time-based step-{step} checkpoint",
+              seconds=max(end_of.values()) - (end_of[step - 1] + save_s),  # the training time that was lost
               bound="checkpoint < checkpoint_every_s + a step old", interrupted="until `--resume`",
-              leaks="-", state=f"{len(lost)} finished steps recomputed")
+              leaks="-", state=f"{len(lost)} finished steps recomputed (measured: the training time lost)")

@@ -179,7 +179,7 @@ class PromptLoader:
             if msgs is None:
                 return fmt(pair[0])
             if format_messages is None:
-                raise _config_error(f"{what}: row {getattr(pair, 'index', '?')} of {getattr(pair, 'source', '?')!r} "
+                raise _config_error(f"{what}: row {getattr(pair, 'row', '?')} of {getattr(pair, 'source', '?')!r} "
                                     "holds chat messages but the tokenizer has no chat template to render them; "
                                     "use a model (model.path) whose tokenizer has one, or give plain-string prompts")
             return format_messages(msgs)
@@ -287,7 +287,7 @@ def _config_error(msg: str) -> Exception:
 def _where(pair: tuple[str, str], k: int) -> str:
     source = getattr(pair, "source", None)
     if source:
-        return f"row {getattr(pair, 'index', k)} of {source!r} ({pair[0][:40]!r}...)"
+        return f"row {getattr(pair, 'row', k)} of {source!r} ({pair[0][:40]!r}...)"
     return f"prompt {k} ({pair[0][:40]!r}...)"
 
 

@@ -44,30 +44,30 @@ class Record(tuple):  # type: ignore[type-arg]
     """The row's ``data_source`` (``""`` when the file has no such column)."""
     extra_info: dict[str, Any]
     """The row's ``extra_info`` (``{}`` when absent)."""
-    index: int
-    """Row number in its file (0-based)."""
+    row: int
+    """Row number in its file (0-based; not ``index``, which is the tuple's method)."""
     source: str
     """The file it came from."""
 
     def __new__(cls, prompt: str, answer: str, *, messages: list[dict[str, str]] | None = None,
-                data_source: str = "", extra_info: dict[str, Any] | None = None, index: int = 0,
+                data_source: str = "", extra_info: dict[str, Any] | None = None, row: int = 0,
                 source: str = "") -> "Record":
         self = super().__new__(cls, (prompt, answer))
         self.messages = messages
         self.data_source = data_source
         self.extra_info = dict(extra_info or {})
-        self.index = index
+        self.row = row
         self.source = source
         return self
 
     def __reduce__(self) -> Any:
-        return (_make_record, (self[0], self[1], self.messages, self.data_source, self.extra_info, self.index,
+        return (_make_record, (self[0], self[1], self.messages, self.data_source, self.extra_info, self.row,
                                self.source))
 
 
 def _make_record(prompt: str, answer: str, messages: Any, data_source: str, extra_info: dict[str, Any],
-                 index: int, source: str) -> Record:
-    return Record(prompt, answer, messages=messages, data_source=data_source, extra_info=extra_info, index=index,
+                 row: int, source: str) -> Record:
+    return Record(prompt, answer, messages=messages, data_source=data_source, extra_info=extra_info, row=row,
                   source=source)
 
 
@@ -209,7 +209,7 @@ def read_records(path: str, *, prompt_key: str = "prompt", answer_key: str = "re
         extra = _get(row, "extra_info")
         out.append(Record(prompt, _answer_text(answer), messages=msgs,
                           data_source="" if source is _MISSING or source is None else str(source),
-                          extra_info=extra if isinstance(extra, dict) else {}, index=i, source=path))
+                          extra_info=extra if isinstance(extra, dict) else {}, row=i, source=path))
     if st is not None:
         _CACHE[cache_key] = out
     return out

@@ -198,9 +198,9 @@ def _kind(fn: Callable[..., Any], spec: str, fn_kwargs: dict[str, Any]) -> Liter
                                     "them to the function")
         return "row"
     positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in params.values() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
-                                                                                      p.VAR_KEYWORD)]
-    if positional and len(required) <= 1 and (not required or required[0] is positional[0]):
+    needed = [p for p in params.values() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
+                                                                                    p.VAR_KEYWORD)]
+    if positional and len(needed) <= 1 and (not needed or needed[0] is positional[0]):
         return "batch"
     raise RewardFnSpecError(
         f"reward.fn={spec!r} has the signature {shown}, which is neither verl's "

@@ -300,10 +300,17 @@ def make_loader(data: Any, tokenizer: Any, pairs: Pairs, *, prompts_per_step: in
     if getattr(tokenizer, "chat_template", None):
         def fmt_msgs(msgs: list[dict[str, str]]) -> str:
             return str(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
-    return PromptLoader(tokenizer, pairs, prompts_per_step=prompts_per_step, group_size=group_size, seed=seed,
-                        shuffle=data.shuffle if shuffle is None else shuffle, format_prompt=fmt,
-                        format_messages=fmt_msgs, max_prompt_length=getattr(data, "max_prompt_length", None),
-                        filter_overlong=getattr(data, "filter_overlong_prompts", False), what=what)
+    loader = PromptLoader(tokenizer, pairs, prompts_per_step=prompts_per_step, group_size=group_size, seed=seed,
+                          shuffle=data.shuffle if shuffle is None else shuffle, format_prompt=fmt,
+                          format_messages=fmt_msgs, max_prompt_length=getattr(data, "max_prompt_length", None),
+                          filter_overlong=getattr(data, "filter_overlong_prompts", False), what=what)
+    if loader.filtered:
+        import structlog
+
+        structlog.get_logger("asyncrl.pipelines").warning(
+            "data.filtered", what=what, dropped=loader.filtered, kept=len(loader.pairs),
+            max_prompt_length=data.max_prompt_length)
+    return loader
 
 
 def task_pairs(data: Any, seed: int, *, split: str = "train", num_prompts: int | None = None) -> Pairs:

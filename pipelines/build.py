@@ -33,7 +33,7 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
     t = cfg.trainer
     rollout_roles: dict[str, Any] = {
         "rollout": (RolloutWorker, (cfg.model, cfg.rollout), {}),
-        "reward": (RewardWorker, (cfg.reward,), {}),
+        "reward": (RewardWorker, (cfg.worker_reward(),), {}),
     }
     train_roles: dict[str, Any] = {
         "policy": (PolicyWorker, (cfg.model, cfg.worker_actor()), {"max_staleness": t.max_staleness}),

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ import structlog
 import torch
 
 from asyncrl.pipelines import checkpoint as ckpt
+from asyncrl.pipelines.autosave import checkpoint_due
 from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.loop_state import RolloutBatch
@@ -48,6 +50,8 @@ class Checkpointer:
         """The checkpoint this run resumed from."""
         self.last_written: Path | None = None
         """The newest checkpoint this trainer wrote."""
+        self.last_save_t = 0.0
+        """``time.perf_counter()`` of the newest checkpoint this trainer wrote (0: none yet)."""
         self._verified = False  # checkpoint file hashes checked
         if resume is not None:
             self._check_resume(resume)
@@ -88,10 +92,11 @@ class Checkpointer:
             self._verified = True
 
     async def after_step(self, step: int) -> bool:
-        """Save when ``trainer.checkpoint_every`` steps are done (not after the last step: the
-        final checkpoint is the run's); True when it saved."""
+        """Save when ``trainer.checkpoint_every`` steps are done or ``trainer.checkpoint_every_s`` seconds
+        passed since the last save or the run's start (not after the last step: the final checkpoint
+        is the run's); True when it saved."""
         t = self._trainer.config.trainer
-        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+        if checkpoint_due(t, step, now=time.perf_counter(), last=self.last_save_t or self._trainer.started_at):
             await self.save()
             return True
         return False
@@ -136,6 +141,7 @@ class Checkpointer:
 
             await anyio.to_thread.run_sync(write)
             self.last_written = final
+            self.last_save_t = time.perf_counter()  # trainer.checkpoint_every_s counts from here
         log.info("checkpoint.saved", step=step, path=str(final))
         return final
 

@@ -194,8 +194,9 @@ def _signum(name: str) -> int:
 
 def _resume_hint(trainer: Any, point: Path | None) -> str:
     if point is None:
-        return ("No checkpoint was written, so the progress of this run is lost (set trainer.checkpoint_every=N "
-                "to keep it, or stop with a single Ctrl-C, which checkpoints).")
+        return ("No checkpoint was written yet, so the progress of this run is lost (one is written every "
+                "trainer.checkpoint_every_s seconds and trainer.checkpoint_every steps; a single Ctrl-C also writes "
+                "one).")
     return f"The last checkpoint is {point}.\n  resume with: asyncrl train --resume {trainer.output_dir}"
 
 
@@ -217,8 +218,14 @@ def _report_failure(prog: str, trainer: Any, error: BaseException) -> None:
     if point is not None:
         lines.append(f"resume from {point} with: asyncrl train --resume {out}")
     if is_worker_fault(error):
-        lines.append("a worker process died or hung: give the run a restart policy "
-                     "(trainer.restart.max_restarts=2 trainer.checkpoint_every=1) to recover from this")
+        policy = trainer.config.trainer.restart
+        if policy.max_restarts == 0:
+            lines.append("a worker process died or hung and this run asked to fail fast "
+                         "(trainer.restart.max_restarts=0); leave it at its default (3) to recover from this")
+        else:
+            lines.append(f"a worker process died or hung after the run had recovered {len(trainer.restarts)} times "
+                         f"(trainer.restart.max_restarts={policy.max_restarts}); raise it, or find why workers die "
+                         "(the log below)")
     if where is not None:
         lines.append(f"full traceback (with the worker's): {where}")
     print("\n".join("  " + x for x in lines), file=sys.stderr, flush=True)

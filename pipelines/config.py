@@ -19,6 +19,7 @@ from typing import Any, Literal, Sequence
 from asyncrl.pipelines import configlib
 from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.evaluation import EvalConfig
+from asyncrl.pipelines.sampling import FilterGroupsConfig
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "FilterGroupsConfig",
     "JobConfig",
     "RestartConfig",
     "TrainerConfig",
@@ -36,8 +38,25 @@ __all__ = [
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where prompts come from: a built-in task (deterministic, no files)."""
+    """Where prompts come from: a built-in task (deterministic, no files), or dataset files
+    (``train_files``, verl's column names by default; see :mod:`asyncrl.pipelines.datafiles`)."""
 
+    train_files: str | list[str] | None = None
+    """Training prompts from files instead of `task`: one path or a list (JSONL, Parquet, or a directory saved
+    with ``datasets.Dataset.save_to_disk``). Every row is used; `task`, `task_kwargs` and `num_prompts` are
+    ignored."""
+    val_files: str | list[str] | None = None
+    """Evaluation prompts (``evaluation``) from files; None evaluates on `train_files`."""
+    prompt_key: str = "prompt"
+    """Column of the prompt: a list of chat messages (rendered with the tokenizer's chat template) or a string.
+    A dotted key reads a nested field."""
+    answer_key: str = "reward_model.ground_truth"
+    """Column of the answer the reward gets (verl's ``reward_model.ground_truth``); non-strings are JSON-encoded."""
+    max_prompt_length: int | None = None
+    """Longest prompt in tokens (after the chat template); a longer one is refused, or dropped with
+    `filter_overlong_prompts`. None: no limit (the model's context still applies)."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than `max_prompt_length` (the count is logged) instead of refusing the data."""
     task: str = "char_class"
     """Name of a task in :mod:`asyncrl.pipelines.data` (``char_class``, ``echo_word``, ``arith``); its answers
     go with the reward function."""
@@ -74,6 +93,9 @@ class AlgorithmConfig:
     """Estimator of the in-reward KL penalty (verl's ``algorithm.kl_penalty``)."""
     whiten_advantages: bool = True
     """PPO: whiten advantages over the batch."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """GRPO: dynamic sampling (DAPO; verl's ``algorithm.filter_groups``): drop groups whose rewards are all
+    equal and sample more prompts until the batch is full (:mod:`asyncrl.pipelines.sampling`)."""
 
 
 @dataclass(kw_only=True)
@@ -81,11 +103,13 @@ class RestartConfig:
     """Supervision: what the trainer does when a worker dies or a stage misses its deadline
     (see docs/reliability.md)."""
 
-    max_restarts: int = 0
+    max_restarts: int = 3
     """How many times a run may recover, replacements and restarts together (0 = fail fast: raise
     the typed error and release every worker). A restart closes every group, starts new actors in
     the same placement groups, restores the last checkpoint this run wrote (or the run's start) and
-    recomputes the steps after it."""
+    recomputes the steps after it. The default (3) replaces a dead rollout-pool worker in place and
+    restarts a run whose training worker died from its newest checkpoint (at most
+    ``trainer.checkpoint_every_s`` old), so a long run survives them without being asked to."""
     on_timeout: bool = True
     """Also recover when a stage misses ``trainer.stage_timeout_s`` (a hung worker); False fails fast."""
     replace_stateless: bool = True
@@ -139,6 +163,10 @@ class TrainerConfig:
     """Where metrics, traces, plots and checkpoints go."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0 = only at the end when checkpoint_at_end)."""
+    checkpoint_every_s: float | None = 600.0
+    """Also save a checkpoint after the first step that ends at least this many seconds after the last one
+    (or the start), so that a killed controller or training worker loses at most about this much work.
+    None: only `checkpoint_every` (and the end)."""
     checkpoint_at_end: bool = True
     """Save a checkpoint after the last step."""
     keep_checkpoints: int = 2
@@ -156,7 +184,8 @@ class TrainerConfig:
     save/load), counted from when the call is issued; a stage past it fails with
     ``asyncrl.CallTimeoutError`` and its remote work is cancelled. None = no deadline."""
     restart: RestartConfig = field(default_factory=RestartConfig)
-    """What to do when a worker dies or hangs (default: fail fast)."""
+    """What to do when a worker dies or hangs (default: replace a dead rollout-pool worker, restart the
+    run from its newest checkpoint when a training worker dies; up to 3 times)."""
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """The controller's event loop when the trainer runs its own (``fit_sync()``, so ``asyncrl train``):
     ``uvloop`` (libuv's loop: cheaper wake-ups and scheduling for the controller), ``asyncio`` (the standard
@@ -219,6 +248,15 @@ class JobConfig:
         for sampling, the recomputed log-probs and the reference)."""
         return replace(self.actor, temperature=self.rollout.temperature)
 
+    def worker_reward(self) -> RewardConfig:
+        """The reward config the workers get: ``tokenizer`` None (the default) becomes the policy's
+        (``model.tokenizer``, else ``model.path`` or ``model.gguf``, else ``"tiny"``), so responses are
+        decoded with the tokenizer that encoded them."""
+        w, m = self.reward, self.model
+        if w.tokenizer is not None:
+            return w
+        return replace(w, tokenizer=m.tokenizer or m.path or m.gguf or "tiny")
+
     @property
     def buffer_capacity(self) -> int:
         """Batches the rollout→train buffer holds."""
@@ -255,6 +293,12 @@ class JobConfig:
                 f"trainer.batch_size={t.batch_size} is not divisible by algorithm.group_size={a.group_size}; "
                 f"use a multiple such as {a.group_size * max(1, t.batch_size // a.group_size)}"
             )
+        if a.filter_groups.enable and a.name != "grpo":
+            raise ConfigError("algorithm.filter_groups.enable=true drops GRPO groups with equal rewards: it needs "
+                              "algorithm.name=grpo (set it to false for PPO)")
+        if a.filter_groups.max_num_gen_batches < 1:
+            raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 1, got "
+                              f"{a.filter_groups.max_num_gen_batches}")
         if a.name == "grpo" and a.group_size < 2:
             raise ConfigError("GRPO needs algorithm.group_size >= 2 (advantages are relative within a group)")
         if t.max_staleness < 0:
@@ -298,24 +342,16 @@ class JobConfig:
                 )
         if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
             raise ConfigError("trainer.checkpoint_every must be >= 0 and trainer.keep_checkpoints >= 1")
+        if t.checkpoint_every_s is not None and not (t.checkpoint_every_s > 0 and math.isfinite(t.checkpoint_every_s)):
+            raise ConfigError(f"trainer.checkpoint_every_s must be a positive number of seconds or null (off), "
+                              f"got {t.checkpoint_every_s}")
         if t.restart.max_restarts < 0:
             raise ConfigError(f"trainer.restart.max_restarts must be >= 0, got {t.restart.max_restarts}")
         if t.stage_timeout_s is not None and not (t.stage_timeout_s > 0 and math.isfinite(t.stage_timeout_s)):
             raise ConfigError(f"trainer.stage_timeout_s must be a positive number of seconds or null, "
                               f"got {t.stage_timeout_s}")
         self._validate_loss()
-        if self.data.num_prompts < 1:
-            raise ConfigError(f"data.num_prompts must be >= 1, got {self.data.num_prompts}")
-        from asyncrl.pipelines.data import task_names
-
-        if self.data.task not in task_names():
-            raise ConfigError(f"data.task {self.data.task!r} is unknown; known tasks: {task_names()}")
-        from asyncrl.pipelines.data import task_pairs
-
-        try:
-            task_pairs(self.data, t.seed, num_prompts=1)
-        except ValueError as e:
-            raise ConfigError(f"data: {e}") from None
+        self._validate_data()
         self.evaluation.validate()
         if self.model.path is not None and self.model.gguf is not None:
             raise ConfigError(f"model.path={self.model.path!r} and model.gguf={self.model.gguf!r} are both set; "
@@ -327,6 +363,7 @@ class JobConfig:
         out = Path(t.output_dir)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"trainer.output_dir={t.output_dir!r} is a file; give a directory for the run's outputs")
+        self._validate_reward()
         from asyncrl.pipelines.validation import check_worker_sections
 
         check_worker_sections(self)
@@ -343,6 +380,50 @@ class JobConfig:
             raise ConfigError(f"the pools need {need:g} {unit} ({self.pool_sizes()} workers x {per_worker:g}) but the "
                               f"cluster has {available:g}; {fix}")
 
+
+    def _validate_reward(self) -> None:
+        """A reward function named by path is loaded here, in the controller, and its signature checked
+        (the workers load it again by path); a relative file path is made absolute."""
+        from asyncrl.roles.reward import RewardFnSpecError, is_reward_path, load_reward_fn
+
+        w = self.reward
+        if w.model is not None or not is_reward_path(w.fn):
+            return
+        target, _, attr = w.fn.rpartition(":")
+        if target.endswith(".py") or "/" in target:
+            w.fn = f"{Path(target).absolute()}:{attr}"  # the workers may start in another directory
+        try:
+            load_reward_fn(w.fn, w.fn_kwargs)
+        except RewardFnSpecError as e:
+            raise ConfigError(str(e)) from None
+
+    def _validate_data(self) -> None:
+        """The prompts: a known task, or data files that exist, have a known format and the columns."""
+        d = self.data
+        if d.max_prompt_length is not None and d.max_prompt_length < 1:
+            raise ConfigError(f"data.max_prompt_length must be >= 1 or null, got {d.max_prompt_length}")
+        if d.filter_overlong_prompts and d.max_prompt_length is None:
+            raise ConfigError("data.filter_overlong_prompts=true needs data.max_prompt_length (the limit in tokens)")
+        if d.train_files is None:
+            if d.val_files is not None:
+                raise ConfigError("data.val_files is set but data.train_files is not; give data.train_files too (or "
+                                  "drop data.val_files to evaluate on the task)")
+            if d.num_prompts < 1:
+                raise ConfigError(f"data.num_prompts must be >= 1, got {d.num_prompts}")
+            from asyncrl.pipelines.data import task_names
+
+            if d.task not in task_names():
+                raise ConfigError(f"data.task {d.task!r} is unknown; known tasks: {task_names()}")
+        from asyncrl.pipelines.data import task_pairs
+
+        try:
+            task_pairs(d, self.trainer.seed, num_prompts=None if d.train_files is not None else 1)
+            if d.val_files is not None:
+                task_pairs(d, self.trainer.seed, split="eval")
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(f"data: {e}") from None
 
     def _validate_loss(self) -> None:
         """Sampling temperature, loss and off-policy settings (docs: README "Correctness")."""
@@ -367,6 +448,7 @@ class JobConfig:
 
 
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
+                "trainer.checkpoint_every_s",
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
                 "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.restart.max_restarts",
                 "trainer.restart.on_timeout", "trainer.restart.replace_stateless", "evaluation.every",

@@ -9,10 +9,17 @@ times in consecutive rows (a GRPO group never straddles a shard). Which prompts 
 is just the step index. With ``data.chat_template`` each prompt is wrapped in the
 tokenizer's chat template (a user turn and the assistant's generation prompt) before
 it is tokenized; the batch's ``prompt`` field keeps the plain text.
+
+With ``data.train_files`` the pairs come from dataset files instead (:mod:`asyncrl.pipelines.datafiles`):
+a prompt given as chat messages is always rendered with the tokenizer's chat template, and the batch
+also carries each row's ``data_source`` and ``extra_info`` (JSON text) for the reward.
+``data.max_prompt_length`` refuses prompts longer than that many tokens, or, with
+``data.filter_overlong_prompts``, drops them (:attr:`PromptLoader.filtered` counts them).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -154,17 +161,53 @@ class PromptLoader:
     """
 
     def __init__(self, tokenizer: Any, pairs: list[tuple[str, str]], *, prompts_per_step: int, group_size: int,
-                 seed: int, shuffle: bool = True, format_prompt: Callable[[str], str] | None = None) -> None:
+                 seed: int, shuffle: bool = True, format_prompt: Callable[[str], str] | None = None,
+                 format_messages: Callable[[list[dict[str, str]]], str] | None = None,
+                 max_prompt_length: int | None = None, filter_overlong: bool = False,
+                 what: str = "data") -> None:
         if not pairs:
             raise ValueError("the dataset is empty")
-        self.pairs = pairs
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
         self.seed = seed
         self.shuffle = shuffle
         self.pad_id = int(tokenizer.pad_token_id)
         fmt = format_prompt or (lambda p: p)
-        self._ids = [tokenizer(fmt(p), add_special_tokens=False)["input_ids"] for p, _ in pairs]
+
+        def render(pair: tuple[str, str]) -> str:
+            msgs = getattr(pair, "messages", None)
+            if msgs is None:
+                return fmt(pair[0])
+            if format_messages is None:
+                raise _config_error(f"{what}: row {getattr(pair, 'row', '?')} of {getattr(pair, 'source', '?')!r} "
+                                    "holds chat messages but the tokenizer has no chat template to render them; "
+                                    "use a model (model.path) whose tokenizer has one, or give plain-string prompts")
+            return format_messages(msgs)
+
+        ids = [tokenizer(render(p), add_special_tokens=False)["input_ids"] for p in pairs]
+        self.filtered = 0
+        """Prompts dropped for being longer than ``max_prompt_length`` tokens (``filter_overlong``)."""
+        if max_prompt_length is not None:
+            long = [k for k, t in enumerate(ids) if len(t) > max_prompt_length]
+            if long and not filter_overlong:
+                k = long[0]
+                raise _config_error(
+                    f"data.max_prompt_length={max_prompt_length}: {len(long)} of {len(pairs)} {what} prompts are "
+                    f"longer, e.g. {_where(pairs[k], k)} with {len(ids[k])} tokens; raise data.max_prompt_length, "
+                    "or set data.filter_overlong_prompts=true to drop them")
+            if long:
+                drop = set(long)
+                pairs = [p for k, p in enumerate(pairs) if k not in drop]
+                ids = [t for k, t in enumerate(ids) if k not in drop]
+                self.filtered = len(drop)
+                if not pairs:
+                    raise _config_error(f"data.max_prompt_length={max_prompt_length}: every one of the {len(drop)} "
+                                        f"{what} prompts is longer, so none is left after filtering; raise "
+                                        "data.max_prompt_length")
+        self.pairs = pairs
+        self._ids = ids
+        self._meta = [(getattr(p, "data_source", None), getattr(p, "extra_info", None)) for p in pairs]
+        self._has_meta = any(ds is not None for ds, _ in self._meta)
         self._orders: dict[int, list[int]] = {}
 
     @property
@@ -205,8 +248,13 @@ class PromptLoader:
 
     def batch(self, step: int) -> TensorDict:
         """Prompt rows of step `step`: ``prompt_ids``/``prompt_mask`` (left-padded), ``uid``,
-        ``prompt`` and ``answer`` (one row per response)."""
-        idx = [i for i in self.indices(step) for _ in range(self.group_size)]
+        ``prompt`` and ``answer`` (one row per response); from data files also ``data_source`` and
+        ``extra_info`` (JSON text)."""
+        return self.batch_of(self.indices(step), step)
+
+    def batch_of(self, prompts: Sequence[int], step: int) -> TensorDict:
+        """Like :meth:`batch`, for the dataset rows `prompts` (``uid`` numbered from step `step`'s)."""
+        idx = [i for i in prompts for _ in range(self.group_size)]
         P = max(len(self._ids[i]) for i in idx)
         ids = torch.full((len(idx), P), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(idx), P), dtype=torch.long)
@@ -215,30 +263,66 @@ class PromptLoader:
             ids[r, P - len(t):] = torch.tensor(t, dtype=torch.long)
             mask[r, P - len(t):] = 1
         # uid: position of the prompt in this step (unique per group even if a prompt repeats)
-        uid = torch.arange(self.prompts_per_step, dtype=torch.long).repeat_interleave(self.group_size)
-        return TensorDict(
-            {
-                "prompt_ids": ids,
-                "prompt_mask": mask,
-                "uid": uid + step * self.prompts_per_step,
-                "prompt": NonTensorStack(*[self.pairs[i][0] for i in idx]),
-                "answer": NonTensorStack(*[self.pairs[i][1] for i in idx]),
-            },
-            batch_size=[len(idx)],
-        )
+        uid = torch.arange(len(prompts), dtype=torch.long).repeat_interleave(self.group_size)
+        fields: dict[str, Any] = {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "uid": uid + step * self.prompts_per_step,
+            "prompt": NonTensorStack(*[self.pairs[i][0] for i in idx]),
+            "answer": NonTensorStack(*[self.pairs[i][1] for i in idx]),
+        }
+        if self._has_meta:
+            fields["data_source"] = NonTensorStack(*[self._meta[i][0] or "" for i in idx])
+            fields["extra_info"] = NonTensorStack(*[json.dumps(self._meta[i][1] or {}, sort_keys=True, default=str)
+                                                    for i in idx])
+        return TensorDict(fields, batch_size=[len(idx)])
+
+
+def _config_error(msg: str) -> Exception:
+    from asyncrl.pipelines.configlib import ConfigError
+
+    return ConfigError(msg)
+
+
+def _where(pair: tuple[str, str], k: int) -> str:
+    source = getattr(pair, "source", None)
+    if source:
+        return f"row {getattr(pair, 'row', k)} of {source!r} ({pair[0][:40]!r}...)"
+    return f"prompt {k} ({pair[0][:40]!r}...)"
 
 
 def make_loader(data: Any, tokenizer: Any, pairs: Pairs, *, prompts_per_step: int, group_size: int, seed: int,
-                shuffle: bool | None = None) -> PromptLoader:
-    """A :class:`PromptLoader` over `pairs` with `data`'s (a ``DataConfig``) prompt formatting."""
+                shuffle: bool | None = None, what: str = "data") -> PromptLoader:
+    """A :class:`PromptLoader` over `pairs` with `data`'s (a ``DataConfig``) prompt formatting and
+    ``max_prompt_length`` filter."""
     fmt = chat_formatter(tokenizer, data.system_prompt) if data.chat_template else None
-    return PromptLoader(tokenizer, pairs, prompts_per_step=prompts_per_step, group_size=group_size, seed=seed,
-                        shuffle=data.shuffle if shuffle is None else shuffle, format_prompt=fmt)
+    fmt_msgs = None
+    if getattr(tokenizer, "chat_template", None):
+        def fmt_msgs(msgs: list[dict[str, str]]) -> str:
+            return str(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    loader = PromptLoader(tokenizer, pairs, prompts_per_step=prompts_per_step, group_size=group_size, seed=seed,
+                          shuffle=data.shuffle if shuffle is None else shuffle, format_prompt=fmt,
+                          format_messages=fmt_msgs, max_prompt_length=getattr(data, "max_prompt_length", None),
+                          filter_overlong=getattr(data, "filter_overlong_prompts", False), what=what)
+    if loader.filtered:
+        import structlog
+
+        structlog.get_logger("asyncrl.pipelines").warning(
+            "data.filtered", what=what, dropped=loader.filtered, kept=len(loader.pairs),
+            max_prompt_length=data.max_prompt_length)
+    return loader
 
 
 def task_pairs(data: Any, seed: int, *, split: str = "train", num_prompts: int | None = None) -> Pairs:
     """The ``(prompt, answer)`` pairs of `data`'s task (a ``DataConfig``): the training set, or the
-    evaluation set (``split="eval"``: held out when the task defines one)."""
+    evaluation set (``split="eval"``: held out when the task defines one). With ``data.train_files``
+    they are the files' rows (:class:`~asyncrl.pipelines.datafiles.Record`; ``val_files`` for
+    ``split="eval"``): all of them, or the first `num_prompts` when it is given."""
+    if getattr(data, "train_files", None) is not None:
+        from asyncrl.pipelines.datafiles import file_records
+
+        records = file_records(data, split=split)
+        return list(records if num_prompts is None else records[:num_prompts])
     task = get_task(data.task)
     n = data.num_prompts if num_prompts is None else num_prompts
     kwargs: Mapping[str, Any] = dict(data.task_kwargs)

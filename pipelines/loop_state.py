@@ -35,6 +35,8 @@ class RolloutBatch:
     """Mean score (awaited by the rollout loop: the batch is fully generated and scored)."""
     gen_time: float = 0.0
     """Seconds from issuing generate to the scores being known."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-batch metrics of its sampling (``algorithm.filter_groups``: ``sampling/...``)."""
 
 
 @dataclass(eq=False)

@@ -78,7 +78,7 @@ def replay_config(run_dir: str | Path, *, output_dir: str | Path | None = None,
     t = cfg.trainer
     t.steps = int(steps)
     t.output_dir = str(output_dir if output_dir is not None else run / "replay")
-    t.checkpoint_every, t.checkpoint_at_end = 0, False
+    t.checkpoint_every, t.checkpoint_at_end, t.checkpoint_every_s = 0, False, None
     t.restart.max_restarts = 0
     for key, value in (overrides or {}).items():  # reporting only: trace, plot, progress, tensorboard
         setattr(t, key, value)

@@ -28,6 +28,7 @@ import anyio
 import structlog
 
 from asyncrl.pipelines import stages
+from asyncrl.pipelines.sampling import fill_batch
 from asyncrl.pipelines.config import JobConfig
 from asyncrl.pipelines.loop_state import RolloutBatch
 
@@ -162,10 +163,25 @@ class BatchRollout:
             tr.precompute.issue_next()  # the train loop may be waiting for this very batch
             sc = tr.tracer.watch(stages.score(g, gen), "score", step=i)
             scores = (await sc)["scores"]
+            sampling: dict[str, float] = {}
+            fg = tr.config.algorithm.filter_groups
+            if fg.enable:  # dynamic sampling: more prompts until every group has reward variance
+
+                def again(prompts: Any, k: int) -> tuple[Any, Any]:
+                    seed = batch_seed(tr.config, i) + k * 1_000_000_007
+                    more = tr.tracer.watch(stages.generate(g, prompts, seed=seed), "generate", step=i,
+                                           version=version, call=k)
+                    return more, tr.tracer.watch(stages.score(g, more), "score", step=i, call=k)
+
+                gen, sc, scores, sampling = await fill_batch(
+                    step=i, first=(gen, sc, scores), loader=loader, group_size=tr.config.group_size,
+                    max_calls=fg.max_num_gen_batches, seed=tr.config.trainer.seed, generate=again,
+                    echo=g.advantage.echo)
             if sync.sleep:  # release the rollout's memory while the policy trains
                 await g.rollout.sleep()
         return RolloutBatch(step=i, version=version, batch=gen, scores=sc,
-                            reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0)
+                            reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0,
+                            metrics=sampling)
 
     async def _evaluate(self, version: int) -> None:
         """Evaluate the rollout group's weights (`version`) and record the row in the metrics sinks."""

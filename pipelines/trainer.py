@@ -153,7 +153,7 @@ class Trainer(AsyncResource):
         """Why the run was asked to stop after the step in progress (:meth:`request_stop`), if it was."""
         self._algo = to_dict(config.algorithm)
         self._setup_done = False
-        self._t_start = 0.0
+        self.started_at = 0.0  # perf_counter when fit() started its loops
         self.fitting = False
         """True while :meth:`fit` runs its loops."""
         self.interrupted: Interruption | None = None
@@ -279,7 +279,7 @@ class Trainer(AsyncResource):
             raise RuntimeError("the trainer is not set up; use `async with trainer:` or `await trainer.setup()`")
         cfg = self.config.trainer
         self.event_loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
-        self._t_start = time.perf_counter()
+        self.started_at = time.perf_counter()
         self.report.start()
         self.fitting = True
         try:
@@ -330,7 +330,7 @@ class Trainer(AsyncResource):
             self.supervisor.note_trained(t0, t1)
             metrics.update({
                 "time/step": t1 - t_wait, "time/train": t1 - t0, "time/wait_rollout": t0 - t_wait,
-                "time/generate": item.gen_time, "time/elapsed": t1 - self._t_start,
+                "time/generate": item.gen_time, "time/elapsed": t1 - self.started_at,
             })
             self.history.append({"step": step, **metrics})
             self.report.step(step, metrics)
@@ -370,6 +370,7 @@ class Trainer(AsyncResource):
             "staleness/mean": float(staleness), "staleness/max": staleness, "staleness/dropped": stats.dropped,
             "buffer/size": stats.size, "buffer/peak": stats.peak, "batch/version": item.version,
         })
+        metrics.update(item.metrics)  # algorithm.filter_groups
         return metrics
 
 

@@ -75,6 +75,13 @@ def _check_model(key: str, m: Any) -> None:
                 f == "config.json" or f.endswith(".gguf") for f in os.listdir(path)):
             raise ConfigError(f"{key}.path={path!r} holds no config.json (nor a .gguf file), so it is not a model "
                               "directory; save one with model.save_pretrained(path)")
+        if os.path.isdir(path) and getattr(m, "tokenizer", None) is None:
+            from asyncrl.roles.models import _TOKENIZER_FILES
+
+            if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+                raise ConfigError(f"{key}.path={path!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+                                  "save it there with tokenizer.save_pretrained(path), or name one with "
+                                  f"{key}.tokenizer=DIR")
     _check_tokenizer(f"{key}.tokenizer", getattr(m, "tokenizer", None))
     if path is None:  # a tiny model built from the config: its sizes must make a model
         for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
@@ -134,7 +141,7 @@ def check_worker_sections(cfg: Any) -> None:
         _check_optim("critic", cfg.critic)
     w = cfg.reward
     if w.model is None:
-        if w.fn not in reward_fn_names():
+        if ":" not in w.fn and w.fn not in reward_fn_names():  # a function by path: JobConfig._validate_reward
             raise ConfigError(
                 f"reward.fn {w.fn!r} is not a registered reward function; registered: {reward_fn_names()}. "
                 "Register yours with @asyncrl.roles.register_reward_fn(name) in a module imported before the "
@@ -142,7 +149,7 @@ def check_worker_sections(cfg: Any) -> None:
             )
     else:
         _check_model("reward.model", w.model)
-    _check_tokenizer("reward.tokenizer", w.tokenizer)
+    _check_tokenizer("reward.tokenizer", cfg.worker_reward().tokenizer if hasattr(cfg, "worker_reward") else w.tokenizer)
     _at_least("reward.micro_batch_size", w.micro_batch_size, 1)
     a = cfg.algorithm
     _in_range("algorithm.gamma", a.gamma, 0, 1)

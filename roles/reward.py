@@ -25,16 +25,29 @@ Built-in toy tasks (see :func:`toy_dataset` for their prompts):
     ``format_score`` (default 0.0: what a wrong answer in the asked format earns),
     ``method`` (``"strict"``, the default, or ``"flexible"``: the last number counts).
 
+A reward function can also be named by path (:func:`load_reward_fn`): ``"path/to/file.py:fn"``
+or ``"package.module:fn"``. Two signatures are accepted, told apart by their parameters:
+verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``,
+called once per row (it returns a float, or a dict with a ``"score"``), and asyncrl's batch
+signature ``fn(x: RewardInput) -> list[float]``.
+
 A reward model (a tiny sequence classifier, or a local directory) replaces the
 function when ``RewardConfig.model`` is set.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
 import math
+import os
 import random
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -54,6 +67,9 @@ __all__ = [
     "register_reward_fn",
     "get_reward_fn",
     "reward_fn_names",
+    "is_reward_path",
+    "load_reward_fn",
+    "RewardFnSpecError",
     "toy_dataset",
     "TOY_WORDS",
 ]
@@ -77,6 +93,10 @@ class RewardInput:
     """Width R of the response tensors."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """``RewardConfig.fn_kwargs``."""
+    data_sources: list[str] | None = None
+    """Each row's ``data_source`` (the batch's ``data_source`` field: prompts from data files)."""
+    extra_infos: list[dict[str, Any]] | None = None
+    """Each row's ``extra_info`` (the batch's ``extra_info`` field, JSON text decoded)."""
 
 
 RewardFn = Callable[[RewardInput], Sequence[float] | torch.Tensor]
@@ -109,6 +129,145 @@ def get_reward_fn(name: str) -> RewardFn:
 def reward_fn_names() -> list[str]:
     """Registered reward function names."""
     return sorted(_REWARD_FNS)
+
+
+# --------------------------------------------------------------------------- reward functions by path
+
+_VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+
+
+class RewardFnSpecError(ValueError):
+    """A reward function named by path cannot be used: no such file or module, no such function, or a
+    signature that is neither verl's row signature nor asyncrl's batch signature."""
+
+
+def is_reward_path(spec: str) -> bool:
+    """True when `spec` names a function by path (``file.py:fn`` or ``package.module:fn``), not a
+    registered name."""
+    return ":" in spec
+
+
+def _load_module(target: str, spec: str) -> Any:
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = os.path.abspath(target)
+        if not os.path.isfile(path):
+            raise RewardFnSpecError(f"reward.fn={spec!r}: the file {path!r} does not exist; give an existing "
+                                    "file, as reward.fn=path/to/file.py:function")
+        st = os.stat(path)
+        name = "asyncrl_reward_" + hashlib.sha256(f"{path}:{st.st_mtime_ns}:{st.st_size}".encode()).hexdigest()[:16]
+        if name in sys.modules:
+            return sys.modules[name]
+        mspec = importlib.util.spec_from_file_location(name, path)
+        if mspec is None or mspec.loader is None:
+            raise RewardFnSpecError(f"reward.fn={spec!r}: cannot load {path!r} as a Python file")
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[name] = module
+        try:
+            mspec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[name]
+            raise RewardFnSpecError(f"reward.fn={spec!r}: importing {path!r} raised {type(e).__name__}: {e}; "
+                                    "fix the file") from e
+        return module
+    try:
+        return importlib.import_module(target)
+    except ImportError as e:
+        raise RewardFnSpecError(f"reward.fn={spec!r}: cannot import module {target!r} ({e}); give an importable "
+                                "module (package.module:function) or a file (path/to/file.py:function)") from None
+
+
+def _kind(fn: Callable[..., Any], spec: str, fn_kwargs: dict[str, Any]) -> Literal["row", "batch"]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise RewardFnSpecError(f"reward.fn={spec!r} is not a function with a signature") from None
+    params = sig.parameters
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    shown = f"{getattr(fn, '__name__', spec)}{sig}"
+    if all(n in named for n in _VERL_PARAMS):
+        required = {n for n, p in params.items() if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = sorted(required - set(_VERL_PARAMS) - {"extra_info"} - set(fn_kwargs))
+        if missing:
+            raise RewardFnSpecError(f"reward.fn={spec!r}: {shown} also requires {missing}, which asyncrl does not "
+                                    "pass; give them defaults or pass them with reward.fn_kwargs")
+        unknown = sorted(k for k in fn_kwargs if k not in named) if not var_kw else []
+        if unknown:
+            raise RewardFnSpecError(f"reward.fn_kwargs {unknown} are not parameters of {shown}; drop them or add "
+                                    "them to the function")
+        return "row"
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    needed = [p for p in params.values() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL,
+                                                                                    p.VAR_KEYWORD)]
+    if positional and len(needed) <= 1 and (not needed or needed[0] is positional[0]):
+        return "batch"
+    raise RewardFnSpecError(
+        f"reward.fn={spec!r} has the signature {shown}, which is neither verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info=None) (one row per call) nor asyncrl's "
+        "fn(x: RewardInput) -> list[float] (one batch per call); change the function to one of them")
+
+
+def load_reward_fn(spec: str, fn_kwargs: dict[str, Any] | None = None
+                   ) -> tuple[Callable[..., Any], Literal["row", "batch"]]:
+    """``(function, kind)`` of ``"path/to/file.py:fn"`` or ``"package.module:fn"``: ``kind`` is ``"row"``
+    for verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` and
+    ``"batch"`` for ``fn(x: RewardInput)``. Raises :class:`RewardFnSpecError` naming what is wrong."""
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise RewardFnSpecError(f"reward.fn={spec!r} is not PATH:FUNCTION; write reward.fn=path/to/file.py:"
+                                "compute_score or reward.fn=package.module:function")
+    module = _load_module(target, spec)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise RewardFnSpecError(f"reward.fn={spec!r}: {target!r} has no function {attr!r}; its functions are "
+                                f"{found}")
+    if not callable(fn):
+        raise RewardFnSpecError(f"reward.fn={spec!r}: {attr!r} in {target!r} is a {type(fn).__name__}, not a "
+                                "function")
+    return fn, _kind(fn, spec, dict(fn_kwargs or {}))
+
+
+def _row_score(value: Any) -> float:
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"returned a dict without a 'score' key (keys {sorted(value)})")
+        value = value["score"]
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    raise TypeError(f"returned {type(value).__name__} {value!r}; return a float (or a dict with a 'score')")
+
+
+def rowwise(fn: Callable[..., Any], name: str) -> RewardFn:
+    """A batch reward function that calls verl-style ``fn(data_source=, solution_str=, ground_truth=,
+    extra_info=, **fn_kwargs)`` once per row; a row that raises raises :class:`RewardFnError` naming the
+    row's index in the batch, its ``data_source`` and its ``extra_info`` index."""
+    params = inspect.signature(fn).parameters
+    takes_extra = "extra_info" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def batch_fn(x: RewardInput) -> list[float]:
+        answers = _answers(x, name)
+        sources = x.data_sources or [""] * len(x.responses)
+        extras = x.extra_infos or [{} for _ in x.responses]
+        out = []
+        for k, (r, a, ds, ex) in enumerate(zip(x.responses, answers, sources, extras)):
+            kw = dict(x.kwargs)
+            if takes_extra:
+                kw["extra_info"] = ex
+            try:
+                out.append(_row_score(fn(data_source=ds, solution_str=r, ground_truth=a, **kw)))
+            except Exception as e:
+                where = f"row {k} of the batch (data_source {ds!r}"
+                where += f", extra_info index {ex['index']!r})" if isinstance(ex, dict) and "index" in ex else ")"
+                raise RewardFnError(f"reward function {name!r} raised {type(e).__name__} on {where}: {e}; fix the "
+                                    "function") from e
+        return out
+
+    return batch_fn
 
 
 # --------------------------------------------------------------------------- toy tasks
@@ -182,11 +341,16 @@ class RewardConfig:
     """Where sequence rewards come from."""
 
     fn: str = "char_class"
-    """Registered reward function name (ignored when `model` is set)."""
+    """Registered reward function name, or a function by path: ``path/to/file.py:compute_score`` or
+    ``package.module:fn`` (verl's row signature or asyncrl's batch signature; :func:`load_reward_fn`).
+    Ignored when `model` is set."""
     fn_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Passed to the function as ``RewardInput.kwargs``."""
-    tokenizer: str = "tiny"
-    """Tokenizer that decodes responses (``"tiny"``, ``"qwen2"`` or a directory); the policy's."""
+    """Passed to the function: as ``RewardInput.kwargs`` (batch signature), or as keyword arguments of each
+    call (verl's row signature)."""
+    tokenizer: str | None = None
+    """Tokenizer that decodes responses (``"tiny"``, ``"qwen2"``, a GGUF spec or a directory); it must be the
+    policy's. None: the policy's (``JobConfig.validate`` fills in ``model.tokenizer``, else ``model.path`` or
+    ``model.gguf``, else ``"tiny"``; a worker built on its own uses ``"tiny"``)."""
     model: ModelConfig | None = None
     """A reward model (sequence classifier, one label) scoring ``input_ids``; replaces `fn`."""
     micro_batch_size: int = 16
@@ -234,9 +398,13 @@ class RewardWorker(Worker):
             self.fn_name = "reward_model"
         else:
             set_torch_threads(self.context.num_cpus)
-            self.tokenizer = load_tokenizer(self.config.tokenizer)
-            self.fn = get_reward_fn(self.config.fn)  # fail at construction for an unknown name
+            self.tokenizer = load_tokenizer(self.config.tokenizer or "tiny")
             self.fn_name = self.config.fn
+            if is_reward_path(self.config.fn):  # loaded here by path (the controller checked it already)
+                fn, kind = load_reward_fn(self.config.fn, self.config.fn_kwargs)
+                self.fn = rowwise(fn, self.fn_name) if kind == "row" else fn
+            else:
+                self.fn = get_reward_fn(self.config.fn)  # fail at construction for an unknown name
         self._token_text: dict[int, str] = {}
 
     def _decode_token(self, i: int) -> str:
@@ -258,6 +426,8 @@ class RewardWorker(Worker):
             response_tokens=[[self._decode_token(i) for i in r] for r in rows],
             max_new_tokens=int(ids.shape[1]),
             kwargs=dict(self.config.fn_kwargs),
+            data_sources=text_list(batch, "data_source"),
+            extra_infos=[json.loads(e) for e in extras] if (extras := text_list(batch, "extra_info")) else None,
         )
 
     @register(Dispatch.DP_COMPUTE)
@@ -273,6 +443,8 @@ class RewardWorker(Worker):
             x = self.reward_input(batch)
             try:
                 raw = self.fn(x)
+            except RewardFnError:
+                raise
             except Exception as e:
                 raise RewardFnError(
                     f"reward function {self.fn_name!r} raised {type(e).__name__}: {e}; fix the function "

@@ -4,7 +4,7 @@ SIGTERM keep the run's progress; training twice in one process works.
 * bad values (an unknown reward function, a negative learning rate or temperature, a missing
   model directory) are rejected by ``asyncrl train`` and ``--print-config`` with exit status 2
   and a one-line message naming the key, before Ray starts;
-* a worker SIGKILLed under ``asyncrl train`` without a restart policy ends it with status 1,
+* a worker SIGKILLed under ``asyncrl train`` with ``trainer.restart.max_restarts=0`` ends it with status 1,
   one line naming ``WorkerDiedError``, the resume command and ``error.log`` (no stack dump on
   the terminal), within a bound;
 * a second ``fit_sync()`` in one process trains too, and an error raised by a worker in it
@@ -64,9 +64,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": ""}  # a new embedded Ray, never the test session's
 
 
-def _tiny_yaml(path: Path, out: Path, **trainer: object) -> Path:
+def _tiny_yaml(path: Path, out: Path, *, fail_fast: bool = False, **trainer: object) -> Path:
     cfg = tiny_test()
     cfg.trainer.output_dir = str(out)
+    if fail_fast:  # not the default: a dead worker is replaced or the run restarted
+        cfg.trainer.restart.max_restarts = 0
     for k, v in trainer.items():
         setattr(cfg.trainer, k, v)
     path.write_text(yaml.safe_dump(to_dict(cfg.validate())))
@@ -116,7 +118,7 @@ async def _wait_rows(path: Path, n: int, deadline: float, ended: Callable[[], st
 async def test_a_killed_worker_ends_the_cli_with_a_one_line_error_and_status_1(ray_cluster, tmp_path, capsys,
                                                                             fault_row):
     run = tmp_path / "run"
-    cfg = _tiny_yaml(tmp_path / "run.yaml", run, steps=500, max_staleness=1, checkpoint_every=2)
+    cfg = _tiny_yaml(tmp_path / "run.yaml", run, steps=500, max_staleness=1, checkpoint_every=2, fail_fast=True)
     before = set(_alive_hosts())
     cli = asyncio.create_task(asyncio.to_thread(main, ["train", "--config", str(cfg)]))  # its own loop, in a thread
     await _wait_rows(run / "metrics.jsonl", 3, RUN_BOUND_S,
@@ -132,10 +134,10 @@ async def test_a_killed_worker_ends_the_cli_with_a_one_line_error_and_status_1(r
     lines = [line for line in stderr.splitlines() if line.startswith(("asyncrl train:", "  "))]
     assert lines[0].startswith("asyncrl train: error: WorkerDiedError: worker rank 0 of group"), stderr[-3000:]
     assert any(f"asyncrl train --resume {run}" in line for line in lines)
-    assert any("trainer.restart.max_restarts" in line for line in lines)
+    assert any("trainer.restart.max_restarts=0" in line for line in lines)
     assert "Traceback" not in stderr
     assert "Traceback" in (run / "error.log").read_text()  # the whole story is kept, off the terminal
-    fault_row(order=3.5, fault="worker SIGKILLed under `asyncrl train`", policy="none (default)",
+    fault_row(order=3.5, fault="worker SIGKILLed under `asyncrl train`", policy="`restart.max_restarts=0`",
               outcome="exit status 1, one line naming `WorkerDiedError` + resume command + error.log",
               seconds=seconds, bound=f"< {DEATH_EXIT_BOUND_S:g} s", leaks="released",
               state="checkpoints up to the last even step")
@@ -187,8 +189,9 @@ STOP_STEPS = 12
 ])
 async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray_cluster, tmp_path, sig, loop, capsys):
     run, full = tmp_path / "run", tmp_path / "full"
-    cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8, event_loop=loop)
-    # checkpoint_every stays 0 (the default): only the signal writes a checkpoint
+    cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8, event_loop=loop,
+                          checkpoint_every_s=None)
+    # checkpoint_every stays 0 (the default) and no time-based checkpoints: only the signal writes a checkpoint
     cfg = tiny_test()
     cfg.trainer.steps, cfg.trainer.max_staleness, cfg.trainer.output_dir = STOP_STEPS, 1, str(full)
     async with GRPOTrainer(cfg) as trainer:  # the uninterrupted run

@@ -150,7 +150,7 @@ async def test_a_killed_worker_fails_the_run_fast_with_a_typed_error_and_release
     assert out.trainer.restarts == []
     after = await settled(before)
     assert after == before
-    fault_row(order=list(KILLS).index(point) * 3, fault=label, policy="none (default)",
+    fault_row(order=list(KILLS).index(point) * 3, fault=label, policy="`restart.max_restarts=0`",
               outcome=f"`{type(out.error).__name__}` raised by `fit()`", seconds=out.seconds,
               bound=f"< {DEATH_BOUND_S:g} s", leaks="none" if after == before else f"LEAK {after} vs {before}",
               state=f"{len(out.trainer.history)} of {STEPS} steps done; checkpoints up to the last finished step")

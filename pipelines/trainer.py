@@ -115,7 +115,7 @@ class _Precomputed:
     """The batch it read (its prompt batch index)."""
     batch: Any
     """The generate future it read (identity is what counts: a regenerated batch is another future)."""
-    old: GroupFuture[Any]
+    old: GroupFuture[Any] | None
     ref: GroupFuture[Any] | None
     vals: GroupFuture[Any] | None
 
@@ -939,7 +939,8 @@ class Trainer:
     def _first_stages(self, g: Groups, batch: Any, step: int, **span: Any) -> tuple[Any, Any, Any]:
         """Issue ``old_log_prob``, ``ref_log_prob`` and ``values`` of `batch` (None for an absent role)."""
         w = self.tracer.watch
-        old = w(stages.old_log_prob(g, batch), "old_log_prob", step=step, **span)
+        old = stages.old_log_prob(g, batch, bypass=self.config.actor.rollout_correction.bypass_mode != "off")
+        old = w(old, "old_log_prob", step=step, **span) if old is not None else None  # None: the bypass
         ref = stages.ref_log_prob(g, batch)
         ref = w(ref, "ref_log_prob", step=step, **span) if ref is not None else None
         vals = stages.values(g, batch)

@@ -1,0 +1,27 @@
+"""The weight-sync and engine-throughput benchmarks run end to end with --quick (tiny model, one
+repetition) and print their tables. No timing asserts: the tables' numbers are measurements."""
+
+from __future__ import annotations
+
+from .test_benchmarks_quick import table_rows
+
+
+def test_weight_sync_quick(quick_runs):
+    rows = table_rows(quick_runs.text("weight_sync"))
+    assert rows[0] == ["model", "rollout dtype", "MB", "what", "median s", "min–max s", "GB/s", "floor",
+                       "of floor's GB/s"]
+    body = rows[2:]
+    assert [(r[0], r[1], r[3]) for r in body] == [("tiny", "float32", w) for w in (
+        "memcpy", "gloo broadcast", "ray.put + ray.get", "object_store", "collective", "local")]
+    assert len({r[2] for r in body}) == 1 and float(body[0][2]) > 0  # every row moved the same bytes
+    assert [r[7] for r in body] == ["(floor)"] * 3 + ["ray.put + ray.get", "gloo broadcast", "memcpy"]
+    assert all(float(r[4]) > 0 for r in body) and all(r[8].endswith("%") for r in body[3:])
+
+
+def test_engine_throughput_quick(quick_runs):
+    rows = table_rows(quick_runs.text("engine_throughput"))
+    assert rows[0] == ["batch", "variant", "tokens", "median s", "min–max s", "tokens/s", "speed vs generate"]
+    body = rows[2:]
+    assert [(r[0], r[1], r[2]) for r in body] == [("1", "HF engine", "8"), ("1", "transformers generate", "8"),
+                                                  ("4", "HF engine", "32"), ("4", "transformers generate", "32")]
+    assert body[1][6] == body[3][6] == "1.00x" and all(float(r[5]) > 0 for r in body)

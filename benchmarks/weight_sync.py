@@ -10,7 +10,9 @@ export casts to the rollout's dtype, as the trainer does), one policy version is
   what ``weight_sync=auto`` resolves to for two CPU pools);
 * ``collective``: ``stage_weights`` + ``send_weights`` / ``update_weights`` over the gloo weight
   channel (two processes; ``auto`` on distinct GPUs);
-* ``local``: policy and rollout colocated in one process (``auto`` when colocated).
+* ``local``: policy and rollout colocated in one process (``auto`` when colocated);
+* ``collective, before the fix`` (not in ``--quick``): the collective transport as it was, one staged
+  tensor per weight and each bucket concatenated when sent, beside the fixed one in the same run.
 
 Each sync is timed from the controller, call issued to the rollout's receipt: it includes the
 export (the cast copy), the move and the rollout's transaction (validate, load into the engine).
@@ -62,7 +64,11 @@ from asyncrl.pipelines import stages  # noqa: E402
 from asyncrl.roles.sync import open_weight_channel  # noqa: E402
 
 TRANSPORTS = ("object_store", "collective", "local")
-FLOOR_OF = {"object_store": "ray.put + ray.get", "collective": "gloo broadcast", "local": "memcpy"}
+BEFORE = "collective, before the fix"
+"""The collective transport staged one tensor per weight and concatenated each bucket when sending
+(a second copy of every byte); now it stages into the buckets themselves. Both run, side by side."""
+FLOOR_OF = {"object_store": "ray.put + ray.get", "collective": "gloo broadcast", "local": "memcpy",
+            BEFORE: "gloo broadcast"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -74,6 +80,11 @@ class BenchPolicy(PolicyWorker):
         """Next version, same weights."""
         self._version += 1
         return self._version
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def bucketed(self, on: bool) -> None:
+        """Stage collective snapshots in the channel's buckets (the fix) or per tensor (before it)."""
+        self._bucketed_snapshots = on
 
 
 def model_config(name: str) -> ModelConfig:
@@ -187,8 +198,12 @@ class Setup:
         return self.policy, self.rollout
 
     async def sync(self, transport: str) -> float:
+        before = transport == BEFORE
+        transport = "collective" if before else transport
         policy, rollout = self.groups(transport)
         await policy.bump()
+        if transport == "collective":
+            await policy.bucketed(not before)
         g = SimpleNamespace(policy=policy, rollout=rollout)
         t0 = time.perf_counter()  # the trainer's two stages, as it issues them
         exported = stages.export_weights(g, transport=transport, dtype=self.dtype)  # type: ignore[arg-type]
@@ -203,7 +218,8 @@ class Setup:
                 pass
 
 
-async def measure(model: str, dtype: str, reps: int, transports: list[str]) -> list[dict[str, Any]]:
+async def measure(model: str, dtype: str, reps: int, transports: list[str], quick: bool = False
+                  ) -> list[dict[str, Any]]:
     """Rows ``{model, dtype, what, bytes, seconds: [...]}`` of one (model, dtype)."""
     s = Setup(model_config(model), dtype)
     try:
@@ -227,7 +243,7 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str]) -> l
             return memcpy_floor(src, dst)
 
         variants: dict[str, Any] = {"memcpy": memcpy, "gloo broadcast": gloo, "ray.put + ray.get": putget}
-        for t in transports:
+        for t in transports + ([BEFORE] if "collective" in transports and not quick else []):
             variants[t] = lambda t=t: s.sync(t)
         times: dict[str, list[float]] = {k: [] for k in variants}
         names = list(variants)
@@ -268,7 +284,7 @@ async def main_async(args: argparse.Namespace) -> str:
     for model in args.models:
         for dtype in args.dtypes:
             print(f"{model} {dtype} ...", flush=True)
-            rows += await measure(model, dtype, args.reps, args.transports)
+            rows += await measure(model, dtype, args.reps, args.transports, args.quick)
     load1 = os.getloadavg()[0]
     return (run_header("weight_sync.py", load_note(load0, load1)) + "\n\n" + table(rows) + "\n\n"
             f"{args.reps} repetition(s) after one warm-up each; `of floor's GB/s` = floor seconds / transport "

@@ -6,6 +6,8 @@ in this process on ``--threads`` torch threads (1):
 
 * ``HF engine``: ``asyncrl.roles.make_engine("hf", ...)``'s ``generate`` (what the rollout worker runs),
   with its EOS id set to -1 so every row runs the full ``--new-tokens`` (the same work in both);
+* ``HF engine, before the fix``: the same engine computing the LM head on every prompt position at
+  the prefill (as it did; now only the last position's, as ``generate`` does);
 * ``transformers generate``: ``model.generate(input_ids, attention_mask, do_sample=True,
   temperature=..., max_new_tokens=N, min_new_tokens=N)`` (EOS suppressed the library's way).
 
@@ -84,11 +86,17 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     engine = make_engine("hf", model=model, tokenizer=tok, model_dir=None, max_batch_size=max(args.batches))
     engine.eos_id = -1  # never stops early: the same number of tokens as generate with min_new_tokens
+    before = make_engine("hf", model=model, tokenizer=tok, model_dir=None, max_batch_size=max(args.batches))
+    before.eos_id, before._keep_last = -1, {}  # the engine before the fix: the LM head on every prompt position
     pad = engine.pad_id
     n_new, temp = args.new_tokens, args.temperature
 
     def run_engine(prompts: list[list[int]]) -> int:
         out = asyncio.run(engine.generate(prompts, SamplingParams(max_new_tokens=n_new, temperature=temp, seed=0)))
+        return sum(len(c.response_ids) for c in out)
+
+    def run_before(prompts: list[list[int]]) -> int:
+        out = asyncio.run(before.generate(prompts, SamplingParams(max_new_tokens=n_new, temperature=temp, seed=0)))
         return sum(len(c.response_ids) for c in out)
 
     def run_generate(prompts: list[list[int]]) -> int:
@@ -99,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         return int(out.shape[1] - ids.shape[1]) * len(prompts)
 
     variants: dict[str, Callable[[list[list[int]]], int]] = {"HF engine": run_engine,
+                                                             "HF engine, before the fix": run_before,
                                                              "transformers generate": run_generate}
     rows = []
     for b in args.batches:
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens: dict[str, int] = {}
         names = list(variants)
         for r in range(args.reps):
-            for k in names[r % 2:] + names[:r % 2]:
+            for k in names[r % len(names):] + names[:r % len(names)]:
                 t0 = time.perf_counter()
                 tokens[k] = variants[k](prompts)
                 times[k].append(time.perf_counter() - t0)
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             m = statistics.median(times[k])
             rows.append(f"| {b} | {k} | {tokens[k]} | {m:.3f} | {min(times[k]):.3f}–{max(times[k]):.3f} | "
                         f"{tokens[k] / m:.1f} | {ref / m:.2f}x |")
-        print(rows[-2], rows[-1], sep="\n", flush=True)
+        print(*rows[-len(names):], sep="\n", flush=True)
     load1 = os.getloadavg()[0]
     head = ["| batch | variant | tokens | median s | min–max s | tokens/s | speed vs generate |",
             "|---:|---|---:|---:|---:|---:|---:|"]

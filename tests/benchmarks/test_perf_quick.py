@@ -3,10 +3,13 @@ repetition) and print their tables. No timing asserts: the tables' numbers are m
 
 from __future__ import annotations
 
+import pytest
+
 from .test_benchmarks_quick import table_rows
 
 
-def test_weight_sync_quick(quick_runs):
+@pytest.mark.slow  # 2-4 min here (six worker processes); default tests of its mechanisms: tests/roles/
+def test_weight_sync_quick(quick_runs):  # test_bucketed_snapshot.py, test_weight_transports.py (bit-identical)
     rows = table_rows(quick_runs.text("weight_sync"))
     assert rows[0] == ["model", "rollout dtype", "MB", "what", "median s", "min–max s", "GB/s", "floor",
                        "of floor's GB/s"]

@@ -42,7 +42,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "offpolicy.md")
 
 VARIANTS = [("sync", 0, "none"), ("k=1 none", 1, "none"), ("k=1 tis", 1, "tis"), ("k=1 decoupled", 1, "decoupled"),
-            ("k=2 none", 2, "none"), ("k=2 tis", 2, "tis"), ("k=2 decoupled", 2, "decoupled")]
+            ("k=2 none", 2, "none"), ("k=2 tis", 2, "tis"), ("k=2 decoupled", 2, "decoupled"),
+            ("sync bypass", 0, "bypass"), ("k=1 bypass", 1, "bypass")]
+"""``bypass`` (not run by default: ``--variants``): ``actor.rollout_correction.bypass_mode``, the rollout's
+log-probs as ``old_log_probs`` and no ``old_log_prob`` pass; ``on_policy`` at k=0 (the HF engine's
+``exact_log_probs``), ``behaviour`` (the PPO ratio against the behaviour policy) at k >= 1."""
 QUICK_VARIANTS = [VARIANTS[0], VARIANTS[2]]
 COLUMNS = ["variant", "max_staleness", "correction", "seeds", "reward first 5", "reward last 10",
            "steps to 0.5", "steps to 0.9", "s to 0.5", "s to 0.9", "loop s", "ms/step", "row staleness",
@@ -59,7 +63,12 @@ def config(k: int, mode: str, seed: int, args: argparse.Namespace, tmp: str) -> 
     t.progress = t.plot = t.tensorboard = t.trace = t.checkpoint_at_end = False
     t.output_dir = os.path.join(tmp, f"k{k}-{mode}-s{seed}")
     cfg.actor.lr = args.lr
-    cfg.actor.rollout_correction.mode = mode  # type: ignore[assignment]
+    if mode == "bypass":
+        cfg.actor.rollout_correction.bypass_mode = "on_policy" if k == 0 else "behaviour"
+        if k == 0:
+            cfg.rollout.engine_kwargs = {"exact_log_probs": True}
+    else:
+        cfg.actor.rollout_correction.mode = mode  # type: ignore[assignment]
     cfg.model.seed = seed
     return cfg.validate()
 
@@ -123,7 +132,7 @@ def plot(runs: list[dict[str, Any]], path: str, window: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"none": ":", "tis": "-", "decoupled": "--"}
+    styles = {"none": ":", "tis": "-", "decoupled": "--", "bypass": "-."}
     colors = {0: "black", 1: "tab:blue", 2: "tab:red"}
     for name in dict.fromkeys(r["name"] for r in runs):
         rs = [r for r in runs if r["name"] == name]
@@ -132,7 +141,7 @@ def plot(runs: list[dict[str, Any]], path: str, window: int) -> None:
         sm = [statistics.mean(rew[max(0, i - window + 1):i + 1]) for i in range(n)]
         el = [statistics.mean(r["history"][i]["time/elapsed"] - r["history"][0]["time/elapsed"]
                               + r["history"][0]["time/step"] for r in rs) for i in range(n)]
-        kw = dict(ls=styles[rs[0]["mode"]] if rs[0]["k"] else "-", color=colors[rs[0]["k"]], label=name, lw=1.6)
+        kw = dict(ls=styles[rs[0]["mode"]] if rs[0]["k"] or rs[0]["mode"] == "bypass" else "-", color=colors[rs[0]["k"]], label=name, lw=1.6)
         ax_step.plot(range(n), sm, **kw)
         ax_time.plot(el, sm, **kw)
     ax_step.set(xlabel="training step", ylabel=f"reward ({window}-step mean, mean over seeds)",
@@ -149,7 +158,7 @@ def plot(runs: list[dict[str, Any]], path: str, window: int) -> None:
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = tempfile.mkdtemp(prefix="asyncrl-offpolicy-")
-    variants = QUICK_VARIANTS if args.quick else VARIANTS
+    variants = QUICK_VARIANTS if args.quick else VARIANTS[:7]
     if args.variants:
         keep = args.variants.split(",")
         variants = [v for v in VARIANTS if v[0] in keep]

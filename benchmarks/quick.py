@@ -38,6 +38,8 @@ QUICK: dict[str, tuple[str, ...]] = {  # benchmark (its script's name) -> extra 
     "local_chain": (),
     "overlap": (),
     "offpolicy": (),
+    "weight_sync": (),
+    "engine_throughput": (),
 }
 
 

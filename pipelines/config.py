@@ -439,12 +439,39 @@ class JobConfig:
                 "log-probs must use the temperature the rollout sampled with. Leave actor.temperature unset (null): "
                 "it is taken from rollout.temperature"
             )
+        self._validate_bypass()
         sections = [("actor", a)] + ([("critic", self.critic)] if self.algorithm.name == "ppo" else [])
         for name, optim in sections:
             try:
                 optim.validate(t.train_workers)
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}") from None
+
+
+    def _validate_bypass(self) -> None:
+        """``actor.rollout_correction.bypass_mode='on_policy'`` only where the rollout's log-probs are the
+        policy's own (pi_rollout = pi_old): else a ConfigError naming the condition that fails."""
+        rc, r, t, m = self.actor.rollout_correction, self.rollout, self.trainer, self.model
+        if rc.bypass_mode != "on_policy":
+            return
+        why = []
+        if t.max_staleness != 0:
+            why.append(f"trainer.max_staleness={t.max_staleness} lets a batch come from older weights than the "
+                       "policy's (pi_rollout != pi_old)")
+        if r.engine != "hf" or not r.engine_kwargs.get("exact_log_probs"):
+            why.append(f"the {r.engine!r} engine's log-probs are not exact (only the HF engine with "
+                       "rollout.engine_kwargs.exact_log_probs=true recomputes them as the policy does)")
+        if r.top_k > 0 or r.top_p < 1.0:
+            why.append("top-k/top-p sampling draws from a filtered distribution, not the policy's")
+        if t.gpus_per_worker > 0 and not (m.dtype == "float32" and m.autocast == "off"):
+            why.append("on a GPU the rollout and the policy compute in different precisions (set model.dtype=float32 "
+                       "and model.autocast=off)")
+        if why:
+            raise ConfigError(
+                "actor.rollout_correction.bypass_mode=on_policy uses the rollout's log-probs as old_log_probs, which "
+                f"is exact only when they are the policy's own, but {'; and '.join(why)}. Use bypass_mode=behaviour "
+                "to take the PPO ratio against the behaviour policy (verl's bypass mode), or bypass_mode=off"
+            )
 
 
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",

@@ -31,9 +31,11 @@ log = structlog.get_logger("asyncrl.pipelines")
 FirstStages = tuple[Any, Any, Any]
 
 
-def first_stages(g: Groups, batch: Any, step: int, watch: Any, **span: Any) -> FirstStages:
-    """Issue ``old_log_prob``, ``ref_log_prob`` and ``values`` of `batch` (None for an absent role)."""
-    old = watch(stages.old_log_prob(g, batch), "old_log_prob", step=step, **span)
+def first_stages(g: Groups, batch: Any, step: int, watch: Any, *, bypass: bool = False, **span: Any) -> FirstStages:
+    """Issue ``old_log_prob``, ``ref_log_prob`` and ``values`` of `batch` (None for an absent role;
+    ``old_log_prob`` is None under ``actor.rollout_correction.bypass_mode``: the rollout's log-probs serve)."""
+    old = stages.old_log_prob(g, batch, bypass=bypass)
+    old = watch(old, "old_log_prob", step=step, **span) if old is not None else None  # None: the bypass
     ref = stages.ref_log_prob(g, batch)
     ref = watch(ref, "ref_log_prob", step=step, **span) if ref is not None else None
     vals = stages.values(g, batch)
@@ -53,7 +55,7 @@ class Precomputed:
     """The batch it read (its prompt batch index)."""
     batch: Any
     """The generate future it read (identity is what counts: a regenerated batch is another future)."""
-    old: GroupFuture[Any]
+    old: GroupFuture[Any] | None
     ref: GroupFuture[Any] | None
     vals: GroupFuture[Any] | None
 
@@ -97,7 +99,7 @@ class Precompute:
         if pre is not None:
             self.stats["used"] += 1
             return pre.old, pre.ref, pre.vals
-        return first_stages(g, item.batch, step, tr.tracer.watch)
+        return first_stages(g, item.batch, step, tr.tracer.watch, bypass=_bypass(tr))
 
     def issue_next(self) -> None:
         """Issue the next step's first stages now, if it is certain which batch it trains and with
@@ -129,7 +131,8 @@ class Precompute:
             if pre.step == step and pre.batch is batch:
                 return  # issued already
             self.discard()  # another batch (regenerated after a replacement)
-        old, ref, vals = first_stages(without_deadlines(tr.groups), batch, step, tr.tracer.watch, precomputed=True)
+        old, ref, vals = first_stages(without_deadlines(tr.groups), batch, step, tr.tracer.watch, bypass=_bypass(tr),
+                                       precomputed=True)
         s.precomputed = Precomputed(step=step, batch_index=index, batch=batch, old=old, ref=ref, vals=vals)
         self.stats["issued"] += 1
 
@@ -143,3 +146,8 @@ class Precompute:
     def _discard(self, pre: Precomputed) -> None:
         pre.discard()
         self.stats["discarded"] += 1
+
+
+def _bypass(tr: "Trainer") -> bool:
+    """Whether the rollout's log-probs stand in for ``old_log_prob`` (``rollout_correction.bypass_mode``)."""
+    return bool(tr.config.actor.rollout_correction.bypass_mode != "off")

@@ -6,6 +6,7 @@ holds only descriptors. The controller awaits small things: reward scores, updat
 metrics, weight-sync receipts. The canonical order of one batch (DESIGN C8)::
 
     generate ─► score ─► old_log_prob ─► ref_log_prob ─► values ─► advantages
+                         (skipped under rollout_correction.bypass_mode)
       (rollout pool)       (training pool ..................................)
           ─► critic_update ─► actor_update ─► export_weights ─► load_weights
                                                               (rollout pool)
@@ -78,13 +79,21 @@ class AdvantageWorker(Worker):
         return self._dp.all_reduce(t)
 
     @register(Dispatch.DP_COMPUTE)
-    def compute_advantages(self, batch: TensorDictBase, scores: TensorDictBase, log_probs: TensorDictBase,
-                           ref: TensorDictBase | None = None, values: TensorDictBase | None = None, *,
-                           algo: Mapping[str, Any]) -> TensorDict:
+    def compute_advantages(self, batch: TensorDictBase, scores: TensorDictBase,
+                           log_probs: TensorDictBase | None = None, ref: TensorDictBase | None = None,
+                           values: TensorDictBase | None = None, *, algo: Mapping[str, Any]) -> TensorDict:
         """The training batch: `batch` plus the fields of the other inputs, ``advantages``
         and ``returns``. `algo` holds the :class:`~asyncrl.pipelines.config.AlgorithmConfig`
-        fields as a dict (workers do not import the trainer's config)."""
+        fields as a dict (workers do not import the trainer's config). `log_probs` None is the
+        bypass (``rollout_correction.bypass_mode``): ``old_log_probs`` are the batch's
+        ``rollout_log_probs``, the very tensor."""
         out = batch.clone(recurse=False)
+        if log_probs is None:
+            if "rollout_log_probs" not in batch.keys():
+                raise KeyError(f"the old_log_prob bypass takes old_log_probs from the rollout's rollout_log_probs, "
+                               f"but the batch has only {sorted(map(str, batch.keys()))}; use a rollout that returns "
+                               "them, or rollout_correction.bypass_mode='off'")
+            out.set("old_log_probs", batch["rollout_log_probs"])
         for part in (scores, log_probs, ref, values):
             if part is not None:
                 out.update(part)
@@ -148,9 +157,12 @@ def score(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFu
     return g.reward.compute_reward(batch)
 
 
-def old_log_prob(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFuture[TensorDict]:
-    """``TD{old_log_probs, entropy}`` under the policy before this step's update."""
-    return g.policy.compute_log_prob(batch)
+def old_log_prob(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase, *,
+                 bypass: bool = False) -> GroupFuture[TensorDict] | None:
+    """``TD{old_log_probs, entropy}`` under the policy before this step's update; None with
+    `bypass` (``rollout_correction.bypass_mode``): no call, ``advantages`` takes the rollout's
+    log-probs as ``old_log_probs``."""
+    return None if bypass else g.policy.compute_log_prob(batch)
 
 
 def ref_log_prob(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFuture[TensorDict] | None:
@@ -165,13 +177,16 @@ def values(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupF
 
 def advantages(g: Groups, batch: Any, scores: Any, log_probs: Any, ref: Any, vals: Any,
                algo: Mapping[str, Any]) -> GroupFuture[TensorDict]:
-    """The merged training batch with ``advantages`` and ``returns``."""
+    """The merged training batch with ``advantages`` and ``returns`` (`log_probs` None: the
+    bypass, ``old_log_probs`` are the rollout's)."""
     kwargs: dict[str, Any] = {}
+    if log_probs is not None:
+        kwargs["log_probs"] = log_probs
     if ref is not None:
         kwargs["ref"] = ref
     if vals is not None:
         kwargs["values"] = vals
-    return g.advantage.compute_advantages(batch, scores, log_probs, algo=Broadcast(dict(algo)), **kwargs)
+    return g.advantage.compute_advantages(batch, scores, algo=Broadcast(dict(algo)), **kwargs)
 
 
 def critic_update(g: Groups, train_batch: GroupFuture[TensorDict]) -> GroupFuture[list[dict[str, float]]] | None:

@@ -65,7 +65,7 @@ async def sequential_fit(config: JobConfig, groups: Groups, loader: PromptLoader
             await produce(t + k, max(0, t))
         i, v, gen, sc, reward = queue.popleft()
         assert i == t
-        old = stages.old_log_prob(g, gen)
+        old = stages.old_log_prob(g, gen, bypass=config.actor.rollout_correction.bypass_mode != "off")
         ref = stages.ref_log_prob(g, gen)
         vals = stages.values(g, gen)
         adv = stages.advantages(g, gen, sc, old, ref, vals, algo)

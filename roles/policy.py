@@ -56,9 +56,21 @@ class RolloutCorrectionConfig:
     """Weight per token, or one weight per row (the product of its token ratios), as verl's ``rollout_is``."""
     rollout_is_threshold: float = 2.0
     """Cap of the weights (verl's ``rollout_is_threshold``, default 2.0); must be > 0 (> 1 for ``decoupled``)."""
+    bypass_mode: Literal["off", "on_policy", "behaviour"] = "off"
+    """verl's ``bypass_mode``: use the rollout's log-probs as ``old_log_probs`` and skip the policy's
+    ``old_log_prob`` forward pass. ``on_policy``: only where that changes nothing, on-policy
+    (``max_staleness=0``) with exact rollout log-probs (the HF engine with ``exact_log_probs``, the
+    policy's precision and temperature): pi_rollout is pi_old. ``behaviour`` (opt-in, verl's
+    ``ppo_is_bypass``): pi_old := pi_rollout whatever the staleness or engine, so the PPO ratio and
+    its clip are taken against the behaviour policy (two policies; no importance weights, ``mode``
+    resolves to ``none``). ``off``: the policy recomputes ``old_log_probs`` (three policies when a
+    correction is on). The trainer checks the conditions (``JobConfig.validate``)."""
 
     def resolve(self, max_staleness: int | None) -> str:
-        """The effective mode (``none``, ``tis`` or ``decoupled``) for a run with `max_staleness`."""
+        """The effective mode (``none``, ``tis`` or ``decoupled``) for a run with `max_staleness`
+        (``none`` under a bypass: pi_old is pi_rollout, every weight would be 1)."""
+        if self.bypass_mode != "off":
+            return "none"
         if self.mode == "auto":
             return "tis" if (max_staleness or 0) >= 1 else "none"
         return self.mode
@@ -70,6 +82,14 @@ class RolloutCorrectionConfig:
                              f"got {self.mode!r}")
         if self.rollout_is not in F.IS_LEVELS:
             raise ValueError(f"rollout_correction.rollout_is must be 'token' or 'sequence', got {self.rollout_is!r}")
+        if self.bypass_mode not in ("off", "on_policy", "behaviour"):
+            raise ValueError(f"rollout_correction.bypass_mode must be 'off', 'on_policy' or 'behaviour', "
+                             f"got {self.bypass_mode!r}")
+        if self.bypass_mode != "off" and self.mode in F.CORRECTION_MODES:
+            raise ValueError(f"rollout_correction.bypass_mode={self.bypass_mode!r} takes the rollout's log-probs as "
+                             f"old_log_probs (pi_old = pi_rollout), so the {self.mode!r} importance weights "
+                             "pi_old / pi_rollout are all 1 and correct nothing; set rollout_correction.mode to "
+                             "'auto' or 'none', or bypass_mode='off' for a three-policy correction")
         t = self.rollout_is_threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t or t == float("inf"):
             raise ValueError(f"rollout_correction.rollout_is_threshold must be a finite number > 0, got {t!r}")

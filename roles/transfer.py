@@ -208,6 +208,47 @@ def _buckets(layout: list[tuple[str, tuple[int, ...], str]], bucket_bytes: int) 
     return out
 
 
+def bucketed_snapshot(state: Mapping[str, torch.Tensor], layout: list[tuple[str, tuple[int, ...], str]],
+                      bucket_bytes: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Copies of `state` in `layout`'s dtypes (floating tensors cast), laid out back to back in one flat
+    byte buffer per bucket of the channel's plan (:func:`_buckets`): the send path then broadcasts each
+    buffer as it is (:func:`_one_buffer`) instead of concatenating the bucket into a fresh one (a second
+    copy of every byte, and fresh pages to fault in). A tensor whose offset in its bucket is not aligned
+    to its dtype, or whose dtype the layout would change without casting, gets a buffer of its own
+    (its bucket is then concatenated when sent, as before)."""
+    out: dict[str, torch.Tensor] = {}
+    for idx in _buckets(layout, bucket_bytes):
+        sizes = [_numel(layout[i][1]) * _DTYPE[layout[i][2]].itemsize for i in idx]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        off = 0
+        for i, n in zip(idx, sizes):
+            name, shape, dtype = layout[i]
+            dt, src = _DTYPE[dtype], state[name]
+            if off % dt.itemsize == 0 and (src.is_floating_point() or src.dtype == dt):
+                view = flat[off:off + n].view(dt).view(shape)
+                view.copy_(src.detach())
+                out[name] = view
+            else:
+                out[name] = _cast(src, dt, device)
+            off += n
+    return out
+
+
+def _one_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flat byte buffer `tensors` fill exactly, back to back in order (a bucket of
+    :func:`bucketed_snapshot`), or None when they are not laid out so."""
+    storage = tensors[0].untyped_storage()
+    ptr, expected = storage.data_ptr(), 0
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != ptr or not t.is_contiguous()
+                or t.storage_offset() * t.element_size() != expected):
+            return None
+        expected += t.numel() * t.element_size()
+    if expected != storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage)
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -337,8 +378,10 @@ class WeightChannel:
             sent = 0
             try:
                 for idx in _buckets(layout, self.bucket_bytes):
-                    parts = [state[layout[i][0]].detach().reshape(-1).view(torch.uint8) for i in idx]
-                    flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+                    flat = _one_buffer([state[layout[i][0]] for i in idx])  # a bucketed snapshot: no copy
+                    if flat is None:
+                        parts = [state[layout[i][0]].detach().reshape(-1).view(torch.uint8) for i in idx]
+                        flat = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
                     flat = flat.to(self.device)
                     self._broadcast(flat)
                     sent += flat.numel()
@@ -497,6 +540,10 @@ class WeightSource:
     _channel: "WeightChannel | None" = None
     _channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
     _owner: str | None = None
+    _bucketed_snapshots: bool = True
+    """Stage collective snapshots in the channel's buckets (:func:`bucketed_snapshot`); False stages one
+    tensor per weight and concatenates each bucket when sending (the path before; kept for the benchmark's
+    side-by-side, benchmarks/weight_sync.py)."""
 
     def _owner_id(self) -> str:
         if self._owner is None:
@@ -529,9 +576,14 @@ class WeightSource:
                 raise WeightSyncError("stage_weights('collective') needs an open weight channel: call "
                                       "open_weight_channel(policy, rollout) first")
             channel = self._channel.name
-            dtypes = {n: _DTYPE[d] for n, _, d in self._channel_layout}
             with torch.no_grad():
-                state = {k: _cast(v, dtypes.get(k), self.placement.device) for k, v in self.model.state_dict().items()}
+                own = self.model.state_dict()
+                if self._bucketed_snapshots:  # one copy, already in the buckets send_weights broadcasts
+                    state = bucketed_snapshot(own, self._channel_layout, self._channel.bucket_bytes,
+                                              self.placement.device)
+                else:
+                    dtypes = {n: _DTYPE[d] for n, _, d in self._channel_layout}
+                    state = {k: _cast(v, dtypes.get(k), self.placement.device) for k, v in own.items()}
         else:
             state = self._state_for(dtype, self.placement.device)
         SNAPSHOTS.put(self._owner_id(), self._version, state, keep)

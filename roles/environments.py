@@ -137,19 +137,28 @@ async def environment_episode(llm: LLM, sample: Sample, *, env: Environment, max
     return traj
 
 
-def environment_episode_for(name: str, *, max_turns: int = 4, tokens_per_turn: int = 16,
+def environment_episode_for(name: str, *, max_turns: int | None = None, tokens_per_turn: int | None = None,
                             tools: list[Any] | None = None,
                             env_kwargs: dict[str, Any] | None = None) -> Callable[[LLM, Sample], Awaitable[Trajectory]]:
     """The episode of environment `name` with its options checked now (unknown name, bad option,
-    tool that is not async: :class:`EpisodeConfigError` before any worker starts)."""
+    tool that is not async: :class:`EpisodeConfigError` before any worker starts).
+
+    `max_turns` / `tokens_per_turn` default to the environment's own defaults when its constructor takes
+    them (it then sees the loop's limits), else to 4 and 16."""
+    if name not in _ENVS:
+        make_environment(name)  # the unknown-name error
+    kwargs = dict(env_kwargs or {})
+    accepts = inspect.signature(_ENVS[name]).parameters
+    limits = {}
+    for k, given, fallback in (("max_turns", max_turns, 4), ("tokens_per_turn", tokens_per_turn, 16)):
+        own = accepts[k].default if k in accepts and accepts[k].default is not inspect.Parameter.empty else fallback
+        limits[k] = given if given is not None else own
+        if k in accepts:
+            kwargs.setdefault(k, limits[k])  # an environment that scores by turn sees the loop's limits
+    max_turns, tokens_per_turn = limits["max_turns"], limits["tokens_per_turn"]
     if max_turns < 1 or tokens_per_turn < 1:
         raise EpisodeConfigError(f"environment {name!r}: need max_turns >= 1 and tokens_per_turn >= 1, got "
                                  f"{max_turns}, {tokens_per_turn}")
-    kwargs = dict(env_kwargs or {})
-    accepts = inspect.signature(_ENVS[name]).parameters if name in _ENVS else {}
-    for k, v in (("max_turns", max_turns), ("tokens_per_turn", tokens_per_turn)):
-        if k in accepts:
-            kwargs.setdefault(k, v)  # an environment that scores by turn sees the loop's limits
     if tools is not None:
         kwargs["tools"] = check_tools(list(tools))
     make_environment(name, **kwargs)  # a bad option fails here, not in a worker

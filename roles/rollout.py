@@ -378,14 +378,16 @@ class RolloutWorker(Worker):
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                                 temperature: float | None = None, seed: int | None = None, *,
-                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None) -> TensorDict:
+                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
+                                max_in_flight: int | None = None) -> TensorDict:
         """One episode per row (``RolloutConfig.episode``, or `episode` for this call), all in flight at
         once; returns the layout of :meth:`generate` (see :func:`asyncrl.roles.episodes.pack_trajectories`):
         ``response_ids`` of width R hold model and environment tokens, ``response_mask`` is 1 only on
         model tokens, plus ``token_versions``, ``episode_reward``, ``num_turns``, ``tool_errors``,
         ``stop_reason``. Rows repeated for GRPO run separate episodes (their ``uid`` is kept, so a
         group is the episodes of one sample). A malformed trajectory raises
-        :class:`~asyncrl.roles.errors.TrajectoryError` naming the episode and the field."""
+        :class:`~asyncrl.roles.errors.TrajectoryError` naming the episode and the field. `max_in_flight`
+        overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time)."""
         import anyio
 
         from .episodes import LLM, Sample, pack_trajectories, resolve_episode, validate_trajectory
@@ -405,7 +407,7 @@ class RolloutWorker(Worker):
         submit = self._request_engine()
         prompt_text, answers = text_list(batch, "prompt"), text_list(batch, "answer")
         trajs: list[Any] = [None] * len(prompts)
-        limit = anyio.Semaphore(self.config.max_episodes_in_flight)
+        limit = anyio.Semaphore(max_in_flight or self.config.max_episodes_in_flight)
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
 
         async def run(i: int) -> None:

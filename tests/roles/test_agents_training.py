@@ -118,3 +118,22 @@ async def test_two_policy_ranks_train_like_one_on_unequal_masked_episodes(two_po
         if k.startswith(("row_staleness", "version")):
             continue  # the two-rank policy ran the other mode's update before (lr=0, its version moved)
         assert r0["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
+def test_gae_over_an_episode_is_gae_over_its_model_tokens_alone():
+    """PPO on episodes: the terminal reward sits on the last model token and GAE skips environment
+    tokens (verl's observation-token skipping), so the advantages equal those of the compacted row."""
+    from asyncrl.pipelines.stages import terminal_rewards
+    from asyncrl.roles import functional as F
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
+    values = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
+    rewards = terminal_rewards(torch.tensor([1.5, -0.5]), mask)
+    assert rewards[0].tolist() == [0.0] * 6 + [1.5] + [0.0] * 3 and rewards[1, 2] == -0.5
+    adv, ret = F.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    keep = mask[0].bool()
+    adv_c, ret_c = F.gae(rewards[:1, keep], values[:1, keep], mask[:1, keep], gamma=0.9, lam=0.8)
+    assert torch.equal(adv[:1, keep], adv_c) and torch.equal(ret[:1, keep], ret_c)
+    assert (adv[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
+    # the row without environment tokens is what it always was: the last token's advantage is r - V
+    assert adv[1, 2] == -0.5 - values[1, 2]

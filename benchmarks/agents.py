@@ -82,6 +82,9 @@ async def measure(args: Args) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     async with RayWorkerGroup(BenchRollout, world_size=1, args=(model, cfg), name="agents-bench") as g:
         prompts = batch(args.episodes)
+        async with LoopLag(interval=0.01) as idle:  # the same heartbeat with no call in flight: the machine's share
+            await asyncio.sleep(5.0)
+        out["idle (no call)"] = {"loop_lag_max_ms": 1000 * idle.max}
         for mode, in_flight in (("one at a time", 1), (f"{args.episodes} in flight", args.episodes)):
             await g.generate_episodes(prompts[:2], seed=99, max_in_flight=in_flight)  # warm-up
             rates, lags = [], []
@@ -111,11 +114,16 @@ def render(args: Args, res: dict[str, dict[str, float]], note: str) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for mode, r in res.items():
+        if "tokens_per_s" not in r:
+            lines.append(f"| {mode} | | | {r['loop_lag_max_ms']:.1f} ms | | |")
+            continue
         lines.append(f"| {mode} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / one['tokens_per_s']:.1f}x | "
                      f"{r['loop_lag_max_ms']:.1f} ms | {r['peak_rss_mib']:.0f} MiB | {r['turns']:.2f} |")
     lines += ["", f"Speed-up of {args.episodes} in flight: **{many['tokens_per_s'] / one['tokens_per_s']:.1f}x** "
               f"(target >= 4x); worst controller loop lag {max(one['loop_lag_max_ms'], many['loop_lag_max_ms']):.1f} ms "
-              "(target < 50 ms).", ""]
+              f"(target < 50 ms) against {res['idle (no call)']['loop_lag_max_ms']:.1f} ms for the same heartbeat with "
+              "no call in flight: on a loaded machine the lag is the process waiting for a core, not the controller's "
+              "work (the controller only awaits one call).", ""]
     return "\n".join(lines)
 
 

@@ -44,7 +44,7 @@ from .engines.batcher import Generation
 from .errors import EpisodeConfigError, TrajectoryError
 
 __all__ = ["Sample", "Trajectory", "LLM", "Episode", "STOP_REASONS", "register_episode", "episode_names",
-           "resolve_episode", "validate_trajectory", "pack_trajectories"]
+           "resolve_episode", "validate_trajectory", "pack_trajectories", "episode_metrics"]
 
 STOP_REASONS = ("done", "max_turns", "max_length", "stop")
 """Why an episode ended: the environment said done; ``max_turns`` reached; the response part reached the
@@ -350,3 +350,22 @@ def pack_trajectories(trajs: list[Trajectory], prompt_ids: torch.Tensor, prompt_
         "tool_errors": tool_errors,
         "stop_reason": NonTensorStack(*[t.stop_reason for t in trajs]),
     }
+
+
+def episode_metrics(batch: Any, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    """``episode/*`` metrics of a packed batch (over every rank when `all_reduce` sums across them):
+    mean turns, model and environment tokens per episode, tool errors (a count), and the fraction of
+    episodes per stop reason."""
+    mask = batch["response_mask"].long()
+    R = mask.shape[1]
+    env = batch["attention_mask"][:, -R:].long().sum(1) - mask.sum(1)
+    reasons = list(batch["stop_reason"]) if mask.shape[0] else []
+    local = torch.tensor([float(mask.shape[0]), float(batch["num_turns"].sum()), float(mask.sum()), float(env.sum()),
+                          float(batch["tool_errors"].sum()), *[float(reasons.count(r)) for r in STOP_REASONS]],
+                         dtype=torch.float64)
+    total = (all_reduce(local) if all_reduce is not None else local).tolist()
+    n = max(total[0], 1.0)
+    out = {"episode/turns_mean": total[1] / n, "episode/model_tokens_mean": total[2] / n,
+           "episode/env_tokens_mean": total[3] / n, "episode/tool_errors": total[4]}
+    out.update({f"episode/stop_{r}_frac": total[5 + i] / n for i, r in enumerate(STOP_REASONS)})
+    return out

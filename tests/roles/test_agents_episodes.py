@@ -180,3 +180,39 @@ async def test_episodes_return_the_generate_layout_with_environment_tokens_maske
     old = PolicyWorker(model_config).compute_log_prob(out)["old_log_probs"]
     m = mask.bool()
     torch.testing.assert_close(old[m], out["rollout_log_probs"][m], atol=1e-5, rtol=0)
+
+
+GATE: dict[str, asyncio.Event] = {}
+
+
+@register_episode("test_waits_between_turns")
+async def waits_between_turns(llm: LLM, sample: Sample) -> Trajectory:
+    traj = llm.start(sample)
+    await llm.generate(traj, max_new_tokens=2)
+    GATE["started"].set()
+    await GATE["go"].wait()  # the test holds the episode in flight here
+    traj.observe(llm.encode(" ok:"))
+    await llm.generate(traj, max_new_tokens=2)
+    return traj
+
+
+async def test_a_weight_update_waits_for_the_episodes_in_flight_and_the_next_ones_carry_its_version(
+        model_config, prompt_batch):
+    from asyncrl.roles import PolicyWorker
+
+    rollout = RolloutWorker(model_config, RolloutConfig(max_new_tokens=12))
+    GATE.update(started=asyncio.Event(), go=asyncio.Event())
+    episodes = asyncio.ensure_future(rollout.generate_episodes(prompt_batch(n=2), episode="test_waits_between_turns"))
+    await GATE["started"].wait()
+    weights = PolicyWorker(model_config).export_weights()
+    update = asyncio.ensure_future(rollout.update_weights((1, weights[1])))
+    await asyncio.sleep(0)
+    assert not update.done()
+    GATE["go"].set()
+    out = await episodes
+    receipt = await update
+    assert receipt["version"] == 1 and receipt["waited"] == 1
+    assert out["version"].tolist() == [0, 0] and set(out["token_versions"][out["response_mask"].bool()].tolist()) == {0}
+    GATE["go"].set()
+    after = await rollout.generate_episodes(prompt_batch(n=2), episode="test_waits_between_turns")
+    assert after["version"].tolist() == [1, 1]

@@ -114,8 +114,9 @@ async def test_two_policy_ranks_train_like_one_on_unequal_masked_episodes(two_po
         torch.testing.assert_close(r0["grads"][n], g, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(r1["grads"][n], g, rtol=1e-5, atol=1e-7)
     assert r0["metrics"] == r1["metrics"]
-    # the episode metrics are of the whole batch: rows 0-3 took 3 turns, rows 4-7 one
-    assert one["metrics"]["episode/turns_mean"] == 2.0 and one["metrics"]["episode/stop_stop_frac"] == 1.0
+    # the episode metrics are of the whole batch: rows 0-3 took 3 turns and filled their 24 tokens, rows 4-7 one
+    m = one["metrics"]
+    assert m["episode/turns_mean"] == 2.0 and m["episode/stop_max_length_frac"] == m["episode/stop_stop_frac"] == 0.5
     assert one["metrics"]["episode/model_tokens_mean"] == 7.0 and one["metrics"]["episode/tool_errors"] == 0.0
     for k, v in one["metrics"].items():
         if k.startswith(("row_staleness", "version")):

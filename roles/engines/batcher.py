@@ -19,7 +19,9 @@ boundary with the cache kept, which the HF engine does not do). The batcher runs
 worker thread, so the event loop stays free.
 
 Each request samples from its own generator (``params.seed``), so its tokens do not depend on
-which other requests share its rounds (up to float rounding of different batch shapes).
+which other requests share its rounds (up to float rounding of different batch shapes). The
+log-probs are the rounds' own (prefill, then KV-cached decode); the HF engine's
+``exact_log_probs`` recomputation is not applied to requests.
 """
 
 from __future__ import annotations

@@ -216,3 +216,8 @@ async def test_a_weight_update_waits_for_the_episodes_in_flight_and_the_next_one
     GATE["go"].set()
     after = await rollout.generate_episodes(prompt_batch(n=2), episode="test_waits_between_turns")
     assert after["version"].tolist() == [1, 1]
+
+
+async def test_chat_messages_need_a_tokenizer_with_a_chat_template():
+    with pytest.raises(ValueError, match="no chat template; pass token ids"):
+        await scripted_llm(["x"]).generate([{"role": "user", "content": "hi"}])

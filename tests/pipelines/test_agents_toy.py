@@ -14,15 +14,12 @@ import pytest
 from asyncrl.pipelines.cli import main
 from asyncrl.pipelines.metrics import read_jsonl
 
-AGENTS_TOY = ["rollout.episode=char_class_retry", "rollout.max_new_tokens=19", "trainer.steps=30",
-              "trainer.batch_size=32", "algorithm.group_size=4", "actor.lr=0.01", "trainer.progress=false"]
-"""The README's run (``asyncrl train`` with these overrides)."""
 
 
 @pytest.mark.slow
 def test_the_trainer_learns_to_guess_then_correct_with_feedback(ray_cluster, tmp_path):
     out = tmp_path / "run"
-    assert main(["train", f"trainer.output_dir={out}", *AGENTS_TOY]) == 0
+    assert main(["train", "--preset", "grpo_agents_toy", f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(30))
     rewards = [r["reward/mean"] for r in rows]

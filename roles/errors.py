@@ -83,3 +83,7 @@ class TrajectoryError(RolesError, ValueError):
 
 class EpisodeConfigError(RolesError, ValueError):
     """Raised at configuration time for an unknown episode or environment, or a tool that is not async."""
+
+
+class EpisodeError(RolesError, RuntimeError):
+    """Raised when an episode (or its environment) raises; names the episode and the row."""

@@ -43,7 +43,7 @@ from asyncrl import Dispatch, Execute, Mode, Worker, register
 from ._util import require, text_list, with_fields
 from .device import check_gpu_memory, place_model, resolve_placement
 from .engines import Completion, SamplingParams, make_engine
-from .errors import DeviceError, PromptTooLongError, StaleWeightsError, WeightSyncError
+from .errors import DeviceError, EpisodeError, PromptTooLongError, StaleWeightsError, WeightSyncError
 from .models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads, state_dict_checksums
 from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, layout_of, member_info
 
@@ -415,7 +415,12 @@ class RolloutWorker(Worker):
                             answer=answers[i] if answers else None, index=i)
             llm = LLM(submit, self.tokenizer, replace(base, seed=((base.seed or 0) + 104729 * i) & 0x3FFFFFFF), R)
             async with limit:
-                trajs[i] = validate_trajectory(await fn(llm, sample), name, sample, R, vocab)
+                try:
+                    traj = await fn(llm, sample)
+                except Exception as e:  # the user's code: say whose and which row (tools never get here)
+                    raise EpisodeError(f"episode {name!r} (row {i}) raised {type(e).__name__}: {e}; fix the "
+                                       "episode or its environment (tool errors are observations, not raises)") from e
+                trajs[i] = validate_trajectory(traj, name, sample, R, vocab)
 
         me = asyncio.current_task()
         if me is not None:

@@ -17,7 +17,7 @@ from asyncrl.roles.engines.batcher import Generation
 from asyncrl.roles.environments import (Calculator, Environment, StepResult, class_fraction, environment_episode,
                                         register_environment)
 from asyncrl.roles.episodes import LLM, Sample, Trajectory, register_episode
-from asyncrl.roles.errors import EpisodeConfigError, TrajectoryError
+from asyncrl.roles.errors import EpisodeConfigError, EpisodeError, TrajectoryError
 from asyncrl.roles.tools import Tool, call_tool, tool
 
 TOK = tiny_tokenizer()
@@ -141,6 +141,13 @@ async def no_log_probs(llm: LLM, sample: Sample) -> Trajectory:
     return traj
 
 
+@register_episode("test_raises")
+async def raises(llm: LLM, sample: Sample) -> Trajectory:
+    traj = llm.start(sample)
+    await llm.generate(traj, max_new_tokens=2)
+    raise KeyError("no such state")
+
+
 @pytest.fixture(scope="module")
 def rollout(model_config):
     return RolloutWorker(model_config, RolloutConfig(max_new_tokens=22, episode="char_class_retry",
@@ -152,6 +159,11 @@ async def test_a_malformed_trajectory_is_an_error_naming_the_episode_and_the_fie
                                                                                     field):
     with pytest.raises(TrajectoryError, match=rf"episode '{episode}' \(row \d\): field '{field}'"):
         await rollout.generate_episodes(prompt_batch(n=2), episode=episode)
+
+
+async def test_an_episode_that_raises_fails_the_call_with_one_error_naming_it_and_the_row(rollout, prompt_batch):
+    with pytest.raises(EpisodeError, match=r"episode 'test_raises' \(row \d\) raised KeyError: 'no such state'"):
+        await rollout.generate_episodes(prompt_batch(n=2), episode="test_raises")
 
 
 async def test_episodes_return_the_generate_layout_with_environment_tokens_masked(rollout, model_config, prompt_batch):

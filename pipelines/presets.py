@@ -9,7 +9,8 @@ from __future__ import annotations
 from asyncrl.pipelines.config import AlgorithmConfig, DataConfig, EvalConfig, JobConfig, TrainerConfig
 from asyncrl.roles import SMOLLM2_135M_INSTRUCT, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 
-__all__ = ["grpo_toy", "ppo_toy", "grpo_smollm_arith", "grpo_smollm_arith_vllm", "tiny_test", "PRESETS"]
+__all__ = ["grpo_toy", "ppo_toy", "grpo_smollm_arith", "grpo_smollm_arith_vllm", "grpo_agents_toy",
+           "grpo_smollm_calculator", "tiny_test", "PRESETS"]
 
 
 def grpo_toy() -> JobConfig:
@@ -71,6 +72,35 @@ def grpo_smollm_arith_vllm() -> JobConfig:
     return cfg.validate()
 
 
+def grpo_agents_toy() -> JobConfig:
+    """GRPO on the multi-turn ``char_class_retry`` environment (guess, feedback, correct) with the tiny
+    model: every rollout row is an episode (:mod:`asyncrl.roles.episodes`); ~1 min on 2 CPU cores, mean
+    reward from ~0.15 to > 0.9 in 30 steps."""
+    cfg = grpo_toy()
+    cfg.rollout = RolloutConfig(max_new_tokens=19, temperature=1.0, episode="char_class_retry")
+    cfg.actor.lr = 1e-2
+    cfg.algorithm.group_size = 4
+    cfg.trainer = TrainerConfig(steps=30, batch_size=32, max_staleness=1, seed=0, output_dir="runs/grpo_agents_toy")
+    return cfg.validate()
+
+
+def grpo_smollm_calculator() -> JobConfig:
+    """:func:`grpo_smollm_arith` as multi-turn episodes with the ``calc`` tool: each turn (at most 3 of
+    24 tokens) may call ``<calc>expression</calc>`` and sees ``<result>value</result>``; a turn without
+    a call is the answer (reward 1 when its last number is right). No evaluation passes (sized for a
+    2-core CPU: 10 steps)."""
+    cfg = grpo_smollm_arith()
+    cfg.data.system_prompt = ("Use the calculator when it helps: write <calc>expression</calc> and you get "
+                              "<result>value</result>. Finish with Answer: <number>.")
+    cfg.rollout.episode = "calculator"
+    cfg.rollout.episode_kwargs = {"max_turns": 3, "tokens_per_turn": 24}
+    cfg.rollout.max_new_tokens = 96
+    cfg.evaluation.every, cfg.evaluation.at_start, cfg.evaluation.at_end = 0, False, False
+    cfg.trainer.steps = 10
+    cfg.trainer.output_dir = "runs/grpo_smollm_calculator"
+    return cfg.validate()
+
+
 def tiny_test(algorithm: str = "grpo") -> JobConfig:
     """The smallest sensible run, for tests: 2 prompts x 4 responses, 4 new tokens, 3 steps."""
     cfg = grpo_toy() if algorithm == "grpo" else ppo_toy()
@@ -85,5 +115,6 @@ def tiny_test(algorithm: str = "grpo") -> JobConfig:
 
 
 PRESETS = {"grpo_toy": grpo_toy, "ppo_toy": ppo_toy, "grpo_smollm_arith": grpo_smollm_arith,
-           "grpo_smollm_arith_vllm": grpo_smollm_arith_vllm}
+           "grpo_smollm_arith_vllm": grpo_smollm_arith_vllm, "grpo_agents_toy": grpo_agents_toy,
+           "grpo_smollm_calculator": grpo_smollm_calculator}
 """Presets the command line can start from (``asyncrl train --preset NAME``)."""

@@ -135,9 +135,10 @@ def compute_advantages(batch: TensorDictBase, algo: Mapping[str, Any], *,
 
 
 def terminal_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, R]`` token rewards: each sequence's score on its last generated token."""
+    """``[B, R]`` token rewards: each sequence's score on its last generated token (the last 1 of the
+    mask: a multi-turn row has environment tokens, mask 0, between its model tokens)."""
     rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (mask.long().sum(-1) - 1).clamp(min=0)
+    last = mask.shape[-1] - 1 - mask.long().flip(-1).argmax(-1)
     has = mask.long().sum(-1) > 0
     rows = torch.arange(mask.shape[0])[has]
     rewards[rows, last[has]] = scores[has]

@@ -75,3 +75,15 @@ class UnknownNameError(RolesError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class TrajectoryError(RolesError, ValueError):
+    """Raised when an episode returns a malformed trajectory; names the episode and the field."""
+
+
+class EpisodeConfigError(RolesError, ValueError):
+    """Raised at configuration time for an unknown episode or environment, or a tool that is not async."""
+
+
+class EpisodeError(RolesError, RuntimeError):
+    """Raised when an episode (or its environment) raises; names the episode and the row."""

@@ -202,7 +202,9 @@ def gae(
             generated token).
         values: ``[B, R]`` critic values of each response position.
         mask: ``[B, R]`` 1 on generated tokens; the position after the last one is terminal
-            (its value counts as 0).
+            (its value counts as 0). Zeros between model tokens (environment tokens of a multi-turn
+            episode) are skipped: the advantage chain runs over the model tokens alone, as verl's
+            ``compute_gae_advantage_return`` does for observation tokens.
         gamma: discount.
         lam: GAE lambda.
 
@@ -217,11 +219,14 @@ def gae(
     B, R = rewards.shape
     adv = torch.zeros_like(values)
     carry = torch.zeros(B, dtype=values.dtype, device=values.device)
+    next_value = torch.zeros_like(carry)
     for t in reversed(range(R)):
-        nxt = m[:, t + 1] if t + 1 < R else torch.zeros_like(carry)
-        next_value = values[:, t + 1] * nxt if t + 1 < R else torch.zeros_like(carry)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        carry = delta + gamma * lam * nxt * carry
+        step = delta + gamma * lam * carry
+        # positions with mask 0 carry the value and advantage through unchanged (verl skips observation
+        # tokens): a multi-turn row is the chain of its model tokens; right padding keeps them at 0
+        next_value = values[:, t] * m[:, t] + (1 - m[:, t]) * next_value
+        carry = step * m[:, t] + (1 - m[:, t]) * carry
         adv[:, t] = carry * m[:, t]
     returns = (adv + values) * m
     return adv, returns

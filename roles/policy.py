@@ -402,7 +402,12 @@ class PolicyWorker(_Trainable, WeightSource):
                 grad_norms.append(grad_norm_and_clip(params, cfg.max_grad_norm))
                 self.optimizer.step()
         self._version += 1
-        return self._metrics(batch, shares, counts, grad_norms, iw, has_behaviour)
+        metrics = self._metrics(batch, shares, counts, grad_norms, iw, has_behaviour)
+        if "num_turns" in batch.keys():  # a batch of multi-turn episodes (asyncrl.roles.episodes)
+            from .episodes import episode_metrics
+
+            metrics.update(episode_metrics(batch, self.dp.all_reduce))
+        return metrics
 
     def _metrics(self, batch: TensorDictBase, shares: dict[str, float], counts: dict[str, float],
                  grad_norms: list[float], iw: F.ISWeights | None, has_behaviour: bool) -> dict[str, float]:

@@ -437,6 +437,8 @@ class RewardWorker(Worker):
         A function that raises, or returns the wrong type or shape, raises
         :class:`RewardFnError` naming the function."""
         n = batch.batch_size[0]
+        if "episode_reward" in batch.keys() and bool(torch.isfinite(batch["episode_reward"]).all()):
+            return TensorDict({"scores": batch["episode_reward"].float()}, batch_size=[n])  # episodes scored themselves
         if self.rm is not None:
             scores = self._model_scores(batch)
         else:

@@ -40,10 +40,10 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, Execute, Mode, Worker, register
 
-from ._util import require, with_fields
+from ._util import require, text_list, with_fields
 from .device import check_gpu_memory, place_model, resolve_placement
 from .engines import Completion, SamplingParams, make_engine
-from .errors import DeviceError, PromptTooLongError, StaleWeightsError, WeightSyncError
+from .errors import DeviceError, EpisodeError, PromptTooLongError, StaleWeightsError, WeightSyncError
 from .models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads, state_dict_checksums
 from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, layout_of, member_info
 
@@ -82,6 +82,28 @@ class RolloutConfig:
     """What ``sleep()`` releases while the policy trains on a shared GPU (colocated): 0 = nothing
     (``sleep`` is a no-op), 1 = weights offloaded to the CPU and the KV cache freed, 2 = weights
     discarded (the next weight sync restores them). verl's / vLLM's sleep levels."""
+    episode: str | None = None
+    """Run a multi-turn episode per row instead of one generation (:mod:`asyncrl.roles.episodes`): a
+    registered episode, a registered environment (``"char_class_retry"``, ``"calculator"``, your own) or
+    ``"package.module:function"``. ``max_new_tokens`` is then the most tokens after the prompt (model and
+    environment together). Checked when the config is built, before any worker starts."""
+    episode_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the episode; for an environment ``max_turns``, ``tokens_per_turn``,
+    ``tools`` (tool names) and ``env_kwargs``."""
+    max_episodes_in_flight: int = 256
+    """Most episodes one rank runs at once (the engine batches their pending requests)."""
+    chunk_tokens: int = 32
+    """Tokens a request decodes per round of the request-level HF engine; round boundaries are where new
+    requests join and where weights may change."""
+
+    def __post_init__(self) -> None:
+        if self.episode is not None:
+            from .episodes import resolve_episode
+
+            resolve_episode(self.episode, self.episode_kwargs)  # unknown names and non-async tools fail here
+        if self.max_episodes_in_flight < 1 or self.chunk_tokens < 1:
+            raise ValueError(f"RolloutConfig: max_episodes_in_flight and chunk_tokens must be >= 1, got "
+                             f"{self.max_episodes_in_flight}, {self.chunk_tokens}")
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -189,6 +211,13 @@ class RolloutWorker(Worker):
         self._jobs: set[_Job] = set()
         self._streams: dict[str, tuple[_Job, asyncio.Future[None], int, int]] = {}
         self._stream_batches: dict[str, TensorDictBase] = {}
+        self._episode_fn = None
+        if self.config.episode is not None:
+            from .episodes import resolve_episode
+
+            self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
+        self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
+        self._episode_tasks: set[asyncio.Task[Any]] = set()
 
     # ---- state --------------------------------------------------------------------------
 
@@ -318,11 +347,96 @@ class RolloutWorker(Worker):
         `max_new_tokens`/`temperature` override the config for this call; `seed` is mixed
         into the derived sampling seed.
         """
+        if self._episode_fn is not None:
+            return await self.generate_episodes(batch, max_new_tokens, temperature, seed)
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
         prompts = self._prompts(batch, R)
         job = _Job(prompts, self._params(prompts, max_new_tokens, temperature, seed))
         await self._run_job(job)
         return self._assemble(batch, self._rows(job, list(range(len(prompts))), R))
+
+    # ---- multi-turn episodes --------------------------------------------------------------
+
+    def _request_engine(self) -> Any:
+        """``submit(prompt_ids, params) -> Generation``: the request-level HF engine (one batcher per
+        worker), or one-prompt calls of an engine that schedules requests itself (vLLM)."""
+        from .engines.batcher import Generation, request_batcher
+
+        if self._batcher is None:
+            self._batcher = request_batcher(self.engine, max_batch_size=getattr(self.engine, "max_batch_size", 64),
+                                            chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version)
+        if self._batcher is not None:
+            return self._batcher.generate
+
+        async def submit(ids: list[int], params: SamplingParams) -> Generation:
+            version = self._version
+            c = (await self.engine.generate([ids], params))[0]
+            return Generation(c.response_ids, c.log_probs, c.finish_reason, versions=[version] * len(c.response_ids))
+
+        return submit
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None, *,
+                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
+                                max_in_flight: int | None = None) -> TensorDict:
+        """One episode per row (``RolloutConfig.episode``, or `episode` for this call), all in flight at
+        once; returns the layout of :meth:`generate` (see :func:`asyncrl.roles.episodes.pack_trajectories`):
+        ``response_ids`` of width R hold model and environment tokens, ``response_mask`` is 1 only on
+        model tokens, plus ``token_versions``, ``episode_reward``, ``num_turns``, ``tool_errors``,
+        ``stop_reason``. Rows repeated for GRPO run separate episodes (their ``uid`` is kept, so a
+        group is the episodes of one sample). A malformed trajectory raises
+        :class:`~asyncrl.roles.errors.TrajectoryError` naming the episode and the field. `max_in_flight`
+        overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time)."""
+        import anyio
+
+        from .episodes import LLM, Sample, pack_trajectories, resolve_episode, validate_trajectory
+
+        if episode is not None:
+            fn, name = resolve_episode(episode, episode_kwargs), episode
+        elif self._episode_fn is not None:
+            fn, name = self._episode_fn, str(self.config.episode)
+        else:
+            raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        gate = self._gate_event()
+        while not gate.is_set():  # a weight update is loading: start under the new weights
+            await gate.wait()
+        base = self._params(prompts, R, temperature, seed)
+        submit = self._request_engine()
+        prompt_text, answers = text_list(batch, "prompt"), text_list(batch, "answer")
+        trajs: list[Any] = [None] * len(prompts)
+        limit = anyio.Semaphore(max_in_flight or self.config.max_episodes_in_flight)
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+
+        async def run(i: int) -> None:
+            sample = Sample(prompts[i], prompt=prompt_text[i] if prompt_text else None,
+                            answer=answers[i] if answers else None, index=i)
+            llm = LLM(submit, self.tokenizer, replace(base, seed=((base.seed or 0) + 104729 * i) & 0x3FFFFFFF), R)
+            async with limit:
+                try:
+                    traj = await fn(llm, sample)
+                except Exception as e:  # the user's code: say whose and which row (tools never get here)
+                    raise EpisodeError(f"episode {name!r} (row {i}) raised {type(e).__name__}: {e}; fix the "
+                                       "episode or its environment (tool errors are observations, not raises)") from e
+                trajs[i] = validate_trajectory(traj, name, sample, R, vocab)
+
+        me = asyncio.current_task()
+        if me is not None:
+            self._episode_tasks.add(me)  # weight updates and sleep wait for the episodes in flight
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(run, i)
+        except BaseExceptionGroup as group:  # the first episode's error cancelled the rest: raise it alone
+            raise _first_leaf(group) from None
+        finally:
+            if me is not None:
+                self._episode_tasks.discard(me)
+        fields = pack_trajectories(trajs, batch["prompt_ids"], batch["prompt_mask"], R,
+                                   int(self.tokenizer.pad_token_id), self._version)
+        return with_fields(batch, fields)
 
     async def stream_generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                               temperature: float | None = None, seed: int | None = None) -> AsyncIterator[TensorDict]:
@@ -504,7 +618,7 @@ class RolloutWorker(Worker):
         gate = self._gate_event()
         gate.clear()
         try:
-            tasks = [j.task for j in self._jobs if j.task is not None]
+            tasks = [j.task for j in self._jobs if j.task is not None] + list(self._episode_tasks)
             if tasks:
                 await asyncio.wait(tasks)
             asleep = getattr(self.engine, "asleep", None)
@@ -564,6 +678,7 @@ class RolloutWorker(Worker):
                     j.task.cancel()  # type: ignore[union-attr]
                     aborted += len(j.pending)
             tasks = [j.task for j in jobs if j.task is not None]
+            tasks += [t for t in self._episode_tasks if t is not asyncio.current_task()]  # episodes finish first
             if tasks:
                 await asyncio.wait(tasks)  # abort: until the engine stopped; wait: until they finished
             # transfer
@@ -611,7 +726,17 @@ class RolloutWorker(Worker):
         """Close the weight channel and the engine."""
         if self._channel is not None:
             self._channel.close()
+        if self._batcher is not None:
+            self._batcher._abort.set()
         self.engine.close()
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first non-group exception of `group` (an anyio task group wraps its tasks' errors)."""
+    e: BaseException = group
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
 
 
 def _check_vllm_memory(engine_kwargs: dict[str, Any], placement: Any) -> None:

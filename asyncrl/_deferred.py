@@ -32,7 +32,7 @@ Two ways to send a pipelined input:
   ``local_results`` ordered numbers (a window that moves with the lane, so nothing is
   ever released by message); the controller, which numbers the calls, uses the marker
   only when the producer's number is within that window of the consumer's, and so
-  provably still retained at the consumer's turn (:meth:`asyncrl._sequencer.Lane.outcome`);
+  provably still retained at the consumer's turn (:meth:`asyncrl._lanes.Lane.outcome`);
   otherwise the input takes one of the two paths above, unchanged. The consumer gets a
   shallow copy of the producer's container (a TensorDict, dict or list: its own keys);
   tensor storage is shared, as with Ray's zero-copy read-only views (inputs are
@@ -51,7 +51,7 @@ when Ray could not store it (a result it cannot serialize, which a consumer in t
 producer's own process never noticed), or when it cannot be unpickled on the
 consumer's worker; the Ray backend observes every call sent with top-level inputs and
 releases the number of one that failed so (the one cancel message, case 4 of
-:mod:`asyncrl._sequencer`), and the call's future fails with an ``UpstreamError``
+docs/protocol.md), and the call's future fails with an ``UpstreamError``
 naming the producer.
 """
 

@@ -2,7 +2,7 @@
 
 A host constructs the worker objects of one process (several, for colocated
 groups), resolves pipelined arguments, and runs calls. Ordered calls are admitted by
-the process's :class:`~asyncrl._sequencer.Lane` in the order the controller numbered
+the process's :class:`~asyncrl._lanes.Lane` in the order the controller numbered
 them, whatever order they arrive in (an async Ray actor does not keep submission
 order); concurrent calls run as soon as they arrive. A call's arguments travel as one
 :class:`Payload`, so a worker that cannot unpickle them still runs the host method,
@@ -28,7 +28,8 @@ from typing import Any, Awaitable, Callable
 from asyncrl import batch as B
 from asyncrl._deferred import (DeferredShard, DeferredValue, LocalShard, TopShard, one_pad, resolve_args, shallow,
                                take_local, take_top)
-from asyncrl._sequencer import NEVER_RAN, CallCancelled, Lane, LoopCall, ThreadLane, Ticket, outcome_of
+from asyncrl._lanes import NEVER_RAN, CallCancelled, Lane, Ticket, outcome_of
+from asyncrl._thread_lane import LoopCall, ThreadLane
 from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
@@ -54,7 +55,7 @@ class Payload:
     tensors still cross without copies) whose unpickling on the worker never raises: a
     failure (a class that is not importable there, a ``__setstate__`` that raises)
     arrives as `error` and the host reports it as the call's ``RemoteError``, releasing
-    the call's number (case 3 of :mod:`asyncrl._sequencer`).
+    the call's number (case 3 of docs/protocol.md).
     """
 
     __slots__ = ("args", "kwargs", "error", "top", "nested")
@@ -132,7 +133,7 @@ class Payload:
 
 CONTROL_WAIT = 60.0
 """Seconds a call waits at most for a control message sent before it (case 16 of
-:mod:`asyncrl._sequencer`); the control thread handles each one in microseconds, so
+docs/protocol.md); the control thread handles each one in microseconds, so
 only a process that is going away reaches it (then the call goes on, with a warning)."""
 _PLAIN_ITEMS = 64  # list items and dict values, over all levels, that still count as plain
 _PLAIN_DEPTH = 4  # levels of nested lists and dicts that still count as plain
@@ -145,7 +146,7 @@ def _scalar(x: Any) -> bool:
 
 def _plain(x: Any) -> bool:
     """A value Ray encodes with msgpack and the worker decodes without unpickling anything
-    (so it cannot fail there: case 3 of asyncrl._sequencer): a scalar (an int of 64 bits,
+    (so it cannot fail there: case 3 of docs/protocol.md): a scalar (an int of 64 bits,
     a float, a string, a bool, None), or lists and string-keyed dicts of such — a config
     dict — with at most ``_PLAIN_ITEMS`` items in all, nested at most ``_PLAIN_DEPTH``
     levels. Tuples, other key types, subclasses and anything larger take the pickled Payload."""
@@ -357,7 +358,7 @@ class _HostBase:
             pass
 
     def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False, note: int = 0) -> Any:
-        """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`); after a
+        """The worker end of the one cancel path (see docs/protocol.md); after a
         deadline's cancel, the call wedging the lane, if any (case 15). `note`: this
         control message's number (case 16; 0: unnumbered)."""
         try:
@@ -367,7 +368,7 @@ class _HostBase:
 
     def control_state(self) -> dict[str, int]:
         """For tests: the control messages handled (every one numbered up to ``seen``) and
-        the calls waiting for one now (case 16 of :mod:`asyncrl._sequencer`)."""
+        the calls waiting for one now (case 16 of docs/protocol.md)."""
         return {"seen": self._lane.control.seen, "waiting": self._lane.control.waiting}
 
     def _identity(self, role: str) -> tuple[str, int]:
@@ -398,7 +399,7 @@ class _HostBase:
         if not want_meta:
             return result if keep else None
         meta = self._meta(spec, method, args, kwargs, result, pad)
-        if ticket.outcome is not None:  # kept for same-process consumers (case 14 of asyncrl._sequencer)
+        if ticket.outcome is not None:  # kept for same-process consumers (case 14 of docs/protocol.md)
             # The container as it is now, as Ray serializes it now: a worker that returns a
             # container it keeps (a buffer it refills) and changes its keys in a later call
             # does not change what this call's consumers read.
@@ -497,7 +498,7 @@ class WorkerHost(_HostBase):
     async def init_workers(self, specs: list[RoleSpec], keep_results: int = 0) -> dict[str, dict[str, Any]]:
         """Construct the workers; returns each role's registered meshes. `keep_results`:
         how many of its latest ordered numbers the lane keeps outcomes of (case 14 of
-        :mod:`asyncrl._sequencer`)."""
+        docs/protocol.md)."""
         self._lane.keep_results = keep_results
         out: dict[str, dict[str, Any]] = {}
         for spec in specs:
@@ -600,10 +601,10 @@ class ThreadedHost(_HostBase):
     ``def`` method right there, on the thread that received it and built the worker:
     no thread hand-off. A ``calls``-group call hands its ``def`` method to the pinned
     thread as a job (the pinned call waiting for its turn runs it, or a call the host
-    submits to itself does: case 15 of :mod:`asyncrl._sequencer`). ``async def``
+    submits to itself does: case 15 of docs/protocol.md). ``async def``
     methods and the resolution of pipelined arguments run on an event loop of the
     host's own (a thread started at the first use). Ordering, cancellation and the
-    wedged lane are :class:`~asyncrl._sequencer.ThreadLane`'s; a wedge that pinned calls
+    wedged lane are :class:`~asyncrl._thread_lane.ThreadLane`'s; a wedge that pinned calls
     queued in Ray cannot see is the controller's to act on (case 15).
     """
 
@@ -642,7 +643,7 @@ class ThreadedHost(_HostBase):
         return self._lane.wait_unwedged(call_id)  # type: ignore[attr-defined]
 
     def pinned_state(self) -> dict[str, Any]:
-        """For tests: the pinned thread's state (:meth:`~asyncrl._sequencer.ThreadLane.pinned_state`)."""
+        """For tests: the pinned thread's state (:meth:`~asyncrl._thread_lane.ThreadLane.pinned_state`)."""
         return self._lane.pinned_state()  # type: ignore[attr-defined]
 
     def unfence(self, call_id: int, upto: int, note: int = 0) -> None:

@@ -16,7 +16,7 @@ against completion: when it passes, the controller asks the backend (off the eve
 loop) whether every rank has finished; if so the call completed in time and never
 raises :class:`~asyncrl.CallTimeoutError`, however late it is awaited. Otherwise the
 call fails with ``CallTimeoutError`` for every holder and its remote work is cancelled
-through the one cancel path (:mod:`asyncrl._sequencer`).
+through the one cancel path (:mod:`asyncrl._sequencer`, docs/protocol.md).
 
 *Cancelling a shared future.* A call runs as long as someone waits for it: a task
 awaiting it, or a pending call it feeds (a pipelined consumer). Cancelling a task that
@@ -78,7 +78,7 @@ class _Call:
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_timer", "_fut", "_fetch", "_error", "_completed", "_watching", "_failure", "_loop",
-        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of asyncrl._sequencer)
+        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of docs/protocol.md)
     )
 
     def __init__(self, site: _Site, backend: Backend, sequencer: "Sequencer", spec: "MethodSpec", world: "World",

@@ -301,7 +301,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
                      metas if mode.data_parallel else None, entries, timeout, producers, sharded.pad)
         if hs.sequencer.pinned:
-            hs.sequencer.issued(call)  # (a wedged lane fails it at once: case 15 of asyncrl._sequencer)
+            hs.sequencer.issued(call)  # (a wedged lane fails it at once: case 15 of docs/protocol.md)
         if inputs is not None:
             call.reads = inputs.fully_read()
             call.top_from = tuple(inputs.top_from) or None
@@ -362,7 +362,7 @@ class _Inputs:
         """One rank's argument (or an item of a list argument) for a call that will have
         number `seq` on `rank`'s lane: a matched shard of an ordered producer on the same
         process, whose outcome that lane provably still keeps at this call's turn (its
-        number within the window: case 14 of asyncrl._sequencer), becomes a
+        number within the window: case 14 of docs/protocol.md), becomes a
         :class:`LocalShard`; a matched shard of a known-ok producer a :class:`TopShard`
         whose refs are appended to `top`."""
         if isinstance(x, DeferredShard):
@@ -375,7 +375,7 @@ class _Inputs:
                     # so the producer's host finished it. Ray's object of it could still have
                     # failed (a result Ray cannot serialize); a later top-level read of it then
                     # fails before its host runs, which the backend observes (case 13 of
-                    # asyncrl._sequencer), as for an object lost after it was read.
+                    # docs/protocol.md), as for an object lost after it was read.
                     self.read.update((id(s.refs[0]), id(s.metas[0])))  # type: ignore[index]
                     self.local_sent += 1
                     return LocalShard(s.group, s.method, s.select, entry[1], entry[2])

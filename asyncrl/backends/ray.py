@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl._backend import Cancelled, Died, Failed, InputFailed, Slot
 from asyncrl._host import ThreadedHost, WorkerHost
-from asyncrl._sequencer import CallCancelled
+from asyncrl._lanes import CallCancelled
 from asyncrl.errors import AsyncRLError, PlacementError
 
 _MAX_CONCURRENCY = 100_000  # in-flight calls per async host; ordering is by sequence number, not by slot
@@ -428,7 +428,7 @@ def _all_ready(refs: list[Any]) -> bool:
 class _ThreadedWorkerHost(ThreadedHost):
     """The threaded host as a sync Ray actor (``max_concurrency=1``, so Ray keeps the
     submission order when it dispatches each group's calls: case 12 of
-    :mod:`asyncrl._sequencer`): set-up and the ordered calls that can run at once in
+    docs/protocol.md): set-up and the ordered calls that can run at once in
     ``ordered``, a group of ONE thread (the pinned thread); ordered calls with nested
     pipelined inputs (and concurrent calls) in ``calls`` (:data:`THREADED_CALLS` threads);
     cancel messages and close in ``control`` (never queued behind calls or constructors)."""
@@ -485,7 +485,7 @@ class RayBackend:
     needs_pool = True
     top_level_inputs = True
     pins_ordered_calls = True
-    """A threaded host runs ordered calls on its pinned thread (case 15 of asyncrl._sequencer)."""
+    """A threaded host runs ordered calls on its pinned thread (case 15 of docs/protocol.md)."""
 
     def __init__(self) -> None:
         # Local wrappers: need no running Ray.
@@ -493,7 +493,7 @@ class RayBackend:
         self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1, "ordered": 1})(_ThreadedWorkerHost)
         self._methods: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(host) -> _host_methods(host)
         # id(host) -> control messages (cancel, unfence) sent to it: each is numbered and
-        # every call carries the count, so it runs only after them (case 16 of asyncrl._sequencer).
+        # every call carries the count, so it runs only after them (case 16 of docs/protocol.md).
         self._notes: dict[int, int] = {}
         self._notes_lock = threading.Lock()  # (a release can be sent from Ray's thread)
 
@@ -542,7 +542,7 @@ class RayBackend:
         if methods is None:  # .options() builds a new method object: once per host, not per call
             methods = self._methods[id(host)] = _host_methods(host)
         # An ordered call to a threaded host goes to its pinned thread unless it has nested
-        # pipelined inputs to fetch while its predecessors run (case 15 of asyncrl._sequencer).
+        # pipelined inputs to fetch while its predecessors run (case 15 of docs/protocol.md).
         pinned = seq is not None and methods[2] is not None and not payload.nested
         if want_meta:
             call2 = methods[3] if pinned else methods[1]
@@ -559,7 +559,7 @@ class RayBackend:
         """Watch a call sent with top-level inputs: if Ray fails it before its host runs
         it (an input lost, or not unpicklable there: see asyncrl._deferred), the host
         never saw its number, so release it with the one cancel message (case 4 of
-        asyncrl._sequencer; idempotent). `ref` is the call's metadata ref (a few bytes);
+        docs/protocol.md; idempotent). `ref` is the call's metadata ref (a few bytes);
         Ray calls back on its own thread; nothing runs on the loop unless it failed so."""
         if seq is None:
             return  # a concurrent call holds no number
@@ -606,7 +606,7 @@ class RayBackend:
 
     def _control(self, host: Any, method: Any, *args: Any) -> Any:
         """Send a control message to `host`, numbered in the order sent (case 16 of
-        asyncrl._sequencer); the count moves on only once Ray took the message."""
+        docs/protocol.md); the count moves on only once Ray took the message."""
         with self._notes_lock:
             note = self._notes.get(id(host), 0) + 1
             ref = method.remote(*args, note)

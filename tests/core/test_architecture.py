@@ -140,3 +140,13 @@ def test_the_console_script_is_the_pipelines_cli():
     assert target == "asyncrl.pipelines.cli:main"
     module, attr = target.split(":")
     assert callable(getattr(importlib.import_module(module), attr))
+
+
+def test_the_lanes_are_the_workers_half_and_know_nothing_of_the_controller():
+    """The worker half of the ordered-call protocol (``_lanes``, ``_thread_lane``) depends
+    only on the error types and the backend protocol; the controller's ``_sequencer`` does
+    not import it, nor does it import the sequencer."""
+    graph = _imports()
+    assert graph["asyncrl._lanes"] <= {"asyncrl.errors", "asyncrl._backend"}
+    assert graph["asyncrl._thread_lane"] <= {"asyncrl.errors", "asyncrl._backend", "asyncrl._lanes"}
+    assert not graph["asyncrl._sequencer"] & {"asyncrl._lanes", "asyncrl._thread_lane"}

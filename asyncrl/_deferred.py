@@ -7,7 +7,7 @@ worker that receives it fetches what it needs straight from the object store.
 Two ways to send a pipelined input:
 
 * *nested* (:class:`DeferredShard`, :class:`DeferredValue`): the refs ride inside the
-  call's pickled :class:`~asyncrl._host.Payload`; the host fetches them itself, through
+  call's pickled :class:`~asyncrl._wire.Payload`; the host fetches them itself, through
   their owner (the controller), while the call waits for its turn. Any producer outcome
   (a value, the producer's error, a dead producer, a lost object) reaches the host
   method, which names the producer in an :class:`~asyncrl.UpstreamError` and releases

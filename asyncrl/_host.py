@@ -5,7 +5,7 @@ groups), resolves pipelined arguments, and runs calls. Ordered calls are admitte
 the process's :class:`~asyncrl._lanes.Lane` in the order the controller numbered
 them, whatever order they arrive in (an async Ray actor does not keep submission
 order); concurrent calls run as soon as they arrive. A call's arguments travel as one
-:class:`Payload`, so a worker that cannot unpickle them still runs the host method,
+:class:`~asyncrl._wire.Payload`, so a worker that cannot unpickle them still runs the host method,
 which reports the failure and releases the call's number.
 """
 
@@ -15,7 +15,6 @@ import asyncio
 import contextvars
 import gc
 import functools
-import io
 import os
 import pickle
 import queue
@@ -26,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
-from asyncrl._deferred import (DeferredShard, DeferredValue, LocalShard, TopShard, one_pad, resolve_args, shallow,
+from asyncrl._deferred import (LocalShard, TopShard, one_pad, resolve_args, shallow,
                                take_local, take_top)
 from asyncrl._lanes import NEVER_RAN, CallCancelled, Lane, Ticket, outcome_of
 from asyncrl._thread_lane import LoopCall, ThreadLane
+from asyncrl._wire import Payload, arrived, has_deferred, has_local, substitute
 from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
@@ -48,236 +48,10 @@ class RoleSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-class Payload:
-    """A call's arguments on their way to a worker.
-
-    Pickled as a nested pickle stream (with Ray's reducers and out-of-band buffers, so
-    tensors still cross without copies) whose unpickling on the worker never raises: a
-    failure (a class that is not importable there, a ``__setstate__`` that raises)
-    arrives as `error` and the host reports it as the call's ``RemoteError``, releasing
-    the call's number (case 3 of docs/protocol.md).
-    """
-
-    __slots__ = ("args", "kwargs", "error", "top", "nested")
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 error: tuple[str, str, str] | None = None, top: list[Any] | None = None,
-                 nested: bool = False) -> None:
-        self.args = args
-        self.kwargs = kwargs
-        self.error = error
-        self.top = top
-        """Refs sent as top-level arguments of the host's call (the :class:`TopShard`
-        placeholders in `args`/`kwargs` index them); not part of the pickled payload."""
-        self.nested = nested
-        """Set by the controller: some argument is resolved on the worker (:func:`has_deferred`);
-        not part of the pickled payload."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        data, buffers = _inner_pickler().dumps((self.args, self.kwargs))
-        return (_UNPACK, (data, *buffers))
-
-    def wire(self) -> "Payload | list[Any]":
-        """What the Ray backend sends: when every argument is plain (a scalar — an int of
-        64 bits, a float, a string, a bool, None — or a small list or string-keyed dict
-        of plain values, such as a config dict: :func:`_plain`), a :class:`TopShard` (a
-        pipelined input sent top-level) or a :class:`LocalShard` (one handed over in the
-        worker's process): ints and strings, the list ``[args, kwargs]`` (plus, with
-        TopShards, their places and fields), which Ray encodes with msgpack (no pickling on
-        either side, and nothing that can fail to unpickle on the worker); otherwise the
-        Payload itself. :func:`arrived` undoes it."""
-        tops: list[Any] | None = None
-        for i, x in enumerate(self.args):
-            if not _plain(x):
-                if type(x) not in _MARKERS:
-                    return self
-                tops = tops or []
-                tops.append(_top_wire(i, x))
-        for k, x in self.kwargs.items():
-            if not _plain(x):
-                if type(x) not in _MARKERS:
-                    return self
-                tops = tops or []
-                tops.append(_top_wire(k, x))
-        if tops is None:
-            return [list(self.args), self.kwargs]
-        return [[None if type(x) in _MARKERS else x for x in self.args],
-                {k: (None if type(x) in _MARKERS else x) for k, x in self.kwargs.items()}, tops]
-
-    def local_copy(self) -> "Payload":
-        """What a worker process would receive, made in this process (the local backend):
-        pickled and unpickled, deferred values passed through as they are."""
-        from ray import cloudpickle
-
-        kept: list[Any] = []
-
-        class _Pickler(cloudpickle.CloudPickler):
-            def persistent_id(self, obj: Any) -> Any:
-                if isinstance(obj, (DeferredShard, DeferredValue)):
-                    kept.append(obj)
-                    return len(kept) - 1
-                return None
-
-        class _Unpickler(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> Any:
-                return kept[pid]
-
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=5).dump((self.args, self.kwargs))  # raises at submission, as Ray's would
-        try:
-            args, kwargs = _Unpickler(io.BytesIO(buf.getvalue())).load()
-        except Exception as e:
-            return Payload((), {}, _unpickling_error(e))
-        return Payload(args, kwargs)
-
-
 CONTROL_WAIT = 60.0
 """Seconds a call waits at most for a control message sent before it (case 16 of
 docs/protocol.md); the control thread handles each one in microseconds, so
 only a process that is going away reaches it (then the call goes on, with a warning)."""
-_PLAIN_ITEMS = 64  # list items and dict values, over all levels, that still count as plain
-_PLAIN_DEPTH = 4  # levels of nested lists and dicts that still count as plain
-
-
-def _scalar(x: Any) -> bool:
-    t = type(x)
-    return t is str or t is float or t is bool or x is None or (t is int and -(1 << 63) <= x < (1 << 63))
-
-
-def _plain(x: Any) -> bool:
-    """A value Ray encodes with msgpack and the worker decodes without unpickling anything
-    (so it cannot fail there: case 3 of docs/protocol.md): a scalar (an int of 64 bits,
-    a float, a string, a bool, None), or lists and string-keyed dicts of such — a config
-    dict — with at most ``_PLAIN_ITEMS`` items in all, nested at most ``_PLAIN_DEPTH``
-    levels. Tuples, other key types, subclasses and anything larger take the pickled Payload."""
-    if _scalar(x):
-        return True
-    t = type(x)
-    if t is not dict and t is not list:
-        return False
-    budget = _PLAIN_ITEMS
-    todo: list[tuple[Any, int]] = [(x, 1)]
-    while todo:
-        y, depth = todo.pop()
-        if depth > _PLAIN_DEPTH:
-            return False
-        budget -= len(y)
-        if budget < 0:
-            return False
-        if type(y) is dict:
-            if any(type(k) is not str for k in y):
-                return False
-            items: Any = y.values()
-        else:
-            items = y
-        for v in items:
-            if not _scalar(v):
-                if type(v) is not dict and type(v) is not list:
-                    return False
-                todo.append((v, depth + 1))
-    return True
-
-
-_MARKERS = (TopShard, LocalShard)
-
-
-def _top_wire(place: int | str, x: "TopShard | LocalShard") -> list[Any]:
-    select = list(x.select) if x.select is not None else None
-    if type(x) is LocalShard:
-        return [place, x.group, x.method, select, x.call_id, x.seq, True]
-    return [place, x.group, x.method, select, x.value, x.meta]  # type: ignore[union-attr]
-
-
-def arrived(payload: "Payload | list[Any]") -> Payload:
-    """The Payload of a call as it arrived on the worker (see :meth:`Payload.wire`)."""
-    if type(payload) is list:
-        if len(payload) == 2:
-            return Payload(tuple(payload[0]), payload[1])
-        args, kwargs, tops = payload
-        for place, group, method, select, a, b, *local in tops:
-            sel = tuple(select) if select is not None else None
-            shard = LocalShard(group, method, sel, a, b) if local else TopShard(group, method, sel, a, b)
-            if type(place) is int:
-                args[place] = shard
-            else:
-                kwargs[place] = shard
-        return Payload(tuple(args), kwargs)
-    return payload  # type: ignore[return-value]
-
-
-class _InnerPickler:
-    """One cloudpickle pickler per thread, reused for every Payload (building a pickler
-    costs several times more than pickling a few small arguments). It is Ray's
-    cloudpickle, so Ray's reducers apply (zero-copy tensors, ObjectRef accounting)."""
-
-    def __init__(self) -> None:
-        from ray import cloudpickle
-
-        self._file = io.BytesIO()
-        self._buffers: list[pickle.PickleBuffer] = []
-        self._pickler = cloudpickle.CloudPickler(self._file, protocol=5, buffer_callback=self._buffer)
-        self._busy = False
-
-    def _buffer(self, b: pickle.PickleBuffer) -> None:
-        self._buffers.append(b)
-
-    def dumps(self, obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
-        if self._busy:  # a Payload inside a Payload's arguments: a one-off pickler
-            from ray import cloudpickle
-
-            buffers: list[pickle.PickleBuffer] = []
-            return cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append), buffers
-        self._busy = True
-        f, self._buffers = self._file, []
-        try:
-            f.seek(0)
-            f.truncate()
-            self._pickler.clear_memo()
-            self._pickler.globals_ref = {}  # cloudpickle's per-dump state: never shared between calls
-            self._pickler.dump(obj)
-            return f.getvalue(), self._buffers
-        finally:
-            self._busy = False
-
-
-_INNER = threading.local()
-
-
-def _inner_pickler() -> _InnerPickler:
-    p = getattr(_INNER, "pickler", None)
-    if p is None:
-        p = _INNER.pickler = _InnerPickler()
-    return p
-
-
-class _Unpacker:
-    """Rebuilds a Payload on the worker; unpickling failures become its `error`.
-
-    An object, not a function: pickled as a plain global name (``__reduce__`` returns
-    one), so Ray's cloudpickle does not inspect it on every call as it does functions.
-    """
-
-    def __call__(self, data: bytes, *buffers: Any) -> Payload:
-        try:
-            args, kwargs = pickle.loads(data, buffers=buffers)
-        except Exception as e:
-            return Payload((), {}, _unpickling_error(e))
-        return Payload(args, kwargs)
-
-    def __reduce__(self) -> str:
-        return "_UNPACK"
-
-
-_UNPACK = _Unpacker()
-
-
-def _unpickling_error(e: BaseException) -> tuple[str, str, str]:
-    return (f"{type(e).__module__}.{type(e).__qualname__}",
-            f"the worker could not unpickle the call's arguments ({e}); an argument's class must be importable "
-            "on the workers (put its module on their PYTHONPATH, or in runtime_env py_modules/working_dir)",
-            traceback.format_exc())
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -448,7 +222,7 @@ class _HostBase:
             pads.append(pad)
             return value
 
-        new_args, new_kwargs = _substitute(args, kwargs, LocalShard, one)
+        new_args, new_kwargs = substitute(args, kwargs, LocalShard, one)
         try:
             return new_args, new_kwargs, one_pad(pads)
         except DispatchError as e:
@@ -771,7 +545,7 @@ def _take_top(spec: RoleSpec, method: str, payload: Payload,
         return x
 
     try:
-        args, kwargs = _substitute(payload.args, payload.kwargs, TopShard, one)
+        args, kwargs = substitute(payload.args, payload.kwargs, TopShard, one)
         return args, kwargs, one_pad(pads)
     except DispatchError as e:  # a field selection the producer's result lacks, or inputs disagreeing on padding
         raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
@@ -848,47 +622,6 @@ def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
-
-
-_DEFERRED = (DeferredShard, DeferredValue)
-
-
-def _contains(args: Any, kwargs: dict[str, Any], kinds: type | tuple[type, ...]) -> bool:
-    """Whether an argument, or an item of a list or dict argument (the levels where
-    pipelined inputs are placed), is an instance of `kinds`."""
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, kinds):
-            return True
-        if isinstance(x, list) and any(isinstance(i, kinds) for i in x):
-            return True
-        if isinstance(x, dict) and any(isinstance(i, kinds) for i in x.values()):
-            return True
-    return False
-
-
-def _substitute(args: Any, kwargs: dict[str, Any], kind: type,
-                one: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any]]:
-    """`args` and `kwargs` with `one` applied to each argument, or to each item of a list
-    or dict argument that holds a `kind` (the levels :func:`_contains` looks at)."""
-    def arg(x: Any) -> Any:
-        if isinstance(x, list) and any(isinstance(i, kind) for i in x):
-            return [one(i) for i in x]
-        if isinstance(x, dict) and any(isinstance(i, kind) for i in x.values()):
-            return {k: one(v) for k, v in x.items()}
-        return one(x)
-
-    return [arg(a) for a in args], {k: arg(v) for k, v in kwargs.items()}
-
-
-def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument, the levels
-    :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
-    return _contains(args, kwargs, _DEFERRED)
-
-
-def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
-    return _contains(args, kwargs, LocalShard)
 
 
 def _upstream(group: str, method: str, e: BaseException) -> BaseException:

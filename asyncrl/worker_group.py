@@ -22,7 +22,7 @@ import structlog
 from asyncrl import backends
 from asyncrl._backend import BackendSpec
 from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard
-from asyncrl._host import Payload, has_deferred
+from asyncrl._wire import Payload, has_deferred
 from asyncrl.dispatch import Sharded, World
 from asyncrl.errors import (
     DispatchError,

@@ -22,7 +22,7 @@ import socket
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from asyncrl import batch as B
 from asyncrl._deferred import (LocalShard, TopShard, one_pad, resolve_args, shallow,
@@ -80,6 +80,8 @@ def _picklable(exc: BaseException) -> BaseException | None:
 class _HostBase:
     """What both host kinds share: the worker objects, their specs, set-up and the
     per-call checks. No ``async def`` here: Ray makes an actor async when its class has one."""
+
+    _wait: Callable[[Any], Awaitable[Any]]  # how the host awaits a pipelined input's ref
 
     def __init__(self, lane: Lane, local: bool) -> None:
         self._local = local
@@ -265,6 +267,7 @@ class WorkerHost(_HostBase):
         super().__init__(Lane(), local)
         self._wait = wait or _await_plain
         self._thread = OrderedThread()  # runs the constructors and every plain def method
+        self._waits = _LoopWaits(self._lane, self._thread)
 
     def host_kind(self) -> str:
         return "async"
@@ -285,66 +288,16 @@ class WorkerHost(_HostBase):
         self._started()
         return out
 
-    async def call(
-        self,
-        role: str,
-        method: str,
-        seq: int | None,
-        call_id: int,
-        payload: "Payload | list[Any]",
-        in_pad: int | None,
-        want_meta: bool,
-        keep: bool = True,
-        after: int = 0,
-        *,
-        top: tuple[Any, ...] = (),
-    ) -> Any:
+    async def call(self, role: str, method: str, seq: int | None, call_id: int, payload: "Payload | list[Any]",
+                   in_pad: int | None, want_meta: bool, keep: bool = True, after: int = 0, *,
+                   top: tuple[Any, ...] = ()) -> Any:
         """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
         ``(result, (rows, trailing padding rows))``. `after`: how many control messages
         the controller had sent this process before this call (case 16). `top`: the
-        call's top-level inputs."""
-        group, rank = self._identity(role)
-        lane = self._lane
-        if after > lane.control.seen:  # a cancel message sent before this call is not handled yet
-            await lane.control.wait_async(after, CONTROL_WAIT)
-        ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
-        resolving: asyncio.Future[Any] | None = None
-        self._keeps(ticket, want_meta, keep)
-        try:
-            payload = arrived(payload)
-            spec, mspec = self._lookup(role, method, payload)
-            args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
-            if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
-                resolving = asyncio.ensure_future(_resolve(spec, method, args1, kwargs1, self._wait))
-            if seq is not None:
-                await lane.turn(ticket)
-            if resolving is None:
-                args2, kwargs2, pipe_pad = args1, kwargs1, None
-            else:
-                args2, kwargs2, pipe_pad = await resolving
-            local_pad = None
-            if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
-                args2, kwargs2, local_pad = self._take_local(spec, method, ticket, args2, kwargs2)
-            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
-            fn = getattr(self._workers[role], method)
-            try:
-                if mspec.is_async:
-                    result = await fn(*args2, **kwargs2)
-                else:
-                    run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
-                    result = await lane.run_thread(ticket, run, self._thread)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                raise self._method_error(spec, method, e) from None
-            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
-        except BaseException as e:
-            self._failed(ticket, e)
-            raise
-        finally:
-            if resolving is not None and not resolving.done():
-                resolving.cancel()
-            lane.leave(ticket)
+        call's top-level inputs. The steps are :func:`_run_call`'s; they wait on this
+        process's event loop."""
+        return await _run_call(self, self._waits, role, method, seq, call_id, payload, in_pad, want_meta, keep,
+                               after, top, False)
 
     async def call_packed(self, packed: list[Any], *top: Any) -> Any:
         """:meth:`call` with its arguments in one list: the Ray backend's entry point
@@ -387,6 +340,7 @@ class ThreadedHost(_HostBase):
         self._wait = wait or _await_plain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
+        self._waits = _ThreadWaits(self._lane, self._event_loop)  # type: ignore[arg-type]
 
     def host_kind(self) -> str:
         return "threaded"
@@ -436,72 +390,16 @@ class ThreadedHost(_HostBase):
                 self._loop = loop
             return self._loop
 
-    def call(
-        self,
-        role: str,
-        method: str,
-        seq: int | None,
-        call_id: int,
-        payload: "Payload | list[Any]",
-        in_pad: int | None,
-        want_meta: bool,
-        keep: bool = True,
-        after: int = 0,
-        *,
-        top: tuple[Any, ...] = (),
-        pinned: bool = False,
-    ) -> Any:
+    def call(self, role: str, method: str, seq: int | None, call_id: int, payload: "Payload | list[Any]",
+             in_pad: int | None, want_meta: bool, keep: bool = True, after: int = 0, *,
+             top: tuple[Any, ...] = (), pinned: bool = False) -> Any:
         """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
         With `want_meta` returns ``(result, (rows, trailing padding rows))``. `after`: as
         :meth:`WorkerHost.call`'s (case 16). `top`: the call's top-level inputs (resolved
         by Ray: no hand-off to the host's loop for them). `pinned`: this is the pinned
-        thread (case 15)."""
-        group, rank = self._identity(role)
-        lane: ThreadLane = self._lane  # type: ignore[assignment]
-        if after > lane.control.seen:  # a control message sent before this call is not handled yet
-            lane.control.wait(after, CONTROL_WAIT)
-        ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
-        resolving: LoopCall | None = None
-        self._keeps(ticket, want_meta, keep)
-        try:
-            payload = arrived(payload)
-            spec, mspec = self._lookup(role, method, payload)
-            args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
-            if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
-                resolving = lane.start_on_loop(
-                    ticket, _resolve(spec, method, args1, kwargs1, self._wait), self._event_loop())
-            if seq is not None:
-                lane.wait_turn(ticket, serve=pinned)
-            if resolving is None:
-                args2, kwargs2, pipe_pad = args1, kwargs1, None
-            else:
-                args2, kwargs2, pipe_pad = lane.wait_loop(resolving)
-            local_pad = None
-            if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
-                args2, kwargs2, local_pad = self._take_local(spec, method, ticket, args2, kwargs2)
-            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
-            fn = getattr(self._workers[role], method)
-            try:
-                if mspec.is_async:
-                    result = lane.run_on_loop(ticket, fn(*args2, **kwargs2), self._event_loop())
-                else:
-                    run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
-                    if pinned:
-                        result = lane.run_pinned(ticket, run)
-                    else:
-                        result = lane.run_in_thread(ticket, run, lane)
-            except CallCancelled:
-                raise
-            except Exception as e:
-                raise self._method_error(spec, method, e) from None
-            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
-        except BaseException as e:
-            self._failed(ticket, e)
-            raise
-        finally:
-            if resolving is not None and not resolving.finished:
-                resolving.cancel()
-            lane.leave(ticket)
+        thread (case 15). The steps are :func:`_run_call`'s; every wait blocks this thread."""
+        return _blocking(_run_call(self, self._waits, role, method, seq, call_id, payload, in_pad, want_meta, keep,
+                                   after, top, pinned))
 
     def call_packed(self, packed: list[Any], *top: Any) -> Any:
         """:meth:`call` with its arguments in one list, then its top-level inputs: the Ray
@@ -514,6 +412,141 @@ class ThreadedHost(_HostBase):
         with self._loop_lock:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+# ---- the call: one template, two ways of waiting --------------------------------------------
+
+
+async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: str, method: str, seq: int | None,
+                    call_id: int, payload: "Payload | list[Any]", in_pad: int | None, want_meta: bool, keep: bool,
+                    after: int, top: tuple[Any, ...], pinned: bool) -> Any:
+    """The steps of one call on a host, for both host kinds: wait for the control messages
+    sent before it (case 16), arrive in the lane, start fetching its pipelined inputs, wait
+    for its turn (ordered calls), take its same-process inputs, run the method, report.
+    Every wait is `waits`'s: :class:`_LoopWaits` awaits on the async host's event loop;
+    :class:`_ThreadWaits` blocks the threaded host's Ray thread (never suspends, so
+    :func:`_blocking` runs the coroutine to its end in one step)."""
+    group, rank = host._identity(role)
+    lane = host._lane
+    if after > lane.control.seen:  # a control message sent before this call is not handled yet
+        await waits.control(after)
+    ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
+    resolving: Any = None
+    host._keeps(ticket, want_meta, keep)
+    try:
+        payload = arrived(payload)
+        spec, mspec = host._lookup(role, method, payload)
+        args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
+        if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
+            resolving = waits.start(ticket, _resolve(spec, method, args1, kwargs1, host._wait))
+        if seq is not None:
+            await waits.turn(ticket, pinned)
+        if resolving is None:
+            args2, kwargs2, pipe_pad = args1, kwargs1, None
+        else:
+            args2, kwargs2, pipe_pad = await waits.resolved(resolving)
+        local_pad = None
+        if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
+            args2, kwargs2, local_pad = host._take_local(spec, method, ticket, args2, kwargs2)
+        pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
+        fn = getattr(host._workers[role], method)
+        try:
+            if mspec.is_async:
+                result = await waits.run_async(ticket, fn(*args2, **kwargs2))
+            else:
+                run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
+                result = await waits.run_def(ticket, run, pinned)
+        except waits.cancelled:
+            raise
+        except Exception as e:
+            raise host._method_error(spec, method, e) from None
+        return host._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
+    except BaseException as e:
+        host._failed(ticket, e)
+        raise
+    finally:
+        if resolving is not None:
+            waits.stop(resolving)
+        lane.leave(ticket)
+
+
+class _LoopWaits:
+    """The async host's waits (:class:`WorkerHost`): each one awaits on the process's event loop."""
+
+    cancelled: type[BaseException] = asyncio.CancelledError
+
+    def __init__(self, lane: Lane, thread: "OrderedThread") -> None:
+        self._lane = lane
+        self._thread = thread
+
+    async def control(self, after: int) -> None:
+        await self._lane.control.wait_async(after, CONTROL_WAIT)
+
+    def start(self, ticket: Ticket, coro: Any) -> "asyncio.Future[Any]":
+        return asyncio.ensure_future(coro)
+
+    async def turn(self, ticket: Ticket, pinned: bool) -> None:
+        await self._lane.turn(ticket)
+
+    async def resolved(self, resolving: "asyncio.Future[Any]") -> Any:
+        return await resolving
+
+    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
+        return await coro
+
+    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
+        return await self._lane.run_thread(ticket, run, self._thread)
+
+    @staticmethod
+    def stop(resolving: "asyncio.Future[Any]") -> None:
+        if not resolving.done():
+            resolving.cancel()
+
+
+class _ThreadWaits:
+    """The threaded host's waits (:class:`ThreadedHost`): each one blocks the call's Ray
+    thread (``async def`` only to share :func:`_run_call`; none of them suspends)."""
+
+    cancelled: type[BaseException] = CallCancelled
+
+    def __init__(self, lane: ThreadLane, loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+        self._lane = lane
+        self._loop = loop  # the host's own event loop, started at its first use
+
+    async def control(self, after: int) -> None:
+        self._lane.control.wait(after, CONTROL_WAIT)
+
+    def start(self, ticket: Ticket, coro: Any) -> LoopCall:
+        return self._lane.start_on_loop(ticket, coro, self._loop())
+
+    async def turn(self, ticket: Ticket, pinned: bool) -> None:
+        self._lane.wait_turn(ticket, serve=pinned)
+
+    async def resolved(self, resolving: LoopCall) -> Any:
+        return self._lane.wait_loop(resolving)
+
+    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
+        return self._lane.run_on_loop(ticket, coro, self._loop())
+
+    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
+        if pinned:
+            return self._lane.run_pinned(ticket, run)
+        return self._lane.run_in_thread(ticket, run, self._lane)
+
+    @staticmethod
+    def stop(resolving: LoopCall) -> None:
+        if not resolving.finished:
+            resolving.cancel()
+
+
+def _blocking(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never suspends (a threaded host's :func:`_run_call`) to its end, here."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a threaded host's call suspended: its waits must block, never await")
 
 
 async def _resolve(spec: RoleSpec, method: str, args: Any, kwargs: Any,

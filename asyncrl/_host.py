@@ -120,7 +120,7 @@ class _HostBase:
 
     def _started(self) -> None:
         if not self._local:  # (in-process workers: the controller's group set-up does it)
-            gc.freeze()  # see asyncrl.hosts: start-up objects out of the collector's full passes
+            gc.freeze()  # see asyncrl.host_set: start-up objects out of the collector's full passes
 
     @staticmethod
     def _set_threads(ctx: WorkerContext) -> None:

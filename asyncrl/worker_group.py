@@ -4,7 +4,7 @@
 contract, splits the arguments (dispatch), hands one call per executing rank to the
 :class:`~asyncrl._sequencer.Sequencer` and returns a :class:`~asyncrl.GroupFuture`
 at once; awaiting it collects the per-rank results (:mod:`asyncrl.future`). The
-processes behind a group are a :class:`~asyncrl.hosts.HostSet`; the same group logic
+processes behind a group are a :class:`~asyncrl.host_set.HostSet`; the same group logic
 runs on two backends: Ray actors (:class:`RayWorkerGroup`) and in-process objects
 (:class:`LocalWorkerGroup`). :func:`colocate` binds several roles to one HostSet.
 """
@@ -31,9 +31,9 @@ from asyncrl.errors import (
     RegistrationError,
 )
 from asyncrl.future import GroupFuture, _Call, producers_of
-from asyncrl.hosts import AsyncResource, HostSet
+from asyncrl.host_set import HostSet
 from asyncrl.register import Execute, MethodSpec, Mode, RegisteredMethod, registered_methods
-from asyncrl.resources import ResourcePool
+from asyncrl.resources import AsyncResource, ResourcePool
 from asyncrl.worker import PROTECTED_ENV, Worker
 
 __all__ = ["WorkerGroup", "RayWorkerGroup", "LocalWorkerGroup", "GroupMethod", "GroupStats", "Colocated", "colocate"]

@@ -67,11 +67,11 @@ def test_no_module_of_the_framework_imports_one_that_imports_it_back():
 def test_the_call_path_layers():
     graph = _imports()
     # the future owns the call's state; it knows nothing of groups or hosts
-    assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.hosts"}
+    assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.host_set"}
     # the sequencer owns the ordered-call protocol and depends only on the error types
     assert graph["asyncrl._sequencer"] <= {"asyncrl.errors", "asyncrl._backend"}
     # only the backends import ray's worker host wrapper; no backend-independent module imports a backend
-    for m in ("asyncrl.future", "asyncrl.hosts", "asyncrl._sequencer", "asyncrl._host", "asyncrl.resources"):
+    for m in ("asyncrl.future", "asyncrl.host_set", "asyncrl._sequencer", "asyncrl._host", "asyncrl.resources"):
         assert not {d for d in graph[m] if d.startswith("asyncrl.backends")}, m
 
 

@@ -387,7 +387,7 @@ def test_local_results_must_be_a_non_negative_int(value):
 
 
 def test_the_environment_sets_the_default(monkeypatch):
-    from asyncrl.hosts import default_local_results
+    from asyncrl.host_set import default_local_results
 
     monkeypatch.setenv("ASYNCRL_LOCAL_RESULTS", "0")
     assert default_local_results() == 0

@@ -3,9 +3,11 @@
 The controller builds one :class:`Payload` per rank (:mod:`asyncrl.worker_group`); the Ray
 backend sends :meth:`Payload.wire` (plain values as msgpack lists, anything else as one
 nested pickle stream whose unpickling on the worker never raises: case 3 of
-``docs/protocol.md``); the worker host rebuilds it with :func:`arrived`. Also the scans
-both sides use to find the pipelined inputs in a call's arguments (:func:`has_deferred`,
-:func:`has_local`, :func:`substitute`).
+``docs/protocol.md``); the worker host rebuilds it with :func:`arrived`. :class:`Builder` makes each rank's Payload as the sequencer submits
+it (knowing the call's number on that rank's lane), with :class:`Inputs` deciding how each
+pipelined input travels (nested, top-level or handed over in the worker's process). Also
+the scans both sides use to find the pipelined inputs in a call's arguments
+(:func:`has_deferred`, :func:`has_local`, :func:`substitute`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import io
 import pickle
 import threading
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard
 
-__all__ = ["Payload", "arrived", "has_deferred", "has_local", "substitute"]
+if TYPE_CHECKING:
+    from asyncrl.dispatch import Sharded
+
+__all__ = ["Payload", "Builder", "Inputs", "arrived", "has_deferred", "has_local", "substitute"]
 
 
 class Payload:
@@ -286,3 +291,127 @@ def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
 def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
     return _contains(args, kwargs, LocalShard)
+
+
+# ---- the controller's side: each rank's Payload -------------------------------------------
+
+
+class Inputs:
+    """The pipelined inputs of one call, as its ranks' payloads are built: which of them
+    are handed over inside the worker process or go top-level (see asyncrl._deferred),
+    and which producers' results every executing rank together reads whole (a producer
+    whose results a successful call read is known to have finished successfully:
+    ``_Call.ok``)."""
+
+    __slots__ = ("producers", "ok", "read", "top_from", "sent", "local", "window", "local_sent")
+
+    def __init__(self, producers: "Sequence[Any]", top: bool, sequencer: Any = None) -> None:
+        self.producers = producers
+        # The producers known to have finished successfully, by their collected refs (the
+        # same ref objects a Source holds): only their matched shards may go top-level.
+        self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
+        # Same-process candidates, by collected ref: the producer's (rank, call id, number)
+        # of an ordered data-parallel producer numbered by this call's own sequencer (the
+        # same processes). `sequencer` is given for an ordered consumer only (of any
+        # dispatch mode that makes matched shards: DP_COMPUTE, DP_COMPUTE_METRIC, meshes).
+        self.local: dict[int, tuple[int, int, int]] = {}
+        self.window = sequencer.keep_results if sequencer is not None else 0
+        if self.window:
+            for p in producers:
+                if p.sequencer is sequencer and p.collect_metas is not None:
+                    entries, index = p.entries, p.collect_index
+                    for j, ref in enumerate(p.collect_refs):
+                        entry = entries[index[j]]
+                        if entry[2] is not None:
+                            self.local[id(ref)] = entry
+        self.read: set[int] = set()
+        self.top_from: dict[tuple[str, str], None] = {}
+        self.sent = 0  # TopShards made (one per rank and input)
+        self.local_sent = 0  # LocalShards made
+
+    def rank_args(self, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
+        """One rank's argument (or an item of a list argument) for a call that will have
+        number `seq` on `rank`'s lane: a matched shard of an ordered producer on the same
+        process, whose outcome that lane provably still keeps at this call's turn (its
+        number within the window: case 14 of docs/protocol.md), becomes a
+        :class:`LocalShard`; a matched shard of a known-ok producer a :class:`TopShard`
+        whose refs are appended to `top`."""
+        if isinstance(x, DeferredShard):
+            s = x.source
+            matched = x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
+            if matched and self.local and seq is not None:
+                entry = self.local.get(id(s.refs[0]))
+                if entry is not None and entry[0] == rank and 0 < seq - entry[2] <= self.window:
+                    # Counted as a read: a consumer that succeeded got the producer's value,
+                    # so the producer's host finished it. Ray's object of it could still have
+                    # failed (a result Ray cannot serialize); a later top-level read of it then
+                    # fails before its host runs, which the backend observes (case 13 of
+                    # docs/protocol.md), as for an object lost after it was read.
+                    self.read.update((id(s.refs[0]), id(s.metas[0])))  # type: ignore[index]
+                    self.local_sent += 1
+                    return LocalShard(s.group, s.method, s.select, entry[1], entry[2])
+            if x.count == len(s.refs) or not s.data_parallel:
+                self.read.update(map(id, s.refs))  # matched (rank r reads producer rank r), or the whole value
+            if s.metas is not None:
+                self.read.update(map(id, s.metas))
+            if self.ok and matched and id(s.refs[0]) in self.ok:
+                self.top_from[(s.group, s.method)] = None
+                self.sent += 1
+                top.extend((s.refs[0], s.metas[0]))  # type: ignore[index]  # (matched: metas is set)
+                return TopShard(s.group, s.method, s.select, len(top) - 2, len(top) - 1)
+        elif isinstance(x, DeferredValue):
+            s = x.source
+            self.read.update(map(id, s.refs))
+            if s.metas is not None:
+                self.read.update(map(id, s.metas))
+        return x
+
+    def fully_read(self) -> tuple[Any, ...]:
+        """The producers (not yet known ok) whose every collected result (and padding
+        metadata) some executing rank of this call reads."""
+        read = self.read
+        return tuple(p for p in self.producers if not p.ok
+                     and all(id(r) in read for r in p.collect_refs)
+                     and (p.collect_metas is None or all(id(m) in read for m in p.collect_metas)))
+
+
+class Builder:
+    """Each executing rank's ``(arguments, input padding, keep result)``, built as the
+    sequencer submits them, knowing the number the call gets on that rank's lane (an
+    error here is covered by the sequencer's submit-or-release)."""
+
+    __slots__ = ("sharded", "keep", "inputs")
+
+    def __init__(self, sharded: "Sharded", keep: list[bool], inputs: Inputs | None) -> None:
+        self.sharded, self.keep, self.inputs = sharded, keep, inputs
+
+    def __call__(self, r: int, seq: int | None) -> tuple[Payload, int | None, bool]:
+        sharded, inputs = self.sharded, self.inputs
+        pads = sharded.pad
+        a = tuple(_defer(x[r]) for x in sharded.args)
+        k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
+        top: list[Any] | None = None
+        nested = False
+        if inputs is not None:  # (without producers no argument is resolved on the worker)
+            top = []
+            a = tuple(_each(inputs, x, top, r, seq) for x in a)
+            k = {key: _each(inputs, v, top, r, seq) for key, v in k.items()}
+            nested = has_deferred(a, k)
+        return Payload(a, k, top=top or None, nested=nested), (pads[r] if pads is not None else None), self.keep[r]
+
+
+def _each(inputs: Inputs, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
+    if isinstance(x, list):
+        return [inputs.rank_args(i, top, rank, seq) for i in x]
+    return inputs.rank_args(x, top, rank, seq)
+
+
+def _defer(x: Any) -> Any:
+    """A future left in a rank's arguments (by a non-DP or custom mode) is resolved
+    whole on the worker."""
+    src = getattr(x, "_as_source", None)
+    if src is not None:
+        return DeferredValue(src())
+    if isinstance(x, list) and any(hasattr(i, "_as_source") for i in x):
+        return [_defer(i) for i in x]
+    return x

@@ -17,7 +17,6 @@ import gc
 import functools
 import os
 import pickle
-import queue
 import socket
 import threading
 import traceback
@@ -25,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
 
 from asyncrl import batch as B
-from asyncrl._deferred import (LocalShard, TopShard, one_pad, resolve_args, shallow,
-                               take_local, take_top)
-from asyncrl._lanes import NEVER_RAN, CallCancelled, Lane, Ticket, outcome_of
+from asyncrl._deferred import (has_deferred, has_local, input_pad, resolve_on_worker, shallow, take_local_inputs,
+                               take_top_inputs)
+from asyncrl._lanes import NEVER_RAN, CallCancelled, Lane, OrderedThread, Ticket
 from asyncrl._thread_lane import LoopCall, ThreadLane
-from asyncrl._wire import Payload, arrived, has_deferred, has_local, substitute
-from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
+from asyncrl._wire import Payload, arrived
+from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
 
@@ -193,43 +192,6 @@ class _HostBase:
     def _failed(ticket: Ticket, e: BaseException) -> None:
         if ticket.outcome is not None:
             ticket.outcome = (False, e)
-
-    def _take_local(self, spec: RoleSpec, method: str, ticket: Ticket, args: Any,
-                    kwargs: Any) -> tuple[Any, Any, int | None]:
-        """At the call's turn: its :class:`LocalShard` inputs replaced by the producers'
-        kept results (shallow copies), and the padding they report. A producer that
-        failed, was cancelled or never ran fails the call with the
-        :class:`~asyncrl.UpstreamError` the nested path gives."""
-        pads: list[int] = []
-        lane = self._lane
-
-        def one(x: Any) -> Any:
-            if type(x) is not LocalShard:
-                return x
-            got = lane.outcome(x.seq, x.call_id) if ticket.seq is not None else None
-            if got is None:
-                raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                                  f"the result of {x.group}.{x.method} (call {x.call_id}, ordered #{x.seq}) is not "
-                                  "held by this worker process (it keeps the outcomes of its last "
-                                  f"{lane.keep_results} ordered calls); this is a bug of asyncrl, please report it",
-                                  "")
-            if not got[0]:
-                raise UpstreamError(spec.group, method, spec.context.rank,
-                                    upstream=_upstream(x.group, x.method, got[1])) from None
-            try:
-                value, pad = take_local(x, got[1], got[2])
-            except DispatchError as e:  # a field selection the producer's result lacks
-                raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                                  str(e), traceback.format_exc(), cause=e) from None
-            pads.append(pad)
-            return value
-
-        new_args, new_kwargs = substitute(args, kwargs, LocalShard, one)
-        try:
-            return new_args, new_kwargs, one_pad(pads)
-        except DispatchError as e:
-            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                              str(e), "", cause=e) from None
 
     @staticmethod
     def _meta(spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int) -> tuple[int, int]:
@@ -436,9 +398,9 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
     try:
         payload = arrived(payload)
         spec, mspec = host._lookup(role, method, payload)
-        args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
+        args1, kwargs1, top_pad = take_top_inputs(spec, method, payload.args, payload.kwargs, top)
         if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
-            resolving = waits.start(ticket, _resolve(spec, method, args1, kwargs1, host._wait))
+            resolving = waits.start(ticket, resolve_on_worker(spec, method, args1, kwargs1, host._wait))
         if seq is not None:
             await waits.turn(ticket, pinned)
         if resolving is None:
@@ -447,8 +409,8 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
             args2, kwargs2, pipe_pad = await waits.resolved(resolving)
         local_pad = None
         if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
-            args2, kwargs2, local_pad = host._take_local(spec, method, ticket, args2, kwargs2)
-        pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
+            args2, kwargs2, local_pad = take_local_inputs(host._lane, spec, method, ticket, args2, kwargs2)
+        pad = in_pad if in_pad is not None else input_pad(spec, method, top_pad, pipe_pad, local_pad)
         fn = getattr(host._workers[role], method)
         try:
             if mspec.is_async:
@@ -547,126 +509,6 @@ def _blocking(coro: Coroutine[Any, Any, Any]) -> Any:
         return done.value
     coro.close()
     raise RuntimeError("a threaded host's call suspended: its waits must block, never await")
-
-
-async def _resolve(spec: RoleSpec, method: str, args: Any, kwargs: Any,
-                   wait: Callable[[Any], Awaitable[Any]]) -> Any:
-    try:
-        return await resolve_args(args, kwargs, wait)
-    except asyncio.CancelledError:
-        raise
-    except DispatchError as e:
-        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                          str(e), traceback.format_exc(), cause=e) from None
-    except AsyncRLError as e:  # a producer's failure, already named by resolve_args
-        raise UpstreamError(spec.group, method, spec.context.rank, upstream=e) from None
-
-
-def _take_top(spec: RoleSpec, method: str, payload: Payload,
-              top: tuple[Any, ...]) -> tuple[Any, Any, int | None]:
-    """The call's arguments with its :class:`TopShard` inputs replaced by their values
-    (at the levels :func:`has_deferred` looks at); also the padding they report."""
-    if not top:
-        return payload.args, payload.kwargs, None
-    pads: list[int] = []
-
-    def one(x: Any) -> Any:
-        if isinstance(x, TopShard):
-            value, pad = take_top(x, top)
-            pads.append(pad)
-            return value
-        return x
-
-    try:
-        args, kwargs = substitute(payload.args, payload.kwargs, TopShard, one)
-        return args, kwargs, one_pad(pads)
-    except DispatchError as e:  # a field selection the producer's result lacks, or inputs disagreeing on padding
-        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                          str(e), traceback.format_exc(), cause=e) from None
-
-
-def _input_pad(spec: RoleSpec, method: str, top_pad: int | None, pipe_pad: int | None,
-               local_pad: int | None = None) -> int:
-    """The input padding reported by the call's pipelined inputs, top-level, nested and local."""
-    try:
-        return one_pad([p for p in (top_pad, pipe_pad, local_pad) if p is not None]) or 0
-    except DispatchError as e:
-        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError", str(e), "",
-                          cause=e) from None
-
-
-class OrderedThread:
-    """The async host's one thread for plain ``def`` methods: a queue and a loop (no executor
-    machinery); each outcome is handed back by a `deliver` callback run on the thread."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable[[], Any], deliver: Callable[[tuple[bool, Any]], None]) -> None:
-        """Run `fn` on the thread, then `deliver((True, value))` or `deliver((False, error))` there."""
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._main, name="asyncrl-ordered_0", daemon=True)
-                    self._thread.start()
-        self._q.put((fn, deliver))
-
-    def run(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Run `fn` on the thread; the returned future (of the running loop) gets its outcome."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.submit(fn, functools.partial(_deliver_to_loop, loop, fut))
-        return fut
-
-    def _main(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, deliver = item
-            item = None
-            outcome = outcome_of(fn)
-            fn = None
-            deliver(outcome)
-            # Hold nothing of this call while waiting for the next one: its arguments
-            # (a shard that aliases the object store, with zero-copy tensors) and its
-            # result would otherwise stay alive until another call reaches this thread.
-            deliver = outcome = None  # type: ignore[assignment]
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-
-
-def _deliver_to_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
-    try:
-        loop.call_soon_threadsafe(_settle, fut, outcome)
-    except RuntimeError:  # that loop is closed
-        pass
-
-
-def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
-    if fut.done():
-        return
-    ok, value = outcome
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
-
-
-def _upstream(group: str, method: str, e: BaseException) -> BaseException:
-    """A kept producer failure as the nested path names it (see asyncrl._deferred._named):
-    a cancellation as the producer's CallCancelledError, an asyncrl error as it is, any
-    other error as the producer's RemoteError."""
-    if isinstance(e, (asyncio.CancelledError, CallCancelled)):
-        return CallCancelledError(f"{group}.{method} was cancelled")
-    if isinstance(e, AsyncRLError):
-        return e
-    return RemoteError(group, method, None, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
-                       "".join(traceback.format_exception(e)))
 
 
 def _construct(spec: RoleSpec) -> Any:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from asyncrl.errors import LaneWedgedError
 if TYPE_CHECKING:
     from asyncrl._backend import Wedge
 
-__all__ = ["Lane", "ControlOrder", "Ticket", "CallCancelled", "NEVER_RAN", "outcome_of"]
+__all__ = ["Lane", "ControlOrder", "Ticket", "CallCancelled", "NEVER_RAN", "OrderedThread", "outcome_of"]
 
 log = structlog.get_logger("asyncrl")
 
@@ -343,3 +345,68 @@ def outcome_of(fn: Callable[[], Any]) -> tuple[bool, Any]:
         return True, fn()
     except BaseException as e:  # noqa: BLE001 - handed to the waiting call
         return False, e
+
+
+# ---- the async host's thread for plain def methods -----------------------------------------
+
+
+class OrderedThread:
+    """The async host's one thread for plain ``def`` methods: a queue and a loop (no executor
+    machinery); each outcome is handed back by a `deliver` callback run on the thread."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], Any], deliver: Callable[[tuple[bool, Any]], None]) -> None:
+        """Run `fn` on the thread, then `deliver((True, value))` or `deliver((False, error))` there."""
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._main, name="asyncrl-ordered_0", daemon=True)
+                    self._thread.start()
+        self._q.put((fn, deliver))
+
+    def run(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run `fn` on the thread; the returned future (of the running loop) gets its outcome."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self.submit(fn, functools.partial(_deliver_to_loop, loop, fut))
+        return fut
+
+    def _main(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, deliver = item
+            item = None
+            outcome = outcome_of(fn)
+            fn = None
+            deliver(outcome)
+            # Hold nothing of this call while waiting for the next one: its arguments
+            # (a shard that aliases the object store, with zero-copy tensors) and its
+            # result would otherwise stay alive until another call reaches this thread.
+            deliver = outcome = None  # type: ignore[assignment]
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+
+
+def _deliver_to_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, fut, outcome)
+    except RuntimeError:  # that loop is closed
+        pass
+
+
+def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
+    if fut.done():
+        return
+    ok, value = outcome
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)

@@ -5,9 +5,7 @@ backend sends :meth:`Payload.wire` (plain values as msgpack lists, anything else
 nested pickle stream whose unpickling on the worker never raises: case 3 of
 ``docs/protocol.md``); the worker host rebuilds it with :func:`arrived`. :class:`Builder` makes each rank's Payload as the sequencer submits
 it (knowing the call's number on that rank's lane), with :class:`Inputs` deciding how each
-pipelined input travels (nested, top-level or handed over in the worker's process). Also
-the scans both sides use to find the pipelined inputs in a call's arguments
-(:func:`has_deferred`, :func:`has_local`, :func:`substitute`).
+pipelined input travels (nested, top-level or handed over in the worker's process).
 """
 
 from __future__ import annotations
@@ -18,12 +16,12 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard
+from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard, has_deferred
 
 if TYPE_CHECKING:
     from asyncrl.dispatch import Sharded
 
-__all__ = ["Payload", "Builder", "Inputs", "arrived", "has_deferred", "has_local", "substitute"]
+__all__ = ["Payload", "Builder", "Inputs", "arrived"]
 
 
 class Payload:
@@ -252,45 +250,6 @@ def _unpickling_error(e: BaseException) -> tuple[str, str, str]:
             traceback.format_exc())
 
 
-_DEFERRED = (DeferredShard, DeferredValue)
-
-
-def _contains(args: Any, kwargs: dict[str, Any], kinds: type | tuple[type, ...]) -> bool:
-    """Whether an argument, or an item of a list or dict argument (the levels where
-    pipelined inputs are placed), is an instance of `kinds`."""
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, kinds):
-            return True
-        if isinstance(x, list) and any(isinstance(i, kinds) for i in x):
-            return True
-        if isinstance(x, dict) and any(isinstance(i, kinds) for i in x.values()):
-            return True
-    return False
-
-
-def substitute(args: Any, kwargs: dict[str, Any], kind: type,
-                one: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any]]:
-    """`args` and `kwargs` with `one` applied to each argument, or to each item of a list
-    or dict argument that holds a `kind` (the levels :func:`_contains` looks at)."""
-    def arg(x: Any) -> Any:
-        if isinstance(x, list) and any(isinstance(i, kind) for i in x):
-            return [one(i) for i in x]
-        if isinstance(x, dict) and any(isinstance(i, kind) for i in x.values()):
-            return {k: one(v) for k, v in x.items()}
-        return one(x)
-
-    return [arg(a) for a in args], {k: arg(v) for k, v in kwargs.items()}
-
-
-def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument, the levels
-    :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
-    return _contains(args, kwargs, _DEFERRED)
-
-
-def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
-    return _contains(args, kwargs, LocalShard)
 
 
 # ---- the controller's side: each rank's Payload -------------------------------------------

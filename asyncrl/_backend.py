@@ -24,7 +24,12 @@ from asyncrl.errors import (
     WorkerDiedError,
 )
 
-__all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "InputFailed", "FetchHandle", "public_error"]
+__all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "InputFailed", "FetchHandle", "Wedge",
+           "public_error"]
+
+Wedge = tuple[int, int, str, float]
+"""``(call id, number, description, seconds its thread has run)`` of the call wedging a lane:
+a host's reply to a deadline's cancel message (case 15 of ``docs/protocol.md``)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,7 @@ class Backend(Protocol):
         """Send one call to a host; returns ``(result ref, meta ref or None)``."""
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
-        """Send the one cancel message of the sequencing protocol (see :mod:`asyncrl._sequencer`).
+        """Send the one cancel message of the sequencing protocol (see ``docs/protocol.md``).
         A backend with ``pins_ordered_calls = True`` (Ray's threaded hosts: case 15) also takes
         ``wedged=callback`` (the host's reply to a deadline's cancel when its lane is wedged,
         on the loop) and has ``watch_unwedged(host, call_id, callback)`` and

@@ -7,7 +7,7 @@ worker that receives it fetches what it needs straight from the object store.
 Two ways to send a pipelined input:
 
 * *nested* (:class:`DeferredShard`, :class:`DeferredValue`): the refs ride inside the
-  call's pickled :class:`~asyncrl._host.Payload`; the host fetches them itself, through
+  call's pickled :class:`~asyncrl._wire.Payload`; the host fetches them itself, through
   their owner (the controller), while the call waits for its turn. Any producer outcome
   (a value, the producer's error, a dead producer, a lost object) reaches the host
   method, which names the producer in an :class:`~asyncrl.UpstreamError` and releases
@@ -32,7 +32,7 @@ Two ways to send a pipelined input:
   ``local_results`` ordered numbers (a window that moves with the lane, so nothing is
   ever released by message); the controller, which numbers the calls, uses the marker
   only when the producer's number is within that window of the consumer's, and so
-  provably still retained at the consumer's turn (:meth:`asyncrl._sequencer.Lane.outcome`);
+  provably still retained at the consumer's turn (:meth:`asyncrl._lanes.Lane.outcome`);
   otherwise the input takes one of the two paths above, unchanged. The consumer gets a
   shallow copy of the producer's container (a TensorDict, dict or list: its own keys);
   tensor storage is shared, as with Ray's zero-copy read-only views (inputs are
@@ -51,7 +51,7 @@ when Ray could not store it (a result it cannot serialize, which a consumer in t
 producer's own process never noticed), or when it cannot be unpickled on the
 consumer's worker; the Ray backend observes every call sent with top-level inputs and
 releases the number of one that failed so (the one cancel message, case 4 of
-:mod:`asyncrl._sequencer`), and the call's future fails with an ``UpstreamError``
+docs/protocol.md), and the call's future fails with an ``UpstreamError``
 naming the producer.
 """
 
@@ -61,9 +61,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
+import traceback
+
 from asyncrl import batch as B
 from asyncrl._backend import public_error
-from asyncrl.errors import DispatchError
+from asyncrl._lanes import CallCancelled, Lane, Ticket
+from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 
 
 @dataclass(frozen=True)
@@ -293,3 +296,145 @@ def one_pad(pads: list[int]) -> int | None:
     if len(set(pads)) != 1:
         raise DispatchError(f"pipelined inputs disagree on padding ({pads}); pass futures of the same batch to one call")
     return pads[0]
+
+
+# ---- finding them in a call's arguments (both sides) -------------------------------------------
+
+
+_DEFERRED = (DeferredShard, DeferredValue)
+
+
+def _contains(args: Any, kwargs: dict[str, Any], kinds: type | tuple[type, ...]) -> bool:
+    """Whether an argument, or an item of a list or dict argument (the levels where
+    pipelined inputs are placed), is an instance of `kinds`."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, kinds):
+            return True
+        if isinstance(x, list) and any(isinstance(i, kinds) for i in x):
+            return True
+        if isinstance(x, dict) and any(isinstance(i, kinds) for i in x.values()):
+            return True
+    return False
+
+
+def substitute(args: Any, kwargs: dict[str, Any], kind: type,
+                one: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any]]:
+    """`args` and `kwargs` with `one` applied to each argument, or to each item of a list
+    or dict argument that holds a `kind` (the levels :func:`_contains` looks at)."""
+    def arg(x: Any) -> Any:
+        if isinstance(x, list) and any(isinstance(i, kind) for i in x):
+            return [one(i) for i in x]
+        if isinstance(x, dict) and any(isinstance(i, kind) for i in x.values()):
+            return {k: one(v) for k, v in x.items()}
+        return one(x)
+
+    return [arg(a) for a in args], {k: arg(v) for k, v in kwargs.items()}
+
+
+def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an argument (or an item of a list or dict argument, the levels
+    :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
+    return _contains(args, kwargs, _DEFERRED)
+
+
+def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
+    return _contains(args, kwargs, LocalShard)
+
+
+# ---- taking them on the worker (the host's call, asyncrl._host._run_call) ----------------------
+
+
+async def resolve_on_worker(spec: Any, method: str, args: Any, kwargs: Any,
+                   wait: Callable[[Any], Awaitable[Any]]) -> Any:
+    try:
+        return await resolve_args(args, kwargs, wait)
+    except asyncio.CancelledError:
+        raise
+    except DispatchError as e:
+        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                          str(e), traceback.format_exc(), cause=e) from None
+    except AsyncRLError as e:  # a producer's failure, already named by resolve_args
+        raise UpstreamError(spec.group, method, spec.context.rank, upstream=e) from None
+
+
+def take_top_inputs(spec: Any, method: str, args: Any, kwargs: Any,
+                    top: tuple[Any, ...]) -> tuple[Any, Any, int | None]:
+    """The call's arguments with its :class:`TopShard` inputs replaced by their values
+    (at the levels :func:`has_deferred` looks at); also the padding they report."""
+    if not top:
+        return args, kwargs, None
+    pads: list[int] = []
+
+    def one(x: Any) -> Any:
+        if isinstance(x, TopShard):
+            value, pad = take_top(x, top)
+            pads.append(pad)
+            return value
+        return x
+
+    try:
+        new_args, new_kwargs = substitute(args, kwargs, TopShard, one)
+        return new_args, new_kwargs, one_pad(pads)
+    except DispatchError as e:  # a field selection the producer's result lacks, or inputs disagreeing on padding
+        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                          str(e), traceback.format_exc(), cause=e) from None
+
+
+def input_pad(spec: Any, method: str, top_pad: int | None, pipe_pad: int | None,
+              local_pad: int | None = None) -> int:
+    """The input padding reported by the call's pipelined inputs, top-level, nested and local."""
+    try:
+        return one_pad([p for p in (top_pad, pipe_pad, local_pad) if p is not None]) or 0
+    except DispatchError as e:
+        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError", str(e), "",
+                          cause=e) from None
+
+
+def upstream_error(group: str, method: str, e: BaseException) -> BaseException:
+    """A kept producer failure as the nested path names it (see asyncrl._deferred._named):
+    a cancellation as the producer's CallCancelledError, an asyncrl error as it is, any
+    other error as the producer's RemoteError."""
+    if isinstance(e, (asyncio.CancelledError, CallCancelled)):
+        return CallCancelledError(f"{group}.{method} was cancelled")
+    if isinstance(e, AsyncRLError):
+        return e
+    return RemoteError(group, method, None, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
+                       "".join(traceback.format_exception(e)))
+
+
+def take_local_inputs(lane: Lane, spec: Any, method: str, ticket: Ticket, args: Any,
+                      kwargs: Any) -> tuple[Any, Any, int | None]:
+    """At the call's turn: its :class:`LocalShard` inputs replaced by the producers'
+    kept results (shallow copies), and the padding they report. A producer that
+    failed, was cancelled or never ran fails the call with the
+    :class:`~asyncrl.UpstreamError` the nested path gives."""
+    pads: list[int] = []
+
+    def one(x: Any) -> Any:
+        if type(x) is not LocalShard:
+            return x
+        got = lane.outcome(x.seq, x.call_id) if ticket.seq is not None else None
+        if got is None:
+            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                              f"the result of {x.group}.{x.method} (call {x.call_id}, ordered #{x.seq}) is not "
+                              "held by this worker process (it keeps the outcomes of its last "
+                              f"{lane.keep_results} ordered calls); this is a bug of asyncrl, please report it",
+                              "")
+        if not got[0]:
+            raise UpstreamError(spec.group, method, spec.context.rank,
+                                upstream=upstream_error(x.group, x.method, got[1])) from None
+        try:
+            value, pad = take_local(x, got[1], got[2])
+        except DispatchError as e:  # a field selection the producer's result lacks
+            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                              str(e), traceback.format_exc(), cause=e) from None
+        pads.append(pad)
+        return value
+
+    new_args, new_kwargs = substitute(args, kwargs, LocalShard, one)
+    try:
+        return new_args, new_kwargs, one_pad(pads)
+    except DispatchError as e:
+        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
+                          str(e), "", cause=e) from None

@@ -2,10 +2,10 @@
 
 A host constructs the worker objects of one process (several, for colocated
 groups), resolves pipelined arguments, and runs calls. Ordered calls are admitted by
-the process's :class:`~asyncrl._sequencer.Lane` in the order the controller numbered
+the process's :class:`~asyncrl._lanes.Lane` in the order the controller numbered
 them, whatever order they arrive in (an async Ray actor does not keep submission
 order); concurrent calls run as soon as they arrive. A call's arguments travel as one
-:class:`Payload`, so a worker that cannot unpickle them still runs the host method,
+:class:`~asyncrl._wire.Payload`, so a worker that cannot unpickle them still runs the host method,
 which reports the failure and releases the call's number.
 """
 
@@ -15,21 +15,21 @@ import asyncio
 import contextvars
 import gc
 import functools
-import io
 import os
 import pickle
-import queue
 import socket
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from asyncrl import batch as B
-from asyncrl._deferred import (DeferredShard, DeferredValue, LocalShard, TopShard, one_pad, resolve_args, shallow,
-                               take_local, take_top)
-from asyncrl._sequencer import NEVER_RAN, CallCancelled, Lane, LoopCall, ThreadLane, Ticket, outcome_of
-from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
+from asyncrl._deferred import (has_deferred, has_local, input_pad, resolve_on_worker, shallow, take_local_inputs,
+                               take_top_inputs)
+from asyncrl._lanes import NEVER_RAN, CallCancelled, Lane, OrderedThread, Ticket
+from asyncrl._thread_lane import LoopCall, ThreadLane
+from asyncrl._wire import Payload, arrived
+from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
 
@@ -47,236 +47,10 @@ class RoleSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-class Payload:
-    """A call's arguments on their way to a worker.
-
-    Pickled as a nested pickle stream (with Ray's reducers and out-of-band buffers, so
-    tensors still cross without copies) whose unpickling on the worker never raises: a
-    failure (a class that is not importable there, a ``__setstate__`` that raises)
-    arrives as `error` and the host reports it as the call's ``RemoteError``, releasing
-    the call's number (case 3 of :mod:`asyncrl._sequencer`).
-    """
-
-    __slots__ = ("args", "kwargs", "error", "top", "nested")
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 error: tuple[str, str, str] | None = None, top: list[Any] | None = None,
-                 nested: bool = False) -> None:
-        self.args = args
-        self.kwargs = kwargs
-        self.error = error
-        self.top = top
-        """Refs sent as top-level arguments of the host's call (the :class:`TopShard`
-        placeholders in `args`/`kwargs` index them); not part of the pickled payload."""
-        self.nested = nested
-        """Set by the controller: some argument is resolved on the worker (:func:`has_deferred`);
-        not part of the pickled payload."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        data, buffers = _inner_pickler().dumps((self.args, self.kwargs))
-        return (_UNPACK, (data, *buffers))
-
-    def wire(self) -> "Payload | list[Any]":
-        """What the Ray backend sends: when every argument is plain (a scalar — an int of
-        64 bits, a float, a string, a bool, None — or a small list or string-keyed dict
-        of plain values, such as a config dict: :func:`_plain`), a :class:`TopShard` (a
-        pipelined input sent top-level) or a :class:`LocalShard` (one handed over in the
-        worker's process): ints and strings, the list ``[args, kwargs]`` (plus, with
-        TopShards, their places and fields), which Ray encodes with msgpack (no pickling on
-        either side, and nothing that can fail to unpickle on the worker); otherwise the
-        Payload itself. :func:`arrived` undoes it."""
-        tops: list[Any] | None = None
-        for i, x in enumerate(self.args):
-            if not _plain(x):
-                if type(x) not in _MARKERS:
-                    return self
-                tops = tops or []
-                tops.append(_top_wire(i, x))
-        for k, x in self.kwargs.items():
-            if not _plain(x):
-                if type(x) not in _MARKERS:
-                    return self
-                tops = tops or []
-                tops.append(_top_wire(k, x))
-        if tops is None:
-            return [list(self.args), self.kwargs]
-        return [[None if type(x) in _MARKERS else x for x in self.args],
-                {k: (None if type(x) in _MARKERS else x) for k, x in self.kwargs.items()}, tops]
-
-    def local_copy(self) -> "Payload":
-        """What a worker process would receive, made in this process (the local backend):
-        pickled and unpickled, deferred values passed through as they are."""
-        from ray import cloudpickle
-
-        kept: list[Any] = []
-
-        class _Pickler(cloudpickle.CloudPickler):
-            def persistent_id(self, obj: Any) -> Any:
-                if isinstance(obj, (DeferredShard, DeferredValue)):
-                    kept.append(obj)
-                    return len(kept) - 1
-                return None
-
-        class _Unpickler(pickle.Unpickler):
-            def persistent_load(self, pid: Any) -> Any:
-                return kept[pid]
-
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=5).dump((self.args, self.kwargs))  # raises at submission, as Ray's would
-        try:
-            args, kwargs = _Unpickler(io.BytesIO(buf.getvalue())).load()
-        except Exception as e:
-            return Payload((), {}, _unpickling_error(e))
-        return Payload(args, kwargs)
-
-
 CONTROL_WAIT = 60.0
 """Seconds a call waits at most for a control message sent before it (case 16 of
-:mod:`asyncrl._sequencer`); the control thread handles each one in microseconds, so
+docs/protocol.md); the control thread handles each one in microseconds, so
 only a process that is going away reaches it (then the call goes on, with a warning)."""
-_PLAIN_ITEMS = 64  # list items and dict values, over all levels, that still count as plain
-_PLAIN_DEPTH = 4  # levels of nested lists and dicts that still count as plain
-
-
-def _scalar(x: Any) -> bool:
-    t = type(x)
-    return t is str or t is float or t is bool or x is None or (t is int and -(1 << 63) <= x < (1 << 63))
-
-
-def _plain(x: Any) -> bool:
-    """A value Ray encodes with msgpack and the worker decodes without unpickling anything
-    (so it cannot fail there: case 3 of asyncrl._sequencer): a scalar (an int of 64 bits,
-    a float, a string, a bool, None), or lists and string-keyed dicts of such — a config
-    dict — with at most ``_PLAIN_ITEMS`` items in all, nested at most ``_PLAIN_DEPTH``
-    levels. Tuples, other key types, subclasses and anything larger take the pickled Payload."""
-    if _scalar(x):
-        return True
-    t = type(x)
-    if t is not dict and t is not list:
-        return False
-    budget = _PLAIN_ITEMS
-    todo: list[tuple[Any, int]] = [(x, 1)]
-    while todo:
-        y, depth = todo.pop()
-        if depth > _PLAIN_DEPTH:
-            return False
-        budget -= len(y)
-        if budget < 0:
-            return False
-        if type(y) is dict:
-            if any(type(k) is not str for k in y):
-                return False
-            items: Any = y.values()
-        else:
-            items = y
-        for v in items:
-            if not _scalar(v):
-                if type(v) is not dict and type(v) is not list:
-                    return False
-                todo.append((v, depth + 1))
-    return True
-
-
-_MARKERS = (TopShard, LocalShard)
-
-
-def _top_wire(place: int | str, x: "TopShard | LocalShard") -> list[Any]:
-    select = list(x.select) if x.select is not None else None
-    if type(x) is LocalShard:
-        return [place, x.group, x.method, select, x.call_id, x.seq, True]
-    return [place, x.group, x.method, select, x.value, x.meta]  # type: ignore[union-attr]
-
-
-def arrived(payload: "Payload | list[Any]") -> Payload:
-    """The Payload of a call as it arrived on the worker (see :meth:`Payload.wire`)."""
-    if type(payload) is list:
-        if len(payload) == 2:
-            return Payload(tuple(payload[0]), payload[1])
-        args, kwargs, tops = payload
-        for place, group, method, select, a, b, *local in tops:
-            sel = tuple(select) if select is not None else None
-            shard = LocalShard(group, method, sel, a, b) if local else TopShard(group, method, sel, a, b)
-            if type(place) is int:
-                args[place] = shard
-            else:
-                kwargs[place] = shard
-        return Payload(tuple(args), kwargs)
-    return payload  # type: ignore[return-value]
-
-
-class _InnerPickler:
-    """One cloudpickle pickler per thread, reused for every Payload (building a pickler
-    costs several times more than pickling a few small arguments). It is Ray's
-    cloudpickle, so Ray's reducers apply (zero-copy tensors, ObjectRef accounting)."""
-
-    def __init__(self) -> None:
-        from ray import cloudpickle
-
-        self._file = io.BytesIO()
-        self._buffers: list[pickle.PickleBuffer] = []
-        self._pickler = cloudpickle.CloudPickler(self._file, protocol=5, buffer_callback=self._buffer)
-        self._busy = False
-
-    def _buffer(self, b: pickle.PickleBuffer) -> None:
-        self._buffers.append(b)
-
-    def dumps(self, obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
-        if self._busy:  # a Payload inside a Payload's arguments: a one-off pickler
-            from ray import cloudpickle
-
-            buffers: list[pickle.PickleBuffer] = []
-            return cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append), buffers
-        self._busy = True
-        f, self._buffers = self._file, []
-        try:
-            f.seek(0)
-            f.truncate()
-            self._pickler.clear_memo()
-            self._pickler.globals_ref = {}  # cloudpickle's per-dump state: never shared between calls
-            self._pickler.dump(obj)
-            return f.getvalue(), self._buffers
-        finally:
-            self._busy = False
-
-
-_INNER = threading.local()
-
-
-def _inner_pickler() -> _InnerPickler:
-    p = getattr(_INNER, "pickler", None)
-    if p is None:
-        p = _INNER.pickler = _InnerPickler()
-    return p
-
-
-class _Unpacker:
-    """Rebuilds a Payload on the worker; unpickling failures become its `error`.
-
-    An object, not a function: pickled as a plain global name (``__reduce__`` returns
-    one), so Ray's cloudpickle does not inspect it on every call as it does functions.
-    """
-
-    def __call__(self, data: bytes, *buffers: Any) -> Payload:
-        try:
-            args, kwargs = pickle.loads(data, buffers=buffers)
-        except Exception as e:
-            return Payload((), {}, _unpickling_error(e))
-        return Payload(args, kwargs)
-
-    def __reduce__(self) -> str:
-        return "_UNPACK"
-
-
-_UNPACK = _Unpacker()
-
-
-def _unpickling_error(e: BaseException) -> tuple[str, str, str]:
-    return (f"{type(e).__module__}.{type(e).__qualname__}",
-            f"the worker could not unpickle the call's arguments ({e}); an argument's class must be importable "
-            "on the workers (put its module on their PYTHONPATH, or in runtime_env py_modules/working_dir)",
-            traceback.format_exc())
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -305,6 +79,8 @@ def _picklable(exc: BaseException) -> BaseException | None:
 class _HostBase:
     """What both host kinds share: the worker objects, their specs, set-up and the
     per-call checks. No ``async def`` here: Ray makes an actor async when its class has one."""
+
+    _wait: Callable[[Any], Awaitable[Any]]  # how the host awaits a pipelined input's ref
 
     def __init__(self, lane: Lane, local: bool) -> None:
         self._local = local
@@ -343,7 +119,7 @@ class _HostBase:
 
     def _started(self) -> None:
         if not self._local:  # (in-process workers: the controller's group set-up does it)
-            gc.freeze()  # see asyncrl.hosts: start-up objects out of the collector's full passes
+            gc.freeze()  # see asyncrl.host_set: start-up objects out of the collector's full passes
 
     @staticmethod
     def _set_threads(ctx: WorkerContext) -> None:
@@ -357,7 +133,7 @@ class _HostBase:
             pass
 
     def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False, note: int = 0) -> Any:
-        """The worker end of the one cancel path (see :mod:`asyncrl._sequencer`); after a
+        """The worker end of the one cancel path (see docs/protocol.md); after a
         deadline's cancel, the call wedging the lane, if any (case 15). `note`: this
         control message's number (case 16; 0: unnumbered)."""
         try:
@@ -367,7 +143,7 @@ class _HostBase:
 
     def control_state(self) -> dict[str, int]:
         """For tests: the control messages handled (every one numbered up to ``seen``) and
-        the calls waiting for one now (case 16 of :mod:`asyncrl._sequencer`)."""
+        the calls waiting for one now (case 16 of docs/protocol.md)."""
         return {"seen": self._lane.control.seen, "waiting": self._lane.control.waiting}
 
     def _identity(self, role: str) -> tuple[str, int]:
@@ -398,7 +174,7 @@ class _HostBase:
         if not want_meta:
             return result if keep else None
         meta = self._meta(spec, method, args, kwargs, result, pad)
-        if ticket.outcome is not None:  # kept for same-process consumers (case 14 of asyncrl._sequencer)
+        if ticket.outcome is not None:  # kept for same-process consumers (case 14 of docs/protocol.md)
             # The container as it is now, as Ray serializes it now: a worker that returns a
             # container it keeps (a buffer it refills) and changes its keys in a later call
             # does not change what this call's consumers read.
@@ -416,43 +192,6 @@ class _HostBase:
     def _failed(ticket: Ticket, e: BaseException) -> None:
         if ticket.outcome is not None:
             ticket.outcome = (False, e)
-
-    def _take_local(self, spec: RoleSpec, method: str, ticket: Ticket, args: Any,
-                    kwargs: Any) -> tuple[Any, Any, int | None]:
-        """At the call's turn: its :class:`LocalShard` inputs replaced by the producers'
-        kept results (shallow copies), and the padding they report. A producer that
-        failed, was cancelled or never ran fails the call with the
-        :class:`~asyncrl.UpstreamError` the nested path gives."""
-        pads: list[int] = []
-        lane = self._lane
-
-        def one(x: Any) -> Any:
-            if type(x) is not LocalShard:
-                return x
-            got = lane.outcome(x.seq, x.call_id) if ticket.seq is not None else None
-            if got is None:
-                raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                                  f"the result of {x.group}.{x.method} (call {x.call_id}, ordered #{x.seq}) is not "
-                                  "held by this worker process (it keeps the outcomes of its last "
-                                  f"{lane.keep_results} ordered calls); this is a bug of asyncrl, please report it",
-                                  "")
-            if not got[0]:
-                raise UpstreamError(spec.group, method, spec.context.rank,
-                                    upstream=_upstream(x.group, x.method, got[1])) from None
-            try:
-                value, pad = take_local(x, got[1], got[2])
-            except DispatchError as e:  # a field selection the producer's result lacks
-                raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                                  str(e), traceback.format_exc(), cause=e) from None
-            pads.append(pad)
-            return value
-
-        new_args, new_kwargs = _substitute(args, kwargs, LocalShard, one)
-        try:
-            return new_args, new_kwargs, one_pad(pads)
-        except DispatchError as e:
-            raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                              str(e), "", cause=e) from None
 
     @staticmethod
     def _meta(spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int) -> tuple[int, int]:
@@ -490,6 +229,7 @@ class WorkerHost(_HostBase):
         super().__init__(Lane(), local)
         self._wait = wait or _await_plain
         self._thread = OrderedThread()  # runs the constructors and every plain def method
+        self._waits = _LoopWaits(self._lane, self._thread)
 
     def host_kind(self) -> str:
         return "async"
@@ -497,7 +237,7 @@ class WorkerHost(_HostBase):
     async def init_workers(self, specs: list[RoleSpec], keep_results: int = 0) -> dict[str, dict[str, Any]]:
         """Construct the workers; returns each role's registered meshes. `keep_results`:
         how many of its latest ordered numbers the lane keeps outcomes of (case 14 of
-        :mod:`asyncrl._sequencer`)."""
+        docs/protocol.md)."""
         self._lane.keep_results = keep_results
         out: dict[str, dict[str, Any]] = {}
         for spec in specs:
@@ -510,66 +250,16 @@ class WorkerHost(_HostBase):
         self._started()
         return out
 
-    async def call(
-        self,
-        role: str,
-        method: str,
-        seq: int | None,
-        call_id: int,
-        payload: "Payload | list[Any]",
-        in_pad: int | None,
-        want_meta: bool,
-        keep: bool = True,
-        after: int = 0,
-        *,
-        top: tuple[Any, ...] = (),
-    ) -> Any:
+    async def call(self, role: str, method: str, seq: int | None, call_id: int, payload: "Payload | list[Any]",
+                   in_pad: int | None, want_meta: bool, keep: bool = True, after: int = 0, *,
+                   top: tuple[Any, ...] = ()) -> Any:
         """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
         ``(result, (rows, trailing padding rows))``. `after`: how many control messages
         the controller had sent this process before this call (case 16). `top`: the
-        call's top-level inputs."""
-        group, rank = self._identity(role)
-        lane = self._lane
-        if after > lane.control.seen:  # a cancel message sent before this call is not handled yet
-            await lane.control.wait_async(after, CONTROL_WAIT)
-        ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
-        resolving: asyncio.Future[Any] | None = None
-        self._keeps(ticket, want_meta, keep)
-        try:
-            payload = arrived(payload)
-            spec, mspec = self._lookup(role, method, payload)
-            args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
-            if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
-                resolving = asyncio.ensure_future(_resolve(spec, method, args1, kwargs1, self._wait))
-            if seq is not None:
-                await lane.turn(ticket)
-            if resolving is None:
-                args2, kwargs2, pipe_pad = args1, kwargs1, None
-            else:
-                args2, kwargs2, pipe_pad = await resolving
-            local_pad = None
-            if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
-                args2, kwargs2, local_pad = self._take_local(spec, method, ticket, args2, kwargs2)
-            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
-            fn = getattr(self._workers[role], method)
-            try:
-                if mspec.is_async:
-                    result = await fn(*args2, **kwargs2)
-                else:
-                    run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
-                    result = await lane.run_thread(ticket, run, self._thread)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                raise self._method_error(spec, method, e) from None
-            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
-        except BaseException as e:
-            self._failed(ticket, e)
-            raise
-        finally:
-            if resolving is not None and not resolving.done():
-                resolving.cancel()
-            lane.leave(ticket)
+        call's top-level inputs. The steps are :func:`_run_call`'s; they wait on this
+        process's event loop."""
+        return await _run_call(self, self._waits, role, method, seq, call_id, payload, in_pad, want_meta, keep,
+                               after, top, False)
 
     async def call_packed(self, packed: list[Any], *top: Any) -> Any:
         """:meth:`call` with its arguments in one list: the Ray backend's entry point
@@ -600,10 +290,10 @@ class ThreadedHost(_HostBase):
     ``def`` method right there, on the thread that received it and built the worker:
     no thread hand-off. A ``calls``-group call hands its ``def`` method to the pinned
     thread as a job (the pinned call waiting for its turn runs it, or a call the host
-    submits to itself does: case 15 of :mod:`asyncrl._sequencer`). ``async def``
+    submits to itself does: case 15 of docs/protocol.md). ``async def``
     methods and the resolution of pipelined arguments run on an event loop of the
     host's own (a thread started at the first use). Ordering, cancellation and the
-    wedged lane are :class:`~asyncrl._sequencer.ThreadLane`'s; a wedge that pinned calls
+    wedged lane are :class:`~asyncrl._thread_lane.ThreadLane`'s; a wedge that pinned calls
     queued in Ray cannot see is the controller's to act on (case 15).
     """
 
@@ -612,6 +302,7 @@ class ThreadedHost(_HostBase):
         self._wait = wait or _await_plain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
+        self._waits = _ThreadWaits(self._lane, self._event_loop)  # type: ignore[arg-type]
 
     def host_kind(self) -> str:
         return "threaded"
@@ -642,7 +333,7 @@ class ThreadedHost(_HostBase):
         return self._lane.wait_unwedged(call_id)  # type: ignore[attr-defined]
 
     def pinned_state(self) -> dict[str, Any]:
-        """For tests: the pinned thread's state (:meth:`~asyncrl._sequencer.ThreadLane.pinned_state`)."""
+        """For tests: the pinned thread's state (:meth:`~asyncrl._thread_lane.ThreadLane.pinned_state`)."""
         return self._lane.pinned_state()  # type: ignore[attr-defined]
 
     def unfence(self, call_id: int, upto: int, note: int = 0) -> None:
@@ -661,72 +352,16 @@ class ThreadedHost(_HostBase):
                 self._loop = loop
             return self._loop
 
-    def call(
-        self,
-        role: str,
-        method: str,
-        seq: int | None,
-        call_id: int,
-        payload: "Payload | list[Any]",
-        in_pad: int | None,
-        want_meta: bool,
-        keep: bool = True,
-        after: int = 0,
-        *,
-        top: tuple[Any, ...] = (),
-        pinned: bool = False,
-    ) -> Any:
+    def call(self, role: str, method: str, seq: int | None, call_id: int, payload: "Payload | list[Any]",
+             in_pad: int | None, want_meta: bool, keep: bool = True, after: int = 0, *,
+             top: tuple[Any, ...] = (), pinned: bool = False) -> Any:
         """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
         With `want_meta` returns ``(result, (rows, trailing padding rows))``. `after`: as
         :meth:`WorkerHost.call`'s (case 16). `top`: the call's top-level inputs (resolved
         by Ray: no hand-off to the host's loop for them). `pinned`: this is the pinned
-        thread (case 15)."""
-        group, rank = self._identity(role)
-        lane: ThreadLane = self._lane  # type: ignore[assignment]
-        if after > lane.control.seen:  # a control message sent before this call is not handled yet
-            lane.control.wait(after, CONTROL_WAIT)
-        ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
-        resolving: LoopCall | None = None
-        self._keeps(ticket, want_meta, keep)
-        try:
-            payload = arrived(payload)
-            spec, mspec = self._lookup(role, method, payload)
-            args1, kwargs1, top_pad = _take_top(spec, method, payload, top)
-            if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
-                resolving = lane.start_on_loop(
-                    ticket, _resolve(spec, method, args1, kwargs1, self._wait), self._event_loop())
-            if seq is not None:
-                lane.wait_turn(ticket, serve=pinned)
-            if resolving is None:
-                args2, kwargs2, pipe_pad = args1, kwargs1, None
-            else:
-                args2, kwargs2, pipe_pad = lane.wait_loop(resolving)
-            local_pad = None
-            if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
-                args2, kwargs2, local_pad = self._take_local(spec, method, ticket, args2, kwargs2)
-            pad = in_pad if in_pad is not None else _input_pad(spec, method, top_pad, pipe_pad, local_pad)
-            fn = getattr(self._workers[role], method)
-            try:
-                if mspec.is_async:
-                    result = lane.run_on_loop(ticket, fn(*args2, **kwargs2), self._event_loop())
-                else:
-                    run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
-                    if pinned:
-                        result = lane.run_pinned(ticket, run)
-                    else:
-                        result = lane.run_in_thread(ticket, run, lane)
-            except CallCancelled:
-                raise
-            except Exception as e:
-                raise self._method_error(spec, method, e) from None
-            return self._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
-        except BaseException as e:
-            self._failed(ticket, e)
-            raise
-        finally:
-            if resolving is not None and not resolving.finished:
-                resolving.cancel()
-            lane.leave(ticket)
+        thread (case 15). The steps are :func:`_run_call`'s; every wait blocks this thread."""
+        return _blocking(_run_call(self, self._waits, role, method, seq, call_id, payload, in_pad, want_meta, keep,
+                                   after, top, pinned))
 
     def call_packed(self, packed: list[Any], *top: Any) -> Any:
         """:meth:`call` with its arguments in one list, then its top-level inputs: the Ray
@@ -741,165 +376,139 @@ class ThreadedHost(_HostBase):
                 self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-async def _resolve(spec: RoleSpec, method: str, args: Any, kwargs: Any,
-                   wait: Callable[[Any], Awaitable[Any]]) -> Any:
+# ---- the call: one template, two ways of waiting --------------------------------------------
+
+
+async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: str, method: str, seq: int | None,
+                    call_id: int, payload: "Payload | list[Any]", in_pad: int | None, want_meta: bool, keep: bool,
+                    after: int, top: tuple[Any, ...], pinned: bool) -> Any:
+    """The steps of one call on a host, for both host kinds: wait for the control messages
+    sent before it (case 16), arrive in the lane, start fetching its pipelined inputs, wait
+    for its turn (ordered calls), take its same-process inputs, run the method, report.
+    Every wait is `waits`'s: :class:`_LoopWaits` awaits on the async host's event loop;
+    :class:`_ThreadWaits` blocks the threaded host's Ray thread (never suspends, so
+    :func:`_blocking` runs the coroutine to its end in one step)."""
+    group, rank = host._identity(role)
+    lane = host._lane
+    if after > lane.control.seen:  # a control message sent before this call is not handled yet
+        await waits.control(after)
+    ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
+    resolving: Any = None
+    host._keeps(ticket, want_meta, keep)
     try:
-        return await resolve_args(args, kwargs, wait)
-    except asyncio.CancelledError:
+        payload = arrived(payload)
+        spec, mspec = host._lookup(role, method, payload)
+        args1, kwargs1, top_pad = take_top_inputs(spec, method, payload.args, payload.kwargs, top)
+        if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
+            resolving = waits.start(ticket, resolve_on_worker(spec, method, args1, kwargs1, host._wait))
+        if seq is not None:
+            await waits.turn(ticket, pinned)
+        if resolving is None:
+            args2, kwargs2, pipe_pad = args1, kwargs1, None
+        else:
+            args2, kwargs2, pipe_pad = await waits.resolved(resolving)
+        local_pad = None
+        if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
+            args2, kwargs2, local_pad = take_local_inputs(host._lane, spec, method, ticket, args2, kwargs2)
+        pad = in_pad if in_pad is not None else input_pad(spec, method, top_pad, pipe_pad, local_pad)
+        fn = getattr(host._workers[role], method)
+        try:
+            if mspec.is_async:
+                result = await waits.run_async(ticket, fn(*args2, **kwargs2))
+            else:
+                run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
+                result = await waits.run_def(ticket, run, pinned)
+        except waits.cancelled:
+            raise
+        except Exception as e:
+            raise host._method_error(spec, method, e) from None
+        return host._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
+    except BaseException as e:
+        host._failed(ticket, e)
         raise
-    except DispatchError as e:
-        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                          str(e), traceback.format_exc(), cause=e) from None
-    except AsyncRLError as e:  # a producer's failure, already named by resolve_args
-        raise UpstreamError(spec.group, method, spec.context.rank, upstream=e) from None
+    finally:
+        if resolving is not None:
+            waits.stop(resolving)
+        lane.leave(ticket)
 
 
-def _take_top(spec: RoleSpec, method: str, payload: Payload,
-              top: tuple[Any, ...]) -> tuple[Any, Any, int | None]:
-    """The call's arguments with its :class:`TopShard` inputs replaced by their values
-    (at the levels :func:`has_deferred` looks at); also the padding they report."""
-    if not top:
-        return payload.args, payload.kwargs, None
-    pads: list[int] = []
+class _LoopWaits:
+    """The async host's waits (:class:`WorkerHost`): each one awaits on the process's event loop."""
 
-    def one(x: Any) -> Any:
-        if isinstance(x, TopShard):
-            value, pad = take_top(x, top)
-            pads.append(pad)
-            return value
-        return x
+    cancelled: type[BaseException] = asyncio.CancelledError
 
+    def __init__(self, lane: Lane, thread: "OrderedThread") -> None:
+        self._lane = lane
+        self._thread = thread
+
+    async def control(self, after: int) -> None:
+        await self._lane.control.wait_async(after, CONTROL_WAIT)
+
+    def start(self, ticket: Ticket, coro: Any) -> "asyncio.Future[Any]":
+        return asyncio.ensure_future(coro)
+
+    async def turn(self, ticket: Ticket, pinned: bool) -> None:
+        await self._lane.turn(ticket)
+
+    async def resolved(self, resolving: "asyncio.Future[Any]") -> Any:
+        return await resolving
+
+    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
+        return await coro
+
+    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
+        return await self._lane.run_thread(ticket, run, self._thread)
+
+    @staticmethod
+    def stop(resolving: "asyncio.Future[Any]") -> None:
+        if not resolving.done():
+            resolving.cancel()
+
+
+class _ThreadWaits:
+    """The threaded host's waits (:class:`ThreadedHost`): each one blocks the call's Ray
+    thread (``async def`` only to share :func:`_run_call`; none of them suspends)."""
+
+    cancelled: type[BaseException] = CallCancelled
+
+    def __init__(self, lane: ThreadLane, loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+        self._lane = lane
+        self._loop = loop  # the host's own event loop, started at its first use
+
+    async def control(self, after: int) -> None:
+        self._lane.control.wait(after, CONTROL_WAIT)
+
+    def start(self, ticket: Ticket, coro: Any) -> LoopCall:
+        return self._lane.start_on_loop(ticket, coro, self._loop())
+
+    async def turn(self, ticket: Ticket, pinned: bool) -> None:
+        self._lane.wait_turn(ticket, serve=pinned)
+
+    async def resolved(self, resolving: LoopCall) -> Any:
+        return self._lane.wait_loop(resolving)
+
+    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
+        return self._lane.run_on_loop(ticket, coro, self._loop())
+
+    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
+        if pinned:
+            return self._lane.run_pinned(ticket, run)
+        return self._lane.run_in_thread(ticket, run, self._lane)
+
+    @staticmethod
+    def stop(resolving: LoopCall) -> None:
+        if not resolving.finished:
+            resolving.cancel()
+
+
+def _blocking(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine that never suspends (a threaded host's :func:`_run_call`) to its end, here."""
     try:
-        args, kwargs = _substitute(payload.args, payload.kwargs, TopShard, one)
-        return args, kwargs, one_pad(pads)
-    except DispatchError as e:  # a field selection the producer's result lacks, or inputs disagreeing on padding
-        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",
-                          str(e), traceback.format_exc(), cause=e) from None
-
-
-def _input_pad(spec: RoleSpec, method: str, top_pad: int | None, pipe_pad: int | None,
-               local_pad: int | None = None) -> int:
-    """The input padding reported by the call's pipelined inputs, top-level, nested and local."""
-    try:
-        return one_pad([p for p in (top_pad, pipe_pad, local_pad) if p is not None]) or 0
-    except DispatchError as e:
-        raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError", str(e), "",
-                          cause=e) from None
-
-
-class OrderedThread:
-    """The async host's one thread for plain ``def`` methods: a queue and a loop (no executor
-    machinery); each outcome is handed back by a `deliver` callback run on the thread."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Callable[[], Any], deliver: Callable[[tuple[bool, Any]], None]) -> None:
-        """Run `fn` on the thread, then `deliver((True, value))` or `deliver((False, error))` there."""
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._main, name="asyncrl-ordered_0", daemon=True)
-                    self._thread.start()
-        self._q.put((fn, deliver))
-
-    def run(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """Run `fn` on the thread; the returned future (of the running loop) gets its outcome."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.submit(fn, functools.partial(_deliver_to_loop, loop, fut))
-        return fut
-
-    def _main(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, deliver = item
-            item = None
-            outcome = outcome_of(fn)
-            fn = None
-            deliver(outcome)
-            # Hold nothing of this call while waiting for the next one: its arguments
-            # (a shard that aliases the object store, with zero-copy tensors) and its
-            # result would otherwise stay alive until another call reaches this thread.
-            deliver = outcome = None  # type: ignore[assignment]
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-
-
-def _deliver_to_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
-    try:
-        loop.call_soon_threadsafe(_settle, fut, outcome)
-    except RuntimeError:  # that loop is closed
-        pass
-
-
-def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
-    if fut.done():
-        return
-    ok, value = outcome
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
-
-
-_DEFERRED = (DeferredShard, DeferredValue)
-
-
-def _contains(args: Any, kwargs: dict[str, Any], kinds: type | tuple[type, ...]) -> bool:
-    """Whether an argument, or an item of a list or dict argument (the levels where
-    pipelined inputs are placed), is an instance of `kinds`."""
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, kinds):
-            return True
-        if isinstance(x, list) and any(isinstance(i, kinds) for i in x):
-            return True
-        if isinstance(x, dict) and any(isinstance(i, kinds) for i in x.values()):
-            return True
-    return False
-
-
-def _substitute(args: Any, kwargs: dict[str, Any], kind: type,
-                one: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any]]:
-    """`args` and `kwargs` with `one` applied to each argument, or to each item of a list
-    or dict argument that holds a `kind` (the levels :func:`_contains` looks at)."""
-    def arg(x: Any) -> Any:
-        if isinstance(x, list) and any(isinstance(i, kind) for i in x):
-            return [one(i) for i in x]
-        if isinstance(x, dict) and any(isinstance(i, kind) for i in x.values()):
-            return {k: one(v) for k, v in x.items()}
-        return one(x)
-
-    return [arg(a) for a in args], {k: arg(v) for k, v in kwargs.items()}
-
-
-def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument, the levels
-    :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
-    return _contains(args, kwargs, _DEFERRED)
-
-
-def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
-    return _contains(args, kwargs, LocalShard)
-
-
-def _upstream(group: str, method: str, e: BaseException) -> BaseException:
-    """A kept producer failure as the nested path names it (see asyncrl._deferred._named):
-    a cancellation as the producer's CallCancelledError, an asyncrl error as it is, any
-    other error as the producer's RemoteError."""
-    if isinstance(e, (asyncio.CancelledError, CallCancelled)):
-        return CallCancelledError(f"{group}.{method} was cancelled")
-    if isinstance(e, AsyncRLError):
-        return e
-    return RemoteError(group, method, None, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
-                       "".join(traceback.format_exception(e)))
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a threaded host's call suspended: its waits must block, never await")
 
 
 def _construct(spec: RoleSpec) -> Any:

@@ -1,4 +1,6 @@
-"""`ResourcePool`: the bundles a group's workers are placed on.
+"""`ResourcePool`: the bundles a group's workers are placed on; `AsyncResource`: the
+``async with`` base of every object with ``setup()`` and ``close()`` (groups, pools' users,
+the trainer).
 
 A pool lists bundles per node (``ResourcePool([4])``: four bundles on one node;
 ``ResourcePool([2, 2])``: two on each of two nodes). On Ray each node's bundles
@@ -20,7 +22,27 @@ from typing import Any, Sequence
 
 from asyncrl._backend import Backend, Slot
 
-__all__ = ["ResourcePool", "Slot"]
+__all__ = ["AsyncResource", "ResourcePool", "Slot"]
+
+
+class AsyncResource:
+    """`async with` for objects with `setup()` and `close()`: close on every path."""
+
+    async def setup(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Any:
+        try:
+            return await self.setup()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 class ResourcePool:

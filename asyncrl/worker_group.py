@@ -4,7 +4,7 @@
 contract, splits the arguments (dispatch), hands one call per executing rank to the
 :class:`~asyncrl._sequencer.Sequencer` and returns a :class:`~asyncrl.GroupFuture`
 at once; awaiting it collects the per-rank results (:mod:`asyncrl.future`). The
-processes behind a group are a :class:`~asyncrl.hosts.HostSet`; the same group logic
+processes behind a group are a :class:`~asyncrl.host_set.HostSet`; the same group logic
 runs on two backends: Ray actors (:class:`RayWorkerGroup`) and in-process objects
 (:class:`LocalWorkerGroup`). :func:`colocate` binds several roles to one HostSet.
 """
@@ -21,8 +21,7 @@ import structlog
 
 from asyncrl import backends
 from asyncrl._backend import BackendSpec
-from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard
-from asyncrl._host import Payload, has_deferred
+from asyncrl._wire import Builder, Inputs
 from asyncrl.dispatch import Sharded, World
 from asyncrl.errors import (
     DispatchError,
@@ -31,9 +30,9 @@ from asyncrl.errors import (
     RegistrationError,
 )
 from asyncrl.future import GroupFuture, _Call, producers_of
-from asyncrl.hosts import AsyncResource, HostSet
+from asyncrl.host_set import HostSet
 from asyncrl.register import Execute, MethodSpec, Mode, RegisteredMethod, registered_methods
-from asyncrl.resources import ResourcePool
+from asyncrl.resources import AsyncResource, ResourcePool
 from asyncrl.worker import PROTECTED_ENV, Worker
 
 __all__ = ["WorkerGroup", "RayWorkerGroup", "LocalWorkerGroup", "GroupMethod", "GroupStats", "Colocated", "colocate"]
@@ -293,15 +292,15 @@ class WorkerGroup(AsyncResource, Generic[W]):
         ordered = spec.mode is Mode.ORDERED
         inputs = None
         if producers:
-            inputs = _Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs,
+            inputs = Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs,
                              hs.sequencer if ordered else None)
         refs, metas, entries = hs.sequencer.submit(
-            self._role, spec.name, ordered, mode.data_parallel, ranks, _Builder(sharded, keep, inputs))
+            self._role, spec.name, ordered, mode.data_parallel, ranks, Builder(sharded, keep, inputs))
         self.stats.calls += 1
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
                      metas if mode.data_parallel else None, entries, timeout, producers, sharded.pad)
         if hs.sequencer.pinned:
-            hs.sequencer.issued(call)  # (a wedged lane fails it at once: case 15 of asyncrl._sequencer)
+            hs.sequencer.issued(call)  # (a wedged lane fails it at once: case 15 of docs/protocol.md)
         if inputs is not None:
             call.reads = inputs.fully_read()
             call.top_from = tuple(inputs.top_from) or None
@@ -323,127 +322,6 @@ def _layout(spec: MethodSpec, world: World) -> tuple[tuple[int, ...], tuple[int,
         keep = [r.collect for r in mranks]
         order = tuple(sorted((i for i, r in enumerate(ranks) if mranks[r].collect), key=lambda i: mranks[ranks[i]].dp_rank))
     return ranks, order, keep
-
-
-class _Inputs:
-    """The pipelined inputs of one call, as its ranks' payloads are built: which of them
-    are handed over inside the worker process or go top-level (see asyncrl._deferred),
-    and which producers' results every executing rank together reads whole (a producer
-    whose results a successful call read is known to have finished successfully:
-    ``_Call.ok``)."""
-
-    __slots__ = ("producers", "ok", "read", "top_from", "sent", "local", "window", "local_sent")
-
-    def __init__(self, producers: "Sequence[Any]", top: bool, sequencer: Any = None) -> None:
-        self.producers = producers
-        # The producers known to have finished successfully, by their collected refs (the
-        # same ref objects a Source holds): only their matched shards may go top-level.
-        self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
-        # Same-process candidates, by collected ref: the producer's (rank, call id, number)
-        # of an ordered data-parallel producer numbered by this call's own sequencer (the
-        # same processes). `sequencer` is given for an ordered consumer only (of any
-        # dispatch mode that makes matched shards: DP_COMPUTE, DP_COMPUTE_METRIC, meshes).
-        self.local: dict[int, tuple[int, int, int]] = {}
-        self.window = sequencer.keep_results if sequencer is not None else 0
-        if self.window:
-            for p in producers:
-                if p.sequencer is sequencer and p.collect_metas is not None:
-                    entries, index = p.entries, p.collect_index
-                    for j, ref in enumerate(p.collect_refs):
-                        entry = entries[index[j]]
-                        if entry[2] is not None:
-                            self.local[id(ref)] = entry
-        self.read: set[int] = set()
-        self.top_from: dict[tuple[str, str], None] = {}
-        self.sent = 0  # TopShards made (one per rank and input)
-        self.local_sent = 0  # LocalShards made
-
-    def rank_args(self, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
-        """One rank's argument (or an item of a list argument) for a call that will have
-        number `seq` on `rank`'s lane: a matched shard of an ordered producer on the same
-        process, whose outcome that lane provably still keeps at this call's turn (its
-        number within the window: case 14 of asyncrl._sequencer), becomes a
-        :class:`LocalShard`; a matched shard of a known-ok producer a :class:`TopShard`
-        whose refs are appended to `top`."""
-        if isinstance(x, DeferredShard):
-            s = x.source
-            matched = x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
-            if matched and self.local and seq is not None:
-                entry = self.local.get(id(s.refs[0]))
-                if entry is not None and entry[0] == rank and 0 < seq - entry[2] <= self.window:
-                    # Counted as a read: a consumer that succeeded got the producer's value,
-                    # so the producer's host finished it. Ray's object of it could still have
-                    # failed (a result Ray cannot serialize); a later top-level read of it then
-                    # fails before its host runs, which the backend observes (case 13 of
-                    # asyncrl._sequencer), as for an object lost after it was read.
-                    self.read.update((id(s.refs[0]), id(s.metas[0])))  # type: ignore[index]
-                    self.local_sent += 1
-                    return LocalShard(s.group, s.method, s.select, entry[1], entry[2])
-            if x.count == len(s.refs) or not s.data_parallel:
-                self.read.update(map(id, s.refs))  # matched (rank r reads producer rank r), or the whole value
-            if s.metas is not None:
-                self.read.update(map(id, s.metas))
-            if self.ok and matched and id(s.refs[0]) in self.ok:
-                self.top_from[(s.group, s.method)] = None
-                self.sent += 1
-                top.extend((s.refs[0], s.metas[0]))  # type: ignore[index]  # (matched: metas is set)
-                return TopShard(s.group, s.method, s.select, len(top) - 2, len(top) - 1)
-        elif isinstance(x, DeferredValue):
-            s = x.source
-            self.read.update(map(id, s.refs))
-            if s.metas is not None:
-                self.read.update(map(id, s.metas))
-        return x
-
-    def fully_read(self) -> tuple[Any, ...]:
-        """The producers (not yet known ok) whose every collected result (and padding
-        metadata) some executing rank of this call reads."""
-        read = self.read
-        return tuple(p for p in self.producers if not p.ok
-                     and all(id(r) in read for r in p.collect_refs)
-                     and (p.collect_metas is None or all(id(m) in read for m in p.collect_metas)))
-
-
-class _Builder:
-    """Each executing rank's ``(arguments, input padding, keep result)``, built as the
-    sequencer submits them, knowing the number the call gets on that rank's lane (an
-    error here is covered by the sequencer's submit-or-release)."""
-
-    __slots__ = ("sharded", "keep", "inputs")
-
-    def __init__(self, sharded: Sharded, keep: list[bool], inputs: _Inputs | None) -> None:
-        self.sharded, self.keep, self.inputs = sharded, keep, inputs
-
-    def __call__(self, r: int, seq: int | None) -> tuple[Payload, int | None, bool]:
-        sharded, inputs = self.sharded, self.inputs
-        pads = sharded.pad
-        a = tuple(_defer(x[r]) for x in sharded.args)
-        k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
-        top: list[Any] | None = None
-        nested = False
-        if inputs is not None:  # (without producers no argument is resolved on the worker)
-            top = []
-            a = tuple(_each(inputs, x, top, r, seq) for x in a)
-            k = {key: _each(inputs, v, top, r, seq) for key, v in k.items()}
-            nested = has_deferred(a, k)
-        return Payload(a, k, top=top or None, nested=nested), (pads[r] if pads is not None else None), self.keep[r]
-
-
-def _each(inputs: _Inputs, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
-    if isinstance(x, list):
-        return [inputs.rank_args(i, top, rank, seq) for i in x]
-    return inputs.rank_args(x, top, rank, seq)
-
-
-def _defer(x: Any) -> Any:
-    """A future left in a rank's arguments (by a non-DP or custom mode) is resolved
-    whole on the worker."""
-    src = getattr(x, "_as_source", None)
-    if src is not None:
-        return DeferredValue(src())
-    if isinstance(x, list) and any(hasattr(i, "_as_source") for i in x):
-        return [_defer(i) for i in x]
-    return x
 
 
 class _BackendGroup(WorkerGroup[W]):

@@ -253,7 +253,7 @@ async def measure(workers: list[int], cells: list[str], reps: int, quick: bool,
         ctx["wg_async"] = RayWorkerGroup(Sink, world_size=n, name=f"sink{n}-async-host")
         try:
             await ctx["wg"].setup()
-            from asyncrl import hosts
+            from asyncrl import host_set as hosts
 
             hosts.HOST_KIND = "async"  # private: the previous host kind, for the breakdown column
             try:

@@ -5,7 +5,7 @@ rotating between repetitions (so both asyncrl variants see the same machine):
 
 * ``asyncrl``: ``await wg.ping(1)``: the backend's getter thread waits for the call in
   Ray's blocking ``ray.get`` and wakes the loop once per call
-  (:meth:`asyncrl._backend.Backend.fetch`, ``_Getter`` in asyncrl/backends/ray.py).
+  (:meth:`asyncrl._backend.Backend.fetch`, ``_Getter`` in asyncrl/backends/_ray_fetch.py).
 * ``asyncrl, callbacks only``: the same group call with the getter thread switched off:
   Ray's completion callbacks count the ranks down on Ray's thread and wake the loop once
   per call (asyncrl from issue 14's round 5 to round 7; still the path of a call that
@@ -126,7 +126,7 @@ async def main() -> None:
             assert await g.ping(1) == [1] * args.workers
 
     async def run_callbacks() -> None:
-        from asyncrl.backends import ray as ray_backend
+        from asyncrl.backends import _ray_fetch as ray_backend
 
         ray_backend._GETTER.enabled = False
         try:

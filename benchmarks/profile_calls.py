@@ -207,7 +207,7 @@ async def main_async(args: argparse.Namespace) -> None:
     ctx["actors"] = [plain.options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote()
                      for _ in range(n)]
     await ctx["wg"].setup()  # no concurrent method: the threaded host
-    from asyncrl import hosts
+    from asyncrl import host_set as hosts
 
     ctx["wg_async"] = RayWorkerGroup(Sink, world_size=n, name="prof-async-host")
     hosts.HOST_KIND = "async"  # private: the host kind of a worker with a concurrent method, for comparison

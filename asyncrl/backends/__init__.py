@@ -1,6 +1,6 @@
 """Backends that run worker hosts: Ray actors (`ray`) and in-process objects (`local`).
 
-A group is built with a :class:`Deferred` stand-in: importing a backend's module
+A group is built with a :class:`NamedBackend` stand-in: importing a backend's module
 (``ray``, a second or more the first time) happens in ``await setup()``, in a thread,
 never in a group's constructor on the event loop.
 """
@@ -11,12 +11,12 @@ import asyncio
 import importlib
 from typing import Any
 
-__all__ = ["Deferred", "named"]
+__all__ = ["NamedBackend", "named"]
 
 _MODULES = {"ray": ("asyncrl.backends.ray", "RayBackend", True), "local": ("asyncrl.backends.local", "LocalBackend", False)}
 
 
-class Deferred:
+class NamedBackend:
     """What a group knows of its backend before it starts: the name and whether it
     places pools. :meth:`start` imports the real backend off the loop and returns it."""
 
@@ -37,6 +37,6 @@ class Deferred:
         return f"<backend {self.name!r}, not started>"
 
 
-def named(name: str) -> Deferred:
+def named(name: str) -> NamedBackend:
     """The backend called `name` (``"ray"`` or ``"local"``), to be started by a group's setup."""
-    return Deferred(name)
+    return NamedBackend(name)

@@ -14,7 +14,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from asyncrl._backend import Cancelled, Slot
-from asyncrl._host import Payload, WorkerHost
+from asyncrl._host import WorkerHost
+from asyncrl._wire import Payload
 
 try:
     from ray import cloudpickle as _pickle

@@ -23,7 +23,7 @@ BACKENDS = ["ray", "ray-threaded", "local"]
 @contextlib.contextmanager
 def forced(backend: str) -> Iterator[None]:
     """Groups set up inside get `backend`'s host kind."""
-    from asyncrl import hosts
+    from asyncrl import host_set as hosts
 
     prev = hosts.HOST_KIND
     hosts.HOST_KIND = {"ray": "async", "ray-threaded": "threaded"}.get(backend)

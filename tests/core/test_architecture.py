@@ -67,9 +67,86 @@ def test_no_module_of_the_framework_imports_one_that_imports_it_back():
 def test_the_call_path_layers():
     graph = _imports()
     # the future owns the call's state; it knows nothing of groups or hosts
-    assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.hosts"}
+    assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.host_set"}
     # the sequencer owns the ordered-call protocol and depends only on the error types
     assert graph["asyncrl._sequencer"] <= {"asyncrl.errors", "asyncrl._backend"}
     # only the backends import ray's worker host wrapper; no backend-independent module imports a backend
-    for m in ("asyncrl.future", "asyncrl.hosts", "asyncrl._sequencer", "asyncrl._host", "asyncrl.resources"):
+    for m in ("asyncrl.future", "asyncrl.host_set", "asyncrl._sequencer", "asyncrl._host", "asyncrl.resources"):
         assert not {d for d in graph[m] if d.startswith("asyncrl.backends")}, m
+
+
+ROOT = PKG.parent
+LAYERS = {"asyncrl": PKG, "asyncrl.roles": ROOT / "roles", "asyncrl.pipelines": ROOT / "pipelines"}
+
+
+def _imported(package: str) -> dict[str, set[str]]:
+    """Every module name each file of ``package`` imports (absolute, relative and lazy imports
+    alike, relative ones resolved against the installed name, e.g. ``roles/x.py`` is
+    ``asyncrl.roles.x``), plus every string constant that names a module of the project (what
+    ``importlib.import_module`` would load)."""
+    where = LAYERS[package]
+    out: dict[str, set[str]] = {}
+    for path in where.rglob("*.py"):
+        rel = path.relative_to(where).with_suffix("").parts
+        is_pkg = rel[-1] == "__init__"
+        name = ".".join([package, *(rel[:-1] if is_pkg else rel)])
+        here = name.split(".") if is_pkg else name.split(".")[:-1]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+                found |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("asyncrl."):
+                found.add(node.value)
+        out[name] = found
+    return out
+
+
+def _reaching(imports: dict[str, set[str]], layers: tuple[str, ...]) -> dict[str, list[str]]:
+    bad = {}
+    for module, targets in imports.items():
+        hits = sorted(t for t in targets
+                      if any(t == layer or t.startswith(layer + ".") for layer in layers)
+                      or t.split(".")[0] in {layer.split(".")[-1] for layer in layers})
+        if hits:
+            bad[module] = hits
+    return bad
+
+
+def test_the_framework_imports_nothing_of_the_roles_or_the_pipelines():
+    """``asyncrl/`` knows nothing of RL: no import of ``asyncrl.roles`` / ``asyncrl.pipelines``,
+    at the top, under ``TYPE_CHECKING`` or inside a function."""
+    imports = _imported("asyncrl")
+    assert "asyncrl.future" in imports["asyncrl.worker_group"]  # the scan really reads the files
+    assert _reaching(imports, ("asyncrl.roles", "asyncrl.pipelines")) == {}
+
+
+def test_the_roles_import_nothing_of_the_pipelines():
+    imports = _imported("asyncrl.roles")
+    assert "asyncrl.roles.device" in imports["asyncrl.roles._util"]  # relative imports are resolved
+    assert _reaching(imports, ("asyncrl.pipelines",)) == {}
+
+
+def test_the_console_script_is_the_pipelines_cli():
+    """``asyncrl`` (pyproject's ``[project.scripts]``) points at the pipelines' CLI directly,
+    not at a shim in the framework that would import upwards."""
+    import importlib
+    import tomllib
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["asyncrl"]
+    assert target == "asyncrl.pipelines.cli:main"
+    module, attr = target.split(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+
+
+def test_the_lanes_are_the_workers_half_and_know_nothing_of_the_controller():
+    """The worker half of the ordered-call protocol (``_lanes``, ``_thread_lane``) depends
+    only on the error types and the backend protocol; the controller's ``_sequencer`` does
+    not import it, nor does it import the sequencer."""
+    graph = _imports()
+    assert graph["asyncrl._lanes"] <= {"asyncrl.errors", "asyncrl._backend"}
+    assert graph["asyncrl._thread_lane"] <= {"asyncrl.errors", "asyncrl._backend", "asyncrl._lanes"}
+    assert not graph["asyncrl._sequencer"] & {"asyncrl._lanes", "asyncrl._thread_lane"}

@@ -1,4 +1,4 @@
-"""Case 16 of ``asyncrl._sequencer``: a call runs only after every control message
+"""Case 16 of ``docs/protocol.md``: a call runs only after every control message
 (cancel, unfence) its controller sent to the process before it.
 
 The Ray race itself is forced in ``test_pinned.py``
@@ -16,7 +16,7 @@ import pytest
 
 from asyncrl import Worker, register
 from asyncrl._host import Payload, RoleSpec, WorkerHost
-from asyncrl._sequencer import ControlOrder
+from asyncrl._lanes import ControlOrder
 from tests.core.kinds import until
 
 

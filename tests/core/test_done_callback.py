@@ -137,7 +137,7 @@ def test_the_ray_watch_counts_every_ref_once_even_when_ready_or_unwatchable(ray_
     as done rather than hanging the watch."""
     import ray
 
-    from asyncrl.backends.ray import _Watch
+    from asyncrl.backends._ray_fetch import _Watch
 
     fired: list[int] = []
     all_fired = threading.Event()

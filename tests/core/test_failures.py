@@ -46,10 +46,24 @@ async def started_and_cancelled(wg):
 
 
 async def test_timeout_fails_with_typed_error_and_cancels_the_remote_work(wg):
-    await wg.get_log()
-    with pytest.raises(CallTimeoutError, match="wait_forever did not finish within its timeout") as info:
-        await wg.wait_forever.options(timeout=0.5)("x")
-    assert isinstance(info.value, TimeoutError)
+    # The call must have started on both ranks when its deadline passes (otherwise the cancel
+    # refuses it before it runs, and nothing is logged): a loaded machine may be slower to start
+    # it than the first deadline, so retry with longer ones, as the sibling deadline tests do.
+    for timeout in (0.5, 2.0, 8.0):
+        await wg.get_log()
+        fut = wg.wait_forever.options(timeout=timeout)("x")
+        try:
+            await until(lambda: _logs_are(wg, [[1], [1]]), "the call started on both ranks", deadline=timeout)
+            started = True
+        except TimeoutError:
+            started = False
+        with pytest.raises(CallTimeoutError, match="wait_forever did not finish within its timeout") as info:
+            await fut
+        assert isinstance(info.value, TimeoutError)
+        if started:
+            break
+    else:
+        pytest.fail("the call never started on both ranks within its deadline")
     await until(lambda: _logs_are(wg, [[1, -1], [1, -1]]), "remote coroutine saw the cancellation")
 
 

@@ -45,7 +45,7 @@ async def wg(request, ray_cluster):
 
 
 def _ray_fetch():
-    from asyncrl.backends import ray as ray_backend
+    from asyncrl.backends import _ray_fetch as ray_backend
 
     return ray_backend._Fetch
 
@@ -198,7 +198,7 @@ async def test_a_late_delivery_after_the_controller_failed_the_call_changes_noth
 async def test_many_calls_past_the_batching_limit_are_each_delivered_exactly_once(wg, monkeypatch):
     if wg.kind == "local":
         pytest.skip("the local backend has no threads to batch deliveries from")
-    from asyncrl.backends.ray import _NATIVE_LIMIT, _RESOLVER
+    from asyncrl.backends._ray_fetch import _NATIVE_LIMIT, _RESOLVER
 
     counts: dict[int, int] = {}
     queued: list[bool] = []
@@ -239,7 +239,7 @@ async def test_many_calls_past_the_batching_limit_are_each_delivered_exactly_onc
 def _getter(wg):
     if wg.kind == "local":
         pytest.skip("the local backend has no getter thread")
-    from asyncrl.backends import ray as ray_backend
+    from asyncrl.backends import _ray_fetch as ray_backend
 
     return ray_backend, ray_backend._GETTER
 
@@ -336,14 +336,14 @@ async def test_no_getter_thread_inside_an_async_ray_actor(wg):
     @ray.remote(num_cpus=0)
     class AsyncActor:
         async def allowed(self) -> bool:
-            from asyncrl.backends.ray import _getter_allowed
+            from asyncrl.backends._ray_fetch import _getter_allowed
 
             return _getter_allowed()
 
     @ray.remote(num_cpus=0)
     class SyncActor:
         def allowed(self) -> bool:
-            from asyncrl.backends.ray import _getter_allowed
+            from asyncrl.backends._ray_fetch import _getter_allowed
 
             return _getter_allowed()
 
@@ -359,7 +359,7 @@ async def test_no_getter_thread_inside_an_async_ray_actor(wg):
 
 SHUTDOWN_WHILE_GETTING = """
 import asyncrl
-from asyncrl.backends import ray as rb
+from asyncrl.backends import _ray_fetch as rb
 from tests.core import kinds
 from tests.core.workers import Probe
 
@@ -413,7 +413,7 @@ def test_a_forked_child_does_not_inherit_the_getter_thread(monkeypatch):
     import os
     import threading
 
-    from asyncrl.backends import ray as ray_backend
+    from asyncrl.backends import _ray_fetch as ray_backend
 
     g = ray_backend._GETTER
     monkeypatch.setattr(g, "_thread", threading.Thread(target=lambda: None))  # the parent's, idle

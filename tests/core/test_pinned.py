@@ -1,4 +1,4 @@
-"""The threaded host's pinned thread (case 15 of ``asyncrl/_sequencer.py``).
+"""The threaded host's pinned thread (case 15 of ``docs/protocol.md``).
 
 An ordered call that can run at once goes to the host's ``ordered`` concurrency group,
 ONE Ray thread that also built the worker, and runs its plain ``def`` method right there;
@@ -24,7 +24,8 @@ import pytest
 
 import asyncrl
 from asyncrl import CallCancelledError, CallTimeoutError, Dispatch, Worker, WorkerDiedError, register
-from asyncrl._sequencer import CallCancelled, ThreadLane
+from asyncrl._lanes import CallCancelled
+from asyncrl._thread_lane import ThreadLane
 from tests.core import kinds
 from tests.core.kinds import until
 

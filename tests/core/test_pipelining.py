@@ -149,7 +149,7 @@ async def test_many_outstanding_refs_keep_errors_and_release_the_native_budget(r
     """Past 256 outstanding refs results arrive through the batched resolver: values,
     remote errors (named by rank) and cancellations come out exactly as through Ray's
     own futures, and every ref awaited returns its slot of the native budget."""
-    from asyncrl.backends.ray import _RESOLVER
+    from asyncrl.backends._ray_fetch import _RESOLVER
 
     async with RayWorkerGroup(Probe, world_size=1, name="many") as wg:
         futures = [wg.noop(i) for i in range(400)] + [wg.boom(f"no {i}") for i in range(3)]

@@ -117,7 +117,7 @@ def test_malformed_call_arguments_give_a_typed_error_or_a_correct_result_never_a
 
     try:
         out = asyncio.run(body())
-    except (asyncrl.DispatchError, asyncrl.RemoteError, TypeError, ValueError) as e:
+    except (asyncrl.DispatchError, asyncrl.RemoteError) as e:  # asyncrl's own errors: a TypeError here is a bug
         assert str(e)  # a message that says what is wrong
         return
     batches = [a for a in args if B.is_batch(a) and not isinstance(a, (str, bytes))]

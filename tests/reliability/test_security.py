@@ -16,7 +16,7 @@ PACKAGES = ("asyncrl", "roles", "pipelines")
 # In-memory round trips of objects this same process just serialized (never bytes read from
 # a file or a peer): the local backend copies arguments "as Ray would", and the worker host
 # checks that an exception survives pickling before sending it.
-PICKLE_LOADS_ALLOWED = {"asyncrl/backends/local.py", "asyncrl/_host.py"}
+PICKLE_LOADS_ALLOWED = {"asyncrl/backends/local.py", "asyncrl/_host.py", "asyncrl/_wire.py"}
 
 
 def _calls() -> list[tuple[str, int, str, ast.Call]]:
@@ -75,7 +75,9 @@ def test_embedded_ray_has_no_dashboard_and_requires_token_authentication(ray_clu
     info = ray._private.worker.global_worker.node.address_info
     assert not info["webui_url"]  # include_dashboard=False
     assert info["dashboard_agent_listen_port"] == -1
-    assert 8265 not in _listening_ports()  # Ray's dashboard port
+    ours = _listening_ports()
+    assert int(info["gcs_address"].rsplit(":", 1)[1]) in ours  # the scan sees this Ray's own ports
+    assert 8265 not in ours  # Ray's dashboard port
     assert get_authentication_mode() == AuthenticationMode.TOKEN  # every gRPC call needs the session token
     token = Path.home() / ".ray" / "auth_token"
     assert token.is_file() and oct(token.stat().st_mode & 0o077) in ("0o0", "0o44", "0o4", "0o40"), \
@@ -112,11 +114,37 @@ def _listening_addresses() -> dict[int, set[str]]:
 
 
 def _listening_ports() -> set[int]:
+    """The TCP ports the processes of the Ray instance this test session started listen on
+    (its GCS, raylet and every process they started: workers, agents), and no other
+    process's: another Ray, or a dashboard, on a shared machine is not this one's. Read
+    from /proc: each process's socket inodes, matched against the listening sockets."""
+    node = ray._private.worker._global_node
+    pids = {info.process.pid for infos in node.all_processes.values() for info in infos if info.process is not None}
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    grown = True
+    while grown:  # every descendant of the Ray processes
+        more = {pid for pid, ppid in parent.items() if ppid in pids} - pids
+        pids |= more
+        grown = bool(more)
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:  # the process ended, or is not ours to read
+            pass
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         if os.path.exists(table):
             for line in Path(table).read_text().splitlines()[1:]:
                 parts = line.split()
-                if parts[3] == "0A":  # LISTEN
+                if parts[3] == "0A" and parts[9] in inodes:  # LISTEN, by one of this Ray's processes
                     ports.add(int(parts[1].rsplit(":", 1)[1], 16))
     return ports

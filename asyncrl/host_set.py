@@ -30,7 +30,7 @@ from asyncrl.errors import DispatchError, GroupClosedError
 from asyncrl.resources import ResourcePool
 from asyncrl.worker import WorkerContext
 
-__all__ = ["HostSet", "AsyncResource"]
+__all__ = ["HostSet"]
 
 _CLOSE_GRACE_S = 10.0  # how long close() waits for the workers' on_close hooks before killing
 
@@ -65,26 +65,6 @@ def check_local_results(n: Any) -> int:
 HOST_KIND: str | None = None
 """``None``: each set picks its host kind (:attr:`HostSet.threaded`); ``"threaded"`` or
 ``"async"`` forces one (the tests run the protocol on both)."""
-
-
-class AsyncResource:
-    """`async with` for objects with `setup()` and `close()`: close on every path."""
-
-    async def setup(self) -> Any:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    async def close(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    async def __aenter__(self) -> Any:
-        try:
-            return await self.setup()
-        except BaseException:
-            await self.close()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 class HostSet:

@@ -200,7 +200,7 @@ class TrainerConfig:
     and ``max_staleness >= 1`` (``max_staleness=0`` keeps the canonical stage order). The precomputed
     calls carry no ``stage_timeout_s`` of their own (they may wait a whole step for their turn); the
     step's ``advantages`` call, which waits for them, does. Off by default: measured no faster on the
-    2-core development machine (docs/benchmarks_core.md, "Round 5"); off keeps the canonical per-batch
+    2-core development machine; off keeps the canonical per-batch
     stage order and a deadline on every stage."""
 
 

@@ -56,7 +56,7 @@ import anyio.to_thread
 import structlog
 
 import asyncrl
-from asyncrl.hosts import AsyncResource
+from asyncrl.resources import AsyncResource
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.buffer import StalenessBuffer

@@ -135,7 +135,7 @@ class _Getter:
     while its completion callbacks first run on Ray's own thread, one per ref, each
     taking the GIL: measured on the tiny 4-rank call, a wait in ``ray.get`` on this thread
     plus one loop wake-up takes 0.85-0.92x the callbacks' time with asyncio's loop and
-    0.87-0.99x with uvloop's (round 8 of issue 14, docs/benchmarks_core.md). So while the
+    0.87-0.99x with uvloop's. So while the
     thread is idle a new fetch is handed to it instead of the callbacks; it waits at most `_GET_WINDOW` and posts the delivery. A
     fetch not done by then (a long call), or whose get raised (a failed rank: Ray's get
     stops at the first error; the callbacks then retrieve every outcome and report the

@@ -36,7 +36,7 @@ import torch
 
 from ..models import position_ids_from_mask
 from .base import Completion, SamplingParams
-from .hf import HFEngine, _autocast
+from .hf import HFEngine, _autocast, left_pad
 
 __all__ = ["Generation", "RequestBatcher", "BatcherStats"]
 
@@ -204,14 +204,8 @@ class RequestBatcher:
         eng._check([r.prompt for r in batch], batch[0].params)
         B = len(batch)
         seqs = [r.prompt + r.tokens for r in batch]
-        P = max(len(s) for s in seqs)
         dev = eng.device
-        ids = torch.full((B, P), eng.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, P - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[b, P - len(s):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        ids, mask = left_pad(seqs, eng.pad_id, dev)
         pos = position_ids_from_mask(mask)
         budget = [min(self.chunk_tokens, r.params.max_new_tokens - len(r.tokens)) for r in batch]
         done = [n <= 0 for n in budget]

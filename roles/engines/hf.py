@@ -227,14 +227,9 @@ class HFEngine:
     def _run_batch(self, idx: list[int], prompts: list[list[int]], params: SamplingParams, seed: int,
                    emit: Callable[[int, Completion], None], abort: threading.Event) -> None:
         B = len(prompts)
-        P = max(len(p) for p in prompts)
         dev = self.device
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[b, P - len(p):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        ids, mask = left_pad(prompts, self.pad_id, dev)
+        P = ids.shape[1]
         pos = position_ids_from_mask(mask)
         gens = [torch.Generator(device=dev).manual_seed(seed + i) for i in idx]
         tokens: list[list[int]] = [[] for _ in range(B)]
@@ -332,6 +327,17 @@ class HFEngine:
         out = torch.stack([toks.to(torch.float64), lp.to(torch.float64)], dim=1).cpu()
         out[torch.tensor(done, dtype=torch.bool)] = 0.0
         return out
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as one left-padded ``[B, P]`` batch of ids and its attention mask, on `device`."""
+    P = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), P), dtype=torch.long)
+    for b, x in enumerate(seqs):
+        ids[b, P - len(x):] = torch.tensor(x, dtype=torch.long)
+        mask[b, P - len(x):] = 1
+    return ids.to(device), mask.to(device)
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:

@@ -15,14 +15,13 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import structlog
 import torch
 
 from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.autosave import checkpoint_due
 from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.loop_state import RolloutBatch
@@ -30,7 +29,7 @@ from asyncrl.pipelines.loop_state import RolloutBatch
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "checkpoint_due"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -184,3 +183,17 @@ def _fresh_dir(path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
+
+
+def checkpoint_due(trainer: Any, step: int, *, now: float, last: float) -> bool:
+    """True when a checkpoint is due after step `step` (0-based, just finished) of a run with
+    `trainer` (a ``TrainerConfig``): ``checkpoint_every`` divides ``step + 1``, or at least
+    ``checkpoint_every_s`` seconds passed between `last` (the previous checkpoint, or the start of
+    the run) and `now` (same clock). Never after the last step: the end checkpoint
+    (``checkpoint_at_end``) covers it."""
+    if step + 1 >= trainer.steps:
+        return False
+    if trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0:
+        return True
+    every_s = trainer.checkpoint_every_s
+    return every_s is not None and now - last >= every_s

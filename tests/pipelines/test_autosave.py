@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.autosave import checkpoint_due
+from asyncrl.pipelines.checkpointing import checkpoint_due
 from asyncrl.pipelines.config import ConfigError, TrainerConfig, load_config
 
 

@@ -61,8 +61,8 @@ async def test_init_auto_connects_to_a_cluster_started_with_ray_start(tmp_path):
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_TMPDIR": tmp}
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]  # `ray`, run by this interpreter
+    head = subprocess.Popen([*ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
                              "--include-dashboard=false", "--disable-usage-stats"], env=env, cwd=ROOT,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -28,6 +28,11 @@ def _cfg(out):
     return cfg
 
 
+# Slow: the default suite pins the same promise end to end in tests/reliability/test_fail_fast.py
+# (test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place: a stopped run, its checkpoint with the
+# batch generated ahead, `--resume`, then weights and every step's metrics equal to the uninterrupted run),
+# and the buffered batch's round trip here (test_a_buffered_batch_keeps_its_sampling_metrics_through_a_checkpoint).
+@pytest.mark.slow
 async def test_interrupted_and_resumed_run_ends_identical_to_an_uninterrupted_run(ray_cluster, tmp_path):
     async with GRPOTrainer(_cfg(tmp_path / "full")) as t:
         full = await t.fit()

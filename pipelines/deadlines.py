@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from asyncrl import GroupMethod
 from asyncrl.pipelines.stages import Groups
+
+from asyncrl import GroupMethod
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.config import TrainerConfig

@@ -83,7 +83,7 @@ async def test_a_default_run_replaces_a_hung_rollout_worker_and_completes_every_
     fault_row(order=12.5, fault="rollout worker hangs mid-generation (batch 2; its process SIGSTOPped)",
               policy=f"none (the defaults; `rollout_timeout_s={ROLLOUT_TIMEOUT_S:g}` here for speed, 600 by default)",
               outcome="the generate deadline fired, rollout pool replaced in place, batch re-issued, run completed",
-              seconds=r["time_s"], bound=f"rollout_timeout_s + recovery", interrupted=r["interrupted_s"],
+              seconds=r["time_s"], bound="rollout_timeout_s + recovery", interrupted=r["interrupted_s"],
               leaks="none" if after == before else f"LEAK {after} vs {before}", state="every step once")
 
 

@@ -7,7 +7,6 @@ depends on torch's kernels and is not pinned."""
 from __future__ import annotations
 
 import torch
-
 from asyncrl.roles import OptimConfig, PolicyWorker
 
 LR, EPS = 1e-2, 1e-3

@@ -6,8 +6,9 @@ from __future__ import annotations
 import inspect
 
 import asyncrl.roles
-from asyncrl.errors import AsyncRLError
 from asyncrl.roles import errors
+
+from asyncrl.errors import AsyncRLError
 
 
 def test_every_roles_error_is_listed_and_re_exported_from_asyncrl_roles():

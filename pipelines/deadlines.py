@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from asyncrl.pipelines.stages import Groups
-
 from asyncrl import GroupMethod
+from asyncrl.pipelines.stages import Groups
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.config import TrainerConfig

@@ -6,14 +6,14 @@ tests/reliability/test_defaults.py and test_faults.py."""
 from __future__ import annotations
 
 import pytest
+
+from asyncrl import WorkerGroup
+from asyncrl.backends.local import LocalBackend
 from asyncrl.pipelines.config import ConfigError, TrainerConfig
 from asyncrl.pipelines.deadlines import STATELESS_STAGES, Deadlined, stateless_timeout, unwrap, with_deadlines
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.roles import PolicyWorker, RewardWorker, RolloutWorker
-
-from asyncrl import WorkerGroup
-from asyncrl.backends.local import LocalBackend
 
 
 def _groups() -> Groups:

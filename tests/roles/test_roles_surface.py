@@ -6,9 +6,8 @@ from __future__ import annotations
 import inspect
 
 import asyncrl.roles
-from asyncrl.roles import errors
-
 from asyncrl.errors import AsyncRLError
+from asyncrl.roles import errors
 
 
 def test_every_roles_error_is_listed_and_re_exported_from_asyncrl_roles():

@@ -8,12 +8,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from asyncrl.pipelines.metrics import MetricsWriter, read_jsonl
 
 
 def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """``{tag: [(step, value), ...]}`` of the event files under ``run_dir/tensorboard``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        pytest.fail("tensorboard is not installed, but it is in the test extra: bash scripts/setup.sh test "
+                    "(or .venv/bin/python -m pip install tensorboard)")
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()

@@ -24,12 +24,13 @@ import torch
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
+from asyncrl.pipelines.datafiles import data_digests
 from asyncrl.pipelines.loop_state import RolloutBatch
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
 
-__all__ = ["Checkpointer", "checkpoint_due"]
+__all__ = ["Checkpointer", "buffered_record", "checkpoint_due", "restored_batch"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -78,6 +79,8 @@ class Checkpointer:
         except RuntimeError:
             in_loop = False
         ckpt.verify(path, hashes=not in_loop)
+        if not in_loop:
+            _check_data(path, state, cfg)
         self._verified = not in_loop
         if state["step"] > cfg.trainer.steps:
             raise ckpt.CheckpointError(
@@ -85,9 +88,11 @@ class Checkpointer:
             )
 
     async def verify_resume(self) -> None:
-        """Hash the resume checkpoint's files (in a thread), if construction could not."""
+        """Hash the resume checkpoint's files and the data files (in a thread), if construction could not."""
         if self.resume is not None and not self._verified:
             await anyio.to_thread.run_sync(ckpt.verify, self.resume)
+            state = ckpt.read_state(self.resume)
+            await anyio.to_thread.run_sync(_check_data, self.resume, state, self._trainer.config)
             self._verified = True
 
     async def after_step(self, step: int) -> bool:
@@ -122,8 +127,7 @@ class Checkpointer:
             for it in s.buffer.peek_all():
                 td = await it.batch
                 td.update(await it.scores)
-                buffered.append({"step": it.step, "version": it.version, "reward_mean": it.reward_mean,
-                                 "gen_time": it.gen_time, "batch": ckpt.batch_to_plain(td)})
+                buffered.append(buffered_record(it, td))
             state = {
                 "step": step, "policy_version": s.policy_version, "rollout_version": s.rollout_version,
                 "next_gen": s.next_gen, "dropped": s.buffer.statistics().dropped,
@@ -133,6 +137,7 @@ class Checkpointer:
             }
 
             def write() -> None:  # serialising, hashing, fsync: off the event loop
+                state["data_digests"] = data_digests(tr.config.data)
                 torch.save(buffered, tmp / "buffer.pt")
                 (tmp / "state.json").write_text(json.dumps(state))
                 ckpt.commit(tmp, final)
@@ -171,12 +176,42 @@ class Checkpointer:
             s.rollout_version = step
         buffered = await anyio.to_thread.run_sync(lambda: torch.load(path / "buffer.pt", weights_only=True))
         for b in buffered:
-            td = ckpt.plain_to_batch(b["batch"])
-            fut = g.advantage.echo(td)
-            s.restored.append(RolloutBatch(step=b["step"], version=b["version"], batch=fut,
-                                           scores=fut.select("scores"), reward_mean=b["reward_mean"],
-                                           gen_time=b["gen_time"]))
+            fut = g.advantage.echo(ckpt.plain_to_batch(b["batch"]))
+            s.restored.append(restored_batch(b, fut))
         log.info("checkpoint.restored", step=step, path=str(path), buffered=len(buffered))
+
+
+def buffered_record(item: RolloutBatch, td: Any) -> dict[str, Any]:
+    """The ``buffer.pt`` entry of a buffered batch whose generated rows and scores are `td`: everything
+    :func:`restored_batch` needs to put it back, its ``sampling/*`` metrics included."""
+    return {"step": item.step, "version": item.version, "reward_mean": item.reward_mean, "gen_time": item.gen_time,
+            "metrics": dict(item.metrics), "batch": ckpt.batch_to_plain(td)}
+
+
+def restored_batch(record: dict[str, Any], batch: Any) -> RolloutBatch:
+    """The buffered batch of a ``buffer.pt`` entry (:func:`buffered_record`), its data now `batch` (a
+    future of the rows re-homed on the training pool, or the rows); entries written before the metrics
+    were kept restore with none."""
+    return RolloutBatch(step=record["step"], version=record["version"], batch=batch, scores=batch.select("scores"),
+                        reward_mean=record["reward_mean"], gen_time=record["gen_time"],
+                        metrics=dict(record.get("metrics", {})))
+
+
+def _check_data(path: Path, state: dict[str, Any], cfg: Any) -> None:
+    """Refuse a resume whose data files' contents differ from those the checkpoint was trained on
+    (``data_digests`` in its state; a checkpoint without it is not checked)."""
+    saved = state.get("data_digests")
+    if not isinstance(saved, dict):
+        return
+    now = data_digests(cfg.data)
+    for name in sorted(saved):
+        if now.get(name) != saved[name]:
+            key, _, file = name.partition(":")
+            raise ckpt.CheckpointError(
+                f"{key}: {file!r} changed since checkpoint {str(path)!r} was written (content digest "
+                f"{saved[name]} then, {now.get(name, 'missing')} now), so the resumed run would continue at the same "
+                "data position on different data; put the original file back, or start a new run in a new "
+                "trainer.output_dir (without --resume)")
 
 
 def _fresh_dir(path: Path) -> None:

@@ -183,6 +183,12 @@ class TrainerConfig:
     """Deadline of every stage call (generate, score, log-probs, updates, weight sync, checkpoint
     save/load), counted from when the call is issued; a stage past it fails with
     ``asyncrl.CallTimeoutError`` and its remote work is cancelled. None = no deadline."""
+    rollout_timeout_s: float | None = 600.0
+    """Deadline of the rollout pool's stateless stages (``generate``, ``generate_episodes``, the reward's
+    ``compute_reward``), counted from when the call is issued, with two pools; so a hung rollout or reward
+    worker misses it and is replaced (``restart``) instead of hanging the run. The smaller of this and
+    ``stage_timeout_s`` applies. None = none. Raise it when one generate call of your batch can take longer
+    (a large batch of long responses on CPU): a false deadline replaces the pool and generates again."""
     restart: RestartConfig = field(default_factory=RestartConfig)
     """What to do when a worker dies or hangs (default: replace a dead rollout-pool worker, restart the
     run from its newest checkpoint when a training worker dies; up to 3 times)."""
@@ -350,6 +356,9 @@ class JobConfig:
         if t.stage_timeout_s is not None and not (t.stage_timeout_s > 0 and math.isfinite(t.stage_timeout_s)):
             raise ConfigError(f"trainer.stage_timeout_s must be a positive number of seconds or null, "
                               f"got {t.stage_timeout_s}")
+        if t.rollout_timeout_s is not None and not (t.rollout_timeout_s > 0 and math.isfinite(t.rollout_timeout_s)):
+            raise ConfigError(f"trainer.rollout_timeout_s must be a positive number of seconds or null (no deadline), "
+                              f"got {t.rollout_timeout_s}")
         self._validate_loss()
         self._validate_data()
         self.evaluation.validate()
@@ -477,7 +486,7 @@ class JobConfig:
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
                 "trainer.checkpoint_every_s",
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
-                "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.restart.max_restarts",
+                "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.rollout_timeout_s", "trainer.restart.max_restarts",
                 "trainer.restart.on_timeout", "trainer.restart.replace_stateless", "evaluation.every",
                 "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",

@@ -19,6 +19,7 @@ size and modification time).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any, Sequence
 
 from asyncrl.pipelines.configlib import ConfigError
 
-__all__ = ["Record", "FORMATS", "file_format", "read_rows", "read_records", "file_records"]
+__all__ = ["Record", "FORMATS", "file_format", "read_rows", "read_records", "file_records", "content_digest",
+           "data_digests"]
 
 FORMATS = ("jsonl", "parquet", "hf_disk")
 """The formats a data file may have: JSON lines, Parquet, a ``datasets.save_to_disk`` directory."""
@@ -231,4 +233,49 @@ def file_records(data: Any, *, split: str = "train") -> list[Record]:
     out: list[Record] = []
     for p in paths:
         out.extend(read_records(p, prompt_key=data.prompt_key, answer_key=data.answer_key, key=key))
+    return out
+
+
+FULL_HASH_BYTES = 8 << 20
+"""Files up to this size are hashed whole by :func:`content_digest`; larger ones by size, first and last MiB."""
+_EDGE = 1 << 20
+
+
+def _file_digest(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        if size <= FULL_HASH_BYTES:
+            h.update(f.read())
+            return f"sha256:{h.hexdigest()[:32]}"
+        h.update(f.read(_EDGE))
+        f.seek(size - _EDGE)
+        h.update(f.read(_EDGE))
+    return f"size={size},edges-sha256:{h.hexdigest()[:32]}"
+
+
+def content_digest(path: str) -> str:
+    """A digest of the data file (or ``save_to_disk`` directory) `path`'s contents, not of its name or
+    modification time (a copied file keeps it): the sha256 of the whole file up to
+    :data:`FULL_HASH_BYTES` (8 MiB), above that its size and the sha256 of its first and last MiB (an edit
+    in the middle of a large file that keeps its size is not seen). A directory: the digests of its files."""
+    p = Path(path)
+    if p.is_dir():
+        parts = [f"{c.name}={_file_digest(c)}" for c in sorted(p.iterdir()) if c.is_file()]
+        return "dir:" + hashlib.sha256(";".join(parts).encode()).hexdigest()[:32]
+    return _file_digest(p)
+
+
+def data_digests(data: Any) -> dict[str, str]:
+    """``{"<key>:<path>": content_digest(path)}`` for every file of `data`'s (a ``DataConfig``)
+    ``train_files`` and ``val_files`` (empty for a built-in task). A checkpoint records it; a resume
+    compares it (:meth:`~asyncrl.pipelines.checkpointing.Checkpointer`) so that an edited data file is refused
+    instead of continuing at the same position on different data."""
+    out: dict[str, str] = {}
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        if files is None:
+            continue
+        for path in _paths(files):
+            if os.path.exists(path):
+                out[f"{key}:{path}"] = content_digest(path)
     return out

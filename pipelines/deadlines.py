@@ -1,4 +1,11 @@
-"""Per-call deadlines: every call of a worker group carries ``trainer.stage_timeout_s``.
+"""Per-call deadlines: the rollout pool's stages always carry one; every stage when ``trainer.stage_timeout_s`` is set.
+
+* ``trainer.stage_timeout_s`` (default None): a deadline on every call of every group.
+* ``trainer.rollout_timeout_s`` (default 600 s): a deadline on the stateless stages -- the rollout's
+  ``generate``/``generate_episodes`` and the reward's ``compute_reward`` -- with two pools, so that a
+  hung rollout or reward worker is replaced (``trainer.restart``) instead of hanging a default run.
+  When both are set these stages take the smaller. A colocated layout shares the rollout's process
+  with the policy (its calls may wait behind a training step), so there only ``stage_timeout_s`` applies.
 
 A stage that misses its deadline fails its future with ``CallTimeoutError``, which the
 supervisor (:mod:`asyncrl.pipelines.supervisor`) treats as a worker fault. Precomputed
@@ -9,27 +16,44 @@ carries the deadline instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from asyncrl import GroupMethod
 from asyncrl.pipelines.stages import Groups
 
-__all__ = ["Deadlined", "unwrap", "with_deadlines", "without_deadlines"]
+if TYPE_CHECKING:
+    from asyncrl.pipelines.config import TrainerConfig
+
+__all__ = ["STATELESS_STAGES", "Deadlined", "stateless_timeout", "unwrap", "with_deadlines", "without_deadlines"]
+
+STATELESS_STAGES = frozenset({"generate", "generate_episodes", "compute_reward"})
+"""The rollout pool's methods that ``trainer.rollout_timeout_s`` bounds: they compute (generate, score) and
+wait for nothing but their own inputs, unlike the weight loads, which wait for a training step's export."""
 
 
 class Deadlined:
-    """A worker group whose every call carries a deadline (``trainer.stage_timeout_s``)."""
+    """A worker group whose calls carry a deadline: `timeout` (None: none), or `per_method[name]`."""
 
-    def __init__(self, group: Any, timeout: float) -> None:
+    def __init__(self, group: Any, timeout: float | None, per_method: Mapping[str, float] | None = None) -> None:
         self._group = group
         self._timeout = timeout
+        self._per_method = dict(per_method or {})
+
+    def timeout_of(self, name: str) -> float | None:
+        """The deadline (seconds) calls of method `name` carry, or None."""
+        return self._per_method.get(name, self._timeout)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._group, name)
-        return attr.options(timeout=self._timeout) if isinstance(attr, GroupMethod) else attr
+        if not isinstance(attr, GroupMethod):
+            return attr
+        timeout = self.timeout_of(name)
+        return attr.options(timeout=timeout) if timeout is not None else attr
 
     def __repr__(self) -> str:
-        return f"<{self._group!r} with a {self._timeout:g} s deadline per call>"
+        every = f"a {self._timeout:g} s deadline per call" if self._timeout is not None else "no deadline"
+        extra = "".join(f", {t:g} s on {m}" for m, t in sorted(self._per_method.items()))
+        return f"<{self._group!r} with {every}{extra}>"
 
 
 def unwrap(group: Any) -> Any:
@@ -43,13 +67,25 @@ def without_deadlines(g: Groups) -> Groups:
                   advantage=unwrap(g.advantage), reference=unwrap(g.reference), critic=unwrap(g.critic))
 
 
-def with_deadlines(g: Groups, timeout: float | None) -> Groups:
-    """`g` with a `timeout`-second deadline on every call of every group (`g` itself when None)."""
-    if timeout is None:
+def stateless_timeout(t: "TrainerConfig") -> float | None:
+    """The deadline of the rollout pool's stateless stages (:data:`STATELESS_STAGES`): the smaller of
+    ``rollout_timeout_s`` (two pools only) and ``stage_timeout_s``, or None when neither applies."""
+    set_ = [x for x in (None if t.colocated else t.rollout_timeout_s, t.stage_timeout_s) if x is not None]
+    return min(set_) if set_ else None
+
+
+def with_deadlines(g: Groups, t: "TrainerConfig") -> Groups:
+    """`g` with the deadlines `t` asks for: ``stage_timeout_s`` on every call, :func:`stateless_timeout`
+    on the rollout's and the reward's stateless stages (`g` itself when there is none)."""
+    stateless = stateless_timeout(t)
+    if t.stage_timeout_s is None and stateless is None:
         return g
+    pool = {m: stateless for m in STATELESS_STAGES} if stateless is not None else {}
 
-    def wrap(x: Any) -> Any:
-        return Deadlined(x, timeout) if x is not None else None
+    def wrap(x: Any, per_method: Mapping[str, float] | None = None) -> Any:
+        if x is None or (t.stage_timeout_s is None and not per_method):
+            return unwrap(x)
+        return Deadlined(unwrap(x), t.stage_timeout_s, per_method)
 
-    return Groups(rollout=wrap(g.rollout), reward=wrap(g.reward), policy=wrap(g.policy),
+    return Groups(rollout=wrap(g.rollout, pool), reward=wrap(g.reward, pool), policy=wrap(g.policy),
                   advantage=wrap(g.advantage), reference=wrap(g.reference), critic=wrap(g.critic))

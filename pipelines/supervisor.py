@@ -151,7 +151,7 @@ class Supervisor:
                 item.scores = advantage.echo(item.scores)
         new = await tr.workers.replace_rollout()
         fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
-                                      advantage=g.advantage), tr.config.trainer.stage_timeout_s)
+                                      advantage=g.advantage), tr.config.trainer)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         s.rollout_version = 0  # new engines hold the initial weights
         await tr.weights.prepare()  # the new engines' weight dtype; a collective weight channel is reopened

@@ -128,7 +128,7 @@ class Trainer(AsyncResource):
                 f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the {t.max_staleness + 1} "
                 "batches rollout may run ahead; set it to at least max_staleness + 1"
             )
-        self.groups = with_deadlines(groups, t.stage_timeout_s) if groups is not None else None
+        self.groups = with_deadlines(groups, t) if groups is not None else None
         self.owns_groups = groups is None
         """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
         self.workers = Workers(self.config, worker_overrides)
@@ -222,7 +222,7 @@ class Trainer(AsyncResource):
     async def start_groups(self) -> None:
         """Start the workers (in the pools of an earlier start, if any); close everything on failure."""
         try:
-            self.groups = with_deadlines(await self.workers.start(), self.config.trainer.stage_timeout_s)
+            self.groups = with_deadlines(await self.workers.start(), self.config.trainer)
             await self.weights.prepare()
         except BaseException:
             await self.close()

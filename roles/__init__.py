@@ -10,6 +10,8 @@ from .critic import CriticWorker
 from .engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
 from .errors import (
     DeviceError,
+    EpisodeConfigError,
+    EpisodeError,
     MissingDependencyError,
     ModelFormatError,
     ModelNotFoundError,
@@ -19,6 +21,7 @@ from .errors import (
     StaleBatchError,
     StaleWeightsError,
     TokenizerNotFoundError,
+    TrajectoryError,
     UnknownNameError,
     WeightSyncError,
 )
@@ -35,6 +38,8 @@ __all__ = [
     "Completion",
     "CriticWorker",
     "DeviceError",
+    "EpisodeConfigError",
+    "EpisodeError",
     "GenerationEngine",
     "MissingDependencyError",
     "ModelFormatError",
@@ -56,6 +61,7 @@ __all__ = [
     "StaleBatchError",
     "StaleWeightsError",
     "TokenizerNotFoundError",
+    "TrajectoryError",
     "UnknownNameError",
     "WeightHandle",
     "WeightSyncError",

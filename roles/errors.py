@@ -21,6 +21,9 @@ __all__ = [
     "RewardFnError",
     "UnknownNameError",
     "DeviceError",
+    "TrajectoryError",
+    "EpisodeConfigError",
+    "EpisodeError",
 ]
 
 

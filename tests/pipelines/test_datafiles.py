@@ -221,3 +221,49 @@ def test_val_files_feed_the_evaluation_set_and_a_val_file_without_train_files_is
     assert [tuple(p) for p in task_pairs(cfg.data, 0, split="eval", num_prompts=2)] == [("say x", "x"), ("say y", "y")]
     with pytest.raises(ConfigError, match="data.val_files is set but data.train_files is not"):
         _cfg(f"data.val_files={val}")
+
+
+def _more_bad(tmp_path: Path) -> list[tuple[list[str], str]]:
+    """Issue 31's remaining bad inputs: empty and malformed data files, a DatasetDict or a plain directory
+    instead of a saved split, a prompt column of the wrong type, reward files that cannot be imported."""
+    d = tmp_path / "more"
+    d.mkdir()
+    (d / "empty.jsonl").write_text("\n")
+    (d / "list.jsonl").write_text('{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n[1, 2]\n')
+    (d / "broken.jsonl").write_text('{"prompt": "a", \n')
+    write_jsonl(d / "int_prompt.jsonl", [{"prompt": 7, "reward_model": {"ground_truth": "1"}}])
+    (d / "dd").mkdir()
+    (d / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    (d / "plain_dir").mkdir()
+    (d / "bad_import.py").write_text("import nope_not_a_module\n\ndef compute_score(data_source, solution_str, "
+                                     "ground_truth, extra_info=None):\n    return 0.0\n")
+    ok = f"data.train_files={write('jsonl', tmp_path)}"
+    return [
+        ([f"data.train_files={d / 'empty.jsonl'}"], f"data.train_files: {str(d / 'empty.jsonl')!r} holds no rows; "
+         "give a file with at least one prompt"),
+        ([f"data.train_files={d / 'list.jsonl'}"], f"data.train_files: line 2 of {str(d / 'list.jsonl')!r} is a "
+         "JSON list, not an object; write one {\"prompt\": ..., ...} object per line"),
+        ([f"data.train_files={d / 'broken.jsonl'}"], f"data.train_files: cannot read {str(d / 'broken.jsonl')!r} "
+         "as jsonl: JSONDecodeError: "),
+        ([f"data.train_files={d / 'int_prompt.jsonl'}"], f"data.prompt_key: row 0 of {str(d / 'int_prompt.jsonl')!r}"
+         " column 'prompt' is neither a string nor a list of chat messages"),
+        ([f"data.train_files={d / 'dd'}"], f"data.train_files: {str(d / 'dd')!r} is a DatasetDict with splits "
+         f"['train', 'test']; point data.train_files at one split's directory, e.g. {str(d / 'dd' / 'train')!r}"),
+        ([f"data.train_files={d / 'plain_dir'}"], f"data.train_files: directory {str(d / 'plain_dir')!r} has no "
+         "state.json, so it is not a dataset saved with datasets.Dataset.save_to_disk"),
+        (["data.train_files=[]"], "data.train_files is an empty list; give one path or a list of paths"),
+        ([ok, f"reward.fn={d / 'bad_import.py'}:compute_score"],
+         f"reward.fn={str(d / 'bad_import.py') + ':compute_score'!r}: importing {str(d / 'bad_import.py')!r} raised "
+         "ModuleNotFoundError: No module named 'nope_not_a_module'"),
+        ([ok, "reward.fn=nope_not_a_package.scores:compute_score"],
+         "reward.fn='nope_not_a_package.scores:compute_score': cannot import module 'nope_not_a_package.scores'"),
+    ]
+
+
+def test_empty_or_malformed_data_files_and_unimportable_reward_files_exit_2_with_one_line(tmp_path, capsys):
+    for overrides, message in _more_bad(tmp_path):
+        out = tmp_path / "run"
+        assert main(["train", *overrides, f"trainer.output_dir={out}", "--print-config"]) == 2, overrides
+        err = capsys.readouterr().err
+        assert err.startswith("asyncrl train: config error: ") and message in err, (overrides, err)
+        assert err.count("\n") == 1 and not out.exists()

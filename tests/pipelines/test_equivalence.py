@@ -38,7 +38,9 @@ async def _reference(cfg, lag):
     return await run_sequential(ref, lag=lag)
 
 
-@pytest.mark.parametrize("workers", [1, 2], ids=["1+1 workers", "2+2 workers"])
+# 2+2 (slow): the trainer-level C7 holds with 1+1 here, and 2 ranks == 1 rank is pinned per role in the default
+# suite (tests/roles/test_two_ranks_equal_one.py: gradients, mini-batches, critic, whitening over gloo on Ray).
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1+1 workers", "2+2 workers"])
 async def test_on_policy_async_trainer_equals_the_synchronous_loop(ray_cluster, tmp_path, workers):
     """Also with 2 rollout and 2 training workers (gradients summed across ranks with gloo): the async
     trainer's two pools against the sequential loop's one colocated pool of 2."""

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from asyncrl.pipelines.cli import main
 from asyncrl.pipelines.metrics import read_jsonl
+from tests.pipelines.test_tensorboard import tensorboard_scalars
 
 
 def test_main_job_reward_rises_and_artifacts_are_written(ray_cluster, tmp_path):
@@ -29,6 +32,10 @@ def test_main_job_reward_rises_and_artifacts_are_written(ray_cluster, tmp_path):
     upd = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == "actor_update"]
     assert any(g0 < u1 and u0 < g1 for g0, g1 in gen for u0, u1 in upd), "rollout and training never overlapped"
     assert {"rollout.rollout", "train.policy"} <= set(names)
+
+    tb = tensorboard_scalars(out)  # trainer.tensorboard is on by default: the same scalars, float32
+    assert tb["reward/mean"] == [(r["step"], pytest.approx(r["reward/mean"], rel=1e-6)) for r in rows]
+    assert {"actor/grad_norm", "actor/pg_loss", "staleness/max"} <= set(tb)
 
     assert (out / "report.png").stat().st_size > 0
     assert (out / "checkpoints" / "step_000060" / "state.json").is_file()

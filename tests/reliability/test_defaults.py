@@ -1,5 +1,6 @@
 """Defaults that never lose work (issue 31): a run with no restart or checkpoint settings survives a
-SIGKILLed rollout worker (replaced in place, every step done once), and writes time-based
+SIGKILLed rollout worker (replaced in place, every step done once) and a hung one (SIGSTOPped: its
+generate misses ``trainer.rollout_timeout_s`` and the pool is replaced), and writes time-based
 checkpoints (``trainer.checkpoint_every_s``) so that a SIGKILLed controller resumes from a
 checkpoint at most that old."""
 
@@ -53,6 +54,37 @@ async def test_a_default_run_survives_a_killed_rollout_worker_and_completes_ever
               outcome="rollout pool replaced in place, batch re-issued, run completed", seconds=r["time_s"],
               bound="-", interrupted=r["interrupted_s"], leaks="none" if after == before else f"LEAK {after} vs {before}",
               state="every step once")
+
+
+ROLLOUT_TIMEOUT_S = 5.0
+"""``trainer.rollout_timeout_s`` of the hung-worker run (600 s by default; lowered for the test's time only)."""
+
+
+@pytest.mark.slow  # ~60-90 s on the loaded 2-core machine
+async def test_a_default_run_replaces_a_hung_rollout_worker_and_completes_every_step(ray_cluster, tmp_path,
+                                                                                   fault_row):
+    cfg = tiny_test()
+    t = cfg.trainer
+    t.steps, t.max_staleness, t.output_dir = STEPS, 1, str(tmp_path / "run")
+    assert t.restart == RestartConfig() and t.stage_timeout_s is None and t.rollout_timeout_s == 600.0
+    t.rollout_timeout_s = ROLLOUT_TIMEOUT_S
+    before = await asyncio.to_thread(live_actors)
+    fault = _fault(tmp_path, "generate", 3)
+    # The worker stops inside generate (batch 2) and the test SIGSTOPs its whole process: nothing in it answers.
+    out = await run_with_fault(cfg.validate(), fault, {"rollout": (FaultyRollout, {"fault": fault})}, kill=True,
+                               sig=signal.SIGSTOP, bound=120)
+    assert out.error is None, out.error
+    [r] = out.trainer.restarts
+    assert (r["kind"], r["error_type"], r["from_checkpoint"]) == ("replace", "CallTimeoutError", None)
+    assert [h["step"] for h in out.history] == list(range(STEPS))
+    _exactly_once(tmp_path / "run")
+    after = await settled(before)  # the stopped process was killed with its pool
+    assert after == before
+    fault_row(order=12.5, fault="rollout worker hangs mid-generation (batch 2; its process SIGSTOPped)",
+              policy=f"none (the defaults; `rollout_timeout_s={ROLLOUT_TIMEOUT_S:g}` here for speed, 600 by default)",
+              outcome="the generate deadline fired, rollout pool replaced in place, batch re-issued, run completed",
+              seconds=r["time_s"], bound="rollout_timeout_s + recovery", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}", state="every step once")
 
 
 EVERY_S = 4.0

@@ -68,10 +68,10 @@ class Outcome:
 
 
 async def run_with_fault(cfg, fault: Fault | list[Fault], overrides: dict[str, Any], *, kill: bool, bound: float,
-                         checksum: bool = False) -> Outcome:
-    """Run a trainer until each fault fires in turn, SIGKILL the process it fired in (when
-    `kill`), and return how the run ended and how long after the last fault. Records the
-    placement groups at the first and the last step (``out.pgs``)."""
+                         checksum: bool = False, sig: int = signal.SIGKILL) -> Outcome:
+    """Run a trainer until each fault fires in turn, send `sig` (SIGKILL; SIGSTOP: a hung process)
+    to the process it fired in (when `kill`), and return how the run ended and how long after the
+    last fault. Records the placement groups at the first and the last step (``out.pgs``)."""
     faults = fault if isinstance(fault, list) else [fault]
     pgs: dict[int, set[str]] = {}
 
@@ -99,7 +99,7 @@ async def run_with_fault(cfg, fault: Fault | list[Fault], overrides: dict[str, A
             error = task.exception()
             pytest.fail(f"the run ended ({error!r}) before the fault at {f.point} fired")
         if kill:
-            os.kill(int((Path(f.dir) / "pid").read_text()), signal.SIGKILL)
+            os.kill(int((Path(f.dir) / "pid").read_text()), sig)
         t0 = time.monotonic()
     error: BaseException | None = None
     history = None

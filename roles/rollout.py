@@ -258,6 +258,7 @@ class RolloutWorker(Worker):
         self._episode_tasks: set[asyncio.Task[Any]] = set()
         self._updates: list[dict[str, Any]] = []  # partial rollout: what each update's pause found
         self._rolled_back = False  # the last failed load was undone (verify_checksums)
+        self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
 
     # ---- state --------------------------------------------------------------------------
 
@@ -419,7 +420,7 @@ class RolloutWorker(Worker):
             return request
 
         arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
-        if arequest is not None:
+        if arequest is not None and self.config.partial_rollout != "off":
             async def versioned(ids: list[int], params: SamplingParams) -> Generation:
                 self._check_weights()
                 return await arequest(ids, params, version_fn=lambda: self._version)
@@ -494,6 +495,9 @@ class RolloutWorker(Worker):
                 self._episode_tasks.discard(me)
         fields = pack_trajectories(trajs, batch["prompt_ids"], batch["prompt_mask"], R,
                                    int(self.tokenizer.pad_token_id), self._version)
+        tv, model_tokens = fields["token_versions"], fields["response_mask"].bool()
+        self._trajectories[0] += len(trajs)
+        self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
         return with_fields(batch, fields)
 
     async def stream_generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
@@ -715,7 +719,11 @@ class RolloutWorker(Worker):
         the weight channel while ``PolicyWorker.send_weights`` sends it). Refuses a version <=
         the current one (:class:`StaleWeightsError`) and malformed weights
         (:class:`WeightSyncError`) without changing anything. Returns ``{"version",
-        "num_tensors", "waited", "aborted", "checksums_verified"}``.
+        "num_tensors", "waited", "aborted", "checksums_verified"}``. With
+        ``RolloutConfig.partial_rollout`` the update does not wait for request-level generations
+        in flight (episodes, streaming calls): it pauses the engine, loads, publishes the version
+        and resumes; the receipt adds ``pause_latency_s``, ``in_flight`` and ``interrupted``
+        (docs/partial_rollout.md).
         """
         if self._asleep == 2:
             raise RuntimeError(f"rollout rank {self.rank} is asleep at level 2 (weights discarded); call wake_up() "
@@ -839,9 +847,10 @@ class RolloutWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def statistics(self) -> dict[str, Any]:
         """What this rank's request-level generation did: the request batcher's counters (rounds, tokens
-        per version, requests spanning versions, pauses and their latency) and, with partial rollout, one
-        record per weight update (``version``, ``pause_latency_s``, ``in_flight``, ``interrupted``). As a
-        group call, one dict per rank."""
+        per version, requests spanning versions, pauses and their latency), the episodes returned
+        (``trajectories``) and those whose model tokens span versions (``spanning_trajectories``) and,
+        with partial rollout, one record per weight update (``version``, ``pause_latency_s``,
+        ``in_flight``, ``interrupted``). As a group call, one dict per rank."""
         from dataclasses import asdict
 
         stats = self._batcher.statistics() if self._batcher is not None else None
@@ -849,7 +858,8 @@ class RolloutWorker(Worker):
             engine_stats = getattr(self.engine, "request_statistics", None)
             stats = engine_stats() if engine_stats is not None else None
         out: dict[str, Any] = {"version": self._version, "partial_rollout": self.config.partial_rollout,
-                               "updates": [dict(u) for u in self._updates]}
+                               "updates": [dict(u) for u in self._updates], "trajectories": self._trajectories[0],
+                               "spanning_trajectories": self._trajectories[1]}
         if stats is not None:
             out.update(asdict(stats) if not isinstance(stats, dict) else stats)
         return out

@@ -380,5 +380,7 @@ async def test_a_partial_rollout_update_on_ray_does_not_wait_for_episodes_and_re
     for row in range(tv.shape[0]):
         versions = tv[row][m[row]].tolist()
         assert versions == sorted(versions) and set(versions) <= {0, 1}
-    assert sum(stats["tokens_per_version"].values()) == int(m.sum())
+    assert sum(stats["tokens_per_version"].values()) == int(m.sum()) and stats["trajectories"] == 4
+    spanning = sum(len(set(tv[r][m[r]].tolist())) > 1 for r in range(tv.shape[0]))
+    assert stats["spanning_trajectories"] == spanning
     assert [u["version"] for u in stats["updates"]] == [1] and stats["version"] == 1

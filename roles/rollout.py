@@ -794,16 +794,26 @@ class RolloutWorker(Worker):
         pause not reached within ``pause_deadline_s`` raises :class:`PauseDeadlineError` with nothing
         loaded. A load that fails inside the pause fails every request in flight with
         :class:`WeightSyncError` (the weights they would continue on are no longer known) and refuses
-        generation until an update succeeds (the same version is accepted again)."""
+        generation until an update succeeds (the same version is accepted again). Cancelled once the
+        load has begun (a stop signal), the update still finishes -- load and version together, the
+        engine paused meanwhile -- and then raises ``CancelledError``: the engine never resumes on
+        half-loaded weights or under the wrong version."""
         gate = self._gate_event()
         gate.clear()  # new batch calls and new episodes start after the update
         try:
             tasks = [j.task for j in self._jobs if j.task is not None]
             if tasks:
                 await asyncio.wait(tasks)
+            cancelled = False
             async with self._engine_paused() as paused:
+                load = asyncio.ensure_future(self._load_and_commit(version, state, handle, expected_checksums))
+                while not load.done():
+                    try:
+                        await asyncio.wait([load])  # cancelling the update does not cancel the load
+                    except asyncio.CancelledError:
+                        cancelled = True  # a stop signal: finish the load first, then stop
                 try:
-                    verify = await self._load_and_commit(version, state, handle, expected_checksums)
+                    verify = load.result()
                 except BaseException as e:
                     if not self._rolled_back:  # a verified rollback restored the weights: requests continue
                         self._needs_weights = True  # a sync of any version >= the current one restores them
@@ -817,6 +827,9 @@ class RolloutWorker(Worker):
                        "checksums_verified": verify, "pause_latency_s": paused.latency_s,
                        "in_flight": paused.in_flight, "interrupted": paused.interrupted}
             self._updates.append({k: receipt[k] for k in ("version", "pause_latency_s", "in_flight", "interrupted")})
+            if cancelled:
+                raise asyncio.CancelledError(f"update_weights was cancelled while loading; version {version} was "
+                                             "loaded and published before it stopped")
             return receipt
         finally:
             gate.set()

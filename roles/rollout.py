@@ -136,7 +136,7 @@ class RolloutConfig:
         if modes is not None and mode not in modes:
             raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it "
                              f"supports {list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or "
-                             "partial_rollout='off' (an engine declares its modes in a partial_rollout_modes attribute)")
+                             "partial_rollout='off' (an engine declares its modes in partial_rollout_modes)")
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:

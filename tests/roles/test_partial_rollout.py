@@ -424,3 +424,28 @@ async def test_a_stop_signal_during_a_partial_update_finishes_the_load_then_stop
         await rollout._batcher.aclose()
     assert rollout.version == 1 and rollout.statistics()["updates"][0]["version"] == 1
     assert g.versions == [0] * 3 + [1] * (len(g.versions) - 3) and len(g.versions) > 3
+
+
+async def test_a_checksum_mismatch_rolls_back_and_the_requests_in_flight_continue_on_the_old_weights(model_config):
+    rollout = RolloutWorker(model_config, RolloutConfig(max_new_tokens=12, partial_rollout="keep",
+                                                        verify_checksums=True))
+    weights = perturbed(rollout.model, 1)
+    wrong = {k: "0" * 16 for k in weights}
+
+    async def update() -> dict[str, Any]:
+        return await rollout.update_weights((1, weights), expected_checksums=wrong)
+
+    submit = rollout._request_engine()
+    at, started = update_at_forwards(rollout.model, {3: update}, rollout._batcher._interrupt)
+    tok = rollout.tokenizer
+    prompt, params = tok.encode("say hello"), SamplingParams(max_new_tokens=8, seed=12)
+    try:
+        g = await submit(prompt, params)
+        with pytest.raises(WeightSyncError, match="checksum mismatch after loading version 1 .* rolled back to version 0"):
+            await asyncio.wrap_future(started[0])
+    finally:
+        at.remove()
+        await rollout._batcher.aclose()
+    assert rollout.version == 0 and rollout.statistics()["updates"] == []
+    ref = (await rollout.engine.generate([prompt], params))[0]  # the rolled-back weights are the initial ones
+    assert g.response_ids == ref.response_ids and g.versions == [0] * len(g.response_ids)

@@ -403,8 +403,9 @@ class RolloutWorker(Worker):
     # ---- multi-turn episodes --------------------------------------------------------------
 
     def _request_engine(self) -> Any:
-        """``submit(prompt_ids, params) -> Generation``: the request-level HF engine (one batcher per
-        worker), or one-prompt calls of an engine that schedules requests itself (vLLM)."""
+        """``submit(prompt_ids, params, key=None) -> Generation``: the request-level HF engine (one batcher
+        per worker; `key` names the request in its round log), or one-prompt calls of an engine that
+        schedules requests itself (vLLM; `key` unused)."""
         from .engines.batcher import Generation, request_batcher
 
         if self._batcher is None:
@@ -413,21 +414,21 @@ class RolloutWorker(Worker):
                                             partial_rollout=self.config.partial_rollout)
         batcher = self._batcher
         if batcher is not None:
-            async def request(ids: list[int], params: SamplingParams) -> Generation:
+            async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
                 self._check_weights()
-                return await batcher.generate(ids, params)
+                return await batcher.generate(ids, params, key=key)
 
             return request
 
         arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
         if arequest is not None and self.config.partial_rollout != "off":
-            async def versioned(ids: list[int], params: SamplingParams) -> Generation:
+            async def versioned(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
                 self._check_weights()
                 return await arequest(ids, params, version_fn=lambda: self._version)
 
             return versioned
 
-        async def submit(ids: list[int], params: SamplingParams) -> Generation:
+        async def submit(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
             version = self._version
             c = (await self.engine.generate([ids], params))[0]
             return Generation(c.response_ids, c.log_probs, c.finish_reason, versions=[version] * len(c.response_ids))

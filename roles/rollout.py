@@ -103,6 +103,10 @@ class RolloutConfig:
     under the new weights; ``"keep"`` continues decoding on the KV cache the old weights computed. Every token
     carries the version that produced it. Batch :meth:`RolloutWorker.generate` rows keep one version each
     (an update still waits for them). Needs ``sync_policy="wait"`` and an engine that supports the mode."""
+    record_rounds: bool = False
+    """Keep the request-level HF engine's round log (:meth:`RolloutWorker.round_log`): each round's request
+    keys and the version and decode steps of its segments, which :meth:`RolloutWorker.replay_rounds`
+    replays bit for bit (docs/partial_rollout.md, "Exact replay"). HF engine only."""
     pause_deadline_s: float = 60.0
     """Partial rollout: most seconds a weight update waits for the engine to pause; past it the update
     raises :class:`~asyncrl.roles.errors.PauseDeadlineError` and nothing is loaded."""
@@ -126,6 +130,9 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {mode!r}")
         if not self.pause_deadline_s > 0:
             raise ValueError(f"RolloutConfig.pause_deadline_s must be > 0 seconds, got {self.pause_deadline_s!r}")
+        if self.record_rounds and self.engine != "hf":
+            raise ValueError(f"RolloutConfig.record_rounds needs the request-level HF engine (engine='hf'); the "
+                             f"{self.engine!r} engine schedules requests itself. Set record_rounds=False")
         if mode == "off":
             return
         if self.sync_policy == "abort":
@@ -259,6 +266,7 @@ class RolloutWorker(Worker):
         self._updates: list[dict[str, Any]] = []  # partial rollout: what each update's pause found
         self._rolled_back = False  # the last failed load was undone (verify_checksums)
         self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
+        self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
 
     # ---- state --------------------------------------------------------------------------
 
@@ -409,9 +417,15 @@ class RolloutWorker(Worker):
         from .engines.batcher import Generation, request_batcher
 
         if self._batcher is None:
-            self._batcher = request_batcher(self.engine, max_batch_size=getattr(self.engine, "max_batch_size", 64),
-                                            chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
-                                            partial_rollout=self.config.partial_rollout)
+            kwargs: dict[str, Any] = dict(max_batch_size=getattr(self.engine, "max_batch_size", 64),
+                                          chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+                                          partial_rollout=self.config.partial_rollout)
+            if self._replay is not None:
+                from .engines.round_log import ReplayBatcher, RoundRecord
+
+                self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay], **kwargs)
+            else:
+                self._batcher = request_batcher(self.engine, record_rounds=self.config.record_rounds, **kwargs)
         batcher = self._batcher
         if batcher is not None:
             async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
@@ -857,6 +871,29 @@ class RolloutWorker(Worker):
             return self._batcher.fail_in_flight(error)
         fail = getattr(self.engine, "fail_in_flight", None)
         return fail(error) if fail is not None else 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
+        """The request batcher's rounds so far as JSON-able dicts (``RolloutConfig.record_rounds``); `clear`
+        forgets what was returned. As a group call, one list per rank."""
+        if not self.config.record_rounds:
+            raise RuntimeError("this rollout worker does not record its rounds; set RolloutConfig.record_rounds=True")
+        if self._batcher is None:
+            return []
+        return [r.to_dict() for r in self._batcher.round_log(clear)]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def replay_rounds(self, rounds: list[dict[str, Any]]) -> int:
+        """Replay `rounds` (a recorded :meth:`round_log`): the request-level engine runs exactly those rounds,
+        so the same requests (same keys and seeds) and the same weight updates, in order, regenerate the
+        recording's tokens bit for bit. Call before any request-level generation. Returns the rounds."""
+        if self.config.engine != "hf":
+            raise ValueError(f"replay_rounds needs the request-level HF engine; this worker runs {self.config.engine!r}")
+        if self._batcher is not None:
+            raise RuntimeError("replay_rounds must come before any request-level generation on this worker (its "
+                               "request engine already runs); build a fresh worker for the replay")
+        self._replay = list(rounds)
+        return len(self._replay)
 
     @register(Dispatch.ONE_TO_ALL)
     def statistics(self) -> dict[str, Any]:

@@ -248,11 +248,15 @@ class RequestBatcher:
                 n += 1
         return n
 
-    def round_log(self) -> list[Any]:
-        """The :class:`~.round_log.RoundRecord` of every round run so far (``record_rounds=True``)."""
+    def round_log(self, clear: bool = False) -> list[Any]:
+        """The :class:`~.round_log.RoundRecord` of every round run so far (``record_rounds=True``);
+        `clear` forgets the returned records (a journal that stores them per step)."""
         if self._rounds is None:
             raise RuntimeError("this batcher does not record its rounds; build it with record_rounds=True")
-        return list(self._rounds)
+        out = list(self._rounds)
+        if clear:
+            del self._rounds[:len(out)]
+        return out
 
     def statistics(self) -> BatcherStats:
         """Counters of rounds, requests, tokens (per version), pauses and the requests in flight."""

@@ -125,3 +125,53 @@ async def test_a_replay_refuses_unknown_keys_and_weights_ahead_of_the_log(model_
     ahead = await replay(model_config, "recompute", log, updates, version_fn=lambda: 5)
     assert all(isinstance(g, ReplayDivergedError) for g in ahead)
     assert "ran under version 0 but the weights are at version 5" in str(ahead[0])
+
+
+async def test_a_rollout_worker_records_its_rounds_and_a_fresh_one_replays_them(model_config):
+    from asyncrl.roles import RolloutConfig, RolloutWorker
+
+    def worker() -> RolloutWorker:
+        return RolloutWorker(model_config, RolloutConfig(partial_rollout="recompute", chunk_tokens=4,
+                                                         record_rounds=True))
+
+    first = worker()
+    tok, reqs = first.tokenizer, requests(first.tokenizer)
+    initial = perturbed_from(first.model.state_dict(), 0)
+    submit = first._request_engine()
+    calls = {"n": 0}
+    loop = asyncio.get_running_loop()
+    started: list[Any] = []
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            started.append(asyncio.run_coroutine_threadsafe(first.update_weights((1, perturbed_from(initial, 1))), loop))
+            assert first._batcher._interrupt.wait(30)
+
+    handle = first.model.register_forward_hook(hook)
+    try:
+        gens = await asyncio.gather(*[submit(p, q, key=k) for k, p, q in reqs])
+        await asyncio.wrap_future(started[0])
+    finally:
+        handle.remove()
+        await first._batcher.aclose()
+    log = json.loads(json.dumps(first.round_log(clear=True)))
+    assert first.round_log() == [] and len(log) >= 2
+
+    second = worker()
+    assert second.replay_rounds(log) == len(log)
+    replay_submit = second._request_engine()
+
+    async def update() -> None:  # the replaying batcher holds its pause until the log needs version 1
+        await second.update_weights((1, perturbed_from(initial, 1)))
+
+    try:
+        up = asyncio.ensure_future(update())
+        again = list(reversed(await asyncio.gather(*[replay_submit(p, q, key=k) for k, p, q in reversed(reqs)])))
+        await up
+    finally:
+        await second._batcher.aclose()
+    assert [(g.response_ids, g.log_probs, g.versions) for g in gens] == \
+        [(g.response_ids, g.log_probs, g.versions) for g in again]
+    with pytest.raises(RuntimeError, match="replay_rounds must come before any request-level generation"):
+        second.replay_rounds(log)

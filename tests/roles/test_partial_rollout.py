@@ -331,6 +331,7 @@ class _NoPartialEngine(HFEngine):
     (dict(partial_rollout="keep", sync_policy="abort"),
      r"sync_policy='abort' throws them away; use sync_policy='wait'"),
     (dict(partial_rollout="recompute", pause_deadline_s=0), r"pause_deadline_s must be > 0 seconds, got 0"),
+    (dict(record_rounds=True, engine="vllm"), r"record_rounds needs the request-level HF engine \(engine='hf'\)"),
     (dict(partial_rollout="keep", engine="test_no_partial_rollout"),
      r"the 'test_no_partial_rollout' engine cannot do partial_rollout='keep' \(it supports none\)"),
 ])

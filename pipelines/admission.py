@@ -28,8 +28,11 @@ respects ``max_in_flight`` (over generating and buffered groups), and a finished
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["StreamConfig", "Admission", "AdmissionStats"]
+from asyncrl.pipelines.configlib import ConfigError
+
+__all__ = ["StreamConfig", "Admission", "AdmissionStats", "check_stream", "groups_in_flight"]
 
 
 @dataclass(kw_only=True)
@@ -43,6 +46,50 @@ class StreamConfig:
     drop_stale: bool = False
     """Keep the staleness bound by dropping finished groups that are too old (counted in
     ``stream/dropped_groups``) instead of pausing the sampler. Off: nothing is ever dropped."""
+
+
+def groups_in_flight(job: Any) -> int:
+    """``trainer.stream.max_groups_in_flight`` of a :class:`~asyncrl.pipelines.config.JobConfig`, resolved."""
+    t = job.trainer
+    cap = t.stream.max_groups_in_flight
+    return cap if cap is not None else (t.max_staleness + 1) * job.prompts_per_step
+
+
+def check_stream(job: Any) -> None:
+    """Raise :class:`ConfigError` for a ``trainer.rollout_mode`` / ``trainer.stream`` setting of `job` (a
+    ``JobConfig``) that streaming cannot run, before any worker starts."""
+    t = job.trainer
+    if t.rollout_mode not in ("batch", "stream"):
+        raise ConfigError(f"trainer.rollout_mode must be 'batch' or 'stream', got {t.rollout_mode!r}")
+    if t.rollout_mode != "stream":
+        return
+    why = "trainer.rollout_mode=stream"
+    if t.max_staleness < 1:
+        raise ConfigError(f"{why} keeps groups in flight while steps train, so some trajectories are one version "
+                          "old: it needs trainer.max_staleness >= 1 (max_staleness=0 is the synchronous loop: use "
+                          "rollout_mode=batch)")
+    if t.rollout_weights != "latest":
+        raise ConfigError(f"{why} loads each exported version as soon as it exists; "
+                          f"trainer.rollout_weights={t.rollout_weights!r} pins batch t to version t - max_staleness, "
+                          "which streaming has no batches for. Set trainer.rollout_weights=latest")
+    B = job.prompts_per_step
+    cap = t.stream.max_groups_in_flight
+    if cap is not None and cap < B:
+        raise ConfigError(f"trainer.stream.max_groups_in_flight={cap} is below one step's {B} prompt groups "
+                          f"(trainer.batch_size / algorithm.group_size), so admission control could never fill a "
+                          f"step; set it to at least {B}, or null for (max_staleness + 1) * {B}")
+    unsupported = [
+        (job.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true (dynamic sampling)", "set it to false"),
+        (t.colocated, "trainer.colocated=true (streaming generates while the policy trains: two pools)",
+         "set trainer.colocated=false"),
+        (t.precompute_log_probs, "trainer.precompute_log_probs=true", "set it to false"),
+        (job.rollout.episode is not None, f"rollout.episode={job.rollout.episode!r} (multi-turn episodes)",
+         "set rollout.episode=null"),
+        (job.evaluation.enabled, "evaluation (evaluation.every / at_start / at_end)", "turn it off"),
+    ]
+    for bad, what, fix in unsupported:
+        if bad:
+            raise ConfigError(f"{why} does not support {what} yet; {fix}, or use trainer.rollout_mode=batch")
 
 
 @dataclass

@@ -61,6 +61,7 @@ async def test_an_update_reaches_rows_in_flight_at_a_round_boundary_without_wait
 
     w._batcher.version_fn = version
     batch = _batch(w, ["write digits:", "say hello"])
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
     task = asyncio.ensure_future(w.generate_requests(batch, seed=1))
     await first_round.wait()
     new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) if v.is_floating_point()
@@ -79,5 +80,11 @@ async def test_an_update_reaches_rows_in_flight_at_a_round_boundary_without_wait
                                with_entropy=False)
     late = mask.clone()
     late[:, :2] = False
-    torch.testing.assert_close(lp[late].double(), out["rollout_log_probs"][late].double(), atol=2e-5, rtol=0)
+    torch.testing.assert_close(lp[late].double(), out["rollout_log_probs"][late].double(), atol=1e-5, rtol=0)
+    # ... and each version-0 token's is its log-prob under version 0
+    w.model.load_state_dict(before)
+    lp0, _ = response_log_probs(w.model, out["input_ids"], out["attention_mask"], out["response_ids"], 1.0,
+                                with_entropy=False)
+    early = mask & ~late
+    torch.testing.assert_close(lp0[early].double(), out["rollout_log_probs"][early].double(), atol=1e-5, rtol=0)
     w.on_close()

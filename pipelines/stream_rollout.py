@@ -84,6 +84,8 @@ class StreamRollout:
                               "yet (it needs the engine's round schedule); replay a rollout_mode=batch run")
         self._trainer = trainer
         self._attempt: _Attempt | None = None
+        self.regenerated = 0
+        """Group calls issued again after a rollout-pool fault (over the whole run)."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -140,6 +142,7 @@ class StreamRollout:
                 break
             except Exception as e:
                 await self._recover(a, e, epoch)
+                self.regenerated += 1
                 await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
         a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), time.perf_counter() - t0)
         a.admission.finish(g)

@@ -209,6 +209,8 @@ class StreamRollout:
         a = self._attempt
         assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
         while (got := a.admission.take()) is None:
+            if a.admission.dropped_groups:
+                await self._notify()  # drop_stale: the dropped groups' room may be admitted again
             seen = a.finishes
             await s.wait_for(lambda: a.finishes != seen)
         chosen, dropped = got

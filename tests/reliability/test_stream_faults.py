@@ -36,8 +36,9 @@ class SlowFaultyRollout(FaultyRollout):
         return slow
 
 
-def stream_cfg(out: Path, *, restarts: int = 0):
+def stream_cfg(out: Path, *, restarts: int = 0, partial: str = "off"):
     cfg = tiny_test()
+    cfg.rollout.partial_rollout = partial
     t = cfg.trainer
     t.steps, t.max_staleness, t.rollout_weights, t.rollout_mode = STEPS, 1, "latest", "stream"
     t.output_dir = str(out)
@@ -66,7 +67,7 @@ async def test_a_rollout_worker_killed_during_an_update_mid_generation_is_replac
     before = await asyncio.to_thread(live_actors)
     (tmp_path / "fault").mkdir()
     fault = Fault(dir=str(tmp_path / "fault"), point="load_weights", call=2)  # loading version 2
-    cfg = stream_cfg(tmp_path / "run", restarts=1)
+    cfg = stream_cfg(tmp_path / "run", restarts=1, partial="recompute")  # the update reaches groups in flight
     trainer = GRPOTrainer(cfg, worker_overrides={"rollout": (SlowFaultyRollout, {"fault": fault})})
 
     async def run():

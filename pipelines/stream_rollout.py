@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
-
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
 from asyncrl.pipelines.configlib import ConfigError
@@ -78,7 +77,7 @@ class _Attempt:
 class StreamRollout:
     """Keeps prompt groups in flight and hands each step its first finished groups (see the module)."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: Trainer) -> None:
         if trainer.journal.replaying:
             raise ConfigError("replaying a journal (asyncrl replay) is not supported with trainer.rollout_mode=stream "
                               "yet (it needs the engine's round schedule); replay a rollout_mode=batch run")
@@ -212,7 +211,7 @@ class StreamRollout:
             if a.admission.dropped_groups:
                 await self._notify()  # drop_stale: the dropped groups' room may be admitted again
             seen = a.finishes
-            await s.wait_for(lambda: a.finishes != seen)
+            await s.wait_for(lambda seen=seen: a.finishes != seen)
         chosen, dropped = got
         await self._notify()  # admission may go on
         for g in dropped:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from asyncrl.pipelines.config import ConfigError, load_config
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
@@ -105,9 +104,8 @@ async def test_under_random_delays_every_trajectory_is_within_the_bound_and_no_g
     cfg.validate()
     B = cfg.prompts_per_step
     rec = Recorder()
-    async with fake_groups(rec, seed, B, 0.01, k) as groups:
-        async with GRPOTrainer(cfg, groups=groups) as trainer:
-            history = await trainer.fit()
+    async with fake_groups(rec, seed, B, 0.01, k) as groups, GRPOTrainer(cfg, groups=groups) as trainer:
+        history = await trainer.fit()
     assert [r["version"] for r in history] == list(range(1, 9))
     assert all(0 <= r["staleness/max"] <= k for r in history)
     recs = journal(tmp_path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from asyncrl.roles import functional as F
 from asyncrl.roles.policy import RolloutCorrectionConfig
 

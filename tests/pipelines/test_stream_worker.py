@@ -8,11 +8,10 @@ import asyncio
 
 import pytest
 import torch
-from tensordict import TensorDict
-
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles._util import response_log_probs
+from tensordict import TensorDict
 
 
 def _batch(worker: RolloutWorker, texts: list[str]) -> TensorDict:

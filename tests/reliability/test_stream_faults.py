@@ -13,9 +13,9 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
+
 from tests.reliability.conftest import live_actors, settled, wait_for_file
 from tests.reliability.faults import Fault, FaultyRollout
 

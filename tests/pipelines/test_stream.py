@@ -129,9 +129,9 @@ def test_stream_mode_learns_char_class(ray_cluster, tmp_path, partial):
     from asyncrl.pipelines.metrics import read_jsonl
 
     out = tmp_path / "run"
+    partial_key = [] if partial == "off" else [f"rollout.partial_rollout={partial}"]  # (YAML reads `off` as false)
     assert main(["train", f"trainer.output_dir={out}", "trainer.steps=60", "trainer.progress=false",
-                 "trainer.rollout_mode=stream", "trainer.rollout_weights=latest",
-                 f"rollout.partial_rollout={partial}"]) == 0
+                 "trainer.rollout_mode=stream", "trainer.rollout_weights=latest", *partial_key]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(60))
     rewards = [r["reward/mean"] for r in rows]

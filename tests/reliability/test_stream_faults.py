@@ -17,7 +17,7 @@ from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
 
 from tests.reliability.conftest import live_actors, settled, wait_for_file
-from tests.reliability.faults import Fault, FaultyRollout
+from tests.reliability.faults import Fault, FaultyPolicy, FaultyRollout
 
 STEPS = 4
 
@@ -112,3 +112,34 @@ async def test_a_stop_during_an_update_checkpoints_the_untrained_groups_and_a_re
     admitted, _ = groups_trained(out)
     assert [g for g in sorted(admitted) if g in pending] == pending  # re-admitted, same indices (same seeds)
     assert_every_group_once_within_the_bound(out, B)
+
+
+@pytest.mark.slow
+async def test_a_training_worker_killed_mid_update_restarts_from_its_checkpoint_and_regenerates_the_untrained_groups(
+        ray_cluster, tmp_path):
+    """Recovery with finished and in-flight groups in the buffer: the restart replaces the loop state
+    whole; the step-2 checkpoint's untrained groups are admitted again (same indices and seeds), the
+    finished ones regenerated, and every group is trained exactly once."""
+    before = await asyncio.to_thread(live_actors)
+    (tmp_path / "fault").mkdir()
+    fault = Fault(dir=str(tmp_path / "fault"), point="update", call=3)  # step 2, after backward
+    cfg = stream_cfg(tmp_path / "run", restarts=1)
+    cfg.trainer.checkpoint_every, cfg.trainer.keep_checkpoints = 1, 10
+    trainer = GRPOTrainer(cfg, worker_overrides={"policy": (FaultyPolicy, {"fault": fault})})
+
+    async def run():
+        async with trainer:
+            return await trainer.fit()
+
+    task = asyncio.create_task(run())
+    await wait_for_file(tmp_path / "fault" / "pid", 120)
+    os.kill(int((tmp_path / "fault" / "pid").read_text()), signal.SIGKILL)
+    history = await asyncio.wait_for(task, 240)
+    [r] = trainer.restarts
+    assert r["kind"] == "restart" and r["from_checkpoint"].endswith("step_000002") and r["from_step"] == 2
+    assert [h["step"] for h in history] == list(range(STEPS))
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
+    admitted, steps = groups_trained(tmp_path / "run")
+    assert set(state["stream"]["pending"]) <= {g for s in steps if s["step"] >= 2 for g in s["groups"]}
+    assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    assert await settled(before) == before

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STATELESS_STAGES", "Deadlined", "stateless_timeout", "unwrap", "with_deadlines", "without_deadlines"]
 
-STATELESS_STAGES = frozenset({"generate", "generate_episodes", "compute_reward"})
+STATELESS_STAGES = frozenset({"generate", "generate_episodes", "generate_requests", "compute_reward"})
 """The rollout pool's methods that ``trainer.rollout_timeout_s`` bounds: they compute (generate, score) and
 wait for nothing but their own inputs, unlike the weight loads, which wait for a training step's export."""
 

@@ -515,6 +515,64 @@ class RolloutWorker(Worker):
         self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
         return with_fields(batch, fields)
 
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None) -> TensorDict:
+        """Like :meth:`generate`, with every row an independent request of the request-level engine
+        (:meth:`_request_engine`), so many concurrent calls (streaming rollout: one per prompt group)
+        share its decoding rounds. Like episodes, a call counts among the request-level generations
+        a weight update handles: with ``partial_rollout="off"`` an update waits for it (its rows keep
+        one version); with ``"keep"``/``"recompute"`` the update reaches its rows in flight without
+        waiting and they decode on under the new weights (each token records its version).
+
+        Returns the layout of :meth:`generate` plus ``token_versions`` (``[B, R]``: each generated
+        token's weight version, -1 past the response); ``version`` is a row's first token's version.
+        Row ``i``'s sampling seed comes from the config's seed, `seed`, the row's index in the whole
+        batch and its prompt (not the weight version): the same call regenerates the same rows under
+        the same weights, and the rows of one prompt differ."""
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        gate = self._gate_event()
+        while not gate.is_set():  # a weight update is loading: start under the new weights
+            await gate.wait()
+        base = self._params(prompts, R, temperature, seed)
+        offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
+        submit = self._request_engine()
+
+        def row_seed(i: int) -> int:
+            h = hashlib.sha256(f"{self.config.seed}|{seed}|{offset + i}|{prompts[i]}".encode())
+            return int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF
+
+        me = asyncio.current_task()
+        if me is not None:
+            self._episode_tasks.add(me)  # what a weight update waits for (partial_rollout="off") or reaches
+        try:
+            gens = await asyncio.gather(*(submit(p, replace(base, seed=row_seed(i)), key=f"{seed}:{offset + i}")
+                                          for i, p in enumerate(prompts)))  # key: the row in the round log
+        finally:
+            if me is not None:
+                self._episode_tasks.discard(me)
+        n, pad = len(prompts), int(self.tokenizer.pad_token_id)
+        resp = torch.full((n, R), pad, dtype=torch.long)
+        rmask = torch.zeros((n, R), dtype=torch.long)
+        logp = torch.zeros((n, R), dtype=torch.float32)
+        tver = torch.full((n, R), -1, dtype=torch.long)
+        ver = torch.full((n,), self._version, dtype=torch.long)
+        for b, c in enumerate(gens):
+            L = len(c.response_ids)
+            if L > R or len(c.log_probs) != L or len(c.versions) != L:
+                raise RuntimeError(f"the request engine returned {L} tokens, {len(c.log_probs)} log-probs and "
+                                   f"{len(c.versions)} versions for max_new_tokens={R}")
+            if L:
+                resp[b, :L] = torch.tensor(c.response_ids, dtype=torch.long)
+                rmask[b, :L] = 1
+                logp[b, :L] = torch.tensor(c.log_probs, dtype=torch.float32)
+                tver[b, :L] = torch.tensor(c.versions, dtype=torch.long)
+                ver[b] = c.versions[0]
+        fields = {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver,
+                  "token_versions": tver}
+        return self._assemble(batch, fields)
+
     async def stream_generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                               temperature: float | None = None, seed: int | None = None) -> AsyncIterator[TensorDict]:
         """Like :meth:`generate`, but yields each row (a one-row batch with an ``index`` field,

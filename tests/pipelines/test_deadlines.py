@@ -32,10 +32,10 @@ def _deadline(group: object, method: str) -> float | None:
 def test_the_default_puts_600_s_on_generate_and_score_and_nothing_on_the_training_stages():
     t = TrainerConfig()
     assert (t.rollout_timeout_s, t.stage_timeout_s, t.colocated) == (600.0, None, False)
-    assert STATELESS_STAGES == {"generate", "generate_episodes", "compute_reward"}
+    assert STATELESS_STAGES == {"generate", "generate_episodes", "generate_requests", "compute_reward"}
     g = with_deadlines(_groups(), t)
     assert (_deadline(g.rollout, "generate"), _deadline(g.rollout, "generate_episodes"),
-            _deadline(g.reward, "compute_reward")) == (600.0, 600.0, 600.0)
+            _deadline(g.rollout, "generate_requests"), _deadline(g.reward, "compute_reward")) == (600.0,) * 4
     # the weight load waits for a training step's export: no fixed default on it
     assert _deadline(g.rollout, "update_weights") is None
     assert g.policy is unwrap(g.policy) and not isinstance(g.advantage, Deadlined)

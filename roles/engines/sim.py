@@ -1,0 +1,261 @@
+"""A simulated generation engine: GPU-like decoding cost, heavy-tailed response lengths.
+
+For benchmarks of the rollout schedule (``benchmarks/longtail.py``), not for training. It
+keeps the contract of :class:`~.base.GenerationEngine` (token ids, one log-prob per token,
+a finish reason) and models what decides a schedule's speed on a GPU:
+
+* **A decoding step costs the same whatever the batch size** (``step_ms``, up to
+  ``max_batch_size`` requests): decoding is memory-bound, so a step of 1 request and a step
+  of 64 take the same time. Every active request gets one token per step; requests join
+  and leave at step boundaries (continuous batching, as vLLM schedules). A batch whose
+  rows finish at different lengths therefore leaves slots idle until its longest row ends.
+* **Response lengths are heavy-tailed**: log-normal with median ``median_tokens`` and
+  log-space deviation ``sigma`` (p99/p50 = exp(2.326 sigma): 16x at sigma 1.2), drawn from
+  the request's sampling seed, capped by ``max_new_tokens``; reaching the cap ends with
+  ``"length"``, any shorter response ends on EOS (``"stop"``).
+* The cost is **slept**, not computed, on an absolute clock: step k of a busy stretch ends
+  at ``start + k * step_ms``, so a late wake-up on a loaded CPU is caught up (at most
+  ``catchup_ms`` behind) rather than added to every later step.
+
+A weight load costs ``load_ms``; with ``prefill_on_load`` the step after it also costs
+``prefill_ms`` (the prefill of prompt + tokens so far of the requests in flight: partial
+rollout's ``recompute``). :meth:`paused` holds the engine at a step boundary (weights may
+change while requests stay in flight). :meth:`statistics` counts steps, the decode slots
+used, tokens and the peak requests in flight, which a benchmark turns into the engine's idle
+fraction: ``1 - slots used / (max_batch_size * elapsed / step_ms)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterable
+
+from .base import Completion, SamplingParams, register_engine
+
+__all__ = ["SimEngine", "SimStats", "response_length"]
+
+
+def response_length(seed: int, max_new_tokens: int, median_tokens: float, sigma: float) -> int:
+    """The simulated response length of a request sampled with `seed`: log-normal (median
+    `median_tokens`, log-space deviation `sigma`), at least 1, at most `max_new_tokens`."""
+    draw = random.Random(seed).lognormvariate(math.log(median_tokens), sigma)
+    return max(1, min(max_new_tokens, int(round(draw))))
+
+
+@dataclass
+class SimStats:
+    """What the simulated engine did since its last :meth:`SimEngine.reset_statistics`."""
+
+    elapsed_s: float
+    """Seconds since the reset."""
+    steps: int
+    """Decoding steps run."""
+    slots_used: int
+    """Decode slots that produced a token (the sum over steps of the active requests)."""
+    slots_available: float
+    """``max_batch_size * elapsed_s / step_s``: the slots a never-idle engine would have had."""
+    tokens: int
+    """Tokens of the requests that finished."""
+    requests: int
+    """Requests that finished."""
+    peak_in_flight: int
+    """Most requests in the engine at once (decoding plus waiting for a slot)."""
+    loads: int
+    """Weight loads."""
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the available decode slots left unused."""
+        return 1.0 - self.slots_used / self.slots_available if self.slots_available > 0 else 0.0
+
+
+class _Request:
+    __slots__ = ("length", "max_new_tokens", "rng", "tokens", "future")
+
+    def __init__(self, length: int, max_new_tokens: int, seed: int, future: asyncio.Future[Completion]) -> None:
+        self.length = length
+        self.max_new_tokens = max_new_tokens
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.tokens: list[int] = []
+        self.future = future
+
+
+@register_engine("sim")
+class SimEngine:
+    """A generation engine that sleeps a GPU-like decoding cost (see the module docstring).
+
+    Args:
+        model: unused (the engine keeps the registry's factory signature).
+        tokenizer: gives the vocabulary size and the EOS id of the sampled tokens.
+        model_dir: unused.
+        step_ms: cost of one decoding step, whatever the number of requests in it.
+        max_batch_size: decode slots: most requests in one step (the rest wait for a slot).
+        median_tokens: median response length.
+        sigma: log-space standard deviation of the response lengths (the tail's weight).
+        load_ms: cost of a weight load.
+        prefill_ms: cost added to the first step after a weight load when `prefill_on_load`.
+        prefill_on_load: re-prefill the requests in flight after a weight load (``recompute``).
+        catchup_ms: most a late step is caught up on the engine's clock.
+    """
+
+    def __init__(self, *, model: Any = None, tokenizer: Any = None, model_dir: str | None = None,
+                 step_ms: float = 5.0, max_batch_size: int = 32, median_tokens: float = 16.0, sigma: float = 1.2,
+                 load_ms: float = 0.0, prefill_ms: float = 0.0, prefill_on_load: bool = False,
+                 catchup_ms: float = 50.0) -> None:
+        if step_ms <= 0 or max_batch_size < 1 or median_tokens < 1 or sigma < 0:
+            raise ValueError(f"SimEngine needs step_ms > 0, max_batch_size >= 1, median_tokens >= 1 and sigma >= 0; "
+                             f"got {step_ms}, {max_batch_size}, {median_tokens}, {sigma}")
+        self.step_s = step_ms / 1e3
+        self.max_batch_size = max_batch_size
+        self.median_tokens = median_tokens
+        self.sigma = sigma
+        self.load_s = load_ms / 1e3
+        self.prefill_s = prefill_ms / 1e3
+        self.prefill_on_load = prefill_on_load
+        self.catchup_s = catchup_ms / 1e3
+        self.vocab = int(len(tokenizer)) if tokenizer is not None else 256
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_id = int(eos) if eos is not None else self.vocab - 1
+        self.log_prob = -math.log(self.vocab - 1)  # tokens are drawn uniformly from all but EOS
+        self._waiting: list[_Request] = []
+        self._active: list[_Request] = []
+        self._wakeup: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._clock: float | None = None
+        self._prefill_due = False
+        self.reset_statistics()
+
+    # ---- the engine interface --------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Completions of every prompt, in prompt order (they decode together, one token per step)."""
+        out: list[Completion | None] = [None] * len(prompts)
+        async for i, c in self.stream(prompts, params):
+            out[i] = c
+        return [c for c in out if c is not None]
+
+    async def stream(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, Completion]]:
+        """``(prompt index, completion)`` as each finishes; closing the stream drops the rest."""
+        loop = asyncio.get_running_loop()
+        base = params.seed if params.seed is not None else random.getrandbits(30)
+        futures = [self._submit(base + i, params.max_new_tokens, loop) for i in range(len(prompts))]
+        index = {f: i for i, f in enumerate(futures)}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for f in sorted(done, key=index.__getitem__):
+                    yield index[f], f.result()
+        finally:
+            for f in pending:
+                f.cancel()  # the driver drops cancelled requests at the next step boundary
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Take the weights (not used for sampling); costs ``load_ms``."""
+        for _ in named_tensors:
+            pass
+        if self.load_s:
+            time.sleep(self.load_s)
+        self._loads += 1
+        self._prefill_due = self.prefill_on_load
+
+    def weights_checksum(self) -> dict[str, str]:
+        """One pseudo-checksum: how many weight loads the engine took."""
+        return {"sim/loads": str(self._loads)}
+
+    def close(self) -> None:
+        """Stop the driver; requests in flight are cancelled."""
+        if self._driver is not None:
+            self._driver.cancel()
+        for r in self._waiting + self._active:
+            r.future.cancel()
+        self._waiting, self._active = [], []
+
+    # ---- simulation controls ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold the engine at a step boundary until the block exits (requests stay in flight)."""
+        async with self._step_lock():
+            yield
+        self._clock = None  # the pause was idle time, not a late step
+
+    def reset_statistics(self) -> None:
+        """Start counting again (steps, slots, tokens, the peak in flight) from now."""
+        self._since = time.monotonic()
+        self._steps = self._slots = self._tokens = self._requests = self._loads = 0
+        self._peak = len(self._waiting) + len(self._active)
+
+    def statistics(self) -> SimStats:
+        """What the engine did since the last :meth:`reset_statistics`."""
+        elapsed = time.monotonic() - self._since
+        return SimStats(elapsed_s=elapsed, steps=self._steps, slots_used=self._slots,
+                        slots_available=self.max_batch_size * elapsed / self.step_s, tokens=self._tokens,
+                        requests=self._requests, peak_in_flight=self._peak, loads=self._loads)
+
+    # ---- the driver ------------------------------------------------------------------------
+
+    def _step_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def _submit(self, seed: int, max_new_tokens: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Completion]:
+        future: asyncio.Future[Completion] = loop.create_future()
+        length = response_length(seed, max_new_tokens, self.median_tokens, self.sigma)
+        self._waiting.append(_Request(length, max_new_tokens, seed, future))
+        self._peak = max(self._peak, len(self._waiting) + len(self._active))
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive(), name="asyncrl-sim-engine")
+        self._wakeup.set()
+        return future
+
+    async def _drive(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            self._active = [r for r in self._active if not r.future.done()]
+            self._waiting = [r for r in self._waiting if not r.future.done()]
+            room = self.max_batch_size - len(self._active)
+            if room > 0 and self._waiting:
+                self._active += self._waiting[:room]
+                del self._waiting[:room]
+            if not self._active:
+                self._clock = None
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            async with self._step_lock():
+                now = loop.time()
+                if self._clock is None or now - self._clock > self.catchup_s:
+                    self._clock = now  # idle before this step (or too late to catch up)
+                self._clock += self.step_s
+                if self._prefill_due:
+                    self._clock += self.prefill_s
+                    self._prefill_due = False
+                delay = self._clock - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                batch = [r for r in self._active if not r.future.done()]
+                self._steps += 1
+                self._slots += len(batch)
+                for r in batch:
+                    last = len(r.tokens) + 1 == r.length
+                    if last and r.length < r.max_new_tokens:
+                        r.tokens.append(self.eos_id)
+                    else:
+                        tok = r.rng.randrange(self.vocab - 1)
+                        r.tokens.append(tok if tok < self.eos_id else tok + 1)  # never EOS before the end
+                    if last:
+                        finish = "stop" if r.length < r.max_new_tokens else "length"
+                        self._tokens += len(r.tokens)
+                        self._requests += 1
+                        r.future.set_result(Completion(list(r.tokens), [self.log_prob] * len(r.tokens), finish))

@@ -1,0 +1,113 @@
+"""The simulated engine (roles/engines/sim.py): a step costs the same for any batch, lengths are
+heavy-tailed and seeded, requests join and leave at step boundaries. Counts, never timing."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from asyncrl.roles.engines import SamplingParams, make_engine
+from asyncrl.roles.engines.sim import SimEngine, response_length
+
+
+class _Tok:
+    eos_token_id = 3
+
+    def __len__(self) -> int:
+        return 10
+
+
+def _engine(**kw) -> SimEngine:
+    kw.setdefault("step_ms", 1.0)
+    return make_engine("sim", model=None, tokenizer=_Tok(), model_dir=None, **kw)
+
+
+def test_sim_is_a_registered_engine():
+    assert isinstance(_engine(), SimEngine)
+
+
+def test_lengths_are_seeded_and_heavy_tailed():
+    lengths = [response_length(s, 10_000, 16.0, 1.2) for s in range(4000)]
+    assert lengths[:50] == [response_length(s, 10_000, 16.0, 1.2) for s in range(50)]
+    q = statistics.quantiles(lengths, n=100)
+    assert 14 <= q[49] <= 18  # median 16
+    assert q[98] / q[49] >= 8  # p99 / p50 (exp(2.326 * 1.2) = 16 in theory)
+    assert response_length(0, 5, 1000.0, 0.0) == 5  # the cap
+
+
+def test_a_batch_takes_its_longest_row_and_uses_one_slot_per_token():
+    eng = _engine(max_batch_size=8, median_tokens=6.0, sigma=1.0)
+    params = SamplingParams(max_new_tokens=64, seed=11)
+    want = [response_length(11 + i, 64, 6.0, 1.0) for i in range(5)]
+
+    async def main():
+        eng.reset_statistics()
+        out = await eng.generate([[1, 2]] * 5, params)
+        return out, eng.statistics()
+
+    out, st = asyncio.run(main())
+    assert [len(c.response_ids) for c in out] == want
+    assert all(c.response_ids[-1] == 3 and 3 not in c.response_ids[:-1] for c in out if c.finish_reason == "stop")
+    assert all(len(c.log_probs) == len(c.response_ids) for c in out)
+    assert st.steps == max(want)  # one step per token of the longest row, whatever the batch size
+    assert st.slots_used == sum(want) == st.tokens
+    assert st.requests == 5 and st.peak_in_flight == 5
+
+
+def test_requests_beyond_the_slots_wait_and_stream_in_finish_order():
+    eng = _engine(max_batch_size=2, median_tokens=4.0, sigma=0.0)  # every row: 4 tokens
+
+    async def main():
+        order = [i async for i, _ in eng.stream([[1]] * 3, SamplingParams(max_new_tokens=64, seed=0))]
+        return order, eng.statistics()
+
+    order, st = asyncio.run(main())
+    assert order == [0, 1, 2]
+    assert st.steps == 8 and st.slots_used == 12  # two rows decode together, the third after them
+
+
+def test_paused_holds_the_engine_and_requests_continue_after():
+    eng = _engine(max_batch_size=4, median_tokens=20.0, sigma=0.0)
+
+    async def main():
+        task = asyncio.ensure_future(eng.generate([[1]], SamplingParams(max_new_tokens=64, seed=0)))
+        while eng.statistics().steps < 3:
+            await asyncio.sleep(0.001)
+        async with eng.paused():
+            held = eng.statistics().steps
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert eng.statistics().steps == held
+            eng.load_weights([])
+        out = await task
+        return out, eng.statistics()
+
+    out, st = asyncio.run(main())
+    assert len(out[0].response_ids) == 20 and st.loads == 1
+
+
+def test_closing_a_stream_drops_its_requests():
+    eng = _engine(max_batch_size=4, median_tokens=1000.0, sigma=0.0)
+
+    async def main():
+        stream = eng.stream([[1]] * 2, SamplingParams(max_new_tokens=10_000, seed=0))
+        task = asyncio.ensure_future(stream.__anext__())
+        while eng.statistics().steps < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        for _ in range(50):
+            await asyncio.sleep(0.002)
+        return eng.statistics()
+
+    st = asyncio.run(main())
+    assert st.requests == 0 and not eng._active and not eng._waiting
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="max_batch_size >= 1"):
+        _engine(max_batch_size=0)

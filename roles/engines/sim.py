@@ -22,7 +22,7 @@ A weight load costs ``load_ms``; with ``prefill_on_load`` the step after it also
 rollout's ``recompute``). :meth:`paused` holds the engine at a step boundary (weights may
 change while requests stay in flight). :meth:`statistics` counts steps, the decode slots
 used, tokens and the peak requests in flight, which a benchmark turns into the engine's idle
-fraction: ``1 - slots used / (max_batch_size * elapsed / step_ms)``.
+fraction: ``1 - slots used / (max_batch_size * elapsed / step_ms)`` (:meth:`idle_between` over a window).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def response_length(seed: int, max_new_tokens: int, median_tokens: float, sigma:
     """The simulated response length of a request sampled with `seed`: log-normal (median
     `median_tokens`, log-space deviation `sigma`), at least 1, at most `max_new_tokens`."""
     draw = random.Random(seed).lognormvariate(math.log(median_tokens), sigma)
-    return max(1, min(max_new_tokens, int(round(draw))))
+    return max(1, min(max_new_tokens, round(draw)))
 
 
 @dataclass
@@ -75,7 +75,7 @@ class SimStats:
 
 
 class _Request:
-    __slots__ = ("length", "max_new_tokens", "rng", "tokens", "future")
+    __slots__ = ("future", "length", "max_new_tokens", "rng", "tokens")
 
     def __init__(self, length: int, max_new_tokens: int, seed: int, future: asyncio.Future[Completion]) -> None:
         self.length = length
@@ -118,7 +118,7 @@ class SimEngine:
         self.prefill_s = prefill_ms / 1e3
         self.prefill_on_load = prefill_on_load
         self.catchup_s = catchup_ms / 1e3
-        self.vocab = int(len(tokenizer)) if tokenizer is not None else 256
+        self.vocab = len(tokenizer) if tokenizer is not None else 256
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_id = int(eos) if eos is not None else self.vocab - 1
         self.log_prob = -math.log(self.vocab - 1)  # tokens are drawn uniformly from all but EOS
@@ -191,6 +191,14 @@ class SimEngine:
         self._since = time.monotonic()
         self._steps = self._slots = self._tokens = self._requests = self._loads = 0
         self._peak = len(self._waiting) + len(self._active)
+        self._log: list[tuple[float, int]] = []  # (monotonic end, slots used) of each step
+
+    def idle_between(self, start: float, end: float) -> float:
+        """Share of the decode slots left unused between two ``time.monotonic()`` readings (any process
+        on this machine: the clock is system-wide) since the last reset."""
+        used = sum(n for t, n in self._log if start < t <= end)
+        available = self.max_batch_size * (end - start) / self.step_s
+        return 1.0 - used / available if available > 0 else 0.0
 
     def statistics(self) -> SimStats:
         """What the engine did since the last :meth:`reset_statistics`."""
@@ -247,6 +255,7 @@ class SimEngine:
                 batch = [r for r in self._active if not r.future.done()]
                 self._steps += 1
                 self._slots += len(batch)
+                self._log.append((time.monotonic(), len(batch)))
                 for r in batch:
                     last = len(r.tokens) + 1 == r.length
                     if last and r.length < r.max_new_tokens:

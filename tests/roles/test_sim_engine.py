@@ -111,3 +111,19 @@ def test_closing_a_stream_drops_its_requests():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="max_batch_size >= 1"):
         _engine(max_batch_size=0)
+
+
+def test_idle_between_counts_the_unused_slots_of_a_window():
+    import time
+
+    eng = _engine(max_batch_size=4, median_tokens=10.0, sigma=0.0)
+
+    async def main():
+        t0 = time.monotonic()
+        await eng.generate([[1]], SamplingParams(max_new_tokens=64, seed=0))  # 1 of 4 slots, 10 steps
+        return t0, time.monotonic()
+
+    t0, t1 = asyncio.run(main())
+    used = 1 - eng.idle_between(t0, t1)  # 10 slots used of 4 * elapsed / 1 ms available
+    assert used * 4 * (t1 - t0) / 1e-3 == pytest.approx(10)
+    assert eng.idle_between(t1, t1 + 1.0) == 1.0

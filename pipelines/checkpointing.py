@@ -109,7 +109,8 @@ class Checkpointer:
         assert g is not None
         step = s.policy_version  # steps done == versions
         ahead = min(step + 1 + t.max_staleness, t.steps + s.buffer.statistics().dropped)
-        await s.wait_for(lambda: s.rollout_done or s.next_gen >= ahead or step >= t.steps)
+        if t.rollout_mode == "batch":  # streaming keeps no batches: its untrained groups are listed instead
+            await s.wait_for(lambda: s.rollout_done or s.next_gen >= ahead or step >= t.steps)
         final = ckpt.checkpoint_dir(tr.output_dir, step)
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         await anyio.to_thread.run_sync(_fresh_dir, tmp)
@@ -131,6 +132,8 @@ class Checkpointer:
                 "fingerprint": config_fingerprint(tr.config), "history": list(tr.history),
                 "evals": list(tr.evaluator.records) if tr.evaluator is not None else [],
             }
+            if t.rollout_mode == "stream":
+                state["stream"] = tr.rollout.checkpoint_state()  # type: ignore[attr-defined]
 
             def write() -> None:  # serialising, hashing, fsync: off the event loop
                 torch.save(buffered, tmp / "buffer.pt")
@@ -160,6 +163,7 @@ class Checkpointer:
         s.start_step = step
         s.policy_version = s.exported = step
         s.next_gen = int(state["next_gen"])
+        s.stream = state.get("stream")
         ckpt.set_rng_state(state["rng"])
         tr.history = [h for h in state.get("history", []) if h["step"] < step]
         if tr.evaluator is not None:

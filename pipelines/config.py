@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from asyncrl.pipelines import configlib
+from asyncrl.pipelines.admission import StreamConfig, check_stream
 from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.evaluation import EvalConfig
 from asyncrl.pipelines.sampling import FilterGroupsConfig
@@ -30,6 +31,7 @@ __all__ = [
     "FilterGroupsConfig",
     "JobConfig",
     "RestartConfig",
+    "StreamConfig",
     "TrainerConfig",
     "load_config",
     "config_fingerprint",
@@ -136,6 +138,12 @@ class TrainerConfig:
     available when the batch starts (never older than that)."""
     buffer_capacity: int | None = None
     """Batches the rollout→train buffer holds; None = max_staleness + 1."""
+    rollout_mode: Literal["batch", "stream"] = "batch"
+    """``batch``: each step's prompts are generated as one batch; ``stream``: prompt groups are kept in
+    flight, and a step trains the first finished groups that fill it, within ``max_staleness`` per
+    trajectory (docs/streaming.md; needs ``rollout_weights=latest``)."""
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    """Settings of ``rollout_mode=stream``."""
     seed: int = 0
     """Seed of the data order and of every sampling call (step t samples with seed + t)."""
     colocated: bool = False
@@ -350,6 +358,7 @@ class JobConfig:
         if t.stage_timeout_s is not None and not (t.stage_timeout_s > 0 and math.isfinite(t.stage_timeout_s)):
             raise ConfigError(f"trainer.stage_timeout_s must be a positive number of seconds or null, "
                               f"got {t.stage_timeout_s}")
+        check_stream(self)
         self._validate_loss()
         self._validate_data()
         self.evaluation.validate()

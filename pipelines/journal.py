@@ -8,6 +8,12 @@
     {"kind": "drop", "batch": 5, "version": 1, "at_version": 4}     # too stale: never trained on
     {"kind": "end", "steps": 40, "weights_sha256": "..."}
 
+Streaming rollout (``trainer.rollout_mode=stream``) writes prompt groups instead of batches::
+
+    {"kind": "group", "index": 13, "seed": 13, "version": 2}       # group 13 admitted at version 2
+    {"kind": "step", "step": 3, "batch": 3, "version": 2, "groups": [13, 9, 12, 15]}
+    {"kind": "group_drop", "index": 7, "version": 0, "at_version": 4}   # trainer.stream.drop_stale
+
 A ``batch`` record is written when batch ``index`` is generated and scored: the dataset
 indices of its prompts (each repeated ``algorithm.group_size`` times), the sampling seed
 of the call, and the weight version every one of its ``rows`` was generated with (the
@@ -54,6 +60,10 @@ class JournalData:
     """``step`` records by step."""
     drops: list[dict[str, Any]] = field(default_factory=list)
     """``drop`` records, in order."""
+    groups: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """``group`` records (streaming rollout's admissions) by group index."""
+    group_drops: list[dict[str, Any]] = field(default_factory=list)
+    """``group_drop`` records, in order."""
     end: dict[str, Any] | None = None
     """The last ``end`` record, when the run finished (or stopped cleanly)."""
 
@@ -98,6 +108,10 @@ def _apply(data: JournalData, rec: dict[str, Any], kind: str) -> None:
         data.drops.append(rec)
     elif kind == "end":
         data.end = rec
+    elif kind == "group":
+        data.groups[int(rec["index"])] = rec
+    elif kind == "group_drop":
+        data.group_drops.append(rec)
 
 
 class Journal:
@@ -124,8 +138,12 @@ class Journal:
             if previous.header is not None:
                 kept.append(previous.header)
             kept += [b for i, b in sorted(previous.batches.items()) if i < next_gen]
-            kept += [s for i, s in sorted(previous.steps.items()) if i < start_step]
+            steps = [s for i, s in sorted(previous.steps.items()) if i < start_step]
+            trained = {g for s in steps for g in s.get("groups", ())}
+            kept += [r for i, r in sorted(previous.groups.items()) if i in trained]
+            kept += steps
             kept += [d for d in previous.drops if int(d["at_version"]) < start_step]
+            kept += [d for d in previous.group_drops if int(d["at_version"]) < start_step]
             schedule = previous.schedule(next_gen)
         self._rewrite(kept + [{"kind": "run", **header, "start_step": start_step, "next_gen": next_gen}])
         return schedule
@@ -161,9 +179,21 @@ class Journal:
         self._write({"kind": "batch", "index": index, "prompts": prompts, "seed": seed, "version": version,
                      "rows": rows})
 
-    def step(self, step: int, *, batch: int, version: int) -> None:
-        """Step `step` trained on batch `batch` (generated with `version`)."""
-        self._write({"kind": "step", "step": step, "batch": batch, "version": version})
+    def step(self, step: int, *, batch: int, version: int, groups: list[int] | None = None) -> None:
+        """Step `step` trained on batch `batch` (generated with `version`; streaming: the prompt `groups`
+        it took, `version` their oldest admission version)."""
+        rec: dict[str, Any] = {"kind": "step", "step": step, "batch": batch, "version": version}
+        if groups is not None:
+            rec["groups"] = list(groups)
+        self._write(rec)
+
+    def group(self, index: int, *, seed: int, version: int) -> None:
+        """Streaming: prompt group `index` was admitted at weight version `version` and samples with `seed`."""
+        self._write({"kind": "group", "index": index, "seed": seed, "version": version})
+
+    def group_drop(self, index: int, *, version: int, at_version: int) -> None:
+        """Streaming with ``drop_stale``: group `index` (admitted at `version`) was dropped at `at_version`."""
+        self._write({"kind": "group_drop", "index": index, "version": version, "at_version": at_version})
 
     def drop(self, batch: int, *, version: int, at_version: int) -> None:
         """Batch `batch` (of `version`) was dropped as too stale when the policy was at `at_version`."""

@@ -36,7 +36,9 @@ class RolloutBatch:
     gen_time: float = 0.0
     """Seconds from issuing generate to the scores being known."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """Per-batch metrics of its sampling (``algorithm.filter_groups``: ``sampling/...``)."""
+    """Per-batch metrics of its sampling (``algorithm.filter_groups``: ``sampling/...``; streaming: ``stream/...``)."""
+    groups: list[int] | None = None
+    """Streaming rollout: the prompt groups it holds, in order (None: a whole prompt batch)."""
 
 
 @dataclass(eq=False)
@@ -77,6 +79,8 @@ class LoopState:
     """The last step whose batch the train loop took out of the buffer."""
     precomputed: Precomputed | None = None
     """The next step's first stages, issued early (``trainer.precompute_log_probs``)."""
+    stream: dict[str, Any] | None = None
+    """Streaming rollout's part of a restored checkpoint (``pending`` groups, ``next_group``)."""
 
     @classmethod
     def new(cls, capacity: int, max_staleness: int,

@@ -89,6 +89,11 @@ class RunJournal:
         self._schedule = await anyio.to_thread.run_sync(
             lambda: journal.rewind(next_gen=s.next_gen, start_step=s.start_step))
 
+    @property
+    def replaying(self) -> bool:
+        """True when this run follows a replayed journal's versions."""
+        return self._replay is not None
+
     def planned(self, index: int) -> int | None:
         """The weight version batch `index` must be generated with, when the journal says."""
         return self._schedule.get(index)
@@ -103,7 +108,17 @@ class RunJournal:
     def step(self, step: int, item: RolloutBatch) -> None:
         """Step `step` trains on `item`."""
         if self._file is not None:
-            self._file.step(step, batch=item.step, version=item.version)
+            self._file.step(step, batch=item.step, version=item.version, groups=item.groups)
+
+    def group(self, index: int, *, seed: int, version: int) -> None:
+        """Streaming: prompt group `index` was admitted at `version` (sampling with `seed`)."""
+        if self._file is not None:
+            self._file.group(index, seed=seed, version=version)
+
+    def group_dropped(self, index: int, *, version: int, at_version: int) -> None:
+        """Streaming with ``drop_stale``: group `index` was dropped as too stale at `at_version`."""
+        if self._file is not None:
+            self._file.group_drop(index, version=version, at_version=at_version)
 
     def drop(self, item: RolloutBatch, current: int) -> None:
         """`item` was dropped as too stale at policy version `current` (the buffer's ``on_drop``)."""

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from asyncrl import Broadcast, Dispatch, GroupFuture, Worker, WorkerGroup, register
+from asyncrl import Broadcast, Dispatch, Execute, GroupFuture, Worker, WorkerGroup, register
 from asyncrl.roles import functional as F
 
 __all__ = [
@@ -101,6 +101,24 @@ class AdvantageWorker(Worker):
         out.set("advantages", adv)
         out.set("returns", ret)
         return out
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def concat_groups(self, parts: list[TensorDictBase], scores: list[TensorDictBase], *, pad_id: int,
+                      uid_base: int) -> TensorDict:
+        """Streaming rollout: one step's batch from its finished groups' ``generate`` and ``score``
+        results (pass their futures: they are fetched here, worker to worker); see
+        :func:`asyncrl.pipelines.stream_batch.concat_groups`."""
+        from asyncrl.pipelines.stream_batch import concat_groups
+
+        return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base)
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def version_stats(self, batch: TensorDictBase, step: int, max_staleness: int) -> dict[str, float]:
+        """Streaming rollout: the per-trajectory version metrics of a step's batch (small); see
+        :func:`asyncrl.pipelines.stream_batch.version_stats`."""
+        from asyncrl.pipelines.stream_batch import version_stats
+
+        return version_stats(batch, step, max_staleness)
 
     @register(Dispatch.DP_COMPUTE)
     def echo(self, batch: TensorDictBase) -> TensorDictBase:

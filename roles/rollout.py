@@ -30,6 +30,7 @@ level-2 sleep the next sync may reload the same version (``RolloutConfig.sleep_l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -438,6 +439,54 @@ class RolloutWorker(Worker):
                                    int(self.tokenizer.pad_token_id), self._version)
         return with_fields(batch, fields)
 
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None) -> TensorDict:
+        """Like :meth:`generate`, with every row an independent request of the request-level engine
+        (:meth:`_request_engine`), so many concurrent calls (streaming rollout: one per prompt group)
+        share its decoding rounds. Not waited for by weight updates: an update lands at a round
+        boundary and the rows decode on under the new weights (each token records its version).
+
+        Returns the layout of :meth:`generate` plus ``token_versions`` (``[B, R]``: each generated
+        token's weight version, -1 past the response); ``version`` is a row's first token's version.
+        Row ``i``'s sampling seed comes from the config's seed, `seed`, the row's index in the whole
+        batch and its prompt (not the weight version): the same call regenerates the same rows under
+        the same weights, and the rows of one prompt differ."""
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        gate = self._gate_event()
+        while not gate.is_set():  # a weight update is loading: start under the new weights
+            await gate.wait()
+        base = self._params(prompts, R, temperature, seed)
+        offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
+        submit = self._request_engine()
+
+        def row_seed(i: int) -> int:
+            h = hashlib.sha256(f"{self.config.seed}|{seed}|{offset + i}|{prompts[i]}".encode())
+            return int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF
+
+        gens = await asyncio.gather(*(submit(p, replace(base, seed=row_seed(i))) for i, p in enumerate(prompts)))
+        n, pad = len(prompts), int(self.tokenizer.pad_token_id)
+        resp = torch.full((n, R), pad, dtype=torch.long)
+        rmask = torch.zeros((n, R), dtype=torch.long)
+        logp = torch.zeros((n, R), dtype=torch.float32)
+        tver = torch.full((n, R), -1, dtype=torch.long)
+        ver = torch.full((n,), self._version, dtype=torch.long)
+        for b, c in enumerate(gens):
+            L = len(c.response_ids)
+            if L > R or len(c.log_probs) != L or len(c.versions) != L:
+                raise RuntimeError(f"the request engine returned {L} tokens, {len(c.log_probs)} log-probs and "
+                                   f"{len(c.versions)} versions for max_new_tokens={R}")
+            if L:
+                resp[b, :L] = torch.tensor(c.response_ids, dtype=torch.long)
+                rmask[b, :L] = 1
+                logp[b, :L] = torch.tensor(c.log_probs, dtype=torch.float32)
+                tver[b, :L] = torch.tensor(c.versions, dtype=torch.long)
+                ver[b] = c.versions[0]
+        fields = {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver,
+                  "token_versions": tver}
+        return self._assemble(batch, fields)
+
     async def stream_generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                               temperature: float | None = None, seed: int | None = None) -> AsyncIterator[TensorDict]:
         """Like :meth:`generate`, but yields each row (a one-row batch with an ``index`` field,
@@ -710,11 +759,13 @@ class RolloutWorker(Worker):
             gate.set()
 
     async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
-        aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
-        if aload is not None:
-            await aload(state.items())
-        else:
-            await asyncio.to_thread(self.engine.load_weights, state.items())
+        # at a round boundary of the request-level engine: a round's tokens all come from one version
+        async with self._batcher.paused() if self._batcher is not None else contextlib.nullcontext():
+            aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
+            if aload is not None:
+                await aload(state.items())
+            else:
+                await asyncio.to_thread(self.engine.load_weights, state.items())
 
     async def _engine_checksum(self) -> dict[str, str]:
         achecksum = getattr(self.engine, "aweights_checksum", None)

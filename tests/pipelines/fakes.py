@@ -52,6 +52,23 @@ class FakeRollout(Worker):
         out.set("version", torch.full((n,), v, dtype=torch.long))
         return out
 
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch, seed: int | None = None):
+        """Streaming rollout's call: a weight update may land mid-call; each token records the version
+        it was "decoded" under (one token per random delay)."""
+        self.rec.events.append(("generate_requests", int(batch["uid"][0]), self.version))
+        n = batch.batch_size[0]
+        tv = torch.zeros(n, R, dtype=torch.long)
+        for j in range(R):
+            await asyncio.sleep(self.rng.uniform(0, self.max_delay / R))
+            tv[:, j] = self.version
+        out = batch.clone(recurse=False)
+        out.set("response_ids", torch.ones(n, R, dtype=torch.long))
+        out.set("response_mask", torch.ones(n, R, dtype=torch.long))
+        out.set("version", tv[:, 0].clone())
+        out.set("token_versions", tv)
+        return out
+
     @register(Dispatch.ONE_TO_ALL)
     async def update_weights(self, weights, version: int | None = None):
         if isinstance(weights, list):

@@ -1,0 +1,256 @@
+"""Streaming rollout (``trainer.rollout_mode=stream``): prompt groups in flight, a step trains the
+first finished groups that fill it, within ``max_staleness`` per trajectory, nothing dropped.
+
+::
+
+    sampler ──► admit group g at the rollout's version v0   (waits: admission control, pipelines/admission.py)
+       │          generate_requests(prompts of g)  ─► score   (one call per group, concurrent on the rollout:
+       │                                                       the request-level engine batches their rounds)
+       │          await the scores (small) ─► finished: the group may be taken
+    weights ──► load export[newest] as soon as it is published (never waits for groups in flight: the
+                update lands at a decoding-round boundary; tokens carry their version)
+    take(step) ◄── the first finished groups that keep the bound (Admission.take)
+                   ─► AdvantageWorker.concat_groups(group futures)  (worker to worker; the controller
+                      holds futures only) ─► RolloutBatch(step, min v0, batch future, scores future)
+
+It stands in for :class:`~asyncrl.pipelines.rollout_loop.BatchRollout` behind the same four calls
+(``run``, ``take``, ``upcoming``, ``finish``). Group ``g`` holds the prompts of slot ``g % B`` of step
+``g // B``'s prompt batch (``B`` groups per step) and samples with seed ``batch_seed(config, g)``.
+
+Recovery: a rollout-pool fault (dead or hung rollout/reward worker) replaces that pool
+(:meth:`~asyncrl.pipelines.supervisor.Supervisor.replace_rollout`); finished groups' futures are first
+re-homed on the training pool, groups in flight are issued again with the same prompts and seed once
+the new engines hold at least their admission version. A restart (training worker fault) or a resume
+replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
+admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from asyncrl.pipelines import stages
+from asyncrl.pipelines.admission import Admission, groups_in_flight
+from asyncrl.pipelines.configlib import ConfigError
+from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
+from asyncrl.pipelines.rollout_loop import batch_seed
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.trainer import Trainer
+
+__all__ = ["StreamRollout"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+@dataclass
+class _Flight:
+    """A finished group, waiting for a step."""
+
+    gen: Any
+    scores: Any
+    v0: int
+    reward_mean: float
+    gen_time: float
+
+
+class _Attempt:
+    """The streaming state of one loop-state attempt (a restart starts a new one)."""
+
+    def __init__(self, state: LoopState, admission: Admission, queue: list[int], next_group: int) -> None:
+        self.state = state
+        self.admission = admission
+        self.queue = queue  # groups to admit before next_group (a resume's untrained groups)
+        self.next_group = next_group
+        self.flights: dict[int, _Flight] = {}
+        self.finishes = 0
+        self.epoch = 0  # rollout-pool replacements so far
+        self.replacing = anyio.Lock()
+        self.waits = 0
+        self.wait_s = 0.0
+
+
+class StreamRollout:
+    """Keeps prompt groups in flight and hands each step its first finished groups (see the module)."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        if trainer.journal.replaying:
+            raise ConfigError("replaying a journal (asyncrl replay) is not supported with trainer.rollout_mode=stream "
+                              "yet (it needs the engine's round schedule); replay a rollout_mode=batch run")
+        self._trainer = trainer
+        self._attempt: _Attempt | None = None
+
+    # ---- the producer --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Admit groups and load new weights until the train loop ends (it cancels this)."""
+        tr = self._trainer
+        s, cfg = tr.state, tr.config
+        B, t = cfg.prompts_per_step, cfg.trainer
+        resume = s.stream or {}
+        adm = Admission(B, t.max_staleness, groups_in_flight(cfg), t.stream.drop_stale, next_step=s.start_step)
+        a = self._attempt = _Attempt(s, adm, sorted(resume.get("pending", [])),
+                                     int(resume.get("next_group", s.start_step * B)))
+        await self._notify()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._weights_loop, a)
+            while True:
+                t0 = time.perf_counter()
+                if not self._admissible(a):
+                    a.waits += 1
+                await s.wait_for(lambda: self._admissible(a))
+                a.wait_s += time.perf_counter() - t0
+                g = a.queue.pop(0) if a.queue else a.next_group
+                if g == a.next_group:
+                    a.next_group += 1
+                v0 = s.rollout_version
+                adm.admit(g, v0)
+                tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
+                tg.start_soon(self._group, a, g, v0, name=f"stream group {g}")
+
+    def _admissible(self, a: _Attempt) -> bool:
+        s, adm, t = a.state, a.admission, self._trainer.config.trainer
+        st = adm.statistics()
+        needed = (t.steps - s.start_step) * self._trainer.config.prompts_per_step
+        return st.admitted - st.dropped < needed and adm.can_admit(s.rollout_version)
+
+    async def _group(self, a: _Attempt, g: int, v0: int) -> None:
+        """Generate and score group `g` (admitted at `v0`); then it may be taken."""
+        tr = self._trainer
+        s, cfg, loader = a.state, tr.config, tr.loader
+        assert loader is not None
+        B, G = cfg.prompts_per_step, cfg.group_size
+        slot = g % B
+        prompts = loader.batch(g // B)[slot * G:(slot + 1) * G]
+        while True:
+            epoch = a.epoch
+            groups = tr.groups
+            assert groups is not None
+            t0 = time.perf_counter()
+            try:
+                gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
+                                      "generate", step=g // B, group=g, version=v0)
+                sc = stages.score(groups, gen)
+                scores = (await sc)["scores"]
+                break
+            except Exception as e:
+                await self._recover(a, e, epoch)
+                await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
+        a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), time.perf_counter() - t0)
+        a.admission.finish(g)
+        a.finishes += 1
+        await self._notify()
+
+    async def _weights_loop(self, a: _Attempt) -> None:
+        """Load the newest exported version as soon as it is published."""
+        tr = self._trainer
+        s = a.state
+        while True:
+            await s.wait_for(lambda: s.exported > s.rollout_version and s.exports.get(s.exported) is not None)
+            v, epoch = s.exported, a.epoch
+            groups = tr.groups
+            assert groups is not None
+            try:
+                with tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+                    await tr.weights.load(groups, s.exports[v])
+            except Exception as e:
+                await self._recover(a, e, epoch)
+                continue
+            if a.epoch != epoch:
+                continue  # loaded into engines that were replaced meanwhile
+            s.rollout_version = v
+            for old in [x for x in s.exports if x < v]:
+                del s.exports[old]  # older exports are never loaded again
+            await self._notify()
+
+    async def _recover(self, a: _Attempt, error: Exception, epoch: int) -> None:
+        """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
+        wait for the replacement), or raise `error` when it is not a rollout-pool fault."""
+        tr = self._trainer
+        async with a.replacing:
+            if a.epoch != epoch:
+                return  # another group (or the weight loop) already replaced the pool
+            if not tr.supervisor.can_replace(error):
+                raise error
+            g = tr.groups
+            assert g is not None
+            old = (g.rollout.name, g.reward.name)
+            advantage = stages_unwrap(g.advantage)
+            for f in a.flights.values():  # finished groups' data must outlive the dying groups
+                if getattr(f.gen, "group", None) in old:
+                    f.gen = advantage.echo(f.gen)
+                if getattr(f.scores, "group", None) in old:
+                    f.scores = advantage.echo(f.scores)
+            await tr.supervisor.replace_rollout(error, a.state.policy_version)
+            a.epoch += 1
+        await self._notify()
+
+    async def _notify(self) -> None:
+        s = self._trainer.state
+        async with s.cond:
+            s.cond.notify_all()
+
+    # ---- the consumer's side -------------------------------------------------------------------
+
+    async def take(self, step: int) -> RolloutBatch:
+        """Step `step`'s batch: its first finished groups within the bound, assembled on the training
+        pool (waits for groups to finish)."""
+        tr = self._trainer
+        s, cfg = tr.state, tr.config
+        await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
+        a = self._attempt
+        assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
+        while (got := a.admission.take()) is None:
+            seen = a.finishes
+            await s.wait_for(lambda: a.finishes != seen)
+        chosen, dropped = got
+        await self._notify()  # admission may go on
+        for g in dropped:
+            f = a.flights.pop(g)
+            tr.journal.group_dropped(g, version=f.v0, at_version=step)
+        flights = [a.flights.pop(g) for g in chosen]
+        groups = tr.groups
+        assert groups is not None and tr.loader is not None
+        batch = groups.advantage.concat_groups([f.gen for f in flights], [f.scores for f in flights],
+                                               pad_id=tr.loader.pad_id, uid_base=step * cfg.prompts_per_step)
+        metrics: dict[str, float] = dict(await groups.advantage.version_stats(batch, step, cfg.trainer.max_staleness))
+        st = a.admission.statistics()
+        metrics.update({
+            "stream/in_flight": float(st.in_flight), "stream/buffered": float(st.buffered),
+            "stream/peak_in_flight": float(st.peak_in_flight), "stream/dropped_groups": float(st.dropped),
+            "stream/admission_waits": float(a.waits), "stream/admission_wait_s": a.wait_s,
+            "stream/admitted_version_min": float(min(f.v0 for f in flights)),
+        })
+        a.waits, a.wait_s = 0, 0.0
+        s.taken = step
+        return RolloutBatch(step=step, version=min(f.v0 for f in flights), batch=batch,
+                            scores=batch.select("scores"),
+                            reward_mean=sum(f.reward_mean for f in flights) / len(flights),
+                            gen_time=max(f.gen_time for f in flights), metrics=metrics, groups=chosen)
+
+    def upcoming(self, step: int) -> tuple[int, Any] | None:
+        """Never decided ahead (``trainer.precompute_log_probs`` is refused with streaming)."""
+        return None
+
+    async def finish(self) -> None:
+        """Nothing is owed after the last step (evaluation is refused with streaming)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of streaming: the admitted, untrained groups (regenerated on resume,
+        first, with the same seeds) and the next new group's index."""
+        a = self._attempt
+        if a is None:
+            return {"pending": [], "next_group": self._trainer.state.start_step * self._trainer.config.prompts_per_step}
+        return {"pending": sorted([*a.admission.pending(), *a.queue]), "next_group": a.next_group}
+
+
+def stages_unwrap(group: Any) -> Any:
+    """The group under a deadline wrapper (calls issued on it carry no stage deadline)."""
+    from asyncrl.pipelines.deadlines import unwrap
+
+    return unwrap(group)

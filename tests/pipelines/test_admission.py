@@ -1,0 +1,146 @@
+"""Admission control of streaming rollout (pipelines/admission.py, pure Python): pinned selections for
+fixed sequences, and over random interleavings the staleness bound holds for every trained group,
+nothing is dropped, and a step never waits when the groups it needs have finished."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.pipelines.admission import Admission
+
+
+def test_admission_pauses_at_the_bound_and_resumes_after_a_step():
+    a = Admission(groups_per_step=2, max_staleness=1, max_in_flight=8)
+    for g in range(4):  # U_0 + 1 <= (0 + 1 - 0 + 1) * 2 = 4
+        assert a.can_admit(0)
+        a.admit(g, 0)
+    assert not a.can_admit(0)
+    with pytest.raises(RuntimeError, match="would break the staleness bound"):
+        a.admit(4, 0)
+    a.finish(0)
+    a.finish(1)
+    assert a.take() == ([0, 1], [])
+    assert not a.can_admit(0)  # at version 0 a group would be trained at step 1 or 2: step 2 is too late
+    assert a.can_admit(1)
+
+
+def test_a_step_skips_fresh_groups_until_the_old_ones_it_must_train_finish():
+    a = Admission(groups_per_step=2, max_staleness=1, max_in_flight=8)
+    for g in range(4):
+        a.admit(g, 0)
+    a.finish(0)
+    a.finish(1)
+    assert a.take() == ([0, 1], [])
+    a.admit(4, 1)
+    a.admit(5, 1)
+    assert not a.can_admit(1)  # U_1 = 4 = (1 + 1 - 1 + 1) * 2
+    a.finish(4)
+    a.finish(5)
+    assert a.take() is None  # groups 2 and 3 (v0=0) must be trained at step 1; 4 and 5 can wait
+    a.finish(3)
+    assert a.take() is None
+    a.finish(2)
+    assert a.take() == ([3, 2], [])
+    assert a.take() == ([4, 5], [])
+    assert a.statistics().trained == 6 and a.statistics().dropped == 0
+
+
+def test_finish_order_decides_when_the_bound_allows_it():
+    a = Admission(groups_per_step=2, max_staleness=2, max_in_flight=8)
+    for g in range(6):  # (0 + 2 - 0 + 1) * 2 = 6
+        a.admit(g, 0)
+    for g in (5, 3, 0, 4):
+        a.finish(g)
+    assert a.take() == ([5, 3], [])  # no group has to be trained yet: first finished first
+    assert a.take() == ([0, 4], [])
+
+
+def test_the_in_flight_cap_bounds_generating_groups():
+    a = Admission(groups_per_step=2, max_staleness=3, max_in_flight=3)
+    for g in range(3):
+        a.admit(g, 0)
+    assert not a.can_admit(0)  # the bound allows 8, the cap 3
+    a.finish(0)
+    assert a.can_admit(0)
+    assert a.statistics().peak_in_flight == 3
+
+
+def test_drop_stale_drops_finished_groups_past_the_bound_and_counts_them():
+    a = Admission(groups_per_step=1, max_staleness=1, max_in_flight=4, drop_stale=True)
+    a.admit(0, 0)
+    a.admit(1, 0)
+    a.finish(1)
+    assert a.take() == ([1], [])
+    a.admit(2, 1)
+    a.finish(2)
+    assert a.take() == ([2], [])
+    a.finish(0)  # v0=0 at step 2: staleness 2 > 1
+    assert a.take() is None
+    a.admit(3, 2)
+    a.finish(3)
+    assert a.take() == ([3], [0])
+    assert a.statistics().dropped == 1
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(ValueError, match="max_in_flight >= groups_per_step"):
+        Admission(groups_per_step=4, max_staleness=1, max_in_flight=3)
+    with pytest.raises(ValueError, match="max_staleness >= 1"):
+        Admission(groups_per_step=4, max_staleness=0, max_in_flight=8)
+
+
+def _invariant_holds(a: Admission) -> bool:
+    B, k, p = a.groups_per_step, a.max_staleness, a.next_step
+    pending = a.pending()
+    return all(sum(1 for v in pending.values() if v <= u) <= max(0, u + k - p + 1) * B
+               for u in set(pending.values()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 4), k=st.integers(1, 3), extra=st.integers(0, 4), steps=st.integers(1, 8),
+       ops=st.lists(st.integers(0, 99), min_size=300, max_size=300))
+def test_every_trained_group_is_within_the_bound_and_nothing_is_lost(B, k, extra, steps, ops):
+    """Random interleavings of admissions (at the newest version the policy has), weight loads,
+    finishes (any order) and takes: staleness p - v0 in [0, k] for every trained group, the invariant
+    after every operation, each group trained exactly once, and every step completes."""
+    a = Admission(groups_per_step=B, max_staleness=k, max_in_flight=B + extra)
+    version, nxt, trained = 0, 0, []
+    running: list[int] = []
+    v0: dict[int, int] = {}
+    it = iter(ops)
+    while a.next_step < steps:
+        op = next(it, None)
+        choice = (op % 4) if op is not None else 3
+        if choice == 0 and nxt < steps * B and a.can_admit(version):
+            a.admit(nxt, version)
+            v0[nxt] = version
+            running.append(nxt)
+            nxt += 1
+        elif choice == 1 and version < a.next_step:
+            version += 1  # the rollout loads a newer export (never newer than the policy)
+        elif choice == 2 and running:
+            a.finish(running.pop((op or 0) % len(running)))
+        else:
+            got = a.take()
+            if got is None:
+                # waiting is only right when a needed group is unfinished or too few were admitted
+                if not running and nxt < steps * B:
+                    if a.can_admit(version):
+                        continue
+                    version = a.next_step  # the sampler waits for the newest weights
+                    continue
+                assert running or nxt < steps * B or len(a.pending()) < B
+                if running:
+                    a.finish(running.pop(0))
+                continue
+            chosen, dropped = got
+            assert dropped == []
+            p = a.next_step - 1
+            assert len(chosen) == B
+            assert all(0 <= p - v0[g] <= k for g in chosen), (p, [(g, v0[g]) for g in chosen])
+            trained += chosen
+        assert _invariant_holds(a)
+    assert len(trained) == len(set(trained)) == steps * B
+    assert a.statistics().dropped == 0

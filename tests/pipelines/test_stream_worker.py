@@ -1,0 +1,83 @@
+"""The worker side of streaming rollout, `RolloutWorker.generate_requests` (in process): the `generate`
+layout plus per-token versions, a reproducible per-row seed, and a weight update that reaches rows in
+flight at a round boundary without waiting for them (every token's version and log-prob are true)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from asyncrl.pipelines.presets import tiny_test
+from asyncrl.roles import RolloutConfig, RolloutWorker
+from asyncrl.roles._util import response_log_probs
+
+
+def _batch(worker: RolloutWorker, texts: list[str]) -> TensorDict:
+    enc = worker.tokenizer(texts, padding=True, return_tensors="pt")
+    return TensorDict({"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"]}, batch_size=[len(texts)])
+
+
+@pytest.fixture
+def model_config():
+    return tiny_test().model
+
+
+async def test_requests_return_the_generate_layout_with_token_versions_and_reproducible_rows(model_config):
+    w = RolloutWorker(model_config, RolloutConfig(max_new_tokens=6, chunk_tokens=4))
+    batch = _batch(w, ["write digits:"] * 3)
+    a = await w.generate_requests(batch, seed=7)
+    b = await w.generate_requests(batch, seed=7)
+    for key in ("response_ids", "response_mask", "rollout_log_probs", "input_ids", "attention_mask", "version",
+                "token_versions"):
+        assert key in a.keys()
+    assert a["response_ids"].shape == (3, 6)
+    mask = a["response_mask"].bool()
+    assert (a["token_versions"][mask] == 0).all() and (a["token_versions"][~mask] == -1).all()
+    assert a["version"].tolist() == [0, 0, 0]
+    assert torch.equal(a["response_ids"], b["response_ids"])  # same call, same weights: same rows
+    rows = {tuple(r) for r in a["response_ids"].tolist()}
+    assert len(rows) == 3  # one prompt's rows sample with different seeds
+    other = await w.generate_requests(batch, seed=8)
+    assert not torch.equal(other["response_ids"], a["response_ids"])
+    # the behaviour log-probs are the model's own at temperature 1
+    lp, _ = response_log_probs(w.model, a["input_ids"], a["attention_mask"], a["response_ids"], 1.0,
+                               with_entropy=False)
+    torch.testing.assert_close(lp[mask].double(), a["rollout_log_probs"][mask].double(), atol=2e-5, rtol=0)
+    w.on_close()
+
+
+async def test_an_update_reaches_rows_in_flight_at_a_round_boundary_without_waiting_for_them(model_config):
+    w = RolloutWorker(model_config, RolloutConfig(max_new_tokens=6, chunk_tokens=2))
+    w._request_engine()  # build the batcher now, to see its first round
+    first_round = asyncio.Event()
+    version_of = w._batcher.version_fn
+
+    def version() -> int:
+        first_round.set()
+        return version_of()
+
+    w._batcher.version_fn = version
+    batch = _batch(w, ["write digits:", "say hello"])
+    task = asyncio.ensure_future(w.generate_requests(batch, seed=1))
+    await first_round.wait()
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) if v.is_floating_point()
+           else v for k, v in w.model.state_dict().items()}
+    receipt = await w.update_weights((1, new))
+    assert receipt["version"] == 1 and receipt["waited"] == 0
+    assert not task.done()  # the update did not wait for the rows in flight
+    out = await task
+    mask = out["response_mask"].bool()
+    tv = out["token_versions"]
+    assert (tv[:, :2][mask[:, :2]] == 0).all() and (tv[:, 2:][mask[:, 2:]] == 1).all()
+    assert out["version"].tolist() == [0, 0]  # the first token's version
+    assert mask[:, 2:].any()  # (the tiny model at temperature 1 does not stop after two tokens here)
+    # each version-1 token's behaviour log-prob is its log-prob under version 1 given the tokens before it
+    lp, _ = response_log_probs(w.model, out["input_ids"], out["attention_mask"], out["response_ids"], 1.0,
+                               with_entropy=False)
+    late = mask.clone()
+    late[:, :2] = False
+    torch.testing.assert_close(lp[late].double(), out["rollout_log_probs"][late].double(), atol=2e-5, rtol=0)
+    w.on_close()

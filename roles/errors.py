@@ -21,6 +21,7 @@ __all__ = [
     "RewardFnError",
     "UnknownNameError",
     "DeviceError",
+    "PauseDeadlineError",
 ]
 
 
@@ -59,6 +60,11 @@ class StaleBatchError(RolesError, ValueError):
 
 class WeightSyncError(RolesError, RuntimeError):
     """Raised when a weight transfer is malformed (unknown/missing names, shapes, checksum mismatch)."""
+
+
+class PauseDeadlineError(RolesError, TimeoutError):
+    """Raised when a weight update's pause of the rollout engine does not take effect within
+    ``RolloutConfig.pause_deadline_s`` (nothing is loaded; generation runs on under the old weights)."""
 
 
 class DeviceError(RolesError, RuntimeError):

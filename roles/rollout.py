@@ -95,7 +95,17 @@ class RolloutConfig:
     """Most episodes one rank runs at once (the engine batches their pending requests)."""
     chunk_tokens: int = 32
     """Tokens a request decodes per round of the request-level HF engine; round boundaries are where new
-    requests join and where weights may change."""
+    requests join (and, with ``partial_rollout="off"``, where weights may change)."""
+    partial_rollout: Literal["off", "keep", "recompute"] = "off"
+    """What a weight update does to request-level generations in flight (episodes, the streaming trainer's
+    calls; docs/partial_rollout.md): ``"off"`` waits for them to finish; ``"recompute"`` pauses the engine
+    after its current decode step, loads, and the generations continue by prefilling prompt + tokens so far
+    under the new weights; ``"keep"`` continues decoding on the KV cache the old weights computed. Every token
+    carries the version that produced it. Batch :meth:`RolloutWorker.generate` rows keep one version each
+    (an update still waits for them). Needs ``sync_policy="wait"`` and an engine that supports the mode."""
+    pause_deadline_s: float = 60.0
+    """Partial rollout: most seconds a weight update waits for the engine to pause; past it the update
+    raises :class:`~asyncrl.roles.errors.PauseDeadlineError` and nothing is loaded."""
 
     def __post_init__(self) -> None:
         if self.episode is not None:
@@ -105,6 +115,28 @@ class RolloutConfig:
         if self.max_episodes_in_flight < 1 or self.chunk_tokens < 1:
             raise ValueError(f"RolloutConfig: max_episodes_in_flight and chunk_tokens must be >= 1, got "
                              f"{self.max_episodes_in_flight}, {self.chunk_tokens}")
+        self._check_partial_rollout()
+
+    def _check_partial_rollout(self) -> None:
+        from .engines.base import partial_rollout_modes
+        from .engines.batcher import PARTIAL_ROLLOUT_MODES
+
+        mode = self.partial_rollout
+        if mode not in PARTIAL_ROLLOUT_MODES:
+            raise ValueError(f"RolloutConfig.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {mode!r}")
+        if not self.pause_deadline_s > 0:
+            raise ValueError(f"RolloutConfig.pause_deadline_s must be > 0 seconds, got {self.pause_deadline_s!r}")
+        if mode == "off":
+            return
+        if self.sync_policy == "abort":
+            raise ValueError(f"RolloutConfig: partial_rollout={mode!r} continues generations across a weight update "
+                             "and sync_policy='abort' throws them away; use sync_policy='wait' with partial rollout, "
+                             "or partial_rollout='off' with 'abort'")
+        modes = partial_rollout_modes(self.engine)
+        if modes is not None and mode not in modes:
+            raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it supports "
+                             f"{list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or partial_rollout='off'"
+                             " (an engine declares its modes in a partial_rollout_modes attribute)")
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -198,6 +230,11 @@ class RolloutWorker(Worker):
                 engine_kwargs.setdefault("sleep_mode", True)
         self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
                                   model_dir=model_dir, **engine_kwargs)
+        modes = tuple(getattr(self.engine, "partial_rollout_modes", ()))
+        if self.config.partial_rollout != "off" and self.config.partial_rollout not in modes:
+            raise ValueError(f"RolloutConfig.partial_rollout={self.config.partial_rollout!r} but the "
+                             f"{self.config.engine!r} engine supports {list(modes) or 'no partial rollout'}; pick one "
+                             "of those or partial_rollout='off'")
         if self.config.sleep_level and not callable(getattr(self.engine, "sleep", None)):
             raise ValueError(f"RolloutConfig.sleep_level={self.config.sleep_level} but the {self.config.engine!r} "
                              "engine has no sleep/wake_up; set sleep_level=0")
@@ -219,6 +256,8 @@ class RolloutWorker(Worker):
             self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
         self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
         self._episode_tasks: set[asyncio.Task[Any]] = set()
+        self._updates: list[dict[str, Any]] = []  # partial rollout: what each update's pause found
+        self._rolled_back = False  # the last failed load was undone (verify_checksums)
 
     # ---- state --------------------------------------------------------------------------
 
@@ -245,13 +284,17 @@ class RolloutWorker(Worker):
 
     # ---- generation ---------------------------------------------------------------------
 
+    def _check_weights(self) -> None:
+        if self._needs_weights:
+            raise RuntimeError(f"rollout rank {self.rank} has no usable weights (it discarded its weights in "
+                               "sleep(level=2), or a weight load failed part-way); sync weights (update_weights, after "
+                               "wake_up() if asleep) before generating")
+
     def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]:
         if self._asleep:
             raise RuntimeError(f"rollout rank {self.rank} is asleep (level {self._asleep}); call wake_up() before "
                                "generating")
-        if self._needs_weights:
-            raise RuntimeError(f"rollout rank {self.rank} discarded its weights in sleep(level=2); sync weights "
-                               "(update_weights) after wake_up() before generating")
+        self._check_weights()
         require(batch, ["prompt_ids", "prompt_mask"], "RolloutWorker.generate")
         ids, mask = batch["prompt_ids"], batch["prompt_mask"]
         prompts = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
@@ -365,9 +408,15 @@ class RolloutWorker(Worker):
 
         if self._batcher is None:
             self._batcher = request_batcher(self.engine, max_batch_size=getattr(self.engine, "max_batch_size", 64),
-                                            chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version)
-        if self._batcher is not None:
-            return self._batcher.generate
+                                            chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+                                            partial_rollout=self.config.partial_rollout)
+        batcher = self._batcher
+        if batcher is not None:
+            async def request(ids: list[int], params: SamplingParams) -> Generation:
+                self._check_weights()
+                return await batcher.generate(ids, params)
+
+            return request
 
         async def submit(ids: list[int], params: SamplingParams) -> Generation:
             version = self._version
@@ -716,6 +765,8 @@ class RolloutWorker(Worker):
         # begin: every check before anything changes
         self._validate(version, state)
         state = self._cast(state)
+        if self.config.partial_rollout != "off":
+            return await self._update_in_flight(version, state, handle, expected_checksums)
         gate = self._gate_event()
         gate.clear()
         try:
@@ -730,33 +781,118 @@ class RolloutWorker(Worker):
             tasks += [t for t in self._episode_tasks if t is not asyncio.current_task()]  # episodes finish first
             if tasks:
                 await asyncio.wait(tasks)  # abort: until the engine stopped; wait: until they finished
-            # transfer
-            verify = self.config.verify_checksums or expected_checksums is not None
-            await self._engine_load(state)
-            # commit (verify first)
-            if verify:
-                got = await self._engine_checksum()
-                want = expected_checksums if expected_checksums is not None else state_dict_checksums(state.items())
-                bad = sorted(k for k in want if got.get(k) != want[k])
-                if bad or set(want) != set(got):
-                    if self.config.verify_checksums:  # roll back to the last verified weights
-                        await self._engine_load(self._committed or self._initial_state)
-                        outcome = f"rolled back to version {self._version}"
-                    else:
-                        outcome = "the engine holds unverified weights: sync again (verify_checksums=True rolls back)"
-                    raise WeightSyncError(
-                        f"checksum mismatch after loading version {version} on rank {self.rank} for {bad[:5]}; {outcome}"
-                    )
-            if self.config.verify_checksums:
-                self._committed = state  # what a later failed verification rolls back to
-            self._version = version
-            self._needs_weights = False
-            if isinstance(handle, WeightHandle) and handle.transport == "local":
-                SNAPSHOTS.drop_older(handle.owner, version)
+            verify = await self._load_and_commit(version, state, handle, expected_checksums)
             return {"version": version, "num_tensors": len(state), "waited": 0 if aborted else len(tasks),
                     "aborted": aborted, "checksums_verified": verify}
         finally:
             gate.set()
+
+    async def _load_and_commit(self, version: int, state: dict[str, torch.Tensor], handle: Any,
+                               expected_checksums: dict[str, str] | None) -> bool:
+        """Transfer `state` into the engine, verify it if asked, publish `version`; returns whether it
+        verified checksums."""
+        verify = self.config.verify_checksums or expected_checksums is not None
+        self._rolled_back = False
+        await self._engine_load(state)
+        # commit (verify first)
+        if verify:
+            got = await self._engine_checksum()
+            want = expected_checksums if expected_checksums is not None else state_dict_checksums(state.items())
+            bad = sorted(k for k in want if got.get(k) != want[k])
+            if bad or set(want) != set(got):
+                if self.config.verify_checksums:  # roll back to the last verified weights
+                    await self._engine_load(self._committed or self._initial_state)
+                    self._rolled_back = True
+                    outcome = f"rolled back to version {self._version}"
+                else:
+                    outcome = "the engine holds unverified weights: sync again (verify_checksums=True rolls back)"
+                raise WeightSyncError(
+                    f"checksum mismatch after loading version {version} on rank {self.rank} for {bad[:5]}; {outcome}"
+                )
+        if self.config.verify_checksums:
+            self._committed = state  # what a later failed verification rolls back to
+        self._version = version
+        self._needs_weights = False
+        if isinstance(handle, WeightHandle) and handle.transport == "local":
+            SNAPSHOTS.drop_older(handle.owner, version)
+        return verify
+
+    async def _update_in_flight(self, version: int, state: dict[str, torch.Tensor], handle: Any,
+                                expected_checksums: dict[str, str] | None) -> dict[str, Any]:
+        """Partial rollout: pause the engine (after its current decode step), load, publish the version,
+        resume -- generations in flight continue under the new weights (docs/partial_rollout.md).
+
+        Batch :meth:`generate` calls in flight are waited for first (their rows carry one version). A
+        pause not reached within ``pause_deadline_s`` raises :class:`PauseDeadlineError` with nothing
+        loaded. A load that fails inside the pause fails every request in flight with
+        :class:`WeightSyncError` (the weights they would continue on are no longer known) and refuses
+        generation until an update succeeds (the same version is accepted again)."""
+        gate = self._gate_event()
+        gate.clear()  # new batch calls and new episodes start after the update
+        try:
+            tasks = [j.task for j in self._jobs if j.task is not None]
+            if tasks:
+                await asyncio.wait(tasks)
+            async with self._engine_paused() as paused:
+                try:
+                    verify = await self._load_and_commit(version, state, handle, expected_checksums)
+                except BaseException as e:
+                    if not self._rolled_back:  # a verified rollback restored the weights: requests continue
+                        self._needs_weights = True  # a sync of any version >= the current one restores them
+                        failed = self._fail_in_flight(WeightSyncError(
+                            f"weights of version {version} failed to load on rollout rank {self.rank} while this "
+                            f"request was in flight ({type(e).__name__}: {e}); it was stopped, since the weights it "
+                            "would continue on are no longer known -- sync weights again and resubmit"))
+                        self._updates.append({"version": version, "failed": True, "failed_requests": failed})
+                    raise
+            receipt = {"version": version, "num_tensors": len(state), "waited": len(tasks), "aborted": 0,
+                       "checksums_verified": verify, "pause_latency_s": paused.latency_s,
+                       "in_flight": paused.in_flight, "interrupted": paused.interrupted}
+            self._updates.append({k: receipt[k] for k in ("version", "pause_latency_s", "in_flight", "interrupted")})
+            return receipt
+        finally:
+            gate.set()
+
+    def _engine_paused(self) -> Any:
+        """The engine held still for a weight load (the request batcher's pause, or the engine's own)."""
+        from .engines.batcher import PauseInfo
+
+        deadline = self.config.pause_deadline_s
+        if self._batcher is not None:
+            return self._batcher.paused(deadline)
+        apaused = getattr(self.engine, "apaused", None)  # engines that schedule requests themselves (vLLM)
+        if apaused is not None:
+            return apaused(self.config.partial_rollout, deadline)
+
+        @contextlib.asynccontextmanager
+        async def idle() -> AsyncIterator[PauseInfo]:  # no request-level generation was ever started
+            yield PauseInfo(0.0, 0, False)
+
+        return idle()
+
+    def _fail_in_flight(self, error: BaseException) -> int:
+        if self._batcher is not None:
+            return self._batcher.fail_in_flight(error)
+        fail = getattr(self.engine, "fail_in_flight", None)
+        return fail(error) if fail is not None else 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def statistics(self) -> dict[str, Any]:
+        """What this rank's request-level generation did: the request batcher's counters (rounds, tokens
+        per version, requests spanning versions, pauses and their latency) and, with partial rollout, one
+        record per weight update (``version``, ``pause_latency_s``, ``in_flight``, ``interrupted``). As a
+        group call, one dict per rank."""
+        from dataclasses import asdict
+
+        stats = self._batcher.statistics() if self._batcher is not None else None
+        if stats is None:
+            engine_stats = getattr(self.engine, "request_statistics", None)
+            stats = engine_stats() if engine_stats is not None else None
+        out: dict[str, Any] = {"version": self._version, "partial_rollout": self.config.partial_rollout,
+                               "updates": [dict(u) for u in self._updates]}
+        if stats is not None:
+            out.update(asdict(stats) if not isinstance(stats, dict) else stats)
+        return out
 
     async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
         # at a round boundary of the request-level engine: a round's tokens all come from one version

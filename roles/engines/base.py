@@ -20,7 +20,8 @@ import torch
 
 from ..errors import UnknownNameError
 
-__all__ = ["SamplingParams", "Completion", "GenerationEngine", "make_engine", "register_engine", "engine_names"]
+__all__ = ["SamplingParams", "Completion", "GenerationEngine", "make_engine", "register_engine", "engine_names",
+           "partial_rollout_modes"]
 
 
 @dataclass(kw_only=True)
@@ -104,23 +105,36 @@ def engine_names() -> list[str]:
     return sorted(set(_ENGINES) | set(_LAZY))
 
 
-def make_engine(name: str, *, model: Any, tokenizer: Any, model_dir: str | None, **kwargs: Any) -> GenerationEngine:
-    """Build the engine registered as `name` (``"hf"``, ``"vllm"`` or your own).
-
-    `model` is the in-process torch model (the HF engine runs it), `model_dir` a
-    Hugging Face directory holding the same weights (the vLLM engine loads it).
-    """
+def _factory(name: str) -> EngineFactory | None:
     if name not in _ENGINES and name in _LAZY:
         module = importlib.import_module(_LAZY[name])  # registers itself on import
         if name not in _ENGINES:
             cls = getattr(module, "VLLMEngine", None) or getattr(module, "HFEngine", None)
             if cls is not None:
                 _ENGINES[name] = cls
-    try:
-        factory = _ENGINES[name]
-    except KeyError:
+    return _ENGINES.get(name)
+
+
+def partial_rollout_modes(name: str) -> tuple[str, ...] | None:
+    """The partial-rollout modes (``"keep"``, ``"recompute"``) the engine registered as `name` supports:
+    the ``partial_rollout_modes`` attribute of its class or factory (none when absent); None when no
+    engine of that name is registered (yet)."""
+    factory = _factory(name)
+    if factory is None:
+        return None
+    return tuple(getattr(factory, "partial_rollout_modes", ()))
+
+
+def make_engine(name: str, *, model: Any, tokenizer: Any, model_dir: str | None, **kwargs: Any) -> GenerationEngine:
+    """Build the engine registered as `name` (``"hf"``, ``"vllm"`` or your own).
+
+    `model` is the in-process torch model (the HF engine runs it), `model_dir` a
+    Hugging Face directory holding the same weights (the vLLM engine loads it).
+    """
+    factory = _factory(name)
+    if factory is None:
         raise UnknownNameError(
             f"no generation engine named {name!r}; known: {engine_names()}. Register one with "
             "@asyncrl.roles.engines.register_engine(name)"
-        ) from None
+        )
     return factory(model=model, tokenizer=tokenizer, model_dir=model_dir, **kwargs)

@@ -11,12 +11,20 @@ of requests in flight and runs *decoding rounds* over whichever are pending::
                                        ◄── between rounds: ``paused()`` (swap weights), new requests join
 
 Each token records its behaviour log-prob (as :class:`~.base.Completion`) and the weight
-version the round ran with (``version_fn()`` read at the round's start). A weight update
-taken at the round boundary (``async with batcher.paused(): engine.load_weights(...)``)
-therefore reaches requests in flight: their next round prefills prompt + tokens so far under
-the new weights and decodes on (the streaming issue's ``recompute``; ``keep`` is the same
-boundary with the cache kept, which the HF engine does not do). The batcher runs a round in a
-worker thread, so the event loop stays free.
+version that produced it. A weight update is taken under ``async with batcher.paused():
+engine.load_weights(...)``; what it does to the requests in flight is the batcher's
+``partial_rollout`` mode (docs/partial_rollout.md):
+
+- ``"off"``: the pause waits for the running round to end (up to ``chunk_tokens`` steps); the
+  next round prefills prompt + tokens so far under the new weights.
+- ``"recompute"``: the pause interrupts the running round after its current decode step; the next
+  round prefills prompt + tokens so far under the new weights and decodes on.
+- ``"keep"``: the pause parks the running round after its current decode step, with its KV cache;
+  after the swap the same round decodes on, on the cache the old weights computed.
+
+The version is read (``version_fn()``) each time a round starts or resumes after a pause, which
+are the only points where the weights can have changed; every token carries it. The batcher runs
+rounds in a worker thread, so the event loop stays free.
 
 Each request samples from its own generator (``params.seed``), so its tokens do not depend on
 which other requests share its rounds (up to float rounding of different batch shapes). The
@@ -29,16 +37,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Literal, get_args
 
 import torch
 
+from ..errors import PauseDeadlineError
 from ..models import position_ids_from_mask
 from .base import Completion, SamplingParams
 from .hf import HFEngine, _autocast, left_pad
 
-__all__ = ["Generation", "RequestBatcher", "BatcherStats"]
+__all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES"]
+
+PartialRollout = Literal["off", "keep", "recompute"]
+PARTIAL_ROLLOUT_MODES: tuple[str, ...] = get_args(PartialRollout)
 
 
 @dataclass
@@ -58,11 +71,35 @@ class BatcherStats:
     requests: int = 0
     """Requests finished."""
     tokens: int = 0
-    """Tokens generated."""
+    """Tokens generated (by finished requests)."""
     peak_active: int = 0
     """Most requests in one round."""
     pending: int = 0
     """Requests waiting now (in flight, not yet finished)."""
+    pauses: int = 0
+    """Pauses taken (``paused()`` blocks entered)."""
+    interrupted_rounds: int = 0
+    """Rounds a pause stopped between two decode steps (partial rollout)."""
+    last_pause_latency_s: float = 0.0
+    """Seconds from the last pause's request to the engine paused."""
+    max_pause_latency_s: float = 0.0
+    """Longest such wait so far."""
+    tokens_per_version: dict[int, int] = field(default_factory=dict)
+    """Tokens of finished requests by the weight version that produced them."""
+    spanning_requests: int = 0
+    """Finished requests whose tokens come from more than one weight version."""
+
+
+@dataclass(frozen=True)
+class PauseInfo:
+    """What one pause found (yielded by :meth:`RequestBatcher.paused`)."""
+
+    latency_s: float
+    """Seconds from the pause's request to the engine paused."""
+    in_flight: int
+    """Requests in flight (active or waiting) when the pause was requested."""
+    interrupted: bool
+    """Whether a round was stopped between two decode steps to pause (partial rollout)."""
 
 
 class _Request:
@@ -80,6 +117,25 @@ class _Request:
         self.finish: str | None = None
 
 
+class _Round:
+    """One round's decoding state; a ``keep`` pause parks it here (KV cache included) and resumes it."""
+
+    __slots__ = ("batch", "budget", "done", "past", "step_ids", "step_pos", "mask", "step")
+
+    def __init__(self, batch: list[_Request], budget: list[int], done: list[bool], ids: torch.Tensor,
+                 pos: torch.Tensor, mask: torch.Tensor) -> None:
+        self.batch = batch
+        self.budget = budget
+        self.done = done
+        self.past: Any = None
+        self.step_ids, self.step_pos, self.mask = ids, pos, mask
+        self.step = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done) or self.step >= max(self.budget)
+
+
 class RequestBatcher:
     """Batches the pending requests of many coroutines into decoding rounds on one :class:`HFEngine`.
 
@@ -87,31 +143,39 @@ class RequestBatcher:
         engine: the HF engine whose model, sampler, weight lock and sleep state are used.
         max_batch_size: most requests in one round (the rest wait for the next).
         chunk_tokens: most tokens a request decodes per round; the round boundary after them is
-            where new requests join and weights may change.
-        version_fn: the current weight version (read at each round's start; 0 when None).
+            where new requests join (and, with ``partial_rollout="off"``, where weights may change).
+        version_fn: the current weight version (read when a round starts or resumes; 0 when None).
+        partial_rollout: what a pause does to the round in flight: ``"off"`` waits for it to end,
+            ``"recompute"`` stops it after the current decode step (the next round re-prefills),
+            ``"keep"`` parks it after the current decode step and resumes it on its KV cache.
     """
 
     def __init__(self, engine: HFEngine, *, max_batch_size: int = 64, chunk_tokens: int = 32,
-                 version_fn: Callable[[], int] | None = None) -> None:
+                 version_fn: Callable[[], int] | None = None, partial_rollout: PartialRollout = "off") -> None:
         if max_batch_size < 1 or chunk_tokens < 1:
             raise ValueError(f"need max_batch_size >= 1 and chunk_tokens >= 1, got {max_batch_size}, {chunk_tokens}")
+        if partial_rollout not in PARTIAL_ROLLOUT_MODES:
+            raise ValueError(f"partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {partial_rollout!r}")
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.chunk_tokens = chunk_tokens
         self.version_fn = version_fn or (lambda: 0)
+        self.partial_rollout = partial_rollout
         self._waiting: list[_Request] = []
         self._active: list[_Request] = []
         self._wakeup: asyncio.Event | None = None
         self._round_lock: asyncio.Lock | None = None
         self._driver: asyncio.Task[None] | None = None
         self._abort = threading.Event()
+        self._interrupt = threading.Event()  # set while a partial-rollout pause waits for the round
+        self._pausers = 0
         self._stats = BatcherStats()
 
     # ---- public ----------------------------------------------------------------------------
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
         """The completion of one prompt, decoded in the rounds it shares with other requests.
-        Cancelling drops the request at the next round boundary."""
+        Cancelling drops the request at the next decode step boundary."""
         self.engine._check([prompt], params)
         seed = params.seed if params.seed is not None else self.engine._next_seed()
         loop = asyncio.get_running_loop()
@@ -124,17 +188,67 @@ class RequestBatcher:
         return await req.future
 
     @contextlib.asynccontextmanager
-    async def paused(self) -> AsyncIterator[None]:
-        """Hold the batcher at a round boundary: waits for the running round to end; no round starts
-        until the block exits (load weights inside; requests in flight continue afterwards)."""
+    async def paused(self, deadline_s: float | None = None) -> AsyncIterator[PauseInfo]:
+        """Hold the batcher still (load weights inside); requests in flight continue afterwards.
+
+        With ``partial_rollout="off"`` the pause waits for the running round to end; otherwise it
+        stops the round after its current decode step. No decode step runs until the block exits.
+        Raises :class:`~asyncrl.roles.errors.PauseDeadlineError` when the engine is not paused
+        within `deadline_s` seconds (nothing changed; the round runs on)."""
+        t0 = time.perf_counter()
+        in_flight = sum(not r.future.done() for r in self._active + self._waiting)
         lock = self._lock()
-        async with lock:
-            yield
+        partial = self.partial_rollout != "off"
+        interrupting = partial and lock.locked()
+        if partial:
+            self._pausers += 1
+            self._interrupt.set()
+        try:
+            if deadline_s is None:
+                await lock.acquire()
+            else:
+                try:
+                    async with asyncio.timeout(deadline_s):
+                        await lock.acquire()
+                except TimeoutError:
+                    raise PauseDeadlineError(
+                        f"the engine did not pause within pause_deadline_s={deadline_s:g} s (a decode step or a "
+                        "round that does not return); nothing was changed and generation runs on -- raise "
+                        "RolloutConfig.pause_deadline_s if steps are that slow") from None
+        finally:
+            if partial:
+                self._pausers -= 1
+                if not self._pausers:
+                    self._interrupt.clear()
+        try:
+            info = PauseInfo(time.perf_counter() - t0, in_flight, interrupting)
+            s = self._stats
+            s.pauses += 1
+            s.last_pause_latency_s = info.latency_s
+            s.max_pause_latency_s = max(s.max_pause_latency_s, info.latency_s)
+            yield info
+        finally:
+            lock.release()
+
+    def fail_in_flight(self, error: BaseException) -> int:
+        """Fail every request in flight with `error` (a weight load that failed mid-generation left
+        weights they cannot continue on); returns how many. Call it inside :meth:`paused`."""
+        n = 0
+        for r in self._waiting + self._active:
+            if not r.future.done():
+                r.future.set_exception(error)
+                n += 1
+        return n
 
     def statistics(self) -> BatcherStats:
-        """Counters of rounds, requests and tokens, the peak round size and the requests in flight."""
+        """Counters of rounds, requests, tokens (per version), pauses and the requests in flight."""
         s = self._stats
-        return BatcherStats(s.rounds, s.requests, s.tokens, s.peak_active, len(self._waiting) + len(self._active))
+        pending = sum(not r.future.done() for r in self._waiting + self._active)
+        return BatcherStats(
+            rounds=s.rounds, requests=s.requests, tokens=s.tokens, peak_active=s.peak_active, pending=pending,
+            pauses=s.pauses, interrupted_rounds=s.interrupted_rounds, last_pause_latency_s=s.last_pause_latency_s,
+            max_pause_latency_s=s.max_pause_latency_s, tokens_per_version=dict(s.tokens_per_version),
+            spanning_requests=s.spanning_requests)
 
     async def aclose(self) -> None:
         """Stop the driver; requests in flight are cancelled."""
@@ -176,51 +290,76 @@ class RequestBatcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            async with lock:  # paused() holds this between rounds
-                batch = [r for r in self._active if not r.future.done()]
-                if not batch:
-                    continue
-                version = int(self.version_fn())
-                try:
-                    await asyncio.to_thread(self._round, batch, version)
-                except Exception as e:  # the round failed: every request in it gets the error
-                    for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(e)
-                    self._active = [r for r in self._active if r not in batch]
-                    continue
+            rnd: _Round | None = None
+            while True:  # one round: a first segment, then (keep) the segments after each pause
+                async with lock:  # paused() holds this between rounds (and between decode steps)
+                    if rnd is None:
+                        batch = [r for r in self._active if not r.future.done()]
+                        if not batch:
+                            break
+                    else:
+                        batch = rnd.batch
+                        for b, r in enumerate(batch):  # cancelled during the pause: decode no further
+                            rnd.done[b] = rnd.done[b] or r.future.done()
+                    version = int(self.version_fn())
+                    try:
+                        rnd, interrupted = await asyncio.to_thread(self._segment, batch, rnd, version)
+                    except Exception as e:  # the round failed: every request in it gets the error
+                        for r in batch:
+                            if not r.future.done():
+                                r.future.set_exception(e)
+                        self._active = [r for r in self._active if r not in batch]
+                        rnd = None
+                        break
+                if interrupted:
+                    self._stats.interrupted_rounds += 1
+                if not interrupted or self.partial_rollout != "keep" or rnd.finished:
+                    break
+            if rnd is None:
+                continue
             self._stats.rounds += 1
-            self._stats.peak_active = max(self._stats.peak_active, len(batch))
-            for r in batch:
+            self._stats.peak_active = max(self._stats.peak_active, len(rnd.batch))
+            for r in rnd.batch:
                 if r.finish is not None and not r.future.done():
-                    self._stats.requests += 1
-                    self._stats.tokens += len(r.tokens)
+                    s = self._stats
+                    s.requests += 1
+                    s.tokens += len(r.tokens)
+                    for v in r.versions:
+                        s.tokens_per_version[v] = s.tokens_per_version.get(v, 0) + 1
+                    s.spanning_requests += len(set(r.versions)) > 1
                     r.future.set_result(Generation(r.tokens, r.log_probs, r.finish, versions=r.versions))
 
-    @torch.no_grad()
-    def _round(self, batch: list[_Request], version: int) -> None:
-        """Prefill prompt + tokens so far of every request, then decode up to ``chunk_tokens`` each."""
+    def _begin(self, batch: list[_Request]) -> _Round:
         eng = self.engine
         eng._check([r.prompt for r in batch], batch[0].params)
-        B = len(batch)
         seqs = [r.prompt + r.tokens for r in batch]
-        dev = eng.device
-        ids, mask = left_pad(seqs, eng.pad_id, dev)
-        pos = position_ids_from_mask(mask)
+        ids, mask = left_pad(seqs, eng.pad_id, eng.device)
         budget = [min(self.chunk_tokens, r.params.max_new_tokens - len(r.tokens)) for r in batch]
         done = [n <= 0 for n in budget]
         for b, r in enumerate(batch):
             if done[b]:
                 r.finish = "length"
-        past = None
-        step_ids, step_pos = ids, pos
-        for step in range(max(budget)):
+        return _Round(batch, budget, done, ids, position_ids_from_mask(mask), mask)
+
+    @torch.no_grad()
+    def _segment(self, batch: list[_Request], rnd: _Round | None, version: int) -> tuple[_Round, bool]:
+        """Prefill prompt + tokens so far of every request (a new round), then decode up to ``chunk_tokens``
+        each; returns the round and whether a partial-rollout pause stopped it between two steps."""
+        if rnd is None:
+            rnd = self._begin(batch)
+        eng, dev, B = self.engine, self.engine.device, len(batch)
+        done, budget = rnd.done, rnd.budget
+        partial = self.partial_rollout != "off"
+        while rnd.step < max(budget):
             if self._abort.is_set():
-                return
+                return rnd, False
+            if partial and self._interrupt.is_set():
+                return rnd, True
+            step = rnd.step
             with eng._weights_lock, _autocast(dev, eng.autocast):
-                out = eng.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                                use_cache=True, **{eng._cache_kw: past})
-            past = getattr(out, "cache", None) if eng._cache_kw == "cache" else out.past_key_values
+                out = eng.model(input_ids=rnd.step_ids, attention_mask=rnd.mask, position_ids=rnd.step_pos,
+                                use_cache=True, **{eng._cache_kw: rnd.past})
+            rnd.past = getattr(out, "cache", None) if eng._cache_kw == "cache" else out.past_key_values
             logits = out.logits[:, -1, :].float()
             nxt = self._sample(logits, batch, done)
             for b, r in enumerate(batch):
@@ -236,12 +375,14 @@ class RequestBatcher:
                     done[b], r.finish = True, "length"
                 elif step + 1 >= budget[b]:
                     done[b] = True  # this round's chunk is used up; the request continues next round
+            rnd.step = step + 1
             if all(done):
                 break
             tok_col = torch.tensor([r.tokens[-1] if r.tokens else eng.pad_id for r in batch], dtype=torch.long)
-            step_ids = tok_col[:, None].to(dev)
-            step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
+            rnd.step_ids = tok_col[:, None].to(dev)
+            rnd.step_pos = rnd.step_pos[:, -1:] + 1
+            rnd.mask = torch.cat([rnd.mask, torch.ones((B, 1), dtype=torch.long, device=dev)], dim=1)
+        return rnd, False
 
     def _sample(self, logits: torch.Tensor, batch: list[_Request], done: list[bool]) -> torch.Tensor:
         """``[B, 2]`` (token, log-prob) rows; requests with different sampling params are sampled in

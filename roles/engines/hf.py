@@ -49,6 +49,9 @@ class HFEngine:
             done. Not with top-k/top-p filtering (the recomputation has no filter).
     """
 
+    partial_rollout_modes = ("keep", "recompute")
+    """Partial rollout is done by the request-level :class:`~.batcher.RequestBatcher` over this engine."""
+
     def __init__(self, *, model: torch.nn.Module, tokenizer: Any, model_dir: str | None = None,
                  max_batch_size: int = 64, seed: int = 0, autocast: torch.dtype | None = None,
                  exact_log_probs: bool = False) -> None:
@@ -117,17 +120,23 @@ class HFEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the named tensors into the model (every parameter and buffer name must match;
-        floating tensors are cast to the model's dtype, and moved to its device)."""
+        floating tensors are cast to the model's dtype, and moved to its device). A load that fails
+        part-way leaves :attr:`needs_weights` set: generation is refused until a load succeeds."""
         state = dict(named_tensors)
         if self.sleep_level == 2:
             raise RuntimeError("the HF engine is asleep at level 2 (weights discarded); call wake_up() before loading")
         with self._weights_lock, torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            try:
+                missing, unexpected = self.model.load_state_dict(state, strict=False)
+            except BaseException:
+                self.needs_weights = True  # some tensors were copied, some not: refuse to generate on them
+                raise
             own = set(self.model.state_dict())
             missing = [k for k in missing if k in own and k not in state]
             if unexpected or missing:
                 from ..errors import WeightSyncError
 
+                self.needs_weights = True  # the matching names were loaded before the check
                 raise WeightSyncError(
                     f"weights do not match the engine's model: unexpected {sorted(unexpected)[:5]}, "
                     f"missing {sorted(missing)[:5]}; export the full state_dict of the same architecture"
@@ -202,7 +211,8 @@ class HFEngine:
         if self.sleep_level:
             raise RuntimeError(f"the HF engine is asleep (level {self.sleep_level}); call wake_up() before generating")
         if self.needs_weights:
-            raise RuntimeError("the HF engine's weights were discarded by sleep(level=2); load weights before generating")
+            raise RuntimeError("the HF engine holds no usable weights (discarded by sleep(level=2), or a load that "
+                               "failed part-way); load weights before generating")
         if params.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         if params.temperature < 0 or not 0 < params.top_p <= 1:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import os
 import statistics
@@ -71,7 +72,8 @@ RESULTS = os.path.join(HERE, "results", "longtail.md")
 VARIANTS = ("sync", "batch", "stream", "stream+recompute", "stream+keep")
 TRAIN_SHARE = {"old_log_prob": 0.2, "actor_update": 0.6, "export_weights": 0.2}
 COLUMNS = ["variant", "steps", "ms/step", "ideal ms/step", "eff.", "tokens/s", "vs batch overlap", "engine idle",
-           "peak in flight", "peak buffered", "ctrl peak RSS MiB", "rollout peak RSS MiB"]
+           "peak in flight", "peak buffered", "max staleness", "weight update ms p50/max", "ctrl peak RSS MiB",
+           "rollout peak RSS MiB"]
 
 
 # ---- memory: the peak RSS of a process since the last reset --------------------------------------
@@ -108,12 +110,23 @@ class LongtailRollout(RolloutWorker):
         rollout `partial` (None: off)."""
         self._version = 0
         if hasattr(self.config, "partial_rollout"):
-            self.config.partial_rollout = partial
+            self.config.partial_rollout = partial or "off"
+            self._updates = []
         elif partial is not None:
             raise RuntimeError("this RolloutWorker has no partial rollout (RolloutConfig.partial_rollout)")
+        self._update_s: list[float] = []
         self.engine.reset_statistics()
         reset_peak_rss()
         return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Any, version: int | None = None, *,
+                             expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """:meth:`RolloutWorker.update_weights`, timed (from the call's start on this worker to its end)."""
+        t0 = time.perf_counter()
+        out = await super().update_weights(weights, version, expected_checksums=expected_checksums)
+        self._update_s.append(time.perf_counter() - t0)
+        return out
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def sim_statistics(self, start: float, end: float) -> dict[str, float]:
@@ -121,7 +134,8 @@ class LongtailRollout(RolloutWorker):
         `start` and `end`) and this process's peak RSS (MiB)."""
         st = self.engine.statistics()
         return {"idle": self.engine.idle_between(start, end), "peak_in_flight": st.peak_in_flight, "tokens": st.tokens,
-                "steps": st.steps, "loads": st.loads, "rss_mib": peak_rss_mib()}
+                "steps": st.steps, "loads": st.loads, "prefills": st.prefills, "rss_mib": peak_rss_mib(),
+                "update_s": list(self._update_s)}
 
 
 class SimReward(Worker):
@@ -221,7 +235,7 @@ class Bench:
         self.rollout_cfg = RolloutConfig(
             engine="sim", max_new_tokens=args.max_new_tokens,
             engine_kwargs={"step_ms": args.step_ms, "max_batch_size": args.slots, "median_tokens": args.median,
-                           "sigma": args.sigma, "prefill_ms": args.prefill_ms})
+                           "sigma": args.sigma, "prefill_ms": args.prefill_ms, "round_steps": args.round_steps})
         self.pool = ResourcePool([2], cpus_per_bundle=1.0, name="longtail")
         rpool, tpool = self.pool.split([1, 1])
         self.rcol = colocate({"rollout": (LongtailRollout, (self.model, self.rollout_cfg), {}), "reward": SimReward},
@@ -246,7 +260,7 @@ class Bench:
 
         a = self.args
         cfg = tiny_test("grpo")
-        cfg.rollout = self.rollout_cfg
+        cfg.rollout = dataclasses.replace(self.rollout_cfg)
         cfg.data.num_prompts = max(64, 4 * a.batch // a.group)
         cfg.algorithm.group_size = a.group
         t = cfg.trainer
@@ -256,7 +270,7 @@ class Bench:
         if variant.startswith("stream"):
             if not hasattr(t, "rollout_mode"):
                 raise RuntimeError("this trainer has no trainer.rollout_mode; the stream variants need it")
-            t.rollout_mode = "stream"
+            t.rollout_mode, t.rollout_weights = "stream", "latest"
         mode = variant.partition("+")[2] or None
         if mode is not None:
             cfg.rollout.partial_rollout = mode
@@ -284,14 +298,18 @@ class Bench:
         steady = hist[1:]
         span = el[-1] - el[0]
         tokens = sum(h["actor/tokens"] for h in steady)
+        if variant.startswith("stream"):  # finished groups waiting for a step, seen at each step's take
+            buffered = max(h["stream/buffered"] for h in hist) * a.group
+        else:  # batches in the rollout->train buffer
+            buffered = max(h["buffer/peak"] for h in hist) * a.batch
         return {
             "variant": variant, "steps": len(hist), "step_s": span / len(steady), "wall_s": wall,
             "tokens_s": tokens / span, "ideal_s": ideal_step_s(variant, trained[1:], a.step_ms / 1e3, a.slots, train_s),
-            "idle": sim["idle"], "peak_in_flight": sim["peak_in_flight"],
-            "peak_buffered": max(h.get("buffer/peak", 0) for h in hist) * a.batch
-            if "buffer/peak" in hist[0] else float("nan"),
+            "idle": sim["idle"], "peak_in_flight": sim["peak_in_flight"], "peak_buffered": buffered,
             "ctrl_rss": peak_rss_mib(), "rollout_rss": sim["rss_mib"], "lengths": [n for b in trained for n in b],
-            "stream": {k: v for k, v in hist[-1].items() if k.startswith(("stream/", "partial/"))},
+            "update_s": sim["update_s"], "prefills": sim["prefills"],
+            "staleness_max": int(max(h["staleness/max"] for h in hist)),
+            "stream": {k: max(h.get(k, 0.0) for h in hist) for k in hist[-1] if k.startswith("stream/")},
         }
 
 
@@ -303,9 +321,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         out.append("| " + " | ".join([
             r["variant"], str(r["steps"]), f"{r['step_s'] * 1e3:.0f}", f"{r['ideal_s'] * 1e3:.0f}",
             f"{r['ideal_s'] / r['step_s']:.2f}", f"{r['tokens_s']:.0f}", vs, f"{r['idle']:.2f}",
-            str(r["peak_in_flight"]), f"{r['peak_buffered']:.0f}", f"{r['ctrl_rss']:.0f}", f"{r['rollout_rss']:.0f}",
+            str(r["peak_in_flight"]), f"{r['peak_buffered']:.0f}", str(r["staleness_max"]), update_ms(r["update_s"]),
+            f"{r['ctrl_rss']:.0f}", f"{r['rollout_rss']:.0f}",
         ]) + " |")
     return "\n".join(out)
+
+
+def update_ms(seconds: list[float]) -> str:
+    """``p50/max`` of the rollout worker's weight updates, ms."""
+    if not seconds:
+        return "none"
+    return f"{statistics.median(seconds) * 1e3:.1f}/{max(seconds) * 1e3:.1f}"
 
 
 def length_note(rows: list[dict[str, Any]]) -> str:
@@ -352,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="cost of re-prefilling the requests in flight after a weight update (partial recompute; "
                         "default: 2 decoding steps)")
     p.add_argument("--staleness", type=int, default=1, help="max_staleness of the non-sync variants")
+    p.add_argument("--round-steps", type=int, default=32,
+                   help="decoding steps per engine round: without partial rollout a weight update waits for the "
+                        "running round to end (the request-level HF engine's chunk_tokens, default 32)")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     q = args.quick

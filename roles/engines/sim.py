@@ -17,12 +17,17 @@ a finish reason) and models what decides a schedule's speed on a GPU:
   at ``start + k * step_ms``, so a late wake-up on a loaded CPU is caught up (at most
   ``catchup_ms`` behind) rather than added to every later step.
 
-A weight load costs ``load_ms``; with ``prefill_on_load`` the step after it also costs
-``prefill_ms`` (the prefill of prompt + tokens so far of the requests in flight: partial
-rollout's ``recompute``). :meth:`paused` holds the engine at a step boundary (weights may
-change while requests stay in flight). :meth:`statistics` counts steps, the decode slots
-used, tokens and the peak requests in flight, which a benchmark turns into the engine's idle
-fraction: ``1 - slots used / (max_batch_size * elapsed / step_ms)`` (:meth:`idle_between` over a window).
+Weight updates follow the rollout worker's protocol for request-level generation
+(``RolloutConfig.partial_rollout``, docs/partial_rollout.md). Without partial rollout a load
+(:meth:`aload_weights`) waits for the end of the running *round* of ``round_steps`` decoding
+steps (the request-level HF engine's chunk boundary) and the requests in flight then re-prefill
+prompt + tokens so far (``prefill_ms``, once for all of them). With partial rollout the worker
+holds the engine with :meth:`apaused` after its current decoding step and loads inside the pause;
+``recompute`` then costs the re-prefill, ``keep`` decodes on (the KV cache kept). A load costs
+``load_ms``. Tokens carry the version the worker stamps at submission (the engine does not know
+version numbers). :meth:`statistics` counts steps, the decode slots used, tokens and the peak
+requests in flight, which a benchmark turns into the engine's idle fraction:
+``1 - slots used / (max_batch_size * elapsed / step_ms)`` (:meth:`idle_between` over a window).
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
+from ..errors import PauseDeadlineError
 from .base import Completion, SamplingParams, register_engine
 
 __all__ = ["SimEngine", "SimStats", "response_length"]
@@ -67,6 +73,10 @@ class SimStats:
     """Most requests in the engine at once (decoding plus waiting for a slot)."""
     loads: int
     """Weight loads."""
+    prefills: int
+    """Re-prefills of the requests in flight after a load (each costs ``prefill_ms``)."""
+    load_steps: list[int]
+    """The decoding step count at each load (a load without partial rollout lands at a round's end)."""
 
     @property
     def idle_fraction(self) -> float:
@@ -98,25 +108,28 @@ class SimEngine:
         median_tokens: median response length.
         sigma: log-space standard deviation of the response lengths (the tail's weight).
         load_ms: cost of a weight load.
-        prefill_ms: cost added to the first step after a weight load when `prefill_on_load`.
-        prefill_on_load: re-prefill the requests in flight after a weight load (``recompute``).
+        prefill_ms: cost of re-prefilling the requests in flight after a weight load (not after ``keep``).
+        round_steps: decoding steps per round: a load without partial rollout waits for a round's end.
         catchup_ms: most a late step is caught up on the engine's clock.
     """
 
+    partial_rollout_modes = ("keep", "recompute")
+    """The partial-rollout modes this engine can do (``RolloutConfig.partial_rollout``)."""
+
     def __init__(self, *, model: Any = None, tokenizer: Any = None, model_dir: str | None = None,
                  step_ms: float = 5.0, max_batch_size: int = 32, median_tokens: float = 16.0, sigma: float = 1.2,
-                 load_ms: float = 0.0, prefill_ms: float = 0.0, prefill_on_load: bool = False,
+                 load_ms: float = 0.0, prefill_ms: float = 0.0, round_steps: int = 32,
                  catchup_ms: float = 50.0) -> None:
-        if step_ms <= 0 or max_batch_size < 1 or median_tokens < 1 or sigma < 0:
-            raise ValueError(f"SimEngine needs step_ms > 0, max_batch_size >= 1, median_tokens >= 1 and sigma >= 0; "
-                             f"got {step_ms}, {max_batch_size}, {median_tokens}, {sigma}")
+        if step_ms <= 0 or max_batch_size < 1 or median_tokens < 1 or sigma < 0 or round_steps < 1:
+            raise ValueError(f"SimEngine needs step_ms > 0, max_batch_size >= 1, median_tokens >= 1, sigma >= 0 and "
+                             f"round_steps >= 1; got {step_ms}, {max_batch_size}, {median_tokens}, {sigma}, {round_steps}")
         self.step_s = step_ms / 1e3
         self.max_batch_size = max_batch_size
         self.median_tokens = median_tokens
         self.sigma = sigma
         self.load_s = load_ms / 1e3
         self.prefill_s = prefill_ms / 1e3
-        self.prefill_on_load = prefill_on_load
+        self.round_steps = round_steps
         self.catchup_s = catchup_ms / 1e3
         self.vocab = len(tokenizer) if tokenizer is not None else 256
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -129,6 +142,13 @@ class SimEngine:
         self._driver: asyncio.Task[None] | None = None
         self._clock: float | None = None
         self._prefill_due = False
+        self._round_pos = 0  # decoding steps into the running round
+        self._loads_waiting: list[asyncio.Future[None]] = []  # loads waiting for a round's end
+        self._pauses = 0  # apaused() blocks open
+        self.on_step: Callable[[int], None] | None = None
+        """Called with the step count after each decoding step, on the engine's loop (tests hook it)."""
+        self._round_done = asyncio.Event()
+        self._load_sleep = 0.0  # the cost of the last load, paid by the driver or the pause
         self.reset_statistics()
 
     # ---- the engine interface --------------------------------------------------------------
@@ -157,13 +177,46 @@ class SimEngine:
                 f.cancel()  # the driver drops cancelled requests at the next step boundary
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Take the weights (not used for sampling); costs ``load_ms``."""
+        """Take the weights at once (not used for sampling); costs ``load_ms``. The requests in flight
+        re-prefill before their next token."""
         for _ in named_tensors:
             pass
         if self.load_s:
             time.sleep(self.load_s)
         self._loads += 1
-        self._prefill_due = self.prefill_on_load
+        self._load_steps.append(self._steps)
+        self._prefill_due = bool(self._active)
+
+    async def aload_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Take the weights: at once inside :meth:`apaused` (the pause pays ``load_ms``) or when idle,
+        else at the end of the running round; the requests in flight re-prefill before their next token."""
+        if self._pauses:
+            return self._load_now(named_tensors, prefill=True)
+        if not (self._active or self._waiting):
+            self._load_now(named_tensors, prefill=False)
+            cost, self._load_sleep = self._load_sleep, 0.0
+            if cost:
+                await asyncio.sleep(cost)
+            return None
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        self._loads_waiting.append(turn)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        try:
+            await turn  # the driver stopped at a round's end and waits for this load
+            self._load_now(named_tensors, prefill=True)
+        finally:
+            self._round_done.set()
+        return None
+
+    def _load_now(self, named_tensors: Iterable[tuple[str, Any]], *, prefill: bool) -> None:
+        for _ in named_tensors:
+            pass
+        self._loads += 1
+        self._load_steps.append(self._steps)
+        self._prefill_due = self._prefill_due or (prefill and bool(self._active))
+        self._load_sleep = self.load_s
 
     def weights_checksum(self) -> dict[str, str]:
         """One pseudo-checksum: how many weight loads the engine took."""
@@ -180,16 +233,57 @@ class SimEngine:
     # ---- simulation controls ---------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def paused(self) -> AsyncIterator[None]:
-        """Hold the engine at a step boundary until the block exits (requests stay in flight)."""
-        async with self._step_lock():
-            yield
-        self._clock = None  # the pause was idle time, not a late step
+    async def apaused(self, mode: str, deadline_s: float | None = None) -> AsyncIterator[Any]:
+        """Hold the engine after its current decoding step until the block exits (load weights inside);
+        the requests stay in flight. `mode` ``"recompute"`` re-prefills them after the block, ``"keep"``
+        decodes on. Yields a :class:`~.batcher.PauseInfo`; raises
+        :class:`~asyncrl.roles.errors.PauseDeadlineError` when no step ends within `deadline_s`."""
+        from .batcher import PauseInfo
+
+        t0 = time.perf_counter()
+        in_flight = len(self._active) + len(self._waiting)
+        lock = self._step_lock()
+        interrupted = lock.locked()
+        self._pauses += 1
+        try:
+            try:
+                async with asyncio.timeout(deadline_s):
+                    await lock.acquire()
+            except TimeoutError:
+                raise PauseDeadlineError(f"the simulated engine did not pause within {deadline_s:g} s") from None
+            try:
+                yield PauseInfo(time.perf_counter() - t0, in_flight, interrupted)
+                if mode == "keep":
+                    self._prefill_due = False
+                if self._load_sleep:
+                    await asyncio.sleep(self._load_sleep)
+                    self._load_sleep = 0.0
+            finally:
+                self._clock = None  # the pause was idle time, not a late step
+                lock.release()
+        finally:
+            self._pauses -= 1
+
+    def fail_in_flight(self, error: BaseException) -> int:
+        """Fail every request in flight with `error` (a load failed inside :meth:`apaused`); returns how many."""
+        n = 0
+        for r in self._waiting + self._active:
+            if not r.future.done():
+                r.future.set_exception(error)
+                n += 1
+        return n
+
+    def request_statistics(self) -> dict[str, Any]:
+        """The counters of :meth:`statistics` as a dict (the rollout worker's ``statistics()`` reports them)."""
+        from dataclasses import asdict
+
+        return {f"sim_{k}": v for k, v in asdict(self.statistics()).items()}
 
     def reset_statistics(self) -> None:
         """Start counting again (steps, slots, tokens, the peak in flight) from now."""
         self._since = time.monotonic()
-        self._steps = self._slots = self._tokens = self._requests = self._loads = 0
+        self._steps = self._slots = self._tokens = self._requests = self._loads = self._prefills = 0
+        self._load_steps: list[int] = []
         self._peak = len(self._waiting) + len(self._active)
         self._log: list[tuple[float, int]] = []  # (monotonic end, slots used) of each step
 
@@ -205,9 +299,24 @@ class SimEngine:
         elapsed = time.monotonic() - self._since
         return SimStats(elapsed_s=elapsed, steps=self._steps, slots_used=self._slots,
                         slots_available=self.max_batch_size * elapsed / self.step_s, tokens=self._tokens,
-                        requests=self._requests, peak_in_flight=self._peak, loads=self._loads)
+                        requests=self._requests, peak_in_flight=self._peak, loads=self._loads,
+                        prefills=self._prefills, load_steps=list(self._load_steps))
 
     # ---- the driver ------------------------------------------------------------------------
+
+    async def _serve_loads(self) -> None:
+        """At a round's end: let each waiting load in (one at a time), then pay what they cost."""
+        while self._loads_waiting:
+            turn = self._loads_waiting.pop(0)
+            if turn.done():
+                continue
+            self._round_done.clear()
+            turn.set_result(None)
+            await self._round_done.wait()
+        if self._load_sleep:
+            await asyncio.sleep(self._load_sleep)
+            self._load_sleep = 0.0
+        self._clock = None
 
     def _step_lock(self) -> asyncio.Lock:
         if self._lock is None:
@@ -236,8 +345,14 @@ class SimEngine:
             if room > 0 and self._waiting:
                 self._active += self._waiting[:room]
                 del self._waiting[:room]
+            if self._loads_waiting and (self._round_pos == 0 or not self._active):
+                async with self._step_lock():
+                    await self._serve_loads()
+                self._round_pos = 0
+                continue
             if not self._active:
                 self._clock = None
+                self._round_pos = 0
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -249,11 +364,12 @@ class SimEngine:
                 if self._prefill_due:
                     self._clock += self.prefill_s
                     self._prefill_due = False
-                delay = self._clock - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                    self._prefills += 1
+                # always yield once: requests and pauses of other coroutines get in between steps
+                await asyncio.sleep(max(0.0, self._clock - loop.time()))
                 batch = [r for r in self._active if not r.future.done()]
                 self._steps += 1
+                self._round_pos = (self._round_pos + 1) % self.round_steps
                 self._slots += len(batch)
                 self._log.append((time.monotonic(), len(batch)))
                 for r in batch:
@@ -268,3 +384,5 @@ class SimEngine:
                         self._tokens += len(r.tokens)
                         self._requests += 1
                         r.future.set_result(Completion(list(r.tokens), [self.log_prob] * len(r.tokens), finish))
+                if self.on_step is not None:
+                    self.on_step(self._steps)

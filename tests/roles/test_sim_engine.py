@@ -68,24 +68,77 @@ def test_requests_beyond_the_slots_wait_and_stream_in_finish_order():
     assert st.steps == 8 and st.slots_used == 12  # two rows decode together, the third after them
 
 
-def test_paused_holds_the_engine_and_requests_continue_after():
-    eng = _engine(max_batch_size=4, median_tokens=20.0, sigma=0.0)
+def _at_step(eng: SimEngine, actions: dict[int, object]) -> list[asyncio.Future]:
+    """Start `actions[n]()` (a coroutine function) as a task right after decoding step n."""
+    tasks: list[asyncio.Future] = []
 
-    async def main():
-        task = asyncio.ensure_future(eng.generate([[1]], SamplingParams(max_new_tokens=64, seed=0)))
-        while eng.statistics().steps < 3:
-            await asyncio.sleep(0.001)
-        async with eng.paused():
-            held = eng.statistics().steps
+    def hook(step: int) -> None:
+        if step in actions:
+            tasks.append(asyncio.ensure_future(actions[step]()))
+
+    eng.on_step = hook
+    return tasks
+
+
+@pytest.mark.parametrize("mode, prefills", [("recompute", 1), ("keep", 0)])
+def test_a_partial_pause_holds_the_engine_after_its_step_and_requests_continue(mode, prefills):
+    eng = _engine(max_batch_size=4, median_tokens=20.0, sigma=0.0, round_steps=1000)
+    seen: dict[str, object] = {}
+
+    async def pause():
+        async with eng.apaused(mode, deadline_s=5.0) as info:
+            seen["held"] = eng.statistics().steps
             for _ in range(20):
                 await asyncio.sleep(0)
-            assert eng.statistics().steps == held
-            eng.load_weights([])
-        out = await task
+            seen["still"] = eng.statistics().steps  # no step while paused
+            await eng.aload_weights([])  # inside the pause: at once, not at the round's end
+        seen["info"] = info
+
+    async def main():
+        tasks = _at_step(eng, {3: pause})
+        out = await eng.generate([[1]], SamplingParams(max_new_tokens=64, seed=0))
+        await asyncio.gather(*tasks)
         return out, eng.statistics()
 
     out, st = asyncio.run(main())
-    assert len(out[0].response_ids) == 20 and st.loads == 1
+    assert seen["held"] == seen["still"] == 4  # requested after step 3: takes effect when step 4 ends
+    assert seen["info"].in_flight == 1 and seen["info"].interrupted
+    assert len(out[0].response_ids) == 20 and st.steps == 20
+    assert st.loads == 1 and st.load_steps == [4] and st.prefills == prefills
+
+
+def test_a_load_without_partial_rollout_waits_for_the_end_of_the_round():
+    eng = _engine(max_batch_size=4, median_tokens=30.0, sigma=0.0, round_steps=8)
+
+    async def load():
+        await eng.aload_weights([])
+
+    async def main():
+        tasks = _at_step(eng, {3: load, 10: load})
+        await eng.generate([[1]], SamplingParams(max_new_tokens=64, seed=0))
+        await asyncio.gather(*tasks)
+        await eng.aload_weights([])  # idle: at once, nothing to re-prefill
+        return eng.statistics()
+
+    st = asyncio.run(main())
+    assert st.load_steps == [8, 16, 30] and st.prefills == 2 and st.steps == 30
+
+
+def test_a_pause_that_cannot_start_fails_with_its_deadline():
+    from asyncrl.roles.errors import PauseDeadlineError
+
+    eng = _engine(step_ms=2000.0)
+
+    async def main():
+        task = asyncio.ensure_future(eng.generate([[1]], SamplingParams(max_new_tokens=4, seed=0)))
+        await asyncio.sleep(0.05)  # the first step (2 s) is running
+        with pytest.raises(PauseDeadlineError):
+            async with eng.apaused("recompute", deadline_s=0.05):
+                pass
+        task.cancel()
+        eng.close()
+
+    asyncio.run(main())
 
 
 def test_closing_a_stream_drops_its_requests():

@@ -16,10 +16,15 @@ The workload (real Ray, real worker groups, the real trainer loops; simulated co
 Variants (the same workers, one after another; ``--variants`` picks them):
 
 * ``sync``: the trainer at ``max_staleness=0`` (the synchronous loop, DESIGN C7).
-* ``batch``: one-step overlap, ``rollout_mode=batch``, ``max_staleness=1``.
-* ``stream``: ``rollout_mode=stream`` (many prompt groups in flight), ``max_staleness=1``.
+* ``batch``: batch overlap, ``rollout_mode=batch`` (at ``max_staleness=1``: one-step overlap).
+* ``stream``: ``rollout_mode=stream`` (many prompt groups in flight, admission control).
 * ``stream+recompute`` / ``stream+keep``: streaming with partial rollout (a weight update reaches
   generations in flight: re-prefill, or decode on).
+
+Every variant but ``sync`` runs at each ``--staleness`` bound (default 1 and 4): streaming keeps
+every trajectory within the bound without dropping it, so at 1 a step must wait for the longest
+trajectory admitted one version earlier; a bound of a few steps lets the tail finish while later
+steps train.
 
 Ideal step time, per variant, from the rows it trained (g_t = the generation time of step t's
 batch alone on an idle engine: its longest row x step cost when the batch fits the slots;
@@ -71,8 +76,8 @@ RESULTS = os.path.join(HERE, "results", "longtail.md")
 
 VARIANTS = ("sync", "batch", "stream", "stream+recompute", "stream+keep")
 TRAIN_SHARE = {"old_log_prob": 0.2, "actor_update": 0.6, "export_weights": 0.2}
-COLUMNS = ["variant", "steps", "ms/step", "ideal ms/step", "eff.", "tokens/s", "vs batch overlap", "engine idle",
-           "peak in flight", "peak buffered", "max staleness", "weight update ms p50/max", "ctrl peak RSS MiB",
+COLUMNS = ["variant", "max_staleness", "steps", "ms/step", "ideal ms/step", "eff.", "tokens/s", "vs batch overlap", "engine idle",
+           "peak in flight", "peak buffered", "staleness seen", "weight update ms p50/max", "ctrl peak RSS MiB",
            "rollout peak RSS MiB"]
 
 
@@ -254,7 +259,7 @@ class Bench:
         await self.tcol.close()
         await self.pool.release()
 
-    def config(self, variant: str) -> Any:
+    def config(self, variant: str, k: int) -> Any:
         """The trainer's config of `variant` (the same data, batch and costs for all)."""
         from asyncrl.pipelines.presets import tiny_test
 
@@ -266,7 +271,7 @@ class Bench:
         t = cfg.trainer
         t.steps, t.batch_size, t.trace = a.steps, a.batch, False
         t.checkpoint_at_end, t.checkpoint_every_s = False, None
-        t.max_staleness = 0 if variant == "sync" else a.staleness
+        t.max_staleness = k
         if variant.startswith("stream"):
             if not hasattr(t, "rollout_mode"):
                 raise RuntimeError("this trainer has no trainer.rollout_mode; the stream variants need it")
@@ -274,14 +279,14 @@ class Bench:
         mode = variant.partition("+")[2] or None
         if mode is not None:
             cfg.rollout.partial_rollout = mode
-        t.output_dir = os.path.join(self.tmp, variant.replace("+", "-"))
+        t.output_dir = os.path.join(self.tmp, f"{variant.replace('+', '-')}-k{k}")
         return cfg.validate()
 
-    async def run(self, variant: str) -> dict[str, Any]:
+    async def run(self, variant: str, k: int) -> dict[str, Any]:
         from asyncrl.pipelines.trainer import make_trainer
 
         a = self.args
-        cfg = self.config(variant)
+        cfg = self.config(variant, k)
         g = self.groups
         train_s = a.train_ms / 1e3
         await asyncio.gather(g.rollout.configure(variant.partition("+")[2] or None),
@@ -303,7 +308,7 @@ class Bench:
         else:  # batches in the rollout->train buffer
             buffered = max(h["buffer/peak"] for h in hist) * a.batch
         return {
-            "variant": variant, "steps": len(hist), "step_s": span / len(steady), "wall_s": wall,
+            "variant": variant, "k": k, "steps": len(hist), "step_s": span / len(steady), "wall_s": wall,
             "tokens_s": tokens / span, "ideal_s": ideal_step_s(variant, trained[1:], a.step_ms / 1e3, a.slots, train_s),
             "idle": sim["idle"], "peak_in_flight": sim["peak_in_flight"], "peak_buffered": buffered,
             "ctrl_rss": peak_rss_mib(), "rollout_rss": sim["rss_mib"], "lengths": [n for b in trained for n in b],
@@ -314,12 +319,12 @@ class Bench:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    base = next((r for r in rows if r["variant"] == "batch"), None)
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
+        base = next((b for b in rows if b["variant"] == "batch" and b["k"] == max(1, r["k"])), None)
         vs = f"{r['tokens_s'] / base['tokens_s']:.2f}x" if base is not None else "n/a"
         out.append("| " + " | ".join([
-            r["variant"], str(r["steps"]), f"{r['step_s'] * 1e3:.0f}", f"{r['ideal_s'] * 1e3:.0f}",
+            r["variant"], str(r["k"]), str(r["steps"]), f"{r['step_s'] * 1e3:.0f}", f"{r['ideal_s'] * 1e3:.0f}",
             f"{r['ideal_s'] / r['step_s']:.2f}", f"{r['tokens_s']:.0f}", vs, f"{r['idle']:.2f}",
             str(r["peak_in_flight"]), f"{r['peak_buffered']:.0f}", str(r["staleness_max"]), update_ms(r["update_s"]),
             f"{r['ctrl_rss']:.0f}", f"{r['rollout_rss']:.0f}",
@@ -347,10 +352,10 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     await bench.setup()
     rows = []
     try:
-        for v in args.variants:
-            rows.append(await bench.run(v))
+        for v, k in runs(args):
+            rows.append(await bench.run(v, k))
             r = rows[-1]
-            print(f"{v}: {r['step_s'] * 1e3:.0f} ms/step (ideal {r['ideal_s'] * 1e3:.0f}), "
+            print(f"{v} k={k}: {r['step_s'] * 1e3:.0f} ms/step (ideal {r['ideal_s'] * 1e3:.0f}), "
                   f"{r['tokens_s']:.0f} tokens/s, engine idle {r['idle']:.2f}", flush=True)
     finally:
         await bench.close()
@@ -377,7 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-ms", type=float, default=None,
                    help="cost of re-prefilling the requests in flight after a weight update (partial recompute; "
                         "default: 2 decoding steps)")
-    p.add_argument("--staleness", type=int, default=1, help="max_staleness of the non-sync variants")
+    p.add_argument("--staleness", default=None,
+                   help="comma-separated max_staleness bounds; every variant but sync runs at each (default 1,4; "
+                        "--quick 1)")
     p.add_argument("--round-steps", type=int, default=32,
                    help="decoding steps per engine round: without partial rollout a weight update waits for the "
                         "running round to end (the request-level HF engine's chunk_tokens, default 32)")
@@ -391,6 +398,9 @@ def main(argv: list[str] | None = None) -> None:
     args.median = args.median or (4.0 if q else 16.0)
     args.max_new_tokens = args.max_new_tokens or (32 if q else 256)
     args.train_ms = args.train_ms or (20.0 if q else 250.0)
+    args.staleness = [int(k) for k in (args.staleness or ("1" if q else "1,4")).split(",")]
+    if min(args.staleness) < 1:
+        p.error("--staleness: every bound must be >= 1 (sync is the max_staleness=0 variant)")
     args.prefill_ms = args.prefill_ms if args.prefill_ms is not None else 2 * args.step_ms
     if args.variants:
         args.variants = tuple(args.variants.split(","))
@@ -435,8 +445,8 @@ def workload(args: argparse.Namespace) -> str:
     p99 = args.median * math.exp(2.326 * args.sigma)
     return (
         f"Workload: {args.batch} responses per step ({args.batch // args.group} prompts x {args.group}), "
-        f"{args.steps} steps per variant (the first discarded), max_staleness={args.staleness} for every variant "
-        f"but sync. Simulated engine: {args.slots} decode slots, {args.step_ms:g} ms per decoding step whatever "
+        f"{args.steps} steps per variant (the first discarded), every variant but sync at max_staleness "
+        f"{', '.join(map(str, args.staleness))}. Simulated engine: {args.slots} decode slots, {args.step_ms:g} ms per decoding step whatever "
         f"the batch size, log-normal response lengths (median {args.median:g}, sigma {args.sigma:g}: p99 ≈ "
         f"{p99:.0f} in theory; cap {args.max_new_tokens}), re-prefill after a weight update (recompute) "
         f"{args.prefill_ms:g} ms. Training + sync {args.train_ms:g} ms per step (slept). "
@@ -449,14 +459,23 @@ def workload(args: argparse.Namespace) -> str:
     )
 
 
+def runs(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """``(variant, max_staleness)`` in run order: sync once, the others at each bound."""
+    out = [("sync", 0)] if "sync" in args.variants else []
+    return out + [(v, k) for k in args.staleness for v in args.variants if v != "sync"]
+
+
 def verdict(rows: list[dict[str, Any]]) -> str:
-    by = {r["variant"]: r for r in rows}
-    base = by.get("batch")
-    best = next((by[v] for v in ("stream+recompute", "stream+keep", "stream") if v in by), None)
-    if base is None or best is None:
-        return ""
-    return (f"{best['variant']}: {best['tokens_s'] / base['tokens_s']:.2f}x the tokens/s of batch one-step overlap "
-            "(target ≥ 1.5x for streaming + partial rollout).")
+    lines = []
+    for k in sorted({r["k"] for r in rows if r["k"] > 0}):
+        by = {r["variant"]: r for r in rows if r["k"] == k}
+        base = by.get("batch")
+        best = next((by[v] for v in ("stream+recompute", "stream+keep", "stream") if v in by), None)
+        if base is None or best is None:
+            continue
+        lines.append(f"max_staleness={k}: {best['variant']} {best['tokens_s'] / base['tokens_s']:.2f}x the tokens/s of "
+                     "batch overlap (target ≥ 1.5x for streaming + partial rollout).")
+    return " ".join(lines)
 
 
 if __name__ == "__main__":

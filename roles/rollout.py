@@ -788,12 +788,12 @@ class RolloutWorker(Worker):
             gate.set()
 
     async def _load_and_commit(self, version: int, state: dict[str, torch.Tensor], handle: Any,
-                               expected_checksums: dict[str, str] | None) -> bool:
+                               expected_checksums: dict[str, str] | None, *, paused: bool = False) -> bool:
         """Transfer `state` into the engine, verify it if asked, publish `version`; returns whether it
-        verified checksums."""
+        verified checksums. `paused`: the caller already holds the engine paused (partial rollout)."""
         verify = self.config.verify_checksums or expected_checksums is not None
         self._rolled_back = False
-        await self._engine_load(state)
+        await self._engine_load(state, paused=paused)
         # commit (verify first)
         if verify:
             got = await self._engine_checksum()
@@ -801,7 +801,7 @@ class RolloutWorker(Worker):
             bad = sorted(k for k in want if got.get(k) != want[k])
             if bad or set(want) != set(got):
                 if self.config.verify_checksums:  # roll back to the last verified weights
-                    await self._engine_load(self._committed or self._initial_state)
+                    await self._engine_load(self._committed or self._initial_state, paused=paused)
                     self._rolled_back = True
                     outcome = f"rolled back to version {self._version}"
                 else:
@@ -835,7 +835,7 @@ class RolloutWorker(Worker):
                 await asyncio.wait(tasks)
             async with self._engine_paused() as paused:
                 try:
-                    verify = await self._load_and_commit(version, state, handle, expected_checksums)
+                    verify = await self._load_and_commit(version, state, handle, expected_checksums, paused=True)
                 except BaseException as e:
                     if not self._rolled_back:  # a verified rollback restored the weights: requests continue
                         self._needs_weights = True  # a sync of any version >= the current one restores them
@@ -894,9 +894,11 @@ class RolloutWorker(Worker):
             out.update(asdict(stats) if not isinstance(stats, dict) else stats)
         return out
 
-    async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
+    async def _engine_load(self, state: dict[str, torch.Tensor], *, paused: bool = False) -> None:
         # at a round boundary of the request-level engine: a round's tokens all come from one version
-        async with self._batcher.paused() if self._batcher is not None else contextlib.nullcontext():
+        # (`paused`: the caller holds the batcher's pause already; its lock is not reentrant)
+        hold = self._batcher is not None and not paused
+        async with self._batcher.paused() if hold else contextlib.nullcontext():
             aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
             if aload is not None:
                 await aload(state.items())

@@ -32,7 +32,7 @@ from typing import Any
 
 from asyncrl.pipelines.configlib import ConfigError
 
-__all__ = ["StreamConfig", "Admission", "AdmissionStats", "check_stream", "groups_in_flight"]
+__all__ = ["Admission", "AdmissionStats", "StreamConfig", "check_stream", "groups_in_flight"]
 
 
 @dataclass(kw_only=True)

@@ -4,12 +4,11 @@ the step's per-trajectory version metrics (pure functions of TensorDicts; the
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-from tensordict import TensorDict, TensorDictBase
-
 from asyncrl.pipelines.sampling import select_groups
+from tensordict import TensorDict, TensorDictBase
 
 __all__ = ["concat_groups", "version_stats"]
 

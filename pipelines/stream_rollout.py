@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
-
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
 from asyncrl.pipelines.configlib import ConfigError
@@ -78,12 +77,14 @@ class _Attempt:
 class StreamRollout:
     """Keeps prompt groups in flight and hands each step its first finished groups (see the module)."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: Trainer) -> None:
         if trainer.journal.replaying:
             raise ConfigError("replaying a journal (asyncrl replay) is not supported with trainer.rollout_mode=stream "
                               "yet (it needs the engine's round schedule); replay a rollout_mode=batch run")
         self._trainer = trainer
         self._attempt: _Attempt | None = None
+        self.regenerated = 0
+        """Group calls issued again after a rollout-pool fault (over the whole run)."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class StreamRollout:
                 break
             except Exception as e:
                 await self._recover(a, e, epoch)
+                self.regenerated += 1
                 await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
         a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), time.perf_counter() - t0)
         a.admission.finish(g)
@@ -206,8 +208,10 @@ class StreamRollout:
         a = self._attempt
         assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
         while (got := a.admission.take()) is None:
+            if a.admission.dropped_groups:
+                await self._notify()  # drop_stale: the dropped groups' room may be admitted again
             seen = a.finishes
-            await s.wait_for(lambda: a.finishes != seen)
+            await s.wait_for(lambda seen=seen: a.finishes != seen)
         chosen, dropped = got
         await self._notify()  # admission may go on
         for g in dropped:

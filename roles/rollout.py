@@ -134,9 +134,9 @@ class RolloutConfig:
                              "or partial_rollout='off' with 'abort'")
         modes = partial_rollout_modes(self.engine)
         if modes is not None and mode not in modes:
-            raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it supports "
-                             f"{list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or partial_rollout='off'"
-                             " (an engine declares its modes in a partial_rollout_modes attribute)")
+            raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it "
+                             f"supports {list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or "
+                             "partial_rollout='off' (an engine declares its modes in a partial_rollout_modes attribute)")
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -418,6 +418,14 @@ class RolloutWorker(Worker):
 
             return request
 
+        arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
+        if arequest is not None:
+            async def versioned(ids: list[int], params: SamplingParams) -> Generation:
+                self._check_weights()
+                return await arequest(ids, params, version_fn=lambda: self._version)
+
+            return versioned
+
         async def submit(ids: list[int], params: SamplingParams) -> Generation:
             version = self._version
             c = (await self.engine.generate([ids], params))[0]
@@ -493,8 +501,10 @@ class RolloutWorker(Worker):
                                 temperature: float | None = None, seed: int | None = None) -> TensorDict:
         """Like :meth:`generate`, with every row an independent request of the request-level engine
         (:meth:`_request_engine`), so many concurrent calls (streaming rollout: one per prompt group)
-        share its decoding rounds. Not waited for by weight updates: an update lands at a round
-        boundary and the rows decode on under the new weights (each token records its version).
+        share its decoding rounds. Like episodes, a call counts among the request-level generations
+        a weight update handles: with ``partial_rollout="off"`` an update waits for it (its rows keep
+        one version); with ``"keep"``/``"recompute"`` the update reaches its rows in flight without
+        waiting and they decode on under the new weights (each token records its version).
 
         Returns the layout of :meth:`generate` plus ``token_versions`` (``[B, R]``: each generated
         token's weight version, -1 past the response); ``version`` is a row's first token's version.
@@ -514,7 +524,14 @@ class RolloutWorker(Worker):
             h = hashlib.sha256(f"{self.config.seed}|{seed}|{offset + i}|{prompts[i]}".encode())
             return int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF
 
-        gens = await asyncio.gather(*(submit(p, replace(base, seed=row_seed(i))) for i, p in enumerate(prompts)))
+        me = asyncio.current_task()
+        if me is not None:
+            self._episode_tasks.add(me)  # what a weight update waits for (partial_rollout="off") or reaches
+        try:
+            gens = await asyncio.gather(*(submit(p, replace(base, seed=row_seed(i))) for i, p in enumerate(prompts)))
+        finally:
+            if me is not None:
+                self._episode_tasks.discard(me)
         n, pad = len(prompts), int(self.tokenizer.pad_token_id)
         resp = torch.full((n, R), pad, dtype=torch.long)
         rmask = torch.zeros((n, R), dtype=torch.long)
@@ -788,12 +805,12 @@ class RolloutWorker(Worker):
             gate.set()
 
     async def _load_and_commit(self, version: int, state: dict[str, torch.Tensor], handle: Any,
-                               expected_checksums: dict[str, str] | None, *, paused: bool = False) -> bool:
+                               expected_checksums: dict[str, str] | None) -> bool:
         """Transfer `state` into the engine, verify it if asked, publish `version`; returns whether it
-        verified checksums. `paused`: the caller already holds the engine paused (partial rollout)."""
+        verified checksums."""
         verify = self.config.verify_checksums or expected_checksums is not None
         self._rolled_back = False
-        await self._engine_load(state, paused=paused)
+        await self._engine_load(state)
         # commit (verify first)
         if verify:
             got = await self._engine_checksum()
@@ -801,7 +818,7 @@ class RolloutWorker(Worker):
             bad = sorted(k for k in want if got.get(k) != want[k])
             if bad or set(want) != set(got):
                 if self.config.verify_checksums:  # roll back to the last verified weights
-                    await self._engine_load(self._committed or self._initial_state, paused=paused)
+                    await self._engine_load(self._committed or self._initial_state)
                     self._rolled_back = True
                     outcome = f"rolled back to version {self._version}"
                 else:
@@ -835,7 +852,7 @@ class RolloutWorker(Worker):
                 await asyncio.wait(tasks)
             async with self._engine_paused() as paused:
                 try:
-                    verify = await self._load_and_commit(version, state, handle, expected_checksums, paused=True)
+                    verify = await self._load_and_commit(version, state, handle, expected_checksums)
                 except BaseException as e:
                     if not self._rolled_back:  # a verified rollback restored the weights: requests continue
                         self._needs_weights = True  # a sync of any version >= the current one restores them
@@ -894,16 +911,12 @@ class RolloutWorker(Worker):
             out.update(asdict(stats) if not isinstance(stats, dict) else stats)
         return out
 
-    async def _engine_load(self, state: dict[str, torch.Tensor], *, paused: bool = False) -> None:
-        # at a round boundary of the request-level engine: a round's tokens all come from one version
-        # (`paused`: the caller holds the batcher's pause already; its lock is not reentrant)
-        hold = self._batcher is not None and not paused
-        async with self._batcher.paused() if hold else contextlib.nullcontext():
-            aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
-            if aload is not None:
-                await aload(state.items())
-            else:
-                await asyncio.to_thread(self.engine.load_weights, state.items())
+    async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
+        aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
+        if aload is not None:
+            await aload(state.items())
+        else:
+            await asyncio.to_thread(self.engine.load_weights, state.items())
 
     async def _engine_checksum(self) -> dict[str, str]:
         achecksum = getattr(self.engine, "aweights_checksum", None)

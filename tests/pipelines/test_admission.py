@@ -5,10 +5,9 @@ nothing is dropped, and a step never waits when the groups it needs have finishe
 from __future__ import annotations
 
 import pytest
+from asyncrl.pipelines.admission import Admission
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from asyncrl.pipelines.admission import Admission
 
 
 def test_admission_pauses_at_the_bound_and_resumes_after_a_step():

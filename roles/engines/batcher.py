@@ -393,7 +393,7 @@ class RequestBatcher:
         eng, dev, B = self.engine, self.engine.device, len(batch)
         done, budget = rnd.done, rnd.budget
         partial = self.partial_rollout != "off"
-        while rnd.step < max(budget):
+        while rnd.step < max(budget) and not all(done):  # (all done: every request was cancelled in a pause)
             if self._abort.is_set():
                 return rnd, False
             if steps is not None:

@@ -380,5 +380,72 @@ async def test_a_partial_rollout_update_on_ray_does_not_wait_for_episodes_and_re
     for row in range(tv.shape[0]):
         versions = tv[row][m[row]].tolist()
         assert versions == sorted(versions) and set(versions) <= {0, 1}
-    assert sum(stats["tokens_per_version"].values()) == int(m.sum())
+    assert sum(stats["tokens_per_version"].values()) == int(m.sum()) and stats["trajectories"] == 4
+    spanning = sum(len(set(tv[r][m[r]].tolist())) > 1 for r in range(tv.shape[0]))
+    assert stats["spanning_trajectories"] == spanning
     assert [u["version"] for u in stats["updates"]] == [1] and stats["version"] == 1
+
+
+async def test_a_stop_signal_during_a_partial_update_finishes_the_load_then_stops(model_config):
+    """Cancelling ``update_weights`` while its tensors are being copied: the engine stays paused until the load
+    ends, the version is published with the weights, then the update raises ``CancelledError``; the requests
+    in flight continue under the new version (never on half-loaded weights or under the old label)."""
+    rollout = RolloutWorker(model_config, RolloutConfig(max_new_tokens=12, partial_rollout="recompute"))
+    loading, go_on = threading.Event(), threading.Event()
+
+    def pre_hook(module: Any, state_dict: Any, prefix: str, *args: Any) -> None:
+        if prefix == "":
+            loading.set()
+            assert go_on.wait(30)
+
+    hook = rollout.model.register_load_state_dict_pre_hook(pre_hook)
+    update: list[asyncio.Future[Any]] = []
+
+    async def start() -> None:
+        update.append(asyncio.ensure_future(rollout.update_weights((1, perturbed(rollout.model, 1)))))
+
+    submit = rollout._request_engine()
+    at, started = update_at_forwards(rollout.model, {3: start}, rollout._batcher._interrupt)
+    tok = rollout.tokenizer
+    try:
+        req = asyncio.ensure_future(submit(tok.encode("say hello"), SamplingParams(max_new_tokens=8, seed=2)))
+        assert await asyncio.to_thread(loading.wait, 30)  # the load thread is copying tensors
+        update[0].cancel()
+        await asyncio.sleep(0)
+        assert not update[0].done()  # held until the load ends
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await update[0]
+        g = await req
+    finally:
+        hook.remove()
+        at.remove()
+        go_on.set()
+        await rollout._batcher.aclose()
+    assert rollout.version == 1 and rollout.statistics()["updates"][0]["version"] == 1
+    assert g.versions == [0] * 3 + [1] * (len(g.versions) - 3) and len(g.versions) > 3
+
+
+async def test_a_checksum_mismatch_rolls_back_and_the_requests_in_flight_continue_on_the_old_weights(model_config):
+    rollout = RolloutWorker(model_config, RolloutConfig(max_new_tokens=12, partial_rollout="keep",
+                                                        verify_checksums=True))
+    weights = perturbed(rollout.model, 1)
+    wrong = {k: "0" * 16 for k in weights}
+
+    async def update() -> dict[str, Any]:
+        return await rollout.update_weights((1, weights), expected_checksums=wrong)
+
+    submit = rollout._request_engine()
+    at, started = update_at_forwards(rollout.model, {3: update}, rollout._batcher._interrupt)
+    tok = rollout.tokenizer
+    prompt, params = tok.encode("say hello"), SamplingParams(max_new_tokens=8, seed=12)
+    try:
+        g = await submit(prompt, params)
+        with pytest.raises(WeightSyncError, match="checksum mismatch after loading version 1 .* rolled back to version 0"):
+            await asyncio.wrap_future(started[0])
+    finally:
+        at.remove()
+        await rollout._batcher.aclose()
+    assert rollout.version == 0 and rollout.statistics()["updates"] == []
+    ref = (await rollout.engine.generate([prompt], params))[0]  # the rolled-back weights are the initial ones
+    assert g.response_ids == ref.response_ids and g.versions == [0] * len(g.response_ids)

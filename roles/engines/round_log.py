@@ -1,0 +1,154 @@
+"""The request batcher's round log, and the batcher that replays it bit for bit.
+
+A streaming partial-rollout run decodes each request in rounds whose composition depends on
+timing: which requests were pending, where a weight update interrupted a round. The float
+results of a forward pass depend on its batch (shape, padding, row order), so regenerating the
+same tokens needs the same rounds. :class:`~.batcher.RequestBatcher` with ``record_rounds=True``
+writes one :class:`RoundRecord` per round; :class:`ReplayBatcher` runs exactly those rounds::
+
+    record:  RequestBatcher(engine, record_rounds=True)      generate(prompt, params, key="step3/g7/0")
+             log = [r.to_dict() for r in batcher.round_log()]   (JSON; the journal keeps it)
+    replay:  ReplayBatcher(engine, [RoundRecord.from_dict(d) for d in log])
+             generate(prompt, params, key="step3/g7/0")   same keys, same params (seeds), any order
+
+The replay forms each recorded round from its keys in the recorded batch order (waiting until
+they are all submitted), runs each segment for its recorded number of decode steps under its
+recorded version, and holds a pause (a weight update) until the next segment needs a newer
+version -- so the caller performs the same updates in the same order and they land where they
+landed. Requests sample from their own seeded generators, so the tokens, log-probs and versions
+come out bit-identical (same machine, same thread count; tested on CPU).
+
+Failure cases (each raises, never hangs):
+
+1. a request whose key is not in the log: ``ValueError`` at submission;
+2. the weights are already newer than a segment's recorded version (updates out of order or
+   missing): every request of that round fails with :class:`ReplayDivergedError`.
+
+Not recorded: cancellations (a cancelled request's round mates decode on as recorded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import RolesError
+from .batcher import RequestBatcher, _Request, _Round
+
+__all__ = ["RoundRecord", "ReplayBatcher", "ReplayDivergedError"]
+
+
+class ReplayDivergedError(RolesError, RuntimeError):
+    """Raised when a replay meets weights newer than the recorded round needs (updates out of order)."""
+
+
+@dataclass
+class RoundRecord:
+    """One decoding round: which requests, in which batch order, and its segments between pauses."""
+
+    keys: list[str]
+    """The requests' keys in batch order."""
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """``(weight version, decode steps)`` of each segment; a ``keep`` pause splits a round into several."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form."""
+        return {"keys": list(self.keys), "segments": [list(s) for s in self.segments]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RoundRecord":
+        """The record :meth:`to_dict` wrote."""
+        return cls([str(k) for k in d["keys"]], [(int(v), int(n)) for v, n in d["segments"]])
+
+
+class ReplayBatcher(RequestBatcher):
+    """A :class:`~.batcher.RequestBatcher` that runs recorded rounds instead of scheduling its own.
+
+    Args:
+        engine: the HF engine (same model and initial weights as the recording).
+        rounds: the recording's :meth:`~.batcher.RequestBatcher.round_log`.
+        kwargs: as for :class:`~.batcher.RequestBatcher` (the same ``chunk_tokens``, ``version_fn``
+            and ``partial_rollout`` as the recording).
+    """
+
+    def __init__(self, engine: Any, rounds: list[RoundRecord], **kwargs: Any) -> None:
+        super().__init__(engine, **kwargs)
+        self._script = list(rounds)
+        self._known = {k for r in self._script for k in r.keys}
+        self._by_key: dict[str, _Request] = {}
+        self._grants: asyncio.Semaphore | None = None  # one per weight update the script needs now
+        self._pause_ended: asyncio.Event | None = None
+        self._script_done = False
+
+    def _key(self, key: str | None) -> str:
+        if key is None or str(key) not in self._known:
+            raise ValueError(f"request key {key!r} is not in the replayed round log; replay the recorded requests "
+                             "with the keys they were recorded under")
+        return str(key)
+
+    async def aclose(self) -> None:
+        """Stop the replay; every request submitted and not finished is cancelled."""
+        self._waiting += [r for r in self._by_key.values() if r not in self._waiting]
+        await super().aclose()
+
+    def _rounds_to_replay(self) -> list[Any] | None:
+        return self._script
+
+    def _events(self) -> tuple[asyncio.Semaphore, asyncio.Event]:
+        if self._grants is None or self._pause_ended is None:
+            self._grants, self._pause_ended = asyncio.Semaphore(0), asyncio.Event()
+        return self._grants, self._pause_ended
+
+    async def _pause_point(self) -> None:
+        grants, _ = self._events()
+        if self._script_done:
+            return
+        await grants.acquire()  # the driver grants one pause per update the next segment needs
+        if self._script_done:
+            grants.release()  # wake the next waiting pause too
+
+    def _paused_done(self) -> None:
+        _, ended = self._events()
+        ended.set()
+
+    async def _drive(self) -> None:
+        assert self._wakeup is not None
+        lock = self._lock()
+        grants, ended = self._events()
+        for rec in self._script:
+            while not all(k in self._by_key for k in rec.keys):
+                self._by_key.update({r.key: r for r in self._waiting})
+                self._waiting.clear()
+                if all(k in self._by_key for k in rec.keys):
+                    break
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            batch = [self._by_key[k] for k in rec.keys]
+            self._active = batch
+            rnd: _Round | None = None
+            try:
+                for version, steps in rec.segments:
+                    while int(self.version_fn()) < version:  # the next weight update lands here
+                        ended.clear()
+                        grants.release()
+                        await ended.wait()
+                    if int(self.version_fn()) > version:
+                        raise ReplayDivergedError(
+                            f"the replayed round of {rec.keys[:3]}... ran under version {version} but the weights "
+                            f"are at version {int(self.version_fn())}; perform the recorded updates in order")
+                    async with lock:
+                        if rnd is not None:
+                            for b, r in enumerate(batch):
+                                rnd.done[b] = rnd.done[b] or r.future.done()
+                        rnd, _ = await asyncio.to_thread(self._segment, batch, rnd, version, steps)
+            except Exception as e:
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+                continue
+            assert rnd is not None
+            self._finish_round(rnd)
+        self._active = []
+        self._script_done = True  # later pauses need not wait for the script
+        grants.release()

@@ -18,14 +18,15 @@ a finish reason) and models what decides a schedule's speed on a GPU:
   ``catchup_ms`` behind) rather than added to every later step.
 
 Weight updates follow the rollout worker's protocol for request-level generation
-(``RolloutConfig.partial_rollout``, docs/partial_rollout.md). Without partial rollout a load
-(:meth:`aload_weights`) waits for the end of the running *round* of ``round_steps`` decoding
-steps (the request-level HF engine's chunk boundary) and the requests in flight then re-prefill
-prompt + tokens so far (``prefill_ms``, once for all of them). With partial rollout the worker
+(``RolloutConfig.partial_rollout``, docs/partial_rollout.md). Without partial rollout the worker
+waits for the generations in flight, so the engine loads idle; a load that does arrive with
+requests in flight (:meth:`aload_weights`) waits for the end of the running *round* of
+``round_steps`` decoding steps and the requests then re-prefill prompt + tokens so far
+(``prefill_ms``, once for all of them). With partial rollout the worker
 holds the engine with :meth:`apaused` after its current decoding step and loads inside the pause;
 ``recompute`` then costs the re-prefill, ``keep`` decodes on (the KV cache kept). A load costs
-``load_ms``. Tokens carry the version the worker stamps at submission (the engine does not know
-version numbers). :meth:`statistics` counts steps, the decode slots used, tokens and the peak
+``load_ms``. With partial rollout the worker submits through :meth:`agenerate_request`, and each
+token records the worker's weight version at the step that produced it. :meth:`statistics` counts steps, the decode slots used, tokens and the peak
 requests in flight, which a benchmark turns into the engine's idle fraction:
 ``1 - slots used / (max_batch_size * elapsed / step_ms)`` (:meth:`idle_between` over a window).
 """
@@ -85,14 +86,17 @@ class SimStats:
 
 
 class _Request:
-    __slots__ = ("future", "length", "max_new_tokens", "rng", "tokens")
+    __slots__ = ("future", "length", "max_new_tokens", "rng", "tokens", "version_fn", "versions")
 
-    def __init__(self, length: int, max_new_tokens: int, seed: int, future: asyncio.Future[Completion]) -> None:
+    def __init__(self, length: int, max_new_tokens: int, seed: int, future: asyncio.Future[Completion],
+                 version_fn: Callable[[], int] | None = None) -> None:
         self.length = length
         self.max_new_tokens = max_new_tokens
         self.rng = random.Random(seed ^ 0x5EED)
         self.tokens: list[int] = []
         self.future = future
+        self.version_fn = version_fn
+        self.versions: list[int] = []
 
 
 @register_engine("sim")
@@ -175,6 +179,21 @@ class SimEngine:
         finally:
             for f in pending:
                 f.cancel()  # the driver drops cancelled requests at the next step boundary
+
+    async def agenerate_request(self, prompt: list[int], params: SamplingParams, *,
+                                version_fn: Callable[[], int]) -> Any:
+        """One request's completion with the weight version of every token (``version_fn()`` read at the
+        step that produced it): a :class:`~.batcher.Generation`."""
+        from .batcher import Generation
+
+        seed = params.seed if params.seed is not None else random.getrandbits(30)
+        future = self._submit(seed, params.max_new_tokens, asyncio.get_running_loop(), version_fn)
+        try:
+            c = await future
+        finally:
+            future.cancel()
+        assert isinstance(c, Generation)
+        return c
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Take the weights at once (not used for sampling); costs ``load_ms``. The requests in flight
@@ -323,10 +342,11 @@ class SimEngine:
             self._lock = asyncio.Lock()
         return self._lock
 
-    def _submit(self, seed: int, max_new_tokens: int, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Completion]:
+    def _submit(self, seed: int, max_new_tokens: int, loop: asyncio.AbstractEventLoop,
+                version_fn: Callable[[], int] | None = None) -> asyncio.Future[Completion]:
         future: asyncio.Future[Completion] = loop.create_future()
         length = response_length(seed, max_new_tokens, self.median_tokens, self.sigma)
-        self._waiting.append(_Request(length, max_new_tokens, seed, future))
+        self._waiting.append(_Request(length, max_new_tokens, seed, future, version_fn))
         self._peak = max(self._peak, len(self._waiting) + len(self._active))
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
@@ -336,6 +356,8 @@ class SimEngine:
         return future
 
     async def _drive(self) -> None:
+        from .batcher import Generation
+
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         while True:
@@ -373,6 +395,8 @@ class SimEngine:
                 self._slots += len(batch)
                 self._log.append((time.monotonic(), len(batch)))
                 for r in batch:
+                    if r.version_fn is not None:
+                        r.versions.append(int(r.version_fn()))
                     last = len(r.tokens) + 1 == r.length
                     if last and r.length < r.max_new_tokens:
                         r.tokens.append(self.eos_id)
@@ -383,6 +407,10 @@ class SimEngine:
                         finish = "stop" if r.length < r.max_new_tokens else "length"
                         self._tokens += len(r.tokens)
                         self._requests += 1
-                        r.future.set_result(Completion(list(r.tokens), [self.log_prob] * len(r.tokens), finish))
+                        logps = [self.log_prob] * len(r.tokens)
+                        if r.version_fn is None:
+                            r.future.set_result(Completion(list(r.tokens), logps, finish))
+                        else:
+                            r.future.set_result(Generation(list(r.tokens), logps, finish, versions=list(r.versions)))
                 if self.on_step is not None:
                     self.on_step(self._steps)

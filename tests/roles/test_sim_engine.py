@@ -107,6 +107,25 @@ def test_a_partial_pause_holds_the_engine_after_its_step_and_requests_continue(m
     assert st.loads == 1 and st.load_steps == [4] and st.prefills == prefills
 
 
+def test_requests_record_the_version_of_every_token():
+    eng = _engine(max_batch_size=4, median_tokens=6.0, sigma=0.0)
+    version = [0]
+
+    async def bump():
+        async with eng.apaused("keep", deadline_s=5.0):
+            version[0] = 1
+
+    async def main():
+        tasks = _at_step(eng, {2: bump})
+        g = await eng.agenerate_request([1], SamplingParams(max_new_tokens=64, seed=0), version_fn=lambda: version[0])
+        await asyncio.gather(*tasks)
+        return g
+
+    g = asyncio.run(main())
+    assert g.versions == [0, 0, 0, 1, 1, 1]  # step 3 was running when the pause was asked for
+    assert len(g.response_ids) == len(g.log_probs) == 6
+
+
 def test_a_load_without_partial_rollout_waits_for_the_end_of_the_round():
     eng = _engine(max_batch_size=4, median_tokens=30.0, sigma=0.0, round_steps=8)
 

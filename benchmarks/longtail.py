@@ -386,8 +386,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated max_staleness bounds; every variant but sync runs at each (default 1,4; "
                         "--quick 1)")
     p.add_argument("--round-steps", type=int, default=32,
-                   help="decoding steps per engine round: without partial rollout a weight update waits for the "
-                        "running round to end (the request-level HF engine's chunk_tokens, default 32)")
+                   help="decoding steps per engine round: a load that arrives with requests in flight and no "
+                        "pause waits for the running round to end (default 32, the HF engine's chunk_tokens)")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     q = args.quick

@@ -40,6 +40,7 @@ QUICK: dict[str, tuple[str, ...]] = {  # benchmark (its script's name) -> extra 
     "offpolicy": (),
     "weight_sync": (),
     "engine_throughput": (),
+    "longtail": (),
 }
 
 

@@ -81,7 +81,8 @@ class GenerationEngine(Protocol):
 
 EngineFactory = Callable[..., GenerationEngine]
 _ENGINES: dict[str, EngineFactory] = {}
-_LAZY = {"hf": "asyncrl.roles.engines.hf", "vllm": "asyncrl.roles.engines.vllm_engine"}
+_LAZY = {"hf": "asyncrl.roles.engines.hf", "vllm": "asyncrl.roles.engines.vllm_engine",
+         "sim": "asyncrl.roles.engines.sim"}
 
 
 def register_engine(name: str, *, replace: bool = False) -> Callable[[EngineFactory], EngineFactory]:

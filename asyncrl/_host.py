@@ -19,6 +19,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
@@ -170,10 +171,16 @@ class _HostBase:
                            str(e), "".join(traceback.format_exception(e)), cause=_picklable(e))
 
     def _finish(self, spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int,
-                want_meta: bool, keep: bool, ticket: Ticket) -> Any:
+                want_meta: bool, keep: bool, ticket: Ticket, data_parallel: bool = True,
+                times: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> Any:
+        """The call's return: the result, and with `want_meta` its metadata ``(rows,
+        trailing padding rows, arrived, started, ended)``: rows and padding of a
+        data-parallel result (``(None, 0)`` for another mode, timed by the group's
+        ``time_calls``), then `times`, the host's ``time.time()`` when the call arrived,
+        when the method started (its turn and inputs there) and when it returned."""
         if not want_meta:
             return result if keep else None
-        meta = self._meta(spec, method, args, kwargs, result, pad)
+        meta = (*(self._meta(spec, method, args, kwargs, result, pad) if data_parallel else (None, 0)), *times)
         if ticket.outcome is not None:  # kept for same-process consumers (case 14 of docs/protocol.md)
             # The container as it is now, as Ray serializes it now: a worker that returns a
             # container it keeps (a buffer it refills) and changes its keys in a later call
@@ -388,6 +395,7 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
     Every wait is `waits`'s: :class:`_LoopWaits` awaits on the async host's event loop;
     :class:`_ThreadWaits` blocks the threaded host's Ray thread (never suspends, so
     :func:`_blocking` runs the coroutine to its end in one step)."""
+    arrived_at = time.time()  # the worker's times travel in the call's metadata (want_meta)
     group, rank = host._identity(role)
     lane = host._lane
     if after > lane.control.seen:  # a control message sent before this call is not handled yet
@@ -412,6 +420,7 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
             args2, kwargs2, local_pad = take_local_inputs(host._lane, spec, method, ticket, args2, kwargs2)
         pad = in_pad if in_pad is not None else input_pad(spec, method, top_pad, pipe_pad, local_pad)
         fn = getattr(host._workers[role], method)
+        started_at = time.time()
         try:
             if mspec.is_async:
                 result = await waits.run_async(ticket, fn(*args2, **kwargs2))
@@ -422,7 +431,8 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
             raise
         except Exception as e:
             raise host._method_error(spec, method, e) from None
-        return host._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
+        return host._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket,
+                            mspec.dispatch_mode.data_parallel, (arrived_at, started_at, time.time()))
     except BaseException as e:
         host._failed(ticket, e)
         raise

@@ -60,7 +60,7 @@ class _Call:
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_timer", "_fut", "_fetch", "_error", "_completed", "_watching", "_failure", "_loop",
-        "timing", "_times",
+        "timing", "times",
         "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of docs/protocol.md)
     )
 
@@ -80,8 +80,8 @@ class _Call:
         self.ranks = ranks
         self.refs = refs
         self.metas = metas
-        self.timing = metas  # the metadata refs that carry the workers' times (see worker_times)
-        self._times: Any = None  # None, then False while peeking, then the times per rank
+        self.timing = metas  # the metadata refs that carry the workers' times (GroupFuture.worker_times)
+        self.times: Any = None  # None, then False while reading them, then the times per rank
         self.entries = entries
         self.world = world
         mode = spec.dispatch_mode
@@ -167,25 +167,6 @@ class _Call:
         if not self._watching:
             self._watching = True
             self.backend.watch(self.refs, self._mark_completed)
-
-    def worker_times(self) -> "list[tuple[float, float, float] | None] | None":
-        """Per executing rank, ``(arrived, started, ended)`` as the worker's ``time.time()``
-        (None for a rank whose call failed); None while they have not reached the
-        controller, or for a call without metadata. The first call starts reading the
-        metadata refs the task replies carry (the backend's `peek`: no event-loop
-        wake-up, no extra round-trip)."""
-        if self.timing is None:
-            return None
-        if self._times is None:
-            self._times = False
-            try:
-                self.backend.peek(self.timing, self._got_times)
-            except Exception:  # noqa: BLE001 - a backend shut down: no times, ever
-                self._times = [None] * len(self.timing)
-        return self._times or None
-
-    def _got_times(self, values: list[Any]) -> None:  # any thread
-        self._times = [tuple(m[2:5]) if isinstance(m, tuple) and len(m) >= 5 else None for m in values]
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call `fn()` on the running loop once `is_done()` turns true (see GroupFuture)."""

@@ -150,8 +150,22 @@ class GroupFuture(Generic[T]):
         its pipelined inputs) and when it returned; None for a rank whose call failed.
         None while the times have not reached the controller, or when the call is not
         :attr:`timed`. Never blocks and never wakes the event loop: the times travel in
-        the call's metadata, which each task's reply carries (no extra round-trip)."""
-        return self._call.worker_times()
+        the call's metadata, which each task's reply carries (no extra round-trip): the
+        first call starts reading those refs (the backend's ``peek``)."""
+        call = self._call
+        if call.timing is None:
+            return None
+        if call.times is None:
+            call.times = False
+
+            def got(values: list[Any]) -> None:  # any thread
+                call.times = [tuple(m[2:5]) if isinstance(m, tuple) and len(m) >= 5 else None for m in values]
+
+            try:
+                call.backend.peek(call.timing, got)
+            except Exception:  # noqa: BLE001 - a backend shut down: no times, ever
+                call.times = [None] * len(call.timing)
+        return call.times or None
 
     @property
     def worker_group(self) -> Any:

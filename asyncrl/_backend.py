@@ -197,6 +197,11 @@ class Backend(Protocol):
     def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
         """Call `callback` (from any thread) once every ref has completed; never fetches."""
 
+    def peek(self, refs: Sequence[Any], callback: Callable[[list[Any]], None]) -> None:
+        """Call ``callback(values)`` (from any thread, never waking the event loop) once
+        every ref has completed: its value, or its error object. For small objects the
+        controller holds already (a call's metadata); never blocks."""
+
     async def kill(self, hosts: Sequence[Any]) -> None: ...
 
     async def place(self, pool: Any) -> tuple[list[Slot], list[Any]]: ...

@@ -60,6 +60,7 @@ class _Call:
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_timer", "_fut", "_fetch", "_error", "_completed", "_watching", "_failure", "_loop",
+        "timing", "times",
         "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of docs/protocol.md)
     )
 
@@ -79,6 +80,8 @@ class _Call:
         self.ranks = ranks
         self.refs = refs
         self.metas = metas
+        self.timing = metas  # the metadata refs that carry the workers' times (GroupFuture.worker_times)
+        self.times: Any = None  # None, then False while reading them, then the times per rank
         self.entries = entries
         self.world = world
         mode = spec.dispatch_mode
@@ -414,7 +417,7 @@ class _Call:
             values = got[:len(self.collect_index)]
             if self.fetch_metas:
                 m = len(self.fetch_metas)
-                for j, (_, pad) in zip(self.fetch_metas, got[len(got) - m:]):
+                for j, (_, pad, *_t) in zip(self.fetch_metas, got[len(got) - m:]):
                     values[j] = B.strip_tail(values[j], pad)
             value = self._collect(values)
         except BaseException as err:  # noqa: BLE001 - a collect function's error, handed to every awaiter
@@ -463,7 +466,7 @@ class _Call:
             values.append(value)
         n = len(self.refs)
         payloads = [values[i] for i in self.collect_index]
-        for j, (_, pad) in zip(self.fetch_metas, values[n:]):
+        for j, (_, pad, *_t) in zip(self.fetch_metas, values[n:]):
             payloads[j] = B.strip_tail(payloads[j], pad)
         value = self._collect(payloads)
         self._succeeded()  # (from the caller's thread: plain flags, read later by issuing calls)
@@ -473,7 +476,7 @@ class _Call:
         async def one(i: int) -> tuple[int, Any]:
             value = await self._wait(self.collect_index[i], self.collect_refs[i])
             if i in self.fetch_metas:
-                _, pad = await self._wait(self.collect_index[i], self.collect_metas[i])  # type: ignore[index]
+                _, pad, *_t = await self._wait(self.collect_index[i], self.collect_metas[i])  # type: ignore[index]
                 value = B.strip_tail(value, pad)
             self.site.stats.results_fetched += 1
             self.site.stats.bytes_fetched += B.payload_nbytes(value)

@@ -217,7 +217,7 @@ async def resolve_value(d: DeferredValue, wait: Awaiter) -> Any:
     outs = await asyncio.gather(*(wait(r) for r in s.refs))
     if s.data_parallel:
         metas = await asyncio.gather(*(wait(m) for m in s.metas))  # type: ignore[union-attr]
-        outs = [B.strip_tail(o, pad) for o, (_, pad) in zip(outs, metas)]
+        outs = [B.strip_tail(o, m[1]) for o, m in zip(outs, metas)]
     assert s.collect is not None  # a Source always carries its producer's collect
     return _select(s.collect(s.world, list(outs)), s.select, s)
 
@@ -234,7 +234,7 @@ async def resolve_shard(d: DeferredShard, wait: Awaiter) -> tuple[Any, int]:
         out, meta = await asyncio.gather(wait(s.refs[d.index]), wait(s.metas[d.index]))  # type: ignore[index]
         return _select(out, s.select, s), int(meta[1])
     metas = await asyncio.gather(*(wait(m) for m in s.metas))  # type: ignore[union-attr]
-    valid = [rows - pad for rows, pad in metas]
+    valid = [m[0] - m[1] for m in metas]
     total = sum(valid)
     _, plan, pads = B.shard_plan(total, d.count)
     wanted = plan[d.index]

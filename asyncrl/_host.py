@@ -19,6 +19,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
@@ -26,8 +27,8 @@ from typing import Any, Awaitable, Callable, Coroutine
 from asyncrl import batch as B
 from asyncrl._deferred import (has_deferred, has_local, input_pad, resolve_on_worker, shallow, take_local_inputs,
                                take_top_inputs)
-from asyncrl._lanes import NEVER_RAN, CallCancelled, Lane, OrderedThread, Ticket
-from asyncrl._thread_lane import LoopCall, ThreadLane
+from asyncrl._lanes import NEVER_RAN, Lane, LoopWaits, OrderedThread, Ticket
+from asyncrl._thread_lane import ThreadLane, ThreadWaits
 from asyncrl._wire import Payload, arrived
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
@@ -47,10 +48,6 @@ class RoleSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-CONTROL_WAIT = 60.0
-"""Seconds a call waits at most for a control message sent before it (case 16 of
-docs/protocol.md); the control thread handles each one in microseconds, so
-only a process that is going away reaches it (then the call goes on, with a warning)."""
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -170,10 +167,16 @@ class _HostBase:
                            str(e), "".join(traceback.format_exception(e)), cause=_picklable(e))
 
     def _finish(self, spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int,
-                want_meta: bool, keep: bool, ticket: Ticket) -> Any:
+                want_meta: bool, keep: bool, ticket: Ticket, data_parallel: bool = True,
+                times: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> Any:
+        """The call's return: the result, and with `want_meta` its metadata ``(rows,
+        trailing padding rows, arrived, started, ended)``: rows and padding of a
+        data-parallel result (``(None, 0)`` for another mode, timed by the group's
+        ``time_calls``), then `times`, the host's ``time.time()`` when the call arrived,
+        when the method started (its turn and inputs there) and when it returned."""
         if not want_meta:
             return result if keep else None
-        meta = self._meta(spec, method, args, kwargs, result, pad)
+        meta = (*(self._meta(spec, method, args, kwargs, result, pad) if data_parallel else (None, 0)), *times)
         if ticket.outcome is not None:  # kept for same-process consumers (case 14 of docs/protocol.md)
             # The container as it is now, as Ray serializes it now: a worker that returns a
             # container it keeps (a buffer it refills) and changes its keys in a later call
@@ -229,7 +232,7 @@ class WorkerHost(_HostBase):
         super().__init__(Lane(), local)
         self._wait = wait or _await_plain
         self._thread = OrderedThread()  # runs the constructors and every plain def method
-        self._waits = _LoopWaits(self._lane, self._thread)
+        self._waits = LoopWaits(self._lane, self._thread)
 
     def host_kind(self) -> str:
         return "async"
@@ -302,7 +305,7 @@ class ThreadedHost(_HostBase):
         self._wait = wait or _await_plain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
-        self._waits = _ThreadWaits(self._lane, self._event_loop)  # type: ignore[arg-type]
+        self._waits = ThreadWaits(self._lane, self._event_loop)  # type: ignore[arg-type]
 
     def host_kind(self) -> str:
         return "threaded"
@@ -379,15 +382,16 @@ class ThreadedHost(_HostBase):
 # ---- the call: one template, two ways of waiting --------------------------------------------
 
 
-async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: str, method: str, seq: int | None,
+async def _run_call(host: _HostBase, waits: "LoopWaits | ThreadWaits", role: str, method: str, seq: int | None,
                     call_id: int, payload: "Payload | list[Any]", in_pad: int | None, want_meta: bool, keep: bool,
                     after: int, top: tuple[Any, ...], pinned: bool) -> Any:
     """The steps of one call on a host, for both host kinds: wait for the control messages
     sent before it (case 16), arrive in the lane, start fetching its pipelined inputs, wait
     for its turn (ordered calls), take its same-process inputs, run the method, report.
-    Every wait is `waits`'s: :class:`_LoopWaits` awaits on the async host's event loop;
-    :class:`_ThreadWaits` blocks the threaded host's Ray thread (never suspends, so
+    Every wait is `waits`'s: :class:`LoopWaits` awaits on the async host's event loop;
+    :class:`ThreadWaits` blocks the threaded host's Ray thread (never suspends, so
     :func:`_blocking` runs the coroutine to its end in one step)."""
+    arrived_at = time.time()  # the worker's times travel in the call's metadata (want_meta)
     group, rank = host._identity(role)
     lane = host._lane
     if after > lane.control.seen:  # a control message sent before this call is not handled yet
@@ -412,6 +416,7 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
             args2, kwargs2, local_pad = take_local_inputs(host._lane, spec, method, ticket, args2, kwargs2)
         pad = in_pad if in_pad is not None else input_pad(spec, method, top_pad, pipe_pad, local_pad)
         fn = getattr(host._workers[role], method)
+        started_at = time.time()
         try:
             if mspec.is_async:
                 result = await waits.run_async(ticket, fn(*args2, **kwargs2))
@@ -422,7 +427,8 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
             raise
         except Exception as e:
             raise host._method_error(spec, method, e) from None
-        return host._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket)
+        return host._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket,
+                            mspec.dispatch_mode.data_parallel, (arrived_at, started_at, time.time()))
     except BaseException as e:
         host._failed(ticket, e)
         raise
@@ -430,75 +436,6 @@ async def _run_call(host: _HostBase, waits: "_LoopWaits | _ThreadWaits", role: s
         if resolving is not None:
             waits.stop(resolving)
         lane.leave(ticket)
-
-
-class _LoopWaits:
-    """The async host's waits (:class:`WorkerHost`): each one awaits on the process's event loop."""
-
-    cancelled: type[BaseException] = asyncio.CancelledError
-
-    def __init__(self, lane: Lane, thread: "OrderedThread") -> None:
-        self._lane = lane
-        self._thread = thread
-
-    async def control(self, after: int) -> None:
-        await self._lane.control.wait_async(after, CONTROL_WAIT)
-
-    def start(self, ticket: Ticket, coro: Any) -> "asyncio.Future[Any]":
-        return asyncio.ensure_future(coro)
-
-    async def turn(self, ticket: Ticket, pinned: bool) -> None:
-        await self._lane.turn(ticket)
-
-    async def resolved(self, resolving: "asyncio.Future[Any]") -> Any:
-        return await resolving
-
-    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
-        return await coro
-
-    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
-        return await self._lane.run_thread(ticket, run, self._thread)
-
-    @staticmethod
-    def stop(resolving: "asyncio.Future[Any]") -> None:
-        if not resolving.done():
-            resolving.cancel()
-
-
-class _ThreadWaits:
-    """The threaded host's waits (:class:`ThreadedHost`): each one blocks the call's Ray
-    thread (``async def`` only to share :func:`_run_call`; none of them suspends)."""
-
-    cancelled: type[BaseException] = CallCancelled
-
-    def __init__(self, lane: ThreadLane, loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
-        self._lane = lane
-        self._loop = loop  # the host's own event loop, started at its first use
-
-    async def control(self, after: int) -> None:
-        self._lane.control.wait(after, CONTROL_WAIT)
-
-    def start(self, ticket: Ticket, coro: Any) -> LoopCall:
-        return self._lane.start_on_loop(ticket, coro, self._loop())
-
-    async def turn(self, ticket: Ticket, pinned: bool) -> None:
-        self._lane.wait_turn(ticket, serve=pinned)
-
-    async def resolved(self, resolving: LoopCall) -> Any:
-        return self._lane.wait_loop(resolving)
-
-    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
-        return self._lane.run_on_loop(ticket, coro, self._loop())
-
-    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
-        if pinned:
-            return self._lane.run_pinned(ticket, run)
-        return self._lane.run_in_thread(ticket, run, self._lane)
-
-    @staticmethod
-    def stop(resolving: LoopCall) -> None:
-        if not resolving.finished:
-            resolving.cancel()
 
 
 def _blocking(coro: Coroutine[Any, Any, Any]) -> Any:

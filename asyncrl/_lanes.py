@@ -29,7 +29,8 @@ from asyncrl.errors import LaneWedgedError
 if TYPE_CHECKING:
     from asyncrl._backend import Wedge
 
-__all__ = ["Lane", "ControlOrder", "Ticket", "CallCancelled", "NEVER_RAN", "OrderedThread", "outcome_of"]
+__all__ = ["Lane", "ControlOrder", "Ticket", "CallCancelled", "NEVER_RAN", "OrderedThread", "outcome_of", "LoopWaits",
+           "CONTROL_WAIT"]
 
 log = structlog.get_logger("asyncrl")
 
@@ -410,3 +411,43 @@ def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
         fut.set_result(value)
     else:
         fut.set_exception(value)
+
+
+CONTROL_WAIT = 60.0
+"""Seconds a call waits at most for a control message sent before it (case 16 of
+docs/protocol.md); the control thread handles each one in microseconds, so
+only a process that is going away reaches it (then the call goes on, with a warning)."""
+
+
+class LoopWaits:
+    """The async host's way of waiting in the one call template (``asyncrl._host._run_call``):
+    each wait awaits on the process's event loop, through this lane."""
+
+    cancelled: type[BaseException] = asyncio.CancelledError
+
+    def __init__(self, lane: Lane, thread: "OrderedThread") -> None:
+        self._lane = lane
+        self._thread = thread
+
+    async def control(self, after: int) -> None:
+        await self._lane.control.wait_async(after, CONTROL_WAIT)
+
+    def start(self, ticket: Ticket, coro: Any) -> "asyncio.Future[Any]":
+        return asyncio.ensure_future(coro)
+
+    async def turn(self, ticket: Ticket, pinned: bool) -> None:
+        await self._lane.turn(ticket)
+
+    async def resolved(self, resolving: "asyncio.Future[Any]") -> Any:
+        return await resolving
+
+    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
+        return await coro
+
+    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
+        return await self._lane.run_thread(ticket, run, self._thread)
+
+    @staticmethod
+    def stop(resolving: "asyncio.Future[Any]") -> None:
+        if not resolving.done():
+            resolving.cancel()

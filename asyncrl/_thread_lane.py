@@ -13,13 +13,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from asyncrl._lanes import CallCancelled, Lane, Ticket, outcome_of
+from asyncrl._lanes import CONTROL_WAIT, CallCancelled, Lane, Ticket, outcome_of
 from asyncrl.errors import LaneWedgedError
 
 if TYPE_CHECKING:
     from asyncrl._backend import Wedge
 
-__all__ = ["ThreadLane", "ThreadCall", "LoopCall"]
+__all__ = ["ThreadLane", "ThreadCall", "LoopCall", "ThreadWaits"]
 
 
 class _Wake:
@@ -410,3 +410,40 @@ def _unwrap(outcome: tuple[bool, Any]) -> Any:
     if isinstance(value, asyncio.CancelledError):
         raise CallCancelled(str(value) or "cancelled") from None
     raise value
+
+
+class ThreadWaits:
+    """The threaded host's way of waiting in the one call template (``asyncrl._host._run_call``):
+    each wait blocks the call's Ray thread through this lane (``async def`` only to share
+    the template; none of them suspends)."""
+
+    cancelled: type[BaseException] = CallCancelled
+
+    def __init__(self, lane: ThreadLane, loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+        self._lane = lane
+        self._loop = loop  # the host's own event loop, started at its first use
+
+    async def control(self, after: int) -> None:
+        self._lane.control.wait(after, CONTROL_WAIT)
+
+    def start(self, ticket: Ticket, coro: Any) -> LoopCall:
+        return self._lane.start_on_loop(ticket, coro, self._loop())
+
+    async def turn(self, ticket: Ticket, pinned: bool) -> None:
+        self._lane.wait_turn(ticket, serve=pinned)
+
+    async def resolved(self, resolving: LoopCall) -> Any:
+        return self._lane.wait_loop(resolving)
+
+    async def run_async(self, ticket: Ticket, coro: Any) -> Any:
+        return self._lane.run_on_loop(ticket, coro, self._loop())
+
+    async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
+        if pinned:
+            return self._lane.run_pinned(ticket, run)
+        return self._lane.run_in_thread(ticket, run, self._lane)
+
+    @staticmethod
+    def stop(resolving: LoopCall) -> None:
+        if not resolving.finished:
+            resolving.cancel()

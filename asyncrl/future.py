@@ -137,6 +137,41 @@ class GroupFuture(Generic[T]):
         call = self._call
         return call.done_at if call.is_done() else None
 
+    @property
+    def timed(self) -> bool:
+        """Whether the workers' times of this call reach the controller
+        (:meth:`worker_times`): every ``DP_COMPUTE`` call, and every call of a group
+        with ``time_calls`` set."""
+        return self._call.timing is not None
+
+    def worker_times(self) -> "list[tuple[float, float, float] | None] | None":
+        """Per executing rank, ``(arrived, started, ended)``: the worker's ``time.time()``
+        when the call reached its host, when the method started (after its turn and
+        its pipelined inputs) and when it returned; None for a rank whose call failed.
+        None while the times have not reached the controller, or when the call is not
+        :attr:`timed`. Never blocks and never wakes the event loop: the times travel in
+        the call's metadata, which each task's reply carries (no extra round-trip): the
+        first call starts reading those refs (the backend's ``peek``)."""
+        call = self._call
+        if call.timing is None:
+            return None
+        if call.times is None:
+            call.times = False
+
+            def got(values: list[Any]) -> None:  # any thread
+                call.times = [tuple(m[2:5]) if isinstance(m, tuple) and len(m) >= 5 else None for m in values]
+
+            try:
+                call.backend.peek(call.timing, got)
+            except Exception:  # noqa: BLE001 - a backend shut down: no times, ever
+                call.times = [None] * len(call.timing)
+        return call.times or None
+
+    @property
+    def worker_group(self) -> Any:
+        """The group that issued this call."""
+        return self._call.site
+
     def cancel(self) -> bool:
         """Cancel the call for every holder: its remote work on every rank that has not
         finished. Returns False when the controller has already seen it finish."""

@@ -149,6 +149,10 @@ class WorkerGroup(AsyncResource, Generic[W]):
         self._hostset = _hostset
         _hostset.views += 1
         self.stats = GroupStats()
+        self.time_calls = False
+        """Every call returns its workers' times (:meth:`GroupFuture.worker_times`), not only
+        ``DP_COMPUTE`` calls (which carry them in their metadata anyway): one more small
+        return object per rank for the other modes. A tracer sets it."""
         self._broken: tuple[int | None, str] | None = None
         self._closed = False
         self._world: World | None = None  # once the group is ready: one World for every call
@@ -294,11 +298,14 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if producers:
             inputs = Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs,
                              hs.sequencer if ordered else None)
+        dp = mode.data_parallel
         refs, metas, entries = hs.sequencer.submit(
-            self._role, spec.name, ordered, mode.data_parallel, ranks, Builder(sharded, keep, inputs))
+            self._role, spec.name, ordered, dp or self.time_calls, ranks, Builder(sharded, keep, inputs))
         self.stats.calls += 1
         call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
-                     metas if mode.data_parallel else None, entries, timeout, producers, sharded.pad)
+                     metas if dp else None, entries, timeout, producers, sharded.pad)
+        if not dp and self.time_calls:
+            call.timing = metas
         if hs.sequencer.pinned:
             hs.sequencer.issued(call)  # (a wedged lane fails it at once: case 15 of docs/protocol.md)
         if inputs is not None:

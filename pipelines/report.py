@@ -64,9 +64,13 @@ def plot_report(history: list[dict[str, Any]], spans: Tracer | Sequence[Span], p
     color = {t: colors[i % len(colors)] for i, t in enumerate(tracks)}
     for y, (track, name) in enumerate(rows):
         for s in (s for s in shown if s.track == track and s.name == name):
-            ax2.barh(y, s.end - s.start, left=s.start, color=color[track], height=0.7)
+            for kind, a, b in s.parts():  # the workers' execution solid; queued / waiting lighter
+                light = kind in ("queued", "waiting")
+                ax2.barh(y, b - a, left=a, color=color[track], height=0.35 if light else 0.7,
+                         alpha=0.3 if light else 1.0, hatch="//" if kind == "waiting" else None, linewidth=0)
     ax2.set_yticks(range(len(rows)), [f"{t}: {n}" for t, n in rows], fontsize=7)
-    ax2.set_xlabel("seconds since start (span = call issued -> all ranks done)")
+    ax2.set_xlabel("seconds since start; solid: running on the workers (as they timed it), "
+                   "light: queued, hatched: waiting for its turn or inputs")
     ax2.set_title("stage spans per worker group (rollout and training rows overlapping in time = overlap)")
     fig.tight_layout()
     p = Path(path)

@@ -333,3 +333,37 @@ class _Watch:
                 return
         self._refs = []
         self._callback()
+
+
+class _Peek:
+    """Hands the values of a set of small ObjectRefs to `callback` (on Ray's thread) once
+    every one completed: Ray's ``_on_completed`` per ref (the value, or Ray's error
+    object), no fetch thread, no event-loop wake-up. Used for calls' metadata (the
+    worker's times), which the task's reply carries to the controller."""
+
+    __slots__ = ("_left", "_values", "_callback", "_refs")
+
+    _LOCK = threading.Lock()
+
+    def __init__(self, refs: Sequence[Any], callback: Callable[[list[Any]], None]) -> None:
+        self._refs = list(refs)
+        self._values: list[Any] = [None] * len(self._refs)
+        self._left = len(self._refs) + 1  # +1: registration itself (as _Watch)
+        self._callback = callback
+        for i, ref in enumerate(self._refs):
+            try:
+                ref._on_completed(functools.partial(self._one, i))
+            except Exception as e:  # Ray shut down under us: that value never comes
+                self._one(i, e)
+        self._one(-1, None)
+
+    def _one(self, i: int, value: Any) -> None:
+        if i >= 0:
+            self._values[i] = value
+        with self._LOCK:
+            self._left -= 1
+            if self._left:
+                return
+        self._refs = []
+        self._callback(self._values)
+

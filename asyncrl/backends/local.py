@@ -123,6 +123,12 @@ class LocalBackend:
         for r in pending:
             r.add_done_callback(one_done)
 
+    def peek(self, refs: Sequence[Any], callback: Callable[[list[Any]], None]) -> None:
+        def values() -> list[Any]:
+            return [None if r.cancelled() else (r.exception() or r.result()) for r in refs]
+
+        self.watch(refs, lambda: callback(values()))
+
     async def kill(self, hosts: Sequence[WorkerHost]) -> None:
         for h in hosts:
             h.abort()

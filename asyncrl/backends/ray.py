@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from asyncrl._backend import Slot
 from asyncrl._host import ThreadedHost, WorkerHost
 from asyncrl.backends._ray_errors import _input_failed, _translate, await_ray
-from asyncrl.backends._ray_fetch import _RESOLVER, _Fetch, _Watch
+from asyncrl.backends._ray_fetch import _RESOLVER, _Fetch, _Peek, _Watch
 from asyncrl.errors import PlacementError
 
 _MAX_CONCURRENCY = 100_000  # in-flight calls per async host; ordering is by sequence number, not by slot
@@ -273,6 +273,9 @@ class RayBackend:
 
     def watch(self, refs: Sequence[Any], callback: Callable[[], None]) -> None:
         _Watch(refs, callback)
+
+    def peek(self, refs: Sequence[Any], callback: Callable[[list[Any]], None]) -> None:
+        _Peek(refs, callback)
 
     async def kill(self, hosts: Sequence[Any]) -> None:
         for h in hosts:

@@ -55,6 +55,12 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         raise ConfigError(f"{path}: {value!r} matches none of {tp}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed):
+            # YAML 1.1 reads off/on/yes/no as booleans: give back the one spelling this choice has
+            words = {"off", "no", "false"} if not value else {"on", "yes", "true"}
+            spelled = [a for a in allowed if isinstance(a, str) and a.lower() in words]
+            if len(spelled) == 1:
+                return spelled[0]
         if value not in allowed:
             raise ConfigError(f"{path} must be one of {list(allowed)}, got {value!r}")
         return value

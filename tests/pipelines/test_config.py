@@ -23,6 +23,18 @@ def test_yaml_then_overrides_apply_in_order(tmp_path):
     assert cfg.rollout.temperature == 0.5 and cfg.trainer.output_dir == "out"
 
 
+def test_yaml_booleans_read_as_the_choice_they_spell(tmp_path):
+    """YAML 1.1 reads ``off`` as False: a choice whose one "off"-like spelling is ``off`` gets it back,
+    in an override and in a file alike; a choice without such a spelling still refuses the boolean."""
+    f = tmp_path / "run.yaml"
+    f.write_text("rollout:\n  partial_rollout: off\n")
+    assert load_config(f, []).rollout.partial_rollout == "off"
+    assert load_config(None, ["rollout.partial_rollout=off"]).rollout.partial_rollout == "off"
+    assert load_config(None, ["rollout.partial_rollout=recompute"]).rollout.partial_rollout == "recompute"
+    with pytest.raises(ConfigError, match="trainer.rollout_mode must be one of"):
+        load_config(None, ["trainer.rollout_mode=off"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("trainer.stepz=3", "unknown config key 'trainer.stepz'; did you mean 'steps'"),
     ("bogus.x=1", "unknown config key 'bogus'"),

@@ -42,6 +42,9 @@ RESULTS = os.path.join(HERE, "results", "stream_learning.md")
 
 VARIANTS = ("batch", "stream", "stream+recompute", "sync")
 DEFAULT = VARIANTS[:3]
+COLLAPSE_NOTE = (
+    "Collapses at lr 1e-2 (either mode, chance per seed; not a streaming bug): see "
+    "[stream_collapse.md](stream_collapse.md).")
 COLUMNS = ["variant", "seeds", "reward first 5", "reward last 10", "steps to 0.5", "steps to 0.9", "s to 0.5",
            "s to 0.9", "loop s", "ms/step", "staleness mean", "rows spanning versions"]
 
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         "weight version (`stream/multi_version_frac`; n/a: batch mode).",
         table(runs),
         f"![reward vs step and vs wall clock]({os.path.basename(png)})",
+        COLLAPSE_NOTE,
     ]) + "\n"
     write_result(out, text)
 

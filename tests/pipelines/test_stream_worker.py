@@ -5,6 +5,7 @@ flight at a round boundary without waiting for them (every token's version and l
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from asyncrl.pipelines.presets import tiny_test
 from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles._util import response_log_probs
 from tensordict import TensorDict
+
+from tests.roles.test_partial_rollout import update_at_forwards
 
 
 def _batch(worker: RolloutWorker, texts: list[str]) -> TensorDict:
@@ -50,30 +53,35 @@ async def test_requests_return_the_generate_layout_with_token_versions_and_repro
 
 async def test_a_partial_rollout_update_reaches_rows_in_flight_without_waiting_for_them(model_config):
     w = RolloutWorker(model_config, RolloutConfig(max_new_tokens=6, chunk_tokens=2, partial_rollout="recompute"))
-    w._request_engine()  # build the batcher now, to see its first round
-    first_round = asyncio.Event()
-    version_of = w._batcher.version_fn
-
-    def version() -> int:
-        first_round.set()
-        return version_of()
-
-    w._batcher.version_fn = version
+    w._request_engine()  # build the batcher now, to hook its first decode step
     batch = _batch(w, ["write digits:", "say hello"])
     before = {k: v.clone() for k, v in w.model.state_dict().items()}
-    task = asyncio.ensure_future(w.generate_requests(batch, seed=1))
-    await first_round.wait()
     new = {k: v + 0.05 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)) if v.is_floating_point()
            else v for k, v in w.model.state_dict().items()}
-    receipt = await w.update_weights((1, new))
+    task: asyncio.Future[Any] | None = None
+    receipts: list[tuple[dict[str, Any], bool]] = []
+
+    async def update() -> None:
+        receipt = await w.update_weights((1, new))
+        receipts.append((receipt, task is not None and task.done()))
+
+    # the update starts after the first forward (the first round's prefill: token 0 under version 0), and that
+    # step is held until the update has asked for its pause, so the round stops right after token 0
+    handle, started = update_at_forwards(w.engine.model, {1: update}, w._batcher._interrupt)
+    try:
+        task = asyncio.ensure_future(w.generate_requests(batch, seed=1))
+        out = await task
+        await asyncio.wrap_future(started[0])
+    finally:
+        handle.remove()
+    (receipt, generation_done_first), = receipts
     assert receipt["version"] == 1 and receipt["waited"] == 0 and receipt["in_flight"] == 2
-    assert not task.done()  # the update did not wait for the rows in flight
-    out = await task
+    assert not generation_done_first  # the update did not wait for the rows in flight
     mask = out["response_mask"].bool()
     tv = out["token_versions"]
     # recompute stops the first round after its current decode step: token 0 is version 0, the rest 1
-    first = int((tv[0][mask[0]] == 0).sum())
-    assert 1 <= first <= 2
+    first = 1
+    assert (tv[:, :first][mask[:, :first]] == 0).all() and mask[:, 0].all()
     assert (tv[:, :first][mask[:, :first]] == 0).all() and (tv[:, first:][mask[:, first:]] == 1).all()
     assert out["version"].tolist() == [0, 0]  # the first token's version
     assert mask[:, first:].any()  # (the tiny model at temperature 1 does not stop this early here)

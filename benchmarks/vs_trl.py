@@ -19,8 +19,9 @@ Variants (``--variants``, comma-separated):
 * ``k1``: asyncrl, ``trainer.max_staleness=1`` (rollout of step k+1 overlaps training of step k).
 * ``k0``: asyncrl, ``trainer.max_staleness=0`` (synchronous order).
 * ``bypass``: ``k1`` with ``actor.rollout_correction.bypass_mode=behaviour`` (no ``old_log_prob`` pass).
-* ``bypass_threads``: ``bypass`` with ``model.num_threads=<cores>`` (every worker may use every core:
-  whichever side is working takes the cores the other leaves idle) and one micro-batch of 16.
+* ``k1_threads``: ``k1`` with ``model.num_threads=0`` (every worker may use every core: whichever side
+  is working takes the cores the other leaves idle; the OS shares them while both work).
+* ``bypass_threads``: ``bypass`` with ``model.num_threads=0`` and one micro-batch of 16 (TRL's one pass).
 
 Also reported: the held-out accuracy (greedy, the same held-out problems for all) at the end of
 each run against its wall clock, and, labelled as a computed estimate, what an asyncrl step
@@ -54,9 +55,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "k0": ("asyncrl, max_staleness=0", ["trainer.max_staleness=0"]),
     "bypass": ("asyncrl, max_staleness=1, bypass", ["trainer.max_staleness=1",
                                                      "actor.rollout_correction.bypass_mode=behaviour"]),
-    "bypass_threads": (f"asyncrl, max_staleness=1, bypass, {CORES} threads per worker, 1 micro-batch",
+    "k1_threads": ("asyncrl, max_staleness=1, every core per worker", ["trainer.max_staleness=1",
+                                                                         "model.num_threads=0"]),
+    "bypass_threads": ("asyncrl, max_staleness=1, bypass, every core per worker, 1 micro-batch",
                        ["trainer.max_staleness=1", "actor.rollout_correction.bypass_mode=behaviour",
-                        f"model.num_threads={CORES}", "actor.micro_batch_size=16"]),
+                        "model.num_threads=0", "actor.micro_batch_size=16"]),
 }
 
 

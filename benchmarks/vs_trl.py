@@ -192,9 +192,10 @@ def main() -> None:
             res["load"] = os.getloadavg()[0]
             results[v].append(res)
             print(f"  steps s: {[round(x, 2) for x in res['step_s']]}  accuracy {res['accuracy']}", flush=True)
-    (work / "results.json").write_text(json.dumps(results))
-    write_result(args.out, render(args, results, load_note(load0, os.getloadavg()[0])
-                                  + f"; per-run load {[round(r['load'], 1) for rs in results.values() for r in rs]}"
+            (work / "results.json").write_text(json.dumps(results))  # a later failure keeps what ran
+    done = {v: rs for v, rs in results.items() if rs}
+    write_result(args.out, render(args, done, load_note(load0, os.getloadavg()[0])
+                                  + f"; load after each run {[round(r['load'], 1) for rs in done.values() for r in rs]}"
                                   + f"; raw results {work / 'results.json'}"))
 
 

@@ -356,9 +356,6 @@ class JobConfig:
         if self.model.path is not None and self.model.gguf is not None:
             raise ConfigError(f"model.path={self.model.path!r} and model.gguf={self.model.gguf!r} are both set; "
                               "set one of them")
-        if self.model.num_threads is not None and self.model.num_threads < 0:
-            raise ConfigError(f"model.num_threads must be null (each worker's CPU share), 0 (every core of the "
-                              f"machine) or a positive count, got {self.model.num_threads}")
         if t.gpus_per_worker > 0:
             self._check_capacity("GPUs", t.gpus_per_worker, cluster_gpus,
                                  "lower trainer.gpus_per_worker (0.5 shares a GPU between two workers), the worker "

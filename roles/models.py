@@ -102,7 +102,9 @@ class ModelConfig:
     attn_implementation: str = "eager"
     """Transformers attention kernel; eager is exact and fast enough for tiny models."""
     num_threads: int | None = None
-    """Torch intra-op threads; None takes the worker's CPU share (``context.num_cpus``)."""
+    """Torch intra-op threads; None takes the worker's CPU share (``context.num_cpus``); 0 takes every core
+    of the worker's machine (``os.cpu_count()``): on shared cores whichever worker is computing then uses the
+    cores the others leave idle (the OS shares them while several compute)."""
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -429,8 +431,12 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def set_torch_threads(num_cpus: float, override: int | None = None) -> int:
-    """Set torch's intra-op threads to the worker's CPU share (or `override`); returns the count."""
-    n = override if override is not None else max(1, int(num_cpus))
+    """Set torch's intra-op threads to the worker's CPU share, or to `override` (0: every core of this
+    machine); returns the count."""
+    if override is not None and override < 0:
+        raise ValueError(f"ModelConfig.num_threads must be None (the worker's CPU share), 0 (every core) or a "
+                         f"positive count, got {override}")
+    n = max(1, int(num_cpus)) if override is None else override if override > 0 else (os.cpu_count() or 1)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -88,7 +88,11 @@ def test_loop_lag_quick(quick_runs):
     phases = [(r[0], r[1]) for r in rows[2:]]
     assert phases[:2] == [("idle", "-"), ("Ray start", "asyncrl")]
     assert ("setup, 2 workers", "asyncrl") in phases and ("setup, 2 workers", "plain Ray") in phases
-    assert [p for p, _ in phases[-3:]] == ["trainer set-up", "trainer fit (3 steps)", "trainer close"]
+    assert [p for p, _ in phases[-5:-2]] == ["trainer set-up", "trainer fit (3 steps)", "trainer close"]
+    assert phases[-2:] == [("agents worker set-up", "1 rollout"), ("64 episodes in flight", "1 rollout")]
+    assert rows[0][4:8] == ["wake-ups > 20 ms", "held: loop thread on the CPU (worst ms)",
+                            "starved: waiting for a core (worst ms)",
+                            "blocked: asleep past its timer, on the GIL or a lock (worst ms)"]
 
 
 @pytest.mark.slow  # default suite: dispatch_overhead, pipelining and overlap quick runs (README, Tests)

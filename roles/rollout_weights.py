@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 import torch
 
@@ -37,6 +37,9 @@ from asyncrl import Dispatch, Execute, register
 from .errors import StaleWeightsError, WeightSyncError
 from .models import state_dict_checksums
 from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, layout_of, member_info
+
+if TYPE_CHECKING:
+    from .rollout_config import RolloutConfig
 
 __all__ = ["WeightSyncMixin", "unpack_weights"]
 
@@ -79,6 +82,27 @@ def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, to
 
 class WeightSyncMixin:
     """Weight sync: the ``update_weights`` transaction, weight transports and ``sleep``/``wake_up``."""
+
+    if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/rollout.py)
+        config: RolloutConfig
+        engine: Any
+        placement: Any
+        _shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+        _version: int
+        _needs_weights: bool
+        _asleep: int
+        _channel: WeightChannel | None
+        _committed: dict[str, torch.Tensor] | None
+        _initial_state: dict[str, torch.Tensor]
+        _jobs: set[Any]
+        _episode_tasks: set[asyncio.Task[Any]]
+        _batcher: Any
+        _updates: list[dict[str, Any]]
+        _rolled_back: bool
+
+        @property
+        def rank(self) -> int: ...
+        def _gate_event(self) -> asyncio.Event: ...
 
     # ---- weight sync ----------------------------------------------------------------------
 

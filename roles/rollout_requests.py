@@ -1,0 +1,280 @@
+"""Request-level generation of :class:`~asyncrl.roles.rollout.RolloutWorker` (a mixin it composes).
+
+Every row is an independent request of the request-level engine (:meth:`_request_engine`: the HF
+request batcher, or an engine that schedules requests itself), so many concurrent calls share its
+decoding rounds and each token records the weight version that produced it:
+
+* ``generate_episodes`` -- one multi-turn episode per row (:mod:`asyncrl.roles.episodes`);
+* ``generate_requests`` -- one response per row (the streaming trainer's calls);
+* ``round_log`` / ``replay_rounds`` -- the batcher's recorded rounds and their exact replay;
+* ``statistics`` -- what this rank's request-level generation did.
+
+The state it reads and writes (``engine``, ``config``, ``_batcher``, ``_episode_tasks``, ...) and the
+helpers it shares with batch generation (``_prompts``, ``_params``, ``_assemble``, ``_gate_event``,
+``_check_weights``) are set up by ``RolloutWorker`` in :mod:`asyncrl.roles.rollout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import replace
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from typing import TYPE_CHECKING
+
+from asyncrl import Dispatch, register
+
+from ._util import text_list, with_fields
+from .engines import SamplingParams
+from .errors import EpisodeError
+
+if TYPE_CHECKING:
+    from .rollout_config import RolloutConfig
+
+__all__ = ["RequestGenerationMixin"]
+
+
+class RequestGenerationMixin:
+    """Request-level generation: episodes, ``generate_requests``, the round log and ``statistics``."""
+
+    if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/rollout.py)
+        config: RolloutConfig
+        engine: Any
+        model: Any
+        tokenizer: Any
+        _version: int
+        _batcher: Any
+        _episode_fn: Any
+        _episode_tasks: set[asyncio.Task[Any]]
+        _updates: list[dict[str, Any]]
+        _trajectories: list[int]
+        _replay: list[dict[str, Any]] | None
+
+        @property
+        def rank(self) -> int: ...
+        def _gate_event(self) -> asyncio.Event: ...
+        def _check_weights(self) -> None: ...
+        def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]: ...
+        def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
+                    seed: int | None) -> SamplingParams: ...
+        def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict: ...
+
+    # ---- multi-turn episodes --------------------------------------------------------------
+
+    def _request_engine(self) -> Any:
+        """``submit(prompt_ids, params, key=None) -> Generation``: the request-level HF engine (one batcher
+        per worker; `key` names the request in its round log), or one-prompt calls of an engine that
+        schedules requests itself (vLLM; `key` unused)."""
+        from .engines.batcher import Generation, request_batcher
+
+        if self._batcher is None:
+            kwargs: dict[str, Any] = dict(max_batch_size=getattr(self.engine, "max_batch_size", 64),
+                                          chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+                                          partial_rollout=self.config.partial_rollout)
+            if self._replay is not None:
+                from .engines.round_log import ReplayBatcher, RoundRecord
+
+                self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay], **kwargs)
+            else:
+                self._batcher = request_batcher(self.engine, record_rounds=self.config.record_rounds, **kwargs)
+        batcher = self._batcher
+        if batcher is not None:
+            async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
+                self._check_weights()
+                return await batcher.generate(ids, params, key=key)
+
+            return request
+
+        arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
+        if arequest is not None and self.config.partial_rollout != "off":
+            async def versioned(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
+                self._check_weights()
+                return await arequest(ids, params, version_fn=lambda: self._version)
+
+            return versioned
+
+        async def submit(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
+            version = self._version
+            c = (await self.engine.generate([ids], params))[0]
+            return Generation(c.response_ids, c.log_probs, c.finish_reason, versions=[version] * len(c.response_ids))
+
+        return submit
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None, *,
+                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
+                                max_in_flight: int | None = None) -> TensorDict:
+        """One episode per row (``RolloutConfig.episode``, or `episode` for this call), all in flight at
+        once; returns the layout of :meth:`generate` (see :func:`asyncrl.roles.episodes.pack_trajectories`):
+        ``response_ids`` of width R hold model and environment tokens, ``response_mask`` is 1 only on
+        model tokens, plus ``token_versions``, ``episode_reward``, ``num_turns``, ``tool_errors``,
+        ``stop_reason``. Rows repeated for GRPO run separate episodes (their ``uid`` is kept, so a
+        group is the episodes of one sample). A malformed trajectory raises
+        :class:`~asyncrl.roles.errors.TrajectoryError` naming the episode and the field. `max_in_flight`
+        overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time)."""
+        import anyio
+
+        from .episodes import LLM, Sample, pack_trajectories, resolve_episode, validate_trajectory
+
+        if episode is not None:
+            fn, name = resolve_episode(episode, episode_kwargs), episode
+        elif self._episode_fn is not None:
+            fn, name = self._episode_fn, str(self.config.episode)
+        else:
+            raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        gate = self._gate_event()
+        while not gate.is_set():  # a weight update is loading: start under the new weights
+            await gate.wait()
+        base = self._params(prompts, R, temperature, seed)
+        submit = self._request_engine()
+        prompt_text, answers = text_list(batch, "prompt"), text_list(batch, "answer")
+        trajs: list[Any] = [None] * len(prompts)
+        limit = anyio.Semaphore(max_in_flight or self.config.max_episodes_in_flight)
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+
+        async def run(i: int) -> None:
+            sample = Sample(prompts[i], prompt=prompt_text[i] if prompt_text else None,
+                            answer=answers[i] if answers else None, index=i)
+            llm = LLM(submit, self.tokenizer, replace(base, seed=((base.seed or 0) + 104729 * i) & 0x3FFFFFFF), R)
+            async with limit:
+                try:
+                    traj = await fn(llm, sample)
+                except Exception as e:  # the user's code: say whose and which row (tools never get here)
+                    raise EpisodeError(f"episode {name!r} (row {i}) raised {type(e).__name__}: {e}; fix the "
+                                       "episode or its environment (tool errors are observations, not raises)") from e
+                trajs[i] = validate_trajectory(traj, name, sample, R, vocab)
+
+        me = asyncio.current_task()
+        if me is not None:
+            self._episode_tasks.add(me)  # weight updates and sleep wait for the episodes in flight
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(run, i)
+        except BaseExceptionGroup as group:  # the first episode's error cancelled the rest: raise it alone
+            raise _first_leaf(group) from None
+        finally:
+            if me is not None:
+                self._episode_tasks.discard(me)
+        fields = pack_trajectories(trajs, batch["prompt_ids"], batch["prompt_mask"], R,
+                                   int(self.tokenizer.pad_token_id), self._version)
+        tv, model_tokens = fields["token_versions"], fields["response_mask"].bool()
+        self._trajectories[0] += len(trajs)
+        self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
+        return with_fields(batch, fields)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None) -> TensorDict:
+        """Like :meth:`generate`, with every row an independent request of the request-level engine
+        (:meth:`_request_engine`), so many concurrent calls (streaming rollout: one per prompt group)
+        share its decoding rounds. Like episodes, a call counts among the request-level generations
+        a weight update handles: with ``partial_rollout="off"`` an update waits for it (its rows keep
+        one version); with ``"keep"``/``"recompute"`` the update reaches its rows in flight without
+        waiting and they decode on under the new weights (each token records its version).
+
+        Returns the layout of :meth:`generate` plus ``token_versions`` (``[B, R]``: each generated
+        token's weight version, -1 past the response); ``version`` is a row's first token's version.
+        Row ``i``'s sampling seed comes from the config's seed, `seed`, the row's index in the whole
+        batch and its prompt (not the weight version): the same call regenerates the same rows under
+        the same weights, and the rows of one prompt differ."""
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        gate = self._gate_event()
+        while not gate.is_set():  # a weight update is loading: start under the new weights
+            await gate.wait()
+        base = self._params(prompts, R, temperature, seed)
+        offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
+        submit = self._request_engine()
+
+        def row_seed(i: int) -> int:
+            h = hashlib.sha256(f"{self.config.seed}|{seed}|{offset + i}|{prompts[i]}".encode())
+            return int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF
+
+        me = asyncio.current_task()
+        if me is not None:
+            self._episode_tasks.add(me)  # what a weight update waits for (partial_rollout="off") or reaches
+        try:
+            gens = await asyncio.gather(*(submit(p, replace(base, seed=row_seed(i)), key=f"{seed}:{offset + i}")
+                                          for i, p in enumerate(prompts)))  # key: the row in the round log
+        finally:
+            if me is not None:
+                self._episode_tasks.discard(me)
+        n, pad = len(prompts), int(self.tokenizer.pad_token_id)
+        resp = torch.full((n, R), pad, dtype=torch.long)
+        rmask = torch.zeros((n, R), dtype=torch.long)
+        logp = torch.zeros((n, R), dtype=torch.float32)
+        tver = torch.full((n, R), -1, dtype=torch.long)
+        ver = torch.full((n,), self._version, dtype=torch.long)
+        for b, c in enumerate(gens):
+            L = len(c.response_ids)
+            if L > R or len(c.log_probs) != L or len(c.versions) != L:
+                raise RuntimeError(f"the request engine returned {L} tokens, {len(c.log_probs)} log-probs and "
+                                   f"{len(c.versions)} versions for max_new_tokens={R}")
+            if L:
+                resp[b, :L] = torch.tensor(c.response_ids, dtype=torch.long)
+                rmask[b, :L] = 1
+                logp[b, :L] = torch.tensor(c.log_probs, dtype=torch.float32)
+                tver[b, :L] = torch.tensor(c.versions, dtype=torch.long)
+                ver[b] = c.versions[0]
+        fields = {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver,
+                  "token_versions": tver}
+        return self._assemble(batch, fields)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
+        """The request batcher's rounds so far as JSON-able dicts (``RolloutConfig.record_rounds``); `clear`
+        forgets what was returned. As a group call, one list per rank."""
+        if not self.config.record_rounds:
+            raise RuntimeError("this rollout worker does not record its rounds; set RolloutConfig.record_rounds=True")
+        if self._batcher is None:
+            return []
+        return [r.to_dict() for r in self._batcher.round_log(clear)]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def replay_rounds(self, rounds: list[dict[str, Any]]) -> int:
+        """Replay `rounds` (a recorded :meth:`round_log`): the request-level engine runs exactly those rounds,
+        so the same requests (same keys and seeds) and the same weight updates, in order, regenerate the
+        recording's tokens bit for bit. Call before any request-level generation. Returns the rounds."""
+        if self.config.engine != "hf":
+            raise ValueError(f"replay_rounds needs the request-level HF engine; this worker runs {self.config.engine!r}")
+        if self._batcher is not None:
+            raise RuntimeError("replay_rounds must come before any request-level generation on this worker (its "
+                               "request engine already runs); build a fresh worker for the replay")
+        self._replay = list(rounds)
+        return len(self._replay)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def statistics(self) -> dict[str, Any]:
+        """What this rank's request-level generation did: the request batcher's counters (rounds, tokens
+        per version, requests spanning versions, pauses and their latency), the episodes returned
+        (``trajectories``) and those whose model tokens span versions (``spanning_trajectories``) and,
+        with partial rollout, one record per weight update (``version``, ``pause_latency_s``,
+        ``in_flight``, ``interrupted``). As a group call, one dict per rank."""
+        from dataclasses import asdict
+
+        stats = self._batcher.statistics() if self._batcher is not None else None
+        if stats is None:
+            engine_stats = getattr(self.engine, "request_statistics", None)
+            stats = engine_stats() if engine_stats is not None else None
+        out: dict[str, Any] = {"version": self._version, "partial_rollout": self.config.partial_rollout,
+                               "updates": [dict(u) for u in self._updates], "trajectories": self._trajectories[0],
+                               "spanning_trajectories": self._trajectories[1]}
+        if stats is not None:
+            out.update(asdict(stats) if not isinstance(stats, dict) else stats)
+        return out
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first non-group exception of `group` (an anyio task group wraps its tasks' errors)."""
+    e: BaseException = group
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e

@@ -1,0 +1,393 @@
+"""Weight sync of :class:`~asyncrl.roles.rollout.RolloutWorker` (a mixin it composes).
+
+Weight sync is a transaction (``update_weights``): *begin* checks the version is newer
+and the tensors match the model (names, shapes, dtypes) before anything changes, and
+closes the gate to new generation; in-flight generation is then either waited for
+(``sync_policy="wait"``) or aborted and resubmitted after the update
+(``"abort"``); *transfer* loads the tensors; *commit* publishes the version (and, in
+verify mode, checks checksums first) and reopens the gate. Every row carries the
+version of the weights that generated all of its tokens. With ``partial_rollout`` the
+update pauses request-level generations in flight instead of waiting for them.
+
+``update_weights`` takes weights by any transport (:mod:`asyncrl.roles.transfer`): the
+``(version, state_dict)`` of ``export_weights`` through the object store, or a
+:class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``local`` (copied
+from the colocated policy's snapshot in this process) or ``collective`` (received over the
+weight channel first, then loaded in the same transaction). Floating tensors are cast to
+the rollout's dtype (e.g. the policy's float32 master weights into a bf16 rollout).
+
+Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to the CPU;
+level 2: discarded) and KV cache around training, ``wake_up()`` re-acquires them; after a
+level-2 sleep the next sync may reload the same version (``RolloutConfig.sleep_level``).
+
+The state it reads and writes (``engine``, ``config``, ``_version``, ``_jobs``, ``_channel``, ...) is
+set up by ``RolloutWorker`` in :mod:`asyncrl.roles.rollout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+
+import torch
+
+from asyncrl import Dispatch, Execute, register
+
+from .errors import StaleWeightsError, WeightSyncError
+from .models import state_dict_checksums
+from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, layout_of, member_info
+
+if TYPE_CHECKING:
+    from .rollout_config import RolloutConfig
+
+__all__ = ["WeightSyncMixin", "unpack_weights"]
+
+
+def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Normalise what ``update_weights`` receives to ``(version, state_dict)``.
+
+    Accepts the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` (also
+    pipelined as a future), a state dict, or ``(name, tensor)`` pairs with `version`.
+    """
+    if (isinstance(weights, list) and len(weights) == 1 and isinstance(weights[0], tuple) and len(weights[0]) == 2
+            and isinstance(weights[0][0], int)):
+        weights = weights[0]  # the per-rank list of a ONE_TO_ALL (not RANK_ZERO) export
+    if isinstance(weights, tuple) and len(weights) == 2 and isinstance(weights[0], int):
+        exported, sd = weights
+        if version is not None and version != exported:
+            raise WeightSyncError(
+                f"update_weights(version={version}) but the weights were exported as version {exported}; "
+                "pass the policy's export_weights() result and omit version, or pass the matching version"
+            )
+        version = exported
+    else:
+        sd = weights
+    if isinstance(sd, Mapping):
+        sd = dict(sd)
+    else:
+        try:
+            sd = dict(sd)
+        except (TypeError, ValueError):
+            raise WeightSyncError(
+                f"weights must be a state dict, (name, tensor) pairs or (version, state_dict); got {type(sd).__name__}"
+            ) from None
+    if version is None:
+        raise WeightSyncError("update_weights needs a version: pass version=..., or the (version, state_dict) "
+                              "pair that PolicyWorker.export_weights returns")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise WeightSyncError(f"version must be an int, got {version!r}")
+    return version, sd
+
+
+class WeightSyncMixin:
+    """Weight sync: the ``update_weights`` transaction, weight transports and ``sleep``/``wake_up``."""
+
+    if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/rollout.py)
+        config: RolloutConfig
+        engine: Any
+        placement: Any
+        _shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+        _version: int
+        _needs_weights: bool
+        _asleep: int
+        _channel: WeightChannel | None
+        _committed: dict[str, torch.Tensor] | None
+        _initial_state: dict[str, torch.Tensor]
+        _jobs: set[Any]
+        _episode_tasks: set[asyncio.Task[Any]]
+        _batcher: Any
+        _updates: list[dict[str, Any]]
+        _rolled_back: bool
+
+        @property
+        def rank(self) -> int: ...
+        def _gate_event(self) -> asyncio.Event: ...
+
+    # ---- weight sync ----------------------------------------------------------------------
+
+    def _vote(self, version: int) -> int:
+        """A collective transfer's vote on `version` (before any bytes move)."""
+        if version < self._version or (version == self._version and not self._needs_weights):
+            return STALE
+        return OK
+
+    def _check_version(self, version: int) -> None:
+        if self._vote(version) != OK:
+            raise StaleWeightsError(
+                f"refusing weights of version {version}: rank {self.rank} already has version {self._version}; "
+                "updates must carry strictly increasing versions (sync after each policy update, in order)"
+            )
+
+    def _validate(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self._check_version(version)
+        unknown = sorted(set(state) - set(self._shapes))
+        missing = sorted(set(self._shapes) - set(state))
+        if unknown or missing:
+            raise WeightSyncError(
+                f"weights of version {version} do not match the rollout model: unknown names {unknown[:5]}, "
+                f"missing names {missing[:5]}; export the full state_dict of the same architecture"
+            )
+        for k, t in state.items():
+            shape, dtype = self._shapes[k]
+            ok = isinstance(t, torch.Tensor) and tuple(t.shape) == shape and (
+                t.dtype == dtype or (t.is_floating_point() and dtype.is_floating_point))
+            if not ok:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise WeightSyncError(f"weight {k!r}: expected {shape} {dtype}, got {got}")
+
+    def _cast(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` with floating tensors in the rollout's dtypes (what the engine will hold)."""
+        return {k: t if t.dtype == self._shapes[k][1] else t.to(self._shapes[k][1]) for k, t in state.items()}
+
+    # ---- weight transports ----------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{name: (shape, dtype)}`` of the weights this rollout holds (what a sync must bring)."""
+        return {k: (shape, str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self._shapes.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def channel_member(self) -> dict[str, Any]:
+        """This rank's process and device, for choosing a weight channel's backend."""
+        return member_info(self.placement.device)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
+                                  timeout_s: float = 120.0, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+        """Join weight channel `name` as channel rank ``1 + rank`` (policy rank 0 sends)."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        ch = await asyncio.to_thread(WeightChannel, name, host, port, 1 + self.rank, world_size, backend=backend,
+                                     device=self.placement.device, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+        self._channel = ch
+        return {"rank": ch.rank, "backend": ch.backend, "world_size": world_size}
+
+    async def _receive(self, handle: WeightHandle) -> dict[str, torch.Tensor]:
+        ch = self._channel
+        if ch is None or ch.name != handle.channel:
+            raise WeightSyncError(f"rollout rank {self.rank} has no open weight channel {handle.channel!r}; call "
+                                  "open_weight_channel(policy, rollout) first")
+        layout = layout_of(self.weight_spec())
+        target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
+        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received)
+
+    def _on_bucket_received(self, what: str) -> None:
+        """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
+
+    async def _resolve_weights(self, weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+        if isinstance(weights, list) and len(weights) == 1 and isinstance(weights[0], WeightHandle):
+            weights = weights[0]
+        if not isinstance(weights, WeightHandle):
+            return unpack_weights(weights, version)
+        if version is not None and version != weights.version:
+            raise WeightSyncError(f"update_weights(version={version}) but the handle holds version {weights.version}")
+        if weights.transport == "local":
+            self._check_version(weights.version)
+            return weights.version, SNAPSHOTS.take_local(weights)
+        if weights.transport == "collective":
+            return weights.version, await self._receive(weights)
+        raise WeightSyncError(f"unknown weight transport {weights.transport!r}")
+
+    # ---- memory on a shared GPU ----------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def sleep(self, level: int | None = None) -> dict[str, Any]:
+        """Release the engine's weights and KV cache until :meth:`wake_up` (`level` defaults to
+        ``RolloutConfig.sleep_level``; 0 does nothing). In-flight generation finishes first."""
+        lvl = self.config.sleep_level if level is None else level
+        if lvl == 0 or self._asleep:
+            return {"asleep": bool(self._asleep), "level": self._asleep}
+        gate = self._gate_event()
+        gate.clear()
+        try:
+            tasks = [j.task for j in self._jobs if j.task is not None] + list(self._episode_tasks)
+            if tasks:
+                await asyncio.wait(tasks)
+            asleep = getattr(self.engine, "asleep", None)
+            if asleep is not None:
+                await asleep(lvl)
+            else:
+                await asyncio.to_thread(self.engine.sleep, lvl)  # type: ignore[attr-defined]
+            self._asleep = lvl
+        finally:
+            gate.set()
+        return {"asleep": True, "level": lvl}
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def wake_up(self) -> dict[str, Any]:
+        """Re-acquire what :meth:`sleep` released. Returns ``{"needs_weights", "version"}``: after a
+        level-2 sleep the weights must be synced again (the same version is accepted) before generating."""
+        if self._asleep:
+            awake = getattr(self.engine, "awake_up", None)
+            if awake is not None:
+                await awake()
+            else:
+                await asyncio.to_thread(self.engine.wake_up)  # type: ignore[attr-defined]
+            self._needs_weights = self._needs_weights or self._asleep == 2
+            self._asleep = 0
+        return {"needs_weights": self._needs_weights, "version": self._version}
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Any, version: int | None = None, *,
+                             expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """Load policy weights as one transaction (begin, transfer, commit).
+
+        `weights` is the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` --
+        pass that future straight in so the tensors go through the object store, not the
+        controller -- a state dict with `version`, or a ``WeightHandle`` of ``stage_weights``
+        (``local``: copied from the colocated policy's snapshot; ``collective``: received over
+        the weight channel while ``PolicyWorker.send_weights`` sends it). Refuses a version <=
+        the current one (:class:`StaleWeightsError`) and malformed weights
+        (:class:`WeightSyncError`) without changing anything. Returns ``{"version",
+        "num_tensors", "waited", "aborted", "checksums_verified"}``. With
+        ``RolloutConfig.partial_rollout`` the update does not wait for request-level generations
+        in flight (episodes, streaming calls): it pauses the engine, loads, publishes the version
+        and resumes; the receipt adds ``pause_latency_s``, ``in_flight`` and ``interrupted``
+        (docs/partial_rollout.md).
+        """
+        if self._asleep == 2:
+            raise RuntimeError(f"rollout rank {self.rank} is asleep at level 2 (weights discarded); call wake_up() "
+                               "before syncing weights")
+        handle = weights[0] if isinstance(weights, list) and len(weights) == 1 else weights
+        version, state = await self._resolve_weights(weights, version)
+        # begin: every check before anything changes
+        self._validate(version, state)
+        state = self._cast(state)
+        if self.config.partial_rollout != "off":
+            return await self._update_in_flight(version, state, handle, expected_checksums)
+        gate = self._gate_event()
+        gate.clear()
+        try:
+            jobs = [j for j in self._jobs if j.task is not None]
+            aborted = 0
+            if self.config.sync_policy == "abort":
+                for j in jobs:
+                    j.aborted = True
+                    j.task.cancel()  # type: ignore[union-attr]
+                    aborted += len(j.pending)
+            tasks = [j.task for j in jobs if j.task is not None]
+            tasks += [t for t in self._episode_tasks if t is not asyncio.current_task()]  # episodes finish first
+            if tasks:
+                await asyncio.wait(tasks)  # abort: until the engine stopped; wait: until they finished
+            verify = await self._load_and_commit(version, state, handle, expected_checksums)
+            return {"version": version, "num_tensors": len(state), "waited": 0 if aborted else len(tasks),
+                    "aborted": aborted, "checksums_verified": verify}
+        finally:
+            gate.set()
+
+    async def _load_and_commit(self, version: int, state: dict[str, torch.Tensor], handle: Any,
+                               expected_checksums: dict[str, str] | None) -> bool:
+        """Transfer `state` into the engine, verify it if asked, publish `version`; returns whether it
+        verified checksums."""
+        verify = self.config.verify_checksums or expected_checksums is not None
+        self._rolled_back = False
+        await self._engine_load(state)
+        # commit (verify first)
+        if verify:
+            got = await self._engine_checksum()
+            want = expected_checksums if expected_checksums is not None else state_dict_checksums(state.items())
+            bad = sorted(k for k in want if got.get(k) != want[k])
+            if bad or set(want) != set(got):
+                if self.config.verify_checksums:  # roll back to the last verified weights
+                    await self._engine_load(self._committed or self._initial_state)
+                    self._rolled_back = True
+                    outcome = f"rolled back to version {self._version}"
+                else:
+                    outcome = "the engine holds unverified weights: sync again (verify_checksums=True rolls back)"
+                raise WeightSyncError(
+                    f"checksum mismatch after loading version {version} on rank {self.rank} for {bad[:5]}; {outcome}"
+                )
+        if self.config.verify_checksums:
+            self._committed = state  # what a later failed verification rolls back to
+        self._version = version
+        self._needs_weights = False
+        if isinstance(handle, WeightHandle) and handle.transport == "local":
+            SNAPSHOTS.drop_older(handle.owner, version)
+        return verify
+
+    async def _update_in_flight(self, version: int, state: dict[str, torch.Tensor], handle: Any,
+                                expected_checksums: dict[str, str] | None) -> dict[str, Any]:
+        """Partial rollout: pause the engine (after its current decode step), load, publish the version,
+        resume -- generations in flight continue under the new weights (docs/partial_rollout.md).
+
+        Batch :meth:`generate` calls in flight are waited for first (their rows carry one version). A
+        pause not reached within ``pause_deadline_s`` raises :class:`PauseDeadlineError` with nothing
+        loaded. A load that fails inside the pause fails every request in flight with
+        :class:`WeightSyncError` (the weights they would continue on are no longer known) and refuses
+        generation until an update succeeds (the same version is accepted again). Cancelled once the
+        load has begun (a stop signal), the update still finishes -- load and version together, the
+        engine paused meanwhile -- and then raises ``CancelledError``: the engine never resumes on
+        half-loaded weights or under the wrong version."""
+        gate = self._gate_event()
+        gate.clear()  # new batch calls and new episodes start after the update
+        try:
+            tasks = [j.task for j in self._jobs if j.task is not None]
+            if tasks:
+                await asyncio.wait(tasks)
+            cancelled = False
+            async with self._engine_paused() as paused:
+                load = asyncio.ensure_future(self._load_and_commit(version, state, handle, expected_checksums))
+                while not load.done():
+                    try:
+                        await asyncio.wait([load])  # cancelling the update does not cancel the load
+                    except asyncio.CancelledError:
+                        cancelled = True  # a stop signal: finish the load first, then stop
+                try:
+                    verify = load.result()
+                except BaseException as e:
+                    if not self._rolled_back:  # a verified rollback restored the weights: requests continue
+                        self._needs_weights = True  # a sync of any version >= the current one restores them
+                        failed = self._fail_in_flight(WeightSyncError(
+                            f"weights of version {version} failed to load on rollout rank {self.rank} while this "
+                            f"request was in flight ({type(e).__name__}: {e}); it was stopped, since the weights it "
+                            "would continue on are no longer known -- sync weights again and resubmit"))
+                        self._updates.append({"version": version, "failed": True, "failed_requests": failed})
+                    raise
+            receipt = {"version": version, "num_tensors": len(state), "waited": len(tasks), "aborted": 0,
+                       "checksums_verified": verify, "pause_latency_s": paused.latency_s,
+                       "in_flight": paused.in_flight, "interrupted": paused.interrupted}
+            self._updates.append({k: receipt[k] for k in ("version", "pause_latency_s", "in_flight", "interrupted")})
+            if cancelled:
+                raise asyncio.CancelledError(f"update_weights was cancelled while loading; version {version} was "
+                                             "loaded and published before it stopped")
+            return receipt
+        finally:
+            gate.set()
+
+    def _engine_paused(self) -> Any:
+        """The engine held still for a weight load (the request batcher's pause, or the engine's own)."""
+        from .engines.batcher import PauseInfo
+
+        deadline = self.config.pause_deadline_s
+        if self._batcher is not None:
+            return self._batcher.paused(deadline)
+        apaused = getattr(self.engine, "apaused", None)  # engines that schedule requests themselves (vLLM)
+        if apaused is not None:
+            return apaused(self.config.partial_rollout, deadline)
+
+        @contextlib.asynccontextmanager
+        async def idle() -> AsyncIterator[PauseInfo]:  # no request-level generation was ever started
+            yield PauseInfo(0.0, 0, False)
+
+        return idle()
+
+    def _fail_in_flight(self, error: BaseException) -> int:
+        if self._batcher is not None:
+            return self._batcher.fail_in_flight(error)
+        fail = getattr(self.engine, "fail_in_flight", None)
+        return fail(error) if fail is not None else 0
+
+    async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
+        aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
+        if aload is not None:
+            await aload(state.items())
+        else:
+            await asyncio.to_thread(self.engine.load_weights, state.items())
+
+    async def _engine_checksum(self) -> dict[str, str]:
+        achecksum = getattr(self.engine, "aweights_checksum", None)
+        if achecksum is not None:
+            return await achecksum()
+        return await asyncio.to_thread(self.engine.weights_checksum)

@@ -14,7 +14,7 @@ from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles._util import response_log_probs
 from tensordict import TensorDict
 
-from tests.roles.test_partial_rollout import update_at_forwards
+from tests.forward_hooks import update_at_forwards
 
 
 def _batch(worker: RolloutWorker, texts: list[str]) -> TensorDict:

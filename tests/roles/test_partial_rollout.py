@@ -25,28 +25,14 @@ from asyncrl.roles.engines.batcher import RequestBatcher
 from asyncrl.roles.engines.hf import HFEngine
 from asyncrl.roles.errors import PauseDeadlineError, WeightSyncError
 
+from tests.forward_hooks import update_at_forwards
+
 PROMPTS = ["write digits:", "say hello", "x"]
 
 
 def perturbed(model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
     """The weights of `version`: `model`'s plus seeded noise (version 0: a copy of `model`'s)."""
     return perturbed_from(model.state_dict(), version)
-
-
-def update_at_forwards(model: torch.nn.Module, at: dict[int, Callable[[], Any]], interrupt: threading.Event):
-    """After the listed forward calls of `model` (1 = the first), start ``at[n]()`` on the running loop and
-    hold the step until the update's pause is requested (`interrupt` set)."""
-    loop = asyncio.get_running_loop()
-    calls = {"n": 0}
-    started: list[Any] = []
-
-    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-        calls["n"] += 1
-        if calls["n"] in at:
-            started.append(asyncio.run_coroutine_threadsafe(at[calls["n"]](), loop))
-            assert interrupt.wait(30), "the update did not request its pause"
-
-    return model.register_forward_hook(hook), started
 
 
 def teacher_forced(model: torch.nn.Module, weights: dict[str, torch.Tensor], prompt: list[int],

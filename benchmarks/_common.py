@@ -1,11 +1,14 @@
-"""What every benchmark writes around its tables: the machine header and the results file."""
+"""What every benchmark writes around its tables: the machine header and the results file; and the
+reward-curve summaries the learning benchmarks share."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import statistics
 import sys
+from typing import Any
 
 
 def run_header(script: str, machine_note: str = "shared with other jobs", extra: str = "") -> str:
@@ -35,3 +38,20 @@ def load_note(start: float, end: float | None = None) -> str:
     cores = os.cpu_count() or 1
     tail = f" at the start, {end:.1f} at the end" if end is not None else " at the start"
     return f"shared with other jobs: 1-minute load average {start:.1f}{tail} on {cores} cores"
+
+
+def first_step(hist: list[dict[str, Any]], level: float, window: int = 5) -> tuple[int, float] | None:
+    """(step, elapsed seconds) when the `window`-step mean reward of a run's history first reaches `level`."""
+    rew = [h["reward/mean"] for h in hist]
+    for i in range(window - 1, len(rew)):
+        if statistics.mean(rew[i - window + 1:i + 1]) >= level:
+            return i, float(hist[i]["time/elapsed"])
+    return None
+
+
+def mean_over_seeds(xs: list[float | None]) -> str:
+    """Mean over seeds, or '-' when a seed never got there (then how many did, e.g. '- (1/2)')."""
+    got = [x for x in xs if x is not None]
+    if len(got) < len(xs):
+        return "-" if not got else f"- ({len(got)}/{len(xs)})"
+    return f"{statistics.mean(got):.1f}"

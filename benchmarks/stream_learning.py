@@ -34,7 +34,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _common import load_note, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+from _common import first_step, load_note, mean_over_seeds as _mean, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,23 +80,6 @@ async def run(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> di
     print(f"{variant} seed {seed}: loop {loop_s:.1f} s, reward last 10 "
           f"{statistics.mean(h['reward/mean'] for h in hist[-10:]):.3f}", flush=True)
     return {"name": variant, "seed": seed, "loop_s": loop_s, "history": hist}
-
-
-def first_step(hist: list[dict[str, Any]], level: float, window: int = 5) -> tuple[int, float] | None:
-    """(step, loop seconds) when the `window`-step mean reward first reaches `level`."""
-    rew = [h["reward/mean"] for h in hist]
-    for i in range(window - 1, len(rew)):
-        if statistics.mean(rew[i - window + 1:i + 1]) >= level:
-            return i, float(hist[i]["time/elapsed"])
-    return None
-
-
-def _mean(xs: list[float | None]) -> str:
-    """Mean over seeds, or '-' when a seed never got there ('- (i/n)': only i of n did)."""
-    got = [x for x in xs if x is not None]
-    if len(got) < len(xs):
-        return "-" if not got else f"- ({len(got)}/{len(xs)})"
-    return f"{statistics.mean(got):.1f}"
 
 
 def _spanning(rows: list[dict[str, Any]]) -> str:

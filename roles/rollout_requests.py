@@ -104,6 +104,17 @@ class RequestGenerationMixin:
 
         return submit
 
+    async def _start_requests(self, batch: TensorDictBase, max_new_tokens: int | None, temperature: float | None,
+                              seed: int | None) -> tuple[int, list[list[int]], SamplingParams, Any]:
+        """``(R, prompts, base params, submit)`` for a call whose rows become requests, once no weight update is
+        loading (so the first round runs under the new weights)."""
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        gate = self._gate_event()
+        while not gate.is_set():  # a weight update is loading: start under the new weights
+            await gate.wait()
+        return R, prompts, self._params(prompts, R, temperature, seed), self._request_engine()
+
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                                 temperature: float | None = None, seed: int | None = None, *,
@@ -127,13 +138,7 @@ class RequestGenerationMixin:
             fn, name = self._episode_fn, str(self.config.episode)
         else:
             raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
-        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
-        prompts = self._prompts(batch, R)
-        gate = self._gate_event()
-        while not gate.is_set():  # a weight update is loading: start under the new weights
-            await gate.wait()
-        base = self._params(prompts, R, temperature, seed)
-        submit = self._request_engine()
+        R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
         prompt_text, answers = text_list(batch, "prompt"), text_list(batch, "answer")
         trajs: list[Any] = [None] * len(prompts)
         limit = anyio.Semaphore(max_in_flight or self.config.max_episodes_in_flight)
@@ -185,14 +190,8 @@ class RequestGenerationMixin:
         Row ``i``'s sampling seed comes from the config's seed, `seed`, the row's index in the whole
         batch and its prompt (not the weight version): the same call regenerates the same rows under
         the same weights, and the rows of one prompt differ."""
-        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
-        prompts = self._prompts(batch, R)
-        gate = self._gate_event()
-        while not gate.is_set():  # a weight update is loading: start under the new weights
-            await gate.wait()
-        base = self._params(prompts, R, temperature, seed)
+        R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
         offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
-        submit = self._request_engine()
 
         def row_seed(i: int) -> int:
             h = hashlib.sha256(f"{self.config.seed}|{seed}|{offset + i}|{prompts[i]}".encode())

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import UnknownNameError
 
-__all__ = ["SamplingParams", "Completion", "GenerationEngine", "make_engine", "register_engine", "engine_names",
+__all__ = ["SamplingParams", "Completion", "fail_requests", "GenerationEngine", "make_engine", "register_engine", "engine_names",
            "partial_rollout_modes"]
 
 
@@ -52,6 +52,17 @@ class Completion:
     filtered; same length as response_ids)."""
     finish_reason: str
     """``"stop"`` (EOS) or ``"length"`` (max_new_tokens reached)."""
+
+
+def fail_requests(requests: Iterable[Any], error: BaseException) -> int:
+    """Fail every request of `requests` (objects with a ``future``) that is still pending with `error`;
+    returns how many. The request-level engines use it when a weight load failed mid-generation."""
+    n = 0
+    for r in requests:
+        if not r.future.done():
+            r.future.set_exception(error)
+            n += 1
+    return n
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ import torch
 
 from ..errors import PauseDeadlineError
 from ..models import position_ids_from_mask
-from .base import Completion, SamplingParams
+from .base import Completion, SamplingParams, fail_requests
 from .hf import HFEngine, _autocast, left_pad
 
 __all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES"]
@@ -241,12 +241,7 @@ class RequestBatcher:
     def fail_in_flight(self, error: BaseException) -> int:
         """Fail every request in flight with `error` (a weight load that failed mid-generation left
         weights they cannot continue on); returns how many. Call it inside :meth:`paused`."""
-        n = 0
-        for r in self._waiting + self._active:
-            if not r.future.done():
-                r.future.set_exception(error)
-                n += 1
-        return n
+        return fail_requests(self._waiting + self._active, error)
 
     def round_log(self, clear: bool = False) -> list[Any]:
         """The :class:`~.round_log.RoundRecord` of every round run so far (``record_rounds=True``);

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from ..errors import PauseDeadlineError
-from .base import Completion, SamplingParams, register_engine
+from .base import Completion, SamplingParams, fail_requests, register_engine
 
 __all__ = ["SimEngine", "SimStats", "response_length"]
 
@@ -285,12 +285,7 @@ class SimEngine:
 
     def fail_in_flight(self, error: BaseException) -> int:
         """Fail every request in flight with `error` (a load failed inside :meth:`apaused`); returns how many."""
-        n = 0
-        for r in self._waiting + self._active:
-            if not r.future.done():
-                r.future.set_exception(error)
-                n += 1
-        return n
+        return fail_requests(self._waiting + self._active, error)
 
     def request_statistics(self) -> dict[str, Any]:
         """The counters of :meth:`statistics` as a dict (the rollout worker's ``statistics()`` reports them)."""

@@ -150,7 +150,9 @@ def test_a_pause_that_cannot_start_fails_with_its_deadline():
 
     async def main():
         task = asyncio.ensure_future(eng.generate([[1]], SamplingParams(max_new_tokens=4, seed=0)))
-        await asyncio.sleep(0.05)  # the first step (2 s) is running
+        async with asyncio.timeout(30):  # until the first step (2 s) is running
+            while not eng._step_lock().locked():
+                await asyncio.sleep(0.001)
         with pytest.raises(PauseDeadlineError):
             async with eng.apaused("recompute", deadline_s=0.05):
                 pass
@@ -166,14 +168,16 @@ def test_closing_a_stream_drops_its_requests():
     async def main():
         stream = eng.stream([[1]] * 2, SamplingParams(max_new_tokens=10_000, seed=0))
         task = asyncio.ensure_future(stream.__anext__())
-        while eng.statistics().steps < 2:
-            await asyncio.sleep(0.001)
+        async with asyncio.timeout(30):
+            while eng.statistics().steps < 2:
+                await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await stream.aclose()
-        for _ in range(50):
-            await asyncio.sleep(0.002)
+        async with asyncio.timeout(30):  # until the engine dropped the closed stream's requests
+            while eng._active or eng._waiting:
+                await asyncio.sleep(0.002)
         return eng.statistics()
 
     st = asyncio.run(main())

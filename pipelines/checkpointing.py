@@ -53,6 +53,7 @@ class Checkpointer:
         self.last_save_t = 0.0
         """``time.perf_counter()`` of the newest checkpoint this trainer wrote (0: none yet)."""
         self._verified = False  # checkpoint file hashes checked
+        self._data_digests: dict[str, str] | None = None  # the data files', hashed at the first save only
         if resume is not None:
             self._check_resume(resume)
 
@@ -140,7 +141,9 @@ class Checkpointer:
                 state["stream"] = tr.rollout.checkpoint_state()  # type: ignore[attr-defined]
 
             def write() -> None:  # serialising, hashing, fsync: off the event loop
-                state["data_digests"] = data_digests(tr.config.data)
+                if self._data_digests is None:  # the run read its data once: hash it once, not every save
+                    self._data_digests = data_digests(tr.config.data)
+                state["data_digests"] = self._data_digests
                 torch.save(buffered, tmp / "buffer.pt")
                 (tmp / "state.json").write_text(json.dumps(state))
                 ckpt.commit(tmp, final)

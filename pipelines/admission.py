@@ -85,7 +85,6 @@ def check_stream(job: Any) -> None:
         (t.precompute_log_probs, "trainer.precompute_log_probs=true", "set it to false"),
         (job.rollout.episode is not None, f"rollout.episode={job.rollout.episode!r} (multi-turn episodes)",
          "set rollout.episode=null"),
-        (job.evaluation.enabled, "evaluation (evaluation.every / at_start / at_end)", "turn it off"),
     ]
     for bad, what, fix in unsupported:
         if bad:

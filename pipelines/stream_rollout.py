@@ -37,7 +37,7 @@ from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
 from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
-from asyncrl.pipelines.rollout_loop import batch_seed
+from asyncrl.pipelines.rollout_loop import batch_seed, evaluate, evaluate_rest
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
@@ -149,25 +149,31 @@ class StreamRollout:
         await self._notify()
 
     async def _weights_loop(self, a: _Attempt) -> None:
-        """Load the newest exported version as soon as it is published."""
+        """Load the newest exported version as soon as it is published; evaluate it first when it is due
+        (the next load waits for the evaluation, groups in flight decode on with the evaluated weights)."""
         tr = self._trainer
-        s = a.state
+        s, ev = a.state, tr.evaluator
         while True:
-            await s.wait_for(lambda: s.exported > s.rollout_version and s.exports.get(s.exported) is not None)
-            v, epoch = s.exported, a.epoch
-            groups = tr.groups
-            assert groups is not None
+            epoch = a.epoch
             try:
-                with tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+                if ev is not None and ev.due(s.rollout_version):
+                    await evaluate(tr, s.rollout_version)
+                    continue
+                await s.wait_for(lambda: s.exported > s.rollout_version and s.exports.get(s.exported) is not None)
+                v, epoch = s.exported, a.epoch
+                groups = tr.groups
+                assert groups is not None
+                # shielded: when the run ends, rollout_version must name the weights the engines hold
+                with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name,
+                                                                     version=v):
                     await tr.weights.load(groups, s.exports[v])
+                    if a.epoch == epoch:  # else loaded into engines that were replaced meanwhile
+                        s.rollout_version = v
+                        for old in [x for x in s.exports if x < v]:
+                            del s.exports[old]  # older exports are never loaded again
             except Exception as e:
                 await self._recover(a, e, epoch)
                 continue
-            if a.epoch != epoch:
-                continue  # loaded into engines that were replaced meanwhile
-            s.rollout_version = v
-            for old in [x for x in s.exports if x < v]:
-                del s.exports[old]  # older exports are never loaded again
             await self._notify()
 
     async def _recover(self, a: _Attempt, error: Exception, epoch: int) -> None:
@@ -242,7 +248,12 @@ class StreamRollout:
         return None
 
     async def finish(self) -> None:
-        """Nothing is owed after the last step (evaluation is refused with streaming)."""
+        """After the last step: the evaluations still due, the loaded version's first when the end of the
+        run cut its evaluation short."""
+        tr = self._trainer
+        if tr.evaluator is not None and tr.groups is not None and tr.evaluator.due(tr.state.rollout_version):
+            await evaluate(tr, tr.state.rollout_version)
+        await evaluate_rest(tr)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of streaming: the admitted, untrained groups (regenerated on resume,

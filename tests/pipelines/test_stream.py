@@ -68,7 +68,6 @@ async def test_stream_mode_trains_every_group_once_within_the_staleness_bound(ra
      "trainer.colocated=false"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.precompute_log_probs=true"],
      "trainer.precompute_log_probs"),
-    (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "evaluation.every=5"], "evaluation"),
 ])
 def test_settings_streaming_cannot_run_are_config_errors_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):

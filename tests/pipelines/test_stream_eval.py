@@ -4,7 +4,6 @@ that each evaluation equals batch mode's evaluation of the same weights on idle 
 from __future__ import annotations
 
 import pytest
-
 from asyncrl.pipelines.config import EvalConfig
 from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.metrics import read_jsonl

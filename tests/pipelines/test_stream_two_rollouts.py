@@ -5,7 +5,6 @@ weights."""
 from __future__ import annotations
 
 import pytest
-
 from asyncrl.pipelines.trainer import GRPOTrainer
 
 from tests.pipelines.test_stream import journal, stream_config

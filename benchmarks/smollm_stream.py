@@ -146,6 +146,9 @@ def main() -> None:
                     finish(*start(m, s, d, overrides), m, s, d, overrides)
     runs = [read_run(runs_dir / f"{m}_s{s}") for s in seeds for m in modes]
     note = load_note(load0, os.getloadavg()[0]) if not args.summarize else "shared with other jobs (load per run below)"
+    if args.note:  # the header's command line, without the note's paragraph
+        i = sys.argv.index("--note") if "--note" in sys.argv else None
+        sys.argv = sys.argv[:i] + sys.argv[i + 2:] if i is not None else [a for a in sys.argv if not a.startswith("--note=")]
     header = run_header("smollm_stream.py", note)
     text = "# SmolLM2 arithmetic: batch vs stream rollout, held-out accuracy at equal steps\n\n" + header + "\n\n"
     write_result(args.out, text + (f"{args.note}\n\n" if args.note else "") + summarize(runs))

@@ -22,7 +22,9 @@ Then a group admitted at ``v0`` is trained at a step ``p <= v0 + k`` (the invari
 says no group with ``v0 <= p - k - 1`` is left), so ``staleness = p - v0 <= k``, and every admitted group
 is trained exactly once. With ``drop_stale`` the bound is kept by dropping instead: admission only
 respects ``max_in_flight`` (over generating and buffered groups), and a finished group with
-``p - v0 > k`` is dropped when a step looks for its groups.
+``p - v0 > k`` is dropped when a step looks for its groups. With dynamic sampling
+(``algorithm.filter_groups``) a finished group whose rewards are all equal may be **rejected**: it
+leaves without training (every ``U_u`` only shrinks, so the invariant holds) and is counted apart.
 """
 
 from __future__ import annotations
@@ -79,13 +81,11 @@ def check_stream(job: Any) -> None:
                           f"(trainer.batch_size / algorithm.group_size), so admission control could never fill a "
                           f"step; set it to at least {B}, or null for (max_staleness + 1) * {B}")
     unsupported = [
-        (job.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true (dynamic sampling)", "set it to false"),
-        (t.colocated, "trainer.colocated=true (streaming generates while the policy trains: two pools)",
+            (t.colocated, "trainer.colocated=true (streaming generates while the policy trains: two pools)",
          "set trainer.colocated=false"),
         (t.precompute_log_probs, "trainer.precompute_log_probs=true", "set it to false"),
         (job.rollout.episode is not None, f"rollout.episode={job.rollout.episode!r} (multi-turn episodes)",
          "set rollout.episode=null"),
-        (job.evaluation.enabled, "evaluation (evaluation.every / at_start / at_end)", "turn it off"),
     ]
     for bad, what, fix in unsupported:
         if bad:
@@ -108,6 +108,8 @@ class AdmissionStats:
     """Finished groups dropped as too stale (``drop_stale`` only)."""
     peak_in_flight: int
     """Most groups generating at once."""
+    rejected: int = 0
+    """Finished groups rejected by dynamic sampling (``algorithm.filter_groups``: equal rewards), never trained."""
 
 
 @dataclass
@@ -138,6 +140,7 @@ class Admission:
     _admitted: int = 0
     _trained: int = 0
     _dropped: int = 0
+    _rejected: int = 0
     _peak: int = 0
     dropped_groups: list[int] = field(default_factory=list)
     """Groups dropped since the last successful :meth:`take` (which returns and clears them)."""
@@ -167,7 +170,7 @@ class Admission:
     def statistics(self) -> AdmissionStats:
         """Counters of groups in flight, buffered, admitted, trained and dropped."""
         return AdmissionStats(self._in_flight(), len(self._finished), self._admitted, self._trained, self._dropped,
-                              self._peak)
+                              self._peak, rejected=self._rejected)
 
     def version_of(self, group: int) -> int:
         """``v0`` of an admitted, untrained group."""
@@ -197,6 +200,15 @@ class Admission:
             raise ValueError(f"group {group} finished twice")
         g.finished = True
         self._finished.append(group)
+
+    def reject(self, group: int) -> None:
+        """`group` finished but is not to be trained (dynamic sampling: its rewards are all equal). It leaves
+        like a trained group (every ``U_u`` only shrinks, so the invariant holds) and its room may be
+        admitted again."""
+        if group not in self._groups:
+            raise ValueError(f"group {group} is not admitted (or was already taken or rejected)")
+        self._discard([group])
+        self._rejected += 1
 
     def take(self) -> tuple[list[int], list[int]] | None:
         """``(groups, dropped)`` for step ``next_step`` when enough groups finished (then the step is

@@ -195,6 +195,11 @@ class Journal:
         """Streaming with ``drop_stale``: group `index` (admitted at `version`) was dropped at `at_version`."""
         self._write({"kind": "group_drop", "index": index, "version": version, "at_version": at_version})
 
+    def group_filter(self, index: int, *, version: int) -> None:
+        """Streaming with ``algorithm.filter_groups``: group `index` (admitted at `version`) finished with
+        equal rewards and was rejected (never trained)."""
+        self._write({"kind": "group_filter", "index": index, "version": version})
+
     def drop(self, batch: int, *, version: int, at_version: int) -> None:
         """Batch `batch` (of `version`) was dropped as too stale when the policy was at `at_version`."""
         self._write({"kind": "drop", "batch": batch, "version": version, "at_version": at_version})

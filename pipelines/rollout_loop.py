@@ -35,7 +35,7 @@ from asyncrl.pipelines.loop_state import RolloutBatch
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
 
-__all__ = ["Rollout", "BatchRollout", "batch_seed"]
+__all__ = ["Rollout", "BatchRollout", "batch_seed", "evaluate", "evaluate_rest"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -155,7 +155,7 @@ class BatchRollout:
                 for v in [v for v in s.exports if v < version]:
                     del s.exports[v]  # older exports are never loaded again
             if tr.evaluator is not None and tr.evaluator.due(version):
-                await self._evaluate(version)
+                await evaluate(tr, version)
             t0 = time.perf_counter()
             gen = tr.tracer.watch(stages.generate(g, loader.batch(i), seed=batch_seed(tr.config, i)),
                                   "generate", step=i, version=version)
@@ -183,36 +183,40 @@ class BatchRollout:
                             reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0,
                             metrics=sampling)
 
-    async def _evaluate(self, version: int) -> None:
-        """Evaluate the rollout group's weights (`version`) and record the row in the metrics sinks."""
-        tr = self._trainer
-        ev, g = tr.evaluator, tr.groups
-        assert ev is not None and g is not None
-        with tr.tracer.span("evaluate", track=g.rollout.name, version=version):
-            row = await ev.run(g, version, watch=tr.tracer.watch)
-        tr.report.evaluation(version, row)
-
     async def finish(self) -> None:
-        """After the last step: evaluate the due versions the rollout loop never loaded (the last
-        ``max_staleness`` ones) and, with ``evaluation.at_end``, the final weights."""
-        tr = self._trainer
-        ev, g, s, sync = tr.evaluator, tr.groups, tr.state, tr.weights
-        final = s.policy_version
-        if ev is None or g is None:
-            return
-        due = [v for v in sorted(x for x in s.exports if s.rollout_version < x <= final)
-               if ev.due(v) or (v == final and ev.due_final(v))]
-        if not due and not (ev.due_final(final) and s.rollout_version == final):
-            return
-        needs_weights = sync.sleep and await sync.wake(g)  # the rollout slept after its last batch
-        for v in due:
-            exported = s.exports[v]
-            assert exported is not None
-            with tr.tracer.span("weight_sync", track=g.rollout.name, version=v):
-                await sync.load(g, exported)
-            s.rollout_version, needs_weights = v, False
-            await self._evaluate(v)
-        if ev.due_final(final) and s.rollout_version == final:
-            if needs_weights:
-                await sync.load(g, s.exports[final])  # level 2: the same version again
-            await self._evaluate(final)
+        """After the last step: the evaluations still due (:func:`evaluate_rest`)."""
+        await evaluate_rest(self._trainer)
+
+
+async def evaluate(tr: Trainer, version: int) -> None:
+    """Evaluate the rollout group's weights (`version`) and record the row in the metrics sinks."""
+    ev, g = tr.evaluator, tr.groups
+    assert ev is not None and g is not None
+    with tr.tracer.span("evaluate", track=g.rollout.name, version=version):
+        row = await ev.run(g, version, watch=tr.tracer.watch)
+    tr.report.evaluation(version, row)
+
+
+async def evaluate_rest(tr: Trainer) -> None:
+    """After the last step: evaluate the due versions the rollout never loaded (the last
+    ``max_staleness`` ones) and, with ``evaluation.at_end``, the final weights."""
+    ev, g, s, sync = tr.evaluator, tr.groups, tr.state, tr.weights
+    final = s.policy_version
+    if ev is None or g is None:
+        return
+    due = [v for v in sorted(x for x in s.exports if s.rollout_version < x <= final)
+           if ev.due(v) or (v == final and ev.due_final(v))]
+    if not due and not (ev.due_final(final) and s.rollout_version == final):
+        return
+    needs_weights = sync.sleep and await sync.wake(g)  # the rollout slept after its last batch
+    for v in due:
+        exported = s.exports[v]
+        assert exported is not None
+        with tr.tracer.span("weight_sync", track=g.rollout.name, version=v):
+            await sync.load(g, exported)
+        s.rollout_version, needs_weights = v, False
+        await evaluate(tr, v)
+    if ev.due_final(final) and s.rollout_version == final:
+        if needs_weights:
+            await sync.load(g, s.exports[final])  # level 2: the same version again
+        await evaluate(tr, final)

@@ -120,6 +120,11 @@ class RunJournal:
         if self._file is not None:
             self._file.group_drop(index, version=version, at_version=at_version)
 
+    def group_filtered(self, index: int, *, version: int) -> None:
+        """Streaming with ``algorithm.filter_groups``: group `index` had equal rewards and was rejected."""
+        if self._file is not None:
+            self._file.group_filter(index, version=version)
+
     def drop(self, item: RolloutBatch, current: int) -> None:
         """`item` was dropped as too stale at policy version `current` (the buffer's ``on_drop``)."""
         if self._file is not None:

@@ -13,6 +13,10 @@ first finished groups that fill it, within ``max_staleness`` per trajectory, not
                    ─► AdvantageWorker.concat_groups(group futures)  (worker to worker; the controller
                       holds futures only) ─► RolloutBatch(step, min v0, batch future, scores future)
 
+With ``algorithm.filter_groups`` a finished group whose rewards are all equal is rejected
+(:meth:`Admission.reject`) and the next group admitted in its room. Held-out evaluation runs in the weight
+loop: a due version is evaluated before the next one is loaded (docs/streaming.md).
+
 It stands in for :class:`~asyncrl.pipelines.rollout_loop.BatchRollout` behind the same four calls
 (``run``, ``take``, ``upcoming``, ``finish``). Group ``g`` holds the prompts of slot ``g % B`` of step
 ``g // B``'s prompt batch (``B`` groups per step) and samples with seed ``batch_seed(config, g)``.
@@ -37,7 +41,8 @@ from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
 from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
-from asyncrl.pipelines.rollout_loop import batch_seed
+from asyncrl.pipelines.rollout_loop import batch_seed, evaluate, evaluate_rest
+from asyncrl.pipelines.sampling import group_stds
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
@@ -55,6 +60,7 @@ class _Flight:
     scores: Any
     v0: int
     reward_mean: float
+    reward_std: float
     gen_time: float
 
 
@@ -72,6 +78,7 @@ class _Attempt:
         self.replacing = anyio.Lock()
         self.waits = 0
         self.wait_s = 0.0
+        self.filtered = 0  # groups rejected by dynamic sampling since the last take
 
 
 class StreamRollout:
@@ -118,7 +125,7 @@ class StreamRollout:
         s, adm, t = a.state, a.admission, self._trainer.config.trainer
         st = adm.statistics()
         needed = (t.steps - s.start_step) * self._trainer.config.prompts_per_step
-        return st.admitted - st.dropped < needed and adm.can_admit(s.rollout_version)
+        return st.admitted - st.dropped - st.rejected < needed and adm.can_admit(s.rollout_version)
 
     async def _group(self, a: _Attempt, g: int, v0: int) -> None:
         """Generate and score group `g` (admitted at `v0`); then it may be taken."""
@@ -143,31 +150,52 @@ class StreamRollout:
                 await self._recover(a, e, epoch)
                 self.regenerated += 1
                 await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
-        a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), time.perf_counter() - t0)
+        std = float(group_stds(scores, G)[0])
+        if self._rejects(a, std):
+            a.admission.reject(g)
+            a.filtered += 1
+            tr.journal.group_filtered(g, version=v0)
+            await self._notify()  # its room may be admitted again
+            return
+        a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), std, time.perf_counter() - t0)
         a.admission.finish(g)
         a.finishes += 1
         await self._notify()
 
+    def _rejects(self, a: _Attempt, std: float) -> bool:
+        """Dynamic sampling (``algorithm.filter_groups``): reject a group whose rewards are all equal, at
+        most ``(max_num_gen_batches - 1) * B`` since the last step took its groups (batch mode's budget of
+        extra groups per step); past that, such groups are trained (``sampling/padded_groups``)."""
+        cfg = self._trainer.config
+        fg = cfg.algorithm.filter_groups
+        return fg.enable and std == 0.0 and a.filtered < (fg.max_num_gen_batches - 1) * cfg.prompts_per_step
+
     async def _weights_loop(self, a: _Attempt) -> None:
-        """Load the newest exported version as soon as it is published."""
+        """Load the newest exported version as soon as it is published; evaluate it first when it is due
+        (the next load waits for the evaluation, groups in flight decode on with the evaluated weights)."""
         tr = self._trainer
-        s = a.state
+        s, ev = a.state, tr.evaluator
         while True:
-            await s.wait_for(lambda: s.exported > s.rollout_version and s.exports.get(s.exported) is not None)
-            v, epoch = s.exported, a.epoch
-            groups = tr.groups
-            assert groups is not None
+            epoch = a.epoch
             try:
-                with tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+                if ev is not None and ev.due(s.rollout_version):
+                    await evaluate(tr, s.rollout_version)
+                    continue
+                await s.wait_for(lambda: s.exported > s.rollout_version and s.exports.get(s.exported) is not None)
+                v, epoch = s.exported, a.epoch
+                groups = tr.groups
+                assert groups is not None
+                # shielded: when the run ends, rollout_version must name the weights the engines hold
+                with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name,
+                                                                     version=v):
                     await tr.weights.load(groups, s.exports[v])
+                    if a.epoch == epoch:  # else loaded into engines that were replaced meanwhile
+                        s.rollout_version = v
+                        for old in [x for x in s.exports if x < v]:
+                            del s.exports[old]  # older exports are never loaded again
             except Exception as e:
                 await self._recover(a, e, epoch)
                 continue
-            if a.epoch != epoch:
-                continue  # loaded into engines that were replaced meanwhile
-            s.rollout_version = v
-            for old in [x for x in s.exports if x < v]:
-                del s.exports[old]  # older exports are never loaded again
             await self._notify()
 
     async def _recover(self, a: _Attempt, error: Exception, epoch: int) -> None:
@@ -230,7 +258,12 @@ class StreamRollout:
             "stream/admission_waits": float(a.waits), "stream/admission_wait_s": a.wait_s,
             "stream/admitted_version_min": float(min(f.v0 for f in flights)),
         })
-        a.waits, a.wait_s = 0, 0.0
+        if cfg.algorithm.filter_groups.enable:  # batch mode's names (pipelines/sampling.py)
+            metrics.update({"sampling/filtered_groups": float(a.filtered),
+                            "sampling/padded_groups": float(sum(f.reward_std == 0.0 for f in flights)),
+                            "sampling/min_group_std": min(f.reward_std for f in flights),
+                            "stream/rejected_groups": float(st.rejected)})
+        a.waits, a.wait_s, a.filtered = 0, 0.0, 0
         s.taken = step
         return RolloutBatch(step=step, version=min(f.v0 for f in flights), batch=batch,
                             scores=batch.select("scores"),
@@ -242,7 +275,12 @@ class StreamRollout:
         return None
 
     async def finish(self) -> None:
-        """Nothing is owed after the last step (evaluation is refused with streaming)."""
+        """After the last step: the evaluations still due, the loaded version's first when the end of the
+        run cut its evaluation short."""
+        tr = self._trainer
+        if tr.evaluator is not None and tr.groups is not None and tr.evaluator.due(tr.state.rollout_version):
+            await evaluate(tr, tr.state.rollout_version)
+        await evaluate_rest(tr)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of streaming: the admitted, untrained groups (regenerated on resume,

@@ -62,13 +62,10 @@ async def test_stream_mode_trains_every_group_once_within_the_staleness_bound(ra
     (["trainer.rollout_mode=stream", "trainer.max_staleness=1"], "trainer.rollout_weights=latest"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.stream.max_groups_in_flight=7"],
      "max_groups_in_flight=7 is below one step's 8 prompt groups"),
-    (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "algorithm.filter_groups.enable=true"],
-     "algorithm.filter_groups.enable"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.colocated=true"],
      "trainer.colocated=false"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.precompute_log_probs=true"],
      "trainer.precompute_log_probs"),
-    (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "evaluation.every=5"], "evaluation"),
 ])
 def test_settings_streaming_cannot_run_are_config_errors_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):

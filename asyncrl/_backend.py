@@ -13,6 +13,7 @@ internal type and no unnamed error reaches a user.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -137,8 +138,11 @@ class BackendSpec(Protocol):
 class FetchHandle(Protocol):
     """A fetch in progress (:meth:`Backend.fetch`)."""
 
+    outcome: "asyncio.Future[tuple[list[Any], int, float]]"
+    """Resolved once, on the loop, with what the fetch delivers (see :meth:`Backend.fetch`)."""
+
     def cancel(self) -> None:
-        """On the loop: the delivery will not run (one already posted becomes a no-op)."""
+        """On the loop: no delivery after this (one already posted becomes a no-op)."""
 
 
 class Backend(Protocol):
@@ -149,6 +153,9 @@ class Backend(Protocol):
     top_level_inputs: bool
     """Whether :meth:`submit` takes a payload's ``top`` refs as top-level arguments of the
     host's call (see asyncrl._deferred); otherwise every pipelined input stays nested."""
+    sends_plain_lists: bool
+    """Whether the builder packs a payload's plain arguments as lists (``Payload.sent``,
+    from ``Payload.wire``), which :meth:`submit` then sends instead of the payload."""
 
     async def start(self) -> "Backend":
         """Make the backend usable (Ray: start or connect, off the event loop); returns itself."""
@@ -173,15 +180,15 @@ class Backend(Protocol):
 
     async def wait(self, ref: Any) -> Any: ...
 
-    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> "FetchHandle":
-        """Fetch every ref and wake the event loop ONCE for all of them: call
-        ``deliver(outcomes, failed, at)`` on the running loop when the last ref is done
-        (``failed == -1``, ``outcomes`` the values in the order of `refs`), or at once when
-        the first one fails (``failed`` its position, ``outcomes[failed]`` the backend's
-        raw error: see `translate`; the other refs' outcomes are still retrieved, and
-        dropped). `at` is ``time.perf_counter()`` when the backend saw it. Never a task
-        per ref; with thousands of fetches outstanding, deliveries are spread over loop
-        iterations. Call from the event loop."""
+    def fetch(self, refs: Sequence[Any]) -> "FetchHandle":
+        """Fetch every ref and wake the event loop ONCE for all of them: the handle's
+        ``outcome`` future resolves on the running loop with ``(outcomes, failed, at)`` when
+        the last ref is done (``failed == -1``, ``outcomes`` the values in the order of
+        `refs`), or at once when the first one fails (``failed`` its position,
+        ``outcomes[failed]`` the backend's raw error: see `translate`; the other refs'
+        outcomes are still retrieved, and dropped). `at` is ``time.perf_counter()`` when the
+        backend saw it. Never a task per ref; with thousands of fetches outstanding,
+        deliveries are spread over loop iterations. Call from the event loop."""
         ...
 
     def translate(self, e: BaseException) -> BaseException:

@@ -1,42 +1,207 @@
-"""The state machine of one group call (`_Call`), shared by a :class:`~asyncrl.GroupFuture` and its field selections.
+"""One group call on the controller: issuing it (:class:`Sequencer`) and its state (`_Call`).
 
-``pending`` → ``completed`` (every rank finished; the value or the error is fetched on
-await) or ``failed`` by the controller: cancelled, timed out, or its group closed. The
-first outcome wins and every holder sees the same one.
+*Issuing.* The :class:`Sequencer` of a set of worker processes numbers the ordered calls
+of each process (a *lane*; Ray's async actors do not keep submission order, so the
+process runs them by number: the worker half is :mod:`asyncrl._lanes` and
+:mod:`asyncrl._thread_lane`), has every rank's payload built (:mod:`asyncrl._wire`) and
+submits one call per rank to the backend. The invariant: **every number taken is released
+exactly once on the worker**, whatever fails, so the next number's call always gets its
+turn. Cancellation has one path, :meth:`Sequencer.cancel` → the host's ``cancel_calls`` →
+:meth:`~asyncrl._lanes.Lane.cancel`; cancelling twice is harmless. The 16 failure cases of
+this protocol, each with the test that pins it, are in ``docs/protocol.md``; the code
+cites them as "case N".
+
+*The state* (`_Call`, shared by a :class:`~asyncrl.GroupFuture` and its field
+selections): ``pending`` → ``completed`` (every rank finished; the value or the error is
+fetched on await) or ``failed`` by the controller: cancelled, timed out, or its group
+closed. The first outcome wins and every holder sees the same one.
 
 *One deadline.* ``wg.m.options(timeout=s)(...)`` gives the call a deadline, checked
 against completion: when it passes, the controller asks the backend (off the event
 loop) whether every rank has finished; if so the call completed in time and never
 raises :class:`~asyncrl.CallTimeoutError`, however late it is awaited. Otherwise the
 call fails with ``CallTimeoutError`` for every holder and its remote work is cancelled
-through the one cancel path (:mod:`asyncrl._sequencer`, docs/protocol.md).
+through the one cancel path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
+import itertools
+import threading
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, Sequence
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+
+import structlog
 
 from asyncrl import batch as B
 from asyncrl._backend import Backend, InputFailed, input_error, public_error
-from asyncrl.register import Execute
+from asyncrl._completion import Completion
+from asyncrl._wedge import WedgeReplies
+from asyncrl._wire import Builder
+from asyncrl.register import Execute, Mode
 from asyncrl.errors import (
     CallCancelledError,
-    CallTimeoutError,
-    GroupClosedError,
+    LaneWedgedError,
     UpstreamError,
     WorkerDiedError,
 )
 
 if TYPE_CHECKING:
-    from asyncrl._sequencer import Entry, Sequencer
-    from asyncrl.dispatch import World
+    from asyncrl.dispatch import Sharded, World
     from asyncrl.register import MethodSpec
 
-__all__: list[str] = []  # internal: the public face is asyncrl.future.GroupFuture
+__all__ = ["Sequencer", "Entry"]  # internal: the public face is asyncrl.future.GroupFuture
 
-_BACKGROUND: set[asyncio.Task[Any]] = set()  # deadline checks in flight (a task needs a strong reference)
+log = structlog.get_logger("asyncrl")
+
+Entry = tuple[int, int, "int | None"]
+"""``(rank, call id, number or None)`` of one submitted per-rank call."""
+
+_call_ids = itertools.count()
+_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (case 15)
+
+
+class Sequencer(WedgeReplies):
+    """Numbers the ordered calls of each worker process and issues every call.
+
+    One per set of worker processes (a group, or colocated groups sharing processes):
+    all ordered calls to one process share one numbering, whatever role they call.
+    """
+
+    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock", "pinned", "wedged", "_issued", "_sweep_at")
+
+    def __init__(self, backend: Backend, hosts: list[Any], world_size: int, keep_results: int = 0) -> None:
+        self.backend = backend
+        self.hosts = hosts  # filled in by the owner as the processes start
+        self.keep_results = keep_results
+        """How many of its latest ordered numbers each lane keeps the outcome of (case 14)."""
+        self._next = [0] * world_size  # each lane's next number; only under the lock
+        self._lock = threading.Lock()  # number order = submission order per host, from any thread (case 12)
+        self.pinned = False
+        """The hosts run ordered calls on a pinned thread (threaded Ray hosts): a wedge is
+        also the controller's to act on (case 15). Set by the owner when the hosts start."""
+        self.wedged: dict[int, tuple[int, int, str, float]] = {}
+        """Lane -> ``(call id, number, description, monotonic start)`` of the call wedging it, as its host reported."""
+        self._issued: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in range(world_size)]
+        self._sweep_at = [_ISSUED_SWEEP] * world_size
+
+    def issue(self, site: "_Site", role: str, spec: "MethodSpec", world: "World", sharded: "Sharded",
+              layout: tuple[Sequence[int], Sequence[int], list[bool]], producers: "Sequence[_Call]",
+              timeout: float | None, time_calls: bool) -> "_Call":
+        """Issue one group call of `spec` with its per-rank arguments `sharded`: build every
+        executing rank's payload, number and submit them, and return the call's state.
+        `layout`: ``(executing ranks, collect order, keep per rank)``; `producers`: the calls
+        whose futures are among the arguments; `time_calls`: every rank returns its times."""
+        ranks, order, keep = layout
+        backend = self.backend
+        dp = spec.dispatch_mode.data_parallel
+        ordered = spec.mode is Mode.ORDERED
+        build = Builder(sharded, keep, producers, dp and backend.top_level_inputs, self if ordered else None,
+                        backend.sends_plain_lists)
+        refs, metas, entries = self.submit(role, spec.name, ordered, dp or time_calls, ranks, build)
+        site.stats.calls += 1
+        call = _Call(site, backend, self, spec, world, ranks, order, refs, metas if dp else None, entries, timeout,
+                     producers, sharded.pad)
+        if not dp and time_calls:
+            call.timing = metas
+        if self.pinned:
+            self.issued(call)  # (a wedged lane fails it at once: case 15)
+        inputs = build.inputs
+        if inputs is not None:
+            call.reads = build.reads
+            call.top_from = tuple(inputs.top_from) or None
+            site.stats.inputs_top_level += inputs.sent
+            site.stats.inputs_local += inputs.local_sent
+        return call
+
+    def submit(self, role: str, method: str, ordered: bool, want_meta: bool, ranks: Sequence[int],
+               build: Callable[[Sequence[int], Sequence[int | None]], list[tuple[Any, int | None, bool]]]
+               ) -> tuple[list[Any], list[Any], tuple[Entry, ...]]:
+        """Submit one call per rank of `ranks`. ``build(ranks, numbers)`` first makes every
+        rank's ``(payload, input padding, keep result)`` knowing the number the call will
+        have there (None for a concurrent call): same-process inputs depend on it (case
+        14); if it raises, nothing was sent and no number taken (case 1). Returns ``(result
+        refs, meta refs, entries)``. A failed submission leaves nothing half-issued: the
+        calls already submitted and the number taken for the failing one are cancelled,
+        then the error is raised (case 2)."""
+        backend, hosts, numbers = self.backend, self.hosts, self._next
+        refs: list[Any] = []
+        metas: list[Any] = []
+        entries: list[Entry] = []
+        try:
+            with self._lock:
+                built = build(ranks, [numbers[rank] for rank in ranks] if ordered else [None] * len(ranks))
+                for rank, (payload, pad, keep) in zip(ranks, built):
+                    call_id = next(_call_ids)
+                    seq = None
+                    if ordered:
+                        seq = numbers[rank]
+                        numbers[rank] = seq + 1
+                    entries.append((rank, call_id, seq))
+                    ref, meta = backend.submit(hosts[rank], role, method, seq, call_id, payload, pad, want_meta, keep)
+                    refs.append(ref)
+                    metas.append(meta)
+        except BaseException:
+            self.cancel(entries, deadline=False)
+            raise
+        return refs, metas, tuple(entries)  # a tuple of ints: the collector stops tracking it
+
+    def cancel(self, entries: Iterable[Entry], *, deadline: bool) -> None:
+        """The one cancel path: one message per worker process. `deadline`: the calls'
+        deadline passed (a call still running in its thread wedges its lane)."""
+        by_rank: dict[int, list[tuple[int, int | None]]] = {}
+        for rank, call_id, seq in entries:
+            by_rank.setdefault(rank, []).append((call_id, seq))
+        for rank, items in by_rank.items():
+            try:
+                if deadline and self.pinned:
+                    self.backend.cancel_calls(self.hosts[rank], items, deadline,  # type: ignore[call-arg]
+                                              wedged=functools.partial(self._wedged_reply, rank))
+                else:
+                    self.backend.cancel_calls(self.hosts[rank], items, deadline)
+            except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
+                log.warning("cancel.unsent", rank=rank, calls=len(items), error=repr(e))
+
+    # ---- the wedge of a pinned lane (case 15), on the controller's loop: the host's reply
+    # to a deadline's cancel and its end are asyncrl._wedge's (WedgeReplies) ------------------
+
+    def issued(self, call: Any) -> None:
+        """A call was submitted (`call`: its ``_Call``). On pinned hosts, remember its ordered
+        numbers (a wedge fails the ones still queued) and fail it at once if a lane it
+        needs is wedged."""
+        if not self.pinned:
+            return
+        ref = weakref.ref(call)
+        wedged = None
+        for rank, _, seq in call.entries:
+            if seq is None:
+                continue
+            q = self._issued[rank]
+            q.append((seq, ref))
+            if len(q) >= self._sweep_at[rank]:
+                self._sweep(rank)
+            if self.wedged and wedged is None and rank in self.wedged:
+                wedged = rank
+        if wedged is not None:
+            self._fail_wedged(call, wedged)
+
+    def _sweep(self, rank: int) -> None:
+        """Forget the calls that are over (amortized: the bound doubles with what stays)."""
+        q = self._issued[rank]
+        self._issued[rank] = collections.deque(e for e in q if _pending(e[1]()))
+        self._sweep_at[rank] = max(_ISSUED_SWEEP, 2 * len(self._issued[rank]))
+
+    def _fail_wedged(self, call: Any, rank: int) -> None:
+        _, _, stuck, since = self.wedged[rank]
+        call.fail(LaneWedgedError(call.group, call.method, rank, stuck, time.monotonic() - since), cancel_remote=True)
+
+
+def _pending(call: Any) -> bool:
+    return call is not None and not call.settled() and not call._completed
 
 
 class _Site(Protocol):
@@ -51,22 +216,21 @@ class _Site(Protocol):
     def _mark_broken(self, rank: int | None, detail: str) -> None: ...
 
 
-class _Call:
+class _Call(Completion):
     """One issued group call: the state its futures share (see the module docstring)."""
 
     __slots__ = (
-        "_done_callbacks", "done_at",
         "site", "backend", "sequencer", "method", "ranks", "refs", "metas", "entries", "world",
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
-        "_producers", "_timer", "_fut", "_fetch", "_error", "_completed", "_watching", "_failure", "_loop",
+        "_producers", "_fut", "_fetch", "_result", "_error", "_failure",
         "timing", "times",
         "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of docs/protocol.md)
     )
 
-    def __init__(self, site: _Site, backend: Backend, sequencer: "Sequencer", spec: "MethodSpec", world: "World",
+    def __init__(self, site: _Site, backend: Backend, sequencer: Sequencer, spec: "MethodSpec", world: "World",
                  ranks: Sequence[int], collect_index: Sequence[int], refs: list[Any], metas: list[Any] | None,
-                 entries: "Sequence[Entry]", timeout: float | None, producers: "Sequence[_Call]",
+                 entries: Sequence[Entry], timeout: float | None, producers: "Sequence[_Call]",
                  pads: Sequence[int] | None = None) -> None:
         # Thousands of calls may be in flight at once, each holding its _Call: every
         # container here is one more object for the garbage collector's full passes to
@@ -123,6 +287,7 @@ class _Call:
             p.consumers += 1
         self._fut: asyncio.Future[Any] | None = None
         self._fetch: Any = None  # the backend's fetch of the refs, while it is outstanding
+        self._result: tuple[Any, BaseException | None] | None = None  # (value, error) once read from the fetch
         self._failure: asyncio.Future[BaseException] | None = None
         self._error: BaseException | None = None
         self._completed = False
@@ -154,68 +319,13 @@ class _Call:
         """True once the outcome is known to the controller (value, error, or failure)."""
         return self._error is not None or (self._fut is not None and self._fut.done())
 
-    def is_done(self) -> bool:
-        """Non-blocking: every rank finished, or the controller failed the call. The
-        first call starts watching completion in the background (Ray: a completion
-        callback per rank on Ray's own thread, no polling)."""
-        if self._completed or self.settled():
-            return True
-        self._watch()
-        return self._completed
-
-    def _watch(self) -> None:
-        if not self._watching:
-            self._watching = True
-            self.backend.watch(self.refs, self._mark_completed)
-
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        """Call `fn()` on the running loop once `is_done()` turns true (see GroupFuture)."""
-        loop = asyncio.get_running_loop()
-        if self._done_callbacks is None:
-            self._done_callbacks = (loop, [])
-        self._done_callbacks[1].append(fn)
-        if self._completed or self.settled():
-            loop.call_soon(self._run_done_callbacks)
-            return
-        self._watch()
-        if self._completed:  # the backend thread finished it between the two checks
-            loop.call_soon(self._run_done_callbacks)
-
-    def _run_done_callbacks(self) -> None:  # on the loop only: each callback runs once
-        pending, self._done_callbacks = self._done_callbacks, None
-        if pending is None:
-            return
-        loop, callbacks = pending
-        for fn in callbacks:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - reported like asyncio's own callbacks
-                loop.call_exception_handler({"message": f"done callback of {self.group}.{self.method} "
-                                                   "raised", "exception": e})
-
-    def _done_soon(self) -> None:
-        """Schedule the done callbacks on the loop, from any thread."""
-        pending = self._done_callbacks
-        if pending is not None and not pending[0].is_closed():
-            pending[0].call_soon_threadsafe(self._run_done_callbacks)
-
     def state(self) -> str:
         """What the controller knows, without asking anyone (for repr)."""
         if self._error is not None:
             return "cancelled" if self.cancel_requested else f"failed ({type(self._error).__name__})"
-        if self._fut is not None and self._fut.done():
-            return "done" if self._fut.exception() is None else f"failed ({type(self._fut.exception()).__name__})"
-        return "completed" if self._completed else "pending"
-
-    def _mark_done_at(self) -> None:
-        if self.done_at is None:
-            self.done_at = time.perf_counter()
-
-    def _mark_completed(self) -> None:  # may run on a backend thread
-        self._mark_done_at()  # before `_completed`: whoever sees that also sees the time
-        self._completed = True
-        if self._done_callbacks is not None:
-            self._done_soon()
+        if self._result is not None:
+            return "done" if self._result[1] is None else f"failed ({type(self._result[1]).__name__})"
+        return "completed" if self._completed or (self._fut is not None and self._fut.done()) else "pending"
 
     # ---- failing the call (cancel, deadline, withdrawal) ------------------------------------
 
@@ -232,6 +342,7 @@ class _Call:
             self._timer = None
         if self._fut is not None:
             self._fut.set_exception(error)
+            self._fut.exception()  # retrieved: a failure nobody awaits is not logged as never retrieved
         if self._failure is not None and not self._failure.done():
             self._failure.set_result(error)
         fetch, self._fetch = self._fetch, None
@@ -241,19 +352,6 @@ class _Call:
             self.sequencer.cancel(self.entries, deadline=deadline)
         self._release_producers()
         return True
-
-    def fail_from_thread(self, error: BaseException, *, cancel_remote: bool, deadline: bool = False) -> None:
-        """`fail` from a thread that is not the loop's (the blocking `result()` path)."""
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is not loop:
-                loop.call_soon_threadsafe(lambda: self.fail(error, cancel_remote=cancel_remote, deadline=deadline))
-                return
-        self.fail(error, cancel_remote=cancel_remote, deadline=deadline)
 
     def cancel(self) -> bool:
         if self._completed or self.settled():
@@ -281,81 +379,58 @@ class _Call:
         for p in self.reads:
             p.ok = True
 
-    def _timeout_error(self, waited: float | None = None) -> CallTimeoutError:
-        t = self.timeout if waited is None else waited
-        return CallTimeoutError(
-            f"{self.group}.{self.method} did not finish within its timeout of {t:g}s; the remote work was "
-            "cancelled (a plain def method cannot be interrupted: while it runs, later ordered calls on its "
-            "worker fail with LaneWedgedError)"
-        )
-
-    # ---- the deadline -----------------------------------------------------------------------
-
-    def _on_deadline(self) -> None:
-        self._timer = None
-        if self._completed or self.settled():
-            return
-        task = asyncio.ensure_future(self._check_deadline())
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
-
-    async def _check_deadline(self) -> None:
-        if not self._completed:
-            try:
-                done = await self.backend.all_done(self.refs)
-            except Exception:  # the backend is gone (Ray shut down): let the fetch report it
-                done = True
-            if done:
-                self._mark_done_at()
-                self._completed = True
-        if not self._completed:
-            self.fail(self._timeout_error(), cancel_remote=True, deadline=True)
-
-    def _arm_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
-        """A call issued without a running loop gets its deadline timer on first await."""
-        if self.deadline is None or self._timer is not None or self._loop is not None:
-            return
-        self._loop = loop
-        self._timer = loop.call_later(max(0.0, self.deadline - time.monotonic()), self._on_deadline)
-
     # ---- resolution ---------------------------------------------------------------------
 
+    async def value(self) -> Any:
+        """The collected result, for one awaiter (:class:`~asyncrl.GroupFuture`); raises the
+        call's error. It waits for :meth:`outcome` and reads it with :meth:`result`; a
+        cancelled awaiter withdraws its claim (the call is cancelled if it was the last)."""
+        fut = self.outcome()
+        if not fut.done():
+            self.claims += 1
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                self.claims -= 1
+                self.withdraw()  # this task's claim is gone; cancel if it was the last
+                raise
+            except BaseException:  # noqa: BLE001 - the outcome is in `fut`, raised below
+                pass
+            self.claims -= 1
+        return self.result()
+
     def outcome(self) -> asyncio.Future[Any]:
-        """The future every awaiter shares; fetching starts on the first await."""
+        """The future every awaiter shares: the backend's fetch of every rank's outcome
+        (resolved in one event-loop wake-up), or the error the controller failed the call
+        with. The fetch starts on the first await."""
         if self._fut is None:
             loop = asyncio.get_running_loop()
-            self._arm_deadline(loop)
-            fut = self._fut = loop.create_future()
-            fut.add_done_callback(_retrieve)  # a failure nobody awaits is not "never retrieved"
+            if self.deadline is not None and self._loop is None:  # issued without a running loop
+                self._arm_deadline(loop)
             if self._error is not None:
+                fut = loop.create_future()
                 fut.set_exception(self._error)
+                fut.exception()  # (retrieved, as in fail())
             else:
-                self._start_fetch()
+                self._fetch = self.backend.fetch(self._fetched_refs())
+                fut = self._fetch.outcome
+            self._fut = fut
         return self._fut
 
-    def failure(self) -> asyncio.Future[BaseException]:
-        """Resolves with the error when the controller fails the call (for streaming)."""
-        if self._failure is None:
-            loop = asyncio.get_running_loop()
-            self._arm_deadline(loop)
-            self._failure = loop.create_future()
-            if self._error is not None:
-                self._failure.set_result(self._error)
-        return self._failure
-
-    def _finish(self, fut: asyncio.Future[Any], value: Any = None, error: BaseException | None = None) -> None:
-        self._mark_done_at()
-        self._completed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not fut.done():
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                self._succeeded()
-                fut.set_result(value)
-        self._release_producers()
+    def result(self) -> Any:
+        """Once :meth:`outcome` is done: the collected result, or the call's error raised.
+        The first reader settles the call from what the fetch delivered (:meth:`_delivered`);
+        every reader gets the same outcome."""
+        got = self._result
+        if got is None:
+            fut = self._fut
+            assert fut is not None, "result() before outcome()"
+            self._delivered(*fut.result())  # (raises the error the controller failed the call with)
+            got = self._result
+        value, error = got  # type: ignore[misc]
+        if error is not None:
+            raise error
+        return value
 
     def _error_of(self, e: BaseException, rank: int | None) -> BaseException:
         """The one translation of a backend outcome for this call (see asyncrl._backend)."""
@@ -370,28 +445,20 @@ class _Call:
             self.site._mark_broken(rank, str(e))
         return err
 
-    async def _wait(self, pos: int, ref: Any) -> Any:
-        try:
-            return await self.backend.wait(ref)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise self._error_of(e, self.ranks[pos]) from None
-
-    # The fetch: no task, no coroutine, and one event-loop wake-up per call, not per
-    # rank: the backend counts the refs down off the loop (Ray: on its own thread) and
-    # delivers them together when the last one is done, or at once on the first error
-    # (the other ranks are not waited for), which is translated once, with its rank.
+    # The fetch: no task, and one event-loop wake-up per call, not per rank: the backend
+    # counts the refs down off the loop (Ray: on its own thread) and resolves the fetch's
+    # future when the last one is done, or at once on the first error (the other ranks are
+    # not waited for), which is translated once, with its rank.
 
     def _wait_order(self) -> list[int]:
-        """The positions (in `refs`) of what `_start_fetch` fetches, in its order:
+        """The positions (in `refs`) of what `_fetched_refs` lists, in its order:
         the collected ranks, the non-collecting ones, then the padding metadata."""
         positions = list(self.collect_index)
         collected = set(positions)
         others = [i for i in range(len(self.refs)) if i not in collected]
         return positions + others + [positions[j] for j in self.fetch_metas]
 
-    def _start_fetch(self) -> None:
+    def _fetched_refs(self) -> list[Any]:
         refs = self.collect_refs
         if len(self.collect_index) < len(self.refs):  # non-collecting ranks: their errors surface too
             collected = set(self.collect_index)
@@ -399,31 +466,35 @@ class _Call:
         if self.fetch_metas:
             metas = self.collect_metas
             refs = list(refs) + [metas[j] for j in self.fetch_metas]  # type: ignore[index]
-        self._fetch = self.backend.fetch(refs, self._delivered)
+        return refs
 
     def _delivered(self, got: list[Any], failed: int, at: float) -> None:
-        """The backend's one delivery (on the loop): every outcome, or the first error."""
-        fut = self._fut
-        if fut is None or self._fetch is None or fut.done():
-            return  # settled meanwhile by the controller (fail() cancels the fetch)
+        """Settle the call from the fetch's one delivery (every outcome, or the first error),
+        read by the first reader (:meth:`result`): the collected value, or the error."""
         self._fetch = None
         if self.done_at is None:
             self.done_at = at  # when the backend saw it, not when the loop got to it
+        self._completed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if failed >= 0:
             pos = self._wait_order()[failed]
-            self._finish(fut, error=self._error_of(self.backend.translate(got[failed]), self.ranks[pos]))
-            return
-        try:
-            values = got[:len(self.collect_index)]
-            if self.fetch_metas:
-                m = len(self.fetch_metas)
-                for j, (_, pad, *_t) in zip(self.fetch_metas, got[len(got) - m:]):
-                    values[j] = B.strip_tail(values[j], pad)
-            value = self._collect(values)
-        except BaseException as err:  # noqa: BLE001 - a collect function's error, handed to every awaiter
-            self._finish(fut, error=err)
+            self._result = (None, self._error_of(self.backend.translate(got[failed]), self.ranks[pos]))
         else:
-            self._finish(fut, value=value)
+            try:
+                values = got[:len(self.collect_index)]
+                if self.fetch_metas:
+                    m = len(self.fetch_metas)
+                    for j, (_, pad, *_t) in zip(self.fetch_metas, got[len(got) - m:]):
+                        values[j] = B.strip_tail(values[j], pad)
+                value = self._collect(values)
+            except BaseException as err:  # noqa: BLE001 - a collect function's error, handed to every awaiter
+                self._result = (None, err)
+            else:
+                self._succeeded()
+                self._result = (value, None)
+        self._release_producers()
 
     def _collect(self, values: list[Any]) -> Any:
         stats = self.site.stats
@@ -432,72 +503,3 @@ class _Call:
         if self.rank_zero:
             return values[0]
         return self.collect_fn(self.world, values)
-
-    def resolve_blocking(self, timeout: float | None) -> Any:
-        """The one blocking path (`GroupFuture.result`), for a thread without a running loop."""
-        fut = self._fut
-        if fut is not None and fut.done():
-            return fut.result()
-        if self._error is not None:
-            raise self._error
-        now = time.monotonic()
-        limits = [t for t in (None if timeout is None else now + timeout, self.deadline) if t is not None]
-        until = min(limits) if limits else None
-        metas = self.collect_metas
-        refs = self.refs + [metas[j] for j in self.fetch_metas]  # type: ignore[index]
-        outcomes = self.backend.get(refs, None if until is None else max(0.0, until - now))
-        if outcomes is None:  # nothing failed, but not every rank finished in time
-            if self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
-                err = self._timeout_error()
-                self.fail_from_thread(err, cancel_remote=True, deadline=True)
-            else:
-                err = self._timeout_error(timeout)
-                # result()'s own limit is this waiter's: cancel only when nobody else waits
-                self.fail_from_thread(err, cancel_remote=self.claims == 0 and self.consumers == 0)
-            raise err
-        self._mark_done_at()
-        self._completed = True
-        values = []
-        for pos, (ok, value) in enumerate(outcomes):
-            if not ok:
-                rank = (self.ranks[pos] if pos < len(self.ranks)
-                        else self.ranks[self.collect_index[self.fetch_metas[pos - len(self.ranks)]]])
-                raise self._error_of(value, rank)
-            values.append(value)
-        n = len(self.refs)
-        payloads = [values[i] for i in self.collect_index]
-        for j, (_, pad, *_t) in zip(self.fetch_metas, values[n:]):
-            payloads[j] = B.strip_tail(payloads[j], pad)
-        value = self._collect(payloads)
-        self._succeeded()  # (from the caller's thread: plain flags, read later by issuing calls)
-        return value
-
-    async def stream(self) -> AsyncIterator[tuple[int, Any]]:
-        async def one(i: int) -> tuple[int, Any]:
-            value = await self._wait(self.collect_index[i], self.collect_refs[i])
-            if i in self.fetch_metas:
-                _, pad, *_t = await self._wait(self.collect_index[i], self.collect_metas[i])  # type: ignore[index]
-                value = B.strip_tail(value, pad)
-            self.site.stats.results_fetched += 1
-            self.site.stats.bytes_fetched += B.payload_nbytes(value)
-            return self.ranks[self.collect_index[i]], value
-
-        failure: asyncio.Future[Any] = self.failure()
-        pending: set[asyncio.Future[Any]] = {asyncio.ensure_future(one(i)) for i in range(len(self.collect_refs))}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending | {failure}, return_when=asyncio.FIRST_COMPLETED)
-                if failure in done:
-                    raise failure.result()
-                for t in done:
-                    pending.discard(t)
-                    item: tuple[int, Any] = t.result()
-                    yield item
-        finally:
-            for t in pending:
-                t.cancel()
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()

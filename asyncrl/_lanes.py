@@ -1,6 +1,6 @@
 """The worker's half of ordered calls: a :class:`Lane` per worker process admits them in number order.
 
-The controller (:mod:`asyncrl._sequencer`) numbers the ordered calls of each process; its
+The controller (:class:`asyncrl._call.Sequencer`) numbers the ordered calls of each process; its
 host (:mod:`asyncrl._host`) runs them through the lane: :meth:`Lane.arrive`, wait for the
 turn, run, :meth:`Lane.leave`. The lane refuses calls cancelled before they arrive, keeps
 the outcomes of recent numbers for same-process consumers, and knows whether the call

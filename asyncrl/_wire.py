@@ -1,11 +1,12 @@
 """The wire format of a call's arguments: :class:`Payload`, and how it crosses to a worker.
 
-The controller builds one :class:`Payload` per rank (:mod:`asyncrl.worker_group`); the Ray
-backend sends :meth:`Payload.wire` (plain values as msgpack lists, anything else as one
-nested pickle stream whose unpickling on the worker never raises: case 3 of
-``docs/protocol.md``); the worker host rebuilds it with :func:`arrived`. :class:`Builder` makes each rank's Payload as the sequencer submits
-it (knowing the call's number on that rank's lane), with :class:`Inputs` deciding how each
-pipelined input travels (nested, top-level or handed over in the worker's process).
+:class:`Builder` makes every executing rank's :class:`Payload` of one call (knowing the
+call's number on each rank's lane), with :class:`Inputs` deciding how each pipelined input
+travels (nested, top-level or handed over in the worker's process), and packs it as the
+backend sends it (for Ray, :meth:`Payload.wire`: plain values as msgpack lists in
+:attr:`Payload.sent`, anything else as the Payload, one nested pickle stream whose
+unpickling on the worker never raises: case 3 of ``docs/protocol.md``); the worker host
+rebuilds it with :func:`arrived`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import io
 import pickle
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard, has_deferred
 
@@ -34,11 +35,16 @@ class Payload:
     the call's number (case 3 of docs/protocol.md).
     """
 
-    __slots__ = ("args", "kwargs", "error", "top", "nested")
+    __slots__ = ("args", "kwargs", "error", "top", "nested", "sent")
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                  error: tuple[str, str, str] | None = None, top: list[Any] | None = None,
                  nested: bool = False) -> None:
+        self.sent: list[Any] | None = None
+        """Its plain arguments packed as lists (:meth:`wire`), when every one is plain: set by
+        :class:`Builder` for a backend that ``sends_plain_lists`` (Ray), which then sends
+        this instead of the Payload. Not part of the pickled payload (and never the Payload
+        itself: a reference cycle would keep its arguments alive until the collector runs)."""
         self.args = args
         self.kwargs = kwargs
         self.error = error
@@ -335,16 +341,32 @@ class Inputs:
 
 
 class Builder:
-    """Each executing rank's ``(arguments, input padding, keep result)``, built as the
-    sequencer submits them, knowing the number the call gets on that rank's lane (an
-    error here is covered by the sequencer's submit-or-release)."""
+    """Every executing rank's ``(payload, input padding, keep result)`` of one call, built
+    before anything is sent, knowing the number the call gets on each rank's lane (an error
+    here leaves nothing sent and no number taken: case 1 of docs/protocol.md). `producers`:
+    the calls whose futures are among the arguments; `top`: matched shards of producers
+    known to be ok may go as top-level arguments; `sequencer`: the consumer's own, for an
+    ordered call (same-process inputs); `pack`: set each payload's :attr:`Payload.sent` to
+    :meth:`Payload.wire` (the backend sends plain arguments as msgpack lists). After
+    building, `inputs` says how the pipelined inputs travelled (None without producers) and
+    `reads` which producers the call reads whole (:meth:`Inputs.fully_read`)."""
 
-    __slots__ = ("sharded", "keep", "inputs")
+    __slots__ = ("sharded", "keep", "inputs", "pack", "reads")
 
-    def __init__(self, sharded: "Sharded", keep: list[bool], inputs: Inputs | None) -> None:
-        self.sharded, self.keep, self.inputs = sharded, keep, inputs
+    def __init__(self, sharded: "Sharded", keep: list[bool], producers: "Sequence[Any]", top: bool,
+                 sequencer: Any, pack: bool) -> None:
+        self.sharded, self.keep, self.pack = sharded, keep, pack
+        self.inputs = Inputs(producers, top, sequencer) if producers else None
+        self.reads: tuple[Any, ...] = ()
 
-    def __call__(self, r: int, seq: int | None) -> tuple[Payload, int | None, bool]:
+    def __call__(self, ranks: "Sequence[int]", numbers: "Sequence[int | None]") -> list[tuple[Payload, int | None, bool]]:
+        built = [self.rank(r, seq) for r, seq in zip(ranks, numbers)]
+        if self.inputs is not None:
+            self.reads = self.inputs.fully_read()
+        return built
+
+    def rank(self, r: int, seq: int | None) -> tuple[Payload, int | None, bool]:
+        """One rank's ``(payload, input padding, keep result)``, for a call numbered `seq` there."""
         sharded, inputs = self.sharded, self.inputs
         pads = sharded.pad
         a = tuple(_defer(x[r]) for x in sharded.args)
@@ -356,7 +378,12 @@ class Builder:
             a = tuple(_each(inputs, x, top, r, seq) for x in a)
             k = {key: _each(inputs, v, top, r, seq) for key, v in k.items()}
             nested = has_deferred(a, k)
-        return Payload(a, k, top=top or None, nested=nested), (pads[r] if pads is not None else None), self.keep[r]
+        payload = Payload(a, k, top=top or None, nested=nested)
+        if self.pack:
+            wire = payload.wire()
+            if wire is not payload:
+                payload.sent = wire  # type: ignore[assignment]
+        return payload, (pads[r] if pads is not None else None), self.keep[r]
 
 
 def _each(inputs: Inputs, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:

@@ -7,6 +7,8 @@ pipeline the data worker to worker, or stream per-rank results as they complete.
 
 The call's state lives in :mod:`asyncrl._call` (`_Call`, shared by a future and its
 field selections): one deadline, checked against completion; the first outcome wins.
+Awaiting reads it with ``_Call.value``; this module also holds the other readers: the
+blocking ``result()``, per-rank streaming and :func:`gather`.
 
 *Cancelling a shared future.* A call runs as long as someone waits for it: a task
 awaiting it, or a pending call it feeds (a pipelined consumer). Cancelling a task that
@@ -19,12 +21,14 @@ holders. To stop waiting without ever cancelling, await ``asyncio.shield(future)
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any, AsyncIterator, Callable, Generator, Generic, Sequence, TypeVar
 
+from asyncrl import batch as B
 from asyncrl._call import _Call
 from asyncrl._deferred import Source
-from asyncrl.errors import CallTimeoutError, GroupClosedError
+from asyncrl.errors import GroupClosedError
 
 __all__ = ["GroupFuture", "gather"]
 
@@ -77,20 +81,7 @@ class GroupFuture(Generic[T]):
         return self._await().__await__()
 
     async def _await(self) -> T:
-        call = self._call
-        fut = call.outcome()
-        if not fut.done():
-            call.claims += 1
-            try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                call.claims -= 1
-                call.withdraw()  # this task's claim is gone; cancel if it was the last
-                raise
-            except BaseException:  # noqa: BLE001 - the outcome is in `fut`, raised below
-                pass
-            call.claims -= 1
-        return self._apply_select(fut.result())
+        return self._apply_select(await self._call.value())
 
     def result(self, timeout: float | None = None) -> T:
         """Block until the collected result is ready (for synchronous scripts).
@@ -109,7 +100,7 @@ class GroupFuture(Generic[T]):
             )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        return self._apply_select(self._call.resolve_blocking(timeout))
+        return self._apply_select(_resolve_blocking(self._call, timeout))
 
     def done(self) -> bool:
         """True when every rank has finished (successfully or not) or the call failed
@@ -185,7 +176,7 @@ class GroupFuture(Generic[T]):
         """Yield ``(rank, result)`` per rank as each completes (padding stripped for
         data-parallel calls; not collected). Raises the call's error if the controller
         fails it meanwhile (deadline, cancel)."""
-        async for item in self._call.stream():
+        async for item in _stream(self._call):
             yield item
 
     # ---- pipelining ------------------------------------------------------------------
@@ -234,15 +225,110 @@ def _first(world: Any, results: list[Any]) -> Any:
     return results[0]
 
 
-def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> Sequence[_Call]:
-    """The calls whose futures are among a call's arguments (top level, or in a list)."""
-    out: list[_Call] = []
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, GroupFuture):
-            out.append(x._call)
-        elif isinstance(x, (list, tuple)):
-            out.extend(i._call for i in x if isinstance(i, GroupFuture))
-    return out or ()  # (most calls have none: no list kept per call)
+# ---- the readers besides await: the blocking result() and per-rank streaming ---------------
+
+
+def _resolve_blocking(call: _Call, timeout: float | None) -> Any:
+    """The one blocking path (`GroupFuture.result`), for a thread without a running loop."""
+    fut = call._fut
+    if fut is not None and fut.done():
+        return call.result()
+    if call._error is not None:
+        raise call._error
+    now = time.monotonic()
+    limits = [t for t in (None if timeout is None else now + timeout, call.deadline) if t is not None]
+    until = min(limits) if limits else None
+    metas = call.collect_metas
+    refs = call.refs + [metas[j] for j in call.fetch_metas]  # type: ignore[index]
+    outcomes = call.backend.get(refs, None if until is None else max(0.0, until - now))
+    if outcomes is None:  # nothing failed, but not every rank finished in time
+        if call.deadline is not None and time.monotonic() >= call.deadline - 1e-3:
+            err = call._timeout_error()
+            _fail_from_thread(call, err, cancel_remote=True, deadline=True)
+        else:
+            err = call._timeout_error(timeout)
+            # result()'s own limit is this waiter's: cancel only when nobody else waits
+            _fail_from_thread(call, err, cancel_remote=call.claims == 0 and call.consumers == 0)
+        raise err
+    call._mark_done_at()
+    call._completed = True
+    values = []
+    for pos, (ok, value) in enumerate(outcomes):
+        if not ok:
+            rank = (call.ranks[pos] if pos < len(call.ranks)
+                    else call.ranks[call.collect_index[call.fetch_metas[pos - len(call.ranks)]]])
+            raise call._error_of(value, rank)
+        values.append(value)
+    n = len(call.refs)
+    payloads = [values[i] for i in call.collect_index]
+    for j, (_, pad, *_t) in zip(call.fetch_metas, values[n:]):
+        payloads[j] = B.strip_tail(payloads[j], pad)
+    value = call._collect(payloads)
+    call._succeeded()  # (from the caller's thread: plain flags, read later by issuing calls)
+    return value
+
+
+def _fail_from_thread(call: _Call, error: BaseException, *, cancel_remote: bool, deadline: bool = False) -> None:
+    """`fail` from a thread that is not the loop's (the blocking `result()` path)."""
+    loop = call._loop
+    if loop is not None and not loop.is_closed():
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop:
+            loop.call_soon_threadsafe(lambda: call.fail(error, cancel_remote=cancel_remote, deadline=deadline))
+            return
+    call.fail(error, cancel_remote=cancel_remote, deadline=deadline)
+
+
+async def _stream(call: _Call) -> AsyncIterator[tuple[int, Any]]:
+    """`GroupFuture.as_completed`: ``(rank, result)`` per collected rank as each completes
+    (a wait per rank); the call's error if the controller fails it meanwhile."""
+    async def one(i: int) -> tuple[int, Any]:
+        value = await _wait(call, call.collect_index[i], call.collect_refs[i])
+        if i in call.fetch_metas:
+            _, pad, *_t = await _wait(call, call.collect_index[i], call.collect_metas[i])  # type: ignore[index]
+            value = B.strip_tail(value, pad)
+        call.site.stats.results_fetched += 1
+        call.site.stats.bytes_fetched += B.payload_nbytes(value)
+        return call.ranks[call.collect_index[i]], value
+
+    failure: asyncio.Future[Any] = _failure(call)
+    pending: set[asyncio.Future[Any]] = {asyncio.ensure_future(one(i)) for i in range(len(call.collect_refs))}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending | {failure}, return_when=asyncio.FIRST_COMPLETED)
+            if failure in done:
+                raise failure.result()
+            for t in done:
+                pending.discard(t)
+                item: tuple[int, Any] = t.result()
+                yield item
+    finally:
+        for t in pending:
+            t.cancel()
+
+
+def _failure(call: _Call) -> asyncio.Future[BaseException]:
+    """Resolves with the error when the controller fails the call (for streaming)."""
+    if call._failure is None:
+        loop = asyncio.get_running_loop()
+        call._arm_deadline(loop)
+        call._failure = loop.create_future()
+        if call._error is not None:
+            call._failure.set_result(call._error)
+    return call._failure
+
+
+async def _wait(call: _Call, pos: int, ref: Any) -> Any:
+    """One rank's result (position `pos` of the call's refs); its error as the call's."""
+    try:
+        return await call.backend.wait(ref)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise call._error_of(e, call.ranks[pos]) from None
 
 
 async def gather(*futures: "GroupFuture[Any]", chunk: int = _AWAIT_CHUNK) -> list[Any]:
@@ -272,32 +358,34 @@ async def _await_all(futures: "Sequence[GroupFuture[Any]]") -> list[Any]:
     """Await `futures` as ``await f`` would each, without a task per future: one waiter
     for all, woken by the calls' shared outcome futures (at the first error, or when the
     last one is done). Raises the first error, as ``asyncio.gather`` does."""
-    outcomes = [f._call.outcome() for f in futures]
-    failed = next((o for o in outcomes if o.done() and (o.cancelled() or o.exception() is not None)), None)
-    pending = [(f._call, o) for f, o in zip(futures, outcomes) if not o.done()]
+    calls = [f._call for f in futures]
+    outcomes = [c.outcome() for c in calls]
+    failed = next((c for c, o in zip(calls, outcomes) if o.done() and _fails(c)), None)
+    pending = [(c, o) for c, o in zip(calls, outcomes) if not o.done()]
     if failed is None and pending:
-        waiter: asyncio.Future[asyncio.Future[Any] | None] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[_Call | None] = asyncio.get_running_loop().create_future()
         left = len(pending)
 
-        def one_done(o: asyncio.Future[Any]) -> None:
+        def one_done(call: _Call, _: asyncio.Future[Any]) -> None:
             nonlocal left
             left -= 1
             if waiter.done():
                 return
-            if o.cancelled() or o.exception() is not None:
-                waiter.set_result(o)
+            if _fails(call):
+                waiter.set_result(call)
             elif left == 0:
                 waiter.set_result(None)
 
-        for call, o in pending:
+        callbacks = [functools.partial(one_done, call) for call, _ in pending]
+        for (call, o), cb in zip(pending, callbacks):
             call.claims += 1
-            o.add_done_callback(one_done)
+            o.add_done_callback(cb)
         try:
             try:
                 failed = await waiter
             finally:
-                for call, o in pending:
-                    o.remove_done_callback(one_done)
+                for (call, o), cb in zip(pending, callbacks):
+                    o.remove_done_callback(cb)
                     call.claims -= 1
         except asyncio.CancelledError:
             for call, _ in pending:
@@ -305,4 +393,13 @@ async def _await_all(futures: "Sequence[GroupFuture[Any]]") -> list[Any]:
             raise
     if failed is not None:
         failed.result()  # raises its error
-    return [f._apply_select(o.result()) for f, o in zip(futures, outcomes)]
+    return [f._apply_select(c.result()) for f, c in zip(futures, calls)]
+
+
+def _fails(call: _Call) -> bool:
+    """Whether a call whose outcome is done failed (reading it settles it)."""
+    try:
+        call.result()
+    except BaseException:  # noqa: BLE001 - its error, raised again to whoever reads it
+        return True
+    return False

@@ -3,7 +3,7 @@
 A :class:`HostSet` owns the processes' whole life: placement on a
 :class:`~asyncrl.ResourcePool`, starting one host per rank (each host builds the
 worker objects of every colocated role in its process), the torch.distributed
-environment, the registered meshes, the ordered-call :class:`~asyncrl._sequencer.Sequencer`,
+environment, the registered meshes, the ordered-call :class:`~asyncrl._call.Sequencer`,
 and closing. Several :class:`~asyncrl.WorkerGroup` views (one per role) can share one
 HostSet; the processes go when the last view closes.
 
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 from asyncrl._backend import Backend, BackendSpec, public_error
 from asyncrl._host import RoleSpec
-from asyncrl._sequencer import Sequencer
+from asyncrl._call import Sequencer
 from asyncrl.dispatch import MeshRank
 from asyncrl.register import Mode, registered_methods
 from asyncrl.errors import DispatchError, GroupClosedError

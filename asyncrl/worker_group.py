@@ -1,8 +1,8 @@
 """`WorkerGroup`: binding registered methods to a group, and dispatching a call.
 
 ``wg.compute_log_prob(batch)`` looks up the method's :func:`~asyncrl.register`
-contract, splits the arguments (dispatch), hands one call per executing rank to the
-:class:`~asyncrl._sequencer.Sequencer` and returns a :class:`~asyncrl.GroupFuture`
+contract, splits the arguments (dispatch), has the group's
+:class:`~asyncrl._call.Sequencer` issue one call per executing rank and returns a :class:`~asyncrl.GroupFuture`
 at once; awaiting it collects the per-rank results (:mod:`asyncrl.future`). The
 processes behind a group are a :class:`~asyncrl.host_set.HostSet`; the same group logic
 runs on two backends: Ray actors (:class:`RayWorkerGroup`) and in-process objects
@@ -21,7 +21,6 @@ import structlog
 
 from asyncrl import backends
 from asyncrl._backend import BackendSpec
-from asyncrl._wire import Builder, Inputs
 from asyncrl.dispatch import Sharded, World
 from asyncrl.errors import (
     DispatchError,
@@ -29,9 +28,10 @@ from asyncrl.errors import (
     GroupClosedError,
     RegistrationError,
 )
-from asyncrl.future import GroupFuture, _Call, producers_of
+from asyncrl._call import _Call
+from asyncrl.future import GroupFuture
 from asyncrl.host_set import HostSet
-from asyncrl.register import Execute, MethodSpec, Mode, RegisteredMethod, registered_methods
+from asyncrl.register import Execute, MethodSpec, RegisteredMethod, registered_methods
 from asyncrl.resources import AsyncResource, ResourcePool
 from asyncrl.worker import PROTECTED_ENV, Worker
 
@@ -290,30 +290,20 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if sharded.pad is not None and len(sharded.pad) != n:
             raise DispatchError(f"dispatch mode {mode.name!r} reported padding for {len(sharded.pad)} ranks; "
                                 f"a group of {n} workers needs one entry per rank")
-        ranks, order, keep = self._layout(spec, world)
-        hs = self._hostset
-        producers = producers_of(args, kwargs)
-        ordered = spec.mode is Mode.ORDERED
-        inputs = None
-        if producers:
-            inputs = Inputs(producers, mode.data_parallel and hs.backend.top_level_inputs,
-                             hs.sequencer if ordered else None)
-        dp = mode.data_parallel
-        refs, metas, entries = hs.sequencer.submit(
-            self._role, spec.name, ordered, dp or self.time_calls, ranks, Builder(sharded, keep, inputs))
-        self.stats.calls += 1
-        call = _Call(self, hs.backend, hs.sequencer, spec, world, ranks, order, refs,
-                     metas if dp else None, entries, timeout, producers, sharded.pad)
-        if not dp and self.time_calls:
-            call.timing = metas
-        if hs.sequencer.pinned:
-            hs.sequencer.issued(call)  # (a wedged lane fails it at once: case 15 of docs/protocol.md)
-        if inputs is not None:
-            call.reads = inputs.fully_read()
-            call.top_from = tuple(inputs.top_from) or None
-            self.stats.inputs_top_level += inputs.sent
-            self.stats.inputs_local += inputs.local_sent
+        call = self._hostset.sequencer.issue(self, self._role, spec, world, sharded, self._layout(spec, world),
+                                             producers_of(args, kwargs), timeout, self.time_calls)
         return GroupFuture(call)
+
+
+def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> "Sequence[_Call]":
+    """The calls whose futures are among a call's arguments (top level, or in a list)."""
+    out: list[_Call] = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, GroupFuture):
+            out.append(x._call)
+        elif isinstance(x, (list, tuple)):
+            out.extend(i._call for i in x if isinstance(i, GroupFuture))
+    return out or ()  # (most calls have none: no list kept per call)
 
 
 def _layout(spec: MethodSpec, world: World) -> tuple[tuple[int, ...], tuple[int, ...], list[bool]]:

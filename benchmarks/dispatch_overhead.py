@@ -166,8 +166,14 @@ def _host_submit(wg: RayWorkerGroup, rank: int, method: str, args: tuple[Any, ..
 
     hs = wg._hostset
     payload = Payload(args, {})
-    refs, metas, _ = hs.sequencer.submit(wg._role, method, True, data_parallel, (rank,),
-                                         lambda _rank, _number: (payload, 0 if data_parallel else None, True))
+    built = (payload, 0 if data_parallel else None, True)
+    if hasattr(payload, "sent"):  # the builder packs the payload and builds every rank at once
+        wire = payload.wire()
+        payload.sent = wire if wire is not payload else None
+        build: Any = lambda _ranks, _numbers: [built]
+    else:  # (an asyncrl tree from before: a per-rank build, packed by the backend)
+        build = lambda _rank, _number: built
+    refs, metas, _ = hs.sequencer.submit(wg._role, method, True, data_parallel, (rank,), build)
     return (refs[0], metas[0]) if data_parallel else (refs[0],)
 
 

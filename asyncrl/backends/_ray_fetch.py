@@ -39,21 +39,21 @@ class _Fetch:
     reports an unhandled error, even for ranks that fail after the first error was delivered). The callbacks
     count down under a lock; the one that completes the set, or brings its first error,
     posts the delivery (:meth:`_Resolver.post`): one ``call_soon_threadsafe`` per fetch
-    instead of one per ref. On the loop, `deliver(outcomes, failed, at)` runs once:
-    `failed` is -1 and `outcomes` the values in the order of the refs, or the position of
-    the first error and ``outcomes[failed]`` Ray's raw error (see :func:`_translate`);
-    `at` is ``time.perf_counter()`` when Ray's thread (or the getter's) saw it.
-    :meth:`cancel` (on the loop) makes a later delivery a no-op.
+    instead of one per ref. On the loop, the delivery resolves :attr:`outcome` once with
+    ``(outcomes, failed, at)``: `failed` is -1 and `outcomes` the values in the order of the
+    refs, or the position of the first error and ``outcomes[failed]`` Ray's raw error (see
+    :func:`_translate`); `at` is ``time.perf_counter()`` when Ray's thread (or the getter's)
+    saw it. :meth:`cancel` (on the loop) makes a later delivery a no-op.
     """
 
-    __slots__ = ("_loop", "_deliver", "_refs", "_outcomes", "_left", "_failed", "_sent", "_live", "_queued", "at")
+    __slots__ = ("_loop", "outcome", "_refs", "_outcomes", "_left", "_failed", "_sent", "_live", "_queued", "at")
 
     _LOCK = threading.Lock()  # the count-down, across Ray's callback threads
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, refs: Sequence[Any],
-                 deliver: Callable[[list[Any], int, float], None], queued: bool) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, refs: Sequence[Any], queued: bool) -> None:
         self._loop = loop
-        self._deliver = deliver
+        self.outcome: asyncio.Future[tuple[list[Any], int, float]] = loop.create_future()
+        """What the fetch delivers, on the loop, in one wake-up (see the class docstring)."""
         self._refs: list[Any] | None = list(refs)  # held until every callback ran (as _Watch)
         n = len(self._refs)
         self._outcomes: list[Any] = [None] * n
@@ -105,7 +105,8 @@ class _Fetch:
         self._live = False
         if not self._queued:
             _RESOLVER.native -= len(self._outcomes)
-        self._deliver(self._outcomes, self._failed, self.at)
+        if not self.outcome.done():  # (an awaiter that was cancelled cancels it)
+            self.outcome.set_result((self._outcomes, self._failed, self.at))
 
     def cancel(self) -> None:
         """On the loop: no delivery after this (a posted one becomes a no-op)."""
@@ -221,14 +222,15 @@ class _Resolver:
         self._draining: set[asyncio.AbstractEventLoop] = set()
         self.native = 0  # refs being fetched with a direct wake-up (the loop's side only)
 
-    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> _Fetch:
-        """Fetch `refs` with one loop wake-up (see :class:`_Fetch`); returns its handle."""
+    def fetch(self, refs: Sequence[Any]) -> _Fetch:
+        """Fetch `refs` with one loop wake-up (see :class:`_Fetch`); returns its handle,
+        whose :attr:`_Fetch.outcome` the caller awaits."""
         loop = asyncio.get_running_loop()
         queued = self.native + len(refs) > _NATIVE_LIMIT
         if not queued:
             self.native += len(refs)
         try:
-            return _Fetch(loop, refs, deliver, queued)
+            return _Fetch(loop, refs, queued)
         except BaseException:
             if not queued:
                 self.native -= len(refs)
@@ -236,21 +238,14 @@ class _Resolver:
 
     async def wait(self, ref: Any) -> Any:
         """One ref's value; Ray's error as :func:`_translate` makes it."""
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-        def got(outcomes: list[Any], failed: int, _at: float) -> None:
-            if fut.done():
-                return
-            if failed < 0:
-                fut.set_result(outcomes[0])
-            else:
-                fut.set_exception(_translate(outcomes[0]))
-
-        handle = self.fetch([ref], got)
+        handle = self.fetch([ref])
         try:
-            return await fut
+            outcomes, failed, _ = await handle.outcome
         finally:
             handle.cancel()  # (a no-op once delivered)
+        if failed < 0:
+            return outcomes[0]
+        raise _translate(outcomes[0])
 
     def post(self, f: _Fetch) -> None:
         """On Ray's thread: hand a finished fetch to its loop."""

@@ -42,6 +42,7 @@ class LocalBackend:
     name = "local"
     needs_pool = False
     top_level_inputs = False  # in process there is no argument path to save: every pipelined input stays nested
+    sends_plain_lists = False  # every payload makes its pickling round trip (Payload.local_copy)
 
     async def start(self) -> "LocalBackend":
         return self
@@ -96,8 +97,8 @@ class LocalBackend:
     async def wait(self, ref: Any) -> Any:
         return await _await_local(ref)
 
-    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> "_LocalFetch":
-        return _LocalFetch(refs, deliver)
+    def fetch(self, refs: Sequence[Any]) -> "_LocalFetch":
+        return _LocalFetch(refs)
 
     def translate(self, e: BaseException) -> BaseException:
         return e
@@ -146,13 +147,13 @@ class LocalBackend:
 
 class _LocalFetch:
     """:meth:`LocalBackend.fetch`: the refs are futures on this loop; their done
-    callbacks count down and the last one (or the first error) delivers, once. Every
-    ref's outcome is retrieved, so asyncio never logs one as never retrieved."""
+    callbacks count down and the last one (or the first error) resolves `outcome`, once.
+    Every ref's outcome is retrieved, so asyncio never logs one as never retrieved."""
 
-    __slots__ = ("_deliver", "_outcomes", "_left", "_live")
+    __slots__ = ("outcome", "_outcomes", "_left", "_live")
 
-    def __init__(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> None:
-        self._deliver = deliver
+    def __init__(self, refs: Sequence[Any]) -> None:
+        self.outcome: asyncio.Future[tuple[list[Any], int, float]] = asyncio.get_running_loop().create_future()
         self._outcomes: list[Any] = [None] * len(refs)
         self._left = len(refs)
         self._live = True
@@ -166,7 +167,8 @@ class _LocalFetch:
         if not self._live or (self._left and not failed):
             return
         self._live = False
-        self._deliver(self._outcomes, i if failed else -1, time.perf_counter())
+        if not self.outcome.done():
+            self.outcome.set_result((self._outcomes, i if failed else -1, time.perf_counter()))
 
     def cancel(self) -> None:
         self._live = False

@@ -109,6 +109,8 @@ class RayBackend:
     top_level_inputs = True
     pins_ordered_calls = True
     """A threaded host runs ordered calls on its pinned thread (case 15 of docs/protocol.md)."""
+    sends_plain_lists = True
+    """Plain arguments travel as msgpack lists (:meth:`asyncrl._wire.Payload.wire`, packed by the builder)."""
 
     def __init__(self) -> None:
         # Local wrappers: need no running Ray.
@@ -159,8 +161,9 @@ class RayBackend:
         # One Ray argument, not eight: Ray serializes each argument on its own (~10 µs each).
         # A list, not a tuple: Ray encodes lists, strings and numbers with msgpack and
         # pickles anything else (a tuple too), so a call whose arguments are plain scalars
-        # (Payload.wire) crosses without pickling on either side.
-        packed = [role, method, seq, call_id, payload.wire(), in_pad, want_meta, keep, self._notes.get(id(host), 0)]
+        # (`payload.sent`, packed by the builder: Payload.wire) crosses without pickling on either side.
+        sent = payload.sent if payload.sent is not None else payload
+        packed = [role, method, seq, call_id, sent, in_pad, want_meta, keep, self._notes.get(id(host), 0)]
         methods = self._methods.get(id(host))
         if methods is None:  # .options() builds a new method object: once per host, not per call
             methods = self._methods[id(host)] = _host_methods(host)
@@ -249,8 +252,8 @@ class RayBackend:
     async def wait(self, ref: Any) -> Any:
         return await _RESOLVER.wait(ref)
 
-    def fetch(self, refs: Sequence[Any], deliver: Callable[[list[Any], int, float], None]) -> _Fetch:
-        return _RESOLVER.fetch(refs, deliver)
+    def fetch(self, refs: Sequence[Any]) -> _Fetch:
+        return _RESOLVER.fetch(refs)
 
     def translate(self, e: BaseException) -> BaseException:
         return _translate(e)

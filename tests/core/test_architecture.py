@@ -68,10 +68,11 @@ def test_the_call_path_layers():
     graph = _imports()
     # the future owns the call's state; it knows nothing of groups or hosts
     assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.host_set"}
-    # the sequencer owns the ordered-call protocol and depends only on the error types
-    assert graph["asyncrl._sequencer"] <= {"asyncrl.errors", "asyncrl._backend"}
+    # the call (its issuing: the sequencer; its state) knows nothing of groups, hosts or lanes
+    assert not graph["asyncrl._call"] & {"asyncrl.worker_group", "asyncrl.host_set", "asyncrl._host",
+                                         "asyncrl._lanes", "asyncrl._thread_lane"}
     # only the backends import ray's worker host wrapper; no backend-independent module imports a backend
-    for m in ("asyncrl.future", "asyncrl.host_set", "asyncrl._sequencer", "asyncrl._host", "asyncrl.resources"):
+    for m in ("asyncrl.future", "asyncrl.host_set", "asyncrl._call", "asyncrl._host", "asyncrl.resources"):
         assert not {d for d in graph[m] if d.startswith("asyncrl.backends")}, m
 
 
@@ -144,9 +145,9 @@ def test_the_console_script_is_the_pipelines_cli():
 
 def test_the_lanes_are_the_workers_half_and_know_nothing_of_the_controller():
     """The worker half of the ordered-call protocol (``_lanes``, ``_thread_lane``) depends
-    only on the error types and the backend protocol; the controller's ``_sequencer`` does
-    not import it, nor does it import the sequencer."""
+    only on the error types and the backend protocol; the controller's sequencer (``_call``)
+    does not import it, nor does it import the sequencer."""
     graph = _imports()
     assert graph["asyncrl._lanes"] <= {"asyncrl.errors", "asyncrl._backend"}
     assert graph["asyncrl._thread_lane"] <= {"asyncrl.errors", "asyncrl._backend", "asyncrl._lanes"}
-    assert not graph["asyncrl._sequencer"] & {"asyncrl._lanes", "asyncrl._thread_lane"}
+    assert not graph["asyncrl._call"] & {"asyncrl._lanes", "asyncrl._thread_lane"}

@@ -131,7 +131,7 @@ class RunJournal:
                 if call is None:
                     raise RuntimeError("the rollout worker has no round_log")
                 ranks, lost = list(await call), None
-            except Exception as e:  # a dead rollout worker's rounds are gone: say so (replay refuses the run)
+            except Exception as e:  # noqa: BLE001 - a dead rollout worker's rounds are gone: say so (replay refuses)
                 ranks, lost = None, f"{type(e).__name__}: {e}"
             await anyio.to_thread.run_sync(file.append, step, epoch, ranks, lost)
 

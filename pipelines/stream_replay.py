@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-
 from asyncrl.pipelines.admission import Admission
 from asyncrl.pipelines.journal import JOURNAL, JournalData, JournalError
 from asyncrl.pipelines.loop_state import RolloutBatch
@@ -45,7 +44,7 @@ from asyncrl.pipelines.stream_rollout import StreamRollout, _Attempt
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
 
-__all__ = ["ROUNDS", "RoundFile", "StreamReplay", "read_rounds", "records_rounds", "recording_rollout", "stream_rollout"]
+__all__ = ["ROUNDS", "RoundFile", "StreamReplay", "read_rounds", "recording_rollout", "records_rounds", "stream_rollout"]
 
 ROUNDS = "rounds.jsonl"
 """The round log's file name, next to the journal."""

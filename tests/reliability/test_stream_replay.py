@@ -19,9 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import asyncrl
-from asyncrl import Dispatch, Execute, register
 from asyncrl.pipelines.config import config_fingerprint
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journal import JournalError, read_journal
@@ -30,6 +27,9 @@ from asyncrl.pipelines.replay import replay
 from asyncrl.pipelines.stages import AdvantageWorker
 from asyncrl.pipelines.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
+
+import asyncrl
+from asyncrl import Dispatch, Execute, register
 from tests.reliability.faults import DelayedPolicy
 
 STEPS = 6

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 import anyio.to_thread
+import structlog
 
 from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
 
 __all__ = ["RunJournal", "weights_digest"]
+
+log = structlog.get_logger("asyncrl.pipelines")
 
 
 def weights_digest(checksums: Mapping[str, str]) -> str:
@@ -138,9 +141,18 @@ class RunJournal:
         self._fetch = asyncio.get_running_loop().create_task(fetch(), name=f"round log of step {step}")
 
     async def _fetched(self) -> None:
-        """Until the round-log fetches issued so far are written."""
-        if self._fetch is not None:
-            await asyncio.shield(self._fetch)
+        """Until the round-log fetches issued so far are written -- at most ``trainer.rollout_timeout_s`` (the
+        fetch waits its turn behind the score calls of groups still generating; a hung rollout worker must not
+        hang the run's end: the fetch is then cancelled, and a replay refuses the run for its missing rounds)."""
+        fetch = self._fetch
+        if fetch is None or fetch.done():
+            return
+        limit = self._trainer.config.trainer.rollout_timeout_s
+        done, _ = await asyncio.wait([fetch], timeout=limit)
+        if not done:
+            fetch.cancel()
+            log.warning("journal.round_log_timeout", timeout_s=limit,
+                        detail="the last round-log fetch did not return; this run cannot be replayed")
 
     def planned(self, index: int) -> int | None:
         """The weight version batch `index` must be generated with, when the journal says."""

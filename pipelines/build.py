@@ -17,6 +17,7 @@ from asyncrl.pipelines.config import JobConfig
 from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
 from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.stream_replay import recording_rollout
 
 __all__ = ["needs_reference", "role_specs", "main_pool", "build_rollout_part", "build_groups", "Workers", "build_data"]
 
@@ -32,7 +33,7 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
 
     t = cfg.trainer
     rollout_roles: dict[str, Any] = {
-        "rollout": (RolloutWorker, (cfg.model, cfg.rollout), {}),
+        "rollout": (RolloutWorker, (cfg.model, recording_rollout(cfg)), {}),
         "reward": (RewardWorker, (cfg.worker_reward(),), {}),
     }
     train_roles: dict[str, Any] = {

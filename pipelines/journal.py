@@ -13,6 +13,15 @@ Streaming rollout (``trainer.rollout_mode=stream``) writes prompt groups instead
     {"kind": "group", "index": 13, "seed": 13, "version": 2}       # group 13 admitted at version 2
     {"kind": "step", "step": 3, "batch": 3, "version": 2, "groups": [13, 9, 12, 15]}
     {"kind": "group_drop", "index": 7, "version": 0, "at_version": 4}   # trainer.stream.drop_stale
+    {"kind": "load", "version": 3}                                  # the rollout starts loading version 3
+
+A ``group`` record is written when the group's calls are issued and a ``load`` record when a weight
+load is, so their order is the order of those calls on the rollout workers' ordered lane.
+
+A stream run on the HF engine also writes ``"rounds": "rounds.jsonl"`` in its ``run`` record and keeps
+its engines' round log (which requests decoded together, under which version, for how many steps) in
+that side file next to the journal: too large for one line per event, and only a replay reads it
+(:mod:`asyncrl.pipelines.stream_replay`). It is append-only like the journal and rewinds with it.
 
 A ``batch`` record is written when batch ``index`` is generated and scored: the dataset
 indices of its prompts (each repeated ``algorithm.group_size`` times), the sampling seed
@@ -54,6 +63,8 @@ class JournalData:
 
     header: dict[str, Any] | None = None
     """The first ``run`` record (the config and fingerprint of the run)."""
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    """Every ``run`` record: one per segment (a resume or a restart starts another)."""
     batches: dict[int, dict[str, Any]] = field(default_factory=dict)
     """``batch`` records by batch index."""
     steps: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -64,6 +75,8 @@ class JournalData:
     """``group`` records (streaming rollout's admissions) by group index."""
     group_drops: list[dict[str, Any]] = field(default_factory=list)
     """``group_drop`` records, in order."""
+    stream_order: list[dict[str, Any]] = field(default_factory=list)
+    """Streaming: the ``group`` and ``load`` records, in the order they were written."""
     end: dict[str, Any] | None = None
     """The last ``end`` record, when the run finished (or stopped cleanly)."""
 
@@ -98,6 +111,7 @@ def read_journal(path: str | Path) -> JournalData:
 
 def _apply(data: JournalData, rec: dict[str, Any], kind: str) -> None:
     if kind == "run":
+        data.runs.append(rec)
         if data.header is None:
             data.header = rec
     elif kind == "batch":
@@ -110,6 +124,9 @@ def _apply(data: JournalData, rec: dict[str, Any], kind: str) -> None:
         data.end = rec
     elif kind == "group":
         data.groups[int(rec["index"])] = rec
+        data.stream_order.append(rec)
+    elif kind == "load":
+        data.stream_order.append(rec)
     elif kind == "group_drop":
         data.group_drops.append(rec)
 
@@ -190,6 +207,10 @@ class Journal:
     def group(self, index: int, *, seed: int, version: int) -> None:
         """Streaming: prompt group `index` was admitted at weight version `version` and samples with `seed`."""
         self._write({"kind": "group", "index": index, "seed": seed, "version": version})
+
+    def load(self, version: int) -> None:
+        """Streaming: the rollout starts loading weights `version` (the update call is issued now)."""
+        self._write({"kind": "load", "version": version})
 
     def group_drop(self, index: int, *, version: int, at_version: int) -> None:
         """Streaming with ``drop_stale``: group `index` (admitted at `version`) was dropped at `at_version`."""

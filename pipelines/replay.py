@@ -11,6 +11,11 @@ occupancy. On CPU the replay is bit-identical::
 
     asyncrl replay runs/grpo_toy                  # writes runs/grpo_toy/replay/, exit 0 when identical
 
+A streaming run (``trainer.rollout_mode=stream``, HF engine) replays too: its journal also records each
+group's admission, each step's groups and the engines' decoding rounds, which the replay follows
+(:mod:`asyncrl.pipelines.stream_replay`, which also lists the stream runs it refuses); it is compared
+the same way, plus the groups of every step.
+
 What it cannot replay: a run whose workers draw randomness outside (weights, batch, seed)
 (custom workers), or nondeterministic kernels (some GPU kernels; see docs/reliability.md).
 """
@@ -30,8 +35,10 @@ from asyncrl.pipelines.metrics import read_jsonl
 
 __all__ = ["ReplayResult", "replay", "replay_config", "compare_metrics"]
 
-_VOLATILE = ("time/", "buffer/")
-"""Metric prefixes that depend on timing, not on what was computed."""
+_VOLATILE = ("time/", "buffer/", "stream/in_flight", "stream/buffered", "stream/peak_in_flight",
+             "stream/admission_wait")
+"""Metric prefixes that depend on timing, not on what was computed (streaming: the groups generating or
+waiting when a step took its own, and the sampler's waits)."""
 
 
 @dataclass
@@ -50,6 +57,10 @@ class ReplayResult:
     """Batch index -> weight version, as the replay generated them."""
     original_versions: dict[int, int]
     """Batch index -> weight version, as the original run generated them."""
+    groups: dict[int, list[int]] = field(default_factory=dict)
+    """Streaming: step -> the prompt groups it trained, as the replay trained them."""
+    original_groups: dict[int, list[int]] = field(default_factory=dict)
+    """Streaming: step -> the prompt groups it trained, as the original run trained them."""
     metric_differences: list[tuple[int, str, Any, Any]] = field(default_factory=list)
     """``(step, key, original, replayed)`` for every per-step metric that differs."""
     output_dir: Path | None = None
@@ -57,9 +68,11 @@ class ReplayResult:
 
     @property
     def identical(self) -> bool:
-        """Same versions, same per-step metrics and (when recorded) the same final weights."""
+        """Same versions (streaming: same groups per step), same per-step metrics and (when recorded) the
+        same final weights."""
         weights_ok = self.original_weights_sha256 is None or self.weights_sha256 == self.original_weights_sha256
-        return weights_ok and not self.metric_differences and self.versions == self.original_versions
+        return (weights_ok and not self.metric_differences and self.versions == self.original_versions
+                and self.groups == self.original_groups)
 
 
 def replay_config(run_dir: str | Path, *, output_dir: str | Path | None = None,
@@ -133,5 +146,7 @@ async def replay(run_dir: str | Path, *, output_dir: str | Path | None = None,
         original_weights_sha256=original.end.get("weights_sha256") if original.end else None,
         versions={i: int(b["version"]) for i, b in mine.batches.items()},
         original_versions={i: int(b["version"]) for i, b in original.batches.items() if i < len(mine.batches)},
+        groups={t: list(r["groups"]) for t, r in mine.steps.items() if "groups" in r},
+        original_groups={t: list(r["groups"]) for t, r in original.steps.items() if "groups" in r and t < steps},
         metric_differences=compare_metrics(original_rows, history), output_dir=trainer.output_dir,
     )

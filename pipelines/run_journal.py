@@ -7,23 +7,28 @@ replay). It never changes what the loops do otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 import anyio.to_thread
+import structlog
 
 from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journal import JOURNAL, Journal, JournalData, JournalError, read_journal
 from asyncrl.pipelines.loop_state import RolloutBatch
 from asyncrl.pipelines.rollout_loop import batch_seed
+from asyncrl.pipelines.stream_replay import ROUNDS, RoundFile, records_rounds
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
 
 __all__ = ["RunJournal", "weights_digest"]
+
+log = structlog.get_logger("asyncrl.pipelines")
 
 
 def weights_digest(checksums: Mapping[str, str]) -> str:
@@ -45,6 +50,10 @@ class RunJournal:
         self._file: Journal | None = None
         self._schedule: dict[int, int] = {}  # batch index -> weight version to follow
         self._replay: JournalData | None = None
+        self._rounds: RoundFile | None = None  # streaming on HF: the engines' round log (rounds.jsonl)
+        self._fetch: asyncio.Task[None] | None = None  # the newest round-log fetch (each awaits the one before)
+        self.replay_source = Path(replay) if replay is not None else None
+        """The journal (or run directory) this run replays."""
         if replay is not None:
             self._replay = read_journal(replay)
             header = self._replay.header or {}
@@ -60,10 +69,13 @@ class RunJournal:
         tr = self._trainer
         header = {"fingerprint": config_fingerprint(tr.config), "config": to_dict(tr.config)}
         previous = None
-        if resume is not None:
-            source = resume.parent.parent / JOURNAL
-            if source.is_file():
-                previous = read_journal(source)
+        source = resume.parent.parent / JOURNAL if resume is not None else None
+        if source is not None and source.is_file():
+            previous = read_journal(source)
+        if records_rounds(tr.config) and self._replay is None:
+            header["rounds"] = ROUNDS
+            self._rounds = RoundFile(tr.output_dir / ROUNDS)
+            self._rounds.start(source.with_name(ROUNDS) if source is not None else None, tr.state.start_step)
         self._file = Journal(tr.output_dir / JOURNAL)
         schedule = self._file.start(header, previous=previous, next_gen=tr.state.next_gen,
                                     start_step=tr.state.start_step)
@@ -85,14 +97,62 @@ class RunJournal:
         follow the versions recorded for the batches after it (a replay keeps following its own)."""
         if self._file is None or self._replay is not None:
             return
-        journal, s = self._file, self._trainer.state
+        journal, s, rounds = self._file, self._trainer.state, self._rounds
+        await self._fetched()
         self._schedule = await anyio.to_thread.run_sync(
             lambda: journal.rewind(next_gen=s.next_gen, start_step=s.start_step))
+        if rounds is not None:
+            await anyio.to_thread.run_sync(lambda: rounds.start(rounds.path, s.start_step))
 
     @property
     def replaying(self) -> bool:
         """True when this run follows a replayed journal's versions."""
         return self._replay is not None
+
+    @property
+    def replayed(self) -> JournalData | None:
+        """The journal this run replays (None: not a replay)."""
+        return self._replay
+
+    def rounds(self, step: int, epoch: int) -> None:
+        """Streaming: step `step` chose its groups; fetch the engines' rounds since the last fetch (every round
+        of those groups) and append them to ``rounds.jsonl`` -- in a task, so the step does not wait for the
+        rollout workers' ordered lane (a weight update may hold it). `epoch`: rollout-pool replacements so far."""
+        tr, file = self._trainer, self._rounds
+        if file is None or tr.groups is None:
+            return
+        try:
+            call = tr.groups.rollout.round_log(True)
+        except AttributeError:  # a custom rollout worker without a round log
+            call = None
+        before = self._fetch
+
+        async def fetch() -> None:
+            if before is not None:
+                await asyncio.wait([before])
+            try:
+                if call is None:
+                    raise RuntimeError("the rollout worker has no round_log")
+                ranks, lost = list(await call), None
+            except Exception as e:  # noqa: BLE001 - a dead rollout worker's rounds are gone: say so (replay refuses)
+                ranks, lost = None, f"{type(e).__name__}: {e}"
+            await anyio.to_thread.run_sync(file.append, step, epoch, ranks, lost)
+
+        self._fetch = asyncio.get_running_loop().create_task(fetch(), name=f"round log of step {step}")
+
+    async def _fetched(self) -> None:
+        """Until the round-log fetches issued so far are written -- at most ``trainer.rollout_timeout_s`` (the
+        fetch waits its turn behind the score calls of groups still generating; a hung rollout worker must not
+        hang the run's end: the fetch is then cancelled, and a replay refuses the run for its missing rounds)."""
+        fetch = self._fetch
+        if fetch is None or fetch.done():
+            return
+        limit = self._trainer.config.trainer.rollout_timeout_s
+        done, _ = await asyncio.wait([fetch], timeout=limit)
+        if not done:
+            fetch.cancel()
+            log.warning("journal.round_log_timeout", timeout_s=limit,
+                        detail="the last round-log fetch did not return; this run cannot be replayed")
 
     def planned(self, index: int) -> int | None:
         """The weight version batch `index` must be generated with, when the journal says."""
@@ -115,6 +175,11 @@ class RunJournal:
         if self._file is not None:
             self._file.group(index, seed=seed, version=version)
 
+    def load(self, version: int) -> None:
+        """Streaming: the rollout starts loading weights `version`."""
+        if self._file is not None:
+            self._file.load(version)
+
     def group_dropped(self, index: int, *, version: int, at_version: int) -> None:
         """Streaming with ``drop_stale``: group `index` was dropped as too stale at `at_version`."""
         if self._file is not None:
@@ -135,6 +200,7 @@ class RunJournal:
         tr = self._trainer
         if self._file is None or tr.groups is None:
             return
+        await self._fetched()
         try:
             sums = await tr.groups.policy.weights_checksum()
         except AttributeError:  # a custom policy without checksums
@@ -144,6 +210,8 @@ class RunJournal:
         self._file.end(tr.state.policy_version, digest)
 
     def close(self) -> None:
-        """Close the file (idempotent)."""
+        """Close the file (idempotent); a round-log fetch still running is cancelled."""
+        if self._fetch is not None and not self._fetch.done():
+            self._fetch.cancel()
         if self._file is not None:
             self._file.close()

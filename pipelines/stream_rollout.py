@@ -27,6 +27,9 @@ re-homed on the training pool, groups in flight are issued again with the same p
 the new engines hold at least their admission version. A restart (training worker fault) or a resume
 replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
 admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
+
+Replay: after each take the engines' round log goes to the journal's side file, and ``asyncrl replay``
+follows it with :class:`~asyncrl.pipelines.stream_replay.StreamReplay` (a subclass of this one).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import structlog
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
-from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
 from asyncrl.pipelines.rollout_loop import batch_seed, evaluate, evaluate_rest
 from asyncrl.pipelines.sampling import group_stds
@@ -73,6 +76,7 @@ class _Attempt:
         self.queue = queue  # groups to admit before next_group (a resume's untrained groups)
         self.next_group = next_group
         self.flights: dict[int, _Flight] = {}
+        self.issued: dict[int, bool] = {}  # groups whose first calls were issued (and journaled)
         self.finishes = 0
         self.epoch = 0  # rollout-pool replacements so far
         self.replacing = anyio.Lock()
@@ -85,9 +89,6 @@ class StreamRollout:
     """Keeps prompt groups in flight and hands each step its first finished groups (see the module)."""
 
     def __init__(self, trainer: Trainer) -> None:
-        if trainer.journal.replaying:
-            raise ConfigError("replaying a journal (asyncrl replay) is not supported with trainer.rollout_mode=stream "
-                              "yet (it needs the engine's round schedule); replay a rollout_mode=batch run")
         self._trainer = trainer
         self._attempt: _Attempt | None = None
         self.regenerated = 0
@@ -118,7 +119,6 @@ class StreamRollout:
                     a.next_group += 1
                 v0 = s.rollout_version
                 adm.admit(g, v0)
-                tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
                 tg.start_soon(self._group, a, g, v0, name=f"stream group {g}")
 
     def _admissible(self, a: _Attempt) -> bool:
@@ -127,8 +127,11 @@ class StreamRollout:
         needed = (t.steps - s.start_step) * self._trainer.config.prompts_per_step
         return st.admitted - st.dropped - st.rejected < needed and adm.can_admit(s.rollout_version)
 
-    async def _group(self, a: _Attempt, g: int, v0: int) -> None:
-        """Generate and score group `g` (admitted at `v0`); then it may be taken."""
+    async def _group(self, a: _Attempt, g: int, v0: int, *,
+                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Generate and score group `g` (admitted at `v0`); then it may be taken. Its journal record is
+        written as its calls are issued (then `task_status` is started): the journal orders them with the
+        weight loads as the rollout workers' ordered lane does, and a replay issues them in that order."""
         tr = self._trainer
         s, cfg, loader = a.state, tr.config, tr.loader
         assert loader is not None
@@ -144,6 +147,10 @@ class StreamRollout:
                 gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
                                       "generate", step=g // B, group=g, version=v0)
                 sc = stages.score(groups, gen)
+                if not a.issued.get(g):
+                    a.issued[g] = True
+                    tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
+                    task_status.started()
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
@@ -185,6 +192,7 @@ class StreamRollout:
                 v, epoch = s.exported, a.epoch
                 groups = tr.groups
                 assert groups is not None
+                tr.journal.load(v)  # (the update is issued below, before any other task runs)
                 # shielded: when the run ends, rollout_version must name the weights the engines hold
                 with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name,
                                                                      version=v):
@@ -231,7 +239,7 @@ class StreamRollout:
         """Step `step`'s batch: its first finished groups within the bound, assembled on the training
         pool (waits for groups to finish)."""
         tr = self._trainer
-        s, cfg = tr.state, tr.config
+        s = tr.state
         await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
         a = self._attempt
         assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
@@ -242,6 +250,14 @@ class StreamRollout:
             await s.wait_for(lambda seen=seen: a.finishes != seen)
         chosen, dropped = got
         await self._notify()  # admission may go on
+        tr.journal.rounds(step, a.epoch)  # the engines' rounds so far: they ran every chosen group (replay)
+        return await self._assemble(a, step, chosen, dropped)
+
+    async def _assemble(self, a: _Attempt, step: int, chosen: list[int], dropped: list[int]) -> RolloutBatch:
+        """Step `step`'s batch of the finished groups `chosen` (in order), assembled on the training pool;
+        `dropped` (too stale, ``drop_stale``) are journaled and forgotten."""
+        tr = self._trainer
+        s, cfg = tr.state, tr.config
         for g in dropped:
             f = a.flights.pop(g)
             tr.journal.group_dropped(g, version=f.v0, at_version=step)

@@ -74,7 +74,7 @@ from asyncrl.pipelines.recovery import is_worker_fault
 from asyncrl.pipelines.reporting import RunReport
 from asyncrl.pipelines.rollout_loop import BatchRollout
 from asyncrl.pipelines.run_journal import RunJournal, weights_digest
-from asyncrl.pipelines.stream_rollout import StreamRollout
+from asyncrl.pipelines.stream_replay import stream_rollout
 from asyncrl.pipelines.stages import Groups
 from asyncrl.pipelines.supervisor import Supervisor, first_error
 from asyncrl.pipelines.trace import Tracer
@@ -138,7 +138,7 @@ class Trainer(AsyncResource):
         self.state = self.new_state()
         """Everything the loops share; a restart replaces it whole."""
         self.precompute = Precompute(self)
-        self.rollout = BatchRollout(self) if t.rollout_mode == "batch" else StreamRollout(self)
+        self.rollout = BatchRollout(self) if t.rollout_mode == "batch" else stream_rollout(self)
         """The producer of batches the train loop consumes (``trainer.rollout_mode``)."""
         self.supervisor = Supervisor(self)
         self.tracer = Tracer(enabled=t.trace)

@@ -133,6 +133,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         self._rolled_back = False  # the last failed load was undone (verify_checksums)
         self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
         self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
+        self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
 
     # ---- state --------------------------------------------------------------------------
 

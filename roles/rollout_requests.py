@@ -53,6 +53,7 @@ class RequestGenerationMixin:
         _updates: list[dict[str, Any]]
         _trajectories: list[int]
         _replay: list[dict[str, Any]] | None
+        _replay_hold: bool
 
         @property
         def rank(self) -> int: ...
@@ -78,7 +79,8 @@ class RequestGenerationMixin:
             if self._replay is not None:
                 from .engines.round_log import ReplayBatcher, RoundRecord
 
-                self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay], **kwargs)
+                self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay],
+                                              hold_unknown=self._replay_hold, **kwargs)
             else:
                 self._batcher = request_batcher(self.engine, record_rounds=self.config.record_rounds, **kwargs)
         batcher = self._batcher
@@ -111,8 +113,8 @@ class RequestGenerationMixin:
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
         prompts = self._prompts(batch, R)
         gate = self._gate_event()
-        while not gate.is_set():  # a weight update is loading: start under the new weights
-            await gate.wait()
+        while not gate.is_set() and self._replay is None:  # an update is loading: start under the new weights
+            await gate.wait()  # (a replay's rounds decide that; its updates wait for them, so must its requests not)
         return R, prompts, self._params(prompts, R, temperature, seed), self._request_engine()
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)
@@ -238,17 +240,27 @@ class RequestGenerationMixin:
         return [r.to_dict() for r in self._batcher.round_log(clear)]
 
     @register(Dispatch.ONE_TO_ALL)
-    def replay_rounds(self, rounds: list[dict[str, Any]]) -> int:
+    def replay_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
         """Replay `rounds` (a recorded :meth:`round_log`): the request-level engine runs exactly those rounds,
         so the same requests (same keys and seeds) and the same weight updates, in order, regenerate the
-        recording's tokens bit for bit. Call before any request-level generation. Returns the rounds."""
+        recording's tokens bit for bit. Call before any request-level generation. Returns the rounds.
+        `hold_unknown`: a request no recorded round ran is held (never decoded) instead of refused -- what
+        the recording had in flight when it ended. While replaying, requests start without waiting for a
+        weight update in progress (the update waits until the rounds need it)."""
         if self.config.engine != "hf":
             raise ValueError(f"replay_rounds needs the request-level HF engine; this worker runs {self.config.engine!r}")
         if self._batcher is not None:
             raise RuntimeError("replay_rounds must come before any request-level generation on this worker (its "
                                "request engine already runs); build a fresh worker for the replay")
         self._replay = list(rounds)
+        self._replay_hold = bool(hold_unknown)
         return len(self._replay)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def replay_rank_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
+        """:meth:`replay_rounds` with each rank's own recorded rounds (a group call takes one list per rank,
+        as :meth:`round_log` returned them, and `hold_unknown` once per rank)."""
+        return self.replay_rounds(rounds, hold_unknown)
 
     @register(Dispatch.ONE_TO_ALL)
     def statistics(self) -> dict[str, Any]:

@@ -99,10 +99,12 @@ class WeightSyncMixin:
         _batcher: Any
         _updates: list[dict[str, Any]]
         _rolled_back: bool
+        _replay: list[dict[str, Any]] | None
 
         @property
         def rank(self) -> int: ...
         def _gate_event(self) -> asyncio.Event: ...
+        def _request_engine(self) -> Any: ...
 
     # ---- weight sync ----------------------------------------------------------------------
 
@@ -361,6 +363,8 @@ class WeightSyncMixin:
         from .engines.batcher import PauseInfo
 
         deadline = self.config.pause_deadline_s
+        if self._batcher is None and self._replay is not None:
+            self._request_engine()  # a replay's updates wait until its rounds need them
         if self._batcher is not None:
             return self._batcher.paused(deadline)
         apaused = getattr(self.engine, "apaused", None)  # engines that schedule requests themselves (vLLM)

@@ -214,8 +214,8 @@ class RequestBatcher:
             self._interrupt.set()
         try:
             try:
+                await self._pause_point()  # a replay's hold until its rounds need the update: not the engine's wait
                 async with asyncio.timeout(deadline_s):
-                    await self._pause_point()
                     await lock.acquire()
             except TimeoutError:
                 raise PauseDeadlineError(

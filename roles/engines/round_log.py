@@ -20,7 +20,9 @@ come out bit-identical (same machine, same thread count; tested on CPU).
 
 Failure cases (each raises, never hangs):
 
-1. a request whose key is not in the log: ``ValueError`` at submission;
+1. a request whose key is not in the log: ``ValueError`` at submission (with ``hold_unknown=True`` it
+   is held, never decoded, until it is cancelled or the batcher closes: the requests a recording had
+   in flight when it ended, which no recorded round ran);
 2. the weights are already newer than a segment's recorded version (updates out of order or
    missing): every request of that round fails with :class:`ReplayDivergedError`.
 
@@ -68,12 +70,15 @@ class ReplayBatcher(RequestBatcher):
     Args:
         engine: the HF engine (same model and initial weights as the recording).
         rounds: the recording's :meth:`~.batcher.RequestBatcher.round_log`.
+        hold_unknown: hold a request whose key no recorded round ran (never decode it) instead of
+            refusing it.
         kwargs: as for :class:`~.batcher.RequestBatcher` (the same ``chunk_tokens``, ``version_fn``
             and ``partial_rollout`` as the recording).
     """
 
-    def __init__(self, engine: Any, rounds: list[RoundRecord], **kwargs: Any) -> None:
+    def __init__(self, engine: Any, rounds: list[RoundRecord], *, hold_unknown: bool = False, **kwargs: Any) -> None:
         super().__init__(engine, **kwargs)
+        self.hold_unknown = hold_unknown
         self._script = list(rounds)
         self._known = {k for r in self._script for k in r.keys}
         self._by_key: dict[str, _Request] = {}
@@ -82,6 +87,8 @@ class ReplayBatcher(RequestBatcher):
         self._script_done = False
 
     def _key(self, key: str | None) -> str:
+        if key is not None and self.hold_unknown:
+            return str(key)
         if key is None or str(key) not in self._known:
             raise ValueError(f"request key {key!r} is not in the replayed round log; replay the recorded requests "
                              "with the keys they were recorded under")
@@ -94,6 +101,13 @@ class ReplayBatcher(RequestBatcher):
 
     def _rounds_to_replay(self) -> list[Any] | None:
         return self._script
+
+    def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._script_done:  # the script ran once; later requests are held (hold_unknown), never re-run it
+            if self._wakeup is None:
+                self._wakeup = asyncio.Event()
+            return
+        super()._ensure_driver(loop)
 
     def _events(self) -> tuple[asyncio.Semaphore, asyncio.Event]:
         if self._grants is None or self._pause_ended is None:

@@ -72,11 +72,11 @@ def test_settings_streaming_cannot_run_are_config_errors_naming_the_key(override
         load_config(None, overrides)  # grpo_toy: 64 responses in groups of 8 -> 8 groups per step
 
 
-def test_replaying_a_journal_is_refused_in_stream_mode(tmp_path):
-    (tmp_path / "journal.jsonl").write_text("")
+def test_replaying_a_stream_journal_without_engine_rounds_is_refused(tmp_path):
+    """(tests/reliability/test_stream_replay.py replays stream runs and pins the other refusals.)"""
     cfg = stream_config(tmp_path / "out")
     (tmp_path / "journal.jsonl").write_text(json.dumps({"kind": "run", "fingerprint": _fingerprint(cfg)}) + "\n")
-    with pytest.raises(ConfigError, match="not supported with trainer.rollout_mode=stream"):
+    with pytest.raises(ConfigError, match="records no engine rounds"):
         GRPOTrainer(cfg, replay=tmp_path)
 
 

@@ -175,3 +175,37 @@ async def test_a_rollout_worker_records_its_rounds_and_a_fresh_one_replays_them(
         [(g.response_ids, g.log_probs, g.versions) for g in again]
     with pytest.raises(RuntimeError, match="replay_rounds must come before any request-level generation"):
         second.replay_rounds(log)
+
+
+async def test_a_replay_holds_unknown_requests_and_its_held_update_is_not_past_the_pause_deadline(model_config):
+    """What a trainer's replay needs: a request no recorded round ran (in flight when the recording ended) is
+    held, never decoded, while the recorded ones finish; an update held until the rounds need it does not
+    count against the pause deadline (which covers only the engine reaching its pause)."""
+    gens, log, updates = await record(model_config, "recompute")
+    model, tok = load_model(model_config)
+    eng = HFEngine(model=model, tokenizer=tok)
+    initial = perturbed_from(model.state_dict(), 0)
+    state = {"version": 0}
+    b = ReplayBatcher(eng, [RoundRecord.from_dict(d) for d in log], chunk_tokens=4, partial_rollout="recompute",
+                      version_fn=lambda: state["version"], hold_unknown=True)
+
+    async def updater() -> None:
+        for v in range(1, updates + 1):
+            async with b.paused(deadline_s=1e-3):  # held far longer than this until the rounds need version v
+                eng.load_weights(perturbed_from(initial, v).items())
+                state["version"] = v
+
+    try:
+        up = asyncio.ensure_future(updater())
+        await asyncio.sleep(0.05)  # let the first update wait at its hold: the rounds have not started
+        held = asyncio.ensure_future(b.generate(tok.encode("held"), SamplingParams(max_new_tokens=3, seed=1),
+                                                key="not-recorded"))
+        again = await asyncio.gather(*[b.generate(p, q, key=k) for k, p, q in requests(tok)])
+        await up
+        assert not held.done()  # never decoded
+    finally:
+        await b.aclose()
+    with pytest.raises(asyncio.CancelledError):  # closing the batcher cancels it
+        await held
+    assert [(g.response_ids, g.log_probs, g.versions) for g in again] == \
+        [(g.response_ids, g.log_probs, g.versions) for g in gens]

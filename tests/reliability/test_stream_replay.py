@@ -1,0 +1,145 @@
+"""A streaming partial-rollout run replays bit for bit (issue 29 item 6): ``asyncrl replay`` follows the
+journal's admissions and step groups while the engines re-run their recorded rounds (pipelines/stream_replay.py).
+
+* Real Ray, the tiny model on ``char_class``: stream mode, ``partial_rollout=recompute``, ``max_staleness=2``,
+  decoding slowed by seeded random sleeps so weight updates land mid-generation; the replay (no sleeps:
+  other timing) trains on the same tokens, behaviour log-probs and token versions, and reaches the same
+  per-step metrics and final weights, exactly.
+* What cannot be replayed is refused before any worker starts, naming what is missing and the fix: a
+  journal written before rounds were recorded, a missing or truncated rounds file, a resumed or restarted
+  run, a run whose rollout pool was replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from asyncrl.pipelines.config import config_fingerprint
+from asyncrl.pipelines.configlib import to_dict
+from asyncrl.pipelines.journal import JournalError, read_journal
+from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.replay import replay
+from asyncrl.pipelines.stages import AdvantageWorker
+from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.roles import RolloutWorker
+
+import asyncrl
+from asyncrl import Dispatch, Execute, register
+from tests.reliability.faults import DelayedPolicy
+
+STEPS = 6
+
+
+def stream_cfg(out: Path):
+    cfg = tiny_test()
+    cfg.rollout.partial_rollout = "recompute"
+    cfg.rollout.max_new_tokens, cfg.rollout.chunk_tokens = 8, 2
+    t = cfg.trainer
+    t.steps, t.max_staleness, t.rollout_weights, t.rollout_mode = STEPS, 2, "latest", "stream"
+    t.output_dir = str(out)
+    return cfg.validate()
+
+
+class SlowDecodeRollout(RolloutWorker):
+    """A rollout worker whose every forward pass sleeps a seeded random time (decoding outlasts a train
+    step, so updates reach generations in flight): the timing changes, what is computed does not."""
+
+    def __init__(self, *args: Any, delay_seed: int = 0, max_delay: float = 0.04, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        rng = random.Random(delay_seed)
+        self.model.register_forward_hook(lambda *_: time.sleep(rng.uniform(0, max_delay)))
+
+
+class TokenRecorder(AdvantageWorker):
+    """Writes what each step trains on (tokens, behaviour log-probs, token versions) to `path`."""
+
+    def __init__(self, *args: Any, path: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._path = path
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def version_stats(self, batch: Any, step: int, max_staleness: int) -> dict[str, float]:
+        rec = {"step": step, "ids": batch["response_ids"].tolist(), "logp": batch["rollout_log_probs"].tolist(),
+               "versions": batch["token_versions"].tolist()}
+        with open(self._path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return super().version_stats(batch, step, max_staleness)
+
+
+def trained(path: Path) -> list[dict[str, Any]]:
+    return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda r: r["step"])
+
+
+@pytest.mark.slow
+def test_a_stream_partial_rollout_run_replays_bit_for_bit(ray_cluster, tmp_path):
+    run = tmp_path / "run"
+    overrides = {"rollout": (SlowDecodeRollout, {"delay_seed": 5, "max_delay": 0.06}),
+                 "policy": (DelayedPolicy, {"delay_seed": 6, "max_delay": 0.4}),
+                 "advantage": (TokenRecorder, {"path": str(tmp_path / "original.jsonl")})}
+    history = GRPOTrainer(stream_cfg(run), worker_overrides=overrides).fit_sync()
+    assert [r["step"] for r in history] == list(range(STEPS))
+    assert any(r["stream/multi_version_frac"] > 0 for r in history)  # updates landed mid-generation
+    assert max(r["staleness/max"] for r in history) <= 2
+    original = trained(tmp_path / "original.jsonl")
+    assert any(len({v for row in r["versions"] for v in row if v >= 0}) > 1 for r in original)
+
+    result = asyncrl.run(replay(run, worker_overrides={
+        "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})}))
+    assert result.metric_differences == [] and result.identical
+    assert result.weights_sha256 == result.original_weights_sha256 is not None  # the final weights, bit for bit
+    assert result.groups == result.original_groups == {t: read_journal(run).steps[t]["groups"] for t in range(STEPS)}
+    assert trained(tmp_path / "replayed.jsonl") == original  # same tokens, log-probs (exact floats), versions
+
+
+def write_journal(run: Path, cfg, *, rounds: bool = True, segments: int = 1, chunks: list[dict] | None = None,
+                  rounds_file: bool = True) -> None:
+    """A stream journal of one step that trained groups 0 and 1 (and its rounds file)."""
+    header = {"kind": "run", "fingerprint": config_fingerprint(cfg), "config": to_dict(cfg), "start_step": 0,
+              "next_gen": 0}
+    if rounds:
+        header["rounds"] = "rounds.jsonl"
+    recs = [header, {"kind": "group", "index": 0, "seed": 0, "version": 0},
+            {"kind": "group", "index": 1, "seed": 1, "version": 0}]
+    recs += [{**header, "start_step": 1}] * (segments - 1)
+    recs += [{"kind": "step", "step": 0, "batch": 0, "version": 0, "groups": [0, 1]},
+             {"kind": "end", "steps": 1, "weights_sha256": "x"}]
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    keys = [f"{g}:{j}" for g in (0, 1) for j in range(4)]  # tiny_test: seed 0, so group g's seed is g
+    if chunks is None:
+        chunks = [{"step": 0, "epoch": 0, "ranks": [[{"keys": keys, "segments": [[0, 2]]}]]}]
+    if rounds_file:
+        (run / "rounds.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chunks))
+
+
+ALL_KEYS = [f"{g}:{j}" for g in (0, 1) for j in range(4)]
+
+
+@pytest.mark.parametrize("case, match", [
+    ({"rounds": False}, "records no engine rounds .* run it again with this version"),
+    ({"rounds_file": False}, "needs its round log .* which is missing; put the run's rounds.jsonl back"),
+    ({"chunks": [{"step": 0, "epoch": 0, "ranks": [[{"keys": ALL_KEYS[:7], "segments": [[0, 2]]}]]}]},
+     "no round for row 3 of prompt group 1 .* truncated or edited; restore the file"),
+    ({"segments": 2}, "resumed or restarted at step 1"),
+    ({"chunks": [{"step": 0, "epoch": 1, "ranks": [[{"keys": ALL_KEYS, "segments": [[0, 2]]}]]}]},
+     "rollout pool was replaced"),
+    ({"chunks": [{"step": 0, "epoch": 0, "ranks": None, "lost": "ActorDiedError: gone"}]},
+     "rounds lost: ActorDiedError"),
+])
+def test_a_stream_journal_that_cannot_be_replayed_is_refused_before_workers_start(tmp_path, case, match):
+    cfg = stream_cfg(tmp_path / "out")
+    write_journal(tmp_path / "run", cfg, **case)
+    with pytest.raises(JournalError, match=match):
+        GRPOTrainer(cfg, replay=tmp_path / "run")
+
+
+def test_a_complete_stream_journal_is_accepted(tmp_path):
+    cfg = stream_cfg(tmp_path / "out")
+    write_journal(tmp_path / "run", cfg)
+    trainer = GRPOTrainer(cfg, replay=tmp_path / "run")
+    assert trainer.journal.replaying and type(trainer.rollout).__name__ == "StreamReplay"

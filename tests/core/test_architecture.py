@@ -151,3 +151,13 @@ def test_the_lanes_are_the_workers_half_and_know_nothing_of_the_controller():
     assert graph["asyncrl._lanes"] <= {"asyncrl.errors", "asyncrl._backend"}
     assert graph["asyncrl._thread_lane"] <= {"asyncrl.errors", "asyncrl._backend", "asyncrl._lanes"}
     assert not graph["asyncrl._call"] & {"asyncrl._lanes", "asyncrl._thread_lane"}
+
+
+def test_the_trainer_enters_through_the_groups_async_resource_base():
+    """``Trainer`` is an ``AsyncResource``, as the groups and pools are: ``async with`` runs the
+    base's ``__aenter__`` (set up, or close on a failed set-up), not a copy of it."""
+    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.resources import AsyncResource
+
+    assert issubclass(Trainer, AsyncResource)
+    assert Trainer.__aenter__ is AsyncResource.__aenter__

@@ -171,7 +171,9 @@ class WeightSyncMixin:
                                   "open_weight_channel(policy, rollout) first")
         layout = layout_of(self.weight_spec())
         target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
-        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received)
+        keep = list((self._committed or {}).values())  # a verified rollout's rollback point may be an earlier receive
+        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
+                                       keep)
 
     def _on_bucket_received(self, what: str) -> None:
         """Called after each bucket a transfer receives (a seam for fault-injection tests)."""

@@ -27,7 +27,8 @@ that dies or stalls ends it with an error on every other rank, never a hang)::
                  (names/shapes/dtypes differ), SENDER (root lost the snapshot)
                  -> any refusal: every rank stops here, nothing moved, channel still usable
     3. data      root broadcasts the tensors as byte buckets (bit-exact), receivers fill
-                 fresh buffers (the engine's weights are untouched)
+                 their receive buffers (reused across transfers, never ones holding weights
+                 a rollback keeps; the engine's weights are untouched)
     4. ack       all-gather "received" codes -> only when every rank has everything
     5. commit    each rollout rank loads the buffers in its usual transaction (gate,
                  wait/abort in-flight generation, load, verify, publish the version)
@@ -282,6 +283,8 @@ class WeightChannel:
         self.device = device if backend == "nccl" else torch.device("cpu")
         self.broken: str | None = None
         self._lock = threading.Lock()
+        self._recv_layout: int | None = None
+        self._recv_sets: list[list[torch.Tensor]] = []  # receive buffers, reused across transfers
         td = datetime.timedelta(seconds=timeout_s)
         try:
             store = dist.TCPStore(host, port, world_size, rank == 0, timeout=td, wait_for_workers=True)
@@ -394,12 +397,17 @@ class WeightChannel:
 
     def receive(self, expected_version: int, layout: list[tuple[str, tuple[int, ...], str]],
                 vote: Callable[[int], int], device: torch.device,
-                on_progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+                on_progress: Callable[[str], None] | None = None,
+                keep: Iterable[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
         """Run the protocol as a receiving rank: `vote(version)` returns OK or STALE for this rank.
 
-        Returns the received tensors (fresh buffers on `device`, in `layout` order). Raises
-        :class:`StaleWeightsError` when this rank refused a stale version, and
-        :class:`WeightSyncError` when another rank refused or the channel failed."""
+        Returns the received tensors (on `device`, in `layout` order), views into the channel's
+        receive buffers: one flat buffer per bucket, reused by the next transfer of the same layout
+        (fresh buffers would cost a page fault per 4 KiB on every sync). The caller copies them out
+        (the engine's load) before its next receive, or names what it keeps in `keep` (e.g. the
+        weights a verified rollout rolls back to): buffers that hold any of those are not written;
+        a second set is made instead. Raises :class:`StaleWeightsError` when this rank refused a
+        stale version, and :class:`WeightSyncError` when another rank refused or the channel failed."""
         if self.rank == 0:
             raise RuntimeError("channel rank 0 sends; it does not receive")
         with self._lock:
@@ -427,10 +435,11 @@ class WeightChannel:
             if any(codes):
                 raise _refusal(self.rank, version, expected_version, codes)
             out: dict[str, torch.Tensor] = {}
+            plan = _buckets(layout, self.bucket_bytes)
+            buffers = self._receive_buffers(layout, plan, keep)
             try:
-                for idx in _buckets(layout, self.bucket_bytes):
+                for idx, flat in zip(plan, buffers):
                     nbytes = [_numel(layout[i][1]) * _DTYPE[layout[i][2]].itemsize for i in idx]
-                    flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=self.device)
                     self._broadcast(flat)
                     flat = flat.to(device)
                     off = 0
@@ -450,6 +459,24 @@ class WeightChannel:
                 raise WeightSyncError(f"weight channel {self.name!r}: version {version} aborted, ranks {acks} "
                                       "did not receive everything; weights unchanged")
             return out
+
+    def _receive_buffers(self, layout: list[tuple[str, tuple[int, ...], str]], plan: list[list[int]],
+                         keep: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """One flat byte buffer per bucket of `plan`: a set an earlier receive of this layout made, unless
+        it holds a tensor of `keep`; else a new set (at most two are kept: the one a rollback keeps and
+        the one being written)."""
+        lhash = layout_hash(layout)
+        if self._recv_layout != lhash:
+            self._recv_layout, self._recv_sets = lhash, []
+        kept = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
+        for bufs in self._recv_sets:
+            if not any(b.untyped_storage().data_ptr() in kept for b in bufs):
+                return bufs
+        sizes = [sum(_numel(layout[i][1]) * _DTYPE[layout[i][2]].itemsize for i in idx) for idx in plan]
+        bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        self._recv_sets = [s for s in self._recv_sets if any(b.untyped_storage().data_ptr() in kept for b in s)][:1]
+        self._recv_sets.append(bufs)
+        return bufs
 
     def _abort(self) -> None:
         # Dropping the last reference closes the group's sockets, so the peers' pending collectives

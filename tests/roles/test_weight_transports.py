@@ -216,6 +216,37 @@ async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_cha
     rollout._channel.close()
 
 
+async def test_local_snapshots_reuse_retired_buffers_but_never_a_rollback_point(model_config):
+    """A new snapshot writes over a retired one (no fresh memory per sync), unless a verified rollout
+    still keeps that one as its rollback point."""
+    from asyncrl.roles.transfer import SNAPSHOTS
+
+    policy = PolicyWorker(model_config, OptimConfig(lr=0.1))
+    rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
+
+    def stage():
+        policy.model.lm_head.weight.data.add_(1.0)
+        policy._version += 1
+        h = policy.stage_weights("local", keep=1)  # the older version is retired at once
+        state = SNAPSHOTS.get(h.owner, h.version)
+        return h, state["lm_head.weight"].data_ptr(), state_dict_checksums(state.items())
+
+    h1, p1, sums1 = stage()
+    await rollout.update_weights(h1)  # version 1 committed: the rollback point
+    h2, p2, _ = stage()
+    h3, p3, sums3 = stage()  # retired: 1 (kept by the rollout) and 2
+    assert p3 not in (p1, p2)
+    with pytest.raises(WeightSyncError, match="rolled back to version 1"):
+        await rollout.update_weights(h3, expected_checksums=dict(sums3, **{"lm_head.weight": "0" * 16}))
+    assert rollout.weights_checksum() == sums1  # version 1's snapshot was not written over
+    h4, p4, sums4 = stage()
+    assert p4 == p2  # version 2's retired buffers take version 4
+    assert (await rollout.update_weights(h4))["version"] == 4 and rollout.weights_checksum() == sums4
+    h5, p5, _ = stage()
+    assert p5 == p1  # version 1 is no rollback point any more: reusable again
+    policy.close_weight_channel()
+
+
 def test_a_stalled_member_ends_the_transfer_at_the_deadline_on_every_other_member():
     from concurrent.futures import ThreadPoolExecutor
 

@@ -6,13 +6,16 @@ export casts to the rollout's dtype, as the trainer does), one policy version is
 ``--reps`` times over each transport, as
 ``trainer.weight_sync`` names them:
 
-* ``object_store``: ``export_weights`` -> Ray's object store -> ``update_weights`` (two processes;
-  what ``weight_sync=auto`` resolves to for two CPU pools);
+* ``object_store``: ``stage_weights("object_store")`` (the policy ``ray.put``s its weights itself,
+  cast to the rollout's dtype where it differs) -> ``update_weights`` reads zero-copy views and
+  loads them (two processes; what ``weight_sync=auto`` resolves to for two CPU pools);
 * ``collective``: ``stage_weights`` + ``send_weights`` / ``update_weights`` over the gloo weight
   channel (two processes; ``auto`` on distinct GPUs);
 * ``local``: policy and rollout colocated in one process (``auto`` when colocated);
 * ``collective, before the fix`` (not in ``--quick``): the collective transport as it was, one staged
-  tensor per weight and each bucket concatenated when sent, beside the fixed one in the same run.
+  tensor per weight and each bucket concatenated when sent, beside the fixed one in the same run;
+* ``object_store, before the fix`` (not in ``--quick``): ``export_weights`` returns ``(version,
+  state_dict)`` copies, which Ray copies again into the store (the path before ``stage_weights``).
 
 Each sync is timed from the controller, call issued to the rollout's receipt: it includes the
 export (the cast copy), the move and the rollout's transaction (validate, load into the engine).
@@ -67,8 +70,11 @@ TRANSPORTS = ("object_store", "collective", "local")
 BEFORE = "collective, before the fix"
 """The collective transport staged one tensor per weight and concatenated each bucket when sending
 (a second copy of every byte); now it stages into the buckets themselves. Both run, side by side."""
+OS_BEFORE = "object_store, before the fix"
+"""``export_weights`` copied the state dict and Ray copied that copy into the store; now the policy puts
+its weights into the store itself (``stage_weights("object_store")``). Both run, side by side."""
 FLOOR_OF = {"object_store": "ray.put + ray.get", "collective": "gloo broadcast", "local": "memcpy",
-            BEFORE: "gloo broadcast"}
+            BEFORE: "gloo broadcast", OS_BEFORE: "ray.put + ray.get"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -198,6 +204,11 @@ class Setup:
         return self.policy, self.rollout
 
     async def sync(self, transport: str) -> float:
+        if transport == OS_BEFORE:
+            await self.policy.bump()
+            t0 = time.perf_counter()
+            await self.rollout.update_weights(self.policy.export_weights(dtype=self.dtype))
+            return time.perf_counter() - t0
         before = transport == BEFORE
         transport = "collective" if before else transport
         policy, rollout = self.groups(transport)
@@ -243,7 +254,8 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
             return memcpy_floor(src, dst)
 
         variants: dict[str, Any] = {"memcpy": memcpy, "gloo broadcast": gloo, "ray.put + ray.get": putget}
-        for t in transports + ([BEFORE] if "collective" in transports and not quick else []):
+        befores = [b for t, b in (("object_store", OS_BEFORE), ("collective", BEFORE)) if t in transports]
+        for t in transports + ([] if quick else befores):
             variants[t] = lambda t=t: s.sync(t)
         times: dict[str, list[float]] = {k: [] for k in variants}
         names = list(variants)

@@ -221,14 +221,30 @@ def actor_update(g: Groups, train_batch: GroupFuture[TensorDict]) -> GroupFuture
 def export_weights(g: Groups, *, transport: str = "object_store", dtype: str | None = None,
                    keep: int = 4) -> GroupFuture[Any]:
     """The policy's current version for the rollout, issued after its update (ordered on the worker):
-    ``(version, state_dict)`` through the object store, or a ``WeightHandle`` to a snapshot kept by
-    the policy (``local``: colocated; ``collective``: sent over the weight channel at load time).
+    a ``WeightHandle`` to the version the policy put into the object store (``object_store``; a
+    policy class that overrides ``export_weights`` gives its ``(version, state_dict)``), or to a
+    snapshot kept by the policy (``local``: colocated; ``collective``: sent over the weight channel
+    at load time).
     `dtype` is the rollout's weight dtype (floating tensors are cast to it)."""
-    if transport == "object_store":  # a policy class of one's own may take no dtype: pass it only when set
+    if transport == "object_store":
+        if _stages_into_the_store(g.policy):  # the put inside the call is the one copy (roles/transfer.py)
+            return g.policy.stage_weights("object_store", dtype=dtype)
+        # a policy class of one's own may take no dtype: pass it only when set
         return g.policy.export_weights(dtype=dtype) if dtype is not None else g.policy.export_weights()
     if transport == "local":
         return g.policy.stage_weights("local", dtype=dtype, keep=keep)
     return g.policy.stage_weights("collective", keep=keep)
+
+
+def _stages_into_the_store(policy: WorkerGroup[Any]) -> bool:
+    """Whether the policy's class exports as ``PolicyWorker`` does (then ``stage_weights("object_store")``
+    gives the same weights with one copy fewer); a class that overrides ``export_weights`` keeps it."""
+    from asyncrl.roles import PolicyWorker
+
+    cls = getattr(policy, "cls", None)
+    return (isinstance(cls, type) and issubclass(cls, PolicyWorker)
+            and getattr(cls, "export_weights", None) is PolicyWorker.export_weights
+            and getattr(cls, "stage_weights", None) is PolicyWorker.stage_weights)
 
 
 async def load_weights(g: Groups, exported: GroupFuture[Any], *, transport: str = "object_store") -> list[dict[str, Any]]:

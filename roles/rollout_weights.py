@@ -11,7 +11,8 @@ update pauses request-level generations in flight instead of waiting for them.
 
 ``update_weights`` takes weights by any transport (:mod:`asyncrl.roles.transfer`): the
 ``(version, state_dict)`` of ``export_weights`` through the object store, or a
-:class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``local`` (copied
+:class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``object_store`` (read
+from the store as zero-copy views), ``local`` (copied
 from the colocated policy's snapshot in this process) or ``collective`` (received over the
 weight channel first, then loaded in the same transaction). Floating tensors are cast to
 the rollout's dtype (e.g. the policy's float32 master weights into a bf16 rollout).
@@ -36,7 +37,7 @@ from asyncrl import Dispatch, Execute, register
 
 from .errors import StaleWeightsError, WeightSyncError
 from .models import state_dict_checksums
-from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, layout_of, member_info
+from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, fetch_stored, layout_of, member_info
 
 if TYPE_CHECKING:
     from .rollout_config import RolloutConfig
@@ -173,7 +174,9 @@ class WeightSyncMixin:
                                   "open_weight_channel(policy, rollout) first")
         layout = layout_of(self.weight_spec())
         target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
-        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received)
+        keep = list((self._committed or {}).values())  # a verified rollout's rollback point may be an earlier receive
+        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
+                                       keep)
 
     def _on_bucket_received(self, what: str) -> None:
         """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
@@ -190,6 +193,9 @@ class WeightSyncMixin:
             return weights.version, SNAPSHOTS.take_local(weights)
         if weights.transport == "collective":
             return weights.version, await self._receive(weights)
+        if weights.transport == "object_store":
+            self._check_version(weights.version)  # a stale version is refused before its bytes are read
+            return weights.version, await fetch_stored(weights)
         raise WeightSyncError(f"unknown weight transport {weights.transport!r}")
 
     # ---- memory on a shared GPU ----------------------------------------------------------

@@ -3,8 +3,8 @@
 =================  ==============================================  ===========================================
 transport          placement                                       how the tensors move
 =================  ==============================================  ===========================================
-``object_store``   any                                             ``export_weights`` future -> Ray's object
-                                                                   store -> every rollout rank
+``object_store``   any                                             ``stage_weights("object_store")`` puts it
+                                                                   in Ray's object store -> every rollout rank
 ``local``          policy and rollout colocated in one process     a snapshot on the policy's device, copied
                                                                    in-process (no object store, no copy to host)
 ``collective``     separate pools (open a channel first)           broadcast over a process group of policy
@@ -91,7 +91,7 @@ async def sync_weights(policy: WorkerGroup[Any], rollout: WorkerGroup[Any], *, v
     dt = dtype or await rollout_dtype(rollout)
     send = None
     if transport == "object_store":
-        exported: Any = policy.export_weights(dtype=dt)
+        exported: Any = policy.stage_weights("object_store", dtype=dt)
     elif transport == "local":
         exported = policy.stage_weights("local", dtype=dt, keep=keep)
     else:

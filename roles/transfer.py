@@ -3,9 +3,13 @@
 Three transports move a policy version to the rollout ranks (``sync_weights(transport=...)``):
 
 ``object_store``
-    ``PolicyWorker.export_weights()`` returns ``(version, state_dict)`` on the CPU; the future
-    goes straight into ``RolloutWorker.update_weights``, which fetches the tensors from Ray's
-    object store. Works for every placement.
+    ``PolicyWorker.stage_weights("object_store")`` puts the version into Ray's object store
+    itself (``ray.put``, inside the ordered call: the put is the snapshot, one copy of the live
+    weights, or the cast when the rollout's dtype differs) and returns a :class:`WeightHandle`
+    holding the reference; ``RolloutWorker.update_weights(handle)`` reads the tensors as
+    zero-copy views of the store and loads them. (``export_weights()`` returns ``(version,
+    state_dict)`` copies instead, which Ray then copies into the store: a second copy; the
+    rollout takes either.) Works for every placement.
 ``local``
     Policy and rollout are colocated in one process (``colocate`` / ``trainer.colocated``).
     ``PolicyWorker.stage_weights("local")`` keeps a snapshot of the version on its device in
@@ -27,7 +31,8 @@ that dies or stalls ends it with an error on every other rank, never a hang)::
                  (names/shapes/dtypes differ), SENDER (root lost the snapshot)
                  -> any refusal: every rank stops here, nothing moved, channel still usable
     3. data      root broadcasts the tensors as byte buckets (bit-exact), receivers fill
-                 fresh buffers (the engine's weights are untouched)
+                 their receive buffers (reused across transfers, never ones holding weights
+                 a rollback keeps; the engine's weights are untouched)
     4. ack       all-gather "received" codes -> only when every rank has everything
     5. commit    each rollout rank loads the buffers in its usual transaction (gate,
                  wait/abort in-flight generation, load, verify, publish the version)
@@ -46,6 +51,7 @@ import datetime
 import hashlib
 import os
 import socket
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -59,6 +65,8 @@ from .errors import StaleWeightsError, WeightSyncError
 
 __all__ = [
     "WeightHandle",
+    "fetch_stored",
+    "store_state",
     "WeightChannel",
     "WeightSource",
     "SNAPSHOTS",
@@ -85,7 +93,7 @@ class WeightHandle:
 
     version: int
     """The policy version the snapshot holds."""
-    transport: Literal["local", "collective"]
+    transport: Literal["local", "collective", "object_store"]
     """How the rollout gets the tensors."""
     owner: str
     """Id of the policy worker that holds the snapshot."""
@@ -97,14 +105,50 @@ class WeightHandle:
     """Tensors in the snapshot."""
     nbytes: int
     """Bytes in the snapshot."""
+    stored: Any = None
+    """``object_store``: the Ray ObjectRef of the state dict (a plain dict of copies where the policy
+    runs outside Ray, e.g. in-process)."""
+
+
+def _unreferenced(state: dict[str, torch.Tensor]) -> bool:
+    """Whether only :class:`_Snapshots` (its retired list, the caller's loop variable and this call)
+    references `state` and its tensors: no rollout keeps them (a verified rollback point, a load in
+    progress) and no send reads them. Python's reference counts are exact for objects only Python
+    code holds, as these are (every transport reads a snapshot through the dict or its tensors)."""
+    if sys.getrefcount(state) > 4:  # retired list + caller's variable + parameter + getrefcount's argument
+        return False
+    return all(sys.getrefcount(t) <= 3 for t in state.values())  # dict slot + loop variable + argument
 
 
 class _Snapshots:
-    """Process-wide store of staged versions, ``owner -> {version: state}`` (oldest evicted first)."""
+    """Process-wide store of staged versions, ``owner -> {version: state}`` (oldest evicted first).
+
+    A version evicted or dropped is *retired* (the two newest are kept per owner): the next snapshot
+    of the same layout writes over its tensors (:meth:`reuse`) instead of faulting in fresh memory,
+    once nothing else references them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, collections.OrderedDict[int, dict[str, torch.Tensor]]] = {}
+        self._retired: dict[str, list[dict[str, torch.Tensor]]] = {}
+
+    def _retire(self, owner: str, state: dict[str, torch.Tensor]) -> None:
+        spare = self._retired.setdefault(owner, [])
+        spare.append(state)
+        del spare[:-2]
+
+    def reuse(self, owner: str, layout: list[tuple[str, tuple[int, ...], str]],
+              device: torch.device | str) -> dict[str, torch.Tensor] | None:
+        """A retired snapshot of `owner` with exactly `layout` on `device` that nothing else references
+        (taken out of the store: the caller copies the new version into its tensors), or None."""
+        with self._lock:
+            spare = self._retired.get(owner, [])
+            for i in range(len(spare)):  # (enumerate's reused tuple would hold one more reference)
+                state = spare[i]
+                if (layout_of(state) == layout and all(t.device == torch.device(device) for t in state.values())
+                        and _unreferenced(state)):
+                    return spare.pop(i)
+        return None
 
     def put(self, owner: str, version: int, state: dict[str, torch.Tensor], keep: int) -> None:
         with self._lock:
@@ -112,7 +156,7 @@ class _Snapshots:
             d[version] = state
             d.move_to_end(version)
             while len(d) > max(1, keep):
-                d.popitem(last=False)
+                self._retire(owner, d.popitem(last=False)[1])
 
     def get(self, owner: str, version: int) -> dict[str, torch.Tensor] | None:
         with self._lock:
@@ -129,11 +173,12 @@ class _Snapshots:
             d = self._items.get(owner)
             if d is not None:
                 for v in [v for v in d if v < version]:
-                    del d[v]
+                    self._retire(owner, d.pop(v))
 
     def clear(self, owner: str) -> None:
         with self._lock:
             self._items.pop(owner, None)
+            self._retired.pop(owner, None)
 
     def take_local(self, handle: WeightHandle) -> dict[str, torch.Tensor]:
         """The snapshot a ``local`` handle names, or a WeightSyncError saying why not."""
@@ -282,6 +327,8 @@ class WeightChannel:
         self.device = device if backend == "nccl" else torch.device("cpu")
         self.broken: str | None = None
         self._lock = threading.Lock()
+        self._recv_layout: int | None = None
+        self._recv_sets: list[list[torch.Tensor]] = []  # receive buffers, reused across transfers
         td = datetime.timedelta(seconds=timeout_s)
         try:
             store = dist.TCPStore(host, port, world_size, rank == 0, timeout=td, wait_for_workers=True)
@@ -394,12 +441,17 @@ class WeightChannel:
 
     def receive(self, expected_version: int, layout: list[tuple[str, tuple[int, ...], str]],
                 vote: Callable[[int], int], device: torch.device,
-                on_progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+                on_progress: Callable[[str], None] | None = None,
+                keep: Iterable[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
         """Run the protocol as a receiving rank: `vote(version)` returns OK or STALE for this rank.
 
-        Returns the received tensors (fresh buffers on `device`, in `layout` order). Raises
-        :class:`StaleWeightsError` when this rank refused a stale version, and
-        :class:`WeightSyncError` when another rank refused or the channel failed."""
+        Returns the received tensors (on `device`, in `layout` order), views into the channel's
+        receive buffers: one flat buffer per bucket, reused by the next transfer of the same layout
+        (fresh buffers would cost a page fault per 4 KiB on every sync). The caller copies them out
+        (the engine's load) before its next receive, or names what it keeps in `keep` (e.g. the
+        weights a verified rollout rolls back to): buffers that hold any of those are not written;
+        a second set is made instead. Raises :class:`StaleWeightsError` when this rank refused a
+        stale version, and :class:`WeightSyncError` when another rank refused or the channel failed."""
         if self.rank == 0:
             raise RuntimeError("channel rank 0 sends; it does not receive")
         with self._lock:
@@ -427,10 +479,11 @@ class WeightChannel:
             if any(codes):
                 raise _refusal(self.rank, version, expected_version, codes)
             out: dict[str, torch.Tensor] = {}
+            plan = _buckets(layout, self.bucket_bytes)
+            buffers = self._receive_buffers(layout, plan, keep)
             try:
-                for idx in _buckets(layout, self.bucket_bytes):
+                for idx, flat in zip(plan, buffers):
                     nbytes = [_numel(layout[i][1]) * _DTYPE[layout[i][2]].itemsize for i in idx]
-                    flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=self.device)
                     self._broadcast(flat)
                     flat = flat.to(device)
                     off = 0
@@ -450,6 +503,24 @@ class WeightChannel:
                 raise WeightSyncError(f"weight channel {self.name!r}: version {version} aborted, ranks {acks} "
                                       "did not receive everything; weights unchanged")
             return out
+
+    def _receive_buffers(self, layout: list[tuple[str, tuple[int, ...], str]], plan: list[list[int]],
+                         keep: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """One flat byte buffer per bucket of `plan`: a set an earlier receive of this layout made, unless
+        it holds a tensor of `keep`; else a new set (at most two are kept: the one a rollback keeps and
+        the one being written)."""
+        lhash = layout_hash(layout)
+        if self._recv_layout != lhash:
+            self._recv_layout, self._recv_sets = lhash, []
+        kept = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
+        for bufs in self._recv_sets:
+            if not any(b.untyped_storage().data_ptr() in kept for b in bufs):
+                return bufs
+        sizes = [sum(_numel(layout[i][1]) * _DTYPE[layout[i][2]].itemsize for i in idx) for idx in plan]
+        bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        self._recv_sets = [s for s in self._recv_sets if any(b.untyped_storage().data_ptr() in kept for b in s)][:1]
+        self._recv_sets.append(bufs)
+        return bufs
 
     def _abort(self) -> None:
         # Dropping the last reference closes the group's sockets, so the peers' pending collectives
@@ -521,6 +592,53 @@ def member_info(device: torch.device) -> dict[str, Any]:
     return {"pid": os.getpid(), "node": socket.gethostname(), "device": str(device), "uuid": device_uuid(device)}
 
 
+def _in_ray_worker() -> bool:
+    """Whether this process is a Ray worker (an actor), where ``ray.put`` makes an object it owns."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return bool(ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
+
+
+def store_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Any:
+    """`state` (floating tensors cast to `dtype`) as one object for the rollout: in a Ray worker, an
+    ObjectRef of a ``ray.put`` of it, made before this returns, so the live tensors may change right
+    after (Ray's one copy into the store is the snapshot; a cast makes its own copy first); elsewhere
+    (in-process groups) a dict of copies."""
+    with torch.no_grad():
+        if not _in_ray_worker():
+            return {k: _cast(v, dtype, "cpu") for k, v in state.items()}
+        import ray
+
+        def view(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            if (dtype is not None and t.is_floating_point() and t.dtype != dtype) or t.device.type != "cpu":
+                return _cast(t, dtype, "cpu")
+            return t if t.is_contiguous() else t.contiguous()
+
+        return ray.put({k: view(v) for k, v in state.items()})
+
+
+async def fetch_stored(handle: WeightHandle) -> dict[str, torch.Tensor]:
+    """The state dict an ``object_store`` handle holds (read-only zero-copy views of the store on Ray)."""
+    stored = handle.stored
+    if isinstance(stored, Mapping):
+        return dict(stored)
+    try:
+        state = await stored
+    except Exception as e:
+        raise WeightSyncError(
+            f"the weights of version {handle.version} could not be read from Ray's object store "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the policy that put them "
+            "owns them: if it died, restart it and sync again"
+        ) from e
+    if not isinstance(state, Mapping):
+        raise WeightSyncError(f"an object_store weight handle held {type(state).__name__}, not a state dict")
+    return dict(state)
+
+
 def _cast(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
     """A detached copy of `t` on `device`, floating tensors cast to `dtype` (when given)."""
     target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
@@ -555,21 +673,42 @@ class WeightSource:
         with torch.no_grad():
             return {k: _cast(v, dt, device) for k, v in self.model.state_dict().items()}
 
+    def _reused(self, own: Mapping[str, torch.Tensor],
+                layout: list[tuple[str, tuple[int, ...], str]]) -> dict[str, torch.Tensor] | None:
+        """`own` copied (cast) into a retired snapshot of `layout` (:meth:`_Snapshots.reuse`), or None."""
+        state = SNAPSHOTS.reuse(self._owner_id(), layout, self.placement.device)
+        if state is not None:
+            for k, t in state.items():
+                t.copy_(own[k].detach())
+        return state
+
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype)}`` of the weights as they would be exported."""
         return {n: (s, d) for n, s, d in layout_of(self.model.state_dict())}
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def stage_weights(self, transport: Literal["local", "collective"] = "local", dtype: str | None = None,
-                      keep: int = 4) -> WeightHandle:
-        """Snapshot the current version on this worker's device and return its :class:`WeightHandle`.
+    def stage_weights(self, transport: Literal["local", "collective", "object_store"] = "local",
+                      dtype: str | None = None, keep: int = 4) -> WeightHandle:
+        """Snapshot the current version and return its :class:`WeightHandle`.
 
-        `dtype` casts floating tensors (e.g. the rollout's ``bfloat16``; a collective channel
-        uses the dtypes the rollout announced when it opened). The `keep` newest snapshots are
-        kept; older ones are dropped (a handle to a dropped version is refused)."""
-        if transport not in ("local", "collective"):
-            raise ValueError(f"stage_weights transport must be 'local' or 'collective', got {transport!r}")
+        ``local``/``collective``: on this worker's device; `dtype` casts floating tensors (e.g. the
+        rollout's ``bfloat16``; a collective channel uses the dtypes the rollout announced when it
+        opened). The `keep` newest snapshots are kept; older ones are dropped (a handle to a dropped
+        version is refused). ``object_store``: put into Ray's object store (:func:`store_state`; the
+        handle holds the reference, `keep` does not apply)."""
+        if transport not in ("local", "collective", "object_store"):
+            raise ValueError("stage_weights transport must be 'local', 'collective' or 'object_store', "
+                             f"got {transport!r}")
+        if transport == "object_store":
+            own = self.model.state_dict()
+            dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
+            stored = store_state(own, dt)
+            size = {k: v.numel() * (dt.itemsize if dt is not None and v.is_floating_point() else v.element_size())
+                    for k, v in own.items()}
+            return WeightHandle(version=self._version, transport="object_store", owner=self._owner_id(),
+                                pid=os.getpid(), channel=None, num_tensors=len(own), nbytes=sum(size.values()),
+                                stored=stored)
         channel = None
         if transport == "collective":
             if self._channel is None or self._channel_layout is None:
@@ -579,13 +718,18 @@ class WeightSource:
             with torch.no_grad():
                 own = self.model.state_dict()
                 if self._bucketed_snapshots:  # one copy, already in the buckets send_weights broadcasts
-                    state = bucketed_snapshot(own, self._channel_layout, self._channel.bucket_bytes,
-                                              self.placement.device)
+                    state = self._reused(own, self._channel_layout) or bucketed_snapshot(
+                        own, self._channel_layout, self._channel.bucket_bytes, self.placement.device)
                 else:
                     dtypes = {n: _DTYPE[d] for n, _, d in self._channel_layout}
                     state = {k: _cast(v, dtypes.get(k), self.placement.device) for k, v in own.items()}
         else:
-            state = self._state_for(dtype, self.placement.device)
+            dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
+            with torch.no_grad():
+                own = self.model.state_dict()
+                layout = [(n, s, str(dt).removeprefix("torch.") if dt is not None and own[n].is_floating_point() else d)
+                          for n, s, d in layout_of(own)]
+                state = self._reused(own, layout) or self._state_for(dtype, self.placement.device)
         SNAPSHOTS.put(self._owner_id(), self._version, state, keep)
         return WeightHandle(version=self._version, transport=transport, owner=self._owner_id(), pid=os.getpid(),
                             channel=channel, num_tensors=len(state),

@@ -72,6 +72,29 @@ async def test_weight_sync_is_versioned_and_checksums_match(groups, prompt_batch
     assert (await rollout.weights_checksum())[0] == await policy.weights_checksum()
 
 
+async def test_an_object_store_stage_is_a_snapshot_put_by_the_policy_itself(groups, prompt_batch):
+    """stage_weights("object_store") puts the weights into the store inside its ordered call: training
+    right after it does not change what the rollout loads, and a stale handle is refused."""
+    from asyncrl.roles import WeightHandle
+
+    policy, rollout = groups
+    await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+    version, staged_sums = await policy.get_version(), await policy.weights_checksum()
+    handle = policy.stage_weights("object_store")
+    await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))  # issued after it: the live weights change
+    assert await policy.weights_checksum() != staged_sums
+    got = await handle
+    assert isinstance(got, WeightHandle) and got.version == version and type(got.stored).__name__ == "ObjectRef"
+    fetched = policy.stats.bytes_fetched + rollout.stats.bytes_fetched
+    (receipt,) = await rollout.update_weights(handle)
+    assert policy.stats.bytes_fetched + rollout.stats.bytes_fetched == fetched  # not through the controller
+    assert receipt["version"] == version and (await rollout.weights_checksum())[0] == staged_sums
+    with pytest.raises(asyncrl.RemoteError) as info:  # the same version again
+        await rollout.update_weights(handle)
+    assert isinstance(info.value.cause, StaleWeightsError)
+    assert await sync_weights(policy, rollout, verify=True) == version + 1  # sync_weights stages the same way
+
+
 async def test_too_long_prompt_fails_the_call_with_a_typed_cause(groups, prompt_batch):
     _, rollout = groups
     batch = prompt_batch("echo_word", n=2)

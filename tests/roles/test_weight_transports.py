@@ -147,6 +147,106 @@ def test_channel_moves_mixed_dtypes_bit_exactly_across_unaligned_bucket_offsets(
         c.close()
 
 
+def test_receive_buffers_are_reused_across_transfers_except_those_a_rollback_keeps():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.roles.transfer import OK, layout_of
+
+    versions = {v: {"a": torch.full((5, 7), float(v)), "b": torch.arange(3, dtype=torch.int64) + v} for v in (1, 2, 3, 4)}
+    layout = layout_of(versions[1])
+    chans = _channels(2, timeout_s=30, bucket_bytes=64)  # two buckets
+
+    def move(v, keep=()):
+        with ThreadPoolExecutor(2) as ex:
+            sent = ex.submit(chans[0].send, v, versions[v], layout)
+            got = ex.submit(chans[1].receive, v, layout, lambda _: OK, torch.device("cpu"), None, keep)
+            assert sent.result(timeout=60)["sent"]
+            return got.result(timeout=60)
+
+    def ptrs(state):
+        return [t.untyped_storage().data_ptr() for t in state.values()]
+
+    first = move(1)
+    assert _same_bits(first, versions[1])
+    second = move(2)  # nothing kept: the same buffers, overwritten with version 2
+    assert ptrs(second) == ptrs(first) and _same_bits(second, versions[2])
+    kept = {k: t for k, t in second.items()}
+    third = move(3, keep=kept.values())  # version 2 is a rollback point: a second set takes version 3
+    assert set(ptrs(third)).isdisjoint(ptrs(kept)) and _same_bits(third, versions[3])
+    assert _same_bits(kept, versions[2])  # untouched
+    fourth = move(4, keep=third.values())  # version 3 kept now: back to the first set, no third one made
+    assert ptrs(fourth) == ptrs(first) and _same_bits(fourth, versions[4]) and _same_bits(third, versions[3])
+    for c in chans:
+        c.close()
+
+
+async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_channel(model_config):
+    """The rollback point of a verified rollout (version 1, received over the channel) lives in the
+    channel's receive buffers: the next receive must not write over it."""
+    import asyncio
+
+    from asyncrl.roles.transfer import WeightChannel, free_port, layout_of
+
+    rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
+    port = free_port()
+    join = asyncio.ensure_future(rollout.join_weight_channel("v", "127.0.0.1", port, 2, "gloo", timeout_s=30))
+    root = await asyncio.to_thread(WeightChannel, "v", "127.0.0.1", port, 0, 2, backend="gloo",
+                                   device=torch.device("cpu"), timeout_s=30)
+    await join
+    layout = layout_of(rollout.weight_spec())
+    base = {k: v.detach().clone() for k, v in rollout.model.state_dict().items()}
+    states = {v: {k: t + v if t.is_floating_point() else t for k, t in base.items()} for v in (1, 2)}
+
+    async def sync(v, expected=None):
+        handle = WeightHandle(version=v, transport="collective", owner="test", pid=os.getpid(), channel="v",
+                              num_tensors=len(layout), nbytes=0)
+        sent = asyncio.to_thread(root.send, v, states[v], layout)
+        got, receipt = await asyncio.gather(rollout.update_weights(handle, expected_checksums=expected), sent,
+                                            return_exceptions=True)
+        assert receipt["sent"]
+        return got
+
+    one = state_dict_checksums(states[1].items())
+    assert (await sync(1))["checksums_verified"] and rollout.weights_checksum() == one
+    wrong = dict(state_dict_checksums(states[2].items()), **{"lm_head.weight": "0" * 16})
+    failed = await sync(2, expected=wrong)
+    assert isinstance(failed, WeightSyncError) and "rolled back to version 1" in str(failed)
+    assert rollout.version == 1 and rollout.weights_checksum() == one  # version 1's bytes, not version 2's
+    root.close()
+    rollout._channel.close()
+
+
+async def test_local_snapshots_reuse_retired_buffers_but_never_a_rollback_point(model_config):
+    """A new snapshot writes over a retired one (no fresh memory per sync), unless a verified rollout
+    still keeps that one as its rollback point."""
+    from asyncrl.roles.transfer import SNAPSHOTS
+
+    policy = PolicyWorker(model_config, OptimConfig(lr=0.1))
+    rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
+
+    def stage():
+        policy.model.lm_head.weight.data.add_(1.0)
+        policy._version += 1
+        h = policy.stage_weights("local", keep=1)  # the older version is retired at once
+        state = SNAPSHOTS.get(h.owner, h.version)
+        return h, state["lm_head.weight"].data_ptr(), state_dict_checksums(state.items())
+
+    h1, p1, sums1 = stage()
+    await rollout.update_weights(h1)  # version 1 committed: the rollback point
+    h2, p2, _ = stage()
+    h3, p3, sums3 = stage()  # retired: 1 (kept by the rollout) and 2
+    assert p3 not in (p1, p2)
+    with pytest.raises(WeightSyncError, match="rolled back to version 1"):
+        await rollout.update_weights(h3, expected_checksums=dict(sums3, **{"lm_head.weight": "0" * 16}))
+    assert rollout.weights_checksum() == sums1  # version 1's snapshot was not written over
+    h4, p4, sums4 = stage()
+    assert p4 == p2  # version 2's retired buffers take version 4
+    assert (await rollout.update_weights(h4))["version"] == 4 and rollout.weights_checksum() == sums4
+    h5, p5, _ = stage()
+    assert p5 == p1  # version 1 is no rollback point any more: reusable again
+    policy.close_weight_channel()
+
+
 def test_a_stalled_member_ends_the_transfer_at_the_deadline_on_every_other_member():
     from concurrent.futures import ThreadPoolExecutor
 

@@ -23,6 +23,8 @@ Variants (``--variants``, comma-separated):
   is working takes the cores the other leaves idle; the OS shares them while both work).
 * ``bypass_threads``: ``bypass`` with ``model.num_threads=0`` and one micro-batch of 16 (TRL's one pass).
 
+The table says which runs make a separate ``old_log_prob`` pass, and when ``k1`` and ``bypass`` ran
+(they differ only in the bypass) what removing that pass saved per step (issue 32 item 2).
 Also reported: the held-out accuracy (greedy, the same held-out problems for all) at the end of
 each run against its wall clock, and, labelled as a computed estimate, what an asyncrl step
 would take with the rollout on a device of its own: ``max(generate, train)`` per step from

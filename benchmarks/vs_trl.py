@@ -23,6 +23,8 @@ Variants (``--variants``, comma-separated):
   is working takes the cores the other leaves idle; the OS shares them while both work).
 * ``bypass_threads``: ``bypass`` with ``model.num_threads=0`` and one micro-batch of 16 (TRL's one pass).
 
+The table says which runs make a separate ``old_log_prob`` pass, and when ``k1`` and ``bypass`` ran
+(they differ only in the bypass) what removing that pass saved per step (issue 32 item 2).
 Also reported: the held-out accuracy (greedy, the same held-out problems for all) at the end of
 each run against its wall clock, and, labelled as a computed estimate, what an asyncrl step
 would take with the rollout on a device of its own: ``max(generate, train)`` per step from
@@ -61,6 +63,13 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
                        ["trainer.max_staleness=1", "actor.rollout_correction.bypass_mode=behaviour",
                         "model.num_threads=0", "actor.micro_batch_size=16"]),
 }
+
+
+def _old_pass(v: str) -> str:
+    """Whether the variant runs a separate ``old_log_prob`` forward before its update."""
+    if v == "trl":
+        return "no (num_iterations=1)"
+    return "no (bypass)" if "actor.rollout_correction.bypass_mode=behaviour" in VARIANTS[v][1] else "yes"
 
 
 def make_spec(args: argparse.Namespace, work: Path) -> dict:
@@ -132,8 +141,8 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], note: str) 
              f"lr 2e-5, no KL, float32; {args.steps} steps per run, {args.rounds} round(s), variants alternating; "
              f"s/step = median over the runs' steps, step 0 of each run skipped. Held-out: greedy, "
              f"{args.held_out} problems never trained on, last number = answer, after the last step.", "",
-             "| run | s/step (median) | min–max | vs TRL | timed steps | held-out accuracy | reached at s (wall) | "
-             "mean reward, last step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| run | old_log_prob pass | s/step (median) | min–max | vs TRL | timed steps | held-out accuracy | "
+             "reached at s (wall) | mean reward, last step |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for v, runs in results.items():
         s = timed(runs, "step_s")
         med = statistics.median(s)
@@ -141,8 +150,14 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], note: str) 
         at = ", ".join(f"{r['acc_at_s']:.0f}" for r in runs)
         rew = ", ".join(f"{r['reward'][-1]:.3f}" for r in runs if r["reward"])
         ratio = f"{med / base:.2f}x" if base else "—"
-        lines.append(f"| {VARIANTS[v][0]} | {med:.2f} | {min(s):.2f}–{max(s):.2f} | {ratio} | {len(s)} | {acc} | {at} | "
+        lines.append(f"| {VARIANTS[v][0]} | {_old_pass(v)} | {med:.2f} | {min(s):.2f}–{max(s):.2f} | {ratio} | {len(s)} | {acc} | {at} | "
                      f"{rew} |")
+    if "k1" in results and "bypass" in results:  # issue 32 item 2: the same run with and without the pass
+        k1, bp = (statistics.median(timed(results[v], "step_s")) for v in ("k1", "bypass"))
+        k1t, bpt = (statistics.median(timed(results[v], "train_s")) for v in ("k1", "bypass"))
+        lines += ["", f"The redundant `old_log_prob` forward removed (`k1` -> `bypass`, nothing else changed, same run): "
+                  f"{k1:.2f} -> {bp:.2f} s/step ({bp - k1:+.2f} s, {bp / k1 - 1:+.0%}); the training worker's "
+                  f"seconds per step {k1t:.2f} -> {bpt:.2f} ({bpt - k1t:+.2f} s)."]
     est = []
     for v, runs in results.items():
         g, t = timed(runs, "generate_s"), timed(runs, "train_s")

@@ -34,3 +34,24 @@ def test_a_missing_trl_venv_says_how_to_make_it(monkeypatch, tmp_path):
     monkeypatch.setattr(vs_trl, "TRL_PY", tmp_path / "no-venv" / "bin" / "python")
     with pytest.raises(SystemExit, match=r"TRL's venv is missing .*; make it with: bash benchmarks/setup_trl.sh"):
         _main(monkeypatch, "--variants", "trl,k1")
+
+
+def test_the_table_says_which_runs_make_the_old_log_prob_pass_and_what_removing_it_saved():
+    """Issue 32 item 2's "step before and after the redundant pass is removed": k1 and bypass of the
+    same run, side by side, with the saving computed from their medians (step 0 skipped)."""
+    import argparse
+
+    args = argparse.Namespace(prompts=4, group=4, max_new_tokens=20, steps=3, rounds=1, held_out=64)
+
+    def run(steps: list[float], train: list[float]) -> dict:
+        return {"step_s": steps, "train_s": train, "generate_s": [1.0] * len(steps), "accuracy": 0.5,
+                "acc_at_s": 100.0, "reward": [0.25]}
+
+    text = vs_trl.render(args, {"trl": [{**run([30.0, 10.0, 12.0], []), "generate_s": []}],
+                                "k1": [run([30.0, 15.0, 17.0], [30.0, 15.0, 17.0])],
+                                "bypass": [run([30.0, 12.0, 14.0], [30.0, 11.0, 13.0])]}, "note")
+    assert "| TRL 1.16 GRPOTrainer | no (num_iterations=1) | 11.00 |" in text
+    assert "| asyncrl, max_staleness=1 | yes | 16.00 |" in text
+    assert "| asyncrl, max_staleness=1, bypass | no (bypass) | 13.00 |" in text
+    assert ("16.00 -> 13.00 s/step (-3.00 s, -19%); the training worker's seconds per step 16.00 -> 12.00 "
+            "(-4.00 s)") in text

@@ -140,7 +140,9 @@ async def test_one_training_step_changes_the_weights_and_syncs_to_the_rollout():
     again = await rollout.generate(batch)
     lp = policy.compute_log_prob(again)
     mask = again["response_mask"].bool()
-    assert (lp["old_log_probs"] - again["rollout_log_probs"])[mask].abs().max().item() < 1e-5
+    # fp32 rounding only: the engine recomputes 8 rows in one forward, the policy in micro-batches of 4, and
+    # with the LM head on the R+1 response positions (logits_to_keep) the two GEMMs' row counts differ
+    assert (lp["old_log_probs"] - again["rollout_log_probs"])[mask].abs().max().item() < 2e-5
     assert again["version"].tolist() == [1] * 8
 
 

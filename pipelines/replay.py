@@ -140,7 +140,9 @@ async def replay(run_dir: str | Path, *, output_dir: str | Path | None = None,
         sums = await trainer.groups.policy.weights_checksum()  # type: ignore[union-attr]
     mine = read_journal(trainer.output_dir)
     metrics_path = run / "metrics.jsonl"
-    original_rows = [r for r in read_jsonl(metrics_path) if r["step"] < steps] if metrics_path.is_file() else []
+    # the training rows: an evaluation row ({"kind": "eval", "step": version}) shares its step number
+    original_rows = ([r for r in read_jsonl(metrics_path) if r["step"] < steps and r.get("kind") != "eval"]
+                     if metrics_path.is_file() else [])
     return ReplayResult(
         steps=steps, history=history, weights_sha256=weights_digest(sums),
         original_weights_sha256=original.end.get("weights_sha256") if original.end else None,

@@ -143,3 +143,27 @@ def test_a_complete_stream_journal_is_accepted(tmp_path):
     write_journal(tmp_path / "run", cfg)
     trainer = GRPOTrainer(cfg, replay=tmp_path / "run")
     assert trainer.journal.replaying and type(trainer.rollout).__name__ == "StreamReplay"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("evaluation, filter_groups", [(True, False), (False, True)])
+def test_a_stream_run_with_evaluation_or_dynamic_sampling_replays_bit_for_bit(ray_cluster, tmp_path, evaluation,
+                                                                             filter_groups):
+    """Held-out evaluation (the weight loop evaluates due versions between loads) or dynamic sampling
+    (finished groups rejected, others admitted in their room) in a streaming partial-rollout run: the
+    replay reaches the same metrics and final weights."""
+    from asyncrl.pipelines.config import EvalConfig
+
+    run = tmp_path / "run"
+    cfg = stream_cfg(run)
+    if evaluation:
+        cfg.evaluation = EvalConfig(every=2, at_start=True, at_end=True, num_prompts=4, num_samples=0)
+    cfg.algorithm.filter_groups.enable = filter_groups
+    cfg = cfg.validate()
+    overrides = {"rollout": (SlowDecodeRollout, {"delay_seed": 7, "max_delay": 0.06}),
+                 "policy": (DelayedPolicy, {"delay_seed": 8, "max_delay": 0.4})}
+    history = GRPOTrainer(cfg, worker_overrides=overrides).fit_sync()
+    assert [r["step"] for r in history] == list(range(STEPS))
+    result = asyncrl.run(replay(run))
+    assert result.metric_differences == [] and result.identical
+    assert result.weights_sha256 == result.original_weights_sha256 is not None

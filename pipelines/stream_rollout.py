@@ -146,11 +146,16 @@ class StreamRollout:
             try:
                 gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
                                       "generate", step=g // B, group=g, version=v0)
-                sc = stages.score(groups, gen)
                 if not a.issued.get(g):
                     a.issued[g] = True
                     tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
                     task_status.started()
+                # The score call is ordered on the rollout workers' lane, like a weight update: issued
+                # now, it would hold its place there until the group's tokens exist, and an update
+                # issued meanwhile would wait for this group to finish generating. Issued once the
+                # generation finished (nothing is fetched), it never holds an update back.
+                await _finished(gen)
+                sc = stages.score(groups, gen)
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
@@ -312,3 +317,11 @@ def stages_unwrap(group: Any) -> Any:
     from asyncrl.pipelines.deadlines import unwrap
 
     return unwrap(group)
+
+
+async def _finished(fut: Any) -> None:
+    """Wait until every rank of the call `fut` (a ``GroupFuture``) finished, successfully or not, without
+    fetching its result (a failure is raised by whoever consumes it)."""
+    done = anyio.Event()
+    fut.add_done_callback(lambda _: done.set())
+    await done.wait()

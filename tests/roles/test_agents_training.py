@@ -81,11 +81,13 @@ def test_the_policy_update_puts_exactly_zero_gradient_on_environment_tokens(mode
         base = policy.update_and_grads(b, "token-mean")
     finally:
         hook.remove()
-    (g,) = grads  # [B, T, V]: the gradient of the loss on the logits of every position
-    R, T = b["response_ids"].shape[1], b["input_ids"].shape[1]
+    (g,) = grads  # [B, T or R + 1, V]: the gradient of the loss on the logits the head computed
+    R = b["response_ids"].shape[1]
     mask = b["response_mask"].bool()
     env = (b["attention_mask"][:, -R:] == 1) & ~mask
-    per_token = g[:, T - R - 1:T - 1].abs().amax(-1)  # the logits that predict response token j sit at T-R-1+j
+    # the logits that predict response token j sit at T-R-1+j: the head's last R + 1 positions but the last
+    # (it runs on those alone when the model takes `logits_to_keep`, roles/_util.py)
+    per_token = g[:, -R - 1:-1].abs().amax(-1)
     assert env.sum() > 0 and (per_token[env] == 0).all() and (per_token[mask] > 0).all()
     # whatever the environment positions hold, the update is bit-identical
     junk = b.clone(False)

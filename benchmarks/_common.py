@@ -55,3 +55,28 @@ def mean_over_seeds(xs: list[float | None]) -> str:
     if len(got) < len(xs):
         return "-" if not got else f"- ({len(got)}/{len(xs)})"
     return f"{statistics.mean(got):.1f}"
+
+
+def learning_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-variant learning figures of `runs` (one variant, one run per seed, each with ``history`` and
+    ``loop_s``), means over seeds: reward over the first 5 and last 10 steps, steps and seconds to reward
+    0.5 and 0.9 (formatted by `mean_over_seeds`), loop seconds, ms per step and every row."""
+    hs = [r["history"] for r in runs]
+    hit = {lv: [first_step(hist, lv) for hist in hs] for lv in (0.5, 0.9)}
+    return {
+        "first5": statistics.mean(statistics.mean(h["reward/mean"] for h in hist[:5]) for hist in hs),
+        "last10": statistics.mean(statistics.mean(h["reward/mean"] for h in hist[-10:]) for hist in hs),
+        "steps": {lv: mean_over_seeds([None if x is None else float(x[0]) for x in hit[lv]]) for lv in hit},
+        "secs": {lv: mean_over_seeds([None if x is None else x[1] for x in hit[lv]]) for lv in hit},
+        "loop": statistics.mean(r["loop_s"] for r in runs),
+        "ms": statistics.mean(1e3 * r["loop_s"] / len(r["history"]) for r in runs),
+        "rows": [h for hist in hs for h in hist],
+    }
+
+
+def parse_variants(parser: Any, text: str, known: Any) -> tuple[str, ...]:
+    """``--variants`` as a tuple, every name checked against `known` (an unknown one is a usage error)."""
+    variants = tuple(text.split(","))
+    if bad := [v for v in variants if v not in known]:
+        parser.error(f"unknown variant(s) {bad}; choose from {', '.join(known)}")
+    return variants

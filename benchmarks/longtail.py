@@ -66,7 +66,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from _common import load_note, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+from _common import load_note, parse_variants, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, Execute, ResourcePool, Worker, colocate, register  # noqa: E402
 from asyncrl.roles.rollout import RolloutWorker  # noqa: E402
@@ -403,10 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--staleness: every bound must be >= 1 (sync is the max_staleness=0 variant)")
     args.prefill_ms = args.prefill_ms if args.prefill_ms is not None else 2 * args.step_ms
     if args.variants:
-        args.variants = tuple(args.variants.split(","))
-        bad = [v for v in args.variants if v not in VARIANTS]
-        if bad:
-            p.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+        args.variants = parse_variants(p, args.variants, VARIANTS)
     else:
         args.variants = supported_variants()
     load0 = os.getloadavg()[0]

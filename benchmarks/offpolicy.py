@@ -35,7 +35,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _common import first_step, mean_over_seeds as _mean, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+from _common import learning_row, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,15 +89,9 @@ def table(runs: list[dict[str, Any]]) -> str:
     out = ["| " + " | ".join(COLUMNS) + " |", "|---|---:|---|" + "---:|" * (len(COLUMNS) - 3)]
     for name in dict.fromkeys(r["name"] for r in runs):
         rs = [r for r in runs if r["name"] == name]
-        hs = [r["history"] for r in rs]
-        first5 = statistics.mean(statistics.mean(h["reward/mean"] for h in hist[:5]) for hist in hs)
-        last10 = statistics.mean(statistics.mean(h["reward/mean"] for h in hist[-10:]) for hist in hs)
-        hit = {lv: [first_step(hist, lv) for hist in hs] for lv in (0.5, 0.9)}
-        steps = {lv: _mean([None if x is None else float(x[0]) for x in hit[lv]]) for lv in hit}
-        secs = {lv: _mean([None if x is None else x[1] for x in hit[lv]]) for lv in hit}
-        loop = statistics.mean(r["loop_s"] for r in rs)
-        ms = statistics.mean(1e3 * r["loop_s"] / len(r["history"]) for r in rs)
-        rows = [h for hist in hs for h in hist]
+        lr = learning_row(rs)
+        first5, last10, steps, secs, loop, ms, rows = (lr[k] for k in ("first5", "last10", "steps", "secs", "loop",
+                                                                        "ms", "rows"))
         stale = statistics.mean(h.get("actor/row_staleness_mean", 0.0) for h in rows)
         w_mean = statistics.mean(h["actor/is_weight_mean"] for h in rows)
         w_max = max(h["actor/is_weight_max"] for h in rows)

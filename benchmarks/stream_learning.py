@@ -34,7 +34,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _common import first_step, load_note, mean_over_seeds as _mean, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+from _common import learning_row, load_note, parse_variants, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -92,15 +92,9 @@ def table(runs: list[dict[str, Any]]) -> str:
     out = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
     for name in dict.fromkeys(r["name"] for r in runs):
         rs = [r for r in runs if r["name"] == name]
-        hs = [r["history"] for r in rs]
-        first5 = statistics.mean(statistics.mean(h["reward/mean"] for h in hist[:5]) for hist in hs)
-        last10 = statistics.mean(statistics.mean(h["reward/mean"] for h in hist[-10:]) for hist in hs)
-        hit = {lv: [first_step(hist, lv) for hist in hs] for lv in (0.5, 0.9)}
-        steps = {lv: _mean([None if x is None else float(x[0]) for x in hit[lv]]) for lv in hit}
-        secs = {lv: _mean([None if x is None else x[1] for x in hit[lv]]) for lv in hit}
-        loop = statistics.mean(r["loop_s"] for r in rs)
-        ms = statistics.mean(1e3 * r["loop_s"] / len(r["history"]) for r in rs)
-        rows = [h for hist in hs for h in hist]
+        lr = learning_row(rs)
+        first5, last10, steps, secs, loop, ms, rows = (lr[k] for k in ("first5", "last10", "steps", "secs", "loop",
+                                                                        "ms", "rows"))
         stale = statistics.mean(float(h["staleness/mean"]) for h in rows)
         out.append(f"| {name} | {len(rs)} | {first5:.3f} | {last10:.3f} | {steps[0.5]} | {steps[0.9]} | "
                    f"{secs[0.5]} | {secs[0.9]} | {loop:.1f} | {ms:.0f} | {stale:.2f} | {_spanning(rows)} |")
@@ -158,10 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     args.steps = args.steps or (4 if args.quick else 60)
     args.seeds = args.seeds or (1 if args.quick else 4)
     if args.variants:
-        args.variants = tuple(args.variants.split(","))
-        bad = [v for v in args.variants if v not in VARIANTS]
-        if bad:
-            p.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+        args.variants = parse_variants(p, args.variants, VARIANTS)
     else:
         args.variants = ("batch", "stream") if args.quick else DEFAULT
     out = args.out

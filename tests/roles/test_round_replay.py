@@ -6,6 +6,7 @@ the requests submitted in another order and the updates issued without any timin
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 from typing import Any
 
@@ -197,7 +198,10 @@ async def test_a_replay_holds_unknown_requests_and_its_held_update_is_not_past_t
 
     try:
         up = asyncio.ensure_future(updater())
-        await asyncio.sleep(0.05)  # let the first update wait at its hold: the rounds have not started
+        deadline = time.monotonic() + 30  # the first update waits at its hold: the rounds have not started
+        while not (b._grants is not None and b._grants._waiters):
+            assert time.monotonic() < deadline, "the update never reached its hold"
+            await asyncio.sleep(0)
         held = asyncio.ensure_future(b.generate(tok.encode("held"), SamplingParams(max_new_tokens=3, seed=1),
                                                 key="not-recorded"))
         again = await asyncio.gather(*[b.generate(p, q, key=k) for k, p, q in requests(tok)])

@@ -21,6 +21,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, fields
 
+import asyncrl
 from asyncrl.pipelines.heartbeat import LoopLag
 from asyncrl.pipelines.presets import grpo_toy
 from asyncrl.pipelines.trainer import GRPOTrainer
@@ -116,7 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in fields(Args):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    return asyncio.run(run(Args(**vars(parser.parse_args(argv)))))
+    args = Args(**vars(parser.parse_args(argv)))
+    # Ray's start holds the GIL for seconds inside its core worker's constructor, whatever thread
+    # runs it: start it before the app's loop exists, as an app should (trainer.setup() then finds
+    # Ray running). Started from the loop (``await asyncrl.ainit()``), setup lags ~0.5 s.
+    asyncrl.init(num_cpus=grpo_toy().trainer.num_cpus)
+    return asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,48 @@
 """The run report: reward curve, held-out evaluation (when the run evaluates) and the
 rollout/training overlap timeline (matplotlib, optional).
 
-Drawn with matplotlib's object API (a ``Figure`` on the Agg canvas, no ``pyplot`` state), so
-the trainer can draw it in a worker thread while its event loop keeps running.
+The trainer draws it with :func:`draw_report`, in a child process: matplotlib's Agg renderer
+holds the GIL for hundreds of milliseconds at a time, so in a thread of the controller it stalled
+the app's event loop (up to 0.5 s at the end of ``fit()``, measured with
+``examples/fit_in_app.py``). :func:`plot_report` draws in the calling process (blocking).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+import anyio
+from asyncrl.pipelines import _report_draw
 from asyncrl.pipelines.trace import Span, Tracer
 
-__all__ = ["plot_report"]
+__all__ = ["ReportError", "draw_report", "plot_report"]
+
+
+class ReportError(RuntimeError):
+    """The child process drawing the report failed (its exit status and stderr are in the message)."""
+
+
+def _plain(history: list[dict[str, Any]], spans: Tracer | Sequence[Span],
+           evals: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """What the drawing reads, as JSON-safe data (metrics that are not finite numbers become None)."""
+    def num(v: Any) -> Any:
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+    all_spans = spans.spans if isinstance(spans, Tracer) else list(spans)
+    return {
+        "history": [{"step": h["step"], "reward/mean": num(h.get("reward/mean"))} for h in history],
+        "evals": [{k: num(v) for k, v in e.items() if k.startswith("eval/")} for e in (evals or [])],
+        "spans": [{"track": s.track, "name": s.name, "parts": [list(p) for p in s.parts()]} for s in all_spans],
+    }
 
 
 def plot_report(history: list[dict[str, Any]], spans: Tracer | Sequence[Span], path: str | Path,
@@ -20,60 +50,38 @@ def plot_report(history: list[dict[str, Any]], spans: Tracer | Sequence[Span], p
     """Write a PNG with the mean reward per step, the held-out evaluation per version (`evals`:
     rows with ``eval/version`` and ``eval/*`` metrics; the panel is drawn only when there are
     any) and a timeline of the stage spans per group (`spans`: a :class:`Tracer` or its spans).
-    Blocking: the trainer calls it in a thread.
+    Blocking, in this process (an app's event loop should use :func:`draw_report`).
 
     Returns None (and writes nothing) when matplotlib is not installed.
     """
-    try:
-        import matplotlib
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
-    all_spans = spans.spans if isinstance(spans, Tracer) else list(spans)
-    evals = [e for e in (evals or []) if "eval/version" in e]
-    n = 3 if evals else 2
-    fig = Figure(figsize=(10, 3.5 * n))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(n, 1, gridspec_kw={"height_ratios": [1] * n})
-    ax1, ax2 = axes[0], axes[-1]
-    steps = [h["step"] for h in history]
-    ax1.plot(steps, [h["reward/mean"] for h in history], marker="o", ms=3, label="mean reward")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("reward")
-    ax1.set_ylim(-0.02, 1.02)
-    ax1.grid(alpha=0.3)
-    ax1.legend(loc="lower right")
-    if evals:
-        ax3 = axes[1]
-        evals = sorted(evals, key=lambda e: e["eval/version"])
-        versions = [e["eval/version"] for e in evals]
-        keys = [k for k in ("eval/accuracy_flexible", "eval/accuracy_strict", "eval/format", "eval/reward_mean")
-                if all(k in e for e in evals)]
-        for k in keys:
-            ax3.plot(versions, [e[k] for e in evals], marker="s", ms=4, label=f"held-out {k.removeprefix('eval/')}")
-        ax3.set_xlabel("steps trained (policy version)")
-        ax3.set_ylabel("held-out (greedy)")
-        ax3.set_ylim(-0.02, 1.02)
-        ax3.grid(alpha=0.3)
-        ax3.legend(loc="lower right", fontsize=8)
-    shown = [s for s in all_spans if s.track != "controller"]
-    rows = sorted({(s.track, s.name) for s in shown})  # one row per group and stage: queued calls stay visible
-    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
-    tracks = sorted({t for t, _ in rows})
-    color = {t: colors[i % len(colors)] for i, t in enumerate(tracks)}
-    for y, (track, name) in enumerate(rows):
-        for s in (s for s in shown if s.track == track and s.name == name):
-            for kind, a, b in s.parts():  # the workers' execution solid; queued / waiting lighter
-                light = kind in ("queued", "waiting")
-                ax2.barh(y, b - a, left=a, color=color[track], height=0.35 if light else 0.7,
-                         alpha=0.3 if light else 1.0, hatch="//" if kind == "waiting" else None, linewidth=0)
-    ax2.set_yticks(range(len(rows)), [f"{t}: {n}" for t, n in rows], fontsize=7)
-    ax2.set_xlabel("seconds since start; solid: running on the workers (as they timed it), "
-                   "light: queued, hatched: waiting for its turn or inputs")
-    ax2.set_title("stage spans per worker group (rollout and training rows overlapping in time = overlap)")
-    fig.tight_layout()
+    return _report_draw.draw(_plain(history, spans, evals), path)
+
+
+async def draw_report(history: list[dict[str, Any]], spans: Tracer | Sequence[Span], path: str | Path,
+                      evals: list[dict[str, Any]] | None = None, *, timeout_s: float = 300.0) -> Path | None:
+    """:func:`plot_report` in a child process (``python .../_report_draw.py``, started and awaited
+    with anyio), without blocking the event loop or holding the controller's GIL. Returns the
+    path, or None when matplotlib is not installed. Raises :class:`ReportError` when the child
+    fails or runs past `timeout_s`; a timeout or a cancel kills the child."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=100)
-    return p
+    fd, data_path = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_plain(history, spans, evals), f)
+        try:
+            with anyio.fail_after(timeout_s):
+                done = await anyio.run_process([sys.executable, _report_draw.__file__, data_path, str(p)],
+                                               check=False, stdout=subprocess.DEVNULL)
+        except TimeoutError:
+            raise ReportError(f"drawing the report {p} took over {timeout_s:g} s; the drawing process was "
+                              "killed (trainer.plot=false skips the report)") from None
+        if done.returncode == _report_draw.NO_MATPLOTLIB:
+            return None
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-5:]
+            raise ReportError(f"drawing the report {p} failed (exit status {done.returncode}): " + " | ".join(tail))
+        return p
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(data_path)

@@ -83,12 +83,11 @@ class RunReport:
             if cfg.trace:
                 await anyio.to_thread.run_sync(tr.tracer.write, tr.output_dir / "trace.json")
             if cfg.plot and tr.history:
-                from asyncrl.pipelines.report import plot_report
+                from asyncrl.pipelines.report import draw_report
 
-                history, spans = list(tr.history), list(tr.tracer.spans)
                 evals = list(tr.evaluator.records) if tr.evaluator is not None else None
-                await anyio.to_thread.run_sync(
-                    lambda: plot_report(history, spans, tr.output_dir / "report.png", evals=evals))
+                # in a child process: matplotlib holds the GIL for long stretches (see report.py)
+                await draw_report(list(tr.history), list(tr.tracer.spans), tr.output_dir / "report.png", evals=evals)
         except Exception as e:
             log.warning("report.failed", error=repr(e))
 

@@ -1,6 +1,6 @@
-"""Nothing heavy runs on the controller's event loop while ``fit()`` trains: the report
-(matplotlib), the trace file, checkpoint serialisation, hashing and fsync go to worker
-threads, and a heartbeat on the loop (:class:`asyncrl.pipelines.heartbeat.LoopLag`) never
+"""Nothing heavy runs on the controller's event loop while ``fit()`` trains: the trace file,
+checkpoint serialisation, hashing and fsync go to worker threads, the report (matplotlib, which
+holds the GIL for long stretches) to a child process, and a heartbeat on the loop (:class:`asyncrl.pipelines.heartbeat.LoopLag`) never
 sees a stall beyond a generous bound.
 
 The thread checks are exact and are what catch a regression; the lag bound is only a no-freeze
@@ -34,7 +34,15 @@ async def test_fit_keeps_the_event_loop_free_with_report_trace_and_checkpoints_o
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(report, "plot_report", spy("plot_report", report.plot_report))
+    monkeypatch.setattr(report, "plot_report", spy("plot_report", report.plot_report))  # must not run here
+    children: list[list[str]] = []
+    real_run_process = report.anyio.run_process
+
+    async def watched_run_process(command, **kwargs):
+        children.append([str(c) for c in command])
+        return await real_run_process(command, **kwargs)
+
+    monkeypatch.setattr(report.anyio, "run_process", watched_run_process)
     monkeypatch.setattr(ckpt, "commit", spy("checkpoint commit", ckpt.commit))
     monkeypatch.setattr(Tracer, "write", spy("trace write", Tracer.write))
     cfg = tiny_test()
@@ -45,7 +53,8 @@ async def test_fit_keeps_the_event_loop_free_with_report_trace_and_checkpoints_o
         async with LoopLag(interval=0.005) as lag:
             await trainer.fit()
     loop_thread = threading.current_thread().name
-    assert set(ran_on) == {"plot_report", "checkpoint commit", "trace write"}
+    assert set(ran_on) == {"checkpoint commit", "trace write"}  # the report is not drawn in this process
+    assert [c[1:] for c in children] == [[report._report_draw.__file__, children[0][2], str(tmp_path / "report.png")]]
     assert all(loop_thread not in threads for threads in ran_on.values()), ran_on
     assert (tmp_path / "report.png").stat().st_size > 0 and (tmp_path / "trace.json").is_file()
     stats = lag.statistics()

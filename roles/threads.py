@@ -28,8 +28,9 @@ import os
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -54,13 +55,10 @@ def marks_dir() -> Path:
     """The machine-local directory of this run's busy marks: keyed by the Ray node id (one per Ray start
     on each machine), or by the process id outside Ray (in-process workers share one process)."""
     key = f"pid{os.getpid()}"
-    try:
-        import ray
+    import ray
 
-        if ray.is_initialized():
-            key = ray.get_runtime_context().get_node_id()
-    except Exception:  # pragma: no cover - no Ray: the process key stands
-        pass
+    if ray.is_initialized():
+        key = ray.get_runtime_context().get_node_id()
     root = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
     return root / f"asyncrl-cores-{key}"
 

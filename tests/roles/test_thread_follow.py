@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-
 from asyncrl.pipelines.config import ConfigError
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.roles import ModelConfig, OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker
@@ -45,9 +44,8 @@ def test_a_lone_busy_worker_takes_every_core_and_busy_workers_split_them(tmp_pat
     assert (b.others_busy(), a.is_busy) == (0, False)
     a.close()
     assert sorted(os.listdir(tmp_path)) == ["b", "c"]
-    with pytest.raises(RuntimeError, match=r"CoreShare.busy after close\(\)"):
-        with a.busy():
-            pass
+    with pytest.raises(RuntimeError, match=r"CoreShare.busy after close\(\)"), a.busy():
+        pass
 
 
 def test_a_worker_that_dies_busy_releases_its_share(tmp_path, restore_threads):
@@ -105,7 +103,11 @@ def test_the_thread_count_changes_between_layers_in_forward_and_backward(tmp_pat
 
     for i, layer in enumerate(layers):
         layer.register_forward_pre_hook(record(str(i)), with_kwargs=True)
-    layers[0].register_forward_hook(lambda *_: [other.__enter__()] and None)  # b busy from layer 1 on
+
+    def b_busy(*_: object) -> None:
+        other.__enter__()
+
+    layers[0].register_forward_hook(b_busy)  # b busy from layer 1 on
     ids = torch.tensor([[5, 6, 7, 8]])
     torch.set_num_threads(1)
     with a.busy():

@@ -153,8 +153,10 @@ class CoreShare:
         """Sync the threads before `model`'s forward and before each of its decoder layers' forward and
         backward; returns how many layers were hooked. The layers are the longest ``nn.ModuleList`` in
         the model (a transformers decoder's ``layers``)."""
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-        layers: list[nn.Module] = list(max(lists, key=lambda m: len(m))) if lists else []
+        layers: list[nn.Module] = []
+        for m in model.modules():
+            if isinstance(m, nn.ModuleList) and len(m) > len(layers):
+                layers = list(m)
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         for layer in layers:
             self._handles.append(layer.register_forward_pre_hook(self._pre_forward, with_kwargs=True))

@@ -480,8 +480,8 @@ class PolicyWorker(_Trainable, WeightSource):
     def on_close(self) -> None:
         """Drop the weight channel and the staged snapshots, and this worker's busy mark."""
         self.close_weight_channel()
-        if self.core_share is not None:
-            self.core_share.close()
+        if (share := getattr(self, "core_share", None)) is not None:
+            share.close()
 
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,

@@ -369,8 +369,8 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         if self._batcher is not None:
             self._batcher._abort.set()
         self.engine.close()
-        if self.core_share is not None:
-            self.core_share.close()
+        if (share := getattr(self, "core_share", None)) is not None:
+            share.close()
 
 
 def _check_vllm_memory(engine_kwargs: dict[str, Any], placement: Any) -> None:

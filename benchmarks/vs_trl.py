@@ -22,6 +22,10 @@ Variants (``--variants``, comma-separated):
 * ``k1_threads``: ``k1`` with ``model.num_threads=0`` (every worker may use every core: whichever side
   is working takes the cores the other leaves idle; the OS shares them while both work).
 * ``bypass_threads``: ``bypass`` with ``model.num_threads=0`` and one micro-batch of 16 (TRL's one pass).
+* ``k1_follow``: ``k1`` with ``model.num_threads=follow``: each busy worker runs ``cores // busy`` torch
+  threads, set per decoder layer (the trainer takes every core while the rollout idles, half while both
+  work; never oversubscribed; see ``asyncrl.roles.threads``).
+* ``bypass_follow``: ``bypass`` with ``model.num_threads=follow``.
 
 The table says which runs make a separate ``old_log_prob`` pass, and when ``k1`` and ``bypass`` ran
 (they differ only in the bypass) what removing that pass saved per step (issue 32 item 2).
@@ -62,6 +66,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "bypass_threads": ("asyncrl, max_staleness=1, bypass, every core per worker, 1 micro-batch",
                        ["trainer.max_staleness=1", "actor.rollout_correction.bypass_mode=behaviour",
                         "model.num_threads=0", "actor.micro_batch_size=16"]),
+    "k1_follow": ("asyncrl, max_staleness=1, threads follow the work", ["trainer.max_staleness=1",
+                                                                        "model.num_threads=follow"]),
+    "bypass_follow": ("asyncrl, max_staleness=1, bypass, threads follow the work",
+                      ["trainer.max_staleness=1", "actor.rollout_correction.bypass_mode=behaviour",
+                       "model.num_threads=follow"]),
 }
 
 

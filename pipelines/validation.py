@@ -95,9 +95,11 @@ def _check_model(key: str, m: Any) -> None:
         if heads % kv:
             raise ConfigError(f"{key}.num_heads={heads} is not divisible by {key}.num_kv_heads={kv}")
     threads = getattr(m, "num_threads", None)
-    if threads is not None and not (isinstance(threads, int) and threads >= 0):
-        raise ConfigError(f"{key}.num_threads must be null (the worker's CPU share), 0 (every core of the machine) "
-                          f"or a positive integer, got {threads!r}")
+    if threads is not None and threads != "follow" and not (
+            isinstance(threads, int) and not isinstance(threads, bool) and threads >= 0):
+        raise ConfigError(f"{key}.num_threads must be null (the worker's CPU share), 0 (every core of the machine), "
+                          f"'follow' (the machine's cores split among the workers busy now) or a positive integer, "
+                          f"got {threads!r}")
 
 
 def _check_optim(key: str, o: Any) -> None:

@@ -11,6 +11,7 @@ from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches
 from . import functional as F
 from .device import place_model, resolve_placement
 from .models import ModelConfig, build_value_model, set_torch_threads
+from .threads import computing, core_share_for
 from .policy import OptimConfig, _adam, _Trainable
 
 __all__ = ["CriticWorker"]
@@ -36,6 +37,7 @@ class CriticWorker(_Trainable):
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="CriticWorker")
         built, self.tokenizer = build_value_model(model)
         self.model = place_model(built, self.placement, trained=True, who="CriticWorker")
+        self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
         self.model.train()
         self.optimizer = _adam(self.model, self.optim_config)
         self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
@@ -49,6 +51,7 @@ class CriticWorker(_Trainable):
         return v[:, -R - 1:-1].float()
 
     @register(Dispatch.DP_COMPUTE)
+    @computing
     def compute_values(self, batch: TensorDictBase) -> TensorDict:
         """``TD{values [B, R]}`` (0 where ``response_mask`` is 0)."""
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask"], "CriticWorker.compute_values")
@@ -64,6 +67,7 @@ class CriticWorker(_Trainable):
         return TensorDict({"values": torch.cat(out)}, batch_size=batch.batch_size[:1])
 
     @register(Dispatch.DP_COMPUTE_METRIC)
+    @computing
     def update(self, batch: TensorDictBase) -> dict[str, float]:
         """Clipped value-loss update against ``returns`` (old values from ``values``); returns
         ``{vf_loss, vf_clip_frac, values_mean, grad_norm, lr, version}`` of the whole batch.

@@ -101,10 +101,12 @@ class ModelConfig:
     """Seed of the tiny model's initial weights (and of the worker's other randomness)."""
     attn_implementation: str = "eager"
     """Transformers attention kernel; eager is exact and fast enough for tiny models."""
-    num_threads: int | None = None
+    num_threads: int | str | None = None
     """Torch intra-op threads; None takes the worker's CPU share (``context.num_cpus``); 0 takes every core
     of the worker's machine (``os.cpu_count()``): on shared cores whichever worker is computing then uses the
-    cores the others leave idle (the OS shares them while several compute)."""
+    cores the others leave idle (the OS shares them while several compute, oversubscribed); ``"follow"``:
+    the opted-in workers on one machine split its cores among those busy now (``cores // busy`` each, a
+    lone busy worker takes every core; see :mod:`asyncrl.roles.threads`; CPU only)."""
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -430,13 +432,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def set_torch_threads(num_cpus: float, override: int | None = None) -> int:
+def set_torch_threads(num_cpus: float, override: int | str | None = None) -> int:
     """Set torch's intra-op threads to the worker's CPU share, or to `override` (0: every core of this
-    machine); returns the count."""
-    if override is not None and override < 0:
-        raise ValueError(f"ModelConfig.num_threads must be None (the worker's CPU share), 0 (every core) or a "
-                         f"positive count, got {override}")
-    n = max(1, int(num_cpus)) if override is None else override if override > 0 else (os.cpu_count() or 1)
+    machine; ``"follow"``: the CPU share until the worker's compute calls set it, see
+    :mod:`asyncrl.roles.threads`); returns the count."""
+    if override is not None and override != "follow" and not (isinstance(override, int) and override >= 0):
+        raise ValueError(f"ModelConfig.num_threads must be None (the worker's CPU share), 0 (every core), "
+                         f"'follow' (the cores split among the busy workers) or a positive count, got {override!r}")
+    if override is None or override == "follow":
+        n = max(1, int(num_cpus))
+    else:
+        n = override if isinstance(override, int) and override > 0 else (os.cpu_count() or 1)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

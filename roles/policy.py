@@ -37,6 +37,7 @@ from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches
 from .device import Placement, place_model, resolve_placement
 from .errors import StaleBatchError
 from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
+from .threads import computing, core_share_for
 from .transfer import WeightSource, _cast
 
 __all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
@@ -276,6 +277,7 @@ class PolicyWorker(_Trainable, WeightSource):
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="PolicyWorker")
         built, self.tokenizer = load_model(model)
         self.model = place_model(built, self.placement, trained=True, who="PolicyWorker")
+        self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
         self.model.train()
         self.optimizer = _adam(self.model, self.optim_config)
         self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
@@ -287,6 +289,7 @@ class PolicyWorker(_Trainable, WeightSource):
         return self._version
 
     @register(Dispatch.DP_COMPUTE)
+    @computing
     def compute_log_prob(self, batch: TensorDictBase) -> TensorDict:
         """``TD{old_log_probs [B, R], entropy [B, R]}`` of the response tokens (0 where masked).
 
@@ -330,6 +333,7 @@ class PolicyWorker(_Trainable, WeightSource):
         return 0, None
 
     @register(Dispatch.DP_COMPUTE_METRIC)
+    @computing
     def update(self, batch: TensorDictBase) -> dict[str, float]:
         """One PPO update over `batch`; returns metrics of the whole batch (reduced across ranks)
         and the new ``version``.
@@ -474,8 +478,10 @@ class PolicyWorker(_Trainable, WeightSource):
         return self._version
 
     def on_close(self) -> None:
-        """Drop the weight channel and the staged snapshots."""
+        """Drop the weight channel and the staged snapshots, and this worker's busy mark."""
         self.close_weight_channel()
+        if (share := getattr(self, "core_share", None)) is not None:
+            share.close()
 
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,
@@ -517,10 +523,12 @@ class ReferenceWorker(Worker):
         built, self.tokenizer = load_model(model)
         self.model = place_model(built, self.placement, trained=False, who="ReferenceWorker")
         self.model.eval().requires_grad_(False)
+        self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
 
     @register(Dispatch.DP_COMPUTE)
+    @computing
     def compute_ref_log_prob(self, batch: TensorDictBase) -> TensorDict:
         """``TD{ref_log_probs [B, R]}`` (0 where masked)."""
         return _log_probs(self.model, batch, self.micro_batch_size, self.temperature, "ref_log_probs",

@@ -37,6 +37,7 @@ from .device import check_gpu_memory, place_model, resolve_placement
 from .engines import Completion, SamplingParams, make_engine
 from .errors import DeviceError, PromptTooLongError
 from .models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
+from .threads import core_share_for
 from .rollout_config import RolloutConfig
 from .rollout_requests import RequestGenerationMixin
 from .rollout_weights import WeightSyncMixin, unpack_weights
@@ -97,6 +98,10 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         engine_kwargs = dict(self.config.engine_kwargs)
         if self.config.engine == "hf" and self.placement.autocast_dtype is not None:
             engine_kwargs.setdefault("autocast", self.placement.autocast_dtype)
+        self.core_share = (core_share_for(model.num_threads, self.placement.device, self.model)
+                           if self.config.engine == "hf" else None)
+        if self.core_share is not None:
+            engine_kwargs.setdefault("cores", self.core_share)
         if self.config.engine == "vllm":
             _check_vllm_memory(engine_kwargs, self.placement)
             if self.config.sleep_level:
@@ -364,6 +369,8 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         if self._batcher is not None:
             self._batcher._abort.set()
         self.engine.close()
+        if (share := getattr(self, "core_share", None)) is not None:
+            share.close()
 
 
 def _check_vllm_memory(engine_kwargs: dict[str, Any], placement: Any) -> None:

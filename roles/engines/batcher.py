@@ -333,7 +333,7 @@ class RequestBatcher:
                     version = int(self.version_fn())
                     first = rnd.step if rnd is not None else 0
                     try:
-                        rnd, interrupted = await asyncio.to_thread(self._segment, batch, rnd, version)
+                        rnd, interrupted = await asyncio.to_thread(self._busy_segment, batch, rnd, version)
                         segments.append((version, rnd.step - first))
                     except Exception as e:  # the round failed: every request in it gets the error
                         for r in batch:
@@ -381,6 +381,12 @@ class RequestBatcher:
         return _Round(batch, budget, done, ids, position_ids_from_mask(mask), mask)
 
     @torch.no_grad()
+    def _busy_segment(self, batch: Any, rnd: Any, version: int) -> Any:
+        """:meth:`_segment` with the engine's worker marked busy (``num_threads="follow"``)."""
+        busy = getattr(self.engine, "busy", None)
+        with busy() if busy is not None else contextlib.nullcontext():
+            return self._segment(batch, rnd, version)
+
     def _segment(self, batch: list[_Request], rnd: _Round | None, version: int,
                  steps: int | None = None) -> tuple[_Round, bool]:
         """Prefill prompt + tokens so far of every request (a new round), then decode up to ``chunk_tokens``

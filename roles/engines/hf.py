@@ -14,6 +14,7 @@ weights between rollouts (see :meth:`HFEngine.sleep`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -47,6 +48,8 @@ class HFEngine:
             (measured on the 30-layer SmolLM2-135M: max 1.5e-5, mean 3e-6; on the 2-layer tiny model
             below 1e-6). Costs one extra forward pass per batch; rows are emitted when their batch is
             done. Not with top-k/top-p filtering (the recomputation has no filter).
+        cores: the worker's :class:`~asyncrl.roles.threads.CoreShare` (``ModelConfig.num_threads="follow"``):
+            marked busy while a generation call decodes. None: threads are not shared.
     """
 
     partial_rollout_modes = ("keep", "recompute")
@@ -54,8 +57,9 @@ class HFEngine:
 
     def __init__(self, *, model: torch.nn.Module, tokenizer: Any, model_dir: str | None = None,
                  max_batch_size: int = 64, seed: int = 0, autocast: torch.dtype | None = None,
-                 exact_log_probs: bool = False) -> None:
+                 exact_log_probs: bool = False, cores: Any = None) -> None:
         self.model = model.eval()
+        self.cores = cores
         self.exact_log_probs = exact_log_probs
         self.autocast = autocast
         self.sleep_level = 0  # 0 awake; 1 weights on the CPU; 2 weights discarded
@@ -229,9 +233,14 @@ class HFEngine:
 
     def _run(self, prompts: list[list[int]], params: SamplingParams, seed: int,
              emit: Callable[[int, Completion], None], abort: threading.Event) -> None:
-        for start in range(0, len(prompts), self.max_batch_size):
-            idx = list(range(start, min(start + self.max_batch_size, len(prompts))))
-            self._run_batch(idx, [prompts[i] for i in idx], params, seed, emit, abort)
+        with self.busy():
+            for start in range(0, len(prompts), self.max_batch_size):
+                idx = list(range(start, min(start + self.max_batch_size, len(prompts))))
+                self._run_batch(idx, [prompts[i] for i in idx], params, seed, emit, abort)
+
+    def busy(self) -> Any:
+        """A context that marks this engine's worker busy while a decode runs (no-op without `cores`)."""
+        return self.cores.busy() if self.cores is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def _run_batch(self, idx: list[int], prompts: list[list[int]], params: SamplingParams, seed: int,

@@ -21,7 +21,7 @@ def test_an_unknown_variant_is_refused_naming_the_choices(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         _main(monkeypatch, "--variants", "trl,k9")
     assert e.value.code == 2
-    assert "unknown variant(s) ['k9']; choose from trl, k1, k0, bypass, k1_threads, bypass_threads" in capsys.readouterr().err
+    assert "unknown variant(s) ['k9']; choose from trl, k1, k0, bypass, k1_threads, bypass_threads, k1_follow, bypass_follow" in capsys.readouterr().err
 
 
 def test_fewer_than_two_steps_is_refused(monkeypatch, capsys):

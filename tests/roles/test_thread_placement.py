@@ -29,11 +29,11 @@ def test_torch_threads_follow_the_setting(restore_threads, num_cpus, override, e
 
 
 def test_a_negative_thread_count_is_refused(restore_threads):
-    with pytest.raises(ValueError, match=r"num_threads must be None .*, 0 \(every core\) or a positive count, got -1"):
+    with pytest.raises(ValueError, match=r"num_threads must be None .*, 0 \(every core\), 'follow' .* or a positive count, got -1"):
         set_torch_threads(1.0, -1)
     cfg = tiny_test()
     cfg.model.num_threads = 0
     cfg.validate()  # every core: allowed
     cfg.model.num_threads = -2
-    with pytest.raises(ConfigError, match=r"model\.num_threads must be null \(the worker's CPU share\), 0 \(every core of the machine\) or a positive integer, got -2"):
+    with pytest.raises(ConfigError, match=r"model\.num_threads must be null \(the worker's CPU share\), 0 \(every core of the machine\), 'follow' .* or a positive integer, got -2"):
         cfg.validate()

@@ -263,7 +263,8 @@ async def measure(quick: bool, phases: set[str]) -> list[dict[str, Any]]:
         cfg = grpo_toy()
         t = cfg.trainer
         t.steps = 3 if quick else 10
-        t.progress = t.plot = t.tensorboard = t.checkpoint_at_end = False
+        t.progress = t.tensorboard = False
+        t.plot = t.checkpoint_at_end = True  # as the example: the report and the final checkpoint are part of fit()
         t.output_dir = tempfile.mkdtemp(prefix="asyncrl-loop-lag-")
         trainer = make_trainer(cfg.validate())
         stats, _ = await hb.measure(trainer.setup)

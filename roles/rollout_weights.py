@@ -38,7 +38,16 @@ from asyncrl import Dispatch, Execute, register
 
 from .errors import StaleWeightsError, WeightSyncError
 from .models import state_dict_checksums
-from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, fetch_stored, layout_of, member_info
+from .transfer import (
+    OK,
+    SNAPSHOTS,
+    STALE,
+    WeightChannel,
+    WeightHandle,
+    fetch_stored,
+    layout_of,
+    member_info,
+)
 
 if TYPE_CHECKING:
     from .rollout_config import RolloutConfig
@@ -158,6 +167,21 @@ class WeightSyncMixin:
         """``{name: (shape, dtype)}`` of the weights this rollout holds (what a sync must bring)."""
         return {k: (shape, str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self._shapes.items()}
 
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def tied_weights(self) -> dict[str, str]:
+        """``{name: the earlier name whose tensor it is}`` (tied weights: SmolLM2's ``lm_head.weight`` is its
+        ``model.embed_tokens.weight``); a weight channel sends such a tensor once."""
+        import itertools
+
+        first: dict[int, str] = {}
+        out = {}
+        named = itertools.chain(self.model.named_parameters(remove_duplicate=False),
+                                self.model.named_buffers(remove_duplicate=False))
+        for name, t in named:  # by identity: storage is swapped by loads and emptied by sleep(level=2)
+            if name in self._shapes and first.setdefault(id(t), name) != name:
+                out[name] = first[id(t)]
+        return out
+
     @register(Dispatch.ONE_TO_ALL)
     def channel_member(self) -> dict[str, Any]:
         """This rank's process and device, for choosing a weight channel's backend."""
@@ -180,10 +204,14 @@ class WeightSyncMixin:
         if ch is None or ch.name != handle.channel:
             raise WeightSyncError(f"rollout rank {self.rank} has no open weight channel {handle.channel!r}; call "
                                   "open_weight_channel(policy, rollout) first")
-        layout = layout_of(self.weight_spec())
+        tied = self.tied_weights()
+        layout = [entry for entry in layout_of(self.weight_spec()) if entry[0] not in tied]  # a tied tensor once
         target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
-        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
-                                       self._held())
+        out = await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
+                                      self._held())
+        for name, source in tied.items():
+            out[name] = out[source]
+        return out
 
     def _on_bucket_received(self, what: str) -> None:
         """Called after each bucket a transfer receives (a seam for fault-injection tests)."""

@@ -782,12 +782,14 @@ class WeightSource:
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
     async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
                                   layout: list[tuple[str, tuple[int, ...], str]], timeout_s: float = 120.0,
-                                  bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+                                  bucket_bytes: int = 256 << 20, tied: Mapping[str, str] | None = None
+                                  ) -> dict[str, Any]:
         """Join channel `name` as its rank 0 (the sender); `layout` is the rollout's weight layout
-        (names must match this model's; floating dtypes may differ and are cast when staging)."""
+        (names must match this model's; floating dtypes may differ and are cast when staging), less
+        the names in `tied` (the rollout's tied weights: sent once, under the name they are tied to)."""
         import asyncio
 
-        own = {n: s for n, s, _ in layout_of(self.model.state_dict())}
+        own = {n: s for n, s, _ in layout_of(self.model.state_dict()) if n not in (tied or {})}
         theirs = {n: tuple(s) for n, s, _ in layout}
         if own != theirs:
             diff = sorted(set(own) ^ set(theirs)) or sorted(n for n in own if own[n] != theirs.get(n))

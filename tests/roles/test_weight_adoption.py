@@ -180,3 +180,28 @@ async def test_collective_receives_into_the_other_buffer_set_never_the_engines(m
     assert rollout.weights_checksum() == state_dict_checksums(states[3].items())
     root.close()
     rollout._channel.close()
+
+
+async def test_a_tied_weight_crosses_the_channel_once_and_stays_tied(tied):
+    rollout = RolloutWorker(tied, RolloutConfig())
+    assert rollout.tied_weights() == {"lm_head.weight": "model.embed_tokens.weight"}
+    port = free_port()
+    join = asyncio.ensure_future(rollout.join_weight_channel("t", "127.0.0.1", port, 2, "gloo", timeout_s=30))
+    root = await asyncio.to_thread(WeightChannel, "t", "127.0.0.1", port, 0, 2, backend="gloo",
+                                   device=torch.device("cpu"), timeout_s=30)
+    await join
+    base = {k: v.detach().clone() for k, v in rollout.model.state_dict().items()}
+    state = _shifted(base, 0.01)
+    layout = [e for e in layout_of(state) if e[0] != "lm_head.weight"]  # what open_weight_channel gives the policy
+    handle = WeightHandle(version=1, transport="collective", owner="test", pid=os.getpid(), channel="t",
+                          num_tensors=len(layout), nbytes=0)
+    _, sent = await asyncio.gather(rollout.update_weights(handle), asyncio.to_thread(root.send, 1, state, layout))
+    once = sum(t.numel() * t.element_size() for k, t in state.items() if k != "lm_head.weight")
+    assert sent["bytes"] == once
+    m = rollout.model
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert torch.equal(m.lm_head.weight, state["model.embed_tokens.weight"])
+    assert rollout.weights_checksum() == state_dict_checksums(
+        dict(state, **{"lm_head.weight": state["model.embed_tokens.weight"]}).items())
+    root.close()
+    rollout._channel.close()

@@ -183,24 +183,24 @@ class HFEngine:
             )
         device = self.device
         new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(slot) -> (slot, tensor it adopts)
+        adopted: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, t in state.items():
                 slot = slots[name]
-                if id(slot) in new:
-                    continue  # tied: the first name's tensor
-                if not isinstance(t, torch.Tensor) or t.shape != slot.shape:
-                    got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise WeightSyncError(f"weight {name!r}: expected shape {tuple(slot.shape)}, got {got}")
-                if t.dtype != slot.dtype and not (t.is_floating_point() and slot.is_floating_point()):
-                    raise WeightSyncError(f"weight {name!r}: expected {slot.dtype}, got {t.dtype}")
-                t = t.detach()
-                if t.dtype != slot.dtype or t.device != device:
-                    t = t.to(device=device, dtype=slot.dtype)
-                new[id(slot)] = (slot, t)
+                if id(slot) not in new:  # a tied parameter: its first name's tensor
+                    if not isinstance(t, torch.Tensor) or t.shape != slot.shape:
+                        got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                        raise WeightSyncError(f"weight {name!r}: expected shape {tuple(slot.shape)}, got {got}")
+                    if t.dtype != slot.dtype and not (t.is_floating_point() and slot.is_floating_point()):
+                        raise WeightSyncError(f"weight {name!r}: expected {slot.dtype}, got {t.dtype}")
+                    if t.dtype != slot.dtype or t.device != device:
+                        t = t.detach().to(device=device, dtype=slot.dtype)  # the one copy
+                    new[id(slot)] = (slot, t)
+                adopted[name] = new[id(slot)][1]  # the very objects handed over: their holders count references
         with self._weights_lock:
             for slot, t in new.values():
                 slot.data = t
-            self._adopted = state
+            self._adopted = adopted
             self.needs_weights = False
 
     @property

@@ -104,6 +104,7 @@ class WeightSyncMixin:
     if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/rollout.py)
         config: RolloutConfig
         engine: Any
+        model: torch.nn.Module
         placement: Any
         _shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
         _version: int

@@ -131,8 +131,8 @@ class HFEngine:
         if self.sleep_level == 2:
             raise RuntimeError("the HF engine is asleep at level 2 (weights discarded); call wake_up() before loading")
         if self._adopted is not None:  # the model's memory may be read-only shared memory: swap, never copy_
-            own = {k: t.detach().to(device=self.device, dtype=t.dtype, copy=True) for k, t in state.items()}
-            self.adopt_weights(own.items())
+            copies = {k: t.detach().to(device=self.device, dtype=t.dtype, copy=True) for k, t in state.items()}
+            self.adopt_weights(copies.items())
             self._adopted = None  # the copies are the engine's own: a later in-place load may write into them
             return
         with self._weights_lock, torch.no_grad():

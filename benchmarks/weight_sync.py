@@ -13,9 +13,13 @@ export casts to the rollout's dtype, as the trainer does), one policy version is
   channel (two processes; ``auto`` on distinct GPUs);
 * ``local``: policy and rollout colocated in one process (``auto`` when colocated);
 * ``collective, before the fix`` (not in ``--quick``): the collective transport as it was, one staged
-  tensor per weight and each bucket concatenated when sent, beside the fixed one in the same run;
+  tensor per weight and each bucket concatenated when sent, into the copying rollout (below);
 * ``object_store, before the fix`` (not in ``--quick``): ``export_weights`` returns ``(version,
-  state_dict)`` copies, which Ray copies again into the store (the path before ``stage_weights``).
+  state_dict)`` copies, which Ray copies again into the store (the path before ``stage_weights``),
+  into the copying rollout;
+* ``<transport>, copy load`` (not in ``--quick``): each transport into a second set of groups whose
+  rollout copies the received tensors into its model (``load_state_dict``), as before the HF engine
+  adopted them (``HFEngine.adopt_weights``), alternating with the adopting ones in the same run.
 
 Each sync is timed from the controller, call issued to the rollout's receipt: it includes the
 export (the cast copy), the move and the rollout's transaction (validate, load into the engine).
@@ -23,7 +27,9 @@ A fresh version is made before each sync (the policy's version is bumped; no tra
 rollout accepts it. The sync is the trainer's own two stages, ``stages.export_weights`` (cast to the
 rollout's dtype) then ``stages.load_weights``.
 
-The floors move the same bytes (the rollout's layout: names, shapes, dtypes):
+The floors move the bytes a sync must deliver (the rollout's layout: names, shapes, dtypes; a tied
+weight once -- SmolLM2's ``lm_head.weight`` is its ``embed_tokens.weight``, 113 MB in float32 -- as
+the ``object_store`` and ``local`` transports now move it; ``collective`` still sends it twice):
 
 * ``memcpy``: ``dst.copy_(src)`` of every tensor of the state dict, in one process;
 * ``gloo broadcast``: one raw ``torch.distributed`` gloo broadcast of all the bytes (one flat
@@ -73,8 +79,12 @@ BEFORE = "collective, before the fix"
 OS_BEFORE = "object_store, before the fix"
 """``export_weights`` copied the state dict and Ray copied that copy into the store; now the policy puts
 its weights into the store itself (``stage_weights("object_store")``). Both run, side by side."""
+COPY = ", copy load"
+"""The rollout copies what it receives into its model (the load before the engine adopted the tensors)."""
 FLOOR_OF = {"object_store": "ray.put + ray.get", "collective": "gloo broadcast", "local": "memcpy",
-            BEFORE: "gloo broadcast", OS_BEFORE: "ray.put + ray.get"}
+            BEFORE: "gloo broadcast", OS_BEFORE: "ray.put + ray.get",
+            **{t + COPY: f for t, f in (("object_store", "ray.put + ray.get"), ("collective", "gloo broadcast"),
+                                        ("local", "memcpy"))}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -91,6 +101,30 @@ class BenchPolicy(PolicyWorker):
     def bucketed(self, on: bool) -> None:
         """Stage collective snapshots in the channel's buckets (the fix) or per tensor (before it)."""
         self._bucketed_snapshots = on
+
+
+class BenchRollout(RolloutWorker):
+    """A rollout that copies what it receives into its model (``copy_load``: the load before adoption)."""
+
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig | None = None, copy_load: bool = False) -> None:
+        super().__init__(model, rollout)
+        self._copy_load = copy_load
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def tied_names(self) -> list[str]:
+        """State-dict names that are another name's tensor (``lm_head.weight`` tied to the embedding)."""
+        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        out = []
+        for k, v in self.model.state_dict().items():
+            key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+            if key in seen:
+                out.append(k)
+            seen.add(key)
+        return out
+
+    async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
+        # a plain dict is not Adoptable: the HF engine copies it into its own parameters (load_state_dict)
+        await super()._engine_load(dict(state) if self._copy_load else state)
 
 
 def model_config(name: str) -> ModelConfig:
@@ -176,17 +210,20 @@ def memcpy_floor(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> 
 class Setup:
     """The groups of one (model, dtype): two processes (object_store, collective) and one colocated."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: str, copy_load: bool = False) -> None:
         self.dtype = dtype
         rcfg = ModelConfig(**{**cfg.__dict__, "dtype": dtype})
         optim = OptimConfig(lr=1e-5)
-        self.policy = asyncrl.RayWorkerGroup(BenchPolicy, world_size=1, name="ws-policy",
+        sfx = "-copy" if copy_load else ""
+        self.policy = asyncrl.RayWorkerGroup(BenchPolicy, world_size=1, name="ws-policy" + sfx,
                                              kwargs={"model": cfg, "optim": optim})
-        self.rollout = asyncrl.RayWorkerGroup(RolloutWorker, world_size=1, name="ws-rollout",
-                                              kwargs={"model": rcfg, "rollout": RolloutConfig(max_new_tokens=4)})
+        self.rollout = asyncrl.RayWorkerGroup(BenchRollout, world_size=1, name="ws-rollout" + sfx,
+                                              kwargs={"model": rcfg, "rollout": RolloutConfig(max_new_tokens=4),
+                                                      "copy_load": copy_load})
         self.col = asyncrl.colocate({"policy": (BenchPolicy, (cfg, optim), {}),
-                                     "rollout": (RolloutWorker, (rcfg, RolloutConfig(max_new_tokens=4)), {})},
-                                    world_size=1, name="ws-local")
+                                     "rollout": (BenchRollout, (rcfg, RolloutConfig(max_new_tokens=4)),
+                                                 {"copy_load": copy_load})},
+                                    world_size=1, name="ws-local" + sfx)
 
     async def start(self, transports: list[str]) -> None:
         two = any(t != "local" for t in transports)
@@ -233,10 +270,14 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
                   ) -> list[dict[str, Any]]:
     """Rows ``{model, dtype, what, bytes, seconds: [...]}`` of one (model, dtype)."""
     s = Setup(model_config(model), dtype)
+    copy = Setup(model_config(model), dtype, copy_load=True) if not quick else None
     try:
         await s.start(transports)
-        spec = await (s.rollout if transports != ["local"] else s.col["rollout"]).weight_spec()
-        layout = [(n, tuple(shape), d) for n, (shape, d) in spec.items()]
+        if copy is not None:
+            await copy.start(transports)
+        r = s.rollout if transports != ["local"] else s.col["rollout"]
+        spec, tied = await r.weight_spec(), set(await r.tied_names())
+        layout = [(n, tuple(shape), d) for n, (shape, d) in spec.items() if n not in tied]  # the bytes a sync must move
         nbytes = sum(torch.Size(sh).numel() * DTYPES[d].itemsize for _, sh, d in layout)
         src, dst = _make(layout, True), _make(layout, False)
         sender, receiver = FloorPeer.remote(layout, True), FloorPeer.remote(layout, False)
@@ -255,8 +296,11 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
 
         variants: dict[str, Any] = {"memcpy": memcpy, "gloo broadcast": gloo, "ray.put + ray.get": putget}
         befores = [b for t, b in (("object_store", OS_BEFORE), ("collective", BEFORE)) if t in transports]
-        for t in transports + ([] if quick else befores):
+        for t in transports:
             variants[t] = lambda t=t: s.sync(t)
+        if copy is not None:  # the paths before: on the rollout that copies what it receives
+            for t in transports + befores:
+                variants[t if t in befores else t + COPY] = lambda t=t: copy.sync(t)  # type: ignore[union-attr]
         times: dict[str, list[float]] = {k: [] for k in variants}
         names = list(variants)
         for k in names:  # warm-up: first sync allocates, first put maps the store
@@ -270,6 +314,8 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
         return [{"model": model, "dtype": dtype, "what": k, "bytes": nbytes, "seconds": v} for k, v in times.items()]
     finally:
         await s.close()
+        if copy is not None:
+            await copy.close()
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -291,7 +337,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 async def main_async(args: argparse.Namespace) -> str:
     load0 = os.getloadavg()[0]
-    await asyncrl.ainit(num_cpus=8, object_store_memory=3 << 30)
+    await asyncrl.ainit(num_cpus=12, object_store_memory=3 << 30)
     rows: list[dict[str, Any]] = []
     for model in args.models:
         for dtype in args.dtypes:

@@ -12,10 +12,11 @@ update pauses request-level generations in flight instead of waiting for them.
 ``update_weights`` takes weights by any transport (:mod:`asyncrl.roles.transfer`): the
 ``(version, state_dict)`` of ``export_weights`` through the object store, or a
 :class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``object_store`` (read
-from the store as zero-copy views), ``local`` (copied
-from the colocated policy's snapshot in this process) or ``collective`` (received over the
-weight channel first, then loaded in the same transaction). Floating tensors are cast to
-the rollout's dtype (e.g. the policy's float32 master weights into a bf16 rollout).
+from the store as zero-copy views), ``local`` (the colocated policy's snapshot in this process)
+or ``collective`` (received over the weight channel first, then loaded in the same
+transaction). Floating tensors are cast to the rollout's dtype (e.g. the policy's float32
+master weights into a bf16 rollout). What a handle brought, the HF engine adopts as its
+parameters instead of copying it (``HFEngine.adopt_weights``; a plain state dict is copied).
 
 Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to the CPU;
 level 2: discarded) and KV cache around training, ``wake_up()`` re-acquires them; after a
@@ -37,12 +38,28 @@ from asyncrl import Dispatch, Execute, register
 
 from .errors import StaleWeightsError, WeightSyncError
 from .models import state_dict_checksums
-from .transfer import OK, SNAPSHOTS, STALE, WeightChannel, WeightHandle, fetch_stored, layout_of, member_info
+from .transfer import (
+    OK,
+    SNAPSHOTS,
+    STALE,
+    WeightChannel,
+    WeightHandle,
+    fetch_stored,
+    layout_of,
+    member_info,
+)
 
 if TYPE_CHECKING:
     from .rollout_config import RolloutConfig
 
 __all__ = ["WeightSyncMixin", "unpack_weights"]
+
+
+class Adoptable(dict):  # type: ignore[type-arg]
+    """A state dict whose tensors nothing else writes into while the engine holds them: what a
+    ``WeightHandle`` brought (Ray's store, a colocated snapshot, a channel's receive buffers) or the
+    rollout's own rollback copies. An engine with ``adopt_weights`` makes them its parameters instead of
+    copying them; a plain state dict a caller passed is copied (the caller may change it later)."""
 
 
 def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
@@ -87,6 +104,7 @@ class WeightSyncMixin:
     if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/rollout.py)
         config: RolloutConfig
         engine: Any
+        model: torch.nn.Module
         placement: Any
         _shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
         _version: int
@@ -150,6 +168,21 @@ class WeightSyncMixin:
         """``{name: (shape, dtype)}`` of the weights this rollout holds (what a sync must bring)."""
         return {k: (shape, str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self._shapes.items()}
 
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def tied_weights(self) -> dict[str, str]:
+        """``{name: the earlier name whose tensor it is}`` (tied weights: SmolLM2's ``lm_head.weight`` is its
+        ``model.embed_tokens.weight``); a weight channel sends such a tensor once."""
+        import itertools
+
+        first: dict[int, str] = {}
+        out = {}
+        named = itertools.chain(self.model.named_parameters(remove_duplicate=False),
+                                self.model.named_buffers(remove_duplicate=False))
+        for name, t in named:  # by identity: storage is swapped by loads and emptied by sleep(level=2)
+            if name in self._shapes and first.setdefault(id(t), name) != name:
+                out[name] = first[id(t)]
+        return out
+
     @register(Dispatch.ONE_TO_ALL)
     def channel_member(self) -> dict[str, Any]:
         """This rank's process and device, for choosing a weight channel's backend."""
@@ -172,11 +205,14 @@ class WeightSyncMixin:
         if ch is None or ch.name != handle.channel:
             raise WeightSyncError(f"rollout rank {self.rank} has no open weight channel {handle.channel!r}; call "
                                   "open_weight_channel(policy, rollout) first")
-        layout = layout_of(self.weight_spec())
+        tied = self.tied_weights()
+        layout = [entry for entry in layout_of(self.weight_spec()) if entry[0] not in tied]  # a tied tensor once
         target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
-        keep = list((self._committed or {}).values())  # a verified rollout's rollback point may be an earlier receive
-        return await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
-                                       keep)
+        out = await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
+                                      self._held())
+        for name, source in tied.items():
+            out[name] = out[source]
+        return out
 
     def _on_bucket_received(self, what: str) -> None:
         """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
@@ -263,6 +299,8 @@ class WeightSyncMixin:
         # begin: every check before anything changes
         self._validate(version, state)
         state = self._cast(state)
+        if isinstance(handle, WeightHandle):
+            state = Adoptable(state)
         if self.config.partial_rollout != "off":
             return await self._update_in_flight(version, state, handle, expected_checksums)
         gate = self._gate_event()
@@ -391,10 +429,18 @@ class WeightSyncMixin:
 
     async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
         aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
+        adopt = getattr(self.engine, "adopt_weights", None)  # the HF engine: no copy (docs/performance.md)
         if aload is not None:
             await aload(state.items())
+        elif adopt is not None and isinstance(state, Adoptable):
+            await asyncio.to_thread(adopt, state.items())
         else:
             await asyncio.to_thread(self.engine.load_weights, state.items())
+
+    def _held(self) -> list[torch.Tensor]:
+        """The tensors a receive must not write into: the engine's (adopted) and the rollback point's."""
+        held = list((self._committed or {}).values())
+        return held + list((getattr(self.engine, "adopted", None) or {}).values())
 
     async def _engine_checksum(self) -> dict[str, str]:
         achecksum = getattr(self.engine, "aweights_checksum", None)

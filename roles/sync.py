@@ -51,8 +51,9 @@ async def open_weight_channel(policy: WorkerGroup[Any], rollout: WorkerGroup[Any
     Raises :class:`WeightSyncError` when policy and rollout differ in architecture or share
     a process (colocated: use ``transport="local"``).
     """
-    pm, rms, pspec, rspec = await asyncio.gather(policy.channel_member(), rollout.channel_member(),
-                                                 policy.weight_spec(), rollout.weight_spec())
+    pm, rms, pspec, rspec, tied = await asyncio.gather(policy.channel_member(), rollout.channel_member(),
+                                                       policy.weight_spec(), rollout.weight_spec(),
+                                                       rollout.tied_weights())
     chosen = channel_backend([pm, *rms], backend)
     ps = {n: tuple(s) for n, (s, _) in pspec.items()}
     rs = {n: tuple(s) for n, (s, _) in rspec.items()}
@@ -61,9 +62,10 @@ async def open_weight_channel(policy: WorkerGroup[Any], rollout: WorkerGroup[Any
         raise WeightSyncError(f"policy and rollout weights differ in names or shapes, e.g. {diff[:5]}; a weight "
                               "channel needs the same architecture on both sides")
     world = 1 + len(rms)
-    layout = layout_of(rspec)
+    layout = [entry for entry in layout_of(rspec) if entry[0] not in tied]  # a tied tensor is sent once
     results = await asyncio.gather(
-        policy.join_weight_channel(name, pm["host"], pm["port"], world, chosen, layout, timeout_s, bucket_bytes),
+        policy.join_weight_channel(name, pm["host"], pm["port"], world, chosen, layout, timeout_s, bucket_bytes,
+                                   tied),
         rollout.join_weight_channel(name, pm["host"], pm["port"], world, chosen, timeout_s, bucket_bytes),
         return_exceptions=True,
     )

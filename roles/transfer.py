@@ -7,14 +7,16 @@ Three transports move a policy version to the rollout ranks (``sync_weights(tran
     itself (``ray.put``, inside the ordered call: the put is the snapshot, one copy of the live
     weights, or the cast when the rollout's dtype differs) and returns a :class:`WeightHandle`
     holding the reference; ``RolloutWorker.update_weights(handle)`` reads the tensors as
-    zero-copy views of the store and loads them. (``export_weights()`` returns ``(version,
+    zero-copy views of the store and the HF engine adopts them as its parameters (no load copy;
+    the views pin the object until the next version is adopted). (``export_weights()`` returns ``(version,
     state_dict)`` copies instead, which Ray then copies into the store: a second copy; the
     rollout takes either.) Works for every placement.
 ``local``
     Policy and rollout are colocated in one process (``colocate`` / ``trainer.colocated``).
     ``PolicyWorker.stage_weights("local")`` keeps a snapshot of the version on its device in
-    this process and returns a small :class:`WeightHandle`; ``update_weights(handle)`` copies
-    from the snapshot. No tensor leaves the process or touches the object store.
+    this process and returns a small :class:`WeightHandle`; ``update_weights(handle)`` hands the
+    snapshot to the engine, which adopts it (the snapshot pool never reuses a snapshot the engine
+    holds). No tensor leaves the process or touches the object store.
 ``collective``
     Separate pools: a :class:`WeightChannel` -- its own torch.distributed process group over
     policy rank 0 (channel rank 0) and every rollout rank (channel ranks 1..n), NCCL when all
@@ -31,11 +33,12 @@ that dies or stalls ends it with an error on every other rank, never a hang)::
                  (names/shapes/dtypes differ), SENDER (root lost the snapshot)
                  -> any refusal: every rank stops here, nothing moved, channel still usable
     3. data      root broadcasts the tensors as byte buckets (bit-exact), receivers fill
-                 their receive buffers (reused across transfers, never ones holding weights
-                 a rollback keeps; the engine's weights are untouched)
+                 their receive buffers (reused across transfers, never the set the engine
+                 generates with nor one a rollback keeps: double buffering)
     4. ack       all-gather "received" codes -> only when every rank has everything
     5. commit    each rollout rank loads the buffers in its usual transaction (gate,
-                 wait/abort in-flight generation, load, verify, publish the version)
+                 wait/abort in-flight generation, adopt them as the engine's weights,
+                 verify, publish the version)
 
 A failure in 1-4 (peer died, timeout) marks the channel broken on that rank: the call
 raises :class:`~asyncrl.roles.WeightSyncError` and every later use raises at once until the
@@ -117,7 +120,8 @@ def _unreferenced(state: dict[str, torch.Tensor]) -> bool:
     code holds, as these are (every transport reads a snapshot through the dict or its tensors)."""
     if sys.getrefcount(state) > 4:  # retired list + caller's variable + parameter + getrefcount's argument
         return False
-    return all(sys.getrefcount(t) <= 3 for t in state.values())  # dict slot + loop variable + argument
+    slots = collections.Counter(id(t) for t in state.values())  # a tied tensor fills several slots
+    return all(sys.getrefcount(t) <= 2 + slots[id(t)] for t in state.values())  # dict slots + loop variable + argument
 
 
 class _Snapshots:
@@ -447,10 +451,10 @@ class WeightChannel:
 
         Returns the received tensors (on `device`, in `layout` order), views into the channel's
         receive buffers: one flat buffer per bucket, reused by the next transfer of the same layout
-        (fresh buffers would cost a page fault per 4 KiB on every sync). The caller copies them out
-        (the engine's load) before its next receive, or names what it keeps in `keep` (e.g. the
-        weights a verified rollout rolls back to): buffers that hold any of those are not written;
-        a second set is made instead. Raises :class:`StaleWeightsError` when this rank refused a
+        (fresh buffers would cost a page fault per 4 KiB on every sync). The caller names what it keeps
+        in `keep` (the tensors its engine adopted and generates with, the weights a verified rollout
+        rolls back to): buffers that hold any of those are not written; another set is made instead
+        (double buffering). Raises :class:`StaleWeightsError` when this rank refused a
         stale version, and :class:`WeightSyncError` when another rank refused or the channel failed."""
         if self.rank == 0:
             raise RuntimeError("channel rank 0 sends; it does not receive")
@@ -507,8 +511,8 @@ class WeightChannel:
     def _receive_buffers(self, layout: list[tuple[str, tuple[int, ...], str]], plan: list[list[int]],
                          keep: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """One flat byte buffer per bucket of `plan`: a set an earlier receive of this layout made, unless
-        it holds a tensor of `keep`; else a new set (at most two are kept: the one a rollback keeps and
-        the one being written)."""
+        it holds a tensor of `keep`; else a new set. Kept are the sets holding a tensor of `keep` (the
+        engine's adopted weights, a rollback point: at most two) and the one being written."""
         lhash = layout_hash(layout)
         if self._recv_layout != lhash:
             self._recv_layout, self._recv_sets = lhash, []
@@ -518,7 +522,7 @@ class WeightChannel:
                 return bufs
         sizes = [sum(_numel(layout[i][1]) * _DTYPE[layout[i][2]].itemsize for i in idx) for idx in plan]
         bufs = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        self._recv_sets = [s for s in self._recv_sets if any(b.untyped_storage().data_ptr() in kept for b in s)][:1]
+        self._recv_sets = [s for s in self._recv_sets if any(b.untyped_storage().data_ptr() in kept for b in s)]
         self._recv_sets.append(bufs)
         return bufs
 
@@ -602,23 +606,50 @@ def _in_ray_worker() -> bool:
     return bool(ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
 
 
-def store_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Any:
+def _alias(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two state-dict entries one tensor (tied weights: ``lm_head`` and ``embed_tokens``)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def untied(state: Mapping[str, torch.Tensor], fn: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{name: fn(name, tensor)}`` with `fn` called once per distinct tensor: names that share one
+    tensor (tied weights) share the result, so a snapshot copies, casts and ships it once."""
+    seen: dict[tuple[Any, ...], torch.Tensor] = {}
+    out = {}
+    for k, v in state.items():
+        key = _alias(v)
+        if key not in seen:
+            seen[key] = fn(k, v)
+        out[k] = seen[key]
+    return out
+
+
+def store_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                scratch: dict[str, torch.Tensor] | None = None) -> Any:
     """`state` (floating tensors cast to `dtype`) as one object for the rollout: in a Ray worker, an
     ObjectRef of a ``ray.put`` of it, made before this returns, so the live tensors may change right
-    after (Ray's one copy into the store is the snapshot; a cast makes its own copy first); elsewhere
-    (in-process groups) a dict of copies."""
+    after (Ray's one copy into the store is the snapshot; a cast makes its own copy first, into
+    `scratch` when given: buffers kept across calls, whose pages are already mapped, since ``ray.put``
+    has copied them into the store when it returns); elsewhere (in-process groups) a dict of copies.
+    Tied weights are stored once (both names unpickle to one tensor)."""
     with torch.no_grad():
         if not _in_ray_worker():
-            return {k: _cast(v, dtype, "cpu") for k, v in state.items()}
+            return untied(state, lambda k, v: _cast(v, dtype, "cpu"))
         import ray
 
-        def view(t: torch.Tensor) -> torch.Tensor:
+        def view(name: str, t: torch.Tensor) -> torch.Tensor:
             t = t.detach()
             if (dtype is not None and t.is_floating_point() and t.dtype != dtype) or t.device.type != "cpu":
-                return _cast(t, dtype, "cpu")
+                target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+                buf = scratch.get(name) if scratch is not None else None
+                if buf is None or buf.shape != t.shape or buf.dtype != target:
+                    buf = torch.empty(t.shape, dtype=target)
+                    if scratch is not None:
+                        scratch[name] = buf
+                return buf.copy_(t)
             return t if t.is_contiguous() else t.contiguous()
 
-        return ray.put({k: view(v) for k, v in state.items()})
+        return ray.put(untied(state, view))
 
 
 async def fetch_stored(handle: WeightHandle) -> dict[str, torch.Tensor]:
@@ -658,6 +689,8 @@ class WeightSource:
     _channel: "WeightChannel | None" = None
     _channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
     _owner: str | None = None
+    _cast_scratch: dict[str, torch.Tensor] | None = None
+    """``object_store`` with a cast: the buffers the cast writes before ``ray.put`` copies them (kept)."""
     _bucketed_snapshots: bool = True
     """Stage collective snapshots in the channel's buckets (:func:`bucketed_snapshot`); False stages one
     tensor per weight and concatenates each bucket when sending (the path before; kept for the benchmark's
@@ -671,15 +704,18 @@ class WeightSource:
     def _state_for(self, dtype: str | torch.dtype | None, device: torch.device | str) -> dict[str, torch.Tensor]:
         dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
         with torch.no_grad():
-            return {k: _cast(v, dt, device) for k, v in self.model.state_dict().items()}
+            return untied(self.model.state_dict(), lambda k, v: _cast(v, dt, device))
 
     def _reused(self, own: Mapping[str, torch.Tensor],
                 layout: list[tuple[str, tuple[int, ...], str]]) -> dict[str, torch.Tensor] | None:
         """`own` copied (cast) into a retired snapshot of `layout` (:meth:`_Snapshots.reuse`), or None."""
         state = SNAPSHOTS.reuse(self._owner_id(), layout, self.placement.device)
         if state is not None:
+            done: set[int] = set()
             for k, t in state.items():
-                t.copy_(own[k].detach())
+                if id(t) not in done:  # a tied tensor once
+                    done.add(id(t))
+                    t.copy_(own[k].detach())
         return state
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
@@ -703,7 +739,9 @@ class WeightSource:
         if transport == "object_store":
             own = self.model.state_dict()
             dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
-            stored = store_state(own, dt)
+            if self._cast_scratch is None:
+                self._cast_scratch = {}
+            stored = store_state(own, dt, self._cast_scratch)
             size = {k: v.numel() * (dt.itemsize if dt is not None and v.is_floating_point() else v.element_size())
                     for k, v in own.items()}
             return WeightHandle(version=self._version, transport="object_store", owner=self._owner_id(),
@@ -744,12 +782,14 @@ class WeightSource:
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
     async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
                                   layout: list[tuple[str, tuple[int, ...], str]], timeout_s: float = 120.0,
-                                  bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+                                  bucket_bytes: int = 256 << 20, tied: Mapping[str, str] | None = None
+                                  ) -> dict[str, Any]:
         """Join channel `name` as its rank 0 (the sender); `layout` is the rollout's weight layout
-        (names must match this model's; floating dtypes may differ and are cast when staging)."""
+        (names must match this model's; floating dtypes may differ and are cast when staging), less
+        the names in `tied` (the rollout's tied weights: sent once, under the name they are tied to)."""
         import asyncio
 
-        own = {n: s for n, s, _ in layout_of(self.model.state_dict())}
+        own = {n: s for n, s, _ in layout_of(self.model.state_dict()) if n not in (tied or {})}
         theirs = {n: tuple(s) for n, s, _ in layout}
         if own != theirs:
             diff = sorted(set(own) ^ set(theirs)) or sorted(n for n in own if own[n] != theirs.get(n))

@@ -36,7 +36,8 @@ class HFEngine:
     """Samples from an in-process ``transformers`` causal LM.
 
     Args:
-        model: the causal LM (the engine samples from it in place; ``load_weights`` writes into it).
+        model: the causal LM (the engine samples from it in place; ``load_weights`` writes into it,
+            ``adopt_weights`` swaps its parameters' storage).
         tokenizer: supplies the EOS and pad ids.
         model_dir: unused (the vLLM engine loads from it).
         max_batch_size: prompts per forward batch.
@@ -66,6 +67,7 @@ class HFEngine:
         self.needs_weights = False  # woken from level 2: the next load_weights restores them
         self._home: torch.device | None = None
         self._param_specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._adopted: dict[str, torch.Tensor] | None = None  # what the parameters are (adopt_weights)
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
         self.max_batch_size = max_batch_size
@@ -125,10 +127,18 @@ class HFEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the named tensors into the model (every parameter and buffer name must match;
         floating tensors are cast to the model's dtype, and moved to its device). A load that fails
-        part-way leaves :attr:`needs_weights` set: generation is refused until a load succeeds."""
+        part-way leaves :attr:`needs_weights` set: generation is refused until a load succeeds.
+
+        While the engine holds adopted tensors (:meth:`adopt_weights`) it never writes into them: the
+        load then copies into fresh memory and swaps, as an adoption does."""
         state = dict(named_tensors)
         if self.sleep_level == 2:
             raise RuntimeError("the HF engine is asleep at level 2 (weights discarded); call wake_up() before loading")
+        if self._adopted is not None:  # the model's memory may be read-only shared memory: swap, never copy_
+            copies = {k: t.detach().to(device=self.device, dtype=t.dtype, copy=True) for k, t in state.items()}
+            self.adopt_weights(copies.items())
+            self._adopted = None  # the copies are the engine's own: a later in-place load may write into them
+            return
         with self._weights_lock, torch.no_grad():
             try:
                 missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -146,6 +156,68 @@ class HFEngine:
                     f"missing {sorted(missing)[:5]}; export the full state_dict of the same architecture"
                 )
             self.needs_weights = False
+
+    def adopt_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Make the named tensors the model's parameters and buffers, without copying them.
+
+        Every name of the model's ``state_dict`` must be given, with its shape; a floating tensor of
+        another dtype is cast, and a tensor on another device moved (that is then the one copy).
+        Everything is checked and cast first; then, under the weights lock, every parameter's storage
+        is swapped for the given tensor's at once, so a forward step sees the old weights or the new,
+        and a refused load leaves the old weights whole. Tied parameters (one parameter under two
+        names, e.g. ``lm_head`` and ``embed_tokens``) stay tied: the first name's tensor is adopted.
+
+        The engine keeps the tensors (:attr:`adopted`) until the next adoption, load or level-2 sleep,
+        and from then on never writes into them (they may be read-only views of Ray's object store,
+        a colocated policy's snapshot, or a weight channel's receive buffers): a later load swaps
+        storage again. Whoever hands them over must not write into them while :attr:`adopted` holds
+        them (the snapshot pool and the channel's receive buffers check it)."""
+        from ..errors import WeightSyncError
+
+        state = dict(named_tensors)
+        if self.sleep_level == 2:
+            raise RuntimeError("the HF engine is asleep at level 2 (weights discarded); call wake_up() before loading")
+        slots = self._slots()
+        unknown = sorted(set(state) - set(slots))
+        missing = sorted(set(slots) - set(state))
+        if unknown or missing:
+            raise WeightSyncError(
+                f"weights do not match the engine's model: unexpected {unknown[:5]}, missing {missing[:5]}; "
+                "export the full state_dict of the same architecture"
+            )
+        device = self.device
+        new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(slot) -> (slot, tensor it adopts)
+        adopted: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, t in state.items():
+                slot = slots[name]
+                if id(slot) not in new:  # a tied parameter: its first name's tensor
+                    if not isinstance(t, torch.Tensor) or t.shape != slot.shape:
+                        got = f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                        raise WeightSyncError(f"weight {name!r}: expected shape {tuple(slot.shape)}, got {got}")
+                    if t.dtype != slot.dtype and not (t.is_floating_point() and slot.is_floating_point()):
+                        raise WeightSyncError(f"weight {name!r}: expected {slot.dtype}, got {t.dtype}")
+                    if t.dtype != slot.dtype or t.device != device:
+                        t = t.detach().to(device=device, dtype=slot.dtype)  # the one copy
+                    new[id(slot)] = (slot, t)
+                adopted[name] = new[id(slot)][1]  # the very objects handed over: their holders count references
+        with self._weights_lock:
+            for slot, t in new.values():
+                slot.data = t
+            self._adopted = adopted
+            self.needs_weights = False
+
+    @property
+    def adopted(self) -> dict[str, torch.Tensor] | None:
+        """The tensors the model's parameters are (:meth:`adopt_weights`), or None when it owns its memory."""
+        return self._adopted
+
+    def _slots(self) -> dict[str, torch.Tensor]:
+        """``{state_dict name: the parameter or buffer}`` (a tied parameter under each of its names)."""
+        sd = set(self.model.state_dict())
+        out: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        out.update(self.model.named_buffers(remove_duplicate=False))
+        return {k: v for k, v in out.items() if k in sd}
 
     def weights_checksum(self) -> dict[str, str]:
         """``{name: checksum}`` of the model's state dict."""
@@ -185,6 +257,8 @@ class HFEngine:
                             p.data = p.data.to("cpu")
                     else:
                         p.data = torch.empty(0, dtype=p.dtype, device=self._home)
+            if level == 2 or self._home.type != "cpu":
+                self._adopted = None  # no longer the parameters: release them (their pin, their buffer set)
             self.sleep_level = level
         _empty_cache(self._home)
 

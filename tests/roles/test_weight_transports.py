@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -38,6 +39,9 @@ from asyncrl.roles import (
 from asyncrl.roles.functional import grpo_advantages
 from asyncrl.roles.models import state_dict_checksums
 
+import asyncrl
+from asyncrl import Dispatch, Execute, register
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only worker subclasses
 
 TIMEOUT = 15.0  # the channel's deadline in these tests: every failure ends within it
@@ -52,9 +56,26 @@ class Policy(PolicyWorker):
 
 
 class Rollout(RolloutWorker):
+    received: dict[str, torch.Tensor] | None = None
+
     @register(Dispatch.ONE_TO_ALL)
     def raw_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    async def _resolve_weights(self, weights, version):
+        v, state = await super()._resolve_weights(weights, version)
+        self.received = state  # what the transport brought (object_store: views of Ray's store)
+        return v, state
+
+    @register(Dispatch.ONE_TO_ALL)
+    def adopted_received(self) -> bool:
+        """Whether every weight's storage is that of the tensors the last sync brought (released after)."""
+        def ptrs(sd):
+            return {k: t.untyped_storage().data_ptr() for k, t in sd.items()}
+
+        same = self.received is not None and ptrs(self.received) == ptrs(self.model.state_dict())
+        self.received = None
+        return same
 
 
 class DyingRollout(Rollout):
@@ -341,6 +362,25 @@ async def test_collective_refuses_a_version_the_controller_did_not_ask_for(chann
     assert f"asked to receive version {handle.version + 5} but the policy sent version {handle.version}" in str(got.cause)
     assert await rollout.get_version() == before
     assert await sync_weights(policy, rollout, transport="collective", verify=True) == handle.version
+
+
+async def test_object_store_sync_adopts_the_stores_memory_and_keeps_it_pinned(channel_groups, prompt_batch):
+    """Each rollout rank's weights are the zero-copy views of the stored object (no load copy). With no
+    reference to the object left but those views, newer objects of the same size leave the weights intact
+    (the views pin the object: Ray never reuses pinned memory; the tiny model is too small to fill the
+    store here, so this pins that nothing of ours writes into it, and that the next sync swaps again)."""
+    policy, rollout = channel_groups
+    await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+    await rollout.update_weights(policy.stage_weights("object_store"))
+    assert await rollout.adopted_received() == [True, True]
+    sums = await rollout.weights_checksum()
+    gc.collect()
+    await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))  # other weights, same sizes
+    for _ in range(3):
+        await policy.stage_weights("object_store")  # put, then dropped: freed memory would be reused
+    assert await rollout.weights_checksum() == sums
+    assert (await rollout.update_weights(policy.stage_weights("object_store")))[0]["version"] == await policy.get_version()
+    assert await rollout.adopted_received() == [True, True] and await rollout.weights_checksum() != sums
 
 
 async def test_local_handoff_between_colocated_policy_and_rollout(ray_cluster, model_config, prompt_batch):

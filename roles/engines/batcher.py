@@ -387,6 +387,7 @@ class RequestBatcher:
         with busy() if busy is not None else contextlib.nullcontext():
             return self._segment(batch, rnd, version)
 
+    @torch.no_grad()
     def _segment(self, batch: list[_Request], rnd: _Round | None, version: int,
                  steps: int | None = None) -> tuple[_Round, bool]:
         """Prefill prompt + tokens so far of every request (a new round), then decode up to ``chunk_tokens``

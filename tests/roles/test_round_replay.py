@@ -19,6 +19,11 @@ from asyncrl.roles.engines.batcher import RequestBatcher
 from asyncrl.roles.engines.hf import HFEngine
 from asyncrl.roles.engines.round_log import ReplayBatcher, ReplayDivergedError, RoundRecord
 
+# a decoding round that builds autograd graphs (a segment run outside torch.no_grad) turns its sampled
+# log-probs into tensors with requires_grad: this warning then fails the test
+pytestmark = pytest.mark.filterwarnings("error:Converting a tensor with requires_grad")
+
+
 def perturbed_from(initial: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
     """`initial` plus noise seeded by `version` (version 0: a copy)."""
     g = torch.Generator().manual_seed(1000 + version)

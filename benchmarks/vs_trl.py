@@ -94,9 +94,11 @@ def make_spec(args: argparse.Namespace, work: Path) -> dict:
     train = [{"prompt": loader.pairs[i][0], "answer": str(loader.pairs[i][1]),
                                  "ids": list(loader._ids[i])}
              for step in range(args.steps) for i in loader.indices(step)]
-    held = task_pairs(cfg.data, cfg.evaluation.seed, split="eval", num_prompts=args.held_out)
-    hl = make_loader(cfg.data, tok, held, prompts_per_step=len(held), group_size=1, seed=0, shuffle=False)
-    held_out = [{"prompt": p[0], "answer": str(p[1]), "ids": list(hl._ids[k])} for k, p in enumerate(hl.pairs)]
+    held_out: list[dict] = []  # --held-out 0: no evaluation on either side
+    if args.held_out:
+        held = task_pairs(cfg.data, cfg.evaluation.seed, split="eval", num_prompts=args.held_out)
+        hl = make_loader(cfg.data, tok, held, prompts_per_step=len(held), group_size=1, seed=0, shuffle=False)
+        held_out = [{"prompt": p[0], "answer": str(p[1]), "ids": list(hl._ids[k])} for k, p in enumerate(hl.pairs)]
     return {"model_dir": resolve_model_dir(cfg.model), "seed": cfg.trainer.seed, "threads": CORES,
             "train": train, "held_out": held_out, "output_dir": str(work / "trl-out"),
             "settings": {"steps": args.steps, "prompts": args.prompts, "group": args.group, "lr": 2e-5,

@@ -55,3 +55,15 @@ def test_the_table_says_which_runs_make_the_old_log_prob_pass_and_what_removing_
     assert "| asyncrl, max_staleness=1, bypass | no (bypass) | 13.00 |" in text
     assert ("16.00 -> 13.00 s/step (-3.00 s, -19%); the training worker's seconds per step 16.00 -> 12.00 "
             "(-4.00 s)") in text
+
+
+def test_held_out_zero_means_no_held_out_set(tmp_path):
+    """``--held-out 0`` (its help: "0: none") gives both sides an empty held-out set instead of failing
+    on an empty dataset; the training prompts are unchanged."""
+    import argparse
+
+    args = argparse.Namespace(prompts=2, group=2, max_new_tokens=8, steps=2, rounds=1, held_out=0)
+    spec = vs_trl.make_spec(args, tmp_path)
+    assert spec["held_out"] == []
+    assert len(spec["train"]) == 2 * 2  # steps x prompts
+    assert len(vs_trl.make_spec(argparse.Namespace(**{**vars(args), "held_out": 3}), tmp_path)["held_out"]) == 3

@@ -303,8 +303,9 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
                 variants[t if t in befores else t + COPY] = lambda t=t: copy.sync(t)  # type: ignore[union-attr]
         times: dict[str, list[float]] = {k: [] for k in variants}
         names = list(variants)
-        for k in names:  # warm-up: first sync allocates, first put maps the store
-            await variants[k]()
+        for _ in range(WARMUP):  # first syncs allocate, first put maps the store; then the steady state
+            for k in names:
+                await variants[k]()
         for r in range(reps):
             order = names[r % len(names):] + names[:r % len(names)]
             for k in order:
@@ -316,6 +317,13 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
         await s.close()
         if copy is not None:
             await copy.close()
+
+
+WARMUP = 5
+"""Warm-up syncs per variant before the timed ones: one more than the versions a snapshotting transport
+keeps (``stages.export_weights``' ``keep=4``, a k=1 trainer's ``max_staleness + 3``), so each timed
+``local`` / ``collective`` sync writes over a retired snapshot, as every step of a run after its first
+four does (the first four allocate fresh memory: a page fault per 4 KiB)."""
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -345,7 +353,7 @@ async def main_async(args: argparse.Namespace) -> str:
             rows += await measure(model, dtype, args.reps, args.transports, args.quick)
     load1 = os.getloadavg()[0]
     return (run_header("weight_sync.py", load_note(load0, load1)) + "\n\n" + table(rows) + "\n\n"
-            f"{args.reps} repetition(s) after one warm-up each; `of floor's GB/s` = floor seconds / transport "
+            f"{args.reps} repetition(s) after {WARMUP} warm-up syncs each (the steady state of a run: see WARMUP); `of floor's GB/s` = floor seconds / transport "
             "seconds (target >= 50 %). A transport's seconds run from the call issued to the rollout's receipt "
             "(export cast, move, validate, load into the engine); a floor's only move the bytes.\n")
 

@@ -11,7 +11,7 @@ from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches
 from . import functional as F
 from .device import place_model, resolve_placement
 from .models import ModelConfig, build_value_model, set_torch_threads
-from .threads import computing, core_share_for
+from .threads import computing, core_share_for, release_core_share
 from .policy import OptimConfig, _adam, _Trainable
 
 __all__ = ["CriticWorker"]
@@ -49,6 +49,10 @@ class CriticWorker(_Trainable):
         with self.placement.autocast():
             v = self.model(b["input_ids"].to(dev), b["attention_mask"].to(dev))
         return v[:, -R - 1:-1].float()
+
+    def on_close(self) -> None:
+        """Release this worker's busy mark (``num_threads="follow"``)."""
+        release_core_share(self)
 
     @register(Dispatch.DP_COMPUTE)
     @computing

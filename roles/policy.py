@@ -37,7 +37,7 @@ from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches
 from .device import Placement, place_model, resolve_placement
 from .errors import StaleBatchError
 from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
-from .threads import computing, core_share_for
+from .threads import computing, core_share_for, release_core_share
 from .transfer import WeightSource, _cast
 
 __all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
@@ -480,8 +480,7 @@ class PolicyWorker(_Trainable, WeightSource):
     def on_close(self) -> None:
         """Drop the weight channel and the staged snapshots, and this worker's busy mark."""
         self.close_weight_channel()
-        if (share := getattr(self, "core_share", None)) is not None:
-            share.close()
+        release_core_share(self)
 
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,
@@ -526,6 +525,10 @@ class ReferenceWorker(Worker):
         self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
+
+    def on_close(self) -> None:
+        """Release this worker's busy mark (``num_threads="follow"``)."""
+        release_core_share(self)
 
     @register(Dispatch.DP_COMPUTE)
     @computing

@@ -37,7 +37,7 @@ from .device import check_gpu_memory, place_model, resolve_placement
 from .engines import Completion, SamplingParams, make_engine
 from .errors import DeviceError, PromptTooLongError
 from .models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
-from .threads import core_share_for
+from .threads import core_share_for, release_core_share
 from .rollout_config import RolloutConfig
 from .rollout_requests import RequestGenerationMixin
 from .rollout_weights import WeightSyncMixin, unpack_weights
@@ -369,8 +369,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         if self._batcher is not None:
             self._batcher._abort.set()
         self.engine.close()
-        if (share := getattr(self, "core_share", None)) is not None:
-            share.close()
+        release_core_share(self)
 
 
 def _check_vllm_memory(engine_kwargs: dict[str, Any], placement: Any) -> None:

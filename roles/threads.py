@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["FOLLOW", "CoreShare", "available_cores", "computing", "core_share_for", "marks_dir"]
+__all__ = ["FOLLOW", "CoreShare", "available_cores", "computing", "core_share_for", "marks_dir", "release_core_share"]
 
 FOLLOW = "follow"
 """The ``ModelConfig.num_threads`` value that opts a worker in."""
@@ -214,6 +214,13 @@ def core_share_for(num_threads: int | str | None, device: torch.device | str, mo
     if model is not None:
         share.attach(model)
     return share
+
+
+def release_core_share(worker: Any) -> None:
+    """Close the worker's ``core_share`` (its hooks and busy mark), if :func:`core_share_for` made one;
+    every role that makes one calls this from its ``on_close``."""
+    if (share := getattr(worker, "core_share", None)) is not None:
+        share.close()
 
 
 def computing(method: F) -> F:

@@ -46,3 +46,24 @@ def model_config() -> ModelConfig:
 def prompt_batch():
     """``prompt_batch(task="char_class", n=4, repeat=1, seed=0)`` -> a data-loader TensorDict."""
     return _prompt_batch
+
+
+async def _channel_sender(rollout, name: str):
+    """Join `rollout` to a 2-rank gloo weight channel `name` whose sender (channel rank 0) lives in
+    this process; returns the sender's :class:`~asyncrl.roles.transfer.WeightChannel`."""
+    import asyncio
+
+    from asyncrl.roles.transfer import WeightChannel, free_port
+
+    port = free_port()
+    join = asyncio.ensure_future(rollout.join_weight_channel(name, "127.0.0.1", port, 2, "gloo", timeout_s=30))
+    root = await asyncio.to_thread(WeightChannel, name, "127.0.0.1", port, 0, 2, backend="gloo",
+                                   device=torch.device("cpu"), timeout_s=30)
+    await join
+    return root
+
+
+@pytest.fixture
+def channel_sender():
+    """``await channel_sender(rollout, name)``: the in-process sender of a 2-rank gloo channel `rollout` joined."""
+    return _channel_sender

@@ -28,7 +28,7 @@ from asyncrl.roles import (
     WeightSyncError,
 )
 from asyncrl.roles.models import state_dict_checksums
-from asyncrl.roles.transfer import SNAPSHOTS, WeightChannel, free_port, layout_of
+from asyncrl.roles.transfer import SNAPSHOTS, layout_of
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
@@ -151,13 +151,9 @@ async def test_sleep_and_wake_round_trip_adopted_weights(model_config):
     policy.close_weight_channel()
 
 
-async def test_collective_receives_into_the_other_buffer_set_never_the_engines(model_config):
+async def test_collective_receives_into_the_other_buffer_set_never_the_engines(model_config, channel_sender):
     rollout = RolloutWorker(model_config, RolloutConfig())
-    port = free_port()
-    join = asyncio.ensure_future(rollout.join_weight_channel("a", "127.0.0.1", port, 2, "gloo", timeout_s=30))
-    root = await asyncio.to_thread(WeightChannel, "a", "127.0.0.1", port, 0, 2, backend="gloo",
-                                   device=torch.device("cpu"), timeout_s=30)
-    await join
+    root = await channel_sender(rollout, "a")
     layout = layout_of(rollout.weight_spec())
     base = {k: v.detach().clone() for k, v in rollout.model.state_dict().items()}
     states = {v: _shifted(base, 0.01 * v) for v in (1, 2, 3)}
@@ -182,14 +178,10 @@ async def test_collective_receives_into_the_other_buffer_set_never_the_engines(m
     rollout._channel.close()
 
 
-async def test_a_tied_weight_crosses_the_channel_once_and_stays_tied(tied):
+async def test_a_tied_weight_crosses_the_channel_once_and_stays_tied(tied, channel_sender):
     rollout = RolloutWorker(tied, RolloutConfig())
     assert rollout.tied_weights() == {"lm_head.weight": "model.embed_tokens.weight"}
-    port = free_port()
-    join = asyncio.ensure_future(rollout.join_weight_channel("t", "127.0.0.1", port, 2, "gloo", timeout_s=30))
-    root = await asyncio.to_thread(WeightChannel, "t", "127.0.0.1", port, 0, 2, backend="gloo",
-                                   device=torch.device("cpu"), timeout_s=30)
-    await join
+    root = await channel_sender(rollout, "t")
     base = {k: v.detach().clone() for k, v in rollout.model.state_dict().items()}
     state = _shifted(base, 0.01)
     layout = [e for e in layout_of(state) if e[0] != "lm_head.weight"]  # what open_weight_channel gives the policy

@@ -201,19 +201,15 @@ def test_receive_buffers_are_reused_across_transfers_except_those_a_rollback_kee
         c.close()
 
 
-async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_channel(model_config):
+async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_channel(model_config, channel_sender):
     """The rollback point of a verified rollout (version 1, received over the channel) lives in the
     channel's receive buffers: the next receive must not write over it."""
     import asyncio
 
-    from asyncrl.roles.transfer import WeightChannel, free_port, layout_of
+    from asyncrl.roles.transfer import layout_of
 
     rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
-    port = free_port()
-    join = asyncio.ensure_future(rollout.join_weight_channel("v", "127.0.0.1", port, 2, "gloo", timeout_s=30))
-    root = await asyncio.to_thread(WeightChannel, "v", "127.0.0.1", port, 0, 2, backend="gloo",
-                                   device=torch.device("cpu"), timeout_s=30)
-    await join
+    root = await channel_sender(rollout, "v")
     layout = layout_of(rollout.weight_spec())
     base = {k: v.detach().clone() for k, v in rollout.model.state_dict().items()}
     states = {v: {k: t + v if t.is_floating_point() else t for k, t in base.items()} for v in (1, 2)}

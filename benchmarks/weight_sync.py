@@ -36,6 +36,16 @@ the ``object_store`` and ``local`` transports now move it; ``collective`` still 
   buffer) between two processes (Ray actors), timed on both sides, the slower one counted;
 * ``ray.put + ray.get``: ``ray.put`` of the state dict in one actor, ``ray.get`` in another.
 
+Threads: the workers run ``ModelConfig(num_threads="follow")`` by default (``--threads``): the export's
+copy is a compute call, so a lone busy worker takes every core for it, as the floors do (the memcpy
+floor runs with every core's torch threads; Ray's put copies with its own threads). ``--threads 1``
+gives each worker one torch thread and the floors one too.
+
+Into another dtype (``bfloat16``), a reference row beside the floors: ``cast float32 -> rollout dtype``
+(``dst.copy_(src)`` from float32 tensors, in one process): the cast such a sync must make somewhere,
+which reads twice the bytes it writes; a second table compares each transport with its floor plus
+that cast (``local``: the cast alone, which is its one copy).
+
 Each transport is compared with its own floor (``object_store`` with ``ray.put + ray.get``,
 ``collective`` with the gloo broadcast, ``local`` with ``memcpy``); the target is >= 50 % of the
 floor's bandwidth. Transports and floors alternate within each repetition; the table shows
@@ -44,6 +54,7 @@ medians. The machine is shared: read the ratios, not the absolute times.
     python benchmarks/weight_sync.py                      # tiny and smollm2, fp32 and bf16, 5 reps (~5 min)
     python benchmarks/weight_sync.py --models tiny --reps 9
     python benchmarks/weight_sync.py --quick              # tiny model, fp32, one repeat (the smoke test)
+    python benchmarks/weight_sync.py --models smollm2 --reps 5 --threads 1   # one torch thread per worker
 
 Writes the table to ``benchmarks/results/weight_sync.md`` (``--out`` to change).
 """
@@ -86,6 +97,10 @@ FLOOR_OF = {"object_store": "ray.put + ray.get", "collective": "gloo broadcast",
             **{t + COPY: f for t, f in (("object_store", "ray.put + ray.get"), ("collective", "gloo broadcast"),
                                         ("local", "memcpy"))}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CAST = "cast float32 -> rollout dtype"
+"""A reference beside the floors when the rollout's dtype is not the policy's float32: ``dst.copy_(src)``
+from float32 tensors into the rollout's dtype, in one process (the cast such a sync must make somewhere:
+it reads twice the bytes it writes)."""
 
 
 class BenchPolicy(PolicyWorker):
@@ -107,6 +122,12 @@ class BenchRollout(RolloutWorker):
     """A rollout that copies what it receives into its model (``copy_load``: the load before adoption)."""
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig | None = None, copy_load: bool = False) -> None:
+        from asyncrl.roles import device
+
+        if model.dtype == "bfloat16" and not device.cpu_supports_bf16():
+            # This rollout only receives weights and never generates, so a CPU without bf16 compute
+            # (no AVX512-BF16 / AMX) can still measure a bf16 sync: skip the check that refuses it.
+            device.cpu_supports_bf16 = lambda: True
         super().__init__(model, rollout)
         self._copy_load = copy_load
 
@@ -127,13 +148,22 @@ class BenchRollout(RolloutWorker):
         await super()._engine_load(dict(state) if self._copy_load else state)
 
 
-def model_config(name: str) -> ModelConfig:
-    """The policy's model: float32 (trained), one torch thread (one core each on the 2-core machine)."""
+def model_config(name: str, threads: str = "follow") -> ModelConfig:
+    """The policy's model: float32 (trained); torch threads ``"follow"`` (a lone busy worker takes every
+    core: the export's copy then runs on both cores, as the floors do) or ``"1"`` (one core each)."""
+    n: int | str = "follow" if threads == "follow" else int(threads)
     if name == "tiny":
-        return ModelConfig(seed=0, device="cpu", dtype="float32", autocast="off", num_threads=1)
+        return ModelConfig(seed=0, device="cpu", dtype="float32", autocast="off", num_threads=n)
     from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
 
-    return ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, device="cpu", dtype="float32", num_threads=1)
+    return ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, device="cpu", dtype="float32", num_threads=n)
+
+
+def floor_threads(threads: str) -> int:
+    """The torch threads of the floors: every core beside ``follow`` workers, else the workers' count."""
+    from asyncrl.roles.threads import available_cores
+
+    return available_cores() if threads == "follow" else int(threads)
 
 
 # ---------------------------------------------------------------------------------------------- floors
@@ -155,8 +185,8 @@ def _make(layout: list[tuple[str, tuple[int, ...], str]], fill: bool) -> dict[st
 class FloorPeer:
     """One side of the two-process floors (plain Ray actor, no asyncrl)."""
 
-    def __init__(self, layout: list[tuple[str, tuple[int, ...], str]], sender: bool) -> None:
-        torch.set_num_threads(1)
+    def __init__(self, layout: list[tuple[str, tuple[int, ...], str]], sender: bool, threads: int) -> None:
+        torch.set_num_threads(threads)
         self.state = _make(layout, fill=sender)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.state.values())
         self.flat = torch.ones(self.nbytes, dtype=torch.uint8) if sender else torch.empty(self.nbytes, dtype=torch.uint8)
@@ -266,11 +296,11 @@ class Setup:
                 pass
 
 
-async def measure(model: str, dtype: str, reps: int, transports: list[str], quick: bool = False
-                  ) -> list[dict[str, Any]]:
+async def measure(model: str, dtype: str, reps: int, transports: list[str], quick: bool = False,
+                  threads: str = "follow") -> list[dict[str, Any]]:
     """Rows ``{model, dtype, what, bytes, seconds: [...]}`` of one (model, dtype)."""
-    s = Setup(model_config(model), dtype)
-    copy = Setup(model_config(model), dtype, copy_load=True) if not quick else None
+    s = Setup(model_config(model, threads), dtype)
+    copy = Setup(model_config(model, threads), dtype, copy_load=True) if not quick else None
     try:
         await s.start(transports)
         if copy is not None:
@@ -280,7 +310,9 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
         layout = [(n, tuple(shape), d) for n, (shape, d) in spec.items() if n not in tied]  # the bytes a sync must move
         nbytes = sum(torch.Size(sh).numel() * DTYPES[d].itemsize for _, sh, d in layout)
         src, dst = _make(layout, True), _make(layout, False)
-        sender, receiver = FloorPeer.remote(layout, True), FloorPeer.remote(layout, False)
+        n = floor_threads(threads)
+        torch.set_num_threads(n)  # the memcpy floor's threads (this process)
+        sender, receiver = FloorPeer.remote(layout, True, n), FloorPeer.remote(layout, False, n)
         host, port = await sender.address.remote()
         await asyncio.gather(sender.join.remote(host, port, 0), receiver.join.remote(host, port, 1))
 
@@ -295,6 +327,13 @@ async def measure(model: str, dtype: str, reps: int, transports: list[str], quic
             return memcpy_floor(src, dst)
 
         variants: dict[str, Any] = {"memcpy": memcpy, "gloo broadcast": gloo, "ray.put + ray.get": putget}
+        if dtype != "float32":  # the cast every such sync must make: read float32, write `dtype`
+            master = _make([(name, shape, "float32") for name, shape, _ in layout], True)
+
+            async def cast() -> float:
+                return memcpy_floor(master, dst)
+
+            variants[CAST] = cast
         befores = [b for t, b in (("object_store", OS_BEFORE), ("collective", BEFORE)) if t in transports]
         for t in transports:
             variants[t] = lambda t=t: s.sync(t)
@@ -337,9 +376,20 @@ def table(rows: list[dict[str, Any]]) -> str:
         if floor is not None:
             share = f"{med[(r['model'], r['dtype'], floor)] / m * 100:.0f} %"
         else:
-            floor, share = "(floor)", "—"
+            floor, share = ("(reference)" if r["what"] == CAST else "(floor)"), "—"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['bytes'] / 1e6:.1f} | {r['what']} | {m:.4f} | "
                      f"{min(r['seconds']):.4f}–{max(r['seconds']):.4f} | {gbs:.2f} | {floor} | {share} |")
+    casts = [(k, v) for k, v in med.items() if k[2] == CAST]
+    if casts:  # a sync into another dtype: its floor's move plus the cast it must make (local: the cast is the copy)
+        lines += ["", "| model | rollout dtype | transport | median s | floor with the cast | s | of it |",
+                  "|---|---|---|---:|---|---:|---:|"]
+        for (model, dtype, _), cast_s in casts:
+            for t in TRANSPORTS:
+                if (model, dtype, t) in med:
+                    what = "cast" if t == "local" else f"{FLOOR_OF[t]} + cast"
+                    both = cast_s if t == "local" else med[(model, dtype, FLOOR_OF[t])] + cast_s
+                    lines.append(f"| {model} | {dtype} | {t} | {med[(model, dtype, t)]:.4f} | {what} | {both:.4f} | "
+                                 f"{both / med[(model, dtype, t)] * 100:.0f} % |")
     return "\n".join(lines)
 
 
@@ -350,9 +400,10 @@ async def main_async(args: argparse.Namespace) -> str:
     for model in args.models:
         for dtype in args.dtypes:
             print(f"{model} {dtype} ...", flush=True)
-            rows += await measure(model, dtype, args.reps, args.transports, args.quick)
+            rows += await measure(model, dtype, args.reps, args.transports, args.quick, args.threads)
     load1 = os.getloadavg()[0]
     return (run_header("weight_sync.py", load_note(load0, load1)) + "\n\n" + table(rows) + "\n\n"
+            f"Workers' torch threads: `{args.threads}`; the floors use {floor_threads(args.threads)} torch thread(s). "
             f"{args.reps} repetition(s) after {WARMUP} warm-up syncs each (the steady state of a run: see WARMUP); `of floor's GB/s` = floor seconds / transport "
             "seconds (target >= 50 %). A transport's seconds run from the call issued to the rollout's receipt "
             "(export cast, move, validate, load into the engine); a floor's only move the bytes.\n")
@@ -364,6 +415,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     p.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", default="follow",
+                   help="the workers' ModelConfig.num_threads: 'follow' (default: the export's copy takes the cores "
+                        "left idle, as the floors use every core) or a count (the floors then use as many)")
     p.add_argument("--quick", action="store_true", help="tiny model, float32, one repetition")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "weight_sync.md"))

@@ -32,6 +32,7 @@ from .errors import ModelNotFoundError, TokenizerNotFoundError, UnknownNameError
 from .gguf import gguf_model_dir, is_gguf_spec  # noqa: E402
 
 __all__ = [
+    "StateSlots",
     "ModelConfig",
     "TINY_CORPUS",
     "tiny_tokenizer",
@@ -458,6 +459,41 @@ def tensor_checksum(t: torch.Tensor) -> str:
     if t.numel():
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+class StateSlots:
+    """``{state_dict name: the model's parameter or buffer}`` (a tied parameter under each of its names),
+    built once per model and reused.
+
+    Walking the modules (``state_dict()``, ``named_parameters()``) costs milliseconds on a 30-layer model,
+    a tenth of a weight sync; loads, adoptions, optimizer steps and sleep change a slot's ``.data``, never
+    the slot, so the mapping holds. A parameter or buffer *replaced* since (``module.weight = ...``) is
+    noticed by an identity check on every call (microseconds), and the mapping rebuilt."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._slots: dict[str, torch.Tensor] | None = None
+        self._owners: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        """The current mapping (in ``state_dict`` order)."""
+        if self._slots is not None and all(d.get(leaf) is t for d, leaf, t in self._owners):
+            return self._slots
+        names = list(self.model.state_dict(keep_vars=True))
+        found: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        found.update(self.model.named_buffers(remove_duplicate=False))
+        slots = {k: found[k] for k in names if k in found}
+        owners = []
+        for name, t in slots.items():
+            path, _, leaf = name.rpartition(".")
+            mod = self.model.get_submodule(path)
+            owners.append((mod._parameters if leaf in mod._parameters else mod._buffers, leaf, t))
+        self._slots, self._owners = slots, owners
+        return slots
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What ``model.state_dict()`` gives (detached tensors, in its order), without walking the modules."""
+        return {k: t.detach() for k, t in self().items()}
 
 
 def state_dict_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -464,6 +464,7 @@ class PolicyWorker(_Trainable, WeightSource):
         return out
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    @computing
     def export_weights(self, dtype: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, state_dict)`` for ``RolloutWorker.update_weights`` through the object store:
         detached CPU copies, floating tensors cast to `dtype` when given (e.g. the rollout's

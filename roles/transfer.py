@@ -65,6 +65,8 @@ import torch
 from asyncrl import Dispatch, Execute, register
 
 from .errors import StaleWeightsError, WeightSyncError
+from .models import StateSlots
+from .threads import computing
 
 __all__ = [
     "WeightHandle",
@@ -696,6 +698,13 @@ class WeightSource:
     tensor per weight and concatenates each bucket when sending (the path before; kept for the benchmark's
     side-by-side, benchmarks/weight_sync.py)."""
 
+    def _own_state(self) -> dict[str, torch.Tensor]:
+        """``self.model.state_dict()`` without walking the modules each time (:class:`StateSlots`)."""
+        slots = self.__dict__.get("_state_slots")
+        if slots is None or slots.model is not self.model:
+            slots = self.__dict__["_state_slots"] = StateSlots(self.model)
+        return slots.state()
+
     def _owner_id(self) -> str:
         if self._owner is None:
             self._owner = new_owner_id()
@@ -724,6 +733,7 @@ class WeightSource:
         return {n: (s, d) for n, s, d in layout_of(self.model.state_dict())}
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    @computing  # the copy (cast) is compute: with num_threads="follow" it takes the cores left idle
     def stage_weights(self, transport: Literal["local", "collective", "object_store"] = "local",
                       dtype: str | None = None, keep: int = 4) -> WeightHandle:
         """Snapshot the current version and return its :class:`WeightHandle`.
@@ -737,7 +747,7 @@ class WeightSource:
             raise ValueError("stage_weights transport must be 'local', 'collective' or 'object_store', "
                              f"got {transport!r}")
         if transport == "object_store":
-            own = self.model.state_dict()
+            own = self._own_state()
             dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
             if self._cast_scratch is None:
                 self._cast_scratch = {}
@@ -754,7 +764,7 @@ class WeightSource:
                                       "open_weight_channel(policy, rollout) first")
             channel = self._channel.name
             with torch.no_grad():
-                own = self.model.state_dict()
+                own = self._own_state()
                 if self._bucketed_snapshots:  # one copy, already in the buckets send_weights broadcasts
                     state = self._reused(own, self._channel_layout) or bucketed_snapshot(
                         own, self._channel_layout, self._channel.bucket_bytes, self.placement.device)
@@ -764,7 +774,7 @@ class WeightSource:
         else:
             dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
             with torch.no_grad():
-                own = self.model.state_dict()
+                own = self._own_state()
                 layout = [(n, s, str(dt).removeprefix("torch.") if dt is not None and own[n].is_floating_point() else d)
                           for n, s, d in layout_of(own)]
                 state = self._reused(own, layout) or self._state_for(dtype, self.placement.device)

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
 
-from ..models import position_ids_from_mask, state_dict_checksums
+from ..models import StateSlots, position_ids_from_mask, state_dict_checksums
 from .base import Completion, SamplingParams, register_engine
 
 __all__ = ["HFEngine"]
@@ -213,11 +213,11 @@ class HFEngine:
         return self._adopted
 
     def _slots(self) -> dict[str, torch.Tensor]:
-        """``{state_dict name: the parameter or buffer}`` (a tied parameter under each of its names)."""
-        sd = set(self.model.state_dict())
-        out: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
-        out.update(self.model.named_buffers(remove_duplicate=False))
-        return {k: v for k, v in out.items() if k in sd}
+        """``{state_dict name: the parameter or buffer}`` (a tied parameter under each of its names;
+        :class:`~asyncrl.roles.models.StateSlots`, built once)."""
+        if getattr(self, "_state_slots", None) is None or self._state_slots.model is not self.model:
+            self._state_slots = StateSlots(self.model)
+        return self._state_slots()
 
     def weights_checksum(self) -> dict[str, str]:
         """``{name: checksum}`` of the model's state dict."""

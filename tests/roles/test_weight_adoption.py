@@ -197,3 +197,34 @@ async def test_a_tied_weight_crosses_the_channel_once_and_stays_tied(tied, chann
         dict(state, **{"lm_head.weight": state["model.embed_tokens.weight"]}).items())
     root.close()
     rollout._channel.close()
+
+
+async def test_a_replaced_parameter_is_staged_and_adopted_not_a_cached_old_one(tied):
+    """The policy and the engine map names to parameters once (``StateSlots``: walking the modules costs a
+    tenth of a sync); a parameter replaced since (``module.weight = ...``) is still what a sync sends and
+    what an adoption swaps, and ties are kept."""
+    from asyncrl.roles.models import StateSlots
+
+    policy = PolicyWorker(tied, OptimConfig(lr=0.1))
+    rollout = RolloutWorker(tied, RolloutConfig(max_new_tokens=6))
+    slots = StateSlots(policy.model)
+    sd = policy.model.state_dict()
+    assert list(slots.state()) == list(sd) and _ptrs(slots.state()) == _ptrs(sd)
+    assert slots()["lm_head.weight"] is slots()["model.embed_tokens.weight"]  # tied: one parameter
+    first = slots()
+    assert slots() is first  # built once
+    h1, _ = _stage(policy)
+    await rollout.update_weights(h1)
+    old = policy.model.model.layers[0].mlp.up_proj.weight
+    policy.model.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(torch.full_like(old, 0.25))
+    assert slots()["model.layers.0.mlp.up_proj.weight"] is policy.model.model.layers[0].mlp.up_proj.weight
+    h2, snap = _stage(policy)  # the policy's own slots were built at h1, before the replacement
+    assert bool((snap["model.layers.0.mlp.up_proj.weight"] == 0.25).all())
+    m = rollout.model
+    kept = m.model.layers[0].mlp.up_proj.weight
+    m.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(kept.detach().clone())  # the engine's slot, replaced
+    await rollout.update_weights(h2)
+    assert bool((m.model.layers[0].mlp.up_proj.weight == 0.25).all())
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert rollout.weights_checksum() == state_dict_checksums(snap.items())
+    policy.close_weight_channel()

@@ -71,6 +71,12 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "bypass_follow": ("asyncrl, max_staleness=1, bypass, threads follow the work",
                       ["trainer.max_staleness=1", "actor.rollout_correction.bypass_mode=behaviour",
                        "model.num_threads=follow"]),
+    "colocated_sleep": ("asyncrl, colocated (one process), sleep/wake, max_staleness=0, bypass, threads follow",
+                        ["trainer.colocated=true", "rollout.sleep_level=1", "trainer.max_staleness=0",
+                         "actor.rollout_correction.bypass_mode=behaviour", "model.num_threads=follow"]),
+    "colocated_k1": ("asyncrl, colocated (one process), max_staleness=1, bypass, threads follow",
+                     ["trainer.colocated=true", "trainer.max_staleness=1",
+                      "actor.rollout_correction.bypass_mode=behaviour", "model.num_threads=follow"]),
 }
 
 

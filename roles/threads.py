@@ -60,7 +60,7 @@ def marks_dir() -> Path:
     if ray.is_initialized():
         key = ray.get_runtime_context().get_node_id()
     root = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    return root / f"asyncrl-cores-{key}"
+    return root / f"{_MARKS_PREFIX}{key}"
 
 
 class CoreShare:
@@ -81,7 +81,8 @@ class CoreShare:
         self.cores = cores or available_cores()
         self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._sweep()
-        self._fd: int | None = os.open(self.directory / self.name, os.O_CREAT | os.O_RDWR, 0o644)
+        self._sweep_ended_runs()
+        self._fd: int | None = self._open_mark()
         self._depth = 0  # nested or concurrent compute calls of this worker
         self._lock = threading.Lock()
         self._handles: list[Any] = []
@@ -189,19 +190,62 @@ class CoreShare:
         with contextlib.suppress(OSError):
             self.directory.rmdir()
 
+    def _open_mark(self) -> int:
+        """Create and open this worker's mark file (again after another run's sweep removed the
+        directory between its creation and the open: :meth:`_sweep_ended_runs`)."""
+        for _ in range(3):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                return os.open(self.directory / self.name, os.O_CREAT | os.O_RDWR, 0o644)
+            except FileNotFoundError:
+                continue
+        return os.open(self.directory / self.name, os.O_CREAT | os.O_RDWR, 0o644)
+
     def _sweep(self) -> None:
         """Remove the files of workers whose process is gone (their locks went with them)."""
         for entry in os.scandir(self.directory):
-            pid = entry.name.split("-", 1)[0]
-            if not pid.isdigit() or int(pid) == os.getpid():
-                continue
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
+            if _process_gone(entry.name):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
-            except PermissionError:  # another user's live process
-                pass
+
+    def _sweep_ended_runs(self) -> None:
+        """Remove the marks directories of earlier runs on this machine (``asyncrl-cores-<other Ray node
+        id>`` beside this one) whose workers are all gone: a worker killed without closing leaves its
+        file, and each Ray start makes a new directory."""
+        if not self.directory.name.startswith(_MARKS_PREFIX):
+            return
+        for entry in os.scandir(self.directory.parent):
+            if (not entry.name.startswith(_MARKS_PREFIX) or entry.name == self.directory.name
+                    or not entry.is_dir(follow_symlinks=False)):
+                continue
+            try:
+                files = list(os.scandir(entry.path))
+            except OSError:
+                continue
+            if all(_process_gone(f.name) for f in files):
+                for f in files:
+                    with contextlib.suppress(OSError):
+                        os.unlink(f.path)
+                with contextlib.suppress(OSError):  # not empty: a worker of that run started meanwhile
+                    os.rmdir(entry.path)
+
+
+_MARKS_PREFIX = "asyncrl-cores-"
+
+
+def _process_gone(mark: str) -> bool:
+    """Whether mark file `mark` (``<pid>-<random>``) belongs to a process that no longer exists (a name
+    without a pid, or this process's own, never does)."""
+    pid = mark.split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
 
 
 def core_share_for(num_threads: int | str | None, device: torch.device | str, model: nn.Module | None = None,

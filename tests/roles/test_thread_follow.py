@@ -77,6 +77,25 @@ def test_a_worker_that_dies_busy_releases_its_share(tmp_path, restore_threads):
     assert sorted(os.listdir(tmp_path)) == ["a", "later"]
 
 
+def test_a_new_run_removes_the_marks_of_earlier_runs_whose_workers_are_all_gone(tmp_path, restore_threads):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # a process id that no longer exists
+    runs = {"asyncrl-cores-ended": [f"{pid}-a", f"{pid}-b"], "asyncrl-cores-empty": [],
+            "asyncrl-cores-live": [f"{pid}-a", f"{os.getpid()}-c"], "unrelated": [f"{pid}-a"]}
+    for d, files in runs.items():
+        (tmp_path / d).mkdir()
+        for f in files:
+            (tmp_path / d / f).touch()
+    share = CoreShare(tmp_path / "asyncrl-cores-new", cores=2, name="n")
+    assert sorted(os.listdir(tmp_path)) == ["asyncrl-cores-live", "asyncrl-cores-new", "unrelated"]
+    assert sorted(os.listdir(tmp_path / "asyncrl-cores-live")) == sorted(runs["asyncrl-cores-live"])  # one live
+    assert os.listdir(tmp_path / "unrelated") == [f"{pid}-a"]
+    share.close()
+    assert sorted(os.listdir(tmp_path)) == ["asyncrl-cores-live", "unrelated"]  # its own, emptied, removed
+
+
 def test_the_thread_count_changes_between_layers_in_forward_and_backward(tmp_path, restore_threads):
     """Another worker's mark set or cleared between two decoder layers changes the count the next layer
     runs with, seen inside the layer on the computing thread (backward included)."""

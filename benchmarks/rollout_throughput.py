@@ -301,8 +301,8 @@ def render(rows: list[Row], args: Args, skipped: dict[str, str], model_desc: str
             "and per-request `vllm.SamplingParams` `VLLMEngine` uses, one `generate` per prompt, gathered on the "
             "caller's loop); `vllm` is asyncrl's `VLLMEngine` around the same class. Both engines live in this "
             "process side by side (two engine-core and worker processes; only one works at a time). The last "
-            "column is the median of `vllm`/`vllm-direct` tok/s and, in brackets, the range of that ratio over "
-            "the repetitions (each pair ran back to back). Same tokens and log-probs from both in every call: "
+            "column is the ratio of the two medians and, in brackets, the range of the ratio within each "
+            "repetition (each pair ran back to back). Same tokens and log-probs from both in every call: "
             + ", ".join(f"batch {b} {'yes' if ok else 'NO'}" for b, ok in same.items()) + ".",
         ]
     for e, why in skipped.items():

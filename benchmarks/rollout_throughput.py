@@ -294,7 +294,7 @@ def render(rows: list[Row], args: Args, skipped: dict[str, str], model_desc: str
         + ", ".join(f"{e} {s:.1f} s" for e, s in startup.items())
         + ".",
     ]
-    if wrapper:
+    if wrapper and same:  # both vLLM engines ran
         notes += [
             "",
             "`vllm-direct` is vLLM's `AsyncLLM` used directly (`DirectVLLM` in the script: the engine arguments "

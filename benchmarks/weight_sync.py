@@ -193,7 +193,7 @@ class FloorPeer:
         self.pg: Any = None
 
     def address(self) -> tuple[str, int]:
-        from asyncrl.roles.transfer import free_port
+        from asyncrl.roles.weight_channel import free_port
 
         return "127.0.0.1", free_port()
 

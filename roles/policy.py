@@ -38,7 +38,8 @@ from .device import Placement, place_model, resolve_placement
 from .errors import StaleBatchError
 from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
 from .threads import computing, core_share_for, release_core_share
-from .transfer import WeightSource, _cast
+from .transfer import WeightSource
+from .weight_channel import _cast
 
 __all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
 

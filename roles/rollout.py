@@ -41,7 +41,7 @@ from .threads import core_share_for, release_core_share
 from .rollout_config import RolloutConfig
 from .rollout_requests import RequestGenerationMixin
 from .rollout_weights import WeightSyncMixin, unpack_weights
-from .transfer import WeightChannel
+from .weight_channel import WeightChannel
 
 __all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
 

@@ -38,16 +38,8 @@ from asyncrl import Dispatch, Execute, register
 
 from .errors import StaleWeightsError, WeightSyncError
 from .models import state_dict_checksums
-from .transfer import (
-    OK,
-    SNAPSHOTS,
-    STALE,
-    WeightChannel,
-    WeightHandle,
-    fetch_stored,
-    layout_of,
-    member_info,
-)
+from .transfer import SNAPSHOTS, WeightHandle, fetch_stored
+from .weight_channel import OK, STALE, WeightChannel, layout_of, member_info
 
 if TYPE_CHECKING:
     from .rollout_config import RolloutConfig

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from asyncrl import WorkerGroup
 
 from .errors import WeightSyncError
-from .transfer import channel_backend, layout_of
+from .weight_channel import channel_backend, layout_of
 
 __all__ = ["sync_weights", "open_weight_channel", "rollout_dtype"]
 

@@ -28,7 +28,8 @@ from asyncrl.roles import (
     WeightSyncError,
 )
 from asyncrl.roles.models import state_dict_checksums
-from asyncrl.roles.transfer import SNAPSHOTS, layout_of
+from asyncrl.roles.transfer import SNAPSHOTS
+from asyncrl.roles.weight_channel import layout_of
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 

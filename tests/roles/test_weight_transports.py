@@ -138,7 +138,7 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _channels(n: int, timeout_s: float, bucket_bytes: int = 1 << 20):
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.transfer import WeightChannel, free_port
+    from asyncrl.roles.weight_channel import WeightChannel, free_port
 
     port = free_port()
     with ThreadPoolExecutor(n) as ex:
@@ -150,7 +150,7 @@ def _channels(n: int, timeout_s: float, bucket_bytes: int = 1 << 20):
 def test_channel_moves_mixed_dtypes_bit_exactly_across_unaligned_bucket_offsets():
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.transfer import OK, layout_of
+    from asyncrl.roles.weight_channel import OK, layout_of
 
     g = torch.Generator().manual_seed(0)
     state = {"a": torch.randn(3, generator=g).to(torch.bfloat16),  # 6 bytes: what follows is unaligned
@@ -171,7 +171,7 @@ def test_channel_moves_mixed_dtypes_bit_exactly_across_unaligned_bucket_offsets(
 def test_receive_buffers_are_reused_across_transfers_except_those_a_rollback_keeps():
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.transfer import OK, layout_of
+    from asyncrl.roles.weight_channel import OK, layout_of
 
     versions = {v: {"a": torch.full((5, 7), float(v)), "b": torch.arange(3, dtype=torch.int64) + v} for v in (1, 2, 3, 4)}
     layout = layout_of(versions[1])
@@ -206,7 +206,7 @@ async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_cha
     channel's receive buffers: the next receive must not write over it."""
     import asyncio
 
-    from asyncrl.roles.transfer import layout_of
+    from asyncrl.roles.weight_channel import layout_of
 
     rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
     root = await channel_sender(rollout, "v")
@@ -267,7 +267,7 @@ async def test_local_snapshots_reuse_retired_buffers_but_never_a_rollback_point(
 def test_a_stalled_member_ends_the_transfer_at_the_deadline_on_every_other_member():
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.transfer import OK, layout_of
+    from asyncrl.roles.weight_channel import OK, layout_of
 
     state = {"w": torch.ones(4)}
     layout = layout_of(state)
@@ -286,7 +286,7 @@ def test_a_stalled_member_ends_the_transfer_at_the_deadline_on_every_other_membe
 
 
 def test_channel_backend_follows_the_members_devices():
-    from asyncrl.roles.transfer import channel_backend
+    from asyncrl.roles.weight_channel import channel_backend
 
     def m(pid, device, uuid):
         return {"node": "n", "pid": pid, "device": device, "uuid": uuid}

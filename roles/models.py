@@ -479,10 +479,8 @@ class StateSlots:
         """The current mapping (in ``state_dict`` order)."""
         if self._slots is not None and all(d.get(leaf) is t for d, leaf, t in self._owners):
             return self._slots
-        names = list(self.model.state_dict(keep_vars=True))
-        found: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
-        found.update(self.model.named_buffers(remove_duplicate=False))
-        slots = {k: found[k] for k in names if k in found}
+        # keep_vars: the parameters and buffers themselves, a tied one under each of its names
+        slots = {k: t for k, t in self.model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
         owners = []
         for name, t in slots.items():
             path, _, leaf = name.rpartition(".")

@@ -193,13 +193,14 @@ class CoreShare:
     def _open_mark(self) -> int:
         """Create and open this worker's mark file (again after another run's sweep removed the
         directory between its creation and the open: :meth:`_sweep_ended_runs`)."""
-        for _ in range(3):
+        for attempt in range(3):
             self.directory.mkdir(parents=True, exist_ok=True)
             try:
                 return os.open(self.directory / self.name, os.O_CREAT | os.O_RDWR, 0o644)
             except FileNotFoundError:
-                continue
-        return os.open(self.directory / self.name, os.O_CREAT | os.O_RDWR, 0o644)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def _sweep(self) -> None:
         """Remove the files of workers whose process is gone (their locks went with them)."""

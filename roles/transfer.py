@@ -45,21 +45,12 @@ from asyncrl import Dispatch, Execute, register
 from .errors import WeightSyncError
 from .models import StateSlots
 from .threads import computing
-from .weight_channel import (  # noqa: F401 - re-exported: the transports' shared pieces live there
+from .weight_channel import (
     _DTYPE,
-    MAGIC,
-    MISMATCH,
-    OK,
-    STALE,
     WeightChannel,
-    _buckets,
     _cast,
-    _numel,
-    _one_buffer,
     bucketed_snapshot,
-    channel_backend,
     free_port,
-    layout_hash,
     layout_of,
     member_info,
 )
@@ -76,6 +67,7 @@ __all__ = [
 ]
 
 Transport = Literal["object_store", "local", "collective"]
+
 
 @dataclass(frozen=True)
 class WeightHandle:
@@ -288,6 +280,7 @@ class WeightSource:
     _channel: "WeightChannel | None" = None
     _channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
     _owner: str | None = None
+    _state_slots: StateSlots | None = None
     _cast_scratch: dict[str, torch.Tensor] | None = None
     """``object_store`` with a cast: the buffers the cast writes before ``ray.put`` copies them (kept)."""
     _bucketed_snapshots: bool = True
@@ -297,10 +290,9 @@ class WeightSource:
 
     def _own_state(self) -> dict[str, torch.Tensor]:
         """``self.model.state_dict()`` without walking the modules each time (:class:`StateSlots`)."""
-        slots = self.__dict__.get("_state_slots")
-        if slots is None or slots.model is not self.model:
-            slots = self.__dict__["_state_slots"] = StateSlots(self.model)
-        return slots.state()
+        if self._state_slots is None or self._state_slots.model is not self.model:
+            self._state_slots = StateSlots(self.model)
+        return self._state_slots.state()
 
     def _owner_id(self) -> str:
         if self._owner is None:

@@ -68,6 +68,7 @@ class HFEngine:
         self._home: torch.device | None = None
         self._param_specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._adopted: dict[str, torch.Tensor] | None = None  # what the parameters are (adopt_weights)
+        self._slots = StateSlots(self.model)  # {state_dict name: the parameter or buffer}, built once
         self.eos_id = int(tokenizer.eos_token_id)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id)
         self.max_batch_size = max_batch_size
@@ -211,13 +212,6 @@ class HFEngine:
     def adopted(self) -> dict[str, torch.Tensor] | None:
         """The tensors the model's parameters are (:meth:`adopt_weights`), or None when it owns its memory."""
         return self._adopted
-
-    def _slots(self) -> dict[str, torch.Tensor]:
-        """``{state_dict name: the parameter or buffer}`` (a tied parameter under each of its names;
-        :class:`~asyncrl.roles.models.StateSlots`, built once)."""
-        if getattr(self, "_state_slots", None) is None or self._state_slots.model is not self.model:
-            self._state_slots = StateSlots(self.model)
-        return self._state_slots()
 
     def weights_checksum(self) -> dict[str, str]:
         """``{name: checksum}`` of the model's state dict."""

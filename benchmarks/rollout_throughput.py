@@ -126,14 +126,15 @@ class DirectVLLM:
     """
 
     def __init__(self, model_dir: str, tok, **kwargs) -> None:
-        from asyncrl.roles.engines.vllm_engine import _EXTENSION_QUALNAME, _eos_ids
+        from asyncrl.roles.engines.vllm_engine import _eos_ids
+        from asyncrl.roles.engines.vllm_worker import EXTENSION_QUALNAME
 
         self._eos_ids = list(_eos_ids(tok, model_dir))
         # VLLMEngine's arguments, field for field, for the kwargs build_engine passes both
         self._args = dict(model=model_dir, tokenizer=model_dir, dtype=kwargs["dtype"],
                           max_model_len=kwargs["max_model_len"], max_num_seqs=kwargs["max_num_seqs"],
                           gpu_memory_utilization=0.2, kv_cache_memory_bytes=None, enforce_eager=True, seed=0,
-                          logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION_QUALNAME,
+                          logprobs_mode="processed_logprobs", worker_extension_cls=EXTENSION_QUALNAME,
                           disable_log_stats=True)
         self._llm = None
         self._calls = 0

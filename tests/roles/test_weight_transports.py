@@ -379,6 +379,49 @@ async def test_object_store_sync_adopts_the_stores_memory_and_keeps_it_pinned(ch
     assert await rollout.adopted_received() == [True, True] and await rollout.weights_checksum() != sums
 
 
+class PackingPolicy(Policy):
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def packed_buffer(self) -> int | None:
+        """Address of the buffer an object_store stage with a cast packs into (None: no such stage yet)."""
+        held = (self._cast_scratch or {}).get("packed")
+        return None if held is None else held.flat.data_ptr()
+
+
+class PackedRollout(Rollout):
+    @register(Dispatch.ONE_TO_ALL)
+    def received_buffers(self) -> tuple[int, bool]:
+        """How many distinct storages the last sync brought, and whether the engine's tied weights are one tensor."""
+        sd = self.model.state_dict()
+        return (len({t.untyped_storage().data_ptr() for t in (self.received or {}).values()}),
+                sd["lm_head.weight"].data_ptr() == sd["model.embed_tokens.weight"].data_ptr())
+
+
+async def test_an_object_store_sync_with_a_cast_packs_one_buffer_reused_across_versions(ray_cluster, model_config,
+                                                                                      prompt_batch):
+    """A float32 policy and a float16 rollout (the cast a bf16 rollout needs; bf16 compute is not on every CPU):
+    the cast lands in one packed buffer that Ray stores as one object part, the rollout gets views of it,
+    bit-identical to the policy's weights cast to float16, tied weights as one tensor; the next version reuses
+    the policy's buffer and arrives whole (not the previous version's bytes)."""
+    tied = dataclasses.replace(model_config, tie_word_embeddings=True)
+    policy = asyncrl.RayWorkerGroup(PackingPolicy, world_size=1, name="wt-pack-policy",
+                                    kwargs={"model": tied, "optim": OptimConfig(lr=1e-2, micro_batch_size=4)})
+    rollout = asyncrl.RayWorkerGroup(PackedRollout, world_size=1, name="wt-pack-rollout",
+                                     kwargs={"model": dataclasses.replace(tied, dtype="float16"),
+                                             "rollout": RolloutConfig(max_new_tokens=5)})
+    async with policy, rollout:
+        buffers = []
+        for step in range(2):
+            await _train_once(policy, rollout, prompt_batch(n=4, repeat=2))
+            version = await sync_weights(policy, rollout, transport="object_store", verify=True)
+            assert version == step + 1 and await rollout.get_version() == [version]
+            want = {k: (v.half() if v.is_floating_point() else v) for k, v in (await policy.raw_state()).items()}
+            got = (await rollout.raw_state())[0]
+            assert _same_bits(got, want)
+            assert await rollout.received_buffers() == [(1, True)]  # views of one stored buffer; tied stays tied
+            buffers.append(await policy.packed_buffer())
+        assert buffers[0] is not None and buffers[0] == buffers[1]
+
+
 async def test_local_handoff_between_colocated_policy_and_rollout(ray_cluster, model_config, prompt_batch):
     col = asyncrl.colocate({
         "policy": (Policy, (model_config, OptimConfig(lr=1e-2, micro_batch_size=4)), {}),

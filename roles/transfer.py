@@ -5,7 +5,8 @@ Three transports move a policy version to the rollout ranks (``sync_weights(tran
 ``object_store``
     ``PolicyWorker.stage_weights("object_store")`` puts the version into Ray's object store
     itself (``ray.put``, inside the ordered call: the put is the snapshot, one copy of the live
-    weights, or the cast when the rollout's dtype differs) and returns a :class:`WeightHandle`
+    weights, or the cast when the rollout's dtype differs, packed into one buffer:
+    :class:`PackedState`) and returns a :class:`WeightHandle`
     holding the reference; ``RolloutWorker.update_weights(handle)`` reads the tensors as
     zero-copy views of the store and the HF engine adopts them as its parameters (no load copy;
     the views pin the object until the next version is adopted). (``export_weights()`` returns ``(version,

@@ -295,9 +295,14 @@ def store_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
         def needs_copy(t: torch.Tensor) -> bool:
             return (dtype is not None and t.is_floating_point() and t.dtype != dtype) or t.device.type != "cpu"
 
+        def as_is(name: str, t: torch.Tensor) -> torch.Tensor:  # unpackable dtypes: a copy of its own where needed
+            if needs_copy(t):
+                return _cast(t, dtype, "cpu")
+            return t.detach() if t.is_contiguous() else t.detach().contiguous()
+
         plan = PackedState.plan(state, dtype) if any(needs_copy(t) for t in state.values()) else None
         if plan is None:
-            return ray.put(untied(state, lambda k, t: t.detach() if t.is_contiguous() else t.detach().contiguous()))
+            return ray.put(untied(state, as_is))
         entries, aliases, nbytes = plan
         held = scratch.get("packed") if scratch is not None else None
         if not isinstance(held, PackedState) or held.entries != entries or held.aliases != aliases:

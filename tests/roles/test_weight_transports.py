@@ -422,6 +422,32 @@ async def test_an_object_store_sync_with_a_cast_packs_one_buffer_reused_across_v
         assert buffers[0] is not None and buffers[0] == buffers[1]
 
 
+@ray.remote(num_cpus=0)
+class _Storer:
+    """A plain Ray actor: ``store_state`` there makes an object it owns, as the policy does."""
+
+    def store_and_read(self, extra_complex: bool) -> tuple[str, dict[str, str], bool]:
+        from asyncrl.roles.transfer import PackedState, store_state
+
+        state = {"w": torch.arange(12.0).reshape(4, 3) / 7, "i": torch.arange(3)}
+        if extra_complex:
+            state["c"] = torch.zeros(2, dtype=torch.complex64)  # no packed view for this dtype
+        got = ray.get(store_state(state, torch.float16, {}))
+        views = got.views() if isinstance(got, PackedState) else got
+        return (type(got).__name__, {k: str(v.dtype).removeprefix("torch.") for k, v in views.items()},
+                torch.equal(views["w"], state["w"].half()) and torch.equal(views["i"], state["i"]))
+
+
+async def test_a_cast_into_a_dtype_the_packing_cannot_view_still_casts_tensor_by_tensor(ray_cluster):
+    storer = _Storer.remote()
+    try:
+        assert await storer.store_and_read.remote(False) == ("PackedState", {"w": "float16", "i": "int64"}, True)
+        assert await storer.store_and_read.remote(True) == (
+            "dict", {"w": "float16", "i": "int64", "c": "complex64"}, True)
+    finally:
+        ray.kill(storer)
+
+
 async def test_local_handoff_between_colocated_policy_and_rollout(ray_cluster, model_config, prompt_batch):
     col = asyncrl.colocate({
         "policy": (Policy, (model_config, OptimConfig(lr=1e-2, micro_batch_size=4)), {}),

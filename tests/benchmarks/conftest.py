@@ -2,7 +2,9 @@
 
 Each test ``test_<name>_quick`` checks benchmark ``<name>``'s table; the session runs the
 quick runs of exactly the selected tests' benchmarks, one after another in one fresh Python
-process (the process start and imports are paid once, not once per benchmark)."""
+process (the process start and imports are paid once, not once per benchmark) on one embedded
+Ray (``--one-ray``: Ray's start and stop are paid once too; loop_lag and weight_sync still get
+their own)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,6 @@ def quick_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     out_dir = tmp_path_factory.mktemp("quick")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)  # their own embedded Ray, never the test session's
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quick.py"), "--out-dir", str(out_dir), *names],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quick.py"), "--one-ray", "--out-dir", str(out_dir), *names],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=PER_BENCHMARK_S * max(1, len(names)))
     return QuickRuns(out_dir, names, proc)

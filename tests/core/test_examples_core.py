@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 
+
+@pytest.mark.slow  # six worker processes; its mechanisms stay in tests/core/test_pipelining.py (README, Tests)
 async def test_pipelining_example(ray_cluster):
     ex = importlib.import_module("examples.pipelining")
     result = await ex.main(ex.Args(rows=48, width=8))

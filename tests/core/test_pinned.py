@@ -21,6 +21,7 @@ import threading
 import time
 
 import pytest
+import pytest_asyncio
 
 import asyncrl
 from asyncrl import CallCancelledError, CallTimeoutError, Dispatch, Worker, WorkerDiedError, register
@@ -190,12 +191,23 @@ async def timed_out_while_running(wg, issue_behind=None):
 
 @pytest.fixture
 async def pinned(ray_cluster):
+    """A fresh group for each test that wedges its lane (or patches its processes' lanes)."""
     async with kinds.group("ray-threaded", Pinned, world_size=2, name="pinned") as wg:
         yield wg
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def calm(ray_cluster):
+    """One group shared by the tests that never wedge its lane: each leaves it idle, its logs
+    taken, and counts the jobs it runs from the state it found."""
+    async with kinds.group("ray-threaded", Pinned, world_size=2, name="pinned") as wg:
+        yield wg
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def source(ray_cluster):
+    """The producer group of the module: it keeps nothing from one test to the next (`held`
+    clears its release when it returns)."""
     async with kinds.group("ray-threaded", Source, world_size=1, name="pinned-source") as g:
         yield g
 
@@ -203,9 +215,11 @@ async def source(ray_cluster):
 # ---- one thread, no hop -------------------------------------------------------------------------
 
 
-async def test_the_constructor_and_every_def_call_run_on_the_one_pinned_thread(pinned, source):
+async def test_the_constructor_and_every_def_call_run_on_the_one_pinned_thread(calm, source):
     """Pinned calls, calls-group calls (nested inputs: their def runs as a job on the
     pinned thread) and ordered async def calls, mixed: one thread, the constructor's."""
+    pinned = calm
+    before = await states(pinned)
     futs = []
     for i in range(30):
         if i % 3 == 1:
@@ -218,14 +232,16 @@ async def test_the_constructor_and_every_def_call_run_on_the_one_pinned_thread(p
         await asyncrl.gather(*futs)
         assert await pinned.take() == [list(range(30))] * 2
         assert await pinned.threads_seen() == [(1, True, "asyncrl-ordered_0")] * 2
-    s = await states(pinned)
-    assert all(st["waiter"] + st["pump"] == 10 for st in s)  # every nested call's def ran as a job
+    after = await states(pinned)
+    # every nested call's def ran as a job
+    assert [a["waiter"] + a["pump"] - b["waiter"] - b["pump"] for a, b in zip(after, before)] == [10, 10]
 
 
-async def test_a_job_is_run_by_the_pinned_call_waiting_for_its_turn(pinned, source):
+async def test_a_job_is_run_by_the_pinned_call_waiting_for_its_turn(calm, source):
     """A calls-group call waits for its input; the next pinned call waits for its turn on
     the pinned thread; the input arrives: the waiting pinned call runs the job (no
     self-submitted call), then its own method."""
+    pinned = calm
     before = await states(pinned)
     first = pinned.record(source.held(7))  # calls group: its input is held
     second = pinned.record(8)  # pinned: waits for its turn on the pinned thread
@@ -242,18 +258,21 @@ async def test_a_job_is_run_by_the_pinned_call_waiting_for_its_turn(pinned, sour
     assert await pinned.take() == [[7, 8]] * 2
 
 
-async def test_a_job_that_finds_the_thread_idle_gets_it_by_a_call_of_its_own(pinned, source):
+async def test_a_job_that_finds_the_thread_idle_gets_it_by_a_call_of_its_own(calm, source):
+    pinned = calm
     before = await states(pinned)
     async with asyncio.timeout(HANG):
         assert await pinned.record(source.value(5)) == [5, 5]
     after = await states(pinned)
     assert [(a["waiter"] - b["waiter"], a["pump"] - b["pump"]) for a, b in zip(after, before)] == [(0, 1)] * 2
     assert await pinned.threads_seen() == [(1, True, "asyncrl-ordered_0")] * 2
+    assert await pinned.take() == [[5]] * 2  # (the group is shared: leave its log empty)
 
 
-async def test_pinned_and_calls_group_calls_interleave_by_number(pinned, source):
+async def test_pinned_and_calls_group_calls_interleave_by_number(calm, source):
     """Issued without awaiting, in a pseudo-random mix (fixed seed): the jobs race the
     pinned calls for the thread, every way round; all run once, in issue order."""
+    pinned = calm
     rng = random.Random(14)
     futs = []
     for i in range(120):

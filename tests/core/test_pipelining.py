@@ -65,6 +65,16 @@ async def test_matched_chain_fetches_no_payload_bytes(groups):
     assert four.stats.bytes_fetched == before
 
 
+async def test_a_resplit_chain_fetches_no_payload_bytes(groups):
+    """2 -> 4 (the layout of examples/pipelining.py): the consumer's ranks re-split the
+    producer's two shards among themselves; nothing but per-rank ints reaches the controller."""
+    four, two = groups
+    before = (two.stats.bytes_fetched, four.stats.bytes_fetched)
+    rows = await four.shard_rows(four.inc(two.tag(batch(1000))))
+    assert rows == [250, 250, 250, 250]
+    assert (two.stats.bytes_fetched, four.stats.bytes_fetched) == before
+
+
 async def test_field_selection_is_applied_on_the_worker(groups):
     four, two = groups
     out = await two.inc(four.tag(batch(6)).select("y"))

@@ -165,6 +165,7 @@ except asyncrl.RemoteError as e:
 """
 
 
+@pytest.mark.slow  # its own Ray and two runs; default siblings: tests/README.md (Duration)
 def test_fit_sync_twice_in_one_process_and_a_worker_error_reaches_the_caller(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SECOND_FIT, str(tmp_path)], env=_env(), cwd=os.getcwd(),
                           capture_output=True, text=True, timeout=RUN_BOUND_S)

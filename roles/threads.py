@@ -193,14 +193,12 @@ class CoreShare:
     def _open_mark(self) -> int:
         """Create and open this worker's mark file (again after another run's sweep removed the
         directory between its creation and the open: :meth:`_sweep_ended_runs`)."""
-        for attempt in range(3):
+        for _ in range(2):
             self.directory.mkdir(parents=True, exist_ok=True)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 return os.open(self.directory / self.name, os.O_CREAT | os.O_RDWR, 0o644)
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return os.open(self.directory / self.name, os.O_CREAT | os.O_RDWR, 0o644)  # a third miss raises
 
     def _sweep(self) -> None:
         """Remove the files of workers whose process is gone (their locks went with them)."""

@@ -38,7 +38,7 @@ import sys
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, TypeVar
 
 import torch
 
@@ -211,10 +211,13 @@ def _alias(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def untied(state: Mapping[str, torch.Tensor], fn: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+_T = TypeVar("_T")
+
+
+def untied(state: Mapping[str, torch.Tensor], fn: Callable[[str, torch.Tensor], _T]) -> dict[str, _T]:
     """``{name: fn(name, tensor)}`` with `fn` called once per distinct tensor: names that share one
     tensor (tied weights) share the result, so a snapshot copies, casts and ships it once."""
-    seen: dict[tuple[Any, ...], torch.Tensor] = {}
+    seen: dict[tuple[Any, ...], _T] = {}
     out = {}
     for k, v in state.items():
         key = _alias(v)
@@ -248,14 +251,12 @@ class PackedState:
             tuple[tuple[str, tuple[int, ...], str, int], ...], tuple[tuple[str, str], ...], int] | None:
         """``(entries, aliases, total bytes)`` for `state` with floating tensors in `dtype`, or None when a
         tensor's dtype has no name here (the caller then puts the tensors one by one)."""
-        seen: dict[tuple[Any, ...], str] = {}
-        entries, aliases, off = [], [], 0
+        first = untied(state, lambda name, t: name)  # {name: the first name of its tensor}
+        aliases = tuple((name, src) for name, src in first.items() if src != name)
+        entries, off = [], 0
         for name, t in state.items():
-            key = _alias(t)
-            if key in seen:
-                aliases.append((name, seen[key]))
+            if first[name] != name:
                 continue
-            seen[key] = name
             dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
             dname = str(dt).removeprefix("torch.")
             if _DTYPE.get(dname) != dt:
@@ -263,7 +264,7 @@ class PackedState:
             off = -(-off // _ALIGN) * _ALIGN
             entries.append((name, tuple(t.shape), dname, off))
             off += t.numel() * dt.itemsize
-        return tuple(entries), tuple(aliases), off
+        return tuple(entries), aliases, off
 
     def views(self) -> dict[str, torch.Tensor]:
         """``{name: tensor}``: views of :attr:`flat` (no copy; tied names share one view)."""

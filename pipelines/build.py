@@ -42,7 +42,9 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
     }
     if needs_reference(cfg):
         train_roles["reference"] = (ReferenceWorker, (cfg.model,), {"temperature": cfg.rollout.temperature,
-                                                                   "micro_batch_size": cfg.actor.micro_batch_size})
+                                                                   "micro_batch_size": cfg.actor.micro_batch_size,
+                                                                   "strategy": cfg.actor.strategy,
+                                                                   "fsdp_offload": cfg.actor.fsdp_offload})
     if cfg.algorithm.name == "ppo":
         train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})
     for role, spec in (overrides or {}).items():

@@ -9,6 +9,7 @@ from . import arithmetic, functional
 from .critic import CriticWorker
 from .engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
 from .errors import (
+    CheckpointFormatError,
     DeviceError,
     EpisodeConfigError,
     EpisodeError,
@@ -36,6 +37,7 @@ from .transfer import WeightHandle
 
 __all__ = [
     "SMOLLM2_135M_INSTRUCT",
+    "CheckpointFormatError",
     "Completion",
     "CriticWorker",
     "DeviceError",

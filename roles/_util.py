@@ -76,7 +76,7 @@ def _keep_logits(model: torch.nn.Module, n: int) -> dict[str, int]:
     The LM head then runs on the last `n` positions only, the ones whose logits are read: SmolLM2's
     49k-vocabulary head is ~1/5 of its FLOPs per token, so on 69-token prompts with 20-token
     responses the prompt's logits were ~1/6 of a forward/backward (TRL passes the same argument)."""
-    cls = type(model)
+    cls = type(getattr(model, "module", model))  # DDP's wrapper forwards to its module
     if cls not in _KEEP_KW:
         params = inspect.signature(cls.forward).parameters
         _KEEP_KW[cls] = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
@@ -116,26 +116,17 @@ def response_log_probs(
     return lp, ent
 
 
-def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Total gradient norm (before clipping); clips in place when `max_norm` is set."""
-    grads = [p for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    if max_norm is not None and max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.norm(torch.stack([p.grad.detach().norm() for p in grads])))
-
-
 class DataParallel:
     """Collectives over the ranks of a group with torch.distributed when the group has several
     workers in separate processes; every method is the identity otherwise.
 
-    Every rank must call the same collectives in the same order (the group's ordered calls
-    guarantee it for methods that all ranks run). The process group comes from the group's
-    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, set by asyncrl per worker). Gloo
-    carries the small control traffic; on GPUs gradients go through NCCL when every rank has a
-    GPU of its own, and through gloo (staged via the CPU) when ranks share one GPU (fractional
-    GPU pools), since NCCL refuses two ranks on one device."""
+    It owns the group's process group; gradients travel over it through the role's training strategy
+    (:mod:`asyncrl.roles.strategy`: DDP or FSDP2), metrics and agreement through the methods here.
+    Every rank must call the same collectives in the same order (the group's ordered calls guarantee
+    it for methods that all ranks run). The process group comes from the group's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, set by asyncrl per worker). Gloo carries the small control
+    traffic; on GPUs gradients go through NCCL when every rank has a GPU of its own, and through gloo
+    when ranks share one GPU (fractional GPU pools), since NCCL refuses two ranks on one device."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device | None = None) -> None:
         self.active = False
@@ -179,28 +170,12 @@ class DataParallel:
         self._reduce(out, dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return out
 
-    def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum `.grad` of `params` over the ranks: each rank's loss is its share of the global
-        loss (``roles.functional.agg_loss`` with global denominators), so the shares add up.
-        One flat bucket per dtype (elementwise sums, so bit-identical to reducing each tensor)."""
-        if not self.active:
-            return
+    def grad_group(self) -> Any:
+        """The process group gradients and FSDP2 shards travel over: NCCL when every rank has a GPU of
+        its own, else the default (gloo) group."""
         import torch.distributed as dist
 
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)  # type: ignore[union-attr]
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._reduce(flat, dist.ReduceOp.SUM)
-            off = 0
-            for g in grads:
-                n = g.numel()
-                g.copy_(flat[off:off + n].view_as(g))
-                off += n
+        return self._group if self._group is not None else dist.group.WORLD
 
     def agree(self, kind: int, problem: str | None) -> tuple[int, str | None]:
         """Every rank learns whether any rank found a problem (one collective), so all ranks raise

@@ -7,12 +7,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, register
 
-from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches, require
+from ._util import micro_batches, mini_batches, require
 from . import functional as F
 from .device import place_model, resolve_placement
 from .models import ModelConfig, build_value_model, set_torch_threads
 from .threads import computing, core_share_for, release_core_share
-from .policy import OptimConfig, _adam, _Trainable
+from .policy import OptimConfig, _Trainable
 
 __all__ = ["CriticWorker"]
 
@@ -36,18 +36,16 @@ class CriticWorker(_Trainable):
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="CriticWorker")
         built, self.tokenizer = build_value_model(model)
-        self.model = place_model(built, self.placement, trained=True, who="CriticWorker")
-        self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
-        self.model.train()
-        self.optimizer = _adam(self.model, self.optim_config)
-        self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
+        placed = place_model(built, self.placement, trained=True, who="CriticWorker")
+        self.core_share = core_share_for(model.num_threads, self.placement.device, placed)
+        self._distribute(placed, "CriticWorker")
         self._version = 0
 
-    def _values(self, b: TensorDictBase) -> torch.Tensor:
+    def _values(self, b: TensorDictBase, module: torch.nn.Module | None = None) -> torch.Tensor:
         R = b["response_ids"].shape[1]
         dev = self.placement.device
         with self.placement.autocast():
-            v = self.model(b["input_ids"].to(dev), b["attention_mask"].to(dev))
+            v = (module or self.model)(b["input_ids"].to(dev), b["attention_mask"].to(dev))
         return v[:, -R - 1:-1].float()
 
     def on_close(self) -> None:
@@ -83,7 +81,6 @@ class CriticWorker(_Trainable):
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask", "values", "returns"],
                 "CriticWorker.update")
         batch = batch.to(self.placement.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
         n = batch.batch_size[0]
         mini = None if cfg.mini_batch_size is None else cfg.mini_batch_size // self.world_size
         vf_loss, tokens, clipped, values_sum = 0.0, 0.0, 0.0, 0.0
@@ -93,21 +90,22 @@ class CriticWorker(_Trainable):
                 mb = batch[mini_rows]
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in micro_batches(mb.batch_size[0], cfg.micro_batch_size):
+                micros = micro_batches(mb.batch_size[0], cfg.micro_batch_size)
+                for i, micro in enumerate(micros):
                     b = mb[micro]
                     mask = b["response_mask"]
-                    v = self._values(b)
-                    losses, clip = F.value_clip_losses(v, b["values"], b["returns"], cfg.clip_eps)
-                    loss = 0.5 * F.agg_loss(losses, mask, cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
-                                            loss_scale_factor=cfg.loss_scale_factor)
-                    loss.backward()
+                    with self.engine.micro_batch(last=i == len(micros) - 1):
+                        v = self._values(b, self.engine.forward_module)
+                        losses, clip = F.value_clip_losses(v, b["values"], b["returns"], cfg.clip_eps)
+                        loss = 0.5 * F.agg_loss(losses, mask, cfg.loss_agg_mode, num_tokens=denom[0],
+                                                num_seqs=denom[1], loss_scale_factor=cfg.loss_scale_factor)
+                        loss.backward()
                     with torch.no_grad():
                         vf_loss += float(loss)
                         tokens += float(mask.sum())
                         clipped += float(F.masked_sum(clip.float(), mask))
                         values_sum += float(F.masked_sum(v, mask))
-                self.dp.sum_grads(params)
-                grad_norms.append(grad_norm_and_clip(params, cfg.max_grad_norm))
+                grad_norms.append(self.engine.clip_grad_norm(cfg.max_grad_norm))
                 self.optimizer.step()
         self._version += 1
         vf_loss, tokens, clipped, values_sum = self.dp.all_reduce(

@@ -25,6 +25,7 @@ __all__ = [
     "EpisodeConfigError",
     "EpisodeError",
     "PauseDeadlineError",
+    "CheckpointFormatError",
 ]
 
 
@@ -59,6 +60,11 @@ class StaleWeightsError(RolesError, ValueError):
 class StaleBatchError(RolesError, ValueError):
     """Raised when a training batch holds rows generated more than ``max_staleness`` versions before
     the policy it would update (or by a version the policy has not reached); nothing is applied."""
+
+
+class CheckpointFormatError(RolesError, ValueError):
+    """Raised when a role's checkpoint was written by another training strategy (whole ``ddp`` weights
+    against ``fsdp2`` shards) than the one loading it."""
 
 
 class WeightSyncError(RolesError, RuntimeError):

@@ -11,7 +11,7 @@ against ``ref_log_probs`` and an entropy bonus::
         for micro-batch (micro_batch_size rows per rank):   # gradient accumulation
           loss = agg(w * ppo_clip) - entropy_coef * agg(entropy) + kl_coef * agg(kl)
                  # agg = agg_loss(loss_agg_mode, global num_tokens/num_seqs): this shard's share
-        all-reduce (sum) grads, clip to max_grad_norm, step
+        sum grads over ranks (actor.strategy: DDP, or FSDP2's reduce-scatter), clip to max_grad_norm, step
     version += 1
 
 Because every share is normalised by the *global* token (or sequence) count, summing the
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Iterator, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -33,10 +33,11 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, Execute, Worker, register
 
 from . import functional as F
-from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches, require, response_log_probs
+from ._util import DataParallel, micro_batches, mini_batches, require, response_log_probs
 from .device import Placement, place_model, resolve_placement
-from .errors import StaleBatchError
-from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
+from .errors import CheckpointFormatError, StaleBatchError
+from .models import ModelConfig, load_model, set_torch_threads, tensor_checksum
+from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy
 from .threads import computing, core_share_for, release_core_share
 from .transfer import WeightSource
 from .weight_channel import _cast
@@ -154,6 +155,13 @@ class OptimConfig:
     PolicyWorker used alone takes 1.0); a value that differs from ``rollout.temperature`` is a config error."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Off-policy correction of the actor loss (unused by the critic)."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """How the model is spread over several training ranks (verl's ``strategy``; asyncrl.roles.strategy):
+    ``ddp`` replicates it (torch's DistributedDataParallel, ~16 bytes per parameter on every rank);
+    ``fsdp2`` shards parameters, gradients and optimizer state over the ranks (torch's ``fully_shard`` per
+    decoder layer). The same math either way; one rank is the plain model. The reference follows the actor's."""
+    fsdp_offload: bool = False
+    """``fsdp2`` only: keep the shards and the optimizer state in CPU memory (verl's ``offload_policy``)."""
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
@@ -181,6 +189,10 @@ class OptimConfig:
                 raise ValueError(f"{name} must be >= 0, got {v}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1 or None, got {self.clip_ratio_c}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {self.strategy!r}")
+        if self.fsdp_offload and self.strategy != "fsdp2":
+            raise ValueError("fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2")
         if self.temperature is not None and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (log-probs of a greedy policy are undefined), "
                              f"got {self.temperature}")
@@ -199,17 +211,29 @@ class _Trainable(Worker):
     optimizer: torch.optim.Optimizer
     optim_config: OptimConfig
     placement: Placement
+    engine: TrainStrategy
     _version: int
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def _distribute(self, model: torch.nn.Module, who: str) -> None:
+        """Spread `model` over the group (``optim.strategy``) and build its optimizer over what each rank holds."""
+        cfg = self.optim_config
+        self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
+        self.engine = TrainStrategy(model, self.placement, self.dp, cfg.strategy, offload=cfg.fsdp_offload, who=who)
+        self.model = self.engine.module
+        self.model.train()
+        self.optimizer = _adam(self.model, cfg)
+
+    def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` of the state dict, one tensor at a time (every rank must iterate it whole)."""
+        return self.engine.full_tensors(self.model.state_dict())
+
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
     def weights_checksum(self, dtype: str | None = None) -> dict[str, str]:
         """``{name: checksum}`` of the current weights (compare with the rollout's); `dtype` casts
         floating tensors first, as ``export_weights(dtype=...)`` does."""
-        items = self.model.state_dict().items()
-        if dtype is not None:
-            dt = getattr(torch, dtype)
-            items = ((k, v.to(dt) if v.is_floating_point() else v) for k, v in items)  # type: ignore[assignment]
-        return state_dict_checksums(items)
+        dt = getattr(torch, dtype) if dtype is not None else None
+        return {k: tensor_checksum(v.to(dt) if dt is not None and v.is_floating_point() else v)
+                for k, v in self._full_state() if self.rank == 0}
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def placement_info(self) -> dict[str, str]:
@@ -218,32 +242,71 @@ class _Trainable(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def save(self, path: str) -> str:
-        """Save model (safetensors), optimizer (torch.save of tensors and numbers) and version to
-        directory `path` (rank 0 writes; every rank holds the same weights)."""
-        from safetensors.torch import save_model
+        """Save model, optimizer and version to directory `path`.
 
-        if self.rank != 0:
-            return path
+        ``ddp`` (every rank holds the same weights): rank 0 writes ``model.safetensors`` and ``optimizer.pt``.
+        ``fsdp2``: every rank writes its shards of both into ``dcp/`` (``torch.distributed.checkpoint``), which
+        :meth:`load` reads back at any number of ranks. ``meta.json`` says which, at how many ranks."""
         os.makedirs(path, exist_ok=True)
-        save_model(self.model, os.path.join(path, "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
-        with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump({"version": self._version, "optim": asdict(self.optim_config)}, f)
+        if self._format == "dcp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        elif self.rank == 0:
+            from safetensors.torch import save_model
+
+            save_model(self.model, os.path.join(path, "model.safetensors"))
+            torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+        if self.rank == 0:
+            with open(os.path.join(path, "meta.json"), "w") as f:
+                json.dump({"version": self._version, "optim": asdict(self.optim_config), "format": self._format,
+                           "world_size": self.world_size}, f)
         return path
+
+    @property
+    def _format(self) -> str:
+        return "dcp" if self.optim_config.strategy == "fsdp2" else "full"
 
     @register(Dispatch.ONE_TO_ALL)
     def load(self, path: str) -> int:
-        """Load what :meth:`save` wrote (``torch.load(weights_only=True)``); returns the restored version."""
-        from safetensors.torch import load_model
+        """Load what :meth:`save` wrote (``torch.load(weights_only=True)``); returns the restored version.
 
-        files = [os.path.join(path, n) for n in ("model.safetensors", "optimizer.pt", "meta.json")]
-        missing = [f for f in files if not os.path.exists(f)]
-        if missing:
-            raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {missing}; save one with save(path)")
-        load_model(self.model, files[0], strict=True)
-        self.optimizer.load_state_dict(torch.load(files[1], weights_only=True, map_location=self.placement.device))
-        with open(files[2]) as f:
-            self._version = int(json.load(f)["version"])
+        Either format loads at any number of ranks (``dcp`` reshards on load); a checkpoint of the other
+        strategy is refused (:class:`CheckpointFormatError`, naming both)."""
+        meta_file = os.path.join(path, "meta.json")
+        if not os.path.exists(meta_file):
+            raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {meta_file}; save one with save(path)")
+        with open(meta_file) as f:
+            meta = json.load(f)
+        fmt = meta.get("format", "full")
+        if fmt != self._format:
+            saved = meta.get("optim", {}).get("strategy", "ddp")
+            raise CheckpointFormatError(
+                f"checkpoint {path!r} was written with strategy={saved!r} ({'shards' if fmt == 'dcp' else 'whole weights'}"
+                f", {meta.get('world_size', '?')} rank(s)) but this {type(self).__name__} runs "
+                f"strategy={self.optim_config.strategy!r}; resume with strategy={saved!r} (any number of ranks), or "
+                "export the weights (asyncrl export) and start a new run from them")
+        if fmt == "dcp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        else:
+            from safetensors.torch import load_model
+
+            files = [os.path.join(path, n) for n in ("model.safetensors", "optimizer.pt")]
+            missing = [f for f in files if not os.path.exists(f)]
+            if missing:
+                raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {missing}; save one with save(path)")
+            load_model(self.model, files[0], strict=True)
+            self.optimizer.load_state_dict(torch.load(files[1], weights_only=True, map_location=self.placement.device))
+        self._version = int(meta["version"])
         return self._version
 
 
@@ -277,11 +340,9 @@ class PolicyWorker(_Trainable, WeightSource):
         torch.manual_seed(model.seed)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="PolicyWorker")
         built, self.tokenizer = load_model(model)
-        self.model = place_model(built, self.placement, trained=True, who="PolicyWorker")
-        self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
-        self.model.train()
-        self.optimizer = _adam(self.model, self.optim_config)
-        self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
+        placed = place_model(built, self.placement, trained=True, who="PolicyWorker")
+        self.core_share = core_share_for(model.num_threads, self.placement.device, placed)
+        self._distribute(placed, "PolicyWorker")
         self._version = 0
 
     @property
@@ -353,7 +414,6 @@ class PolicyWorker(_Trainable, WeightSource):
             raise StaleBatchError(problem)
         batch = batch.to(self.placement.device)
         self.model.train()
-        params = [p for p in self.model.parameters() if p.requires_grad]
         n = batch.batch_size[0]
         mask_all = batch["response_mask"]
         # off-policy weights: fixed for the whole update (pi_old and pi_behaviour do not change)
@@ -379,32 +439,12 @@ class PolicyWorker(_Trainable, WeightSource):
                 agg = dict(loss_agg_mode=cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
                            loss_scale_factor=cfg.loss_scale_factor)
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in micro_batches(mb.batch_size[0], cfg.micro_batch_size):
-                    b = mb[micro]
-                    mask = b["response_mask"]
-                    lp, ent = response_log_probs(self.model, b["input_ids"], b["attention_mask"], b["response_ids"],
-                                                 self.temperature, with_entropy=True, placement=self.placement)
-                    terms = F.ppo_policy_terms(lp, b["old_log_probs"], b["advantages"], clip_ratio_low=low,
-                                               clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c)
-                    losses = terms.losses if mb_w is None else terms.losses * mb_w[micro]
-                    pg = F.agg_loss(losses, mask, **agg)
-                    entropy = F.agg_loss(ent, mask, **agg)  # type: ignore[arg-type]
-                    loss = pg - cfg.entropy_coef * entropy if cfg.entropy_coef else pg
-                    if cfg.kl_coef > 0:
-                        kl = F.agg_loss(F.kl_penalty(lp, b["ref_log_probs"], cfg.kl_loss_type), mask, **agg)
-                        loss = loss + cfg.kl_coef * kl
-                        shares["kl"] += float(kl.detach())
-                    loss.backward()
-                    with torch.no_grad():
-                        shares["pg_loss"] += float(pg)
-                        shares["entropy"] += float(entropy)
-                        shares["loss"] += float(loss)
-                        counts["tokens"] += float(mask.sum())
-                        counts["clipped"] += float(F.masked_sum(terms.clipped.float(), mask))
-                        counts["clipped_lower"] += float(F.masked_sum(terms.clipped_lower.float(), mask))
-                        counts["ppo_kl"] += float(F.masked_sum(b["old_log_probs"] - lp, mask))
-                self.dp.sum_grads(params)
-                grad_norms.append(grad_norm_and_clip(params, cfg.max_grad_norm))
+                micros = micro_batches(mb.batch_size[0], cfg.micro_batch_size)
+                for i, micro in enumerate(micros):
+                    with self.engine.micro_batch(last=i == len(micros) - 1):
+                        self._accumulate(mb[micro], None if mb_w is None else mb_w[micro], agg, (low, high),
+                                         shares, counts)
+                grad_norms.append(self.engine.clip_grad_norm(cfg.max_grad_norm))
                 self.optimizer.step()
         self._version += 1
         metrics = self._metrics(batch, shares, counts, grad_norms, iw, has_behaviour)
@@ -413,6 +453,34 @@ class PolicyWorker(_Trainable, WeightSource):
 
             metrics.update(episode_metrics(batch, self.dp.all_reduce))
         return metrics
+
+    def _accumulate(self, b: TensorDictBase, w: torch.Tensor | None, agg: dict[str, Any], clip: tuple[float, float],
+                    shares: dict[str, float], counts: dict[str, float]) -> None:
+        """Forward and backward of one micro-batch `b` (its loss: its share of the mini-batch's, `agg`'s global
+        denominators), adding its gradient to ``.grad`` and its loss terms and token counts to `shares`/`counts`."""
+        cfg = self.optim_config
+        mask = b["response_mask"]
+        lp, ent = response_log_probs(self.engine.forward_module, b["input_ids"], b["attention_mask"], b["response_ids"],
+                                     self.temperature, with_entropy=True, placement=self.placement)
+        terms = F.ppo_policy_terms(lp, b["old_log_probs"], b["advantages"], clip_ratio_low=clip[0],
+                                   clip_ratio_high=clip[1], clip_ratio_c=cfg.clip_ratio_c)
+        losses = terms.losses if w is None else terms.losses * w
+        pg = F.agg_loss(losses, mask, **agg)
+        entropy = F.agg_loss(ent, mask, **agg)  # type: ignore[arg-type]
+        loss = pg - cfg.entropy_coef * entropy if cfg.entropy_coef else pg
+        if cfg.kl_coef > 0:
+            kl = F.agg_loss(F.kl_penalty(lp, b["ref_log_probs"], cfg.kl_loss_type), mask, **agg)
+            loss = loss + cfg.kl_coef * kl
+            shares["kl"] += float(kl.detach())
+        loss.backward()
+        with torch.no_grad():
+            shares["pg_loss"] += float(pg)
+            shares["entropy"] += float(entropy)
+            shares["loss"] += float(loss)
+            counts["tokens"] += float(mask.sum())
+            counts["clipped"] += float(F.masked_sum(terms.clipped.float(), mask))
+            counts["clipped_lower"] += float(F.masked_sum(terms.clipped_lower.float(), mask))
+            counts["ppo_kl"] += float(F.masked_sum(b["old_log_probs"] - lp, mask))
 
     def _metrics(self, batch: TensorDictBase, shares: dict[str, float], counts: dict[str, float],
                  grad_norms: list[float], iw: F.ISWeights | None, has_behaviour: bool) -> dict[str, float]:
@@ -464,15 +532,17 @@ class PolicyWorker(_Trainable, WeightSource):
         out["version"] = float(self._version)
         return out
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
     @computing
     def export_weights(self, dtype: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, state_dict)`` for ``RolloutWorker.update_weights`` through the object store:
         detached CPU copies, floating tensors cast to `dtype` when given (e.g. the rollout's
-        ``"bfloat16"``, halving the bytes moved). See also ``stage_weights`` (local/collective)."""
+        ``"bfloat16"``, halving the bytes moved). See also ``stage_weights`` (local/collective).
+        Every rank runs it (FSDP2 shards are gathered one tensor at a time); rank 0's copy is the result."""
         dt = getattr(torch, dtype) if dtype is not None else None
         with torch.no_grad():
-            return self._version, {k: _cast(v, dt, "cpu") for k, v in self.model.state_dict().items()}
+            out = {k: _cast(v, dt, "cpu") for k, v in self._full_state() if self.rank == 0}
+        return self._version, out
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:
@@ -518,13 +588,18 @@ class ReferenceWorker(Worker):
         temperature: logit temperature (match the policy's).
     """
 
-    def __init__(self, model: ModelConfig, *, micro_batch_size: int = 16, temperature: float = 1.0) -> None:
+    def __init__(self, model: ModelConfig, *, micro_batch_size: int = 16, temperature: float = 1.0,
+                 strategy: str = "ddp", fsdp_offload: bool = False) -> None:
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=False, who="ReferenceWorker")
         built, self.tokenizer = load_model(model)
-        self.model = place_model(built, self.placement, trained=False, who="ReferenceWorker")
-        self.model.eval().requires_grad_(False)
-        self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
+        placed = place_model(built, self.placement, trained=False, who="ReferenceWorker")
+        placed.eval().requires_grad_(False)
+        self.core_share = core_share_for(model.num_threads, self.placement.device, placed)
+        self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
+        self.engine = TrainStrategy(placed, self.placement, self.dp, strategy, offload=fsdp_offload, trainable=False,
+                                    who="ReferenceWorker")
+        self.model = self.engine.module
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
 
@@ -539,7 +614,8 @@ class ReferenceWorker(Worker):
         return _log_probs(self.model, batch, self.micro_batch_size, self.temperature, "ref_log_probs",
                           with_entropy=False, who="ReferenceWorker.compute_ref_log_prob", placement=self.placement)
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
     def weights_checksum(self) -> dict[str, str]:
         """``{name: checksum}`` of the (frozen) weights."""
-        return state_dict_checksums(self.model.state_dict().items())
+        whole = self.engine.full_tensors(self.model.state_dict())
+        return {k: tensor_checksum(v) for k, v in whole if self.rank == 0}

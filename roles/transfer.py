@@ -46,6 +46,7 @@ from asyncrl import Dispatch, Execute, register
 
 from .errors import WeightSyncError
 from .models import StateSlots
+from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, TrainStrategy, full_tensor, is_sharded
 from .threads import computing
 from .weight_channel import (
     _DTYPE,
@@ -207,8 +208,11 @@ def _in_ray_worker() -> bool:
 
 
 def _alias(t: torch.Tensor) -> tuple[Any, ...]:
-    """What makes two state-dict entries one tensor (tied weights: ``lm_head`` and ``embed_tokens``)."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    """What makes two state-dict entries one tensor (tied weights: ``lm_head`` and ``embed_tokens``); an FSDP2
+    shard (DTensor) by its local part, which tied names share too."""
+    local = t.to_local() if is_sharded(t) else t
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape),
+            tuple(local.stride()), t.dtype)
 
 
 _T = TypeVar("_T")
@@ -339,13 +343,17 @@ async def fetch_stored(handle: WeightHandle) -> dict[str, torch.Tensor]:
 class WeightSource:
     """The sending side of the weight transports, mixed into :class:`~asyncrl.roles.PolicyWorker`.
 
-    Expects ``self.model`` (the trained module), ``self._version`` and ``self.placement``.
-    Only rank 0 stages and sends (every rank holds the same weights).
+    Expects ``self.model`` (the trained module), ``self._version``, ``self.placement``, ``self.rank`` and
+    ``self.engine`` (its :class:`~asyncrl.roles.strategy.TrainStrategy`). Rank 0 stages and sends; under
+    ``fsdp2`` every rank takes part in staging (each weight is gathered from its shards, one at a time, into
+    rank 0's host buffer), and the staged copy lives in host memory except for ``local``.
     """
 
     model: torch.nn.Module
     _version: int
     placement: Any
+    rank: int
+    engine: TrainStrategy
     _channel: "WeightChannel | None" = None
     _channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
     _owner: str | None = None
@@ -369,15 +377,42 @@ class WeightSource:
             self._owner = new_owner_id()
         return self._owner
 
-    def _state_for(self, dtype: str | torch.dtype | None, device: torch.device | str) -> dict[str, torch.Tensor]:
+    def _state_for(self, own: Mapping[str, torch.Tensor], dtype: str | torch.dtype | None,
+                   device: torch.device | str) -> dict[str, torch.Tensor]:
         dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
         with torch.no_grad():
-            return untied(self.model.state_dict(), lambda k, v: _cast(v, dt, device))
+            return untied(own, lambda k, v: _cast(v, dt, device))
 
-    def _reused(self, own: Mapping[str, torch.Tensor],
-                layout: list[tuple[str, tuple[int, ...], str]]) -> dict[str, torch.Tensor] | None:
-        """`own` copied (cast) into a retired snapshot of `layout` (:meth:`_Snapshots.reuse`), or None."""
-        state = SNAPSHOTS.reuse(self._owner_id(), layout, self.placement.device)
+    def _gathered(self, dtype: torch.dtype | None) -> PackedState | None:
+        """The whole weights (floating ones in `dtype`) in rank 0's host buffer, gathered from the FSDP2 shards
+        one tensor at a time (every rank runs this; the others return None). The buffer is kept across versions:
+        what reads it (``ray.put``, a snapshot copy) has copied it before the next gather."""
+        state = self.model.state_dict()
+        plan = PackedState.plan(state, dtype)
+        if plan is None:
+            raise WeightSyncError(f"a weight's dtype cannot be staged from shards (dtypes {sorted({str(t.dtype) for t in state.values()})})")
+        entries, aliases, nbytes = plan
+        held = None
+        if self.rank == 0:
+            if self._cast_scratch is None:
+                self._cast_scratch = {}
+            held = self._cast_scratch.get("gathered")
+            if not isinstance(held, PackedState) or held.entries != entries or held.aliases != aliases:
+                held = self._cast_scratch["gathered"] = PackedState(torch.empty(nbytes, dtype=torch.uint8), entries,
+                                                                    aliases)
+        views = held.views() if held is not None else {}
+        with torch.no_grad():
+            for name, *_ in entries:  # the same order on every rank: each all-gather pairs up
+                whole = full_tensor(state[name])
+                if held is not None:
+                    views[name].copy_(whole)
+                del whole
+        return held
+
+    def _reused(self, own: Mapping[str, torch.Tensor], layout: list[tuple[str, tuple[int, ...], str]],
+                device: torch.device | str) -> dict[str, torch.Tensor] | None:
+        """`own` copied (cast) into a retired snapshot of `layout` on `device` (:meth:`_Snapshots.reuse`), or None."""
+        state = SNAPSHOTS.reuse(self._owner_id(), layout, device)
         if state is not None:
             done: set[int] = set()
             for k, t in state.items():
@@ -391,10 +426,10 @@ class WeightSource:
         """``{name: (shape, dtype)}`` of the weights as they would be exported."""
         return {n: (s, d) for n, s, d in layout_of(self.model.state_dict())}
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
     @computing  # the copy (cast) is compute: with num_threads="follow" it takes the cores left idle
     def stage_weights(self, transport: Literal["local", "collective", "object_store"] = "local",
-                      dtype: str | None = None, keep: int = 4) -> WeightHandle:
+                      dtype: str | None = None, keep: int = 4) -> WeightHandle | None:
         """Snapshot the current version and return its :class:`WeightHandle`.
 
         ``local``/``collective``: on this worker's device; `dtype` casts floating tensors (e.g. the
@@ -405,9 +440,26 @@ class WeightSource:
         if transport not in ("local", "collective", "object_store"):
             raise ValueError("stage_weights transport must be 'local', 'collective' or 'object_store', "
                              f"got {transport!r}")
-        if transport == "object_store":
+        sharded = self.engine.sharded
+        if sharded:  # every rank gathers; rank 0 stages from its host copy
+            cast = dtype if transport == "object_store" else None  # (the others cast into their snapshot)
+            held = self._gathered(_DTYPE[cast] if isinstance(cast, str) else cast)
+            if held is None:
+                return None
+            own = held.views()
+        elif self.rank != 0:
+            return None  # every rank holds the weights: rank 0 alone stages them
+        else:
             own = self._own_state()
+        if transport == "object_store":
             dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
+            if sharded and _in_ray_worker():
+                import ray
+
+                stored = ray.put(held)  # the gather already wrote (and cast) the one packed buffer
+                return WeightHandle(version=self._version, transport="object_store", owner=self._owner_id(),
+                                    pid=os.getpid(), channel=None, num_tensors=len(own),
+                                    nbytes=sum(v.numel() * v.element_size() for v in own.values()), stored=stored)
             if self._cast_scratch is None:
                 self._cast_scratch = {}
             stored = store_state(own, dt, self._cast_scratch)
@@ -422,21 +474,21 @@ class WeightSource:
                 raise WeightSyncError("stage_weights('collective') needs an open weight channel: call "
                                       "open_weight_channel(policy, rollout) first")
             channel = self._channel.name
+            device = "cpu" if sharded else self.placement.device  # sharded: no whole copy on the device
             with torch.no_grad():
-                own = self._own_state()
                 if self._bucketed_snapshots:  # one copy, already in the buckets send_weights broadcasts
-                    state = self._reused(own, self._channel_layout) or bucketed_snapshot(
-                        own, self._channel_layout, self._channel.bucket_bytes, self.placement.device)
+                    state = self._reused(own, self._channel_layout, device) or bucketed_snapshot(
+                        own, self._channel_layout, self._channel.bucket_bytes, device)
                 else:
                     dtypes = {n: _DTYPE[d] for n, _, d in self._channel_layout}
-                    state = {k: _cast(v, dtypes.get(k), self.placement.device) for k, v in own.items()}
+                    state = {k: _cast(v, dtypes.get(k), device) for k, v in own.items()}
         else:
             dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
             with torch.no_grad():
-                own = self._own_state()
                 layout = [(n, s, str(dt).removeprefix("torch.") if dt is not None and own[n].is_floating_point() else d)
                           for n, s, d in layout_of(own)]
-                state = self._reused(own, layout) or self._state_for(dtype, self.placement.device)
+                state = (self._reused(own, layout, self.placement.device)
+                         or self._state_for(own, dtype, self.placement.device))
         SNAPSHOTS.put(self._owner_id(), self._version, state, keep)
         return WeightHandle(version=self._version, transport=transport, owner=self._owner_id(), pid=os.getpid(),
                             channel=channel, num_tensors=len(state),

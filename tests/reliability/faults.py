@@ -91,20 +91,20 @@ class FaultyRollout(RolloutWorker):
         await super()._engine_load(state)
 
 
-class _HangingDP:
-    """Wraps the policy's gradient all-reduce: the point between backward and optimizer step."""
+class _HangingEngine:
+    """Wraps the policy's gradient clipping: the point between backward and optimizer step."""
 
-    def __init__(self, dp: Any, counter: _Counter) -> None:
-        self._dp, self._counter = dp, counter
+    def __init__(self, engine: Any, counter: _Counter) -> None:
+        self._engine, self._counter = engine, counter
 
-    def sum_grads(self, params: Any) -> None:
+    def clip_grad_norm(self, max_norm: Any) -> float:
         if self._counter.hit("update"):
             while True:  # a plain `def` method cannot be interrupted: only killing the process ends it
                 time.sleep(0.05)
-        self._dp.sum_grads(params)
+        return self._engine.clip_grad_norm(max_norm)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._dp, name)
+        return getattr(self._engine, name)
 
 
 class FaultyPolicy(PolicyWorker):
@@ -113,7 +113,7 @@ class FaultyPolicy(PolicyWorker):
 
     def __init__(self, *args: Any, fault: Fault | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.dp = _HangingDP(self.dp, _Counter(fault))
+        self.engine = _HangingEngine(self.engine, _Counter(fault))
 
 
 @register_reward_fn("raises_on_third_batch", replace=True)
@@ -145,16 +145,16 @@ class DelayedRollout(RolloutWorker):
         await super()._run_job(job)
 
 
-class _DelayedDP:
-    def __init__(self, dp: Any, rng: random.Random, max_delay: float) -> None:
-        self._dp, self._rng, self._max_delay = dp, rng, max_delay
+class _DelayedEngine:
+    def __init__(self, engine: Any, rng: random.Random, max_delay: float) -> None:
+        self._engine, self._rng, self._max_delay = engine, rng, max_delay
 
-    def sum_grads(self, params: Any) -> None:
+    def clip_grad_norm(self, max_norm: Any) -> float:
         time.sleep(self._rng.uniform(0, self._max_delay))
-        self._dp.sum_grads(params)
+        return self._engine.clip_grad_norm(max_norm)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._dp, name)
+        return getattr(self._engine, name)
 
 
 class DelayedPolicy(PolicyWorker):
@@ -162,4 +162,4 @@ class DelayedPolicy(PolicyWorker):
 
     def __init__(self, *args: Any, delay_seed: int = 0, max_delay: float = 0.2, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.dp = _DelayedDP(self.dp, random.Random(delay_seed), max_delay)
+        self.engine = _DelayedEngine(self.engine, random.Random(delay_seed), max_delay)

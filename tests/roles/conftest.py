@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncrl.roles import ModelConfig, tiny_tokenizer, toy_dataset
+from asyncrl.roles import ModelConfig, PolicyWorker, RolloutConfig, RolloutWorker, tiny_tokenizer, toy_dataset
 
 
 def _prompt_batch(task: str = "char_class", n: int = 4, repeat: int = 1, seed: int = 0) -> TensorDict:
@@ -67,3 +67,27 @@ async def _channel_sender(rollout, name: str):
 def channel_sender():
     """``await channel_sender(rollout, name)``: the in-process sender of a 2-rank gloo channel `rollout` joined."""
     return _channel_sender
+
+
+@pytest.fixture(scope="module")
+async def uneven_batch(model_config, prompt_batch):
+    """8 rows: rank 0 of two gets rows 0-3 with their full responses, rank 1 rows 4-7 cut to one token."""
+    b = (await RolloutWorker(model_config, RolloutConfig(max_new_tokens=6)).generate(prompt_batch(n=4, repeat=2)))
+    b = b.clone(False)
+    P = b["prompt_ids"].shape[1]
+    mask = b["response_mask"].clone()
+    mask[4:, 1:] = 0
+    b["response_mask"] = mask
+    b["attention_mask"] = torch.cat([b["prompt_mask"], mask], 1)
+    b.update(PolicyWorker(model_config).compute_log_prob(b))
+    g = torch.Generator().manual_seed(0)
+    noise = lambda: torch.randn(mask.shape, generator=g) * 0.3 * mask  # noqa: E731
+    b["rollout_log_probs"] = b["old_log_probs"] + noise()  # importance weights around 1, some above the cap
+    b["ref_log_probs"] = b["old_log_probs"] + noise()
+    b["advantages"] = torch.randn(mask.shape, generator=g) * mask
+    b["values"] = torch.randn(mask.shape, generator=g) * mask
+    b["returns"] = b["values"] + torch.randn(mask.shape, generator=g) * mask
+    b["scores"] = torch.randn(8, generator=g)
+    tokens = mask.sum(1)
+    assert tokens[:4].sum() >= 4 * tokens[4:].sum() and P > 0  # very unequal shards
+    return b

@@ -1,0 +1,167 @@
+"""The training strategies on real Ray: ``fsdp2`` at 2 ranks trains like ``ddp`` at 2 ranks and like one rank.
+
+Two colocated Ray processes hold a ddp policy, an fsdp2 policy, an fsdp2 critic and an fsdp2 reference
+(gloo between them); the one-rank references run in this process. The batch's two shards hold very
+different token counts, so an average of per-rank gradients (instead of their sum of global shares)
+would not match.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import pytest
+import ray
+import torch
+
+import asyncrl
+from asyncrl import Dispatch, register
+from asyncrl.roles import CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
+from asyncrl.roles.functional import LOSS_AGG_MODES
+
+
+class StrategyProbe(PolicyWorker):
+    """The policy plus what the tests read: its loss mode setter and the bytes it holds."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_loss_agg_mode(self, mode: str) -> None:
+        self.optim_config.loss_agg_mode = mode
+
+    @register(Dispatch.ONE_TO_ALL)
+    def held(self) -> dict:
+        """Elements of parameters, gradients and optimizer state this rank holds, and whether they are shards."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        params = [local(p) for p in self.model.parameters()]
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        optim = [local(v) for st in self.optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": sum(t.numel() for t in params), "grads": sum(t.numel() for t in grads),
+                "optim": sum(t.numel() for t in optim),
+                "sharded": any(isinstance(p, DTensor) for p in self.model.parameters())}
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this test module is not importable by workers
+
+OPTIM = OptimConfig(lr=1e-3, micro_batch_size=3, max_grad_norm=0.01, kl_coef=0.1, kl_loss_type="low_var_kl",
+                    entropy_coef=0.01, rollout_correction=RolloutCorrectionConfig(mode="tis", rollout_is_threshold=1.5))
+FSDP2 = replace(OPTIM, strategy="fsdp2")
+CRITIC = OptimConfig(lr=1e-3, micro_batch_size=3, max_grad_norm=0.01, strategy="fsdp2")
+
+
+@pytest.fixture(scope="module")
+async def ranks(ray_cluster, model_config):
+    col = asyncrl.colocate({"ddp": (StrategyProbe, (model_config, OPTIM), {}),
+                            "fsdp2": (StrategyProbe, (model_config, FSDP2), {}),
+                            "resumed": (StrategyProbe, (model_config, FSDP2), {}),
+                            "critic": (CriticWorker, (model_config, CRITIC), {}),
+                            "reference": (ReferenceWorker, (model_config,), {"strategy": "fsdp2",
+                                                                             "micro_batch_size": 3})},
+                           world_size=2, name="strategies")
+    await col.setup()
+    try:
+        yield col
+    finally:
+        await col.close()
+
+
+def _close(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=lambda m: f"{what}, {k}: {m}")
+
+
+async def test_fsdp2_at_two_ranks_trains_like_ddp_at_two_and_like_one_rank(ranks, model_config, uneven_batch):
+    """Every loss_agg_mode in turn, two clipped AdamW steps each: the weights of the three stay within 1e-6."""
+    one = StrategyProbe(model_config, replace(OPTIM, strategy="fsdp2"))  # one rank: the plain model either way
+    _, start = one.export_weights()
+    for mode in LOSS_AGG_MODES:
+        one.set_loss_agg_mode(mode)
+        await ranks["ddp"].set_loss_agg_mode(mode)
+        await ranks["fsdp2"].set_loss_agg_mode(mode)
+        for _ in range(2):
+            m1 = one.update(uneven_batch)
+            md = await ranks["ddp"].update(uneven_batch)
+            mf = await ranks["fsdp2"].update(uneven_batch)
+            assert m1["grad_norm"] > OPTIM.max_grad_norm  # clipping is live
+            for k, v in m1.items():
+                assert md[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (mode, "ddp", k)
+                assert mf[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (mode, "fsdp2", k)
+            assert mf[0] == mf[1]  # metrics are of the whole batch on every rank
+        v1, w1 = one.export_weights()
+        vd, wd = await ranks["ddp"].export_weights()
+        vf, wf = await ranks["fsdp2"].export_weights()
+        assert v1 == vd == vf
+        _close(w1, wd, f"ddp after {mode}")
+        _close(w1, wf, f"fsdp2 after {mode}")
+    assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 5e-3  # the weights did move
+
+
+async def test_fsdp2_holds_half_of_the_replicated_model_per_rank(ranks, uneven_batch):
+    await ranks["ddp"].update(uneven_batch)
+    await ranks["fsdp2"].update(uneven_batch)
+    ddp = await ranks["ddp"].held()
+    fsdp = await ranks["fsdp2"].held()
+    assert not ddp[0]["sharded"] and fsdp[0]["sharded"] and fsdp[1]["sharded"]
+    for part in ("params", "grads", "optim"):
+        assert fsdp[0][part] + fsdp[1][part] == ddp[0][part], part  # every element once, over the two ranks
+        assert max(fsdp[0][part], fsdp[1][part]) <= 0.55 * ddp[0][part], part  # 1/2 of a replica (+10 %)
+
+
+async def test_fsdp2_critic_and_reference_compute_what_one_rank_does(ranks, model_config, uneven_batch):
+    one = CriticWorker(model_config, replace(CRITIC, strategy="ddp"))
+    for _ in range(2):
+        m1 = one.update(uneven_batch)
+        m2 = await ranks["critic"].update(uneven_batch)
+        for k, v in m1.items():
+            assert m2[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    torch.testing.assert_close((await ranks["critic"].compute_values(uneven_batch))["values"],
+                               one.compute_values(uneven_batch)["values"], rtol=0, atol=1e-6)
+    ref1 = ReferenceWorker(model_config, micro_batch_size=3).compute_ref_log_prob(uneven_batch)
+    ref2 = await ranks["reference"].compute_ref_log_prob(uneven_batch)
+    torch.testing.assert_close(ref2["ref_log_probs"], ref1["ref_log_probs"], rtol=0, atol=1e-6)
+    assert await ranks["reference"].weights_checksum() == ReferenceWorker(model_config).weights_checksum()
+
+
+async def test_an_fsdp2_checkpoint_resumes_at_another_rank_count_and_trains_on_like_the_uninterrupted_run(
+        ranks, model_config, uneven_batch, tmp_path):
+    """2 ranks -> 1 rank -> 2 ranks: each load reshards (torch.distributed.checkpoint) and the next update
+    gives the weights of the run that never stopped."""
+    two = ranks["fsdp2"]
+    await two.update(uneven_batch)
+    (await two.save(str(tmp_path / "two")))
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["dcp", "meta.json"]
+    one = StrategyProbe(model_config, FSDP2)
+    version = one.load(str(tmp_path / "two"))
+    v2, w2 = await two.export_weights()
+    assert version == v2
+    _close(one.export_weights()[1], w2, "loaded at one rank")  # the same weights ...
+    one.update(uneven_batch)
+    await two.update(uneven_batch)
+    _close(one.export_weights()[1], (await two.export_weights())[1], "one step after 2 -> 1")  # ... and Adam state
+    one.save(str(tmp_path / "one"))
+    assert await ranks["resumed"].load(str(tmp_path / "one")) == [version + 1, version + 1]
+    await ranks["resumed"].update(uneven_batch)
+    await two.update(uneven_batch)
+    _close((await ranks["resumed"].export_weights())[1], (await two.export_weights())[1], "one step after 1 -> 2")
+
+
+def test_a_checkpoint_of_the_other_strategy_is_refused_naming_both(model_config, tmp_path):
+    PolicyWorker(model_config, FSDP2).save(str(tmp_path / "sharded"))
+    with pytest.raises(CheckpointFormatError, match=r"written with strategy='fsdp2'.*runs strategy='ddp'; resume "
+                                                    r"with strategy='fsdp2'"):
+        PolicyWorker(model_config, OPTIM).load(str(tmp_path / "sharded"))
+    PolicyWorker(model_config, OPTIM).save(str(tmp_path / "whole"))
+    with pytest.raises(CheckpointFormatError, match=r"written with strategy='ddp'.*runs strategy='fsdp2'"):
+        PolicyWorker(model_config, FSDP2).load(str(tmp_path / "whole"))
+
+
+def test_a_bad_strategy_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match=r"strategy must be one of \['ddp', 'fsdp2'\], got 'fsdp'"):
+        OptimConfig(strategy="fsdp").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2"):
+        OptimConfig(fsdp_offload=True).validate()

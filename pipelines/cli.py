@@ -287,7 +287,10 @@ def _export(args: argparse.Namespace) -> int:
     from asyncrl.pipelines.export import export_policy
     from asyncrl.roles import RolesError
 
+    from transformers.utils import logging as hf_logging
+
     prog = "asyncrl export"
+    hf_logging.disable_progress_bar()  # one line on success, not a bar per file loaded and written
     try:
         result = export_policy(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
     except ConfigError as e:  # CheckpointError included: no run, no such step, a corrupt checkpoint, --out taken

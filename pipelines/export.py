@@ -70,6 +70,9 @@ def read_policy_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 def find_checkpoint(run: str | Path, step: int | None = None) -> Path:
     """The checkpoint of run directory `run` taken after `step` steps (None: the newest complete one)."""
     run = Path(run)
+    if run.parent.name == "checkpoints" and run.name.removeprefix("step_").isdigit():
+        raise CheckpointError(f"{str(run)!r} is a checkpoint, not a run directory: pass its run and step, "
+                              f"asyncrl export {run.parent.parent} --step {int(run.name.removeprefix('step_'))}")
     if not run.is_dir() or not any((run / n).exists() for n in ("checkpoints", "metrics.jsonl", "journal.jsonl")):
         why = "does not exist" if not run.exists() else "is not a run directory"
         raise CheckpointError(f"{str(run)!r} {why}: pass a run's trainer.output_dir (it holds checkpoints/ and "
@@ -107,6 +110,7 @@ def export_policy(run: str | Path, out: str | Path, *, step: int | None = None, 
     model = build_model(replace(model_cfg, dtype="float32"), tokenizer).to(target)
     _load_exactly(model, weights, ckpt)
     dest = out.resolve()
+    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -134,19 +138,24 @@ def _check_out(out: Path, *, force: bool, keep: Path) -> Path:
         if keep.resolve().is_relative_to(out.resolve()):
             raise ConfigError(f"--out {str(out)!r} holds the checkpoint being exported ({keep}); --force would "
                               "delete it: pick another directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
     return out
 
 
 def _stored_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
     """The one floating dtype of the stored weights (float32 when they mix dtypes: every one fits)."""
     found = {t.dtype for t in weights.values() if t.is_floating_point()}
-    return found.pop() if len(found) == 1 and next(iter(found)) in DTYPES.values() else torch.float32
+    if len(found) == 1 and (only := found.pop()) in DTYPES.values():
+        return only
+    return torch.float32
 
 
 def _load_exactly(model: nn.Module, weights: dict[str, torch.Tensor], ckpt: Path) -> None:
     """Copy `weights` into `model`; every name of the model must be filled (a tied one through its twin)."""
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # a shape that differs
+        raise CheckpointError(f"the policy weights of checkpoint {str(ckpt)!r} do not fit the model its config "
+                              f"describes: {str(e).strip().splitlines()[-1].strip()}") from None
     slots = model.state_dict(keep_vars=True)
     filled = {id(slots[k]) for k in weights if k in slots}
     missing = [k for k in missing if id(slots[k]) not in filled]

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncrl.pipelines import export
-from asyncrl.pipelines.checkpoint import CheckpointError, checkpoint_dir
+from asyncrl.pipelines.checkpoint import CheckpointError, checkpoint_dir, write_manifest
 from asyncrl.pipelines.cli import main
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
@@ -111,6 +111,9 @@ def test_bad_inputs_exit_2_with_one_line_naming_the_fix(run, tmp_path, capsys):
     (tmp_path / "plain").mkdir()
     assert "is not a run directory" in _fails(["export", str(tmp_path / "plain"), "--out", out], capsys)
 
+    err = _fails(["export", str(checkpoint_dir(run, 1)), "--out", out], capsys)
+    assert err.endswith(f"is a checkpoint, not a run directory: pass its run and step, asyncrl export {run} --step 1")
+
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "metrics.jsonl").write_text("")
@@ -142,3 +145,76 @@ def test_a_checkpoint_without_policy_weights_names_the_formats_looked_for(tmp_pa
     (tmp_path / "policy").mkdir()
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*safetensors.*model_dcp.*torch\.distributed"):
         export.read_policy_state(tmp_path)
+
+
+def _checkpoint_of(model, run, model_cfg):
+    """A checkpoint at step 1 of `run` holding `model`'s weights as PolicyWorker.save stores them."""
+    from safetensors.torch import save_model
+
+    from tests.pipelines.test_checkpoint import _fake_checkpoint
+
+    cfg = tiny_test()
+    cfg.model = model_cfg
+    d = _fake_checkpoint(run, cfg)
+    save_model(model, str(d / "policy" / "model.safetensors"))
+    write_manifest(d)
+    return d
+
+
+def test_an_untied_model_is_exported_with_every_weight_under_its_own_name(tmp_path):
+    from asyncrl.roles.models import ModelConfig, load_model
+
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=3)
+    model, _ = load_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # not what the skeleton (same seed) starts from
+    d = _checkpoint_of(model, tmp_path / "run", cfg)
+    export.export_policy(tmp_path / "run", tmp_path / "hf")
+    stored = load_file(str(d / "policy" / "model.safetensors"))
+    loaded, state = _exported_state(tmp_path / "hf")
+    assert loaded.config.tie_word_embeddings is False and "lm_head.weight" in stored
+    assert set(state) == set(stored)
+    for name, t in stored.items():
+        assert torch.equal(state[name].view(torch.int32), t.view(torch.int32)), name
+
+
+@pytest.mark.slow
+def test_smollm2_exports_with_its_tie_and_chat_template(tmp_path):
+    from tests.roles.test_smollm import _missing_extra
+
+    if _missing_extra():
+        pytest.skip(f"needs the smollm extra (missing {_missing_extra()}): bash scripts/setup.sh smollm")
+    from transformers import AutoTokenizer
+
+    from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
+    from asyncrl.roles.models import ModelConfig, load_model
+
+    cfg = ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, num_threads=2)
+    model, tok = load_model(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # the tie: the embedding doubles too
+    _checkpoint_of(model, tmp_path / "run", cfg)
+    export.export_policy(tmp_path / "run", tmp_path / "hf")
+    loaded, _ = _exported_state(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert exported.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_weights_of_another_architecture_are_refused_naming_the_mismatch(tmp_path):
+    from asyncrl.roles.models import ModelConfig, load_model
+
+    small = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    model, _ = load_model(small)
+    d = _checkpoint_of(model, tmp_path / "run", small)
+    state = json.loads((d / "state.json").read_text())
+    state["config"]["model"]["intermediate_size"] = 48  # the config no longer describes the weights
+    (d / "state.json").write_text(json.dumps(state))
+    write_manifest(d)
+    with pytest.raises(CheckpointError, match=r"do not fit the model its config describes: .*mlp"):
+        export.export_policy(tmp_path / "run", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -30,7 +30,7 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from asyncrl.pipelines.configlib import ConfigError
 
-__all__ = ["CheckpointError", "checkpoint_dir", "latest_checkpoint", "resolve_resume", "read_state", "verify",
+__all__ = ["CheckpointError", "checkpoint_dir", "checkpoints", "latest_checkpoint", "resolve_resume", "read_state", "verify",
            "fsync_tree", "file_sha256", "write_manifest", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]
 
 _PREFIX = "step_"
@@ -50,12 +50,17 @@ def _complete(p: Path) -> bool:
     return p.is_dir() and p.name.startswith(_PREFIX) and ".tmp" not in p.name and (p / "state.json").is_file()
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under `output_dir` (None when there is none)."""
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints under `output_dir`, oldest first (unfinished ``.tmp`` ones left out)."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if _complete(p))
+        return []
+    return sorted(p for p in root.iterdir() if _complete(p))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under `output_dir` (None when there is none)."""
+    done = checkpoints(output_dir)
     return done[-1] if done else None
 
 

@@ -1,4 +1,5 @@
-"""``asyncrl train`` (the main job) and ``asyncrl replay`` (re-run a run from its journal).
+"""``asyncrl train`` (the main job), ``asyncrl replay`` (re-run a run from its journal) and ``asyncrl export``
+(a run's policy as a Hugging Face model directory).
 
 ::
 
@@ -6,6 +7,7 @@
     asyncrl train --config run.yaml trainer.steps=60 actor.lr=1e-3
     asyncrl train --resume runs/grpo_toy           # continue that run, in that directory
     asyncrl replay runs/grpo_toy                   # the same run again from its journal, bit for bit
+    asyncrl export runs/grpo_toy --out policy_hf   # the trained policy as a Hugging Face model directory
 
 Every setting is checked (unknown keys, impossible values, unregistered reward functions
 and engines, missing paths, a resume from another config, corrupt checkpoint files)
@@ -56,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run", metavar="RUN", help="the run directory (holding journal.jsonl and metrics.jsonl)")
     r.add_argument("--output-dir", metavar="DIR", help="where the replay writes its outputs (default RUN/replay)")
     r.add_argument("--progress", action="store_true", help="show a progress bar")
+    e = sub.add_parser("export", help="write a run's trained policy as a Hugging Face model directory",
+                       description="Write the policy of one of RUN's checkpoints (verified against its manifest) as "
+                                   "a Hugging Face model directory: config.json, generation_config.json, "
+                                   "model.safetensors and the tokenizer files, for AutoModelForCausalLM / "
+                                   "AutoTokenizer.from_pretrained(DIR).")
+    e.add_argument("run", metavar="RUN", help="the run directory (its trainer.output_dir, holding checkpoints/)")
+    e.add_argument("--step", type=int, metavar="N", help="export the checkpoint taken after N steps "
+                                                         "(default: the newest complete one)")
+    e.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist or be empty)")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the exported weights (default: as stored in the checkpoint)")
+    e.add_argument("--force", action="store_true", help="overwrite DIR when it exists and is not empty")
     return p
 
 
@@ -89,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
     if args.command == "replay":
         return _replay(args)
+    if args.command == "export":
+        return _export(args)
     return _train(args)
 
 
@@ -264,6 +280,28 @@ def _replay(args: argparse.Namespace) -> int:
                f"{len(diffs)} metric differences{first}"
                + ("" if result.versions == result.original_versions else "; batch versions differ"))
     return 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    from asyncrl.pipelines.config import ConfigError
+    from asyncrl.pipelines.export import export_policy
+    from asyncrl.roles import RolesError
+
+    from transformers.utils import logging as hf_logging
+
+    prog = "asyncrl export"
+    hf_logging.disable_progress_bar()  # one line on success, not a bar per file loaded and written
+    try:
+        result = export_policy(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
+    except ConfigError as e:  # CheckpointError included: no run, no such step, a corrupt checkpoint, --out taken
+        _say(prog, f"error: {e}")
+        return 2
+    except RolesError as e:  # the model's tokenizer or files are missing here
+        _say(prog, f"error: {type(e).__name__}: {e}")
+        return 2
+    _say(prog, f"wrote the policy of {result.checkpoint} (step {result.step}, {result.dtype}) to {result.out}; "
+               f"load it with AutoModelForCausalLM.from_pretrained({str(result.out)!r})")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,172 @@
+"""``asyncrl export``: a run's trained policy as a Hugging Face model directory.
+
+::
+
+    checkpoint (newest complete one, or step N) -> verify against manifest.json
+        -> ModelConfig from state.json's config -> tokenizer + model skeleton
+        -> the checkpoint's policy weights loaded in (read_policy_state), cast to the dtype asked
+        -> OUT.tmp-<pid>/ (config.json, generation_config.json, model.safetensors, tokenizer files)
+        -> renamed to OUT
+
+The result loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and
+``AutoTokenizer.from_pretrained(OUT)``, offline. Every check (the run directory, the step,
+the manifest, the output directory) runs before anything is written; a failed check raises
+:class:`CheckpointError` or :class:`ConfigError` with the fix, which the command line prints
+as one line with exit status 2. Nothing here starts Ray or a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from asyncrl.pipelines import configlib
+from asyncrl.pipelines.checkpoint import CheckpointError, checkpoint_dir, checkpoints, verify
+from asyncrl.pipelines.configlib import ConfigError
+from asyncrl.roles.models import ModelConfig, build_model, tokenizer_for
+
+__all__ = ["DTYPES", "ExportResult", "export_policy", "find_checkpoint", "read_policy_state"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtypes ``--dtype`` may name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    """What :func:`export_policy` wrote."""
+
+    out: Path
+    """The Hugging Face model directory."""
+    checkpoint: Path
+    """The checkpoint its weights came from."""
+    step: int
+    """The training steps done when that checkpoint was taken."""
+    dtype: str
+    """The dtype of the exported floating-point weights (``float32``, ``bfloat16``, ``float16``)."""
+
+
+def read_policy_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The policy's weights in checkpoint `ckpt_dir`, by ``state_dict`` name, as stored.
+
+    Names that share one tensor (tied weights) are stored once, so all but one of them may be
+    absent. The one place that knows the stored formats: ``policy/model.safetensors``
+    (``PolicyWorker.save``). Raises :class:`CheckpointError` when it finds no format it reads."""
+    policy = Path(ckpt_dir) / "policy"
+    single = policy / "model.safetensors"
+    if single.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(single))
+    raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} holds no policy weights in a format this version reads: "
+                          f"no {str(single)!r} (safetensors, written by PolicyWorker.save) and no "
+                          f"{str(policy / 'model_dcp')!r} (sharded, torch.distributed.checkpoint)")
+
+
+def find_checkpoint(run: str | Path, step: int | None = None) -> Path:
+    """The checkpoint of run directory `run` taken after `step` steps (None: the newest complete one)."""
+    run = Path(run)
+    if run.parent.name == "checkpoints" and run.name.removeprefix("step_").isdigit():
+        raise CheckpointError(f"{str(run)!r} is a checkpoint, not a run directory: pass its run and step, "
+                              f"asyncrl export {run.parent.parent} --step {int(run.name.removeprefix('step_'))}")
+    if not run.is_dir() or not any((run / n).exists() for n in ("checkpoints", "metrics.jsonl", "journal.jsonl")):
+        why = "does not exist" if not run.exists() else "is not a run directory"
+        raise CheckpointError(f"{str(run)!r} {why}: pass a run's trainer.output_dir (it holds checkpoints/ and "
+                              "metrics.jsonl), e.g. runs/grpo_toy")
+    done = checkpoints(run)
+    if not done:
+        raise CheckpointError(f"run {str(run)!r} has no complete checkpoint to export; train with one written at the "
+                              "end: asyncrl train ... trainer.checkpoint_at_end=true (or trainer.checkpoint_every=N)")
+    if step is None:
+        return done[-1]
+    want = checkpoint_dir(run, step)
+    if want not in done:
+        steps = ", ".join(str(int(p.name.removeprefix("step_"))) for p in done)
+        raise CheckpointError(f"run {str(run)!r} has no complete checkpoint of step {step} "
+                              f"({want.name}); its checkpoints are of steps: {steps}")
+    return want
+
+
+def export_policy(run: str | Path, out: str | Path, *, step: int | None = None, dtype: str | None = None,
+                  force: bool = False) -> ExportResult:
+    """Write the policy of `run`'s checkpoint (`step`, default the newest) as a Hugging Face model
+    directory `out`, in `dtype` (default: as stored; float32 stays bit for bit).
+
+    `out` must not exist or be empty, unless `force` (then it is replaced once the export is written)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    ckpt = find_checkpoint(run, step)
+    state = verify(ckpt)
+    model_cfg = _model_config(ckpt, state.get("config"))
+    out = _check_out(Path(out), force=force, keep=ckpt)
+    weights = read_policy_state(ckpt)
+    target = DTYPES[dtype] if dtype is not None else _stored_dtype(weights)
+
+    tokenizer = tokenizer_for(model_cfg)
+    model = build_model(replace(model_cfg, dtype="float32"), tokenizer).to(target)
+    _load_exactly(model, weights, ckpt)
+    dest = out.resolve()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    name = next(k for k, v in DTYPES.items() if v == target)
+    return ExportResult(out=out, checkpoint=ckpt, step=int(state["step"]), dtype=name)
+
+
+def _model_config(ckpt: Path, config: object) -> ModelConfig:
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} holds no model config in state.json, so the policy's "
+                              "architecture is unknown; it was written by an older asyncrl")
+    return configlib.from_dict(ModelConfig, config["model"], _path="model")
+
+
+def _check_out(out: Path, *, force: bool, keep: Path) -> Path:
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if not force:
+            raise ConfigError(f"--out {str(out)!r} exists and is not empty; pick another directory, or pass --force "
+                              "to overwrite it")
+        if keep.resolve().is_relative_to(out.resolve()):
+            raise ConfigError(f"--out {str(out)!r} holds the checkpoint being exported ({keep}); --force would "
+                              "delete it: pick another directory")
+    return out
+
+
+def _stored_dtype(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    """The one floating dtype of the stored weights (float32 when they mix dtypes: every one fits)."""
+    found = {t.dtype for t in weights.values() if t.is_floating_point()}
+    if len(found) == 1 and (only := found.pop()) in DTYPES.values():
+        return only
+    return torch.float32
+
+
+def _load_exactly(model: nn.Module, weights: dict[str, torch.Tensor], ckpt: Path) -> None:
+    """Copy `weights` into `model`; every name of the model must be filled (a tied one through its twin)."""
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # a shape that differs
+        raise CheckpointError(f"the policy weights of checkpoint {str(ckpt)!r} do not fit the model its config "
+                              f"describes: {str(e).strip().splitlines()[-1].strip()}") from None
+    slots = model.state_dict(keep_vars=True)
+    filled = {id(slots[k]) for k in weights if k in slots}
+    missing = [k for k in missing if id(slots[k]) not in filled]
+    if missing or unexpected:
+        raise CheckpointError(f"the policy weights of checkpoint {str(ckpt)!r} do not fit the model its config "
+                              f"describes: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    if out.is_dir():
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
+    os.rename(tmp, out)

@@ -110,10 +110,10 @@ def verify(ckpt: Path, *, hashes: bool = True) -> dict[str, Any]:
     missing = [k for k in _STATE_KEYS if k not in state]
     if missing or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} has a corrupt state.json (missing or bad {missing or ['step']})")
-    files = [ckpt / "buffer.pt", ckpt / "policy" / "model.safetensors", ckpt / "policy" / "optimizer.pt",
-             ckpt / "policy" / "meta.json"]
-    if (ckpt / "critic").exists() or state.get("config", {}).get("algorithm", {}).get("name") == "ppo":
-        files += [ckpt / "critic" / "model.safetensors", ckpt / "critic" / "optimizer.pt", ckpt / "critic" / "meta.json"]
+    config = state.get("config", {})
+    files = [ckpt / "buffer.pt", *role_files(ckpt / "policy", config.get("actor", {}).get("strategy", "ddp"))]
+    if (ckpt / "critic").exists() or config.get("algorithm", {}).get("name") == "ppo":
+        files += role_files(ckpt / "critic", config.get("critic", {}).get("strategy", "ddp"))
     if (ckpt / MANIFEST).exists():
         _verify_manifest(ckpt, files, hashes)
         return state
@@ -121,7 +121,9 @@ def verify(ckpt: Path, *, hashes: bool = True) -> dict[str, Any]:
 
     for f in files:
         try:
-            if f.suffix == ".safetensors":
+            if f.name == ".metadata" or f.suffix == ".distcp":
+                f.stat()
+            elif f.suffix == ".safetensors":
                 load_file(str(f))
             elif f.suffix == ".pt":
                 torch.load(f, weights_only=True)
@@ -131,6 +133,14 @@ def verify(ckpt: Path, *, hashes: bool = True) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint file {str(f)!r} is missing, truncated or corrupt "
                                   f"({type(e).__name__}: {str(e)[:200]}); resume from an older checkpoint") from None
     return state
+
+
+def role_files(role_dir: Path, strategy: str) -> list[Path]:
+    """The files a trained role's ``save`` writes: whole weights (``ddp``) or the index of its
+    ``torch.distributed.checkpoint`` shards (``fsdp2``; the shard files are listed in the manifest)."""
+    if strategy == "fsdp2":
+        return [role_dir / "dcp" / ".metadata", role_dir / "meta.json"]
+    return [role_dir / "model.safetensors", role_dir / "optimizer.pt", role_dir / "meta.json"]
 
 
 def _corrupt(f: Path, why: str) -> CheckpointError:

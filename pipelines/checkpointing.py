@@ -65,13 +65,26 @@ class Checkpointer:
     def _check_resume(self, path: Path) -> None:
         cfg = self._trainer.config
         state = ckpt.read_state(path)
+        saved = state.get("config") if isinstance(state.get("config"), dict) else {}
         if state.get("fingerprint") != config_fingerprint(cfg):
-            saved = state.get("config")
-            diff = fingerprint_diff(saved if isinstance(saved, dict) else {}, to_dict(cfg))
+            diff = fingerprint_diff(saved, to_dict(cfg))
+            hint = ""
+            strategies = [k for k in ("actor.strategy", "critic.strategy") if k in diff]
+            if strategies:
+                section, _, key = strategies[0].partition(".")
+                hint = (f"; its weights were saved with {strategies[0]}={saved.get(section, {}).get(key)!r} (any "
+                        "number of training ranks may load them), or export them (asyncrl export) to start a new run")
             raise ckpt.CheckpointError(
                 f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff) or '?'}); "
-                "resume with the same settings (only trainer.steps, output_dir, checkpointing and reporting may change)"
+                "resume with the same settings (only trainer.steps, output_dir, train_workers, checkpointing and "
+                f"reporting may change){hint}"
             )
+        was = saved.get("trainer", {}).get("train_workers", cfg.trainer.train_workers)
+        if cfg.trainer.colocated and was != cfg.trainer.train_workers:
+            raise ckpt.CheckpointError(
+                f"checkpoint {str(path)!r} was written with trainer.train_workers={was} and this resume asks for "
+                f"{cfg.trainer.train_workers}: with trainer.colocated=true that is the rollout pool's size too, which "
+                f"decides how each step's prompts are generated; resume with trainer.train_workers={was}")
         # Every file present with its recorded size, before any worker starts; the sha256 of each
         # is checked here too, unless an event loop is running (then setup() hashes in a thread).
         try:

@@ -500,9 +500,11 @@ _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every
                 "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",
                 "trainer.weight_sync", "trainer.weight_sync_timeout_s", "trainer.precompute_log_probs",
-                "trainer.event_loop"}
+                "trainer.event_loop", "trainer.train_workers"}
 """Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its
-own sampling seeds and never touches the training RNG)."""
+own sampling seeds and never touches the training RNG). ``trainer.train_workers``: training ranks train
+like one (both strategies' checkpoints load at any rank count); with ``colocated`` it is the rollout pool's
+size too, and the resume check refuses a change there."""
 
 
 def config_fingerprint(cfg: JobConfig) -> str:

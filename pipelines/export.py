@@ -54,17 +54,38 @@ def read_policy_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """The policy's weights in checkpoint `ckpt_dir`, by ``state_dict`` name, as stored.
 
     Names that share one tensor (tied weights) are stored once, so all but one of them may be
-    absent. The one place that knows the stored formats: ``policy/model.safetensors``
-    (``PolicyWorker.save``). Raises :class:`CheckpointError` when it finds no format it reads."""
+    absent. The one place that knows the stored formats: ``policy/model.safetensors`` (``ddp``)
+    and ``policy/dcp/`` (``fsdp2``: torch.distributed.checkpoint shards, read whole here, in one
+    process). Raises :class:`CheckpointError` when it finds no format it reads."""
     policy = Path(ckpt_dir) / "policy"
     single = policy / "model.safetensors"
     if single.is_file():
         from safetensors.torch import load_file
 
         return load_file(str(single))
+    sharded = policy / "dcp"
+    if (sharded / ".metadata").is_file():
+        return _read_dcp_model(sharded)
     raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} holds no policy weights in a format this version reads: "
                           f"no {str(single)!r} (safetensors, written by PolicyWorker.save) and no "
-                          f"{str(policy / 'model_dcp')!r} (sharded, torch.distributed.checkpoint)")
+                          f"{str(sharded)!r} (sharded, torch.distributed.checkpoint)")
+
+
+def _read_dcp_model(path: Path) -> dict[str, torch.Tensor]:
+    """The ``model`` part of a torch.distributed.checkpoint directory, each tensor whole, in this process."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    meta = reader.read_metadata().state_dict_metadata
+    model = {k.removeprefix("model."): torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "torch.distributed is not initialized: loading in one process" is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, storage_reader=reader)
+    return model
 
 
 def find_checkpoint(run: str | Path, step: int | None = None) -> Path:

@@ -143,7 +143,7 @@ def test_bad_inputs_exit_2_with_one_line_naming_the_fix(run, tmp_path, capsys):
 
 def test_a_checkpoint_without_policy_weights_names_the_formats_looked_for(tmp_path):
     (tmp_path / "policy").mkdir()
-    with pytest.raises(CheckpointError, match=r"model\.safetensors.*safetensors.*model_dcp.*torch\.distributed"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*safetensors.*policy/dcp.*torch\.distributed"):
         export.read_policy_state(tmp_path)
 
 

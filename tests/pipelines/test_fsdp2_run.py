@@ -1,0 +1,87 @@
+"""A training run with ``actor.strategy=fsdp2`` on 2 training ranks (real Ray, gloo): its weights reach the
+rollout gathered from the shards, its checkpoints are shards that a resume at 1 rank continues exactly,
+and ``asyncrl export`` writes the checkpoint's weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from asyncrl.pipelines.checkpoint import CheckpointError, checkpoint_dir
+from asyncrl.pipelines.cli import main
+from asyncrl.pipelines.export import read_policy_state
+from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.trainer import GRPOTrainer
+
+
+def _config(out, train_workers: int, steps: int):
+    cfg = tiny_test()
+    cfg.actor.strategy = "fsdp2"
+    cfg.trainer.train_workers = train_workers
+    cfg.trainer.steps = steps
+    cfg.trainer.checkpoint_every = 2
+    cfg.trainer.output_dir = str(out)
+    return cfg.validate()
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, tmp_path_factory):
+    """3 steps of fsdp2 at 2 training ranks (rollout on its own worker), checkpointed after steps 2 and 3."""
+    out = tmp_path_factory.mktemp("fsdp2") / "run"
+    GRPOTrainer(_config(out, 2, 3)).fit_sync()
+    return out
+
+
+def test_an_fsdp2_run_checkpoints_shards_and_syncs_gathered_weights(run):
+    ckpt = checkpoint_dir(run, 3)
+    meta = json.loads((ckpt / "policy" / "meta.json").read_text())
+    assert (meta["format"], meta["world_size"], meta["version"]) == ("dcp", 2, 3)
+    assert sorted(p.name for p in (ckpt / "policy" / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["version"] == r["step"] + 1 for r in rows)  # every step trained and synced a version
+
+
+def test_an_fsdp2_run_resumed_at_one_rank_continues_like_the_uninterrupted_run(run, tmp_path):
+    """2 -> 1 training ranks from the step-2 checkpoint: step 3 samples the same batch (its weights were
+    restored bit for bit) and trains it at one rank to the weights of the 2-rank run, within 1e-6."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shutil.rmtree(checkpoint_dir(copy, 3))
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    GRPOTrainer(_config(copy, 1, 3), resume=str(checkpoint_dir(copy, 2))).fit_sync()
+    assert json.loads((checkpoint_dir(copy, 3) / "policy" / "meta.json").read_text())["world_size"] == 1
+    whole, resumed = read_policy_state(checkpoint_dir(run, 3)), read_policy_state(checkpoint_dir(copy, 3))
+    assert whole.keys() == resumed.keys()
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    a, b = _metrics(run)[2], _metrics(copy)[2]
+    assert a["reward_mean"] == b["reward_mean"]  # the same sampled batch
+    assert b["pg_loss"] == pytest.approx(a["pg_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_a_resume_with_the_other_strategy_is_refused_naming_it(run):
+    cfg = _config(run, 2, 4)
+    cfg.actor.strategy = "ddp"
+    with pytest.raises(CheckpointError, match=r"differs in: actor\.strategy\).*saved with actor\.strategy='fsdp2'"):
+        GRPOTrainer(cfg.validate(), resume=str(run))
+
+
+def test_the_export_of_an_fsdp2_run_holds_the_gathered_checkpoint_weights(run, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    state = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).state_dict()
+    stored = read_policy_state(checkpoint_dir(run, 3))
+    assert set(state) == set(stored)
+    for k, t in state.items():
+        assert torch.equal(t, stored[k]), k

@@ -345,6 +345,10 @@ class JobConfig:
                               "(use local, or auto)")
         if not t.weight_sync_timeout_s > 0:
             raise ConfigError(f"trainer.weight_sync_timeout_s must be > 0, got {t.weight_sync_timeout_s}")
+        try:
+            self.rollout.validate("rollout")
+        except ValueError as e:  # EpisodeConfigError too: the message names the rollout.* key
+            raise ConfigError(str(e)) from e
         if self.rollout.sleep_level and not t.colocated:
             raise ConfigError(f"rollout.sleep_level={self.rollout.sleep_level} releases the rollout's memory while "
                               "the policy trains on the same GPU: it needs trainer.colocated=true (set it to 0)")

@@ -63,6 +63,8 @@ def check_stream(job: Any) -> None:
     t = job.trainer
     if t.rollout_mode not in ("batch", "stream"):
         raise ConfigError(f"trainer.rollout_mode must be 'batch' or 'stream', got {t.rollout_mode!r}")
+    if t.rollout_weights not in ("auto", "fixed_lag", "latest"):
+        raise ConfigError(f"trainer.rollout_weights must be 'auto', 'fixed_lag' or 'latest', got {t.rollout_weights!r}")
     if t.rollout_mode != "stream":
         return
     why = "trainer.rollout_mode=stream"
@@ -70,10 +72,11 @@ def check_stream(job: Any) -> None:
         raise ConfigError(f"{why} keeps groups in flight while steps train, so some trajectories are one version "
                           "old: it needs trainer.max_staleness >= 1 (max_staleness=0 is the synchronous loop: use "
                           "rollout_mode=batch)")
-    if t.rollout_weights != "latest":
+    if t.weights_choice() != "latest":
         raise ConfigError(f"{why} loads each exported version as soon as it exists; "
                           f"trainer.rollout_weights={t.rollout_weights!r} pins batch t to version t - max_staleness, "
-                          "which streaming has no batches for. Set trainer.rollout_weights=latest")
+                          "which streaming has no batches for. Leave trainer.rollout_weights at auto (streaming "
+                          "implies latest) or set it to latest")
     B = job.prompts_per_step
     cap = t.stream.max_groups_in_flight
     if cap is not None and cap < B:

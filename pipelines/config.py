@@ -132,16 +132,17 @@ class TrainerConfig:
     max_staleness: int = 1
     """How many versions rollout may run ahead: 0 is on-policy (the synchronous loop); k lets the
     batch of step t be generated with weights t-k."""
-    rollout_weights: Literal["fixed_lag", "latest"] = "fixed_lag"
+    rollout_weights: Literal["auto", "fixed_lag", "latest"] = "auto"
     """``fixed_lag``: batch t is always generated with version max(0, t - max_staleness), so a run
     is reproducible and equals the k-step-off-policy loop; ``latest``: the newest version
-    available when the batch starts (never older than that)."""
+    available when the batch starts (never older than that). ``auto`` follows the mode: ``latest``
+    with ``rollout_mode=stream`` (its only choice), else ``fixed_lag`` (:meth:`weights_choice`)."""
     buffer_capacity: int | None = None
     """Batches the rollout→train buffer holds; None = max_staleness + 1."""
     rollout_mode: Literal["batch", "stream"] = "batch"
     """``batch``: each step's prompts are generated as one batch; ``stream``: prompt groups are kept in
     flight, and a step trains the first finished groups that fill it, within ``max_staleness`` per
-    trajectory (docs/streaming.md; needs ``rollout_weights=latest``)."""
+    trajectory (docs/streaming.md; loads the newest weights: ``rollout_weights`` ``auto`` or ``latest``)."""
     stream: StreamConfig = field(default_factory=StreamConfig)
     """Settings of ``rollout_mode=stream``."""
     seed: int = 0
@@ -216,6 +217,12 @@ class TrainerConfig:
     step's ``advantages`` call, which waits for them, does. Off by default: measured no faster on the
     2-core development machine; off keeps the canonical per-batch
     stage order and a deadline on every stage."""
+
+    def weights_choice(self) -> Literal["fixed_lag", "latest"]:
+        """The resolved ``rollout_weights``: ``auto`` is ``latest`` in stream mode, else ``fixed_lag``."""
+        if self.rollout_weights == "auto":
+            return "latest" if self.rollout_mode == "stream" else "fixed_lag"
+        return self.rollout_weights
 
 
 @dataclass(kw_only=True)
@@ -345,6 +352,10 @@ class JobConfig:
                               "(use local, or auto)")
         if not t.weight_sync_timeout_s > 0:
             raise ConfigError(f"trainer.weight_sync_timeout_s must be > 0, got {t.weight_sync_timeout_s}")
+        try:
+            self.rollout.validate("rollout")
+        except ValueError as e:  # EpisodeConfigError too: the message names the rollout.* key
+            raise ConfigError(str(e)) from e
         if self.rollout.sleep_level and not t.colocated:
             raise ConfigError(f"rollout.sleep_level={self.rollout.sleep_level} releases the rollout's memory while "
                               "the policy trains on the same GPU: it needs trainer.colocated=true (set it to 0)")
@@ -509,15 +520,24 @@ size too, and the resume check refuses a change there."""
 
 def config_fingerprint(cfg: JobConfig) -> str:
     """A hash of every setting that changes what a step computes (a resume must match it)."""
-    flat = _flatten(configlib.to_dict(cfg))
+    flat = _resolved(_flatten(configlib.to_dict(cfg)))
     kept = {k: v for k, v in flat.items() if k not in _RESUME_FREE}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def fingerprint_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Dotted keys whose values differ between two config dicts (ignoring resume-free keys)."""
-    fa, fb = _flatten(a), _flatten(b)
+    fa, fb = _resolved(_flatten(a)), _resolved(_flatten(b))
     return sorted(k for k in set(fa) | set(fb) if k not in _RESUME_FREE and fa.get(k) != fb.get(k))
+
+
+def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
+    """`flat` with ``auto`` choices that follow the mode written as what they resolve to, so a run saved
+    with ``rollout_weights: fixed_lag`` (the default before ``auto``) keeps its fingerprint."""
+    if flat.get("trainer.rollout_weights") == "auto":
+        stream = flat.get("trainer.rollout_mode") == "stream"
+        flat = {**flat, "trainer.rollout_weights": "latest" if stream else "fixed_lag"}
+    return flat
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -115,8 +115,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, _path: str = "") -> T:
         kwargs[key] = _coerce(f"{_path}.{key}" if _path else key, hints[key], value)
     try:
         return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{_path or cls.__name__}: {e}") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a __post_init__ that checks its values: still one line, exit 2
+        raise ConfigError(f"{_path or cls.__name__}: {e}") from e
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -136,7 +136,7 @@ class BatchRollout:
             return s.rollout_version
         # fixed_lag: exactly `need`, except after a resume that extended a finished run, when
         # older weights are gone and the batch gets the (fresher) loaded ones
-        return max(need, s.rollout_version) if cfg.rollout_weights == "fixed_lag" else s.exported
+        return max(need, s.rollout_version) if cfg.weights_choice() == "fixed_lag" else s.exported
 
     async def _produce(self, i: int, version: int) -> RolloutBatch:
         """Load `version` if the engines are behind, evaluate it when due, generate batch `i` and

@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from .episodes import LLM, Sample, Trajectory
 from .errors import EpisodeConfigError
@@ -147,6 +147,9 @@ def environment_episode_for(name: str, *, max_turns: int | None = None, tokens_p
     them (it then sees the loop's limits), else to 4 and 16."""
     if name not in _ENVS:
         make_environment(name)  # the unknown-name error
+    if env_kwargs is not None and not isinstance(env_kwargs, Mapping):
+        raise EpisodeConfigError(f"environment {name!r}: env_kwargs must be a mapping of its options, got "
+                                 f"{env_kwargs!r}")
     kwargs = dict(env_kwargs or {})
     accepts = inspect.signature(_ENVS[name]).parameters
     limits = {}
@@ -159,9 +162,14 @@ def environment_episode_for(name: str, *, max_turns: int | None = None, tokens_p
     if max_turns < 1 or tokens_per_turn < 1:
         raise EpisodeConfigError(f"environment {name!r}: need max_turns >= 1 and tokens_per_turn >= 1, got "
                                  f"{max_turns}, {tokens_per_turn}")
+    _check_options(name, set(env_kwargs or {}), tools is not None)
     if tools is not None:
         kwargs["tools"] = check_tools(list(tools))
-    make_environment(name, **kwargs)  # a bad option fails here, not in a worker
+    try:
+        make_environment(name, **kwargs)  # a bad option fails here, not in a worker
+    except TypeError as e:  # the constructor refused a value: a config error, named
+        raise EpisodeConfigError(f"environment {name!r} cannot be built with options {sorted(kwargs)}: "
+                                 f"{type(e).__name__}: {e}") from e
 
     async def episode(llm: LLM, sample: Sample) -> Trajectory:
         return await environment_episode(llm, sample, env=make_environment(name, **kwargs), max_turns=max_turns,
@@ -169,6 +177,23 @@ def environment_episode_for(name: str, *, max_turns: int | None = None, tokens_p
 
     episode.__qualname__ = f"environment:{name}"
     return episode
+
+
+def _check_options(name: str, given: set[str], tools: bool) -> None:
+    """An :class:`EpisodeConfigError` naming each ``env_kwargs`` key (or ``tools``) that the constructor of
+    environment `name` does not take, and the options it does take (none checked when it takes ``**kwargs``)."""
+    params = inspect.signature(_ENVS[name]).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # it checks its own options (Environment.__init__ refuses any)
+    accepted = sorted(n for n, p in params.items()
+                      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+    unknown = sorted(given - set(accepted))
+    if unknown:
+        raise EpisodeConfigError(f"environment {name!r} has no option {', '.join(map(repr, unknown))} "
+                                 f"(env_kwargs); it accepts {accepted or 'no options'}")
+    if tools and "tools" not in accepted:
+        raise EpisodeConfigError(f"environment {name!r} takes no tools (its constructor has no `tools` option); "
+                                 f"drop episode_kwargs.tools")
 
 
 class ToolEnvironment(Environment):

@@ -234,6 +234,10 @@ def episode_names() -> list[str]:
     return sorted(set(_EPISODES) | set(environments.environment_names()))
 
 
+_ENVIRONMENT_KWARGS = {"max_turns", "tokens_per_turn", "tools", "env_kwargs"}
+"""What ``episode_kwargs`` may hold for an environment (:func:`~asyncrl.roles.environments.environment_episode_for`)."""
+
+
 def resolve_episode(spec: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[LLM, Sample], Awaitable[Trajectory]]:
     """The episode `spec` names, with `kwargs` bound, checked before any worker starts.
 
@@ -247,6 +251,11 @@ def resolve_episode(spec: str, kwargs: Mapping[str, Any] | None = None) -> Calla
     if spec in _EPISODES:
         fn: Any = _EPISODES[spec]
     elif spec in environments.environment_names():
+        unknown = sorted(set(kwargs) - _ENVIRONMENT_KWARGS)
+        if unknown:
+            raise EpisodeConfigError(f"environment {spec!r}: unknown episode_kwargs {unknown}; it takes "
+                                     f"{sorted(_ENVIRONMENT_KWARGS)} (the environment's own options go in "
+                                     "env_kwargs)")
         return environments.environment_episode_for(spec, **kwargs)
     elif ":" in spec:
         mod, _, attr = spec.partition(":")

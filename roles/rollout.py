@@ -77,10 +77,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
     def __init__(self, model: ModelConfig, rollout: RolloutConfig | None = None) -> None:
         self.model_config = model
         self.config = rollout or RolloutConfig()
-        if self.config.sync_policy not in ("wait", "abort"):
-            raise ValueError(f"RolloutConfig.sync_policy must be 'wait' or 'abort', got {self.config.sync_policy!r}")
-        if self.config.sleep_level not in (0, 1, 2):
-            raise ValueError(f"RolloutConfig.sleep_level must be 0, 1 or 2, got {self.config.sleep_level!r}")
+        self.config.validate()  # the roles API's check point (a training run checked it before any worker)
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=False, who="RolloutWorker")
         built, self.tokenizer = load_model(model)

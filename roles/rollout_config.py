@@ -1,8 +1,8 @@
 """`RolloutConfig`: how a :class:`~asyncrl.roles.rollout.RolloutWorker` samples and syncs weights.
 
-Every setting is checked when the config is built (before any worker starts); the worker checks
-what needs its engine at construction. Import it from :mod:`asyncrl.roles` or
-:mod:`asyncrl.roles.rollout` (which re-exports it).
+:meth:`RolloutConfig.validate` checks every setting: the worker calls it when it is built (and checks
+what needs its engine), and ``JobConfig.validate`` before any worker starts. Import it from
+:mod:`asyncrl.roles` or :mod:`asyncrl.roles.rollout` (which re-exports it).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RolloutConfig:
     """Run a multi-turn episode per row instead of one generation (:mod:`asyncrl.roles.episodes`): a
     registered episode, a registered environment (``"char_class_retry"``, ``"calculator"``, your own) or
     ``"package.module:function"``. ``max_new_tokens`` is then the most tokens after the prompt (model and
-    environment together). Checked when the config is built, before any worker starts."""
+    environment together). Checked by :meth:`validate` (so before any worker starts in a training run)."""
     episode_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the episode; for an environment ``max_turns``, ``tokens_per_turn``,
     ``tools`` (tool names) and ``env_kwargs``."""
@@ -73,36 +73,61 @@ class RolloutConfig:
     """Partial rollout: most seconds a weight update waits for the engine to pause; past it the update
     raises :class:`~asyncrl.roles.errors.PauseDeadlineError` and nothing is loaded."""
 
-    def __post_init__(self) -> None:
+    def validate(self, section: str = "RolloutConfig") -> None:
+        """Raise ValueError (:class:`~asyncrl.roles.errors.EpisodeConfigError` for the episode) for a setting
+        no rollout worker can run with; each message names the field as ``{section}.{field}``.
+
+        The worker calls it when it is built; ``JobConfig.validate`` calls it with ``section="rollout"`` and
+        turns the error into a ``ConfigError``, so a run fails before any worker starts. Building the config
+        checks nothing: a value set after construction is checked all the same."""
+        s = section
         if self.episode is not None:
-            from .episodes import resolve_episode
+            self._check_episode(s)
+        for name in ("max_episodes_in_flight", "chunk_tokens"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"{s}.{name} must be an integer >= 1, got {v!r}")
+        if self.sync_policy not in ("wait", "abort"):
+            raise ValueError(f"{s}.sync_policy must be 'wait' or 'abort', got {self.sync_policy!r}")
+        if self.sleep_level not in (0, 1, 2) or isinstance(self.sleep_level, bool):
+            raise ValueError(f"{s}.sleep_level must be 0, 1 or 2, got {self.sleep_level!r}")
+        self._check_partial_rollout(s)
 
-            resolve_episode(self.episode, self.episode_kwargs)  # unknown names and non-async tools fail here
-        if self.max_episodes_in_flight < 1 or self.chunk_tokens < 1:
-            raise ValueError(f"RolloutConfig: max_episodes_in_flight and chunk_tokens must be >= 1, got "
-                             f"{self.max_episodes_in_flight}, {self.chunk_tokens}")
-        self._check_partial_rollout()
+    def _check_episode(self, s: str) -> None:
+        """Resolve the episode now: an unknown name, a module that does not import, a tool that is not async
+        or an option the environment does not take fail here, not in a worker."""
+        from .episodes import episode_names, resolve_episode
+        from .errors import EpisodeConfigError
 
-    def _check_partial_rollout(self) -> None:
+        # a registered name is fine by itself, so what fails is in its options
+        key = "episode_kwargs" if self.episode_kwargs and self.episode in episode_names() else "episode"
+        try:
+            resolve_episode(str(self.episode), self.episode_kwargs)
+        except (EpisodeConfigError, TypeError) as e:
+            raise EpisodeConfigError(f"{s}.{key}: {e}") from e
+
+    def _check_partial_rollout(self, s: str) -> None:
         from .engines.base import partial_rollout_modes
         from .engines.batcher import PARTIAL_ROLLOUT_MODES
 
         mode = self.partial_rollout
         if mode not in PARTIAL_ROLLOUT_MODES:
-            raise ValueError(f"RolloutConfig.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {mode!r}")
-        if not self.pause_deadline_s > 0:
-            raise ValueError(f"RolloutConfig.pause_deadline_s must be > 0 seconds, got {self.pause_deadline_s!r}")
+            raise ValueError(f"{s}.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {mode!r}")
+        d = self.pause_deadline_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
+            raise ValueError(f"{s}.pause_deadline_s must be > 0 seconds, got {d!r}")
         if self.record_rounds and self.engine != "hf":
-            raise ValueError(f"RolloutConfig.record_rounds needs the request-level HF engine (engine='hf'); the "
+            raise ValueError(f"{s}.record_rounds needs the request-level HF engine (engine='hf'); the "
                              f"{self.engine!r} engine schedules requests itself. Set record_rounds=False")
         if mode == "off":
             return
         if self.sync_policy == "abort":
-            raise ValueError(f"RolloutConfig: partial_rollout={mode!r} continues generations across a weight update "
-                             "and sync_policy='abort' throws them away; use sync_policy='wait' with partial rollout, "
+            raise ValueError(f"{s}.partial_rollout={mode!r} continues generations across a weight update and "
+                             "sync_policy='abort' throws them away; use sync_policy='wait' with partial rollout, "
                              "or partial_rollout='off' with 'abort'")
         modes = partial_rollout_modes(self.engine)
         if modes is not None and mode not in modes:
-            raise ValueError(f"RolloutConfig: the {self.engine!r} engine cannot do partial_rollout={mode!r} (it "
-                             f"supports {list(modes) or 'none'}); use engine='hf' or 'vllm', another mode, or "
-                             "partial_rollout='off' (an engine declares its modes in partial_rollout_modes)")
+            raise ValueError(f"{s}.partial_rollout={mode!r}: the {self.engine!r} engine cannot do "
+                             f"partial_rollout={mode!r} (it supports {list(modes) or 'none'}); use engine='hf' or "
+                             "'vllm', another mode, or partial_rollout='off' (an engine declares its modes in "
+                             "partial_rollout_modes)")

@@ -165,8 +165,9 @@ class RequestGenerationMixin:
             async with anyio.create_task_group() as tg:
                 for i in range(len(prompts)):
                     tg.start_soon(run, i)
-        except BaseExceptionGroup as group:  # the first episode's error cancelled the rest: raise it alone
-            raise _first_leaf(group) from None
+        except BaseExceptionGroup as group:  # the first episode's error cancelled the rest: raise it alone,
+            first = _first_leaf(group)  # with its own cause (the user's exception and its traceback)
+            raise first from first.__cause__
         finally:
             if me is not None:
                 self._episode_tasks.discard(me)

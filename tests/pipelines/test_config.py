@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
 from asyncrl.pipelines.cli import main
@@ -128,3 +130,97 @@ def test_the_workers_get_the_rollout_temperature():
     cfg = load_config(None, ["rollout.temperature=0.6"])
     assert cfg.actor.temperature is None and cfg.worker_actor().temperature == 0.6
     assert load_config(None, ["rollout.temperature=0.6", "actor.temperature=0.6"]).worker_actor().temperature == 0.6
+
+
+# ---- the rollout section: every check is a ConfigError at validate() --------------------------------
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["rollout.episode=no_such"],
+     "rollout.episode: no episode or environment named 'no_such'; known: ["),
+    (["rollout.episode=asyncrl_test_episodes_mod:missing_fn"],
+     "rollout.episode: episode 'asyncrl_test_episodes_mod:missing_fn' cannot be imported (AttributeError: module "
+     "'asyncrl_test_episodes_mod' has no attribute 'missing_fn'); give 'package.module:function' of an importable "
+     "module"),
+    (["rollout.episode=calculator", "rollout.episode_kwargs={env_kwargs: {depth: 3}}"],
+     "rollout.episode_kwargs: environment 'calculator' has no option 'depth' (env_kwargs); it accepts ['tools']"),
+    (["rollout.pause_deadline_s=0"], "rollout.pause_deadline_s must be > 0 seconds, got 0.0"),
+    (["rollout.chunk_tokens=0"], "rollout.chunk_tokens must be an integer >= 1, got 0"),
+    (["rollout.partial_rollout=keep", "rollout.sync_policy=abort"],
+     "rollout.partial_rollout='keep' continues generations across a weight update and sync_policy='abort' throws "
+     "them away; use sync_policy='wait' with partial rollout, or partial_rollout='off' with 'abort'"),
+    (["trainer.colocated=true", "rollout.sleep_level=3"], "rollout.sleep_level must be 0, 1 or 2, got 3"),
+])
+def test_bad_rollout_values_exit_2_with_one_line_naming_the_key(overrides, line, capsys, tmp_path, monkeypatch):
+    (tmp_path / "asyncrl_test_episodes_mod.py").write_text("async def episode(llm, sample):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["train", *overrides]) == 2
+    assert _one_line(capsys).startswith(f"asyncrl train: config error: {line}")
+
+
+def test_bad_rollout_values_set_in_python_on_a_preset_fail_validate():
+    from asyncrl.roles import EpisodeConfigError
+
+    cfg = grpo_toy()
+    cfg.rollout.pause_deadline_s = 0
+    with pytest.raises(ConfigError, match=r"^rollout.pause_deadline_s must be > 0 seconds, got 0$"):
+        cfg.validate()
+    cfg = grpo_toy()
+    cfg.rollout.episode = "no_such"
+    with pytest.raises(ConfigError, match=r"^rollout.episode: no episode or environment named 'no_such'") as info:
+        cfg.validate()
+    assert isinstance(info.value.__cause__, EpisodeConfigError)
+    cfg = grpo_toy()
+    cfg.rollout.max_episodes_in_flight = "many"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"^rollout.max_episodes_in_flight must be an integer >= 1, got 'many'$"):
+        cfg.validate()
+
+
+@dataclass(kw_only=True)
+class _Checked:
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+@dataclass(kw_only=True)
+class _Outer:
+    inner: _Checked = field(default_factory=_Checked)
+
+
+def test_a_config_whose_constructor_refuses_a_value_is_a_config_error_naming_the_section():
+    from asyncrl.pipelines import configlib
+
+    with pytest.raises(ConfigError, match=r"^inner: n must be >= 1, got 0$"):
+        configlib.apply_overrides(_Outer(), ["inner.n=0"])
+
+
+# ---- defaults that follow the mode ------------------------------------------------------------------
+
+
+def test_streaming_alone_validates_and_loads_the_latest_weights():
+    cfg = load_config(None, ["trainer.rollout_mode=stream"])
+    assert cfg.trainer.rollout_weights == "auto" and cfg.trainer.weights_choice() == "latest"
+    assert grpo_toy().trainer.weights_choice() == "fixed_lag"  # batch mode: auto is fixed_lag
+    with pytest.raises(ConfigError, match=r"trainer.rollout_weights='fixed_lag' pins batch t to version "
+                                          r"t - max_staleness"):
+        load_config(None, ["trainer.rollout_mode=stream", "trainer.rollout_weights=fixed_lag"])
+
+
+def test_auto_rollout_weights_keep_the_fingerprint_of_what_they_resolve_to():
+    """A run saved before ``auto`` (``fixed_lag`` in batch mode, ``latest`` in stream mode) resumes."""
+    for mode, old in (("batch", "fixed_lag"), ("stream", "latest")):
+        a, b = grpo_toy(), grpo_toy()
+        a.trainer.rollout_mode = b.trainer.rollout_mode = mode
+        b.trainer.rollout_weights = old
+        assert config_fingerprint(a) == config_fingerprint(b)
+        b.trainer.rollout_weights = "latest" if old == "fixed_lag" else "fixed_lag"
+        assert config_fingerprint(a) != config_fingerprint(b)

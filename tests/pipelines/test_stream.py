@@ -20,8 +20,7 @@ def stream_config(out, steps: int = 4):
     cfg = tiny_test()
     cfg.trainer.steps = steps
     cfg.trainer.max_staleness = 1
-    cfg.trainer.rollout_weights = "latest"
-    cfg.trainer.rollout_mode = "stream"
+    cfg.trainer.rollout_mode = "stream"  # rollout_weights stays auto: streaming implies latest
     cfg.trainer.output_dir = str(out)
     return cfg.validate()
 
@@ -59,7 +58,8 @@ async def test_stream_mode_trains_every_group_once_within_the_staleness_bound(ra
     (["trainer.rollout_mode=streaming"], "trainer.rollout_mode"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.max_staleness=0"],
      "trainer.max_staleness >= 1"),
-    (["trainer.rollout_mode=stream", "trainer.max_staleness=1"], "trainer.rollout_weights=latest"),
+    (["trainer.rollout_mode=stream", "trainer.rollout_weights=fixed_lag"],
+     r"trainer.rollout_weights='fixed_lag' pins batch t .* Leave trainer.rollout_weights at auto"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.stream.max_groups_in_flight=7"],
      "max_groups_in_flight=7 is below one step's 8 prompt groups"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.colocated=true"],
@@ -128,7 +128,7 @@ def test_stream_mode_learns_char_class(ray_cluster, tmp_path, partial):
     out = tmp_path / "run"
     partial_key = [] if partial == "off" else [f"rollout.partial_rollout={partial}"]  # (YAML reads `off` as false)
     assert main(["train", f"trainer.output_dir={out}", "trainer.steps=60", "trainer.progress=false",
-                 "trainer.rollout_mode=stream", "trainer.rollout_weights=latest", *partial_key]) == 0
+                 "trainer.rollout_mode=stream", *partial_key]) == 0
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(60))
     rewards = [r["reward/mean"] for r in rows]

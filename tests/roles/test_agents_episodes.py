@@ -7,6 +7,7 @@ so each stop reason is exact; the layout tests run real episodes on an in-proces
 from __future__ import annotations
 
 import asyncio
+import traceback
 
 import pytest
 import torch
@@ -104,22 +105,50 @@ async def test_a_tool_that_hangs_hits_its_deadline_and_becomes_an_observation():
 
 
 def test_an_unknown_environment_is_a_config_error_that_lists_the_known_ones():
-    with pytest.raises(EpisodeConfigError, match=r"no episode or environment named 'chess'; known: \[.*'calculator'"):
-        RolloutConfig(episode="chess")
-    with pytest.raises(EpisodeConfigError, match="cannot be imported"):
-        RolloutConfig(episode="no_such_module:episode")
+    with pytest.raises(EpisodeConfigError, match=r"^RolloutConfig\.episode: no episode or environment named 'chess'; "
+                                                 r"known: \[.*'calculator'"):
+        RolloutConfig(episode="chess").validate()
+    with pytest.raises(EpisodeConfigError, match="^RolloutConfig.episode: episode 'no_such_module:episode' cannot be "
+                                                 "imported"):
+        RolloutConfig(episode="no_such_module:episode").validate()
 
 
 def test_a_tool_that_is_not_async_is_a_config_error_naming_it():
     def slow_sum(expression: str) -> str:
         return expression
 
-    with pytest.raises(EpisodeConfigError, match="tool 'slow_sum'.*is not async"):
-        RolloutConfig(episode="calculator", episode_kwargs={"tools": [slow_sum]})
+    with pytest.raises(EpisodeConfigError, match="^RolloutConfig.episode_kwargs: tool 'slow_sum'.*is not async"):
+        RolloutConfig(episode="calculator", episode_kwargs={"tools": [slow_sum]}).validate()
     with pytest.raises(EpisodeConfigError, match="tool 'slow_sum'.*is not async"):
         tool("slow_sum")(slow_sum)  # type: ignore[arg-type]
     with pytest.raises(EpisodeConfigError, match="no tool named 'abacus'"):
-        RolloutConfig(episode="calculator", episode_kwargs={"tools": ["abacus"]})
+        RolloutConfig(episode="calculator", episode_kwargs={"tools": ["abacus"]}).validate()
+
+
+@register_environment("test_windy")
+class Windy(Environment):
+    def __init__(self, wind: float = 0.0, *, gusts: int = 0) -> None:
+        self.wind, self.gusts = wind, gusts
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(done=True)
+
+
+def test_an_unknown_environment_option_is_a_config_error_naming_it_and_the_accepted_ones():
+    cfg = RolloutConfig(episode="test_windy", episode_kwargs={"env_kwargs": {"wind": 2.0, "colour": "red"}})
+    with pytest.raises(EpisodeConfigError) as info:
+        cfg.validate()
+    assert str(info.value) == ("RolloutConfig.episode_kwargs: environment 'test_windy' has no option 'colour' "
+                               "(env_kwargs); it accepts ['gusts', 'wind']")
+    with pytest.raises(EpisodeConfigError, match=r"environment 'calculator' has no option 'depth' \(env_kwargs\); "
+                                                 r"it accepts \['tools'\]"):
+        RolloutConfig(episode="calculator", episode_kwargs={"env_kwargs": {"depth": 3}}).validate()
+    with pytest.raises(EpisodeConfigError, match=r"environment 'test_windy' takes no tools"):
+        RolloutConfig(episode="test_windy", episode_kwargs={"tools": ["calc"]}).validate()
+    with pytest.raises(EpisodeConfigError, match=r"unknown episode_kwargs \['turns'\]; it takes \['env_kwargs', "
+                                                 r"'max_turns', 'tokens_per_turn', 'tools'\]"):
+        RolloutConfig(episode="test_windy", episode_kwargs={"turns": 3}).validate()
+    RolloutConfig(episode="test_windy", episode_kwargs={"env_kwargs": {"wind": 1.0, "gusts": 2}}).validate()
 
 
 # ---- episodes on the rollout worker ---------------------------------------------------------------
@@ -162,8 +191,11 @@ async def test_a_malformed_trajectory_is_an_error_naming_the_episode_and_the_fie
 
 
 async def test_an_episode_that_raises_fails_the_call_with_one_error_naming_it_and_the_row(rollout, prompt_batch):
-    with pytest.raises(EpisodeError, match=r"episode 'test_raises' \(row \d\) raised KeyError: 'no such state'"):
+    with pytest.raises(EpisodeError, match=r"episode 'test_raises' \(row \d\) raised KeyError: 'no such state'") as info:
         await rollout.generate_episodes(prompt_batch(n=2), episode="test_raises")
+    cause = info.value.__cause__  # the user's own exception, so its traceback is printed with the error
+    assert type(cause) is KeyError and cause.args == ("no such state",)
+    assert any(frame.name == "raises" for frame in traceback.extract_tb(cause.__traceback__))
 
 
 async def test_episodes_return_the_generate_layout_with_environment_tokens_masked(rollout, model_config, prompt_batch):

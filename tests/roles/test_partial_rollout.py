@@ -321,9 +321,10 @@ class _NoPartialEngine(HFEngine):
     (dict(partial_rollout="keep", engine="test_no_partial_rollout"),
      r"the 'test_no_partial_rollout' engine cannot do partial_rollout='keep' \(it supports none\)"),
 ])
-def test_bad_partial_rollout_settings_fail_when_the_config_is_built(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        RolloutConfig(**kwargs)
+def test_bad_partial_rollout_settings_fail_at_validate_naming_the_field(kwargs, match):
+    cfg = RolloutConfig(**kwargs)  # building checks nothing: validate() (the worker's constructor) does
+    with pytest.raises(ValueError, match=r"^RolloutConfig\..*" + match):
+        cfg.validate()
 
 
 def test_the_batcher_refuses_an_unknown_mode(tiny):

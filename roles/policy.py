@@ -22,6 +22,7 @@ reduced across ranks too, so every rank reports the values of the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -253,7 +254,8 @@ class _Trainable(Worker):
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+            with _one_process_is_meant():
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
         elif self.rank == 0:
             from safetensors.torch import save_model
 
@@ -294,7 +296,8 @@ class _Trainable(Worker):
 
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+            with _one_process_is_meant():
+                dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
         else:
@@ -308,6 +311,17 @@ class _Trainable(Worker):
             self.optimizer.load_state_dict(torch.load(files[1], weights_only=True, map_location=self.placement.device))
         self._version = int(meta["version"])
         return self._version
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """Silence torch.distributed.checkpoint's warning that one rank saves or loads without a process group:
+    a one-rank fsdp2 role does so on purpose."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 _MISSING, _STALE = 1, 2  # error codes ranks agree on before an update (DataParallel.agree)

@@ -36,7 +36,7 @@ from ._util import DataParallel
 from .device import Placement
 
 __all__ = ["EVERY_RANK_GIVES_RANK_ZEROS", "STRATEGIES", "Strategy", "TrainStrategy", "decoder_layers", "is_sharded",
-           "full_tensor"]
+           "full_tensor", "layer_classes"]
 
 Strategy = Literal["ddp", "fsdp2"]
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2")
@@ -61,6 +61,16 @@ def is_sharded(t: torch.Tensor) -> bool:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """`t` whole: an all-gather for a DTensor (a collective: every rank must call it), else `t`."""
     return t.full_tensor() if is_sharded(t) else t
+
+
+def layer_classes(model_dir: str) -> tuple[str, list[str]]:
+    """``(causal LM class name, its decoder layer class names)`` of the Hugging Face model in `model_dir`,
+    read from its config without building it (what ``fsdp2`` would shard one by one; empty: nothing)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cls = AutoModelForCausalLM._model_mapping[type(conf)]
+    return cls.__name__, list(getattr(cls, "_no_split_modules", None) or ())
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -97,23 +107,23 @@ class TrainStrategy:
         """The model itself (its state dict has the model's own names); FSDP2's shards live in it."""
         self._ddp: nn.Module | None = None
         self.sharded = False
+        layers = decoder_layers(model) if strategy == "fsdp2" else []
+        if strategy == "fsdp2" and not layers:  # (checked at one rank too: the config must work at any count)
+            raise ValueError(
+                f"{who}: strategy=fsdp2 shards a model per decoder layer, but {type(model).__name__} declares none "
+                "(transformers' `_no_split_modules`); set strategy=ddp for this model")
         if not dp.active:
             return
         if strategy == "fsdp2":
-            self._shard(model, offload, who)
+            self._shard(model, layers, offload)
             self.sharded = True
         elif trainable:
             self._ddp = _ddp(model, placement, dp)
 
-    def _shard(self, model: nn.Module, offload: bool, who: str) -> None:
+    def _shard(self, model: nn.Module, layers: list[nn.Module], offload: bool) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        layers = decoder_layers(model)
-        if not layers:
-            raise ValueError(
-                f"{who}: strategy=fsdp2 shards a model per decoder layer, but {type(model).__name__} declares none "
-                "(transformers' `_no_split_modules`); use strategy=ddp for this model")
         group = self.dp.grad_group()
         mesh = DeviceMesh.from_group(group, device_type=self.placement.device.type)
         amp = self.placement.autocast_dtype

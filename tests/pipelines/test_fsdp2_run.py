@@ -86,3 +86,14 @@ def test_the_export_of_an_fsdp2_run_holds_the_gathered_checkpoint_weights(run, t
     assert set(state) == set(stored)
     for k, t in state.items():
         assert torch.equal(t, stored[k]), k
+
+
+@pytest.mark.parametrize("override, line", [
+    ("actor.strategy=fsdp", "actor.strategy must be one of ['ddp', 'fsdp2'], got 'fsdp'"),
+    ("actor.fsdp_offload=true", "actor: fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2"),
+])
+def test_a_bad_strategy_setting_is_one_line_and_exit_2_before_ray_starts(override, line, capsys, tmp_path):
+    assert main(["train", override, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(line), err
+    assert not (tmp_path / "run").exists()

@@ -165,3 +165,23 @@ def test_a_bad_strategy_is_a_value_error_naming_the_choices():
         OptimConfig(strategy="fsdp").validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2"):
         OptimConfig(fsdp_offload=True).validate()
+
+
+def test_fsdp2_on_a_model_without_decoder_layers_says_to_use_ddp(model_config):
+    from asyncrl.roles._util import DataParallel
+    from asyncrl.roles.device import resolve_placement
+    from asyncrl.roles.strategy import TrainStrategy
+
+    placement = resolve_placement(model_config, 0, trained=True, who="test")
+    with pytest.raises(ValueError, match=r"PolicyWorker: strategy=fsdp2 shards a model per decoder layer, but Linear "
+                                         r"declares none .*; set strategy=ddp"):
+        TrainStrategy(torch.nn.Linear(2, 2), placement, DataParallel(0, 1), "fsdp2", who="PolicyWorker")
+
+
+def test_the_layers_fsdp2_shards_are_read_from_a_model_directory(model_config, tmp_path):
+    from asyncrl.roles import load_model, save_model_dir
+    from asyncrl.roles.strategy import layer_classes
+
+    model, tok = load_model(model_config)
+    save_model_dir(model, tok, str(tmp_path))
+    assert layer_classes(str(tmp_path)) == ("Qwen2ForCausalLM", ["Qwen2DecoderLayer"])

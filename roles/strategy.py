@@ -124,6 +124,10 @@ class TrainStrategy:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        if self.placement.device.type == "cuda" and self.dp.backend != "nccl":
+            raise ValueError("strategy=fsdp2 on GPUs needs a GPU of its own per training rank (NCCL refuses two ranks "
+                             "on one GPU, and FSDP2 needs its reduce-scatter); give each training worker a whole GPU "
+                             "(trainer.gpus_per_worker=1) or set strategy=ddp")
         group = self.dp.grad_group()
         mesh = DeviceMesh.from_group(group, device_type=self.placement.device.type)
         amp = self.placement.autocast_dtype

@@ -7,10 +7,10 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, register
 
-from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches, require
+from ._util import DataParallel, grad_norm_and_clip, mini_batches, require, split_micro_batches
 from . import functional as F
 from .device import place_model, resolve_placement
-from .models import ModelConfig, build_value_model, set_torch_threads
+from .models import ModelConfig, build_value_model, set_gradient_checkpointing, set_torch_threads
 from .threads import computing, core_share_for, release_core_share
 from .policy import OptimConfig, _adam, _Trainable
 
@@ -36,7 +36,8 @@ class CriticWorker(_Trainable):
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="CriticWorker")
         built, self.tokenizer = build_value_model(model)
-        self.model = place_model(built, self.placement, trained=True, who="CriticWorker")
+        self.model = set_gradient_checkpointing(place_model(built, self.placement, trained=True, who="CriticWorker"),
+                                                model.gradient_checkpointing)
         self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
         self.model.train()
         self.optimizer = _adam(self.model, self.optim_config)
@@ -59,16 +60,18 @@ class CriticWorker(_Trainable):
     def compute_values(self, batch: TensorDictBase) -> TensorDict:
         """``TD{values [B, R]}`` (0 where ``response_mask`` is 0)."""
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask"], "CriticWorker.compute_values")
-        out = []
+        cfg = self.optim_config
+        out = torch.zeros(batch["response_ids"].shape)
         self.model.eval()
         try:
             with torch.no_grad():
-                for s in micro_batches(batch.batch_size[0], self.optim_config.micro_batch_size):
-                    b = batch[s]
-                    out.append((self._values(b) * b["response_mask"].to(self.placement.device).float()).cpu())
+                for rows, b in split_micro_batches(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch,
+                                                   self.dp, "critic.max_tokens_per_micro_batch"):
+                    v = self._values(b) * b["response_mask"].to(self.placement.device).float()
+                    out[rows, :v.shape[1]] = v.cpu()
         finally:
             self.model.train()
-        return TensorDict({"values": torch.cat(out)}, batch_size=batch.batch_size[:1])
+        return TensorDict({"values": out}, batch_size=batch.batch_size[:1])
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     @computing
@@ -93,13 +96,13 @@ class CriticWorker(_Trainable):
                 mb = batch[mini_rows]
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in micro_batches(mb.batch_size[0], cfg.micro_batch_size):
-                    b = mb[micro]
+                for _, b in split_micro_batches(mb, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.dp,
+                                                "critic.max_tokens_per_micro_batch"):
                     mask = b["response_mask"]
                     v = self._values(b)
                     losses, clip = F.value_clip_losses(v, b["values"], b["returns"], cfg.clip_eps)
                     loss = 0.5 * F.agg_loss(losses, mask, cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
-                                            loss_scale_factor=cfg.loss_scale_factor)
+                                            loss_scale_factor=cfg.loss_scale_factor or mb["response_mask"].shape[1])
                     loss.backward()
                     with torch.no_grad():
                         vf_loss += float(loss)

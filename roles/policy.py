@@ -33,10 +33,11 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, Execute, Worker, register
 
 from . import functional as F
-from ._util import DataParallel, grad_norm_and_clip, micro_batches, mini_batches, require, response_log_probs
+from ._util import (DataParallel, grad_norm_and_clip, mini_batches, require, response_log_probs, split_micro_batches,
+                    with_fields)
 from .device import Placement, place_model, resolve_placement
 from .errors import StaleBatchError
-from .models import ModelConfig, load_model, set_torch_threads, state_dict_checksums
+from .models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, state_dict_checksums
 from .threads import computing, core_share_for, release_core_share
 from .transfer import WeightSource
 from .weight_channel import _cast
@@ -121,7 +122,14 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping; the norm is still reported)."""
     micro_batch_size: int = 8
-    """Rows per forward/backward on each rank (gradient accumulation over a mini-batch)."""
+    """Rows per forward/backward on each rank (gradient accumulation over a mini-batch); unused when
+    `max_tokens_per_micro_batch` is set."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a forward/backward on each rank (verl's ``use_dynamic_bsz`` with
+    ``ppo_max_token_len_per_gpu``): rows of similar length are grouped so that each micro-batch's
+    padded tokens (rows x its own longest prompt + longest response) stay within it, and each
+    micro-batch is cut to its own width. Same gradients as fixed micro-batches; must be at least the
+    longest row. None: micro-batches of `micro_batch_size` rows, padded to the batch's longest row."""
     mini_batch_size: int | None = None
     """Rows per optimizer step over all ranks together (each rank takes mini_batch_size / ranks of its
     shard, so it must divide by the number of ranks); None uses the whole batch for one step per epoch."""
@@ -159,6 +167,9 @@ class OptimConfig:
         """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch is not None and not self.max_tokens_per_micro_batch >= 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1 (tokens) or None (micro_batch_size rows), "
+                             f"got {self.max_tokens_per_micro_batch}")
         if self.mini_batch_size is not None:
             if self.mini_batch_size < 1 or self.mini_batch_size % world_size:
                 raise ValueError(
@@ -277,7 +288,8 @@ class PolicyWorker(_Trainable, WeightSource):
         torch.manual_seed(model.seed)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="PolicyWorker")
         built, self.tokenizer = load_model(model)
-        self.model = place_model(built, self.placement, trained=True, who="PolicyWorker")
+        self.model = set_gradient_checkpointing(place_model(built, self.placement, trained=True, who="PolicyWorker"),
+                                                model.gradient_checkpointing)
         self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
         self.model.train()
         self.optimizer = _adam(self.model, self.optim_config)
@@ -295,9 +307,10 @@ class PolicyWorker(_Trainable, WeightSource):
         """``TD{old_log_probs [B, R], entropy [B, R]}`` of the response tokens (0 where masked).
 
         Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``."""
-        return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.temperature,
-                          "old_log_probs", with_entropy=True, who="PolicyWorker.compute_log_prob",
-                          placement=self.placement)
+        cfg = self.optim_config
+        return _log_probs(self.model, batch, cfg.micro_batch_size, self.temperature, "old_log_probs",
+                          with_entropy=True, who="PolicyWorker.compute_log_prob", placement=self.placement,
+                          max_tokens=(cfg.max_tokens_per_micro_batch, "actor.max_tokens_per_micro_batch"), dp=self.dp)
 
     def _check_batch(self, batch: TensorDictBase) -> tuple[int, str | None]:
         """What is wrong with this rank's shard: ``(0, None)``, ``(_MISSING, message)`` or ``(_STALE, message)``."""
@@ -364,6 +377,8 @@ class PolicyWorker(_Trainable, WeightSource):
                                    level=rc.rollout_is, threshold=rc.rollout_is_threshold)
               if has_behaviour else None)
         weights = iw.weights if (iw is not None and self.correction != "none") else None
+        if weights is not None:  # a field, so that micro-batches select and cut it with the rest
+            batch = with_fields(batch, {"is_weights": weights})
         low = cfg.clip_eps if cfg.clip_ratio_low is None else cfg.clip_ratio_low
         high = cfg.clip_eps if cfg.clip_ratio_high is None else cfg.clip_ratio_high
         mini = None if cfg.mini_batch_size is None else cfg.mini_batch_size // self.world_size
@@ -374,19 +389,18 @@ class PolicyWorker(_Trainable, WeightSource):
         for _ in range(cfg.ppo_epochs):
             for mini_rows in mini_batches(n, mini):
                 mb = batch[mini_rows]
-                mb_w = weights[mini_rows] if weights is not None else None
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 agg = dict(loss_agg_mode=cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
-                           loss_scale_factor=cfg.loss_scale_factor)
+                           loss_scale_factor=cfg.loss_scale_factor or mb["response_mask"].shape[1])
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in micro_batches(mb.batch_size[0], cfg.micro_batch_size):
-                    b = mb[micro]
+                for _, b in split_micro_batches(mb, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.dp,
+                                                "actor.max_tokens_per_micro_batch"):
                     mask = b["response_mask"]
                     lp, ent = response_log_probs(self.model, b["input_ids"], b["attention_mask"], b["response_ids"],
                                                  self.temperature, with_entropy=True, placement=self.placement)
                     terms = F.ppo_policy_terms(lp, b["old_log_probs"], b["advantages"], clip_ratio_low=low,
                                                clip_ratio_high=high, clip_ratio_c=cfg.clip_ratio_c)
-                    losses = terms.losses if mb_w is None else terms.losses * mb_w[micro]
+                    losses = terms.losses if weights is None else terms.losses * b["is_weights"]
                     pg = F.agg_loss(losses, mask, **agg)
                     entropy = F.agg_loss(ent, mask, **agg)  # type: ignore[arg-type]
                     loss = pg - cfg.entropy_coef * entropy if cfg.entropy_coef else pg
@@ -486,26 +500,26 @@ class PolicyWorker(_Trainable, WeightSource):
 
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,
-               with_entropy: bool, who: str, placement: Placement | None = None) -> TensorDict:
+               with_entropy: bool, who: str, placement: Placement | None = None,
+               max_tokens: tuple[int | None, str] = (None, ""), dp: DataParallel | None = None) -> TensorDict:
+    """``TD{key [B, R], entropy [B, R]}`` in the batch's row order and width (0 where masked), computed
+    in micro-batches (`max_tokens`: the token budget and the key that names it)."""
     require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask"], who)
     was_training = model.training
     model.eval()
-    lps, ents = [], []
+    shape = batch["response_ids"].shape
+    out = {key: torch.zeros(shape)} | ({"entropy": torch.zeros(shape)} if with_entropy else {})
     try:
         with torch.no_grad():
-            for s in micro_batches(batch.batch_size[0], micro):
-                b = batch[s]
+            for rows, b in split_micro_batches(batch, micro, max_tokens[0], dp, max_tokens[1]):
                 lp, ent = response_log_probs(model, b["input_ids"], b["attention_mask"], b["response_ids"],
                                              temperature, with_entropy, placement=placement)
                 m = b["response_mask"].to(device=lp.device, dtype=lp.dtype)
-                lps.append((lp * m).cpu())
+                out[key][rows, :lp.shape[1]] = (lp * m).cpu()
                 if ent is not None:
-                    ents.append((ent * m).cpu())
+                    out["entropy"][rows, :lp.shape[1]] = (ent * m).cpu()
     finally:
         model.train(was_training)
-    out = {key: torch.cat(lps)}
-    if with_entropy:
-        out["entropy"] = torch.cat(ents)
     return TensorDict(out, batch_size=batch.batch_size[:1])
 
 
@@ -516,9 +530,12 @@ class ReferenceWorker(Worker):
         model: the reference model (usually the policy's initial config).
         micro_batch_size: rows per forward.
         temperature: logit temperature (match the policy's).
+        max_tokens_per_micro_batch: token budget of a forward instead of `micro_batch_size` rows (as
+            ``OptimConfig.max_tokens_per_micro_batch``; the trainer passes the actor's).
     """
 
-    def __init__(self, model: ModelConfig, *, micro_batch_size: int = 16, temperature: float = 1.0) -> None:
+    def __init__(self, model: ModelConfig, *, micro_batch_size: int = 16, temperature: float = 1.0,
+                 max_tokens_per_micro_batch: int | None = None) -> None:
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=False, who="ReferenceWorker")
         built, self.tokenizer = load_model(model)
@@ -526,6 +543,7 @@ class ReferenceWorker(Worker):
         self.model.eval().requires_grad_(False)
         self.core_share = core_share_for(model.num_threads, self.placement.device, self.model)
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.temperature = temperature
 
     def on_close(self) -> None:
@@ -537,7 +555,8 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: TensorDictBase) -> TensorDict:
         """``TD{ref_log_probs [B, R]}`` (0 where masked)."""
         return _log_probs(self.model, batch, self.micro_batch_size, self.temperature, "ref_log_probs",
-                          with_entropy=False, who="ReferenceWorker.compute_ref_log_prob", placement=self.placement)
+                          with_entropy=False, who="ReferenceWorker.compute_ref_log_prob", placement=self.placement,
+                          max_tokens=(self.max_tokens_per_micro_batch, "actor.max_tokens_per_micro_batch"))
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def weights_checksum(self) -> dict[str, str]:

@@ -78,7 +78,8 @@ def token_budget_micro_batches(lengths: Sequence[int] | Sequence[tuple[int, int]
 
     The rows are sorted longest first and cut into runs of neighbours, so rows of similar length
     share a micro-batch; of the cuts into that many runs, it takes the one with the fewest padded
-    tokens in all, the most even of those (exact, by dynamic programming: O(count x rows^2)).
+    tokens in all, the most even of those (exact, by dynamic programming: O(count x rows^2) time,
+    O(rows^2) memory).
     `min_count` is how data-parallel ranks agree: each computes its own fewest
     (``len(token_budget_micro_batches(lengths, budget))``), they take the max, and each partitions
     into exactly that many, since a sharded model's every forward is a collective. Lists are
@@ -161,9 +162,9 @@ def split_micro_batches(batch: TensorDictBase, size: int, max_tokens: int | None
 
     `max_tokens` None: slices of `size` rows, as wide as the batch. Else the rows grouped by
     :func:`token_budget_micro_batches`, each micro-batch cut to its own columns (:func:`cut_columns`),
-    and as many micro-batches on every rank of `dp` (one all-reduce; None: this rank alone): a rank with fewer rows than that runs
-    its first row with an all-zero ``response_mask`` for each missing one (no gradient, no metric;
-    its `rows` are empty). `key` names the setting in errors (``actor.max_tokens_per_micro_batch``)."""
+    and as many micro-batches on every rank of `dp` (one all-reduce; None: this rank alone): a rank
+    with fewer rows than that runs its first row with an all-zero ``response_mask`` for each missing
+    one (no gradient, no metric; its `rows` are empty). `key` names the setting in errors (``actor.max_tokens_per_micro_batch``)."""
     n = batch.batch_size[0]
     if max_tokens is None:
         return [(s, batch[s]) for s in micro_batches(n, size)]

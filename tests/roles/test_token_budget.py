@@ -66,8 +66,8 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 # lr 1e-4: Adam turns a gradient that is zero in exact arithmetic (the key biases': softmax ignores a
 # shift shared by all keys) into steps of ~lr x (rounding noise / eps), which any change of summation
 # order changes; at 1e-3 that alone reached 1.2e-6 after 12 steps. The weights still move ~1e-3.
-OPTIM = OptimConfig(lr=1e-4, micro_batch_size=3, mini_batch_size=6, ppo_epochs=2, kl_coef=0.1, kl_loss_type="low_var_kl",
-                    entropy_coef=0.01, rollout_correction=RolloutCorrectionConfig(mode="tis", rollout_is_threshold=1.5))
+OPTIM = OptimConfig(lr=1e-4, micro_batch_size=3, mini_batch_size=6, ppo_epochs=2, kl_coef=0.1,
+                    kl_loss_type="low_var_kl", entropy_coef=0.01, rollout_correction=RolloutCorrectionConfig(mode="tis", rollout_is_threshold=1.5))
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -100,7 +100,8 @@ def test_log_probs_values_of_a_token_budget_come_back_in_the_batch_order_and_wid
     torch.testing.assert_close(ref2["ref_log_probs"], ref1["ref_log_probs"], rtol=0, atol=1e-6)
     torch.testing.assert_close(ref1["ref_log_probs"], lp1["old_log_probs"], rtol=0, atol=1e-6)
     critic = OptimConfig(lr=1e-3, micro_batch_size=3, mini_batch_size=6, loss_agg_mode="seq-mean-token-sum-norm")
-    c1, c2 = CriticWorker(model_config, critic), CriticWorker(model_config, replace(critic, max_tokens_per_micro_batch=budget))
+    c1 = CriticWorker(model_config, critic)
+    c2 = CriticWorker(model_config, replace(critic, max_tokens_per_micro_batch=budget))
     for _ in range(2):
         c1.update(long_tail_batch), c2.update(long_tail_batch)
     _same_weights(c1.model, c2.model)
@@ -137,7 +138,9 @@ def test_job_config_refuses_a_budget_below_prompt_plus_response():
 
 def on(m: torch.nn.Module) -> bool:
     """Whether transformers' activation checkpointing is on (renamed from gradient checkpointing in 5.x)."""
-    return m.is_activation_checkpointing if hasattr(type(m), "is_activation_checkpointing") else m.is_gradient_checkpointing
+    if hasattr(type(m), "is_activation_checkpointing"):
+        return m.is_activation_checkpointing
+    return m.is_gradient_checkpointing
 
 
 def test_gradient_checkpointing_is_on_and_gives_the_same_weights(model_config, long_tail_batch):

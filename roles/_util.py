@@ -156,6 +156,24 @@ def cut_columns(b: TensorDictBase, prompt: int, response: int) -> TensorDict:
     return out
 
 
+def require_token_budget(batch: TensorDictBase, max_tokens: int | None, dp: DataParallel | None, key: str) -> None:
+    """Raise ValueError on every rank of `dp` when a row of any rank's `batch` is longer than
+    `max_tokens` (one all-reduce; nothing when `max_tokens` is None), so that an update refuses the
+    batch before its first optimizer step rather than at the mini-batch that holds the row."""
+    if max_tokens is None:
+        return
+    extents = row_extents(batch["attention_mask"], batch["response_ids"].shape[1])
+    longest = torch.tensor([max((a + b for a, b in extents), default=0)], dtype=torch.int64)
+    _refuse_longer(int((dp.all_reduce(longest, op="max") if dp is not None else longest)[0]), max_tokens, key)
+
+
+def _refuse_longer(longest: int, max_tokens: int, key: str) -> None:
+    if longest > max_tokens:
+        raise ValueError(f"{key}={max_tokens} is smaller than the longest row of this batch ({longest} tokens, "
+                         f"prompt + response); set it to at least {longest}, or to null for micro-batches of "
+                         "micro_batch_size rows")
+
+
 def split_micro_batches(batch: TensorDictBase, size: int, max_tokens: int | None, dp: DataParallel | None,
                         key: str) -> list[tuple[slice | torch.Tensor, TensorDictBase]]:
     """``(rows, micro-batch)`` pairs covering `batch` (one mini-batch of this rank's shard).
@@ -164,7 +182,8 @@ def split_micro_batches(batch: TensorDictBase, size: int, max_tokens: int | None
     :func:`token_budget_micro_batches`, each micro-batch cut to its own columns (:func:`cut_columns`),
     and as many micro-batches on every rank of `dp` (one all-reduce; None: this rank alone): a rank
     with fewer rows than that runs its first row with an all-zero ``response_mask`` for each missing
-    one (no gradient, no metric; its `rows` are empty). `key` names the setting in errors (``actor.max_tokens_per_micro_batch``)."""
+    one (no gradient, no metric; its `rows` are empty). `key` names the setting in errors
+    (``actor.max_tokens_per_micro_batch``)."""
     n = batch.batch_size[0]
     if max_tokens is None:
         return [(s, batch[s]) for s in micro_batches(n, size)]
@@ -175,10 +194,7 @@ def split_micro_batches(batch: TensorDictBase, size: int, max_tokens: int | None
         count, longest = (int(x) for x in dp.all_reduce(torch.tensor([own, longest], dtype=torch.int64), op="max"))
     else:
         count = own
-    if longest > max_tokens:  # every rank raises together (the max is everyone's)
-        raise ValueError(f"{key}={max_tokens} is smaller than the longest row of this batch ({longest} tokens, "
-                         f"prompt + response); set it to at least {longest}, or to null for micro-batches of "
-                         "micro_batch_size rows")
+    _refuse_longer(longest, max_tokens, key)  # every rank raises together (the max is everyone's)
     out: list[tuple[slice | torch.Tensor, TensorDictBase]] = []
     for group in token_budget_micro_batches(extents, max_tokens, count):
         if not group and n:

@@ -7,7 +7,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, register
 
-from ._util import DataParallel, grad_norm_and_clip, mini_batches, require, split_micro_batches
+from ._util import DataParallel, grad_norm_and_clip, mini_batches, require, require_token_budget, split_micro_batches
 from . import functional as F
 from .device import place_model, resolve_placement
 from .models import ModelConfig, build_value_model, set_gradient_checkpointing, set_torch_threads
@@ -85,6 +85,7 @@ class CriticWorker(_Trainable):
         cfg = self.optim_config
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask", "values", "returns"],
                 "CriticWorker.update")
+        require_token_budget(batch, cfg.max_tokens_per_micro_batch, self.dp, "critic.max_tokens_per_micro_batch")
         batch = batch.to(self.placement.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         n = batch.batch_size[0]

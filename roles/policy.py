@@ -33,8 +33,8 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, Execute, Worker, register
 
 from . import functional as F
-from ._util import (DataParallel, grad_norm_and_clip, mini_batches, require, response_log_probs, split_micro_batches,
-                    with_fields)
+from ._util import (DataParallel, grad_norm_and_clip, mini_batches, require, require_token_budget, response_log_probs,
+                    split_micro_batches, with_fields)
 from .device import Placement, place_model, resolve_placement
 from .errors import StaleBatchError
 from .models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, state_dict_checksums
@@ -364,6 +364,7 @@ class PolicyWorker(_Trainable, WeightSource):
             raise KeyError(problem)
         if kind == _STALE:
             raise StaleBatchError(problem)
+        require_token_budget(batch, cfg.max_tokens_per_micro_batch, self.dp, "actor.max_tokens_per_micro_batch")
         batch = batch.to(self.placement.device)
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]

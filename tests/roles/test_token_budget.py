@@ -67,7 +67,8 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 # shift shared by all keys) into steps of ~lr x (rounding noise / eps), which any change of summation
 # order changes; at 1e-3 that alone reached 1.2e-6 after 12 steps. The weights still move ~1e-3.
 OPTIM = OptimConfig(lr=1e-4, micro_batch_size=3, mini_batch_size=6, ppo_epochs=2, kl_coef=0.1,
-                    kl_loss_type="low_var_kl", entropy_coef=0.01, rollout_correction=RolloutCorrectionConfig(mode="tis", rollout_is_threshold=1.5))
+                    kl_loss_type="low_var_kl", entropy_coef=0.01,
+                    rollout_correction=RolloutCorrectionConfig(mode="tis", rollout_is_threshold=1.5))
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -115,9 +116,16 @@ def test_a_budget_below_the_longest_row_is_an_error_that_names_the_key_and_the_r
                                          rf"\({longest} tokens"):
         policy.update(long_tail_batch)
     assert policy.version == 0
+    _same_weights(policy.model, PolicyWorker(model_config).model)  # refused before any mini-batch stepped
+    late = long_tail_batch[torch.tensor([1, 0, *range(2, 12)])]  # the longest row now in the 2nd mini-batch
+    with pytest.raises(ValueError, match=r"actor\.max_tokens_per_micro_batch"):
+        policy.update(late)
+    _same_weights(policy.model, PolicyWorker(model_config).model)
     critic = CriticWorker(model_config, OptimConfig(max_tokens_per_micro_batch=longest - 1))
     with pytest.raises(ValueError, match=r"critic\.max_tokens_per_micro_batch"):
         critic.compute_values(long_tail_batch)
+    with pytest.raises(ValueError, match=r"critic\.max_tokens_per_micro_batch"):
+        critic.update(long_tail_batch)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch must be >= 1"):
         OptimConfig(max_tokens_per_micro_batch=0).validate()
 

@@ -189,14 +189,15 @@ def split_micro_batches(batch: TensorDictBase, size: int, max_tokens: int | None
         return [(s, batch[s]) for s in micro_batches(n, size)]
     extents = row_extents(batch["attention_mask"], batch["response_ids"].shape[1])
     longest = max((a + b for a, b in extents), default=0)
-    own = len(token_budget_micro_batches(extents, max_tokens)) if longest <= max_tokens else 0
+    groups = token_budget_micro_batches(extents, max_tokens) if longest <= max_tokens else []
+    count = len(groups)
     if dp is not None:
-        count, longest = (int(x) for x in dp.all_reduce(torch.tensor([own, longest], dtype=torch.int64), op="max"))
-    else:
-        count = own
+        count, longest = (int(x) for x in dp.all_reduce(torch.tensor([count, longest], dtype=torch.int64), op="max"))
     _refuse_longer(longest, max_tokens, key)  # every rank raises together (the max is everyone's)
+    if count > len(groups):
+        groups = token_budget_micro_batches(extents, max_tokens, count)
     out: list[tuple[slice | torch.Tensor, TensorDictBase]] = []
-    for group in token_budget_micro_batches(extents, max_tokens, count):
+    for group in groups:
         if not group and n:
             dummy = cut_columns(batch[:1], max(1, extents[0][0]), 1)
             dummy.set("response_mask", torch.zeros_like(dummy["response_mask"]))

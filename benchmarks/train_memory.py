@@ -28,7 +28,6 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import replace
 from typing import Any
 
 import ray

@@ -138,6 +138,21 @@ def _check_fsdp2(cfg: Any) -> None:
                           f"declares none (transformers' _no_split_modules); set {keys[0]}=ddp")
 
 
+def _check_token_budget(key: str, o: Any, cfg: Any) -> None:
+    """A token budget below the longest row a batch can hold would fail the first update that meets one."""
+    budget = getattr(o, "max_tokens_per_micro_batch", None)
+    if budget is None or not _num(budget):
+        return
+    prompt, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    longest = (prompt or 1) + new
+    if budget < longest:
+        rows = (f"data.max_prompt_length={prompt} + rollout.max_new_tokens={new}" if prompt
+                else f"a one-token prompt + rollout.max_new_tokens={new}")
+        raise ConfigError(f"{key}.max_tokens_per_micro_batch={budget} is smaller than the longest row a batch can "
+                          f"hold ({rows} = {longest} tokens); set it to at least {longest}, or to null for "
+                          f"micro-batches of {key}.micro_batch_size rows")
+
+
 def check_worker_sections(cfg: Any) -> None:
     """Raise :class:`ConfigError` for a value of `cfg`'s worker sections (``model``, ``rollout``,
     ``actor``, ``critic``, ``reward``) or ``algorithm`` that a worker would reject at start-up."""
@@ -161,8 +176,10 @@ def check_worker_sections(cfg: Any) -> None:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the model's "
                           f"context of model.max_position_embeddings={max_pos}")
     _check_optim("actor", cfg.actor)
+    _check_token_budget("actor", cfg.actor, cfg)
     if cfg.algorithm.name == "ppo":
         _check_optim("critic", cfg.critic)
+        _check_token_budget("critic", cfg.critic, cfg)
     _check_fsdp2(cfg)
     w = cfg.reward
     if w.model is None:

@@ -169,6 +169,34 @@ class TrainStrategy:
             norm = torch.nn.utils.get_total_norm(grads)
         return float(full_tensor(norm))
 
+    def whole_by_unit(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """``{name: whole tensor}`` of the state-dict `names` (parameters and buffers of :attr:`module`), one FSDP
+        unit (a decoder layer, then the root) at a time: one all-gather per unit, resharded before the next, so a
+        rank holds at most one unit whole. Every rank must iterate it to the end over the same `names`. The
+        tensors are views of the unit's gathered storage: copy what you keep before the next one is yielded."""
+        if not self.sharded:
+            yield {n: self._leaf(n) for n in names}
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(prefix, m) for prefix, m in self.module.named_modules() if isinstance(m, FSDPModule)]
+        owner: dict[str, list[str]] = {prefix: [] for prefix, _ in units}
+        for n in names:  # the innermost unit whose prefix holds the name
+            best = max((p for p, _ in units if p == "" or n.startswith(p + ".")), key=len)
+            owner[best].append(n)
+        for prefix, unit in units:
+            if not owner[prefix]:
+                continue
+            unit.unshard()  # not recursive: this unit's own parameters
+            try:
+                yield {n: self._leaf(n) for n in owner[prefix]}
+            finally:
+                unit.reshard()
+
+    def _leaf(self, name: str) -> torch.Tensor:
+        path, _, leaf = name.rpartition(".")
+        return getattr(self.module.get_submodule(path), leaf).detach()
+
     def full_tensors(self, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, whole tensor)`` for each entry of `state` (a state dict of :attr:`module`), one at a
         time. Sharded: an all-gather per tensor, so every rank must run this over the same `state`, in full

@@ -46,7 +46,7 @@ from asyncrl import Dispatch, Execute, register
 
 from .errors import WeightSyncError
 from .models import StateSlots
-from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, TrainStrategy, full_tensor, is_sharded
+from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, TrainStrategy, is_sharded
 from .threads import computing
 from .weight_channel import (
     _DTYPE,
@@ -385,7 +385,7 @@ class WeightSource:
 
     def _gathered(self, dtype: torch.dtype | None) -> PackedState | None:
         """The whole weights (floating ones in `dtype`) in rank 0's host buffer, gathered from the FSDP2 shards
-        one tensor at a time (every rank runs this; the others return None). The buffer is kept across versions:
+        one unit (decoder layer) at a time (every rank runs this; the others return None). The buffer is kept across versions:
         what reads it (``ray.put``, a snapshot copy) has copied it before the next gather."""
         state = self.model.state_dict()
         plan = PackedState.plan(state, dtype)
@@ -401,12 +401,11 @@ class WeightSource:
                 held = self._cast_scratch["gathered"] = PackedState(torch.empty(nbytes, dtype=torch.uint8), entries,
                                                                     aliases)
         views = held.views() if held is not None else {}
-        with torch.no_grad():
-            for name, *_ in entries:  # the same order on every rank: each all-gather pairs up
-                whole = full_tensor(state[name])
+        with torch.no_grad():  # one all-gather per FSDP unit, in module order on every rank
+            for whole in self.engine.whole_by_unit([name for name, *_ in entries]):
                 if held is not None:
-                    views[name].copy_(whole)
-                del whole
+                    for name, t in whole.items():
+                        views[name].copy_(t)
         return held
 
     def _reused(self, own: Mapping[str, torch.Tensor], layout: list[tuple[str, tuple[int, ...], str]],

@@ -17,7 +17,9 @@ import torch
 
 import asyncrl
 from asyncrl import Dispatch, register
-from asyncrl.roles import CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
+from asyncrl.roles import (CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker,
+                           RolloutConfig, RolloutCorrectionConfig, RolloutWorker, open_weight_channel, sync_weights)
+from asyncrl.roles.models import tensor_checksum
 from asyncrl.roles.functional import LOSS_AGG_MODES
 
 
@@ -99,6 +101,27 @@ async def test_fsdp2_at_two_ranks_trains_like_ddp_at_two_and_like_one_rank(ranks
         _close(w1, wd, f"ddp after {mode}")
         _close(w1, wf, f"fsdp2 after {mode}")
     assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 5e-3  # the weights did move
+
+
+async def test_a_rollout_loads_the_weights_gathered_from_fsdp2_shards_by_each_transport(ranks, model_config,
+                                                                                      uneven_batch):
+    """``sync_weights(verify=True)``: the rollout's loaded weights have the checksums the fsdp2 policy gathers, through
+    the object store and through a collective channel (its snapshot staged in host memory)."""
+    rollout = asyncrl.colocate({"rollout": (RolloutWorker, (model_config, RolloutConfig(max_new_tokens=2)), {})},
+                               world_size=1, name="strategies-rollout")
+    await rollout.setup()
+    try:
+        await ranks["fsdp2"].update(uneven_batch)
+        version = (await ranks["fsdp2"].get_version())
+        assert await sync_weights(ranks["fsdp2"], rollout["rollout"], verify=True) == version
+        await ranks["fsdp2"].update(uneven_batch)
+        await open_weight_channel(ranks["fsdp2"], rollout["rollout"], name="fsdp2-weights", timeout_s=60)
+        assert await sync_weights(ranks["fsdp2"], rollout["rollout"], verify=True,
+                                  transport="collective") == version + 1
+        _, whole = await ranks["fsdp2"].export_weights()
+        assert (await rollout["rollout"].weights_checksum())[0] == {k: tensor_checksum(v) for k, v in whole.items()}
+    finally:
+        await rollout.close()
 
 
 async def test_fsdp2_holds_half_of_the_replicated_model_per_rank(ranks, uneven_batch):

@@ -4,9 +4,10 @@ Each layout is a real Ray group of PolicyWorker processes (gloo between them) ru
 synthetic batch. Per rank it reports:
 
 - the bytes of the parameters, gradients and AdamW state the rank holds (what sharding divides);
-- the peak resident memory above the rank's resting level during the updates, and during a weight sync
-  (``stage_weights("object_store")``: under fsdp2 every rank gathers the weights one tensor at a time; rank
-  0 packs them in host memory for the rollout, the others hold one tensor at a time);
+- the peak resident memory above the rank's resting level during the updates, and during the second of two
+  weight syncs (``stage_weights("object_store")``, steady state: the first also allocates rank 0's kept buffer;
+  under fsdp2 every rank gathers the weights one decoder layer at a time, rank 0 packs them in host memory
+  for the rollout and puts them into the object store, the others hold one layer at a time);
 - the median seconds of an update and of the weight sync.
 
 ::
@@ -118,7 +119,7 @@ class MemoryProbe(PolicyWorker):
             sync_peaks.append(p.peak)
             del handle
         return {"held": held, "step_s": statistics.median(times[1:] or times), "step_peak": max(peaks),
-                "sync_s": min(sync_times), "sync_peak": max(sync_peaks), "rss": _rss(),
+                "sync_s": min(sync_times), "sync_peak": sync_peaks[-1], "rss": _rss(),  # the steady (second) sync
                 "params": sum(local(p).numel() for p in self.model.parameters())}
 
 

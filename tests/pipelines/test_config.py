@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, load_config
+from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.presets import grpo_toy, ppo_toy, tiny_test
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncrl.pipelines.config import ConfigError, load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.sampling import extra_indices, group_stds, informative_groups, select_groups
 
 

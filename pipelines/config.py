@@ -301,6 +301,7 @@ class JobConfig:
 
     def validate(self, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> "JobConfig":
         """Raise :class:`ConfigError` for impossible values; `cluster_cpus`/`cluster_gpus` also check the pools fit."""
+        configlib.check_types(self)  # every key has its annotated type, however it was set
         t, a = self.trainer, self.algorithm
         if t.steps < 1:
             raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")

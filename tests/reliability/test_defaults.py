@@ -63,7 +63,7 @@ async def test_at_the_defaults_a_killed_rollout_worker_is_replaced_and_a_killed_
     assert await settled(before) == before
 
 
-@pytest.mark.slow  # ~85 s on the loaded 2-core machine; the default suite has test_faults.py::...replaced_in_place[generate]
+@pytest.mark.slow  # ~85 s on the loaded 2-core machine; the default suite has test_at_the_defaults_... above
 async def test_a_default_run_survives_a_killed_rollout_worker_and_completes_every_step(ray_cluster, tmp_path,
                                                                                     fault_row):
     cfg = tiny_test()

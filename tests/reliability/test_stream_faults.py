@@ -108,8 +108,8 @@ async def test_a_rollout_worker_killed_during_an_update_is_replaced_and_every_gr
     issued = [json.loads(x) for x in calls.read_text().splitlines()]
     seeds = {r["index"]: r["seed"] for r in journal(tmp_path / "run") if r["kind"] == "group"}
     assert [c["seed"] for c in issued] == [seeds[c["group"]] for c in issued]  # first or again: the group's seed
-    lost = {c["group"] for c in issued if c["pid"] == killed}
-    again = [c["group"] for c in issued if c["pid"] != killed and c["group"] in lost]
+    held = {c["group"] for c in issued if c["pid"] == killed}  # issued to the worker that died
+    again = [c["group"] for c in issued if c["pid"] != killed and c["group"] in held]
     if trainer.rollout.regenerated == 0:  # timing: the 0.5 s requests make groups in flight all but certain
         pytest.skip("precondition not met: no prompt group was in flight when the rollout worker died")
     # the groups the dead worker held were issued again, once each, to its replacement, with the same seeds
@@ -127,7 +127,7 @@ async def test_a_stop_during_an_update_checkpoints_the_untrained_groups_and_a_re
     def stop(trainer, step, metrics):
         if step == 1:  # version 2 was just published: the rollout is loading it
             loads = [r["version"] for r in journal(out) if r["kind"] == "load"]
-            at_stop.update(loading=loads[-1], loaded=trainer.state.rollout_version)
+            at_stop.update(loading=loads[-1] if loads else -1, loaded=trainer.state.rollout_version)
             trainer.request_stop("test")
 
     async with GRPOTrainer(cfg, on_step=stop) as trainer:

@@ -72,8 +72,8 @@ class Checkpointer:
             strategies = [k for k in ("actor.strategy", "critic.strategy") if k in diff]
             if strategies:
                 section, _, key = strategies[0].partition(".")
-                hint = (f"; its weights were saved with {strategies[0]}={saved.get(section, {}).get(key)!r} (any "
-                        "number of training ranks may load them), or export them (asyncrl export) to start a new run")
+                hint = (f"; resume with {strategies[0]}={saved.get(section, {}).get(key)!r} (at any number of training "
+                        "ranks), or export its weights (asyncrl export) to start a new run from them")
             raise ckpt.CheckpointError(
                 f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff) or '?'}); "
                 "resume with the same settings (only trainer.steps, output_dir, train_workers, checkpointing and "

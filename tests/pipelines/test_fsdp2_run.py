@@ -72,7 +72,8 @@ def test_an_fsdp2_run_resumed_at_one_rank_continues_like_the_uninterrupted_run(r
 def test_a_resume_with_the_other_strategy_is_refused_naming_it(run):
     cfg = _config(run, 2, 4)
     cfg.actor.strategy = "ddp"
-    with pytest.raises(CheckpointError, match=r"differs in: actor\.strategy\).*saved with actor\.strategy='fsdp2'"):
+    with pytest.raises(CheckpointError, match=r"differs in: actor\.strategy\).*; resume with actor\.strategy='fsdp2' "
+                                              r"\(at any number of training ranks\), or export its weights"):
         GRPOTrainer(cfg.validate(), resume=str(run))
 
 

@@ -37,13 +37,14 @@ from . import functional as F
 from ._util import DataParallel, micro_batches, mini_batches, require, response_log_probs
 from .device import Placement, place_model, resolve_placement
 from .errors import CheckpointFormatError, StaleBatchError
+from .lora import LoraConfig, apply_lora, base_checksum, merged_state
 from .models import ModelConfig, load_model, set_torch_threads, tensor_checksum
 from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy
 from .threads import computing, core_share_for, release_core_share
 from .transfer import WeightSource
 from .weight_channel import _cast
 
-__all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
+__all__ = ["LoraConfig", "OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
 
 
 @dataclass(kw_only=True)
@@ -163,6 +164,10 @@ class OptimConfig:
     decoder layer). The same math either way; one rank is the plain model. The reference follows the actor's."""
     fsdp_offload: bool = False
     """``fsdp2`` only: keep the shards and the optimizer state in CPU memory (verl's ``offload_policy``)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (policy only; ``lora.rank > 0``, needs ``peft``): only the adapters train, the
+    reference log-probs are the base model's (the adapter disabled, no reference worker), the rollout gets
+    the merged weights. See asyncrl.roles.lora."""
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
@@ -198,6 +203,10 @@ class OptimConfig:
             raise ValueError(f"temperature must be > 0 (log-probs of a greedy policy are undefined), "
                              f"got {self.temperature}")
         self.rollout_correction.validate()
+        self.lora.validate()
+        if self.lora.enabled and self.strategy != "ddp":
+            raise ValueError(f"lora.rank={self.lora.rank} trains adapters with strategy=ddp for now (the adapters "
+                             f"are a few MB: sharding them saves nothing); set strategy=ddp, not {self.strategy!r}")
 
 
 def _adam(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -214,6 +223,8 @@ class _Trainable(Worker):
     placement: Placement
     engine: TrainStrategy
     _version: int
+    _lora: bool = False
+    """``self.model`` is a peft model whose LoRA adapters alone train (a PolicyWorker with ``lora.rank > 0``)."""
 
     def _distribute(self, model: torch.nn.Module, who: str) -> None:
         """Spread `model` over the group (``optim.strategy``) and build its optimizer over what each rank holds."""
@@ -256,16 +267,57 @@ class _Trainable(Worker):
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             with _one_process_is_meant():
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        elif self.rank == 0 and self._lora:
+            self._save_lora(path)
         elif self.rank == 0:
             from safetensors.torch import save_model
 
             save_model(self.model, os.path.join(path, "model.safetensors"))
             torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
         if self.rank == 0:
+            meta = {"version": self._version, "optim": asdict(self.optim_config), "format": self._format,
+                    "world_size": self.world_size}
+            if self._lora:
+                meta["lora_base_checksum"] = base_checksum(self.model)
             with open(os.path.join(path, "meta.json"), "w") as f:
-                json.dump({"version": self._version, "optim": asdict(self.optim_config), "format": self._format,
-                           "world_size": self.world_size}, f)
+                json.dump(meta, f)
         return path
+
+    def _save_lora(self, path: str) -> None:
+        """LoRA: the adapter as peft writes it (``adapter_config.json``, ``adapter_model.safetensors``: what a
+        resume loads and ``asyncrl export --adapter`` copies), the optimizer, and the merged weights under the
+        base names in ``model.safetensors`` (what ``asyncrl export`` and the rollout read)."""
+        from safetensors.torch import save_file
+
+        merged = merged_state(self.model)
+        first: dict[tuple[int, int], str] = {}
+        for name in sorted(merged):  # tied names share one tensor: stored once, as save_model does
+            first.setdefault((merged[name].untyped_storage().data_ptr(), merged[name].storage_offset()), name)
+        save_file({n: merged[n].contiguous() for n in first.values()}, os.path.join(path, "model.safetensors"))
+        self.model.save_pretrained(path)  # type: ignore[operator]
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, "README.md"))  # peft's model-card template: nothing of the run's
+        torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+    def _load_lora(self, path: str, meta: dict[str, Any]) -> None:
+        """Load the adapter :meth:`_save_lora` wrote into this model, whose base was rebuilt from the model config
+        and must be the one the adapter trained on."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        adapter = os.path.join(path, "adapter_model.safetensors")
+        if not os.path.exists(adapter):
+            raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {adapter}; save one with save(path)")
+        want, have = meta.get("lora_base_checksum"), base_checksum(self.model)
+        if want != have:
+            raise CheckpointFormatError(
+                f"checkpoint {path!r} holds a LoRA adapter trained on other base weights than this model's (base "
+                f"checksum {str(want)[:12]} != {have[:12]}): resume with the model config the run started with")
+        result = set_peft_model_state_dict(self.model, load_file(adapter))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise CheckpointFormatError(f"the adapter in {adapter!r} does not fit this model's LoRA layers: missing "
+                                        f"{missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
 
     @property
     def _format(self) -> str:
@@ -283,6 +335,12 @@ class _Trainable(Worker):
         with open(meta_file) as f:
             meta = json.load(f)
         fmt = meta.get("format", "full")
+        saved_lora = int(meta.get("optim", {}).get("lora", {}).get("rank", 0))
+        if saved_lora != self.optim_config.lora.rank:
+            raise CheckpointFormatError(
+                f"checkpoint {path!r} was written with lora.rank={saved_lora} but this {type(self).__name__} runs "
+                f"lora.rank={self.optim_config.lora.rank}; resume with lora.rank={saved_lora}, or export the weights "
+                "(asyncrl export) and start a new run from them")
         if fmt != self._format:
             saved = meta.get("optim", {}).get("strategy", "ddp")
             raise CheckpointFormatError(
@@ -307,7 +365,10 @@ class _Trainable(Worker):
             missing = [f for f in files if not os.path.exists(f)]
             if missing:
                 raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {missing}; save one with save(path)")
-            load_model(self.model, files[0], strict=True)
+            if self._lora:
+                self._load_lora(path, meta)
+            else:
+                load_model(self.model, files[0], strict=True)
             self.optimizer.load_state_dict(torch.load(files[1], weights_only=True, map_location=self.placement.device))
         self._version = int(meta["version"])
         return self._version
@@ -356,6 +417,9 @@ class PolicyWorker(_Trainable, WeightSource):
         built, self.tokenizer = load_model(model)
         placed = place_model(built, self.placement, trained=True, who="PolicyWorker")
         self.core_share = core_share_for(model.num_threads, self.placement.device, placed)
+        if self.optim_config.lora.enabled:  # the adapters' A from the RNG seeded above: alike on every rank
+            placed = apply_lora(placed, self.optim_config.lora)
+            self._lora = True
         self._distribute(placed, "PolicyWorker")
         self._version = 0
 
@@ -373,6 +437,26 @@ class PolicyWorker(_Trainable, WeightSource):
         return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.temperature,
                           "old_log_probs", with_entropy=True, who="PolicyWorker.compute_log_prob",
                           placement=self.placement)
+
+    @register(Dispatch.DP_COMPUTE)
+    @computing
+    def compute_ref_log_prob(self, batch: TensorDictBase) -> TensorDict:
+        """``TD{ref_log_probs [B, R]}`` (0 where masked) of the base model: this model with its LoRA adapters
+        disabled, so a LoRA run needs no ReferenceWorker (the same contract as ReferenceWorker's).
+
+        Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``; LoRA (``lora.rank > 0``)."""
+        if not self._lora:
+            raise RuntimeError("PolicyWorker.compute_ref_log_prob gives the base model's log-probs by disabling the "
+                               "LoRA adapters, but this policy trains without LoRA (actor.lora.rank=0): use a "
+                               "ReferenceWorker for the reference log-probs")
+        with self.model.disable_adapter():  # type: ignore[operator]
+            return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.temperature,
+                              "ref_log_probs", with_entropy=False, who="PolicyWorker.compute_ref_log_prob",
+                              placement=self.placement)
+
+    def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` of the weights as exported (:meth:`_export_state`: LoRA merged)."""
+        return self.engine.full_tensors(self._export_state())
 
     def _check_batch(self, batch: TensorDictBase) -> tuple[int, str | None]:
         """What is wrong with this rank's shard: ``(0, None)``, ``(_MISSING, message)`` or ``(_STALE, message)``."""

@@ -475,6 +475,29 @@ class JobConfig:
                 optim.validate(t.train_workers)
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}") from None
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """``actor.lora``: the policy only, and every named target module is a linear layer of the model (read
+        from a weightless skeleton of it, before any worker starts)."""
+        if self.algorithm.name == "ppo" and self.critic.lora.enabled:
+            raise ConfigError(f"critic.lora.rank={self.critic.lora.rank}: LoRA adapts the policy only (actor.lora); "
+                              "set critic.lora.rank=0")
+        lora = self.actor.lora
+        if not lora.enabled or lora.target_modules == "all-linear":
+            return
+        from asyncrl.roles.lora import check_targets
+        from asyncrl.roles.models import meta_model
+
+        try:
+            skeleton = meta_model(self.model)
+        except Exception:  # a model that cannot be read here: the worker checks the targets when it loads it
+            return
+        if skeleton is not None:
+            try:
+                check_targets(skeleton, lora)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
     def _validate_bypass(self) -> None:

@@ -57,7 +57,8 @@ class Groups:
     advantage: WorkerGroup[Any]
     """AdvantageWorker group (training pool)."""
     reference: WorkerGroup[Any] | None = None
-    """ReferenceWorker group, when a KL term needs it."""
+    """What serves ``compute_ref_log_prob`` when a KL term needs it: the ReferenceWorker group, or with LoRA the
+    policy group itself (its adapters disabled)."""
     critic: WorkerGroup[Any] | None = None
     """CriticWorker group (PPO)."""
 

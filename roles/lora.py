@@ -9,6 +9,9 @@
             names, W + scaling * B @ A per adapted layer, computed beside the live model (never merged into it)
         checkpoint: the adapter (peft's adapter_model.safetensors + adapter_config.json) and the optimizer;
             the base is rebuilt from the model config on resume (its checksum is checked)
+        adapter sync (``trainer.weight_sync=adapter``): only the factors travel (adapter_delta() -> LoraDelta);
+            the HF rollout keeps a copy of the base weights of the adapted layers and merges each version
+            into it (merge_delta()), the same W + scaling * B @ A: bit for bit the full sync's in float32
 
 ``peft`` is imported only when a role trains with ``lora.rank > 0``.
 """
@@ -22,7 +25,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-__all__ = ["LoraConfig", "apply_lora", "base_checksum", "linear_layer_names", "merged_state", "check_targets"]
+from .models import tensor_checksum
+
+__all__ = ["LoraConfig", "LoraDelta", "adapter_delta", "apply_lora", "base_checksum", "check_targets", "digest",
+           "linear_layer_names", "merge_delta", "merged_state"]
 
 
 @dataclass(kw_only=True)
@@ -162,3 +168,58 @@ def base_checksum(peft_model: nn.Module) -> str:
             h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
             h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """A policy version as its LoRA factors alone: what an adapter sync moves instead of the whole weights."""
+
+    version: int
+    """The policy version."""
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]]
+    """``{base weight name: (A [r, in], B [out, r], scaling, fan_in_fan_out)}``, A and B in float32 on the CPU."""
+    base_digest: str
+    """:func:`digest` of the base weights under those names, in the rollout's dtype: the rollout checks that the
+    base it merges into is the policy's."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the factors (what travels)."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _, _ in self.factors.values())
+
+
+def digest(named: Mapping[str, torch.Tensor]) -> str:
+    """A sha256 over the names and the exact bytes of `named` (in name order)."""
+    h = hashlib.sha256()
+    for name in sorted(named):
+        h.update(f"{name}:{tensor_checksum(named[name])};".encode())
+    return h.hexdigest()[:16]
+
+
+def adapter_delta(peft_model: nn.Module, version: int, dtype: torch.dtype | None = None) -> LoraDelta:
+    """`peft_model`'s current adapters as a :class:`LoraDelta` (`dtype`: the rollout's, for the base digest)."""
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = {}
+    base: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for owner, layer in _lora_layers(peft_model).items():
+            (adapter,) = layer.active_adapters
+            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            factors[f"{owner}.weight"] = (a.detach().to("cpu", torch.float32, copy=True),
+                                          b.detach().to("cpu", torch.float32, copy=True),
+                                          float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False)))
+            w = layer.get_base_layer().weight.detach()
+            base[f"{owner}.weight"] = w if dtype is None or not w.is_floating_point() else w.to(dtype)
+    return LoraDelta(version=version, factors=factors, base_digest=digest(base))
+
+
+def merge_delta(base: Mapping[str, torch.Tensor], delta: LoraDelta) -> dict[str, torch.Tensor]:
+    """``{name: base[name] + scaling * B @ A}`` for each adapted weight of `delta`, new tensors in the base's dtype
+    and device (computed in float32: in float32 bit for bit what peft's merge gives)."""
+    out = {}
+    with torch.no_grad():
+        for name, (a, b, scaling, fan_in_fan_out) in delta.factors.items():
+            w = base[name]
+            d = b.to(w.device) @ a.to(w.device)
+            d = (d.T if fan_in_fan_out else d) * scaling
+            out[name] = (w if w.dtype == torch.float32 else w.float()).add(d).to(w.dtype)
+    return out

@@ -37,7 +37,7 @@ from . import functional as F
 from ._util import DataParallel, micro_batches, mini_batches, require, response_log_probs
 from .device import Placement, place_model, resolve_placement
 from .errors import CheckpointFormatError, StaleBatchError
-from .lora import LoraConfig, apply_lora, base_checksum, merged_state
+from .lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_checksum, merged_state
 from .models import ModelConfig, load_model, set_torch_threads, tensor_checksum
 from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy
 from .threads import computing, core_share_for, release_core_share
@@ -641,6 +641,16 @@ class PolicyWorker(_Trainable, WeightSource):
         with torch.no_grad():
             out = {k: _cast(v, dt, "cpu") for k, v in self._full_state() if self.rank == 0}
         return self._version, out
+
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
+    def export_adapter(self, dtype: str | None = None) -> LoraDelta:
+        """The current version as its LoRA factors only (:class:`~asyncrl.roles.lora.LoraDelta`), for
+        ``RolloutWorker.update_weights`` of an HF rollout that merges them into its copy of the base
+        (``trainer.weight_sync=adapter``); `dtype`: the rollout's weight dtype (its base is checked in it)."""
+        if not self._lora:
+            raise RuntimeError("PolicyWorker.export_adapter needs LoRA (actor.lora.rank > 0); sync the whole "
+                               "weights with stage_weights/export_weights")
+        return adapter_delta(self.model, self._version, getattr(torch, dtype) if dtype is not None else None)
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:

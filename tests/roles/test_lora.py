@@ -142,3 +142,29 @@ async def test_two_ddp_ranks_train_lora_like_one_rank(ray_cluster, model_config,
     for k in mine:
         torch.testing.assert_close(weights[k], mine[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
     assert torch.equal(ref["ref_log_probs"], _base_log_probs(model_config, uneven_batch))
+
+
+async def test_an_adapter_sync_moves_only_the_factors_and_the_rollout_merges_them_like_a_full_sync(model_config,
+                                                                                                    uneven_batch):
+    """Two versions through ``export_adapter`` into one HF rollout and through ``export_weights`` into another: the
+    same weights bit for bit, the policy's merged ones; the delta is the factors' bytes alone."""
+    from asyncrl.roles import RolloutConfig, RolloutWorker, WeightSyncError
+
+    policy = PolicyWorker(model_config, LORA)
+    by_adapter, by_weights = (RolloutWorker(model_config, RolloutConfig(max_new_tokens=4)) for _ in range(2))
+    for _ in range(2):
+        policy.update(uneven_batch)
+        delta = policy.export_adapter()
+        receipt = await by_adapter.update_weights(delta)
+        await by_weights.update_weights(policy.export_weights())
+        assert receipt["version"] == delta.version == policy.version
+        assert by_adapter.weights_checksum() == by_weights.weights_checksum() == policy.weights_checksum()
+    adapters = sum(p.numel() * 4 for n, p in policy.model.named_parameters() if p.requires_grad)
+    assert delta.nbytes == adapters < sum(t.numel() * 4 for t in policy.export_weights()[1].values()) / 4
+
+    policy.update(uneven_batch)
+    with pytest.raises(WeightSyncError, match="does not hold the base weights the policy's adapters were trained on"):
+        await by_weights.update_weights(policy.export_adapter())  # it holds merged weights, not the base
+    with pytest.raises(RuntimeError, match="export_adapter needs LoRA"):
+        PolicyWorker(model_config).export_adapter()
+

@@ -57,18 +57,17 @@ class LoraBenchPolicy(PolicyWorker):
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def sizes(self) -> dict[str, int]:
         """Parameters of the model and of its adapters, and the bytes each sync kind moves."""
-        from asyncrl.roles.lora import adapter_delta
-
         merged = self._export_state()
-        seen, full = set(), 0
+        seen, full, params = set(), 0, 0
         for t in merged.values():
             key = (t.untyped_storage().data_ptr(), t.storage_offset())
             if key not in seen:  # a tied weight once, as the object-store sync packs it
                 seen.add(key)
                 full += t.numel() * t.element_size()
+                params += t.numel()
         adapters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return {"params": sum(t.numel() for t in merged.values()), "adapter_params": adapters, "full_bytes": full,
-                "adapter_bytes": adapter_delta(self.model, self._version).nbytes}
+        return {"params": params, "adapter_params": adapters, "full_bytes": full,
+                "adapter_bytes": self.export_adapter().nbytes}
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this script

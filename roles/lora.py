@@ -8,7 +8,7 @@
         export (rollout, checksums, checkpoint's model.safetensors): merged_state(), under the base model's
             names, W + scaling * B @ A per adapted layer, computed beside the live model (never merged into it)
         checkpoint: the adapter (peft's adapter_model.safetensors + adapter_config.json) and the optimizer;
-            the base is rebuilt from the model config on resume (its checksum is checked)
+            the base is rebuilt from the model config on resume (its digest is checked)
         adapter sync (``trainer.weight_sync=adapter``): only the factors travel (adapter_delta() -> LoraDelta);
             the HF rollout keeps a copy of the base weights of the adapted layers and merges each version
             into it (merge_delta()), the same W + scaling * B @ A: bit for bit the full sync's in float32
@@ -27,7 +27,7 @@ from torch import nn
 
 from .models import tensor_checksum
 
-__all__ = ["LoraConfig", "LoraDelta", "adapter_delta", "apply_lora", "base_checksum", "check_targets", "digest",
+__all__ = ["LoraConfig", "LoraDelta", "adapter_delta", "apply_lora", "base_digest", "check_targets", "digest",
            "linear_layer_names", "merge_delta", "merged_state"]
 
 
@@ -156,20 +156,6 @@ def _owners(path: str, layers: Mapping[str, Any]) -> list[str]:
     return [p for i in range(len(parts), 0, -1) if (p := ".".join(parts[:i])) in layers]
 
 
-def base_checksum(peft_model: nn.Module) -> str:
-    """A sha256 of the frozen base weights (names, shapes, bytes): a resume rebuilds the base from the model
-    config and checks it is the one the adapter was trained on."""
-    base = peft_model.get_base_model()  # type: ignore[operator]
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, p in base.named_parameters():
-            if p.requires_grad:  # an adapter
-                continue
-            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class LoraDelta:
     """A policy version as its LoRA factors alone: what an adapter sync moves instead of the whole weights."""
@@ -196,10 +182,21 @@ def digest(named: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def adapter_delta(peft_model: nn.Module, version: int, dtype: torch.dtype | None = None) -> LoraDelta:
-    """`peft_model`'s current adapters as a :class:`LoraDelta` (`dtype`: the rollout's, for the base digest)."""
+def base_digest(peft_model: nn.Module, dtype: torch.dtype | None = None) -> str:
+    """:func:`digest` of the frozen base weights of the adapted layers, under the base names (in `dtype` when
+    given): what a resume (the base rebuilt from the config) and an adapter sync's rollout check their base by."""
+    base = {}
+    with torch.no_grad():
+        for owner, layer in _lora_layers(peft_model).items():
+            w = layer.get_base_layer().weight.detach()
+            base[f"{owner}.weight"] = w if dtype is None or not w.is_floating_point() else w.to(dtype)
+    return digest(base)
+
+
+def adapter_delta(peft_model: nn.Module, version: int, base: str) -> LoraDelta:
+    """`peft_model`'s current adapters as a :class:`LoraDelta` of `version`; `base`: its :func:`base_digest` in the
+    rollout's dtype (computed once: the base never changes)."""
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = {}
-    base: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for owner, layer in _lora_layers(peft_model).items():
             (adapter,) = layer.active_adapters
@@ -207,9 +204,7 @@ def adapter_delta(peft_model: nn.Module, version: int, dtype: torch.dtype | None
             factors[f"{owner}.weight"] = (a.detach().to("cpu", torch.float32, copy=True),
                                           b.detach().to("cpu", torch.float32, copy=True),
                                           float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False)))
-            w = layer.get_base_layer().weight.detach()
-            base[f"{owner}.weight"] = w if dtype is None or not w.is_floating_point() else w.to(dtype)
-    return LoraDelta(version=version, factors=factors, base_digest=digest(base))
+    return LoraDelta(version=version, factors=factors, base_digest=base)
 
 
 def merge_delta(base: Mapping[str, torch.Tensor], delta: LoraDelta) -> dict[str, torch.Tensor]:

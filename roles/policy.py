@@ -37,7 +37,7 @@ from . import functional as F
 from ._util import DataParallel, micro_batches, mini_batches, require, response_log_probs
 from .device import Placement, place_model, resolve_placement
 from .errors import CheckpointFormatError, StaleBatchError
-from .lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_checksum, merged_state
+from .lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
 from .models import ModelConfig, load_model, set_torch_threads, tensor_checksum
 from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy
 from .threads import computing, core_share_for, release_core_share
@@ -278,7 +278,7 @@ class _Trainable(Worker):
             meta = {"version": self._version, "optim": asdict(self.optim_config), "format": self._format,
                     "world_size": self.world_size}
             if self._lora:
-                meta["lora_base_checksum"] = base_checksum(self.model)
+                meta["lora_base_digest"] = self._base_digest(None)
             with open(os.path.join(path, "meta.json"), "w") as f:
                 json.dump(meta, f)
         return path
@@ -308,11 +308,11 @@ class _Trainable(Worker):
         adapter = os.path.join(path, "adapter_model.safetensors")
         if not os.path.exists(adapter):
             raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {adapter}; save one with save(path)")
-        want, have = meta.get("lora_base_checksum"), base_checksum(self.model)
+        want, have = meta.get("lora_base_digest"), self._base_digest(None)
         if want != have:
             raise CheckpointFormatError(
                 f"checkpoint {path!r} holds a LoRA adapter trained on other base weights than this model's (base "
-                f"checksum {str(want)[:12]} != {have[:12]}): resume with the model config the run started with")
+                f"digest {str(want)[:12]} != {have[:12]}): resume with the model config the run started with")
         result = set_peft_model_state_dict(self.model, load_file(adapter))
         missing = [k for k in result.missing_keys if "lora_" in k]
         if missing or result.unexpected_keys:
@@ -420,6 +420,7 @@ class PolicyWorker(_Trainable, WeightSource):
         if self.optim_config.lora.enabled:  # the adapters' A from the RNG seeded above: alike on every rank
             placed = apply_lora(placed, self.optim_config.lora)
             self._lora = True
+        self._base_digests: dict[str | None, str] = {}
         self._distribute(placed, "PolicyWorker")
         self._version = 0
 
@@ -650,7 +651,13 @@ class PolicyWorker(_Trainable, WeightSource):
         if not self._lora:
             raise RuntimeError("PolicyWorker.export_adapter needs LoRA (actor.lora.rank > 0); sync the whole "
                                "weights with stage_weights/export_weights")
-        return adapter_delta(self.model, self._version, getattr(torch, dtype) if dtype is not None else None)
+        return adapter_delta(self.model, self._version, self._base_digest(dtype))
+
+    def _base_digest(self, dtype: str | None) -> str:
+        """:func:`~asyncrl.roles.lora.base_digest` of the frozen base (in `dtype`), computed once per dtype."""
+        if dtype not in self._base_digests:
+            self._base_digests[dtype] = base_digest(self.model, getattr(torch, dtype) if dtype is not None else None)
+        return self._base_digests[dtype]
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:

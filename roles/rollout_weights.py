@@ -121,6 +121,8 @@ class WeightSyncMixin:
 
     _lora_base: dict[str, torch.Tensor] | None = None
     """Adapter sync: a copy of the base weights of the adapted layers, taken at the first :class:`LoraDelta`."""
+    _lora_base_digest: str | None = None
+    """Its digest (checked against the policy's once, when it was taken)."""
 
     # ---- weight sync ----------------------------------------------------------------------
 
@@ -227,17 +229,17 @@ class WeightSyncMixin:
         if unknown:
             raise WeightSyncError(f"the adapter of version {delta.version} adapts weights this rollout's model does "
                                   f"not have: {unknown[:5]}; policy and rollout must be the same architecture")
-        if self._lora_base is None:
+        if self._lora_base is None:  # the first delta: the engine must hold the base now
             base = {k: own[k].detach().clone() for k in delta.factors}
             if digest(base) != delta.base_digest:
                 raise WeightSyncError(
                     f"rollout rank {self.rank} (version {self._version}) does not hold the base weights the policy's "
                     "adapters were trained on: an adapter sync merges into the base, so the rollout must start from "
                     "the policy's model config and receive only adapter syncs (or sync whole weights)")
-            self._lora_base = base
-        elif digest(self._lora_base) != delta.base_digest:
-            raise WeightSyncError(f"the adapter of version {delta.version} was trained on other base weights than "
-                                  f"the ones rollout rank {self.rank} merges into")
+            self._lora_base, self._lora_base_digest = base, delta.base_digest
+        elif delta.base_digest != self._lora_base_digest or set(delta.factors) != set(self._lora_base):
+            raise WeightSyncError(f"the adapter of version {delta.version} was trained on other base weights (or "
+                                  f"layers) than the ones rollout rank {self.rank} merges into")
         return {**own, **merge_delta(self._lora_base, delta)}
 
     async def _resolve_weights(self, weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:

@@ -225,6 +225,7 @@ class _Trainable(Worker):
     _version: int
     _lora: bool = False
     """``self.model`` is a peft model whose LoRA adapters alone train (a PolicyWorker with ``lora.rank > 0``)."""
+    _base_digests: dict[str | None, str] | None = None
 
     def _distribute(self, model: torch.nn.Module, who: str) -> None:
         """Spread `model` over the group (``optim.strategy``) and build its optimizer over what each rank holds."""
@@ -298,6 +299,14 @@ class _Trainable(Worker):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(path, "README.md"))  # peft's model-card template: nothing of the run's
         torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+    def _base_digest(self, dtype: str | None) -> str:
+        """LoRA: :func:`~asyncrl.roles.lora.base_digest` of the frozen base (in `dtype`), computed once per dtype."""
+        if self._base_digests is None:
+            self._base_digests = {}
+        if dtype not in self._base_digests:
+            self._base_digests[dtype] = base_digest(self.model, getattr(torch, dtype) if dtype is not None else None)
+        return self._base_digests[dtype]
 
     def _load_lora(self, path: str, meta: dict[str, Any]) -> None:
         """Load the adapter :meth:`_save_lora` wrote into this model, whose base was rebuilt from the model config
@@ -420,7 +429,6 @@ class PolicyWorker(_Trainable, WeightSource):
         if self.optim_config.lora.enabled:  # the adapters' A from the RNG seeded above: alike on every rank
             placed = apply_lora(placed, self.optim_config.lora)
             self._lora = True
-        self._base_digests: dict[str | None, str] = {}
         self._distribute(placed, "PolicyWorker")
         self._version = 0
 
@@ -652,12 +660,6 @@ class PolicyWorker(_Trainable, WeightSource):
             raise RuntimeError("PolicyWorker.export_adapter needs LoRA (actor.lora.rank > 0); sync the whole "
                                "weights with stage_weights/export_weights")
         return adapter_delta(self.model, self._version, self._base_digest(dtype))
-
-    def _base_digest(self, dtype: str | None) -> str:
-        """:func:`~asyncrl.roles.lora.base_digest` of the frozen base (in `dtype`), computed once per dtype."""
-        if dtype not in self._base_digests:
-            self._base_digests[dtype] = base_digest(self.model, getattr(torch, dtype) if dtype is not None else None)
-        return self._base_digests[dtype]
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:

@@ -134,7 +134,9 @@ run_phase() {  # name, limit_s, log, command...
 # ---- 2. the roles in-process on the device (fixture model_config -> device=cuda, fp32) ----------------
 export ASYNCRL_TEST_DEVICE=$DEVICE
 run_phase tests_cuda "${TESTS_S:-150}" tests_cuda.log "$PY" -m pytest -p no:cacheprovider -q -rfEs --timeout 120 \
-  tests/roles/test_device.py tests/roles/test_workers.py tests/roles/test_functional.py
+  tests/roles/test_device.py tests/roles/test_workers.py tests/roles/test_functional.py \
+  tests/roles/test_strategies.py::test_a_checkpoint_of_the_other_strategy_is_refused_naming_both \
+  tests/roles/test_token_budget.py
 unset ASYNCRL_TEST_DEVICE
 
 # ---- 3. roles on GPU pools through Ray (half a GPU each: weight channel, bf16 rollout) ----------------

@@ -46,6 +46,7 @@ QUICK: dict[str, tuple[str, ...]] = {  # benchmark (its script's name) -> extra 
     "weight_sync": (),
     "engine_throughput": (),
     "longtail": (),
+    "token_budget": (),
 }
 
 OWN_RAY = frozenset({"loop_lag", "weight_sync"})

@@ -48,10 +48,10 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
         "advantage": AdvantageWorker,
     }
     if reference_worker(cfg):
-        train_roles["reference"] = (ReferenceWorker, (cfg.model,), {"temperature": cfg.rollout.temperature,
-                                                                   "micro_batch_size": cfg.actor.micro_batch_size,
-                                                                   "strategy": cfg.actor.strategy,
-                                                                   "fsdp_offload": cfg.actor.fsdp_offload})
+        train_roles["reference"] = (ReferenceWorker, (cfg.model,), {
+            "temperature": cfg.rollout.temperature, "micro_batch_size": cfg.actor.micro_batch_size,
+            "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "strategy": cfg.actor.strategy,
+            "fsdp_offload": cfg.actor.fsdp_offload})
     if cfg.algorithm.name == "ppo":
         train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})
     for role, spec in (overrides or {}).items():

@@ -117,6 +117,42 @@ def _check_optim(key: str, o: Any) -> None:
         raise ConfigError(f"{key}.entropy_coef must be a finite number, got {o.entropy_coef!r}")
 
 
+def _check_fsdp2(cfg: Any) -> None:
+    """``strategy=fsdp2`` shards per decoder layer: a model directory's architecture must declare its layers
+    (the built-in tiny models and GGUF models are Qwen2/Llama, which do)."""
+    keys = [f"{k}.strategy" for k in ("actor", "critic") if getattr(cfg, k).strategy == "fsdp2"
+            and (k == "actor" or cfg.algorithm.name == "ppo")]
+    path = cfg.model.path
+    if not keys or path is None or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    from asyncrl.roles.strategy import layer_classes
+
+    try:
+        name, layers = layer_classes(path)
+    except (KeyError, ValueError, OSError) as e:
+        raise ConfigError(f"{keys[0]}=fsdp2 needs the model's architecture to find its decoder layers, but "
+                          f"model.path={path!r} is not a causal LM transformers knows ({type(e).__name__}: "
+                          f"{str(e)[:120]}); set {keys[0]}=ddp") from None
+    if not layers:
+        raise ConfigError(f"{keys[0]}=fsdp2 shards a model per decoder layer, but {name} (model.path={path!r}) "
+                          f"declares none (transformers' _no_split_modules); set {keys[0]}=ddp")
+
+
+def _check_token_budget(key: str, o: Any, cfg: Any) -> None:
+    """A token budget below the longest row a batch can hold would fail the first update that meets one."""
+    budget = getattr(o, "max_tokens_per_micro_batch", None)
+    if budget is None or not _num(budget):
+        return
+    prompt, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    longest = (prompt or 1) + new
+    if budget < longest:
+        rows = (f"data.max_prompt_length={prompt} + rollout.max_new_tokens={new}" if prompt
+                else f"a one-token prompt + rollout.max_new_tokens={new}")
+        raise ConfigError(f"{key}.max_tokens_per_micro_batch={budget} is smaller than the longest row a batch can "
+                          f"hold ({rows} = {longest} tokens); set it to at least {longest}, or to null for "
+                          f"micro-batches of {key}.micro_batch_size rows")
+
+
 def check_worker_sections(cfg: Any) -> None:
     """Raise :class:`ConfigError` for a value of `cfg`'s worker sections (``model``, ``rollout``,
     ``actor``, ``critic``, ``reward``) or ``algorithm`` that a worker would reject at start-up."""
@@ -140,8 +176,11 @@ def check_worker_sections(cfg: Any) -> None:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the model's "
                           f"context of model.max_position_embeddings={max_pos}")
     _check_optim("actor", cfg.actor)
+    _check_token_budget("actor", cfg.actor, cfg)
     if cfg.algorithm.name == "ppo":
         _check_optim("critic", cfg.critic)
+        _check_token_budget("critic", cfg.critic, cfg)
+    _check_fsdp2(cfg)
     w = cfg.reward
     if w.model is None:
         if ":" not in w.fn and w.fn not in reward_fn_names():  # a function by path: JobConfig._validate_reward

@@ -7,10 +7,10 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, register
 
-from ._util import micro_batches, mini_batches, require
+from ._util import mini_batches, require, require_token_budget, split_micro_batches
 from . import functional as F
 from .device import place_model, resolve_placement
-from .models import ModelConfig, build_value_model, set_torch_threads
+from .models import ModelConfig, build_value_model, set_gradient_checkpointing, set_torch_threads
 from .threads import computing, core_share_for, release_core_share
 from .policy import OptimConfig, _Trainable
 
@@ -36,7 +36,8 @@ class CriticWorker(_Trainable):
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="CriticWorker")
         built, self.tokenizer = build_value_model(model)
-        placed = place_model(built, self.placement, trained=True, who="CriticWorker")
+        placed = set_gradient_checkpointing(place_model(built, self.placement, trained=True, who="CriticWorker"),
+                                            model.gradient_checkpointing)
         self.core_share = core_share_for(model.num_threads, self.placement.device, placed)
         self._distribute(placed, "CriticWorker")
         self._version = 0
@@ -57,16 +58,18 @@ class CriticWorker(_Trainable):
     def compute_values(self, batch: TensorDictBase) -> TensorDict:
         """``TD{values [B, R]}`` (0 where ``response_mask`` is 0)."""
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask"], "CriticWorker.compute_values")
-        out = []
+        cfg = self.optim_config
+        out = torch.zeros(batch["response_ids"].shape)
         self.model.eval()
         try:
             with torch.no_grad():
-                for s in micro_batches(batch.batch_size[0], self.optim_config.micro_batch_size):
-                    b = batch[s]
-                    out.append((self._values(b) * b["response_mask"].to(self.placement.device).float()).cpu())
+                for rows, b in split_micro_batches(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch,
+                                                   self.dp, "critic.max_tokens_per_micro_batch"):
+                    v = self._values(b) * b["response_mask"].to(self.placement.device).float()
+                    out[rows, :v.shape[1]] = v.cpu()
         finally:
             self.model.train()
-        return TensorDict({"values": torch.cat(out)}, batch_size=batch.batch_size[:1])
+        return TensorDict({"values": out}, batch_size=batch.batch_size[:1])
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     @computing
@@ -80,6 +83,7 @@ class CriticWorker(_Trainable):
         cfg = self.optim_config
         require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask", "values", "returns"],
                 "CriticWorker.update")
+        require_token_budget(batch, cfg.max_tokens_per_micro_batch, self.dp, "critic.max_tokens_per_micro_batch")
         batch = batch.to(self.placement.device)
         n = batch.batch_size[0]
         mini = None if cfg.mini_batch_size is None else cfg.mini_batch_size // self.world_size
@@ -90,15 +94,16 @@ class CriticWorker(_Trainable):
                 mb = batch[mini_rows]
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 self.optimizer.zero_grad(set_to_none=True)
-                micros = micro_batches(mb.batch_size[0], cfg.micro_batch_size)
-                for i, micro in enumerate(micros):
-                    b = mb[micro]
+                micros = split_micro_batches(mb, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.dp,
+                                             "critic.max_tokens_per_micro_batch")
+                for i, (_, b) in enumerate(micros):
                     mask = b["response_mask"]
                     with self.engine.micro_batch(last=i == len(micros) - 1):
                         v = self._values(b, self.engine.forward_module)
                         losses, clip = F.value_clip_losses(v, b["values"], b["returns"], cfg.clip_eps)
                         loss = 0.5 * F.agg_loss(losses, mask, cfg.loss_agg_mode, num_tokens=denom[0],
-                                                num_seqs=denom[1], loss_scale_factor=cfg.loss_scale_factor)
+                                                num_seqs=denom[1],
+                                                loss_scale_factor=cfg.loss_scale_factor or mb["response_mask"].shape[1])
                         loss.backward()
                     with torch.no_grad():
                         vf_loss += float(loss)

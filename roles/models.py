@@ -49,6 +49,7 @@ __all__ = [
     "context_length",
     "model_context_length",
     "set_torch_threads",
+    "set_gradient_checkpointing",
     "tensor_checksum",
     "state_dict_checksums",
     "position_ids_from_mask",
@@ -102,6 +103,12 @@ class ModelConfig:
     """Seed of the tiny model's initial weights (and of the worker's other randomness)."""
     attn_implementation: str = "eager"
     """Transformers attention kernel; eager is exact and fast enough for tiny models."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing of the trained models (the policy, the critic's backbone): each decoder
+    layer's activations are recomputed in the backward pass instead of kept, trading ~1/3 more compute
+    for activation memory that no longer grows with the layers (transformers'
+    ``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``, non-reentrant). Same
+    gradients; frozen roles ignore it."""
     num_threads: int | str | None = None
     """Torch intra-op threads; None takes the worker's CPU share (``context.num_cpus``); 0 takes every core
     of the worker's machine (``os.cpu_count()``): on shared cores whichever worker is computing then uses the
@@ -442,6 +449,25 @@ def model_context_length(cfg: ModelConfig) -> int:
         raise ValueError(f"cannot tell the context length of the model in {path!r}: its config has no "
                          "max_position_embeddings")
     return n
+
+
+def set_gradient_checkpointing(model: nn.Module, on: bool) -> nn.Module:
+    """`model` with transformers' activation checkpointing on (non-reentrant) when `on`, in every
+    Hugging Face model it is or holds (a causal LM, a :class:`ValueModel`'s backbone); returns it."""
+    if on:
+        from transformers import PreTrainedModel
+
+        models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+        if not models or not all(m.supports_gradient_checkpointing for m in models):
+            raise ValueError(f"model.gradient_checkpointing=true needs a transformers model that supports it; "
+                             f"{type(model).__name__} does not; set model.gradient_checkpointing=false")
+        for m in models:
+            if hasattr(m, "activation_checkpointing_enable"):  # the name since transformers 5.x
+                if not m.is_activation_checkpointing:
+                    m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            elif not m.is_gradient_checkpointing:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -34,11 +34,11 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, Execute, Worker, register
 
 from . import functional as F
-from ._util import DataParallel, micro_batches, mini_batches, require, response_log_probs
+from ._util import DataParallel, mini_batches, require, require_token_budget, response_log_probs, split_micro_batches, with_fields
 from .device import Placement, place_model, resolve_placement
 from .errors import CheckpointFormatError, StaleBatchError
 from .lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
-from .models import ModelConfig, load_model, set_torch_threads, tensor_checksum
+from .models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, tensor_checksum
 from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy
 from .threads import computing, core_share_for, release_core_share
 from .transfer import WeightSource
@@ -124,7 +124,14 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this (None: no clipping; the norm is still reported)."""
     micro_batch_size: int = 8
-    """Rows per forward/backward on each rank (gradient accumulation over a mini-batch)."""
+    """Rows per forward/backward on each rank (gradient accumulation over a mini-batch); unused when
+    `max_tokens_per_micro_batch` is set."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a forward/backward on each rank (verl's ``use_dynamic_bsz`` with
+    ``ppo_max_token_len_per_gpu``): rows of similar length are grouped so that each micro-batch's
+    padded tokens (rows x its own longest prompt + longest response) stay within it, and each
+    micro-batch is cut to its own width. Same gradients as fixed micro-batches; must be at least the
+    longest row. None: micro-batches of `micro_batch_size` rows, padded to the batch's longest row."""
     mini_batch_size: int | None = None
     """Rows per optimizer step over all ranks together (each rank takes mini_batch_size / ranks of its
     shard, so it must divide by the number of ranks); None uses the whole batch for one step per epoch."""
@@ -173,6 +180,9 @@ class OptimConfig:
         """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch is not None and not self.max_tokens_per_micro_batch >= 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1 (tokens) or None (micro_batch_size rows), "
+                             f"got {self.max_tokens_per_micro_batch}")
         if self.mini_batch_size is not None:
             if self.mini_batch_size < 1 or self.mini_batch_size % world_size:
                 raise ValueError(
@@ -424,7 +434,8 @@ class PolicyWorker(_Trainable, WeightSource):
         torch.manual_seed(model.seed)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=True, who="PolicyWorker")
         built, self.tokenizer = load_model(model)
-        placed = place_model(built, self.placement, trained=True, who="PolicyWorker")
+        placed = set_gradient_checkpointing(place_model(built, self.placement, trained=True, who="PolicyWorker"),
+                                            model.gradient_checkpointing)
         self.core_share = core_share_for(model.num_threads, self.placement.device, placed)
         if self.optim_config.lora.enabled:  # the adapters' A from the RNG seeded above: alike on every rank
             placed = apply_lora(placed, self.optim_config.lora)
@@ -443,9 +454,10 @@ class PolicyWorker(_Trainable, WeightSource):
         """``TD{old_log_probs [B, R], entropy [B, R]}`` of the response tokens (0 where masked).
 
         Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``."""
-        return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.temperature,
-                          "old_log_probs", with_entropy=True, who="PolicyWorker.compute_log_prob",
-                          placement=self.placement)
+        cfg = self.optim_config
+        return _log_probs(self.model, batch, cfg.micro_batch_size, self.temperature, "old_log_probs",
+                          with_entropy=True, who="PolicyWorker.compute_log_prob", placement=self.placement,
+                          max_tokens=(cfg.max_tokens_per_micro_batch, "actor.max_tokens_per_micro_batch"), dp=self.dp)
 
     @register(Dispatch.DP_COMPUTE)
     @computing
@@ -458,10 +470,12 @@ class PolicyWorker(_Trainable, WeightSource):
             raise RuntimeError("PolicyWorker.compute_ref_log_prob gives the base model's log-probs by disabling the "
                                "LoRA adapters, but this policy trains without LoRA (actor.lora.rank=0): use a "
                                "ReferenceWorker for the reference log-probs")
+        cfg = self.optim_config
         with self.model.disable_adapter():  # type: ignore[operator]
-            return _log_probs(self.model, batch, self.optim_config.micro_batch_size, self.temperature,
-                              "ref_log_probs", with_entropy=False, who="PolicyWorker.compute_ref_log_prob",
-                              placement=self.placement)
+            return _log_probs(self.model, batch, cfg.micro_batch_size, self.temperature, "ref_log_probs",
+                              with_entropy=False, who="PolicyWorker.compute_ref_log_prob", placement=self.placement,
+                              max_tokens=(cfg.max_tokens_per_micro_batch, "actor.max_tokens_per_micro_batch"),
+                              dp=self.dp)
 
     def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, whole tensor)`` of the weights as exported (:meth:`_export_state`: LoRA merged)."""
@@ -519,6 +533,7 @@ class PolicyWorker(_Trainable, WeightSource):
             raise KeyError(problem)
         if kind == _STALE:
             raise StaleBatchError(problem)
+        require_token_budget(batch, cfg.max_tokens_per_micro_batch, self.dp, "actor.max_tokens_per_micro_batch")
         batch = batch.to(self.placement.device)
         self.model.train()
         n = batch.batch_size[0]
@@ -531,6 +546,8 @@ class PolicyWorker(_Trainable, WeightSource):
                                    level=rc.rollout_is, threshold=rc.rollout_is_threshold)
               if has_behaviour else None)
         weights = iw.weights if (iw is not None and self.correction != "none") else None
+        if weights is not None:  # a field, so that micro-batches select and cut it with the rest
+            batch = with_fields(batch, {"is_weights": weights})
         low = cfg.clip_eps if cfg.clip_ratio_low is None else cfg.clip_ratio_low
         high = cfg.clip_eps if cfg.clip_ratio_high is None else cfg.clip_ratio_high
         mini = None if cfg.mini_batch_size is None else cfg.mini_batch_size // self.world_size
@@ -541,16 +558,15 @@ class PolicyWorker(_Trainable, WeightSource):
         for _ in range(cfg.ppo_epochs):
             for mini_rows in mini_batches(n, mini):
                 mb = batch[mini_rows]
-                mb_w = weights[mini_rows] if weights is not None else None
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 agg = dict(loss_agg_mode=cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
-                           loss_scale_factor=cfg.loss_scale_factor)
+                           loss_scale_factor=cfg.loss_scale_factor or mb["response_mask"].shape[1])
                 self.optimizer.zero_grad(set_to_none=True)
-                micros = micro_batches(mb.batch_size[0], cfg.micro_batch_size)
-                for i, micro in enumerate(micros):
+                micros = split_micro_batches(mb, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.dp,
+                                             "actor.max_tokens_per_micro_batch")
+                for i, (_, b) in enumerate(micros):
                     with self.engine.micro_batch(last=i == len(micros) - 1):
-                        self._accumulate(mb[micro], None if mb_w is None else mb_w[micro], agg, (low, high),
-                                         shares, counts)
+                        self._accumulate(b, agg, (low, high), shares, counts)
                 grad_norms.append(self.engine.clip_grad_norm(cfg.max_grad_norm))
                 self.optimizer.step()
         self._version += 1
@@ -561,7 +577,7 @@ class PolicyWorker(_Trainable, WeightSource):
             metrics.update(episode_metrics(batch, self.dp.all_reduce))
         return metrics
 
-    def _accumulate(self, b: TensorDictBase, w: torch.Tensor | None, agg: dict[str, Any], clip: tuple[float, float],
+    def _accumulate(self, b: TensorDictBase, agg: dict[str, Any], clip: tuple[float, float],
                     shares: dict[str, float], counts: dict[str, float]) -> None:
         """Forward and backward of one micro-batch `b` (its loss: its share of the mini-batch's, `agg`'s global
         denominators), adding its gradient to ``.grad`` and its loss terms and token counts to `shares`/`counts`."""
@@ -571,7 +587,7 @@ class PolicyWorker(_Trainable, WeightSource):
                                      self.temperature, with_entropy=True, placement=self.placement)
         terms = F.ppo_policy_terms(lp, b["old_log_probs"], b["advantages"], clip_ratio_low=clip[0],
                                    clip_ratio_high=clip[1], clip_ratio_c=cfg.clip_ratio_c)
-        losses = terms.losses if w is None else terms.losses * w
+        losses = terms.losses * b["is_weights"] if "is_weights" in b.keys() else terms.losses
         pg = F.agg_loss(losses, mask, **agg)
         entropy = F.agg_loss(ent, mask, **agg)  # type: ignore[arg-type]
         loss = pg - cfg.entropy_coef * entropy if cfg.entropy_coef else pg
@@ -673,26 +689,26 @@ class PolicyWorker(_Trainable, WeightSource):
 
 
 def _log_probs(model: torch.nn.Module, batch: TensorDictBase, micro: int, temperature: float, key: str,
-               with_entropy: bool, who: str, placement: Placement | None = None) -> TensorDict:
+               with_entropy: bool, who: str, placement: Placement | None = None,
+               max_tokens: tuple[int | None, str] = (None, ""), dp: DataParallel | None = None) -> TensorDict:
+    """``TD{key [B, R], entropy [B, R]}`` in the batch's row order and width (0 where masked), computed
+    in micro-batches (`max_tokens`: the token budget and the key that names it)."""
     require(batch, ["input_ids", "attention_mask", "response_ids", "response_mask"], who)
     was_training = model.training
     model.eval()
-    lps, ents = [], []
+    shape = batch["response_ids"].shape
+    out = {key: torch.zeros(shape)} | ({"entropy": torch.zeros(shape)} if with_entropy else {})
     try:
         with torch.no_grad():
-            for s in micro_batches(batch.batch_size[0], micro):
-                b = batch[s]
+            for rows, b in split_micro_batches(batch, micro, max_tokens[0], dp, max_tokens[1]):
                 lp, ent = response_log_probs(model, b["input_ids"], b["attention_mask"], b["response_ids"],
                                              temperature, with_entropy, placement=placement)
                 m = b["response_mask"].to(device=lp.device, dtype=lp.dtype)
-                lps.append((lp * m).cpu())
+                out[key][rows, :lp.shape[1]] = (lp * m).cpu()
                 if ent is not None:
-                    ents.append((ent * m).cpu())
+                    out["entropy"][rows, :lp.shape[1]] = (ent * m).cpu()
     finally:
         model.train(was_training)
-    out = {key: torch.cat(lps)}
-    if with_entropy:
-        out["entropy"] = torch.cat(ents)
     return TensorDict(out, batch_size=batch.batch_size[:1])
 
 
@@ -703,10 +719,13 @@ class ReferenceWorker(Worker):
         model: the reference model (usually the policy's initial config).
         micro_batch_size: rows per forward.
         temperature: logit temperature (match the policy's).
+        max_tokens_per_micro_batch: token budget of a forward instead of `micro_batch_size` rows (as
+            ``OptimConfig.max_tokens_per_micro_batch``; the trainer passes the actor's).
     """
 
     def __init__(self, model: ModelConfig, *, micro_batch_size: int = 16, temperature: float = 1.0,
-                 strategy: str = "ddp", fsdp_offload: bool = False) -> None:
+                 max_tokens_per_micro_batch: int | None = None, strategy: str = "ddp",
+                 fsdp_offload: bool = False) -> None:
         set_torch_threads(self.context.num_cpus, model.num_threads)
         self.placement = resolve_placement(model, self.context.num_gpus, trained=False, who="ReferenceWorker")
         built, self.tokenizer = load_model(model)
@@ -718,6 +737,7 @@ class ReferenceWorker(Worker):
                                     who="ReferenceWorker")
         self.model = self.engine.module
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.temperature = temperature
 
     def on_close(self) -> None:
@@ -729,7 +749,8 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: TensorDictBase) -> TensorDict:
         """``TD{ref_log_probs [B, R]}`` (0 where masked)."""
         return _log_probs(self.model, batch, self.micro_batch_size, self.temperature, "ref_log_probs",
-                          with_entropy=False, who="ReferenceWorker.compute_ref_log_prob", placement=self.placement)
+                          with_entropy=False, who="ReferenceWorker.compute_ref_log_prob", placement=self.placement,
+                          max_tokens=(self.max_tokens_per_micro_batch, "actor.max_tokens_per_micro_batch"))
 
     @register(EVERY_RANK_GIVES_RANK_ZEROS)
     def weights_checksum(self) -> dict[str, str]:

@@ -36,7 +36,7 @@ from ._util import DataParallel
 from .device import Placement
 
 __all__ = ["EVERY_RANK_GIVES_RANK_ZEROS", "STRATEGIES", "Strategy", "TrainStrategy", "decoder_layers", "is_sharded",
-           "full_tensor"]
+           "full_tensor", "layer_classes"]
 
 Strategy = Literal["ddp", "fsdp2"]
 STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2")
@@ -61,6 +61,16 @@ def is_sharded(t: torch.Tensor) -> bool:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """`t` whole: an all-gather for a DTensor (a collective: every rank must call it), else `t`."""
     return t.full_tensor() if is_sharded(t) else t
+
+
+def layer_classes(model_dir: str) -> tuple[str, list[str]]:
+    """``(causal LM class name, its decoder layer class names)`` of the Hugging Face model in `model_dir`,
+    read from its config without building it (what ``fsdp2`` would shard one by one; empty: nothing)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cls = AutoModelForCausalLM._model_mapping[type(conf)]
+    return cls.__name__, list(getattr(cls, "_no_split_modules", None) or ())
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -97,23 +107,27 @@ class TrainStrategy:
         """The model itself (its state dict has the model's own names); FSDP2's shards live in it."""
         self._ddp: nn.Module | None = None
         self.sharded = False
+        layers = decoder_layers(model) if strategy == "fsdp2" else []
+        if strategy == "fsdp2" and not layers:  # (checked at one rank too: the config must work at any count)
+            raise ValueError(
+                f"{who}: strategy=fsdp2 shards a model per decoder layer, but {type(model).__name__} declares none "
+                "(transformers' `_no_split_modules`); set strategy=ddp for this model")
         if not dp.active:
             return
         if strategy == "fsdp2":
-            self._shard(model, offload, who)
+            self._shard(model, layers, offload)
             self.sharded = True
         elif trainable:
             self._ddp = _ddp(model, placement, dp)
 
-    def _shard(self, model: nn.Module, offload: bool, who: str) -> None:
+    def _shard(self, model: nn.Module, layers: list[nn.Module], offload: bool) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        layers = decoder_layers(model)
-        if not layers:
-            raise ValueError(
-                f"{who}: strategy=fsdp2 shards a model per decoder layer, but {type(model).__name__} declares none "
-                "(transformers' `_no_split_modules`); use strategy=ddp for this model")
+        if self.placement.device.type == "cuda" and self.dp.backend != "nccl":
+            raise ValueError("strategy=fsdp2 on GPUs needs a GPU of its own per training rank (NCCL refuses two ranks "
+                             "on one GPU, and FSDP2 needs its reduce-scatter); give each training worker a whole GPU "
+                             "(trainer.gpus_per_worker=1) or set strategy=ddp")
         group = self.dp.grad_group()
         mesh = DeviceMesh.from_group(group, device_type=self.placement.device.type)
         amp = self.placement.autocast_dtype
@@ -154,6 +168,34 @@ class TrainStrategy:
         else:
             norm = torch.nn.utils.get_total_norm(grads)
         return float(full_tensor(norm))
+
+    def whole_by_unit(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """``{name: whole tensor}`` of the state-dict `names` (parameters and buffers of :attr:`module`), one FSDP
+        unit (a decoder layer, then the root) at a time: one all-gather per unit, resharded before the next, so a
+        rank holds at most one unit whole. Every rank must iterate it to the end over the same `names`. The
+        tensors are views of the unit's gathered storage: copy what you keep before the next one is yielded."""
+        if not self.sharded:
+            yield {n: self._leaf(n) for n in names}
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(prefix, m) for prefix, m in self.module.named_modules() if isinstance(m, FSDPModule)]
+        owner: dict[str, list[str]] = {prefix: [] for prefix, _ in units}
+        for n in names:  # the innermost unit whose prefix holds the name
+            best = max((p for p, _ in units if p == "" or n.startswith(p + ".")), key=len)
+            owner[best].append(n)
+        for prefix, unit in units:
+            if not owner[prefix]:
+                continue
+            unit.unshard()  # not recursive: this unit's own parameters
+            try:
+                yield {n: self._leaf(n) for n in owner[prefix]}
+            finally:
+                unit.reshard()
+
+    def _leaf(self, name: str) -> torch.Tensor:
+        path, _, leaf = name.rpartition(".")
+        return getattr(self.module.get_submodule(path), leaf).detach()
 
     def full_tensors(self, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, whole tensor)`` for each entry of `state` (a state dict of :attr:`module`), one at a

@@ -37,17 +37,18 @@ import os
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Mapping, TypeVar
 
 import torch
 
 from asyncrl import Dispatch, Execute, register
+from asyncrl.dispatch import dispatch_one_to_all
 
 from .errors import WeightSyncError
 from .lora import merged_state
 from .models import StateSlots
-from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, TrainStrategy, full_tensor, is_sharded
+from .strategy import TrainStrategy, is_sharded
 from .threads import computing
 from .weight_channel import (
     _DTYPE,
@@ -99,6 +100,31 @@ class WeightHandle:
     stored: Any = None
     """``object_store``: the Ray ObjectRef of the state dict (a plain dict of copies where the policy
     runs outside Ray, e.g. in-process)."""
+    peers: tuple[tuple[int, str], ...] = ()
+    """``local`` with several colocated ranks: ``(pid, owner)`` of the same version's snapshot in each other
+    policy rank's process, so the rollout rank in that process takes its own."""
+
+    def here(self) -> "WeightHandle":
+        """The handle of this process's snapshot of the version (itself, or a peer's)."""
+        pid = os.getpid()
+        for peer_pid, owner in self.peers:
+            if peer_pid == pid and pid != self.pid:
+                return replace(self, pid=pid, owner=owner, peers=())
+        return self
+
+
+def merged_handles(world: Any, results: list[Any]) -> Any:
+    """Collect of ``stage_weights``: rank 0's handle; a ``local`` one names every rank's snapshot (``peers``)."""
+    first = results[0]
+    if isinstance(first, WeightHandle) and first.transport == "local":
+        peers = tuple((h.pid, h.owner) for h in results[1:] if isinstance(h, WeightHandle))
+        return replace(first, peers=peers) if peers else first
+    return first
+
+
+STAGE = Dispatch.custom("stage_weights", dispatch_one_to_all, merged_handles)
+"""Every rank stages (FSDP2 gathers on all ranks; ``local`` snapshots one per colocated process); the call
+resolves to rank 0's handle, naming the others' for ``local``."""
 
 
 def _unreferenced(state: dict[str, torch.Tensor]) -> bool:
@@ -173,7 +199,9 @@ class _Snapshots:
             self._retired.pop(owner, None)
 
     def take_local(self, handle: WeightHandle) -> dict[str, torch.Tensor]:
-        """The snapshot a ``local`` handle names, or a WeightSyncError saying why not."""
+        """The snapshot a ``local`` handle names (this process's, when several colocated ranks staged it),
+        or a WeightSyncError saying why not."""
+        handle = handle.here()
         if handle.pid != os.getpid():
             raise WeightSyncError(
                 f"a local weight handle of version {handle.version} from process {handle.pid} reached process "
@@ -393,9 +421,9 @@ class WeightSource:
         with torch.no_grad():
             return untied(own, lambda k, v: _cast(v, dt, device))
 
-    def _gathered(self, dtype: torch.dtype | None) -> PackedState | None:
+    def _gathered(self, dtype: torch.dtype | None, every_rank: bool = False) -> PackedState | None:
         """The whole weights (floating ones in `dtype`) in rank 0's host buffer, gathered from the FSDP2 shards
-        one tensor at a time (every rank runs this; the others return None). The buffer is kept across versions:
+        one unit (decoder layer) at a time (every rank runs this; the others return None unless `every_rank`). The buffer is kept across versions:
         what reads it (``ray.put``, a snapshot copy) has copied it before the next gather."""
         state = self._export_state()
         plan = PackedState.plan(state, dtype)
@@ -403,7 +431,7 @@ class WeightSource:
             raise WeightSyncError(f"a weight's dtype cannot be staged from shards (dtypes {sorted({str(t.dtype) for t in state.values()})})")
         entries, aliases, nbytes = plan
         held = None
-        if self.rank == 0:
+        if self.rank == 0 or every_rank:
             if self._cast_scratch is None:
                 self._cast_scratch = {}
             held = self._cast_scratch.get("gathered")
@@ -411,12 +439,11 @@ class WeightSource:
                 held = self._cast_scratch["gathered"] = PackedState(torch.empty(nbytes, dtype=torch.uint8), entries,
                                                                     aliases)
         views = held.views() if held is not None else {}
-        with torch.no_grad():
-            for name, *_ in entries:  # the same order on every rank: each all-gather pairs up
-                whole = full_tensor(state[name])
+        with torch.no_grad():  # one all-gather per FSDP unit, in module order on every rank
+            for whole in self.engine.whole_by_unit([name for name, *_ in entries]):
                 if held is not None:
-                    views[name].copy_(whole)
-                del whole
+                    for name, t in whole.items():
+                        views[name].copy_(t)
         return held
 
     def _reused(self, own: Mapping[str, torch.Tensor], layout: list[tuple[str, tuple[int, ...], str]],
@@ -436,7 +463,7 @@ class WeightSource:
         """``{name: (shape, dtype)}`` of the weights as they would be exported."""
         return {n: (s, d) for n, s, d in layout_of(self._export_state())}
 
-    @register(EVERY_RANK_GIVES_RANK_ZEROS)
+    @register(STAGE)
     @computing  # the copy (cast) is compute: with num_threads="follow" it takes the cores left idle
     def stage_weights(self, transport: Literal["local", "collective", "object_store"] = "local",
                       dtype: str | None = None, keep: int = 4) -> WeightHandle | None:
@@ -451,13 +478,14 @@ class WeightSource:
             raise ValueError("stage_weights transport must be 'local', 'collective' or 'object_store', "
                              f"got {transport!r}")
         sharded = self.engine.sharded
-        if sharded:  # every rank gathers; rank 0 stages from its host copy
+        every_rank = transport == "local"  # each colocated rollout rank takes the snapshot in its own process
+        if sharded:  # every rank gathers; rank 0 (every rank for local) stages from its host copy
             cast = dtype if transport == "object_store" else None  # (the others cast into their snapshot)
-            held = self._gathered(_DTYPE[cast] if isinstance(cast, str) else cast)
+            held = self._gathered(_DTYPE[cast] if isinstance(cast, str) else cast, every_rank)
             if held is None:
                 return None
             own = held.views()
-        elif self.rank != 0:
+        elif self.rank != 0 and not every_rank:
             return None  # every rank holds the weights: rank 0 alone stages them
         else:
             own = self._export_state()

@@ -86,3 +86,32 @@ def test_the_export_of_an_fsdp2_run_holds_the_gathered_checkpoint_weights(run, t
     assert set(state) == set(stored)
     for k, t in state.items():
         assert torch.equal(t, stored[k]), k
+
+
+@pytest.mark.parametrize("override, line", [
+    ("actor.strategy=fsdp", "actor.strategy must be one of ['ddp', 'fsdp2'], got 'fsdp'"),
+    ("actor.fsdp_offload=true", "actor: fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2"),
+])
+def test_a_bad_strategy_setting_is_one_line_and_exit_2_before_ray_starts(override, line, capsys, tmp_path):
+    assert main(["train", override, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(line), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_colocated_runs_give_each_rollout_rank_its_own_snapshot_and_fsdp2_trains_like_ddp(tmp_path):
+    """Colocated at 2 ranks, the ``local`` sync stages a snapshot in each process and each rollout rank takes its
+    own (before, rank 0's handle reached rank 1: a WeightSyncError); fsdp2 samples and trains what ddp does."""
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        cfg = _config(tmp_path / strategy, 2, 2)
+        cfg.actor.strategy = strategy
+        cfg.trainer.colocated = True
+        GRPOTrainer(cfg.validate()).fit_sync()
+        runs[strategy] = _metrics(tmp_path / strategy)
+    for a, b in zip(runs["ddp"], runs["fsdp2"], strict=True):
+        assert a["reward/mean"] == b["reward/mean"] and a["version"] == b["version"] == a["step"] + 1
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    whole = {s: read_policy_state(checkpoint_dir(tmp_path / s, 2)) for s in runs}
+    for k in whole["ddp"]:
+        torch.testing.assert_close(whole["fsdp2"][k], whole["ddp"][k], rtol=0, atol=1e-6)

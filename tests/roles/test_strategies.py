@@ -17,7 +17,9 @@ import torch
 
 import asyncrl
 from asyncrl import Dispatch, register
-from asyncrl.roles import CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
+from asyncrl.roles import (CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker,
+                           RolloutConfig, RolloutCorrectionConfig, RolloutWorker, open_weight_channel, sync_weights)
+from asyncrl.roles.models import tensor_checksum
 from asyncrl.roles.functional import LOSS_AGG_MODES
 
 
@@ -101,6 +103,27 @@ async def test_fsdp2_at_two_ranks_trains_like_ddp_at_two_and_like_one_rank(ranks
     assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 5e-3  # the weights did move
 
 
+async def test_a_rollout_loads_the_weights_gathered_from_fsdp2_shards_by_each_transport(ranks, model_config,
+                                                                                      uneven_batch):
+    """``sync_weights(verify=True)``: the rollout's loaded weights have the checksums the fsdp2 policy gathers, through
+    the object store and through a collective channel (its snapshot staged in host memory)."""
+    rollout = asyncrl.colocate({"rollout": (RolloutWorker, (model_config, RolloutConfig(max_new_tokens=2)), {})},
+                               world_size=1, name="strategies-rollout")
+    await rollout.setup()
+    try:
+        await ranks["fsdp2"].update(uneven_batch)
+        version = (await ranks["fsdp2"].get_version())
+        assert await sync_weights(ranks["fsdp2"], rollout["rollout"], verify=True) == version
+        await ranks["fsdp2"].update(uneven_batch)
+        await open_weight_channel(ranks["fsdp2"], rollout["rollout"], name="fsdp2-weights", timeout_s=60)
+        assert await sync_weights(ranks["fsdp2"], rollout["rollout"], verify=True,
+                                  transport="collective") == version + 1
+        _, whole = await ranks["fsdp2"].export_weights()
+        assert (await rollout["rollout"].weights_checksum())[0] == {k: tensor_checksum(v) for k, v in whole.items()}
+    finally:
+        await rollout.close()
+
+
 async def test_fsdp2_holds_half_of_the_replicated_model_per_rank(ranks, uneven_batch):
     await ranks["ddp"].update(uneven_batch)
     await ranks["fsdp2"].update(uneven_batch)
@@ -165,3 +188,23 @@ def test_a_bad_strategy_is_a_value_error_naming_the_choices():
         OptimConfig(strategy="fsdp").validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2"):
         OptimConfig(fsdp_offload=True).validate()
+
+
+def test_fsdp2_on_a_model_without_decoder_layers_says_to_use_ddp(model_config):
+    from asyncrl.roles._util import DataParallel
+    from asyncrl.roles.device import resolve_placement
+    from asyncrl.roles.strategy import TrainStrategy
+
+    placement = resolve_placement(model_config, 0, trained=True, who="test")
+    with pytest.raises(ValueError, match=r"PolicyWorker: strategy=fsdp2 shards a model per decoder layer, but Linear "
+                                         r"declares none .*; set strategy=ddp"):
+        TrainStrategy(torch.nn.Linear(2, 2), placement, DataParallel(0, 1), "fsdp2", who="PolicyWorker")
+
+
+def test_the_layers_fsdp2_shards_are_read_from_a_model_directory(model_config, tmp_path):
+    from asyncrl.roles import load_model, save_model_dir
+    from asyncrl.roles.strategy import layer_classes
+
+    model, tok = load_model(model_config)
+    save_model_dir(model, tok, str(tmp_path))
+    assert layer_classes(str(tmp_path)) == ("Qwen2ForCausalLM", ["Qwen2DecoderLayer"])

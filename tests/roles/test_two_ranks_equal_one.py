@@ -47,6 +47,21 @@ class PolicyProbe(PolicyWorker):
         return {"metrics": metrics, "grads": grads}
 
     @register(Dispatch.DP_COMPUTE_METRIC)
+    def grads_under_a_token_budget(self, batch, budget: int) -> dict:
+        """``update`` with ``max_tokens_per_micro_batch=budget``: its gradient and this rank's forwards."""
+        self.optim_config.loss_agg_mode, self.optim_config.max_tokens_per_micro_batch = "token-mean", budget
+        shapes: list = []
+        hook = self.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                                    with_kwargs=True)
+        try:
+            metrics = self.update(batch)
+        finally:
+            self.optim_config.max_tokens_per_micro_batch = None
+            hook.remove()
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return {"metrics": metrics, "grads": grads, "shapes": shapes}
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
     def try_update(self, batch) -> dict:
         """``update``'s outcome on this rank: its error (type, message) or its metrics, and the version."""
         try:
@@ -124,6 +139,22 @@ async def test_with_several_mini_batches_two_ranks_step_on_the_rows_of_one(two_r
     _same_metrics(fresh, r2a["metrics"], "two mini-batches")  # (the two-rank policy has stepped before)
     whole = PolicyProbe(model_config, OPTIM).grads_of_the_last_mini_batch(uneven_batch, 8)
     assert any((whole["grads"][n] - g).abs().max() > 1e-4 for n, g in r1["grads"].items())  # a real split
+
+
+async def test_under_a_token_budget_two_ranks_run_as_many_micro_batches_and_give_the_gradient_of_one(
+        two_ranks, model_config, uneven_batch):
+    """Rank 0's rows are long and rank 1's one token: alone they would need different numbers of
+    micro-batches; they agree on the larger (a sharded model's every forward is a collective)."""
+    col, _ = two_ranks
+    width = uneven_batch["input_ids"].shape[1]
+    r1 = PolicyProbe(model_config, OPTIM).update_and_grads(uneven_batch, "token-mean")
+    r2a, r2b = await col["policy"].grads_under_a_token_budget(uneven_batch, width + 1)
+    _same(r2a["grads"], r2b["grads"])
+    _same(r1["grads"], r2a["grads"])
+    fresh = {k: v for k, v in r1["metrics"].items() if not k.startswith(("row_staleness", "version"))}
+    _same_metrics(fresh, r2a["metrics"], "token budget")
+    assert len(r2a["shapes"]) == len(r2b["shapes"]) == 4  # rank 0 needs one row per forward, rank 1 alone one
+    assert max(c for _, c in r2b["shapes"]) < width  # rank 1's one-token responses are cut
 
 
 def test_mini_batches_are_strided_and_cover_every_row_once():

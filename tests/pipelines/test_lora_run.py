@@ -1,6 +1,7 @@
 """A GRPO run with ``actor.lora.rank > 0`` and a KL loss (real Ray, two pools): no ReferenceWorker (the policy gives
 the reference log-probs with its adapters disabled), the rollout holds the merged policy weights, a resume from its
-checkpoint continues exactly, and ``asyncrl export`` writes the merged model or (``--adapter``) the peft adapter."""
+checkpoint continues exactly (syncing only the adapter), and ``asyncrl export`` writes the merged model or
+(``--adapter``) the peft adapter."""
 
 from __future__ import annotations
 
@@ -60,14 +61,19 @@ def test_a_lora_run_has_no_reference_worker_and_its_rollout_holds_the_merged_pol
     assert seen["rollout"] != seen["policy"]
 
 
-def test_a_lora_run_resumed_from_its_checkpoint_continues_exactly(run, tmp_path):
+def test_a_lora_run_resumed_from_its_checkpoint_continues_exactly_with_adapter_sync(run, tmp_path):
+    """Resumed from the step-2 checkpoint with ``trainer.weight_sync=adapter`` (a fresh rollout holding the base
+    merges the factors itself): step 3 samples the same batch (its rollout weights equal the merged ones the
+    uninterrupted run synced) and ends with the same weights, bit for bit."""
     out, seen = run
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
     shutil.rmtree(checkpoint_dir(copy, 3))
     lines = (copy / "metrics.jsonl").read_text().splitlines()
     (copy / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    GRPOTrainer(_config(copy), resume=str(checkpoint_dir(copy, 2))).fit_sync()
+    cfg = _config(copy)
+    cfg.trainer.weight_sync = "adapter"
+    GRPOTrainer(cfg.validate(), resume=str(checkpoint_dir(copy, 2))).fit_sync()
     whole, resumed = read_policy_state(checkpoint_dir(out, 3)), read_policy_state(checkpoint_dir(copy, 3))
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
@@ -76,6 +82,7 @@ def test_a_lora_run_resumed_from_its_checkpoint_continues_exactly(run, tmp_path)
         assert b[k] == a[k], k
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft asks transformers
 def test_the_export_of_a_lora_run_is_the_merged_model_or_with_adapter_the_peft_adapter(run, tmp_path, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

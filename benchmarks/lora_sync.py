@@ -106,9 +106,9 @@ async def measure(model: str, rank: int, reps: int) -> list[dict[str, Any]]:
         # with untrained adapters (B = 0) both are the base: the same checksums
         assert sums[0] == sums[1], "the two syncs left different weights"
     finally:
-        for g in (*rollouts.values(), policy):
+        for group in (*rollouts.values(), policy):
             try:
-                await g.close()
+                await group.close()
             except Exception:  # noqa: BLE001 - a group that never started
                 pass
     rows = []

@@ -19,7 +19,8 @@ from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.stream_replay import recording_rollout
 
-__all__ = ["needs_reference", "reference_worker", "role_specs", "main_pool", "build_rollout_part", "build_groups", "Workers", "build_data"]
+__all__ = ["needs_reference", "reference_worker", "role_specs", "main_pool", "build_rollout_part", "build_groups",
+           "Workers", "build_data"]
 
 
 def needs_reference(cfg: JobConfig) -> bool:

@@ -163,8 +163,8 @@ class TrainerConfig:
     """How policy weights reach the rollout (asyncrl.roles.sync): ``local`` (colocated, in-process
     snapshot), ``collective`` (two pools, a process group: NCCL on distinct GPUs, else gloo),
     ``object_store``; ``adapter`` (``actor.lora.rank > 0``, HF rollout): only the LoRA factors travel (through
-    the object store) and the rollout merges them into its copy of the base weights. ``auto``: local when colocated, collective when the pools have GPUs, else
-    object_store."""
+    the object store) and the rollout merges them into its copy of the base weights. ``auto``: local when
+    colocated, collective when the pools have GPUs, else object_store."""
     weight_sync_timeout_s: float = 120.0
     """Deadline of the collective weight channel's rendezvous and of each transfer over it."""
     num_cpus: int | None = None
@@ -338,10 +338,10 @@ class JobConfig:
             raise ConfigError(f"trainer.weight_sync must be auto, object_store, local, collective or adapter, "
                               f"got {t.weight_sync!r}")
         if t.weight_sync == "adapter":
-            why = [w for ok, w in ((self.actor.lora.enabled, "actor.lora.rank > 0 (a LoRA policy)"),
-                                   (self.rollout.engine == "hf", f"the hf rollout engine (not {self.rollout.engine!r})"),
-                                   (not self.rollout.sleep_level, "rollout.sleep_level=0 (the rollout keeps its base)"))
-                   if not ok]
+            needs = ((self.actor.lora.enabled, "actor.lora.rank > 0 (a LoRA policy)"),
+                     (self.rollout.engine == "hf", f"the hf rollout engine (not {self.rollout.engine!r})"),
+                     (not self.rollout.sleep_level, "rollout.sleep_level=0 (the rollout keeps its base)"))
+            why = [w for ok, w in needs if not ok]
             if why:
                 raise ConfigError(f"trainer.weight_sync=adapter sends only the LoRA factors, which needs "
                                   f"{' and '.join(why)}; or use trainer.weight_sync=auto")

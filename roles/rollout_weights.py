@@ -14,9 +14,10 @@ update pauses request-level generations in flight instead of waiting for them.
 :class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``object_store`` (read
 from the store as zero-copy views), ``local`` (the colocated policy's snapshot in this process)
 or ``collective`` (received over the weight channel first, then loaded in the same
-transaction) -- or, from a LoRA policy, a :class:`~asyncrl.roles.lora.LoraDelta` (``export_adapter``: the
-factors alone), which the HF engine merges into its copy of the base weights (:meth:`_merge_adapter`). Floating tensors are cast to the rollout's dtype (e.g. the policy's float32
-master weights into a bf16 rollout). What a handle brought, the HF engine adopts as its
+transaction) -- or, from a LoRA policy, a :class:`~asyncrl.roles.lora.LoraDelta` (``export_adapter``:
+the factors alone), which the HF engine merges into its copy of the base weights (:meth:`_merge_adapter`).
+Floating tensors are cast to the rollout's dtype (e.g. the policy's float32 master weights into a bf16
+rollout). What a handle brought, the HF engine adopts as its
 parameters instead of copying it (``HFEngine.adopt_weights``; a plain state dict is copied).
 
 Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to the CPU;

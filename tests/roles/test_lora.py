@@ -119,6 +119,14 @@ def test_target_modules_that_match_nothing_are_refused_listing_the_linear_layers
         load_config(None, ["actor.lora.rank=2", "actor.strategy=fsdp2"])
     with pytest.raises(ConfigError, match="lora.alpha must be a finite number > 0"):
         load_config(None, ["actor.lora.rank=2", "actor.lora.alpha=0"])
+    with pytest.raises(ConfigError, match=r"weight_sync=adapter sends only the LoRA factors, which needs "
+                                          r"actor.lora.rank > 0 \(a LoRA policy\)"):
+        load_config(None, ["trainer.weight_sync=adapter"])
+    with pytest.raises(ConfigError, match="which needs rollout.sleep_level=0"):
+        load_config(None, ["trainer.weight_sync=adapter", "actor.lora.rank=2", "trainer.colocated=true",
+                           "rollout.sleep_level=1"])
+    with pytest.raises(ConfigError, match="critic.lora.rank=2: LoRA adapts the policy only"):
+        load_config(None, ["algorithm.name=ppo", "algorithm.group_size=1", "critic.lora.rank=2"])
     cfg = load_config(None, ["actor.lora.rank=2", "actor.lora.target_modules=[q_proj,v_proj]", "actor.kl_coef=0.1"])
     from asyncrl.pipelines.build import role_specs
 

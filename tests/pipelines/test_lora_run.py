@@ -1,4 +1,4 @@
-"""A GRPO run with ``actor.lora.rank > 0`` and a KL loss (real Ray, two pools): no ReferenceWorker (the policy gives
+"""A GRPO run with ``actor.lora.rank > 0`` and a KL loss (real Ray, colocated): no ReferenceWorker (the policy gives
 the reference log-probs with its adapters disabled), the rollout holds the merged policy weights, a resume from its
 checkpoint continues exactly (syncing only the adapter), and ``asyncrl export`` writes the merged model or
 (``--adapter``) the peft adapter."""
@@ -26,6 +26,7 @@ def _config(out, steps: int = 3):
     cfg.actor.kl_coef = 0.05  # a KL loss: the run needs reference log-probs
     cfg.trainer.steps = steps
     cfg.trainer.checkpoint_every = 2
+    cfg.trainer.colocated = True  # one process: the merged weights reach the rollout as a local snapshot
     cfg.trainer.output_dir = str(out)
     return cfg.validate()
 
@@ -40,7 +41,7 @@ async def run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
     async with GRPOTrainer(_config(out)) as t:
         await t.fit()
-        roles = sorted(t.workers.parts[-1].groups)  # the training pool's
+        roles = sorted(t.workers.parts[-1].groups)
         reference_is_policy = t.groups.reference is t.groups.policy
         policy_sum = await t.groups.policy.weights_checksum()
         rollout_sum = (await t.groups.rollout.weights_checksum())[0]
@@ -50,7 +51,7 @@ async def run(ray_cluster, tmp_path_factory):
 
 def test_a_lora_run_has_no_reference_worker_and_its_rollout_holds_the_merged_policy(run):
     out, seen = run
-    assert seen["reference_is_policy"] and seen["roles"] == ["advantage", "policy"]
+    assert seen["reference_is_policy"] and seen["roles"] == ["advantage", "policy", "reward", "rollout"]
     rows = _metrics(out)
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert rows[0]["actor/kl"] == 0.0  # version 0: the adapters' B is zero, the policy is the base exactly

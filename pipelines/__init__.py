@@ -12,9 +12,8 @@ from asyncrl.pipelines.config import (
     RestartConfig,
     TrainerConfig,
     config_fingerprint,
-    load_config,
 )
-from asyncrl.pipelines.presets import grpo_toy, ppo_toy, tiny_test
+from asyncrl.pipelines.presets import grpo_toy, load_config, ppo_toy, tiny_test
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.sync import run_sequential, sequential_fit
 from asyncrl.pipelines.trace import Tracer

@@ -115,7 +115,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     config saved in RUN's checkpoint and the outputs go to RUN (unless an override says otherwise)."""
     from asyncrl.pipelines import checkpoint as ckpt
     from asyncrl.pipelines import configlib
-    from asyncrl.pipelines.config import ConfigError, JobConfig, load_config
+    from asyncrl.pipelines.config import ConfigError, JobConfig
+    from asyncrl.pipelines.presets import load_config
     from asyncrl.pipelines.presets import PRESETS
 
     if args.resume is None:

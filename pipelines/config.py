@@ -3,7 +3,7 @@
 The worker sections (``model``, ``rollout``, ``actor``, ``critic``, ``reward``) are
 the roles' own configs; the sections defined here belong to the trainer. A full run is
 a function returning a :class:`JobConfig` (see :mod:`asyncrl.pipelines.presets`);
-:func:`load_config` applies a YAML file and dotted ``key=value`` overrides on top, and
+:func:`~asyncrl.pipelines.presets.load_config` applies a YAML file and dotted ``key=value`` overrides on top, and
 :meth:`JobConfig.validate` rejects impossible combinations before any worker starts.
 """
 
@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from asyncrl.pipelines import configlib
 from asyncrl.pipelines.admission import StreamConfig, check_stream
@@ -33,7 +33,6 @@ __all__ = [
     "RestartConfig",
     "StreamConfig",
     "TrainerConfig",
-    "load_config",
     "config_fingerprint",
 ]
 
@@ -303,6 +302,7 @@ class JobConfig:
 
     def validate(self, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> "JobConfig":
         """Raise :class:`ConfigError` for impossible values; `cluster_cpus`/`cluster_gpus` also check the pools fit."""
+        configlib.check_types(self)  # every key has its annotated type, however it was set
         t, a = self.trainer, self.algorithm
         if t.steps < 1:
             raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")
@@ -582,15 +582,3 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
-
-
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
-                base: JobConfig | None = None) -> JobConfig:
-    """A validated :class:`JobConfig`: `base` (default: the GRPO toy preset), then the YAML at
-    `path`, then dotted ``key=value`` `overrides`."""
-    if base is None:
-        from asyncrl.pipelines.presets import grpo_toy
-
-        base = grpo_toy()
-    cfg = configlib.load(JobConfig, path, overrides, base=base)
-    return cfg.validate()

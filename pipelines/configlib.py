@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "from_dict", "to_dict", "load", "parse_overrides", "apply_overrides"]
+__all__ = ["ConfigError", "from_dict", "to_dict", "load", "parse_overrides", "apply_overrides", "check_types"]
 
 T = TypeVar("T")
 
@@ -90,7 +90,7 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             return value
         raise ConfigError(f"{path} must be an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
             return float(value)
         raise ConfigError(f"{path} must be a number, got {value!r}")
     if tp is str:
@@ -119,6 +119,24 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, _path: str = "") -> T:
         raise
     except (TypeError, ValueError) as e:  # a __post_init__ that checks its values: still one line, exit 2
         raise ConfigError(f"{_path or cls.__name__}: {e}") from e
+
+
+def check_types(cfg: Any, _path: str = "") -> None:
+    """Check every field of the dataclass tree `cfg` against its annotation, as a YAML file or an override
+    would be (a value set in Python on a preset included), normalising in place what loading would (an int
+    for a float, a list for a tuple); :class:`ConfigError` names the first field whose value cannot be."""
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        if not f.init:
+            continue
+        path = f"{_path}.{f.name}" if _path else f.name
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_types(value, path)
+            continue
+        coerced = _coerce(path, hints[f.name], value)
+        if coerced is not value and not (isinstance(coerced, dict) and coerced == value):
+            object.__setattr__(cfg, f.name, coerced)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

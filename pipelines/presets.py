@@ -6,10 +6,14 @@ YAML files and ``key=value`` overrides start from one of them.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Sequence
+
+from asyncrl.pipelines import configlib
 from asyncrl.pipelines.config import AlgorithmConfig, DataConfig, EvalConfig, JobConfig, TrainerConfig
 from asyncrl.roles import SMOLLM2_135M_INSTRUCT, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 
-__all__ = ["grpo_toy", "ppo_toy", "grpo_smollm_arith", "grpo_smollm_arith_vllm", "grpo_agents_toy",
+__all__ = ["load_config", "grpo_toy", "ppo_toy", "grpo_smollm_arith", "grpo_smollm_arith_vllm", "grpo_agents_toy",
            "grpo_smollm_calculator", "tiny_test", "PRESETS"]
 
 
@@ -118,3 +122,11 @@ PRESETS = {"grpo_toy": grpo_toy, "ppo_toy": ppo_toy, "grpo_smollm_arith": grpo_s
            "grpo_smollm_arith_vllm": grpo_smollm_arith_vllm, "grpo_agents_toy": grpo_agents_toy,
            "grpo_smollm_calculator": grpo_smollm_calculator}
 """Presets the command line can start from (``asyncrl train --preset NAME``)."""
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                base: JobConfig | None = None) -> JobConfig:
+    """A validated :class:`JobConfig`: `base` (default: the GRPO toy preset), then the YAML at
+    `path`, then dotted ``key=value`` `overrides`."""
+    cfg = configlib.load(JobConfig, path, overrides, base=base if base is not None else grpo_toy())
+    return cfg.validate()

@@ -120,6 +120,11 @@ def _check_optim(key: str, o: Any) -> None:
 def _check_fsdp2(cfg: Any) -> None:
     """``strategy=fsdp2`` shards per decoder layer: a model directory's architecture must declare its layers
     (the built-in tiny models and GGUF models are Qwen2/Llama, which do)."""
+    for k in ("actor", "critic"):
+        if getattr(cfg, k).fsdp_offload and cfg.trainer.gpus_per_worker == 0 and (k == "actor" or cfg.algorithm.name == "ppo"):
+            raise ConfigError(f"{k}.fsdp_offload=true keeps a GPU model's shards in CPU memory between uses, but the "
+                              "training pool has no GPU (trainer.gpus_per_worker=0): they already are in CPU memory; "
+                              f"set {k}.fsdp_offload=false")
     keys = [f"{k}.strategy" for k in ("actor", "critic") if getattr(cfg, k).strategy == "fsdp2"
             and (k == "actor" or cfg.algorithm.name == "ppo")]
     path = cfg.model.path

@@ -26,17 +26,19 @@ Built-ins: ``char_class_retry`` (the toy multi-turn task a tiny model learns on 
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
-from .episodes import LLM, Sample, Trajectory
+from .episodes import LLM, Sample, Trajectory, registered_episodes
 from .errors import EpisodeConfigError
 from .tools import Tool, call_tool, check_tools
 
 __all__ = ["Environment", "StepResult", "ToolEnvironment", "register_environment", "environment_names",
-           "make_environment", "environment_episode", "environment_episode_for", "CharClassRetry", "Calculator"]
+           "make_environment", "environment_episode", "environment_episode_for", "CharClassRetry", "Calculator",
+           "episode_names", "resolve_episode"]
 
 
 @dataclass
@@ -295,3 +297,51 @@ def _same_number(a: str, b: str) -> bool:
         return float(a) == float(str(b).strip())
     except ValueError:
         return False
+
+
+def episode_names() -> list[str]:
+    """Registered episode and environment names (what ``rollout.episode`` may name; see :func:`resolve_episode`)."""
+    return sorted(set(registered_episodes()) | set(environment_names()))
+
+
+_ENVIRONMENT_KWARGS = {"max_turns", "tokens_per_turn", "tools", "env_kwargs"}
+"""What ``episode_kwargs`` may hold for an environment (:func:`environment_episode_for`)."""
+
+
+def resolve_episode(spec: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[LLM, Sample], Awaitable[Trajectory]]:
+    """The episode `spec` names, with `kwargs` bound, checked before any worker starts.
+
+    `spec` is a registered episode, a registered environment (run by :func:`environment_episode` with
+    `kwargs`: ``max_turns``, ``tokens_per_turn``, ``tools``, ``env_kwargs``), or ``"package.module:function"``.
+    """
+    kwargs = dict(kwargs or {})
+    episodes = registered_episodes()
+    if spec in episodes:
+        fn: Any = episodes[spec]
+    elif spec in environment_names():
+        unknown = sorted(set(kwargs) - _ENVIRONMENT_KWARGS)
+        if unknown:
+            raise EpisodeConfigError(f"environment {spec!r}: unknown episode_kwargs {unknown}; it takes "
+                                     f"{sorted(_ENVIRONMENT_KWARGS)} (the environment's own options go in "
+                                     "env_kwargs)")
+        return environment_episode_for(spec, **kwargs)
+    elif ":" in spec:
+        mod, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise EpisodeConfigError(f"episode {spec!r} cannot be imported ({type(e).__name__}: {e}); give "
+                                     "'package.module:function' of an importable module") from None
+        if not inspect.iscoroutinefunction(fn):
+            raise EpisodeConfigError(f"episode {spec!r} must be an `async def` taking (llm, sample)")
+    else:
+        raise EpisodeConfigError(f"no episode or environment named {spec!r}; known: {episode_names()}. Register "
+                                 "one with @register_episode / @register_environment, or give 'module:function'")
+    if not kwargs:
+        return fn  # type: ignore[no-any-return]
+
+    async def bound(llm: LLM, sample: Sample) -> Trajectory:
+        return await fn(llm, sample, **kwargs)  # type: ignore[no-any-return]
+
+    bound.__qualname__ = getattr(fn, "__qualname__", spec)
+    return bound

@@ -31,11 +31,10 @@ counts only model tokens.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import torch
 
@@ -43,8 +42,8 @@ from .engines.base import SamplingParams
 from .engines.batcher import Generation
 from .errors import EpisodeConfigError, TrajectoryError
 
-__all__ = ["Sample", "Trajectory", "LLM", "Episode", "STOP_REASONS", "register_episode", "episode_names",
-           "resolve_episode", "validate_trajectory", "pack_trajectories", "episode_metrics"]
+__all__ = ["Sample", "Trajectory", "LLM", "Episode", "STOP_REASONS", "register_episode", "registered_episodes",
+           "validate_trajectory", "pack_trajectories", "episode_metrics"]
 
 STOP_REASONS = ("done", "max_turns", "max_length", "stop")
 """Why an episode ended: the environment said done; ``max_turns`` reached; the response part reached the
@@ -227,56 +226,10 @@ def register_episode(name: str, *, replace: bool = False) -> Callable[[Episode],
     return deco
 
 
-def episode_names() -> list[str]:
-    """Registered episode names (environments are accepted too: see :func:`resolve_episode`)."""
-    from . import environments  # registers the built-in environments
-
-    return sorted(set(_EPISODES) | set(environments.environment_names()))
-
-
-_ENVIRONMENT_KWARGS = {"max_turns", "tokens_per_turn", "tools", "env_kwargs"}
-"""What ``episode_kwargs`` may hold for an environment (:func:`~asyncrl.roles.environments.environment_episode_for`)."""
-
-
-def resolve_episode(spec: str, kwargs: Mapping[str, Any] | None = None) -> Callable[[LLM, Sample], Awaitable[Trajectory]]:
-    """The episode `spec` names, with `kwargs` bound, checked before any worker starts.
-
-    `spec` is a registered episode, a registered environment (run by
-    :func:`~asyncrl.roles.environments.environment_episode` with `kwargs`: ``max_turns``,
-    ``tokens_per_turn``, ``tools``, ``env_kwargs``), or ``"package.module:function"``.
-    """
-    from . import environments
-
-    kwargs = dict(kwargs or {})
-    if spec in _EPISODES:
-        fn: Any = _EPISODES[spec]
-    elif spec in environments.environment_names():
-        unknown = sorted(set(kwargs) - _ENVIRONMENT_KWARGS)
-        if unknown:
-            raise EpisodeConfigError(f"environment {spec!r}: unknown episode_kwargs {unknown}; it takes "
-                                     f"{sorted(_ENVIRONMENT_KWARGS)} (the environment's own options go in "
-                                     "env_kwargs)")
-        return environments.environment_episode_for(spec, **kwargs)
-    elif ":" in spec:
-        mod, _, attr = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise EpisodeConfigError(f"episode {spec!r} cannot be imported ({type(e).__name__}: {e}); give "
-                                     "'package.module:function' of an importable module") from None
-        if not inspect.iscoroutinefunction(fn):
-            raise EpisodeConfigError(f"episode {spec!r} must be an `async def` taking (llm, sample)")
-    else:
-        raise EpisodeConfigError(f"no episode or environment named {spec!r}; known: {episode_names()}. Register "
-                                 "one with @register_episode / @register_environment, or give 'module:function'")
-    if not kwargs:
-        return fn  # type: ignore[no-any-return]
-
-    async def bound(llm: LLM, sample: Sample) -> Trajectory:
-        return await fn(llm, sample, **kwargs)  # type: ignore[no-any-return]
-
-    bound.__qualname__ = getattr(fn, "__qualname__", spec)
-    return bound
+def registered_episodes() -> dict[str, Episode]:
+    """``{name: episode}`` of every :func:`register_episode` (environments are resolved by
+    :func:`asyncrl.roles.environments.resolve_episode`, which accepts both)."""
+    return dict(_EPISODES)
 
 
 def validate_trajectory(traj: Any, episode: str, sample: Sample, max_response_tokens: int, vocab_size: int) -> Trajectory:

@@ -126,7 +126,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         self._stream_batches: dict[str, TensorDictBase] = {}
         self._episode_fn = None
         if self.config.episode is not None:
-            from .episodes import resolve_episode
+            from .environments import resolve_episode
 
             self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
         self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use

@@ -96,7 +96,7 @@ class RolloutConfig:
     def _check_episode(self, s: str) -> None:
         """Resolve the episode now: an unknown name, a module that does not import, a tool that is not async
         or an option the environment does not take fail here, not in a worker."""
-        from .episodes import episode_names, resolve_episode
+        from .environments import episode_names, resolve_episode
         from .errors import EpisodeConfigError
 
         # a registered name is fine by itself, so what fails is in its options

@@ -132,7 +132,8 @@ class RequestGenerationMixin:
         overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time)."""
         import anyio
 
-        from .episodes import LLM, Sample, pack_trajectories, resolve_episode, validate_trajectory
+        from .environments import resolve_episode
+        from .episodes import LLM, Sample, pack_trajectories, validate_trajectory
 
         if episode is not None:
             fn, name = resolve_episode(episode, episode_kwargs), episode

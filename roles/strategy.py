@@ -100,6 +100,9 @@ class TrainStrategy:
             raise ValueError(f"{who}: strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if offload and strategy != "fsdp2":
             raise ValueError(f"{who}: offload keeps FSDP2 shards in CPU memory; it needs strategy='fsdp2'")
+        if offload and placement.device.type != "cuda":
+            raise ValueError(f"{who}: fsdp_offload keeps a GPU model's shards in CPU memory between uses, but this "
+                             f"model computes on {placement.device}, where they already are; set fsdp_offload=false")
         self.name = strategy
         self.dp = dp
         self.placement = placement

@@ -48,7 +48,7 @@ from ..models import position_ids_from_mask
 from .base import Completion, SamplingParams, fail_requests
 from .hf import HFEngine, _autocast, left_pad
 
-__all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES"]
+__all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES", "RoundRecord"]
 
 PartialRollout = Literal["off", "keep", "recompute"]
 PARTIAL_ROLLOUT_MODES: tuple[str, ...] = get_args(PartialRollout)
@@ -135,6 +135,25 @@ class _Round:
     @property
     def finished(self) -> bool:
         return all(self.done) or self.step >= max(self.budget)
+
+
+@dataclass
+class RoundRecord:
+    """One decoding round: which requests, in which batch order, and its segments between pauses."""
+
+    keys: list[str]
+    """The requests' keys in batch order."""
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """``(weight version, decode steps)`` of each segment; a ``keep`` pause splits a round into several."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able form."""
+        return {"keys": list(self.keys), "segments": [list(s) for s in self.segments]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RoundRecord":
+        """The record :meth:`to_dict` wrote."""
+        return cls([str(k) for k in d["keys"]], [(int(v), int(n)) for v, n in d["segments"]])
 
 
 class RequestBatcher:
@@ -349,8 +368,6 @@ class RequestBatcher:
             if rnd is None:
                 continue
             if self._rounds is not None:
-                from .round_log import RoundRecord
-
                 self._rounds.append(RoundRecord([r.key for r in rnd.batch], segments))
             self._finish_round(rnd)
 

@@ -32,36 +32,16 @@ Not recorded: cancellations (a cancelled request's round mates decode on as reco
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RolesError
-from .batcher import RequestBatcher, _Request, _Round
+from .batcher import RequestBatcher, RoundRecord, _Request, _Round
 
 __all__ = ["RoundRecord", "ReplayBatcher", "ReplayDivergedError"]
 
 
 class ReplayDivergedError(RolesError, RuntimeError):
     """Raised when a replay meets weights newer than the recorded round needs (updates out of order)."""
-
-
-@dataclass
-class RoundRecord:
-    """One decoding round: which requests, in which batch order, and its segments between pauses."""
-
-    keys: list[str]
-    """The requests' keys in batch order."""
-    segments: list[tuple[int, int]] = field(default_factory=list)
-    """``(weight version, decode steps)`` of each segment; a ``keep`` pause splits a round into several."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able form."""
-        return {"keys": list(self.keys), "segments": [list(s) for s in self.segments]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RoundRecord":
-        """The record :meth:`to_dict` wrote."""
-        return cls([str(k) for k in d["keys"]], [(int(v), int(n)) for v, n in d["segments"]])
 
 
 class ReplayBatcher(RequestBatcher):

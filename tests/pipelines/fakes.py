@@ -28,6 +28,8 @@ class Recorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int, int]] = []
+        self.held_group_done = asyncio.Event()
+        """Set when :class:`HeldRollout`'s held group finished."""
 
 
 def _step(batch, prompts_per_step: int) -> int:
@@ -136,17 +138,64 @@ class FakePolicy(Worker):
         return {"version": str(self.version)}
 
 
+class HeldRollout(FakeRollout):
+    """Streaming: group 0 decodes its tokens under the weights it was admitted with, then finishes only once
+    version 2 is loaded -- with ``max_staleness=1`` it can then never be trained (step >= 2, v0 = 0)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._v2 = asyncio.Event()
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch, seed: int | None = None):
+        out = await super().generate_requests(batch, seed)
+        if int(batch["uid"][0]) == 0:
+            await self._v2.wait()
+            self.rec.held_group_done.set()
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights, version: int | None = None):
+        out = await super().update_weights(weights, version)
+        if self.version >= 2:
+            self._v2.set()
+        return out
+
+
+class HeldPolicy(FakePolicy):
+    """Step 3's update waits until :class:`HeldRollout`'s group 0 finished, so that a later step's take
+    sees it finished (and past the bound) whatever the delays."""
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    async def update(self, batch):
+        if _step(batch, self.pps) == 3:
+            await self.rec.held_group_done.wait()
+        return await super().update(batch)
+
+
+class ConstantReward(FakeReward):
+    """Every response scores 0.5: every group's rewards are equal (dynamic sampling drops them all)."""
+
+    @register(Dispatch.DP_COMPUTE)
+    async def compute_reward(self, batch):
+        out = await super().compute_reward(batch)
+        return TensorDict({"scores": torch.full_like(out["scores"], 0.5)}, batch_size=out.batch_size)
+
+
 @contextlib.asynccontextmanager
 async def fake_groups(rec: Recorder, seed: int, prompts_per_step: int, max_delay: float,
-                      max_staleness: int) -> AsyncIterator["Groups"]:
-    """Started in-process groups of the fake workers (one rank each), closed on exit."""
+                      max_staleness: int, *, rollout: type[FakeRollout] = FakeRollout,
+                      reward: type[FakeReward] = FakeReward,
+                      policy: type[FakePolicy] = FakePolicy) -> AsyncIterator["Groups"]:
+    """Started in-process groups of the fake workers (one rank each; `rollout`, `reward`, `policy`: the
+    classes), closed on exit."""
     from asyncrl.pipelines.stages import AdvantageWorker, Groups
 
     groups = Groups(
-        rollout=LocalWorkerGroup(FakeRollout, world_size=1, args=(rec, seed, prompts_per_step, max_delay)),
-        reward=LocalWorkerGroup(FakeReward, world_size=1, args=(rec, seed, prompts_per_step, max_delay)),
-        policy=LocalWorkerGroup(FakePolicy, world_size=1, args=(rec, seed, prompts_per_step, max_delay,
-                                                                max_staleness)),
+        rollout=LocalWorkerGroup(rollout, world_size=1, args=(rec, seed, prompts_per_step, max_delay)),
+        reward=LocalWorkerGroup(reward, world_size=1, args=(rec, seed, prompts_per_step, max_delay)),
+        policy=LocalWorkerGroup(policy, world_size=1, args=(rec, seed, prompts_per_step, max_delay,
+                                                            max_staleness)),
         advantage=LocalWorkerGroup(AdvantageWorker, world_size=1),
     )
     members = (groups.rollout, groups.reward, groups.policy, groups.advantage)

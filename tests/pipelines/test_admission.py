@@ -109,9 +109,16 @@ def test_every_trained_group_is_within_the_bound_and_nothing_is_lost(B, k, extra
     running: list[int] = []
     v0: dict[int, int] = {}
     it = iter(ops)
-    while a.next_step < steps:
+    budget = len(ops) + 4 * steps * B + 4 * steps  # the drawn operations, then at most ~4 per group and step
+    for _ in range(budget):
+        if a.next_step >= steps:
+            break
         op = next(it, None)
-        choice = (op % 4) if op is not None else 3
+        if op is not None:
+            choice = op % 4
+        else:  # the drawn operations ran out: make progress (admit, finish, load the newest weights, take)
+            choice = (0 if nxt < steps * B and a.can_admit(version) else 2 if running
+                      else 1 if version < a.next_step else 3)
         if choice == 0 and nxt < steps * B and a.can_admit(version):
             a.admit(nxt, version)
             v0[nxt] = version
@@ -141,5 +148,8 @@ def test_every_trained_group_is_within_the_bound_and_nothing_is_lost(B, k, extra
             assert all(0 <= p - v0[g] <= k for g in chosen), (p, [(g, v0[g]) for g in chosen])
             trained += chosen
         assert _invariant_holds(a)
+    else:
+        pytest.fail(f"{budget} operations trained only {a.next_step} of {steps} steps: admission stalled "
+                    f"(admitted {nxt}, generating {running}, version {version}, pending {a.pending()})")
     assert len(trained) == len(set(trained)) == steps * B
     assert a.statistics().dropped == 0

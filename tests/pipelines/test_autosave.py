@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.pipelines.checkpointing import checkpoint_due
-from asyncrl.pipelines.config import ConfigError, TrainerConfig, load_config
+from asyncrl.pipelines.config import ConfigError, TrainerConfig
+from asyncrl.pipelines.presets import load_config
 
 
 def _due(steps: int, every: int, every_s: float | None, ends: list[float]) -> list[int]:

@@ -17,7 +17,8 @@ import torch
 from tensordict import TensorDict
 
 from asyncrl import Dispatch, LocalWorkerGroup, register
-from asyncrl.pipelines.config import ConfigError, load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.presets import grpo_toy, tiny_test
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.stages import AdvantageWorker, Groups

@@ -114,7 +114,7 @@ def _fake_checkpoint(run, cfg, **extra):
 
 
 def _data_cfg(path, out):
-    from asyncrl.pipelines.config import load_config
+    from asyncrl.pipelines.presets import load_config
 
     return load_config(None, ["trainer.batch_size=8", "algorithm.group_size=4", f"data.train_files={path}",
                               f"trainer.output_dir={out}"])

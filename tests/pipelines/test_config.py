@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint, load_config
+from asyncrl.pipelines.config import ConfigError, JobConfig, config_fingerprint
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.presets import grpo_toy, ppo_toy, tiny_test
 
 
@@ -114,7 +115,7 @@ def test_off_policy_correction_is_on_by_default_exactly_when_rollout_may_run_ahe
 def test_bad_correction_settings_in_code_are_config_errors_too():
     cfg = grpo_toy()
     cfg.actor.rollout_correction.mode = "magic"  # type: ignore[assignment]
-    with pytest.raises(ConfigError, match="actor: rollout_correction.mode must be one of"):
+    with pytest.raises(ConfigError, match=r"^actor.rollout_correction.mode must be one of \['auto', 'none', 'tis', 'decoupled'\], got 'magic'$"):
         cfg.validate()
     cfg = grpo_toy()
     cfg.actor.rollout_correction.mode, cfg.actor.rollout_correction.rollout_is_threshold = "decoupled", 1.0
@@ -169,7 +170,7 @@ def test_bad_rollout_values_set_in_python_on_a_preset_fail_validate():
 
     cfg = grpo_toy()
     cfg.rollout.pause_deadline_s = 0
-    with pytest.raises(ConfigError, match=r"^rollout.pause_deadline_s must be > 0 seconds, got 0$"):
+    with pytest.raises(ConfigError, match=r"^rollout.pause_deadline_s must be > 0 seconds, got 0.0$"):
         cfg.validate()
     cfg = grpo_toy()
     cfg.rollout.episode = "no_such"
@@ -178,7 +179,7 @@ def test_bad_rollout_values_set_in_python_on_a_preset_fail_validate():
     assert isinstance(info.value.__cause__, EpisodeConfigError)
     cfg = grpo_toy()
     cfg.rollout.max_episodes_in_flight = "many"  # type: ignore[assignment]
-    with pytest.raises(ConfigError, match=r"^rollout.max_episodes_in_flight must be an integer >= 1, got 'many'$"):
+    with pytest.raises(ConfigError, match=r"^rollout.max_episodes_in_flight must be an integer, got 'many'$"):
         cfg.validate()
 
 

@@ -13,12 +13,13 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.config import ConfigError, load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.data import make_loader, task_pairs
 from asyncrl.roles import RewardConfig, RewardFnError
 from asyncrl.roles.models import load_tokenizer, tiny_tokenizer
 from asyncrl.roles.reward import RewardWorker, load_reward_fn
-from tests.pipelines.datafiles_util import ROWS, TEMPLATE, write, write_jsonl, write_model_dir, write_reward_file
+from tests.pipelines.datafiles_util import TEMPLATE, write, write_jsonl, write_model_dir, write_reward_file
 
 FORMATS = ["jsonl", "parquet", "hf_disk"]
 

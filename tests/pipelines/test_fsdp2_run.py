@@ -91,9 +91,12 @@ def test_the_export_of_an_fsdp2_run_holds_the_gathered_checkpoint_weights(run, t
 @pytest.mark.parametrize("override, line", [
     ("actor.strategy=fsdp", "actor.strategy must be one of ['ddp', 'fsdp2'], got 'fsdp'"),
     ("actor.fsdp_offload=true", "actor: fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2"),
+    ("actor.strategy=fsdp2 actor.fsdp_offload=true", "actor.fsdp_offload=true keeps a GPU model's shards in CPU memory "
+     "between uses, but the training pool has no GPU (trainer.gpus_per_worker=0): they already are in CPU memory; set "
+     "actor.fsdp_offload=false"),
 ])
 def test_a_bad_strategy_setting_is_one_line_and_exit_2_before_ray_starts(override, line, capsys, tmp_path):
-    assert main(["train", override, f"trainer.output_dir={tmp_path / 'run'}"]) == 2
+    assert main(["train", *override.split(), f"trainer.output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith(line), err
     assert not (tmp_path / "run").exists()

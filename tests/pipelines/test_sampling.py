@@ -3,11 +3,14 @@ step draws, and how groups of batches with different prompt widths are joined in
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncrl.pipelines.config import ConfigError, load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.sampling import extra_indices, group_stds, informative_groups, select_groups
 
 
@@ -55,3 +58,58 @@ def test_filter_groups_is_checked():
         load_config(None, ["algorithm.name=ppo", "algorithm.group_size=1", "algorithm.filter_groups.enable=true"])
     with pytest.raises(ConfigError, match="max_num_gen_batches must be >= 1, got 0"):
         load_config(None, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"])
+
+
+async def test_out_of_generate_calls_the_batch_is_padded_with_the_first_dropped_groups_in_call_order():
+    """``fill_batch``'s out-of-budget path (``max_num_gen_batches`` spent before the batch holds
+    ``prompts_per_step`` informative groups): the kept groups come first, then the first dropped groups in
+    call order fill the rest, renumbered from the step's uid base, and ``sampling/padded_groups`` counts them."""
+    from asyncrl import LocalWorkerGroup
+    from asyncrl.pipelines.data import PromptLoader
+    from asyncrl.pipelines.sampling import fill_batch
+    from asyncrl.pipelines.stages import AdvantageWorker
+
+    class Tok:
+        pad_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    loader = PromptLoader(Tok(), [(f"p{i}" * (i + 1), "a") for i in range(6)], prompts_per_step=2, group_size=2,
+                          seed=0, shuffle=False)
+    # per generate call, the rewards of its two groups: call 0 (the step's own prompts) has no informative
+    # group, call 1 one (its first); with max_calls=2 the step is one group short
+    rewards = {0: [0.5, 0.5, 1.0, 1.0], 1: [0.0, 1.0, 0.0, 0.0]}
+
+    def done(value):
+        f = asyncio.get_running_loop().create_future()
+        f.set_result(value)
+        return f
+
+    issued: list[tuple[int, list[str]]] = []
+
+    def generate(prompts: TensorDict, call: int):
+        issued.append((call, list(prompts["prompt"])))
+        return done(prompts), done(TensorDict({"scores": torch.tensor(rewards[call])}, batch_size=[4]))
+
+    step = 3
+    own = loader.batch(step)
+    advantage = LocalWorkerGroup(AdvantageWorker, world_size=1)
+    await advantage.setup()
+    try:
+        fut, scores_fut, scores, metrics = await fill_batch(
+            step=step, first=(done(own), done(TensorDict({"scores": torch.tensor(rewards[0])}, batch_size=[4])),
+                              torch.tensor(rewards[0])),
+            loader=loader, group_size=2, max_calls=2, seed=0, generate=generate, echo=advantage.echo)
+        out = await fut
+        assert (await scores_fut)["scores"].tolist() == scores.tolist()
+    finally:
+        await advantage.close()
+    extra = [loader.pairs[i][0] for i in extra_indices(6, 2, seed=0, step=step, call=1)]
+    assert issued == [(1, [extra[0]] * 2 + [extra[1]] * 2)]  # one extra call: the budget of 2 calls is spent
+    # call 1's informative group first, then the first dropped group in call order: call 0's first
+    assert list(out["prompt"]) == [extra[0]] * 2 + [list(own["prompt"])[0]] * 2
+    assert scores.tolist() == [0.0, 1.0, 0.5, 0.5]
+    assert out["uid"].tolist() == [6, 6, 7, 7]  # renumbered from step 3's uid base (3 * 2)
+    assert metrics == {"sampling/gen_batches": 2.0, "sampling/filtered_groups": 3.0,
+                       "sampling/padded_groups": 1.0, "sampling/min_group_std": 0.0}

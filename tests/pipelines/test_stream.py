@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from asyncrl.pipelines.config import ConfigError, load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
 
@@ -115,6 +116,32 @@ async def test_under_random_delays_every_trajectory_is_within_the_bound_and_no_g
         assert dropped == [] and sorted(trained) == sorted(admitted) == list(range(8 * B))
     updates = [v for name, _, v in rec.events if name == "actor_update"]
     assert updates == list(range(8))
+
+
+async def test_drop_stale_drops_a_group_that_finished_past_the_bound_and_counts_it(tmp_path):
+    """``trainer.stream.drop_stale``: group 0 (admitted at version 0) finishes only once version 2 is loaded,
+    and step 3's update waits for it (fakes.HeldRollout, HeldPolicy), so a take at step >= 2 finds it
+    finished and too stale (max_staleness=1): it is dropped, journaled, counted, and never trained."""
+    from .fakes import HeldPolicy, HeldRollout, Recorder, fake_groups
+
+    cfg = tiny_test()
+    t = cfg.trainer
+    t.steps, t.max_staleness, t.rollout_mode, t.stream.drop_stale = 6, 1, "stream", True
+    t.checkpoint_at_end, t.output_dir = False, str(tmp_path)
+    cfg.validate()
+    B = cfg.prompts_per_step
+    rec = Recorder()
+    async with fake_groups(rec, 0, B, 0.01, 1, rollout=HeldRollout, policy=HeldPolicy) as groups, \
+            GRPOTrainer(cfg, groups=groups) as trainer:
+        history = await trainer.fit()
+    assert [r["version"] for r in history] == list(range(1, 7))
+    recs = journal(tmp_path)
+    drops = {r["index"]: r for r in recs if r["kind"] == "group_drop"}
+    trained = [g for r in recs if r["kind"] == "step" for g in r["groups"]]
+    assert drops[0]["version"] == 0 and drops[0]["at_version"] >= 2  # dropped at a step it could not join
+    assert 0 not in trained and len(trained) == len(set(trained)) == 6 * B and not set(trained) & set(drops)
+    assert history[-1]["stream/dropped_groups"] == len(drops) >= 1
+    assert all(0 <= r["staleness/max"] <= 1 for r in history)
 
 
 @pytest.mark.slow

@@ -31,6 +31,49 @@ def test_a_rejected_group_leaves_untrained_and_frees_its_room():
         adm.reject(0)  # already trained
 
 
+@pytest.mark.parametrize("mode", ["batch", "stream"])
+async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tmp_path, mode):
+    """``max_num_gen_batches`` spent with no informative group (every reward is 0.5, fakes.ConstantReward):
+    batch mode (pipelines/sampling.py) makes its 2 generate calls and pads the whole step with call 0's
+    groups; stream mode (pipelines/stream_rollout.py) rejects one step's worth of groups, (2 - 1) * B, and
+    then trains the equal-reward groups, every one of them counted as padding."""
+    import anyio
+    from asyncrl.pipelines.presets import tiny_test
+    from asyncrl.pipelines.trainer import GRPOTrainer
+
+    from .fakes import ConstantReward, Recorder, fake_groups
+
+    cfg = tiny_test()
+    cfg.algorithm.filter_groups.enable, cfg.algorithm.filter_groups.max_num_gen_batches = True, 2
+    t = cfg.trainer
+    t.steps, t.max_staleness, t.rollout_weights, t.rollout_mode = 3, 1, "latest", mode
+    t.checkpoint_at_end, t.output_dir = False, str(tmp_path)
+    cfg.validate()
+    B = cfg.prompts_per_step
+    rec = Recorder()
+    with anyio.fail_after(120):  # a run that keeps rejecting past the budget never ends: fail, do not hang
+        async with fake_groups(rec, 0, B, 0.004, 1, reward=ConstantReward) as groups, \
+                GRPOTrainer(cfg, groups=groups) as trainer:
+            history = await trainer.fit()
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert all(h["sampling/padded_groups"] == B and h["sampling/min_group_std"] == 0.0 for h in history), history
+    recs = journal(tmp_path)
+    if mode == "batch":
+        assert [(h["sampling/gen_batches"], h["sampling/filtered_groups"]) for h in history] == [(2.0, 2.0 * B)] * 3
+        assert [r["batch"] for r in recs if r["kind"] == "step"] == [0, 1, 2]
+        # the padding is the step's own prompt groups (call 0), in order: one generate call of extra prompts each
+        assert sorted(s for name, s, _ in rec.events if name == "generate") == [0, 0, 1, 1, 2, 2]
+        return
+    filtered = sorted(r["index"] for r in recs if r["kind"] == "group_filter")
+    trained = sorted(g for r in recs if r["kind"] == "step" for g in r["groups"])
+    admitted = sorted(r["index"] for r in recs if r["kind"] == "group")
+    # every group accepted before step 0's take came after the budget (B rejections) was spent
+    assert history[0]["sampling/filtered_groups"] == B
+    assert all(h["sampling/filtered_groups"] <= B for h in history)
+    assert len(trained) == 3 * B and admitted == sorted(trained + filtered) == list(range(len(admitted)))
+    assert sum(h["sampling/filtered_groups"] for h in history) == len(filtered) == history[-1]["stream/rejected_groups"]
+
+
 @pytest.mark.slow  # a real run, ~20 s on a loaded 2-core machine
 async def test_stream_mode_trains_only_groups_with_reward_variance(ray_cluster, tmp_path):
     from asyncrl.pipelines.trainer import GRPOTrainer

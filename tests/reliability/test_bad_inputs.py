@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +21,8 @@ from asyncrl import Dispatch, LocalWorkerGroup, Worker, register
 from asyncrl import batch as B
 from asyncrl.dispatch import World, collect_dp, dispatch_dp
 from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.config import ConfigError, load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
 

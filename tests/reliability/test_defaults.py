@@ -11,8 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -23,7 +21,7 @@ from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.metrics import read_jsonl
 from asyncrl.pipelines.presets import tiny_test
 from tests.reliability.conftest import live_actors, settled
-from tests.reliability.faults import FaultyRollout
+from tests.reliability.faults import FaultyPolicy, FaultyRollout
 from tests.reliability.test_faults import STEPS, _exactly_once, _fault, run_with_fault
 
 
@@ -33,7 +31,37 @@ def test_the_defaults_replace_dead_workers_and_checkpoint_every_ten_minutes():
     assert (t.checkpoint_every_s, t.checkpoint_every, t.checkpoint_at_end) == (600.0, 0, True)
 
 
-@pytest.mark.slow  # ~85 s on the loaded 2-core machine; the default suite has test_faults.py::...replaced_in_place[generate]
+async def test_at_the_defaults_a_killed_rollout_worker_is_replaced_and_a_killed_training_worker_restarts_the_run(
+        ray_cluster, tmp_path):
+    """The default suite's proof of the recovery defaults, with nothing but the step count and output
+    directory set: a SIGKILLed rollout worker (batch 0) is replaced in place without a checkpoint, then a
+    SIGKILLed training worker (mid-update of step 0) restarts the run from its newest
+    checkpoint -- none yet, as ``checkpoint_every_s`` (600 s) has not passed, so from the run's start -- and
+    every step is trained once, with no time-based checkpoint written and nothing leaked. (The hung worker
+    and the time-based checkpoint that a killed controller resumes from need minutes at the defaults:
+    the slow tests below, which lower only the deadline and the interval.)"""
+    cfg = tiny_test()
+    cfg.trainer.steps, cfg.trainer.output_dir = STEPS, str(tmp_path / "run")
+    t = cfg.trainer
+    assert t.restart == RestartConfig() and (t.checkpoint_every, t.checkpoint_every_s) == (0, 600.0)
+    assert t.stage_timeout_s is None and t.rollout_timeout_s == 600.0
+    before = await asyncio.to_thread(live_actors)
+    rollout = _fault(tmp_path, "generate", 1, name="rollout")
+    policy = _fault(tmp_path, "update", 1, name="policy", after=rollout)  # after the replacement, in step 0
+    out = await run_with_fault(cfg.validate(), [rollout, policy],
+                               {"rollout": (FaultyRollout, {"fault": rollout}),
+                                "policy": (FaultyPolicy, {"fault": policy})}, kill=True, bound=120)
+    assert out.error is None, out.error
+    replaced, restarted = out.trainer.restarts
+    assert (replaced["kind"], replaced["from_checkpoint"]) == ("replace", None)
+    assert (restarted["kind"], restarted["from_checkpoint"], restarted["from_step"]) == ("restart", None, 0)
+    assert [h["step"] for h in out.history] == list(range(STEPS))
+    _exactly_once(tmp_path / "run")
+    assert [p.name for p in ckpt.checkpoints(tmp_path / "run")] == [f"step_{STEPS:06d}"]  # the end's only
+    assert await settled(before) == before
+
+
+@pytest.mark.slow  # ~85 s on the loaded 2-core machine; the default suite has test_at_the_defaults_... above
 async def test_a_default_run_survives_a_killed_rollout_worker_and_completes_every_step(ray_cluster, tmp_path,
                                                                                     fault_row):
     cfg = tiny_test()

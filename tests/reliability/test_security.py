@@ -7,7 +7,6 @@ import ast
 import os
 from pathlib import Path
 
-import pytest
 import ray
 
 ROOT = Path(__file__).resolve().parents[2]

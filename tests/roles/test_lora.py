@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import asyncrl
-from asyncrl.pipelines.config import ConfigError, load_config
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
 from asyncrl.roles import CheckpointFormatError, ModelConfig, OptimConfig, PolicyWorker
 from asyncrl.roles.lora import LoraConfig
 from asyncrl.roles.models import load_model, state_dict_checksums

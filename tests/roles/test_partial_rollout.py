@@ -134,7 +134,9 @@ async def test_keep_decodes_on_the_old_cache_with_the_new_weights(tiny):
     """``keep`` does not re-prefill: the same round resumes on its KV cache. The tokens before the swap are
     exactly the old version's; the ones after carry the new version and are sampled from the new weights
     on the old weights' cache -- a mixture, so they do NOT equal a teacher-forced pass under either version
-    (by design; verl's and AReaL's keep modes accept the same)."""
+    (by design; verl's and AReaL's keep modes accept the same). They equal, within 1e-5, the mixture
+    recomputed: the prompt and the tokens fed before the pause cached under the old weights, the rest
+    under the new ones (:func:`kept_cache_log_probs`)."""
     eng, tok, ref = tiny
     gens, prompts, initial, receipts, stats = await run_with_updates(eng, tok, "keep", at_forward=[5])
     assert stats.rounds == 1 and stats.interrupted_rounds == 1  # one round, parked once, never re-prefilled
@@ -146,8 +148,30 @@ async def test_keep_decodes_on_the_old_cache_with_the_new_weights(tiny):
         new = teacher_forced(ref, perturbed_from(initial, 1), p, g.response_ids, 1.0)
         lps = torch.tensor(g.log_probs, dtype=torch.float64)
         torch.testing.assert_close(lps[:5], old[:5], atol=1e-5, rtol=0)
+        # 5 forwards before the pause: the prefill and the decodes that fed tokens 0..3 (token 4 was sampled
+        # by the 5th and is fed by the first forward under the new weights)
+        kept = kept_cache_log_probs(ref, perturbed_from(initial, 0), perturbed_from(initial, 1), p, g.response_ids,
+                                    fed_before=4, temperature=1.0)
+        torch.testing.assert_close(lps[5:], kept, atol=1e-5, rtol=0)
         worst_after = max(worst_after, float((lps[5:] - new[5:]).abs().max().detach()))
     assert worst_after > 1e-3  # the mixture: the new weights read keys/values the old weights computed
+
+
+def kept_cache_log_probs(model: torch.nn.Module, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                         prompt: list[int], response: list[int], fed_before: int, temperature: float) -> torch.Tensor:
+    """Log-probs of ``response[fed_before + 1:]`` when the prompt and ``response[:fed_before]`` were cached
+    under `old` and the later tokens are fed, on that cache, under `new` (what ``keep`` computes; no padding)."""
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        model.load_state_dict(old)
+        out = model(input_ids=torch.tensor([prompt + response[:fed_before]]), use_cache=True)
+        past = getattr(out, "cache", None) if kw == "cache" else out.past_key_values
+        model.load_state_dict(new)
+        out = model(input_ids=torch.tensor([response[fed_before:-1]]), use_cache=True, **{kw: past})
+    lp = torch.log_softmax(out.logits[0].double() / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(response[fed_before + 1:])[:, None])[:, 0]
 
 
 async def test_keep_and_recompute_agree_before_the_swap_and_off_waits_for_the_round(tiny):

@@ -15,8 +15,7 @@ import torch
 import asyncrl
 from asyncrl import Dispatch, register
 from asyncrl.pipelines.stages import AdvantageWorker, compute_advantages
-from asyncrl.roles import (CriticWorker, OptimConfig, PolicyWorker, RolloutConfig, RolloutCorrectionConfig, RolloutWorker,
-                           StaleBatchError)
+from asyncrl.roles import (CriticWorker, OptimConfig, PolicyWorker, RolloutCorrectionConfig, StaleBatchError)
 from asyncrl.roles._util import mini_batches
 from asyncrl.roles.functional import LOSS_AGG_MODES
 

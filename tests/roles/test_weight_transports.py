@@ -39,8 +39,6 @@ from asyncrl.roles import (
 from asyncrl.roles.functional import grpo_advantages
 from asyncrl.roles.models import state_dict_checksums
 
-import asyncrl
-from asyncrl import Dispatch, Execute, register
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only worker subclasses
 

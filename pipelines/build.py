@@ -19,12 +19,20 @@ from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.stream_replay import recording_rollout
 
-__all__ = ["needs_reference", "role_specs", "main_pool", "build_rollout_part", "build_groups", "Workers", "build_data"]
+__all__ = ["needs_reference", "reference_worker", "role_specs", "main_pool", "build_rollout_part", "build_groups",
+           "Workers", "build_data"]
 
 
 def needs_reference(cfg: JobConfig) -> bool:
-    """True when a KL term needs reference log-probs."""
+    """True when a KL term needs reference log-probs (from a ReferenceWorker, or with LoRA from the
+    policy itself: :func:`reference_worker`)."""
     return cfg.actor.kl_coef > 0 or (cfg.algorithm.name == "ppo" and cfg.algorithm.kl_in_reward_coef > 0)
+
+
+def reference_worker(cfg: JobConfig) -> bool:
+    """True when the run builds a ReferenceWorker: a KL term needs reference log-probs and the policy cannot
+    give them (with ``actor.lora.rank > 0`` the reference is the policy with its adapters disabled)."""
+    return needs_reference(cfg) and not cfg.actor.lora.enabled
 
 
 def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -40,7 +48,7 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
         "policy": (PolicyWorker, (cfg.model, cfg.worker_actor()), {"max_staleness": t.max_staleness}),
         "advantage": AdvantageWorker,
     }
-    if needs_reference(cfg):
+    if reference_worker(cfg):
         train_roles["reference"] = (ReferenceWorker, (cfg.model,), {
             "temperature": cfg.rollout.temperature, "micro_batch_size": cfg.actor.micro_batch_size,
             "max_tokens_per_micro_batch": cfg.actor.max_tokens_per_micro_batch, "strategy": cfg.actor.strategy,
@@ -102,7 +110,8 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
     g = Groups(
         rollout=cols["rollout"]["rollout"], reward=cols["reward"]["reward"], policy=cols["policy"]["policy"],
         advantage=cols["advantage"]["advantage"],
-        reference=cols["reference"]["reference"] if "reference" in cols else None,
+        reference=(cols["reference"]["reference"] if "reference" in cols
+                   else cols["policy"]["policy"] if needs_reference(cfg) else None),  # LoRA: the policy serves it
         critic=cols["critic"]["critic"] if "critic" in cols else None,
     )
     return g, parts, [pool]

@@ -111,7 +111,9 @@ def verify(ckpt: Path, *, hashes: bool = True) -> dict[str, Any]:
     if missing or not isinstance(state.get("step"), int) or isinstance(state.get("step"), bool):
         raise CheckpointError(f"checkpoint {str(ckpt)!r} has a corrupt state.json (missing or bad {missing or ['step']})")
     config = state.get("config", {})
-    files = [ckpt / "buffer.pt", *role_files(ckpt / "policy", config.get("actor", {}).get("strategy", "ddp"))]
+    actor = config.get("actor", {})
+    files = [ckpt / "buffer.pt", *role_files(ckpt / "policy", actor.get("strategy", "ddp"),
+                                             lora=bool(actor.get("lora", {}).get("rank", 0)))]
     if (ckpt / "critic").exists() or config.get("algorithm", {}).get("name") == "ppo":
         files += role_files(ckpt / "critic", config.get("critic", {}).get("strategy", "ddp"))
     if (ckpt / MANIFEST).exists():
@@ -135,12 +137,14 @@ def verify(ckpt: Path, *, hashes: bool = True) -> dict[str, Any]:
     return state
 
 
-def role_files(role_dir: Path, strategy: str) -> list[Path]:
+def role_files(role_dir: Path, strategy: str, *, lora: bool = False) -> list[Path]:
     """The files a trained role's ``save`` writes: whole weights (``ddp``) or the index of its
-    ``torch.distributed.checkpoint`` shards (``fsdp2``; the shard files are listed in the manifest)."""
+    ``torch.distributed.checkpoint`` shards (``fsdp2``; the shard files are listed in the manifest);
+    with `lora` also the peft adapter (``adapter_model.safetensors``, ``adapter_config.json``)."""
     if strategy == "fsdp2":
         return [role_dir / "dcp" / ".metadata", role_dir / "meta.json"]
-    return [role_dir / "model.safetensors", role_dir / "optimizer.pt", role_dir / "meta.json"]
+    adapter = [role_dir / "adapter_model.safetensors", role_dir / "adapter_config.json"] if lora else []
+    return [role_dir / "model.safetensors", role_dir / "optimizer.pt", *adapter, role_dir / "meta.json"]
 
 
 def _corrupt(f: Path, why: str) -> CheckpointError:

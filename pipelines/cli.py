@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the exported weights (default: as stored in the checkpoint)")
     e.add_argument("--force", action="store_true", help="overwrite DIR when it exists and is not empty")
+    e.add_argument("--adapter", action="store_true", help="a LoRA run: write its peft adapter (adapter_config.json, "
+                                                          "adapter_model.safetensors) instead of the merged model")
     return p
 
 
@@ -293,13 +295,18 @@ def _export(args: argparse.Namespace) -> int:
     prog = "asyncrl export"
     hf_logging.disable_progress_bar()  # one line on success, not a bar per file loaded and written
     try:
-        result = export_policy(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
+        result = export_policy(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force,
+                               adapter=args.adapter)
     except ConfigError as e:  # CheckpointError included: no run, no such step, a corrupt checkpoint, --out taken
         _say(prog, f"error: {e}")
         return 2
     except RolesError as e:  # the model's tokenizer or files are missing here
         _say(prog, f"error: {type(e).__name__}: {e}")
         return 2
+    if result.adapter:
+        _say(prog, f"wrote the LoRA adapter of {result.checkpoint} (step {result.step}, {result.dtype}) to "
+                   f"{result.out}; load it with peft.PeftModel.from_pretrained(base_model, {str(result.out)!r})")
+        return 0
     _say(prog, f"wrote the policy of {result.checkpoint} (step {result.step}, {result.dtype}) to {result.out}; "
                f"load it with AutoModelForCausalLM.from_pretrained({str(result.out)!r})")
     return 0

@@ -158,11 +158,12 @@ class TrainerConfig:
     """GPUs each worker process reserves (0: CPU-only pools). A fraction shares a GPU: 0.5 with one
     rollout and one training worker puts both pools on one GPU. Roles with ``model.device="auto"``
     compute on the GPU their bundle reserves."""
-    weight_sync: Literal["auto", "object_store", "local", "collective"] = "auto"
+    weight_sync: Literal["auto", "object_store", "local", "collective", "adapter"] = "auto"
     """How policy weights reach the rollout (asyncrl.roles.sync): ``local`` (colocated, in-process
     snapshot), ``collective`` (two pools, a process group: NCCL on distinct GPUs, else gloo),
-    ``object_store``. ``auto``: local when colocated, collective when the pools have GPUs, else
-    object_store."""
+    ``object_store``; ``adapter`` (``actor.lora.rank > 0``, HF rollout): only the LoRA factors travel (through
+    the object store) and the rollout merges them into its copy of the base weights. ``auto``: local when
+    colocated, collective when the pools have GPUs, else object_store."""
     weight_sync_timeout_s: float = 120.0
     """Deadline of the collective weight channel's rendezvous and of each transfer over it."""
     num_cpus: int | None = None
@@ -333,8 +334,17 @@ class JobConfig:
             raise ConfigError(f"trainer.cpus_per_worker must be > 0, got {t.cpus_per_worker}")
         if t.gpus_per_worker < 0:
             raise ConfigError(f"trainer.gpus_per_worker must be >= 0, got {t.gpus_per_worker}")
-        if t.weight_sync not in ("auto", "object_store", "local", "collective"):
-            raise ConfigError(f"trainer.weight_sync must be auto, object_store, local or collective, got {t.weight_sync!r}")
+        if t.weight_sync not in ("auto", "object_store", "local", "collective", "adapter"):
+            raise ConfigError(f"trainer.weight_sync must be auto, object_store, local, collective or adapter, "
+                              f"got {t.weight_sync!r}")
+        if t.weight_sync == "adapter":
+            needs = ((self.actor.lora.enabled, "actor.lora.rank > 0 (a LoRA policy)"),
+                     (self.rollout.engine == "hf", f"the hf rollout engine (not {self.rollout.engine!r})"),
+                     (not self.rollout.sleep_level, "rollout.sleep_level=0 (the rollout keeps its base)"))
+            why = [w for ok, w in needs if not ok]
+            if why:
+                raise ConfigError(f"trainer.weight_sync=adapter sends only the LoRA factors, which needs "
+                                  f"{' and '.join(why)}; or use trainer.weight_sync=auto")
         if t.event_loop not in ("auto", "uvloop", "asyncio"):
             raise ConfigError(f"trainer.event_loop must be auto, uvloop or asyncio, got {t.event_loop!r}")
         if t.event_loop == "uvloop":
@@ -475,6 +485,29 @@ class JobConfig:
                 optim.validate(t.train_workers)
             except ValueError as e:
                 raise ConfigError(f"{name}: {e}") from None
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """``actor.lora``: the policy only, and every named target module is a linear layer of the model (read
+        from a weightless skeleton of it, before any worker starts)."""
+        if self.algorithm.name == "ppo" and self.critic.lora.enabled:
+            raise ConfigError(f"critic.lora.rank={self.critic.lora.rank}: LoRA adapts the policy only (actor.lora); "
+                              "set critic.lora.rank=0")
+        lora = self.actor.lora
+        if not lora.enabled or lora.target_modules == "all-linear":
+            return
+        from asyncrl.roles.lora import check_targets
+        from asyncrl.roles.models import meta_model
+
+        try:
+            skeleton = meta_model(self.model)
+        except Exception:  # a model that cannot be read here: the worker checks the targets when it loads it
+            return
+        if skeleton is not None:
+            try:
+                check_targets(skeleton, lora)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
 
     def _validate_bypass(self) -> None:

@@ -8,6 +8,10 @@
         -> OUT.tmp-<pid>/ (config.json, generation_config.json, model.safetensors, tokenizer files)
         -> renamed to OUT
 
+A LoRA run's checkpoint holds the merged weights under the base model's names, so the export is the
+merged model; ``adapter=True`` (``--adapter``) writes the peft adapter instead (``adapter_config.json``,
+``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUT)``).
+
 The result loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and
 ``AutoTokenizer.from_pretrained(OUT)``, offline. Every check (the run directory, the step,
 the manifest, the output directory) runs before anything is written; a failed check raises
@@ -48,6 +52,8 @@ class ExportResult:
     """The training steps done when that checkpoint was taken."""
     dtype: str
     """The dtype of the exported floating-point weights (``float32``, ``bfloat16``, ``float16``)."""
+    adapter: bool = False
+    """Whether it is a LoRA run's peft adapter directory rather than a whole model."""
 
 
 def read_policy_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
@@ -113,9 +119,10 @@ def find_checkpoint(run: str | Path, step: int | None = None) -> Path:
 
 
 def export_policy(run: str | Path, out: str | Path, *, step: int | None = None, dtype: str | None = None,
-                  force: bool = False) -> ExportResult:
+                  force: bool = False, adapter: bool = False) -> ExportResult:
     """Write the policy of `run`'s checkpoint (`step`, default the newest) as a Hugging Face model
-    directory `out`, in `dtype` (default: as stored; float32 stays bit for bit).
+    directory `out`, in `dtype` (default: as stored; float32 stays bit for bit); a LoRA run's merged model,
+    or with `adapter` its peft adapter directory.
 
     `out` must not exist or be empty, unless `force` (then it is replaced once the export is written)."""
     if dtype is not None and dtype not in DTYPES:
@@ -123,7 +130,12 @@ def export_policy(run: str | Path, out: str | Path, *, step: int | None = None, 
     ckpt = find_checkpoint(run, step)
     state = verify(ckpt)
     model_cfg = _model_config(ckpt, state.get("config"))
+    if adapter and not (ckpt / "policy" / "adapter_model.safetensors").is_file():
+        raise ConfigError(f"--adapter: the policy of checkpoint {str(ckpt)!r} has no LoRA adapter (the run trained "
+                          "with actor.lora.rank=0); export the whole model without --adapter")
     out = _check_out(Path(out), force=force, keep=ckpt)
+    if adapter:
+        return _export_adapter(ckpt, out, int(state["step"]), dtype)
     weights = read_policy_state(ckpt)
     target = DTYPES[dtype] if dtype is not None else _stored_dtype(weights)
 
@@ -142,6 +154,28 @@ def export_policy(run: str | Path, out: str | Path, *, step: int | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
     name = next(k for k, v in DTYPES.items() if v == target)
     return ExportResult(out=out, checkpoint=ckpt, step=int(state["step"]), dtype=name)
+
+
+def _export_adapter(ckpt: Path, out: Path, step: int, dtype: str | None) -> ExportResult:
+    """The checkpoint's peft adapter files, its floating tensors cast to `dtype` when given."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(ckpt / "policy" / "adapter_model.safetensors"))
+    target = DTYPES[dtype] if dtype is not None else _stored_dtype(weights)
+    dest = out.resolve()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        save_file({k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        shutil.copyfile(ckpt / "policy" / "adapter_config.json", tmp / "adapter_config.json")
+        _replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    name = next(k for k, v in DTYPES.items() if v == target)
+    return ExportResult(out=out, checkpoint=ckpt, step=step, dtype=name, adapter=True)
 
 
 def _model_config(ckpt: Path, config: object) -> ModelConfig:

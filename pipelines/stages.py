@@ -57,7 +57,8 @@ class Groups:
     advantage: WorkerGroup[Any]
     """AdvantageWorker group (training pool)."""
     reference: WorkerGroup[Any] | None = None
-    """ReferenceWorker group, when a KL term needs it."""
+    """What serves ``compute_ref_log_prob`` when a KL term needs it: the ReferenceWorker group, or with LoRA the
+    policy group itself (its adapters disabled)."""
     critic: WorkerGroup[Any] | None = None
     """CriticWorker group (PPO)."""
 
@@ -224,7 +225,7 @@ def export_weights(g: Groups, *, transport: str = "object_store", dtype: str | N
     a ``WeightHandle`` to the version the policy put into the object store (``object_store``; a
     policy class that overrides ``export_weights`` gives its ``(version, state_dict)``), or to a
     snapshot kept by the policy (``local``: colocated; ``collective``: sent over the weight channel
-    at load time).
+    at load time; ``adapter``: a LoRA policy's factors, merged by the rollout).
     `dtype` is the rollout's weight dtype (floating tensors are cast to it)."""
     if transport == "object_store":
         if _stages_into_the_store(g.policy):  # the put inside the call is the one copy (roles/transfer.py)
@@ -233,6 +234,8 @@ def export_weights(g: Groups, *, transport: str = "object_store", dtype: str | N
         return g.policy.export_weights(dtype=dtype) if dtype is not None else g.policy.export_weights()
     if transport == "local":
         return g.policy.stage_weights("local", dtype=dtype, keep=keep)
+    if transport == "adapter":  # a LoRA policy's factors alone; the HF rollout merges them into its base
+        return g.policy.export_adapter(dtype=dtype)
     return g.policy.stage_weights("collective", keep=keep)
 
 

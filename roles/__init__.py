@@ -29,7 +29,7 @@ from .errors import (
 )
 from .gguf import SMOLLM2_135M_INSTRUCT
 from .models import ModelConfig, load_model, load_tokenizer, save_model_dir, tiny_tokenizer
-from .policy import OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
+from .policy import LoraConfig, OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
 from .reward import RewardConfig, RewardInput, RewardWorker, register_reward_fn, toy_dataset
 from .rollout import RolloutConfig, RolloutWorker
 from .sync import open_weight_channel, sync_weights
@@ -44,6 +44,7 @@ __all__ = [
     "EpisodeConfigError",
     "EpisodeError",
     "GenerationEngine",
+    "LoraConfig",
     "MissingDependencyError",
     "ModelFormatError",
     "ModelConfig",

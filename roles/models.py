@@ -329,6 +329,22 @@ def build_model(cfg: ModelConfig, tokenizer: Any) -> nn.Module:
     return model
 
 
+def meta_model(cfg: ModelConfig) -> nn.Module | None:
+    """The causal LM `cfg` names, built on the meta device (no weights, no memory) to check its structure
+    before any worker starts; None for a GGUF file (its conversion is not cheap: checked when loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.gguf is not None:
+        return None
+    if cfg.path is not None:
+        _check_model_dir(cfg.path)
+        hf = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+    else:
+        hf = _hf_config(cfg, tokenizer_for(cfg))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf, attn_implementation=cfg.attn_implementation)
+
+
 def load_model(cfg: ModelConfig) -> tuple[nn.Module, Any]:
     """``(causal LM, tokenizer)`` for `cfg`. Raises :class:`ModelNotFoundError` /
     :class:`TokenizerNotFoundError` with a fix when a directory is missing (and the errors of

@@ -37,13 +37,14 @@ from . import functional as F
 from ._util import DataParallel, mini_batches, require, require_token_budget, response_log_probs, split_micro_batches, with_fields
 from .device import Placement, place_model, resolve_placement
 from .errors import CheckpointFormatError, StaleBatchError
+from .lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
 from .models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, tensor_checksum
 from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy
 from .threads import computing, core_share_for, release_core_share
 from .transfer import WeightSource
 from .weight_channel import _cast
 
-__all__ = ["OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
+__all__ = ["LoraConfig", "OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
 
 
 @dataclass(kw_only=True)
@@ -170,6 +171,10 @@ class OptimConfig:
     decoder layer). The same math either way; one rank is the plain model. The reference follows the actor's."""
     fsdp_offload: bool = False
     """``fsdp2`` only: keep the shards and the optimizer state in CPU memory (verl's ``offload_policy``)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (policy only; ``lora.rank > 0``, needs ``peft``): only the adapters train, the
+    reference log-probs are the base model's (the adapter disabled, no reference worker), the rollout gets
+    the merged weights. See asyncrl.roles.lora."""
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
@@ -208,6 +213,10 @@ class OptimConfig:
             raise ValueError(f"temperature must be > 0 (log-probs of a greedy policy are undefined), "
                              f"got {self.temperature}")
         self.rollout_correction.validate()
+        self.lora.validate()
+        if self.lora.enabled and self.strategy != "ddp":
+            raise ValueError(f"lora.rank={self.lora.rank} trains adapters with strategy=ddp for now (the adapters "
+                             f"are a few MB: sharding them saves nothing); set strategy=ddp, not {self.strategy!r}")
 
 
 def _adam(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -224,6 +233,9 @@ class _Trainable(Worker):
     placement: Placement
     engine: TrainStrategy
     _version: int
+    _lora: bool = False
+    """``self.model`` is a peft model whose LoRA adapters alone train (a PolicyWorker with ``lora.rank > 0``)."""
+    _base_digests: dict[str | None, str] | None = None
 
     def _distribute(self, model: torch.nn.Module, who: str) -> None:
         """Spread `model` over the group (``optim.strategy``) and build its optimizer over what each rank holds."""
@@ -266,16 +278,65 @@ class _Trainable(Worker):
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             with _one_process_is_meant():
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+        elif self.rank == 0 and self._lora:
+            self._save_lora(path)
         elif self.rank == 0:
             from safetensors.torch import save_model
 
             save_model(self.model, os.path.join(path, "model.safetensors"))
             torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
         if self.rank == 0:
+            meta = {"version": self._version, "optim": asdict(self.optim_config), "format": self._format,
+                    "world_size": self.world_size}
+            if self._lora:
+                meta["lora_base_digest"] = self._base_digest(None)
             with open(os.path.join(path, "meta.json"), "w") as f:
-                json.dump({"version": self._version, "optim": asdict(self.optim_config), "format": self._format,
-                           "world_size": self.world_size}, f)
+                json.dump(meta, f)
         return path
+
+    def _save_lora(self, path: str) -> None:
+        """LoRA: the adapter as peft writes it (``adapter_config.json``, ``adapter_model.safetensors``: what a
+        resume loads and ``asyncrl export --adapter`` copies), the optimizer, and the merged weights under the
+        base names in ``model.safetensors`` (what ``asyncrl export`` and the rollout read)."""
+        from safetensors.torch import save_file
+
+        merged = merged_state(self.model)
+        first: dict[tuple[int, int], str] = {}
+        for name in sorted(merged):  # tied names share one tensor: stored once, as save_model does
+            first.setdefault((merged[name].untyped_storage().data_ptr(), merged[name].storage_offset()), name)
+        save_file({n: merged[n].contiguous() for n in first.values()}, os.path.join(path, "model.safetensors"))
+        self.model.save_pretrained(path)  # type: ignore[operator]
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, "README.md"))  # peft's model-card template: nothing of the run's
+        torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+    def _base_digest(self, dtype: str | None) -> str:
+        """LoRA: :func:`~asyncrl.roles.lora.base_digest` of the frozen base (in `dtype`), computed once per dtype."""
+        if self._base_digests is None:
+            self._base_digests = {}
+        if dtype not in self._base_digests:
+            self._base_digests[dtype] = base_digest(self.model, getattr(torch, dtype) if dtype is not None else None)
+        return self._base_digests[dtype]
+
+    def _load_lora(self, path: str, meta: dict[str, Any]) -> None:
+        """Load the adapter :meth:`_save_lora` wrote into this model, whose base was rebuilt from the model config
+        and must be the one the adapter trained on."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        adapter = os.path.join(path, "adapter_model.safetensors")
+        if not os.path.exists(adapter):
+            raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {adapter}; save one with save(path)")
+        want, have = meta.get("lora_base_digest"), self._base_digest(None)
+        if want != have:
+            raise CheckpointFormatError(
+                f"checkpoint {path!r} holds a LoRA adapter trained on other base weights than this model's (base "
+                f"digest {str(want)[:12]} != {have[:12]}): resume with the model config the run started with")
+        result = set_peft_model_state_dict(self.model, load_file(adapter))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise CheckpointFormatError(f"the adapter in {adapter!r} does not fit this model's LoRA layers: missing "
+                                        f"{missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}")
 
     @property
     def _format(self) -> str:
@@ -293,6 +354,12 @@ class _Trainable(Worker):
         with open(meta_file) as f:
             meta = json.load(f)
         fmt = meta.get("format", "full")
+        saved_lora = int(meta.get("optim", {}).get("lora", {}).get("rank", 0))
+        if saved_lora != self.optim_config.lora.rank:
+            raise CheckpointFormatError(
+                f"checkpoint {path!r} was written with lora.rank={saved_lora} but this {type(self).__name__} runs "
+                f"lora.rank={self.optim_config.lora.rank}; resume with lora.rank={saved_lora}, or export the weights "
+                "(asyncrl export) and start a new run from them")
         if fmt != self._format:
             saved = meta.get("optim", {}).get("strategy", "ddp")
             raise CheckpointFormatError(
@@ -317,7 +384,10 @@ class _Trainable(Worker):
             missing = [f for f in files if not os.path.exists(f)]
             if missing:
                 raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {missing}; save one with save(path)")
-            load_model(self.model, files[0], strict=True)
+            if self._lora:
+                self._load_lora(path, meta)
+            else:
+                load_model(self.model, files[0], strict=True)
             self.optimizer.load_state_dict(torch.load(files[1], weights_only=True, map_location=self.placement.device))
         self._version = int(meta["version"])
         return self._version
@@ -367,6 +437,9 @@ class PolicyWorker(_Trainable, WeightSource):
         placed = set_gradient_checkpointing(place_model(built, self.placement, trained=True, who="PolicyWorker"),
                                             model.gradient_checkpointing)
         self.core_share = core_share_for(model.num_threads, self.placement.device, placed)
+        if self.optim_config.lora.enabled:  # the adapters' A from the RNG seeded above: alike on every rank
+            placed = apply_lora(placed, self.optim_config.lora)
+            self._lora = True
         self._distribute(placed, "PolicyWorker")
         self._version = 0
 
@@ -385,6 +458,28 @@ class PolicyWorker(_Trainable, WeightSource):
         return _log_probs(self.model, batch, cfg.micro_batch_size, self.temperature, "old_log_probs",
                           with_entropy=True, who="PolicyWorker.compute_log_prob", placement=self.placement,
                           max_tokens=(cfg.max_tokens_per_micro_batch, "actor.max_tokens_per_micro_batch"), dp=self.dp)
+
+    @register(Dispatch.DP_COMPUTE)
+    @computing
+    def compute_ref_log_prob(self, batch: TensorDictBase) -> TensorDict:
+        """``TD{ref_log_probs [B, R]}`` (0 where masked) of the base model: this model with its LoRA adapters
+        disabled, so a LoRA run needs no ReferenceWorker (the same contract as ReferenceWorker's).
+
+        Needs ``input_ids``, ``attention_mask``, ``response_ids``, ``response_mask``; LoRA (``lora.rank > 0``)."""
+        if not self._lora:
+            raise RuntimeError("PolicyWorker.compute_ref_log_prob gives the base model's log-probs by disabling the "
+                               "LoRA adapters, but this policy trains without LoRA (actor.lora.rank=0): use a "
+                               "ReferenceWorker for the reference log-probs")
+        cfg = self.optim_config
+        with self.model.disable_adapter():  # type: ignore[operator]
+            return _log_probs(self.model, batch, cfg.micro_batch_size, self.temperature, "ref_log_probs",
+                              with_entropy=False, who="PolicyWorker.compute_ref_log_prob", placement=self.placement,
+                              max_tokens=(cfg.max_tokens_per_micro_batch, "actor.max_tokens_per_micro_batch"),
+                              dp=self.dp)
+
+    def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` of the weights as exported (:meth:`_export_state`: LoRA merged)."""
+        return self.engine.full_tensors(self._export_state())
 
     def _check_batch(self, batch: TensorDictBase) -> tuple[int, str | None]:
         """What is wrong with this rank's shard: ``(0, None)``, ``(_MISSING, message)`` or ``(_STALE, message)``."""
@@ -571,6 +666,16 @@ class PolicyWorker(_Trainable, WeightSource):
         with torch.no_grad():
             out = {k: _cast(v, dt, "cpu") for k, v in self._full_state() if self.rank == 0}
         return self._version, out
+
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
+    def export_adapter(self, dtype: str | None = None) -> LoraDelta:
+        """The current version as its LoRA factors only (:class:`~asyncrl.roles.lora.LoraDelta`), for
+        ``RolloutWorker.update_weights`` of an HF rollout that merges them into its copy of the base
+        (``trainer.weight_sync=adapter``); `dtype`: the rollout's weight dtype (its base is checked in it)."""
+        if not self._lora:
+            raise RuntimeError("PolicyWorker.export_adapter needs LoRA (actor.lora.rank > 0); sync the whole "
+                               "weights with stage_weights/export_weights")
+        return adapter_delta(self.model, self._version, self._base_digest(dtype))
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:

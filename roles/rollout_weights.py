@@ -14,8 +14,10 @@ update pauses request-level generations in flight instead of waiting for them.
 :class:`~asyncrl.roles.transfer.WeightHandle` from ``stage_weights`` -- ``object_store`` (read
 from the store as zero-copy views), ``local`` (the colocated policy's snapshot in this process)
 or ``collective`` (received over the weight channel first, then loaded in the same
-transaction). Floating tensors are cast to the rollout's dtype (e.g. the policy's float32
-master weights into a bf16 rollout). What a handle brought, the HF engine adopts as its
+transaction) -- or, from a LoRA policy, a :class:`~asyncrl.roles.lora.LoraDelta` (``export_adapter``:
+the factors alone), which the HF engine merges into its copy of the base weights (:meth:`_merge_adapter`).
+Floating tensors are cast to the rollout's dtype (e.g. the policy's float32 master weights into a bf16
+rollout). What a handle brought, the HF engine adopts as its
 parameters instead of copying it (``HFEngine.adopt_weights``; a plain state dict is copied).
 
 Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to the CPU;
@@ -37,6 +39,7 @@ import torch
 from asyncrl import Dispatch, Execute, register
 
 from .errors import StaleWeightsError, WeightSyncError
+from .lora import LoraDelta, digest, merge_delta
 from .models import state_dict_checksums
 from .transfer import SNAPSHOTS, WeightHandle, fetch_stored
 from .weight_channel import OK, STALE, WeightChannel, layout_of, member_info
@@ -116,6 +119,11 @@ class WeightSyncMixin:
         def rank(self) -> int: ...
         def _gate_event(self) -> asyncio.Event: ...
         def _request_engine(self) -> Any: ...
+
+    _lora_base: dict[str, torch.Tensor] | None = None
+    """Adapter sync: a copy of the base weights of the adapted layers, taken at the first :class:`LoraDelta`."""
+    _lora_base_digest: str | None = None
+    """Its digest (checked against the policy's once, when it was taken)."""
 
     # ---- weight sync ----------------------------------------------------------------------
 
@@ -209,9 +217,39 @@ class WeightSyncMixin:
     def _on_bucket_received(self, what: str) -> None:
         """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
 
+    def _merge_adapter(self, delta: LoraDelta) -> dict[str, torch.Tensor]:
+        """The whole weights of `delta`'s version: the adapted ones merged into this rollout's copy of the base
+        (taken at the first delta, while the engine holds the base, and checked against the policy's), the
+        others the engine's own tensors (they never change under adapter sync)."""
+        if self.config.engine != "hf":
+            raise WeightSyncError(f"an adapter sync merges LoRA factors into the HF engine's weights; the "
+                                  f"{self.config.engine!r} engine takes whole weights (trainer.weight_sync=auto)")
+        self._check_version(delta.version)
+        own = self.model.state_dict()
+        unknown = sorted(set(delta.factors) - set(own))
+        if unknown:
+            raise WeightSyncError(f"the adapter of version {delta.version} adapts weights this rollout's model does "
+                                  f"not have: {unknown[:5]}; policy and rollout must be the same architecture")
+        if self._lora_base is None:  # the first delta: the engine must hold the base now
+            base = {k: own[k].detach().clone() for k in delta.factors}
+            if digest(base) != delta.base_digest:
+                raise WeightSyncError(
+                    f"rollout rank {self.rank} (version {self._version}) does not hold the base weights the policy's "
+                    "adapters were trained on: an adapter sync merges into the base, so the rollout must start from "
+                    "the policy's model config and receive only adapter syncs (or sync whole weights)")
+            self._lora_base, self._lora_base_digest = base, delta.base_digest
+        elif delta.base_digest != self._lora_base_digest or set(delta.factors) != set(self._lora_base):
+            raise WeightSyncError(f"the adapter of version {delta.version} was trained on other base weights (or "
+                                  f"layers) than the ones rollout rank {self.rank} merges into")
+        return {**own, **merge_delta(self._lora_base, delta)}
+
     async def _resolve_weights(self, weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
-        if isinstance(weights, list) and len(weights) == 1 and isinstance(weights[0], WeightHandle):
-            weights = weights[0]
+        if isinstance(weights, list) and weights and isinstance(weights[0], (WeightHandle, LoraDelta)):
+            weights = weights[0]  # (every policy rank gives the same delta)
+        if isinstance(weights, LoraDelta):
+            if version is not None and version != weights.version:
+                raise WeightSyncError(f"update_weights(version={version}) but the adapter is version {weights.version}")
+            return weights.version, self._merge_adapter(weights)
         if not isinstance(weights, WeightHandle):
             return unpack_weights(weights, version)
         if version is not None and version != weights.version:
@@ -291,7 +329,7 @@ class WeightSyncMixin:
         # begin: every check before anything changes
         self._validate(version, state)
         state = self._cast(state)
-        if isinstance(handle, WeightHandle):
+        if isinstance(handle, (WeightHandle, LoraDelta)):  # a delta: fresh merged tensors and the engine's own
             state = Adoptable(state)
         if self.config.partial_rollout != "off":
             return await self._update_in_flight(version, state, handle, expected_checksums)

@@ -46,6 +46,7 @@ from asyncrl import Dispatch, Execute, register
 from asyncrl.dispatch import dispatch_one_to_all
 
 from .errors import WeightSyncError
+from .lora import merged_state
 from .models import StateSlots
 from .strategy import TrainStrategy, is_sharded
 from .threads import computing
@@ -372,7 +373,8 @@ class WeightSource:
     """The sending side of the weight transports, mixed into :class:`~asyncrl.roles.PolicyWorker`.
 
     Expects ``self.model`` (the trained module), ``self._version``, ``self.placement``, ``self.rank`` and
-    ``self.engine`` (its :class:`~asyncrl.roles.strategy.TrainStrategy`). Rank 0 stages and sends; under
+    ``self.engine`` (its :class:`~asyncrl.roles.strategy.TrainStrategy`). Every transport reads the weights
+    through :meth:`_export_state` (the base model's names; LoRA merged there). Rank 0 stages and sends; under
     ``fsdp2`` every rank takes part in staging (each weight is gathered from its shards, one at a time, into
     rank 0's host buffer), and the staged copy lives in host memory except for ``local``.
     """
@@ -382,6 +384,8 @@ class WeightSource:
     placement: Any
     rank: int
     engine: TrainStrategy
+    _lora: bool = False
+    """``self.model`` is a peft model with LoRA adapters: the weights leave merged (:meth:`_export_state`)."""
     _channel: "WeightChannel | None" = None
     _channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
     _owner: str | None = None
@@ -400,6 +404,12 @@ class WeightSource:
             self._state_slots = StateSlots(self.model)
         return self._state_slots.state()
 
+    def _export_state(self) -> dict[str, torch.Tensor]:
+        """The weights as they leave the policy, under the base model's ``state_dict`` names: the one seam every
+        transport, checksum and export reads. With LoRA, the merged weights (``W + scaling * B @ A``, new
+        tensors computed beside the live model, which is not changed); else the model's own tensors."""
+        return merged_state(self.model) if self._lora else self._own_state()
+
     def _owner_id(self) -> str:
         if self._owner is None:
             self._owner = new_owner_id()
@@ -415,7 +425,7 @@ class WeightSource:
         """The whole weights (floating ones in `dtype`) in rank 0's host buffer, gathered from the FSDP2 shards
         one unit (decoder layer) at a time (every rank runs this; the others return None unless `every_rank`). The buffer is kept across versions:
         what reads it (``ray.put``, a snapshot copy) has copied it before the next gather."""
-        state = self.model.state_dict()
+        state = self._export_state()
         plan = PackedState.plan(state, dtype)
         if plan is None:
             raise WeightSyncError(f"a weight's dtype cannot be staged from shards (dtypes {sorted({str(t.dtype) for t in state.values()})})")
@@ -451,7 +461,7 @@ class WeightSource:
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype)}`` of the weights as they would be exported."""
-        return {n: (s, d) for n, s, d in layout_of(self.model.state_dict())}
+        return {n: (s, d) for n, s, d in layout_of(self._export_state())}
 
     @register(STAGE)
     @computing  # the copy (cast) is compute: with num_threads="follow" it takes the cores left idle
@@ -478,7 +488,7 @@ class WeightSource:
         elif self.rank != 0 and not every_rank:
             return None  # every rank holds the weights: rank 0 alone stages them
         else:
-            own = self._own_state()
+            own = self._export_state()
         if transport == "object_store":
             dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
             if sharded and _in_ray_worker():
@@ -538,7 +548,7 @@ class WeightSource:
         the names in `tied` (the rollout's tied weights: sent once, under the name they are tied to)."""
         import asyncio
 
-        own = {n: s for n, s, _ in layout_of(self.model.state_dict()) if n not in (tied or {})}
+        own = {n: s for n, s, _ in layout_of(self._export_state()) if n not in (tied or {})}
         theirs = {n: tuple(s) for n, s, _ in layout}
         if own != theirs:
             diff = sorted(set(own) ^ set(theirs)) or sorted(n for n in own if own[n] != theirs.get(n))

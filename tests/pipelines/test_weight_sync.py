@@ -59,7 +59,7 @@ def test_auto_weight_sync_fits_the_placement():
     (["trainer.weight_sync=local"], "weight_sync=local hands weights over inside one process: it needs "
                                     "trainer.colocated=true"),
     (["trainer.weight_sync=collective", "trainer.colocated=true"], "weight_sync=collective needs two pools"),
-    (["trainer.weight_sync=nccl"], r"must be one of \['auto', 'object_store', 'local', 'collective'\]"),
+    (["trainer.weight_sync=nccl"], r"must be one of \['auto', 'object_store', 'local', 'collective', 'adapter'\]"),
     (["rollout.sleep_level=1"], "rollout.sleep_level=1 .* needs trainer.colocated=true"),
     (["trainer.gpus_per_worker=-1"], "gpus_per_worker must be >= 0"),
     (["trainer.weight_sync_timeout_s=0"], "weight_sync_timeout_s must be > 0"),

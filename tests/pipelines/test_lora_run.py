@@ -1,0 +1,103 @@
+"""A GRPO run with ``actor.lora.rank > 0`` and a KL loss (real Ray, colocated): no ReferenceWorker (the policy gives
+the reference log-probs with its adapters disabled), the rollout holds the merged policy weights, a resume from its
+checkpoint continues exactly (syncing only the adapter), and ``asyncrl export`` writes the merged model or
+(``--adapter``) the peft adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from asyncrl.pipelines.checkpoint import checkpoint_dir
+from asyncrl.pipelines.cli import main
+from asyncrl.pipelines.export import read_policy_state
+from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.roles.models import state_dict_checksums
+
+
+def _config(out, steps: int = 3):
+    cfg = tiny_test()
+    cfg.actor.lora.rank = 4
+    cfg.actor.lr = 3e-2
+    cfg.actor.kl_coef = 0.05  # a KL loss: the run needs reference log-probs
+    cfg.trainer.steps = steps
+    cfg.trainer.checkpoint_every = 2
+    cfg.trainer.colocated = True  # one process: the merged weights reach the rollout as a local snapshot
+    cfg.trainer.output_dir = str(out)
+    return cfg.validate()
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+async def run(ray_cluster, tmp_path_factory):
+    """3 steps, checkpointed after steps 2 and 3; what the trainer's groups held at the end."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    async with GRPOTrainer(_config(out)) as t:
+        await t.fit()
+        roles = sorted(t.workers.parts[-1].groups)
+        reference_is_policy = t.groups.reference is t.groups.policy
+        policy_sum = await t.groups.policy.weights_checksum()
+        rollout_sum = (await t.groups.rollout.weights_checksum())[0]
+    return out, {"roles": roles, "reference_is_policy": reference_is_policy, "policy": policy_sum,
+                 "rollout": rollout_sum}
+
+
+def test_a_lora_run_has_no_reference_worker_and_its_rollout_holds_the_merged_policy(run):
+    out, seen = run
+    assert seen["reference_is_policy"] and seen["roles"] == ["advantage", "policy", "reward", "rollout"]
+    rows = _metrics(out)
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert rows[0]["actor/kl"] == 0.0  # version 0: the adapters' B is zero, the policy is the base exactly
+    assert all(r["actor/kl"] > 0 for r in rows[1:])
+    # the rollout sampled the last batch with version 2: the merged weights the step-2 checkpoint holds
+    assert seen["rollout"] == state_dict_checksums(read_policy_state(checkpoint_dir(out, 2)).items())
+    assert seen["policy"] == state_dict_checksums(read_policy_state(checkpoint_dir(out, 3)).items())
+    assert seen["rollout"] != seen["policy"]
+
+
+def test_a_lora_run_resumed_from_its_checkpoint_continues_exactly_with_adapter_sync(run, tmp_path):
+    """Resumed from the step-2 checkpoint with ``trainer.weight_sync=adapter`` (a fresh rollout holding the base
+    merges the factors itself): step 3 samples the same batch (its rollout weights equal the merged ones the
+    uninterrupted run synced) and ends with the same weights, bit for bit."""
+    out, seen = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    shutil.rmtree(checkpoint_dir(copy, 3))
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (copy / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    cfg = _config(copy)
+    cfg.trainer.weight_sync = "adapter"
+    GRPOTrainer(cfg.validate(), resume=str(checkpoint_dir(copy, 2))).fit_sync()
+    whole, resumed = read_policy_state(checkpoint_dir(out, 3)), read_policy_state(checkpoint_dir(copy, 3))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    a, b = _metrics(out)[2], _metrics(copy)[2]
+    for k in ("reward/mean", "actor/pg_loss", "actor/kl", "actor/grad_norm", "version"):
+        assert b[k] == a[k], k
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft asks transformers
+def test_the_export_of_a_lora_run_is_the_merged_model_or_with_adapter_the_peft_adapter(run, tmp_path, monkeypatch):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.roles.models import load_model
+
+    out, seen = run
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["export", str(out), "--out", str(tmp_path / "hf")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).state_dict()
+    assert state_dict_checksums(merged.items()) == seen["policy"]
+
+    assert main(["export", str(out), "--out", str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    base, _ = load_model(_config(out).model)  # the base the run started from (built from the config)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    assert state_dict_checksums(adapted.items()) == seen["policy"]

@@ -1,0 +1,179 @@
+"""LoRA on the policy (``actor.lora``, through peft): only the adapters train, the reference is the base model with
+the adapters disabled, the weights leave merged under the base names, checkpoints resume, and 2 ddp ranks train
+like one."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+import asyncrl
+from asyncrl.pipelines.config import ConfigError
+from asyncrl.pipelines.presets import load_config
+from asyncrl.roles import CheckpointFormatError, ModelConfig, OptimConfig, PolicyWorker
+from asyncrl.roles.lora import LoraConfig
+from asyncrl.roles.models import load_model, state_dict_checksums
+from asyncrl.roles.policy import _log_probs
+
+LORA = OptimConfig(lr=1e-2, micro_batch_size=3, max_grad_norm=1.0, kl_coef=0.1, lora=LoraConfig(rank=4, alpha=8))
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _base_log_probs(model_config, batch):
+    base, _ = load_model(model_config)
+    return _log_probs(base, batch, 8, 1.0, "lp", False, "base")["lp"]
+
+
+@pytest.fixture(scope="module")
+def trained(model_config, uneven_batch):
+    """A LoRA policy after two updates, with its state before them."""
+    w = PolicyWorker(model_config, LORA)
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
+    for _ in range(2):
+        w.update(uneven_batch)
+    return w, before
+
+
+def test_only_the_adapters_train_and_the_base_stays_bit_identical(trained):
+    w, before = trained
+    trainable = [n for n, p in w.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == set(TARGETS)  # every linear layer of the decoder, no LM head
+    assert sum(len(s) for s in w.optimizer.state.values()) == 3 * len(trainable)  # step, exp_avg, exp_avg_sq each
+    after = w.model.state_dict()
+    assert after.keys() == before.keys()
+    for k in after:
+        assert torch.equal(after[k], before[k]) != ("lora_" in k), k  # every adapter moved, every base weight did not
+
+
+def test_reference_log_probs_with_the_adapter_disabled_are_the_base_models_exactly(trained, model_config, uneven_batch):
+    w, _ = trained
+    base = _base_log_probs(model_config, uneven_batch)
+    assert torch.equal(w.compute_ref_log_prob(uneven_batch)["ref_log_probs"], base)
+    assert not torch.equal(w.compute_log_prob(uneven_batch)["old_log_probs"], base)  # the adapters are back on
+
+
+def test_a_policy_without_lora_has_no_reference_to_give(model_config, uneven_batch):
+    with pytest.raises(RuntimeError, match="without LoRA .* use a ReferenceWorker"):
+        PolicyWorker(model_config).compute_ref_log_prob(uneven_batch)
+
+
+def test_the_exported_weights_are_merged_under_the_base_names_without_touching_the_model(trained, model_config):
+    """W + scale * B @ A by hand, and peft's merge_and_unload on a copy: both bit for bit; the live model keeps its
+    unmerged base (peft's ``merged`` flag stays off) and the checksums are the exported tensors'."""
+    w, before = trained
+    version, exported = w.export_weights()
+    assert version == 2
+    base_names = set(load_model(model_config)[0].state_dict())
+    assert set(exported) == base_names
+    peft_base = w.model.get_base_model()
+    for name in TARGETS:
+        layer = getattr(peft_base.model.layers[0].self_attn if name[0] in "qkvo" else peft_base.model.layers[0].mlp,
+                        name)
+        W, A, B = layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert layer.scaling["default"] == 8 / 4 and not layer.merged
+        assert torch.equal(exported[f"model.layers.0.{'self_attn' if name[0] in 'qkvo' else 'mlp'}.{name}.weight"],
+                           W + 2.0 * (B @ A))
+    merged = copy.deepcopy(w.model).merge_and_unload().state_dict()
+    assert merged.keys() == exported.keys()
+    for k in merged:
+        assert torch.equal(exported[k], merged[k]), k
+    assert w.weights_checksum() == state_dict_checksums(exported.items())
+    for k, v in w.model.state_dict().items():  # nothing was merged into the trained model
+        assert torch.equal(v, before[k]) or "lora_" in k
+
+
+def test_a_saved_adapter_and_optimizer_resume_bit_for_bit(model_config, uneven_batch, tmp_path):
+    """Saved after one update, resumed into a fresh worker (a base rebuilt from the config), one more update: the
+    same weights as the worker that went on (so the optimizer's moments came back too)."""
+    w = PolicyWorker(model_config, LORA)
+    w.update(uneven_batch)
+    w.save(str(tmp_path))
+    assert {p.name for p in tmp_path.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "meta.json",
+                                                   "model.safetensors", "optimizer.pt"}
+    resumed = PolicyWorker(model_config, LORA)
+    assert resumed.load(str(tmp_path)) == 1
+    assert resumed.weights_checksum() == w.weights_checksum()
+    w.update(uneven_batch)
+    resumed.update(uneven_batch)
+    a, b = resumed.model.state_dict(), w.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    with pytest.raises(CheckpointFormatError, match="lora.rank=4 but this PolicyWorker runs lora.rank=0"):
+        PolicyWorker(model_config).load(str(tmp_path))
+    other = replace(model_config, seed=model_config.seed + 1)
+    with pytest.raises(CheckpointFormatError, match="adapter trained on other base weights"):
+        PolicyWorker(other, LORA).load(str(tmp_path))
+
+
+def test_target_modules_that_match_nothing_are_refused_listing_the_linear_layers(model_config):
+    with pytest.raises(ValueError, match=r"\['qkv'\] match no linear layer of Qwen2ForCausalLM; its linear layers are "
+                                         r"\['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', "
+                                         r"'v_proj'\]"):
+        PolicyWorker(model_config, replace(LORA, lora=LoraConfig(rank=2, target_modules=["q_proj", "qkv"])))
+    with pytest.raises(ConfigError, match=r"actor.lora.target_modules: \['lm_head'\] match no linear layer"):
+        load_config(None, ["actor.lora.rank=2", "actor.lora.target_modules=[lm_head]"])
+    with pytest.raises(ConfigError, match="lora.rank=2 trains adapters with strategy=ddp for now"):
+        load_config(None, ["actor.lora.rank=2", "actor.strategy=fsdp2"])
+    with pytest.raises(ConfigError, match="lora.alpha must be a finite number > 0"):
+        load_config(None, ["actor.lora.rank=2", "actor.lora.alpha=0"])
+    with pytest.raises(ConfigError, match=r"weight_sync=adapter sends only the LoRA factors, which needs "
+                                          r"actor.lora.rank > 0 \(a LoRA policy\)"):
+        load_config(None, ["trainer.weight_sync=adapter"])
+    with pytest.raises(ConfigError, match="which needs rollout.sleep_level=0"):
+        load_config(None, ["trainer.weight_sync=adapter", "actor.lora.rank=2", "trainer.colocated=true",
+                           "rollout.sleep_level=1"])
+    with pytest.raises(ConfigError, match="critic.lora.rank=2: LoRA adapts the policy only"):
+        load_config(None, ["algorithm.name=ppo", "algorithm.group_size=1", "critic.lora.rank=2"])
+    cfg = load_config(None, ["actor.lora.rank=2", "actor.lora.target_modules=[q_proj,v_proj]", "actor.kl_coef=0.1"])
+    from asyncrl.pipelines.build import role_specs
+
+    assert sorted(role_specs(cfg, None)[1]) == ["advantage", "policy"]  # no ReferenceWorker
+
+
+async def test_two_ddp_ranks_train_lora_like_one_rank(ray_cluster, model_config, uneven_batch):
+    """Shards of very unequal token counts, two clipped steps: the adapters (and so the merged weights) of 2 ranks
+    equal one rank's within 1e-6, and the reference log-probs are the base model's on every rank."""
+    one = PolicyWorker(model_config, LORA)
+    for _ in range(2):
+        one.update(uneven_batch)
+    async with asyncrl.RayWorkerGroup(PolicyWorker, world_size=2, args=(model_config, LORA), name="lora2") as two:
+        for _ in range(2):
+            await two.update(uneven_batch)
+        version, weights = await two.export_weights()
+        ref = await two.compute_ref_log_prob(uneven_batch)
+    assert version == 2
+    mine = one.export_weights()[1]
+    assert weights.keys() == mine.keys()
+    for k in mine:
+        torch.testing.assert_close(weights[k], mine[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert torch.equal(ref["ref_log_probs"], _base_log_probs(model_config, uneven_batch))
+
+
+async def test_an_adapter_sync_moves_only_the_factors_and_the_rollout_merges_them_like_a_full_sync(model_config,
+                                                                                                    uneven_batch):
+    """Two versions through ``export_adapter`` into one HF rollout and through ``export_weights`` into another: the
+    same weights bit for bit, the policy's merged ones; the delta is the factors' bytes alone."""
+    from asyncrl.roles import RolloutConfig, RolloutWorker, WeightSyncError
+
+    policy = PolicyWorker(model_config, LORA)
+    by_adapter, by_weights = (RolloutWorker(model_config, RolloutConfig(max_new_tokens=4)) for _ in range(2))
+    for _ in range(2):
+        policy.update(uneven_batch)
+        delta = policy.export_adapter()
+        receipt = await by_adapter.update_weights(delta)
+        await by_weights.update_weights(policy.export_weights())
+        assert receipt["version"] == delta.version == policy.version
+        assert by_adapter.weights_checksum() == by_weights.weights_checksum() == policy.weights_checksum()
+    adapters = sum(p.numel() * 4 for n, p in policy.model.named_parameters() if p.requires_grad)
+    assert delta.nbytes == adapters < sum(t.numel() * 4 for t in policy.export_weights()[1].values()) / 4
+
+    policy.update(uneven_batch)
+    with pytest.raises(WeightSyncError, match="does not hold the base weights the policy's adapters were trained on"):
+        await by_weights.update_weights(policy.export_adapter())  # it holds merged weights, not the base
+    with pytest.raises(RuntimeError, match="export_adapter needs LoRA"):
+        PolicyWorker(model_config).export_adapter()
+

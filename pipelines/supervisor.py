@@ -8,7 +8,8 @@ The loops run inside :meth:`Supervisor.run`. Two recoveries (which faults qualif
   pool's processes are killed and new ones start in the same bundles; the loop then loads the
   version the batch needs and generates it again. Training goes on from the buffer.
 * **Restart** -- any other worker fault ends the loops. The supervisor closes every group,
-  replaces the loop state whole, starts new actors in the same placement groups, restores the
+  replaces the loop state whole, starts new actors in the same placement groups (pools of their
+  own are placed again, waiting for capacity: a lost node took its bundles), restores the
   newest checkpoint this run saved (or the run's start) and runs the loops again; the journal
   is rewound so the steps after the checkpoint recompute exactly what was lost.
 
@@ -98,7 +99,7 @@ class Supervisor:
         record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
         self.restarts.append(record)
         self._pending.append({"kind": "restart", "at": tr.state.policy_version, "t": t0, "record": record})
-        await tr.workers.release(keep_pools=True)
+        await tr.workers.recycle()
         tr.state = tr.new_state()  # the old one's calls died with the groups
         await tr.start_groups()
         if point is not None:
@@ -128,8 +129,9 @@ class Supervisor:
         return origin is None or origin in (tr.groups.rollout.name, tr.groups.reward.name)
 
     async def replace_rollout(self, error: Exception, batch: int) -> None:
-        """Kill the rollout pool's processes and start new ones in the same bundles; the caller
-        then loads the weight version it needs and issues its batch again."""
+        """Kill the rollout pool's processes and start new ones in the same bundles (or, for a pool with
+        placement groups of its own, wherever the cluster holds it now); the caller then loads the
+        weight version it needs and issues its batch again."""
         tr = self._trainer
         g, s = tr.groups, tr.state
         assert g is not None

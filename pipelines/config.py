@@ -584,14 +584,19 @@ size too, and the resume check refuses a change there. Where the workers sit (``
 def config_fingerprint(cfg: JobConfig) -> str:
     """A hash of every setting that changes what a step computes (a resume must match it)."""
     flat = _resolved(_flatten(configlib.to_dict(cfg)))
-    kept = {k: v for k, v in flat.items() if k not in _RESUME_FREE}
+    kept = {k: v for k, v in flat.items() if not _resume_free(k)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def fingerprint_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Dotted keys whose values differ between two config dicts (ignoring resume-free keys)."""
     fa, fb = _resolved(_flatten(a)), _resolved(_flatten(b))
-    return sorted(k for k in set(fa) | set(fb) if k not in _RESUME_FREE and fa.get(k) != fb.get(k))
+    return sorted(k for k in set(fa) | set(fb) if not _resume_free(k) and fa.get(k) != fb.get(k))
+
+
+def _resume_free(key: str) -> bool:
+    """`key` (dotted) is in :data:`_RESUME_FREE`, or inside a mapping there (``trainer.rollout_resources.x``)."""
+    return key in _RESUME_FREE or key.rpartition(".")[0] in _RESUME_FREE
 
 
 def _resolved(flat: dict[str, Any]) -> dict[str, Any]:

@@ -1,15 +1,14 @@
 """Runs across nodes on real raylets (:mod:`tests.cluster.harness`): pools land where their bundles say,
-in rank order; a job trains with its rollout on one node and its fsdp2 ranks across two others (over
-gloo), and replays from its journal there; a lost rollout node is survived (the pool is placed again
-when capacity is back), and a pool that cannot be placed again fails with the resources it misses.
+in rank order; a pool the cluster cannot hold fails with the resources it misses (at once, or at the
+deadline when it waits for capacity); a job trains with its rollout on one node and its fsdp2 ranks
+across two others (over gloo), and replays from its journal there. Lost nodes:
+``tests/reliability/test_lost_node.py``.
 
 The cluster's start costs about 10-17 s on the 2-core machine: the default suite runs the placement
-test only; the training runs are ``slow``. The tests share one cluster and run in file order (the
-lost-node test last: it replaces the ``roll`` node)."""
+tests only; the training run is ``slow``."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -96,31 +95,3 @@ async def test_rollout_on_one_node_fsdp2_ranks_across_two_and_the_journal_replay
     assert [m["step"] for m in history] == [0, 1, 2, 3]
     result = await replay(tr.output_dir, reporting={"plot": False, "tensorboard": False, "progress": False})
     assert result.identical, result
-
-
-@pytest.mark.slow  # a run that loses its rollout node, waits for it and goes on: about 30 s here
-async def test_a_lost_rollout_node_is_survived_and_the_node_that_comes_back_is_used(nodes, tmp_path):
-    steps = 20
-    cfg = _job(tmp_path, steps=steps, max_staleness=1)
-    async with GRPOTrainer(cfg) as tr:
-        lost = nodes.node_id("roll")
-
-        async def lose_the_rollout_node() -> None:
-            while len(tr.history) < 4:
-                await asyncio.sleep(0.02)
-            nodes.remove("roll")
-            await asyncio.sleep(2.0)  # training goes on from the buffer meanwhile; the pool waits for capacity
-            nodes.add("roll", 1)  # on this thread: Ray's node start installs signal handlers
-
-        chaos = asyncio.create_task(lose_the_rollout_node())
-        history = await tr.fit()
-        await chaos
-        where = {nodes.names().get(ray.util.placement_group_table(s.placement_group)["bundles_to_node_id"][b])
-                 for s, b in ((s, s.bundle_index) for s in tr.workers.pools[0].slots)}
-        restarts = tr.restarts
-    assert [m["step"] for m in history] == list(range(steps))  # every step, each once
-    assert max(m["staleness/max"] for m in history) <= 1  # the staleness bound kept
-    assert [r["kind"] for r in restarts] == ["replace"] and restarts[0]["origin"] == "rollout.rollout"
-    assert where == {"roll"} and nodes.node_id("roll") != lost  # the node that came back
-    print(f"lost rollout node: replaced in {restarts[0]['time_s']:.1f} s, training interrupted "
-          f"{restarts[0]['interrupted_s']:.1f} s")

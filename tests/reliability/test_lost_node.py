@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
 import asyncrl
+from asyncrl.pipelines.journal import read_journal
+from asyncrl.pipelines.metrics import read_jsonl
 from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.replay import compare_metrics
 from asyncrl.pipelines.trainer import GRPOTrainer
 from tests.cluster.harness import OneHostCluster
 from tests.reliability.conftest import live_actors, settled
@@ -89,17 +93,24 @@ async def _run_losing_the_rollout_node(nodes, cfg, *, comes_back_after: float | 
     return tr, out, lost[0], where, t_end - t_lost[0]
 
 
-def _completed(history) -> None:
+def _completed(history, run: Path | None = None) -> None:
     assert [m["step"] for m in history] == list(range(STEPS))  # every step, each once
     assert max(m["staleness/max"] for m in history) <= 1  # the staleness bound kept
+    if run is not None:  # each step trained once on its own batch, one metrics row each
+        journal = read_journal(run)
+        assert [journal.steps[t]["batch"] for t in range(STEPS)] == list(range(STEPS))
+        assert [row["step"] for row in read_jsonl(run / "metrics.jsonl")] == list(range(STEPS))
 
 
 async def test_a_lost_rollout_node_is_replaced_on_the_capacity_left(nodes, tmp_path, fault_row):
     before = await asyncio.to_thread(live_actors)
+    async with GRPOTrainer(_job(tmp_path, "fault_free")) as clean:
+        baseline = await clean.fit()
     tr, history, lost, where, _ = await _run_losing_the_rollout_node(nodes, _job(tmp_path, "left"),
                                                                    comes_back_after=None)
     assert not isinstance(history, Exception), history
-    _completed(history)
+    _completed(history, tr.output_dir)
+    assert compare_metrics(baseline, history) == []  # the same seeds, versions and so the same steps
     [r] = tr.restarts
     assert r["kind"] == "replace" and r["origin"] == "rollout.rollout" and r["from_checkpoint"] is None
     assert {lost, where} == {"roll_a", "roll_b"}  # placed again on the other rollout node
@@ -111,7 +122,7 @@ async def test_a_lost_rollout_node_is_replaced_on_the_capacity_left(nodes, tmp_p
               outcome="rollout pool placed again on the other rollout node, batch re-issued, run completed",
               seconds=r["time_s"], bound="node death detection + recovery", interrupted=r["interrupted_s"],
               leaks="none" if after == before else f"LEAK {after} vs {before}",
-              state="every step once, staleness <= 1")
+              state="every step once, staleness <= 1; per-step metrics == fault-free run")
 
 
 async def test_a_rollout_pool_with_no_capacity_left_waits_and_uses_the_node_that_comes_back(nodes, tmp_path,

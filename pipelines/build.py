@@ -72,24 +72,28 @@ def main_pool(cfg: JobConfig) -> ResourcePool:
                         gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
 
 
-def own_pool(cfg: JobConfig, kind: str, *, wait_for_capacity: bool = False) -> ResourcePool:
-    """The ``rollout`` or ``train`` pool's own placement groups (``trainer.<kind>_placement``);
-    `wait_for_capacity`: a placement again after a lost node waits up to
-    ``trainer.restart.placement_wait_s`` for the cluster to hold it."""
+def own_pool(cfg: JobConfig, kind: str, *, placement: list[int] | None = None,
+             wait_for_capacity: bool = False) -> ResourcePool:
+    """The ``rollout`` or ``train`` pool's own placement groups (``trainer.<kind>_placement``, or
+    `placement`: a rollout pool scaled by ``scale_rollout``); `wait_for_capacity`: a placement again
+    after a lost node waits up to ``trainer.restart.placement_wait_s`` for the cluster to hold it."""
     t = cfg.trainer
     kw: dict[str, Any] = {"placement_timeout": t.restart.placement_wait_s} if wait_for_capacity else {}
-    return ResourcePool(t.placements()[kind == "train"], cpus_per_bundle=t.cpus_per_worker,
+    return ResourcePool(placement or t.placements()[kind == "train"], cpus_per_bundle=t.cpus_per_worker,
                         gpus_per_bundle=t.gpus_per_worker, resources_per_bundle=getattr(t, f"{kind}_resources"),
                         name=f"asyncrl-{kind}", wait_for_capacity=wait_for_capacity, **kw)
 
 
-def run_pools(cfg: JobConfig, *, wait_for_capacity: bool = False) -> list[ResourcePool]:
+def run_pools(cfg: JobConfig, *, rollout_placement: list[int] | None = None,
+              wait_for_capacity: bool = False) -> list[ResourcePool]:
     """The run's placement-group pools: the one :func:`main_pool`, or (``trainer.own_pools``) the
-    rollout pool's and the training pool's, in that order (`wait_for_capacity`: see :func:`own_pool`)."""
+    rollout pool's (`rollout_placement` when scaled) and the training pool's, in that order
+    (`wait_for_capacity`: see :func:`own_pool`)."""
     t = cfg.trainer
     if t.colocated or not t.own_pools:
         return [main_pool(cfg)]
-    return [own_pool(cfg, kind, wait_for_capacity=wait_for_capacity) for kind in ("rollout", "train")]
+    return [own_pool(cfg, "rollout", placement=rollout_placement, wait_for_capacity=wait_for_capacity),
+            own_pool(cfg, "train", wait_for_capacity=wait_for_capacity)]
 
 
 def _two_pools(cfg: JobConfig, pools: list[ResourcePool]) -> tuple[ResourcePool, ResourcePool]:
@@ -155,25 +159,32 @@ class Workers:
         """The started parts: the rollout pool's first (when two pools), then the training pool's."""
         self.pools: list[ResourcePool] = []
         self._replaced = False  # pools placed again after a restart wait for capacity
+        self.rollout_placement: list[int] | None = None
+        """The rollout pool's workers per node once ``scale_rollout`` changed it (None: the config's)."""
 
     async def start(self) -> Groups:
         """Build the groups (in the pools of an earlier start, if any) and start every process.
         On failure the caller closes them (:meth:`release`)."""
-        pools = self.pools or run_pools(self.config, wait_for_capacity=self._replaced)
+        pools = self.pools or run_pools(self.config, rollout_placement=self.rollout_placement,
+                                        wait_for_capacity=self._replaced)
         groups, self.parts, self.pools = build_groups(self.config, self.overrides, pools=pools)
         await asyncio.gather(*(p.setup() for p in self.parts))
         return groups
 
-    async def replace_rollout(self) -> Any:
+    async def replace_rollout(self, size: int | None = None) -> Any:
         """Kill the rollout pool's processes and start new ones; returns the new part (its
         ``["rollout"]`` and ``["reward"]`` groups). In the same bundles, or, when the rollout pool has
         placement groups of its own (``trainer.own_pools``), in new ones placed on the capacity the
-        cluster has now (its node may be gone), waiting up to ``trainer.restart.placement_wait_s``."""
+        cluster has now (its node may be gone), waiting up to ``trainer.restart.placement_wait_s``;
+        `size`: that many workers on one node from now on (``scale_rollout``)."""
         dead = self.parts[0]
         with contextlib.suppress(Exception):
             await dead.close()
+        if size is not None:
+            self.rollout_placement = [size]
         if len(self.pools) == 2:
-            old, self.pools[0] = self.pools[0], own_pool(self.config, "rollout", wait_for_capacity=True)
+            old, self.pools[0] = self.pools[0], own_pool(self.config, "rollout", placement=self.rollout_placement,
+                                                         wait_for_capacity=True)
             with contextlib.suppress(Exception):
                 await old.release()
         new = build_rollout_part(self.config, self.overrides, self.pools)

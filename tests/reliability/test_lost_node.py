@@ -10,6 +10,9 @@ is removed mid-run while training goes on on its own node:
 * with none left and none coming back: the run fails at ``trainer.restart.placement_wait_s`` with a
   ``PlacementError`` naming what the pool misses, and releases everything.
 
+The training node lost (alone, or with the rollout node at once) restarts the run from its newest checkpoint
+once the training pool can be placed again (the node comes back).
+
 The GCS here declares a lost raylet dead after about 1.5 s (``FAST_HEALTH_CHECKS``; Ray's default: about
 15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine)."""
 
@@ -200,3 +203,41 @@ async def test_a_lost_training_node_restarts_from_the_newest_checkpoint_once_it_
                       "run completed",
               seconds=r["time_s"], bound="< placement_wait_s + restart", interrupted=r["interrupted_s"],
               leaks="none" if after == before else f"LEAK {after} vs {before}", state="every step once")
+
+
+async def test_two_nodes_lost_at_once_restart_the_run_once_the_training_node_is_back(nodes, tmp_path, fault_row):
+    cfg = _job(tmp_path, "two")
+    cfg.trainer.checkpoint_every = 2
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(cfg)
+    lost: list[str] = []
+
+    async def lose_two_nodes() -> None:
+        while len(tr.history) < 3:
+            await asyncio.sleep(0.02)
+        lost.append(_rollout_node(nodes, tr))
+        nodes.remove(lost[0])  # the rollout node and the training node together
+        nodes.remove("train")
+        await asyncio.sleep(2.0)
+        nodes.add("train", 2)
+
+    async with tr:
+        chaos = asyncio.create_task(lose_two_nodes())
+        history = await tr.fit()
+        await chaos
+        where = _rollout_node(nodes, tr)
+    nodes.add(lost[0], 1)
+    _completed(history, tr.output_dir)
+    assert tr.restarts[-1]["kind"] == "restart" and len(tr.restarts) <= 2  # a replacement may come first
+    assert {lost[0], where} == {"roll_a", "roll_b"}  # the rollout pool on the rollout node left
+    after = await settled(before)
+    assert after == before
+    r = tr.restarts[-1]
+    fault_row(order=44, fault="the rollout node and the training node lost at once after step 3; the training node "
+                              "comes back 2 s later",
+              policy="none (the defaults), `checkpoint_every=2` here",
+              outcome=f"{' then '.join(x['kind'] for x in tr.restarts)}: from the step-{r['from_step']} checkpoint, "
+                      "rollout pool on the rollout node left, run completed",
+              seconds=sum(x["time_s"] for x in tr.restarts), bound="< placement_wait_s + restart",
+              interrupted=r["interrupted_s"], leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once")

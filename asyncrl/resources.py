@@ -18,7 +18,7 @@ yours: release it with ``await pool.release()`` after closing its groups, or use
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from asyncrl._backend import Backend, Slot
 
@@ -59,6 +59,10 @@ class ResourcePool:
         name: prefix of the placement groups' names.
         placement_timeout: seconds to wait for the placement groups before raising
             :class:`~asyncrl.PlacementError` (an infeasible request fails at once).
+        resources_per_bundle: custom Ray resources each bundle reserves besides its CPUs and GPUs
+            (``{"rollout_node": 1}``): the pool goes only to nodes that advertise them.
+        wait_for_capacity: keep waiting, up to `placement_timeout`, when the cluster cannot hold the
+            pool now (a lost node that may come back), instead of failing at once.
     """
 
     def __init__(
@@ -70,6 +74,8 @@ class ResourcePool:
         max_colocate_count: int = 1,
         name: str = "asyncrl",
         placement_timeout: float = 60.0,
+        resources_per_bundle: Mapping[str, float] | None = None,
+        wait_for_capacity: bool = False,
     ) -> None:
         counts = list(bundles_per_node)
         if not counts or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts):
@@ -80,12 +86,18 @@ class ResourcePool:
             raise ValueError(f"max_colocate_count must be a positive int, got {max_colocate_count!r}")
         if placement_timeout <= 0:
             raise ValueError("placement_timeout must be positive")
+        custom = dict(resources_per_bundle or {})
+        if any(k in ("CPU", "GPU") or not v > 0 for k, v in custom.items()):
+            raise ValueError(f"resources_per_bundle takes positive amounts of custom resources (CPUs and GPUs: "
+                             f"cpus_per_bundle, gpus_per_bundle), got {custom}")
         self.bundles_per_node = counts
         self.cpus_per_bundle = float(cpus_per_bundle)
         self.gpus_per_bundle = float(gpus_per_bundle)
         self.max_colocate_count = max_colocate_count
         self.name = name
         self.placement_timeout = placement_timeout
+        self.resources_per_bundle = custom
+        self.wait_for_capacity = wait_for_capacity
         self._slots: list[Slot] | None = None
         self._handles: list[Any] = []
         self._backend: Backend | None = None
@@ -97,6 +109,12 @@ class ResourcePool:
     def world_size(self) -> int:
         """Total number of bundles."""
         return sum(self.bundles_per_node)
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """What one bundle reserves: ``CPU``, ``GPU`` and the custom resources (zero amounts left out)."""
+        out = {"CPU": self.cpus_per_bundle, "GPU": self.gpus_per_bundle, **self.resources_per_bundle}
+        return {k: v for k, v in out.items() if v}
 
     @property
     def cpus_per_actor(self) -> float:
@@ -128,7 +146,8 @@ class ResourcePool:
 
     def __repr__(self) -> str:
         return (f"ResourcePool({self.bundles_per_node}, cpus_per_bundle={self.cpus_per_bundle}, "
-                f"gpus_per_bundle={self.gpus_per_bundle}, max_colocate_count={self.max_colocate_count})")
+                f"gpus_per_bundle={self.gpus_per_bundle}, max_colocate_count={self.max_colocate_count}"
+                + (f", resources_per_bundle={self.resources_per_bundle})" if self.resources_per_bundle else ")"))
 
     async def place(self, backend: "Backend") -> None:
         """Create the placement groups (idempotent; groups call it in `setup`)."""
@@ -172,7 +191,8 @@ class ResourcePool:
         for s in sizes:
             sub = ResourcePool([s], cpus_per_bundle=self.cpus_per_bundle, gpus_per_bundle=self.gpus_per_bundle,
                                max_colocate_count=self.max_colocate_count, name=self.name,
-                               placement_timeout=self.placement_timeout)
+                               placement_timeout=self.placement_timeout, resources_per_bundle=self.resources_per_bundle,
+                               wait_for_capacity=self.wait_for_capacity)
             sub._parent = (self, start, start + s)
             out.append(sub)
             start += s
@@ -184,12 +204,15 @@ class ResourcePool:
         bundle shape). Releasing the merged pool releases its members."""
         if not pools:
             raise ValueError("merge() needs at least one pool")
-        shape = {(p.cpus_per_bundle, p.gpus_per_bundle, p.max_colocate_count) for p in pools}
+        shape = {(p.cpus_per_bundle, p.gpus_per_bundle, p.max_colocate_count, tuple(sorted(p.resources_per_bundle.items())))
+                 for p in pools}
         if len(shape) != 1:
             raise ValueError(f"cannot merge pools with different bundle shapes: {sorted(shape)}")
         first = pools[0]
         merged = ResourcePool([c for p in pools for c in p.bundles_per_node], cpus_per_bundle=first.cpus_per_bundle,
                               gpus_per_bundle=first.gpus_per_bundle, max_colocate_count=first.max_colocate_count,
-                              name=first.name, placement_timeout=first.placement_timeout)
+                              name=first.name, placement_timeout=first.placement_timeout,
+                              resources_per_bundle=first.resources_per_bundle,
+                              wait_for_capacity=first.wait_for_capacity)
         merged._members = list(pools)
         return merged

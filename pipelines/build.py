@@ -1,8 +1,11 @@
 """Group and pool building: which workers a config needs, where they are placed, and its data.
 
 Two pools (rollout + reward on the rollout bundles; policy + advantage + reference + critic
-on the training bundles) or one colocated pool, all carved out of one placement-group pool so
-that a recovery can start new actors in the same bundles.
+on the training bundles) or one colocated pool. By default both are carved out of one
+placement-group pool on one node; with ``trainer.rollout_placement``/``train_placement`` each pool
+has placement groups of its own (workers per node), so they can sit on different nodes and a
+rollout pool whose node was lost can be placed again elsewhere. A recovery starts new actors in
+the same bundles.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.stream_replay import recording_rollout
 
-__all__ = ["needs_reference", "reference_worker", "role_specs", "main_pool", "build_rollout_part", "build_groups",
-           "Workers", "build_data"]
+__all__ = ["needs_reference", "reference_worker", "role_specs", "main_pool", "run_pools", "build_rollout_part",
+           "build_groups", "Workers", "build_data"]
 
 
 def needs_reference(cfg: JobConfig) -> bool:
@@ -76,13 +79,44 @@ def main_pool(cfg: JobConfig) -> ResourcePool:
                         gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
 
 
-def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pool: ResourcePool) -> Any:
-    """A new, unstarted rollout-pool part (rollout and reward workers, colocated) on the rollout
-    bundles of `pool` (the main pool of a two-pool run, placed or not): what replaces the
-    rollout pool's workers after one of them died."""
+def own_pool(cfg: JobConfig, kind: str, *, placement: list[int] | None = None,
+             wait_for_capacity: bool = False) -> ResourcePool:
+    """The ``rollout`` or ``train`` pool's own placement groups (``trainer.<kind>_placement``, or
+    `placement`: a rollout pool scaled by ``scale_rollout``); `wait_for_capacity`: a placement again
+    after a lost node waits up to ``trainer.restart.placement_wait_s`` for the cluster to hold it."""
     t = cfg.trainer
-    rpool, _ = pool.split([t.rollout_workers, t.train_workers])
-    return colocate(role_specs(cfg, overrides)[0], rpool, name="rollout")
+    kw: dict[str, Any] = {"placement_timeout": t.restart.placement_wait_s} if wait_for_capacity else {}
+    return ResourcePool(placement or t.placements()[kind == "train"], cpus_per_bundle=t.cpus_per_worker,
+                        gpus_per_bundle=t.gpus_per_worker, resources_per_bundle=getattr(t, f"{kind}_resources"),
+                        name=f"asyncrl-{kind}", wait_for_capacity=wait_for_capacity, **kw)
+
+
+def run_pools(cfg: JobConfig, *, rollout_placement: list[int] | None = None,
+              wait_for_capacity: bool = False) -> list[ResourcePool]:
+    """The run's placement-group pools: the one :func:`main_pool`, or (``trainer.own_pools``) the
+    rollout pool's (`rollout_placement` when scaled) and the training pool's, in that order
+    (`wait_for_capacity`: see :func:`own_pool`)."""
+    t = cfg.trainer
+    if t.colocated or not t.own_pools:
+        return [main_pool(cfg)]
+    return [own_pool(cfg, "rollout", placement=rollout_placement, wait_for_capacity=wait_for_capacity),
+            own_pool(cfg, "train", wait_for_capacity=wait_for_capacity)]
+
+
+def _two_pools(cfg: JobConfig, pools: list[ResourcePool]) -> tuple[ResourcePool, ResourcePool]:
+    """(rollout, training) pools: the run's own two, or the split of its main pool."""
+    t = cfg.trainer
+    if len(pools) == 2:
+        return pools[0], pools[1]
+    rpool, tpool = pools[0].split([t.rollout_workers, t.train_workers])
+    return rpool, tpool
+
+
+def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pools: list[ResourcePool]) -> Any:
+    """A new, unstarted rollout-pool part (rollout and reward workers, colocated) on the rollout
+    bundles of `pools` (:func:`run_pools` of a two-pool run, placed or not): what replaces the
+    rollout pool's workers after one of them died."""
+    return colocate(role_specs(cfg, overrides)[0], _two_pools(cfg, pools)[0], name="rollout")
 
 
 def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
@@ -97,12 +131,12 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
     groups stay; new actors take the same bundles)."""
     t = cfg.trainer
     rollout_roles, train_roles = role_specs(cfg, overrides)
-    pool = pools[0] if pools else main_pool(cfg)
+    pools = pools or run_pools(cfg)
     if t.colocated:
-        col = colocate({**rollout_roles, **train_roles}, pool, name="colocated")
+        col = colocate({**rollout_roles, **train_roles}, pools[0], name="colocated")
         parts, cols = [col], {**{r: col for r in rollout_roles}, **{r: col for r in train_roles}}
     else:
-        rpool, tpool = pool.split([t.rollout_workers, t.train_workers])
+        rpool, tpool = _two_pools(cfg, pools)
         rcol = colocate(rollout_roles, rpool, name="rollout")
         tcol = colocate(train_roles, tpool, name="train")
         parts = [rcol, tcol]
@@ -114,7 +148,7 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
                    else cols["policy"]["policy"] if needs_reference(cfg) else None),  # LoRA: the policy serves it
         critic=cols["critic"]["critic"] if "critic" in cols else None,
     )
-    return g, parts, [pool]
+    return g, parts, pools
 
 
 class Workers:
@@ -132,24 +166,47 @@ class Workers:
         self.parts: list[Any] = []
         """The started parts: the rollout pool's first (when two pools), then the training pool's."""
         self.pools: list[ResourcePool] = []
+        self._replaced = False  # pools placed again after a restart wait for capacity
+        self.rollout_placement: list[int] | None = None
+        """The rollout pool's workers per node once ``scale_rollout`` changed it (None: the config's)."""
 
     async def start(self) -> Groups:
         """Build the groups (in the pools of an earlier start, if any) and start every process.
         On failure the caller closes them (:meth:`release`)."""
-        groups, self.parts, self.pools = build_groups(self.config, self.overrides, pools=self.pools or None)
+        pools = self.pools or run_pools(self.config, rollout_placement=self.rollout_placement,
+                                        wait_for_capacity=self._replaced)
+        groups, self.parts, self.pools = build_groups(self.config, self.overrides, pools=pools)
         await asyncio.gather(*(p.setup() for p in self.parts))
         return groups
 
-    async def replace_rollout(self) -> Any:
-        """Kill the rollout pool's processes and start new ones in the same bundles; returns the new
-        part (its ``["rollout"]`` and ``["reward"]`` groups)."""
-        new = build_rollout_part(self.config, self.overrides, self.pools[0])
-        dead, self.parts = self.parts[0], [new, *self.parts[1:]]  # closed with the rest on any later failure
+    async def replace_rollout(self, size: int | None = None) -> Any:
+        """Kill the rollout pool's processes and start new ones; returns the new part (its
+        ``["rollout"]`` and ``["reward"]`` groups). In the same bundles, or, when the rollout pool has
+        placement groups of its own (``trainer.own_pools``), in new ones placed on the capacity the
+        cluster has now (its node may be gone), waiting up to ``trainer.restart.placement_wait_s``;
+        `size`: that many workers on one node from now on (``scale_rollout``)."""
+        dead = self.parts[0]
         with contextlib.suppress(Exception):
-            await dead.close()  # the placement group stays
+            await dead.close()
+        if size is not None:
+            self.rollout_placement = [size]
+        if len(self.pools) == 2:
+            old, self.pools[0] = self.pools[0], own_pool(self.config, "rollout", placement=self.rollout_placement,
+                                                         wait_for_capacity=True)
+            with contextlib.suppress(Exception):
+                await old.release()
+        new = build_rollout_part(self.config, self.overrides, self.pools)
+        self.parts = [new, *self.parts[1:]]  # closed with the rest on any later failure
         await new.setup()
         return new
 
+    async def recycle(self) -> None:
+        """Close the processes before a restart. The one shared pool keeps its placement groups (new actors
+        take the same bundles); pools of their own are released and placed again by the next :meth:`start`,
+        waiting for capacity, since a lost node may have taken their bundles with it."""
+        own = len(self.pools) == 2
+        await self.release(keep_pools=not own)
+        self._replaced = own
     async def release(self, *, keep_pools: bool = False) -> None:
         """Close the processes (the rollout pool's first); release the placement groups unless `keep_pools`."""
         for part in self.parts:

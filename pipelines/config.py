@@ -118,6 +118,10 @@ class RestartConfig:
     by replacing that pool's processes in place and re-issuing the lost batch with the same prompts,
     seed and weight version, while training goes on -- no checkpoint restored. False: a full
     restart. Needs two pools (``colocated=false``)."""
+    placement_wait_s: float = 60.0
+    """With pools of their own (``trainer.rollout_placement``/``train_placement``): how long a pool whose node
+    was lost waits for the cluster to hold it again (a node that comes back, an autoscaler) before the run
+    fails with ``asyncrl.PlacementError`` naming the resources it misses."""
 
 
 @dataclass(kw_only=True)
@@ -152,6 +156,21 @@ class TrainerConfig:
     """Processes of the rollout pool (rollout engine and rule reward)."""
     train_workers: int = 1
     """Processes of the training pool (policy, reference and critic)."""
+    rollout_placement: list[int] | None = None
+    """The rollout pool's workers per node, e.g. ``[1]`` or ``[2, 2]`` (two nodes with two each; they add up
+    to ``rollout_workers``). Setting this or ``train_placement`` gives each pool placement groups of its own,
+    so rollout and training can sit on different nodes of a Ray cluster, and a rollout pool whose node was
+    lost is placed again on the capacity left (``restart.placement_wait_s``). None for both: today's single
+    placement group on one node, shared by the two pools. Not with ``colocated``."""
+    train_placement: list[int] | None = None
+    """The training pool's workers per node (they add up to ``train_workers``), e.g. ``[2]`` or ``[1, 1]``
+    (two ranks on two nodes); see ``rollout_placement``. None with ``rollout_placement`` set: ``[train_workers]``."""
+    rollout_resources: dict[str, float] | None = None
+    """Custom Ray resources each rollout worker reserves besides its CPUs and GPUs, e.g. ``{rollout_node: 1}``,
+    so that the pool goes only to nodes that advertise them (``ray start --resources='{"rollout_node": 4}'``).
+    Needs ``rollout_placement`` or ``train_placement``. None: none."""
+    train_resources: dict[str, float] | None = None
+    """Custom Ray resources each training worker reserves (see ``rollout_resources``)."""
     cpus_per_worker: float = 1.0
     """CPUs each worker process reserves in Ray."""
     gpus_per_worker: float = 0.0
@@ -217,6 +236,16 @@ class TrainerConfig:
     step's ``advantages`` call, which waits for them, does. Off by default: measured no faster on the
     2-core development machine; off keeps the canonical per-batch
     stage order and a deadline on every stage."""
+
+    @property
+    def own_pools(self) -> bool:
+        """True when each pool has placement groups of its own (``rollout_placement`` or ``train_placement`` set)."""
+        return self.rollout_placement is not None or self.train_placement is not None
+
+    def placements(self) -> tuple[list[int], list[int]]:
+        """``(rollout, training)`` workers per node, the unset one on one node."""
+        return (list(self.rollout_placement or [self.rollout_workers]),
+                list(self.train_placement or [self.train_workers]))
 
     def weights_choice(self) -> Literal["fixed_lag", "latest"]:
         """The resolved ``rollout_weights``: ``auto`` is ``latest`` in stream mode, else ``fixed_lag``."""
@@ -330,6 +359,7 @@ class JobConfig:
         for name in ("rollout_workers", "train_workers"):
             if getattr(t, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+        self._validate_placement()
         if t.cpus_per_worker <= 0:
             raise ConfigError(f"trainer.cpus_per_worker must be > 0, got {t.cpus_per_worker}")
         if t.gpus_per_worker < 0:
@@ -409,6 +439,36 @@ class JobConfig:
         self._check_capacity("CPUs", t.cpus_per_worker, cluster_cpus,
                              "lower trainer.rollout_workers/train_workers/cpus_per_worker or set trainer.colocated=true")
         return self
+
+    def _validate_placement(self) -> None:
+        """``trainer.*_placement`` add up to their pool's workers, with two pools; custom resources need them."""
+        t = self.trainer
+        for pool, workers in (("rollout", t.rollout_workers), ("train", t.train_workers)):
+            key, placement = f"trainer.{pool}_placement", getattr(t, f"{pool}_placement")
+            if placement is not None:
+                if not placement or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                            for n in placement):
+                    raise ConfigError(f"{key} must be a non-empty list of positive worker counts per node, "
+                                      f"got {placement!r}")
+                if sum(placement) != workers:
+                    raise ConfigError(f"{key}={placement} places {sum(placement)} workers but "
+                                      f"trainer.{pool}_workers={workers}; make them add up")
+                if t.colocated:
+                    raise ConfigError(f"{key} places a pool of its own, but trainer.colocated=true puts both roles "
+                                      "in one pool: unset the placement or set trainer.colocated=false")
+            res_key, resources = f"trainer.{pool}_resources", getattr(t, f"{pool}_resources")
+            if resources is not None:
+                if not t.own_pools or t.colocated:
+                    raise ConfigError(f"{res_key} needs pools of their own: set trainer.rollout_placement or "
+                                      "trainer.train_placement too (not with trainer.colocated=true)")
+                bad = {k: v for k, v in resources.items()
+                       if k in ("CPU", "GPU") or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0}
+                if bad:
+                    raise ConfigError(f"{res_key} gives each worker custom Ray resources as positive amounts "
+                                      f"(CPUs and GPUs: cpus_per_worker, gpus_per_worker), got {bad}")
+        if not t.restart.placement_wait_s > 0:
+            raise ConfigError(f"trainer.restart.placement_wait_s must be a positive number of seconds, "
+                              f"got {t.restart.placement_wait_s}")
 
     def _check_capacity(self, unit: str, per_worker: float, available: float | None, fix: str) -> None:
         """ConfigError when the pools need more `unit` than the cluster has (`available`; None: unknown)."""
@@ -544,24 +604,32 @@ _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every
                 "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",
                 "trainer.weight_sync", "trainer.weight_sync_timeout_s", "trainer.precompute_log_probs",
-                "trainer.event_loop", "trainer.train_workers"}
+                "trainer.event_loop", "trainer.train_workers", "trainer.rollout_placement",
+                "trainer.train_placement", "trainer.rollout_resources", "trainer.train_resources",
+                "trainer.restart.placement_wait_s"}
 """Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its
 own sampling seeds and never touches the training RNG). ``trainer.train_workers``: training ranks train
 like one (both strategies' checkpoints load at any rank count); with ``colocated`` it is the rollout pool's
-size too, and the resume check refuses a change there."""
+size too, and the resume check refuses a change there. Where the workers sit (``*_placement``,
+``*_resources``) does not change what they compute."""
 
 
 def config_fingerprint(cfg: JobConfig) -> str:
     """A hash of every setting that changes what a step computes (a resume must match it)."""
     flat = _resolved(_flatten(configlib.to_dict(cfg)))
-    kept = {k: v for k, v in flat.items() if k not in _RESUME_FREE}
+    kept = {k: v for k, v in flat.items() if not _resume_free(k)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def fingerprint_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """Dotted keys whose values differ between two config dicts (ignoring resume-free keys)."""
     fa, fb = _resolved(_flatten(a)), _resolved(_flatten(b))
-    return sorted(k for k in set(fa) | set(fb) if k not in _RESUME_FREE and fa.get(k) != fb.get(k))
+    return sorted(k for k in set(fa) | set(fb) if not _resume_free(k) and fa.get(k) != fb.get(k))
+
+
+def _resume_free(key: str) -> bool:
+    """`key` (dotted) is in :data:`_RESUME_FREE`, or inside a mapping there (``trainer.rollout_resources.x``)."""
+    return key in _RESUME_FREE or key.rpartition(".")[0] in _RESUME_FREE
 
 
 def _resolved(flat: dict[str, Any]) -> dict[str, Any]:

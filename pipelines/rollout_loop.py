@@ -77,6 +77,7 @@ class BatchRollout:
         s.restored = []
         i = s.next_gen
         while i < steps + s.buffer.statistics().dropped:
+            await tr.supervisor.apply_scale(i)  # a pending scale_rollout, between two batches
             version = await self._version_for(i)
             while True:
                 try:

@@ -8,7 +8,8 @@ The loops run inside :meth:`Supervisor.run`. Two recoveries (which faults qualif
   pool's processes are killed and new ones start in the same bundles; the loop then loads the
   version the batch needs and generates it again. Training goes on from the buffer.
 * **Restart** -- any other worker fault ends the loops. The supervisor closes every group,
-  replaces the loop state whole, starts new actors in the same placement groups, restores the
+  replaces the loop state whole, starts new actors in the same placement groups (pools of their
+  own are placed again, waiting for capacity: a lost node took its bundles), restores the
   newest checkpoint this run saved (or the run's start) and runs the loops again; the journal
   is rewound so the steps after the checkpoint recompute exactly what was lost.
 
@@ -67,6 +68,7 @@ class Supervisor:
         self.restarts: list[dict[str, Any]] = []
         """One record per recovery (see :attr:`~asyncrl.pipelines.trainer.Trainer.restarts`)."""
         self._pending: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
+        self._scale: tuple[int, asyncio.Future[None]] | None = None  # a pending scale_rollout
 
     async def run(self, loops: Callable[[], Awaitable[None]]) -> None:
         """Run `loops`; on a worker fault, restart and run them again. Faults of the stateless
@@ -78,8 +80,10 @@ class Supervisor:
                 if fault is not None:
                     await self._restart(fault)
                 await loops()
+                self._fail_scale()
                 return
             except Exception as e:
+                self._fail_scale()
                 policy = tr.config.trainer.restart
                 if not (tr.owns_groups and len(self.restarts) < policy.max_restarts
                         and is_worker_fault(e, timeouts=policy.on_timeout)):
@@ -98,7 +102,7 @@ class Supervisor:
         record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
         self.restarts.append(record)
         self._pending.append({"kind": "restart", "at": tr.state.policy_version, "t": t0, "record": record})
-        await tr.workers.release(keep_pools=True)
+        await tr.workers.recycle()
         tr.state = tr.new_state()  # the old one's calls died with the groups
         await tr.start_groups()
         if point is not None:
@@ -128,16 +132,24 @@ class Supervisor:
         return origin is None or origin in (tr.groups.rollout.name, tr.groups.reward.name)
 
     async def replace_rollout(self, error: Exception, batch: int) -> None:
-        """Kill the rollout pool's processes and start new ones in the same bundles; the caller
-        then loads the weight version it needs and issues its batch again."""
+        """Kill the rollout pool's processes and start new ones in the same bundles (or, for a pool with
+        placement groups of its own, wherever the cluster holds it now); the caller then loads the
+        weight version it needs and issues its batch again."""
         tr = self._trainer
-        g, s = tr.groups, tr.state
-        assert g is not None
         t0 = time.perf_counter()
-        record = fault_record("replace", error, from_step=s.policy_version)
+        record = fault_record("replace", error, from_step=tr.state.policy_version)
         self.restarts.append(record)
         self._pending.append({"kind": "replace", "at": batch, "t": t0, "record": record, "busy": 0.0})
         log.warning("trainer.replace", error=describe(error), batch=batch, replacement=len(self.restarts))
+        await self._new_rollout()
+        record["time_s"] = time.perf_counter() - t0
+        log.warning("trainer.replaced", batch=batch, seconds=round(record["time_s"], 2))
+
+    async def _new_rollout(self, size: int | None = None) -> None:
+        """New rollout-pool processes (`size` workers, else as many as before) in place of the current ones."""
+        tr = self._trainer
+        g, s = tr.groups, tr.state
+        assert g is not None
         old = (g.rollout.name, g.reward.name)
         # Buffered batches are futures of the dying groups: re-home them on the training pool
         # (their data lives in the object store, owned by this process) before those groups close.
@@ -149,14 +161,59 @@ class Supervisor:
                 item.batch = advantage.echo(item.batch)
             if getattr(item.scores, "group", None) in old:
                 item.scores = advantage.echo(item.scores)
-        new = await tr.workers.replace_rollout()
+        new = await tr.workers.replace_rollout(size)
         fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
                                       advantage=g.advantage), tr.config.trainer)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         s.rollout_version = 0  # new engines hold the initial weights
         await tr.weights.prepare()  # the new engines' weight dtype; a collective weight channel is reopened
-        record["time_s"] = time.perf_counter() - t0
-        log.warning("trainer.replaced", batch=batch, seconds=round(record["time_s"], 2))
+
+    async def scale_rollout(self, n: int) -> None:
+        """Resize the rollout pool to `n` workers on one node between two batches (the batch in flight
+        finishes first); returns once the new workers are up. They load the weight version of the
+        next batch before they generate it. Raises ``ValueError`` for a bad `n` and ``RuntimeError``
+        where the run cannot scale (a shared or colocated pool, stream mode, not fitting)."""
+        tr = self._trainer
+        t = tr.config.trainer
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"scale_rollout needs a positive number of rollout workers, got {n!r}")
+        if not (tr.owns_groups and t.own_pools and not t.colocated):
+            raise RuntimeError("scale_rollout needs a rollout pool of its own: set trainer.rollout_placement "
+                               "(and trainer.colocated=false)")
+        if t.rollout_mode != "batch":
+            raise RuntimeError("scale_rollout resizes the pool between batches: it needs trainer.rollout_mode=batch")
+        if not tr.fitting or tr.state.rollout_done:
+            raise RuntimeError("scale_rollout acts while fit() generates batches; this run is not generating")
+        if self._scale is not None:
+            raise RuntimeError(f"a scale_rollout({self._scale[0]}) is still pending; await it first")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._scale = (n, fut)
+        await fut
+
+    async def apply_scale(self, batch: int) -> None:
+        """The rollout loop's call before it generates `batch`: carry out a pending :meth:`scale_rollout`."""
+        if self._scale is None:
+            return
+        (n, fut), self._scale = self._scale, None
+        tr = self._trainer
+        try:
+            if n != tr.workers.parts[0]["rollout"].world_size:
+                t0 = time.perf_counter()
+                await self._new_rollout(n)
+                log.info("trainer.scaled", rollout_workers=n, batch=batch, seconds=round(time.perf_counter() - t0, 2))
+        except BaseException as e:
+            if not fut.done():
+                fut.set_exception(e)
+            raise
+        if not fut.done():
+            fut.set_result(None)
+
+    def _fail_scale(self) -> None:
+        """The loops ended: a pending :meth:`scale_rollout` will not happen."""
+        if self._scale is not None:
+            (n, fut), self._scale = self._scale, None
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"scale_rollout({n}) did not happen: the run stopped generating"))
 
     def note_resumed(self, step: int, item: RolloutBatch, t_got: float) -> None:
         """Fill ``interrupted_s`` of the recoveries this step's batch ends. A replacement held

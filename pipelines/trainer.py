@@ -125,10 +125,8 @@ class Trainer(AsyncResource):
         self.journal = RunJournal(self, replay)
         """The run journal (an observer of the loops)."""
         if self.config.buffer_capacity < t.max_staleness + 1:
-            raise ConfigError(
-                f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the {t.max_staleness + 1} "
-                "batches rollout may run ahead; set it to at least max_staleness + 1"
-            )
+            raise ConfigError(f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the "
+                              f"{t.max_staleness + 1} batches rollout may run ahead; set it to at least max_staleness + 1")
         self.groups = with_deadlines(groups, t) if groups is not None else None
         self.owns_groups = groups is None
         """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
@@ -266,6 +264,10 @@ class Trainer(AsyncResource):
             self.stop_reason = reason
             log.warning("trainer.stopping", reason=reason, step=self.state.policy_version,
                         detail="finishing the step in progress, then writing a checkpoint")
+
+    async def scale_rollout(self, n: int) -> None:
+        """Resize the rollout pool to `n` workers between two batches (:meth:`Supervisor.scale_rollout`)."""
+        await self.supervisor.scale_rollout(n)
 
     async def save_checkpoint(self) -> Path:
         """Write a checkpoint of the state after the last finished step (see

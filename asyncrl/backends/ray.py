@@ -347,20 +347,16 @@ def _place(pool: Any, stop: threading.Event) -> tuple[list[Any], list[Any]]:
 
 
 def _place_groups(pool: Any, stop: threading.Event) -> tuple[list[Any], list[Any]]:
-    _check_capacity(pool)
-    nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (not n.get("IsHeadNode", False), n["NodeID"]))
-    pin = len(pool.bundles_per_node) > 1 and len(nodes) >= len(pool.bundles_per_node)
-    bundle: dict[str, float] = {}
-    if pool.cpus_per_bundle:
-        bundle["CPU"] = pool.cpus_per_bundle
-    if pool.gpus_per_bundle:
-        bundle["GPU"] = pool.gpus_per_bundle
+    if not pool.wait_for_capacity:
+        _check_capacity(pool)
+    bundle = pool.bundle
+    nodes = _pick_nodes(pool.bundles_per_node, bundle) if len(pool.bundles_per_node) > 1 else None
     pgs = []
     try:
         for i, count in enumerate(pool.bundles_per_node):
             kw: dict[str, Any] = {}
-            if pin:  # one placement group per node, on distinct nodes
-                kw["bundle_label_selector"] = [{"ray.io/node-id": nodes[i]["NodeID"]}] * count
+            if nodes is not None:  # one placement group per node, on distinct nodes
+                kw["bundle_label_selector"] = [{"ray.io/node-id": nodes[i]}] * count
             pgs.append(placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
                                        name=f"{pool.name}-{id(pool):x}-{i}", **kw))
         _wait_ready(pgs, pool, stop)
@@ -372,6 +368,38 @@ def _place_groups(pool: Any, stop: threading.Event) -> tuple[list[Any], list[Any
         for b in range(count):
             slots.append(Slot(pg, b, node, b, pool.cpus_per_actor, pool.gpus_per_actor))
     return slots, pgs
+
+
+def _fits(have: dict[str, float], need: dict[str, float]) -> bool:
+    return all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+
+
+def _free_per_node() -> dict[str, dict[str, float]]:
+    """Each alive node's free resources (its totals where Ray cannot say)."""
+    alive = {n["NodeID"]: dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")}
+    try:
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+        return {k: dict(free.get(k, v)) for k, v in alive.items()}
+    except Exception:  # a Ray without it: the totals
+        return alive
+
+
+def _pick_nodes(counts: list[int], bundle: dict[str, float]) -> list[str] | None:
+    """A distinct alive node for each entry of `counts` whose free resources hold its bundles (the
+    one with the most free CPUs first, worker nodes before the head), or None when there is no
+    such choice (then Ray places each entry's group where it fits, nodes possibly shared)."""
+    head = {n["NodeID"] for n in ray.nodes() if n.get("IsHeadNode")}
+    free = _free_per_node()
+    chosen: list[str] = []
+    for count in counts:
+        need = {k: v * count for k, v in bundle.items()}
+        fit = [n for n in free if n not in chosen and _fits(free[n], need)]
+        if not fit:
+            return None
+        chosen.append(max(fit, key=lambda n: (free[n].get("CPU", 0.0), n not in head, n)))
+    return chosen
 
 
 class _Stopped(Exception):
@@ -389,6 +417,13 @@ def _check_capacity(pool: Any) -> None:
             f"and {have_gpu:g} GPUs in all; make the pool smaller, or give Ray more logical CPUs "
             "(asyncrl.init(num_cpus=...)) or more nodes"
         )
+    short = {k: v * pool.world_size for k, v in pool.resources_per_bundle.items()
+             if v * pool.world_size > total.get(k, 0.0) + 1e-9}
+    if short:
+        raise PlacementError(
+            f"{pool!r} needs {short} but the Ray cluster has {({k: total.get(k, 0.0) for k in short})} in all; "
+            "start nodes that advertise them (ray start --resources='{...}') or lower the amounts"
+        )
 
 
 def _wait_ready(pgs: list[Any], pool: Any, stop: threading.Event) -> None:
@@ -398,16 +433,21 @@ def _wait_ready(pgs: list[Any], pool: Any, stop: threading.Event) -> None:
             return
         for pg in pgs:
             table = placement_group_table(pg)
-            if _state(pg, table) == "INFEASIBLE":
+            if _state(pg, table) == "INFEASIBLE" and not pool.wait_for_capacity:
                 raise PlacementError(
                     f"{pool!r} cannot be placed: a placement group of {len(table.get('bundles', {}))} bundles "
                     f"{table.get('bundles')} fits on no node of the cluster (scheduling state INFEASIBLE); "
                     "use fewer bundles per node or smaller bundles"
                 )
         if time.monotonic() > deadline:
+            missing = [f"{count} x {pool.bundle} on one node" for pg, count in zip(pgs, pool.bundles_per_node)
+                       if _state(pg) != "CREATED"]
+            free = {n[:8]: {k: v for k, v in r.items()
+                            if "memory" not in k and not k.startswith("node:") and "_group_" not in k}
+                    for n, r in _free_per_node().items()}
             raise PlacementError(
-                f"{pool!r} was not placed within {pool.placement_timeout:g}s (the cluster's free resources are "
-                f"{ray.available_resources()}); free resources or raise placement_timeout"
+                f"{pool!r} was not placed within {pool.placement_timeout:g}s: missing {'; '.join(missing)} "
+                f"(free per alive node: {free}); free resources, add a node or raise the deadline"
             )
         if stop.wait(0.05):
             raise _Stopped()

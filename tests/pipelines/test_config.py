@@ -225,3 +225,45 @@ def test_auto_rollout_weights_keep_the_fingerprint_of_what_they_resolve_to():
         assert config_fingerprint(a) == config_fingerprint(b)
         b.trainer.rollout_weights = "latest" if old == "fixed_lag" else "fixed_lag"
         assert config_fingerprint(a) != config_fingerprint(b)
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["trainer.rollout_placement=[2]"],
+     "trainer.rollout_placement=[2] places 2 workers but trainer.rollout_workers=1; make them add up"),
+    (["trainer.train_workers=2", "trainer.train_placement=[1, 2]"],
+     "trainer.train_placement=[1, 2] places 3 workers but trainer.train_workers=2; make them add up"),
+    (["trainer.train_placement=[]"],
+     "trainer.train_placement must be a non-empty list of positive worker counts per node, got []"),
+    (["trainer.rollout_placement=[1, 0]", "trainer.rollout_workers=1"],
+     "trainer.rollout_placement must be a non-empty list of positive worker counts per node, got [1, 0]"),
+    (["trainer.rollout_placement=[x]"], "trainer.rollout_placement"),
+    (["trainer.colocated=true", "trainer.train_placement=[1]"],
+     "trainer.train_placement places a pool of its own, but trainer.colocated=true puts both roles in one pool"),
+    (["trainer.rollout_resources={roll: 1}"],
+     "trainer.rollout_resources needs pools of their own: set trainer.rollout_placement or trainer.train_placement"),
+    (["trainer.rollout_placement=[1]", "trainer.train_resources={CPU: 1}"],
+     "trainer.train_resources gives each worker custom Ray resources as positive amounts"),
+    (["trainer.rollout_placement=[1]", "trainer.rollout_resources={roll: 0}"],
+     "trainer.rollout_resources gives each worker custom Ray resources as positive amounts"),
+    (["trainer.restart.placement_wait_s=0"], "trainer.restart.placement_wait_s must be a positive number of seconds"),
+])
+def test_bad_placements_exit_2_with_one_line_naming_the_key(overrides, line, capsys):
+    assert main(["train", *overrides]) == 2
+    assert _one_line(capsys).startswith(f"asyncrl train: config error: {line}")
+
+
+def test_placements_give_each_pool_its_own_placement_groups_and_the_default_keeps_one():
+    from asyncrl.pipelines.build import run_pools
+
+    default = grpo_toy()
+    (pool,) = run_pools(default)  # today's layout: one pool on one node, split between the two
+    assert pool.bundles_per_node == [default.trainer.rollout_workers + default.trainer.train_workers]
+    cfg = load_config(None, ["trainer.train_workers=2", "trainer.rollout_placement=[1]", "trainer.train_placement=[1, 1]",
+                             "trainer.rollout_resources={roll: 1}"])
+    rollout, train = run_pools(cfg)
+    assert (rollout.bundles_per_node, rollout.resources_per_bundle) == ([1], {"roll": 1.0})
+    assert (train.bundles_per_node, train.resources_per_bundle) == ([1, 1], {})
+    only_rollout = load_config(None, ["trainer.train_workers=2", "trainer.rollout_placement=[1]"])
+    assert [p.bundles_per_node for p in run_pools(only_rollout)] == [[1], [2]]  # the other pool on one node
+    # where the workers sit does not change what a step computes: a resume may move them
+    assert config_fingerprint(cfg) == config_fingerprint(load_config(None, ["trainer.train_workers=2"]))

@@ -1,0 +1,243 @@
+"""A lost node, survived by default (``trainer.rollout_placement``/``train_placement``: pools of their own).
+
+On a one-host cluster of real raylets (:mod:`tests.cluster.harness`: a head without CPUs, two 1-CPU nodes
+``roll_a``/``roll_b`` tagged ``rollout`` and a 2-CPU node ``train``), the node that holds the rollout pool
+is removed mid-run while training goes on on its own node:
+
+* with capacity left (the other rollout node): the pool is placed again there, the lost batch is issued
+  again, and the run completes every step once, within the staleness bound;
+* with none left: the pool waits for capacity; the node that comes back is used;
+* with none left and none coming back: the run fails at ``trainer.restart.placement_wait_s`` with a
+  ``PlacementError`` naming what the pool misses, and releases everything.
+
+The training node lost (alone, or with the rollout node at once) restarts the run from its newest checkpoint
+once the training pool can be placed again (the node comes back).
+
+The GCS here declares a lost raylet dead after about 1.5 s (``FAST_HEALTH_CHECKS``; Ray's default: about
+15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import asyncrl
+from asyncrl.pipelines.journal import read_journal
+from asyncrl.pipelines.metrics import read_jsonl
+from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.replay import compare_metrics
+from asyncrl.pipelines.trainer import GRPOTrainer
+from tests.cluster.harness import OneHostCluster
+from tests.reliability.conftest import live_actors, settled
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    cluster = OneHostCluster({"roll_a": 1, "roll_b": 1, "train": 2},
+                             tags={"roll_a": {"rollout": 1}, "roll_b": {"rollout": 1}})
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+def _job(tmp_path, name: str, **restart):
+    cfg = tiny_test()
+    t = cfg.trainer
+    t.steps, t.max_staleness, t.train_workers = STEPS, 1, 2
+    t.rollout_placement, t.train_placement = [1], [2]
+    t.rollout_resources, t.train_resources = {"rollout": 1.0}, {"train": 1.0}
+    t.output_dir = str(tmp_path / name)
+    for k, v in restart.items():
+        setattr(t.restart, k, v)
+    return cfg.validate()
+
+
+def _rollout_node(nodes, tr) -> str:
+    (slot,) = tr.workers.pools[0].slots
+    return nodes.names()[ray.util.placement_group_table(slot.placement_group)["bundles_to_node_id"][slot.bundle_index]]
+
+
+async def _run_losing_the_rollout_node(nodes, cfg, *, comes_back_after: float | None):
+    """Fit `cfg`, removing the rollout pool's node after step 3 (and starting it again after
+    `comes_back_after` seconds); returns (trainer, history or the error, the lost node's name, the
+    rollout pool's node at the end, seconds from the loss to the end of `fit`)."""
+    tr = GRPOTrainer(cfg)
+    lost: list[str] = []
+    t_lost: list[float] = []
+
+    async def lose_the_rollout_node() -> None:
+        while len(tr.history) < 3:
+            await asyncio.sleep(0.02)
+        lost.append(_rollout_node(nodes, tr))
+        nodes.remove(lost[0])
+        t_lost.append(time.monotonic())
+        if comes_back_after is not None:
+            await asyncio.sleep(comes_back_after)  # training goes on from the buffer; the pool waits
+            nodes.add(lost[0], 1)  # on this thread: Ray's node start installs signal handlers
+
+    async with tr:
+        chaos = asyncio.create_task(lose_the_rollout_node())
+        try:
+            out: object = await tr.fit()
+        except Exception as e:  # noqa: BLE001 - the case under test
+            out = e
+        t_end = time.monotonic()
+        await chaos
+        where = _rollout_node(nodes, tr) if not isinstance(out, Exception) else None
+    return tr, out, lost[0], where, t_end - t_lost[0]
+
+
+def _completed(history, run: Path | None = None) -> None:
+    assert [m["step"] for m in history] == list(range(STEPS))  # every step, each once
+    assert max(m["staleness/max"] for m in history) <= 1  # the staleness bound kept
+    if run is not None:  # each step trained once on its own batch, one metrics row each
+        journal = read_journal(run)
+        assert [journal.steps[t]["batch"] for t in range(STEPS)] == list(range(STEPS))
+        assert [row["step"] for row in read_jsonl(run / "metrics.jsonl")] == list(range(STEPS))
+
+
+async def test_a_lost_rollout_node_is_replaced_on_the_capacity_left(nodes, tmp_path, fault_row):
+    before = await asyncio.to_thread(live_actors)
+    async with GRPOTrainer(_job(tmp_path, "fault_free")) as clean:
+        baseline = await clean.fit()
+    tr, history, lost, where, _ = await _run_losing_the_rollout_node(nodes, _job(tmp_path, "left"),
+                                                                   comes_back_after=None)
+    assert not isinstance(history, Exception), history
+    _completed(history, tr.output_dir)
+    assert compare_metrics(baseline, history) == []  # the same seeds, versions and so the same steps
+    [r] = tr.restarts
+    assert r["kind"] == "replace" and r["origin"] == "rollout.rollout" and r["from_checkpoint"] is None
+    assert {lost, where} == {"roll_a", "roll_b"}  # placed again on the other rollout node
+    after = await settled(before)
+    assert after == before
+    nodes.add(lost, 1)  # for the next case
+    fault_row(order=40, fault="the node holding the rollout pool lost after step 3 (training on another node)",
+              policy="none (the defaults), `rollout_placement=[1]`, `train_placement=[2]`",
+              outcome="rollout pool placed again on the other rollout node, batch re-issued, run completed",
+              seconds=r["time_s"], bound="node death detection + recovery", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once, staleness <= 1; per-step metrics == fault-free run")
+
+
+async def test_a_rollout_pool_with_no_capacity_left_waits_and_uses_the_node_that_comes_back(nodes, tmp_path,
+                                                                                          fault_row):
+    nodes.remove("roll_b")  # one rollout node only: its loss leaves no capacity for the pool
+    try:
+        before = await asyncio.to_thread(live_actors)
+        tr, history, lost, where, _ = await _run_losing_the_rollout_node(nodes, _job(tmp_path, "back"),
+                                                                      comes_back_after=2.0)
+        assert not isinstance(history, Exception), history
+        _completed(history)
+        [r] = tr.restarts
+        assert r["kind"] == "replace" and lost == where == "roll_a"  # the same name: the node that came back
+        after = await settled(before)
+        assert after == before
+    finally:
+        nodes.add("roll_b", 1)
+    fault_row(order=41, fault="the node holding the rollout pool lost after step 3, no capacity left; "
+                              "a node comes back 2 s later",
+              policy="none (the defaults; `restart.placement_wait_s=60`)",
+              outcome="rollout pool waited, placed on the node that came back, batch re-issued, run completed",
+              seconds=r["time_s"], bound="< placement_wait_s + recovery", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once, staleness <= 1")
+
+
+async def test_a_rollout_pool_that_finds_no_capacity_by_the_deadline_fails_naming_what_it_misses(nodes, tmp_path,
+                                                                                               fault_row):
+    nodes.remove("roll_b")
+    try:
+        before = await asyncio.to_thread(live_actors)
+        tr, error, lost, _, seconds = await _run_losing_the_rollout_node(
+            nodes, _job(tmp_path, "gone", placement_wait_s=3.0), comes_back_after=None)
+        assert isinstance(error, asyncrl.PlacementError), error
+        assert "not placed within 3s: missing 1 x {'CPU': 1.0, 'rollout': 1.0} on one node" in str(error)
+        after = await settled(before)
+        assert after == before  # every worker and placement group released
+        done = len(tr.history)
+    finally:
+        nodes.add("roll_a", 1)
+        nodes.add("roll_b", 1)
+    fault_row(order=42, fault="the node holding the rollout pool lost after step 3, no capacity left, none coming back",
+              policy="`restart.placement_wait_s=3` (60 by default)",
+              outcome="`PlacementError` raised by `fit()`, naming the resources the pool misses",
+              seconds=seconds, bound="placement_wait_s + detection + recovery", interrupted="the run stops",
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state=f"{done} of {STEPS} steps done")
+
+
+async def test_a_lost_training_node_restarts_from_the_newest_checkpoint_once_it_is_back(nodes, tmp_path, fault_row):
+    cfg = _job(tmp_path, "train")
+    cfg.trainer.checkpoint_every = 2
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(cfg)
+
+    async def lose_the_training_node() -> None:
+        while len(tr.history) < 3:
+            await asyncio.sleep(0.02)
+        nodes.remove("train")
+        await asyncio.sleep(2.0)  # the restart waits for the training pool's capacity
+        nodes.add("train", 2)
+
+    async with tr:
+        chaos = asyncio.create_task(lose_the_training_node())
+        history = await tr.fit()
+        await chaos
+    _completed(history)
+    [r] = tr.restarts
+    assert r["kind"] == "restart" and r["from_checkpoint"] is not None and r["from_step"] >= 2
+    after = await settled(before)
+    assert after == before
+    fault_row(order=43, fault="the node holding the training pool lost after step 3; it comes back 2 s later",
+              policy="none (the defaults), `checkpoint_every=2` here",
+              outcome=f"restarted from the step-{r['from_step']} checkpoint once the training pool was placed again, "
+                      "run completed",
+              seconds=r["time_s"], bound="< placement_wait_s + restart", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}", state="every step once")
+
+
+async def test_two_nodes_lost_at_once_restart_the_run_once_the_training_node_is_back(nodes, tmp_path, fault_row):
+    cfg = _job(tmp_path, "two")
+    cfg.trainer.checkpoint_every = 2
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(cfg)
+    lost: list[str] = []
+
+    async def lose_two_nodes() -> None:
+        while len(tr.history) < 3:
+            await asyncio.sleep(0.02)
+        lost.append(_rollout_node(nodes, tr))
+        nodes.remove(lost[0])  # the rollout node and the training node together
+        nodes.remove("train")
+        await asyncio.sleep(2.0)
+        nodes.add("train", 2)
+
+    async with tr:
+        chaos = asyncio.create_task(lose_two_nodes())
+        history = await tr.fit()
+        await chaos
+        where = _rollout_node(nodes, tr)
+    nodes.add(lost[0], 1)
+    _completed(history, tr.output_dir)
+    assert tr.restarts[-1]["kind"] == "restart" and len(tr.restarts) <= 2  # a replacement may come first
+    assert {lost[0], where} == {"roll_a", "roll_b"}  # the rollout pool on the rollout node left
+    after = await settled(before)
+    assert after == before
+    r = tr.restarts[-1]
+    fault_row(order=44, fault="the rollout node and the training node lost at once after step 3; the training node "
+                              "comes back 2 s later",
+              policy="none (the defaults), `checkpoint_every=2` here",
+              outcome=f"{' then '.join(x['kind'] for x in tr.restarts)}: from the step-{r['from_step']} checkpoint, "
+                      "rollout pool on the rollout node left, run completed",
+              seconds=sum(x["time_s"] for x in tr.restarts), bound="< placement_wait_s + restart",
+              interrupted=r["interrupted_s"], leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once")

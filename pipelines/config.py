@@ -188,6 +188,10 @@ class TrainerConfig:
     """Show a progress bar."""
     tensorboard: bool = True
     """Also write TensorBoard scalars when ``torch.utils.tensorboard`` works."""
+    samples_per_step: int = 4
+    """Trajectories of each step's training batch written to ``samples.jsonl`` (whole prompt groups, drawn
+    at random; per token the id, text, mask, version, log-probs and advantage; ``asyncrl view`` shows
+    them). 0 = none."""
     stage_timeout_s: float | None = None
     """Deadline of every stage call (generate, score, log-probs, updates, weight sync, checkpoint
     save/load), counted from when the call is issued; a stage past it fails with
@@ -365,6 +369,8 @@ class JobConfig:
                     f"the {name} pool has {n} workers but a step has {self.prompts_per_step} prompts; "
                     "prompts per step must divide evenly so every GRPO group stays on one worker"
                 )
+        if t.samples_per_step < 0:
+            raise ConfigError(f"trainer.samples_per_step={t.samples_per_step}: must be >= 0 (0 writes no samples.jsonl)")
         if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
             raise ConfigError("trainer.checkpoint_every must be >= 0 and trainer.keep_checkpoints >= 1")
         if t.checkpoint_every_s is not None and not (t.checkpoint_every_s > 0 and math.isfinite(t.checkpoint_every_s)):
@@ -506,7 +512,7 @@ class JobConfig:
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
                 "trainer.checkpoint_every_s",
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
-                "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.rollout_timeout_s", "trainer.restart.max_restarts",
+                "trainer.samples_per_step", "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.rollout_timeout_s", "trainer.restart.max_restarts",
                 "trainer.restart.on_timeout", "trainer.restart.replace_stateless", "evaluation.every",
                 "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",

@@ -1,5 +1,5 @@
-"""Where a run's results go: the metrics sinks, the progress bar and the log line of each step,
-and, when the run ends, the trace and the plot (an observer of the train loop)."""
+"""Where a run's results go: the metrics sinks, the sampled trajectories, the progress bar and the
+log line of each step, and, when the run ends, the trace and the plot (an observer of the train loop)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import anyio.to_thread
 import structlog
 
 from asyncrl.pipelines.metrics import MetricsWriter
+from asyncrl.pipelines.samples import SamplesWriter
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
@@ -20,13 +21,16 @@ log = structlog.get_logger("asyncrl.pipelines")
 
 
 class RunReport:
-    """Writes each step's metrics (``metrics.jsonl``, TensorBoard), shows progress, and writes
-    ``trace.json`` and ``report.png`` at the end; never changes what the loops do."""
+    """Writes each step's metrics (``metrics.jsonl``, TensorBoard) and sampled trajectories
+    (``samples.jsonl``), shows progress, and writes ``trace.json`` and ``report.png`` at the end;
+    never changes what the loops do."""
 
     def __init__(self, trainer: "Trainer") -> None:
         self._trainer = trainer
         self.metrics: MetricsWriter | None = None
         """The open metrics sinks (between setup and close)."""
+        self.sampler: SamplesWriter | None = None
+        """The open ``samples.jsonl`` (``trainer.samples_per_step`` > 0)."""
         self.bar: Any = None
         """The progress bar of the ``fit`` in progress (``trainer.progress``)."""
 
@@ -36,6 +40,14 @@ class RunReport:
         self.close()
         self.metrics = await anyio.to_thread.run_sync(lambda: MetricsWriter(
             tr.output_dir, tensorboard=tr.config.trainer.tensorboard, start_step=tr.state.start_step))
+        if tr.config.trainer.samples_per_step > 0:
+            self.sampler = await anyio.to_thread.run_sync(self._open_samples)
+
+    def _open_samples(self) -> SamplesWriter:
+        from asyncrl.roles.models import tokenizer_for
+
+        tr = self._trainer
+        return SamplesWriter(tr.output_dir, tokenizer_for(tr.config.model), start_step=tr.state.start_step)
 
     def start(self) -> None:
         """A progress bar for the steps ``fit`` is about to run (when ``trainer.progress``)."""
@@ -67,6 +79,11 @@ class RunReport:
                  staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
                  pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))
 
+    async def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Step `step`'s sampled trajectories (decoded and written in a thread)."""
+        if self.sampler is not None:
+            await anyio.to_thread.run_sync(self.sampler.write, step, rows)
+
     def evaluation(self, version: int, row: dict[str, Any]) -> None:
         """An evaluation of `version` (its step: steps done = version)."""
         if self.metrics is not None:
@@ -96,3 +113,6 @@ class RunReport:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None

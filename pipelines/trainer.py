@@ -353,6 +353,9 @@ class Trainer(AsyncResource):
         assert g is not None
         old, ref, vals = self.precompute.take(g, item, step)
         adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
+        n = self.config.trainer.samples_per_step
+        samples = stages.sample_trajectories(g, adv, n=n, seed=self.config.trainer.seed * 1_000_003 + step,
+                                             policy_version=s.policy_version) if n else None
         crit = stages.critic_update(g, adv)
         crit = w(crit, "critic_update", step=step) if crit is not None else None
         act = w(stages.actor_update(g, adv), "actor_update", step=step)
@@ -364,6 +367,8 @@ class Trainer(AsyncResource):
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))
         metrics.update(stages.mean_metrics(await act, "actor"))
+        if samples is not None:  # done by now: cut on the advantage worker before the update ran
+            await self.report.samples(step, await samples)
         s.policy_version += 1
         stats = s.buffer.statistics()
         metrics.update({

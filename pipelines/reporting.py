@@ -4,7 +4,8 @@ log line of each step, and, when the run ends, the trace and the plot (an observ
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, Awaitable
 
 import anyio.to_thread
 import structlog
@@ -79,10 +80,14 @@ class RunReport:
                  staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
                  pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))
 
-    async def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """Step `step`'s sampled trajectories (decoded and written in a thread)."""
+    async def samples(self, step: int, rows: Awaitable[list[dict[str, Any]]]) -> float:
+        """Write step `step`'s sampled trajectories (awaited here, decoded and written in a thread); returns
+        the seconds the train loop spent on them (``time/samples``)."""
+        t0 = time.perf_counter()
+        got = await rows
         if self.sampler is not None:
-            await anyio.to_thread.run_sync(self.sampler.write, step, rows)
+            await anyio.to_thread.run_sync(self.sampler.write, step, got)
+        return time.perf_counter() - t0
 
     def evaluation(self, version: int, row: dict[str, Any]) -> None:
         """An evaluation of `version` (its step: steps done = version)."""

@@ -147,7 +147,8 @@ def _step_of(line: str) -> float:
 def read_samples(path: str | Path) -> tuple[list[dict[str, Any]], int]:
     """The trajectories of a ``samples.jsonl`` and how many lines were skipped (torn by a process killed
     mid-write, or not a trajectory)."""
-    rows, bad = [], 0
+    rows: list[dict[str, Any]] = []
+    bad = 0
     p = Path(path)
     if not p.exists():
         return [], 0

@@ -354,8 +354,9 @@ class Trainer(AsyncResource):
         old, ref, vals = self.precompute.take(g, item, step)
         adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
         n = self.config.trainer.samples_per_step
-        samples = stages.sample_trajectories(g, adv, n=n, seed=self.config.trainer.seed * 1_000_003 + step,
-                                             policy_version=s.policy_version) if n else None
+        samples = w(stages.sample_trajectories(g, adv, n=n, seed=self.config.trainer.seed * 1_000_003 + step,
+                                               policy_version=s.policy_version), "sample_trajectories",
+                    step=step) if n else None
         crit = stages.critic_update(g, adv)
         crit = w(crit, "critic_update", step=step) if crit is not None else None
         act = w(stages.actor_update(g, adv), "actor_update", step=step)
@@ -368,7 +369,7 @@ class Trainer(AsyncResource):
             metrics.update(stages.mean_metrics(await crit, "critic"))
         metrics.update(stages.mean_metrics(await act, "actor"))
         if samples is not None:  # done by now: cut on the advantage worker before the update ran
-            await self.report.samples(step, await samples)
+            metrics["time/samples"] = await self.report.samples(step, samples)
         s.policy_version += 1
         stats = s.buffer.statistics()
         metrics.update({

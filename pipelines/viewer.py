@@ -51,7 +51,8 @@ class _Status:
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    rows, bad = [], 0
+    rows: list[dict[str, Any]] = []
+    bad = 0
     if not path.exists():
         return rows, 0
     with path.open(encoding="utf-8", errors="replace") as f:

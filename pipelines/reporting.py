@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Awaitable
 import anyio.to_thread
 import structlog
 
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.metrics import MetricsWriter
 from asyncrl.pipelines.samples import SamplesWriter
 
@@ -32,15 +33,19 @@ class RunReport:
         """The open metrics sinks (between setup and close)."""
         self.sampler: SamplesWriter | None = None
         """The open ``samples.jsonl`` (``trainer.samples_per_step`` > 0)."""
+        self._wandb_id: str | None = None
         self.bar: Any = None
         """The progress bar of the ``fit`` in progress (``trainer.progress``)."""
 
     async def open(self) -> None:
         """(Re)open the metrics sinks at the loop state's first step (a restored run rewrites what follows)."""
         tr = self._trainer
-        self.close()
+        await anyio.to_thread.run_sync(self.close)
+        t = tr.config.trainer
         self.metrics = await anyio.to_thread.run_sync(lambda: MetricsWriter(
-            tr.output_dir, tensorboard=tr.config.trainer.tensorboard, start_step=tr.state.start_step))
+            tr.output_dir, tensorboard=t.tensorboard, start_step=tr.state.start_step, loggers=t.loggers,
+            wandb_project=t.wandb_project, config=to_dict(tr.config), wandb_id=self._wandb_id))
+        self._wandb_id = self.metrics.wandb_id if self.metrics is not None else None
         if tr.config.trainer.samples_per_step > 0:
             self.sampler = await anyio.to_thread.run_sync(self._open_samples)
 
@@ -114,7 +119,8 @@ class RunReport:
             log.warning("report.failed", error=repr(e))
 
     def close(self) -> None:
-        """Close the metrics sinks (idempotent)."""
+        """Close the metrics sinks (idempotent; with W&B, blocks while it finishes its run: the trainer's
+        ``close`` calls it once, at the end, where every path must reach it)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any, Awaitable
 import anyio.to_thread
 import structlog
 
+from asyncrl.pipelines import stages
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.metrics import MetricsWriter
 from asyncrl.pipelines.samples import SamplesWriter
 
 if TYPE_CHECKING:
+    from asyncrl.pipelines.stages import Groups
     from asyncrl.pipelines.trainer import Trainer
 
 __all__ = ["RunReport"]
@@ -85,13 +87,28 @@ class RunReport:
                  staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
                  pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))
 
+    def sample(self, g: "Groups", train_batch: Any, step: int, policy_version: int) -> Any:
+        """Issue the cut of step `step`'s ``trainer.samples_per_step`` trajectories from its merged training
+        batch (a call on the advantage worker, traced); None when the run samples none."""
+        tr = self._trainer
+        n = tr.config.trainer.samples_per_step
+        if n == 0:
+            return None
+        call = stages.sample_trajectories(g, train_batch, n=n, seed=tr.config.trainer.seed * 1_000_003 + step,
+                                          policy_version=policy_version)
+        return tr.tracer.watch(call, "sample_trajectories", step=step)
+
     async def samples(self, step: int, rows: Awaitable[list[dict[str, Any]]]) -> float:
         """Write step `step`'s sampled trajectories (awaited here, decoded and written in a thread); returns
         the seconds the train loop spent on them (``time/samples``)."""
         t0 = time.perf_counter()
-        got = await rows
-        if self.sampler is not None:
-            await anyio.to_thread.run_sync(self.sampler.write, step, got)
+        try:
+            got = await rows
+            if self.sampler is not None:
+                await anyio.to_thread.run_sync(self.sampler.write, step, got)
+        except Exception as e:  # an observation: a failure to record samples never stops the run
+            log.warning("samples.failed", step=step, error=repr(e))
+            return math.nan
         return time.perf_counter() - t0
 
     def evaluation(self, version: int, row: dict[str, Any]) -> None:

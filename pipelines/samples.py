@@ -55,17 +55,19 @@ def trajectory_rows(batch: Any, rows: Sequence[int], policy_version: int) -> lis
     lists: the prompt's ids without padding, and the response's tokens up to its last real one
     (``attention_mask``: an episode's environment tokens count, padding does not)."""
     keys = set(map(str, batch.keys()))
-    P = batch["prompt_ids"].shape[-1]
+    P = batch["prompt_ids"].shape[-1] if "prompt_ids" in keys else 0
     R = batch["response_ids"].shape[-1]
     uid = batch["uid"]
     out = []
     for row in rows:
         member = int((uid[:row] == uid[row]).sum())
-        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()]
-        att = batch["attention_mask"][row, P:]
+        prompt = (batch["prompt_ids"][row][batch["prompt_mask"][row].bool()] if "prompt_mask" in keys
+                  else batch["prompt_ids"][row] if P else torch.zeros(0, dtype=torch.long))
+        # the response's extent: attention (an episode's environment tokens count), else the mask
+        att = batch["attention_mask"][row, P:] if "attention_mask" in keys else batch["response_mask"][row]
         length = int(att.nonzero().max()) + 1 if bool(att.any()) else 0
         mask = batch["response_mask"][row, :length].long()
-        version = int(batch["version"][row])
+        version = int(batch["version"][row]) if "version" in keys else -1
         if "token_versions" in keys:
             versions = batch["token_versions"][row, :length].long()
         else:
@@ -76,7 +78,8 @@ def trajectory_rows(batch: Any, rows: Sequence[int], policy_version: int) -> lis
             "logp_rollout": _floats(batch["rollout_log_probs"][row, :length]) if "rollout_log_probs" in keys else None,
             "logp_old": _floats(batch["old_log_probs"][row, :length]) if "old_log_probs" in keys else None,
             "advantage": _floats(batch["advantages"][row, :length]),
-            "reward": float(batch["scores"][row]), "version": version, "staleness": policy_version - version,
+            "reward": float(batch["scores"][row]), "version": version,
+            "staleness": policy_version - version if version >= 0 else None,
             "length": length,
         }
         if "stop_reason" in keys:

@@ -353,10 +353,7 @@ class Trainer(AsyncResource):
         assert g is not None
         old, ref, vals = self.precompute.take(g, item, step)
         adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
-        n = self.config.trainer.samples_per_step
-        samples = w(stages.sample_trajectories(g, adv, n=n, seed=self.config.trainer.seed * 1_000_003 + step,
-                                               policy_version=s.policy_version), "sample_trajectories",
-                    step=step) if n else None
+        samples = self.report.sample(g, adv, step, s.policy_version)  # samples.jsonl, cut behind the advantages
         crit = stages.critic_update(g, adv)
         crit = w(crit, "critic_update", step=step) if crit is not None else None
         act = w(stages.actor_update(g, adv), "actor_update", step=step)

@@ -118,6 +118,17 @@ def test_a_trajectorys_tokens_masks_and_versions_equal_samples_jsonl(run, page_o
     assert groups == [4, 4, 4]  # a prompt group's members side by side
 
 
+def test_the_timeline_draws_every_span_of_trace_json_on_its_worker_lane(run, page_of):
+    page = page_of(run)
+    show(page, "timeline")
+    events = [e for e in json.loads((run / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert page.eval_on_selector_all("#timeline rect.span", "rs => rs.length") == len(events) > 0
+    lanes = page.eval_on_selector_all("#timeline > text", "ts => ts.map(t => t.textContent)")
+    assert any(x.startswith("train.policy") for x in lanes) and any(x.startswith("rollout.rollout") for x in lanes)
+    names = set(page.eval_on_selector_all("#timeline rect.span title", "ts => ts.map(t => t.textContent.split('  ')[0])"))
+    assert {"generate", "actor_update", "sample_trajectories"} <= names
+
+
 def count(page) -> int:
     return int(re.match(r"(\d+) trajectories", page.inner_text("#traj-count")).group(1))
 

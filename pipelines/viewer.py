@@ -184,7 +184,10 @@ def render_html(data: dict[str, Any] | None) -> str:
     return page.replace("/*DATA*/null", payload)
 
 
-def _handler(paths: list[str], page: str) -> type[http.server.BaseHTTPRequestHandler]:
+def _handler(paths: list[str], page: str, host: str) -> type[http.server.BaseHTTPRequestHandler]:
+    # a wildcard --host (0.0.0.0, ::) is the user's choice to be reached under any name
+    allowed = None if host.strip("[]") in ("", "0.0.0.0", "::") else {"127.0.0.1", "localhost", "::1",
+                                                                     host.strip("[]").lower()}
     cache: dict[str, Any] = {}
     lock = threading.Lock()
 
@@ -200,7 +203,10 @@ def _handler(paths: list[str], page: str) -> type[http.server.BaseHTTPRequestHan
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             url = urlparse(self.path)
-            if url.path in ("/", "/index.html"):
+            host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]").lower()
+            if allowed is not None and host not in allowed:  # DNS rebinding: a web page's own name resolved to this address
+                self._send(403, b"forbidden host", "text/plain; charset=utf-8")
+            elif url.path in ("/", "/index.html"):
                 self._send(200, page.encode(), "text/html; charset=utf-8")
             elif url.path == "/api/data":
                 since = parse_qs(url.query).get("since", [""])[0]
@@ -234,8 +240,9 @@ class _Server(http.server.ThreadingHTTPServer):
 
 def make_server(paths: Sequence[str | os.PathLike[str]], host: str = "127.0.0.1", port: int = 8765) -> _Server:
     """A server of the page for `paths` (not yet serving; ``serve_forever()``). Raises ``OSError`` when
-    the port is taken."""
-    return _Server((host, port), _handler([str(p) for p in paths], render_html(None)))
+    the port is taken. It answers only requests addressed to this machine by a loopback name or `host`
+    (a page elsewhere cannot read it through a name it re-points here)."""
+    return _Server((host, port), _handler([str(p) for p in paths], render_html(None), host))
 
 
 def serve(paths: Sequence[str | os.PathLike[str]], host: str = "127.0.0.1", port: int = 8765) -> None:

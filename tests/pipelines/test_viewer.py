@@ -94,7 +94,7 @@ def test_inlined_data_cannot_close_its_script_element(tmp_path):
     assert payload["runs"][0]["samples"][0]["response"] == HOSTILE  # the text itself survives
 
 
-def test_the_server_listens_on_loopback_and_answers_unchanged_until_a_file_changes(tmp_path):
+def test_the_server_listens_on_loopback_answers_unchanged_until_a_file_changes_and_refuses_other_hosts(tmp_path):
     run = make_run(tmp_path / "run", steps=2, finished=False)
     srv = viewer.make_server([run], port=0)
     assert srv.server_address[0] == "127.0.0.1"
@@ -113,6 +113,9 @@ def test_the_server_listens_on_loopback_and_answers_unchanged_until_a_file_chang
         assert [len(r["metrics"]) for r in grown["runs"]] == [3]
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(base + "/../metrics.jsonl")
+        rebound = urllib.request.Request(base + "/api/data", headers={"Host": "attacker.example:80"})
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(rebound)
     finally:
         srv.shutdown()
         srv.server_close()

@@ -5,8 +5,9 @@ sampled trajectories), served live or written as one self-contained file.
 
     run dirs ─► load_run (metrics.jsonl, samples.jsonl, trace.json, journal.jsonl) ─► JSON
       ├─ --out FILE.html: the page with its scripts and the JSON inlined (works offline)
-      └─ serve: ThreadingHTTPServer on loopback; GET /  the page, GET /api/data?since=STAMP the JSON
-         (``{"unchanged": true}`` while no file changed; the page polls it, so a live run updates)
+      └─ serve: ThreadingHTTPServer on loopback; GET /  the page, GET /api/data?have=[...] the JSON
+         (what the page lacks: RunFollower reads only the lines appended since; the page polls every
+         2 s, so a live run updates)
 
 The page (``viewer_static/view.html``) draws with the vendored uPlot and plain SVG and renders
 every piece of model output with ``textContent``: a response is untrusted text. Inlined JSON
@@ -21,15 +22,12 @@ import math
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import parse_qs, urlparse
 
-from asyncrl.pipelines.samples import read_samples
-
-__all__ = ["RunError", "RUN_FILES", "describe", "load_run", "load_runs", "make_server", "render_html", "serve", "stamp"]
+__all__ = ["RunError", "RUN_FILES", "describe", "load_run", "load_runs", "make_server", "render_html", "serve", "RunFollower"]
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "trace.json", "journal.jsonl")
 """The files of a run directory the viewer reads (any one makes a directory a run)."""
@@ -40,35 +38,6 @@ MAX_SPANS = 50_000
 
 class RunError(ValueError):
     """Raised when a path given to ``asyncrl view`` is not a run directory."""
-
-
-@dataclass
-class _Status:
-    complete: bool
-    exists: list[str]
-    skipped_metrics: int
-    skipped_samples: int
-
-
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    rows: list[dict[str, Any]] = []
-    bad = 0
-    if not path.exists():
-        return rows, 0
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                bad += 1
-    return rows, bad
 
 
 def _finished(run: Path) -> bool:
@@ -112,26 +81,135 @@ def _plain(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+class _Lines:
+    """The complete lines appended to one JSON-lines file since the last read (a partial last line waits
+    for its newline: the writer may be in the middle of it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.pending = 0
+        """Bytes after the last newline (a line being written, or torn)."""
+        self.skipped = 0
+
+    def read(self) -> tuple[list[dict[str, Any]], bool]:
+        """New rows, and whether the file shrank (rewritten: a resumed run drops the steps it redoes)."""
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return [], False
+        reset = size < self.offset
+        if reset:
+            self.offset, self.skipped = 0, 0
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        self.pending = len(data) - end
+        rows = []
+        for line in data[:end].decode("utf-8", "replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                self.skipped += 1
+        return rows, reset
+
+
+class RunFollower:
+    """One run directory, read incrementally: each :meth:`refresh` parses only what was appended.
+
+    Raises :class:`RunError` when the path holds none of :data:`RUN_FILES`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.run = Path(path)
+        if not self.run.is_dir():
+            raise RunError(f"{self.run} is not a directory; pass a run directory (a trainer.output_dir)")
+        if not any((self.run / f).exists() for f in RUN_FILES):
+            raise RunError(f"{self.run} is not a run: it has none of {', '.join(RUN_FILES)}; pass a run directory "
+                           "(a trainer.output_dir)")
+        self.epoch = 0
+        """Goes up when a file was rewritten (what the page holds must be replaced, not extended)."""
+        self._metrics = _Lines(self.run / "metrics.jsonl")
+        self._samples = _Lines(self.run / "samples.jsonl")
+        self.metrics: list[dict[str, Any]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.samples: list[dict[str, Any]] = []
+        self.bad_samples = 0
+        self.trace: dict[str, Any] = {"tracks": [], "spans": []}
+        self.trace_stamp = ""
+        self.complete = False
+
+    def refresh(self) -> None:
+        """Read what was appended since the last refresh (and trace.json when it changed)."""
+        rows, reset_m = self._metrics.read()
+        samples, reset_s = self._samples.read()
+        if reset_m or reset_s:  # start over: both files, so steps and trajectories stay one run
+            self.epoch += 1
+            self._metrics.offset = self._samples.offset = 0
+            self._metrics.skipped = self._samples.skipped = 0
+            self.metrics, self.evals, self.samples, self.bad_samples = [], [], [], 0
+            rows, _ = self._metrics.read()
+            samples, _ = self._samples.read()
+        for r in rows:
+            plain = {k: _plain(v) for k, v in r.items()}
+            if r.get("kind") == "eval":
+                self.evals.append(plain)
+            elif "step" in r:
+                self.metrics.append(plain)
+        for r in samples:
+            if isinstance(r.get("tokens"), dict) and "step" in r:
+                self.samples.append(r)
+            else:
+                self.bad_samples += 1
+        trace = self.run / "trace.json"
+        try:
+            st = trace.stat()
+            ts = f"{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            ts = ""
+        if ts != self.trace_stamp:
+            self.trace_stamp = ts
+            self.trace = _spans(trace) if ts else {"tracks": [], "spans": []}
+        self.complete = _finished(self.run)
+
+    def status(self) -> dict[str, Any]:
+        """What exists, whether the run ended, and the lines skipped (a finished run's partial last line
+        is torn: it counts)."""
+        torn = self.complete
+        return {
+            "complete": self.complete, "exists": [f for f in RUN_FILES if (self.run / f).exists()],
+            "skipped_metrics": self._metrics.skipped + int(torn and self._metrics.pending > 0),
+            "skipped_samples": self._samples.skipped + self.bad_samples + int(torn and self._samples.pending > 0),
+        }
+
+    def snapshot(self, have: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The run for the page: everything, or (`have`: the ``epoch``, the counts ``m``, ``e``, ``s`` of
+        metrics, evaluation and sample rows, and the trace stamp ``t`` the page holds) what it lacks."""
+        base = {"name": self.run.resolve().name, "path": str(self.run), "epoch": self.epoch,
+                "status": self.status(), "trace_stamp": self.trace_stamp}
+        if have is None or have.get("epoch") != self.epoch:
+            return {**base, "mode": "full", "metrics": self.metrics, "evals": self.evals, "samples": self.samples,
+                    "trace": self.trace}
+        out = {**base, "mode": "append", "metrics": self.metrics[int(have.get("m", 0)):],
+               "evals": self.evals[int(have.get("e", 0)):], "samples": self.samples[int(have.get("s", 0)):]}
+        if have.get("t") != self.trace_stamp:
+            out["trace"] = self.trace
+        return out
+
+
 def load_run(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Everything the page shows of one run directory. Raises :class:`RunError` when `path` holds
     none of :data:`RUN_FILES`."""
-    run = Path(path)
-    if not run.is_dir():
-        raise RunError(f"{run} is not a directory; pass a run directory (a trainer.output_dir)")
-    exists = [f for f in RUN_FILES if (run / f).exists()]
-    if not exists:
-        raise RunError(f"{run} is not a run: it has none of {', '.join(RUN_FILES)}; pass a run directory "
-                       "(a trainer.output_dir)")
-    rows, bad_m = _read_jsonl(run / "metrics.jsonl")
-    train = [{k: _plain(v) for k, v in r.items()} for r in rows if r.get("kind") != "eval" and "step" in r]
-    evals = [{k: _plain(v) for k, v in r.items()} for r in rows if r.get("kind") == "eval"]
-    samples, bad_s = read_samples(run / "samples.jsonl")
-    status = _Status(_finished(run), exists, bad_m, bad_s)
-    return {
-        "name": run.resolve().name, "path": str(run), "metrics": train, "evals": evals, "samples": samples,
-        "trace": _spans(run / "trace.json") if (run / "trace.json").exists() else {"tracks": [], "spans": []},
-        "status": status.__dict__,
-    }
+    f = RunFollower(path)
+    f.refresh()
+    return f.snapshot()
 
 
 def load_runs(paths: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
@@ -149,19 +227,6 @@ def describe(run: dict[str, Any]) -> str:
     skipped = [f"{n} unreadable {f} line{'s' if n != 1 else ''} skipped"
                for f, n in (("metrics.jsonl", st["skipped_metrics"]), ("samples.jsonl", st["skipped_samples"])) if n]
     return "; ".join(have + skipped)
-
-
-def stamp(paths: Sequence[str | os.PathLike[str]]) -> str:
-    """Changes whenever a file the page shows changes (size and modification time)."""
-    parts = []
-    for p in paths:
-        for f in RUN_FILES:
-            try:
-                s = (Path(p) / f).stat()
-                parts.append(f"{s.st_size}:{s.st_mtime_ns}")
-            except OSError:
-                parts.append("-")
-    return ".".join(parts)
 
 
 def _static(name: str) -> str:
@@ -184,11 +249,10 @@ def render_html(data: dict[str, Any] | None) -> str:
     return page.replace("/*DATA*/null", payload)
 
 
-def _handler(paths: list[str], page: str, host: str) -> type[http.server.BaseHTTPRequestHandler]:
+def _handler(followers: list[RunFollower], page: str, host: str) -> type[http.server.BaseHTTPRequestHandler]:
     # a wildcard --host (0.0.0.0, ::) is the user's choice to be reached under any name
     allowed = None if host.strip("[]") in ("", "0.0.0.0", "::") else {"127.0.0.1", "localhost", "::1",
                                                                      host.strip("[]").lower()}
-    cache: dict[str, Any] = {}
     lock = threading.Lock()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -203,26 +267,24 @@ def _handler(paths: list[str], page: str, host: str) -> type[http.server.BaseHTT
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             url = urlparse(self.path)
-            host = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]").lower()
-            if allowed is not None and host not in allowed:  # DNS rebinding: a web page's own name resolved to this address
+            name = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]").lower()
+            if allowed is not None and name not in allowed:  # DNS rebinding: another site's name pointed here
                 self._send(403, b"forbidden host", "text/plain; charset=utf-8")
             elif url.path in ("/", "/index.html"):
                 self._send(200, page.encode(), "text/html; charset=utf-8")
             elif url.path == "/api/data":
-                since = parse_qs(url.query).get("since", [""])[0]
-                with lock:
-                    now = stamp(paths)
-                    if since == now:
-                        body = b'{"unchanged":true}'
-                    else:
-                        if cache.get("stamp") != now:
-                            try:
-                                data = load_runs(paths)
-                            except RunError as e:  # a run directory removed while served
-                                data = {"error": str(e), "runs": []}
-                            cache.update(stamp=now, body=json.dumps({"stamp": now, **data}, ensure_ascii=False,
-                                                                    separators=(",", ":")).encode())
-                        body = cache["body"]
+                try:
+                    have = json.loads(parse_qs(url.query).get("have", ["null"])[0])
+                except ValueError:
+                    have = None
+                if not isinstance(have, list) or len(have) != len(followers):
+                    have = [None] * len(followers)
+                with lock:  # one refresh at a time: the followers' offsets are shared
+                    runs = []
+                    for f, h in zip(followers, have):
+                        f.refresh()
+                        runs.append(f.snapshot(h if isinstance(h, dict) else None))
+                    body = json.dumps({"runs": runs}, ensure_ascii=False, separators=(",", ":")).encode()
                 self._send(200, body, "application/json; charset=utf-8")
             else:
                 self._send(404, b"not found", "text/plain; charset=utf-8")
@@ -242,7 +304,7 @@ def make_server(paths: Sequence[str | os.PathLike[str]], host: str = "127.0.0.1"
     """A server of the page for `paths` (not yet serving; ``serve_forever()``). Raises ``OSError`` when
     the port is taken. It answers only requests addressed to this machine by a loopback name or `host`
     (a page elsewhere cannot read it through a name it re-points here)."""
-    return _Server((host, port), _handler([str(p) for p in paths], render_html(None), host))
+    return _Server((host, port), _handler([RunFollower(p) for p in paths], render_html(None), host))
 
 
 def serve(paths: Sequence[str | os.PathLike[str]], host: str = "127.0.0.1", port: int = 8765) -> None:

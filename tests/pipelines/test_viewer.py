@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -94,7 +96,11 @@ def test_inlined_data_cannot_close_its_script_element(tmp_path):
     assert payload["runs"][0]["samples"][0]["response"] == HOSTILE  # the text itself survives
 
 
-def test_the_server_listens_on_loopback_answers_unchanged_until_a_file_changes_and_refuses_other_hosts(tmp_path):
+def get(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url).read())
+
+
+def test_the_server_listens_on_loopback_sends_only_what_the_page_lacks_and_refuses_other_hosts(tmp_path):
     run = make_run(tmp_path / "run", steps=2, finished=False)
     srv = viewer.make_server([run], port=0)
     assert srv.server_address[0] == "127.0.0.1"
@@ -103,14 +109,25 @@ def test_the_server_listens_on_loopback_answers_unchanged_until_a_file_changes_a
     try:
         page = urllib.request.urlopen(base + "/").read().decode()
         assert "uPlot" in page and "/*DATA*/" not in page
-        first = json.loads(urllib.request.urlopen(base + "/api/data").read())
-        assert [len(r["metrics"]) for r in first["runs"]] == [2]
-        again = json.loads(urllib.request.urlopen(base + "/api/data?since=" + first["stamp"]).read())
-        assert again == {"unchanged": True}
+        (first,) = get(base + "/api/data")["runs"]
+        assert first["mode"] == "full" and len(first["metrics"]) == 2 and len(first["samples"]) == 4
+        have = [{"epoch": first["epoch"], "m": 2, "e": 0, "s": 4, "t": first["trace_stamp"]}]
+        query = base + "/api/data?have=" + urllib.parse.quote(json.dumps(have))
+        (same,) = get(query)["runs"]
+        assert (same["mode"], same["metrics"], same["samples"], "trace" in same) == ("append", [], [], False)
         with (run / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"step": 2, "reward/mean": 0.5}) + "\n")
-        grown = json.loads(urllib.request.urlopen(base + "/api/data?since=" + first["stamp"]).read())
-        assert [len(r["metrics"]) for r in grown["runs"]] == [3]
+            f.write('{"step": 3, "rew')  # being written: not a row yet, not skipped
+            f.flush()
+            (grown,) = get(query)["runs"]
+            assert [r["step"] for r in grown["metrics"]] == [2] and grown["status"]["skipped_metrics"] == 0
+            f.write('ard/mean": 0.7}\n')
+        have[0]["m"] = 3
+        (more,) = get(base + "/api/data?have=" + urllib.parse.quote(json.dumps(have)))["runs"]
+        assert [r["step"] for r in more["metrics"]] == [3]
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.0}) + "\n")  # a resume rewrote it
+        (again,) = get(query)["runs"]
+        assert again["mode"] == "full" and again["epoch"] == first["epoch"] + 1 and len(again["metrics"]) == 1
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(base + "/../metrics.jsonl")
         rebound = urllib.request.Request(base + "/api/data", headers={"Host": "attacker.example:80"})

@@ -1,5 +1,6 @@
-"""``asyncrl train`` (the main job), ``asyncrl replay`` (re-run a run from its journal) and ``asyncrl export``
-(a run's policy as a Hugging Face model directory).
+"""``asyncrl train`` (the main job), ``asyncrl replay`` (re-run a run from its journal), ``asyncrl export``
+(a run's policy as a Hugging Face model directory) and ``asyncrl view`` (a page of a run's curves, timeline
+and sampled trajectories).
 
 ::
 
@@ -8,6 +9,7 @@
     asyncrl train --resume runs/grpo_toy           # continue that run, in that directory
     asyncrl replay runs/grpo_toy                   # the same run again from its journal, bit for bit
     asyncrl export runs/grpo_toy --out policy_hf   # the trained policy as a Hugging Face model directory
+    asyncrl view runs/grpo_toy                     # its curves, timeline and trajectories at http://127.0.0.1:8765/
 
 Every setting is checked (unknown keys, impossible values, unregistered reward functions
 and engines, missing paths, a resume from another config, corrupt checkpoint files)
@@ -72,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true", help="overwrite DIR when it exists and is not empty")
     e.add_argument("--adapter", action="store_true", help="a LoRA run: write its peft adapter (adapter_config.json, "
                                                           "adapter_model.safetensors) instead of the merged model")
+    v = sub.add_parser("view", help="look at runs: metric curves, the overlap timeline and sampled trajectories",
+                       description="Serve a page of one or more runs on this machine (it updates while a run "
+                                   "trains), or write it as one self-contained HTML file with --out.")
+    v.add_argument("runs", nargs="+", metavar="RUN", help="run directories (their trainer.output_dir)")
+    v.add_argument("--out", metavar="FILE.html", help="write the page to FILE.html (works offline) instead of serving")
+    v.add_argument("--port", type=int, default=8765, help="port to serve on (default 8765; 0 picks a free one)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; the page shows model output)")
     return p
 
 
@@ -107,7 +117,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _replay(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "view":
+        return _view(args)
     return _train(args)
+
+
+def _view(args: argparse.Namespace) -> int:
+    """``asyncrl view``: exit 0 after writing --out or when the server is stopped; 2 on a path that is not
+    a run, or a port that is taken."""
+    import errno
+
+    from asyncrl.pipelines import viewer
+
+    try:
+        data = viewer.load_runs(args.runs)
+    except viewer.RunError as e:
+        _say("asyncrl view", str(e))
+        return 2
+    for path, run in zip(args.runs, data["runs"]):
+        st = run["status"]
+        if not st["complete"] or st["skipped_metrics"] or st["skipped_samples"]:
+            state = "is still being written" if not st["complete"] else "has unreadable lines"
+            _say("asyncrl view", f"{path} {state}; showing what exists: {viewer.describe(run)}")
+    if args.out is not None:
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(viewer.render_html(data), encoding="utf-8")
+        except OSError as e:
+            _say("asyncrl view", f"cannot write {out}: {e.strerror or e}; pass another --out")
+            return 2
+        print(f"asyncrl view: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); open it in a browser", file=sys.stderr)
+        return 0
+    try:
+        viewer.serve(args.runs, host=args.host, port=args.port)
+    except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            _say("asyncrl view", f"cannot listen on {args.host}:{args.port} ({e.strerror}); "
+                                 "pass another port with --port N (0 picks a free one)")
+            return 2
+        raise
+    return 0
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:

@@ -10,6 +10,7 @@ a function returning a :class:`JobConfig` (see :mod:`asyncrl.pipelines.presets`)
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,9 @@ from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.evaluation import EvalConfig
 from asyncrl.pipelines.sampling import FilterGroupsConfig
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
+
+LOGGERS = ("wandb",)
+"""Names ``trainer.loggers`` accepts."""
 
 __all__ = [
     "AlgorithmConfig",
@@ -207,6 +211,17 @@ class TrainerConfig:
     """Show a progress bar."""
     tensorboard: bool = True
     """Also write TensorBoard scalars when ``torch.utils.tensorboard`` works."""
+    loggers: list[str] = field(default_factory=list)
+    """More metric sinks beside ``metrics.jsonl`` (and TensorBoard, ``tensorboard``): ``"wandb"`` logs every
+    step and evaluation row to Weights & Biases (needs the ``wandb`` package), project ``wandb_project``, run
+    name the output directory's, files under ``<output_dir>/wandb``. Offline unless ``WANDB_MODE`` says
+    otherwise (``WANDB_MODE=online`` and a login upload it; ``wandb sync`` uploads an offline run later)."""
+    wandb_project: str = "asyncrl"
+    """The W&B project of ``loggers=["wandb"]``."""
+    samples_per_step: int = 4
+    """Trajectories of each step's training batch written to ``samples.jsonl`` (whole prompt groups, drawn
+    at random; per token the id, text, mask, version, log-probs and advantage; ``asyncrl view`` shows
+    them). 0 = none."""
     stage_timeout_s: float | None = None
     """Deadline of every stage call (generate, score, log-probs, updates, weight sync, checkpoint
     save/load), counted from when the call is issued; a stage past it fails with
@@ -405,6 +420,15 @@ class JobConfig:
                     f"the {name} pool has {n} workers but a step has {self.prompts_per_step} prompts; "
                     "prompts per step must divide evenly so every GRPO group stays on one worker"
                 )
+        unknown = [x for x in t.loggers if x not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.loggers: unknown logger {unknown[0]!r}; choose from {list(LOGGERS)} "
+                              "(metrics.jsonl is always written; TensorBoard is trainer.tensorboard)")
+        if "wandb" in t.loggers and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("trainer.loggers=['wandb'] needs the wandb package: pip install wandb "
+                              "(or drop it from trainer.loggers)")
+        if t.samples_per_step < 0:
+            raise ConfigError(f"trainer.samples_per_step={t.samples_per_step}: must be >= 0 (0 writes no samples.jsonl)")
         if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
             raise ConfigError("trainer.checkpoint_every must be >= 0 and trainer.keep_checkpoints >= 1")
         if t.checkpoint_every_s is not None and not (t.checkpoint_every_s > 0 and math.isfinite(t.checkpoint_every_s)):
@@ -599,7 +623,7 @@ class JobConfig:
 _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every", "trainer.checkpoint_at_end",
                 "trainer.checkpoint_every_s",
                 "trainer.keep_checkpoints", "trainer.trace", "trainer.plot", "trainer.progress", "trainer.tensorboard",
-                "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.rollout_timeout_s", "trainer.restart.max_restarts",
+                "trainer.samples_per_step", "trainer.loggers", "trainer.wandb_project", "trainer.num_cpus", "trainer.stage_timeout_s", "trainer.rollout_timeout_s", "trainer.restart.max_restarts",
                 "trainer.restart.on_timeout", "trainer.restart.replace_stateless", "evaluation.every",
                 "evaluation.at_start", "evaluation.at_end",
                 "evaluation.num_prompts", "evaluation.seed", "evaluation.max_new_tokens", "evaluation.num_samples",

@@ -1,11 +1,13 @@
-"""Metric sinks: JSON lines always, TensorBoard when it is installed."""
+"""Metric sinks: JSON lines always, TensorBoard when it is installed, Weights & Biases when asked
+(``trainer.loggers=["wandb"]``, offline unless ``WANDB_MODE`` says otherwise)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import structlog
 
@@ -22,9 +24,15 @@ class MetricsWriter:
         tensorboard: also write TensorBoard event files when ``torch.utils.tensorboard`` imports.
         start_step: on resume, lines of steps at or after it are dropped from an existing file
             so the file reads as one run.
+        loggers: more sinks (``"wandb"``).
+        wandb_project: the W&B project.
+        config: the run's config as a dict (W&B shows it with the run).
+        wandb_id: the W&B run to continue (after a restart), else a new one.
     """
 
-    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, start_step: int = 0) -> None:
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, start_step: int = 0,
+                 loggers: Sequence[str] = (), wandb_project: str = "asyncrl",
+                 config: Mapping[str, Any] | None = None, wandb_id: str | None = None) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -40,22 +48,39 @@ class MetricsWriter:
                 self._tb = SummaryWriter(str(self.dir / "tensorboard"))
             except Exception:  # tensorboard is optional
                 self._tb = None
+        self._wandb: Any = None
+        if "wandb" in loggers:
+            import wandb
+
+            # offline unless the user's environment says otherwise: a run never reaches the network unasked
+            mode: Any = os.environ.get("WANDB_MODE", "offline")
+            self._wandb = wandb.init(project=wandb_project, name=self.dir.resolve().name, dir=str(self.dir),
+                                     mode=mode, config=dict(config or {}), id=wandb_id, resume="allow",
+                                     settings=wandb.Settings(silent=True, console="off"))
+        self.wandb_id: str | None = self._wandb.id if self._wandb is not None else None
+        """The W&B run's id (a restart reopens the sinks and continues that run)."""
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record `metrics` of `step`."""
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
+        scalars = {k: v for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
         if self._tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         """Flush and close the sinks."""
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _step_of(line: str) -> float:

@@ -1,17 +1,22 @@
-"""Where a run's results go: the metrics sinks, the progress bar and the log line of each step,
-and, when the run ends, the trace and the plot (an observer of the train loop)."""
+"""Where a run's results go: the metrics sinks, the sampled trajectories, the progress bar and the
+log line of each step, and, when the run ends, the trace and the plot (an observer of the train loop)."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, Awaitable
 
 import anyio.to_thread
 import structlog
 
+from asyncrl.pipelines import stages
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.metrics import MetricsWriter
+from asyncrl.pipelines.samples import SamplesWriter
 
 if TYPE_CHECKING:
+    from asyncrl.pipelines.stages import Groups
     from asyncrl.pipelines.trainer import Trainer
 
 __all__ = ["RunReport"]
@@ -20,22 +25,37 @@ log = structlog.get_logger("asyncrl.pipelines")
 
 
 class RunReport:
-    """Writes each step's metrics (``metrics.jsonl``, TensorBoard), shows progress, and writes
-    ``trace.json`` and ``report.png`` at the end; never changes what the loops do."""
+    """Writes each step's metrics (``metrics.jsonl``, TensorBoard) and sampled trajectories
+    (``samples.jsonl``), shows progress, and writes ``trace.json`` and ``report.png`` at the end;
+    never changes what the loops do."""
 
     def __init__(self, trainer: "Trainer") -> None:
         self._trainer = trainer
         self.metrics: MetricsWriter | None = None
         """The open metrics sinks (between setup and close)."""
+        self.sampler: SamplesWriter | None = None
+        """The open ``samples.jsonl`` (``trainer.samples_per_step`` > 0)."""
+        self._wandb_id: str | None = None
         self.bar: Any = None
         """The progress bar of the ``fit`` in progress (``trainer.progress``)."""
 
     async def open(self) -> None:
         """(Re)open the metrics sinks at the loop state's first step (a restored run rewrites what follows)."""
         tr = self._trainer
-        self.close()
+        await anyio.to_thread.run_sync(self.close)
+        t = tr.config.trainer
         self.metrics = await anyio.to_thread.run_sync(lambda: MetricsWriter(
-            tr.output_dir, tensorboard=tr.config.trainer.tensorboard, start_step=tr.state.start_step))
+            tr.output_dir, tensorboard=t.tensorboard, start_step=tr.state.start_step, loggers=t.loggers,
+            wandb_project=t.wandb_project, config=to_dict(tr.config), wandb_id=self._wandb_id))
+        self._wandb_id = self.metrics.wandb_id if self.metrics is not None else None
+        if tr.config.trainer.samples_per_step > 0:
+            self.sampler = await anyio.to_thread.run_sync(self._open_samples)
+
+    def _open_samples(self) -> SamplesWriter:
+        from asyncrl.roles.models import tokenizer_for
+
+        tr = self._trainer
+        return SamplesWriter(tr.output_dir, tokenizer_for(tr.config.model), start_step=tr.state.start_step)
 
     def start(self) -> None:
         """A progress bar for the steps ``fit`` is about to run (when ``trainer.progress``)."""
@@ -67,6 +87,30 @@ class RunReport:
                  staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
                  pg_loss=round(metrics.get("actor/pg_loss", math.nan), 4))
 
+    def sample(self, g: "Groups", train_batch: Any, step: int, policy_version: int) -> Any:
+        """Issue the cut of step `step`'s ``trainer.samples_per_step`` trajectories from its merged training
+        batch (a call on the advantage worker, traced); None when the run samples none."""
+        tr = self._trainer
+        n = tr.config.trainer.samples_per_step
+        if n == 0:
+            return None
+        call = stages.sample_trajectories(g, train_batch, n=n, seed=tr.config.trainer.seed * 1_000_003 + step,
+                                          policy_version=policy_version)
+        return tr.tracer.watch(call, "sample_trajectories", step=step)
+
+    async def samples(self, step: int, rows: Awaitable[list[dict[str, Any]]]) -> float:
+        """Write step `step`'s sampled trajectories (awaited here, decoded and written in a thread); returns
+        the seconds the train loop spent on them (``time/samples``)."""
+        t0 = time.perf_counter()
+        try:
+            got = await rows
+            if self.sampler is not None:
+                await anyio.to_thread.run_sync(self.sampler.write, step, got)
+        except Exception as e:  # an observation: a failure to record samples never stops the run
+            log.warning("samples.failed", step=step, error=repr(e))
+            return math.nan
+        return time.perf_counter() - t0
+
     def evaluation(self, version: int, row: dict[str, Any]) -> None:
         """An evaluation of `version` (its step: steps done = version)."""
         if self.metrics is not None:
@@ -92,7 +136,11 @@ class RunReport:
             log.warning("report.failed", error=repr(e))
 
     def close(self) -> None:
-        """Close the metrics sinks (idempotent)."""
+        """Close the metrics sinks (idempotent; with W&B, blocks while it finishes its run: the trainer's
+        ``close`` calls it once, at the end, where every path must reach it)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None

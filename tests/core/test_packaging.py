@@ -32,6 +32,9 @@ def test_the_wheel_holds_every_module_and_imports_outside_the_repository(tmp_pat
                 for top in LAYOUT for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
     assert sorted(expected - shipped) == [], "modules missing from the wheel"
     assert "asyncrl/roles/engines/hf.py" in shipped
+    static = {n for n in zipfile.ZipFile(wheel).namelist() if "/viewer_static/" in n}
+    assert {f"asyncrl/pipelines/viewer_static/{f}" for f in ("view.html", "uPlot.iife.min.js", "uPlot.min.css",
+                                                              "NOTICE", "uPlot.LICENSE")} <= static
 
     site = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
@@ -40,7 +43,8 @@ def test_the_wheel_holds_every_module_and_imports_outside_the_repository(tmp_pat
         import sys
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
         sys.path.insert(0, {str(site)!r})
-        import asyncrl, asyncrl.roles.engines.hf, asyncrl.pipelines.trainer
+        import asyncrl, asyncrl.roles.engines.hf, asyncrl.pipelines.trainer, asyncrl.pipelines.viewer
+        assert "uPlot" in asyncrl.pipelines.viewer.render_html(None)  # the page's package data is installed
         print(asyncrl.__file__, asyncrl.roles.engines.hf.__file__, asyncrl.pipelines.trainer.__file__)
     """)
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -98,9 +98,14 @@ class RunReport:
                                           policy_version=policy_version)
         return tr.tracer.watch(call, "sample_trajectories", step=step)
 
-    async def samples(self, step: int, rows: Awaitable[list[dict[str, Any]]]) -> float:
+    async def samples(self, step: int, rows: Awaitable[list[dict[str, Any]]] | None) -> dict[str, float]:
         """Write step `step`'s sampled trajectories (awaited here, decoded and written in a thread); returns
-        the seconds the train loop spent on them (``time/samples``)."""
+        ``{"time/samples": seconds the train loop spent on them}`` ({} when the step samples none)."""
+        if rows is None:
+            return {}
+        return {"time/samples": await self._write_samples(step, rows)}
+
+    async def _write_samples(self, step: int, rows: Awaitable[list[dict[str, Any]]]) -> float:
         t0 = time.perf_counter()
         try:
             got = await rows

@@ -57,8 +57,7 @@ import structlog
 
 import asyncrl
 from asyncrl.resources import AsyncResource
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines import stages
+from asyncrl.pipelines import checkpoint as ckpt, stages
 from asyncrl.pipelines.buffer import StalenessBuffer
 from asyncrl.pipelines.build import Workers, build_data, build_groups, build_rollout_part
 from asyncrl.pipelines.checkpointing import Checkpointer
@@ -367,8 +366,7 @@ class Trainer(AsyncResource):
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))
         metrics.update(stages.mean_metrics(await act, "actor"))
-        if samples is not None:  # done by now: cut on the advantage worker before the update ran
-            metrics["time/samples"] = await self.report.samples(step, samples)
+        metrics.update(await self.report.samples(step, samples))  # done by now: cut before the update ran
         s.policy_version += 1
         stats = s.buffer.statistics()
         metrics.update({

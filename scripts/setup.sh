@@ -32,7 +32,8 @@ case ",$extras," in
   *,test,*)
     if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
       SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-      $SUDO apt-get install -y -q chromium >/dev/null || echo "chromium not installed: the browser tests will skip"
+      { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; } \
+        || echo "chromium not installed: the browser tests will skip"
     fi ;;
 esac
 echo "asyncrl is installed in .venv ($(.venv/bin/python -c 'import asyncrl; print(asyncrl.__version__)'))"

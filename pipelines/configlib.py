@@ -36,6 +36,25 @@ def _unknown(path: str, key: str, valid: Sequence[str]) -> ConfigError:
     return ConfigError(f"unknown config key {where!r}{hint} (valid keys here: {', '.join(sorted(valid))})")
 
 
+def _kinds(options: Sequence[Any]) -> str:
+    """``"an integer, a string or null"``: what a union annotation accepts, in words."""
+    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    names = []
+    for o in options:
+        if typing.get_origin(o) is typing.Literal:
+            names.append("one of " + ", ".join(repr(a) for a in typing.get_args(o)))
+        elif o in words:
+            names.append(words[o])
+        elif typing.get_origin(o) in (list, tuple, Sequence) or o in (list, tuple):
+            names.append("a list")
+        elif typing.get_origin(o) is dict or o is dict:
+            names.append("a mapping")
+        else:
+            names.append(getattr(o, "__name__", str(o)))
+    names = sorted(set(names), key=names.index)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def _coerce(path: str, tp: Any, value: Any) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -52,7 +71,7 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
                 return _coerce(path, opt, value)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{path}: {value!r} matches none of {tp}")
+        raise ConfigError(f"{path} must be {_kinds(options)}, got {value!r}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
         if isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed):

@@ -36,6 +36,7 @@ class RunReport:
         self.sampler: SamplesWriter | None = None
         """The open ``samples.jsonl`` (``trainer.samples_per_step`` > 0)."""
         self._wandb_id: str | None = None
+        self._warned_no_sampler = False
         self.bar: Any = None
         """The progress bar of the ``fit`` in progress (``trainer.progress``)."""
 
@@ -93,6 +94,13 @@ class RunReport:
         tr = self._trainer
         n = tr.config.trainer.samples_per_step
         if n == 0:
+            return None
+        if not hasattr(g.advantage, "sample_trajectories"):  # an advantage class of one's own without the cut
+            if not self._warned_no_sampler:
+                log.warning("samples.skipped", reason=f"the advantage worker ({getattr(g.advantage, 'cls', '?')}) "
+                            "has no sample_trajectories method; subclass asyncrl.pipelines.AdvantageWorker to get "
+                            "samples.jsonl, or set trainer.samples_per_step=0")
+                self._warned_no_sampler = True
             return None
         call = stages.sample_trajectories(g, train_batch, n=n, seed=tr.config.trainer.seed * 1_000_003 + step,
                                           policy_version=policy_version)

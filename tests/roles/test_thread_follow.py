@@ -153,9 +153,11 @@ def test_follow_is_a_no_op_on_a_gpu_and_for_other_settings(restore_threads):
 def test_bad_thread_settings_are_refused_with_the_choices(bad, restore_threads):
     cfg = tiny_test()
     cfg.model.num_threads = bad
-    with pytest.raises(ConfigError, match=r"model\.num_threads must be null \(the worker's CPU share\), 0 \(every "
-                       r"core of the machine\), 'follow' \(the machine's cores split among the workers busy now\) "
-                       r"or a positive integer, got " + repr(bad).replace(".", r"\.")):
+    wrong_type = isinstance(bad, (bool, float))  # caught by the type check of every key, before the choices
+    with pytest.raises(ConfigError, match=(r"model\.num_threads must be an integer, a string or null, got " if wrong_type
+                                           else r"model\.num_threads must be null \(the worker's CPU share\), 0 \(every "
+                                           r"core of the machine\), 'follow' \(the machine's cores split among the workers "
+                                           r"busy now\) or a positive integer, got ") + repr(bad).replace(".", r"\.")):
         cfg.validate()
     if not isinstance(bad, bool):
         with pytest.raises(ValueError, match=r"num_threads must be None .*'follow' .* got " + repr(bad).replace(".", r"\.")):

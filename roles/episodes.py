@@ -159,6 +159,11 @@ class LLM:
         self.max_response_tokens = max_response_tokens
         self._calls = 0
 
+    @property
+    def submit(self) -> Callable[[list[int], SamplingParams], Awaitable[Generation]]:
+        """The engine's request call this client samples with (the gateway serves agents over it)."""
+        return self._submit
+
     def start(self, sample: Sample) -> Trajectory:
         """An empty trajectory of `sample` with this rollout's length limit."""
         return Trajectory(prompt_ids=list(sample.prompt_ids), max_response_tokens=self.max_response_tokens)

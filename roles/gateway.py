@@ -170,8 +170,9 @@ class Gateway:
         submit: the engine's request call, ``submit(prompt_ids, params) -> Generation`` (the rollout
             worker's ``_request_engine()``: every token keeps its log-prob and weight version).
         tokenizer: the rollout's tokenizer (its chat template renders messages and ``tools``).
-        params: the trainer's sampling settings; they win over the client's (both are recorded in
-            each turn of the row: ``turns[i]["client"]`` and ``turns[i]["used"]``).
+        params: the trainer's sampling settings; they win over the client's: its temperature, top-p and
+            top-k always, its ``max_new_tokens`` as the most tokens a request gets (a client's smaller
+            ``max_tokens`` is kept). Both are recorded in each turn: ``turns[i]["client"]``, ``["used"]``.
         max_response_tokens: most tokens after a row's prompt (model and new-message tokens).
         context_length: most tokens of prompt + response the model takes (None: unchecked).
         host, port: where to listen (loopback by default; port 0 picks a free one).
@@ -254,6 +255,11 @@ class Gateway:
         finally:
             self._task = None
 
+    def request_stop(self) -> None:
+        """Ask the server to stop without waiting (a synchronous shutdown path); :meth:`close` awaits it."""
+        if self._server is not None:
+            self._server.should_exit = True
+
     async def __aenter__(self) -> Gateway:
         await self.start()
         return self
@@ -281,10 +287,14 @@ class Gateway:
         return info
 
     def close_session(self, session_id: str) -> list[Trajectory]:
-        """Close a session (its later requests get 410) and return its rows, in order."""
+        """Close a session (its later requests get 410) and return its rows, in order (the gateway keeps
+        only the session's key and :class:`SessionStats`)."""
         s = self._session(session_id)
+        if s.closed:
+            raise RuntimeError(f"session {session_id!r} is already closed; its rows were returned then")
         s.closed = True
-        return [r.traj for r in s.rows]
+        rows, s.rows = [r.traj for r in s.rows], []
+        return rows
 
     def session_stats(self, session_id: str) -> SessionStats:
         """What session `session_id` did so far."""
@@ -343,7 +353,7 @@ class Gateway:
                 raise _HTTPError(410, f"session {s.info.id!r} is closed", "session_closed")
             row = self._row_for(s, text)
             before, turns = len(row.traj.context_ids), len(row.traj.turns)
-            n = self.params.max_new_tokens
+            n = min(self.params.max_new_tokens, req.max_completion_tokens or req.max_tokens or 1 << 30)
             if self.context_length is not None:
                 n = min(n, self.context_length - before)
             gen = await s.llm.generate(row.traj, max_new_tokens=max(n, 0))

@@ -133,6 +133,10 @@ async def test_the_trainers_temperature_wins_over_the_clients_and_both_are_recor
         assert row.turns[0]["used"] == {"temperature": 0.0, "max_new_tokens": GEN, "top_p": 1.0}
         assert len(row.model_ids()) <= GEN
     assert outs[0] == outs[1]  # the trainer's greedy decoding, whatever the client asked
+    info = gw.open_session("short")  # a client's smaller max_tokens is kept (the trainer's is the cap)
+    await client(info).chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+    (row,) = gw.close_session("short")
+    assert row.turns[0]["used"]["max_new_tokens"] == 2 and len(row.model_ids()) <= 2
 
 
 async def test_a_request_without_its_sessions_key_gets_401_and_a_closed_session_410(served):
@@ -299,3 +303,43 @@ async def test_malformed_requests_each_get_a_4xx_and_a_concurrent_session_comple
     assert finish in ("stop", "length") and rows == 1 and gw.session_stats("good").requests == 3 and gw.session_stats("good").prefix_breaks == 0
     assert len(statuses) == 200 and set(statuses) == {400, 401, 404, 405, 410, 413}
     assert gw.statistics()["rejected"] - rejected == 200
+
+
+# ---- rollout.agent: the user's agent as the episode of a row --------------------------------------
+
+AGENTS = os.path.join(os.path.dirname(__file__), "gateway_agent.py")
+
+
+async def test_an_agent_file_runs_per_row_against_the_workers_gateway_and_packs_its_rows(prompt_batch):
+    cfg = ModelConfig(seed=0, tokenizer="qwen2", device=os.environ.get("ASYNCRL_TEST_DEVICE", "cpu"),
+                      dtype="float32", autocast="off")
+    rollout = RolloutWorker(cfg, RolloutConfig(max_new_tokens=24, agent=f"{AGENTS}:two_turns"))
+    try:
+        out = await rollout.generate_episodes(prompt_batch(n=2))
+        gw = rollout._episode_fn.gateway
+        assert gw.url.startswith("http://127.0.0.1:") and gw.statistics()["sessions_closed"] == 2
+    finally:
+        await rollout._episode_fn.close()
+    tok = rollout.tokenizer
+    P = rollout.context_length - 24  # one prompt width on every rank
+    assert out["prompt_ids"].shape == (2, P) and out["input_ids"].shape == (2, P + 24)
+    assert out["num_turns"].tolist() == [2, 2] and out["episode_reward"].tolist() == [1.0, 1.0]
+    for b in range(2):
+        prompt = out["prompt_ids"][b][out["prompt_mask"][b].bool()].tolist()
+        assert tok.decode(prompt) == tok.apply_chat_template(
+            [{"role": "user", "content": out["prompt"][b]}], add_generation_prompt=True, tokenize=False)
+        mask = out["response_mask"][b]
+        assert 0 < int(mask.sum()) <= 4 + 24 and int(out["attention_mask"][b, P:].sum()) > int(mask.sum())
+
+
+def test_a_bad_agent_is_a_config_error_naming_it():
+    from asyncrl.roles.errors import EpisodeConfigError
+
+    with pytest.raises(EpisodeConfigError, match=r"^RolloutConfig\.agent: agent '.*gateway_agent.py:not_async' must "
+                                                 r"be an `async def`"):
+        RolloutConfig(agent=f"{AGENTS}:not_async").validate()
+    with pytest.raises(EpisodeConfigError, match=r"^RolloutConfig\.agent: .*cannot be imported .*no file"):
+        RolloutConfig(agent="no/such/file.py:fn").validate()
+    with pytest.raises(EpisodeConfigError, match=r"agent and RolloutConfig\.episode are both set"):
+        RolloutConfig(agent=f"{AGENTS}:two_turns", episode="calculator").validate()
+    RolloutConfig(agent=f"{AGENTS}:no_reward").validate()

@@ -139,7 +139,7 @@ class RequestGenerationMixin:
         if episode is not None:
             fn, name = resolve_episode(episode, episode_kwargs), episode
         elif self._episode_fn is not None:
-            fn, name = self._episode_fn, str(self.config.episode)
+            fn, name = self._episode_fn, str(self.config.episode or self.config.agent)
         else:
             raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
         R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)

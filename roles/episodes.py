@@ -180,7 +180,8 @@ class LLM:
         """Token ids of chat `messages` with the generation prompt (the tokenizer's chat template)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass token ids to llm.generate (llm.encode(text))")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(str(text))  # (tokenize=True returns a BatchEncoding in recent transformers)
 
     async def generate(self, prompt: Trajectory | list[int] | list[dict[str, str]], *,
                        max_new_tokens: int | None = None, temperature: float | None = None) -> Generation:

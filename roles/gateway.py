@@ -357,7 +357,11 @@ class Gateway:
             n = min(self.params.max_new_tokens, req.max_completion_tokens or req.max_tokens or 1 << 30)
             if self.context_length is not None:
                 n = min(n, self.context_length - before)
-            gen = await s.llm.generate(row.traj, max_new_tokens=max(n, 0))
+            try:
+                gen = await s.llm.generate(row.traj, max_new_tokens=max(n, 0))
+            except BaseException:  # (the engine failed, the request was cancelled) the row's text no longer
+                row.text = None  # says what its ids stand for: the next request starts a new row
+                raise
             row.text = None if row.traj.stopped or n < 1 else \
                 (row.text or "") + self.tokenizer.decode(gen.response_ids, skip_special_tokens=False)
             if len(row.traj.turns) > turns:  # the trainer's settings won; both are recorded

@@ -89,6 +89,8 @@ def check_stream(job: Any) -> None:
         (t.precompute_log_probs, "trainer.precompute_log_probs=true", "set it to false"),
         (job.rollout.episode is not None, f"rollout.episode={job.rollout.episode!r} (multi-turn episodes)",
          "set rollout.episode=null"),
+        (job.rollout.agent is not None, f"rollout.agent={job.rollout.agent!r} (agents through the gateway)",
+         "set rollout.agent=null"),
     ]
     for bad, what, fix in unsupported:
         if bad:

@@ -159,6 +159,11 @@ class LLM:
         self.max_response_tokens = max_response_tokens
         self._calls = 0
 
+    @property
+    def submit(self) -> Callable[[list[int], SamplingParams], Awaitable[Generation]]:
+        """The engine's request call this client samples with (the gateway serves agents over it)."""
+        return self._submit
+
     def start(self, sample: Sample) -> Trajectory:
         """An empty trajectory of `sample` with this rollout's length limit."""
         return Trajectory(prompt_ids=list(sample.prompt_ids), max_response_tokens=self.max_response_tokens)
@@ -175,7 +180,8 @@ class LLM:
         """Token ids of chat `messages` with the generation prompt (the tokenizer's chat template)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass token ids to llm.generate (llm.encode(text))")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(str(text))  # (tokenize=True returns a BatchEncoding in recent transformers)
 
     async def generate(self, prompt: Trajectory | list[int] | list[dict[str, str]], *,
                        max_new_tokens: int | None = None, temperature: float | None = None) -> Generation:

@@ -129,6 +129,10 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
             from .environments import resolve_episode
 
             self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
+        elif self.config.agent is not None:
+            from .agents import AgentEpisode
+
+            self._episode_fn = AgentEpisode(self.config.agent, context_length=self.context_length)
         self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
         self._episode_tasks: set[asyncio.Task[Any]] = set()
         self._updates: list[dict[str, Any]] = []  # partial rollout: what each update's pause found
@@ -365,6 +369,9 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
             self._channel.close()
         if self._batcher is not None:
             self._batcher._abort.set()
+        gateway = getattr(self._episode_fn, "gateway", None)  # rollout.agent: the worker's gateway
+        if gateway is not None:
+            gateway.request_stop()
         self.engine.close()
         release_core_share(self)
 

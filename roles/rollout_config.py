@@ -53,6 +53,12 @@ class RolloutConfig:
     episode_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the episode; for an environment ``max_turns``, ``tokens_per_turn``,
     ``tools`` (tool names) and ``env_kwargs``."""
+    agent: str | None = None
+    """Run the user's OpenAI-client agent per row instead (:mod:`asyncrl.roles.agents`):
+    ``"path/to/file.py:function"`` or ``"package.module:function"``, an ``async def fn(sample, base_url)
+    -> float | None`` that talks to ``base_url`` (a session of the worker's OpenAI-compatible gateway;
+    ``base_url.api_key`` is its key). Its last row trains, with the gateway's rendered chat as the prompt.
+    Not with ``episode``. Checked by :meth:`validate`."""
     max_episodes_in_flight: int = 256
     """Most episodes one rank runs at once (the engine batches their pending requests)."""
     chunk_tokens: int = 32
@@ -83,6 +89,17 @@ class RolloutConfig:
         s = section
         if self.episode is not None:
             self._check_episode(s)
+        if self.agent is not None:
+            from .agents import resolve_agent
+            from .errors import EpisodeConfigError
+
+            if self.episode is not None:
+                raise EpisodeConfigError(f"{s}.agent and {s}.episode are both set; a row runs one of them, so "
+                                         "set the other to null")
+            try:
+                resolve_agent(str(self.agent))
+            except EpisodeConfigError as e:
+                raise EpisodeConfigError(f"{s}.agent: {e}") from e
         for name in ("max_episodes_in_flight", "chunk_tokens"):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):

@@ -46,6 +46,7 @@ class RequestGenerationMixin:
         engine: Any
         model: Any
         tokenizer: Any
+        context_length: int
         _version: int
         _batcher: Any
         _episode_fn: Any
@@ -133,15 +134,16 @@ class RequestGenerationMixin:
         import anyio
 
         from .environments import resolve_episode
-        from .episodes import LLM, Sample, pack_trajectories, validate_trajectory
+        from .episodes import LLM, Sample, Trajectory, pack_trajectories, validate_trajectory
 
         if episode is not None:
             fn, name = resolve_episode(episode, episode_kwargs), episode
         elif self._episode_fn is not None:
-            fn, name = self._episode_fn, str(self.config.episode)
+            fn, name = self._episode_fn, str(self.config.episode or self.config.agent)
         else:
             raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
         R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
+        agent = getattr(fn, "agent", None) is not None  # rollout.agent: rows come from the gateway, with its prompts
         prompt_text, answers = text_list(batch, "prompt"), text_list(batch, "answer")
         trajs: list[Any] = [None] * len(prompts)
         limit = anyio.Semaphore(max_in_flight or self.config.max_episodes_in_flight)
@@ -157,6 +159,8 @@ class RequestGenerationMixin:
                 except Exception as e:  # the user's code: say whose and which row (tools never get here)
                     raise EpisodeError(f"episode {name!r} (row {i}) raised {type(e).__name__}: {e}; fix the "
                                        "episode or its environment (tool errors are observations, not raises)") from e
+                if agent and isinstance(traj, Trajectory):  # the prompt is the gateway's rendered chat
+                    sample = replace(sample, prompt_ids=list(traj.prompt_ids))
                 trajs[i] = validate_trajectory(traj, name, sample, R, vocab)
 
         me = asyncio.current_task()
@@ -172,8 +176,14 @@ class RequestGenerationMixin:
         finally:
             if me is not None:
                 self._episode_tasks.discard(me)
-        fields = pack_trajectories(trajs, batch["prompt_ids"], batch["prompt_mask"], R,
-                                   int(self.tokenizer.pad_token_id), self._version)
+        pad = int(self.tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        if agent:  # one width on every rank (their batches are concatenated): the longest prompt a row fits
+            prompt_ids, prompt_mask = left_pad_prompts([t.prompt_ids for t in trajs], pad,
+                                                       self.context_length - R)
+        fields = pack_trajectories(trajs, prompt_ids, prompt_mask, R, pad, self._version)
+        if agent:
+            fields.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask)
         tv, model_tokens = fields["token_versions"], fields["response_mask"].bool()
         self._trajectories[0] += len(trajs)
         self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
@@ -283,6 +293,18 @@ class RequestGenerationMixin:
         if stats is not None:
             out.update(asdict(stats) if not isinstance(stats, dict) else stats)
         return out
+
+
+def left_pad_prompts(prompts: list[list[int]], pad_id: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_ids, prompt_mask)`` of `prompts`, left-padded to `width` or the longest (the batch layout)."""
+    P = max(width, *(len(p) for p in prompts))
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        if p:
+            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[b, P - len(p):] = 1
+    return ids, mask
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

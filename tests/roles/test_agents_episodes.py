@@ -265,3 +265,12 @@ async def test_a_weight_update_waits_for_the_episodes_in_flight_and_the_next_one
 async def test_chat_messages_need_a_tokenizer_with_a_chat_template():
     with pytest.raises(ValueError, match="no chat template; pass token ids"):
         await scripted_llm(["x"]).generate([{"role": "user", "content": "hi"}])
+
+
+def test_chat_messages_become_the_templates_token_ids():
+    from asyncrl.roles.models import load_tokenizer
+
+    tok = load_tokenizer("qwen2")
+    llm = LLM(None, tok, SamplingParams(max_new_tokens=2), 8)  # type: ignore[arg-type]
+    assert llm.chat([{"role": "user", "content": "hi"}]) == tok.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)

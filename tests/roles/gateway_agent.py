@@ -1,0 +1,24 @@
+"""Agents for tests/roles/test_gateway.py (loaded as ``rollout.agent=<this file>:<function>``)."""
+
+from openai import AsyncOpenAI
+
+
+async def two_turns(sample, base_url):
+    """Ask, then ask again on the same conversation; the reward is the number of characters answered."""
+    client = AsyncOpenAI(base_url=base_url, api_key=base_url.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": sample.prompt}]
+    r = await client.chat.completions.create(model="whatever", messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "sure?"}]
+    r = await client.chat.completions.create(model="whatever", messages=msgs)
+    return float(len(r.choices[0].message.content) > 0)
+
+
+async def no_reward(sample, base_url, api_key):
+    """One request with the key as a third parameter; the reward function scores it."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": sample.prompt}])
+    return None
+
+
+def not_async(sample, base_url):
+    return 0.0

@@ -1,0 +1,345 @@
+"""The OpenAI-compatible gateway on real HTTP (loopback) with the real ``openai`` client: token truth
+across turns, new rows on rewritten history, the trainer's sampling settings, keys, and malformed
+requests that each get a 4xx while a well-formed session completes.
+
+The engine is a real in-process RolloutWorker's request-level engine (the tiny Qwen2 model with the
+real Qwen2 tokenizer and its chat template); `recorded` keeps what the engine returned per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import pytest
+import torch
+from openai import AsyncOpenAI, AuthenticationError
+
+from asyncrl.roles import RolloutConfig, RolloutWorker
+from asyncrl.roles.engines import SamplingParams
+from asyncrl.roles.episodes import pack_trajectories
+from asyncrl.roles.gateway import Gateway, parse_tool_calls
+from asyncrl.roles.models import ModelConfig
+
+R = 160  # most tokens after a row's prompt
+GEN = 6  # the trainer's max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    cfg = ModelConfig(seed=0, tokenizer="qwen2", device=os.environ.get("ASYNCRL_TEST_DEVICE", "cpu"),
+                      dtype="float32", autocast="off")
+    return RolloutWorker(cfg, RolloutConfig(max_new_tokens=GEN, temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+async def served(rollout):
+    """``(gateway, recorded)``: a started gateway over the worker's engine; `recorded` lists each
+    ``(prompt_ids, Generation)`` the engine returned."""
+    engine = rollout._request_engine()
+    recorded: list = []
+
+    async def submit(ids, params):
+        gen = await engine(ids, params)
+        recorded.append((list(ids), gen))
+        return gen
+
+    params = SamplingParams(max_new_tokens=GEN, temperature=0.0, seed=0)
+    gw = Gateway(submit, rollout.tokenizer, params, max_response_tokens=R, context_length=rollout.context_length,
+                 max_body_bytes=64 << 10)
+    await gw.start()
+    yield gw, recorded
+    await gw.close()
+
+
+def client(info) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=info.base_url, api_key=info.key, max_retries=0, timeout=60)
+
+
+async def test_a_multi_turn_chat_trains_the_sampled_ids_plus_the_new_messages_tokens(served):
+    gw, recorded = served
+    info = gw.open_session("chat")
+    oa = client(info)
+    tok = gw.tokenizer
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2+3?"}]
+    start = len(recorded)
+    for turn in range(3):
+        r = await oa.chat.completions.create(model="any-name", messages=msgs)
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        if turn < 2:
+            msgs.append({"role": "user", "content": f"and times {turn + 2}?"})
+    (row,) = gw.close_session("chat")
+    gens = [g for _, g in recorded[start:]]
+    # each request continued the row's ids (turn 1 of the row starts right after the prompt)
+    assert [p for p, _ in recorded[start:]] == [row.prompt_ids + row.response_ids[:i] for i in _turn_starts(row)]
+    assert row.prompt_ids == tok.encode(tok.apply_chat_template(msgs[:2], add_generation_prompt=True, tokenize=False),
+                                        add_special_tokens=False)
+    # model tokens (mask 1) are exactly the engine's sampled ids, log-probs and versions, turn by turn
+    model = [(t, lp, v) for t, m, lp, v in zip(row.response_ids, row.response_mask, row.log_probs, row.versions) if m]
+    assert model == [x for g in gens for x in zip(g.response_ids, g.log_probs, g.versions)]
+    # the rest (mask 0) is the new messages' tokens, rendered relative to the conversation so far: the whole
+    # row decodes to the template's text of the conversation, without any earlier text re-encoded
+    full = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False)
+    text = tok.decode(row.prompt_ids + row.response_ids, skip_special_tokens=False)
+    assert text.startswith(full) and text == full + tok.decode(gens[-1].response_ids, skip_special_tokens=False)
+    env = [t for t, m in zip(row.response_ids, row.response_mask) if not m]
+    assert tok.decode(env, skip_special_tokens=False).count("<|im_start|>user\n") == 2
+    stats = gw.session_stats("chat")
+    assert (stats.requests, stats.rows, stats.prefix_breaks, stats.model_tokens) == (3, 1, 0, sum(
+        len(g.response_ids) for g in gens))
+    # the rows are Trajectory objects: the batch packing trains them unchanged
+    P = len(row.prompt_ids)
+    fields = pack_trajectories([row], torch.tensor([row.prompt_ids]), torch.ones(1, P, dtype=torch.long), R,
+                               int(tok.pad_token_id), 0)
+    n = len(row.response_ids)
+    assert fields["response_ids"][0, :n].tolist() == row.response_ids
+    assert fields["response_mask"][0, :n].tolist() == row.response_mask and fields["num_turns"].tolist() == [3]
+
+
+def _turn_starts(row) -> list[int]:
+    """Response positions where each model turn starts."""
+    m = row.response_mask
+    return [i for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
+
+
+async def test_a_client_that_rewrites_history_gets_a_new_row_of_the_same_session(served):
+    gw, _ = served
+    info = gw.open_session("edit")
+    oa = client(info)
+    msgs = [{"role": "user", "content": "name a colour"}]
+    r = await oa.chat.completions.create(model="m", messages=msgs)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "another"}]
+    await oa.chat.completions.create(model="m", messages=msgs)  # extends row 1
+    edited = [{"role": "user", "content": "name a fruit"}] + msgs[1:]  # the first message edited
+    await oa.chat.completions.create(model="m", messages=edited)
+    rows = gw.close_session("edit")
+    stats = gw.session_stats("edit")
+    assert (len(rows), stats.rows, stats.prefix_breaks, stats.requests) == (2, 2, 1, 3)
+    assert len(rows[0].turns) == 2 and len(rows[1].turns) == 1
+    assert "fruit" in gw.tokenizer.decode(rows[1].prompt_ids)
+
+
+async def test_the_trainers_temperature_wins_over_the_clients_and_both_are_recorded(served):
+    gw, _ = served
+    outs = []
+    for sid in ("hot1", "hot2"):  # different sessions (seeds), the client asks for temperature 2
+        info = gw.open_session(sid)
+        r = await client(info).chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}],
+                                                       temperature=2.0, max_tokens=99)
+        outs.append(r.choices[0].message.content)
+        (row,) = gw.close_session(sid)
+        assert row.turns[0]["client"] == {"model": "m", "temperature": 2.0, "max_tokens": 99, "top_p": None}
+        assert row.turns[0]["used"] == {"temperature": 0.0, "max_new_tokens": GEN, "top_p": 1.0}
+        assert len(row.model_ids()) <= GEN
+    assert outs[0] == outs[1]  # the trainer's greedy decoding, whatever the client asked
+    info = gw.open_session("short")  # a client's smaller max_tokens is kept (the trainer's is the cap)
+    await client(info).chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+    (row,) = gw.close_session("short")
+    assert row.turns[0]["used"]["max_new_tokens"] == 2 and len(row.model_ids()) <= 2
+
+
+async def test_a_request_without_its_sessions_key_gets_401_and_a_closed_session_410(served):
+    gw, _ = served
+    a, b = gw.open_session("key_a"), gw.open_session("key_b")
+    with pytest.raises(AuthenticationError):
+        await AsyncOpenAI(base_url=a.base_url, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(AuthenticationError):  # another session's key does not open this one
+        await AsyncOpenAI(base_url=a.base_url, api_key=b.key, max_retries=0).models.list()
+    assert [m.id for m in (await client(a).models.list()).data] == ["asyncrl-policy"]
+    async with httpx.AsyncClient() as h:
+        r = await h.post(f"{a.base_url}/chat/completions", json={"model": "m", "messages": []})
+        assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
+    gw.close_session("key_b")
+    async with httpx.AsyncClient() as h:
+        r = await h.post(f"{b.base_url}/chat/completions", headers={"Authorization": f"Bearer {b.key}"},
+                         json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 410 and "closed" in r.json()["error"]["message"]
+
+
+async def test_completions_and_streamed_chat_extend_the_same_row(served):
+    gw, _ = served
+    info = gw.open_session("text")
+    oa = client(info)
+    r1 = await oa.completions.create(model="m", prompt="Once upon a time")
+    await oa.completions.create(model="m", prompt="Once upon a time" + r1.choices[0].text + " and then")
+    (row,) = gw.close_session("text")
+    assert len(row.turns) == 2 and gw.tokenizer.decode(row.prompt_ids) == "Once upon a time"
+    info = gw.open_session("stream")
+    chunks = [c async for c in await client(info).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True)]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (row,) = gw.close_session("stream")
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert content == gw.tokenizer.decode(row.model_ids(), skip_special_tokens=False).removesuffix("<|im_end|>")
+
+
+def test_tool_calls_are_parsed_from_qwen2_tool_call_blocks():
+    text = ('Let me compute.\n<tool_call>\n{"name": "calc", "arguments": {"expression": "17*23"}}\n</tool_call>\n'
+            '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me compute."
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("call_0", "calc", {"expression": "17*23"}), ("call_1", "calc", {"expression": "1+1"})]
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')[1] == []  # no name: not a call
+
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate arithmetic",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}},
+                                                          "required": ["expression"]}}}]
+
+
+async def test_tools_reach_the_template_and_a_tool_round_trip_extends_the_row(served):
+    gw, _ = served
+    tok = gw.tokenizer
+    info = gw.open_session("tools")
+    oa = client(info)
+    msgs = [{"role": "user", "content": "what is 17*23?"}]
+    r = await oa.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+             {"role": "tool", "tool_call_id": "call_0", "content": "391"}]
+    await oa.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+    (row,) = gw.close_session("tools")
+    assert '"name": "calc"' in tok.decode(row.prompt_ids)  # the tools are in the rendered system prompt
+    env = tok.decode([t for t, m in zip(row.response_ids, row.response_mask) if not m], skip_special_tokens=False)
+    assert "<tool_response>\n391\n</tool_response>" in env and len(row.turns) == 2
+    # a tool call the client appends after the model's text extends the row as mask-0 tokens: the model's
+    # tokens stay exactly as sampled (a call the model wrote in the template's form extends it the same way)
+    info = gw.open_session("tools_appended")
+    oa = client(info)
+    r = await oa.chat.completions.create(model="m", messages=msgs[:1], tools=TOOLS)
+    call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "17*23"}'}}
+    msgs[1:2] = [{"role": "assistant", "content": r.choices[0].message.content, "tool_calls": [call]}]
+    await oa.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+    (row,) = gw.close_session("tools_appended")
+    env = tok.decode([t for t, m in zip(row.response_ids, row.response_mask) if not m], skip_special_tokens=False)
+    assert env.startswith('\n<tool_call>\n{"name": "calc", "arguments": {"expression": "17*23"}}\n</tool_call>')
+
+
+async def test_a_template_that_drops_earlier_reasoning_starts_a_new_row():
+    """The Qwen2/3 template renders an earlier assistant turn without its ``<think>`` part, so the next
+    request no longer extends the text the model's tokens stand for (a scripted engine writes the reasoning)."""
+    from asyncrl.roles.models import load_tokenizer
+
+    tok = load_tokenizer("qwen2")
+    said = tok.encode("<think>\nhmm\n</think>\n\nfour", add_special_tokens=False) + [tok.eos_token_id]
+
+    async def submit(ids, params):
+        from asyncrl.roles.engines.batcher import Generation
+
+        return Generation(said, [-0.5] * len(said), "stop", versions=[1] * len(said))
+
+    async with Gateway(submit, tok, SamplingParams(max_new_tokens=32), max_response_tokens=R) as gw:
+        info = gw.open_session()
+        oa = client(info)
+        msgs = [{"role": "user", "content": "2+2?"}]
+        r = await oa.chat.completions.create(model="m", messages=msgs)
+        assert r.choices[0].message.content == "<think>\nhmm\n</think>\n\nfour" and r.choices[0].finish_reason == "stop"
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "3+3?"}]
+        await oa.chat.completions.create(model="m", messages=msgs)
+        rows = gw.close_session(info.id)
+        stats = gw.session_stats(info.id)
+    assert (len(rows), stats.rows, stats.prefix_breaks) == (2, 2, 1)
+    assert rows[0].response_ids == said and rows[0].response_mask == [1] * len(said)
+    assert "<|im_start|>assistant\nfour<|im_end|>" in tok.decode(rows[1].prompt_ids, skip_special_tokens=False)
+
+
+async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_completes(served):
+    gw, recorded = served
+    good, closed = gw.open_session("good"), gw.open_session("closed")
+    gw.close_session("closed")
+    auth = {"Authorization": f"Bearer {good.key}"}
+    url = f"{good.base_url}/chat/completions"
+    msg = [{"role": "user", "content": "hi"}]
+    bad: list[tuple[str, str, dict, bytes]] = [
+        ("POST", url, auth, b"{not json"),
+        ("POST", url, auth, b"\xff\xfe"),
+        ("POST", url, auth, b"[1, 2]"),
+        ("POST", url, auth, json.dumps({"model": "m"}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": "hi"}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": []}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "temperature": "hot"}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "max_tokens": -3}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "n": 4}).encode()),
+        ("POST", url, auth, json.dumps({"model": 7, "messages": msg}).encode()),
+        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "tools": "calc"}).encode()),
+        ("POST", url, auth, b'{"model": "m", "messages": [' + b"x" * (70 << 10) + b"]}"),  # over 64 KiB: 413
+        ("POST", url, {}, json.dumps({"model": "m", "messages": msg}).encode()),
+        ("POST", url, {"Authorization": "Bearer nope"}, json.dumps({"model": "m", "messages": msg}).encode()),
+        ("POST", url.replace("/s/good/", "/s/nobody/"), auth, json.dumps({"model": "m", "messages": msg}).encode()),
+        ("POST", f"{closed.base_url}/chat/completions", {"Authorization": f"Bearer {closed.key}"},
+         json.dumps({"model": "m", "messages": msg}).encode()),
+        ("POST", f"{good.base_url}/completions", auth, json.dumps({"model": "m", "prompt": ["a"]}).encode()),
+        ("POST", f"{good.base_url}/completions", auth, json.dumps({"model": "m", "prompt": ""}).encode()),
+        ("GET", url, auth, b""),
+        ("POST", f"{gw.url}/v1/chat/completions", auth, json.dumps({"model": "m", "messages": msg}).encode()),
+    ]
+    statuses: list[int] = []
+
+    async def hammer() -> None:
+        async with httpx.AsyncClient(timeout=60) as h:
+            for i in range(1000):
+                method, u, headers, body = bad[i % len(bad)]
+                r = await h.request(method, u, headers={"Content-Type": "application/json", **headers}, content=body)
+                assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (i, r.status_code, r.text)
+                statuses.append(r.status_code)
+
+    async def converse() -> int:
+        oa = client(good)
+        msgs = [{"role": "user", "content": "count with me"}]
+        for turn in range(3):
+            r = await oa.chat.completions.create(model="m", messages=msgs)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "go on"}]
+        return r.choices[0].finish_reason
+
+    rejected = gw.statistics()["rejected"]
+    _, finish = await asyncio.gather(hammer(), converse())  # the malformed requests hit the same session too
+    rows = len(gw.close_session("good"))
+    assert finish in ("stop", "length") and rows == 1 and gw.session_stats("good").requests == 3 and gw.session_stats("good").prefix_breaks == 0
+    assert len(statuses) == 1000 and set(statuses) == {400, 401, 404, 405, 410, 413}
+    assert gw.statistics()["rejected"] - rejected == 1000
+
+
+# ---- rollout.agent: the user's agent as the episode of a row --------------------------------------
+
+AGENTS = os.path.join(os.path.dirname(__file__), "gateway_agent.py")
+
+
+async def test_an_agent_file_runs_per_row_against_the_workers_gateway_and_packs_its_rows(prompt_batch):
+    cfg = ModelConfig(seed=0, tokenizer="qwen2", device=os.environ.get("ASYNCRL_TEST_DEVICE", "cpu"),
+                      dtype="float32", autocast="off")
+    rollout = RolloutWorker(cfg, RolloutConfig(max_new_tokens=24, agent=f"{AGENTS}:two_turns"))
+    try:
+        out = await rollout.generate_episodes(prompt_batch(n=2))
+        gw = rollout._episode_fn.gateway
+        assert gw.url.startswith("http://127.0.0.1:") and gw.statistics()["sessions_closed"] == 2
+    finally:
+        await rollout._episode_fn.close()
+    tok = rollout.tokenizer
+    P = rollout.context_length - 24  # one prompt width on every rank
+    assert out["prompt_ids"].shape == (2, P) and out["input_ids"].shape == (2, P + 24)
+    assert out["num_turns"].tolist() == [2, 2] and out["episode_reward"].tolist() == [1.0, 1.0]
+    for b in range(2):
+        prompt = out["prompt_ids"][b][out["prompt_mask"][b].bool()].tolist()
+        assert tok.decode(prompt) == tok.apply_chat_template(
+            [{"role": "user", "content": out["prompt"][b]}], add_generation_prompt=True, tokenize=False)
+        mask = out["response_mask"][b]
+        assert 0 < int(mask.sum()) <= 4 + 24 and int(out["attention_mask"][b, P:].sum()) > int(mask.sum())
+
+
+def test_a_bad_agent_is_a_config_error_naming_it():
+    from asyncrl.roles.errors import EpisodeConfigError
+
+    with pytest.raises(EpisodeConfigError, match=r"^RolloutConfig\.agent: agent '.*gateway_agent.py:not_async' must "
+                                                 r"be an `async def`"):
+        RolloutConfig(agent=f"{AGENTS}:not_async").validate()
+    with pytest.raises(EpisodeConfigError, match=r"^RolloutConfig\.agent: .*cannot be imported .*no file"):
+        RolloutConfig(agent="no/such/file.py:fn").validate()
+    with pytest.raises(EpisodeConfigError, match=r"agent and RolloutConfig\.episode are both set"):
+        RolloutConfig(agent=f"{AGENTS}:two_turns", episode="calculator").validate()
+    RolloutConfig(agent=f"{AGENTS}:no_reward").validate()

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import structlog
 
-__all__ = ["MetricsWriter", "read_jsonl"]
+__all__ = ["MetricsWriter", "read_jsonl", "step_of"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -37,7 +37,7 @@ class MetricsWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) < start_step]
+            kept = [line for line in self.path.read_text().splitlines() if step_of(line) < start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._f = self.path.open("a")
         self._tb: Any = None
@@ -83,7 +83,7 @@ class MetricsWriter:
             self._wandb = None
 
 
-def _step_of(line: str) -> float:
+def step_of(line: str) -> float:
     """The step of one line; a blank or torn line (a process killed mid-write) sorts last and is dropped."""
     try:
         row = json.loads(line)

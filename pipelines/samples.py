@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import torch
 
+from asyncrl.pipelines.metrics import step_of
+
 __all__ = ["SamplesWriter", "pick_rows", "trajectory_rows", "read_samples"]
 
 
@@ -107,7 +109,7 @@ class SamplesWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tok = tokenizer
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) < start_step]
+            kept = [line for line in self.path.read_text().splitlines() if step_of(line) < start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._f = self.path.open("a")
 
@@ -137,14 +139,6 @@ class SamplesWriter:
     def close(self) -> None:
         """Close the file (idempotent)."""
         self._f.close()
-
-
-def _step_of(line: str) -> float:
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return math.inf
-    return row.get("step", 0) if isinstance(row, dict) else math.inf
 
 
 def read_samples(path: str | Path) -> tuple[list[dict[str, Any]], int]:

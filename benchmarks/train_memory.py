@@ -10,6 +10,9 @@ synthetic batch. Per rank it reports:
   for the rollout and puts them into the object store, the others hold one layer at a time);
 - the median seconds of an update and of the weight sync.
 
+Layouts: ddp x1, ddp x2, fsdp2 x2, and ``fsdp2+keep`` x2 (``actor.fsdp_reshard_after_forward=false``: the
+gathered parameters stay until the backward, one all-gather per layer fewer).
+
 ::
 
     python benchmarks/train_memory.py                      # tiny and SmolLM2-135M (~3 minutes on 2 cores)
@@ -135,19 +138,21 @@ def batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0) -> T
                        "advantages": torch.randn(rows, response, generator=g)}, batch_size=[rows])
 
 
-async def measure(model: str, strategy: str, ranks: int, steps: int, rows: int, prompt: int, response: int
+async def measure(model: str, layout: str, ranks: int, steps: int, rows: int, prompt: int, response: int
                   ) -> dict[str, Any]:
+    strategy, _, keep = layout.partition("+")  # "fsdp2+keep": fsdp_reshard_after_forward=false
     cfg = ModelConfig(seed=0, dtype="float32", num_threads=max(1, 2 // ranks), **MODELS[model])  # type: ignore[arg-type]
-    optim = OptimConfig(lr=1e-5, micro_batch_size=max(1, rows // ranks), strategy=strategy)  # type: ignore[arg-type]
+    optim = OptimConfig(lr=1e-5, micro_batch_size=max(1, rows // ranks), strategy=strategy,  # type: ignore[arg-type]
+                        fsdp_reshard_after_forward=keep != "keep")
     group = asyncrl.colocate({"policy": (MemoryProbe, (cfg, optim), {})}, world_size=ranks,
-                             name=f"mem-{model}-{strategy}-{ranks}")
+                             name=f"mem-{model}-{strategy}{'-keep' if keep else ''}-{ranks}")
     await group.setup()
     vocab = len(tokenizer_for(cfg))
     try:
         res = await group["policy"].measure(batch(vocab, rows, prompt, response), steps)
     finally:
         await group.close()
-    return {"model": model, "strategy": strategy, "ranks": ranks, "per_rank": res}
+    return {"model": model, "strategy": layout, "ranks": ranks, "per_rank": res}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -167,7 +172,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         b2 = base.get(r["model"] + "@2", b1)
         vs_held = f"{held / b1['held']:.2f}" if b1 else "-"
         vs_step = f"{step / b2['step']:.2f}x" if b2 and r["ranks"] == 2 else "-"
-        params = sum(x["params"] for x in ranks) if r["strategy"] == "fsdp2" and r["ranks"] > 1 else ranks[0]["params"]
+        params = (sum(x["params"] for x in ranks) if r["strategy"].startswith("fsdp2") and r["ranks"] > 1
+                  else ranks[0]["params"])
         others = max((x["sync_peak"] for x in ranks[1:]), default=0)
         out.append(f"| {r['model']} | {r['strategy']} x{r['ranks']} | {params / 1e6:.0f} M | {held / GIB:.3f} | "
                    f"{vs_held} | {max(x['step_peak'] for x in ranks) / GIB:.3f} | {step:.3f} | {vs_step} | "
@@ -182,7 +188,7 @@ async def main_async(args: argparse.Namespace) -> str:
     start = os.getloadavg()[0]
     try:
         for model in args.models.split(","):
-            layouts = [("fsdp2", 2)] if model == "large" else [("ddp", 1), ("ddp", 2), ("fsdp2", 2)]
+            layouts = [("fsdp2", 2)] if model == "large" else [("ddp", 1), ("ddp", 2), ("fsdp2", 2), ("fsdp2+keep", 2)]
             for strategy, ranks in layouts:
                 print(f"{model}: {strategy} x{ranks} ...", flush=True)
                 rows.append(await measure(model, strategy, ranks, args.steps, args.rows, args.prompt, args.response))

@@ -171,6 +171,10 @@ class OptimConfig:
     decoder layer). The same math either way; one rank is the plain model. The reference follows the actor's."""
     fsdp_offload: bool = False
     """``fsdp2`` only: keep the shards and the optimizer state in CPU memory (verl's ``offload_policy``)."""
+    fsdp_reshard_after_forward: bool = True
+    """``fsdp2`` only: free each layer's gathered parameters after its forward and gather them again for the
+    backward (verl's and torchtitan's ``reshard_after_forward``); false keeps them until the backward: one
+    all-gather per layer fewer, the whole model's parameters held during a micro-batch."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters (policy only; ``lora.rank > 0``, needs ``peft``): only the adapters train, the
     reference log-probs are the base model's (the adapter disabled, no reference worker), the rollout gets
@@ -241,7 +245,8 @@ class _Trainable(Worker):
         """Spread `model` over the group (``optim.strategy``) and build its optimizer over what each rank holds."""
         cfg = self.optim_config
         self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
-        self.engine = TrainStrategy(model, self.placement, self.dp, cfg.strategy, offload=cfg.fsdp_offload, who=who)
+        self.engine = TrainStrategy(model, self.placement, self.dp, cfg.strategy, offload=cfg.fsdp_offload,
+                                    reshard_after_forward=cfg.fsdp_reshard_after_forward, who=who)
         self.model = self.engine.module
         self.model.train()
         self.optimizer = _adam(self.model, cfg)

@@ -91,11 +91,13 @@ class TrainStrategy:
         dp: the group's collectives (its process group is the one the model is spread over).
         strategy: ``ddp`` or ``fsdp2``.
         offload: ``fsdp2`` only: keep the shards and optimizer state in CPU memory between uses.
+        reshard_after_forward: ``fsdp2`` only: free a layer's gathered parameters after its forward.
         who: the role's name, for errors.
     """
 
     def __init__(self, model: nn.Module, placement: Placement, dp: DataParallel, strategy: str = "ddp", *,
-                 offload: bool = False, trainable: bool = True, who: str = "the role") -> None:
+                 offload: bool = False, reshard_after_forward: bool = True, trainable: bool = True,
+                 who: str = "the role") -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"{who}: strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if offload and strategy != "fsdp2":
@@ -118,12 +120,12 @@ class TrainStrategy:
         if not dp.active:
             return
         if strategy == "fsdp2":
-            self._shard(model, layers, offload)
+            self._shard(model, layers, offload, reshard_after_forward)
             self.sharded = True
         elif trainable:
             self._ddp = _ddp(model, placement, dp)
 
-    def _shard(self, model: nn.Module, layers: list[nn.Module], offload: bool) -> None:
+    def _shard(self, model: nn.Module, layers: list[nn.Module], offload: bool, reshard_after_forward: bool) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -135,7 +137,8 @@ class TrainStrategy:
         mesh = DeviceMesh.from_group(group, device_type=self.placement.device.type)
         amp = self.placement.autocast_dtype
         mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp is not None else MixedPrecisionPolicy()
-        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+                                  reshard_after_forward=reshard_after_forward)
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)

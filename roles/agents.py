@@ -61,8 +61,12 @@ def resolve_agent(spec: str) -> Agent:
                 loader_spec = importlib.util.spec_from_file_location(name, os.path.abspath(path))
                 assert loader_spec is not None and loader_spec.loader is not None
                 module = importlib.util.module_from_spec(loader_spec)
-                loader_spec.loader.exec_module(module)
-                sys.modules[name] = module
+                sys.modules[name] = module  # before running it: a dataclass in the file looks its module up
+                try:
+                    loader_spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
         else:
             module = importlib.import_module(path)
         fn = getattr(module, attr)

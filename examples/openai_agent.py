@@ -107,6 +107,9 @@ def main(args: Args) -> dict[int, float]:
         cfg.model.tokenizer = "qwen2"  # a tokenizer with a chat template
         cfg.data.task, cfg.data.task_kwargs = "arith", {"levels": [1]}
     cfg.rollout.max_new_tokens = 80  # three turns of at most 24 tokens, plus the tool's results
+    # agent rows are padded to the model's context (every rank's batch one width); a token budget cuts each
+    # micro-batch to its own rows' width, so the update computes on the conversation, not on the padding
+    cfg.actor.max_tokens_per_micro_batch = 1024
     cfg.rollout.agent = f"{Path(__file__).resolve()}:solve"
     cfg.evaluation.every, cfg.evaluation.at_start, cfg.evaluation.at_end = 0, False, False
     cfg.trainer.steps, cfg.trainer.output_dir, cfg.trainer.samples_per_step = args.steps, args.output_dir, 8

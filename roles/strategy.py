@@ -16,9 +16,10 @@ sum hook; FSDP2 a divide factor of 1), and 2 ranks train like 1 to fp32 rounding
 
 With one rank (or a worker outside a multi-process group) both strategies are the plain module.
 
-Sharded parameters are ``DTensor`` s. What needs whole tensors (weight export, checksums) reads them
-with :meth:`TrainStrategy.full_tensors`, one tensor at a time: a collective that every rank runs in
-the same order, so no rank ever holds the whole gathered model at once.
+Sharded parameters are ``DTensor`` s. What needs whole tensors reads them through collectives that every
+rank runs in the same order, so no rank ever holds the whole gathered model at once: a weight sync with
+:meth:`TrainStrategy.whole_by_unit` (one all-gather per decoder layer), checksums and ``export_weights`` with
+:meth:`TrainStrategy.full_tensors` (one tensor at a time).
 """
 
 from __future__ import annotations

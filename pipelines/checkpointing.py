@@ -24,7 +24,7 @@ import torch
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.configlib import to_dict
-from asyncrl.pipelines.datafiles import data_digests
+from asyncrl.pipelines.datafiles import check_code_digests, code_digests, data_digests
 from asyncrl.pipelines.loop_state import RolloutBatch
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ class Checkpointer:
         """``time.perf_counter()`` of the newest checkpoint this trainer wrote (0: none yet)."""
         self._verified = False  # checkpoint file hashes checked
         self._data_digests: dict[str, str] | None = None  # the data files', hashed at the first save only
+        self._code_digests = code_digests(to_dict(trainer.config))  # the code files it imports, as it starts
         if resume is not None:
             self._check_resume(resume)
 
@@ -79,6 +80,7 @@ class Checkpointer:
                 "resume with the same settings (only trainer.steps, output_dir, train_workers, checkpointing and "
                 f"reporting may change){hint}"
             )
+        check_code_digests(state.get("code_digests"), saved, f"checkpoint {str(path)!r}")
         was = saved.get("trainer", {}).get("train_workers", cfg.trainer.train_workers)
         if cfg.trainer.colocated and was != cfg.trainer.train_workers:
             raise ckpt.CheckpointError(
@@ -157,6 +159,7 @@ class Checkpointer:
                 if self._data_digests is None:  # the run read its data once: hash it once, not every save
                     self._data_digests = data_digests(tr.config.data)
                 state["data_digests"] = self._data_digests
+                state["code_digests"] = self._code_digests
                 torch.save(buffered, tmp / "buffer.pt")
                 (tmp / "state.json").write_text(json.dumps(state))
                 ckpt.commit(tmp, final)

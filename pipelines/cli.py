@@ -182,6 +182,10 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if not isinstance(saved, dict):
         raise ckpt.CheckpointError(f"checkpoint {str(point)!r} holds no config; resume with --config and the "
                                    "run's settings instead")
+    from asyncrl.pipelines.datafiles import check_code_digests
+
+    # before anything imports the reward/episode/agent files the run names: they must be the ones it ran
+    check_code_digests(ckpt.read_state(point).get("code_digests"), saved, f"checkpoint {str(point)!r}")
     base = configlib.from_dict(JobConfig, saved)
     base.trainer.output_dir = str(point.parent.parent)  # continue in the run's own directory
     return load_config(args.config, args.overrides, base=base), point

@@ -23,12 +23,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from asyncrl.pipelines.configlib import ConfigError
 
 __all__ = ["Record", "FORMATS", "file_format", "read_rows", "read_records", "file_records", "content_digest",
-           "data_digests"]
+           "data_digests", "code_digests", "check_code_digests"]
 
 FORMATS = ("jsonl", "parquet", "hf_disk")
 """The formats a data file may have: JSON lines, Parquet, a ``datasets.save_to_disk`` directory."""
@@ -279,3 +279,39 @@ def data_digests(data: Any) -> dict[str, str]:
             if os.path.exists(path):
                 out[f"{key}:{path}"] = content_digest(path)
     return out
+
+
+CODE_KEYS = (("reward", "fn"), ("rollout", "episode"), ("rollout", "agent"))
+"""The settings that may name a Python file a run imports and runs (``path/to/file.py:function``)."""
+
+
+def code_digests(config: Mapping[str, Any]) -> dict[str, str]:
+    """``{"<key>:<path>": content_digest(path)}`` for each Python file the run's config (a ``to_dict`` of a
+    ``JobConfig``) names in ``reward.fn``, ``rollout.episode`` or ``rollout.agent``. A checkpoint and the
+    journal record it; a resume and a replay compare it before anything imports those files
+    (:func:`check_code_digests`): a run directory's code is what the run ran, or nothing runs."""
+    out: dict[str, str] = {}
+    for section, key in CODE_KEYS:
+        spec = (config.get(section) or {}).get(key)
+        if not isinstance(spec, str) or ":" not in spec:
+            continue
+        target = spec.rpartition(":")[0]
+        if (target.endswith(".py") or "/" in target) and os.path.isfile(target):
+            out[f"{section}.{key}:{target}"] = content_digest(target)
+    return out
+
+
+def check_code_digests(saved: Any, config: Mapping[str, Any], where: str) -> None:
+    """ConfigError when a file that `saved` (a :func:`code_digests` record, or None: not checked) lists
+    now has other contents, or is gone; `where` names the record (the checkpoint, the journal)."""
+    if not isinstance(saved, dict):
+        return
+    now = code_digests(config)
+    for name in sorted(saved):
+        if now.get(name) != saved[name]:
+            key, _, file = name.partition(":")
+            state = "is gone" if not os.path.isfile(file) else "changed"
+            raise ConfigError(
+                f"{key}: {file!r} {state} since {where} was written (content digest {saved[name]} then, "
+                f"{now.get(name, 'none')} now); the run directory names this file as code to import and run, so "
+                "it is refused: put the original file back, or start a new run")

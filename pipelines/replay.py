@@ -30,6 +30,7 @@ from typing import Any, Mapping
 
 from asyncrl.pipelines.config import JobConfig
 from asyncrl.pipelines.configlib import from_dict
+from asyncrl.pipelines.datafiles import check_code_digests
 from asyncrl.pipelines.journal import JOURNAL, JournalError, read_journal
 from asyncrl.pipelines.metrics import read_jsonl
 
@@ -84,6 +85,7 @@ def replay_config(run_dir: str | Path, *, output_dir: str | Path | None = None,
     data = read_journal(run)
     if data.header is None or "config" not in data.header:
         raise JournalError(f"{str(run / JOURNAL)!r} has no run header; it cannot be replayed")
+    check_code_digests(data.header.get("code_digests"), data.header["config"], f"the journal of {str(run)!r}")
     cfg = from_dict(JobConfig, data.header["config"])
     steps = data.end["steps"] if data.end is not None else len(data.steps)
     if steps < 1:

@@ -17,6 +17,7 @@ import anyio.to_thread
 import structlog
 
 from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
+from asyncrl.pipelines.datafiles import code_digests
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journal import JOURNAL, Journal, JournalData, JournalError, read_journal
 from asyncrl.pipelines.loop_state import RolloutBatch
@@ -67,7 +68,8 @@ class RunJournal:
         (rewound to its checkpoint `resume`, following the versions it recorded after it), or
         follow a replayed run's, or start a new one."""
         tr = self._trainer
-        header = {"fingerprint": config_fingerprint(tr.config), "config": to_dict(tr.config)}
+        config = to_dict(tr.config)
+        header = {"fingerprint": config_fingerprint(tr.config), "config": config, "code_digests": code_digests(config)}
         previous = None
         source = resume.parent.parent / JOURNAL if resume is not None else None
         if source is not None and source.is_file():

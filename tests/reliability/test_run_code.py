@@ -1,0 +1,63 @@
+"""A run directory is code you trust: the reward file a run names is imported again by ``--resume`` and by
+``asyncrl replay``; a file whose contents changed since the run is refused before anything imports it."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.pipelines.cli import main
+
+REWARD = '''
+import os
+MARK = os.environ.get("ASYNCRL_TEST_MARK")
+if MARK and os.path.exists(os.path.dirname(MARK)):
+    open(MARK, "a").write("imported\\n")
+
+def score(x):
+    return [float("1" in r) for r in x.responses]
+'''
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, tmp_path_factory):
+    """A 2-step run whose reward is a file of its own, checkpointed at the end."""
+    root = tmp_path_factory.mktemp("runcode")
+    (root / "my_reward.py").write_text(REWARD)
+    out = root / "run"
+    args = ["train", "--preset", "grpo_toy", f"reward.fn={root / 'my_reward.py'}:score", "trainer.steps=2",
+            "model.num_layers=1", "model.hidden_size=32", "trainer.progress=false", f"trainer.output_dir={out}"]
+    assert main(args) == 0
+    return root, out
+
+
+@pytest.mark.parametrize("command", ["resume", "replay"])
+def test_a_reward_file_changed_since_the_run_is_refused_before_it_is_imported(run, command, capsys, tmp_path,
+                                                                                monkeypatch):
+    root, out = run
+    reward = root / "my_reward.py"
+    original = reward.read_text()
+    mark = tmp_path / "imported.txt"
+    monkeypatch.setenv("ASYNCRL_TEST_MARK", str(mark))
+    reward.write_text(original + "\n# edited\n")
+    try:
+        argv = (["train", "--resume", str(out), "trainer.steps=3"] if command == "resume"
+                else ["replay", str(out), "--output-dir", str(tmp_path / "replay")])
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        where = "checkpoint" if command == "resume" else "the journal of"
+        assert len(err) == 1 and f"reward.fn: '{reward}' changed since {where}" in err[0], err
+        assert "it is refused: put the original file back, or start a new run" in err[0]
+        assert not mark.exists()  # refused before the edited file ran
+    finally:
+        reward.write_text(original)
+    reward.unlink()
+    try:
+        assert main(["train", "--resume", str(out), "trainer.steps=3"]) == 2
+        assert f"reward.fn: '{reward}' is gone since checkpoint" in capsys.readouterr().err
+    finally:
+        reward.write_text(original)
+
+
+def test_the_unchanged_reward_file_resumes(run):
+    _, out = run
+    assert main(["train", "--resume", str(out), "trainer.steps=3", "trainer.progress=false"]) == 0

@@ -154,7 +154,7 @@ def check_types(cfg: Any, _path: str = "") -> None:
             check_types(value, path)
             continue
         coerced = _coerce(path, hints[f.name], value)
-        if coerced is not value and not (isinstance(coerced, dict) and coerced == value):
+        if type(coerced) is not type(value) or coerced != value:  # an int for a float, a list for a tuple
             object.__setattr__(cfg, f.name, coerced)
 
 

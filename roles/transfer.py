@@ -495,12 +495,10 @@ class WeightSource:
                 import ray
 
                 stored = ray.put(held)  # the gather already wrote (and cast) the one packed buffer
-                return WeightHandle(version=self._version, transport="object_store", owner=self._owner_id(),
-                                    pid=os.getpid(), channel=None, num_tensors=len(own),
-                                    nbytes=sum(v.numel() * v.element_size() for v in own.values()), stored=stored)
-            if self._cast_scratch is None:
-                self._cast_scratch = {}
-            stored = store_state(own, dt, self._cast_scratch)
+            else:
+                if self._cast_scratch is None:
+                    self._cast_scratch = {}
+                stored = store_state(own, dt, self._cast_scratch)
             size = {k: v.numel() * (dt.itemsize if dt is not None and v.is_floating_point() else v.element_size())
                     for k, v in own.items()}
             return WeightHandle(version=self._version, transport="object_store", owner=self._owner_id(),

@@ -87,10 +87,6 @@ def check_stream(job: Any) -> None:
             (t.colocated, "trainer.colocated=true (streaming generates while the policy trains: two pools)",
          "set trainer.colocated=false"),
         (t.precompute_log_probs, "trainer.precompute_log_probs=true", "set it to false"),
-        (job.rollout.episode is not None, f"rollout.episode={job.rollout.episode!r} (multi-turn episodes)",
-         "set rollout.episode=null"),
-        (job.rollout.agent is not None, f"rollout.agent={job.rollout.agent!r} (agents through the gateway)",
-         "set rollout.agent=null"),
     ]
     for bad, what, fix in unsupported:
         if bad:

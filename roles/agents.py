@@ -108,7 +108,7 @@ class AgentEpisode:
             await gw.start()
             self.gateway = gw
         gw = self.gateway
-        info = gw.open_session(seed=llm.params.seed)
+        info = gw.open_session(llm=llm)  # the session samples through the row's llm: its seed, params, keys
         url = SessionURL(info.base_url, info.key)
         try:
             reward = await (self.agent(sample, url, info.key) if self._takes_key else self.agent(sample, url))

@@ -43,7 +43,7 @@ from .engines.batcher import Generation
 from .errors import EpisodeConfigError, TrajectoryError
 
 __all__ = ["Sample", "Trajectory", "LLM", "Episode", "STOP_REASONS", "register_episode", "registered_episodes",
-           "validate_trajectory", "pack_trajectories", "episode_metrics"]
+           "single_turn", "validate_trajectory", "pack_trajectories", "episode_metrics"]
 
 STOP_REASONS = ("done", "max_turns", "max_length", "stop")
 """Why an episode ended: the environment said done; ``max_turns`` reached; the response part reached the
@@ -149,18 +149,21 @@ class LLM:
         params: default sampling params; ``seed`` is this episode's base seed (call k uses
             ``seed + 7919 * k``, so an episode samples the same tokens whatever else is in flight).
         max_response_tokens: most tokens after the prompt (:meth:`start` puts it on the trajectory).
+        key: names this episode's requests in the engine's round log (call 0 is ``key``, call k
+            ``f"{key}/{k}"``), so a recorded run's rounds can be replayed; None: the engine numbers them.
     """
 
-    def __init__(self, submit: Callable[[list[int], SamplingParams], Awaitable[Generation]], tokenizer: Any,
-                 params: SamplingParams, max_response_tokens: int) -> None:
+    def __init__(self, submit: Callable[..., Awaitable[Generation]], tokenizer: Any,
+                 params: SamplingParams, max_response_tokens: int, *, key: str | None = None) -> None:
         self._submit = submit
         self.tokenizer = tokenizer
         self.params = params
         self.max_response_tokens = max_response_tokens
+        self.key = key
         self._calls = 0
 
     @property
-    def submit(self) -> Callable[[list[int], SamplingParams], Awaitable[Generation]]:
+    def submit(self) -> Callable[..., Awaitable[Generation]]:
         """The engine's request call this client samples with (the gateway serves agents over it)."""
         return self._submit
 
@@ -202,11 +205,19 @@ class LLM:
             return Generation([], [], "length", versions=[])
         params = replace(self.params, max_new_tokens=n, seed=(self.params.seed or 0) + 7919 * self._calls,
                          temperature=self.params.temperature if temperature is None else temperature)
+        key = None if self.key is None else self.key if self._calls == 0 else f"{self.key}/{self._calls}"
         self._calls += 1
-        gen = await self._submit(ids, params)
+        gen = await (self._submit(ids, params) if key is None else self._submit(ids, params, key=key))
         if isinstance(prompt, Trajectory):
             prompt.add_generation(gen)
         return gen
+
+
+async def single_turn(llm: LLM, sample: Sample) -> Trajectory:
+    """The row program of a plain request: one generation of up to the row's room after the prompt."""
+    traj = llm.start(sample)
+    await llm.generate(traj)
+    return traj
 
 
 class Episode(Protocol):

@@ -270,20 +270,26 @@ class Gateway:
 
     # ---- sessions -------------------------------------------------------------------------
 
-    def open_session(self, session_id: str | None = None, *, seed: int | None = None) -> SessionInfo:
-        """A new session: its id, a fresh key and its ``base_url`` (``<url>/s/<id>/v1``). `seed` is its base
-        sampling seed (default: from the trainer's seed and the id, so a session samples the same tokens
-        whatever else is in flight)."""
+    def open_session(self, session_id: str | None = None, *, seed: int | None = None,
+                     llm: LLM | None = None) -> SessionInfo:
+        """A new session: its id, a fresh key and its ``base_url`` (``<url>/s/<id>/v1``). `llm`: the session
+        samples through it (a rollout row's client: its engine, sampling settings, seed, length limit and
+        round-log key), so an agent's requests enter the engine as an episode's do. Else through the
+        gateway's `submit` and `params`, with `seed` as the base sampling seed (default: from the trainer's
+        seed and the id, so a session samples the same tokens whatever else is in flight)."""
         sid = session_id or secrets.token_hex(8)
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", sid):
             raise ValueError(f"session id {sid!r} must be 1-64 letters, digits, '_', '.' or '-'")
         if sid in self._sessions:
             raise ValueError(f"session {sid!r} already exists; pick another id")
-        if seed is None:
-            h = hashlib.sha256(f"{self.params.seed}|{sid}".encode()).digest()
-            seed = int.from_bytes(h[:4], "little") & 0x3FFFFFFF
+        if llm is not None and seed is not None:
+            raise ValueError("open_session takes seed or llm (the llm carries its seed), not both")
+        if llm is None:
+            if seed is None:
+                h = hashlib.sha256(f"{self.params.seed}|{sid}".encode()).digest()
+                seed = int.from_bytes(h[:4], "little") & 0x3FFFFFFF
+            llm = LLM(self._submit, self.tokenizer, replace(self.params, seed=seed), self.max_response_tokens)
         info = SessionInfo(sid, secrets.token_urlsafe(24), f"{self.url}/s/{sid}/v1")
-        llm = LLM(self._submit, self.tokenizer, replace(self.params, seed=seed), self.max_response_tokens)
         self._sessions[sid] = _Session(info, llm)
         return info
 
@@ -341,7 +347,7 @@ class Gateway:
         if self.context_length is not None and len(ids) >= self.context_length:
             raise _HTTPError(400, f"the prompt is {len(ids)} tokens and the model's context is {self.context_length}; "
                                   "shorten the conversation", "context_length_exceeded")
-        new = _Row(Trajectory(prompt_ids=ids, max_response_tokens=self.max_response_tokens), text)
+        new = _Row(Trajectory(prompt_ids=ids, max_response_tokens=s.llm.max_response_tokens), text)
         s.rows.append(new)
         s.stats.rows += 1
         return new
@@ -354,7 +360,7 @@ class Gateway:
                 raise _HTTPError(410, f"session {s.info.id!r} is closed", "session_closed")
             row = self._row_for(s, text)
             before, turns = len(row.traj.context_ids), len(row.traj.turns)
-            n = min(self.params.max_new_tokens, req.max_completion_tokens or req.max_tokens or 1 << 30)
+            n = min(s.llm.params.max_new_tokens, req.max_completion_tokens or req.max_tokens or 1 << 30)
             if self.context_length is not None:
                 n = min(n, self.context_length - before)
             try:

@@ -1,11 +1,19 @@
 """Request-level generation of :class:`~asyncrl.roles.rollout.RolloutWorker` (a mixin it composes).
 
-Every row is an independent request of the request-level engine (:meth:`_request_engine`: the HF
-request batcher, or an engine that schedules requests itself), so many concurrent calls share its
-decoding rounds and each token records the weight version that produced it:
+Every row is a program over the request-level engine (:meth:`_request_engine`: the HF request
+batcher, or an engine that schedules requests itself), so many concurrent calls share its decoding
+rounds and each token records the weight version that produced it. One seam, :meth:`_run_rows`,
+runs every row: a program ``async (llm, sample) -> Trajectory`` -- a plain request
+(:func:`~asyncrl.roles.episodes.single_turn`), an episode, or an agent whose gateway session samples
+through the row's ``llm`` -- so a new kind of row is one such function::
 
-* ``generate_episodes`` -- one multi-turn episode per row (:mod:`asyncrl.roles.episodes`);
-* ``generate_requests`` -- one response per row (the streaming trainer's calls);
+    call ─► _start_requests (gate: start under the newest weights) ─► _run_rows
+              row i: LLM(submit, params[i], key[i]) ─► program(llm, sample) ─► engine requests
+              ─► pack_trajectories ─► the generate layout (+ token_versions; episode fields for episodes)
+
+* ``generate_episodes`` -- batch mode's episodes (seeds from the whole call, as ``generate``'s);
+* ``generate_requests`` -- the streaming trainer's calls: one response, episode or agent session per
+  row, version-free per-row seeds and round-log keys;
 * ``round_log`` / ``replay_rounds`` -- the batcher's recorded rounds and their exact replay;
 * ``statistics`` -- what this rank's request-level generation did.
 
@@ -118,44 +126,53 @@ class RequestGenerationMixin:
             await gate.wait()  # (a replay's rounds decide that; its updates wait for them, so must its requests not)
         return R, prompts, self._params(prompts, R, temperature, seed), self._request_engine()
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
-    async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
-                                temperature: float | None = None, seed: int | None = None, *,
-                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
-                                max_in_flight: int | None = None) -> TensorDict:
-        """One episode per row (``RolloutConfig.episode``, or `episode` for this call), all in flight at
-        once; returns the layout of :meth:`generate` (see :func:`asyncrl.roles.episodes.pack_trajectories`):
-        ``response_ids`` of width R hold model and environment tokens, ``response_mask`` is 1 only on
-        model tokens, plus ``token_versions``, ``episode_reward``, ``num_turns``, ``tool_errors``,
-        ``stop_reason``. Rows repeated for GRPO run separate episodes (their ``uid`` is kept, so a
-        group is the episodes of one sample). A malformed trajectory raises
-        :class:`~asyncrl.roles.errors.TrajectoryError` naming the episode and the field. `max_in_flight`
-        overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time)."""
-        import anyio
+    # ---- the one seam: every request-level row -------------------------------------------------
 
+    def _row_program(self, episode: str | None = None,
+                     episode_kwargs: dict[str, Any] | None = None) -> tuple[Any, str]:
+        """``(program, name)`` of this call's rows: `episode` when given, else the configured episode or agent
+        (``RolloutConfig.episode``/``agent``), else :func:`~asyncrl.roles.episodes.single_turn`."""
         from .environments import resolve_episode
-        from .episodes import LLM, Sample, Trajectory, pack_trajectories, validate_trajectory
+        from .episodes import single_turn
 
         if episode is not None:
-            fn, name = resolve_episode(episode, episode_kwargs), episode
-        elif self._episode_fn is not None:
-            fn, name = self._episode_fn, str(self.config.episode or self.config.agent)
-        else:
-            raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
-        R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
-        agent = getattr(fn, "agent", None) is not None  # rollout.agent: rows come from the gateway, with its prompts
+            return resolve_episode(episode, episode_kwargs), episode
+        if self._episode_fn is not None:
+            return self._episode_fn, str(self.config.episode or self.config.agent)
+        return single_turn, "request"
+
+    async def _run_rows(self, batch: TensorDictBase, R: int, prompts: list[list[int]], submit: Any,
+                        params: list[SamplingParams], keys: list[str] | None, program: Any, name: str, *,
+                        max_in_flight: int | None = None) -> TensorDict:
+        """The one entry of request-level generation: row ``i`` runs ``program(llm, sample)`` with an
+        :class:`~asyncrl.roles.episodes.LLM` over the request engine `submit` (sampling `params[i]`, round-log
+        key ``keys[i]``), every row in flight at once; the trajectories are packed in the ``generate`` layout.
+
+        A program is :func:`~asyncrl.roles.episodes.single_turn` (a plain request), an episode, or an agent
+        (:class:`~asyncrl.roles.agents.AgentEpisode`: the row's LLM serves a gateway session), so each of them
+        gets admission, partial rollout across turns and per-token versions from the same engine. The call
+        counts among the generations a weight update waits for (``partial_rollout="off"``) or reaches."""
+        import anyio
+
+        from .episodes import LLM, Sample, Trajectory, pack_trajectories, single_turn, validate_trajectory
+
+        plain = program is single_turn  # the engine's own rows: trusted, no episode fields
+        agent = getattr(program, "agent", None) is not None  # rows come from the gateway, with its prompts
         prompt_text, answers = text_list(batch, "prompt"), text_list(batch, "answer")
         trajs: list[Any] = [None] * len(prompts)
-        limit = anyio.Semaphore(max_in_flight or self.config.max_episodes_in_flight)
+        limit = anyio.Semaphore(len(prompts) if plain else max_in_flight or self.config.max_episodes_in_flight)
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
 
         async def run(i: int) -> None:
             sample = Sample(prompts[i], prompt=prompt_text[i] if prompt_text else None,
                             answer=answers[i] if answers else None, index=i)
-            llm = LLM(submit, self.tokenizer, replace(base, seed=((base.seed or 0) + 104729 * i) & 0x3FFFFFFF), R)
+            llm = LLM(submit, self.tokenizer, params[i], R, key=keys[i] if keys is not None else None)
             async with limit:
+                if plain:
+                    trajs[i] = await program(llm, sample)
+                    return
                 try:
-                    traj = await fn(llm, sample)
+                    traj = await program(llm, sample)
                 except Exception as e:  # the user's code: say whose and which row (tools never get here)
                     raise EpisodeError(f"episode {name!r} (row {i}) raised {type(e).__name__}: {e}; fix the "
                                        "episode or its environment (tool errors are observations, not raises)") from e
@@ -165,12 +182,12 @@ class RequestGenerationMixin:
 
         me = asyncio.current_task()
         if me is not None:
-            self._episode_tasks.add(me)  # weight updates and sleep wait for the episodes in flight
+            self._episode_tasks.add(me)  # weight updates and sleep wait for (or reach) the rows in flight
         try:
             async with anyio.create_task_group() as tg:
                 for i in range(len(prompts)):
                     tg.start_soon(run, i)
-        except BaseExceptionGroup as group:  # the first episode's error cancelled the rest: raise it alone,
+        except BaseExceptionGroup as group:  # the first row's error cancelled the rest: raise it alone,
             first = _first_leaf(group)  # with its own cause (the user's exception and its traceback)
             raise first from first.__cause__
         finally:
@@ -182,28 +199,60 @@ class RequestGenerationMixin:
             prompt_ids, prompt_mask = left_pad_prompts([t.prompt_ids for t in trajs], pad,
                                                        self.context_length - R)
         fields = pack_trajectories(trajs, prompt_ids, prompt_mask, R, pad, self._version)
+        if plain:  # a plain request's row keeps generate's layout (plus token_versions)
+            for k in _EPISODE_FIELDS:
+                del fields[k]
+        else:
+            tv, model_tokens = fields["token_versions"], fields["response_mask"].bool()
+            self._trajectories[0] += len(trajs)
+            self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
         if agent:
             fields.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask)
-        tv, model_tokens = fields["token_versions"], fields["response_mask"].bool()
-        self._trajectories[0] += len(trajs)
-        self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
         return with_fields(batch, fields)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None, *,
+                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
+                                max_in_flight: int | None = None) -> TensorDict:
+        """One episode per row (``RolloutConfig.episode`` or ``agent``, or `episode` for this call), all in
+        flight at once; returns the layout of :meth:`generate` (see :func:`asyncrl.roles.episodes.pack_trajectories`):
+        ``response_ids`` of width R hold model and environment tokens, ``response_mask`` is 1 only on
+        model tokens, plus ``token_versions``, ``episode_reward``, ``num_turns``, ``tool_errors``,
+        ``stop_reason``. Rows repeated for GRPO run separate episodes (their ``uid`` is kept, so a
+        group is the episodes of one sample). A malformed trajectory raises
+        :class:`~asyncrl.roles.errors.TrajectoryError` naming the episode and the field. `max_in_flight`
+        overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time).
+        Batch mode's call: row ``i``'s seed derives from the whole call's (its prompts and the weight version);
+        :meth:`generate_requests` runs the same rows with version-free per-row seeds."""
+        from .episodes import single_turn
+
+        program, name = self._row_program(episode, episode_kwargs)
+        if program is single_turn:
+            raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
+        R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
+        params = [replace(base, seed=((base.seed or 0) + 104729 * i) & 0x3FFFFFFF) for i in range(len(prompts))]
+        return await self._run_rows(batch, R, prompts, submit, params, None, program, name,
+                                    max_in_flight=max_in_flight)
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                                 temperature: float | None = None, seed: int | None = None) -> TensorDict:
-        """Like :meth:`generate`, with every row an independent request of the request-level engine
-        (:meth:`_request_engine`), so many concurrent calls (streaming rollout: one per prompt group)
-        share its decoding rounds. Like episodes, a call counts among the request-level generations
-        a weight update handles: with ``partial_rollout="off"`` an update waits for it (its rows keep
-        one version); with ``"keep"``/``"recompute"`` the update reaches its rows in flight without
-        waiting and they decode on under the new weights (each token records its version).
+        """Every row through the request-level engine (:meth:`_run_rows`): one response per row, or with
+        ``RolloutConfig.episode``/``agent`` one episode or agent session per row (the layout of
+        :meth:`generate_episodes`), so many concurrent calls (streaming rollout: one per prompt group)
+        share its decoding rounds. A call counts among the request-level generations a weight update
+        handles: with ``partial_rollout="off"`` an update waits for it (its rows keep one version); with
+        ``"keep"``/``"recompute"`` the update reaches its rows in flight without waiting -- also an
+        episode's turn in flight -- and they decode on under the new weights (each token records its version).
 
         Returns the layout of :meth:`generate` plus ``token_versions`` (``[B, R]``: each generated
-        token's weight version, -1 past the response); ``version`` is a row's first token's version.
+        token's weight version, -1 off the model tokens); ``version`` is a row's first model token's version.
         Row ``i``'s sampling seed comes from the config's seed, `seed`, the row's index in the whole
         batch and its prompt (not the weight version): the same call regenerates the same rows under
-        the same weights, and the rows of one prompt differ."""
+        the same weights, and the rows of one prompt differ. Its requests are named ``f"{seed}:{row}"``
+        in the round log (an episode's later turns ``f"{seed}:{row}/{turn}"``)."""
+        program, name = self._row_program()
         R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
         offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
 
@@ -211,35 +260,9 @@ class RequestGenerationMixin:
             h = hashlib.sha256(f"{self.config.seed}|{seed}|{offset + i}|{prompts[i]}".encode())
             return int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF
 
-        me = asyncio.current_task()
-        if me is not None:
-            self._episode_tasks.add(me)  # what a weight update waits for (partial_rollout="off") or reaches
-        try:
-            gens = await asyncio.gather(*(submit(p, replace(base, seed=row_seed(i)), key=f"{seed}:{offset + i}")
-                                          for i, p in enumerate(prompts)))  # key: the row in the round log
-        finally:
-            if me is not None:
-                self._episode_tasks.discard(me)
-        n, pad = len(prompts), int(self.tokenizer.pad_token_id)
-        resp = torch.full((n, R), pad, dtype=torch.long)
-        rmask = torch.zeros((n, R), dtype=torch.long)
-        logp = torch.zeros((n, R), dtype=torch.float32)
-        tver = torch.full((n, R), -1, dtype=torch.long)
-        ver = torch.full((n,), self._version, dtype=torch.long)
-        for b, c in enumerate(gens):
-            L = len(c.response_ids)
-            if L > R or len(c.log_probs) != L or len(c.versions) != L:
-                raise RuntimeError(f"the request engine returned {L} tokens, {len(c.log_probs)} log-probs and "
-                                   f"{len(c.versions)} versions for max_new_tokens={R}")
-            if L:
-                resp[b, :L] = torch.tensor(c.response_ids, dtype=torch.long)
-                rmask[b, :L] = 1
-                logp[b, :L] = torch.tensor(c.log_probs, dtype=torch.float32)
-                tver[b, :L] = torch.tensor(c.versions, dtype=torch.long)
-                ver[b] = c.versions[0]
-        fields = {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver,
-                  "token_versions": tver}
-        return self._assemble(batch, fields)
+        params = [replace(base, seed=row_seed(i)) for i in range(len(prompts))]
+        keys = [f"{seed}:{offset + i}" for i in range(len(prompts))]
+        return await self._run_rows(batch, R, prompts, submit, params, keys, program, name)
 
     @register(Dispatch.ONE_TO_ALL)
     def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
@@ -305,6 +328,10 @@ def left_pad_prompts(prompts: list[list[int]], pad_id: int, width: int = 0) -> t
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[b, P - len(p):] = 1
     return ids, mask
+
+
+_EPISODE_FIELDS = ("episode_reward", "num_turns", "tool_errors", "stop_reason")
+"""What :func:`~asyncrl.roles.episodes.pack_trajectories` adds for episodes, absent from a plain request's row."""
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

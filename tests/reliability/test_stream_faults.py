@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.roles import RolloutWorker
 
 from asyncrl import Dispatch, register
 
@@ -203,3 +204,73 @@ async def test_a_training_worker_killed_mid_update_restarts_from_its_checkpoint_
     assert set(state["stream"]["pending"]) <= {g for s in steps if s["step"] >= 2 for g in s["groups"]}
     assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
     assert await settled(before) == before
+
+
+class MidSessionFaultRollout(RolloutWorker):
+    """A rollout worker whose gateway hangs the first time any session sends its second request (an agent
+    mid-session) and publishes its pid in `fault`'s dir; every request it serves is appended to `requests`
+    (its round-log key, its sampling seed and this process)."""
+
+    def __init__(self, *args, fault: Fault, requests: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._fault_at, self._requests = fault, requests
+
+    def _request_engine(self):
+        submit = super()._request_engine()
+
+        async def hang_mid_session(ids, params, key=None):
+            with open(self._requests, "a") as f:
+                f.write(json.dumps({"key": key, "seed": params.seed, "pid": os.getpid()}) + "\n")
+            if key is not None and key.endswith("/1") and self._fault_at.fire():
+                await asyncio.Event().wait()  # until the process is killed
+            return await submit(ids, params, key=key)
+
+        return hang_mid_session
+
+
+@pytest.mark.slow
+async def test_a_rollout_worker_killed_mid_session_in_a_gateway_run_is_replaced_and_its_sessions_rerun_with_their_seeds(
+        ray_cluster, tmp_path):
+    """rollout.agent in stream mode: the rollout worker (and with it the gateway and the agents it runs) dies
+    while an agent's session is between its two requests; the pool is replaced, the groups it held are issued
+    again and their sessions re-run from the start with the same round-log keys and sampling seeds; the run
+    completes every step, each group trained once within the bound."""
+    before = await asyncio.to_thread(live_actors)
+    (tmp_path / "fault").mkdir()
+    cfg = stream_cfg(tmp_path / "run", restarts=1, partial="recompute")
+    cfg.model.tokenizer = "qwen2"
+    cfg.rollout.agent = os.path.join(os.path.dirname(__file__), "..", "roles", "gateway_agent.py") + ":two_turns"
+    cfg.rollout.max_new_tokens = 24
+    cfg.validate()
+    requests = tmp_path / "requests.jsonl"
+    fault = Fault(dir=str(tmp_path / "fault"), point="generate")
+    trainer = GRPOTrainer(cfg, worker_overrides={"rollout": (MidSessionFaultRollout, {"fault": fault,
+                                                                                      "requests": str(requests)})})
+
+    async def run():
+        async with trainer:
+            return await trainer.fit()
+
+    task = asyncio.create_task(run())
+    fired = asyncio.create_task(wait_for_file(tmp_path / "fault" / "pid", 120))
+    await asyncio.wait({task, fired}, return_when=asyncio.FIRST_COMPLETED)
+    assert fired.done(), f"the run ended before the fault fired: {task.exception()!r}"
+    killed = int((tmp_path / "fault" / "pid").read_text())
+    os.kill(killed, signal.SIGKILL)
+    history = await asyncio.wait_for(task, 180)  # completion, not a hang
+    [r] = trainer.restarts
+    assert r["kind"] == "replace" and r["from_checkpoint"] is None
+    assert len(history) == STEPS and all(h["staleness/max"] <= 1 for h in history)
+    assert all(h["actor/episode/turns_mean"] == 2.0 for h in history)
+    assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    assert await settled(before) == before
+    served = [json.loads(x) for x in requests.read_text().splitlines()]
+    dead = [(s["key"], s["seed"]) for s in served if s["pid"] == killed]
+    later = {(s["key"], s["seed"]) for s in served if s["pid"] != killed}
+    assert trainer.rollout.regenerated >= 1  # the hung session's group was in flight: issued again
+    hung = next(k for k in dead if k[0].endswith("/1"))  # the first second request: the one that hung
+    group = hung[0].split(":")[0]  # keys are f"{group seed}:{row}" (then "/turn")
+    # every session of the hung group ran again from its first request, with the same key and seed, and the
+    # hung one reached its second request again on the replacement
+    first_turns = {(k, s) for k, s in dead if k.startswith(group + ":") and "/" not in k}
+    assert len(first_turns) == cfg.algorithm.group_size and first_turns | {hung} <= later

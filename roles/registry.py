@@ -59,6 +59,10 @@ class Registry(Generic[T]):
 
         return deco
 
+    def add_lazy(self, name: str, module: str) -> None:
+        """Name `module` as the one that registers `name` when it is imported (on first lookup)."""
+        self._lazy[name] = module
+
     def find(self, name: str) -> T | None:
         """The entry registered as `name` (importing its lazy module first), or None."""
         if name not in self._entries and name in self._lazy:

@@ -91,9 +91,9 @@ class GenerationEngine(Protocol):
 
 EngineFactory = Callable[..., GenerationEngine]
 _ENGINES: Registry[EngineFactory] = Registry(
-    "generation engine", how_to_register="Register one with @asyncrl.roles.engines.register_engine(name)",
-    lazy={"hf": "asyncrl.roles.engines.hf", "vllm": "asyncrl.roles.engines.vllm_engine",
-          "sim": "asyncrl.roles.engines.sim"})
+    "generation engine", how_to_register="Register one with @asyncrl.roles.engines.register_engine(name)")
+"""The engines by name; the package (``asyncrl.roles.engines``) names the modules of the built-in ones, imported
+on first use (vLLM's only when asked for)."""
 
 
 def register_engine(name: str, *, replace: bool = False) -> Callable[[EngineFactory], EngineFactory]:

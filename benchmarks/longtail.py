@@ -15,7 +15,7 @@ The workload (real Ray, real worker groups, the real trainer loops; simulated co
 
 Variants (the same workers, one after another; ``--variants`` picks them):
 
-* ``sync``: the trainer at ``max_staleness=0`` (the synchronous loop, DESIGN C7).
+* ``sync``: the trainer at ``max_staleness=0`` (the synchronous loop).
 * ``batch``: batch overlap, ``rollout_mode=batch`` (at ``max_staleness=1``: one-step overlap).
 * ``stream``: ``rollout_mode=stream`` (many prompt groups in flight, admission control).
 * ``stream+recompute`` / ``stream+keep``: streaming with partial rollout (a weight update reaches

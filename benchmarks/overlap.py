@@ -199,7 +199,7 @@ def stage_costs(ratio: float, train_s: float) -> dict[str, float]:
     """Seconds per stage: training + sync = `train_s`, rollout = `ratio` x that."""
     costs = {k: v * train_s for k, v in TRAIN_SHARE.items()}
     costs.update({k: v * ratio * train_s for k, v in ROLLOUT_SHARE.items()})
-    costs["load_weights"] = 0.0  # the sync's cost sits on the policy side (export), as in DESIGN's ideal
+    costs["load_weights"] = 0.0  # the sync's cost sits on the policy side (export), (the ideal overlap)
     return costs
 
 

@@ -20,7 +20,7 @@ from asyncrl.pipelines.config import JobConfig
 from asyncrl.pipelines.data import PromptLoader, make_loader, task_pairs
 from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.stream_replay import recording_rollout
+from asyncrl.pipelines.rounds import recording_rollout
 
 __all__ = ["needs_reference", "reference_worker", "role_specs", "main_pool", "run_pools", "build_rollout_part",
            "build_groups", "Workers", "build_data"]

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio.to_thread
 import structlog
@@ -28,9 +28,30 @@ from asyncrl.pipelines.datafiles import check_code_digests, code_digests, data_d
 from asyncrl.pipelines.loop_state import RolloutBatch
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.pipelines.config import JobConfig
+    from asyncrl.pipelines.evaluation import Evaluator
+    from asyncrl.pipelines.loop_state import LoopState, Rollout
+    from asyncrl.pipelines.stages import Groups
+    from asyncrl.pipelines.trace import Tracer
+    from asyncrl.pipelines.weights import WeightSync
 
 __all__ = ["Checkpointer", "buffered_record", "checkpoint_due", "restored_batch"]
+
+
+class CheckpointerOwner(Protocol):
+    """What :class:`Checkpointer` reads of the trainer that owns it (a restore also rewrites ``history``)."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+    rollout: Rollout
+    tracer: Tracer
+    weights: WeightSync
+    evaluator: Evaluator | None
+    history: list[dict[str, Any]]
+    output_dir: Path
+    started_at: float
+
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -44,7 +65,7 @@ class Checkpointer:
             checked here, before any worker starts.
     """
 
-    def __init__(self, trainer: "Trainer", resume: Path | None) -> None:
+    def __init__(self, trainer: CheckpointerOwner, resume: Path | None) -> None:
         self._trainer = trainer
         self.resume = resume
         """The checkpoint this run resumed from."""

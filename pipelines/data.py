@@ -27,6 +27,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from tensordict import NonTensorStack, TensorDict
 
+from asyncrl.roles.registry import Registry
+
 __all__ = ["Task", "register_task", "task_names", "get_task", "PromptLoader", "chat_formatter", "make_loader", "task_pairs"]
 
 Pairs = list[tuple[str, str]]
@@ -49,26 +51,24 @@ class Task:
     evaluation reports the reward function's mean only."""
 
 
-_TASKS: dict[str, Task] = {}
+_TASKS: Registry[Task] = Registry(
+    "task", how_to_register="Register one with asyncrl.pipelines.data.register_task(Task(...)), or give "
+    "data.train_files")
 
 
-def register_task(task: Task) -> Task:
+def register_task(task: Task, *, replace: bool = False) -> Task:
     """Make `task` available as ``data.task=<name>``."""
-    _TASKS[task.name] = task
-    return task
+    return _TASKS.add(task.name, task, replace=replace)
 
 
 def task_names() -> list[str]:
     """Names of the registered tasks."""
-    return sorted(_TASKS)
+    return _TASKS.names()
 
 
 def get_task(name: str) -> Task:
     """The task registered as `name`."""
-    try:
-        return _TASKS[name]
-    except KeyError:
-        raise KeyError(f"unknown task {name!r}; known tasks: {task_names()}") from None
+    return _TASKS.get(name)
 
 
 # ---- tasks -------------------------------------------------------------------------------------

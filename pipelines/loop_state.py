@@ -7,16 +7,17 @@ then restores a checkpoint into it; nothing else in the trainer changes while th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from asyncrl import GroupFuture
 from asyncrl.pipelines.buffer import StalenessBuffer
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.precompute import Precomputed
+    from asyncrl.pipelines.config import JobConfig
 
-__all__ = ["RolloutBatch", "LoopState"]
+__all__ = ["RolloutBatch", "Precomputed", "LoopState", "Rollout", "batch_seed"]
 
 
 @dataclass
@@ -39,6 +40,35 @@ class RolloutBatch:
     """Per-batch metrics of its sampling (``algorithm.filter_groups``: ``sampling/...``; streaming: ``stream/...``)."""
     groups: list[int] | None = None
     """Streaming rollout: the prompt groups it holds, in order (None: a whole prompt batch)."""
+
+
+@dataclass
+class Precomputed:
+    """The next step's ``old_log_prob`` / ``ref_log_prob`` / ``values``, issued before its batch left
+    the buffer. Used only by the step it was issued for, on the batch it read, with the policy
+    version it was computed with; otherwise discarded."""
+
+    step: int
+    """The train step it is for, which is also the policy version it was computed with."""
+    batch_index: int
+    """The batch it read (its prompt batch index)."""
+    batch: Any
+    """The generate future it read (identity is what counts: a regenerated batch is another future)."""
+    old: GroupFuture[Any] | None
+    ref: GroupFuture[Any] | None
+    vals: GroupFuture[Any] | None
+
+    def matches(self, item: RolloutBatch, version: int) -> bool:
+        """True when step `version` trains `item` and this read exactly `item`'s batch future."""
+        return self.step == version and self.batch_index == item.step and self.batch is item.batch
+
+    def discard(self) -> None:
+        """Cancel what has not run yet (a call waiting for its batch or its turn leaves the training
+        worker's ordered lane at once). Nothing is awaited, so nothing is fetched or logged."""
+        for f in (self.old, self.ref, self.vals):
+            if f is not None:
+                with contextlib.suppress(Exception):  # a closed group: the call is over already
+                    f.cancel()
 
 
 @dataclass(eq=False)
@@ -106,3 +136,24 @@ class LoopState:
             for name, value in changes.items():
                 setattr(self, name, value)
             self.cond.notify_all()
+
+
+def batch_seed(config: JobConfig, index: int) -> int:
+    """The sampling seed of batch `index`."""
+    return config.trainer.seed * 1_000_003 + index
+
+
+class Rollout(Protocol):
+    """What the train loop needs from a rollout producer."""
+
+    async def run(self) -> None:
+        """Produce batches until the run has all it needs."""
+
+    async def take(self, step: int) -> RolloutBatch:
+        """The batch step `step` trains (waiting for it)."""
+
+    def upcoming(self, step: int) -> tuple[int, Any] | None:
+        """``(index, generate future)`` of the batch :meth:`take` will return for `step`, when decided."""
+
+    async def finish(self) -> None:
+        """After the last step: the work the rollout side still owes (final evaluations)."""

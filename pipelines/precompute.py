@@ -9,22 +9,34 @@ batch, future and version match; otherwise they are cancelled and the step issue
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, Any
 
 import structlog
 
 from asyncrl import GroupFuture
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.deadlines import without_deadlines
-from asyncrl.pipelines.loop_state import RolloutBatch
+from asyncrl.pipelines.loop_state import Precomputed, RolloutBatch
 from asyncrl.pipelines.stages import Groups
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.pipelines.config import JobConfig
+    from asyncrl.pipelines.loop_state import LoopState, Rollout
+    from asyncrl.pipelines.trace import Tracer
 
 __all__ = ["Precomputed", "Precompute", "first_stages"]
+
+
+class PrecomputeOwner(Protocol):
+    """What :class:`Precompute` reads of the trainer that owns it."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+    rollout: Rollout
+    tracer: Tracer
+    stop_reason: str | None
+
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -43,41 +55,12 @@ def first_stages(g: Groups, batch: Any, step: int, watch: Any, *, bypass: bool =
     return old, ref, vals
 
 
-@dataclass
-class Precomputed:
-    """The next step's ``old_log_prob`` / ``ref_log_prob`` / ``values``, issued before its batch left
-    the buffer. Used only by the step it was issued for, on the batch it read, with the policy
-    version it was computed with; otherwise discarded."""
-
-    step: int
-    """The train step it is for, which is also the policy version it was computed with."""
-    batch_index: int
-    """The batch it read (its prompt batch index)."""
-    batch: Any
-    """The generate future it read (identity is what counts: a regenerated batch is another future)."""
-    old: GroupFuture[Any] | None
-    ref: GroupFuture[Any] | None
-    vals: GroupFuture[Any] | None
-
-    def matches(self, item: RolloutBatch, version: int) -> bool:
-        """True when step `version` trains `item` and this read exactly `item`'s batch future."""
-        return self.step == version and self.batch_index == item.step and self.batch is item.batch
-
-    def discard(self) -> None:
-        """Cancel what has not run yet (a call waiting for its batch or its turn leaves the training
-        worker's ordered lane at once). Nothing is awaited, so nothing is fetched or logged."""
-        for f in (self.old, self.ref, self.vals):
-            if f is not None:
-                with contextlib.suppress(Exception):  # a closed group: the call is over already
-                    f.cancel()
-
-
 class Precompute:
     """Issues the next step's first stages ahead (:meth:`issue_next`) and hands them to the step
     that trains that batch (:meth:`take`). The calls live in ``trainer.state.precomputed``, so a
     recovery that replaces the loop state forgets them with the groups they ran on."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: PrecomputeOwner) -> None:
         t = trainer.config.trainer
         self._trainer = trainer
         self.enabled = t.precompute_log_probs and t.max_staleness >= 1 and not t.colocated
@@ -148,6 +131,6 @@ class Precompute:
         self.stats["discarded"] += 1
 
 
-def _bypass(tr: "Trainer") -> bool:
+def _bypass(tr: PrecomputeOwner) -> bool:
     """Whether the rollout's log-probs stand in for ``old_log_prob`` (``rollout_correction.bypass_mode``)."""
     return bool(tr.config.actor.rollout_correction.bypass_mode != "off")

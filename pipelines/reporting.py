@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Awaitable
+from typing import TYPE_CHECKING, Any, Awaitable, Protocol
 
 import anyio.to_thread
 import structlog
@@ -17,9 +17,25 @@ from asyncrl.pipelines.samples import SamplesWriter
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.stages import Groups
-    from asyncrl.pipelines.trainer import Trainer
+    from pathlib import Path
+    from asyncrl.pipelines.config import JobConfig
+    from asyncrl.pipelines.evaluation import Evaluator
+    from asyncrl.pipelines.loop_state import LoopState
+    from asyncrl.pipelines.trace import Tracer
 
 __all__ = ["RunReport"]
+
+
+class RunReportOwner(Protocol):
+    """What :class:`RunReport` reads of the trainer that owns it."""
+
+    config: JobConfig
+    state: LoopState
+    tracer: Tracer
+    evaluator: Evaluator | None
+    history: list[dict[str, Any]]
+    output_dir: Path
+
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -29,7 +45,7 @@ class RunReport:
     (``samples.jsonl``), shows progress, and writes ``trace.json`` and ``report.png`` at the end;
     never changes what the loops do."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: RunReportOwner) -> None:
         self._trainer = trainer
         self.metrics: MetricsWriter | None = None
         """The open metrics sinks (between setup and close)."""

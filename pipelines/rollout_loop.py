@@ -30,41 +30,46 @@ import structlog
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.sampling import fill_batch
 from asyncrl.pipelines.config import JobConfig
-from asyncrl.pipelines.loop_state import RolloutBatch
+from asyncrl.pipelines.loop_state import Rollout, RolloutBatch, batch_seed
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.pipelines.data import PromptLoader
+    from asyncrl.pipelines.evaluation import Evaluator
+    from asyncrl.pipelines.loop_state import LoopState
+    from asyncrl.pipelines.precompute import Precompute
+    from asyncrl.pipelines.reporting import RunReport
+    from asyncrl.pipelines.run_journal import RunJournal
+    from asyncrl.pipelines.stages import Groups
+    from asyncrl.pipelines.supervisor import Supervisor
+    from asyncrl.pipelines.trace import Tracer
+    from asyncrl.pipelines.weights import WeightSync
 
-__all__ = ["Rollout", "BatchRollout", "batch_seed", "evaluate", "evaluate_rest"]
+__all__ = ["Rollout", "RolloutOwner", "BatchRollout", "batch_seed", "evaluate", "evaluate_rest"]
+
+
+class RolloutOwner(Protocol):
+    """What the rollout producers (:class:`BatchRollout`, the streaming ones) read of the trainer that owns
+    them: the run's parts they report to or wait on."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+    loader: PromptLoader | None
+    evaluator: Evaluator | None
+    tracer: Tracer
+    weights: WeightSync
+    journal: RunJournal
+    supervisor: Supervisor
+    precompute: Precompute
+    report: RunReport
 
 log = structlog.get_logger("asyncrl.pipelines")
-
-
-def batch_seed(config: JobConfig, index: int) -> int:
-    """The sampling seed of batch `index`."""
-    return config.trainer.seed * 1_000_003 + index
-
-
-class Rollout(Protocol):
-    """What the train loop needs from a rollout producer."""
-
-    async def run(self) -> None:
-        """Produce batches until the run has all it needs."""
-
-    async def take(self, step: int) -> RolloutBatch:
-        """The batch step `step` trains (waiting for it)."""
-
-    def upcoming(self, step: int) -> tuple[int, Any] | None:
-        """``(index, generate future)`` of the batch :meth:`take` will return for `step`, when decided."""
-
-    async def finish(self) -> None:
-        """After the last step: the work the rollout side still owes (final evaluations)."""
 
 
 class BatchRollout:
     """Generates whole batches in order, one at a time, into the loop state's staleness buffer."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: RolloutOwner) -> None:
         self._trainer = trainer
 
     async def run(self) -> None:
@@ -189,7 +194,7 @@ class BatchRollout:
         await evaluate_rest(self._trainer)
 
 
-async def evaluate(tr: Trainer, version: int) -> None:
+async def evaluate(tr: RolloutOwner, version: int) -> None:
     """Evaluate the rollout group's weights (`version`) and record the row in the metrics sinks."""
     ev, g = tr.evaluator, tr.groups
     assert ev is not None and g is not None
@@ -198,7 +203,7 @@ async def evaluate(tr: Trainer, version: int) -> None:
     tr.report.evaluation(version, row)
 
 
-async def evaluate_rest(tr: Trainer) -> None:
+async def evaluate_rest(tr: RolloutOwner) -> None:
     """After the last step: evaluate the due versions the rollout never loaded (the last
     ``max_staleness`` ones) and, with ``evaluation.at_end``, the final weights."""
     ev, g, s, sync = tr.evaluator, tr.groups, tr.state, tr.weights

@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Protocol
 
 import anyio.to_thread
 import structlog
@@ -20,14 +20,27 @@ from asyncrl.pipelines.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.datafiles import code_digests
 from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journal import JOURNAL, Journal, JournalData, JournalError, read_journal
-from asyncrl.pipelines.loop_state import RolloutBatch
-from asyncrl.pipelines.rollout_loop import batch_seed
-from asyncrl.pipelines.stream_replay import ROUNDS, RoundFile, records_rounds
+from asyncrl.pipelines.loop_state import RolloutBatch, batch_seed
+from asyncrl.pipelines.rounds import ROUNDS, RoundFile, records_rounds
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.pipelines.config import JobConfig
+    from asyncrl.pipelines.data import PromptLoader
+    from asyncrl.pipelines.loop_state import LoopState
+    from asyncrl.pipelines.stages import Groups
 
 __all__ = ["RunJournal", "weights_digest"]
+
+
+class RunJournalOwner(Protocol):
+    """What :class:`RunJournal` reads of the trainer that owns it."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+    loader: PromptLoader | None
+    output_dir: Path
+
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -46,7 +59,7 @@ class RunJournal:
             generates with exactly the recorded weight versions; it must be the same config's.
     """
 
-    def __init__(self, trainer: "Trainer", replay: str | Path | None = None) -> None:
+    def __init__(self, trainer: RunJournalOwner, replay: str | Path | None = None) -> None:
         self._trainer = trainer
         self._file: Journal | None = None
         self._schedule: dict[int, int] = {}  # batch index -> weight version to follow

@@ -3,7 +3,7 @@
 A stage function issues its call and returns at once; the future it returns is
 passed into the next stage, so the batch flows worker to worker and the controller
 holds only descriptors. The controller awaits small things: reward scores, update
-metrics, weight-sync receipts. The canonical order of one batch (DESIGN C8)::
+metrics, weight-sync receipts. The canonical order of one batch::
 
     generate ─► score ─► old_log_prob ─► ref_log_prob ─► values ─► advantages
                          (skipped under rollout_correction.bypass_mode)

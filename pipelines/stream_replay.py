@@ -28,8 +28,6 @@ or lacks the rounds of a trained group.
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,84 +35,19 @@ import anyio
 import anyio.abc
 from asyncrl.pipelines.admission import Admission
 from asyncrl.pipelines.journal import JOURNAL, JournalData, JournalError
-from asyncrl.pipelines.loop_state import RolloutBatch
-from asyncrl.pipelines.rollout_loop import batch_seed
+from asyncrl.pipelines.loop_state import RolloutBatch, batch_seed
+from asyncrl.pipelines.rounds import ROUNDS, RoundFile, read_rounds, recording_rollout, records_rounds
 from asyncrl.pipelines.stream_rollout import StreamRollout, _Attempt
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.pipelines.rollout_loop import RolloutOwner
 
 __all__ = ["ROUNDS", "RoundFile", "StreamReplay", "read_rounds", "recording_rollout", "records_rounds", "stream_rollout"]
 
-ROUNDS = "rounds.jsonl"
-"""The round log's file name, next to the journal."""
-
-
-def records_rounds(job: Any) -> bool:
-    """Whether a run of `job` (a ``JobConfig``) records its engines' rounds: streaming on the HF engine."""
-    return job.trainer.rollout_mode == "stream" and job.rollout.engine == "hf"
-
-
-def recording_rollout(job: Any) -> Any:
-    """The ``RolloutConfig`` the run's rollout workers get: the job's, recording rounds when
-    :func:`records_rounds` (the job's own config, and so its fingerprint, is unchanged)."""
-    return replace(job.rollout, record_rounds=True) if records_rounds(job) else job.rollout
-
-
-def stream_rollout(trainer: Trainer) -> StreamRollout:
+def stream_rollout(trainer: RolloutOwner) -> StreamRollout:
     """The trainer's streaming producer: a :class:`StreamReplay` when it replays a journal, else a
     :class:`~asyncrl.pipelines.stream_rollout.StreamRollout`."""
     return StreamReplay(trainer) if trainer.journal.replaying else StreamRollout(trainer)
-
-
-class RoundFile:
-    """Appends a run's ``rounds.jsonl`` (blocking file I/O: small writes, one per step).
-
-    Args:
-        path: the file (``<output_dir>/rounds.jsonl``).
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def start(self, previous: Path | None, start_step: int) -> None:
-        """Begin the file: keep the lines of `previous` (this run's, or the resumed run's) for steps before
-        `start_step` (a resume or restart rewinds to its checkpoint), drop the rest."""
-        kept = [c for c in read_rounds(previous) if int(c["step"]) < start_step] if previous is not None else []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(c) + "\n" for c in kept))
-        tmp.replace(self.path)
-
-    def append(self, step: int, epoch: int, ranks: list[list[dict[str, Any]]] | None, lost: str | None = None) -> None:
-        """The rounds each rank ran since the last line, fetched after step `step` chose its groups (`lost`:
-        why they could not be fetched)."""
-        rec: dict[str, Any] = {"step": step, "epoch": epoch, "ranks": ranks}
-        if lost is not None:
-            rec["lost"] = lost
-        with self.path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-
-def read_rounds(path: Path) -> list[dict[str, Any]]:
-    """The lines of a ``rounds.jsonl`` (missing file: none); a torn last line is ignored."""
-    if not path.is_file():
-        return []
-    lines = path.read_text().splitlines()
-    out = []
-    for n, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            int(rec["step"])
-        except (ValueError, KeyError, TypeError):
-            if n == len(lines) - 1:
-                break  # torn by a kill
-            raise JournalError(f"{str(path)!r} line {n + 1} is not a round-log record: {line[:80]!r}; restore the "
-                               "file the run wrote") from None
-        out.append(rec)
-    return out
 
 
 class _ReplayAdmission(Admission):
@@ -139,7 +72,7 @@ class StreamReplay(StreamRollout):
             are checked here, before any worker starts.
     """
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: RolloutOwner) -> None:
         super().__init__(trainer)
         source = trainer.journal.replay_source
         data = trainer.journal.replayed

@@ -36,19 +36,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.abc
 import structlog
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
-from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
-from asyncrl.pipelines.rollout_loop import batch_seed, evaluate, evaluate_rest
+from asyncrl.pipelines.loop_state import LoopState, RolloutBatch, batch_seed
+from asyncrl.pipelines.rollout_loop import RolloutOwner, evaluate, evaluate_rest
 from asyncrl.pipelines.sampling import group_stds
-
-if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
 
 __all__ = ["StreamRollout"]
 
@@ -88,7 +85,7 @@ class _Attempt:
 class StreamRollout:
     """Keeps prompt groups in flight and hands each step its first finished groups (see the module)."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: RolloutOwner) -> None:
         self._trainer = trainer
         self._attempt: _Attempt | None = None
         self.regenerated = 0

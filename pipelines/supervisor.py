@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import anyio
 import anyio.to_thread
@@ -35,9 +35,47 @@ from asyncrl.pipelines.recovery import describe, fault_origin, fault_record, is_
 from asyncrl.pipelines.stages import Groups
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
+    from pathlib import Path
+    from asyncrl.pipelines.build import Workers
+    from asyncrl.pipelines.checkpointing import Checkpointer
+    from asyncrl.pipelines.config import JobConfig
+    from asyncrl.pipelines.evaluation import Evaluator
+    from asyncrl.pipelines.loop_state import LoopState
+    from asyncrl.pipelines.reporting import RunReport
+    from asyncrl.pipelines.weights import WeightSync
 
 __all__ = ["Supervisor", "first_error"]
+
+
+class _Rewinds(Protocol):
+    async def rewind(self) -> None: ...
+
+
+class SupervisorOwner(Protocol):
+    """What :class:`Supervisor` reads of the trainer that owns it; a recovery replaces ``state`` and
+    rewinds ``history``."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+    history: list[dict[str, Any]]
+    workers: Workers
+    weights: WeightSync
+    checkpoints: Checkpointer
+    report: RunReport
+    journal: _Rewinds
+    evaluator: Evaluator | None
+    initial_rng: dict[str, Any] | None
+    owns_groups: bool
+    fitting: bool
+
+    @property
+    def last_checkpoint(self) -> Path | None: ...
+
+    def new_state(self) -> LoopState: ...
+
+    async def start_groups(self) -> None: ...
+
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -63,7 +101,7 @@ def first_error(eg: BaseExceptionGroup) -> BaseException:
 class Supervisor:
     """Runs the loops and recovers them from worker faults, within ``trainer.restart``'s limits."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: SupervisorOwner) -> None:
         self._trainer = trainer
         self.restarts: list[dict[str, Any]] = []
         """One record per recovery (see :attr:`~asyncrl.pipelines.trainer.Trainer.restarts`)."""

@@ -24,7 +24,7 @@
 Batch t is generated with weights ``max(0, t - max_staleness)`` (``fixed_lag``) or the newest
 exported (``latest``), so ``max_staleness=0`` is the synchronous loop (``pipelines/sync.py``)
 and ``k`` lets rollout run up to k versions ahead. Per batch the stages keep the canonical
-order (DESIGN C8); the train loop is the only producer of versions, so updates apply in
+order (generate, score, log-probs, advantages, updates, export); the train loop is the only producer of versions, so updates apply in
 version order. Payloads move worker to worker as futures; the controller awaits scores,
 metrics and weight-sync receipts only.
 

@@ -7,23 +7,33 @@ themselves live in the loop state (``exports``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, Any
 
 from asyncrl import GroupFuture
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.stages import Groups
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.pipelines.config import JobConfig
+    from asyncrl.pipelines.loop_state import LoopState
 
 __all__ = ["WeightSync"]
+
+
+class WeightSyncOwner(Protocol):
+    """What :class:`WeightSync` reads of the trainer that owns it."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+
 
 
 class WeightSync:
     """Exports policy versions and loads them into the rollout engines (sleeping and waking them
     around training when ``rollout.sleep_level > 0`` on a colocated pool)."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: WeightSyncOwner) -> None:
         cfg = trainer.config
         self._trainer = trainer
         self.transport = cfg.weight_transport()

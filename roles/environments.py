@@ -34,6 +34,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from .episodes import LLM, Sample, Trajectory, registered_episodes
 from .errors import EpisodeConfigError
+from .registry import Registry
 from .tools import Tool, call_tool, check_tools
 
 __all__ = ["Environment", "StepResult", "ToolEnvironment", "register_environment", "environment_names",
@@ -74,37 +75,29 @@ class Environment:
         """Release what the episode held (called on every path)."""
 
 
-_ENVS: dict[str, Callable[..., Environment]] = {}
+_ENVS: Registry[Callable[..., Environment]] = Registry(
+    "environment", error=EpisodeConfigError,
+    how_to_register="Register one with @asyncrl.roles.environments.register_environment(name)")
 
 
 def register_environment(name: str, *, replace: bool = False) -> Callable[[Any], Any]:
     """Decorator: make an :class:`Environment` class (or factory) available as ``RolloutConfig.episode=name``."""
 
-    def deco(cls: Any) -> Any:
-        if name in _ENVS and not replace and _ENVS[name] is not cls:
-            raise ValueError(f"an environment named {name!r} is already registered; pick another name or pass "
-                             "replace=True")
+    def check(cls: Any) -> None:
         if inspect.isclass(cls) and not inspect.iscoroutinefunction(getattr(cls, "step", None)):
             raise EpisodeConfigError(f"environment {name!r}: step must be `async def step(self, action)`")
-        _ENVS[name] = cls
-        return cls
 
-    return deco
+    return _ENVS.decorator(name, replace=replace, check=check)
 
 
 def environment_names() -> list[str]:
     """Registered environment names."""
-    return sorted(_ENVS)
+    return _ENVS.names()
 
 
 def make_environment(name: str, **kwargs: Any) -> Environment:
     """A new instance of the environment registered as `name`."""
-    try:
-        factory = _ENVS[name]
-    except KeyError:
-        raise EpisodeConfigError(f"no environment named {name!r}; known: {environment_names()}. Register one "
-                                 "with @asyncrl.roles.environments.register_environment(name)") from None
-    return factory(**kwargs)
+    return _ENVS.get(name)(**kwargs)
 
 
 async def environment_episode(llm: LLM, sample: Sample, *, env: Environment, max_turns: int = 4,
@@ -153,7 +146,7 @@ def environment_episode_for(name: str, *, max_turns: int | None = None, tokens_p
         raise EpisodeConfigError(f"environment {name!r}: env_kwargs must be a mapping of its options, got "
                                  f"{env_kwargs!r}")
     kwargs = dict(env_kwargs or {})
-    accepts = inspect.signature(_ENVS[name]).parameters
+    accepts = inspect.signature(_ENVS.get(name)).parameters
     limits = {}
     for k, given, fallback in (("max_turns", max_turns, 4), ("tokens_per_turn", tokens_per_turn, 16)):
         own = accepts[k].default if k in accepts and accepts[k].default is not inspect.Parameter.empty else fallback
@@ -184,7 +177,7 @@ def environment_episode_for(name: str, *, max_turns: int | None = None, tokens_p
 def _check_options(name: str, given: set[str], tools: bool) -> None:
     """An :class:`EpisodeConfigError` naming each ``env_kwargs`` key (or ``tools``) that the constructor of
     environment `name` does not take, and the options it does take (none checked when it takes ``**kwargs``)."""
-    params = inspect.signature(_ENVS[name]).parameters
+    params = inspect.signature(_ENVS.get(name)).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return  # it checks its own options (Environment.__init__ refuses any)
     accepted = sorted(n for n, p in params.items()

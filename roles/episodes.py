@@ -41,6 +41,7 @@ import torch
 from .engines.base import SamplingParams
 from .engines.batcher import Generation
 from .errors import EpisodeConfigError, TrajectoryError
+from .registry import Registry
 
 __all__ = ["Sample", "Trajectory", "LLM", "Episode", "STOP_REASONS", "register_episode", "registered_episodes",
            "single_turn", "validate_trajectory", "pack_trajectories", "episode_metrics"]
@@ -226,27 +227,25 @@ class Episode(Protocol):
     def __call__(self, llm: LLM, sample: Sample, /, **kwargs: Any) -> Awaitable[Trajectory]: ...
 
 
-_EPISODES: dict[str, Episode] = {}
+_EPISODES: Registry[Episode] = Registry(
+    "episode", error=EpisodeConfigError,
+    how_to_register="Register one with @asyncrl.roles.episodes.register_episode(name)")
 
 
 def register_episode(name: str, *, replace: bool = False) -> Callable[[Episode], Episode]:
     """Decorator: make an ``async def episode(llm, sample)`` available as ``RolloutConfig.episode=name``."""
 
-    def deco(fn: Episode) -> Episode:
+    def check(fn: Episode) -> None:
         if not inspect.iscoroutinefunction(fn):
             raise EpisodeConfigError(f"episode {name!r} must be an `async def` taking (llm, sample)")
-        if name in _EPISODES and not replace and _EPISODES[name] is not fn:
-            raise ValueError(f"an episode named {name!r} is already registered; pick another name or pass replace=True")
-        _EPISODES[name] = fn
-        return fn
 
-    return deco
+    return _EPISODES.decorator(name, replace=replace, check=check)
 
 
 def registered_episodes() -> dict[str, Episode]:
     """``{name: episode}`` of every :func:`register_episode` (environments are resolved by
     :func:`asyncrl.roles.environments.resolve_episode`, which accepts both)."""
-    return dict(_EPISODES)
+    return _EPISODES.entries()
 
 
 def validate_trajectory(traj: Any, episode: str, sample: Sample, max_response_tokens: int, vocab_size: int) -> Trajectory:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible gateway: an agent's HTTP calls become exact-token trajectories.
 
 An agent written against any OpenAI-compatible client points its ``base_url`` at a session of the
-gateway. The gateway owns tokenization (token truth, DESIGN "Agents through a gateway"): each
+gateway. The gateway owns tokenization (token truth): each
 session keeps the exact ids of its rows, and a request is encoded as the row's ids so far plus the
 tokens of its *new* text only::
 

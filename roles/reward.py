@@ -57,6 +57,7 @@ from asyncrl import Dispatch, Worker, register
 from ._util import micro_batches, require, text_list
 from .arithmetic import compute_score
 from .errors import RewardFnError, UnknownNameError
+from .registry import Registry
 from .device import place_model, resolve_placement
 from .models import ModelConfig, build_reward_model, load_tokenizer, position_ids_from_mask, set_torch_threads
 
@@ -100,35 +101,24 @@ class RewardInput:
 
 
 RewardFn = Callable[[RewardInput], Sequence[float] | torch.Tensor]
-_REWARD_FNS: dict[str, RewardFn] = {}
+_REWARD_FNS: Registry[RewardFn] = Registry(
+    "reward function", how_to_register="Register one with @asyncrl.roles.reward.register_reward_fn(name) in a "
+    "module the worker imports, or name a file: reward.fn=path/to/file.py:function")
 
 
 def register_reward_fn(name: str, *, replace: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register a reward function under `name` (``RewardConfig(fn=name)``)."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        if name in _REWARD_FNS and not replace and _REWARD_FNS[name] is not fn:
-            raise ValueError(f"a reward function named {name!r} is already registered; pass replace=True")
-        _REWARD_FNS[name] = fn
-        return fn
-
-    return deco
+    return _REWARD_FNS.decorator(name, replace=replace)
 
 
 def get_reward_fn(name: str) -> RewardFn:
     """The reward function registered as `name`."""
-    try:
-        return _REWARD_FNS[name]
-    except KeyError:
-        raise UnknownNameError(
-            f"no reward function named {name!r}; registered: {reward_fn_names()}. Register one with "
-            "@asyncrl.roles.reward.register_reward_fn(name) in a module the worker imports"
-        ) from None
+    return _REWARD_FNS.get(name)
 
 
 def reward_fn_names() -> list[str]:
     """Registered reward function names."""
-    return sorted(_REWARD_FNS)
+    return _REWARD_FNS.names()
 
 
 # --------------------------------------------------------------------------- reward functions by path

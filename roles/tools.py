@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from .errors import EpisodeConfigError
+from .registry import Registry
 
 __all__ = ["Tool", "ToolResult", "tool", "register_tool", "get_tool", "tool_names", "check_tools", "call_tool",
            "calculator"]
@@ -57,15 +58,13 @@ class ToolResult:
     """None on success, else ``"timeout"`` or the exception's type name."""
 
 
-_TOOLS: dict[str, Tool] = {}
+_TOOLS: Registry[Tool] = Registry("tool", error=EpisodeConfigError,
+                                  how_to_register="Register one with @asyncrl.roles.tools.tool(name)")
 
 
 def register_tool(t: Tool, *, replace: bool = False) -> Tool:
     """Make `t` available by name (:func:`get_tool`)."""
-    if t.name in _TOOLS and not replace and _TOOLS[t.name] is not t:
-        raise ValueError(f"a tool named {t.name!r} is already registered; pick another name or pass replace=True")
-    _TOOLS[t.name] = t
-    return t
+    return _TOOLS.add(t.name, t, replace=replace)
 
 
 def tool(name: str | None = None, *, deadline_s: float = 5.0,
@@ -80,18 +79,14 @@ def tool(name: str | None = None, *, deadline_s: float = 5.0,
 
 def tool_names() -> list[str]:
     """Names of the registered tools."""
-    return sorted(_TOOLS)
+    return _TOOLS.names()
 
 
 def get_tool(name: str | Tool) -> Tool:
     """The registered tool `name` (a :class:`Tool` is returned as is)."""
     if isinstance(name, Tool):
         return name
-    try:
-        return _TOOLS[name]
-    except KeyError:
-        raise EpisodeConfigError(f"no tool named {name!r}; known: {tool_names()}. Register one with "
-                                 "@asyncrl.roles.tools.tool(name)") from None
+    return _TOOLS.get(name)
 
 
 def check_tools(names: list[Any]) -> list[Tool]:

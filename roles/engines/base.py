@@ -12,13 +12,12 @@ Engines are picked by name with :func:`make_engine`; add one with :func:`registe
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import UnknownNameError
+from ..registry import Registry
 
 __all__ = ["SamplingParams", "Completion", "fail_requests", "GenerationEngine", "make_engine", "register_engine", "engine_names",
            "partial_rollout_modes"]
@@ -91,9 +90,10 @@ class GenerationEngine(Protocol):
 
 
 EngineFactory = Callable[..., GenerationEngine]
-_ENGINES: dict[str, EngineFactory] = {}
-_LAZY = {"hf": "asyncrl.roles.engines.hf", "vllm": "asyncrl.roles.engines.vllm_engine",
-         "sim": "asyncrl.roles.engines.sim"}
+_ENGINES: Registry[EngineFactory] = Registry(
+    "generation engine", how_to_register="Register one with @asyncrl.roles.engines.register_engine(name)")
+"""The engines by name; the package (``asyncrl.roles.engines``) names the modules of the built-in ones, imported
+on first use (vLLM's only when asked for)."""
 
 
 def register_engine(name: str, *, replace: bool = False) -> Callable[[EngineFactory], EngineFactory]:
@@ -101,36 +101,19 @@ def register_engine(name: str, *, replace: bool = False) -> Callable[[EngineFact
 
     The factory is called as ``factory(model=..., tokenizer=..., model_dir=..., **kwargs)``.
     """
-
-    def deco(factory: EngineFactory) -> EngineFactory:
-        if name in _ENGINES and not replace and _ENGINES[name] is not factory:
-            raise ValueError(f"an engine named {name!r} is already registered; pick another name or pass replace=True")
-        _ENGINES[name] = factory
-        return factory
-
-    return deco
+    return _ENGINES.decorator(name, replace=replace)
 
 
 def engine_names() -> list[str]:
     """Names :func:`make_engine` accepts."""
-    return sorted(set(_ENGINES) | set(_LAZY))
-
-
-def _factory(name: str) -> EngineFactory | None:
-    if name not in _ENGINES and name in _LAZY:
-        module = importlib.import_module(_LAZY[name])  # registers itself on import
-        if name not in _ENGINES:
-            cls = getattr(module, "VLLMEngine", None) or getattr(module, "HFEngine", None)
-            if cls is not None:
-                _ENGINES[name] = cls
-    return _ENGINES.get(name)
+    return _ENGINES.names()
 
 
 def partial_rollout_modes(name: str) -> tuple[str, ...] | None:
     """The partial-rollout modes (``"keep"``, ``"recompute"``) the engine registered as `name` supports:
     the ``partial_rollout_modes`` attribute of its class or factory (none when absent); None when no
     engine of that name is registered (yet)."""
-    factory = _factory(name)
+    factory = _ENGINES.find(name)
     if factory is None:
         return None
     return tuple(getattr(factory, "partial_rollout_modes", ()))
@@ -142,10 +125,5 @@ def make_engine(name: str, *, model: Any, tokenizer: Any, model_dir: str | None,
     `model` is the in-process torch model (the HF engine runs it), `model_dir` a
     Hugging Face directory holding the same weights (the vLLM engine loads it).
     """
-    factory = _factory(name)
-    if factory is None:
-        raise UnknownNameError(
-            f"no generation engine named {name!r}; known: {engine_names()}. Register one with "
-            "@asyncrl.roles.engines.register_engine(name)"
-        )
+    factory = _ENGINES.get(name)
     return factory(model=model, tokenizer=tokenizer, model_dir=model_dir, **kwargs)

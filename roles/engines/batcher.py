@@ -64,7 +64,7 @@ class Generation(Completion):
 
 @dataclass
 class BatcherStats:
-    """What the batcher did so far (observable backpressure, STYLE 11)."""
+    """What the batcher did so far (observable backpressure)."""
 
     rounds: int = 0
     """Decoding rounds run."""

@@ -23,7 +23,12 @@ what is missing and the fix): a journal written before rounds were recorded, or 
 schedules requests itself (vLLM); a run resumed or restarted part-way (a second journal segment: the
 regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
 was replaced (the replaced engines' rounds died with them); a rounds file that is missing, unreadable,
-or lacks the rounds of a trained group.
+or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log records no agent sessions.
+
+Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
+digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic
+function of what it received asks the same again and gets the same answers, so the run replays; one that
+asks anything else fails the replay with ``ReplayDivergedError`` naming the session and the request.
 """
 
 from __future__ import annotations
@@ -175,7 +180,11 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
         if rec is None or "groups" not in rec:
             raise JournalError(f"{where} records no groups for step {t}; replay needs every step's groups")
         steps[t] = [int(g) for g in rec["groups"]]
-    keys = {k for rounds in ranks for r in rounds for k in r["keys"]}
+    if cfg.rollout.agent is not None and not any("session" in r for rounds in ranks for r in rounds):
+        raise JournalError(f"{str(path)!r} records no agent sessions (written before gateway runs recorded what each "
+                           "agent asked), so a replay cannot check that the agents ask what they asked; run it again "
+                           "with this version to get a replayable journal")
+    keys = {k for rounds in ranks for r in rounds if "keys" in r for k in r["keys"]}
     for t, gs in steps.items():
         for g in gs:
             missing = [j for j in range(cfg.group_size) if f"{batch_seed(cfg, g)}:{j}" not in keys]

@@ -98,6 +98,17 @@ class AgentEpisode:
         self.context_length = context_length
         self.host = host
         self.gateway: Any = None  # started on the worker's loop by the first episode
+        self.sessions: list[dict[str, Any]] = []
+        """``{"session": key, "requests": [...]}`` of each closed session whose row has a round-log key (the
+        streaming trainer's rows), what :meth:`Gateway.session_log` recorded; the run's round log carries them."""
+        self.expected: dict[str, list[dict[str, str]]] | None = None
+        """A replay's recorded sessions by key: each session's requests must match them (:meth:`replay`)."""
+
+    def replay(self, sessions: list[dict[str, Any]]) -> None:
+        """Check this worker's sessions against recorded `sessions` (``self.sessions`` of the recording): an agent
+        whose requests differ -- not a deterministic function of the responses it got -- fails its row with
+        :class:`~asyncrl.roles.engines.round_log.ReplayDivergedError`."""
+        self.expected = {str(x["session"]): list(x["requests"]) for x in sessions}
 
     async def __call__(self, llm: LLM, sample: Sample) -> Trajectory:
         from .gateway import Gateway
@@ -108,12 +119,25 @@ class AgentEpisode:
             await gw.start()
             self.gateway = gw
         gw = self.gateway
-        info = gw.open_session(llm=llm)  # the session samples through the row's llm: its seed, params, keys
+        expected = None
+        if self.expected is not None:
+            if llm.key not in self.expected:
+                raise EpisodeError(f"agent {self.spec!r} (row {sample.index}): the replayed run recorded no session "
+                                   f"{llm.key!r}; restore the run's rounds.jsonl")
+            expected = self.expected[llm.key]
+        # the session samples through the row's llm: its seed, params and round-log keys
+        info = gw.open_session(llm=llm, expected=expected)
         url = SessionURL(info.base_url, info.key)
         try:
             reward = await (self.agent(sample, url, info.key) if self._takes_key else self.agent(sample, url))
-        finally:
-            rows = gw.close_session(info.id)
+        except Exception:
+            gw.close_session(info.id)
+            self._check_replayed(gw, info.id)  # a replayed agent fails on its refused request: say why
+            raise
+        rows = gw.close_session(info.id)
+        self._check_replayed(gw, info.id)
+        if llm.key is not None:
+            self.sessions.append({"session": llm.key, "requests": gw.session_log(info.id)})
         if not rows:
             raise EpisodeError(f"agent {self.spec!r} (row {sample.index}) made no completion request to its base_url; "
                                "an agent must call the model through the session URL it is given")
@@ -126,6 +150,14 @@ class AgentEpisode:
         traj.count("gateway_rows", stats.rows)
         traj.count("prefix_breaks", stats.prefix_breaks)
         return traj
+
+    def _check_replayed(self, gw: Any, session_id: str) -> None:
+        why = gw.divergence(session_id)
+        if why is not None:
+            from .engines.round_log import ReplayDivergedError
+
+            raise ReplayDivergedError(f"agent {self.spec!r}: {why}: the agent's calls are not a deterministic function "
+                                      "of the responses it received, so this run cannot be replayed")
 
     async def close(self) -> None:
         """Stop the gateway (the worker's shutdown)."""

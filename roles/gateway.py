@@ -123,6 +123,16 @@ class _Session:
     stats: SessionStats = field(default_factory=SessionStats)
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    log: list[dict[str, str]] = field(default_factory=list)
+    """One ``{"request", "response"}`` digest pair per completion served (:meth:`Gateway.session_log`)."""
+    expected: list[dict[str, str]] | None = None
+    """A replay's recorded log: each request must match its digest (:meth:`Gateway.open_session`)."""
+    diverged: str | None = None
+    """Why a replayed request differed from the recording."""
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def _request_models() -> tuple[Any, Any]:
@@ -271,12 +281,14 @@ class Gateway:
     # ---- sessions -------------------------------------------------------------------------
 
     def open_session(self, session_id: str | None = None, *, seed: int | None = None,
-                     llm: LLM | None = None) -> SessionInfo:
+                     llm: LLM | None = None, expected: list[dict[str, str]] | None = None) -> SessionInfo:
         """A new session: its id, a fresh key and its ``base_url`` (``<url>/s/<id>/v1``). `llm`: the session
         samples through it (a rollout row's client: its engine, sampling settings, seed, length limit and
         round-log key), so an agent's requests enter the engine as an episode's do. Else through the
         gateway's `submit` and `params`, with `seed` as the base sampling seed (default: from the trainer's
-        seed and the id, so a session samples the same tokens whatever else is in flight)."""
+        seed and the id, so a session samples the same tokens whatever else is in flight). `expected`: a
+        replay's recorded :meth:`session_log` of this session; a request that differs from its recorded one
+        gets 409 and marks the session diverged (:meth:`divergence`)."""
         sid = session_id or secrets.token_hex(8)
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", sid):
             raise ValueError(f"session id {sid!r} must be 1-64 letters, digits, '_', '.' or '-'")
@@ -290,7 +302,7 @@ class Gateway:
                 seed = int.from_bytes(h[:4], "little") & 0x3FFFFFFF
             llm = LLM(self._submit, self.tokenizer, replace(self.params, seed=seed), self.max_response_tokens)
         info = SessionInfo(sid, secrets.token_urlsafe(24), f"{self.url}/s/{sid}/v1")
-        self._sessions[sid] = _Session(info, llm)
+        self._sessions[sid] = _Session(info, llm, expected=list(expected) if expected is not None else None)
         return info
 
     def close_session(self, session_id: str) -> list[Trajectory]:
@@ -302,6 +314,21 @@ class Gateway:
         s.closed = True
         rows, s.rows = [r.traj for r in s.rows], []
         return rows
+
+    def session_log(self, session_id: str) -> list[dict[str, str]]:
+        """What session `session_id` was asked and answered: per completion, in order, ``request`` (a digest of
+        the rendered prompt and the client's sampling fields) and ``response`` (a digest of the text returned).
+        A replay of the run compares its agents' requests with these (``expected`` of :meth:`open_session`)."""
+        return [dict(x) for x in self._session(session_id).log]
+
+    def divergence(self, session_id: str) -> str | None:
+        """Why a replayed session's requests differed from the recording (None: they did not, so far). A session
+        that made fewer requests than the recording diverged too."""
+        s = self._session(session_id)
+        if s.diverged is None and s.expected is not None and s.closed and len(s.log) < len(s.expected):
+            return (f"session {s.llm.key or s.info.id!r} made {len(s.log)} requests where the recording has "
+                    f"{len(s.expected)}")
+        return s.diverged
 
     def session_stats(self, session_id: str) -> SessionStats:
         """What session `session_id` did so far."""
@@ -358,6 +385,13 @@ class Gateway:
         async with s.lock:  # one conversation: its requests extend the row in order
             if s.closed:
                 raise _HTTPError(410, f"session {s.info.id!r} is closed", "session_closed")
+            request = _digest(text, req.model, req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens)
+            k = len(s.log)
+            if s.expected is not None and (k >= len(s.expected) or s.expected[k]["request"] != request):
+                s.diverged = s.diverged or (
+                    f"request {k} of session {s.llm.key or s.info.id!r} differs from the recorded one (the recording "
+                    f"has {len(s.expected)} requests)")
+                raise _HTTPError(409, f"replay: {s.diverged}", "replay_diverged")
             row = self._row_for(s, text)
             before, turns = len(row.traj.context_ids), len(row.traj.turns)
             n = min(s.llm.params.max_new_tokens, req.max_completion_tokens or req.max_tokens or 1 << 30)
@@ -377,10 +411,12 @@ class Gateway:
                     used={"temperature": s.llm.params.temperature, "max_new_tokens": n, "top_p": s.llm.params.top_p})
             s.stats.requests += 1
             s.stats.model_tokens += len(gen.response_ids)
-        ids = gen.response_ids
-        if gen.finish_reason == "stop" and ids[-1:] == [self._eos_id]:
-            ids = ids[:-1]
-        return gen, self.tokenizer.decode(ids, skip_special_tokens=False), before
+            ids = gen.response_ids
+            if gen.finish_reason == "stop" and ids[-1:] == [self._eos_id]:
+                ids = ids[:-1]
+            out = self.tokenizer.decode(ids, skip_special_tokens=False)
+            s.log.append({"request": request, "response": _digest(out)})
+        return gen, out, before
 
     # ---- HTTP -----------------------------------------------------------------------------
 

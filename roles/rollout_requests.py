@@ -266,13 +266,17 @@ class RequestGenerationMixin:
 
     @register(Dispatch.ONE_TO_ALL)
     def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
-        """The request batcher's rounds so far as JSON-able dicts (``RolloutConfig.record_rounds``); `clear`
-        forgets what was returned. As a group call, one list per rank."""
+        """The request batcher's rounds so far as JSON-able dicts (``RolloutConfig.record_rounds``), then, with
+        ``RolloutConfig.agent``, one ``{"session": key, "requests": [...]}`` per gateway session closed (what each
+        agent asked and was answered, as digests: a replay checks its agents against them); `clear` forgets
+        what was returned. As a group call, one list per rank."""
         if not self.config.record_rounds:
             raise RuntimeError("this rollout worker does not record its rounds; set RolloutConfig.record_rounds=True")
-        if self._batcher is None:
-            return []
-        return [r.to_dict() for r in self._batcher.round_log(clear)]
+        sessions = list(getattr(self._episode_fn, "sessions", None) or [])  # rollout.agent: the gateway's sessions
+        if clear and sessions:
+            self._episode_fn.sessions.clear()
+        rounds = [r.to_dict() for r in self._batcher.round_log(clear)] if self._batcher is not None else []
+        return rounds + sessions
 
     @register(Dispatch.ONE_TO_ALL)
     def replay_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
@@ -287,8 +291,11 @@ class RequestGenerationMixin:
         if self._batcher is not None:
             raise RuntimeError("replay_rounds must come before any request-level generation on this worker (its "
                                "request engine already runs); build a fresh worker for the replay")
-        self._replay = list(rounds)
+        self._replay = [r for r in rounds if "session" not in r]
         self._replay_hold = bool(hold_unknown)
+        sessions = [r for r in rounds if "session" in r]
+        if sessions or hasattr(self._episode_fn, "replay"):  # rollout.agent: its agents must ask what they asked
+            self._episode_fn.replay(sessions)
         return len(self._replay)
 
     @register(Dispatch.ALL_TO_ALL)

@@ -24,6 +24,7 @@ from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journal import JournalError, read_journal
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.replay import replay
+from asyncrl.pipelines.rounds import read_rounds
 from asyncrl.pipelines.stages import AdvantageWorker
 from asyncrl.pipelines.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
@@ -171,3 +172,54 @@ def test_a_stream_run_with_evaluation_or_dynamic_sampling_replays_bit_for_bit(ra
     result = asyncrl.run(replay(run))
     assert result.metric_differences == [] and result.identical
     assert result.weights_sha256 == result.original_weights_sha256 is not None
+
+
+AGENT = str(Path(__file__).resolve().parent.parent / "roles" / "gateway_agent.py")
+
+
+def agent_cfg(out: Path, fn: str, steps: int = 3):
+    """A stream partial-rollout run of an openai-client agent through the gateway (tests/roles/gateway_agent.py)."""
+    cfg = stream_cfg(out)
+    cfg.model.tokenizer = "qwen2"
+    cfg.rollout.agent, cfg.rollout.max_new_tokens = f"{AGENT}:{fn}", 24
+    cfg.trainer.steps = steps
+    return cfg.validate()
+
+
+def test_a_gateway_stream_journal_without_agent_sessions_is_refused(tmp_path):
+    cfg = agent_cfg(tmp_path / "out", "two_turns")
+    write_journal(tmp_path / "run", cfg)  # rounds, but no session records
+    with pytest.raises(JournalError, match="records no agent sessions .* run it again with this version"):
+        GRPOTrainer(cfg, replay=tmp_path / "run")
+
+
+@pytest.mark.slow  # a gateway run and its replay: about 2 minutes on 2 loaded cores per case
+@pytest.mark.parametrize("agent", ["two_turns", "two_turns_random"])
+def test_a_gateway_stream_run_replays_when_its_agent_is_deterministic_and_fails_naming_why_otherwise(
+        ray_cluster, tmp_path, agent):
+    """`two_turns` asks only what follows from the answers it got: the replay's gateways get the recorded
+    requests, the engines regenerate the same tokens, and the run replays bit for bit. `two_turns_random`
+    puts a random number in its second message: the replayed request differs from the recorded one, and the
+    replay fails saying so (the session, the request, the reason)."""
+    run = tmp_path / "run"
+    cfg = agent_cfg(run, agent)
+    history = GRPOTrainer(cfg, worker_overrides={
+        "advantage": (TokenRecorder, {"path": str(tmp_path / "original.jsonl")})}).fit_sync()
+    assert [r["step"] for r in history] == [0, 1, 2]
+    sessions = [e for c in read_rounds(run / "rounds.jsonl") for rank in c["ranks"] for e in rank if "session" in e]
+    trained_groups = [g for t in range(3) for g in read_journal(run).steps[t]["groups"]]
+    keys = {e["session"] for e in sessions}
+    from asyncrl.pipelines.loop_state import batch_seed
+
+    assert {f"{batch_seed(cfg, g)}:{j}" for g in trained_groups for j in range(cfg.group_size)} <= keys
+    assert all(len(e["requests"]) == 2 for e in sessions)  # the agent's two requests, each with its answer
+    if agent == "two_turns":
+        result = asyncrl.run(replay(run, worker_overrides={
+            "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})}))
+        assert result.metric_differences == [] and result.identical
+        assert result.weights_sha256 == result.original_weights_sha256 is not None
+        assert trained(tmp_path / "replayed.jsonl") == trained(tmp_path / "original.jsonl")
+    else:
+        with pytest.raises(Exception, match=r"request 1 of session '\d+:\d+' differs from the recorded one .* not a "
+                                            r"deterministic function of the responses it received"):
+            asyncrl.run(replay(run))

@@ -22,3 +22,16 @@ async def no_reward(sample, base_url, api_key):
 
 def not_async(sample, base_url):
     return 0.0
+
+
+async def two_turns_random(sample, base_url):
+    """`two_turns` whose second message carries a random number: its calls are not a function of what it got."""
+    import random
+
+    client = AsyncOpenAI(base_url=base_url, api_key=base_url.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": sample.prompt}]
+    r = await client.chat.completions.create(model="whatever", messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+             {"role": "user", "content": f"sure? {random.random():.6f}"}]
+    r = await client.chat.completions.create(model="whatever", messages=msgs)
+    return float(len(r.choices[0].message.content) > 0)

@@ -168,3 +168,12 @@ def test_stream_mode_trains_an_openai_client_agent_through_the_gateway(ray_clust
         assert re.fullmatch(r"(<\|im_end\|>)?\n<\|im_start\|>user\nsure\?<\|im_end\|>\n<\|im_start\|>assistant\n",
                             text), text
         assert run_ids == tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("overrides", [["rollout.episode=char_class_retry"],
+                                       [f"rollout.agent={AGENT}:two_turns", "model.tokenizer=qwen2"]])
+def test_stream_mode_accepts_episodes_and_agents(overrides):
+    from asyncrl.pipelines.presets import load_config
+
+    cfg = load_config(None, ["trainer.rollout_mode=stream", *overrides])
+    assert cfg.trainer.rollout_mode == "stream" and (cfg.rollout.episode or cfg.rollout.agent)

@@ -46,6 +46,7 @@ from asyncrl.pipelines.admission import Admission, groups_in_flight
 from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
 from asyncrl.pipelines.rollout_loop import batch_seed, evaluate, evaluate_rest
 from asyncrl.pipelines.sampling import group_stds
+from asyncrl.pipelines.stream_scale import StreamScaler
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.trainer import Trainer
@@ -83,6 +84,7 @@ class _Attempt:
         self.waits = 0
         self.wait_s = 0.0
         self.filtered = 0  # groups rejected by dynamic sampling since the last take
+        self.running: dict[int, tuple[Any, Any]] = {}  # group -> (rollout group it runs on, generate future)
 
 
 class StreamRollout:
@@ -92,7 +94,9 @@ class StreamRollout:
         self._trainer = trainer
         self._attempt: _Attempt | None = None
         self.regenerated = 0
-        """Group calls issued again after a rollout-pool fault (over the whole run)."""
+        """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
+        self.scaler = StreamScaler(trainer, self)
+        """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -108,6 +112,7 @@ class StreamRollout:
         await self._notify()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._weights_loop, a)
+            tg.start_soon(self.scaler.run, a)
             while True:
                 t0 = time.perf_counter()
                 if not self._admissible(a):
@@ -146,6 +151,7 @@ class StreamRollout:
             try:
                 gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
                                       "generate", step=g // B, group=g, version=v0)
+                a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
                 if not a.issued.get(g):
                     a.issued[g] = True
                     tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
@@ -159,9 +165,12 @@ class StreamRollout:
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
+                a.running.pop(g, None)
                 await self._recover(a, e, epoch)
                 self.regenerated += 1
                 await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
+        a.running.pop(g, None)
+        await self._notify()  # a drain may be waiting for it
         std = float(group_stds(scores, G)[0])
         if self._rejects(a, std):
             a.admission.reject(g)
@@ -220,17 +229,26 @@ class StreamRollout:
                 return  # another group (or the weight loop) already replaced the pool
             if not tr.supervisor.can_replace(error):
                 raise error
-            g = tr.groups
-            assert g is not None
-            old = (g.rollout.name, g.reward.name)
-            advantage = stages_unwrap(g.advantage)
-            for f in a.flights.values():  # finished groups' data must outlive the dying groups
-                if getattr(f.gen, "group", None) in old:
-                    f.gen = advantage.echo(f.gen)
-                if getattr(f.scores, "group", None) in old:
-                    f.scores = advantage.echo(f.scores)
+            self.rehome_flights(a)
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
+        await self._notify()
+
+    def rehome_flights(self, a: _Attempt) -> None:
+        """Re-home the finished groups' futures on the training pool: their data must outlive the rollout
+        pool's groups, which are about to close."""
+        g = self._trainer.groups
+        assert g is not None
+        old = (g.rollout.name, g.reward.name)
+        advantage = stages_unwrap(g.advantage)
+        for f in a.flights.values():
+            if getattr(f.gen, "group", None) in old:
+                f.gen = advantage.echo(f.gen)
+            if getattr(f.scores, "group", None) in old:
+                f.scores = advantage.echo(f.scores)
+
+    async def notify(self) -> None:
+        """Wake every task waiting on the loop state (admission, takes, drains)."""
         await self._notify()
 
     async def _notify(self) -> None:
@@ -248,12 +266,15 @@ class StreamRollout:
         await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
         a = self._attempt
         assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
+        waited = False
         while (got := a.admission.take()) is None:
+            waited = True
             if a.admission.dropped_groups:
                 await self._notify()  # drop_stale: the dropped groups' room may be admitted again
             seen = a.finishes
             await s.wait_for(lambda seen=seen: a.finishes != seen)
         chosen, dropped = got
+        self.scaler.after_take(waited=waited, ahead=not waited)  # the autoscaler's view of this step
         await self._notify()  # admission may go on
         tr.journal.rounds(step, a.epoch)  # the engines' rounds so far: they ran every chosen group (replay)
         return await self._assemble(a, step, chosen, dropped)

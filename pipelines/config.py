@@ -395,9 +395,10 @@ class JobConfig:
         if self.buffer_capacity < 1:
             raise ConfigError(f"trainer.buffer_capacity must be >= 1, got {self.buffer_capacity}")
         try:
-            t.rollout_range
+            r = t.rollout_range
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        t.rollout_workers = str(r) if r.elastic else r.min  # one spelling per meaning (the config's fingerprint)
         if t.train_workers < 1:
             raise ConfigError(f"trainer.train_workers must be >= 1, got {t.train_workers}")
         self._validate_placement()

@@ -44,6 +44,7 @@ import structlog
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
 from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
+from asyncrl.pipelines.recovery import is_preemption
 from asyncrl.pipelines.rollout_loop import batch_seed, evaluate, evaluate_rest
 from asyncrl.pipelines.sampling import group_stds
 from asyncrl.pipelines.stream_scale import StreamScaler
@@ -143,6 +144,7 @@ class StreamRollout:
         B, G = cfg.prompts_per_step, cfg.group_size
         slot = g % B
         prompts = loader.batch(g // B)[slot * G:(slot + 1) * G]
+        elastic = cfg.trainer.rollout_range.elastic
         while True:
             epoch = a.epoch
             groups = tr.groups
@@ -161,12 +163,14 @@ class StreamRollout:
                 # issued meanwhile would wait for this group to finish generating. Issued once the
                 # generation finished (nothing is fetched), it never holds an update back.
                 await _finished(gen)
+                if elastic:
+                    await gen.select("version")  # a preemption notice raises here, before a score call to a dying process
                 sc = stages.score(groups, gen)
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
                 a.running.pop(g, None)
-                await self._recover(a, e, epoch)
+                await self._recover(a, e, epoch, g)
                 self.regenerated += 1
                 await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
         a.running.pop(g, None)
@@ -220,10 +224,12 @@ class StreamRollout:
                 continue
             await self._notify()
 
-    async def _recover(self, a: _Attempt, error: Exception, epoch: int) -> None:
+    async def _recover(self, a: _Attempt, error: Exception, epoch: int, group: int | None = None) -> None:
         """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
         wait for the replacement), or raise `error` when it is not a rollout-pool fault."""
         tr = self._trainer
+        if (is_preemption(error) or self.scaler.preempting(epoch)) and await self.scaler.preempted(a, epoch, group):
+            return  # the pool was resized away from the preempted worker; the caller issues its group again
         async with a.replacing:
             if a.epoch != epoch:
                 return  # another group (or the weight loop) already replaced the pool

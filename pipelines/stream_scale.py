@@ -63,7 +63,8 @@ class Resize:
     drained: list[int] = field(default_factory=list)
     """Groups in flight on the old pool that finished there."""
     handed_over: list[int] = field(default_factory=list)
-    """Groups in flight on the old pool past the drain deadline, issued again on the new pool."""
+    """Groups in flight on the old pool past the drain deadline, or whose calls a preemption notice ended, issued
+    again on the new pool."""
     start_s: float = 0.0
     """Seconds to start and load the new pool."""
     drain_s: float = 0.0
@@ -87,6 +88,7 @@ class StreamScaler:
         """One record per resize carried out."""
         self._busy_steps = 0
         self._idle_steps = 0
+        self._noticed: list[tuple[int, int]] = []  # (pool epoch, group) whose calls ended on a preemption notice
 
     async def run(self, a: Any) -> None:
         """Wait for resize requests (the supervisor's, or the autoscaler's after each take) and carry them out
@@ -104,6 +106,7 @@ class StreamScaler:
                 sup.resize_done(fut, e)
             else:
                 sup.resize_done(fut, None)
+            await self._rollout.notify()  # a preemption waits for its resize
 
     def after_take(self, waited: bool, ahead: bool) -> None:
         """The autoscaler's observation of one step: `waited` (the step waited for groups to finish
@@ -122,6 +125,34 @@ class StreamScaler:
             self._busy_steps = self._idle_steps = 0
             fut = tr.supervisor.request_resize(to, t.rollout_drain_s, "autoscale")
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it: run() logs a failure
+
+    def preempting(self, epoch: int) -> bool:
+        """True while a preemption notice of pool `epoch` is being handled: a fault of that pool then is the
+        notice's consequence (the told-to-stop process exits, and the calls it still ran die with it)."""
+        pending = self._trainer.supervisor.pending_resize()
+        return any(e == epoch for e, _ in self._noticed) or (pending is not None and pending[2] == "preempt")
+
+    async def preempted(self, a: Any, epoch: int, group: int | None = None) -> bool:
+        """A rollout worker of pool `epoch` was told to stop (its calls raise ``PreemptedError``, or it exited on
+        SIGTERM): file a resize that hands its groups over at once (one worker fewer, or as many elsewhere at the
+        range's minimum) unless one is under way, and wait until the pool was replaced. False when that failed
+        (no capacity): the caller treats the notice as a fault (``trainer.restart``). `group`: the prompt group
+        whose call ended so (it is handed over)."""
+        tr = self._trainer
+        sup, s = tr.supervisor, a.state
+        if group is not None:
+            self._noticed.append((epoch, group))
+        if a.epoch == epoch and sup.pending_resize() is None:
+            n = max(self.size() - 1, tr.config.trainer.rollout_range.min)
+            fut = sup.request_resize(n, 0.0, "preempt")
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # run() logs a failure
+            await self._rollout.notify()
+            log.warning("trainer.preempted", rollout_workers=n, detail="a rollout worker was told to stop; handing "
+                        "its groups over to a new pool")
+        pending = sup.pending_resize()
+        fut = pending[3] if pending is not None else None
+        await s.wait_for(lambda: a.epoch != epoch or (fut is not None and fut.done()))
+        return a.epoch != epoch
 
     def size(self) -> int:
         """Workers in the rollout pool now."""
@@ -152,7 +183,7 @@ class StreamScaler:
             raise
         rec.version, rec.start_s = loaded, time.perf_counter() - t0
         # the swap: no await from the check above to here, so no version is published in between
-        old_rollout = g.rollout
+        old_rollout, old_epoch = g.rollout, a.epoch
         old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, n)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         a.epoch += 1  # a load into the old pool now does not count, and its failed groups are issued again
@@ -169,11 +200,13 @@ class StreamScaler:
         for k in late:
             a.running[k][1].cancel()  # the engine drops it at its next decoding step; _group issues it again
         await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
-        rec.drained, rec.handed_over = sorted(on_old - set(late)), late
+        noticed = {k for e, k in self._noticed if e == old_epoch}
+        self._noticed = [(e, k) for e, k in self._noticed if e > old_epoch]
+        rec.drained, rec.handed_over = sorted(on_old - set(late)), sorted(set(late) | noticed)
         rec.drain_s = time.perf_counter() - t1
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)
         self.resizes.append(rec)
-        log.info("trainer.drained", handed_over=late, drained=rec.drained, seconds=round(rec.drain_s, 2))
+        log.info("trainer.drained", handed_over=rec.handed_over, drained=rec.drained, seconds=round(rec.drain_s, 2))
         return rec

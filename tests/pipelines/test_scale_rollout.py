@@ -51,7 +51,7 @@ async def test_bad_scale_calls_are_typed_errors_naming_the_fix(tmp_path):
                                  r"1..3\), got '1-3'"),
     ({"rollout_workers": "1..3", "rollout_placement": [1]}, "includes 3 workers, which does not divide a step's 2 "
                                                              "prompts"),
-    ({"rollout_workers": "2..2", "rollout_placement": [1]}, r"places 1 workers but trainer.rollout_workers=2..2"),
+    ({"rollout_workers": "2..2", "rollout_placement": [1]}, r"places 1 workers but trainer.rollout_workers=2; "),
     ({"rollout_workers": "1..2", "rollout_placement": [2]}, r"trainer.rollout_workers=1..2 \(a range starts at its "
                                                              r"minimum\)"),
     ({"rollout_autoscale": True}, "trainer.rollout_autoscale=true grows the rollout pool while streaming admission "

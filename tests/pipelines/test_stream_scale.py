@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.rollout_loop import batch_seed
 from asyncrl.pipelines.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
+from asyncrl.roles.errors import PreemptedError
 
 from tests.reliability.conftest import live_actors, settled
 
@@ -43,9 +45,27 @@ class LoggedRollout(RolloutWorker):
         hang = os.path.exists(self._hang) and str(os.getpid()) in Path(self._hang).read_text().split()
         with open(self._calls, "a") as f:
             f.write(json.dumps({"seed": seed, "pid": os.getpid(), "version": self.version, "hung": hang}) + "\n")
-        if hang:
-            await asyncio.Event().wait()  # a generation that never ends here: only a hand-over finishes it
-        return await super().generate_requests(batch, max_new_tokens, temperature, seed)
+        if self._preempted:
+            raise PreemptedError("told to stop")
+        try:
+            if hang:
+                await self._hanging()  # a generation that never ends here: only a hand-over finishes it
+            return await super().generate_requests(batch, max_new_tokens, temperature, seed)
+        except PreemptedError:
+            with open(self._calls, "a") as f:
+                f.write(json.dumps({"seed": seed, "pid": os.getpid(), "preempted": True}) + "\n")
+            raise
+
+    async def _hanging(self) -> None:
+        """Wait forever inside a request-level generation (so a preemption notice reaches it)."""
+        me = asyncio.current_task()
+        self._request_calls[me] = asyncio.get_running_loop()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if self._preempted:
+                raise PreemptedError("told to stop while hanging") from None
+            raise
 
 
 def _cfg(out: Path, **trainer):
@@ -85,7 +105,7 @@ async def _hang_pool(tr, hang: Path, calls: Path) -> set[int]:
     cannot finish before a resize hands them over)."""
     pids = set(await tr.groups.rollout.pid())
     hang.write_text(" ".join(map(str, pids)))
-    while not any(c["hung"] and c["pid"] in pids for c in _calls(calls)):
+    while not any(c.get("hung") and c["pid"] in pids for c in _calls(calls)):
         await asyncio.sleep(0.02)
     return pids
 
@@ -108,9 +128,9 @@ async def test_grow_then_shrink_mid_stream_loads_newest_weights_and_hands_over_w
             await tr.scale_rollout(1)  # shrink: likewise
             return [one, two, set(await tr.groups.rollout.pid())]
 
-        task = asyncio.create_task(drive())
-        history = await tr.fit()
-        pools = await task
+        async with asyncio.TaskGroup() as tg:  # a failed drive() cancels the run instead of leaving it hung
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, pools = fit.result(), task.result()
         resizes = tr.rollout.scaler.resizes
         regenerated = tr.rollout.regenerated
         assert tr.restarts == []  # a resize is no recovery
@@ -126,12 +146,55 @@ async def test_grow_then_shrink_mid_stream_loads_newest_weights_and_hands_over_w
         assert rec.version >= 2 and all(c["version"] >= rec.version for c in log if c["pid"] in new)
         # exactly the groups hung on the old pool were handed over, and each ran again on the new pool with its
         # own seed (the seed of its index)
-        hung = sorted({c["seed"] for c in log if c["hung"] and c["pid"] in old})
+        hung = sorted({c["seed"] for c in log if c.get("hung") and c["pid"] in old})
         assert hung and [batch_seed(cfg, g) for g in rec.handed_over] == hung
         for seed in hung:
             assert {c["pid"] in new for c in log if c["seed"] == seed and c["pid"] not in old} == {True}
         handed += len(hung)
     assert regenerated == handed
+
+
+@pytest.mark.slow  # one streaming run with three rollout pools: about 40 s on the loaded 2-core machine
+async def test_a_sigterm_or_a_preempt_call_hands_the_groups_in_flight_over_with_their_seeds(ray_cluster, tmp_path):
+    calls, hang = tmp_path / "calls.jsonl", tmp_path / "hang"
+    cfg = _cfg(tmp_path / "run")
+    overrides = {"rollout": (LoggedRollout, {"calls": str(calls), "hang": str(hang)})}
+    before = live_actors()
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> list[set[int]]:
+            await _history_reaches(tr, 2)
+            first = await _hang_pool(tr, hang, calls)
+            os.kill(next(iter(first)), signal.SIGTERM)  # a real preemption notice to the real process
+            while tr.rollout.scaler.resizes == [] and not tr.restarts:
+                await asyncio.sleep(0.02)
+            second = await _hang_pool(tr, hang, calls)
+            await tr.preempt_rollout(0)  # the API's notice
+            return [first, second, set(await tr.groups.rollout.pid())]
+
+        async with asyncio.TaskGroup() as tg:  # a failed drive() cancels the run instead of leaving it hung
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, pools = fit.result(), task.result()
+        resizes = tr.rollout.scaler.resizes
+        assert tr.restarts == []  # a preemption is no fault: nothing counts against trainer.restart
+    assert await settled(before) == before
+    assert [(r.size_before, r.size_after, r.reason) for r in resizes] == [(1, 1, "preempt"), (1, 1, "preempt")]
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    log = _calls(calls)
+    for rec, old, new in ((resizes[0], pools[0], pools[1]), (resizes[1], pools[1], pools[2])):
+        hung = sorted({c["seed"] for c in log if c.get("hung") and c["pid"] in old})
+        # the SIGTERMed process ended its calls itself (PreemptedError); the API's notice cancelled them. They (and
+        # any call the exiting process took with it) ran again on the new pool, each with its own seed
+        ended = sorted({c["seed"] for c in log if c.get("preempted") and c["pid"] in old})
+        assert hung and ended == (hung if rec is resizes[0] else [])
+        handed = [batch_seed(cfg, g) for g in rec.handed_over]
+        assert set(hung) <= set(handed)
+        for seed in handed:
+            assert {c["pid"] in new for c in log if c["seed"] == seed and c["pid"] not in old
+                    and not c.get("preempted")} == {True}
+    with pytest.raises(ProcessLookupError):
+        os.kill(next(iter(pools[0])), 0)  # the SIGTERMed process is gone
 
 
 async def test_preempt_and_out_of_range_calls_are_typed_errors(tmp_path):

@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     q = args.quick
-    train_given = args.train_ms
+    train_given, slots_given, step_given = args.train_ms, args.slots, args.step_ms
     args.steps = args.steps or (3 if q else 16)
     args.batch = args.batch or (8 if q else 32)
     args.slots = args.slots or args.batch
@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     args.train_ms = args.train_ms or (20.0 if q else 250.0)
     args.staleness = [int(k) for k in (args.staleness or ("1" if q else "1,4")).split(",")]
     if args.replicas:
-        args.train_ms = train_given or 20.0  # generation-bound: what more replicas can speed up
+        # generation-bound (what more replicas can speed up): cheap training, a small, slow engine per replica
+        args.train_ms, args.slots, args.step_ms = train_given or 20.0, slots_given or 8, step_given or 10.0
         replicas_section(p, args)
         return
     if min(args.staleness) < 1:
@@ -557,7 +558,7 @@ def replicas_section(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.batch // args.group % max(args.replicas):
         p.error(f"--replicas: {max(args.replicas)} must divide the {args.batch // args.group} prompts per step")
     args.prefill_ms = args.prefill_ms if args.prefill_ms is not None else 2 * args.step_ms
-    args.steps = max(args.steps, args.grow_at + 6)
+    args.steps = max(args.steps, args.grow_at + 10)
     os.environ["ASYNCRL_LONGTAIL_TRAIN_S"] = str(args.train_ms / 1e3)  # the policy workers read it
     asyncrl.init(num_cpus=2 + max(args.replicas) + 2)  # logical CPUs: pools of their own, a grow beside the old pool
     try:

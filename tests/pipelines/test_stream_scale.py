@@ -31,9 +31,9 @@ class LoggedRollout(RolloutWorker):
     """A rollout worker that appends each group call (seed, process, its weight version at the call) to
     `calls`, and hangs (until cancelled) the calls made in a process listed in `hang` once that file exists."""
 
-    def __init__(self, *args, calls: str, hang: str, **kwargs) -> None:
+    def __init__(self, *args, calls: str, hang: str, delay: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._calls, self._hang = calls, hang
+        self._calls, self._hang, self._delay = calls, hang, delay
 
     @register(Dispatch.ONE_TO_ALL)
     def pid(self) -> int:
@@ -48,6 +48,7 @@ class LoggedRollout(RolloutWorker):
         if self._preempted:
             raise PreemptedError("told to stop")
         try:
+            await asyncio.sleep(self._delay)  # simulated generation time (the autoscaler's test: generation-bound)
             if hang:
                 await self._hanging()  # a generation that never ends here: only a hand-over finishes it
             return await super().generate_requests(batch, max_new_tokens, temperature, seed)
@@ -208,3 +209,20 @@ async def test_preempt_and_out_of_range_calls_are_typed_errors(tmp_path):
     with pytest.raises(RuntimeError, match="preempt_rollout hands generations in flight over .* needs "
                                            "trainer.rollout_mode=stream"):
         await batch.preempt_rollout(0)
+
+
+@pytest.mark.slow  # one streaming run that grows its rollout pool: about 30 s on the loaded 2-core machine
+async def test_the_autoscaler_grows_a_pool_that_generation_holds_up_within_its_range(ray_cluster, tmp_path):
+    calls, hang = tmp_path / "calls.jsonl", tmp_path / "hang"
+    cfg = _cfg(tmp_path / "run", rollout_autoscale=True, steps=12)
+    overrides = {"rollout": (LoggedRollout, {"calls": str(calls), "hang": str(hang), "delay": 0.5})}
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+        history = await tr.fit()
+        resizes = tr.rollout.scaler.resizes
+        assert tr.restarts == []
+    # every group costs 0.5 s more: steps wait for their groups, so the pool grows to the range's maximum
+    assert resizes and resizes[0].reason == "autoscale" and (resizes[0].size_before, resizes[0].size_after) == (1, 2)
+    assert all(1 <= r.size_after <= 2 for r in resizes)
+    assert len(history) == 12 and max(m["staleness/max"] for m in history) <= 1
+    admitted, steps = _journal(tmp_path / "run")
+    assert sorted(g for s in steps for g in s["groups"]) == list(range(12 * cfg.prompts_per_step))

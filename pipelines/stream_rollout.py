@@ -272,15 +272,14 @@ class StreamRollout:
         await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
         a = self._attempt
         assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
-        waited = False
+        t0 = time.perf_counter()
         while (got := a.admission.take()) is None:
-            waited = True
             if a.admission.dropped_groups:
                 await self._notify()  # drop_stale: the dropped groups' room may be admitted again
             seen = a.finishes
             await s.wait_for(lambda seen=seen: a.finishes != seen)
         chosen, dropped = got
-        self.scaler.after_take(waited=waited, ahead=not waited)  # the autoscaler's view of this step
+        self.scaler.after_take(time.perf_counter() - t0)  # the autoscaler's view of this step
         await self._notify()  # admission may go on
         tr.journal.rounds(step, a.epoch)  # the engines' rounds so far: they ran every chosen group (replay)
         return await self._assemble(a, step, chosen, dropped)

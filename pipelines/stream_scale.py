@@ -20,11 +20,11 @@ never takes work before it holds the newest weights. A preemption is a resize th
 (``drain_s=0``): the pool loses the preempted worker, or keeps its size on other capacity when that would
 fall below the range's minimum.
 
-The autoscaler (``trainer.rollout_autoscale``) grows the pool by one worker after ``BUSY_STEPS`` steps in a
-row that waited for their groups to finish generating (the trainer waits on generation), and shrinks it by
-one after ``IDLE_STEPS`` steps in a row whose groups had all finished before the step asked (the engines are
-ahead of training); within the range, and a grow the cluster cannot place fails alone (logged; the run goes
-on at its size).
+The autoscaler (``trainer.rollout_autoscale``) grows the pool by one worker when the last ``BUSY_STEPS`` steps
+spent more than ``BUSY_SHARE`` of their time waiting for their groups to finish generating (training waits on
+generation), and shrinks it by one when each of the last ``IDLE_STEPS`` steps waited less than ``IDLE_SHARE``
+of its time (the engines are ahead of training); within the range, and a grow the cluster cannot place fails alone (logged; the run goes on at its
+size).
 """
 
 from __future__ import annotations
@@ -40,14 +40,20 @@ import structlog
 from asyncrl.pipelines.deadlines import with_deadlines
 from asyncrl.pipelines.stages import Groups
 
-__all__ = ["StreamScaler", "Resize", "BUSY_STEPS", "IDLE_STEPS"]
+__all__ = ["StreamScaler", "Resize", "BUSY_STEPS", "BUSY_SHARE", "IDLE_STEPS", "IDLE_SHARE"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
 BUSY_STEPS = 2
-"""Steps in a row that waited for their groups to finish generating, before the autoscaler grows the pool."""
-IDLE_STEPS = 2
-"""Steps in a row whose groups all finished before the trainer asked for them, before the autoscaler shrinks."""
+"""The autoscaler grows the pool when the last this many steps spent more than ``BUSY_SHARE`` of their time
+waiting for their groups to finish generating."""
+BUSY_SHARE = 0.5
+"""See ``BUSY_STEPS``."""
+IDLE_STEPS = 4
+"""The autoscaler shrinks the pool when each of the last this many steps waited less than ``IDLE_SHARE`` of its
+time for its groups (the engines are ahead of training)."""
+IDLE_SHARE = 0.05
+"""See ``IDLE_STEPS``."""
 
 
 @dataclass
@@ -86,14 +92,17 @@ class StreamScaler:
         self._rollout = rollout
         self.resizes: list[Resize] = []
         """One record per resize carried out."""
-        self._busy_steps = 0
-        self._idle_steps = 0
+        self.requests: list[tuple[int, int]] = []
+        """``(size, requested size)`` of each resize the autoscaler asked for."""
+        self._window: list[tuple[float, float]] = []  # (seconds waited for groups, seconds since the last take)
+        self._last_take: float | None = None
         self._noticed: list[tuple[int, int]] = []  # (pool epoch, group) whose calls ended on a preemption notice
 
     async def run(self, a: Any) -> None:
         """Wait for resize requests (the supervisor's, or the autoscaler's after each take) and carry them out
         one at a time, until the rollout ends (it cancels this)."""
         sup, s = self._trainer.supervisor, a.state
+        self._noticed = []  # a new attempt numbers its pools from 0 again
         while True:
             await s.wait_for(lambda: sup.pending_resize() is not None)
             req = sup.pending_resize()
@@ -108,21 +117,31 @@ class StreamScaler:
                 sup.resize_done(fut, None)
             await self._rollout.notify()  # a preemption waits for its resize
 
-    def after_take(self, waited: bool, ahead: bool) -> None:
-        """The autoscaler's observation of one step: `waited` (the step waited for groups to finish
-        generating), `ahead` (the step's groups had all finished before it asked). Files a resize request when
-        the pattern holds (one at a time; its failure is logged by :meth:`run`)."""
+    def after_take(self, waited_s: float) -> None:
+        """The autoscaler's observation of one step's take: `waited_s`, how long the step waited for its groups
+        to finish generating. Over the last ``BUSY_STEPS`` steps, waiting more than ``BUSY_SHARE`` of the time
+        grows the pool by one worker; over the last ``IDLE_STEPS``, each waiting less than ``IDLE_SHARE`` shrinks it. Files a
+        resize request (one at a time; its failure is logged by :meth:`run`)."""
         tr = self._trainer
         t = tr.config.trainer
-        if not t.rollout_autoscale or tr.supervisor.pending_resize() is not None:
+        now = time.perf_counter()
+        span, self._last_take = now - self._last_take if self._last_take is not None else 0.0, now
+        if not t.rollout_autoscale or span <= 0:
             return
-        self._busy_steps = self._busy_steps + 1 if waited else 0
-        self._idle_steps = self._idle_steps + 1 if ahead else 0
+        self._window = [*self._window, (waited_s, span)][-max(BUSY_STEPS, IDLE_STEPS):]
+        if tr.supervisor.pending_resize() is not None:
+            return
+        busy = self._window[-BUSY_STEPS:]
+        idle = self._window[-IDLE_STEPS:]
         r, n = t.rollout_range, self.size()
-        to = n + 1 if self._busy_steps >= BUSY_STEPS and n < r.max else \
-            n - 1 if self._idle_steps >= IDLE_STEPS and n > r.min else None
+        to = None
+        if len(busy) == BUSY_STEPS and sum(w for w, _ in busy) > BUSY_SHARE * sum(d for _, d in busy) and n < r.max:
+            to = n + 1
+        elif len(idle) == IDLE_STEPS and all(w < IDLE_SHARE * d for w, d in idle) and n > r.min:
+            to = n - 1
         if to is not None:
-            self._busy_steps = self._idle_steps = 0
+            self._window = []  # judge the new size on its own steps
+            self.requests.append((n, to))
             fut = tr.supervisor.request_resize(to, t.rollout_drain_s, "autoscale")
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it: run() logs a failure
 
@@ -178,7 +197,7 @@ class StreamScaler:
                     await tr.weights.load(fresh, export)
                 loaded = v
         except BaseException:
-            with contextlib.suppress(Exception):
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):  # also when the run ends meanwhile
                 await tr.workers.close_rollout_part(part, pool)
             raise
         rec.version, rec.start_s = loaded, time.perf_counter() - t0

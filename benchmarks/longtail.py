@@ -363,7 +363,8 @@ def replica_config(args: argparse.Namespace, workers: str | int, out: str) -> An
     cfg.data.num_prompts = max(64, 4 * args.batch // args.group)
     cfg.algorithm.group_size = args.group
     t = cfg.trainer
-    t.steps, t.batch_size, t.trace, t.plot, t.progress, t.tensorboard = args.steps, args.batch, False, False, False, False
+    t.steps, t.batch_size = args.steps, args.batch
+    t.trace, t.plot, t.progress, t.tensorboard = False, False, False, False
     t.checkpoint_at_end, t.checkpoint_every_s, t.samples_per_step = False, None, 0
     t.max_staleness, t.rollout_mode = 2, "stream"
     t.rollout_workers, t.rollout_placement = workers, [int(str(workers).partition("..")[0])]
@@ -506,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", default=None,
                    help="comma-separated rollout replica counts (e.g. 1,2,4): run the replica section instead of the "
                         "variants (tokens/s, scaling efficiency, and a run that grows 1 -> 2 mid-run)")
-    p.add_argument("--grow-at", type=int, default=6, help="--replicas: steps done before the grow run's scale_rollout(2)")
+    p.add_argument("--grow-at", type=int, default=6,
+                   help="--replicas: steps done before the grow run's scale_rollout(2)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     q = args.quick
@@ -560,14 +562,27 @@ def replicas_section(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     args.prefill_ms = args.prefill_ms if args.prefill_ms is not None else 2 * args.step_ms
     args.steps = max(args.steps, args.grow_at + 10)
     os.environ["ASYNCRL_LONGTAIL_TRAIN_S"] = str(args.train_ms / 1e3)  # the policy workers read it
+    load0 = os.getloadavg()[0]
     asyncrl.init(num_cpus=2 + max(args.replicas) + 2)  # logical CPUs: pools of their own, a grow beside the old pool
     try:
         rows, grow = asyncrl.run(replicas_main(args))
     finally:
         asyncrl.shutdown()
     write_result(args.out or os.path.join(HERE, "results", "longtail_replicas.md"), "\n\n".join([
-        "# Long tail: rollout replicas", run_header("longtail.py --replicas", ""),
-        workload(args), replica_table(rows, grow, args)]) + "\n")
+        "# Long tail: rollout replicas", run_header("longtail.py", load_note(load0, os.getloadavg()[0])),
+        replica_workload(args), replica_table(rows, grow, args)]) + "\n")
+
+
+def replica_workload(args: argparse.Namespace) -> str:
+    return (
+        f"Workload: streaming at max_staleness 2, {args.batch} responses per step "
+        f"({args.batch // args.group} prompts x {args.group}), {args.steps} steps per run (tokens/s over steps 1..{args.steps - 1}). Each rollout replica is "
+        f"a worker process with its own simulated engine: {args.slots} decode slots, {args.step_ms:g} ms per decoding "
+        f"step, log-normal response lengths (median {args.median:g}, sigma {args.sigma:g}, cap "
+        f"{args.max_new_tokens}). Training + sync {args.train_ms:g} ms per step (slept): generation-bound. Scaling "
+        "efficiency = tokens/s(n) / (n x tokens/s(1)). The grow run starts at 1 replica (rollout_workers=1..2) and "
+        f"calls scale_rollout(2) after {args.grow_at} steps; the new pool starts beside the old one, loads the newest "
+        "weights, then takes new groups while the old one drains.")
 
 
 def supported_variants() -> tuple[str, ...]:

@@ -504,8 +504,9 @@ class JobConfig:
                                       f"got {placement!r}")
                 if sum(placement) != workers:
                     start = " (a range starts at its minimum)" if pool == "rollout" and t.rollout_range.elastic else ""
+                    given = getattr(t, f"{pool}_workers")
                     raise ConfigError(f"{key}={placement} places {sum(placement)} workers but "
-                                      f"trainer.{pool}_workers={getattr(t, f'{pool}_workers')}{start}; make them add up")
+                                      f"trainer.{pool}_workers={given}{start}; make them add up")
                 if t.colocated:
                     raise ConfigError(f"{key} places a pool of its own, but trainer.colocated=true puts both roles "
                                       "in one pool: unset the placement or set trainer.colocated=false")

@@ -163,8 +163,8 @@ class StreamRollout:
                 # issued meanwhile would wait for this group to finish generating. Issued once the
                 # generation finished (nothing is fetched), it never holds an update back.
                 await _finished(gen)
-                if elastic:
-                    await gen.select("version")  # a preemption notice raises here, before a score call to a dying process
+                if elastic:  # a preemption notice raises here, not in a score call to the dying process
+                    await gen.select("version")
                 sc = stages.score(groups, gen)
                 scores = (await sc)["scores"]
                 break

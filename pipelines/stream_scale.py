@@ -23,8 +23,8 @@ fall below the range's minimum.
 The autoscaler (``trainer.rollout_autoscale``) grows the pool by one worker when the last ``BUSY_STEPS`` steps
 spent more than ``BUSY_SHARE`` of their time waiting for their groups to finish generating (training waits on
 generation), and shrinks it by one when each of the last ``IDLE_STEPS`` steps waited less than ``IDLE_SHARE``
-of its time (the engines are ahead of training); within the range, and a grow the cluster cannot place fails alone (logged; the run goes on at its
-size).
+of its time (the engines are ahead of training); within the range, and a grow the cluster cannot place fails
+alone (logged; the run goes on at its size).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class StreamScaler:
             n, drain_s, reason, fut = req
             try:
                 await self.resize(a, n, drain_s, reason)
-            except Exception as e:  # noqa: BLE001 - the request failed (no capacity, a new worker died): the run goes on
+            except Exception as e:  # noqa: BLE001 - the request failed (no capacity, a new worker died): run on
                 log.warning("trainer.resize_failed", rollout_workers=n, reason=reason, error=f"{type(e).__name__}: {e}")
                 sup.resize_done(fut, e)
             else:
@@ -120,8 +120,8 @@ class StreamScaler:
     def after_take(self, waited_s: float) -> None:
         """The autoscaler's observation of one step's take: `waited_s`, how long the step waited for its groups
         to finish generating. Over the last ``BUSY_STEPS`` steps, waiting more than ``BUSY_SHARE`` of the time
-        grows the pool by one worker; over the last ``IDLE_STEPS``, each waiting less than ``IDLE_SHARE`` shrinks it. Files a
-        resize request (one at a time; its failure is logged by :meth:`run`)."""
+        grows the pool by one worker; over the last ``IDLE_STEPS``, each waiting less than ``IDLE_SHARE`` shrinks
+        it. Files a resize request (one at a time; its failure is logged by :meth:`run`)."""
         tr = self._trainer
         t = tr.config.trainer
         now = time.perf_counter()

@@ -30,6 +30,7 @@ from asyncrl.pipelines.journal import read_journal
 from asyncrl.pipelines.metrics import read_jsonl
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.replay import compare_metrics
+from asyncrl.pipelines.rollout_loop import batch_seed
 from asyncrl.pipelines.trainer import GRPOTrainer
 from tests.cluster.harness import OneHostCluster
 from tests.reliability.conftest import live_actors, settled
@@ -241,3 +242,57 @@ async def test_two_nodes_lost_at_once_restart_the_run_once_the_training_node_is_
               seconds=sum(x["time_s"] for x in tr.restarts), bound="< placement_wait_s + restart",
               interrupted=r["interrupted_s"], leaks="none" if after == before else f"LEAK {after} vs {before}",
               state="every step once")
+
+
+async def test_the_node_of_a_draining_rollout_pool_lost_hands_its_groups_to_the_new_pool(nodes, tmp_path, fault_row):
+    """Streaming, ``rollout_workers=1..2``: a preemption notice with a long drain starts a new pool on the other
+    rollout node; the old pool's node is lost while its groups (hung) drain. Its groups are issued again on the
+    new pool with their seeds; no recovery is counted; the run completes every step once."""
+    from tests.pipelines.test_stream_scale import LoggedRollout, _calls, _hang_pool
+
+    calls, hang = tmp_path / "calls.jsonl", tmp_path / "hang"
+    cfg = _job(tmp_path, "drain")
+    cfg.trainer.rollout_mode, cfg.trainer.rollout_workers = "stream", "1..2"
+    cfg = cfg.validate()
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(cfg, worker_overrides={"rollout": (LoggedRollout, {"calls": str(calls), "hang": str(hang)})})
+    async with tr:
+
+        async def lose_the_draining_node() -> str:
+            while len(tr.history) < 3:
+                await asyncio.sleep(0.02)
+            old = _rollout_node(nodes, tr)
+            await _hang_pool(tr, hang, calls)
+            notice = asyncio.create_task(tr.preempt_rollout(0, drain_s=120.0))  # drains far past this test
+            while not tr.workers.retiring:  # the new pool took over; the old one drains
+                await asyncio.sleep(0.02)
+            nodes.remove(old)
+            await notice
+            return old
+
+        async with asyncio.TaskGroup() as tg:
+            fit, chaos = tg.create_task(tr.fit()), tg.create_task(lose_the_draining_node())
+        history, lost = fit.result(), chaos.result()
+        where = _rollout_node(nodes, tr)
+        [rec] = tr.rollout.scaler.resizes
+        assert tr.restarts == []  # the lost node held only a retiring pool: no recovery
+    _completed(history, None)
+    admitted = read_journal(tmp_path / "drain")
+    trained = [g for t in range(STEPS) for g in admitted.steps[t]["groups"]]
+    assert sorted(trained) == list(range(STEPS * cfg.prompts_per_step))  # every group once
+    assert {lost, where} == {"roll_a", "roll_b"}
+    log = _calls(calls)
+    hung = sorted({c["seed"] for c in log if c.get("hung")})
+    assert hung and {batch_seed(cfg, g) for g in rec.handed_over} >= set(hung)
+    for seed in hung:  # each ran again, once, on the new pool with its own seed
+        assert len([c for c in log if c["seed"] == seed and not c.get("hung") and "version" in c]) == 1
+    after = await settled(before)
+    assert after == before
+    nodes.add(lost, 1)  # for the next case
+    fault_row(order=45, fault="the node of a draining rollout pool lost during a streaming resize (its groups hung "
+                              "in flight, `preempt_rollout(0, drain_s=120)`)",
+              policy="none (the defaults), `rollout_workers=1..2`, `rollout_mode=stream`",
+              outcome="the groups it held issued again on the new pool (other node) with their seeds, run completed",
+              seconds=rec.drain_s, bound="node death detection", interrupted=rec.drain_s,
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once, staleness <= 1; no recovery counted")

@@ -13,12 +13,17 @@ is removed mid-run while training goes on on its own node:
 The training node lost (alone, or with the rollout node at once) restarts the run from its newest checkpoint
 once the training pool can be placed again (the node comes back).
 
+The rollout node lost in the middle of a weight sync is the first case (the sync fails with the pool, which is
+placed again; the batch is issued again). Streaming with ``rollout_workers=1..2``: the node of a pool that is
+draining after a resize lost, its groups go to the new pool with their seeds, and no recovery is counted.
+
 The GCS here declares a lost raylet dead after about 1.5 s (``FAST_HEALTH_CHECKS``; Ray's default: about
 15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -26,12 +31,14 @@ import pytest
 import ray
 
 import asyncrl
+from asyncrl import Dispatch, register
 from asyncrl.pipelines.journal import read_journal
 from asyncrl.pipelines.metrics import read_jsonl
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.replay import compare_metrics
 from asyncrl.pipelines.rollout_loop import batch_seed
 from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.roles import RolloutWorker
 from tests.cluster.harness import OneHostCluster
 from tests.reliability.conftest import live_actors, settled
 
@@ -296,3 +303,53 @@ async def test_the_node_of_a_draining_rollout_pool_lost_hands_its_groups_to_the_
               seconds=rec.drain_s, bound="node death detection", interrupted=rec.drain_s,
               leaks="none" if after == before else f"LEAK {after} vs {before}",
               state="every step once, staleness <= 1; no recovery counted")
+
+
+class SlowLoadRollout(RolloutWorker):
+    """A rollout worker whose load of weight version `version` writes `marker` (its pid) first and then takes
+    3 s more, so that a test can lose its node in the middle of that weight sync."""
+
+    def __init__(self, *args, marker: str, version: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._marker, self._slow_version = marker, version
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights, version=None, *, expected_checksums=None):
+        out = await super().update_weights(weights, version, expected_checksums=expected_checksums)
+        if self.version == self._slow_version and not os.path.exists(self._marker):
+            Path(self._marker).write_text(str(os.getpid()))
+            await asyncio.sleep(3.0)  # the sync is still in flight when the node goes
+        return out
+
+
+async def test_a_rollout_node_lost_during_a_weight_sync_is_replaced_and_the_batch_reissued(nodes, tmp_path, fault_row):
+    marker = tmp_path / "loading"
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(_job(tmp_path, "sync"),
+                     worker_overrides={"rollout": (SlowLoadRollout, {"marker": str(marker), "version": 2})})
+    async with tr:
+
+        async def lose_the_node_mid_sync() -> str:
+            while not marker.exists():
+                await asyncio.sleep(0.02)
+            lost = _rollout_node(nodes, tr)
+            nodes.remove(lost)
+            return lost
+
+        async with asyncio.TaskGroup() as tg:
+            fit, chaos = tg.create_task(tr.fit()), tg.create_task(lose_the_node_mid_sync())
+        history, lost = fit.result(), chaos.result()
+        where = _rollout_node(nodes, tr)
+    _completed(history, tr.output_dir)
+    [r] = tr.restarts
+    assert r["kind"] == "replace" and r["from_checkpoint"] is None  # the rollout pool replaced, no restart
+    assert {lost, where} == {"roll_a", "roll_b"}  # placed again on the other rollout node
+    after = await settled(before)
+    assert after == before
+    nodes.add(lost, 1)  # for the next case
+    fault_row(order=46, fault="the node holding the rollout pool lost during a weight sync (loading version 2)",
+              policy="none (the defaults), `rollout_placement=[1]`, `train_placement=[2]`",
+              outcome="rollout pool placed again on the other rollout node, batch re-issued, run completed",
+              seconds=r["time_s"], bound="node death detection + recovery", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once, staleness <= 1")

@@ -543,6 +543,10 @@ class JobConfig:
         if t.colocated or not t.own_pools:
             raise ConfigError(f"trainer.rollout_workers={r} resizes the rollout pool, which needs placement groups of "
                               f"its own: set trainer.rollout_placement=[{r.min}] (and trainer.colocated=false)")
+        if t.rollout_mode == "stream" and self.weight_transport() == "collective":
+            raise ConfigError(f"trainer.rollout_workers={r} in streaming mode starts each new pool beside the old one, "
+                              "which the collective weight channel does not reach yet: set "
+                              "trainer.weight_sync=object_store (or a fixed rollout_workers)")
         if t.rollout_mode == "batch":
             bad = [n for n in r.sizes() if self.prompts_per_step % n]
             if bad:

@@ -59,6 +59,8 @@ async def test_bad_scale_calls_are_typed_errors_naming_the_fix(tmp_path):
     ({"rollout_autoscale": True, "rollout_mode": "stream"}, "rollout_autoscale=true needs a range to scale within: "
                                                             "set trainer.rollout_workers=min..max"),
     ({"rollout_drain_s": -1.0}, "trainer.rollout_drain_s must be >= 0 seconds, got -1.0"),
+    ({"rollout_workers": "1..2", "rollout_placement": [1], "rollout_mode": "stream", "weight_sync": "collective"},
+     "in streaming mode starts each new pool beside the old one, .* set trainer.weight_sync=object_store"),
 ])
 def test_bad_rollout_ranges_are_one_config_error(tmp_path, trainer, message):
     with pytest.raises(ConfigError, match=message):

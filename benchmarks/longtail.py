@@ -43,6 +43,13 @@ the rollout worker (VmHWM, reset before each variant).
 
     python benchmarks/longtail.py            # the default workload, ~3 minutes
     python benchmarks/longtail.py --quick    # tiny sizes: the mechanism only (for tests)
+    python benchmarks/longtail.py --replicas 1,2,4   # rollout replicas instead (below), ~2 minutes
+
+**Replicas** (``--replicas``): streaming with 1, 2, 4 rollout workers (each its own simulated engine, so each
+adds ``slots`` decode slots), the trainer owning its groups; a generation-bound workload (training costs
+``--train-ms``, small), tokens/s per replica count and scaling efficiency = tokens/s(n) / (n x tokens/s(1)).
+Then one run with ``rollout_workers=1..2`` that calls ``scale_rollout(2)`` after ``--grow-at`` steps: tokens/s of
+the steps before, of the step during which the new pool took over, and of the steps after.
 
 Writes ``benchmarks/results/longtail.md`` (``--out``).
 """
@@ -151,6 +158,13 @@ class SimReward(Worker):
         return TensorDict({"scores": (batch["response_mask"].sum(-1) < 16).float()}, batch_size=batch.batch_size)
 
 
+class ReplicaReward(SimReward):
+    """:class:`SimReward` under the trainer's constructor arguments (the reward config)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 class SimPolicy(Worker):
     """A policy whose stages sleep their cost; it exports a real tiny model's weights (what the rollout
     worker checks and loads) and records the response lengths of every batch it trained."""
@@ -194,6 +208,20 @@ class SimPolicy(Worker):
     def export_weights(self, dtype: str | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         time.sleep(self.costs.get("export_weights", 0.0))
         return self.version, self.weights
+
+
+class ReplicaPolicy(SimPolicy):
+    """:class:`SimPolicy` under the trainer's constructor arguments (model, actor config, max_staleness); its
+    costs come from the ``ASYNCRL_LONGTAIL_TRAIN_S`` environment variable (set before Ray starts)."""
+
+    def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model)
+        train_s = float(os.environ.get("ASYNCRL_LONGTAIL_TRAIN_S", "0.02"))
+        self.costs = {k: v * train_s for k, v in TRAIN_SHARE.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def compute_ref_log_prob(self, batch: Any) -> TensorDict:  # never called: no KL term
+        raise RuntimeError("no reference")
 
 
 # ---- ideals ------------------------------------------------------------------------------------
@@ -318,6 +346,94 @@ class Bench:
         }
 
 
+# ---- replicas ----------------------------------------------------------------------------------
+
+
+def replica_config(args: argparse.Namespace, workers: str | int, out: str) -> Any:
+    """A streaming run whose trainer owns its groups: `workers` rollout workers (a count or ``"1..2"``), each
+    on its own simulated engine, a training pool of one."""
+    from asyncrl.pipelines.presets import tiny_test
+    from asyncrl.roles import RolloutConfig
+
+    cfg = tiny_test("grpo")
+    cfg.rollout = RolloutConfig(
+        engine="sim", max_new_tokens=args.max_new_tokens,
+        engine_kwargs={"step_ms": args.step_ms, "max_batch_size": args.slots, "median_tokens": args.median,
+                       "sigma": args.sigma, "prefill_ms": args.prefill_ms, "round_steps": args.round_steps})
+    cfg.data.num_prompts = max(64, 4 * args.batch // args.group)
+    cfg.algorithm.group_size = args.group
+    t = cfg.trainer
+    t.steps, t.batch_size = args.steps, args.batch
+    t.trace, t.plot, t.progress, t.tensorboard = False, False, False, False
+    t.checkpoint_at_end, t.checkpoint_every_s, t.samples_per_step = False, None, 0
+    t.max_staleness, t.rollout_mode = 2, "stream"
+    t.rollout_workers, t.rollout_placement = workers, [int(str(workers).partition("..")[0])]
+    t.output_dir = out
+    return cfg.validate()
+
+
+async def replica_run(args: argparse.Namespace, workers: str | int, out: str, grow_at: int | None = None
+                      ) -> dict[str, Any]:
+    """One streaming run (see :func:`replica_config`): per-step tokens and end times; with `grow_at`, a
+    ``scale_rollout(2)`` once that many steps are done, and the step at which the new pool took over."""
+    from asyncrl.pipelines.trainer import make_trainer
+
+    cfg = replica_config(args, workers, out)
+    marks: list[float] = []
+    overrides = {"policy": ReplicaPolicy, "reward": ReplicaReward}
+    tr = make_trainer(cfg, worker_overrides=overrides, on_step=lambda t, step, m: marks.append(time.monotonic()))
+    took_over: list[float] = []
+    async with tr:
+        async def grow() -> None:
+            while len(marks) < (grow_at or 0):
+                await asyncio.sleep(0.01)
+            await tr.scale_rollout(2)
+            took_over.append(time.monotonic())
+
+        task = asyncio.create_task(grow()) if grow_at is not None else None
+        hist = await tr.fit()
+        if task is not None:
+            await task
+    tokens = [h["actor/tokens"] for h in hist]
+    return {"tokens": tokens, "marks": marks, "took_over": took_over[0] if took_over else None}
+
+
+def rate(tokens: list[float], marks: list[float], lo: int, hi: int) -> float:
+    """Trained tokens per second of steps ``lo+1 .. hi`` (step i ends at ``marks[i]``)."""
+    return sum(tokens[lo + 1:hi + 1]) / (marks[hi] - marks[lo])
+
+
+async def replicas_main(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rows = []
+    for n in args.replicas:
+        r = await replica_run(args, n, os.path.join(tempfile.mkdtemp(prefix="asyncrl-replicas-"), f"n{n}"))
+        rows.append({"n": n, "tokens_s": rate(r["tokens"], r["marks"], 0, len(r["marks"]) - 1)})
+        print(f"{n} replicas: {rows[-1]['tokens_s']:.0f} tokens/s", flush=True)
+    g = await replica_run(args, "1..2", tempfile.mkdtemp(prefix="asyncrl-grow-"), grow_at=args.grow_at)
+    marks, over = g["marks"], g["took_over"]
+    swap = next(i for i, m in enumerate(marks) if m >= over)  # the first step that ended after the swap
+    last = len(marks) - 1
+    grow = {"before": rate(g["tokens"], marks, 0, args.grow_at - 1), "swap_step": swap,
+            "during": rate(g["tokens"], marks, swap - 1, swap), "after": rate(g["tokens"], marks, swap, last),
+            "steps_after": last - swap}
+    print(f"grow 1 -> 2: {grow['before']:.0f} tokens/s before, {grow['after']:.0f} after", flush=True)
+    return rows, grow
+
+
+def replica_table(rows: list[dict[str, Any]], grow: dict[str, Any], args: argparse.Namespace) -> str:
+    one = rows[0]["tokens_s"] / rows[0]["n"]
+    out = ["| rollout replicas | tokens/s | vs 1 replica | scaling efficiency (vs linear) |", "|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['n']} | {r['tokens_s']:.0f} | {r['tokens_s'] / rows[0]['tokens_s']:.2f}x | "
+                   f"{r['tokens_s'] / (r['n'] * one):.2f} |")
+    out += ["", "| grow 1 -> 2 mid-run (`scale_rollout(2)` after step " + str(args.grow_at - 1) + ") | tokens/s |",
+            "|---|---|",
+            f"| steps before the call (1 replica) | {grow['before']:.0f} |",
+            f"| the step the new pool took over in (step {grow['swap_step']}) | {grow['during']:.0f} |",
+            f"| the {grow['steps_after']} steps after it (2 replicas) | {grow['after']:.0f} |"]
+    return "\n".join(out)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
@@ -388,9 +504,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--round-steps", type=int, default=32,
                    help="decoding steps per engine round: a load that arrives with requests in flight and no "
                         "pause waits for the running round to end (default 32, the HF engine's chunk_tokens)")
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--replicas", default=None,
+                   help="comma-separated rollout replica counts (e.g. 1,2,4): run the replica section instead of the "
+                        "variants (tokens/s, scaling efficiency, and a run that grows 1 -> 2 mid-run)")
+    p.add_argument("--grow-at", type=int, default=6,
+                   help="--replicas: steps done before the grow run's scale_rollout(2)")
+    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     q = args.quick
+    train_given, slots_given, step_given = args.train_ms, args.slots, args.step_ms
     args.steps = args.steps or (3 if q else 16)
     args.batch = args.batch or (8 if q else 32)
     args.slots = args.slots or args.batch
@@ -399,6 +521,11 @@ def main(argv: list[str] | None = None) -> None:
     args.max_new_tokens = args.max_new_tokens or (32 if q else 256)
     args.train_ms = args.train_ms or (20.0 if q else 250.0)
     args.staleness = [int(k) for k in (args.staleness or ("1" if q else "1,4")).split(",")]
+    if args.replicas:
+        # generation-bound (what more replicas can speed up): cheap training, a small, slow engine per replica
+        args.train_ms, args.slots, args.step_ms = train_given or 20.0, slots_given or 8, step_given or 10.0
+        replicas_section(p, args)
+        return
     if min(args.staleness) < 1:
         p.error("--staleness: every bound must be >= 1 (sync is the max_staleness=0 variant)")
     args.prefill_ms = args.prefill_ms if args.prefill_ms is not None else 2 * args.step_ms
@@ -422,7 +549,40 @@ def main(argv: list[str] | None = None) -> None:
         verdict(rows),
         (f"Not run: {', '.join(missing)} (this trainer does not support them yet)." if missing else ""),
     ]
-    write_result(args.out, "\n\n".join(s for s in sections if s) + "\n")
+    write_result(args.out or RESULTS, "\n\n".join(s for s in sections if s) + "\n")
+
+
+def replicas_section(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--replicas``: streaming on 1, 2, 4 rollout replicas and a run that grows 1 -> 2 (the module docstring)."""
+    args.replicas = [int(n) for n in args.replicas.split(",")]
+    if args.replicas[0] != 1 or any(n < 1 for n in args.replicas):
+        p.error("--replicas must start at 1 (the baseline of the scaling efficiency), e.g. 1,2,4")
+    if args.batch // args.group % max(args.replicas):
+        p.error(f"--replicas: {max(args.replicas)} must divide the {args.batch // args.group} prompts per step")
+    args.prefill_ms = args.prefill_ms if args.prefill_ms is not None else 2 * args.step_ms
+    args.steps = max(args.steps, args.grow_at + 10)
+    os.environ["ASYNCRL_LONGTAIL_TRAIN_S"] = str(args.train_ms / 1e3)  # the policy workers read it
+    load0 = os.getloadavg()[0]
+    asyncrl.init(num_cpus=2 + max(args.replicas) + 2)  # logical CPUs: pools of their own, a grow beside the old pool
+    try:
+        rows, grow = asyncrl.run(replicas_main(args))
+    finally:
+        asyncrl.shutdown()
+    write_result(args.out or os.path.join(HERE, "results", "longtail_replicas.md"), "\n\n".join([
+        "# Long tail: rollout replicas", run_header("longtail.py", load_note(load0, os.getloadavg()[0])),
+        replica_workload(args), replica_table(rows, grow, args)]) + "\n")
+
+
+def replica_workload(args: argparse.Namespace) -> str:
+    return (
+        f"Workload: streaming at max_staleness 2, {args.batch} responses per step "
+        f"({args.batch // args.group} prompts x {args.group}), {args.steps} steps per run (tokens/s over steps 1..{args.steps - 1}). Each rollout replica is "
+        f"a worker process with its own simulated engine: {args.slots} decode slots, {args.step_ms:g} ms per decoding "
+        f"step, log-normal response lengths (median {args.median:g}, sigma {args.sigma:g}, cap "
+        f"{args.max_new_tokens}). Training + sync {args.train_ms:g} ms per step (slept): generation-bound. Scaling "
+        "efficiency = tokens/s(n) / (n x tokens/s(1)). The grow run starts at 1 replica (rollout_workers=1..2) and "
+        f"calls scale_rollout(2) after {args.grow_at} steps; the new pool starts beside the old one, loads the newest "
+        "weights, then takes new groups while the old one drains.")
 
 
 def supported_variants() -> tuple[str, ...]:

@@ -75,7 +75,7 @@ def main_pool(cfg: JobConfig) -> ResourcePool:
     if t.colocated:
         return ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, gpus_per_bundle=t.gpus_per_worker,
                             name="asyncrl-colocated")
-    return ResourcePool([t.rollout_workers + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
+    return ResourcePool([t.rollout_start + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
                         gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
 
 
@@ -108,7 +108,7 @@ def _two_pools(cfg: JobConfig, pools: list[ResourcePool]) -> tuple[ResourcePool,
     t = cfg.trainer
     if len(pools) == 2:
         return pools[0], pools[1]
-    rpool, tpool = pools[0].split([t.rollout_workers, t.train_workers])
+    rpool, tpool = pools[0].split([t.rollout_start, t.train_workers])
     return rpool, tpool
 
 
@@ -169,6 +169,8 @@ class Workers:
         self._replaced = False  # pools placed again after a restart wait for capacity
         self.rollout_placement: list[int] | None = None
         """The rollout pool's workers per node once ``scale_rollout`` changed it (None: the config's)."""
+        self.retiring: list[tuple[Any, ResourcePool]] = []
+        """Former rollout-pool parts still draining after a streaming resize (closed with the rest, at the latest)."""
 
     async def start(self) -> Groups:
         """Build the groups (in the pools of an earlier start, if any) and start every process.
@@ -200,6 +202,38 @@ class Workers:
         await new.setup()
         return new
 
+    async def start_rollout_part(self, size: int) -> tuple[Any, ResourcePool]:
+        """A started rollout-pool part of `size` workers on one node, in placement groups of its own (waiting
+        up to ``trainer.restart.placement_wait_s`` for capacity), beside the current one: a streaming resize
+        (:meth:`adopt_rollout_part` makes it the pool's). Closed again when it fails to start."""
+        assert len(self.pools) == 2, "a resize needs a rollout pool of its own"
+        pool = own_pool(self.config, "rollout", placement=[size], wait_for_capacity=True)
+        part = build_rollout_part(self.config, self.overrides, [pool, self.pools[1]])
+        try:
+            await part.setup()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.close_rollout_part(part, pool)
+            raise
+        return part, pool
+
+    def adopt_rollout_part(self, part: Any, pool: ResourcePool, size: int) -> tuple[Any, ResourcePool]:
+        """Make `part` (in `pool`, `size` workers) the rollout pool's; returns the former ``(part, pool)``, which
+        the caller closes (:meth:`close_rollout_part`) once its work is drained."""
+        old = self.parts[0], self.pools[0]
+        self.parts[0], self.pools[0] = part, pool
+        self.rollout_placement = [size]
+        self.retiring.append(old)
+        return old
+
+    async def close_rollout_part(self, part: Any, pool: ResourcePool) -> None:
+        """Close a rollout-pool part's workers and release its placement groups."""
+        if (part, pool) in self.retiring:
+            self.retiring.remove((part, pool))
+        with contextlib.suppress(Exception):
+            await part.close()
+        await pool.release()
+
     async def recycle(self) -> None:
         """Close the processes before a restart. The one shared pool keeps its placement groups (new actors
         take the same bundles); pools of their own are released and placed again by the next :meth:`start`,
@@ -209,6 +243,9 @@ class Workers:
         self._replaced = own
     async def release(self, *, keep_pools: bool = False) -> None:
         """Close the processes (the rollout pool's first); release the placement groups unless `keep_pools`."""
+        for part, pool in list(self.retiring):
+            with contextlib.suppress(Exception):
+                await self.close_rollout_part(part, pool)
         for part in self.parts:
             with contextlib.suppress(Exception):
                 await part.close()

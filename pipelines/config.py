@@ -20,6 +20,7 @@ from typing import Any, Literal
 from asyncrl.pipelines import configlib
 from asyncrl.pipelines.admission import StreamConfig, check_stream
 from asyncrl.pipelines.configlib import ConfigError
+from asyncrl.pipelines.elastic import WorkerRange, parse_workers
 from asyncrl.pipelines.evaluation import EvalConfig
 from asyncrl.pipelines.sampling import FilterGroupsConfig
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
@@ -37,6 +38,7 @@ __all__ = [
     "RestartConfig",
     "StreamConfig",
     "TrainerConfig",
+    "WorkerRange",
     "config_fingerprint",
 ]
 
@@ -156,8 +158,19 @@ class TrainerConfig:
     """Seed of the data order and of every sampling call (step t samples with seed + t)."""
     colocated: bool = False
     """Put rollout and training in the same worker processes (no overlap) instead of two pools."""
-    rollout_workers: int = 1
-    """Processes of the rollout pool (rollout engine and rule reward)."""
+    rollout_workers: int | WorkerRange | str = 1
+    """Processes of the rollout pool (rollout engine and rule reward): a count, or a range ``min..max``
+    (``"1..3"``, or ``WorkerRange(1, 3)`` in Python) within which ``scale_rollout`` and the autoscaler resize
+    the pool; the run starts at ``min``. A range needs a rollout pool of its own (``rollout_placement``,
+    adding up to ``min``); docs/nodes.md, "Elastic rollout"."""
+    rollout_autoscale: bool = False
+    """Streaming (``rollout_mode=stream``) with a ``rollout_workers`` range: grow the rollout pool by one worker
+    while admission waits on generation, shrink it by one when its engines idle, within the range and the
+    cluster's capacity (:mod:`asyncrl.pipelines.stream_scale`)."""
+    rollout_drain_s: float = 30.0
+    """Streaming: how long a rollout pool being replaced by a resize (or a preemption) lets its groups in
+    flight finish; past it they are handed over (cancelled at a decoding-step boundary and issued again on
+    the new pool with the same prompts and seeds). 0: hand over at once."""
     train_workers: int = 1
     """Processes of the training pool (policy, reference and critic)."""
     rollout_placement: list[int] | None = None
@@ -259,8 +272,18 @@ class TrainerConfig:
 
     def placements(self) -> tuple[list[int], list[int]]:
         """``(rollout, training)`` workers per node, the unset one on one node."""
-        return (list(self.rollout_placement or [self.rollout_workers]),
+        return (list(self.rollout_placement or [self.rollout_start]),
                 list(self.train_placement or [self.train_workers]))
+
+    @property
+    def rollout_range(self) -> WorkerRange:
+        """``rollout_workers`` as a range (a count ``n`` is ``n..n``); ``ValueError`` for a bad value."""
+        return parse_workers(self.rollout_workers)
+
+    @property
+    def rollout_start(self) -> int:
+        """The rollout pool's size at the start: ``rollout_workers``, or its range's minimum."""
+        return self.rollout_range.min
 
     def weights_choice(self) -> Literal["fixed_lag", "latest"]:
         """The resolved ``rollout_weights``: ``auto`` is ``latest`` in stream mode, else ``fixed_lag``."""
@@ -333,7 +356,7 @@ class JobConfig:
         t = self.trainer
         if t.colocated:
             return {"colocated": t.train_workers}
-        return {"rollout": t.rollout_workers, "train": t.train_workers}
+        return {"rollout": t.rollout_start, "train": t.train_workers}
 
     def weight_transport(self) -> str:
         """The resolved ``trainer.weight_sync``."""
@@ -371,10 +394,15 @@ class JobConfig:
             raise ConfigError(f"trainer.max_staleness must be >= 0, got {t.max_staleness}")
         if self.buffer_capacity < 1:
             raise ConfigError(f"trainer.buffer_capacity must be >= 1, got {self.buffer_capacity}")
-        for name in ("rollout_workers", "train_workers"):
-            if getattr(t, name) < 1:
-                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+        try:
+            r = t.rollout_range
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        t.rollout_workers = str(r) if r.elastic else r.min  # one spelling per meaning (the config's fingerprint)
+        if t.train_workers < 1:
+            raise ConfigError(f"trainer.train_workers must be >= 1, got {t.train_workers}")
         self._validate_placement()
+        self._validate_elastic()
         if t.cpus_per_worker <= 0:
             raise ConfigError(f"trainer.cpus_per_worker must be > 0, got {t.cpus_per_worker}")
         if t.gpus_per_worker < 0:
@@ -467,7 +495,7 @@ class JobConfig:
     def _validate_placement(self) -> None:
         """``trainer.*_placement`` add up to their pool's workers, with two pools; custom resources need them."""
         t = self.trainer
-        for pool, workers in (("rollout", t.rollout_workers), ("train", t.train_workers)):
+        for pool, workers in (("rollout", t.rollout_start), ("train", t.train_workers)):
             key, placement = f"trainer.{pool}_placement", getattr(t, f"{pool}_placement")
             if placement is not None:
                 if not placement or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
@@ -475,8 +503,10 @@ class JobConfig:
                     raise ConfigError(f"{key} must be a non-empty list of positive worker counts per node, "
                                       f"got {placement!r}")
                 if sum(placement) != workers:
+                    start = " (a range starts at its minimum)" if pool == "rollout" and t.rollout_range.elastic else ""
+                    given = getattr(t, f"{pool}_workers")
                     raise ConfigError(f"{key}={placement} places {sum(placement)} workers but "
-                                      f"trainer.{pool}_workers={workers}; make them add up")
+                                      f"trainer.{pool}_workers={given}{start}; make them add up")
                 if t.colocated:
                     raise ConfigError(f"{key} places a pool of its own, but trainer.colocated=true puts both roles "
                                       "in one pool: unset the placement or set trainer.colocated=false")
@@ -494,14 +524,46 @@ class JobConfig:
             raise ConfigError(f"trainer.restart.placement_wait_s must be a positive number of seconds, "
                               f"got {t.restart.placement_wait_s}")
 
+    def _validate_elastic(self) -> None:
+        """A ``rollout_workers`` range: a rollout pool of its own, every size dividing a step's prompts (batch
+        mode), the autoscaler only in streaming mode, a drain deadline >= 0."""
+        t = self.trainer
+        r = t.rollout_range
+        if not t.rollout_drain_s >= 0:
+            raise ConfigError(f"trainer.rollout_drain_s must be >= 0 seconds, got {t.rollout_drain_s}")
+        if t.rollout_autoscale and t.rollout_mode != "stream":
+            raise ConfigError("trainer.rollout_autoscale=true grows the rollout pool while streaming admission waits "
+                              "on generation: it needs trainer.rollout_mode=stream (in batch mode resize with "
+                              "scale_rollout, or set rollout_autoscale=false)")
+        if t.rollout_autoscale and not r.elastic:
+            raise ConfigError(f"trainer.rollout_autoscale=true needs a range to scale within: set "
+                              f"trainer.rollout_workers=min..max (e.g. {r.min}..{r.min + 1}), not {r.min}")
+        if not r.elastic:
+            return
+        if t.colocated or not t.own_pools:
+            raise ConfigError(f"trainer.rollout_workers={r} resizes the rollout pool, which needs placement groups of "
+                              f"its own: set trainer.rollout_placement=[{r.min}] (and trainer.colocated=false)")
+        if t.rollout_mode == "stream" and self.weight_transport() == "collective":
+            raise ConfigError(f"trainer.rollout_workers={r} in streaming mode starts each new pool beside the old one, "
+                              "which the collective weight channel does not reach yet: set "
+                              "trainer.weight_sync=object_store (or a fixed rollout_workers)")
+        if t.rollout_mode == "batch":
+            bad = [n for n in r.sizes() if self.prompts_per_step % n]
+            if bad:
+                raise ConfigError(f"trainer.rollout_workers={r} includes {bad[0]} workers, which does not divide a "
+                                  f"step's {self.prompts_per_step} prompts (batch mode keeps each GRPO group on one "
+                                  "worker); narrow the range or change trainer.batch_size")
+
     def _check_capacity(self, unit: str, per_worker: float, available: float | None, fix: str) -> None:
         """ConfigError when the pools need more `unit` than the cluster has (`available`; None: unknown)."""
         if available is None:
             return
         need = sum(self.pool_sizes().values()) * per_worker
         if need > available + 1e-9:
-            raise ConfigError(f"the pools need {need:g} {unit} ({self.pool_sizes()} workers x {per_worker:g}) but the "
-                              f"cluster has {available:g}; {fix}")
+            r = self.trainer.rollout_range
+            start = f" (trainer.rollout_workers={r} starts at {r.min})" if r.elastic else ""
+            raise ConfigError(f"the pools need {need:g} {unit} ({self.pool_sizes()} workers x {per_worker:g}){start} "
+                              f"but the cluster has {available:g}; {fix}")
 
 
     def _validate_reward(self) -> None:
@@ -630,7 +692,7 @@ _RESUME_FREE = {"trainer.steps", "trainer.output_dir", "trainer.checkpoint_every
                 "trainer.weight_sync", "trainer.weight_sync_timeout_s", "trainer.precompute_log_probs",
                 "trainer.event_loop", "trainer.train_workers", "trainer.rollout_placement",
                 "trainer.train_placement", "trainer.rollout_resources", "trainer.train_resources",
-                "trainer.restart.placement_wait_s"}
+                "trainer.restart.placement_wait_s", "trainer.rollout_autoscale", "trainer.rollout_drain_s"}
 """Settings a resumed run may change: they do not alter what the first steps compute (evaluation uses its
 own sampling seeds and never touches the training RNG). ``trainer.train_workers``: training ranks train
 like one (both strategies' checkpoints load at any rank count); with ``colocated`` it is the rollout pool's

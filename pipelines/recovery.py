@@ -21,7 +21,7 @@ from typing import Any
 
 from asyncrl import CallTimeoutError, GroupBrokenError, RemoteError, UpstreamError, WorkerDiedError
 
-__all__ = ["is_worker_fault", "fault_origin", "root_cause", "describe", "fault_record"]
+__all__ = ["is_worker_fault", "is_preemption", "fault_origin", "root_cause", "describe", "fault_record"]
 
 _RAY_DEATH = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "OwnerDiedError", "ObjectLostError"}
 
@@ -46,6 +46,15 @@ def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
     if isinstance(e, CallTimeoutError):
         return timeouts
     return any(c.__name__ in _RAY_DEATH for c in type(e).__mro__)  # a worker saw its producer die
+
+
+def is_preemption(error: BaseException) -> bool:
+    """True when `error` says a worker was told to stop (a preemption notice, not a fault): a rollout worker's
+    ``PreemptedError``, or a worker process that exited on SIGTERM (Ray's exit detail says so)."""
+    e = root_cause(error)
+    if isinstance(e, RemoteError) and e.exc_type.rpartition(".")[2] == "PreemptedError":
+        return True
+    return is_worker_fault(e, timeouts=False) and "receives a SIGTERM" in str(e)
 
 
 def fault_origin(error: BaseException) -> str | None:

@@ -33,6 +33,7 @@ from asyncrl.pipelines.config import JobConfig
 from asyncrl.pipelines.loop_state import Rollout, RolloutBatch, batch_seed
 
 if TYPE_CHECKING:
+    from asyncrl.pipelines.build import Workers
     from asyncrl.pipelines.data import PromptLoader
     from asyncrl.pipelines.evaluation import Evaluator
     from asyncrl.pipelines.loop_state import LoopState
@@ -62,6 +63,7 @@ class RolloutOwner(Protocol):
     supervisor: Supervisor
     precompute: Precompute
     report: RunReport
+    workers: Workers
 
 log = structlog.get_logger("asyncrl.pipelines")
 

@@ -168,7 +168,7 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
                                f"{c['step']}, and the replaced engines' rounds died with them, so this run cannot be "
                                "replayed bit for bit")
     n = len(chunks[0]["ranks"]) if chunks else 0
-    if any(len(c["ranks"]) != n for c in chunks) or n != cfg.trainer.rollout_workers:
+    if any(len(c["ranks"]) != n for c in chunks) or n != cfg.trainer.rollout_start:
         raise JournalError(f"{str(path)!r} holds rounds of {sorted({len(c['ranks']) for c in chunks})} rollout ranks, "
                            f"the config has trainer.rollout_workers={cfg.trainer.rollout_workers}; restore the file "
                            "the run wrote")

@@ -44,8 +44,10 @@ import structlog
 from asyncrl.pipelines import stages
 from asyncrl.pipelines.admission import Admission, groups_in_flight
 from asyncrl.pipelines.loop_state import LoopState, RolloutBatch, batch_seed
+from asyncrl.pipelines.recovery import is_preemption
 from asyncrl.pipelines.rollout_loop import RolloutOwner, evaluate, evaluate_rest
 from asyncrl.pipelines.sampling import group_stds
+from asyncrl.pipelines.stream_scale import StreamScaler
 
 __all__ = ["StreamRollout"]
 
@@ -80,6 +82,7 @@ class _Attempt:
         self.waits = 0
         self.wait_s = 0.0
         self.filtered = 0  # groups rejected by dynamic sampling since the last take
+        self.running: dict[int, tuple[Any, Any]] = {}  # group -> (rollout group it runs on, generate future)
 
 
 class StreamRollout:
@@ -89,7 +92,9 @@ class StreamRollout:
         self._trainer = trainer
         self._attempt: _Attempt | None = None
         self.regenerated = 0
-        """Group calls issued again after a rollout-pool fault (over the whole run)."""
+        """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
+        self.scaler = StreamScaler(trainer, self)
+        """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -105,6 +110,7 @@ class StreamRollout:
         await self._notify()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._weights_loop, a)
+            tg.start_soon(self.scaler.run, a)
             while True:
                 t0 = time.perf_counter()
                 if not self._admissible(a):
@@ -135,6 +141,7 @@ class StreamRollout:
         B, G = cfg.prompts_per_step, cfg.group_size
         slot = g % B
         prompts = loader.batch(g // B)[slot * G:(slot + 1) * G]
+        elastic = cfg.trainer.rollout_range.elastic
         while True:
             epoch = a.epoch
             groups = tr.groups
@@ -143,6 +150,7 @@ class StreamRollout:
             try:
                 gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
                                       "generate", step=g // B, group=g, version=v0)
+                a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
                 if not a.issued.get(g):
                     a.issued[g] = True
                     tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
@@ -152,13 +160,18 @@ class StreamRollout:
                 # issued meanwhile would wait for this group to finish generating. Issued once the
                 # generation finished (nothing is fetched), it never holds an update back.
                 await _finished(gen)
+                if elastic:  # a preemption notice raises here, not in a score call to the dying process
+                    await gen.select("version")
                 sc = stages.score(groups, gen)
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
-                await self._recover(a, e, epoch)
+                a.running.pop(g, None)
+                await self._recover(a, e, epoch, g)
                 self.regenerated += 1
                 await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
+        a.running.pop(g, None)
+        await self._notify()  # a drain may be waiting for it
         std = float(group_stds(scores, G)[0])
         if self._rejects(a, std):
             a.admission.reject(g)
@@ -208,26 +221,37 @@ class StreamRollout:
                 continue
             await self._notify()
 
-    async def _recover(self, a: _Attempt, error: Exception, epoch: int) -> None:
+    async def _recover(self, a: _Attempt, error: Exception, epoch: int, group: int | None = None) -> None:
         """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
         wait for the replacement), or raise `error` when it is not a rollout-pool fault."""
         tr = self._trainer
+        if (is_preemption(error) or self.scaler.preempting(epoch)) and await self.scaler.preempted(a, epoch, group):
+            return  # the pool was resized away from the preempted worker; the caller issues its group again
         async with a.replacing:
             if a.epoch != epoch:
                 return  # another group (or the weight loop) already replaced the pool
             if not tr.supervisor.can_replace(error):
                 raise error
-            g = tr.groups
-            assert g is not None
-            old = (g.rollout.name, g.reward.name)
-            advantage = stages_unwrap(g.advantage)
-            for f in a.flights.values():  # finished groups' data must outlive the dying groups
-                if getattr(f.gen, "group", None) in old:
-                    f.gen = advantage.echo(f.gen)
-                if getattr(f.scores, "group", None) in old:
-                    f.scores = advantage.echo(f.scores)
+            self.rehome_flights(a)
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
+        await self._notify()
+
+    def rehome_flights(self, a: _Attempt) -> None:
+        """Re-home the finished groups' futures on the training pool: their data must outlive the rollout
+        pool's groups, which are about to close."""
+        g = self._trainer.groups
+        assert g is not None
+        old = (g.rollout.name, g.reward.name)
+        advantage = stages_unwrap(g.advantage)
+        for f in a.flights.values():
+            if getattr(f.gen, "group", None) in old:
+                f.gen = advantage.echo(f.gen)
+            if getattr(f.scores, "group", None) in old:
+                f.scores = advantage.echo(f.scores)
+
+    async def notify(self) -> None:
+        """Wake every task waiting on the loop state (admission, takes, drains)."""
         await self._notify()
 
     async def _notify(self) -> None:
@@ -245,12 +269,14 @@ class StreamRollout:
         await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
         a = self._attempt
         assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
+        t0 = time.perf_counter()
         while (got := a.admission.take()) is None:
             if a.admission.dropped_groups:
                 await self._notify()  # drop_stale: the dropped groups' room may be admitted again
             seen = a.finishes
             await s.wait_for(lambda seen=seen: a.finishes != seen)
         chosen, dropped = got
+        self.scaler.after_take(time.perf_counter() - t0)  # the autoscaler's view of this step
         await self._notify()  # admission may go on
         tr.journal.rounds(step, a.epoch)  # the engines' rounds so far: they ran every chosen group (replay)
         return await self._assemble(a, step, chosen, dropped)

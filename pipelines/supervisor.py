@@ -30,6 +30,7 @@ import structlog
 from asyncrl import WorkerDiedError
 from asyncrl.pipelines import checkpoint as ckpt
 from asyncrl.pipelines.deadlines import unwrap, with_deadlines
+from asyncrl.pipelines.elastic import RolloutRangeError
 from asyncrl.pipelines.loop_state import RolloutBatch
 from asyncrl.pipelines.recovery import describe, fault_origin, fault_record, is_worker_fault, root_cause
 from asyncrl.pipelines.stages import Groups
@@ -106,7 +107,7 @@ class Supervisor:
         self.restarts: list[dict[str, Any]] = []
         """One record per recovery (see :attr:`~asyncrl.pipelines.trainer.Trainer.restarts`)."""
         self._pending: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
-        self._scale: tuple[int, asyncio.Future[None]] | None = None  # a pending scale_rollout
+        self._scale: tuple[int, float, str, asyncio.Future[None]] | None = None  # a pending resize
 
     async def run(self, loops: Callable[[], Awaitable[None]]) -> None:
         """Run `loops`; on a worker fault, restart and run them again. Faults of the stateless
@@ -207,32 +208,92 @@ class Supervisor:
         await tr.weights.prepare()  # the new engines' weight dtype; a collective weight channel is reopened
 
     async def scale_rollout(self, n: int) -> None:
-        """Resize the rollout pool to `n` workers on one node between two batches (the batch in flight
-        finishes first); returns once the new workers are up. They load the weight version of the
-        next batch before they generate it. Raises ``ValueError`` for a bad `n` and ``RuntimeError``
-        where the run cannot scale (a shared or colocated pool, stream mode, not fitting)."""
+        """Resize the rollout pool to `n` workers on one node; returns once the new workers took over. Batch
+        mode: between two batches (the batch in flight finishes first); the new workers load the next batch's
+        weight version before they generate it. Streaming: beside the groups in flight, which drain or are
+        handed over (:mod:`~asyncrl.pipelines.stream_scale`). Raises ``ValueError`` for a bad `n`,
+        :class:`~asyncrl.pipelines.elastic.RolloutRangeError` for `n` outside ``trainer.rollout_workers``'s
+        range, and ``RuntimeError`` where the run cannot scale (a shared or colocated pool, not generating)."""
         tr = self._trainer
         t = tr.config.trainer
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"scale_rollout needs a positive number of rollout workers, got {n!r}")
+        self._check_pool("scale_rollout")
+        r = t.rollout_range
+        if n not in r:
+            raise RolloutRangeError(f"scale_rollout({n}) is outside trainer.rollout_workers={r}; ask for {r.min} to "
+                                    f"{r.max} workers, or widen the range")
+        self._check_running("scale_rollout")
+        await self._submit(n, t.rollout_drain_s, "scale")
+
+    async def preempt_rollout(self, rank: int, drain_s: float = 0.0) -> None:
+        """A preemption notice for rollout worker `rank` (streaming): the pool is replaced by one without it
+        (one worker fewer, or as many on other capacity where that would fall below the range's minimum); its
+        groups in flight are handed over after `drain_s` (0: at once, at a decoding-step boundary) and issued
+        again on the new pool with the same seeds. Returns once the new pool took over and the old one is
+        closed."""
+        tr = self._trainer
+        t = tr.config.trainer
+        self._check_pool("preempt_rollout")
+        if t.rollout_mode != "stream":
+            raise RuntimeError("preempt_rollout hands generations in flight over to a new pool: it needs "
+                               "trainer.rollout_mode=stream (in batch mode a lost worker is replaced: "
+                               "trainer.restart)")
+        self._check_running("preempt_rollout")
+        n = tr.workers.parts[0]["rollout"].world_size if tr.workers.parts else 0
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
+            raise ValueError(f"preempt_rollout needs a rollout rank in 0..{n - 1}, got {rank!r}")
+        await self._submit(max(n - 1, t.rollout_range.min), drain_s, "preempt")
+
+    def _check_pool(self, what: str) -> None:
+        tr = self._trainer
+        t = tr.config.trainer
         if not (tr.owns_groups and t.own_pools and not t.colocated):
-            raise RuntimeError("scale_rollout needs a rollout pool of its own: set trainer.rollout_placement "
+            raise RuntimeError(f"{what} needs a rollout pool of its own: set trainer.rollout_placement "
                                "(and trainer.colocated=false)")
-        if t.rollout_mode != "batch":
-            raise RuntimeError("scale_rollout resizes the pool between batches: it needs trainer.rollout_mode=batch")
+
+    def _check_running(self, what: str) -> None:
+        tr = self._trainer
         if not tr.fitting or tr.state.rollout_done:
-            raise RuntimeError("scale_rollout acts while fit() generates batches; this run is not generating")
+            raise RuntimeError(f"{what} acts while fit() generates batches; this run is not generating")
         if self._scale is not None:
-            raise RuntimeError(f"a scale_rollout({self._scale[0]}) is still pending; await it first")
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._scale = (n, fut)
+            raise RuntimeError(f"a {self._scale[2]} to {self._scale[0]} rollout workers is still pending; await it "
+                               "first")
+
+    async def _submit(self, n: int, drain_s: float, reason: str) -> None:
+        fut = self.request_resize(n, drain_s, reason)
+        s = self._trainer.state
+        async with s.cond:
+            s.cond.notify_all()  # the streaming scaler waits on the loop state
         await fut
+
+    def request_resize(self, n: int, drain_s: float, reason: str) -> asyncio.Future[None]:
+        """File a resize to `n` workers (the caller wakes the loop state's waiters); its future resolves when
+        it is done (or failed, or the run stopped generating)."""
+        assert self._scale is None, "one resize at a time"
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._scale = (n, drain_s, reason, fut)
+        return fut
+
+    def pending_resize(self) -> tuple[int, float, str, asyncio.Future[None]] | None:
+        """The resize filed and not done yet: ``(workers, drain_s, reason, future)``."""
+        return self._scale
+
+    def resize_done(self, fut: asyncio.Future[None], error: BaseException | None) -> None:
+        """The pending resize ended (with `error`, or done)."""
+        if self._scale is not None and self._scale[3] is fut:
+            self._scale = None
+        if not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
 
     async def apply_scale(self, batch: int) -> None:
         """The rollout loop's call before it generates `batch`: carry out a pending :meth:`scale_rollout`."""
         if self._scale is None:
             return
-        (n, fut), self._scale = self._scale, None
+        n, _, _, fut = self._scale
         tr = self._trainer
         try:
             if n != tr.workers.parts[0]["rollout"].world_size:
@@ -240,18 +301,18 @@ class Supervisor:
                 await self._new_rollout(n)
                 log.info("trainer.scaled", rollout_workers=n, batch=batch, seconds=round(time.perf_counter() - t0, 2))
         except BaseException as e:
-            if not fut.done():
-                fut.set_exception(e)
+            self.resize_done(fut, e)
             raise
-        if not fut.done():
-            fut.set_result(None)
+        self.resize_done(fut, None)
 
     def _fail_scale(self) -> None:
-        """The loops ended: a pending :meth:`scale_rollout` will not happen."""
+        """The loops ended: a pending resize will not happen."""
         if self._scale is not None:
-            (n, fut), self._scale = self._scale, None
+            n, _, reason, fut = self._scale
+            self._scale = None
             if not fut.done():
-                fut.set_exception(RuntimeError(f"scale_rollout({n}) did not happen: the run stopped generating"))
+                fut.set_exception(RuntimeError(f"{reason} to {n} rollout workers did not happen: the run stopped "
+                                               "generating"))
 
     def note_resumed(self, step: int, item: RolloutBatch, t_got: float) -> None:
         """Fill ``interrupted_s`` of the recoveries this step's batch ends. A replacement held

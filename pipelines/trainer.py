@@ -265,8 +265,14 @@ class Trainer(AsyncResource):
                         detail="finishing the step in progress, then writing a checkpoint")
 
     async def scale_rollout(self, n: int) -> None:
-        """Resize the rollout pool to `n` workers between two batches (:meth:`Supervisor.scale_rollout`)."""
+        """Resize the rollout pool to `n` workers within ``trainer.rollout_workers``'s range: between two batches
+        in batch mode, beside the groups in flight in streaming mode (:meth:`Supervisor.scale_rollout`)."""
         await self.supervisor.scale_rollout(n)
+
+    async def preempt_rollout(self, rank: int, drain_s: float = 0.0) -> None:
+        """A preemption notice for rollout worker `rank` (streaming): its groups in flight are handed over to a
+        pool without it (:meth:`Supervisor.preempt_rollout`)."""
+        await self.supervisor.preempt_rollout(rank, drain_s)
 
     async def save_checkpoint(self) -> Path:
         """Write a checkpoint of the state after the last finished step (see

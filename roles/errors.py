@@ -26,6 +26,7 @@ __all__ = [
     "EpisodeError",
     "PauseDeadlineError",
     "CheckpointFormatError",
+    "PreemptedError",
 ]
 
 
@@ -102,3 +103,9 @@ class EpisodeConfigError(RolesError, ValueError):
 
 class EpisodeError(RolesError, RuntimeError):
     """Raised when an episode (or its environment) raises; names the episode and the row."""
+
+
+class PreemptedError(RolesError, RuntimeError):
+    """Raised by a rollout worker's request-level generation when its process was told to stop (a SIGTERM, a
+    preemption notice): the rows in flight stopped at their next decoding step and are to be generated again
+    elsewhere with the same seeds."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import tempfile
+import threading
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
@@ -36,6 +37,7 @@ from ._util import require, with_fields
 from .device import check_gpu_memory, place_model, resolve_placement
 from .engines import Completion, SamplingParams, make_engine
 from .errors import DeviceError, PromptTooLongError
+from .preemption import PREEMPT_DEADLINE_S, on_sigterm
 from .models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
 from .threads import core_share_for, release_core_share
 from .rollout_config import RolloutConfig
@@ -140,6 +142,26 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
         self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
         self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
+        self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
+        self._request_calls: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}  # running generate_requests
+        on_sigterm(self._on_preemption_notice)
+
+    def _on_preemption_notice(self) -> None:
+        """SIGTERM (main thread, before the process exits): stop the running ``generate_requests`` calls at
+        their next decoding step; they raise ``PreemptedError``, and the process exits once they ended (at most
+        ``PREEMPT_DEADLINE_S`` later), so the controller learns of the notice before the process is gone."""
+        self._preempted = True
+        calls = list(self._request_calls.items())
+        ended = threading.Event()
+
+        def check(_: Any = None) -> None:
+            if all(task.done() for task, _ in calls):
+                ended.set()
+
+        for task, loop in calls:
+            loop.call_soon_threadsafe(lambda t=task: (t.cancel(), t.add_done_callback(check)))
+        if calls:
+            ended.wait(PREEMPT_DEADLINE_S)
 
     # ---- state --------------------------------------------------------------------------
 

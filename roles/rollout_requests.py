@@ -38,7 +38,7 @@ from asyncrl import Dispatch, register
 
 from ._util import text_list, with_fields
 from .engines import SamplingParams
-from .errors import EpisodeError
+from .errors import EpisodeError, PreemptedError
 
 if TYPE_CHECKING:
     from .rollout_config import RolloutConfig
@@ -63,6 +63,8 @@ class RequestGenerationMixin:
         _trajectories: list[int]
         _replay: list[dict[str, Any]] | None
         _replay_hold: bool
+        _preempted: bool
+        _request_calls: dict[asyncio.Task[Any], asyncio.AbstractEventLoop]
 
         @property
         def rank(self) -> int: ...
@@ -251,7 +253,26 @@ class RequestGenerationMixin:
         Row ``i``'s sampling seed comes from the config's seed, `seed`, the row's index in the whole
         batch and its prompt (not the weight version): the same call regenerates the same rows under
         the same weights, and the rows of one prompt differ. Its requests are named ``f"{seed}:{row}"``
-        in the round log (an episode's later turns ``f"{seed}:{row}/{turn}"``)."""
+        in the round log (an episode's later turns ``f"{seed}:{row}/{turn}"``). A preemption notice (SIGTERM
+        to the process) stops the rows at their next decoding step and raises ``PreemptedError``
+        (roles/preemption.py)."""
+        if self._preempted:
+            raise PreemptedError(f"rollout rank {self.rank} was told to stop (SIGTERM); generate elsewhere")
+        me = asyncio.current_task()
+        assert me is not None  # a coroutine the actor's loop runs as a task
+        self._request_calls[me] = asyncio.get_running_loop()  # a preemption notice cancels it
+        try:
+            return await self._generate_requests(batch, max_new_tokens, temperature, seed)
+        except asyncio.CancelledError:
+            if not self._preempted:
+                raise
+            raise PreemptedError(f"rollout rank {self.rank} was told to stop (SIGTERM): its rows stopped at their "
+                                 "next decoding step; generate them elsewhere with the same seed") from None
+        finally:
+            self._request_calls.pop(me, None)
+
+    async def _generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None,
+                                 temperature: float | None, seed: int | None) -> TensorDict:
         program, name = self._row_program()
         R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
         offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)

@@ -13,12 +13,18 @@ is removed mid-run while training goes on on its own node:
 The training node lost (alone, or with the rollout node at once) restarts the run from its newest checkpoint
 once the training pool can be placed again (the node comes back).
 
+The rollout node lost in the middle of a weight sync is the first case (the sync fails with the pool, which is
+placed again; the batch is issued again). The training node lost while a checkpoint is being written restarts
+from the last checkpoint written whole. Streaming with ``rollout_workers=1..2``: the node of a pool that is
+draining after a resize lost, its groups go to the new pool with their seeds, and no recovery is counted.
+
 The GCS here declares a lost raylet dead after about 1.5 s (``FAST_HEALTH_CHECKS``; Ray's default: about
 15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -26,11 +32,14 @@ import pytest
 import ray
 
 import asyncrl
+from asyncrl import Dispatch, register
 from asyncrl.pipelines.journal import read_journal
 from asyncrl.pipelines.metrics import read_jsonl
 from asyncrl.pipelines.presets import tiny_test
 from asyncrl.pipelines.replay import compare_metrics
+from asyncrl.pipelines.rollout_loop import batch_seed
 from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.cluster.harness import OneHostCluster
 from tests.reliability.conftest import live_actors, settled
 
@@ -241,3 +250,158 @@ async def test_two_nodes_lost_at_once_restart_the_run_once_the_training_node_is_
               seconds=sum(x["time_s"] for x in tr.restarts), bound="< placement_wait_s + restart",
               interrupted=r["interrupted_s"], leaks="none" if after == before else f"LEAK {after} vs {before}",
               state="every step once")
+
+
+async def test_the_node_of_a_draining_rollout_pool_lost_hands_its_groups_to_the_new_pool(nodes, tmp_path, fault_row):
+    """Streaming, ``rollout_workers=1..2``: a preemption notice with a long drain starts a new pool on the other
+    rollout node; the old pool's node is lost while its groups (hung) drain. Its groups are issued again on the
+    new pool with their seeds; no recovery is counted; the run completes every step once."""
+    from tests.pipelines.test_stream_scale import LoggedRollout, _calls, _hang_pool
+
+    calls, hang = tmp_path / "calls.jsonl", tmp_path / "hang"
+    cfg = _job(tmp_path, "drain")
+    cfg.trainer.rollout_mode, cfg.trainer.rollout_workers = "stream", "1..2"
+    cfg = cfg.validate()
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(cfg, worker_overrides={"rollout": (LoggedRollout, {"calls": str(calls), "hang": str(hang)})})
+    async with tr:
+
+        async def lose_the_draining_node() -> str:
+            while len(tr.history) < 3:
+                await asyncio.sleep(0.02)
+            old = _rollout_node(nodes, tr)
+            await _hang_pool(tr, hang, calls)
+            notice = asyncio.create_task(tr.preempt_rollout(0, drain_s=120.0))  # drains far past this test
+            while not tr.workers.retiring:  # the new pool took over; the old one drains
+                await asyncio.sleep(0.02)
+            nodes.remove(old)
+            await notice
+            return old
+
+        async with asyncio.TaskGroup() as tg:
+            fit, chaos = tg.create_task(tr.fit()), tg.create_task(lose_the_draining_node())
+        history, lost = fit.result(), chaos.result()
+        where = _rollout_node(nodes, tr)
+        [rec] = tr.rollout.scaler.resizes
+        assert tr.restarts == []  # the lost node held only a retiring pool: no recovery
+    _completed(history, None)
+    admitted = read_journal(tmp_path / "drain")
+    trained = [g for t in range(STEPS) for g in admitted.steps[t]["groups"]]
+    assert sorted(trained) == list(range(STEPS * cfg.prompts_per_step))  # every group once
+    assert {lost, where} == {"roll_a", "roll_b"}
+    log = _calls(calls)
+    hung = sorted({c["seed"] for c in log if c.get("hung")})
+    assert hung and {batch_seed(cfg, g) for g in rec.handed_over} >= set(hung)
+    for seed in hung:  # each ran again, once, on the new pool with its own seed
+        assert len([c for c in log if c["seed"] == seed and not c.get("hung") and "version" in c]) == 1
+    after = await settled(before)
+    assert after == before
+    nodes.add(lost, 1)  # for the next case
+    fault_row(order=45, fault="the node of a draining rollout pool lost during a streaming resize (its groups hung "
+                              "in flight, `preempt_rollout(0, drain_s=120)`)",
+              policy="none (the defaults), `rollout_workers=1..2`, `rollout_mode=stream`",
+              outcome="the groups it held issued again on the new pool (other node) with their seeds, run completed",
+              seconds=rec.drain_s, bound="node death detection", interrupted=rec.drain_s,
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once, staleness <= 1; no recovery counted")
+
+
+class SlowLoadRollout(RolloutWorker):
+    """A rollout worker whose load of weight version `version` writes `marker` (its pid) first and then takes
+    3 s more, so that a test can lose its node in the middle of that weight sync."""
+
+    def __init__(self, *args, marker: str, version: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._marker, self._slow_version = marker, version
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights, version=None, *, expected_checksums=None):
+        out = await super().update_weights(weights, version, expected_checksums=expected_checksums)
+        if self.version == self._slow_version and not os.path.exists(self._marker):
+            Path(self._marker).write_text(str(os.getpid()))
+            await asyncio.sleep(3.0)  # the sync is still in flight when the node goes
+        return out
+
+
+async def test_a_rollout_node_lost_during_a_weight_sync_is_replaced_and_the_batch_reissued(nodes, tmp_path, fault_row):
+    marker = tmp_path / "loading"
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(_job(tmp_path, "sync"),
+                     worker_overrides={"rollout": (SlowLoadRollout, {"marker": str(marker), "version": 2})})
+    async with tr:
+
+        async def lose_the_node_mid_sync() -> str:
+            while not marker.exists():
+                await asyncio.sleep(0.02)
+            lost = _rollout_node(nodes, tr)
+            nodes.remove(lost)
+            return lost
+
+        async with asyncio.TaskGroup() as tg:
+            fit, chaos = tg.create_task(tr.fit()), tg.create_task(lose_the_node_mid_sync())
+        history, lost = fit.result(), chaos.result()
+        where = _rollout_node(nodes, tr)
+    _completed(history, tr.output_dir)
+    [r] = tr.restarts
+    assert r["kind"] == "replace" and r["from_checkpoint"] is None  # the rollout pool replaced, no restart
+    assert {lost, where} == {"roll_a", "roll_b"}  # placed again on the other rollout node
+    after = await settled(before)
+    assert after == before
+    nodes.add(lost, 1)  # for the next case
+    fault_row(order=46, fault="the node holding the rollout pool lost during a weight sync (loading version 2)",
+              policy="none (the defaults), `rollout_placement=[1]`, `train_placement=[2]`",
+              outcome="rollout pool placed again on the other rollout node, batch re-issued, run completed",
+              seconds=r["time_s"], bound="node death detection + recovery", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}",
+              state="every step once, staleness <= 1")
+
+
+class SlowSavePolicy(PolicyWorker):
+    """A policy worker whose `nth` checkpoint save (in this process) writes `marker` first and then takes 3 s
+    more, so that a test can lose its node in the middle of writing that checkpoint."""
+
+    def __init__(self, *args, marker: str, nth: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._marker, self._nth, self._saves = marker, nth, 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save(self, path: str) -> str:
+        self._saves += 1
+        if self._saves == self._nth and not os.path.exists(self._marker):
+            Path(self._marker).write_text(str(os.getpid()))
+            time.sleep(3.0)  # the checkpoint is half written when the node goes
+        return super().save(path)
+
+
+async def test_a_training_node_lost_during_a_checkpoint_restarts_from_the_last_whole_one(nodes, tmp_path, fault_row):
+    marker = tmp_path / "saving"
+    cfg = _job(tmp_path, "ckpt")
+    cfg.trainer.checkpoint_every = 2
+    before = await asyncio.to_thread(live_actors)
+    tr = GRPOTrainer(cfg, worker_overrides={"policy": (SlowSavePolicy, {"marker": str(marker), "nth": 2})})
+
+    async def lose_the_node_mid_checkpoint() -> None:
+        while not marker.exists():  # the step-4 checkpoint is being written
+            await asyncio.sleep(0.02)
+        nodes.remove("train")
+        await asyncio.sleep(2.0)  # the restart waits for the training pool's capacity
+        nodes.add("train", 2)
+
+    async with tr:
+        async with asyncio.TaskGroup() as tg:
+            fit = tg.create_task(tr.fit())
+            tg.create_task(lose_the_node_mid_checkpoint())
+        history = fit.result()
+    _completed(history)
+    [r] = tr.restarts
+    # the checkpoint cut short is not used: the run restarts from the step-2 one, the last written whole
+    assert r["kind"] == "restart" and r["from_step"] == 2 and r["from_checkpoint"].endswith("step_000002")
+    after = await settled(before)
+    assert after == before
+    fault_row(order=47, fault="the node holding the training pool lost while the step-4 checkpoint is written; it "
+                              "comes back 2 s later",
+              policy="none (the defaults), `checkpoint_every=2` here",
+              outcome="the half-written checkpoint ignored; restarted from the step-2 checkpoint once the training "
+                      "pool was placed again, run completed",
+              seconds=r["time_s"], bound="< placement_wait_s + restart", interrupted=r["interrupted_s"],
+              leaks="none" if after == before else f"LEAK {after} vs {before}", state="every step once")

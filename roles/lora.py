@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from .models import tensor_checksum
+from .strategy import full_tensor
 
-__all__ = ["LoraConfig", "LoraDelta", "adapter_delta", "apply_lora", "base_digest", "check_targets", "digest",
+__all__ = ["LoraConfig", "LoraDelta", "MergedWeights", "adapter_delta", "apply_lora", "base_digest", "check_targets", "digest",
            "linear_layer_names", "merge_delta", "merged_state"]
 
 
@@ -125,35 +126,73 @@ def _lora_layers(peft_model: nn.Module) -> dict[str, Any]:
     return {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
 
 
-def merged_state(peft_model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights the adapted model computes with, under the base model's ``state_dict`` names: each adapted
-    layer's weight is ``W + scaling * B @ A`` (peft's ``get_delta_weight``, what ``merge_and_unload`` adds), a
-    new tensor; every other entry is the base model's own (detached) tensor. The live model is not changed."""
-    base = peft_model.get_base_model()  # type: ignore[operator]
-    layers = _lora_layers(peft_model)
-    state = base.state_dict()
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, t in state.items():
-            path, _, leaf = key.rpartition(".")
-            if path.endswith(".base_layer") and path.removesuffix(".base_layer") in layers:
-                owner = path.removesuffix(".base_layer")
-                layer = layers[owner]
-                if leaf == "weight":
-                    for adapter in layer.active_adapters:
-                        t = t + layer.get_delta_weight(adapter)
-                out[f"{owner}.{leaf}"] = t
-            elif any(key.startswith(p + ".") for p in _owners(path, layers)):
-                continue  # an adapter's own parameter (lora_A / lora_B)
-            else:
-                out[key] = t
-    return out
-
-
 def _owners(path: str, layers: Mapping[str, Any]) -> list[str]:
     """The adapted layers whose sub-module `path` is (at most one)."""
     parts = path.split(".")
     return [p for i in range(len(parts), 0, -1) if (p := ".".join(parts[:i])) in layers]
+
+
+class MergedWeights:
+    """The weights a peft model computes with, under the base model's ``state_dict`` names, read one name at a time
+    from the modules' current tensors: an adapted layer's weight is ``W + scaling * B @ A`` (peft's
+    ``get_delta_weight``, what ``merge_and_unload`` adds), a new tensor; every other name is the module's own
+    (detached) tensor, tied names one tensor. The live model is not changed.
+
+    :attr:`sources` names the tensor of the peft model each name reads (the adapted layers' base weight), so that a
+    sharded model can gather the FSDP unit that holds it before :meth:`read` (``TrainStrategy.by_unit``)."""
+
+    def __init__(self, peft_model: nn.Module) -> None:
+        self.model = peft_model
+        base = peft_model.get_base_model()  # type: ignore[operator]
+        prefix = next(n for n, m in peft_model.named_modules() if m is base)
+        layers = _lora_layers(peft_model)
+        self.sources: dict[str, str] = {}
+        """``{base name: the peft model's state name it reads}``, in the base's ``state_dict`` order."""
+        self._adapted: dict[str, Any] = {}
+        for key in base.state_dict(keep_vars=True):
+            path, _, leaf = key.rpartition(".")
+            owner = path.removesuffix(".base_layer")
+            if path.endswith(".base_layer") and owner in layers:
+                name = f"{owner}.{leaf}"
+                if leaf == "weight":
+                    self._adapted[name] = layers[owner]
+            elif _owners(path, layers):
+                continue  # an adapter's own parameter (lora_A / lora_B)
+            else:
+                name = key
+            self.sources[name] = f"{prefix}.{key}" if prefix else key
+
+    @property
+    def names(self) -> list[str]:
+        """The base model's ``state_dict`` names."""
+        return list(self.sources)
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        path, _, leaf = self.sources[name].rpartition(".")
+        return getattr(self.model.get_submodule(path), leaf).detach()
+
+    def read(self, name: str) -> torch.Tensor:
+        """The merged tensor of `name` (whole only when the modules hold it whole: under FSDP2, inside its unit's
+        gather)."""
+        t = self._tensor(name)
+        layer = self._adapted.get(name)
+        if layer is not None:
+            with torch.no_grad():
+                for adapter in layer.active_adapters:
+                    t = t + layer.get_delta_weight(adapter)
+        return t
+
+    def layout(self) -> dict[str, torch.Tensor]:
+        """``{base name: the tensor it reads, unmerged}``: the names, shapes, dtypes and ties of the merged weights
+        without computing them (under FSDP2, shards: a DTensor's shape is the whole tensor's)."""
+        return {n: self._tensor(n) for n in self.sources}
+
+
+def merged_state(peft_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights the adapted model computes with, under the base model's ``state_dict`` names
+    (:class:`MergedWeights`, every name read); the live model is not changed. Needs whole tensors (not FSDP2 shards)."""
+    view = MergedWeights(peft_model)
+    return {n: view.read(n) for n in view.names}
 
 
 @dataclass(frozen=True)
@@ -184,25 +223,26 @@ def digest(named: Mapping[str, torch.Tensor]) -> str:
 
 def base_digest(peft_model: nn.Module, dtype: torch.dtype | None = None) -> str:
     """:func:`digest` of the frozen base weights of the adapted layers, under the base names (in `dtype` when
-    given): what a resume (the base rebuilt from the config) and an adapter sync's rollout check their base by."""
+    given): what a resume (the base rebuilt from the config) and an adapter sync's rollout check their base by.
+    FSDP2 shards are gathered one weight at a time: every rank must call it."""
     base = {}
     with torch.no_grad():
         for owner, layer in _lora_layers(peft_model).items():
-            w = layer.get_base_layer().weight.detach()
+            w = full_tensor(layer.get_base_layer().weight.detach())  # FSDP2: gathered, one weight at a time
             base[f"{owner}.weight"] = w if dtype is None or not w.is_floating_point() else w.to(dtype)
     return digest(base)
 
 
 def adapter_delta(peft_model: nn.Module, version: int, base: str) -> LoraDelta:
     """`peft_model`'s current adapters as a :class:`LoraDelta` of `version`; `base`: its :func:`base_digest` in the
-    rollout's dtype (computed once: the base never changes)."""
+    rollout's dtype (computed once: the base never changes). FSDP2 shards are gathered: every rank must call it."""
     factors: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = {}
     with torch.no_grad():
         for owner, layer in _lora_layers(peft_model).items():
             (adapter,) = layer.active_adapters
             a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-            factors[f"{owner}.weight"] = (a.detach().to("cpu", torch.float32, copy=True),
-                                          b.detach().to("cpu", torch.float32, copy=True),
+            factors[f"{owner}.weight"] = (full_tensor(a.detach()).to("cpu", torch.float32, copy=True),
+                                          full_tensor(b.detach()).to("cpu", torch.float32, copy=True),
                                           float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False)))
     return LoraDelta(version=version, factors=factors, base_digest=base)
 

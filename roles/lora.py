@@ -29,7 +29,7 @@ from .models import tensor_checksum
 from .strategy import full_tensor
 
 __all__ = ["LoraConfig", "LoraDelta", "MergedWeights", "adapter_delta", "apply_lora", "base_digest", "check_targets", "digest",
-           "linear_layer_names", "merge_delta", "merged_state"]
+           "linear_layer_names", "merge_delta", "merged_state", "save_adapter"]
 
 
 @dataclass(kw_only=True)
@@ -258,3 +258,36 @@ def merge_delta(base: Mapping[str, torch.Tensor], delta: LoraDelta) -> dict[str,
             d = (d.T if fan_in_fan_out else d) * scaling
             out[name] = (w if w.dtype == torch.float32 else w.float()).add(d).to(w.dtype)
     return out
+
+
+def save_adapter(delta: LoraDelta, path: str) -> str:
+    """Write `delta` into directory `path` as a peft LoRA adapter (``adapter_config.json``,
+    ``adapter_model.safetensors``: what ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` read); returns
+    `path`. Every adapted weight must share one rank and one scaling (as ``actor.lora`` makes them)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    shapes = {(a.shape[0], scaling) for a, _, scaling, _ in delta.factors.values()}
+    fan = {f for *_, f in delta.factors.values()}
+    if len(shapes) != 1 or len(fan) != 1:
+        raise ValueError(f"the adapter of version {delta.version} mixes ranks/scalings {sorted(shapes)}: a peft "
+                         "adapter file holds one")
+    ((rank, scaling),), (fan_in_fan_out,) = shapes, fan
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (a, b, _, _) in delta.factors.items():
+        module = name.removesuffix(".weight")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    alpha = scaling * rank
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank),
+              "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+              "target_modules": sorted({n.removesuffix(".weight").rsplit(".", 1)[-1] for n in delta.factors}),
+              "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": fan_in_fan_out, "use_rslora": False,
+              "use_dora": False, "modules_to_save": None, "init_lora_weights": True}
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return path

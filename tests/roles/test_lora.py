@@ -234,3 +234,43 @@ async def test_an_adapter_sync_moves_only_the_factors_and_the_rollout_merges_the
     with pytest.raises(RuntimeError, match="export_adapter needs LoRA"):
         PolicyWorker(model_config).export_adapter()
 
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft asks transformers
+def test_an_adapter_written_for_vllm_is_the_peft_adapter_of_the_policys_weights(trained, model_config, tmp_path):
+    """``save_adapter`` (what the vLLM rollout hands vLLM as a ``LoRARequest``): peft loads it onto the base and
+    merges it into the policy's exported weights bit for bit; its config says the rank and alpha trained."""
+    import json
+
+    from peft import PeftModel
+
+    from asyncrl.roles.lora import save_adapter
+
+    w, _ = trained
+    path = save_adapter(w.export_adapter(), str(tmp_path / "v2"))
+    config = json.loads((tmp_path / "v2" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, sorted(TARGETS))
+    merged = PeftModel.from_pretrained(load_model(model_config)[0], path).merge_and_unload().state_dict()
+    exported = w.export_weights()[1]
+    assert merged.keys() == exported.keys()
+    assert all(torch.equal(merged[k], exported[k]) for k in merged)
+
+
+def test_an_adapter_sync_into_vllm_is_configured_or_refused_in_one_line():
+    """``trainer.weight_sync=adapter`` with ``rollout.engine=vllm``: the engine starts serving adapters of the
+    policy's rank (rounded up to one vLLM builds kernels for); what it cannot do is a config error."""
+    from asyncrl.pipelines.build import rollout_config
+    from asyncrl.roles.engines.vllm_engine import vllm_lora_rank
+
+    lora = ["trainer.weight_sync=adapter", "actor.lora.rank=4", "rollout.engine=vllm"]
+    assert rollout_config(load_config(None, lora)).engine_kwargs["max_lora_rank"] == 4
+    assert [vllm_lora_rank(r) for r in (1, 4, 8, 9, 512)] == [1, 8, 8, 16, 512]
+    with pytest.raises(ValueError, match="up to rank 512, got rank 600"):
+        vllm_lora_rank(600)
+    with pytest.raises(ConfigError, match=r"which needs rollout.partial_rollout=off for vllm \(an adapter reaches "
+                                          r"new requests only\); or use trainer.weight_sync=auto"):
+        load_config(None, [*lora, "rollout.partial_rollout=keep"])
+    with pytest.raises(ConfigError, match="which needs rollout.verify_checksums=false for vllm"):
+        load_config(None, [*lora, "rollout.verify_checksums=true"])
+    with pytest.raises(ConfigError, match=r"needs the hf or vllm rollout engine \(not 'sim'\)"):
+        load_config(None, [*lora[:2], "rollout.engine=sim"])

@@ -46,13 +46,14 @@ def _curve(run_dir: Path) -> dict[int, tuple[float, float]]:
     """``{version: (held-out accuracy, seconds since the run started when it was trained)}`` of one run."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     elapsed = {0: 0.0} | {int(r["step"]) + 1: float(r["time/elapsed"]) for r in rows if r.get("kind") != "eval"}
-    return {int(r["eval/version"]): (float(r["eval/accuracy_flexible"]), elapsed.get(int(r["eval/version"]), float("nan")))
-            for r in rows if r.get("kind") == "eval"}
+    evals = {int(r["eval/version"]): float(r["eval/accuracy_flexible"]) for r in rows if r.get("kind") == "eval"}
+    return {v: (acc, elapsed.get(v, float("nan"))) for v, acc in evals.items()}
 
 
 def table(runs: dict[str, dict[int, Path]]) -> list[str]:
     """Markdown rows: per variant and evaluated version, accuracy (mean, each seed) and median seconds."""
-    lines = ["| variant | version | held-out accuracy, mean | per seed | seconds since start (median) | run wall s (median) |",
+    lines = ["| variant | version | held-out accuracy, mean | per seed | seconds since start (median) "
+             "| run wall s (median) |",
              "|---|---:|---:|---|---:|---:|"]
     for variant, by_seed in runs.items():
         curves = {s: _curve(d) for s, d in sorted(by_seed.items())}

@@ -23,7 +23,8 @@ from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.stream_replay import recording_rollout
 
-__all__ = ["needs_reference", "reference_worker", "role_specs", "rollout_config", "main_pool", "run_pools", "build_rollout_part",
+__all__ = ["needs_reference", "reference_worker", "role_specs", "rollout_config", "main_pool", "run_pools",
+           "build_rollout_part",
            "build_groups", "Workers", "build_data"]
 
 

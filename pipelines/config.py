@@ -386,7 +386,8 @@ class JobConfig:
         if t.weight_sync == "adapter":
             vllm = self.rollout.engine == "vllm"  # serves the factors as a LoRA adapter beside its base weights
             needs = ((self.actor.lora.enabled, "actor.lora.rank > 0 (a LoRA policy)"),
-                     (self.rollout.engine in ("hf", "vllm"), f"the hf or vllm rollout engine (not {self.rollout.engine!r})"),
+                     (self.rollout.engine in ("hf", "vllm"),
+                      f"the hf or vllm rollout engine (not {self.rollout.engine!r})"),
                      (not self.rollout.sleep_level, "rollout.sleep_level=0 (the rollout keeps its base)"),
                      (not (vllm and self.rollout.partial_rollout != "off"),
                       "rollout.partial_rollout=off for vllm (an adapter reaches new requests only)"),

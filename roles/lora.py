@@ -28,8 +28,8 @@ from torch import nn
 from .models import tensor_checksum
 from .strategy import full_tensor
 
-__all__ = ["LoraConfig", "LoraDelta", "MergedWeights", "adapter_delta", "apply_lora", "base_digest", "check_targets", "digest",
-           "linear_layer_names", "merge_delta", "merged_state", "save_adapter"]
+__all__ = ["LoraConfig", "LoraDelta", "MergedWeights", "adapter_delta", "apply_lora", "base_digest", "check_targets",
+           "digest", "linear_layer_names", "merge_delta", "merged_state", "save_adapter"]
 
 
 @dataclass(kw_only=True)

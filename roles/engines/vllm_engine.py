@@ -521,8 +521,8 @@ class VLLMEngine:
         await asyncio.wrap_future(self._ready)
         assert self._gate is not None
         if not self._serves_lora:
-            raise WeightSyncError("this vLLM engine was started without LoRA (max_lora_rank=0), so it cannot serve "
-                                  "an adapter; start it with max_lora_rank >= the adapter's rank, or sync whole weights")
+            raise WeightSyncError("this vLLM engine was started without LoRA (max_lora_rank=0), so it cannot serve an "
+                                  "adapter; start it with max_lora_rank >= the adapter's rank, or sync whole weights")
         request = LoRARequest(lora_name=f"asyncrl-v{version}", lora_int_id=version + 1, lora_path=path,
                               load_inplace=True)
         async with await self._gate.exclusive():

@@ -5,13 +5,16 @@
     base model (loaded, placed) --get_peft_model--> PeftModel: base frozen, lora_A/lora_B trainable
         update():               only the adapter's parameters get gradients and optimizer state
         compute_ref_log_prob(): the same model under ``disable_adapter()`` = the base model (no reference worker)
-        export (rollout, checksums, checkpoint's model.safetensors): merged_state(), under the base model's
-            names, W + scaling * B @ A per adapted layer, computed beside the live model (never merged into it)
-        checkpoint: the adapter (peft's adapter_model.safetensors + adapter_config.json) and the optimizer;
-            the base is rebuilt from the model config on resume (its digest is checked)
+        export (rollout, checksums, checkpoint's model.safetensors): MergedWeights, under the base model's
+            names, W + scaling * B @ A per adapted layer, computed beside the live model (never merged into it);
+            under FSDP2 read one unit at a time while the unit is gathered (TrainStrategy.by_unit)
+        checkpoint: the adapter (peft's adapter_model.safetensors + adapter_config.json) and the optimizer
+            (fsdp2: the adapters and their optimizer state in torch.distributed.checkpoint shards); the base
+            is rebuilt from the model config on resume (its digest is checked)
         adapter sync (``trainer.weight_sync=adapter``): only the factors travel (adapter_delta() -> LoraDelta);
             the HF rollout keeps a copy of the base weights of the adapted layers and merges each version
-            into it (merge_delta()), the same W + scaling * B @ A: bit for bit the full sync's in float32
+            into it (merge_delta()), the same W + scaling * B @ A: bit for bit the full sync's in float32;
+            the vLLM rollout serves them as a LoRA adapter (save_adapter() -> a LoRARequest) on its base
 
 ``peft`` is imported only when a role trains with ``lora.rank > 0``.
 """

@@ -5,7 +5,8 @@ preset as is (full fine-tuning, whole-weight sync), and with LoRA (``actor.lora`
 a larger learning rate: adapters start at zero and move little at full fine-tuning's). ``trainer.seed`` and
 ``model.seed`` take the seed (data order, sampling, the adapters' initial A). The table gives, per variant and
 evaluated version, the mean held-out greedy accuracy over the seeds (and each seed's) and the median seconds
-since the run started when that version was trained (``time/elapsed``, Ray start and model load excluded).
+since the trainer started when that version was trained (``time/elapsed``: evaluation passes included, Ray start
+and model load not).
 
     python benchmarks/lora_vs_full.py --seeds 0 1 2 --steps 8              # six runs of a few minutes each
     python benchmarks/lora_vs_full.py --seeds 0 --steps 1 --eval-prompts 4 --quick   # the plumbing

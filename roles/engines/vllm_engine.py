@@ -523,8 +523,8 @@ class VLLMEngine:
         if not self._serves_lora:
             raise WeightSyncError("this vLLM engine was started without LoRA (max_lora_rank=0), so it cannot serve an "
                                   "adapter; start it with max_lora_rank >= the adapter's rank, or sync whole weights")
-        request = LoRARequest(lora_name=f"asyncrl-v{version}", lora_int_id=version + 1, lora_path=path,
-                              load_inplace=True)
+        # ids grow with the version (a version is loaded once: the rollout refuses one not newer than its own)
+        request = LoRARequest(lora_name=f"asyncrl-v{version}", lora_int_id=version + 1, lora_path=path)
         async with await self._gate.exclusive():
             try:
                 loaded = await self._llm.add_lora(request)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,7 +23,8 @@ from asyncrl.pipelines.evaluation import Evaluator
 from asyncrl.pipelines.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.rounds import recording_rollout
 
-__all__ = ["needs_reference", "reference_worker", "role_specs", "main_pool", "run_pools", "build_rollout_part",
+__all__ = ["needs_reference", "reference_worker", "role_specs", "rollout_config", "main_pool", "run_pools",
+           "build_rollout_part",
            "build_groups", "Workers", "build_data"]
 
 
@@ -38,13 +40,22 @@ def reference_worker(cfg: JobConfig) -> bool:
     return needs_reference(cfg) and not cfg.actor.lora.enabled
 
 
+def rollout_config(cfg: JobConfig) -> Any:
+    """The ``RolloutConfig`` the run's rollout workers get (:func:`recording_rollout`); an adapter sync into vLLM
+    starts its engine serving LoRA adapters of the policy's rank (``max_lora_rank``, unless the config sets it)."""
+    rollout = recording_rollout(cfg)
+    if cfg.trainer.weight_sync == "adapter" and rollout.engine == "vllm":
+        rollout = replace(rollout, engine_kwargs={"max_lora_rank": cfg.actor.lora.rank, **rollout.engine_kwargs})
+    return rollout
+
+
 def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(rollout-pool roles, training-pool roles)``: role -> worker class or (cls, args, kwargs)."""
     from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
     t = cfg.trainer
     rollout_roles: dict[str, Any] = {
-        "rollout": (RolloutWorker, (cfg.model, recording_rollout(cfg)), {}),
+        "rollout": (RolloutWorker, (cfg.model, rollout_config(cfg)), {}),
         "reward": (RewardWorker, (cfg.worker_reward(),), {}),
     }
     train_roles: dict[str, Any] = {

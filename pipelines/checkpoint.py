@@ -140,10 +140,12 @@ def verify(ckpt: Path, *, hashes: bool = True) -> dict[str, Any]:
 def role_files(role_dir: Path, strategy: str, *, lora: bool = False) -> list[Path]:
     """The files a trained role's ``save`` writes: whole weights (``ddp``) or the index of its
     ``torch.distributed.checkpoint`` shards (``fsdp2``; the shard files are listed in the manifest);
-    with `lora` also the peft adapter (``adapter_model.safetensors``, ``adapter_config.json``)."""
-    if strategy == "fsdp2":
-        return [role_dir / "dcp" / ".metadata", role_dir / "meta.json"]
+    with `lora` also the peft adapter (``adapter_model.safetensors``, ``adapter_config.json``; ``fsdp2`` then also
+    the merged ``model.safetensors``, its shards holding the adapters and their optimizer state alone)."""
     adapter = [role_dir / "adapter_model.safetensors", role_dir / "adapter_config.json"] if lora else []
+    if strategy == "fsdp2":
+        merged = [role_dir / "model.safetensors"] if lora else []
+        return [role_dir / "dcp" / ".metadata", *merged, *adapter, role_dir / "meta.json"]
     return [role_dir / "model.safetensors", role_dir / "optimizer.pt", *adapter, role_dir / "meta.json"]
 
 

@@ -197,8 +197,9 @@ class TrainerConfig:
     weight_sync: Literal["auto", "object_store", "local", "collective", "adapter"] = "auto"
     """How policy weights reach the rollout (asyncrl.roles.sync): ``local`` (colocated, in-process
     snapshot), ``collective`` (two pools, a process group: NCCL on distinct GPUs, else gloo),
-    ``object_store``; ``adapter`` (``actor.lora.rank > 0``, HF rollout): only the LoRA factors travel (through
-    the object store) and the rollout merges them into its copy of the base weights. ``auto``: local when
+    ``object_store``; ``adapter`` (``actor.lora.rank > 0``): only the LoRA factors travel (through the object
+    store); the HF rollout merges them into its copy of the base weights, the vLLM rollout serves them as a
+    LoRA adapter (``enable_lora``, a ``LoRARequest`` per version) on its base weights. ``auto``: local when
     colocated, collective when the pools have GPUs, else object_store."""
     weight_sync_timeout_s: float = 120.0
     """Deadline of the collective weight channel's rendezvous and of each transfer over it."""
@@ -411,9 +412,17 @@ class JobConfig:
             raise ConfigError(f"trainer.weight_sync must be auto, object_store, local, collective or adapter, "
                               f"got {t.weight_sync!r}")
         if t.weight_sync == "adapter":
+            vllm = self.rollout.engine == "vllm"  # serves the factors as a LoRA adapter beside its base weights
             needs = ((self.actor.lora.enabled, "actor.lora.rank > 0 (a LoRA policy)"),
-                     (self.rollout.engine == "hf", f"the hf rollout engine (not {self.rollout.engine!r})"),
-                     (not self.rollout.sleep_level, "rollout.sleep_level=0 (the rollout keeps its base)"))
+                     (self.rollout.engine in ("hf", "vllm"),
+                      f"the hf or vllm rollout engine (not {self.rollout.engine!r})"),
+                     (not self.rollout.sleep_level, "rollout.sleep_level=0 (the rollout keeps its base)"),
+                     (not (vllm and self.rollout.partial_rollout != "off"),
+                      "rollout.partial_rollout=off for vllm (an adapter reaches new requests only)"),
+                     (not (vllm and self.rollout.verify_checksums),
+                      "rollout.verify_checksums=false for vllm (vLLM holds the base and the adapter, not merged "
+                      "weights to checksum)"),
+                     (not (vllm and self.actor.lora.rank > 512), "actor.lora.rank <= 512 for vllm (its largest)"))
             why = [w for ok, w in needs if not ok]
             if why:
                 raise ConfigError(f"trainer.weight_sync=adapter sends only the LoRA factors, which needs "

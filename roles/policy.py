@@ -39,7 +39,7 @@ from .device import Placement, place_model, resolve_placement
 from .errors import CheckpointFormatError, StaleBatchError
 from .lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
 from .models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, tensor_checksum
-from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy
+from .strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy, full_tensor
 from .threads import computing, core_share_for, release_core_share
 from .transfer import WeightSource
 from .weight_channel import _cast
@@ -218,9 +218,6 @@ class OptimConfig:
                              f"got {self.temperature}")
         self.rollout_correction.validate()
         self.lora.validate()
-        if self.lora.enabled and self.strategy != "ddp":
-            raise ValueError(f"lora.rank={self.lora.rank} trains adapters with strategy=ddp for now (the adapters "
-                             f"are a few MB: sharding them saves nothing); set strategy=ddp, not {self.strategy!r}")
 
 
 def _adam(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -276,15 +273,19 @@ class _Trainable(Worker):
         ``fsdp2``: every rank writes its shards of both into ``dcp/`` (``torch.distributed.checkpoint``), which
         :meth:`load` reads back at any number of ranks. ``meta.json`` says which, at how many ranks."""
         os.makedirs(path, exist_ok=True)
+        base = self._base_digest(None) if self._lora else None  # (FSDP2: a collective, so on every rank)
         if self._format == "dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._dcp_options())
             with _one_process_is_meant():
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
-        elif self.rank == 0 and self._lora:
-            self._save_lora(path)
+            if self._lora:
+                self._save_lora(path)
+        elif self._lora:
+            if self.rank == 0:
+                self._save_lora(path)
         elif self.rank == 0:
             from safetensors.torch import save_model
 
@@ -294,26 +295,46 @@ class _Trainable(Worker):
             meta = {"version": self._version, "optim": asdict(self.optim_config), "format": self._format,
                     "world_size": self.world_size}
             if self._lora:
-                meta["lora_base_digest"] = self._base_digest(None)
+                meta["lora_base_digest"] = base
             with open(os.path.join(path, "meta.json"), "w") as f:
                 json.dump(meta, f)
         return path
 
     def _save_lora(self, path: str) -> None:
         """LoRA: the adapter as peft writes it (``adapter_config.json``, ``adapter_model.safetensors``: what a
-        resume loads and ``asyncrl export --adapter`` copies), the optimizer, and the merged weights under the
-        base names in ``model.safetensors`` (what ``asyncrl export`` and the rollout read)."""
+        ``ddp`` resume loads and ``asyncrl export --adapter`` copies), the merged weights under the base names in
+        ``model.safetensors`` (what ``asyncrl export`` reads), and for ``ddp`` the optimizer (``fsdp2`` keeps the
+        adapters and the optimizer in ``dcp/``). Under FSDP2 every rank calls it: the merged weights are
+        gathered one unit at a time into rank 0's host buffer (as a weight sync does), the adapters one tensor
+        at a time; rank 0 writes."""
         from safetensors.torch import save_file
 
-        merged = merged_state(self.model)
+        adapter = None
+        if self.engine.sharded:
+            held = self._gathered(None)
+            adapter = {k: full_tensor(v) for k, v in self.model.state_dict().items() if "lora_" in k}
+            if held is None:
+                return
+            merged = held.views()
+        else:
+            merged = merged_state(self.model)
         first: dict[tuple[int, int], str] = {}
         for name in sorted(merged):  # tied names share one tensor: stored once, as save_model does
             first.setdefault((merged[name].untyped_storage().data_ptr(), merged[name].storage_offset()), name)
         save_file({n: merged[n].contiguous() for n in first.values()}, os.path.join(path, "model.safetensors"))
-        self.model.save_pretrained(path)  # type: ignore[operator]
+        self.model.save_pretrained(path, state_dict=adapter)  # type: ignore[operator]
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(path, "README.md"))  # peft's model-card template: nothing of the run's
-        torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+        if self._format != "dcp":
+            torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+
+    def _dcp_options(self) -> Any:
+        """``torch.distributed.checkpoint`` state-dict options: with LoRA only the trainable adapters (the frozen
+        base is rebuilt from the model config on load, its digest checked; ``dcp.load`` still refuses a
+        checkpoint that lacks an adapter tensor, so the frozen names alone are let go)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self._lora, strict=not self._lora)
 
     def _base_digest(self, dtype: str | None) -> str:
         """LoRA: :func:`~asyncrl.roles.lora.base_digest` of the frozen base (in `dtype`), computed once per dtype."""
@@ -322,6 +343,15 @@ class _Trainable(Worker):
         if dtype not in self._base_digests:
             self._base_digests[dtype] = base_digest(self.model, getattr(torch, dtype) if dtype is not None else None)
         return self._base_digests[dtype]
+
+    def _check_lora_base(self, path: str, meta: dict[str, Any]) -> None:
+        """Raise CheckpointFormatError unless this model's base (rebuilt from the model config) is the one the
+        checkpoint's adapter trained on (FSDP2: a collective, every rank calls it)."""
+        want, have = meta.get("lora_base_digest"), self._base_digest(None)
+        if want != have:
+            raise CheckpointFormatError(
+                f"checkpoint {path!r} holds a LoRA adapter trained on other base weights than this model's (base "
+                f"digest {str(want)[:12]} != {have[:12]}): resume with the model config the run started with")
 
     def _load_lora(self, path: str, meta: dict[str, Any]) -> None:
         """Load the adapter :meth:`_save_lora` wrote into this model, whose base was rebuilt from the model config
@@ -332,11 +362,7 @@ class _Trainable(Worker):
         adapter = os.path.join(path, "adapter_model.safetensors")
         if not os.path.exists(adapter):
             raise FileNotFoundError(f"checkpoint {path!r} is incomplete: missing {adapter}; save one with save(path)")
-        want, have = meta.get("lora_base_digest"), self._base_digest(None)
-        if want != have:
-            raise CheckpointFormatError(
-                f"checkpoint {path!r} holds a LoRA adapter trained on other base weights than this model's (base "
-                f"digest {str(want)[:12]} != {have[:12]}): resume with the model config the run started with")
+        self._check_lora_base(path, meta)
         result = set_peft_model_state_dict(self.model, load_file(adapter))
         missing = [k for k in result.missing_keys if "lora_" in k]
         if missing or result.unexpected_keys:
@@ -376,12 +402,14 @@ class _Trainable(Worker):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            if self._lora:
+                self._check_lora_base(path, meta)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._dcp_options())
             state = {"model": model_sd, "optim": optim_sd}
             with _one_process_is_meant():
                 dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+                           optim_state_dict=state["optim"], options=self._dcp_options())
         else:
             from safetensors.torch import load_model
 
@@ -483,8 +511,13 @@ class PolicyWorker(_Trainable, WeightSource):
                               dp=self.dp)
 
     def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, whole tensor)`` of the weights as exported (:meth:`_export_state`: LoRA merged)."""
-        return self.engine.full_tensors(self._export_state())
+        """``(name, whole tensor)`` of the weights as exported (:meth:`_export_state`: LoRA merged; a sharded LoRA
+        model merges each unit's weights while the unit is gathered)."""
+        if self._lora and self.engine.sharded:  # copies: a unit's gathered storage is freed (resized) after it
+            for whole in self._whole_by_unit(list(self._export_layout())):
+                yield from ((n, t.clone()) for n, t in whole.items())
+        else:
+            yield from self.engine.full_tensors(self._export_state())
 
     def _check_batch(self, batch: TensorDictBase) -> tuple[int, str | None]:
         """What is wrong with this rank's shard: ``(0, None)``, ``(_MISSING, message)`` or ``(_STALE, message)``."""

@@ -124,6 +124,10 @@ class WeightSyncMixin:
     """Adapter sync: a copy of the base weights of the adapted layers, taken at the first :class:`LoraDelta`."""
     _lora_base_digest: str | None = None
     """Its digest (checked against the policy's once, when it was taken)."""
+    _adapter_dir: Any = None
+    """vLLM adapter sync: the temporary directory the adapters are written into for the engine to read."""
+    _engine_base_replaced: bool = False
+    """vLLM adapter sync: whole weights were loaded, so the engine no longer holds the base an adapter needs."""
 
     # ---- weight sync ----------------------------------------------------------------------
 
@@ -222,7 +226,8 @@ class WeightSyncMixin:
         (taken at the first delta, while the engine holds the base, and checked against the policy's), the
         others the engine's own tensors (they never change under adapter sync)."""
         if self.config.engine != "hf":
-            raise WeightSyncError(f"an adapter sync merges LoRA factors into the HF engine's weights; the "
+            raise WeightSyncError(f"an adapter sync merges LoRA factors into the HF engine's weights, or loads them "
+                                  f"as an adapter into an engine that serves adapters (vLLM); the "
                                   f"{self.config.engine!r} engine takes whole weights (trainer.weight_sync=auto)")
         self._check_version(delta.version)
         own = self.model.state_dict()
@@ -242,6 +247,63 @@ class WeightSyncMixin:
             raise WeightSyncError(f"the adapter of version {delta.version} was trained on other base weights (or "
                                   f"layers) than the ones rollout rank {self.rank} merges into")
         return {**own, **merge_delta(self._lora_base, delta)}
+
+    async def _update_adapter(self, delta: LoraDelta, version: int | None,
+                              expected_checksums: dict[str, str] | None) -> dict[str, Any]:
+        """An adapter sync into an engine that serves LoRA adapters itself (vLLM): the factors are written as a peft
+        adapter into a local directory and the engine serves it from the next request on (a ``LoRARequest`` per
+        version), its base weights untouched. Checked first, nothing changed on failure: the version, the base the
+        adapter trained on (this rollout's own weights, digest checked once), and what cannot be had this way
+        (checksums of merged weights, partial rollout: requests in flight would keep the old adapter)."""
+        import os
+        import shutil
+        import tempfile
+
+        from .lora import save_adapter
+
+        if version is not None and version != delta.version:
+            raise WeightSyncError(f"update_weights(version={version}) but the adapter is version {delta.version}")
+        self._check_version(delta.version)
+        if expected_checksums is not None or self.config.verify_checksums:
+            raise WeightSyncError("an adapter sync into the vLLM engine keeps the base weights and serves the adapter "
+                                  "beside them, so there are no merged weights to checksum; sync without "
+                                  "verification (rollout.verify_checksums=false) or sync whole weights")
+        if self.config.partial_rollout != "off":
+            raise WeightSyncError("an adapter sync into the vLLM engine applies to new requests only, so requests in "
+                                  "flight would not switch versions as partial_rollout needs; set "
+                                  "partial_rollout='off' or sync whole weights")
+        own = self.model.state_dict()
+        unknown = sorted(set(delta.factors) - set(own))
+        if unknown:
+            raise WeightSyncError(f"the adapter of version {delta.version} adapts weights this rollout's model does "
+                                  f"not have: {unknown[:5]}; policy and rollout must be the same architecture")
+        if self._lora_base_digest is None:
+            if self._engine_base_replaced or digest({k: own[k] for k in delta.factors}) != delta.base_digest:
+                raise WeightSyncError(
+                    f"rollout rank {self.rank} (version {self._version}) does not hold the base weights the policy's "
+                    "adapters were trained on: an adapter sync serves the adapter on the base, so the rollout must "
+                    "start from the policy's model config and receive only adapter syncs (or sync whole weights)")
+            self._lora_base_digest = delta.base_digest
+        elif delta.base_digest != self._lora_base_digest or self._engine_base_replaced:
+            raise WeightSyncError(f"the adapter of version {delta.version} was trained on other base weights than "
+                                  f"the ones rollout rank {self.rank} serves it on")
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="asyncrl-lora-")
+        path = save_adapter(delta, os.path.join(self._adapter_dir.name, f"v{delta.version}"))
+        gate = self._gate_event()
+        gate.clear()
+        try:
+            waited, aborted = await self._stop_generation()
+            await self.engine.aload_adapter(delta.version, path)
+            self._version = delta.version
+            self._needs_weights = False
+        finally:
+            gate.set()
+        for old in os.listdir(self._adapter_dir.name):  # the engine read them; only the served one is kept
+            if old != f"v{delta.version}":
+                shutil.rmtree(os.path.join(self._adapter_dir.name, old), ignore_errors=True)
+        return {"version": delta.version, "num_tensors": 2 * len(delta.factors), "waited": waited, "aborted": aborted,
+                "checksums_verified": False, "adapter": True}
 
     async def _resolve_weights(self, weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
         if isinstance(weights, list) and weights and isinstance(weights[0], (WeightHandle, LoraDelta)):
@@ -325,6 +387,8 @@ class WeightSyncMixin:
             raise RuntimeError(f"rollout rank {self.rank} is asleep at level 2 (weights discarded); call wake_up() "
                                "before syncing weights")
         handle = weights[0] if isinstance(weights, list) and len(weights) == 1 else weights
+        if isinstance(handle, LoraDelta) and callable(getattr(self.engine, "aload_adapter", None)):
+            return await self._update_adapter(handle, version, expected_checksums)
         version, state = await self._resolve_weights(weights, version)
         # begin: every check before anything changes
         self._validate(version, state)
@@ -336,22 +400,28 @@ class WeightSyncMixin:
         gate = self._gate_event()
         gate.clear()
         try:
-            jobs = [j for j in self._jobs if j.task is not None]
-            aborted = 0
-            if self.config.sync_policy == "abort":
-                for j in jobs:
-                    j.aborted = True
-                    j.task.cancel()  # type: ignore[union-attr]
-                    aborted += len(j.pending)
-            tasks = [j.task for j in jobs if j.task is not None]
-            tasks += [t for t in self._episode_tasks if t is not asyncio.current_task()]  # episodes finish first
-            if tasks:
-                await asyncio.wait(tasks)  # abort: until the engine stopped; wait: until they finished
+            waited, aborted = await self._stop_generation()
             verify = await self._load_and_commit(version, state, handle, expected_checksums)
-            return {"version": version, "num_tensors": len(state), "waited": 0 if aborted else len(tasks),
-                    "aborted": aborted, "checksums_verified": verify}
+            return {"version": version, "num_tensors": len(state), "waited": waited, "aborted": aborted,
+                    "checksums_verified": verify}
         finally:
             gate.set()
+
+    async def _stop_generation(self) -> tuple[int, int]:
+        """With the gate closed: the batch jobs in flight aborted (``sync_policy="abort"``) or waited for, and the
+        episodes finished; returns ``(calls waited for, requests aborted)``."""
+        jobs = [j for j in self._jobs if j.task is not None]
+        aborted = 0
+        if self.config.sync_policy == "abort":
+            for j in jobs:
+                j.aborted = True
+                j.task.cancel()  # type: ignore[union-attr]
+                aborted += len(j.pending)
+        tasks = [j.task for j in jobs if j.task is not None]
+        tasks += [t for t in self._episode_tasks if t is not asyncio.current_task()]  # episodes finish first
+        if tasks:
+            await asyncio.wait(tasks)  # abort: until the engine stopped; wait: until they finished
+        return (0 if aborted else len(tasks)), aborted
 
     async def _load_and_commit(self, version: int, state: dict[str, torch.Tensor], handle: Any,
                                expected_checksums: dict[str, str] | None) -> bool:
@@ -360,6 +430,8 @@ class WeightSyncMixin:
         verify = self.config.verify_checksums or expected_checksums is not None
         self._rolled_back = False
         await self._engine_load(state)
+        if callable(getattr(self.engine, "aload_adapter", None)):
+            self._engine_base_replaced = True  # (the weights an adapter sync would serve its adapter on are gone)
         # commit (verify first)
         if verify:
             got = await self._engine_checksum()

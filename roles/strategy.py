@@ -181,22 +181,30 @@ class TrainStrategy:
         unit (a decoder layer, then the root) at a time: one all-gather per unit, resharded before the next, so a
         rank holds at most one unit whole. Every rank must iterate it to the end over the same `names`. The
         tensors are views of the unit's gathered storage: copy what you keep before the next one is yielded."""
+        for keys in self.by_unit({n: n for n in names}):
+            yield {n: self._leaf(n) for n in keys}
+
+    def by_unit(self, sources: Mapping[str, str]) -> Iterator[list[str]]:
+        """The keys of `sources` (``{key: the state-dict name of :attr:`module` it reads}``), one FSDP unit at a
+        time, while that unit's parameters are whole in the modules (gathered; resharded when the next is asked
+        for): read them from the modules then (a LoRA layer's merged weight reads three of its unit's tensors).
+        Not sharded: every key at once. Every rank must iterate it to the end over the same `sources`."""
         if not self.sharded:
-            yield {n: self._leaf(n) for n in names}
+            yield list(sources)
             return
         from torch.distributed.fsdp import FSDPModule
 
         units = [(prefix, m) for prefix, m in self.module.named_modules() if isinstance(m, FSDPModule)]
         owner: dict[str, list[str]] = {prefix: [] for prefix, _ in units}
-        for n in names:  # the innermost unit whose prefix holds the name
+        for key, n in sources.items():  # the innermost unit whose prefix holds the name
             best = max((p for p, _ in units if p == "" or n.startswith(p + ".")), key=len)
-            owner[best].append(n)
+            owner[best].append(key)
         for prefix, unit in units:
             if not owner[prefix]:
                 continue
             unit.unshard()  # not recursive: this unit's own parameters
             try:
-                yield {n: self._leaf(n) for n in owner[prefix]}
+                yield owner[prefix]
             finally:
                 unit.reshard()
 

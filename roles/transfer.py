@@ -38,7 +38,7 @@ import sys
 import threading
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Literal, Mapping, TypeVar
 
 import torch
 
@@ -46,7 +46,7 @@ from asyncrl import Dispatch, Execute, register
 from asyncrl.dispatch import dispatch_one_to_all
 
 from .errors import WeightSyncError
-from .lora import merged_state
+from .lora import MergedWeights, merged_state
 from .models import StateSlots
 from .strategy import TrainStrategy, is_sharded
 from .threads import computing
@@ -407,8 +407,28 @@ class WeightSource:
     def _export_state(self) -> dict[str, torch.Tensor]:
         """The weights as they leave the policy, under the base model's ``state_dict`` names: the one seam every
         transport, checksum and export reads. With LoRA, the merged weights (``W + scaling * B @ A``, new
-        tensors computed beside the live model, which is not changed); else the model's own tensors."""
+        tensors computed beside the live model, which is not changed); else the model's own tensors. LoRA under
+        FSDP2 merges from gathered units instead (:meth:`_whole_by_unit`)."""
+        if self._lora and self.engine.sharded:
+            raise RuntimeError("a sharded LoRA model's merged weights are read one FSDP unit at a time "
+                               "(_whole_by_unit), not as one state dict")
         return merged_state(self.model) if self._lora else self._own_state()
+
+    def _export_layout(self) -> dict[str, torch.Tensor]:
+        """Tensors with the names, shapes, dtypes and ties of :meth:`_export_state`, without merging LoRA (under
+        FSDP2: the shards, whose shapes are the whole tensors')."""
+        return MergedWeights(self.model).layout() if self._lora else self._own_state()
+
+    def _whole_by_unit(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """``{name: whole exported tensor}`` of `names` (of :meth:`_export_layout`), one FSDP unit at a time (every
+        rank must iterate it to the end; the tensors may be views of the unit's gathered storage: copy what you
+        keep before the next is yielded). With LoRA, each adapted weight is merged from its gathered unit."""
+        if not self._lora:
+            yield from self.engine.whole_by_unit(names)
+            return
+        view = MergedWeights(self.model)
+        for keys in self.engine.by_unit({n: view.sources[n] for n in names}):
+            yield {n: view.read(n) for n in keys}
 
     def _owner_id(self) -> str:
         if self._owner is None:
@@ -425,7 +445,7 @@ class WeightSource:
         """The whole weights (floating ones in `dtype`) in rank 0's host buffer, gathered from the FSDP2 shards
         one unit (decoder layer) at a time (every rank runs this; the others return None unless `every_rank`). The buffer is kept across versions:
         what reads it (``ray.put``, a snapshot copy) has copied it before the next gather."""
-        state = self._export_state()
+        state = self._export_layout()
         plan = PackedState.plan(state, dtype)
         if plan is None:
             raise WeightSyncError(f"a weight's dtype cannot be staged from shards (dtypes {sorted({str(t.dtype) for t in state.values()})})")
@@ -440,7 +460,7 @@ class WeightSource:
                                                                     aliases)
         views = held.views() if held is not None else {}
         with torch.no_grad():  # one all-gather per FSDP unit, in module order on every rank
-            for whole in self.engine.whole_by_unit([name for name, *_ in entries]):
+            for whole in self._whole_by_unit([name for name, *_ in entries]):
                 if held is not None:
                     for name, t in whole.items():
                         views[name].copy_(t)
@@ -461,7 +481,7 @@ class WeightSource:
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype)}`` of the weights as they would be exported."""
-        return {n: (s, d) for n, s, d in layout_of(self._export_state())}
+        return {n: (s, d) for n, s, d in layout_of(self._export_layout())}
 
     @register(STAGE)
     @computing  # the copy (cast) is compute: with num_threads="follow" it takes the cores left idle
@@ -546,7 +566,7 @@ class WeightSource:
         the names in `tied` (the rollout's tied weights: sent once, under the name they are tied to)."""
         import asyncio
 
-        own = {n: s for n, s, _ in layout_of(self._export_state()) if n not in (tied or {})}
+        own = {n: s for n, s, _ in layout_of(self._export_layout()) if n not in (tied or {})}
         theirs = {n: tuple(s) for n, s, _ in layout}
         if own != theirs:
             diff = sorted(set(own) ^ set(theirs)) or sorted(n for n in own if own[n] != theirs.get(n))

@@ -62,7 +62,7 @@ from ..errors import ModelNotFoundError, PauseDeadlineError, WeightSyncError
 from .base import Completion, SamplingParams, register_engine
 from .vllm_worker import EXTENSION_QUALNAME, VLLMWorkerExtension, safetensors_files, weight_specs
 
-__all__ = ["VLLMEngine", "VLLMWorkerExtension", "vllm_available"]
+__all__ = ["VLLM_LORA_RANKS", "VLLMEngine", "VLLMWorkerExtension", "vllm_available", "vllm_lora_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         seed: int = 0,
         sleep_mode: bool = False,
+        max_lora_rank: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """
@@ -178,6 +179,8 @@ class VLLMEngine:
             seed: the engine's seed (calls without a seed draw from it).
             sleep_mode: enable vLLM's sleep mode (``enable_sleep_mode``), needed by :meth:`sleep`
                 (``RolloutConfig.sleep_level`` turns it on; CUDA only in vLLM).
+            max_lora_rank: > 0: serve LoRA adapters up to this rank (vLLM's ``enable_lora``, ``max_lora_rank``
+                rounded up to a rank vLLM builds kernels for), one at a time: :meth:`aload_adapter`.
             engine_kwargs: further ``vllm.AsyncEngineArgs`` fields, passed through.
         """
         if model_dir is None:
@@ -219,7 +222,12 @@ class VLLMEngine:
         )
         if sleep_mode:
             args["enable_sleep_mode"] = True
+        if max_lora_rank:
+            args.update(enable_lora=True, max_lora_rank=vllm_lora_rank(max_lora_rank), max_loras=1)
         args.update(engine_kwargs or {})
+        self._serves_lora = bool(args.get("enable_lora"))
+        self._lora_request: Any = None
+        """The adapter every new request runs with (:meth:`aload_adapter`), or None: the weights alone."""
         self._ids = itertools.count()
         self._closed = False
         self._llm: Any = None
@@ -345,7 +353,8 @@ class VLLMEngine:
         assert self._gate is not None
         final = None
         async with self._gate:
-            async for out in self._llm.generate({"prompt_token_ids": prompt}, sp, request_id):
+            async for out in self._llm.generate({"prompt_token_ids": prompt}, sp, request_id,
+                                                lora_request=self._lora_request):
                 final = out
         if final is None or not final.outputs:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
@@ -392,7 +401,8 @@ class VLLMEngine:
         self._in_flight[request_id] = None
         try:
             async with self._gate:
-                async for out in self._llm.generate({"prompt_token_ids": prompt}, sp, request_id):
+                async for out in self._llm.generate({"prompt_token_ids": prompt}, sp, request_id,
+                                                    lora_request=self._lora_request):
                     o = out.outputs[0]
                     new = list(o.token_ids)
                     if new and (o.logprobs is None or len(o.logprobs) != len(new)):
@@ -496,6 +506,37 @@ class VLLMEngine:
         payload = await asyncio.to_thread(self._pack, named_tensors)
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._load(payload), self._loop))
 
+    async def aload_adapter(self, version: int, path: str) -> None:
+        """Serve the peft LoRA adapter in directory `path` (``lora.save_adapter``) as policy `version` from now on:
+        vLLM loads it (a ``LoRARequest`` whose id is ``version + 1``), every new request runs with it, and the
+        previous version's is removed. Waits for in-flight requests and holds new ones back meanwhile, as
+        :meth:`aload_weights` does; the base weights stay as they are. Raises WeightSyncError when the engine
+        was started without LoRA or vLLM refuses the adapter."""
+        self._check_open()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._load_adapter(version, path), self._loop))
+
+    async def _load_adapter(self, version: int, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        await asyncio.wrap_future(self._ready)
+        assert self._gate is not None
+        if not self._serves_lora:
+            raise WeightSyncError("this vLLM engine was started without LoRA (max_lora_rank=0), so it cannot serve an "
+                                  "adapter; start it with max_lora_rank >= the adapter's rank, or sync whole weights")
+        # ids grow with the version (a version is loaded once: the rollout refuses one not newer than its own)
+        request = LoRARequest(lora_name=f"asyncrl-v{version}", lora_int_id=version + 1, lora_path=path)
+        async with await self._gate.exclusive():
+            try:
+                loaded = await self._llm.add_lora(request)
+            except Exception as e:
+                raise WeightSyncError(f"vLLM refused the LoRA adapter of version {version} in {path!r}: {e!r}") from e
+            if not loaded:
+                raise WeightSyncError(f"vLLM did not load the LoRA adapter of version {version} from {path!r}")
+            old, self._lora_request = self._lora_request, request
+            if old is not None and old.lora_int_id != request.lora_int_id:
+                await self._llm.remove_lora(old.lora_int_id)
+            await self._llm.reset_prefix_cache()
+
     def weights_checksum(self) -> dict[str, str]:
         """``{checkpoint name: roles.models.tensor_checksum}`` of the weights in the engine.
 
@@ -553,6 +594,9 @@ class VLLMEngine:
                 await self._llm.collective_rpc("asyncrl_load_weights", args=(payload,))
             except Exception as e:
                 raise WeightSyncError(f"vLLM failed to load the weights: {e!r}") from e
+            if self._lora_request is not None:  # whole weights replace what the adapter was trained on
+                await self._llm.remove_lora(self._lora_request.lora_int_id)
+                self._lora_request = None
             # without running requests this drops the old weights' prefix blocks; with frozen ones (keep) it
             # leaves the cache as it is (vLLM resets only an idle cache unless asked to preempt)
             await self._llm.reset_prefix_cache()
@@ -609,6 +653,18 @@ class VLLMEngine:
             coro.close()
             raise RuntimeError("a blocking VLLMEngine method was called on the engine's own thread")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM (0.32, 0.33) accepts."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that serves adapters of `rank` (ValueError above 512)."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, got rank {rank}")
 
 
 def _eos_ids(tokenizer: Any, model_dir: str) -> tuple[int, ...]:

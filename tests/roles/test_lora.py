@@ -116,8 +116,6 @@ def test_target_modules_that_match_nothing_are_refused_listing_the_linear_layers
         PolicyWorker(model_config, replace(LORA, lora=LoraConfig(rank=2, target_modules=["q_proj", "qkv"])))
     with pytest.raises(ConfigError, match=r"actor.lora.target_modules: \['lm_head'\] match no linear layer"):
         load_config(None, ["actor.lora.rank=2", "actor.lora.target_modules=[lm_head]"])
-    with pytest.raises(ConfigError, match="lora.rank=2 trains adapters with strategy=ddp for now"):
-        load_config(None, ["actor.lora.rank=2", "actor.strategy=fsdp2"])
     with pytest.raises(ConfigError, match="lora.alpha must be a finite number > 0"):
         load_config(None, ["actor.lora.rank=2", "actor.lora.alpha=0"])
     with pytest.raises(ConfigError, match=r"weight_sync=adapter sends only the LoRA factors, which needs "
@@ -134,23 +132,82 @@ def test_target_modules_that_match_nothing_are_refused_listing_the_linear_layers
     assert sorted(role_specs(cfg, None)[1]) == ["advantage", "policy"]  # no ReferenceWorker
 
 
-async def test_two_ddp_ranks_train_lora_like_one_rank(ray_cluster, model_config, uneven_batch):
-    """Shards of very unequal token counts, two clipped steps: the adapters (and so the merged weights) of 2 ranks
-    equal one rank's within 1e-6, and the reference log-probs are the base model's on every rank."""
-    one = PolicyWorker(model_config, LORA)
-    for _ in range(2):
-        one.update(uneven_batch)
-    async with asyncrl.RayWorkerGroup(PolicyWorker, world_size=2, args=(model_config, LORA), name="lora2") as two:
-        for _ in range(2):
-            await two.update(uneven_batch)
-        version, weights = await two.export_weights()
-        ref = await two.compute_ref_log_prob(uneven_batch)
-    assert version == 2
-    mine = one.export_weights()[1]
-    assert weights.keys() == mine.keys()
-    for k in mine:
-        torch.testing.assert_close(weights[k], mine[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    assert torch.equal(ref["ref_log_probs"], _base_log_probs(model_config, uneven_batch))
+CLIPPED = replace(LORA, max_grad_norm=0.05)  # a bound below the gradient's norm: clipping is live
+
+
+def _close(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=lambda m: f"{what}, {k}: {m}")
+
+
+def _factors(delta) -> dict:
+    return {f"{k}/{i}": t for k, (a, b, scaling, _) in delta.factors.items() for i, t in enumerate((a, b))}
+
+
+async def test_lora_trains_alike_under_fsdp2_at_two_ranks_ddp_at_two_and_one_rank(ray_cluster, model_config,
+                                                                                   uneven_batch, tmp_path):
+    """Shards of very unequal token counts, two clipped AdamW steps: the metrics (grad_norm too) and the merged
+    weights of fsdp2 x2 (frozen base and adapters sharded) and ddp x2 equal one rank's within 1e-6; the reference
+    (adapters disabled) is the base model's on every rank, before and after training; the merged weights and the
+    adapter gathered from the shards load into an HF rollout alike; and the fsdp2 checkpoint (the adapters and their
+    AdamW state in torch.distributed.checkpoint shards) resumes at one rank and trains on like the two ranks."""
+    from asyncrl.roles import RolloutConfig, RolloutWorker
+
+    fsdp2 = replace(CLIPPED, strategy="fsdp2")
+    one = PolicyWorker(model_config, CLIPPED)
+    col = asyncrl.colocate({"ddp": (PolicyWorker, (model_config, CLIPPED), {}),
+                            "fsdp2": (PolicyWorker, (model_config, fsdp2), {})}, world_size=2, name="lora-strategies")
+    await col.setup()
+    try:
+        base = _base_log_probs(model_config, uneven_batch)
+        ref = await col["fsdp2"].compute_ref_log_prob(uneven_batch)  # the first gather, with the adapters off
+        assert torch.equal(ref["ref_log_probs"], base)
+        for step in range(2):
+            m1 = one.update(uneven_batch)
+            md, mf = await col["ddp"].update(uneven_batch), await col["fsdp2"].update(uneven_batch)
+            assert m1["grad_norm"] > CLIPPED.max_grad_norm, step
+            for k, v in m1.items():
+                assert md[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), ("ddp", step, k)
+                assert mf[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), ("fsdp2", step, k)
+            assert mf[0] == mf[1]
+        version, mine = one.export_weights()
+        assert (await col["ddp"].export_weights())[0] == (await col["fsdp2"].export_weights())[0] == version == 2
+        _close((await col["ddp"].export_weights())[1], mine, "ddp x2")
+        sharded = (await col["fsdp2"].export_weights())[1]
+        _close(sharded, mine, "fsdp2 x2")
+        assert max((sharded[k] - base_w).abs().max().item() for k, base_w in
+                   load_model(model_config)[0].state_dict().items()) > 1e-3  # the merged weights did move
+        assert await col["fsdp2"].weights_checksum() == state_dict_checksums(sharded.items())
+        ref = await col["fsdp2"].compute_ref_log_prob(uneven_batch)
+        assert torch.equal(ref["ref_log_probs"], base)  # the adapters are off for the reference only ...
+        lp = (await col["fsdp2"].compute_log_prob(uneven_batch))["old_log_probs"]
+        torch.testing.assert_close(lp, one.compute_log_prob(uneven_batch)["old_log_probs"], rtol=0, atol=1e-5)
+
+        delta = await col["fsdp2"].export_adapter()  # the factors gathered from the shards
+        mine_delta = one.export_adapter()
+        assert delta.version == 2 and delta.base_digest == mine_delta.base_digest
+        _close(_factors(delta), _factors(mine_delta), "adapter of fsdp2 x2")
+        by_adapter, by_store = (RolloutWorker(model_config, RolloutConfig(max_new_tokens=2)) for _ in range(2))
+        await by_adapter.update_weights(delta)
+        await by_store.update_weights(await col["fsdp2"].stage_weights("object_store"))  # gathered unit by unit
+        assert by_adapter.weights_checksum() == by_store.weights_checksum() == state_dict_checksums(sharded.items())
+
+        await col["fsdp2"].save(str(tmp_path / "two"))
+        assert {p.name for p in (tmp_path / "two").iterdir()} == {"adapter_config.json", "adapter_model.safetensors",
+                                                                 "dcp", "meta.json", "model.safetensors"}
+        from safetensors.torch import load_file
+
+        stored = load_file(str(tmp_path / "two" / "model.safetensors"))
+        assert all(torch.equal(stored[k], sharded[k]) for k in stored)  # the merged weights, for export
+        resumed = PolicyWorker(model_config, fsdp2)  # one rank: the plain model
+        assert resumed.load(str(tmp_path / "two")) == 2
+        _close(resumed.export_weights()[1], sharded, "loaded at one rank")
+        resumed.update(uneven_batch)
+        await col["fsdp2"].update(uneven_batch)
+        _close(resumed.export_weights()[1], (await col["fsdp2"].export_weights())[1], "one step after 2 -> 1")
+    finally:
+        await col.close()
 
 
 async def test_an_adapter_sync_moves_only_the_factors_and_the_rollout_merges_them_like_a_full_sync(model_config,
@@ -177,3 +234,43 @@ async def test_an_adapter_sync_moves_only_the_factors_and_the_rollout_merges_the
     with pytest.raises(RuntimeError, match="export_adapter needs LoRA"):
         PolicyWorker(model_config).export_adapter()
 
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft asks transformers
+def test_an_adapter_written_for_vllm_is_the_peft_adapter_of_the_policys_weights(trained, model_config, tmp_path):
+    """``save_adapter`` (what the vLLM rollout hands vLLM as a ``LoRARequest``): peft loads it onto the base and
+    merges it into the policy's exported weights bit for bit; its config says the rank and alpha trained."""
+    import json
+
+    from peft import PeftModel
+
+    from asyncrl.roles.lora import save_adapter
+
+    w, _ = trained
+    path = save_adapter(w.export_adapter(), str(tmp_path / "v2"))
+    config = json.loads((tmp_path / "v2" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, sorted(TARGETS))
+    merged = PeftModel.from_pretrained(load_model(model_config)[0], path).merge_and_unload().state_dict()
+    exported = w.export_weights()[1]
+    assert merged.keys() == exported.keys()
+    assert all(torch.equal(merged[k], exported[k]) for k in merged)
+
+
+def test_an_adapter_sync_into_vllm_is_configured_or_refused_in_one_line():
+    """``trainer.weight_sync=adapter`` with ``rollout.engine=vllm``: the engine starts serving adapters of the
+    policy's rank (rounded up to one vLLM builds kernels for); what it cannot do is a config error."""
+    from asyncrl.pipelines.build import rollout_config
+    from asyncrl.roles.engines.vllm_engine import vllm_lora_rank
+
+    lora = ["trainer.weight_sync=adapter", "actor.lora.rank=4", "rollout.engine=vllm"]
+    assert rollout_config(load_config(None, lora)).engine_kwargs["max_lora_rank"] == 4
+    assert [vllm_lora_rank(r) for r in (1, 4, 8, 9, 512)] == [1, 8, 8, 16, 512]
+    with pytest.raises(ValueError, match="up to rank 512, got rank 600"):
+        vllm_lora_rank(600)
+    with pytest.raises(ConfigError, match=r"which needs rollout.partial_rollout=off for vllm \(an adapter reaches "
+                                          r"new requests only\); or use trainer.weight_sync=auto"):
+        load_config(None, [*lora, "rollout.partial_rollout=keep"])
+    with pytest.raises(ConfigError, match="which needs rollout.verify_checksums=false for vllm"):
+        load_config(None, [*lora, "rollout.verify_checksums=true"])
+    with pytest.raises(ConfigError, match=r"needs the hf or vllm rollout engine \(not 'sim'\)"):
+        load_config(None, [*lora[:2], "rollout.engine=sim"])

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from openai import AsyncOpenAI
 
-from asyncrl.roles.episodes import LLM, Sample, Trajectory
+from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory
 
 NEXT = "again"
 ROUND_TRIPS: list[float] = []

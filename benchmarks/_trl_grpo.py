@@ -7,7 +7,7 @@ training prompts in asyncrl's order (text, answer and asyncrl's chat-template to
 held-out prompts and the settings. TRL gets the prompts as chat messages in that order
 (``shuffle_dataset=False``) and applies the same chat template; this script checks that TRL's
 token ids are asyncrl's before it trains. The reward is asyncrl's ``arith`` (its pure module
-``roles/arithmetic.py``, loaded by path: asyncrl itself is not installed here). OUT gets the
+``roles/scoring/arithmetic.py``, loaded by path: asyncrl itself is not installed here). OUT gets the
 seconds of each step (a callback's wall clock from one step's end to the next), the mean reward
 per step and the held-out greedy accuracy at the end, with the wall clock it was reached at.
 """

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, RayWorkerGroup, register  # noqa: E402
-from asyncrl.pipelines.heartbeat import LoopLag  # noqa: E402
+from asyncrl.pipelines.supervision.heartbeat import LoopLag  # noqa: E402
 from asyncrl.roles import ModelConfig, RolloutConfig, RolloutWorker, tiny_tokenizer, toy_dataset  # noqa: E402
 from benchmarks._common import load_note, run_header, write_result  # noqa: E402
 
@@ -80,7 +80,7 @@ class GatewayBenchRollout(RolloutWorker):
     def __init__(self, *args: object, turns: int = 3, tokens: int = 16, **kwargs: object) -> None:
         os.environ["ASYNCRL_BENCH_TURNS"], os.environ["ASYNCRL_BENCH_TOKENS"] = str(turns), str(tokens)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        from asyncrl.roles.episodes import register_episode
+        from asyncrl.roles.agentic.episodes import register_episode
 
         self._agent_module = sys.modules[self._episode_fn.agent.__module__]
         register_episode("bench_chat", replace=True)(self._agent_module.chat_episode)
@@ -155,7 +155,7 @@ def chat_batch(n: int, tok: object) -> TensorDict:
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}],  # type: ignore[attr-defined]
                                               add_generation_prompt=True, tokenize=False), add_special_tokens=False)
            for r in rows]
-    from asyncrl.roles.rollout_requests import left_pad_prompts
+    from asyncrl.roles.generation.rollout_requests import left_pad_prompts
 
     pid, pmask = left_pad_prompts(ids, int(tok.pad_token_id))  # type: ignore[attr-defined]
     return TensorDict({"prompt_ids": pid, "prompt_mask": pmask, "prompt": NonTensorStack(*[r["prompt"] for r in rows]),
@@ -164,7 +164,7 @@ def chat_batch(n: int, tok: object) -> TensorDict:
 
 async def measure_gateway(args: Args) -> dict[str, float]:
     """The gateway part (module docstring)."""
-    from asyncrl.roles.models import load_tokenizer
+    from asyncrl.roles.modeling.models import load_tokenizer
 
     here = os.path.dirname(os.path.abspath(__file__))
     width = args.turns * (args.tokens_per_turn + 24)

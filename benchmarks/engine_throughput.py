@@ -46,7 +46,7 @@ PROMPTS = [f"Question: what is {a} + {b}? Answer with the number only." for a, b
 def model_config(name: str, threads: int) -> ModelConfig:
     if name == "tiny":
         return ModelConfig(seed=0, device="cpu", dtype="float32", autocast="off", num_threads=threads)
-    from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
+    from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
 
     return ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, device="cpu", dtype="float32", num_threads=threads)
 

@@ -2,7 +2,7 @@
 
 The workload (real Ray, real worker groups, the real trainer loops; simulated costs):
 
-* **Rollout**: the real :class:`~asyncrl.roles.rollout.RolloutWorker` on the simulated engine
+* **Rollout**: the real :class:`~asyncrl.roles.generation.rollout.RolloutWorker` on the simulated engine
   (:mod:`asyncrl.roles.engines.sim`): a decoding step costs ``--step-ms`` whatever the number
   of requests in it, up to ``--slots`` (GPU-like: a memory-bound step), and response lengths
   are log-normal (median ``--median``, log-space deviation ``--sigma``, capped at
@@ -76,7 +76,7 @@ from tensordict import TensorDict  # noqa: E402
 from _common import load_note, parse_variants, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, Execute, ResourcePool, Worker, colocate, register  # noqa: E402
-from asyncrl.roles.rollout import RolloutWorker  # noqa: E402
+from asyncrl.roles.generation.rollout import RolloutWorker  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "longtail.md")
@@ -170,7 +170,7 @@ class SimPolicy(Worker):
     worker checks and loads) and records the response lengths of every batch it trained."""
 
     def __init__(self, model: Any) -> None:
-        from asyncrl.roles.models import load_model
+        from asyncrl.roles.modeling.models import load_model
 
         built, _ = load_model(model)
         self.weights = {k: v.detach().clone() for k, v in built.state_dict().items()}
@@ -258,8 +258,8 @@ class Bench:
     """One rollout process and one training process, reused by every variant."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from asyncrl.pipelines.presets import tiny_test
-        from asyncrl.pipelines.stages import AdvantageWorker, Groups
+        from asyncrl.pipelines.job.presets import tiny_test
+        from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
         from asyncrl.roles import RolloutConfig
 
         self.args = args
@@ -289,7 +289,7 @@ class Bench:
 
     def config(self, variant: str, k: int) -> Any:
         """The trainer's config of `variant` (the same data, batch and costs for all)."""
-        from asyncrl.pipelines.presets import tiny_test
+        from asyncrl.pipelines.job.presets import tiny_test
 
         a = self.args
         cfg = tiny_test("grpo")
@@ -311,7 +311,7 @@ class Bench:
         return cfg.validate()
 
     async def run(self, variant: str, k: int) -> dict[str, Any]:
-        from asyncrl.pipelines.trainer import make_trainer
+        from asyncrl.pipelines.loop.trainer import make_trainer
 
         a = self.args
         cfg = self.config(variant, k)
@@ -352,7 +352,7 @@ class Bench:
 def replica_config(args: argparse.Namespace, workers: str | int, out: str) -> Any:
     """A streaming run whose trainer owns its groups: `workers` rollout workers (a count or ``"1..2"``), each
     on its own simulated engine, a training pool of one."""
-    from asyncrl.pipelines.presets import tiny_test
+    from asyncrl.pipelines.job.presets import tiny_test
     from asyncrl.roles import RolloutConfig
 
     cfg = tiny_test("grpo")
@@ -376,7 +376,7 @@ async def replica_run(args: argparse.Namespace, workers: str | int, out: str, gr
                       ) -> dict[str, Any]:
     """One streaming run (see :func:`replica_config`): per-step tokens and end times; with `grow_at`, a
     ``scale_rollout(2)`` once that many steps are done, and the step at which the new pool took over."""
-    from asyncrl.pipelines.trainer import make_trainer
+    from asyncrl.pipelines.loop.trainer import make_trainer
 
     cfg = replica_config(args, workers, out)
     marks: list[float] = []
@@ -587,7 +587,7 @@ def replica_workload(args: argparse.Namespace) -> str:
 
 def supported_variants() -> tuple[str, ...]:
     """The variants this checkout's trainer and rollout worker can run."""
-    from asyncrl.pipelines.config import TrainerConfig
+    from asyncrl.pipelines.job.config import TrainerConfig
     from asyncrl.roles import RolloutConfig
 
     out = ["sync", "batch"]

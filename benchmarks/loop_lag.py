@@ -257,8 +257,8 @@ async def measure(quick: bool, phases: set[str]) -> list[dict[str, Any]]:
             stats, _ = await hb.measure(plain_close)
             add("close", "plain Ray", stats)
     if "trainer" in phases:  # examples/fit_in_app.py's run: grpo_toy, 64 responses per step, two workers
-        from asyncrl.pipelines.presets import grpo_toy
-        from asyncrl.pipelines.trainer import make_trainer
+        from asyncrl.pipelines.job.presets import grpo_toy
+        from asyncrl.pipelines.loop.trainer import make_trainer
 
         cfg = grpo_toy()
         t = cfg.trainer

@@ -38,9 +38,9 @@ from _common import load_note, run_header, write_result  # noqa: E402
 
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, Execute, register  # noqa: E402
-from asyncrl.pipelines import stages  # noqa: E402
+from asyncrl.pipelines.loop import stages  # noqa: E402
 from asyncrl.roles import ModelConfig, OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker  # noqa: E402
-from asyncrl.roles.lora import LoraConfig  # noqa: E402
+from asyncrl.roles.training.lora import LoraConfig  # noqa: E402
 
 FULL, ADAPTER = "full (object_store)", "adapter"
 
@@ -77,7 +77,7 @@ def model_config(name: str) -> ModelConfig:
     """float32 on the CPU, torch threads following the busy workers (as benchmarks/weight_sync.py)."""
     if name == "tiny":
         return ModelConfig(seed=0, device="cpu", dtype="float32", autocast="off", num_threads="follow")
-    from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
+    from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
 
     return ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, device="cpu", dtype="float32", num_threads="follow")
 

@@ -54,7 +54,7 @@ COLUMNS = ["variant", "max_staleness", "correction", "seeds", "reward first 5", 
 
 
 def config(k: int, mode: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
-    from asyncrl.pipelines.presets import grpo_toy, tiny_test
+    from asyncrl.pipelines.job.presets import grpo_toy, tiny_test
 
     cfg = tiny_test() if args.quick else grpo_toy()
     t = cfg.trainer
@@ -74,7 +74,7 @@ def config(k: int, mode: str, seed: int, args: argparse.Namespace, tmp: str) -> 
 
 
 async def run(name: str, k: int, mode: str, seed: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    from asyncrl.pipelines.trainer import GRPOTrainer
+    from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
     async with GRPOTrainer(config(k, mode, seed, args, tmp)) as trainer:  # worker start-up is not timed
         t0 = time.perf_counter()

@@ -214,7 +214,7 @@ class SimBench:
     """One pair of simulated pools (rollout, training), reused by every configuration."""
 
     def __init__(self) -> None:
-        from asyncrl.pipelines.stages import Groups
+        from asyncrl.pipelines.loop.stages import Groups
 
         pool = ResourcePool([2], cpus_per_bundle=1.0, name="overlap-sim")
         self.pool = pool
@@ -238,7 +238,7 @@ class SimBench:
         await self.pool.release()
 
     def config(self, steps: int, k: int, name: str, trace: bool = True, precompute: bool = False) -> Any:
-        from asyncrl.pipelines.presets import tiny_test
+        from asyncrl.pipelines.job.presets import tiny_test
 
         cfg = tiny_test("ppo")
         t = cfg.trainer
@@ -254,8 +254,8 @@ class SimBench:
                                                                    g.advantage)))
 
     async def run_sync(self, costs: dict[str, float], steps: int) -> dict[str, Any]:
-        from asyncrl.pipelines.data import PromptLoader, get_task
-        from asyncrl.pipelines.sync import sequential_fit
+        from asyncrl.pipelines.datasets.data import PromptLoader, get_task
+        from asyncrl.pipelines.loop.sync import sequential_fit
         from asyncrl.roles import load_tokenizer
 
         cfg = self.config(steps, 0, "sync")
@@ -273,7 +273,7 @@ class SimBench:
 
     async def run_async(self, costs: dict[str, float], steps: int, k: int, trace: bool = True,
                         precompute: bool = False) -> dict[str, Any]:
-        from asyncrl.pipelines.trainer import PPOTrainer
+        from asyncrl.pipelines.loop.trainer import PPOTrainer
 
         cfg = self.config(steps, k, f"async-k{k}", trace, precompute)
         await self.configure(costs)
@@ -610,8 +610,8 @@ def hop_breakdown(marks: dict[str, list[tuple[str, float, float]]], costs: dict[
 
 
 def make_loader() -> Any:
-    from asyncrl.pipelines.data import PromptLoader, get_task
-    from asyncrl.pipelines.presets import tiny_test
+    from asyncrl.pipelines.datasets.data import PromptLoader, get_task
+    from asyncrl.pipelines.job.presets import tiny_test
     from asyncrl.roles import load_tokenizer
 
     cfg = tiny_test("ppo")
@@ -715,7 +715,7 @@ def hop_table(rows: list[dict[str, Any]]) -> str:
 
 
 def real_config(preset: str, k: int, steps: int | None, quick: bool, tmp: str) -> Any:
-    from asyncrl.pipelines.presets import PRESETS, tiny_test
+    from asyncrl.pipelines.job.presets import PRESETS, tiny_test
 
     cfg = tiny_test("ppo" if preset.startswith("ppo") else "grpo") if quick else PRESETS[preset]()
     t = cfg.trainer
@@ -730,7 +730,7 @@ def real_config(preset: str, k: int, steps: int | None, quick: bool, tmp: str) -
 
 
 async def real_run(preset: str, k: int, steps: int | None, quick: bool, tmp: str) -> dict[str, Any]:
-    from asyncrl.pipelines.trainer import make_trainer
+    from asyncrl.pipelines.loop.trainer import make_trainer
 
     cfg = real_config(preset, k, steps, quick, tmp)
     trainer = make_trainer(cfg)

@@ -327,11 +327,11 @@ def main() -> None:
     torch.set_flush_denormal(args.flush_denormal)
     if args.hf_threads:
         torch.set_num_threads(args.hf_threads)
-    from asyncrl.roles.models import ModelConfig, load_model, save_model_dir
+    from asyncrl.roles.modeling.models import ModelConfig, load_model, save_model_dir
 
     if args.model_dir == "smollm2":
-        from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
-        from asyncrl.roles.models import resolve_model_dir
+        from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
+        from asyncrl.roles.modeling.models import resolve_model_dir
 
         args.model_dir = resolve_model_dir(ModelConfig(gguf=SMOLLM2_135M_INSTRUCT))
     if args.model_dir:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from _common import load_note, run_header, write_result
 
-from asyncrl.pipelines.presets import grpo_toy
-from asyncrl.pipelines.samples import SamplesWriter, read_samples
-from asyncrl.pipelines.trainer import GRPOTrainer
-from asyncrl.roles.models import tokenizer_for
+from asyncrl.pipelines.job.presets import grpo_toy
+from asyncrl.pipelines.observe.samples import SamplesWriter, read_samples
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.roles.modeling.models import tokenizer_for
 
 
 async def one(steps: int, n: int, out: Path) -> list[dict]:

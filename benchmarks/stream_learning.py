@@ -51,7 +51,7 @@ COLUMNS = ["variant", "seeds", "reward first 5", "reward last 10", "steps to 0.5
 
 def config(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
     """The run's config: the preset with this variant's schedule, seed `seed`."""
-    from asyncrl.pipelines.presets import grpo_toy, tiny_test
+    from asyncrl.pipelines.job.presets import grpo_toy, tiny_test
 
     cfg = tiny_test() if args.quick else grpo_toy()
     t = cfg.trainer
@@ -71,7 +71,7 @@ def config(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
 
 async def run(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     """One training run; its per-step history and loop seconds (worker start-up not timed)."""
-    from asyncrl.pipelines.trainer import GRPOTrainer
+    from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
     async with GRPOTrainer(config(variant, seed, args, tmp)) as trainer:
         t0 = time.perf_counter()

@@ -44,7 +44,7 @@ from _common import load_note, run_header, write_result  # noqa: E402
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, register  # noqa: E402
 from asyncrl.roles import SMOLLM2_135M_INSTRUCT, ModelConfig, OptimConfig, PolicyWorker  # noqa: E402
-from asyncrl.roles.models import tokenizer_for  # noqa: E402
+from asyncrl.roles.modeling.models import tokenizer_for  # noqa: E402
 
 GIB = 1024 ** 3
 MODELS = {

@@ -33,7 +33,7 @@ Variants (``--variants``, comma-separated):
 * ``bypass_threads``: ``bypass`` with ``model.num_threads=0`` and one micro-batch of 16 (TRL's one pass).
 * ``k1_follow``: ``k1`` with ``model.num_threads=follow``: each busy worker runs ``cores // busy`` torch
   threads, set per decoder layer (the trainer takes every core while the rollout idles, half while both
-  work; never oversubscribed; see ``asyncrl.roles.threads``).
+  work; never oversubscribed; see ``asyncrl.roles.modeling.threads``).
 * ``bypass_follow``: ``bypass`` with ``model.num_threads=follow``.
 
 The table says which runs make a separate ``old_log_prob`` pass, and when ``k1`` and ``bypass`` ran
@@ -122,9 +122,9 @@ def _old_pass(v: str) -> str:
 def make_spec(args: argparse.Namespace, work: Path, seed: int = 0) -> dict:
     """The job both sides run with `seed` (asyncrl's ``trainer.seed``): the model directory, asyncrl's
     prompts in its order, the held-out set (the same for every seed)."""
-    from asyncrl.pipelines.data import make_loader, task_pairs
-    from asyncrl.pipelines.presets import grpo_smollm_arith
-    from asyncrl.roles.models import resolve_model_dir, tokenizer_for
+    from asyncrl.pipelines.datasets.data import make_loader, task_pairs
+    from asyncrl.pipelines.job.presets import grpo_smollm_arith
+    from asyncrl.roles.modeling.models import resolve_model_dir, tokenizer_for
 
     cfg = grpo_smollm_arith()
     tok = tokenizer_for(cfg.model)
@@ -164,7 +164,7 @@ names every setting it compares."""
 
 def asyncrl_command(overrides: list[str], args: argparse.Namespace, run_dir: Path, seed: int) -> list[str]:
     """The ``asyncrl train`` command line of one asyncrl run (:data:`NEUTRAL`, then the variant's `overrides`)."""
-    return [sys.executable, "-m", "asyncrl.pipelines.cli", "train", "--preset", "grpo_smollm_arith",
+    return [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--preset", "grpo_smollm_arith",
            f"trainer.output_dir={run_dir}", f"trainer.seed={seed}", "trainer.progress=false", "trainer.plot=false",
            "trainer.tensorboard=false", "trainer.checkpoint_at_end=false", f"trainer.steps={args.steps}",
            f"trainer.batch_size={args.prompts * args.group}", f"algorithm.group_size={args.group}",

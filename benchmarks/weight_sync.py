@@ -80,8 +80,8 @@ from _common import load_note, run_header, write_result  # noqa: E402
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, Execute, register  # noqa: E402
 from asyncrl.roles import ModelConfig, OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker  # noqa: E402
-from asyncrl.pipelines import stages  # noqa: E402
-from asyncrl.roles.sync import open_weight_channel  # noqa: E402
+from asyncrl.pipelines.loop import stages  # noqa: E402
+from asyncrl.roles.weights.sync import open_weight_channel  # noqa: E402
 
 TRANSPORTS = ("object_store", "collective", "local")
 BEFORE = "collective, before the fix"
@@ -122,7 +122,7 @@ class BenchRollout(RolloutWorker):
     """A rollout that copies what it receives into its model (``copy_load``: the load before adoption)."""
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig | None = None, copy_load: bool = False) -> None:
-        from asyncrl.roles import device
+        from asyncrl.roles.modeling import device
 
         if model.dtype == "bfloat16" and not device.cpu_supports_bf16():
             # This rollout only receives weights and never generates, so a CPU without bf16 compute
@@ -154,14 +154,14 @@ def model_config(name: str, threads: str = "follow") -> ModelConfig:
     n: int | str = "follow" if threads == "follow" else int(threads)
     if name == "tiny":
         return ModelConfig(seed=0, device="cpu", dtype="float32", autocast="off", num_threads=n)
-    from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
+    from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
 
     return ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, device="cpu", dtype="float32", num_threads=n)
 
 
 def floor_threads(threads: str) -> int:
     """The torch threads of the floors: every core beside ``follow`` workers, else the workers' count."""
-    from asyncrl.roles.threads import available_cores
+    from asyncrl.roles.modeling.threads import available_cores
 
     return available_cores() if threads == "follow" else int(threads)
 
@@ -193,7 +193,7 @@ class FloorPeer:
         self.pg: Any = None
 
     def address(self) -> tuple[str, int]:
-        from asyncrl.roles.weight_channel import free_port
+        from asyncrl.roles.weights.weight_channel import free_port
 
         return "127.0.0.1", free_port()
 

@@ -3,7 +3,7 @@
 The environment ``char_class_retry`` asks for digits or vowels; each turn of ``tokens_per_turn``
 tokens is scored, and a turn that is not perfect gets the feedback ``" k/n, again:"`` (environment
 tokens, ``response_mask`` 0) before the model retries. The reward is the mean turn score
-(:class:`asyncrl.roles.environments.CharClassRetry`).
+(:class:`asyncrl.roles.agentic.environments.CharClassRetry`).
 
 One step, top to bottom, with the real workers in this process (the trainer runs the same calls as
 stages on Ray when ``rollout.episode=char_class_retry`` is set)::
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncrl.pipelines.stages import AdvantageWorker
+from asyncrl.pipelines.loop.stages import AdvantageWorker
 from asyncrl.roles import (ModelConfig, OptimConfig, PolicyWorker, RewardWorker, RolloutConfig, RolloutWorker,
                            tiny_tokenizer, toy_dataset)
 

@@ -20,9 +20,9 @@ from tensordict import TensorDict
 
 import asyncrl
 from asyncrl import Dispatch, ResourcePool, Worker, colocate, register
-from asyncrl.pipelines.presets import grpo_toy
-from asyncrl.pipelines.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import grpo_toy
+from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker, load_tokenizer
 
 

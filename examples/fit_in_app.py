@@ -2,7 +2,7 @@
 
 The trainer is a coroutine like any other: the app serves ``GET /status`` (step,
 reward, buffer occupancy) while training runs in the same event loop. Two things are
-measured: a heartbeat task (:class:`~asyncrl.pipelines.heartbeat.LoopLag`) records how late
+measured: a heartbeat task (:class:`~asyncrl.pipelines.supervision.heartbeat.LoopLag`) records how late
 the loop runs it -- the loop lag every other task of the app sees, whatever the trainer is
 doing (setup, steps, checkpoints, the report) -- and a probe records how long each status
 request takes end to end. The loop stays free because the controller never blocks on Ray
@@ -22,9 +22,9 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 import asyncrl
-from asyncrl.pipelines.heartbeat import LoopLag
-from asyncrl.pipelines.presets import grpo_toy
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.supervision.heartbeat import LoopLag
+from asyncrl.pipelines.job.presets import grpo_toy
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 
 @dataclass

@@ -100,7 +100,8 @@ def tool_use(output_dir: str) -> dict[int, float]:
 
 
 def main(args: Args) -> dict[int, float]:
-    from asyncrl.pipelines import GRPOTrainer, presets
+    from asyncrl.pipelines import GRPOTrainer
+    from asyncrl.pipelines.job import presets
 
     cfg = presets.tiny_test() if args.tiny else presets.grpo_smollm_arith()
     if args.tiny:

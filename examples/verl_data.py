@@ -14,7 +14,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from asyncrl.roles.models import ModelConfig, build_model, load_tokenizer, save_model_dir
+from asyncrl.roles.modeling.models import ModelConfig, build_model, load_tokenizer, save_model_dir
 
 
 def main(data: str = "train.parquet", model_dir: str = "my_model") -> None:

@@ -1,10 +1,10 @@
 """asyncrl.pipelines: the async RL trainers, the synchronous baseline and the main job.
 
-See docs/pipelines.md. ``asyncrl train`` runs :func:`asyncrl.pipelines.cli.main`.
+See docs/pipelines.md. ``asyncrl train`` runs :func:`asyncrl.pipelines.job.cli.main`.
 """
 
-from asyncrl.pipelines.buffer import BufferStatistics, StaleSampleError, StalenessBuffer
-from asyncrl.pipelines.config import (
+from asyncrl.pipelines.loop.buffer import BufferStatistics, StaleSampleError, StalenessBuffer
+from asyncrl.pipelines.job.config import (
     AlgorithmConfig,
     ConfigError,
     DataConfig,
@@ -13,11 +13,12 @@ from asyncrl.pipelines.config import (
     TrainerConfig,
     config_fingerprint,
 )
-from asyncrl.pipelines.presets import grpo_toy, load_config, ppo_toy, tiny_test
-from asyncrl.pipelines.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.sync import run_sequential, sequential_fit
-from asyncrl.pipelines.trace import Tracer
-from asyncrl.pipelines.trainer import GRPOTrainer, PPOTrainer, RolloutBatch, Trainer, build_groups, make_trainer
+from asyncrl.pipelines.job import presets
+from asyncrl.pipelines.job.presets import grpo_toy, load_config, ppo_toy, tiny_test
+from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.loop.sync import run_sequential, sequential_fit
+from asyncrl.pipelines.observe.trace import Tracer
+from asyncrl.pipelines.loop.trainer import GRPOTrainer, PPOTrainer, RolloutBatch, Trainer, build_groups, make_trainer
 
 __all__ = [
     "AdvantageWorker",
@@ -42,6 +43,7 @@ __all__ = [
     "load_config",
     "make_trainer",
     "ppo_toy",
+    "presets",
     "run_sequential",
     "sequential_fit",
     "tiny_test",

@@ -5,10 +5,14 @@ The contract with the trainers is docs/roles_api.md; how to bring your own model
 tokenizer, reward function or worker class is docs/roles.md.
 """
 
-from . import arithmetic, functional
-from .critic import CriticWorker
-from .engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
-from .errors import (
+from asyncrl.roles.agentic.environments import Environment, StepResult, register_environment
+from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, register_episode
+from asyncrl.roles.agentic.tools import Tool, tool
+from asyncrl.roles.scoring import arithmetic
+from asyncrl.roles.training import functional
+from asyncrl.roles.training.critic import CriticWorker
+from asyncrl.roles.engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
+from asyncrl.roles.errors import (
     CheckpointFormatError,
     DeviceError,
     EpisodeConfigError,
@@ -27,15 +31,24 @@ from .errors import (
     UnknownNameError,
     WeightSyncError,
 )
-from .gguf import SMOLLM2_135M_INSTRUCT
-from .models import ModelConfig, load_model, load_tokenizer, save_model_dir, tiny_tokenizer
-from .policy import LoraConfig, OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
-from .reward import RewardConfig, RewardInput, RewardWorker, register_reward_fn, toy_dataset
-from .rollout import RolloutConfig, RolloutWorker
-from .sync import open_weight_channel, sync_weights
-from .transfer import WeightHandle
+from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
+from asyncrl.roles.modeling.models import ModelConfig, load_model, load_tokenizer, save_model_dir, tiny_tokenizer
+from asyncrl.roles.training.policy import LoraConfig, OptimConfig, PolicyWorker, ReferenceWorker, RolloutCorrectionConfig
+from asyncrl.roles.scoring.reward import RewardConfig, RewardInput, RewardWorker, register_reward_fn, toy_dataset
+from asyncrl.roles.generation.rollout import RolloutConfig, RolloutWorker
+from asyncrl.roles.weights.sync import open_weight_channel, sync_weights
+from asyncrl.roles.weights.transfer import WeightHandle
 
 __all__ = [
+    "Environment",
+    "LLM",
+    "Sample",
+    "StepResult",
+    "Tool",
+    "Trajectory",
+    "register_environment",
+    "register_episode",
+    "tool",
     "SMOLLM2_135M_INSTRUCT",
     "CheckpointFormatError",
     "Completion",

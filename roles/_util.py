@@ -10,9 +10,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .device import Placement, device_uuid
-from .functional import entropy_from_logits
-from .models import position_ids_from_mask
+from asyncrl.roles.modeling.device import Placement, device_uuid
+from asyncrl.roles.training.functional import entropy_from_logits
+from asyncrl.roles.modeling.models import position_ids_from_mask
 
 
 def require(batch: TensorDictBase, fields: Iterable[str], who: str) -> None:
@@ -263,7 +263,7 @@ class DataParallel:
     workers in separate processes; every method is the identity otherwise.
 
     It owns the group's process group; gradients travel over it through the role's training strategy
-    (:mod:`asyncrl.roles.strategy`: DDP or FSDP2), metrics and agreement through the methods here.
+    (:mod:`asyncrl.roles.training.strategy`: DDP or FSDP2), metrics and agreement through the methods here.
     Every rank must call the same collectives in the same order (the group's ordered calls guarantee
     it for methods that all ranks run). The process group comes from the group's environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT, set by asyncrl per worker). Gloo carries the small control

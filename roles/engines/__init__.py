@@ -1,6 +1,6 @@
 """Generation engines (HF in-process, vLLM) behind one interface; see :mod:`.base`."""
 
-from .base import _ENGINES, Completion, GenerationEngine, SamplingParams, engine_names, make_engine, register_engine
+from asyncrl.roles.engines.base import _ENGINES, Completion, GenerationEngine, SamplingParams, engine_names, make_engine, register_engine
 
 # The built-in engines, each imported (and so registered) on first use: the package names its modules, so
 # that no engine module and the registry import each other.

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Protocol, runtime_che
 
 import torch
 
-from ..registry import Registry
+from asyncrl.roles.registry import Registry
 
 __all__ = ["SamplingParams", "Completion", "fail_requests", "GenerationEngine", "make_engine", "register_engine", "engine_names",
            "partial_rollout_modes"]

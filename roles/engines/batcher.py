@@ -43,10 +43,10 @@ from typing import Any, AsyncIterator, Callable, Literal, get_args
 
 import torch
 
-from ..errors import PauseDeadlineError
-from ..models import position_ids_from_mask
-from .base import Completion, SamplingParams, fail_requests
-from .hf import HFEngine, _autocast, left_pad
+from asyncrl.roles.errors import PauseDeadlineError
+from asyncrl.roles.modeling.models import position_ids_from_mask
+from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests
+from asyncrl.roles.engines.hf import HFEngine, _autocast, left_pad
 
 __all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES", "RoundRecord"]
 

@@ -21,8 +21,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
 
-from ..models import StateSlots, position_ids_from_mask, state_dict_checksums
-from .base import Completion, SamplingParams, register_engine
+from asyncrl.roles.modeling.models import StateSlots, position_ids_from_mask, state_dict_checksums
+from asyncrl.roles.engines.base import Completion, SamplingParams, register_engine
 
 __all__ = ["HFEngine"]
 
@@ -49,7 +49,7 @@ class HFEngine:
             (measured on the 30-layer SmolLM2-135M: max 1.5e-5, mean 3e-6; on the 2-layer tiny model
             below 1e-6). Costs one extra forward pass per batch; rows are emitted when their batch is
             done. Not with top-k/top-p filtering (the recomputation has no filter).
-        cores: the worker's :class:`~asyncrl.roles.threads.CoreShare` (``ModelConfig.num_threads="follow"``):
+        cores: the worker's :class:`~asyncrl.roles.modeling.threads.CoreShare` (``ModelConfig.num_threads="follow"``):
             marked busy while a generation call decodes. None: threads are not shared.
     """
 
@@ -149,7 +149,7 @@ class HFEngine:
             own = set(self.model.state_dict())
             missing = [k for k in missing if k in own and k not in state]
             if unexpected or missing:
-                from ..errors import WeightSyncError
+                from asyncrl.roles.errors import WeightSyncError
 
                 self.needs_weights = True  # the matching names were loaded before the check
                 raise WeightSyncError(
@@ -173,7 +173,7 @@ class HFEngine:
         a colocated policy's snapshot, or a weight channel's receive buffers): a later load swaps
         storage again. Whoever hands them over must not write into them while :attr:`adopted` holds
         them (the snapshot pool and the channel's receive buffers check it)."""
-        from ..errors import WeightSyncError
+        from asyncrl.roles.errors import WeightSyncError
 
         state = dict(named_tensors)
         if self.sleep_level == 2:
@@ -366,7 +366,7 @@ class HFEngine:
     def _recompute_log_probs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
                              logps: list[list[float]], params: SamplingParams) -> None:
         """Replace `logps` by the log-probs of one full forward pass (``exact_log_probs``)."""
-        from .._util import response_log_probs
+        from asyncrl.roles._util import response_log_probs
 
         B, L = len(tokens), max(len(t) for t in tokens)
         resp = torch.full((B, L), self.pad_id, dtype=torch.long)

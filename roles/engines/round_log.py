@@ -34,8 +34,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..errors import RolesError
-from .batcher import RequestBatcher, RoundRecord, _Request, _Round
+from asyncrl.roles.errors import RolesError
+from asyncrl.roles.engines.batcher import RequestBatcher, RoundRecord, _Request, _Round
 
 __all__ = ["RoundRecord", "ReplayBatcher", "ReplayDivergedError"]
 

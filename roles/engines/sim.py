@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable
 
-from ..errors import PauseDeadlineError
-from .base import Completion, SamplingParams, fail_requests, register_engine
+from asyncrl.roles.errors import PauseDeadlineError
+from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests, register_engine
 
 __all__ = ["SimEngine", "SimStats", "response_length"]
 
@@ -184,7 +184,7 @@ class SimEngine:
                                 version_fn: Callable[[], int]) -> Any:
         """One request's completion with the weight version of every token (``version_fn()`` read at the
         step that produced it): a :class:`~.batcher.Generation`."""
-        from .batcher import Generation
+        from asyncrl.roles.engines.batcher import Generation
 
         seed = params.seed if params.seed is not None else random.getrandbits(30)
         future = self._submit(seed, params.max_new_tokens, asyncio.get_running_loop(), version_fn)
@@ -257,7 +257,7 @@ class SimEngine:
         the requests stay in flight. `mode` ``"recompute"`` re-prefills them after the block, ``"keep"``
         decodes on. Yields a :class:`~.batcher.PauseInfo`; raises
         :class:`~asyncrl.roles.errors.PauseDeadlineError` when no step ends within `deadline_s`."""
-        from .batcher import PauseInfo
+        from asyncrl.roles.engines.batcher import PauseInfo
 
         t0 = time.perf_counter()
         in_flight = len(self._active) + len(self._waiting)
@@ -351,7 +351,7 @@ class SimEngine:
         return future
 
     async def _drive(self) -> None:
-        from .batcher import Generation
+        from asyncrl.roles.engines.batcher import Generation
 
         assert self._wakeup is not None
         loop = asyncio.get_running_loop()

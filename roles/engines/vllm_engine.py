@@ -58,9 +58,9 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
 
-from ..errors import ModelNotFoundError, PauseDeadlineError, WeightSyncError
-from .base import Completion, SamplingParams, register_engine
-from .vllm_worker import EXTENSION_QUALNAME, VLLMWorkerExtension, safetensors_files, weight_specs
+from asyncrl.roles.errors import ModelNotFoundError, PauseDeadlineError, WeightSyncError
+from asyncrl.roles.engines.base import Completion, SamplingParams, register_engine
+from asyncrl.roles.engines.vllm_worker import EXTENSION_QUALNAME, VLLMWorkerExtension, safetensors_files, weight_specs
 
 __all__ = ["VLLM_LORA_RANKS", "VLLMEngine", "VLLMWorkerExtension", "vllm_available", "vllm_lora_rank"]
 
@@ -186,12 +186,12 @@ class VLLMEngine:
         if model_dir is None:
             raise ValueError(
                 "the vLLM engine loads its model from a directory: pass model_dir "
-                "(save one with asyncrl.roles.models.save_model_dir(model, tokenizer, path))"
+                "(save one with asyncrl.roles.modeling.models.save_model_dir(model, tokenizer, path))"
             )
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise ModelNotFoundError(
                 f"{model_dir!r} holds no config.json; the vLLM engine needs a local Hugging Face model directory "
-                "(asyncrl.roles.models.save_model_dir(model, tokenizer, path) writes one)"
+                "(asyncrl.roles.modeling.models.save_model_dir(model, tokenizer, path) writes one)"
             )
         if not safetensors_files(model_dir):
             raise ModelNotFoundError(f"{model_dir!r} holds no *.safetensors weights; save with safe_serialization=True")
@@ -386,7 +386,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from .batcher import Generation
+        from asyncrl.roles.engines.batcher import Generation
 
         await asyncio.wrap_future(self._ready)
         sp = VSamplingParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -442,7 +442,7 @@ class VLLMEngine:
         preempted, so they re-prefill prompt + tokens so far on resume); resume on exit. Yields a
         :class:`~.batcher.PauseInfo`. Raises :class:`PauseDeadlineError` when vLLM has not paused within
         `deadline_s` (the engine then resumes as soon as its pause lands)."""
-        from .batcher import PauseInfo
+        from asyncrl.roles.engines.batcher import PauseInfo
 
         if mode not in self.partial_rollout_modes:
             raise ValueError(f"the vLLM engine pauses for partial_rollout 'keep' or 'recompute', got {mode!r}")

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..models import tensor_checksum
+from asyncrl.roles.modeling.models import tensor_checksum
 
 __all__ = ["VLLMWorkerExtension", "EXTENSION_QUALNAME", "safetensors_files", "weight_specs"]
 

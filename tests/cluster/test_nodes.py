@@ -16,9 +16,9 @@ import ray
 
 import asyncrl
 from asyncrl import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.replay import replay
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.journaling.replay import replay
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 
 

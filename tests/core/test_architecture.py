@@ -127,7 +127,7 @@ def test_the_framework_imports_nothing_of_the_roles_or_the_pipelines():
 
 def test_the_roles_import_nothing_of_the_pipelines():
     imports = _imported("asyncrl.roles")
-    assert "asyncrl.roles.device" in imports["asyncrl.roles._util"]  # relative imports are resolved
+    assert "asyncrl.roles.modeling.device" in imports["asyncrl.roles._util"]  # relative imports are resolved
     assert _reaching(imports, ("asyncrl.pipelines",)) == {}
 
 
@@ -138,7 +138,7 @@ def test_the_console_script_is_the_pipelines_cli():
     import tomllib
 
     target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["asyncrl"]
-    assert target == "asyncrl.pipelines.cli:main"
+    assert target == "asyncrl.pipelines.job.cli:main"
     module, attr = target.split(":")
     assert callable(getattr(importlib.import_module(module), attr))
 
@@ -156,7 +156,7 @@ def test_the_lanes_are_the_workers_half_and_know_nothing_of_the_controller():
 def test_the_trainer_enters_through_the_groups_async_resource_base():
     """``Trainer`` is an ``AsyncResource``, as the groups and pools are: ``async with`` runs the
     base's ``__aenter__`` (set up, or close on a failed set-up), not a copy of it."""
-    from asyncrl.pipelines.trainer import Trainer
+    from asyncrl.pipelines.loop.trainer import Trainer
     from asyncrl.resources import AsyncResource
 
     assert issubclass(Trainer, AsyncResource)

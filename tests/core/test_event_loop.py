@@ -73,8 +73,8 @@ def test_without_uvloop_auto_falls_back_to_asyncio_and_uvloop_names_the_fix(monk
 
 
 def test_the_trainer_config_rejects_a_loop_it_cannot_run(monkeypatch) -> None:
-    from asyncrl.pipelines.config import ConfigError
-    from asyncrl.pipelines.presets import load_config
+    from asyncrl.pipelines.job.config import ConfigError
+    from asyncrl.pipelines.job.presets import load_config
 
     assert load_config(overrides=["trainer.event_loop=asyncio"]).trainer.event_loop == "asyncio"
     with pytest.raises(ConfigError, match=r"trainer.event_loop must be one of \['auto', 'uvloop', 'asyncio'\]"):

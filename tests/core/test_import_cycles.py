@@ -101,9 +101,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_scan_reads_every_kind_of_import():
     graph = import_graph()
     assert "asyncrl.future" in graph["asyncrl.worker_group"]  # a module-level import
-    assert "asyncrl.roles.device" in graph["asyncrl.roles._util"]  # a relative import, resolved
+    assert "asyncrl.roles.modeling.device" in graph["asyncrl.roles._util"]  # a relative import, resolved
     assert "asyncrl.roles.engines.hf" in graph["asyncrl.roles.engines"]  # a lazy entry named by a string
-    assert "asyncrl.pipelines.trace" in graph["asyncrl.pipelines.rollout_loop"]  # under TYPE_CHECKING
+    assert "asyncrl.pipelines.observe.trace" in graph["asyncrl.pipelines.rollout.rollout_loop"]  # under TYPE_CHECKING
 
 
 def test_cycles_are_found():

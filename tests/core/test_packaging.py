@@ -33,7 +33,7 @@ def test_the_wheel_holds_every_module_and_imports_outside_the_repository(tmp_pat
     assert sorted(expected - shipped) == [], "modules missing from the wheel"
     assert "asyncrl/roles/engines/hf.py" in shipped
     static = {n for n in zipfile.ZipFile(wheel).namelist() if "/viewer_static/" in n}
-    assert {f"asyncrl/pipelines/viewer_static/{f}" for f in ("view.html", "uPlot.iife.min.js", "uPlot.min.css",
+    assert {f"asyncrl/pipelines/observe/viewer_static/{f}" for f in ("view.html", "uPlot.iife.min.js", "uPlot.min.css",
                                                               "NOTICE", "uPlot.LICENSE")} <= static
 
     site = tmp_path / "site"
@@ -43,9 +43,9 @@ def test_the_wheel_holds_every_module_and_imports_outside_the_repository(tmp_pat
         import sys
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
         sys.path.insert(0, {str(site)!r})
-        import asyncrl, asyncrl.roles.engines.hf, asyncrl.pipelines.trainer, asyncrl.pipelines.viewer
-        assert "uPlot" in asyncrl.pipelines.viewer.render_html(None)  # the page's package data is installed
-        print(asyncrl.__file__, asyncrl.roles.engines.hf.__file__, asyncrl.pipelines.trainer.__file__)
+        import asyncrl, asyncrl.roles.engines.hf, asyncrl.pipelines.loop.trainer, asyncrl.pipelines.observe.viewer
+        assert "uPlot" in asyncrl.pipelines.observe.viewer.render_html(None)  # the page's package data is installed
+        print(asyncrl.__file__, asyncrl.roles.engines.hf.__file__, asyncrl.pipelines.loop.trainer.__file__)
     """)
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -104,7 +104,7 @@ def write_reward_file(path: Path) -> Path:
 
 def write_model_dir(path: Path) -> Path:
     """A tiny Qwen2 saved as a Hugging Face directory with the tiny tokenizer and :data:`TEMPLATE`."""
-    from asyncrl.roles.models import ModelConfig, build_model, save_model_dir, tiny_tokenizer
+    from asyncrl.roles.modeling.models import ModelConfig, build_model, save_model_dir, tiny_tokenizer
 
     tok = copy.deepcopy(tiny_tokenizer())  # the tiny tokenizer is cached: never change the shared one
     tok.chat_template = TEMPLATE

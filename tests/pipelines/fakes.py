@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from asyncrl import Dispatch, Execute, LocalWorkerGroup, Worker, register
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.stages import Groups
+    from asyncrl.pipelines.loop.stages import Groups
 
 R = 3
 
@@ -189,7 +189,7 @@ async def fake_groups(rec: Recorder, seed: int, prompts_per_step: int, max_delay
                       policy: type[FakePolicy] = FakePolicy) -> AsyncIterator["Groups"]:
     """Started in-process groups of the fake workers (one rank each; `rollout`, `reward`, `policy`: the
     classes), closed on exit."""
-    from asyncrl.pipelines.stages import AdvantageWorker, Groups
+    from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
 
     groups = Groups(
         rollout=LocalWorkerGroup(rollout, world_size=1, args=(rec, seed, prompts_per_step, max_delay)),

@@ -1,11 +1,11 @@
-"""Admission control of streaming rollout (pipelines/admission.py, pure Python): pinned selections for
+"""Admission control of streaming rollout (pipelines/rollout/admission.py, pure Python): pinned selections for
 fixed sequences, and over random interleavings the staleness bound holds for every trained group,
 nothing is dropped, and a step never waits when the groups it needs have finished."""
 
 from __future__ import annotations
 
 import pytest
-from asyncrl.pipelines.admission import Admission
+from asyncrl.pipelines.rollout.admission import Admission
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -7,9 +7,9 @@ import json
 import torch
 from tensordict import TensorDict
 
-from asyncrl.pipelines.data import PromptLoader
-from asyncrl.pipelines.stages import compute_advantages, terminal_rewards
-from asyncrl.pipelines.trace import Span, Tracer
+from asyncrl.pipelines.datasets.data import PromptLoader
+from asyncrl.pipelines.loop.stages import compute_advantages, terminal_rewards
+from asyncrl.pipelines.observe.trace import Span, Tracer
 
 GRPO = {"name": "grpo", "norm_adv_by_std": True}
 PPO = {"name": "ppo", "kl_in_reward_coef": 0.0, "kl_penalty": "k1", "gamma": 1.0, "lam": 1.0, "whiten_advantages": False}

@@ -11,8 +11,8 @@ import importlib
 
 import pytest
 
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.metrics import read_jsonl
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.observe.metrics import read_jsonl
 
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.checkpointing import checkpoint_due
-from asyncrl.pipelines.config import ConfigError, TrainerConfig
-from asyncrl.pipelines.presets import load_config
+from asyncrl.pipelines.checkpoints.checkpointing import checkpoint_due
+from asyncrl.pipelines.job.config import ConfigError, TrainerConfig
+from asyncrl.pipelines.job.presets import load_config
 
 
 def _due(steps: int, every: int, every_s: float | None, ends: list[float]) -> list[int]:

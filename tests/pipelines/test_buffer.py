@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import anyio
 import pytest
 
-from asyncrl.pipelines.buffer import StaleSampleError, StalenessBuffer
+from asyncrl.pipelines.loop.buffer import StaleSampleError, StalenessBuffer
 
 
 @dataclass

@@ -17,12 +17,12 @@ import torch
 from tensordict import TensorDict
 
 from asyncrl import Dispatch, LocalWorkerGroup, register
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.presets import load_config
-from asyncrl.pipelines.presets import grpo_toy, tiny_test
-from asyncrl.pipelines import stages
-from asyncrl.pipelines.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.job.presets import load_config
+from asyncrl.pipelines.job.presets import grpo_toy, tiny_test
+from asyncrl.pipelines.loop import stages
+from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 from .fakes import R, FakePolicy, FakeReward, FakeRollout, Recorder, _step
 

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 
 class Crash(Exception):
@@ -87,7 +87,7 @@ def test_resume_errors_are_raised_before_any_worker_starts(tmp_path):
         GRPOTrainer(tiny_test(), resume=tmp_path / "empty")
     other = ckpt.checkpoint_dir(tmp_path / "run", 1)
     other.mkdir(parents=True)
-    from asyncrl.pipelines.configlib import to_dict
+    from asyncrl.pipelines.job.configlib import to_dict
 
     cfg = tiny_test()
     cfg.actor.lr = 0.5
@@ -99,8 +99,8 @@ def test_resume_errors_are_raised_before_any_worker_starts(tmp_path):
 def _fake_checkpoint(run, cfg, **extra):
     """A complete-looking checkpoint of `cfg` at step 1 (files are placeholders: only the controller's
     resume checks read them)."""
-    from asyncrl.pipelines.config import config_fingerprint
-    from asyncrl.pipelines.configlib import to_dict
+    from asyncrl.pipelines.job.config import config_fingerprint
+    from asyncrl.pipelines.job.configlib import to_dict
 
     d = ckpt.checkpoint_dir(run, 1)
     (d / "policy").mkdir(parents=True)
@@ -114,14 +114,14 @@ def _fake_checkpoint(run, cfg, **extra):
 
 
 def _data_cfg(path, out):
-    from asyncrl.pipelines.presets import load_config
+    from asyncrl.pipelines.job.presets import load_config
 
     return load_config(None, ["trainer.batch_size=8", "algorithm.group_size=4", f"data.train_files={path}",
                               f"trainer.output_dir={out}"])
 
 
 def test_a_resume_on_an_edited_data_file_is_refused_naming_the_file_and_the_fix(tmp_path):
-    from asyncrl.pipelines.datafiles import content_digest, data_digests
+    from asyncrl.pipelines.datasets.datafiles import content_digest, data_digests
     from tests.pipelines.datafiles_util import ROWS, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
@@ -146,7 +146,7 @@ def test_a_resume_on_an_edited_data_file_is_refused_naming_the_file_and_the_fix(
 
 
 async def test_in_a_running_loop_the_data_check_runs_in_setups_thread(tmp_path):
-    from asyncrl.pipelines.datafiles import data_digests
+    from asyncrl.pipelines.datasets.datafiles import data_digests
     from tests.pipelines.datafiles_util import ROWS, write_jsonl
 
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
@@ -159,7 +159,7 @@ async def test_in_a_running_loop_the_data_check_runs_in_setups_thread(tmp_path):
 
 
 def test_a_large_file_is_digested_by_size_and_its_first_and_last_mib(tmp_path):
-    from asyncrl.pipelines.datafiles import FULL_HASH_BYTES, content_digest
+    from asyncrl.pipelines.datasets.datafiles import FULL_HASH_BYTES, content_digest
 
     big = tmp_path / "big.jsonl"
     body = bytearray(b"a" * (FULL_HASH_BYTES + 3 * (1 << 20)))
@@ -179,8 +179,8 @@ def test_a_buffered_batch_keeps_its_sampling_metrics_through_a_checkpoint(tmp_pa
     import torch
     from tensordict import TensorDict
 
-    from asyncrl.pipelines.checkpointing import buffered_record, restored_batch
-    from asyncrl.pipelines.loop_state import RolloutBatch
+    from asyncrl.pipelines.checkpoints.checkpointing import buffered_record, restored_batch
+    from asyncrl.pipelines.loop.loop_state import RolloutBatch
 
     td = TensorDict({"responses": torch.tensor([[1, 2], [3, 4]]), "scores": torch.tensor([0.5, 1.0])}, batch_size=[2])
     metrics = {"sampling/gen_batches": 2.0, "sampling/filtered_groups": 3.0, "sampling/kept_groups": 1.0}

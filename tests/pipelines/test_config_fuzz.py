@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from asyncrl.pipelines.config import ConfigError, JobConfig
-from asyncrl.pipelines.presets import grpo_toy
+from asyncrl.pipelines.job.config import ConfigError, JobConfig
+from asyncrl.pipelines.job.presets import grpo_toy
 
 
 def _leaves(cfg: Any, path: str = "") -> list[tuple[str, Any]]:

@@ -12,13 +12,13 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.presets import load_config
-from asyncrl.pipelines.data import make_loader, task_pairs
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.job.presets import load_config
+from asyncrl.pipelines.datasets.data import make_loader, task_pairs
 from asyncrl.roles import RewardConfig, RewardFnError
-from asyncrl.roles.models import load_tokenizer, tiny_tokenizer
-from asyncrl.roles.reward import RewardWorker, load_reward_fn
+from asyncrl.roles.modeling.models import load_tokenizer, tiny_tokenizer
+from asyncrl.roles.scoring.reward import RewardWorker, load_reward_fn
 from tests.pipelines.datafiles_util import TEMPLATE, write, write_jsonl, write_model_dir, write_reward_file
 
 FORMATS = ["jsonl", "parquet", "hf_disk"]
@@ -136,7 +136,7 @@ def test_the_batch_signature_works_by_path_and_the_two_are_told_apart_by_their_p
     reward = write_reward_file(tmp_path / "my_reward.py")
     assert load_reward_fn(f"{reward}:compute_score")[1] == "row"
     assert load_reward_fn(f"{reward}:batch_reward")[1] == "batch"
-    assert load_reward_fn("asyncrl.roles.reward:exact_match")[1] == "batch"  # a module path too
+    assert load_reward_fn("asyncrl.roles.scoring.reward:exact_match")[1] == "batch"  # a module path too
     worker = RewardWorker(RewardConfig(fn=f"{reward}:batch_reward"))
     assert worker.compute_reward(_scored_batch(["4", "16"], ["a", "b"], [{}, {}]))["scores"].tolist() == [1.0, 2.0]
 

@@ -1,4 +1,4 @@
-"""Stage deadlines (pipelines/deadlines.py): the rollout pool's stateless stages carry
+"""Stage deadlines (pipelines/loop/deadlines.py): the rollout pool's stateless stages carry
 ``trainer.rollout_timeout_s`` by default (two pools), every stage carries ``stage_timeout_s`` when set,
 and the smaller wins. The deadline firing on a hung worker is pinned end to end in
 tests/reliability/test_defaults.py and test_faults.py."""
@@ -9,10 +9,10 @@ import pytest
 
 from asyncrl import WorkerGroup
 from asyncrl.backends.local import LocalBackend
-from asyncrl.pipelines.config import ConfigError, TrainerConfig
-from asyncrl.pipelines.deadlines import STATELESS_STAGES, Deadlined, stateless_timeout, unwrap, with_deadlines
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.job.config import ConfigError, TrainerConfig
+from asyncrl.pipelines.loop.deadlines import STATELESS_STAGES, Deadlined, stateless_timeout, unwrap, with_deadlines
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
 from asyncrl.roles import PolicyWorker, RewardWorker, RolloutWorker
 
 

@@ -11,9 +11,9 @@ import copy
 
 import pytest
 
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.sync import run_sequential
-from asyncrl.pipelines.trainer import GRPOTrainer, PPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.sync import run_sequential
+from asyncrl.pipelines.loop.trainer import GRPOTrainer, PPOTrainer
 
 COMPARED = ("version", "reward/mean", "staleness/mean", "staleness/max", "batch/version")
 

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from asyncrl.pipelines.config import ConfigError, DataConfig, EvalConfig
-from asyncrl.pipelines.data import make_loader, task_pairs
-from asyncrl.pipelines.evaluation import Evaluator
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import grpo_smollm_arith, grpo_smollm_arith_vllm, tiny_test
-from asyncrl.pipelines.sync import run_sequential
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.config import ConfigError, DataConfig, EvalConfig
+from asyncrl.pipelines.datasets.data import make_loader, task_pairs
+from asyncrl.pipelines.datasets.evaluation import Evaluator
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.job.presets import grpo_smollm_arith, grpo_smollm_arith_vllm, tiny_test
+from asyncrl.pipelines.loop.sync import run_sequential
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PromptTooLongError, load_tokenizer, tiny_tokenizer
-from asyncrl.roles.arithmetic import is_held_out
+from asyncrl.roles.scoring.arithmetic import is_held_out
 
 
 def _evaluator(tmp_path, **kw) -> Evaluator:

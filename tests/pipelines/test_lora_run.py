@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 
-from asyncrl.pipelines.checkpoint import checkpoint_dir
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.export import read_policy_state
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
-from asyncrl.roles.models import state_dict_checksums
+from asyncrl.pipelines.checkpoints.checkpoint import checkpoint_dir
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.checkpoints.export import read_policy_state
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.roles.modeling.models import state_dict_checksums
 
 
 def _config(out, steps: int = 3):
@@ -88,7 +88,7 @@ def test_the_export_of_a_lora_run_is_the_merged_model_or_with_adapter_the_peft_a
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.roles.models import load_model
+    from asyncrl.roles.modeling.models import load_model
 
     out, seen = run
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.metrics import read_jsonl
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.observe.metrics import read_jsonl
 from tests.pipelines.test_tensorboard import tensorboard_scalars
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.replay import compare_metrics
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.journaling.replay import compare_metrics
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 
 @pytest.mark.slow  # two runs: about 25 s on the loaded 2-core machine

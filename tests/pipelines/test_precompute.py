@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 from asyncrl import Dispatch, LocalWorkerGroup, register
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.trainer import GRPOTrainer, PPOTrainer, RolloutBatch
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
+from asyncrl.pipelines.loop.trainer import GRPOTrainer, PPOTrainer, RolloutBatch
 
 from .fakes import FakePolicy, FakeReward, FakeRollout, Recorder
 

@@ -9,8 +9,8 @@ import os
 import anyio
 import pytest
 
-from asyncrl.pipelines import report
-from asyncrl.pipelines.trace import Span
+from asyncrl.pipelines.observe import report
+from asyncrl.pipelines.observe.trace import Span
 
 HISTORY = [{"step": 0, "reward/mean": 0.25}, {"step": 1, "reward/mean": float("nan")}]
 SPANS = [Span("generate", "rollout", 0.0, 2.0, arrived=0.5, ran=(1.0, 2.0)), Span("update", "actor", 2.0, 3.0),

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncrl.pipelines.presets import grpo_agents_toy, tiny_test
-from asyncrl.pipelines.samples import SamplesWriter, pick_rows, read_samples, trajectory_rows
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import grpo_agents_toy, tiny_test
+from asyncrl.pipelines.observe.samples import SamplesWriter, pick_rows, read_samples, trajectory_rows
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 
 class CharTokenizer:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.presets import load_config
-from asyncrl.pipelines.sampling import extra_indices, group_stds, informative_groups, select_groups
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.job.presets import load_config
+from asyncrl.pipelines.rollout.sampling import extra_indices, group_stds, informative_groups, select_groups
 
 
 def test_groups_whose_rewards_are_all_equal_carry_no_signal():
@@ -65,9 +65,9 @@ async def test_out_of_generate_calls_the_batch_is_padded_with_the_first_dropped_
     ``prompts_per_step`` informative groups): the kept groups come first, then the first dropped groups in
     call order fill the rest, renumbered from the step's uid base, and ``sampling/padded_groups`` counts them."""
     from asyncrl import LocalWorkerGroup
-    from asyncrl.pipelines.data import PromptLoader
-    from asyncrl.pipelines.sampling import fill_batch
-    from asyncrl.pipelines.stages import AdvantageWorker
+    from asyncrl.pipelines.datasets.data import PromptLoader
+    from asyncrl.pipelines.rollout.sampling import fill_batch
+    from asyncrl.pipelines.loop.stages import AdvantageWorker
 
     class Tok:
         pad_token_id = 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from tests.pipelines.datafiles_util import write_jsonl
 
 REWARD = '''

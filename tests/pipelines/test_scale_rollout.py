@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.elastic import RolloutRangeError, WorkerRange
-from asyncrl.pipelines.journal import read_journal
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.replay import compare_metrics
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.rollout.elastic import RolloutRangeError, WorkerRange
+from asyncrl.pipelines.journaling.journal import read_journal
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.journaling.replay import compare_metrics
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 STEPS = 8
 

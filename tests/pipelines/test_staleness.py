@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 from .fakes import Recorder, fake_groups
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.presets import load_config
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.job.presets import load_config
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 STREAM_KEYS = {"staleness/max", "staleness/mean", "stream/multi_version_frac", "stream/tokens_staleness_0",
                "stream/tokens_staleness_1", "stream/in_flight", "stream/buffered", "stream/peak_in_flight",
@@ -82,7 +82,7 @@ def test_replaying_a_stream_journal_without_engine_rounds_is_refused(tmp_path):
 
 
 def _fingerprint(cfg):
-    from asyncrl.pipelines.config import config_fingerprint
+    from asyncrl.pipelines.job.config import config_fingerprint
 
     return config_fingerprint(cfg)
 
@@ -149,8 +149,8 @@ async def test_drop_stale_drops_a_group_that_finished_past_the_bound_and_counts_
 def test_stream_mode_learns_char_class(ray_cluster, tmp_path, partial):
     """The main job (grpo_toy, 60 steps) in stream mode reaches the reward batch mode reaches
     (tests/pipelines/test_main_job.py: first 5 steps < 0.3, last 5 > 0.8), within the bound."""
-    from asyncrl.pipelines.cli import main
-    from asyncrl.pipelines.metrics import read_jsonl
+    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.observe.metrics import read_jsonl
 
     out = tmp_path / "run"
     partial_key = [] if partial == "off" else [f"rollout.partial_rollout={partial}"]  # (YAML reads `off` as false)

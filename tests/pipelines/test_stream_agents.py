@@ -1,6 +1,6 @@
 """Multi-turn episodes and gateway agents in streaming mode (``trainer.rollout_mode=stream``) on real Ray:
 the streaming trainer's ``generate_requests`` runs the configured episode or agent per row through the
-request-level engine (roles/rollout_requests.py, the one seam), under admission control.
+request-level engine (roles/generation/rollout_requests.py, the one seam), under admission control.
 
 Each run records what the rollout engine sampled (every request: its ids, tokens, log-probs and versions)
 and what each step trained, and asserts, for every trained row: each model-token segment is one request's
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.stages import AdvantageWorker
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.stages import AdvantageWorker
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 
 from asyncrl import Dispatch, Execute, register
@@ -159,7 +159,7 @@ def test_stream_mode_trains_an_openai_client_agent_through_the_gateway(ray_clust
     assert [r["step"] for r in history] == [0, 1] and all(r["reward/mean"] == 1.0 for r in history)
     assert all(r["staleness/max"] <= 1 and r["actor/episode/turns_mean"] == 2.0 for r in history)
     env = check_trained_rows(trained, sampled, k=1)
-    from asyncrl.roles.models import load_tokenizer
+    from asyncrl.roles.modeling.models import load_tokenizer
 
     tok = load_tokenizer("qwen2")
     assert len(env) == 16  # one new user message per row, rendered by the chat template and encoded alone
@@ -173,7 +173,7 @@ def test_stream_mode_trains_an_openai_client_agent_through_the_gateway(ray_clust
 @pytest.mark.parametrize("overrides", [["rollout.episode=char_class_retry"],
                                        [f"rollout.agent={AGENT}:two_turns", "model.tokenizer=qwen2"]])
 def test_stream_mode_accepts_episodes_and_agents(overrides):
-    from asyncrl.pipelines.presets import load_config
+    from asyncrl.pipelines.job.presets import load_config
 
     cfg = load_config(None, ["trainer.rollout_mode=stream", *overrides])
     assert cfg.trainer.rollout_mode == "stream" and (cfg.rollout.episode or cfg.rollout.agent)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import torch
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.stream_batch import concat_groups
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.rollout.stream_batch import concat_groups
 from asyncrl.roles import PolicyWorker, RolloutConfig, RolloutWorker
 from tensordict import TensorDict
 

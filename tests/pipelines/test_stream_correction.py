@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import torch
-from asyncrl.roles import functional as F
-from asyncrl.roles.policy import RolloutCorrectionConfig
+from asyncrl.roles.training import functional as F
+from asyncrl.roles.training.policy import RolloutCorrectionConfig
 
 
 def _two_version_row():

@@ -4,10 +4,10 @@ that each evaluation equals batch mode's evaluation of the same weights on idle 
 from __future__ import annotations
 
 import pytest
-from asyncrl.pipelines.config import EvalConfig
-from asyncrl.pipelines.evaluation import Evaluator
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.config import EvalConfig
+from asyncrl.pipelines.datasets.evaluation import Evaluator
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 from tests.pipelines.test_stream import stream_config
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from asyncrl.pipelines.admission import Admission
+from asyncrl.pipelines.rollout.admission import Admission
 
 from tests.pipelines.datafiles_util import write_jsonl
 from tests.pipelines.test_sampling_run import REWARD
@@ -34,12 +34,12 @@ def test_a_rejected_group_leaves_untrained_and_frees_its_room():
 @pytest.mark.parametrize("mode", ["batch", "stream"])
 async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tmp_path, mode):
     """``max_num_gen_batches`` spent with no informative group (every reward is 0.5, fakes.ConstantReward):
-    batch mode (pipelines/sampling.py) makes its 2 generate calls and pads the whole step with call 0's
-    groups; stream mode (pipelines/stream_rollout.py) rejects one step's worth of groups, (2 - 1) * B, and
+    batch mode (pipelines/rollout/sampling.py) makes its 2 generate calls and pads the whole step with call 0's
+    groups; stream mode (pipelines/rollout/stream_rollout.py) rejects one step's worth of groups, (2 - 1) * B, and
     then trains the equal-reward groups, every one of them counted as padding."""
     import anyio
-    from asyncrl.pipelines.presets import tiny_test
-    from asyncrl.pipelines.trainer import GRPOTrainer
+    from asyncrl.pipelines.job.presets import tiny_test
+    from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
     from .fakes import ConstantReward, Recorder, fake_groups
 
@@ -76,7 +76,7 @@ async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tm
 
 @pytest.mark.slow  # a real run, ~20 s on a loaded 2-core machine
 async def test_stream_mode_trains_only_groups_with_reward_variance(ray_cluster, tmp_path):
-    from asyncrl.pipelines.trainer import GRPOTrainer
+    from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
     rows = [{"prompt": f"say {w}", "reward_model": {"ground_truth": w}, "data_source": "const" if i % 2 else "vary"}
             for i, w in enumerate(["cat", "dog", "sun", "sea", "red", "blue", "tree", "bird"])]

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl import Dispatch, register
-from asyncrl.pipelines.elastic import RolloutRangeError
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.rollout_loop import batch_seed
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.rollout.elastic import RolloutRangeError
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.rollout.rollout_loop import batch_seed
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 from asyncrl.roles.errors import PreemptedError
 

@@ -13,8 +13,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from asyncrl.pipelines.rollout_loop import batch_seed
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.rollout.rollout_loop import batch_seed
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 from tensordict import TensorDict, TensorDictBase
 

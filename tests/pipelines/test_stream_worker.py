@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles._util import response_log_probs
 from tensordict import TensorDict

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.pipelines.metrics import MetricsWriter, read_jsonl
+from asyncrl.pipelines.observe.metrics import MetricsWriter, read_jsonl
 
 
 def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

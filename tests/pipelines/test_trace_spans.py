@@ -9,7 +9,7 @@ import time
 import pytest_asyncio
 
 from asyncrl import RayWorkerGroup
-from asyncrl.pipelines.trace import Tracer
+from asyncrl.pipelines.observe.trace import Tracer
 from tests.core.workers import Probe
 
 

@@ -13,7 +13,7 @@ import pytest_asyncio
 import torch
 
 from asyncrl import LocalWorkerGroup, RayWorkerGroup
-from asyncrl.pipelines.trace import WAIT_LANES, Tracer
+from asyncrl.pipelines.observe.trace import WAIT_LANES, Tracer
 from tests.core.workers import Probe
 
 

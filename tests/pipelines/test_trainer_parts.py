@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from asyncrl.pipelines.loop_state import LoopState, RolloutBatch
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.rollout_loop import BatchRollout, Rollout
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.rollout.rollout_loop import BatchRollout, Rollout
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 from .fakes import Recorder, fake_groups
 

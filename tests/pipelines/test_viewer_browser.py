@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from asyncrl.pipelines import viewer
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.samples import read_samples
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.observe import viewer
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.observe.samples import read_samples
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from tests.pipelines.test_samples import check_run
 from tests.pipelines.test_viewer import HOSTILE, make_run, sample
 

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.metrics import MetricsWriter
-from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.observe.metrics import MetricsWriter
+from asyncrl.pipelines.job.presets import tiny_test
 
 BLOCK = 32768
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.roles import PolicyWorker, RewardWorker, RolloutWorker
-from asyncrl.roles.reward import RewardInput, register_reward_fn
+from asyncrl.roles.scoring.reward import RewardInput, register_reward_fn
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ import asyncrl
 from asyncrl import Dispatch, LocalWorkerGroup, Worker, register
 from asyncrl import batch as B
 from asyncrl.dispatch import World, collect_dp, dispatch_dp
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.presets import load_config
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.job.presets import load_config
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 CALL_BOUND_S = 10.0
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.configlib import to_dict
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from tests.reliability.conftest import wait_for_file
 
 STEPS = 6
@@ -54,7 +54,7 @@ def _weights(run: Path, step: int) -> str:
 
 
 def _cli(cfg_file: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.pipelines.cli", "train", "--config", str(cfg_file), *extra]
+    return [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--config", str(cfg_file), *extra]
 
 
 @pytest.mark.slow

@@ -15,11 +15,11 @@ import sys
 import pytest
 import yaml
 
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.config import RestartConfig, TrainerConfig
-from asyncrl.pipelines.configlib import to_dict
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import tiny_test
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.job.config import RestartConfig, TrainerConfig
+from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.job.presets import tiny_test
 from tests.reliability.conftest import live_actors, settled
 from tests.reliability.faults import FaultyPolicy, FaultyRollout
 from tests.reliability.test_faults import STEPS, _exactly_once, _fault, run_with_fault
@@ -129,7 +129,7 @@ async def test_a_killed_controller_resumes_from_a_checkpoint_at_most_checkpoint_
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(to_dict(cfg.validate())))
     run = tmp_path / "run"
-    cli = [sys.executable, "-m", "asyncrl.pipelines.cli", "train", "--config", str(cfg_file)]
+    cli = [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--config", str(cfg_file)]
     env = {**os.environ, "RAY_ADDRESS": ""}
     with (tmp_path / "killed.log").open("w") as log:
         proc = subprocess.Popen(cli, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)

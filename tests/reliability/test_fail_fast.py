@@ -33,12 +33,12 @@ from typing import Callable
 import pytest
 import yaml
 
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines.cli import main
-from asyncrl.pipelines.configlib import to_dict
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 CONFIG_ERROR_BOUND_S = 60.0
 """``asyncrl train`` with a bad value exits within this (it never starts Ray: the time is Python's
@@ -57,7 +57,7 @@ BAD = [
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.pipelines.cli", *args]
+    return [sys.executable, "-m", "asyncrl.pipelines.job.cli", *args]
 
 
 def _env() -> dict[str, str]:
@@ -146,8 +146,8 @@ async def test_a_killed_worker_ends_the_cli_with_a_one_line_error_and_status_1(r
 SECOND_FIT = """
 import sys
 import asyncrl
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from tests.reliability.faults import BuggyReward
 
 cfg = tiny_test()
@@ -240,9 +240,9 @@ async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray
 
 ABANDON = """
 import os, signal, sys, threading, time
-from asyncrl.pipelines.interrupt import RunAbandoned
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.supervision.interrupt import RunAbandoned
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from tests.reliability.faults import DelayedPolicy
 
 cfg = tiny_test()

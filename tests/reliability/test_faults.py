@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 import asyncrl
-from asyncrl.pipelines.journal import read_journal
-from asyncrl.pipelines.metrics import read_jsonl
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer, is_worker_fault
+from asyncrl.pipelines.journaling.journal import read_journal
+from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer, is_worker_fault
 from tests.reliability.conftest import live_actors, placement_groups, settled, wait_for_file
 from tests.reliability.faults import BuggyReward, Fault, FaultyPolicy, FaultyRollout
 

@@ -1,6 +1,6 @@
 """Nothing heavy runs on the controller's event loop while ``fit()`` trains: the trace file,
 checkpoint serialisation, hashing and fsync go to worker threads, the report (matplotlib, which
-holds the GIL for long stretches) to a child process, and a heartbeat on the loop (:class:`asyncrl.pipelines.heartbeat.LoopLag`) never
+holds the GIL for long stretches) to a child process, and a heartbeat on the loop (:class:`asyncrl.pipelines.supervision.heartbeat.LoopLag`) never
 sees a stall beyond a generous bound.
 
 The thread checks are exact and are what catch a regression; the lag bound is only a no-freeze
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import threading
 
-from asyncrl.pipelines import checkpoint as ckpt
-from asyncrl.pipelines import report
-from asyncrl.pipelines.heartbeat import LoopLag
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trace import Tracer
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.observe import report
+from asyncrl.pipelines.supervision.heartbeat import LoopLag
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.observe.trace import Tracer
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 LOOP_STALL_BOUND_S = 5.0
 """The worst heartbeat delay allowed during ``fit()``: a no-freeze bound (see the module docstring)."""

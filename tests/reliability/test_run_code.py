@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.cli import main
+from asyncrl.pipelines.job.cli import main
 
 REWARD = '''
 import os

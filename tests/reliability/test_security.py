@@ -63,8 +63,8 @@ def test_no_code_executing_loader_on_any_config_or_data_path():
 
 def test_checkpoint_loads_go_through_safetensors_or_weights_only():
     loads = [(rel, name) for rel, _, name, call in _calls() if name in ("torch.load", "load_file", "load_model")]
-    assert ("pipelines/checkpointing.py", "torch.load") in loads  # the buffered batches
-    assert ("roles/policy.py", "load_model") in loads  # weights: safetensors
+    assert ("pipelines/checkpoints/checkpointing.py", "torch.load") in loads  # the buffered batches
+    assert ("roles/training/policy.py", "load_model") in loads  # weights: safetensors
     assert all(_kw(c, "weights_only") is True for _, _, n, c in _calls() if n == "torch.load")
 
 

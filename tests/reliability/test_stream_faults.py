@@ -15,8 +15,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 
 from asyncrl import Dispatch, register

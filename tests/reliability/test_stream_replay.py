@@ -1,5 +1,5 @@
 """A streaming partial-rollout run replays bit for bit (issue 29 item 6): ``asyncrl replay`` follows the
-journal's admissions and step groups while the engines re-run their recorded rounds (pipelines/stream_replay.py).
+journal's admissions and step groups while the engines re-run their recorded rounds (pipelines/journaling/stream_replay.py).
 
 * Real Ray, the tiny model on ``char_class``: stream mode, ``partial_rollout=recompute``, ``max_staleness=2``,
   decoding slowed by seeded random sleeps so weight updates land mid-generation; the replay (no sleeps:
@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from asyncrl.pipelines.config import config_fingerprint
-from asyncrl.pipelines.configlib import to_dict
-from asyncrl.pipelines.journal import JournalError, read_journal
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.pipelines.replay import replay
-from asyncrl.pipelines.rounds import read_rounds
-from asyncrl.pipelines.stages import AdvantageWorker
-from asyncrl.pipelines.trainer import GRPOTrainer
+from asyncrl.pipelines.job.config import config_fingerprint
+from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.journaling.journal import JournalError, read_journal
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.journaling.replay import replay
+from asyncrl.pipelines.journaling.rounds import read_rounds
+from asyncrl.pipelines.loop.stages import AdvantageWorker
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 
 import asyncrl
@@ -157,7 +157,7 @@ def test_a_stream_run_with_evaluation_or_dynamic_sampling_replays_bit_for_bit(ra
     """Held-out evaluation (the weight loop evaluates due versions between loads) or dynamic sampling
     (finished groups rejected, others admitted in their room) in a streaming partial-rollout run: the
     replay reaches the same metrics and final weights."""
-    from asyncrl.pipelines.config import EvalConfig
+    from asyncrl.pipelines.job.config import EvalConfig
 
     run = tmp_path / "run"
     cfg = stream_cfg(run)
@@ -209,7 +209,7 @@ def test_a_gateway_stream_run_replays_when_its_agent_is_deterministic_and_fails_
     sessions = [e for c in read_rounds(run / "rounds.jsonl") for rank in c["ranks"] for e in rank if "session" in e]
     trained_groups = [g for t in range(3) for g in read_journal(run).steps[t]["groups"]]
     keys = {e["session"] for e in sessions}
-    from asyncrl.pipelines.loop_state import batch_seed
+    from asyncrl.pipelines.loop.loop_state import batch_seed
 
     assert {f"{batch_seed(cfg, g)}:{j}" for g in trained_groups for j in range(cfg.group_size)} <= keys
     assert all(len(e["requests"]) == 2 for e in sessions)  # the agent's two requests, each with its answer

@@ -50,10 +50,10 @@ def prompt_batch():
 
 async def _channel_sender(rollout, name: str):
     """Join `rollout` to a 2-rank gloo weight channel `name` whose sender (channel rank 0) lives in
-    this process; returns the sender's :class:`~asyncrl.roles.weight_channel.WeightChannel`."""
+    this process; returns the sender's :class:`~asyncrl.roles.weights.weight_channel.WeightChannel`."""
     import asyncio
 
-    from asyncrl.roles.weight_channel import WeightChannel, free_port
+    from asyncrl.roles.weights.weight_channel import WeightChannel, free_port
 
     port = free_port()
     join = asyncio.ensure_future(rollout.join_weight_channel(name, "127.0.0.1", port, 2, "gloo", timeout_s=30))

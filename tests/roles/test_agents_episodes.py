@@ -15,11 +15,11 @@ import torch
 from asyncrl.roles import PolicyWorker, RewardWorker, RolloutConfig, RolloutWorker, tiny_tokenizer
 from asyncrl.roles.engines import SamplingParams
 from asyncrl.roles.engines.batcher import Generation
-from asyncrl.roles.environments import (Calculator, Environment, StepResult, class_fraction, environment_episode,
+from asyncrl.roles.agentic.environments import (Calculator, Environment, StepResult, class_fraction, environment_episode,
                                         register_environment)
-from asyncrl.roles.episodes import LLM, Sample, Trajectory, register_episode
+from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, register_episode
 from asyncrl.roles.errors import EpisodeConfigError, EpisodeError, TrajectoryError
-from asyncrl.roles.tools import Tool, call_tool, tool
+from asyncrl.roles.agentic.tools import Tool, call_tool, tool
 
 TOK = tiny_tokenizer()
 
@@ -268,7 +268,7 @@ async def test_chat_messages_need_a_tokenizer_with_a_chat_template():
 
 
 def test_chat_messages_become_the_templates_token_ids():
-    from asyncrl.roles.models import load_tokenizer
+    from asyncrl.roles.modeling.models import load_tokenizer
 
     tok = load_tokenizer("qwen2")
     llm = LLM(None, tok, SamplingParams(max_new_tokens=2), 8)  # type: ignore[arg-type]

@@ -11,9 +11,9 @@ import torch
 
 import asyncrl
 from asyncrl import Dispatch, register
-from asyncrl.pipelines.stages import AdvantageWorker
+from asyncrl.pipelines.loop.stages import AdvantageWorker
 from asyncrl.roles import OptimConfig, PolicyWorker, RolloutConfig, RolloutCorrectionConfig, RolloutWorker
-from asyncrl.roles.episodes import LLM, Sample, Trajectory, register_episode
+from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, register_episode
 
 
 class GradProbe(PolicyWorker):
@@ -129,8 +129,8 @@ async def test_two_policy_ranks_train_like_one_on_unequal_masked_episodes(two_po
 def test_gae_over_an_episode_is_gae_over_its_model_tokens_alone():
     """PPO on episodes: the terminal reward sits on the last model token and GAE skips environment
     tokens (verl's observation-token skipping), so the advantages equal those of the compacted row."""
-    from asyncrl.pipelines.stages import terminal_rewards
-    from asyncrl.roles import functional as F
+    from asyncrl.pipelines.loop.stages import terminal_rewards
+    from asyncrl.roles.training import functional as F
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
     values = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from asyncrl.roles import RewardConfig, RewardFnError, RewardWorker
-from asyncrl.roles.arithmetic import (
+from asyncrl.roles.scoring.arithmetic import (
     INSTRUCTION,
     OPS,
     Problem,
@@ -20,7 +20,7 @@ from asyncrl.roles.arithmetic import (
     make_problems,
     prompt_text,
 )
-from asyncrl.roles.reward import RewardInput, get_reward_fn
+from asyncrl.roles.scoring.reward import RewardInput, get_reward_fn
 
 
 def test_answers_are_the_arithmetic_of_the_operands():

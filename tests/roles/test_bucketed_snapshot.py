@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from asyncrl.roles.weight_channel import OK, WeightChannel, _buckets, _one_buffer, bucketed_snapshot, free_port, layout_of
+from asyncrl.roles.weights.weight_channel import OK, WeightChannel, _buckets, _one_buffer, bucketed_snapshot, free_port, layout_of
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Device selection, precision and GPU-memory checks of the roles (asyncrl.roles.device).
+"""Device selection, precision and GPU-memory checks of the roles (asyncrl.roles.modeling.device).
 
 This machine has no GPU, so "no GPU" is real here: a role asked for ``cuda`` fails at
 construction. What the CPU cannot show (a GPU index past the visible ones, a CPU or GPU
@@ -25,15 +25,15 @@ from asyncrl.roles import (
     RolloutConfig,
     RolloutWorker,
 )
-from asyncrl.roles.device import (
+from asyncrl.roles.modeling.device import (
     check_gpu_memory,
     cpu_supports_bf16,
     estimate_model_bytes,
     resolve_device,
     resolve_precision,
 )
-from asyncrl.roles.functional import grpo_advantages
-from asyncrl.roles.models import state_dict_checksums
+from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.modeling.models import state_dict_checksums
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)

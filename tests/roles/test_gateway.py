@@ -18,9 +18,9 @@ from openai import AsyncOpenAI, AuthenticationError
 
 from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles.engines import SamplingParams
-from asyncrl.roles.episodes import pack_trajectories
-from asyncrl.roles.gateway import Gateway, parse_tool_calls
-from asyncrl.roles.models import ModelConfig
+from asyncrl.roles.agentic.episodes import pack_trajectories
+from asyncrl.roles.agentic.gateway import Gateway, parse_tool_calls
+from asyncrl.roles.modeling.models import ModelConfig
 
 R = 160  # most tokens after a row's prompt
 GEN = 6  # the trainer's max_new_tokens
@@ -221,7 +221,7 @@ async def test_tools_reach_the_template_and_a_tool_round_trip_extends_the_row(se
 async def test_a_template_that_drops_earlier_reasoning_starts_a_new_row():
     """The Qwen2/3 template renders an earlier assistant turn without its ``<think>`` part, so the next
     request no longer extends the text the model's tokens stand for (a scripted engine writes the reasoning)."""
-    from asyncrl.roles.models import load_tokenizer
+    from asyncrl.roles.modeling.models import load_tokenizer
 
     tok = load_tokenizer("qwen2")
     said = tok.encode("<think>\nhmm\n</think>\n\nfour", add_special_tokens=False) + [tok.eos_token_id]

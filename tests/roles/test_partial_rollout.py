@@ -331,7 +331,7 @@ async def test_a_load_that_fails_mid_generation_fails_the_requests_in_flight_and
 # ---- bad input ---------------------------------------------------------------------------------
 
 
-@register_engine("test_no_partial_rollout")
+@register_engine("test_no_partial_rollout", replace=True)  # also imported by test_request_seam
 class _NoPartialEngine(HFEngine):
     partial_rollout_modes = ()
 

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from asyncrl.pipelines import data
-from asyncrl.roles import environments, episodes, reward, tools
+from asyncrl.pipelines.datasets import data
+from asyncrl.roles.agentic import environments, episodes, tools
+from asyncrl.roles.scoring import reward
 from asyncrl.roles.engines import base as engines
 from asyncrl.roles.errors import EpisodeConfigError, UnknownNameError
 from asyncrl.roles.registry import Registry

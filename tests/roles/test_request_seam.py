@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncrl.roles import RolloutConfig, RolloutWorker
-from asyncrl.roles.episodes import LLM, Sample, Trajectory, register_episode
+from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, register_episode
 
 from tests.forward_hooks import update_at_forwards
 from tests.roles.test_partial_rollout import perturbed, teacher_forced

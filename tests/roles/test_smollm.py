@@ -29,10 +29,10 @@ from asyncrl.roles import (
     RolloutWorker,
     load_model,
 )
-from asyncrl.roles.arithmetic import compute_score, make_problems
-from asyncrl.roles.functional import grpo_advantages
-from asyncrl.roles.gguf import gguf_model_dir, resolve_gguf
-from asyncrl.roles.models import state_dict_checksums, tokenizer_for
+from asyncrl.roles.scoring.arithmetic import compute_score, make_problems
+from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.modeling.gguf import gguf_model_dir, resolve_gguf
+from asyncrl.roles.modeling.models import state_dict_checksums, tokenizer_for
 
 
 def _missing_extra() -> list[str]:
@@ -158,7 +158,7 @@ async def test_a_prompt_longer_than_the_context_is_refused_with_the_fix():
 
 def test_concurrent_first_conversions_convert_once(tmp_path):
     """Two processes asking for the same GGUF at once: one converts, the other waits and reuses it."""
-    code = ("import sys, time, json; from asyncrl.roles.gguf import gguf_model_dir; t = time.time(); "
+    code = ("import sys, time, json; from asyncrl.roles.modeling.gguf import gguf_model_dir; t = time.time(); "
             "d = gguf_model_dir(sys.argv[1], cache_dir=sys.argv[2]); "
             "print(json.dumps({'dir': str(d), 'end': time.time()}))")
     procs = [subprocess.Popen([sys.executable, "-c", code, SMOLLM2_135M_INSTRUCT, str(tmp_path)],
@@ -176,8 +176,8 @@ def test_concurrent_first_conversions_convert_once(tmp_path):
 
 
 def test_the_preset_trains_one_step_and_evaluates_before_and_after(ray_cluster, tmp_path):
-    from asyncrl.pipelines.cli import main
-    from asyncrl.pipelines.metrics import read_jsonl
+    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.observe.metrics import read_jsonl
 
     out = tmp_path / "run"
     assert main(["train", "--preset", "grpo_smollm_arith", f"trainer.output_dir={out}", "trainer.steps=1",

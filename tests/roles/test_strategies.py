@@ -19,8 +19,8 @@ import asyncrl
 from asyncrl import Dispatch, register
 from asyncrl.roles import (CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker,
                            RolloutConfig, RolloutCorrectionConfig, RolloutWorker, open_weight_channel, sync_weights)
-from asyncrl.roles.models import tensor_checksum
-from asyncrl.roles.functional import LOSS_AGG_MODES
+from asyncrl.roles.modeling.models import tensor_checksum
+from asyncrl.roles.training.functional import LOSS_AGG_MODES
 
 
 class StrategyProbe(PolicyWorker):
@@ -196,8 +196,8 @@ def test_a_bad_strategy_is_a_value_error_naming_the_choices():
 
 def test_fsdp2_on_a_model_without_decoder_layers_says_to_use_ddp(model_config):
     from asyncrl.roles._util import DataParallel
-    from asyncrl.roles.device import resolve_placement
-    from asyncrl.roles.strategy import TrainStrategy
+    from asyncrl.roles.modeling.device import resolve_placement
+    from asyncrl.roles.training.strategy import TrainStrategy
 
     placement = resolve_placement(model_config, 0, trained=True, who="test")
     with pytest.raises(ValueError, match=r"PolicyWorker: strategy=fsdp2 shards a model per decoder layer, but Linear "
@@ -207,7 +207,7 @@ def test_fsdp2_on_a_model_without_decoder_layers_says_to_use_ddp(model_config):
 
 def test_the_layers_fsdp2_shards_are_read_from_a_model_directory(model_config, tmp_path):
     from asyncrl.roles import load_model, save_model_dir
-    from asyncrl.roles.strategy import layer_classes
+    from asyncrl.roles.training.strategy import layer_classes
 
     model, tok = load_model(model_config)
     save_model_dir(model, tok, str(tmp_path))

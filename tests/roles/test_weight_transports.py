@@ -36,8 +36,8 @@ from asyncrl.roles import (
     open_weight_channel,
     sync_weights,
 )
-from asyncrl.roles.functional import grpo_advantages
-from asyncrl.roles.models import state_dict_checksums
+from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.modeling.models import state_dict_checksums
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only worker subclasses
@@ -136,7 +136,7 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _channels(n: int, timeout_s: float, bucket_bytes: int = 1 << 20):
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.weight_channel import WeightChannel, free_port
+    from asyncrl.roles.weights.weight_channel import WeightChannel, free_port
 
     port = free_port()
     with ThreadPoolExecutor(n) as ex:
@@ -148,7 +148,7 @@ def _channels(n: int, timeout_s: float, bucket_bytes: int = 1 << 20):
 def test_channel_moves_mixed_dtypes_bit_exactly_across_unaligned_bucket_offsets():
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.weight_channel import OK, layout_of
+    from asyncrl.roles.weights.weight_channel import OK, layout_of
 
     g = torch.Generator().manual_seed(0)
     state = {"a": torch.randn(3, generator=g).to(torch.bfloat16),  # 6 bytes: what follows is unaligned
@@ -169,7 +169,7 @@ def test_channel_moves_mixed_dtypes_bit_exactly_across_unaligned_bucket_offsets(
 def test_receive_buffers_are_reused_across_transfers_except_those_a_rollback_keeps():
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.weight_channel import OK, layout_of
+    from asyncrl.roles.weights.weight_channel import OK, layout_of
 
     versions = {v: {"a": torch.full((5, 7), float(v)), "b": torch.arange(3, dtype=torch.int64) + v} for v in (1, 2, 3, 4)}
     layout = layout_of(versions[1])
@@ -204,7 +204,7 @@ async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_cha
     channel's receive buffers: the next receive must not write over it."""
     import asyncio
 
-    from asyncrl.roles.weight_channel import layout_of
+    from asyncrl.roles.weights.weight_channel import layout_of
 
     rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
     root = await channel_sender(rollout, "v")
@@ -234,7 +234,7 @@ async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_cha
 async def test_local_snapshots_reuse_retired_buffers_but_never_a_rollback_point(model_config):
     """A new snapshot writes over a retired one (no fresh memory per sync), unless a verified rollout
     still keeps that one as its rollback point."""
-    from asyncrl.roles.transfer import SNAPSHOTS
+    from asyncrl.roles.weights.transfer import SNAPSHOTS
 
     policy = PolicyWorker(model_config, OptimConfig(lr=0.1))
     rollout = RolloutWorker(model_config, RolloutConfig(verify_checksums=True))
@@ -265,7 +265,7 @@ async def test_local_snapshots_reuse_retired_buffers_but_never_a_rollback_point(
 def test_a_stalled_member_ends_the_transfer_at_the_deadline_on_every_other_member():
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncrl.roles.weight_channel import OK, layout_of
+    from asyncrl.roles.weights.weight_channel import OK, layout_of
 
     state = {"w": torch.ones(4)}
     layout = layout_of(state)
@@ -284,7 +284,7 @@ def test_a_stalled_member_ends_the_transfer_at_the_deadline_on_every_other_membe
 
 
 def test_channel_backend_follows_the_members_devices():
-    from asyncrl.roles.weight_channel import channel_backend
+    from asyncrl.roles.weights.weight_channel import channel_backend
 
     def m(pid, device, uuid):
         return {"node": "n", "pid": pid, "device": device, "uuid": uuid}
@@ -425,7 +425,7 @@ class _Storer:
     """A plain Ray actor: ``store_state`` there makes an object it owns, as the policy does."""
 
     def store_and_read(self, extra_complex: bool) -> tuple[str, dict[str, str], bool]:
-        from asyncrl.roles.transfer import PackedState, store_state
+        from asyncrl.roles.weights.transfer import PackedState, store_state
 
         state = {"w": torch.arange(12.0).reshape(4, 3) / 7, "i": torch.arange(3)}
         if extra_complex:

@@ -35,8 +35,8 @@ from asyncrl.roles import (
     tiny_tokenizer,
 )
 from asyncrl.roles.engines import Completion
-from asyncrl.roles.functional import grpo_advantages
-from asyncrl.roles.models import qwen2_tokenizer_dir
+from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.modeling.models import qwen2_tokenizer_dir
 
 
 # ---------------------------------------------------------------- models and tokenizers
@@ -339,7 +339,7 @@ async def test_reward_functions_and_their_errors(model_config, prompt_batch):
 
 
 def test_char_class_scores_by_hand():
-    from asyncrl.roles.reward import RewardInput, char_class
+    from asyncrl.roles.scoring.reward import RewardInput, char_class
 
     x = RewardInput(responses=[], prompts=None, answers=["digits", "vowels"], response_ids=[],
                     response_tokens=[["12", " 3", "a", "<|endoftext|>"], ["a", " io", "b", "7"]], max_new_tokens=4)

@@ -1,0 +1,1 @@
+"""Checkpoints: the files, saving and restoring them, exporting a Hugging Face model."""

@@ -1,0 +1,1 @@
+"""Prompts and answers: tasks, data files, held-out evaluation."""

@@ -1,0 +1,1 @@
+"""A job's definition and entry point: config dataclasses, presets, validation, the CLI."""

@@ -1,0 +1,1 @@
+"""The run journal and exact replay (batch and streaming)."""

@@ -1,0 +1,232 @@
+"""The run journal as an observer of the loops (the file format: :mod:`asyncrl.pipelines.journaling.journal`).
+
+The loops report to it in one line each -- a batch generated, a step trained, a batch dropped
+-- and the rollout loop asks it which weight version a batch must follow (resume, restart,
+replay). It never changes what the loops do otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Protocol
+
+import anyio.to_thread
+import structlog
+
+from asyncrl.pipelines.job.config import config_fingerprint, fingerprint_diff
+from asyncrl.pipelines.datasets.datafiles import code_digests
+from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.journaling.journal import JOURNAL, Journal, JournalData, JournalError, read_journal
+from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed
+from asyncrl.pipelines.journaling.rounds import ROUNDS, RoundFile, records_rounds
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.job.config import JobConfig
+    from asyncrl.pipelines.datasets.data import PromptLoader
+    from asyncrl.pipelines.loop.loop_state import LoopState
+    from asyncrl.pipelines.loop.stages import Groups
+
+__all__ = ["RunJournal", "weights_digest"]
+
+
+class RunJournalOwner(Protocol):
+    """What :class:`RunJournal` reads of the trainer that owns it."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+    loader: PromptLoader | None
+    output_dir: Path
+
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+def weights_digest(checksums: Mapping[str, str]) -> str:
+    """One sha256 over a ``{name: checksum}`` dict of weights (order-independent)."""
+    return hashlib.sha256(json.dumps(dict(sorted(checksums.items()))).encode()).hexdigest()
+
+
+class RunJournal:
+    """Writes ``<output_dir>/journal.jsonl`` as the loops run and holds the versions to follow.
+
+    Args:
+        trainer: the trainer it observes.
+        replay: a run journal (or a run directory holding ``journal.jsonl``) whose batches this run
+            generates with exactly the recorded weight versions; it must be the same config's.
+    """
+
+    def __init__(self, trainer: RunJournalOwner, replay: str | Path | None = None) -> None:
+        self._trainer = trainer
+        self._file: Journal | None = None
+        self._schedule: dict[int, int] = {}  # batch index -> weight version to follow
+        self._replay: JournalData | None = None
+        self._rounds: RoundFile | None = None  # streaming on HF: the engines' round log (rounds.jsonl)
+        self._fetch: asyncio.Task[None] | None = None  # the newest round-log fetch (each awaits the one before)
+        self.replay_source = Path(replay) if replay is not None else None
+        """The journal (or run directory) this run replays."""
+        if replay is not None:
+            self._replay = read_journal(replay)
+            header = self._replay.header or {}
+            if header.get("fingerprint") != config_fingerprint(trainer.config):
+                diff = fingerprint_diff(header.get("config") or {}, to_dict(trainer.config))
+                raise JournalError(f"the journal {str(replay)!r} was written by a different config (differs in: "
+                                   f"{', '.join(diff) or '?'}); replay with the run's own config")
+
+    def open(self, resume: Path | None) -> None:
+        """Open the journal (blocking file I/O: call it in a thread): continue the resumed run's
+        (rewound to its checkpoint `resume`, following the versions it recorded after it), or
+        follow a replayed run's, or start a new one."""
+        tr = self._trainer
+        config = to_dict(tr.config)
+        header = {"fingerprint": config_fingerprint(tr.config), "config": config, "code_digests": code_digests(config)}
+        previous = None
+        source = resume.parent.parent / JOURNAL if resume is not None else None
+        if source is not None and source.is_file():
+            previous = read_journal(source)
+        if records_rounds(tr.config) and self._replay is None:
+            header["rounds"] = ROUNDS
+            self._rounds = RoundFile(tr.output_dir / ROUNDS)
+            self._rounds.start(source.with_name(ROUNDS) if source is not None else None, tr.state.start_step)
+        self._file = Journal(tr.output_dir / JOURNAL)
+        schedule = self._file.start(header, previous=previous, next_gen=tr.state.next_gen,
+                                    start_step=tr.state.start_step)
+        if self._replay is not None:
+            schedule = self._replay.schedule()
+            self._check_replay(self._replay)
+        self._schedule = schedule
+
+    def _check_replay(self, data: JournalData) -> None:
+        tr = self._trainer
+        assert tr.loader is not None
+        for i, b in sorted(data.batches.items()):
+            if list(b["prompts"]) != tr.loader.indices(i) or int(b["seed"]) != batch_seed(tr.config, i):
+                raise JournalError(f"batch {i} of the journal has other prompts or another seed than this run "
+                                   "would use; replay with the journal's config and data")
+
+    async def rewind(self) -> None:
+        """Back to the restored state's position (a restart): drop what was recorded after it and
+        follow the versions recorded for the batches after it (a replay keeps following its own)."""
+        if self._file is None or self._replay is not None:
+            return
+        journal, s, rounds = self._file, self._trainer.state, self._rounds
+        await self._fetched()
+        self._schedule = await anyio.to_thread.run_sync(
+            lambda: journal.rewind(next_gen=s.next_gen, start_step=s.start_step))
+        if rounds is not None:
+            await anyio.to_thread.run_sync(lambda: rounds.start(rounds.path, s.start_step))
+
+    @property
+    def replaying(self) -> bool:
+        """True when this run follows a replayed journal's versions."""
+        return self._replay is not None
+
+    @property
+    def replayed(self) -> JournalData | None:
+        """The journal this run replays (None: not a replay)."""
+        return self._replay
+
+    def rounds(self, step: int, epoch: int) -> None:
+        """Streaming: step `step` chose its groups; fetch the engines' rounds since the last fetch (every round
+        of those groups) and append them to ``rounds.jsonl`` -- in a task, so the step does not wait for the
+        rollout workers' ordered lane (a weight update may hold it). `epoch`: rollout-pool replacements so far."""
+        tr, file = self._trainer, self._rounds
+        if file is None or tr.groups is None:
+            return
+        try:
+            call = tr.groups.rollout.round_log(True)
+        except AttributeError:  # a custom rollout worker without a round log
+            call = None
+        before = self._fetch
+
+        async def fetch() -> None:
+            if before is not None:
+                await asyncio.wait([before])
+            try:
+                if call is None:
+                    raise RuntimeError("the rollout worker has no round_log")
+                ranks, lost = list(await call), None
+            except Exception as e:  # noqa: BLE001 - a dead rollout worker's rounds are gone: say so (replay refuses)
+                ranks, lost = None, f"{type(e).__name__}: {e}"
+            await anyio.to_thread.run_sync(file.append, step, epoch, ranks, lost)
+
+        self._fetch = asyncio.get_running_loop().create_task(fetch(), name=f"round log of step {step}")
+
+    async def _fetched(self) -> None:
+        """Until the round-log fetches issued so far are written -- at most ``trainer.rollout_timeout_s`` (the
+        fetch waits its turn behind the score calls of groups still generating; a hung rollout worker must not
+        hang the run's end: the fetch is then cancelled, and a replay refuses the run for its missing rounds)."""
+        fetch = self._fetch
+        if fetch is None or fetch.done():
+            return
+        limit = self._trainer.config.trainer.rollout_timeout_s
+        done, _ = await asyncio.wait([fetch], timeout=limit)
+        if not done:
+            fetch.cancel()
+            log.warning("journal.round_log_timeout", timeout_s=limit,
+                        detail="the last round-log fetch did not return; this run cannot be replayed")
+
+    def planned(self, index: int) -> int | None:
+        """The weight version batch `index` must be generated with, when the journal says."""
+        return self._schedule.get(index)
+
+    def batch(self, index: int, version: int) -> None:
+        """Batch `index` was generated and scored with weights `version`."""
+        tr = self._trainer
+        if self._file is not None and tr.loader is not None:
+            self._file.batch(index, prompts=tr.loader.indices(index), seed=batch_seed(tr.config, index),
+                             version=version, rows=tr.config.trainer.batch_size)
+
+    def step(self, step: int, item: RolloutBatch) -> None:
+        """Step `step` trains on `item`."""
+        if self._file is not None:
+            self._file.step(step, batch=item.step, version=item.version, groups=item.groups)
+
+    def group(self, index: int, *, seed: int, version: int) -> None:
+        """Streaming: prompt group `index` was admitted at `version` (sampling with `seed`)."""
+        if self._file is not None:
+            self._file.group(index, seed=seed, version=version)
+
+    def load(self, version: int) -> None:
+        """Streaming: the rollout starts loading weights `version`."""
+        if self._file is not None:
+            self._file.load(version)
+
+    def group_dropped(self, index: int, *, version: int, at_version: int) -> None:
+        """Streaming with ``drop_stale``: group `index` was dropped as too stale at `at_version`."""
+        if self._file is not None:
+            self._file.group_drop(index, version=version, at_version=at_version)
+
+    def group_filtered(self, index: int, *, version: int) -> None:
+        """Streaming with ``algorithm.filter_groups``: group `index` had equal rewards and was rejected."""
+        if self._file is not None:
+            self._file.group_filter(index, version=version)
+
+    def drop(self, item: RolloutBatch, current: int) -> None:
+        """`item` was dropped as too stale at policy version `current` (the buffer's ``on_drop``)."""
+        if self._file is not None:
+            self._file.drop(item.step, version=item.version, at_version=current)
+
+    async def end(self) -> None:
+        """The run finished (or stopped cleanly): record the steps done and the weights' digest."""
+        tr = self._trainer
+        if self._file is None or tr.groups is None:
+            return
+        await self._fetched()
+        try:
+            sums = await tr.groups.policy.weights_checksum()
+        except AttributeError:  # a custom policy without checksums
+            digest = None
+        else:
+            digest = weights_digest(sums)
+        self._file.end(tr.state.policy_version, digest)
+
+    def close(self) -> None:
+        """Close the file (idempotent); a round-log fetch still running is cancelled."""
+        if self._fetch is not None and not self._fetch.done():
+            self._fetch.cancel()
+        if self._file is not None:
+            self._file.close()

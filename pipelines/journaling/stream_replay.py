@@ -1,0 +1,199 @@
+"""Exact replay of a streaming run (``trainer.rollout_mode=stream``): its engine rounds, recorded and re-run.
+
+A streaming run's tokens depend on timing twice: which prompt groups a step trains (the first to
+finish), and which requests shared each decoding round of the request-level HF engine, and under
+which weight version each round (or, with partial rollout, each part of a round) decoded. The journal
+(:mod:`asyncrl.pipelines.journaling.journal`) records the first -- each group's admission and each step's groups;
+the second is the engines' round log (:class:`~asyncrl.roles.engines.round_log.RoundRecord`), which
+the run fetches from its rollout workers after each step's groups are chosen and appends to
+``rounds.jsonl`` next to the journal (one line per step: ``{"step", "epoch", "ranks": [[round, ...]
+per rollout rank]}``; ``epoch`` counts rollout-pool replacements)::
+
+    record:  StreamRollout.take(step) ─► rollout.round_log(clear=True)  ─► rounds.jsonl   (a task, off the step)
+    replay:  rollout.replay_rank_rounds(rounds of each rank)   each engine runs exactly its recorded rounds
+             issue the journal's group calls and weight loads in its order (a group once its admission
+             version is exported, a load once its version is; each load waits until the rounds need it)
+             step t trains the journal's groups of step t, in its order
+
+so the replay regenerates every token, behaviour log-prob and token version bit for bit, trains the
+same batches and reaches the same weights (``asyncrl replay RUN``; :mod:`asyncrl.pipelines.journaling.replay`).
+
+What it refuses, before any worker starts (:class:`~asyncrl.pipelines.journaling.journal.JournalError`, naming
+what is missing and the fix): a journal written before rounds were recorded, or by an engine that
+schedules requests itself (vLLM); a run resumed or restarted part-way (a second journal segment: the
+regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
+was replaced (the replaced engines' rounds died with them); a rounds file that is missing, unreadable,
+or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log records no agent sessions.
+
+Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
+digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic
+function of what it received asks the same again and gets the same answers, so the run replays; one that
+asks anything else fails the replay with ``ReplayDivergedError`` naming the session and the request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+from asyncrl.pipelines.rollout.admission import Admission
+from asyncrl.pipelines.journaling.journal import JOURNAL, JournalData, JournalError
+from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed
+from asyncrl.pipelines.journaling.rounds import ROUNDS, RoundFile, read_rounds, recording_rollout, records_rounds
+from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner
+
+__all__ = ["ROUNDS", "RoundFile", "StreamReplay", "read_rounds", "recording_rollout", "records_rounds", "stream_rollout"]
+
+def stream_rollout(trainer: RolloutOwner) -> StreamRollout:
+    """The trainer's streaming producer: a :class:`StreamReplay` when it replays a journal, else a
+    :class:`~asyncrl.pipelines.rollout.stream_rollout.StreamRollout`."""
+    return StreamReplay(trainer) if trainer.journal.replaying else StreamRollout(trainer)
+
+
+class _ReplayAdmission(Admission):
+    """Admission bookkeeping of a replay: the journal decided what is admitted and taken, not the bound."""
+
+    def can_admit(self, version: int) -> bool:
+        return True
+
+    def take_recorded(self, chosen: list[int], dropped: list[int]) -> None:
+        """Step ``next_step`` takes `chosen`; `dropped` were found too stale (``drop_stale``)."""
+        self._discard([*chosen, *dropped])
+        self._dropped += len(dropped)
+        self._step_done(chosen)
+
+
+class StreamReplay(StreamRollout):
+    """A :class:`StreamRollout` that follows a recorded stream run (see the module docstring): the
+    journal's admissions and step groups, the engines replaying their recorded rounds.
+
+    Args:
+        trainer: the replaying trainer (``Trainer(config, replay=RUN)``); the journal and its rounds file
+            are checked here, before any worker starts.
+    """
+
+    def __init__(self, trainer: RolloutOwner) -> None:
+        super().__init__(trainer)
+        source = trainer.journal.replay_source
+        data = trainer.journal.replayed
+        assert source is not None and data is not None
+        self._order, self._steps, self._drops, self._ranks = _plan(trainer.config, source, data)
+
+    async def run(self) -> None:
+        """Give each engine its rounds, then follow the journal's ``group`` and ``load`` records in order: issue
+        a group's calls once its admission version is exported, a load once its version is; each is issued
+        before the next record is followed, so the rollout workers' ordered lane sees them in the recorded
+        order (a score call waiting for its group's tokens holds the calls behind it there)."""
+        tr = self._trainer
+        s, cfg = tr.state, tr.config
+        groups = tr.groups
+        assert groups is not None
+        adm = _ReplayAdmission(cfg.prompts_per_step, cfg.trainer.max_staleness, 1 << 30, next_step=s.start_step)
+        a = self._attempt = _Attempt(s, adm, [], 0)
+        await groups.rollout.replay_rank_rounds(self._ranks, [True] * len(self._ranks))
+        await self._notify()
+        async with anyio.create_task_group() as tg:
+            for kind, n, v0 in self._order:
+                if kind == "load":
+                    await s.wait_for(lambda n=n: s.exports.get(n) is not None)
+                    await tg.start(self._load, a, n, name=f"stream replay load {n}")
+                    continue
+                await s.wait_for(lambda v0=v0: s.exported >= v0)  # as the original: v0 <= its rollout version
+                adm.admit(n, v0)
+                a.next_group = max(a.next_group, n + 1)
+                await tg.start(self._group, a, n, v0, name=f"stream replay group {n}")
+            await anyio.sleep_forever()  # the train loop cancels it after the last step
+
+    async def _load(self, a: _Attempt, v: int, *,
+                    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Load version `v` (the engines hold it until their rounds need it, so the loads of later records
+        may be issued meanwhile; they complete in order)."""
+        tr = self._trainer
+        s, groups = a.state, tr.groups
+        assert groups is not None
+        task_status.started()  # the update is issued below, in this same step, before the driver goes on
+        with tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+            await tr.weights.load(groups, s.exports[v])
+        s.rollout_version = max(s.rollout_version, v)
+        for old in [x for x in s.exports if x < v]:
+            del s.exports[old]  # a load issued later holds its own export already
+        await self._notify()
+
+    async def take(self, step: int) -> RolloutBatch:
+        """Step `step`'s batch: the journal's groups of that step, in its order, once they finished."""
+        tr = self._trainer
+        s = tr.state
+        await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
+        a = self._attempt
+        assert a is not None
+        chosen, dropped = self._steps[step], self._drops.get(step, [])
+        await s.wait_for(lambda: all(g in a.flights for g in [*chosen, *dropped]))
+        assert isinstance(a.admission, _ReplayAdmission)
+        a.admission.take_recorded(chosen, dropped)
+        return await self._assemble(a, step, chosen, dropped)
+
+
+def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, int, int]], dict[int, list[int]],
+                                                                dict[int, list[int]], list[list[dict[str, Any]]]]:
+    """``(("group", index, v0) and ("load", version, 0) records in order, step -> groups, step -> dropped
+    groups, rounds per rank)`` of the journal at `source`, checked as the module docstring lists."""
+    journal = source / JOURNAL if source.is_dir() else source
+    where = f"the journal {str(journal)!r}"
+    if not records_rounds(cfg):
+        raise JournalError(f"{where} is a stream run on rollout.engine={cfg.rollout.engine!r}, which schedules its "
+                           "requests itself and records no rounds, so its tokens cannot be regenerated; only stream "
+                           "runs on rollout.engine=hf replay")
+    header = data.header or {}
+    if header.get("rounds") != ROUNDS:
+        raise JournalError(f"{where} records no engine rounds (it was written before stream runs recorded them), so "
+                           "its tokens cannot be regenerated; run it again with this version to get a replayable journal")
+    if len(data.runs) > 1:
+        at = data.runs[1].get("start_step")
+        raise JournalError(f"{where} has {len(data.runs)} segments: the run was resumed or restarted at step {at}, and "
+                           "the groups it regenerated ran on fresh engines; replay covers a stream run of one segment "
+                           "(an uninterrupted run). Its steps before the restart replay as a run of that many steps")
+    path = journal.with_name(ROUNDS)
+    if not path.is_file():
+        raise JournalError(f"{where} needs its round log {str(path)!r}, which is missing; put the run's {ROUNDS} back "
+                           "next to its journal")
+    chunks = sorted(read_rounds(path), key=lambda c: int(c["step"]))
+    for c in chunks:
+        if c.get("lost") is not None or int(c.get("epoch", 0)) != 0:
+            raise JournalError(f"{where}: the rollout pool was replaced (or its rounds lost: {c.get('lost')}) by step "
+                               f"{c['step']}, and the replaced engines' rounds died with them, so this run cannot be "
+                               "replayed bit for bit")
+    n = len(chunks[0]["ranks"]) if chunks else 0
+    if any(len(c["ranks"]) != n for c in chunks) or n != cfg.trainer.rollout_start:
+        raise JournalError(f"{str(path)!r} holds rounds of {sorted({len(c['ranks']) for c in chunks})} rollout ranks, "
+                           f"the config has trainer.rollout_workers={cfg.trainer.rollout_workers}; restore the file "
+                           "the run wrote")
+    ranks: list[list[dict[str, Any]]] = [[r for c in chunks for r in c["ranks"][k]] for k in range(n)]
+    steps_done = data.end["steps"] if data.end is not None else len(data.steps)
+    steps = {}
+    for t in range(int(steps_done)):
+        rec = data.steps.get(t)
+        if rec is None or "groups" not in rec:
+            raise JournalError(f"{where} records no groups for step {t}; replay needs every step's groups")
+        steps[t] = [int(g) for g in rec["groups"]]
+    if cfg.rollout.agent is not None and not any("session" in r for rounds in ranks for r in rounds):
+        raise JournalError(f"{str(path)!r} records no agent sessions (written before gateway runs recorded what each "
+                           "agent asked), so a replay cannot check that the agents ask what they asked; run it again "
+                           "with this version to get a replayable journal")
+    keys = {k for rounds in ranks for r in rounds if "keys" in r for k in r["keys"]}
+    for t, gs in steps.items():
+        for g in gs:
+            missing = [j for j in range(cfg.group_size) if f"{batch_seed(cfg, g)}:{j}" not in keys]
+            if missing:
+                raise JournalError(f"{str(path)!r} has no round for row {missing[0]} of prompt group {g} (trained at "
+                                   f"step {t}): the round log is truncated or edited; restore the file the run wrote")
+    drops: dict[int, list[int]] = {}
+    for d in data.group_drops:
+        drops.setdefault(int(d["at_version"]), []).append(int(d["index"]))
+    order = [("load", int(r["version"]), 0) if r["kind"] == "load" else ("group", int(r["index"]), int(r["version"]))
+             for r in data.stream_order]
+    return order, steps, drops, ranks

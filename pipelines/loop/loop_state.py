@@ -1,0 +1,159 @@
+"""The loop state: everything the rollout and train loops share and change, in one object.
+
+A recovery (:mod:`asyncrl.pipelines.supervision.supervisor`) replaces it whole with a fresh one and
+then restores a checkpoint into it; nothing else in the trainer changes while the loops run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from asyncrl import GroupFuture
+from asyncrl.pipelines.loop.buffer import StalenessBuffer
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.job.config import JobConfig
+
+__all__ = ["RolloutBatch", "Precomputed", "LoopState", "Rollout", "batch_seed"]
+
+
+@dataclass
+class RolloutBatch:
+    """One generated batch waiting to be trained on."""
+
+    step: int
+    """The train step it is for (its prompt batch index)."""
+    version: int
+    """Policy version of the weights that generated every row."""
+    batch: Any
+    """Future (or concrete TensorDict) of the generated batch."""
+    scores: Any
+    """Future of ``TD{scores}``."""
+    reward_mean: float
+    """Mean score (awaited by the rollout loop: the batch is fully generated and scored)."""
+    gen_time: float = 0.0
+    """Seconds from issuing generate to the scores being known."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-batch metrics of its sampling (``algorithm.filter_groups``: ``sampling/...``; streaming: ``stream/...``)."""
+    groups: list[int] | None = None
+    """Streaming rollout: the prompt groups it holds, in order (None: a whole prompt batch)."""
+
+
+@dataclass
+class Precomputed:
+    """The next step's ``old_log_prob`` / ``ref_log_prob`` / ``values``, issued before its batch left
+    the buffer. Used only by the step it was issued for, on the batch it read, with the policy
+    version it was computed with; otherwise discarded."""
+
+    step: int
+    """The train step it is for, which is also the policy version it was computed with."""
+    batch_index: int
+    """The batch it read (its prompt batch index)."""
+    batch: Any
+    """The generate future it read (identity is what counts: a regenerated batch is another future)."""
+    old: GroupFuture[Any] | None
+    ref: GroupFuture[Any] | None
+    vals: GroupFuture[Any] | None
+
+    def matches(self, item: RolloutBatch, version: int) -> bool:
+        """True when step `version` trains `item` and this read exactly `item`'s batch future."""
+        return self.step == version and self.batch_index == item.step and self.batch is item.batch
+
+    def discard(self) -> None:
+        """Cancel what has not run yet (a call waiting for its batch or its turn leaves the training
+        worker's ordered lane at once). Nothing is awaited, so nothing is fetched or logged."""
+        for f in (self.old, self.ref, self.vals):
+            if f is not None:
+                with contextlib.suppress(Exception):  # a closed group: the call is over already
+                    f.cancel()
+
+
+@dataclass(eq=False)
+class LoopState:
+    """The shared state of one attempt at running the loops (a recovery starts a new one).
+
+    Versions: the train loop is the only producer (``policy_version``, ``exported``); the
+    rollout loop follows (``rollout_version``). ``cond`` is notified whenever ``exported``,
+    ``next_gen`` or ``rollout_done`` change."""
+
+    buffer: StalenessBuffer[RolloutBatch]
+    """Generated batches waiting for the train loop."""
+    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+    """Guards and announces the version and progress counters."""
+    device: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Taken around each generate and each train step when the pools are colocated."""
+    exports: dict[int, GroupFuture[Any] | None] = field(default_factory=lambda: {0: None})
+    """Version -> its ``export_weights`` future (version 0 has none unless staged at setup)."""
+    exported: int = 0
+    """The newest version whose export has been issued."""
+    sync_dtype: str | None = None
+    """The rollout's weight dtype (exports are cast to it)."""
+    policy_version: int = 0
+    """Steps done (the policy's version)."""
+    rollout_version: int = 0
+    """The version the rollout engines hold."""
+    next_gen: int = 0
+    """Index of the next batch the rollout loop generates."""
+    start_step: int = 0
+    """The first step this attempt trains (a restored checkpoint's step)."""
+    rollout_done: bool = False
+    """The rollout loop generated its last batch."""
+    restored: list[RolloutBatch] = field(default_factory=list)
+    """Batches a restored checkpoint held, put back in the buffer when the rollout loop starts."""
+    generating: tuple[int, int, Any] | None = None
+    """``(index, version, generate future)`` of the batch being generated, not yet buffered."""
+    taken: int = -1
+    """The last step whose batch the train loop took out of the buffer."""
+    precomputed: Precomputed | None = None
+    """The next step's first stages, issued early (``trainer.precompute_log_probs``)."""
+    stream: dict[str, Any] | None = None
+    """Streaming rollout's part of a restored checkpoint (``pending`` groups, ``next_group``)."""
+
+    @classmethod
+    def new(cls, capacity: int, max_staleness: int,
+            on_drop: Callable[[RolloutBatch, int], None] | None = None) -> "LoopState":
+        """A fresh state with an empty buffer of `capacity` batches."""
+        return cls(buffer=StalenessBuffer(capacity, max_staleness, on_drop=on_drop))
+
+    async def publish(self, version: int, exported: GroupFuture[Any]) -> None:
+        """Weight sync, policy side: `version` is exported (its future) and may be loaded."""
+        async with self.cond:
+            self.exports[version] = exported
+            self.exported = version
+            self.cond.notify_all()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Until `predicate()` holds (checked whenever a counter changes)."""
+        async with self.cond:
+            await self.cond.wait_for(predicate)
+
+    async def advance(self, **changes: Any) -> None:
+        """Set counters (``next_gen``, ``rollout_done``) and wake every waiter."""
+        async with self.cond:
+            for name, value in changes.items():
+                setattr(self, name, value)
+            self.cond.notify_all()
+
+
+def batch_seed(config: JobConfig, index: int) -> int:
+    """The sampling seed of batch `index`."""
+    return config.trainer.seed * 1_000_003 + index
+
+
+class Rollout(Protocol):
+    """What the train loop needs from a rollout producer."""
+
+    async def run(self) -> None:
+        """Produce batches until the run has all it needs."""
+
+    async def take(self, step: int) -> RolloutBatch:
+        """The batch step `step` trains (waiting for it)."""
+
+    def upcoming(self, step: int) -> tuple[int, Any] | None:
+        """``(index, generate future)`` of the batch :meth:`take` will return for `step`, when decided."""
+
+    async def finish(self) -> None:
+        """After the last step: the work the rollout side still owes (final evaluations)."""

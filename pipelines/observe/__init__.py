@@ -1,0 +1,1 @@
+"""What a run shows: metrics sinks, the report, samples, the trace, the viewer."""

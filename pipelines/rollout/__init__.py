@@ -1,0 +1,1 @@
+"""Rollout modes: batch and streaming producers, admission control, elastic resizing, dynamic sampling."""

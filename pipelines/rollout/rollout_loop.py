@@ -1,0 +1,230 @@
+"""The rollout side of the trainer: a producer of generated, scored batches.
+
+The train loop consumes a rollout through four calls -- :meth:`~BatchRollout.run` (the
+producer loop, in the trainer's task group), :meth:`~BatchRollout.take` (the batch a step
+trains), :meth:`~BatchRollout.upcoming` (which batch that will be, when already decided) and
+:meth:`~BatchRollout.finish` (after the last step) -- so another producer (a streaming
+rollout that keeps many prompt groups in flight) can stand in for :class:`BatchRollout`
+without touching the train loop.
+
+``BatchRollout``: batch t is generated with weights ``max(0, t - max_staleness)``
+(``fixed_lag``) or the newest exported (``latest``), or the version a journal recorded
+(resume, replay)::
+
+    for i in batches:
+        wait: version >= i - max_staleness
+        load_weights(export[v])  (if newer)      # weight sync, rollout side
+        generate(prompts i) -> score             # await the scores (small)
+        put RolloutBatch(i, v, futures) into the staleness buffer
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import structlog
+
+from asyncrl.pipelines.loop import stages
+from asyncrl.pipelines.rollout.sampling import fill_batch
+from asyncrl.pipelines.job.config import JobConfig
+from asyncrl.pipelines.loop.loop_state import Rollout, RolloutBatch, batch_seed
+
+if TYPE_CHECKING:
+    from asyncrl.pipelines.loop.build import Workers
+    from asyncrl.pipelines.datasets.data import PromptLoader
+    from asyncrl.pipelines.datasets.evaluation import Evaluator
+    from asyncrl.pipelines.loop.loop_state import LoopState
+    from asyncrl.pipelines.loop.precompute import Precompute
+    from asyncrl.pipelines.observe.reporting import RunReport
+    from asyncrl.pipelines.journaling.run_journal import RunJournal
+    from asyncrl.pipelines.loop.stages import Groups
+    from asyncrl.pipelines.supervision.supervisor import Supervisor
+    from asyncrl.pipelines.observe.trace import Tracer
+    from asyncrl.pipelines.loop.weights import WeightSync
+
+__all__ = ["Rollout", "RolloutOwner", "BatchRollout", "batch_seed", "evaluate", "evaluate_rest"]
+
+
+class RolloutOwner(Protocol):
+    """What the rollout producers (:class:`BatchRollout`, the streaming ones) read of the trainer that owns
+    them: the run's parts they report to or wait on."""
+
+    config: JobConfig
+    groups: Groups | None
+    state: LoopState
+    loader: PromptLoader | None
+    evaluator: Evaluator | None
+    tracer: Tracer
+    weights: WeightSync
+    journal: RunJournal
+    supervisor: Supervisor
+    precompute: Precompute
+    report: RunReport
+    workers: Workers
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+class BatchRollout:
+    """Generates whole batches in order, one at a time, into the loop state's staleness buffer."""
+
+    def __init__(self, trainer: RolloutOwner) -> None:
+        self._trainer = trainer
+
+    async def run(self) -> None:
+        """Consumes prompt batches and exported weights; produces RolloutBatch items."""
+        tr = self._trainer
+        s, steps = tr.state, tr.config.trainer.steps
+        assert tr.loader is not None
+        for item in s.restored:
+            await s.buffer.put(item)
+        s.restored = []
+        i = s.next_gen
+        while i < steps + s.buffer.statistics().dropped:
+            await tr.supervisor.apply_scale(i)  # a pending scale_rollout, between two batches
+            version = await self._version_for(i)
+            while True:
+                try:
+                    item = await self._produce(i, version)
+                    break
+                except Exception as e:
+                    s.generating = None  # a failed batch is not trained; nothing precomputes from it
+                    if not tr.supervisor.can_replace(e):
+                        raise
+                    await tr.supervisor.replace_rollout(e, i)  # then the same batch again: same prompts, seed, version
+            tr.journal.batch(i, version)
+            await s.buffer.put(item)
+            s.generating = None  # in the buffer now
+            i += 1
+            await s.advance(next_gen=i)
+        await s.advance(rollout_done=True)
+
+    async def take(self, step: int) -> RolloutBatch:
+        """The oldest buffered batch within the staleness bound of the policy (older ones are dropped)."""
+        s = self._trainer.state
+        try:
+            item = await s.buffer.get(s.policy_version)
+        except anyio.EndOfStream:
+            raise RuntimeError(f"the rollout loop ended before step {step}") from None
+        s.taken = step
+        return item
+
+    def upcoming(self, step: int) -> tuple[int, Any] | None:
+        """``(index, generate future)`` of the batch ``buffer.get(step)`` will return, when that is
+        already decided: the first buffered batch within the staleness bound of `step` (older ones
+        are dropped), else the batch whose generate is in flight if it is within the bound; None
+        while that batch is not issued yet."""
+        tr = self._trainer
+        k, s = tr.config.trainer.max_staleness, tr.state
+        for it in s.buffer.peek_all():
+            if step - it.version <= k:
+                return it.step, it.batch
+        if s.generating is not None:
+            i, version, gen = s.generating
+            if step - version <= k:
+                return i, gen
+        return None
+
+    async def _version_for(self, i: int) -> int:
+        """The weight version batch `i` is generated with, once it is published: the journal's
+        (replay, resume), else ``fixed_lag``'s or the newest (``latest``)."""
+        tr = self._trainer
+        s, cfg = tr.state, tr.config.trainer
+        planned = tr.journal.planned(i)
+        need = planned if planned is not None else max(0, i - cfg.max_staleness)
+        await s.wait_for(lambda: s.exported >= need)
+        if planned is not None:
+            if planned >= s.rollout_version:
+                return planned
+            log.warning("journal.diverged", batch=i, recorded=planned, loaded=s.rollout_version,
+                        detail="the recorded version is older than the loaded weights; using the loaded ones")
+            return s.rollout_version
+        # fixed_lag: exactly `need`, except after a resume that extended a finished run, when
+        # older weights are gone and the batch gets the (fresher) loaded ones
+        return max(need, s.rollout_version) if cfg.weights_choice() == "fixed_lag" else s.exported
+
+    async def _produce(self, i: int, version: int) -> RolloutBatch:
+        """Load `version` if the engines are behind, evaluate it when due, generate batch `i` and
+        score it."""
+        tr = self._trainer
+        g, s, sync, loader = tr.groups, tr.state, tr.weights, tr.loader
+        assert g is not None and loader is not None
+        async with s.device if tr.config.trainer.colocated else contextlib.nullcontext():
+            if sync.sleep and await sync.wake(g) and version == s.rollout_version:
+                with tr.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                    await sync.load(g, s.exports[version])  # level 2: the same version again
+            if version > s.rollout_version:
+                with tr.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                    await sync.load(g, s.exports[version])  # weight sync (rollout side)
+                s.rollout_version = version
+                for v in [v for v in s.exports if v < version]:
+                    del s.exports[v]  # older exports are never loaded again
+            if tr.evaluator is not None and tr.evaluator.due(version):
+                await evaluate(tr, version)
+            t0 = time.perf_counter()
+            gen = tr.tracer.watch(stages.generate(g, loader.batch(i), seed=batch_seed(tr.config, i)),
+                                  "generate", step=i, version=version)
+            s.generating = (i, version, gen)
+            tr.precompute.issue_next()  # the train loop may be waiting for this very batch
+            sc = tr.tracer.watch(stages.score(g, gen), "score", step=i)
+            scores = (await sc)["scores"]
+            sampling: dict[str, float] = {}
+            fg = tr.config.algorithm.filter_groups
+            if fg.enable:  # dynamic sampling: more prompts until every group has reward variance
+
+                def again(prompts: Any, k: int) -> tuple[Any, Any]:
+                    seed = batch_seed(tr.config, i) + k * 1_000_000_007
+                    more = tr.tracer.watch(stages.generate(g, prompts, seed=seed), "generate", step=i,
+                                           version=version, call=k)
+                    return more, tr.tracer.watch(stages.score(g, more), "score", step=i, call=k)
+
+                gen, sc, scores, sampling = await fill_batch(
+                    step=i, first=(gen, sc, scores), loader=loader, group_size=tr.config.group_size,
+                    max_calls=fg.max_num_gen_batches, seed=tr.config.trainer.seed, generate=again,
+                    echo=g.advantage.echo)
+            if sync.sleep:  # release the rollout's memory while the policy trains
+                await g.rollout.sleep()
+        return RolloutBatch(step=i, version=version, batch=gen, scores=sc,
+                            reward_mean=float(scores.float().mean()), gen_time=time.perf_counter() - t0,
+                            metrics=sampling)
+
+    async def finish(self) -> None:
+        """After the last step: the evaluations still due (:func:`evaluate_rest`)."""
+        await evaluate_rest(self._trainer)
+
+
+async def evaluate(tr: RolloutOwner, version: int) -> None:
+    """Evaluate the rollout group's weights (`version`) and record the row in the metrics sinks."""
+    ev, g = tr.evaluator, tr.groups
+    assert ev is not None and g is not None
+    with tr.tracer.span("evaluate", track=g.rollout.name, version=version):
+        row = await ev.run(g, version, watch=tr.tracer.watch)
+    tr.report.evaluation(version, row)
+
+
+async def evaluate_rest(tr: RolloutOwner) -> None:
+    """After the last step: evaluate the due versions the rollout never loaded (the last
+    ``max_staleness`` ones) and, with ``evaluation.at_end``, the final weights."""
+    ev, g, s, sync = tr.evaluator, tr.groups, tr.state, tr.weights
+    final = s.policy_version
+    if ev is None or g is None:
+        return
+    due = [v for v in sorted(x for x in s.exports if s.rollout_version < x <= final)
+           if ev.due(v) or (v == final and ev.due_final(v))]
+    if not due and not (ev.due_final(final) and s.rollout_version == final):
+        return
+    needs_weights = sync.sleep and await sync.wake(g)  # the rollout slept after its last batch
+    for v in due:
+        exported = s.exports[v]
+        assert exported is not None
+        with tr.tracer.span("weight_sync", track=g.rollout.name, version=v):
+            await sync.load(g, exported)
+        s.rollout_version, needs_weights = v, False
+        await evaluate(tr, v)
+    if ev.due_final(final) and s.rollout_version == final:
+        if needs_weights:
+            await sync.load(g, s.exports[final])  # level 2: the same version again
+        await evaluate(tr, final)

@@ -1,0 +1,149 @@
+"""Dynamic sampling (DAPO's ``filter_groups``, as verl names it): drop GRPO groups whose rewards are all
+equal -- their advantages are all zero, so they carry no signal -- and keep sampling until the batch
+holds ``prompts_per_step`` groups that do, at most ``algorithm.filter_groups.max_num_gen_batches``
+generate calls per step.
+
+Generate call 0 of step ``t`` is the step's own prompt batch (``PromptLoader.batch(t)``); call
+``k >= 1`` draws ``prompts_per_step`` other prompts with a generator seeded by ``(seed, t, k)`` and
+samples with its own seed, so a step's batch stays a pure function of ``(seed, t)`` (resume and replay
+regenerate it). The kept groups are taken in call order; when the calls run out first, the rest of the
+batch is filled with the first groups that were dropped (``sampling/padded_groups`` counts them).
+
+The selected rows are fetched to the controller, concatenated (prompts re-padded on the left to a
+common width) and handed to the training pool as one batch. Metrics per step: ``sampling/gen_batches``,
+``sampling/filtered_groups`` (groups dropped for equal rewards), ``sampling/padded_groups`` and
+``sampling/min_group_std`` (the smallest reward std of a trained group).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from tensordict import TensorDict
+
+__all__ = ["FilterGroupsConfig", "group_stds", "informative_groups", "extra_indices", "select_groups", "fill_batch"]
+
+
+@dataclass(kw_only=True)
+class FilterGroupsConfig:
+    """``algorithm.filter_groups`` (verl's name): dynamic sampling for GRPO."""
+
+    enable: bool = False
+    """Drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+    max_num_gen_batches: int = 10
+    """Most generate calls per step (the first included); then the batch is filled with dropped groups."""
+
+
+def group_stds(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Population std of the rewards of each group of `group_size` consecutive rows."""
+    return scores.float().reshape(-1, group_size).std(dim=1, unbiased=False)
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> list[int]:
+    """Indices of the groups whose rewards are not all equal."""
+    g = scores.float().reshape(-1, group_size)
+    return [k for k in range(g.shape[0]) if bool((g[k] != g[k, 0]).any())]
+
+
+def extra_indices(num_rows: int, prompts: int, *, seed: int, step: int, call: int) -> list[int]:
+    """Dataset indices of generate call `call` (>= 1) of step `step`: `prompts` distinct rows (with
+    repeats only when the dataset is smaller), from a generator seeded by ``(seed, step, call)``."""
+    rng = random.Random(f"filter_groups:{seed}:{step}:{call}")
+    if prompts <= num_rows:
+        return rng.sample(range(num_rows), prompts)
+    return [rng.randrange(num_rows) for _ in range(prompts)]
+
+
+_LEFT_PADDED = ("prompt_ids", "prompt_mask", "input_ids", "attention_mask")
+
+
+def _left_pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), value, dtype=t.dtype)
+    return torch.cat([pad, t], dim=1)
+
+
+def select_groups(batches: Sequence[TensorDict], picks: Sequence[tuple[int, int]], group_size: int, *,
+                  pad_id: int, uid_base: int) -> TensorDict:
+    """One batch of the groups `picks` (``(batch number, group number)`` each, in that order) of
+    `batches`; prompts are re-padded on the left to a common width, and ``uid`` renumbered
+    ``uid_base, uid_base + 1, ...`` per group."""
+    rows = [batches[b][g * group_size:(g + 1) * group_size] for b, g in picks]
+    prompt_w = max(int(r["prompt_ids"].shape[1]) for r in rows)
+    fixed = []
+    for r in rows:
+        r = r.clone(recurse=False)
+        extra = prompt_w - int(r["prompt_ids"].shape[1])
+        if extra:
+            for k in _LEFT_PADDED:
+                if k in r.keys():
+                    t = r.get(k)
+                    r[k] = _left_pad(t, t.shape[1] + extra, pad_id if k.endswith("ids") else 0)
+        fixed.append(r)
+    out = torch.cat(fixed, dim=0) if len(fixed) > 1 else fixed[0]
+    n = len(picks)
+    out["uid"] = torch.arange(n, dtype=torch.long).repeat_interleave(group_size) + uid_base
+    return out
+
+
+async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader: Any, group_size: int,
+                     max_calls: int, seed: int, generate: Callable[[TensorDict, int], tuple[Any, Any]],
+                     echo: Callable[[TensorDict], Any]) -> tuple[Any, Any, torch.Tensor, dict[str, float]]:
+    """Step `step`'s batch of informative groups.
+
+    Args:
+        first: ``(generate future, score future, scores)`` of the step's own prompt batch.
+        loader: the run's :class:`~asyncrl.pipelines.datasets.data.PromptLoader`.
+        group_size: rows per group.
+        max_calls: most generate calls, the first included.
+        seed: the run's seed (``trainer.seed``).
+        generate: ``generate(prompt batch, call) -> (generate future, score future)`` of call `call`.
+        echo: puts a concrete batch on the training pool and returns its future.
+
+    Returns ``(batch future, scores future, scores, metrics)``; when the first call's groups are all
+    informative the first call's futures are returned as they are (nothing is fetched)."""
+    pps = loader.prompts_per_step
+    gen, sc, scores = first
+    keep = informative_groups(scores, group_size)
+    calls, dropped_total = 1, pps - len(keep)
+    if len(keep) == pps:
+        return gen, sc, scores, _metrics(calls, dropped_total, 0, group_stds(scores, group_size))
+    results = [(gen, sc, scores, keep)]
+    have = len(keep)
+    while have < pps and calls < max_calls:
+        idx = extra_indices(len(loader.pairs), pps, seed=seed, step=step, call=calls)
+        g2, s2 = generate(loader.batch_of(idx, step), calls)
+        sc2 = (await s2)["scores"]
+        k2 = informative_groups(sc2, group_size)
+        results.append((g2, s2, sc2, k2))
+        calls += 1
+        have += len(k2)
+        dropped_total += pps - len(k2)
+    picks = [(b, k) for b, r in enumerate(results) for k in r[3]][:pps]
+    padded = 0
+    if len(picks) < pps:  # out of calls: fill with dropped groups, in order
+        rest = [(b, k) for b, r in enumerate(results) for k in range(pps) if k not in r[3]]
+        padded = pps - len(picks)
+        picks += rest[:padded]
+    needed = sorted({b for b, _ in picks})
+    fetched: dict[int, TensorDict] = {}
+    for b in needed:
+        td = await results[b][0]
+        td.update(await results[b][1])
+        fetched[b] = td
+    order = {b: n for n, b in enumerate(needed)}
+    combined = select_groups([fetched[b] for b in needed], [(order[b], k) for b, k in picks], group_size,
+                             pad_id=loader.pad_id, uid_base=step * pps)
+    out_scores = combined["scores"].clone()
+    fut = echo(combined)
+    return fut, fut.select("scores"), out_scores, _metrics(calls, dropped_total, padded,
+                                                           group_stds(out_scores, group_size))
+
+
+def _metrics(calls: int, dropped: int, padded: int, stds: torch.Tensor) -> dict[str, float]:
+    return {"sampling/gen_batches": float(calls), "sampling/filtered_groups": float(dropped),
+            "sampling/padded_groups": float(padded), "sampling/min_group_std": float(stds.min())}

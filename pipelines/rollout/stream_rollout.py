@@ -1,0 +1,350 @@
+"""Streaming rollout (``trainer.rollout_mode=stream``): prompt groups in flight, a step trains the
+first finished groups that fill it, within ``max_staleness`` per trajectory, nothing dropped.
+
+::
+
+    sampler ──► admit group g at the rollout's version v0   (waits: admission control, pipelines/rollout/admission.py)
+       │          generate_requests(prompts of g)  ─► score   (one call per group, concurrent on the rollout:
+       │                                                       the request-level engine batches their rounds)
+       │          await the scores (small) ─► finished: the group may be taken
+    weights ──► load export[newest] as soon as it is published (never waits for groups in flight: the
+                update lands at a decoding-round boundary; tokens carry their version)
+    take(step) ◄── the first finished groups that keep the bound (Admission.take)
+                   ─► AdvantageWorker.concat_groups(group futures)  (worker to worker; the controller
+                      holds futures only) ─► RolloutBatch(step, min v0, batch future, scores future)
+
+With ``algorithm.filter_groups`` a finished group whose rewards are all equal is rejected
+(:meth:`Admission.reject`) and the next group admitted in its room. Held-out evaluation runs in the weight
+loop: a due version is evaluated before the next one is loaded (docs/streaming.md).
+
+It stands in for :class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout` behind the same four calls
+(``run``, ``take``, ``upcoming``, ``finish``). Group ``g`` holds the prompts of slot ``g % B`` of step
+``g // B``'s prompt batch (``B`` groups per step) and samples with seed ``batch_seed(config, g)``.
+
+Recovery: a rollout-pool fault (dead or hung rollout/reward worker) replaces that pool
+(:meth:`~asyncrl.pipelines.supervision.supervisor.Supervisor.replace_rollout`); finished groups' futures are first
+re-homed on the training pool, groups in flight are issued again with the same prompts and seed once
+the new engines hold at least their admission version. A restart (training worker fault) or a resume
+replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
+admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
+
+Replay: after each take the engines' round log goes to the journal's side file, and ``asyncrl replay``
+follows it with :class:`~asyncrl.pipelines.journaling.stream_replay.StreamReplay` (a subclass of this one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+from asyncrl.pipelines.loop import stages
+from asyncrl.pipelines.rollout.admission import Admission, groups_in_flight
+from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch, batch_seed
+from asyncrl.pipelines.supervision.recovery import is_preemption
+from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evaluate_rest
+from asyncrl.pipelines.rollout.sampling import group_stds
+from asyncrl.pipelines.rollout.stream_scale import StreamScaler
+
+__all__ = ["StreamRollout"]
+
+log = structlog.get_logger("asyncrl.pipelines")
+
+
+@dataclass
+class _Flight:
+    """A finished group, waiting for a step."""
+
+    gen: Any
+    scores: Any
+    v0: int
+    reward_mean: float
+    reward_std: float
+    gen_time: float
+
+
+class _Attempt:
+    """The streaming state of one loop-state attempt (a restart starts a new one)."""
+
+    def __init__(self, state: LoopState, admission: Admission, queue: list[int], next_group: int) -> None:
+        self.state = state
+        self.admission = admission
+        self.queue = queue  # groups to admit before next_group (a resume's untrained groups)
+        self.next_group = next_group
+        self.flights: dict[int, _Flight] = {}
+        self.issued: dict[int, bool] = {}  # groups whose first calls were issued (and journaled)
+        self.finishes = 0
+        self.epoch = 0  # rollout-pool replacements so far
+        self.replacing = anyio.Lock()
+        self.waits = 0
+        self.wait_s = 0.0
+        self.filtered = 0  # groups rejected by dynamic sampling since the last take
+        self.running: dict[int, tuple[Any, Any]] = {}  # group -> (rollout group it runs on, generate future)
+
+
+class StreamRollout:
+    """Keeps prompt groups in flight and hands each step its first finished groups (see the module)."""
+
+    def __init__(self, trainer: RolloutOwner) -> None:
+        self._trainer = trainer
+        self._attempt: _Attempt | None = None
+        self.regenerated = 0
+        """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
+        self.scaler = StreamScaler(trainer, self)
+        """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
+
+    # ---- the producer --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Admit groups and load new weights until the train loop ends (it cancels this)."""
+        tr = self._trainer
+        s, cfg = tr.state, tr.config
+        B, t = cfg.prompts_per_step, cfg.trainer
+        resume = s.stream or {}
+        adm = Admission(B, t.max_staleness, groups_in_flight(cfg), t.stream.drop_stale, next_step=s.start_step)
+        a = self._attempt = _Attempt(s, adm, sorted(resume.get("pending", [])),
+                                     int(resume.get("next_group", s.start_step * B)))
+        await self._notify()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._weights_loop, a)
+            tg.start_soon(self.scaler.run, a)
+            while True:
+                t0 = time.perf_counter()
+                if not self._admissible(a):
+                    a.waits += 1
+                await s.wait_for(lambda: self._admissible(a))
+                a.wait_s += time.perf_counter() - t0
+                g = a.queue.pop(0) if a.queue else a.next_group
+                if g == a.next_group:
+                    a.next_group += 1
+                v0 = s.rollout_version
+                adm.admit(g, v0)
+                tg.start_soon(self._group, a, g, v0, name=f"stream group {g}")
+
+    def _admissible(self, a: _Attempt) -> bool:
+        s, adm, t = a.state, a.admission, self._trainer.config.trainer
+        st = adm.statistics()
+        needed = (t.steps - s.start_step) * self._trainer.config.prompts_per_step
+        return st.admitted - st.dropped - st.rejected < needed and adm.can_admit(s.rollout_version)
+
+    async def _group(self, a: _Attempt, g: int, v0: int, *,
+                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Generate and score group `g` (admitted at `v0`); then it may be taken. Its journal record is
+        written as its calls are issued (then `task_status` is started): the journal orders them with the
+        weight loads as the rollout workers' ordered lane does, and a replay issues them in that order."""
+        tr = self._trainer
+        s, cfg, loader = a.state, tr.config, tr.loader
+        assert loader is not None
+        B, G = cfg.prompts_per_step, cfg.group_size
+        slot = g % B
+        prompts = loader.batch(g // B)[slot * G:(slot + 1) * G]
+        elastic = cfg.trainer.rollout_range.elastic
+        while True:
+            epoch = a.epoch
+            groups = tr.groups
+            assert groups is not None
+            t0 = time.perf_counter()
+            try:
+                gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
+                                      "generate", step=g // B, group=g, version=v0)
+                a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
+                if not a.issued.get(g):
+                    a.issued[g] = True
+                    tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
+                    task_status.started()
+                # The score call is ordered on the rollout workers' lane, like a weight update: issued
+                # now, it would hold its place there until the group's tokens exist, and an update
+                # issued meanwhile would wait for this group to finish generating. Issued once the
+                # generation finished (nothing is fetched), it never holds an update back.
+                await _finished(gen)
+                if elastic:  # a preemption notice raises here, not in a score call to the dying process
+                    await gen.select("version")
+                sc = stages.score(groups, gen)
+                scores = (await sc)["scores"]
+                break
+            except Exception as e:
+                a.running.pop(g, None)
+                await self._recover(a, e, epoch, g)
+                self.regenerated += 1
+                await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
+        a.running.pop(g, None)
+        await self._notify()  # a drain may be waiting for it
+        std = float(group_stds(scores, G)[0])
+        if self._rejects(a, std):
+            a.admission.reject(g)
+            a.filtered += 1
+            tr.journal.group_filtered(g, version=v0)
+            await self._notify()  # its room may be admitted again
+            return
+        a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), std, time.perf_counter() - t0)
+        a.admission.finish(g)
+        a.finishes += 1
+        await self._notify()
+
+    def _rejects(self, a: _Attempt, std: float) -> bool:
+        """Dynamic sampling (``algorithm.filter_groups``): reject a group whose rewards are all equal, at
+        most ``(max_num_gen_batches - 1) * B`` since the last step took its groups (batch mode's budget of
+        extra groups per step); past that, such groups are trained (``sampling/padded_groups``)."""
+        cfg = self._trainer.config
+        fg = cfg.algorithm.filter_groups
+        return fg.enable and std == 0.0 and a.filtered < (fg.max_num_gen_batches - 1) * cfg.prompts_per_step
+
+    async def _weights_loop(self, a: _Attempt) -> None:
+        """Load the newest exported version as soon as it is published; evaluate it first when it is due
+        (the next load waits for the evaluation, groups in flight decode on with the evaluated weights)."""
+        tr = self._trainer
+        s, ev = a.state, tr.evaluator
+        while True:
+            epoch = a.epoch
+            try:
+                if ev is not None and ev.due(s.rollout_version):
+                    await evaluate(tr, s.rollout_version)
+                    continue
+                await s.wait_for(lambda: s.exported > s.rollout_version and s.exports.get(s.exported) is not None)
+                v, epoch = s.exported, a.epoch
+                groups = tr.groups
+                assert groups is not None
+                tr.journal.load(v)  # (the update is issued below, before any other task runs)
+                # shielded: when the run ends, rollout_version must name the weights the engines hold
+                with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name,
+                                                                     version=v):
+                    await tr.weights.load(groups, s.exports[v])
+                    if a.epoch == epoch:  # else loaded into engines that were replaced meanwhile
+                        s.rollout_version = v
+                        for old in [x for x in s.exports if x < v]:
+                            del s.exports[old]  # older exports are never loaded again
+            except Exception as e:
+                await self._recover(a, e, epoch)
+                continue
+            await self._notify()
+
+    async def _recover(self, a: _Attempt, error: Exception, epoch: int, group: int | None = None) -> None:
+        """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
+        wait for the replacement), or raise `error` when it is not a rollout-pool fault."""
+        tr = self._trainer
+        if (is_preemption(error) or self.scaler.preempting(epoch)) and await self.scaler.preempted(a, epoch, group):
+            return  # the pool was resized away from the preempted worker; the caller issues its group again
+        async with a.replacing:
+            if a.epoch != epoch:
+                return  # another group (or the weight loop) already replaced the pool
+            if not tr.supervisor.can_replace(error):
+                raise error
+            self.rehome_flights(a)
+            await tr.supervisor.replace_rollout(error, a.state.policy_version)
+            a.epoch += 1
+        await self._notify()
+
+    def rehome_flights(self, a: _Attempt) -> None:
+        """Re-home the finished groups' futures on the training pool: their data must outlive the rollout
+        pool's groups, which are about to close."""
+        g = self._trainer.groups
+        assert g is not None
+        old = (g.rollout.name, g.reward.name)
+        advantage = stages_unwrap(g.advantage)
+        for f in a.flights.values():
+            if getattr(f.gen, "group", None) in old:
+                f.gen = advantage.echo(f.gen)
+            if getattr(f.scores, "group", None) in old:
+                f.scores = advantage.echo(f.scores)
+
+    async def notify(self) -> None:
+        """Wake every task waiting on the loop state (admission, takes, drains)."""
+        await self._notify()
+
+    async def _notify(self) -> None:
+        s = self._trainer.state
+        async with s.cond:
+            s.cond.notify_all()
+
+    # ---- the consumer's side -------------------------------------------------------------------
+
+    async def take(self, step: int) -> RolloutBatch:
+        """Step `step`'s batch: its first finished groups within the bound, assembled on the training
+        pool (waits for groups to finish)."""
+        tr = self._trainer
+        s = tr.state
+        await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
+        a = self._attempt
+        assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
+        t0 = time.perf_counter()
+        while (got := a.admission.take()) is None:
+            if a.admission.dropped_groups:
+                await self._notify()  # drop_stale: the dropped groups' room may be admitted again
+            seen = a.finishes
+            await s.wait_for(lambda seen=seen: a.finishes != seen)
+        chosen, dropped = got
+        self.scaler.after_take(time.perf_counter() - t0)  # the autoscaler's view of this step
+        await self._notify()  # admission may go on
+        tr.journal.rounds(step, a.epoch)  # the engines' rounds so far: they ran every chosen group (replay)
+        return await self._assemble(a, step, chosen, dropped)
+
+    async def _assemble(self, a: _Attempt, step: int, chosen: list[int], dropped: list[int]) -> RolloutBatch:
+        """Step `step`'s batch of the finished groups `chosen` (in order), assembled on the training pool;
+        `dropped` (too stale, ``drop_stale``) are journaled and forgotten."""
+        tr = self._trainer
+        s, cfg = tr.state, tr.config
+        for g in dropped:
+            f = a.flights.pop(g)
+            tr.journal.group_dropped(g, version=f.v0, at_version=step)
+        flights = [a.flights.pop(g) for g in chosen]
+        groups = tr.groups
+        assert groups is not None and tr.loader is not None
+        batch = groups.advantage.concat_groups([f.gen for f in flights], [f.scores for f in flights],
+                                               pad_id=tr.loader.pad_id, uid_base=step * cfg.prompts_per_step)
+        metrics: dict[str, float] = dict(await groups.advantage.version_stats(batch, step, cfg.trainer.max_staleness))
+        st = a.admission.statistics()
+        metrics.update({
+            "stream/in_flight": float(st.in_flight), "stream/buffered": float(st.buffered),
+            "stream/peak_in_flight": float(st.peak_in_flight), "stream/dropped_groups": float(st.dropped),
+            "stream/admission_waits": float(a.waits), "stream/admission_wait_s": a.wait_s,
+            "stream/admitted_version_min": float(min(f.v0 for f in flights)),
+        })
+        if cfg.algorithm.filter_groups.enable:  # batch mode's names (pipelines/rollout/sampling.py)
+            metrics.update({"sampling/filtered_groups": float(a.filtered),
+                            "sampling/padded_groups": float(sum(f.reward_std == 0.0 for f in flights)),
+                            "sampling/min_group_std": min(f.reward_std for f in flights),
+                            "stream/rejected_groups": float(st.rejected)})
+        a.waits, a.wait_s, a.filtered = 0, 0.0, 0
+        s.taken = step
+        return RolloutBatch(step=step, version=min(f.v0 for f in flights), batch=batch,
+                            scores=batch.select("scores"),
+                            reward_mean=sum(f.reward_mean for f in flights) / len(flights),
+                            gen_time=max(f.gen_time for f in flights), metrics=metrics, groups=chosen)
+
+    def upcoming(self, step: int) -> tuple[int, Any] | None:
+        """Never decided ahead (``trainer.precompute_log_probs`` is refused with streaming)."""
+        return None
+
+    async def finish(self) -> None:
+        """After the last step: the evaluations still due, the loaded version's first when the end of the
+        run cut its evaluation short."""
+        tr = self._trainer
+        if tr.evaluator is not None and tr.groups is not None and tr.evaluator.due(tr.state.rollout_version):
+            await evaluate(tr, tr.state.rollout_version)
+        await evaluate_rest(tr)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of streaming: the admitted, untrained groups (regenerated on resume,
+        first, with the same seeds) and the next new group's index."""
+        a = self._attempt
+        if a is None:
+            return {"pending": [], "next_group": self._trainer.state.start_step * self._trainer.config.prompts_per_step}
+        return {"pending": sorted([*a.admission.pending(), *a.queue]), "next_group": a.next_group}
+
+
+def stages_unwrap(group: Any) -> Any:
+    """The group under a deadline wrapper (calls issued on it carry no stage deadline)."""
+    from asyncrl.pipelines.loop.deadlines import unwrap
+
+    return unwrap(group)
+
+
+async def _finished(fut: Any) -> None:
+    """Wait until every rank of the call `fut` (a ``GroupFuture``) finished, successfully or not, without
+    fetching its result (a failure is raised by whoever consumes it)."""
+    done = anyio.Event()
+    fut.add_done_callback(lambda _: done.set())
+    await done.wait()

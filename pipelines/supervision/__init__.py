@@ -1,0 +1,1 @@
+"""Recovery: the supervisor, fault classification, signals, heartbeats."""

@@ -1,0 +1,1 @@
+"""Multi-turn episodes, environments, tools, and the OpenAI-compatible gateway for agents."""

@@ -1,0 +1,1 @@
+"""The rollout worker: its config, its request-level generation, its preemption notice."""

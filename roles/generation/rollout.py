@@ -1,0 +1,412 @@
+"""`RolloutWorker`: generates responses with a pluggable engine and takes versioned weights.
+
+Data flow of one ``generate`` call::
+
+    batch{prompt_ids (left-padded), prompt_mask, ...}
+      -> strip padding, check prompt + max_new_tokens fits the context (never truncate)
+      -> engine.stream(prompts)  (HF thread / vLLM), rows collected as each finishes
+      -> batch + {response_ids, response_mask, input_ids, attention_mask, rollout_log_probs, version}
+
+This module holds the worker's construction and batch generation (``generate``,
+``stream_generate``, ``submit``/``poll``). Its settings are :class:`RolloutConfig`
+(:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). The worker composes two mixins, each one job:
+
+* :mod:`asyncrl.roles.generation.rollout_requests` -- request-level generation: multi-turn episodes,
+  ``generate_requests`` (the streaming trainer's calls), the round log and its replay, ``statistics``;
+* :mod:`asyncrl.roles.weights.rollout_weights` -- weight sync: the ``update_weights`` transaction (and its
+  partial-rollout path), weight transports and ``sleep``/``wake_up``.
+
+Every row carries the version of the weights that generated all of its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import tempfile
+import threading
+from dataclasses import replace
+from typing import Any, AsyncIterator
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from asyncrl import Dispatch, Worker, register
+
+from asyncrl.roles._util import require, with_fields
+from asyncrl.roles.modeling.device import check_gpu_memory, place_model, resolve_placement
+from asyncrl.roles.engines import Completion, SamplingParams, make_engine
+from asyncrl.roles.errors import DeviceError, PromptTooLongError
+from asyncrl.roles.generation.preemption import PREEMPT_DEADLINE_S, on_sigterm
+from asyncrl.roles.modeling.models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
+from asyncrl.roles.modeling.threads import core_share_for, release_core_share
+from asyncrl.roles.generation.rollout_config import RolloutConfig
+from asyncrl.roles.generation.rollout_requests import RequestGenerationMixin
+from asyncrl.roles.weights.rollout_weights import WeightSyncMixin, unpack_weights
+from asyncrl.roles.weights.weight_channel import WeightChannel
+
+__all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
+
+
+class _Job:
+    """One generate call's rows, resubmittable after an abort."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.prompts = prompts
+        self.params = params
+        self.results: list[tuple[Completion, int] | None] = [None] * len(prompts)
+        self.task: asyncio.Task[None] | None = None
+        self.aborted = False
+        self.attempt = 0
+        self.finished: asyncio.Queue[int] = asyncio.Queue()
+
+    @property
+    def pending(self) -> list[int]:
+        return [i for i, r in enumerate(self.results) if r is None]
+
+
+class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
+    """Generates responses for prompt batches and receives versioned policy weights.
+
+    Batch generation is here; request-level generation and weight sync come from the mixins
+    (module docstring).
+
+    Args:
+        model: the model to sample from (its initial weights are version 0).
+        rollout: sampling and weight-sync settings.
+    """
+
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig | None = None) -> None:
+        self.model_config = model
+        self.config = rollout or RolloutConfig()
+        self.config.validate()  # the roles API's check point (a training run checked it before any worker)
+        set_torch_threads(self.context.num_cpus, model.num_threads)
+        self.placement = resolve_placement(model, self.context.num_gpus, trained=False, who="RolloutWorker")
+        built, self.tokenizer = load_model(model)
+        if self.config.engine == "hf":
+            self.model = place_model(built, self.placement, trained=False, who="RolloutWorker")
+        else:  # the engine (vLLM) loads its own copy onto the GPU; this one stays on the CPU
+            self.model = built.to(dtype=self.placement.param_dtype)
+        self.model.eval().requires_grad_(False)
+        self.context_length = context_length(self.model)
+        self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
+        model_dir = self.config.model_dir
+        if model_dir is None and self.config.engine != "hf":
+            self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-rollout-")
+            model_dir = save_model_dir(self.model, self.tokenizer, self._tmp.name)
+        engine_kwargs = dict(self.config.engine_kwargs)
+        if self.config.engine == "hf" and self.placement.autocast_dtype is not None:
+            engine_kwargs.setdefault("autocast", self.placement.autocast_dtype)
+        self.core_share = (core_share_for(model.num_threads, self.placement.device, self.model)
+                           if self.config.engine == "hf" else None)
+        if self.core_share is not None:
+            engine_kwargs.setdefault("cores", self.core_share)
+        if self.config.engine == "vllm":
+            _check_vllm_memory(engine_kwargs, self.placement)
+            if self.config.sleep_level:
+                engine_kwargs.setdefault("sleep_mode", True)
+        self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
+                                  model_dir=model_dir, **engine_kwargs)
+        modes = tuple(getattr(self.engine, "partial_rollout_modes", ()))
+        if self.config.partial_rollout != "off" and self.config.partial_rollout not in modes:
+            raise ValueError(f"RolloutConfig.partial_rollout={self.config.partial_rollout!r} but the "
+                             f"{self.config.engine!r} engine supports {list(modes) or 'no partial rollout'}; pick one "
+                             "of those or partial_rollout='off'")
+        if self.config.sleep_level and not callable(getattr(self.engine, "sleep", None)):
+            raise ValueError(f"RolloutConfig.sleep_level={self.config.sleep_level} but the {self.config.engine!r} "
+                             "engine has no sleep/wake_up; set sleep_level=0")
+        self._asleep = 0
+        self._needs_weights = False
+        self._channel: WeightChannel | None = None
+        self._version = 0
+        self._committed: dict[str, torch.Tensor] | None = None
+        self._initial_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                               if self.config.verify_checksums else {})
+        self._gate: asyncio.Event | None = None  # created on the worker's loop
+        self._jobs: set[_Job] = set()
+        self._streams: dict[str, tuple[_Job, asyncio.Future[None], int, int]] = {}
+        self._stream_batches: dict[str, TensorDictBase] = {}
+        self._episode_fn = None
+        if self.config.episode is not None:
+            from asyncrl.roles.agentic.environments import resolve_episode
+
+            self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
+        elif self.config.agent is not None:
+            from asyncrl.roles.agentic.agents import AgentEpisode
+
+            self._episode_fn = AgentEpisode(self.config.agent, context_length=self.context_length)
+        self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
+        self._episode_tasks: set[asyncio.Task[Any]] = set()
+        self._updates: list[dict[str, Any]] = []  # partial rollout: what each update's pause found
+        self._rolled_back = False  # the last failed load was undone (verify_checksums)
+        self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
+        self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
+        self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
+        self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
+        self._request_calls: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}  # running generate_requests
+        on_sigterm(self._on_preemption_notice)
+
+    def _on_preemption_notice(self) -> None:
+        """SIGTERM (main thread, before the process exits): stop the running ``generate_requests`` calls at
+        their next decoding step; they raise ``PreemptedError``, and the process exits once they ended (at most
+        ``PREEMPT_DEADLINE_S`` later), so the controller learns of the notice before the process is gone."""
+        self._preempted = True
+        calls = list(self._request_calls.items())
+        ended = threading.Event()
+
+        def check(_: Any = None) -> None:
+            if all(task.done() for task, _ in calls):
+                ended.set()
+
+        for task, loop in calls:
+            loop.call_soon_threadsafe(lambda t=task: (t.cancel(), t.add_done_callback(check)))
+        if calls:
+            ended.wait(PREEMPT_DEADLINE_S)
+
+    # ---- state --------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Version of the loaded weights (0 = initial)."""
+        return self._version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def get_version(self) -> int:
+        """Version of the loaded weights; as a group call, one int per rank."""
+        return self._version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weights_checksum(self) -> dict[str, str]:
+        """``{name: checksum}`` of the engine's weights; as a group call, one dict per rank."""
+        return self.engine.weights_checksum()
+
+    def _gate_event(self) -> asyncio.Event:
+        if self._gate is None:
+            self._gate = asyncio.Event()
+            self._gate.set()
+        return self._gate
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def _check_weights(self) -> None:
+        if self._needs_weights:
+            raise RuntimeError(f"rollout rank {self.rank} has no usable weights (it discarded its weights in "
+                               "sleep(level=2), or a weight load failed part-way); sync weights (update_weights, after "
+                               "wake_up() if asleep) before generating")
+
+    def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]:
+        if self._asleep:
+            raise RuntimeError(f"rollout rank {self.rank} is asleep (level {self._asleep}); call wake_up() before "
+                               "generating")
+        self._check_weights()
+        require(batch, ["prompt_ids", "prompt_mask"], "RolloutWorker.generate")
+        ids, mask = batch["prompt_ids"], batch["prompt_mask"]
+        prompts = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
+        for b, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"row {b} has an empty prompt (prompt_mask is all 0)")
+            if len(p) + max_new_tokens > self.context_length:
+                raise PromptTooLongError(
+                    f"row {b}: prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                    f"context of {self.context_length} positions; shorten or filter prompts longer than "
+                    f"{self.context_length - max_new_tokens} tokens, lower max_new_tokens, or use a model with a "
+                    "longer context (prompts are never truncated silently)"
+                )
+        return prompts
+
+    def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
+                seed: int | None) -> SamplingParams:
+        c = self.config
+        h = hashlib.sha256(f"{c.seed}|{seed}|{self._version}|".encode())
+        for p in prompts:
+            h.update(torch.tensor(p, dtype=torch.int64).numpy().tobytes() + b"|")
+        return SamplingParams(
+            max_new_tokens=max_new_tokens if max_new_tokens is not None else c.max_new_tokens,
+            temperature=temperature if temperature is not None else c.temperature,
+            top_p=c.top_p, top_k=c.top_k, seed=int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF,
+        )
+
+    async def _run_job(self, job: _Job) -> None:
+        """Generate every row of `job`, resubmitting unfinished rows after an abort."""
+        gate = self._gate_event()
+        self._jobs.add(job)
+        try:
+            while job.pending:
+                while not gate.is_set():
+                    await gate.wait()
+                idx = job.pending
+                version = self._version
+                params = job.params if job.attempt == 0 else replace(job.params, seed=(job.params.seed or 0) + 7919 * job.attempt)
+                job.aborted = False
+                job.task = asyncio.ensure_future(self._consume(job, idx, version, params))
+                try:
+                    await job.task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if job.aborted and current is not None and not current.cancelling():
+                        job.attempt += 1
+                        continue  # aborted by a weight update: resubmit the unfinished rows
+                    job.task.cancel()
+                    raise
+                finally:
+                    job.task = None
+        finally:
+            self._jobs.discard(job)
+
+    async def _consume(self, job: _Job, idx: list[int], version: int, params: SamplingParams) -> None:
+        stream = self.engine.stream([job.prompts[i] for i in idx], params)
+        try:
+            async for j, c in stream:
+                job.results[idx[j]] = (c, version)
+                job.finished.put_nowait(idx[j])
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _rows(self, job: _Job, rows: list[int], R: int) -> dict[str, torch.Tensor]:
+        pad = int(self.tokenizer.pad_token_id)
+        n = len(rows)
+        resp = torch.full((n, R), pad, dtype=torch.long)
+        rmask = torch.zeros((n, R), dtype=torch.long)
+        logp = torch.zeros((n, R), dtype=torch.float32)
+        ver = torch.zeros(n, dtype=torch.long)
+        for k, i in enumerate(rows):
+            c, v = job.results[i]  # type: ignore[misc]
+            L = len(c.response_ids)
+            if L > R or len(c.log_probs) != L:
+                raise RuntimeError(f"engine returned {L} tokens and {len(c.log_probs)} log-probs for max_new_tokens={R}")
+            resp[k, :L] = torch.tensor(c.response_ids, dtype=torch.long)
+            rmask[k, :L] = 1
+            logp[k, :L] = torch.tensor(c.log_probs, dtype=torch.float32)
+            ver[k] = v
+        return {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver}
+
+    def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict:
+        fields["input_ids"] = torch.cat([batch["prompt_ids"].long(), fields["response_ids"]], dim=1)
+        fields["attention_mask"] = torch.cat([batch["prompt_mask"].long(), fields["response_mask"]], dim=1)
+        return with_fields(batch, fields)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                       temperature: float | None = None, seed: int | None = None) -> TensorDict:
+        """One response per row (row-preserving; GRPO repeats rows before calling).
+
+        Returns the batch plus ``response_ids``, ``response_mask``, ``input_ids``,
+        ``attention_mask``, ``rollout_log_probs`` and ``version`` (see docs/roles_api.md).
+        `max_new_tokens`/`temperature` override the config for this call; `seed` is mixed
+        into the derived sampling seed.
+        """
+        if self._episode_fn is not None:
+            return await self.generate_episodes(batch, max_new_tokens, temperature, seed)
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        job = _Job(prompts, self._params(prompts, max_new_tokens, temperature, seed))
+        await self._run_job(job)
+        return self._assemble(batch, self._rows(job, list(range(len(prompts))), R))
+
+    async def stream_generate(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                              temperature: float | None = None, seed: int | None = None) -> AsyncIterator[TensorDict]:
+        """Like :meth:`generate`, but yields each row (a one-row batch with an ``index`` field,
+        the row's position in `batch`) as soon as it finishes. In-process use; across
+        processes use :meth:`submit` and :meth:`poll`."""
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        job = _Job(prompts, self._params(prompts, max_new_tokens, temperature, seed))
+        runner = asyncio.ensure_future(self._run_job(job))
+        try:
+            for _ in range(len(prompts)):
+                i = await self._next_finished(job, runner)
+                row = self._assemble(batch[i:i + 1], self._rows(job, [i], R))
+                row.set("index", torch.tensor([i], dtype=torch.long))
+                yield row
+            await runner
+        finally:
+            if not runner.done():
+                runner.cancel()
+                try:
+                    await runner
+                except BaseException:
+                    pass
+
+    @staticmethod
+    async def _next_finished(job: _Job, runner: asyncio.Future[None]) -> int:
+        getter = asyncio.ensure_future(job.finished.get())
+        waiters: set[asyncio.Future[Any]] = {getter, runner}
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        runner.result()  # raises the job's error
+        return job.finished.get_nowait()
+
+    @register(Dispatch.DP_COMPUTE_METRIC, concurrent=True)
+    async def submit(self, batch: TensorDictBase, request_id: str, max_new_tokens: int | None = None) -> int:
+        """Start generating `batch` in the background under `request_id`; returns the rows this
+        rank accepted. Fetch finished rows with :meth:`poll`."""
+        if request_id in self._streams:
+            raise ValueError(f"request {request_id!r} is already running on rank {self.rank}; use a new id")
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        job = _Job(prompts, self._params(prompts, max_new_tokens, None, None))
+        runner = asyncio.ensure_future(self._run_job(job))
+        runner.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._streams[request_id] = (job, runner, R, len(prompts))
+        self._stream_batches[request_id] = batch
+        return len(prompts)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def poll(self, request_id: str) -> dict[str, Any]:
+        """Wait until at least one more row of `request_id` finished on this rank (or all did).
+
+        Returns ``{"rows": TensorDict | None, "done": bool}``: the newly finished rows
+        (with ``index`` = the row's position in the submitted batch, i.e. ``rank * shard
+        rows + local row``; indices past the batch are dispatch padding) and whether this
+        rank has no more. As a group call, one such dict per rank.
+        """
+        try:
+            job, runner, R, n = self._streams[request_id]
+        except KeyError:
+            raise KeyError(f"no request {request_id!r} on rank {self.rank}; submit it first (or it was drained)") from None
+        batch = self._stream_batches[request_id]
+        rows: list[int] = []
+        if job.finished.empty() and not runner.done():
+            rows.append(await self._next_finished(job, runner))
+        while not job.finished.empty():
+            rows.append(job.finished.get_nowait())
+        if runner.done():
+            runner.result()
+        done = runner.done() and job.finished.empty()
+        if done:
+            del self._streams[request_id]
+            del self._stream_batches[request_id]
+        if not rows:
+            return {"rows": None, "done": done}
+        rows.sort()
+        td = self._assemble(batch[torch.tensor(rows)], self._rows(job, rows, R))
+        td.set("index", torch.tensor(rows, dtype=torch.long) + self.rank * n)
+        return {"rows": td, "done": done}
+
+    def on_close(self) -> None:
+        """Close the weight channel and the engine."""
+        if self._channel is not None:
+            self._channel.close()
+        if self._batcher is not None:
+            self._batcher._abort.set()
+        gateway = getattr(self._episode_fn, "gateway", None)  # rollout.agent: the worker's gateway
+        if gateway is not None:
+            gateway.request_stop()
+        self.engine.close()
+        release_core_share(self)
+
+
+def _check_vllm_memory(engine_kwargs: dict[str, Any], placement: Any) -> None:
+    """A colocated vLLM engine takes ``gpu_memory_utilization`` of the whole GPU up front: refuse at
+    setup when that much is not free (other roles on the GPU hold the rest)."""
+    if not placement.is_cuda:
+        return
+    share = float(engine_kwargs.get("gpu_memory_utilization", 0.2))
+    free, total = torch.cuda.mem_get_info(placement.device)
+    try:
+        check_gpu_memory(int(share * total), free, total, who=f"RolloutWorker (vLLM, gpu_memory_utilization={share:g})",
+                         device=placement.device)
+    except DeviceError as e:
+        raise DeviceError(f"{e}; or lower engine_kwargs.gpu_memory_utilization") from None

@@ -1,0 +1,370 @@
+"""Request-level generation of :class:`~asyncrl.roles.generation.rollout.RolloutWorker` (a mixin it composes).
+
+Every row is a program over the request-level engine (:meth:`_request_engine`: the HF request
+batcher, or an engine that schedules requests itself), so many concurrent calls share its decoding
+rounds and each token records the weight version that produced it. One seam, :meth:`_run_rows`,
+runs every row: a program ``async (llm, sample) -> Trajectory`` -- a plain request
+(:func:`~asyncrl.roles.agentic.episodes.single_turn`), an episode, or an agent whose gateway session samples
+through the row's ``llm`` -- so a new kind of row is one such function::
+
+    call ─► _start_requests (gate: start under the newest weights) ─► _run_rows
+              row i: LLM(submit, params[i], key[i]) ─► program(llm, sample) ─► engine requests
+              ─► pack_trajectories ─► the generate layout (+ token_versions; episode fields for episodes)
+
+* ``generate_episodes`` -- batch mode's episodes (seeds from the whole call, as ``generate``'s);
+* ``generate_requests`` -- the streaming trainer's calls: one response, episode or agent session per
+  row, version-free per-row seeds and round-log keys;
+* ``round_log`` / ``replay_rounds`` -- the batcher's recorded rounds and their exact replay;
+* ``statistics`` -- what this rank's request-level generation did.
+
+The state it reads and writes (``engine``, ``config``, ``_batcher``, ``_episode_tasks``, ...) and the
+helpers it shares with batch generation (``_prompts``, ``_params``, ``_assemble``, ``_gate_event``,
+``_check_weights``) are set up by ``RolloutWorker`` in :mod:`asyncrl.roles.generation.rollout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import replace
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from typing import TYPE_CHECKING
+
+from asyncrl import Dispatch, register
+
+from asyncrl.roles._util import text_list, with_fields
+from asyncrl.roles.engines import SamplingParams
+from asyncrl.roles.errors import EpisodeError, PreemptedError
+
+if TYPE_CHECKING:
+    from asyncrl.roles.generation.rollout_config import RolloutConfig
+
+__all__ = ["RequestGenerationMixin"]
+
+
+class RequestGenerationMixin:
+    """Request-level generation: episodes, ``generate_requests``, the round log and ``statistics``."""
+
+    if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/generation/rollout.py)
+        config: RolloutConfig
+        engine: Any
+        model: Any
+        tokenizer: Any
+        context_length: int
+        _version: int
+        _batcher: Any
+        _episode_fn: Any
+        _episode_tasks: set[asyncio.Task[Any]]
+        _updates: list[dict[str, Any]]
+        _trajectories: list[int]
+        _replay: list[dict[str, Any]] | None
+        _replay_hold: bool
+        _preempted: bool
+        _request_calls: dict[asyncio.Task[Any], asyncio.AbstractEventLoop]
+
+        @property
+        def rank(self) -> int: ...
+        def _gate_event(self) -> asyncio.Event: ...
+        def _check_weights(self) -> None: ...
+        def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]: ...
+        def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
+                    seed: int | None) -> SamplingParams: ...
+        def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict: ...
+
+    # ---- multi-turn episodes --------------------------------------------------------------
+
+    def _request_engine(self) -> Any:
+        """``submit(prompt_ids, params, key=None) -> Generation``: the request-level HF engine (one batcher
+        per worker; `key` names the request in its round log), or one-prompt calls of an engine that
+        schedules requests itself (vLLM; `key` unused)."""
+        from asyncrl.roles.engines.batcher import Generation, request_batcher
+
+        if self._batcher is None:
+            kwargs: dict[str, Any] = dict(max_batch_size=getattr(self.engine, "max_batch_size", 64),
+                                          chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+                                          partial_rollout=self.config.partial_rollout)
+            if self._replay is not None:
+                from asyncrl.roles.engines.round_log import ReplayBatcher, RoundRecord
+
+                self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay],
+                                              hold_unknown=self._replay_hold, **kwargs)
+            else:
+                self._batcher = request_batcher(self.engine, record_rounds=self.config.record_rounds, **kwargs)
+        batcher = self._batcher
+        if batcher is not None:
+            async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
+                self._check_weights()
+                return await batcher.generate(ids, params, key=key)
+
+            return request
+
+        arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
+        if arequest is not None and self.config.partial_rollout != "off":
+            async def versioned(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
+                self._check_weights()
+                return await arequest(ids, params, version_fn=lambda: self._version)
+
+            return versioned
+
+        async def submit(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
+            version = self._version
+            c = (await self.engine.generate([ids], params))[0]
+            return Generation(c.response_ids, c.log_probs, c.finish_reason, versions=[version] * len(c.response_ids))
+
+        return submit
+
+    async def _start_requests(self, batch: TensorDictBase, max_new_tokens: int | None, temperature: float | None,
+                              seed: int | None) -> tuple[int, list[list[int]], SamplingParams, Any]:
+        """``(R, prompts, base params, submit)`` for a call whose rows become requests, once no weight update is
+        loading (so the first round runs under the new weights)."""
+        R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
+        prompts = self._prompts(batch, R)
+        gate = self._gate_event()
+        while not gate.is_set() and self._replay is None:  # an update is loading: start under the new weights
+            await gate.wait()  # (a replay's rounds decide that; its updates wait for them, so must its requests not)
+        return R, prompts, self._params(prompts, R, temperature, seed), self._request_engine()
+
+    # ---- the one seam: every request-level row -------------------------------------------------
+
+    def _row_program(self, episode: str | None = None,
+                     episode_kwargs: dict[str, Any] | None = None) -> tuple[Any, str]:
+        """``(program, name)`` of this call's rows: `episode` when given, else the configured episode or agent
+        (``RolloutConfig.episode``/``agent``), else :func:`~asyncrl.roles.agentic.episodes.single_turn`."""
+        from asyncrl.roles.agentic.environments import resolve_episode
+        from asyncrl.roles.agentic.episodes import single_turn
+
+        if episode is not None:
+            return resolve_episode(episode, episode_kwargs), episode
+        if self._episode_fn is not None:
+            return self._episode_fn, str(self.config.episode or self.config.agent)
+        return single_turn, "request"
+
+    async def _run_rows(self, batch: TensorDictBase, R: int, prompts: list[list[int]], submit: Any,
+                        params: list[SamplingParams], keys: list[str] | None, program: Any, name: str, *,
+                        max_in_flight: int | None = None) -> TensorDict:
+        """The one entry of request-level generation: row ``i`` runs ``program(llm, sample)`` with an
+        :class:`~asyncrl.roles.agentic.episodes.LLM` over the request engine `submit` (sampling `params[i]`, round-log
+        key ``keys[i]``), every row in flight at once; the trajectories are packed in the ``generate`` layout.
+
+        A program is :func:`~asyncrl.roles.agentic.episodes.single_turn` (a plain request), an episode, or an agent
+        (:class:`~asyncrl.roles.agentic.agents.AgentEpisode`: the row's LLM serves a gateway session), so each of them
+        gets admission, partial rollout across turns and per-token versions from the same engine. The call
+        counts among the generations a weight update waits for (``partial_rollout="off"``) or reaches."""
+        import anyio
+
+        from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, pack_trajectories, single_turn, validate_trajectory
+
+        plain = program is single_turn  # the engine's own rows: trusted, no episode fields
+        agent = getattr(program, "agent", None) is not None  # rows come from the gateway, with its prompts
+        prompt_text, answers = text_list(batch, "prompt"), text_list(batch, "answer")
+        trajs: list[Any] = [None] * len(prompts)
+        limit = anyio.Semaphore(len(prompts) if plain else max_in_flight or self.config.max_episodes_in_flight)
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+
+        async def run(i: int) -> None:
+            sample = Sample(prompts[i], prompt=prompt_text[i] if prompt_text else None,
+                            answer=answers[i] if answers else None, index=i)
+            llm = LLM(submit, self.tokenizer, params[i], R, key=keys[i] if keys is not None else None)
+            async with limit:
+                if plain:
+                    trajs[i] = await program(llm, sample)
+                    return
+                try:
+                    traj = await program(llm, sample)
+                except Exception as e:  # the user's code: say whose and which row (tools never get here)
+                    raise EpisodeError(f"episode {name!r} (row {i}) raised {type(e).__name__}: {e}; fix the "
+                                       "episode or its environment (tool errors are observations, not raises)") from e
+                if agent and isinstance(traj, Trajectory):  # the prompt is the gateway's rendered chat
+                    sample = replace(sample, prompt_ids=list(traj.prompt_ids))
+                trajs[i] = validate_trajectory(traj, name, sample, R, vocab)
+
+        me = asyncio.current_task()
+        if me is not None:
+            self._episode_tasks.add(me)  # weight updates and sleep wait for (or reach) the rows in flight
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(run, i)
+        except BaseExceptionGroup as group:  # the first row's error cancelled the rest: raise it alone,
+            first = _first_leaf(group)  # with its own cause (the user's exception and its traceback)
+            raise first from first.__cause__
+        finally:
+            if me is not None:
+                self._episode_tasks.discard(me)
+        pad = int(self.tokenizer.pad_token_id)
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        if agent:  # one width on every rank (their batches are concatenated): the longest prompt a row fits
+            prompt_ids, prompt_mask = left_pad_prompts([t.prompt_ids for t in trajs], pad,
+                                                       self.context_length - R)
+        fields = pack_trajectories(trajs, prompt_ids, prompt_mask, R, pad, self._version)
+        if plain:  # a plain request's row keeps generate's layout (plus token_versions)
+            for k in _EPISODE_FIELDS:
+                del fields[k]
+        else:
+            tv, model_tokens = fields["token_versions"], fields["response_mask"].bool()
+            self._trajectories[0] += len(trajs)
+            self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
+        if agent:
+            fields.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask)
+        return with_fields(batch, fields)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None, *,
+                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
+                                max_in_flight: int | None = None) -> TensorDict:
+        """One episode per row (``RolloutConfig.episode`` or ``agent``, or `episode` for this call), all in
+        flight at once; returns the layout of :meth:`generate` (see :func:`asyncrl.roles.agentic.episodes.pack_trajectories`):
+        ``response_ids`` of width R hold model and environment tokens, ``response_mask`` is 1 only on
+        model tokens, plus ``token_versions``, ``episode_reward``, ``num_turns``, ``tool_errors``,
+        ``stop_reason``. Rows repeated for GRPO run separate episodes (their ``uid`` is kept, so a
+        group is the episodes of one sample). A malformed trajectory raises
+        :class:`~asyncrl.roles.errors.TrajectoryError` naming the episode and the field. `max_in_flight`
+        overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time).
+        Batch mode's call: row ``i``'s seed derives from the whole call's (its prompts and the weight version);
+        :meth:`generate_requests` runs the same rows with version-free per-row seeds."""
+        from asyncrl.roles.agentic.episodes import single_turn
+
+        program, name = self._row_program(episode, episode_kwargs)
+        if program is single_turn:
+            raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
+        R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
+        params = [replace(base, seed=((base.seed or 0) + 104729 * i) & 0x3FFFFFFF) for i in range(len(prompts))]
+        return await self._run_rows(batch, R, prompts, submit, params, None, program, name,
+                                    max_in_flight=max_in_flight)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None) -> TensorDict:
+        """Every row through the request-level engine (:meth:`_run_rows`): one response per row, or with
+        ``RolloutConfig.episode``/``agent`` one episode or agent session per row (the layout of
+        :meth:`generate_episodes`), so many concurrent calls (streaming rollout: one per prompt group)
+        share its decoding rounds. A call counts among the request-level generations a weight update
+        handles: with ``partial_rollout="off"`` an update waits for it (its rows keep one version); with
+        ``"keep"``/``"recompute"`` the update reaches its rows in flight without waiting -- also an
+        episode's turn in flight -- and they decode on under the new weights (each token records its version).
+
+        Returns the layout of :meth:`generate` plus ``token_versions`` (``[B, R]``: each generated
+        token's weight version, -1 off the model tokens); ``version`` is a row's first model token's version.
+        Row ``i``'s sampling seed comes from the config's seed, `seed`, the row's index in the whole
+        batch and its prompt (not the weight version): the same call regenerates the same rows under
+        the same weights, and the rows of one prompt differ. Its requests are named ``f"{seed}:{row}"``
+        in the round log (an episode's later turns ``f"{seed}:{row}/{turn}"``). A preemption notice (SIGTERM
+        to the process) stops the rows at their next decoding step and raises ``PreemptedError``
+        (roles/generation/preemption.py)."""
+        if self._preempted:
+            raise PreemptedError(f"rollout rank {self.rank} was told to stop (SIGTERM); generate elsewhere")
+        me = asyncio.current_task()
+        assert me is not None  # a coroutine the actor's loop runs as a task
+        self._request_calls[me] = asyncio.get_running_loop()  # a preemption notice cancels it
+        try:
+            return await self._generate_requests(batch, max_new_tokens, temperature, seed)
+        except asyncio.CancelledError:
+            if not self._preempted:
+                raise
+            raise PreemptedError(f"rollout rank {self.rank} was told to stop (SIGTERM): its rows stopped at their "
+                                 "next decoding step; generate them elsewhere with the same seed") from None
+        finally:
+            self._request_calls.pop(me, None)
+
+    async def _generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None,
+                                 temperature: float | None, seed: int | None) -> TensorDict:
+        program, name = self._row_program()
+        R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
+        offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
+
+        def row_seed(i: int) -> int:
+            h = hashlib.sha256(f"{self.config.seed}|{seed}|{offset + i}|{prompts[i]}".encode())
+            return int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF
+
+        params = [replace(base, seed=row_seed(i)) for i in range(len(prompts))]
+        keys = [f"{seed}:{offset + i}" for i in range(len(prompts))]
+        return await self._run_rows(batch, R, prompts, submit, params, keys, program, name)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
+        """The request batcher's rounds so far as JSON-able dicts (``RolloutConfig.record_rounds``), then, with
+        ``RolloutConfig.agent``, one ``{"session": key, "requests": [...]}`` per gateway session closed (what each
+        agent asked and was answered, as digests: a replay checks its agents against them); `clear` forgets
+        what was returned. As a group call, one list per rank."""
+        if not self.config.record_rounds:
+            raise RuntimeError("this rollout worker does not record its rounds; set RolloutConfig.record_rounds=True")
+        sessions = list(getattr(self._episode_fn, "sessions", None) or [])  # rollout.agent: the gateway's sessions
+        if clear and sessions:
+            self._episode_fn.sessions.clear()
+        rounds = [r.to_dict() for r in self._batcher.round_log(clear)] if self._batcher is not None else []
+        return rounds + sessions
+
+    @register(Dispatch.ONE_TO_ALL)
+    def replay_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
+        """Replay `rounds` (a recorded :meth:`round_log`): the request-level engine runs exactly those rounds,
+        so the same requests (same keys and seeds) and the same weight updates, in order, regenerate the
+        recording's tokens bit for bit. Call before any request-level generation. Returns the rounds.
+        `hold_unknown`: a request no recorded round ran is held (never decoded) instead of refused -- what
+        the recording had in flight when it ended. While replaying, requests start without waiting for a
+        weight update in progress (the update waits until the rounds need it)."""
+        if self.config.engine != "hf":
+            raise ValueError(f"replay_rounds needs the request-level HF engine; this worker runs {self.config.engine!r}")
+        if self._batcher is not None:
+            raise RuntimeError("replay_rounds must come before any request-level generation on this worker (its "
+                               "request engine already runs); build a fresh worker for the replay")
+        self._replay = [r for r in rounds if "session" not in r]
+        self._replay_hold = bool(hold_unknown)
+        sessions = [r for r in rounds if "session" in r]
+        if sessions or hasattr(self._episode_fn, "replay"):  # rollout.agent: its agents must ask what they asked
+            self._episode_fn.replay(sessions)
+        return len(self._replay)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def replay_rank_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
+        """:meth:`replay_rounds` with each rank's own recorded rounds (a group call takes one list per rank,
+        as :meth:`round_log` returned them, and `hold_unknown` once per rank)."""
+        return self.replay_rounds(rounds, hold_unknown)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def statistics(self) -> dict[str, Any]:
+        """What this rank's request-level generation did: the request batcher's counters (rounds, tokens
+        per version, requests spanning versions, pauses and their latency), the episodes returned
+        (``trajectories``) and those whose model tokens span versions (``spanning_trajectories``) and,
+        with partial rollout, one record per weight update (``version``, ``pause_latency_s``,
+        ``in_flight``, ``interrupted``). As a group call, one dict per rank."""
+        from dataclasses import asdict
+
+        stats = self._batcher.statistics() if self._batcher is not None else None
+        if stats is None:
+            engine_stats = getattr(self.engine, "request_statistics", None)
+            stats = engine_stats() if engine_stats is not None else None
+        out: dict[str, Any] = {"version": self._version, "partial_rollout": self.config.partial_rollout,
+                               "updates": [dict(u) for u in self._updates], "trajectories": self._trajectories[0],
+                               "spanning_trajectories": self._trajectories[1]}
+        if stats is not None:
+            out.update(asdict(stats) if not isinstance(stats, dict) else stats)
+        return out
+
+
+def left_pad_prompts(prompts: list[list[int]], pad_id: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_ids, prompt_mask)`` of `prompts`, left-padded to `width` or the longest (the batch layout)."""
+    P = max(width, *(len(p) for p in prompts))
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        if p:
+            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[b, P - len(p):] = 1
+    return ids, mask
+
+
+_EPISODE_FIELDS = ("episode_reward", "num_turns", "tool_errors", "stop_reason")
+"""What :func:`~asyncrl.roles.agentic.episodes.pack_trajectories` adds for episodes, absent from a plain request's row."""
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The first non-group exception of `group` (an anyio task group wraps its tasks' errors)."""
+    e: BaseException = group
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e

@@ -1,0 +1,1 @@
+"""Models and tokenizers, GGUF files, device and precision, CPU threads."""

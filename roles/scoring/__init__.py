@@ -1,0 +1,1 @@
+"""Rewards: the reward worker, reward functions, the arithmetic task's checker."""

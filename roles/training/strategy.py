@@ -1,0 +1,241 @@
+"""How a trained role's model is spread over the ranks of its group: ``ddp`` or ``fsdp2``.
+
+``ddp``
+    Every rank holds the whole model, its gradients and its optimizer state (about 16 bytes per
+    parameter in fp32 with AdamW). Gradients are summed by torch's ``DistributedDataParallel``
+    during the last micro-batch's backward (``no_sync`` before it).
+``fsdp2``
+    torch's FSDP2 (``fully_shard``) per decoder layer and at the root, over a mesh of the group's
+    ranks (gloo on CPU, NCCL on GPUs): each rank keeps 1/N of the parameters, gradients and
+    optimizer state, and all-gathers a layer's parameters just before it computes. On a GPU with
+    bf16 autocast, parameters are all-gathered in bf16 and gradients reduced in fp32.
+
+Both keep the loss's math: every micro-batch's loss is its share of the *global* loss (global
+token and sequence denominators), so gradients are **summed** over ranks, never averaged (DDP gets a
+sum hook; FSDP2 a divide factor of 1), and 2 ranks train like 1 to fp32 rounding.
+
+With one rank (or a worker outside a multi-process group) both strategies are the plain module.
+
+Sharded parameters are ``DTensor`` s. What needs whole tensors reads them through collectives that every
+rank runs in the same order, so no rank ever holds the whole gathered model at once: a weight sync with
+:meth:`TrainStrategy.whole_by_unit` (one all-gather per decoder layer), checksums and ``export_weights`` with
+:meth:`TrainStrategy.full_tensors` (one tensor at a time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Literal, Mapping
+
+import torch
+from torch import nn
+
+from asyncrl import Dispatch
+from asyncrl.dispatch import dispatch_one_to_all
+
+from asyncrl.roles._util import DataParallel
+from asyncrl.roles.modeling.device import Placement
+
+__all__ = ["EVERY_RANK_GIVES_RANK_ZEROS", "STRATEGIES", "Strategy", "TrainStrategy", "decoder_layers", "is_sharded",
+           "full_tensor", "layer_classes"]
+
+Strategy = Literal["ddp", "fsdp2"]
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2")
+
+
+def _rank_zeros(world: Any, results: list[Any]) -> Any:
+    return results[0]
+
+
+EVERY_RANK_GIVES_RANK_ZEROS = Dispatch.custom("every_rank_gives_rank_zeros", dispatch_one_to_all, _rank_zeros)
+"""Every rank runs the call (it may hold a collective, as gathering FSDP2 shards does); the call resolves to
+rank 0's result, as ``Execute.RANK_ZERO`` would."""
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether `t` is a DTensor (a shard of an FSDP2 parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: an all-gather for a DTensor (a collective: every rank must call it), else `t`."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def layer_classes(model_dir: str) -> tuple[str, list[str]]:
+    """``(causal LM class name, its decoder layer class names)`` of the Hugging Face model in `model_dir`,
+    read from its config without building it (what ``fsdp2`` would shard one by one; empty: nothing)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cls = AutoModelForCausalLM._model_mapping[type(conf)]
+    return cls.__name__, list(getattr(cls, "_no_split_modules", None) or ())
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: transformers' ``_no_split_modules`` classes (the
+    decoder layers), found anywhere in `model` (a causal LM, or the value model's backbone)."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+class TrainStrategy:
+    """A trained role's model over its group's ranks (see the module docstring).
+
+    Args:
+        model: the module, already on its placement's device and dtype (``fsdp2`` shards it in place).
+        placement: where it computes (a GPU's bf16 autocast becomes FSDP2's mixed precision).
+        dp: the group's collectives (its process group is the one the model is spread over).
+        strategy: ``ddp`` or ``fsdp2``.
+        offload: ``fsdp2`` only: keep the shards and optimizer state in CPU memory between uses.
+        reshard_after_forward: ``fsdp2`` only: free a layer's gathered parameters after its forward.
+        who: the role's name, for errors.
+    """
+
+    def __init__(self, model: nn.Module, placement: Placement, dp: DataParallel, strategy: str = "ddp", *,
+                 offload: bool = False, reshard_after_forward: bool = True, trainable: bool = True,
+                 who: str = "the role") -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"{who}: strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+        if offload and strategy != "fsdp2":
+            raise ValueError(f"{who}: offload keeps FSDP2 shards in CPU memory; it needs strategy='fsdp2'")
+        if offload and placement.device.type != "cuda":
+            raise ValueError(f"{who}: fsdp_offload keeps a GPU model's shards in CPU memory between uses, but this "
+                             f"model computes on {placement.device}, where they already are; set fsdp_offload=false")
+        self.name = strategy
+        self.dp = dp
+        self.placement = placement
+        self.module = model
+        """The model itself (its state dict has the model's own names); FSDP2's shards live in it."""
+        self._ddp: nn.Module | None = None
+        self.sharded = False
+        layers = decoder_layers(model) if strategy == "fsdp2" else []
+        if strategy == "fsdp2" and not layers:  # (checked at one rank too: the config must work at any count)
+            raise ValueError(
+                f"{who}: strategy=fsdp2 shards a model per decoder layer, but {type(model).__name__} declares none "
+                "(transformers' `_no_split_modules`); set strategy=ddp for this model")
+        if not dp.active:
+            return
+        if strategy == "fsdp2":
+            self._shard(model, layers, offload, reshard_after_forward)
+            self.sharded = True
+        elif trainable:
+            self._ddp = _ddp(model, placement, dp)
+
+    def _shard(self, model: nn.Module, layers: list[nn.Module], offload: bool, reshard_after_forward: bool) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self.placement.device.type == "cuda" and self.dp.backend != "nccl":
+            raise ValueError("strategy=fsdp2 on GPUs needs a GPU of its own per training rank (NCCL refuses two ranks "
+                             "on one GPU, and FSDP2 needs its reduce-scatter); give each training worker a whole GPU "
+                             "(trainer.gpus_per_worker=1) or set strategy=ddp")
+        group = self.dp.grad_group()
+        mesh = DeviceMesh.from_group(group, device_type=self.placement.device.type)
+        amp = self.placement.autocast_dtype
+        mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp is not None else MixedPrecisionPolicy()
+        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
+                                  reshard_after_forward=reshard_after_forward)
+        for layer in layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # each rank's loss is its share of the global one: sum
+                m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; NCCL is fine)
+
+    @property
+    def forward_module(self) -> nn.Module:
+        """The module to call for a training forward (DDP's wrapper under ``ddp`` with several ranks)."""
+        return self._ddp if self._ddp is not None else self.module
+
+    @contextlib.contextmanager
+    def micro_batch(self, last: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: DDP syncs gradients only in the `last` one
+        (FSDP2 reduce-scatters each micro-batch's gradient into the sharded sum, keeping no whole gradient)."""
+        if self._ddp is not None and not last:
+            with self._ddp.no_sync():  # type: ignore[operator]
+                yield
+        else:
+            yield
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """The total gradient norm over every rank's gradient (before clipping); clips in place when
+        `max_norm` is set. Called between the last backward and the optimizer step."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        if max_norm is not None and max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.grad is not None],
+                                                  max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        return float(full_tensor(norm))
+
+    def whole_by_unit(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """``{name: whole tensor}`` of the state-dict `names` (parameters and buffers of :attr:`module`), one FSDP
+        unit (a decoder layer, then the root) at a time: one all-gather per unit, resharded before the next, so a
+        rank holds at most one unit whole. Every rank must iterate it to the end over the same `names`. The
+        tensors are views of the unit's gathered storage: copy what you keep before the next one is yielded."""
+        for keys in self.by_unit({n: n for n in names}):
+            yield {n: self._leaf(n) for n in keys}
+
+    def by_unit(self, sources: Mapping[str, str]) -> Iterator[list[str]]:
+        """The keys of `sources` (``{key: the state-dict name of :attr:`module` it reads}``), one FSDP unit at a
+        time, while that unit's parameters are whole in the modules (gathered; resharded when the next is asked
+        for): read them from the modules then (a LoRA layer's merged weight reads three of its unit's tensors).
+        Not sharded: every key at once. Every rank must iterate it to the end over the same `sources`."""
+        if not self.sharded:
+            yield list(sources)
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(prefix, m) for prefix, m in self.module.named_modules() if isinstance(m, FSDPModule)]
+        owner: dict[str, list[str]] = {prefix: [] for prefix, _ in units}
+        for key, n in sources.items():  # the innermost unit whose prefix holds the name
+            best = max((p for p, _ in units if p == "" or n.startswith(p + ".")), key=len)
+            owner[best].append(key)
+        for prefix, unit in units:
+            if not owner[prefix]:
+                continue
+            unit.unshard()  # not recursive: this unit's own parameters
+            try:
+                yield owner[prefix]
+            finally:
+                unit.reshard()
+
+    def _leaf(self, name: str) -> torch.Tensor:
+        path, _, leaf = name.rpartition(".")
+        return getattr(self.module.get_submodule(path), leaf).detach()
+
+    def full_tensors(self, state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole tensor)`` for each entry of `state` (a state dict of :attr:`module`), one at a
+        time. Sharded: an all-gather per tensor, so every rank must run this over the same `state`, in full
+        (tied names repeat the gather; the caller may skip the copy)."""
+        for name, t in state.items():
+            yield name, full_tensor(t)
+
+
+def _ddp(model: nn.Module, placement: Placement, dp: DataParallel) -> nn.Module:
+    """torch's DistributedDataParallel over the group, summing (not averaging) gradients."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = dp.grad_group()
+    ids = [placement.device.index] if placement.device.type == "cuda" else None
+    # every rank built the same model from the same seed (or checkpoint): no start-up broadcast
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=group, init_sync=False,
+                                  forward_sync_buffers=False)
+    ddp.register_comm_hook(group, _sum_hook)
+    return ddp
+
+
+def _sum_hook(group, bucket):  # type: ignore[no-untyped-def]  # (DDP rejects any annotation but GradBucket)
+    """DDP's all-reduce without its division by the world size (the losses are shares of one sum)."""
+    import torch.distributed as dist
+
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])

@@ -39,18 +39,18 @@ import structlog
 
 from asyncrl import batch as B
 from asyncrl._backend import Backend, InputFailed, input_error, public_error
-from asyncrl._completion import Completion
-from asyncrl._wedge import WedgeReplies
 from asyncrl._wire import Builder
 from asyncrl.register import Execute, Mode
 from asyncrl.errors import (
     CallCancelledError,
+    CallTimeoutError,
     LaneWedgedError,
     UpstreamError,
     WorkerDiedError,
 )
 
 if TYPE_CHECKING:
+    from asyncrl._backend import Wedge
     from asyncrl.dispatch import Sharded, World
     from asyncrl.register import MethodSpec
 
@@ -62,10 +62,11 @@ Entry = tuple[int, int, "int | None"]
 """``(rank, call id, number or None)`` of one submitted per-rank call."""
 
 _call_ids = itertools.count()
+_BACKGROUND: set[asyncio.Task[Any]] = set()  # deadline checks in flight (a task needs a strong reference)
 _ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (case 15)
 
 
-class Sequencer(WedgeReplies):
+class Sequencer:
     """Numbers the ordered calls of each worker process and issues every call.
 
     One per set of worker processes (a group, or colocated groups sharing processes):
@@ -167,7 +168,9 @@ class Sequencer(WedgeReplies):
                 log.warning("cancel.unsent", rank=rank, calls=len(items), error=repr(e))
 
     # ---- the wedge of a pinned lane (case 15), on the controller's loop: the host's reply
-    # to a deadline's cancel and its end are asyncrl._wedge's (WedgeReplies) ------------------
+    # to a deadline's cancel says its lane is wedged; the controller fails every ordered call
+    # numbered after the stuck one there, and once the host reports the thread returned,
+    # tells it which numbers were failed meanwhile (``unfence``) ------------------------------
 
     def issued(self, call: Any) -> None:
         """A call was submitted (`call`: its ``_Call``). On pinned hosts, remember its ordered
@@ -195,6 +198,36 @@ class Sequencer(WedgeReplies):
         self._issued[rank] = collections.deque(e for e in q if _pending(e[1]()))
         self._sweep_at[rank] = max(_ISSUED_SWEEP, 2 * len(self._issued[rank]))
 
+    def _wedged_reply(self, rank: int, wedge: "Wedge") -> None:
+        """A host said its lane is wedged (its reply to a deadline's cancel): fail every
+        ordered call numbered after the stuck one there, until it reports the wedge over."""
+        call_id, seq, _, running = wedge
+        now = self.wedged.get(rank)
+        if now is not None and now[0] == call_id:
+            return
+        self.wedged[rank] = (call_id, seq, wedge[2], time.monotonic() - running)
+        try:
+            self.backend.watch_unwedged(self.hosts[rank], call_id,  # type: ignore[attr-defined]
+                                        functools.partial(self._unwedged, rank, call_id))
+        except Exception as e:  # Ray is shutting down: the lane goes with it
+            log.warning("wedge.unwatched", rank=rank, error=repr(e))
+        for s, ref in list(self._issued[rank]):
+            call = ref()
+            if s > seq and call is not None and not call.settled() and not call._completed:
+                self._fail_wedged(call, rank)
+
+    def _unwedged(self, rank: int, call_id: int) -> None:
+        now = self.wedged.get(rank)
+        if now is None or now[0] != call_id:
+            return
+        with self._lock:  # every number below `upto` was failed here while the lane was wedged
+            del self.wedged[rank]
+            upto = self._next[rank]
+        try:
+            self.backend.unfence(self.hosts[rank], call_id, upto)  # type: ignore[attr-defined]
+        except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
+            log.warning("unfence.unsent", rank=rank, error=repr(e))
+
     def _fail_wedged(self, call: Any, rank: int) -> None:
         _, _, stuck, since = self.wedged[rank]
         call.fail(LaneWedgedError(call.group, call.method, rank, stuck, time.monotonic() - since), cancel_remote=True)
@@ -216,7 +249,7 @@ class _Site(Protocol):
     def _mark_broken(self, rank: int | None, detail: str) -> None: ...
 
 
-class _Call(Completion):
+class _Call:
     """One issued group call: the state its futures share (see the module docstring)."""
 
     __slots__ = (
@@ -224,7 +257,7 @@ class _Call(Completion):
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_fut", "_fetch", "_result", "_error", "_failure",
-        "timing", "times",
+        "timing", "times", "done_at", "_completed", "_watching", "_done_callbacks", "_loop", "_timer",
         "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of docs/protocol.md)
     )
 
@@ -503,3 +536,97 @@ class _Call(Completion):
         if self.rank_zero:
             return values[0]
         return self.collect_fn(self.world, values)
+
+    # ---- completion without fetching, and the deadline ---------------------------------------
+
+    def is_done(self) -> bool:
+        """Non-blocking: every rank finished, or the controller failed the call. The
+        first call starts watching completion in the background (Ray: a completion
+        callback per rank on Ray's own thread, no polling)."""
+        if self._completed or self.settled():
+            return True
+        self._watch()
+        return self._completed
+
+    def _watch(self) -> None:
+        if not self._watching:
+            self._watching = True
+            self.backend.watch(self.refs, self._mark_completed)
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` on the running loop once `is_done()` turns true (see GroupFuture)."""
+        loop = asyncio.get_running_loop()
+        if self._done_callbacks is None:
+            self._done_callbacks = (loop, [])
+        self._done_callbacks[1].append(fn)
+        if self._completed or self.settled():
+            loop.call_soon(self._run_done_callbacks)
+            return
+        self._watch()
+        if self._completed:  # the backend thread finished it between the two checks
+            loop.call_soon(self._run_done_callbacks)
+
+    def _run_done_callbacks(self) -> None:  # on the loop only: each callback runs once
+        pending, self._done_callbacks = self._done_callbacks, None
+        if pending is None:
+            return
+        loop, callbacks = pending
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - reported like asyncio's own callbacks
+                loop.call_exception_handler({"message": f"done callback of {self.group}.{self.method} "
+                                                   "raised", "exception": e})
+
+    def _done_soon(self) -> None:
+        """Schedule the done callbacks on the loop, from any thread."""
+        pending = self._done_callbacks
+        if pending is not None and not pending[0].is_closed():
+            pending[0].call_soon_threadsafe(self._run_done_callbacks)
+
+    def _mark_done_at(self) -> None:
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
+
+    def _mark_completed(self) -> None:  # may run on a backend thread
+        self._mark_done_at()  # before `_completed`: whoever sees that also sees the time
+        self._completed = True
+        if self._done_callbacks is not None:
+            self._done_soon()
+
+    def _timeout_error(self, waited: float | None = None) -> CallTimeoutError:
+        t = self.timeout if waited is None else waited
+        return CallTimeoutError(
+            f"{self.group}.{self.method} did not finish within its timeout of {t:g}s; the remote work was "
+            "cancelled (a plain def method cannot be interrupted: while it runs, later ordered calls on its "
+            "worker fail with LaneWedgedError)"
+        )
+
+    # ---- the deadline -----------------------------------------------------------------------
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        if self._completed or self.settled():
+            return
+        task = asyncio.ensure_future(self._check_deadline())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+    async def _check_deadline(self) -> None:
+        if not self._completed:
+            try:
+                done = await self.backend.all_done(self.refs)
+            except Exception:  # the backend is gone (Ray shut down): let the fetch report it
+                done = True
+            if done:
+                self._mark_done_at()
+                self._completed = True
+        if not self._completed:
+            self.fail(self._timeout_error(), cancel_remote=True, deadline=True)
+
+    def _arm_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A call issued without a running loop gets its deadline timer on first await."""
+        if self.deadline is None or self._timer is not None or self._loop is not None:
+            return
+        self._loop = loop
+        self._timer = loop.call_later(max(0.0, self.deadline - time.monotonic()), self._on_deadline)

@@ -7,9 +7,9 @@ process runs them by number: the worker half is :mod:`asyncrl._lanes` and
 submits one call per rank to the backend. The invariant: **every number taken is released
 exactly once on the worker**, whatever fails, so the next number's call always gets its
 turn. Cancellation has one path, :meth:`Sequencer.cancel` → the host's ``cancel_calls`` →
-:meth:`~asyncrl._lanes.Lane.cancel`; cancelling twice is harmless. The 16 failure cases of
-this protocol, each with the test that pins it, are in ``docs/protocol.md``; the code
-cites them as "case N".
+:meth:`~asyncrl._lanes.Lane.cancel`; cancelling twice is harmless. The failure cases of
+this protocol are named invariants listed in ``docs/protocol.md``, each with the test that
+pins it; the code cites them by name (``pinned-thread``, ``control-before-call``, ...).
 
 *The state* (`_Call`, shared by a :class:`~asyncrl.GroupFuture` and its field
 selections): ``pending`` → ``completed`` (every rank finished; the value or the error is
@@ -33,13 +33,14 @@ import itertools
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import structlog
 
 from asyncrl import batch as B
 from asyncrl._backend import Backend, InputFailed, input_error, public_error
-from asyncrl._wire import Builder
+from asyncrl._wire import Builder, CallMsg
 from asyncrl.register import Execute, Mode
 from asyncrl.errors import (
     CallCancelledError,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from asyncrl.dispatch import Sharded, World
     from asyncrl.register import MethodSpec
 
-__all__ = ["Sequencer", "Entry"]  # internal: the public face is asyncrl.future.GroupFuture
+__all__ = ["Sequencer", "CallPlan", "Entry"]  # internal: the public face is asyncrl.future.GroupFuture
 
 log = structlog.get_logger("asyncrl")
 
@@ -63,7 +64,7 @@ Entry = tuple[int, int, "int | None"]
 
 _call_ids = itertools.count()
 _BACKGROUND: set[asyncio.Task[Any]] = set()  # deadline checks in flight (a task needs a strong reference)
-_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (case 15)
+_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (pinned-thread)
 
 
 class Sequencer:
@@ -79,44 +80,39 @@ class Sequencer:
         self.backend = backend
         self.hosts = hosts  # filled in by the owner as the processes start
         self.keep_results = keep_results
-        """How many of its latest ordered numbers each lane keeps the outcome of (case 14)."""
+        """How many of its latest ordered numbers each lane keeps the outcome of (same-process-window)."""
         self._next = [0] * world_size  # each lane's next number; only under the lock
-        self._lock = threading.Lock()  # number order = submission order per host, from any thread (case 12)
+        self._lock = threading.Lock()  # number order = submission order per host, from any thread (threads-hold-lowest-numbers)
         self.pinned = False
         """The hosts run ordered calls on a pinned thread (threaded Ray hosts): a wedge is
-        also the controller's to act on (case 15). Set by the owner when the hosts start."""
+        also the controller's to act on (pinned-thread). Set by the owner when the hosts start."""
         self.wedged: dict[int, tuple[int, int, str, float]] = {}
         """Lane -> ``(call id, number, description, monotonic start)`` of the call wedging it, as its host reported."""
         self._issued: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in range(world_size)]
         self._sweep_at = [_ISSUED_SWEEP] * world_size
 
-    def issue(self, site: "_Site", role: str, spec: "MethodSpec", world: "World", sharded: "Sharded",
-              layout: tuple[Sequence[int], Sequence[int], list[bool]], producers: "Sequence[_Call]",
-              timeout: float | None, time_calls: bool) -> "_Call":
-        """Issue one group call of `spec` with its per-rank arguments `sharded`: build every
-        executing rank's payload, number and submit them, and return the call's state.
-        `layout`: ``(executing ranks, collect order, keep per rank)``; `producers`: the calls
-        whose futures are among the arguments; `time_calls`: every rank returns its times."""
-        ranks, order, keep = layout
+    def issue(self, plan: "CallPlan") -> "_Call":
+        """Issue the group call `plan`: build every executing rank's payload, number and
+        submit them, and return the call's state."""
         backend = self.backend
+        spec = plan.spec
         dp = spec.dispatch_mode.data_parallel
         ordered = spec.mode is Mode.ORDERED
-        build = Builder(sharded, keep, producers, dp and backend.top_level_inputs, self if ordered else None,
-                        backend.sends_plain_lists)
-        refs, metas, entries = self.submit(role, spec.name, ordered, dp or time_calls, ranks, build)
-        site.stats.calls += 1
-        call = _Call(site, backend, self, spec, world, ranks, order, refs, metas if dp else None, entries, timeout,
-                     producers, sharded.pad)
-        if not dp and time_calls:
+        build = Builder(plan.sharded, plan.keep, plan.producers, dp and backend.top_level_inputs,
+                        self if ordered else None, backend.sends_plain_lists)
+        refs, metas, entries = self.submit(plan.role, spec.name, ordered, dp or plan.time_calls, plan.ranks, build)
+        plan.site.stats.calls += 1
+        call = _Call(plan, self, refs, metas if dp else None, entries)
+        if not dp and plan.time_calls:
             call.timing = metas
         if self.pinned:
-            self.issued(call)  # (a wedged lane fails it at once: case 15)
+            self.issued(call)  # (a wedged lane fails it at once: pinned-thread)
         inputs = build.inputs
         if inputs is not None:
             call.reads = build.reads
             call.top_from = tuple(inputs.top_from) or None
-            site.stats.inputs_top_level += inputs.sent
-            site.stats.inputs_local += inputs.local_sent
+            plan.site.stats.inputs_top_level += inputs.sent
+            plan.site.stats.inputs_local += inputs.local_sent
         return call
 
     def submit(self, role: str, method: str, ordered: bool, want_meta: bool, ranks: Sequence[int],
@@ -125,10 +121,10 @@ class Sequencer:
         """Submit one call per rank of `ranks`. ``build(ranks, numbers)`` first makes every
         rank's ``(payload, input padding, keep result)`` knowing the number the call will
         have there (None for a concurrent call): same-process inputs depend on it (case
-        14); if it raises, nothing was sent and no number taken (case 1). Returns ``(result
+        14); if it raises, nothing was sent and no number taken (build-before-send). Returns ``(result
         refs, meta refs, entries)``. A failed submission leaves nothing half-issued: the
         calls already submitted and the number taken for the failing one are cancelled,
-        then the error is raised (case 2)."""
+        then the error is raised (failed-submission)."""
         backend, hosts, numbers = self.backend, self.hosts, self._next
         refs: list[Any] = []
         metas: list[Any] = []
@@ -143,7 +139,8 @@ class Sequencer:
                         seq = numbers[rank]
                         numbers[rank] = seq + 1
                     entries.append((rank, call_id, seq))
-                    ref, meta = backend.submit(hosts[rank], role, method, seq, call_id, payload, pad, want_meta, keep)
+                    ref, meta = backend.submit(hosts[rank], CallMsg(role, method, seq, call_id, payload, pad, want_meta,
+                                                                    keep))
                     refs.append(ref)
                     metas.append(meta)
         except BaseException:
@@ -167,7 +164,7 @@ class Sequencer:
             except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
                 log.warning("cancel.unsent", rank=rank, calls=len(items), error=repr(e))
 
-    # ---- the wedge of a pinned lane (case 15), on the controller's loop: the host's reply
+    # ---- the wedge of a pinned lane (pinned-thread), on the controller's loop: the host's reply
     # to a deadline's cancel says its lane is wedged; the controller fails every ordered call
     # numbered after the stuck one there, and once the host reports the thread returned,
     # tells it which numbers were failed meanwhile (``unfence``) ------------------------------
@@ -237,6 +234,35 @@ def _pending(call: Any) -> bool:
     return call is not None and not call.settled() and not call._completed
 
 
+@dataclass(slots=True, eq=False)
+class CallPlan:
+    """One group call as its group planned it, before it is issued
+    (:meth:`Sequencer.issue`): what to run, where, with which per-rank arguments."""
+
+    site: "_Site"
+    """The group that issues it (its name, stats, and whether it is closed)."""
+    role: str
+    """The worker object the call runs on, in each process."""
+    spec: "MethodSpec"
+    """The registered method: dispatch mode, execute mode, ordered or concurrent."""
+    world: "World"
+    """The group's ranks and meshes (what the collect function gets)."""
+    sharded: "Sharded"
+    """The per-rank arguments the dispatch function made, and the padding of each rank."""
+    ranks: Sequence[int]
+    """The executing ranks (only rank 0 for ``Execute.RANK_ZERO``)."""
+    order: Sequence[int]
+    """Which executing ranks' results are collected, in collect (data-parallel) order."""
+    keep: list[bool]
+    """Per rank: return its result (False for a mesh rank that is not collected)."""
+    producers: "Sequence[_Call]"
+    """The calls whose futures are among the arguments (pipelined inputs)."""
+    timeout: float | None
+    """The call's deadline in seconds from now (one deadline), or None."""
+    time_calls: bool
+    """Every rank returns its times (arrived, started, ended), also for a non-DP mode."""
+
+
 class _Site(Protocol):
     """What a call needs from the group that issued it."""
 
@@ -258,20 +284,23 @@ class _Call:
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_fut", "_fetch", "_result", "_error", "_failure",
         "timing", "times", "done_at", "_completed", "_watching", "_done_callbacks", "_loop", "_timer",
-        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of docs/protocol.md)
+        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (pinned-thread of docs/protocol.md)
     )
 
-    def __init__(self, site: _Site, backend: Backend, sequencer: Sequencer, spec: "MethodSpec", world: "World",
-                 ranks: Sequence[int], collect_index: Sequence[int], refs: list[Any], metas: list[Any] | None,
-                 entries: Sequence[Entry], timeout: float | None, producers: "Sequence[_Call]",
-                 pads: Sequence[int] | None = None) -> None:
+    def __init__(self, plan: CallPlan, sequencer: Sequencer, refs: list[Any], metas: list[Any] | None,
+                 entries: Sequence[Entry]) -> None:
+        """The state of `plan` once issued: `refs` (and, for a data-parallel call, `metas`:
+        each rank's ``(rows, padding, times)``) per executing rank, and its `entries`.
+        The plan itself is not kept (its arguments would stay alive with the call)."""
         # Thousands of calls may be in flight at once, each holding its _Call: every
         # container here is one more object for the garbage collector's full passes to
         # walk (benchmarks/inflight.py), so the per-group parts (ranks, collect order)
         # are shared tuples and the collected refs are the refs themselves when the
         # order is the identity.
+        site, spec, ranks, collect_index = plan.site, plan.spec, plan.ranks, plan.order
+        producers, timeout, pads = plan.producers, plan.timeout, plan.sharded.pad
         self.site = site
-        self.backend = backend
+        self.backend = sequencer.backend
         self.sequencer = sequencer
         self.method = spec.name
         self.ranks = ranks
@@ -280,7 +309,7 @@ class _Call:
         self.timing = metas  # the metadata refs that carry the workers' times (GroupFuture.worker_times)
         self.times: Any = None  # None, then False while reading them, then the times per rank
         self.entries = entries
-        self.world = world
+        self.world = plan.world
         mode = spec.dispatch_mode
         self.data_parallel = mode.data_parallel
         self.rank_zero = spec.execute_mode is Execute.RANK_ZERO

@@ -8,7 +8,8 @@ holding it still runs in its thread (the wedge). :class:`ControlOrder` makes a c
 for the control messages sent before it. An async host waits on its event loop (this
 module); a threaded host's calls wait in Ray's threads (:mod:`asyncrl._thread_lane`).
 
-The failure cases ("case N") are in ``docs/protocol.md``, each with the test that pins it.
+The failure cases are named invariants in ``docs/protocol.md`` (``wedged-lane``,
+``same-process-window``, ...), each with the test that pins it; the code cites them by name.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Ticket:
     """A threaded host's work on its event loop for this call (argument resolution, an
     ``async def`` method): cancelled with the call."""
     outcome: Any = None
-    """What the lane keeps of an ordered call when it leaves (case 14): ``(True, result,
+    """What the lane keeps of an ordered call when it leaves (same-process-window): ``(True, result,
     (rows, pad))`` or ``(False, error)``; None: nothing to keep."""
 
     def describe(self) -> str:
@@ -64,7 +65,7 @@ class Ticket:
 
 
 class ControlOrder:
-    """The worker half of case 16: a call runs only after every control message (a
+    """The worker half of control-before-call: a call runs only after every control message (a
     cancel message, an ``unfence``) its controller sent to this process before it.
 
     The controller numbers its control messages to each process 1, 2, 3, ... and stamps
@@ -161,10 +162,10 @@ class Lane:
         self._live: dict[int, Ticket] = {}  # call id -> arrived, not yet left
         self._threads: dict[int, Ticket] = {}  # call id -> left, but its thread still runs
         self._wedged_by: Ticket | None = None
-        self.keep_results = 0  # set by the host when its workers are built (case 14)
+        self.keep_results = 0  # set by the host when its workers are built (same-process-window)
         self._kept: dict[int, tuple[int, Any]] = {}  # number -> (call id, outcome), within the window
         self.control = ControlOrder()
-        """The control messages handled so far; a call waits for those sent before it (case 16)."""
+        """The control messages handled so far; a call waits for those sent before it (control-before-call)."""
 
     # ---- state, for tests and error messages --------------------------------------------
 
@@ -180,7 +181,7 @@ class Lane:
 
     def outcome(self, seq: int, call_id: int) -> Any:
         """The kept outcome of ordered call `call_id` (number `seq`), or None when this
-        lane does not hold it. Read by the call whose turn it is (case 14)."""
+        lane does not hold it. Read by the call whose turn it is (same-process-window)."""
         got = self._kept.get(seq)
         if got is None or got[0] != call_id:
             return None
@@ -224,7 +225,7 @@ class Lane:
     async def run_thread(self, ticket: Ticket, run: Callable[[], Any], thread: Any) -> Any:
         """Run a plain ``def`` method in the lane's thread (`thread.run(fn)` returns an
         asyncio future of its outcome). Cancelled, the call fails at once but keeps the
-        lane until the thread returns (case 7)."""
+        lane until the thread returns (running-thread-keeps-lane)."""
         fut = thread.run(run)
         ticket.thread = fut
         ticket.thread_started = time.monotonic()
@@ -250,8 +251,8 @@ class Lane:
     def cancel(self, entries: Iterable[tuple[int, int | None]], deadline: bool) -> "Wedge | None":
         """Cancel calls by id (idempotent). A call not arrived yet is refused when it
         does and its number is released now; a running one is cancelled; with
-        `deadline`, one still running in its thread wedges the lane (case 8). Returns the
-        lane's wedge after a deadline's cancel (case 15: the controller's half), else None."""
+        `deadline`, one still running in its thread wedges the lane (wedged-lane). Returns the
+        lane's wedge after a deadline's cancel (pinned-thread: the controller's half), else None."""
         self._cancel(entries, deadline)
         return self.wedge() if deadline else None
 
@@ -300,7 +301,7 @@ class Lane:
             self._released.remove(self._next)
             self._next += 1
         if self._kept:
-            oldest = self._next - self.keep_results  # the window of case 14
+            oldest = self._next - self.keep_results  # the window of same-process-window
             for s in [s for s in self._kept if s < oldest]:
                 del self._kept[s]
         waiter = self._waiters.get(self._next)
@@ -337,7 +338,7 @@ class CallCancelled(Exception):
 
 
 NEVER_RAN: tuple[bool, Any] = (False, CallCancelled("cancelled before it ran"))
-"""The kept outcome of an ordered call that never ran (case 14)."""
+"""The kept outcome of an ordered call that never ran (same-process-window)."""
 
 
 def outcome_of(fn: Callable[[], Any]) -> tuple[bool, Any]:
@@ -414,7 +415,7 @@ def _settle(fut: asyncio.Future[Any], outcome: tuple[bool, Any]) -> None:
 
 
 CONTROL_WAIT = 60.0
-"""Seconds a call waits at most for a control message sent before it (case 16 of
+"""Seconds a call waits at most for a control message sent before it (control-before-call of
 docs/protocol.md); the control thread handles each one in microseconds, so
 only a process that is going away reaches it (then the call goes on, with a warning)."""
 

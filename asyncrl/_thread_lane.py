@@ -2,7 +2,7 @@
 
 The same states and cases as :class:`~asyncrl._lanes.Lane`, under one lock, with the
 wake-up primitives a waiting thread sleeps on (:class:`_Wake`, :class:`ThreadCall`,
-:class:`LoopCall`) and the pinned thread's jobs (case 15 of ``docs/protocol.md``).
+:class:`LoopCall`) and the pinned thread's jobs (pinned-thread of ``docs/protocol.md``).
 """
 
 from __future__ import annotations
@@ -131,10 +131,10 @@ class ThreadLane(Lane):
     method's return, its cancellation, or a job for the pinned thread sets it). A call
     received on the pinned thread runs its plain ``def`` method there, with no hand-off
     (:meth:`run_pinned`); one that waited in another Ray thread hands it to the pinned
-    thread as a job and back (:meth:`run_in_thread`, case 15). A cancelled call stops waiting at once
-    (case 5), an ``async def`` method or an argument resolution on the host's loop is
-    cancelled and waited for (case 6), a plain ``def`` method keeps the lane until its
-    thread returns (cases 7 and 8).
+    thread as a job and back (:meth:`run_in_thread`, pinned-thread). A cancelled call stops waiting at once
+    (cancelled-while-waiting), an ``async def`` method or an argument resolution on the host's loop is
+    cancelled and waited for (cancelled-async-method), a plain ``def`` method keeps the lane until its
+    thread returns (running-thread-keeps-lane and wedged-lane).
     """
 
     def __init__(self, pump: Callable[[], None] | None = None) -> None:
@@ -143,7 +143,7 @@ class ThreadLane(Lane):
         self._wakes: dict[int, _Wake] = {}  # call id -> the wake-up its thread sleeps on
         self.pump = pump
         """Submits a call of :meth:`serve_jobs` to the pinned thread (the host's own Ray
-        handle, the ``ordered`` concurrency group): how a job finds the thread idle (case 15)."""
+        handle, the ``ordered`` concurrency group): how a job finds the thread idle (pinned-thread)."""
         self._jobs: collections.deque[tuple[Callable[[], Any], Callable[[tuple[bool, Any]], None]]] = collections.deque()
         self._server: _Wake | None = None  # the wake-up of the pinned call waiting for its turn: it serves jobs
         self._pumping = False  # a serve_jobs call is on its way to the pinned thread, or running there
@@ -152,13 +152,13 @@ class ThreadLane(Lane):
         self._fence: Ticket | None = None  # the stuck call of the last wedge, until the controller lifts it
         self._fence_upto: int | None = None  # numbers from here on are the controller's after the wedge
 
-    # ---- the pinned thread (case 15) -------------------------------------------------------
+    # ---- the pinned thread (pinned-thread) -------------------------------------------------------
 
     def submit(self, fn: Callable[[], Any], deliver: Callable[[tuple[bool, Any]], None]) -> None:
         """Run `fn` on the pinned thread, then `deliver((ok, value or error))` there (the
         lane is the `thread` of :meth:`run_in_thread` for calls that waited in the
         ``calls`` group). The pinned call waiting for its turn runs it; when none waits,
-        a :meth:`serve_jobs` call submitted to the pinned thread does (case 15)."""
+        a :meth:`serve_jobs` call submitted to the pinned thread does (pinned-thread)."""
         with self._lock:
             self._jobs.append((fn, deliver))
             server = self._server
@@ -180,7 +180,7 @@ class ThreadLane(Lane):
                     failed((False, CallCancelled(f"the host could not reach its pinned thread: {e!r}")))
 
     def serve_jobs(self) -> None:
-        """On the pinned thread: run the waiting jobs until none is left (case 15)."""
+        """On the pinned thread: run the waiting jobs until none is left (pinned-thread)."""
         while True:
             with self._lock:
                 if not self._jobs:
@@ -194,7 +194,7 @@ class ThreadLane(Lane):
     def run_pinned(self, ticket: Ticket, run: Callable[[], Any]) -> Any:
         """Run a plain ``def`` method here, on the pinned thread that received the call
         (no hand-off). A deadline's cancel meanwhile wedges the lane until it returns
-        (case 8); a cancelled call's result is dropped."""
+        (wedged-lane); a cancelled call's result is dropped."""
         call = ThreadCall()
         with self._lock:
             self._thread_starts(ticket, call)
@@ -209,7 +209,7 @@ class ThreadLane(Lane):
 
     def wait_unwedged(self, call_id: int) -> bool:
         """Block until call `call_id` no longer wedges the lane (its thread returned);
-        returns whether it did wedge it when asked (case 15: the controller's signal)."""
+        returns whether it did wedge it when asked (pinned-thread: the controller's signal)."""
         with self._lock:
             stuck = self._wedged_by
             if stuck is None or stuck.call_id != call_id:
@@ -226,14 +226,14 @@ class ThreadLane(Lane):
 
     def unfence(self, call_id: int, upto: int) -> None:
         """The controller saw call `call_id`'s wedge end and failed every ordered call it
-        numbered below `upto` meanwhile: admit numbers from `upto` on (case 15)."""
+        numbered below `upto` meanwhile: admit numbers from `upto` on (pinned-thread)."""
         with self._lock:
             if self._fence is not None and self._fence.call_id == call_id:
                 self._fence_upto = upto
 
     def _fenced(self, seq: int) -> Ticket | None:
         """The stuck call an ordered call numbered `seq` fails behind: the lane is wedged,
-        or was and the controller has not yet said which numbers are its own (case 15)."""
+        or was and the controller has not yet said which numbers are its own (pinned-thread)."""
         if self._wedged_by is not None:
             return self._wedged_by
         fence, upto = self._fence, self._fence_upto
@@ -261,7 +261,7 @@ class ThreadLane(Lane):
 
     def wait_turn(self, ticket: Ticket, serve: bool = False) -> None:
         """Block until `ticket` is the next ordered call; fail fast while the lane is wedged.
-        `serve`: this is the pinned thread; run the jobs submitted meanwhile (case 15)."""
+        `serve`: this is the pinned thread; run the jobs submitted meanwhile (pinned-thread)."""
         seq = ticket.seq
         assert seq is not None
         while True:
@@ -297,7 +297,7 @@ class ThreadLane(Lane):
 
     def run_in_thread(self, ticket: Ticket, run: Callable[[], Any], thread: Any) -> Any:
         """Run a plain ``def`` method in the lane's thread (`thread.submit(fn, deliver)`).
-        Cancelled, the call fails at once but keeps the lane until the thread returns (case 7);
+        Cancelled, the call fails at once but keeps the lane until the thread returns (running-thread-keeps-lane);
         cancelled before the thread took it, the method never starts (the lane is released
         when the thread reaches it)."""
         call = ThreadCall()

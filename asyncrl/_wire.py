@@ -58,9 +58,13 @@ class CallMsg:
     before this call: the host runs it only after handling them (control-before-call)."""
 
     def wire(self) -> list[Any]:
-        """The message as one plain list, in field order (one Ray argument, not nine)."""
-        return [self.role, self.method, self.seq, self.call_id, self.payload, self.in_pad, self.want_meta,
-                self.keep, self.after]
+        """The message as one plain list, in field order (one Ray argument, not nine); its
+        payload as the plain lists the builder packed (:attr:`Payload.sent`), if it did."""
+        payload = self.payload
+        if type(payload) is Payload and payload.sent is not None:
+            payload = payload.sent
+        return [self.role, self.method, self.seq, self.call_id, payload, self.in_pad, self.want_meta, self.keep,
+                self.after]
 
     @classmethod
     def from_wire(cls, packed: list[Any]) -> "CallMsg":

@@ -163,13 +163,10 @@ class RayBackend:
         # encodes lists, strings and numbers with msgpack and pickles anything else, so a
         # call whose arguments are plain scalars (`payload.sent`, packed by the builder:
         # Payload.wire) crosses without pickling on either side.
-        payload = msg.payload
-        assert isinstance(payload, Payload)
-        if payload.sent is not None:
-            msg.payload = payload.sent
         msg.after = self._notes.get(id(host), 0)
         packed = msg.wire()
-        msg.payload = payload
+        payload = msg.payload
+        assert isinstance(payload, Payload)
         methods = self._methods.get(id(host))
         if methods is None:  # .options() builds a new method object: once per host, not per call
             methods = self._methods[id(host)] = _host_methods(host)

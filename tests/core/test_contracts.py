@@ -306,3 +306,7 @@ def test_a_call_crosses_as_its_typed_message_in_field_order():
         "role", "method", "seq", "call_id", "payload", "in_pad", "want_meta", "keep", "after"]
     back = CallMsg.from_wire(packed)
     assert dataclasses.astuple(back) == dataclasses.astuple(msg)
+    plain, odd = Payload((1, "a"), {}), Payload(((1, 2),), {})  # the builder packs the plain one only
+    plain.sent = plain.wire()
+    assert CallMsg("r", "m", None, 5, plain, None, False, True).wire()[4] == [[1, "a"], {}]
+    assert CallMsg("r", "m", None, 6, odd, None, False, True).wire()[4] is odd  # pickled by Ray as the Payload

@@ -1,4 +1,4 @@
-"""control-before-call of ``docs/protocol.md``: a call runs only after every control message
+"""The control-before-call invariant of ``docs/protocol.md``: a call runs only after every control message
 (cancel, unfence) its controller sent to the process before it.
 
 The Ray race itself is forced in ``test_pinned.py``

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from asyncrl.errors import (
     AsyncRLError,
@@ -24,9 +24,6 @@ from asyncrl.errors import (
     RemoteError,
     WorkerDiedError,
 )
-
-if TYPE_CHECKING:
-    from asyncrl._wire import CallMsg
 
 __all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "InputFailed", "FetchHandle", "Wedge",
            "public_error"]
@@ -170,9 +167,10 @@ class Backend(Protocol):
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         """Run a host method (set-up, close); errors arrive in the internal shapes."""
 
-    def submit(self, host: Any, msg: "CallMsg") -> tuple[Any, Any]:
-        """Send one call to a host (the backend stamps ``msg.after``); returns ``(result ref,
-        meta ref or None)``."""
+    def submit(self, host: Any, msg: Any) -> tuple[Any, Any]:
+        """Send one call, an :class:`asyncrl._wire.CallMsg`, to a host (the backend stamps
+        ``msg.after``); returns ``(result ref, meta ref or None)``. (Typed ``Any`` here: the
+        message's module imports this one.)"""
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
         """Send the one cancel message of the sequencing protocol (see ``docs/protocol.md``).

@@ -2,8 +2,7 @@
 
 *Issuing.* The :class:`Sequencer` of a set of worker processes numbers the ordered calls
 of each process (a *lane*; Ray's async actors do not keep submission order, so the
-process runs them by number: the worker half is :mod:`asyncrl._lanes` and
-:mod:`asyncrl._thread_lane`), has every rank's payload built (:mod:`asyncrl._wire`) and
+process runs them by number: the worker half is :mod:`asyncrl._lanes`), has every rank's payload built (:mod:`asyncrl._wire`) and
 submits one call per rank to the backend. The invariant: **every number taken is released
 exactly once on the worker**, whatever fails, so the next number's call always gets its
 turn. Cancellation has one path, :meth:`Sequencer.cancel` → the host's ``cancel_calls`` →

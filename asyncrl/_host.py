@@ -27,8 +27,7 @@ from typing import Any, Awaitable, Callable, Coroutine
 from asyncrl import batch as B
 from asyncrl._deferred import (has_deferred, has_local, input_pad, resolve_on_worker, shallow, take_local_inputs,
                                take_top_inputs)
-from asyncrl._lanes import NEVER_RAN, Lane, LoopWaits, OrderedThread, Ticket
-from asyncrl._thread_lane import ThreadLane, ThreadWaits
+from asyncrl._lanes import NEVER_RAN, Lane, LoopWaits, OrderedThread, ThreadLane, ThreadWaits, Ticket
 from asyncrl._wire import CallMsg, Payload, arrived
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
@@ -290,7 +289,7 @@ class ThreadedHost(_HostBase):
     submits to itself does: pinned-thread of docs/protocol.md). ``async def``
     methods and the resolution of pipelined arguments run on an event loop of the
     host's own (a thread started at the first use). Ordering, cancellation and the
-    wedged lane are :class:`~asyncrl._thread_lane.ThreadLane`'s; a wedge that pinned calls
+    wedged lane are :class:`~asyncrl._lanes.ThreadLane`'s; a wedge that pinned calls
     queued in Ray cannot see is the controller's to act on (pinned-thread).
     """
 
@@ -330,7 +329,7 @@ class ThreadedHost(_HostBase):
         return self._lane.wait_unwedged(call_id)  # type: ignore[attr-defined]
 
     def pinned_state(self) -> dict[str, Any]:
-        """For tests: the pinned thread's state (:meth:`~asyncrl._thread_lane.ThreadLane.pinned_state`)."""
+        """For tests: the pinned thread's state (:meth:`~asyncrl._lanes.ThreadLane.pinned_state`)."""
         return self._lane.pinned_state()  # type: ignore[attr-defined]
 
     def unfence(self, call_id: int, upto: int, note: int = 0) -> None:

@@ -25,8 +25,7 @@ import pytest_asyncio
 
 import asyncrl
 from asyncrl import CallCancelledError, CallTimeoutError, Dispatch, Worker, WorkerDiedError, register
-from asyncrl._lanes import CallCancelled
-from asyncrl._thread_lane import ThreadLane
+from asyncrl._lanes import CallCancelled, ThreadLane
 from tests.core import kinds
 from tests.core.kinds import until
 

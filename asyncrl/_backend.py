@@ -30,7 +30,7 @@ __all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "Inp
 
 Wedge = tuple[int, int, str, float]
 """``(call id, number, description, seconds its thread has run)`` of the call wedging a lane:
-a host's reply to a deadline's cancel message (case 15 of ``docs/protocol.md``)."""
+a host's reply to a deadline's cancel message (pinned-thread of ``docs/protocol.md``)."""
 
 
 @dataclass(frozen=True)
@@ -167,13 +167,14 @@ class Backend(Protocol):
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         """Run a host method (set-up, close); errors arrive in the internal shapes."""
 
-    def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, payload: Any,
-               in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
-        """Send one call to a host; returns ``(result ref, meta ref or None)``."""
+    def submit(self, host: Any, msg: Any) -> tuple[Any, Any]:
+        """Send one call, an :class:`asyncrl._wire.CallMsg`, to a host (the backend stamps
+        ``msg.after``); returns ``(result ref, meta ref or None)``. (Typed ``Any`` here: the
+        message's module imports this one.)"""
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
         """Send the one cancel message of the sequencing protocol (see ``docs/protocol.md``).
-        A backend with ``pins_ordered_calls = True`` (Ray's threaded hosts: case 15) also takes
+        A backend with ``pins_ordered_calls = True`` (Ray's threaded hosts: pinned-thread) also takes
         ``wedged=callback`` (the host's reply to a deadline's cancel when its lane is wedged,
         on the loop) and has ``watch_unwedged(host, call_id, callback)`` and
         ``unfence(host, call_id, upto)``."""

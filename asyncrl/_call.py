@@ -2,14 +2,13 @@
 
 *Issuing.* The :class:`Sequencer` of a set of worker processes numbers the ordered calls
 of each process (a *lane*; Ray's async actors do not keep submission order, so the
-process runs them by number: the worker half is :mod:`asyncrl._lanes` and
-:mod:`asyncrl._thread_lane`), has every rank's payload built (:mod:`asyncrl._wire`) and
+process runs them by number: the worker half is :mod:`asyncrl._lanes`), has every rank's payload built (:mod:`asyncrl._wire`) and
 submits one call per rank to the backend. The invariant: **every number taken is released
 exactly once on the worker**, whatever fails, so the next number's call always gets its
 turn. Cancellation has one path, :meth:`Sequencer.cancel` → the host's ``cancel_calls`` →
-:meth:`~asyncrl._lanes.Lane.cancel`; cancelling twice is harmless. The 16 failure cases of
-this protocol, each with the test that pins it, are in ``docs/protocol.md``; the code
-cites them as "case N".
+:meth:`~asyncrl._lanes.Lane.cancel`; cancelling twice is harmless. The failure cases of
+this protocol are named invariants listed in ``docs/protocol.md``, each with the test that
+pins it; the code cites them by name (``pinned-thread``, ``control-before-call``, ...).
 
 *The state* (`_Call`, shared by a :class:`~asyncrl.GroupFuture` and its field
 selections): ``pending`` → ``completed`` (every rank finished; the value or the error is
@@ -33,28 +32,29 @@ import itertools
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 import structlog
 
 from asyncrl import batch as B
 from asyncrl._backend import Backend, InputFailed, input_error, public_error
-from asyncrl._completion import Completion
-from asyncrl._wedge import WedgeReplies
-from asyncrl._wire import Builder
+from asyncrl._wire import Builder, CallMsg
 from asyncrl.register import Execute, Mode
 from asyncrl.errors import (
     CallCancelledError,
+    CallTimeoutError,
     LaneWedgedError,
     UpstreamError,
     WorkerDiedError,
 )
 
 if TYPE_CHECKING:
+    from asyncrl._backend import Wedge
     from asyncrl.dispatch import Sharded, World
     from asyncrl.register import MethodSpec
 
-__all__ = ["Sequencer", "Entry"]  # internal: the public face is asyncrl.future.GroupFuture
+__all__ = ["Sequencer", "CallPlan", "Entry"]  # internal: the public face is asyncrl.future.GroupFuture
 
 log = structlog.get_logger("asyncrl")
 
@@ -62,10 +62,11 @@ Entry = tuple[int, int, "int | None"]
 """``(rank, call id, number or None)`` of one submitted per-rank call."""
 
 _call_ids = itertools.count()
-_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (case 15)
+_BACKGROUND: set[asyncio.Task[Any]] = set()  # deadline checks in flight (a task needs a strong reference)
+_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (pinned-thread)
 
 
-class Sequencer(WedgeReplies):
+class Sequencer:
     """Numbers the ordered calls of each worker process and issues every call.
 
     One per set of worker processes (a group, or colocated groups sharing processes):
@@ -78,44 +79,39 @@ class Sequencer(WedgeReplies):
         self.backend = backend
         self.hosts = hosts  # filled in by the owner as the processes start
         self.keep_results = keep_results
-        """How many of its latest ordered numbers each lane keeps the outcome of (case 14)."""
+        """How many of its latest ordered numbers each lane keeps the outcome of (same-process-window)."""
         self._next = [0] * world_size  # each lane's next number; only under the lock
-        self._lock = threading.Lock()  # number order = submission order per host, from any thread (case 12)
+        self._lock = threading.Lock()  # number order = submission order per host, from any thread (threads-hold-lowest-numbers)
         self.pinned = False
         """The hosts run ordered calls on a pinned thread (threaded Ray hosts): a wedge is
-        also the controller's to act on (case 15). Set by the owner when the hosts start."""
+        also the controller's to act on (pinned-thread). Set by the owner when the hosts start."""
         self.wedged: dict[int, tuple[int, int, str, float]] = {}
         """Lane -> ``(call id, number, description, monotonic start)`` of the call wedging it, as its host reported."""
         self._issued: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in range(world_size)]
         self._sweep_at = [_ISSUED_SWEEP] * world_size
 
-    def issue(self, site: "_Site", role: str, spec: "MethodSpec", world: "World", sharded: "Sharded",
-              layout: tuple[Sequence[int], Sequence[int], list[bool]], producers: "Sequence[_Call]",
-              timeout: float | None, time_calls: bool) -> "_Call":
-        """Issue one group call of `spec` with its per-rank arguments `sharded`: build every
-        executing rank's payload, number and submit them, and return the call's state.
-        `layout`: ``(executing ranks, collect order, keep per rank)``; `producers`: the calls
-        whose futures are among the arguments; `time_calls`: every rank returns its times."""
-        ranks, order, keep = layout
+    def issue(self, plan: "CallPlan") -> "_Call":
+        """Issue the group call `plan`: build every executing rank's payload, number and
+        submit them, and return the call's state."""
         backend = self.backend
+        spec = plan.spec
         dp = spec.dispatch_mode.data_parallel
         ordered = spec.mode is Mode.ORDERED
-        build = Builder(sharded, keep, producers, dp and backend.top_level_inputs, self if ordered else None,
-                        backend.sends_plain_lists)
-        refs, metas, entries = self.submit(role, spec.name, ordered, dp or time_calls, ranks, build)
-        site.stats.calls += 1
-        call = _Call(site, backend, self, spec, world, ranks, order, refs, metas if dp else None, entries, timeout,
-                     producers, sharded.pad)
-        if not dp and time_calls:
+        build = Builder(plan.sharded, plan.keep, plan.producers, dp and backend.top_level_inputs,
+                        self if ordered else None, backend.sends_plain_lists)
+        refs, metas, entries = self.submit(plan.role, spec.name, ordered, dp or plan.time_calls, plan.ranks, build)
+        plan.site.stats.calls += 1
+        call = _Call(plan, self, refs, metas if dp else None, entries)
+        if not dp and plan.time_calls:
             call.timing = metas
         if self.pinned:
-            self.issued(call)  # (a wedged lane fails it at once: case 15)
+            self.issued(call)  # (a wedged lane fails it at once: pinned-thread)
         inputs = build.inputs
         if inputs is not None:
             call.reads = build.reads
             call.top_from = tuple(inputs.top_from) or None
-            site.stats.inputs_top_level += inputs.sent
-            site.stats.inputs_local += inputs.local_sent
+            plan.site.stats.inputs_top_level += inputs.sent
+            plan.site.stats.inputs_local += inputs.local_sent
         return call
 
     def submit(self, role: str, method: str, ordered: bool, want_meta: bool, ranks: Sequence[int],
@@ -124,10 +120,10 @@ class Sequencer(WedgeReplies):
         """Submit one call per rank of `ranks`. ``build(ranks, numbers)`` first makes every
         rank's ``(payload, input padding, keep result)`` knowing the number the call will
         have there (None for a concurrent call): same-process inputs depend on it (case
-        14); if it raises, nothing was sent and no number taken (case 1). Returns ``(result
+        14); if it raises, nothing was sent and no number taken (build-before-send). Returns ``(result
         refs, meta refs, entries)``. A failed submission leaves nothing half-issued: the
         calls already submitted and the number taken for the failing one are cancelled,
-        then the error is raised (case 2)."""
+        then the error is raised (failed-submission)."""
         backend, hosts, numbers = self.backend, self.hosts, self._next
         refs: list[Any] = []
         metas: list[Any] = []
@@ -142,7 +138,8 @@ class Sequencer(WedgeReplies):
                         seq = numbers[rank]
                         numbers[rank] = seq + 1
                     entries.append((rank, call_id, seq))
-                    ref, meta = backend.submit(hosts[rank], role, method, seq, call_id, payload, pad, want_meta, keep)
+                    ref, meta = backend.submit(hosts[rank], CallMsg(role, method, seq, call_id, payload, pad, want_meta,
+                                                                    keep))
                     refs.append(ref)
                     metas.append(meta)
         except BaseException:
@@ -166,8 +163,10 @@ class Sequencer(WedgeReplies):
             except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
                 log.warning("cancel.unsent", rank=rank, calls=len(items), error=repr(e))
 
-    # ---- the wedge of a pinned lane (case 15), on the controller's loop: the host's reply
-    # to a deadline's cancel and its end are asyncrl._wedge's (WedgeReplies) ------------------
+    # ---- the wedge of a pinned lane (pinned-thread), on the controller's loop: the host's reply
+    # to a deadline's cancel says its lane is wedged; the controller fails every ordered call
+    # numbered after the stuck one there, and once the host reports the thread returned,
+    # tells it which numbers were failed meanwhile (``unfence``) ------------------------------
 
     def issued(self, call: Any) -> None:
         """A call was submitted (`call`: its ``_Call``). On pinned hosts, remember its ordered
@@ -195,6 +194,36 @@ class Sequencer(WedgeReplies):
         self._issued[rank] = collections.deque(e for e in q if _pending(e[1]()))
         self._sweep_at[rank] = max(_ISSUED_SWEEP, 2 * len(self._issued[rank]))
 
+    def _wedged_reply(self, rank: int, wedge: "Wedge") -> None:
+        """A host said its lane is wedged (its reply to a deadline's cancel): fail every
+        ordered call numbered after the stuck one there, until it reports the wedge over."""
+        call_id, seq, _, running = wedge
+        now = self.wedged.get(rank)
+        if now is not None and now[0] == call_id:
+            return
+        self.wedged[rank] = (call_id, seq, wedge[2], time.monotonic() - running)
+        try:
+            self.backend.watch_unwedged(self.hosts[rank], call_id,  # type: ignore[attr-defined]
+                                        functools.partial(self._unwedged, rank, call_id))
+        except Exception as e:  # Ray is shutting down: the lane goes with it
+            log.warning("wedge.unwatched", rank=rank, error=repr(e))
+        for s, ref in list(self._issued[rank]):
+            call = ref()
+            if s > seq and call is not None and not call.settled() and not call._completed:
+                self._fail_wedged(call, rank)
+
+    def _unwedged(self, rank: int, call_id: int) -> None:
+        now = self.wedged.get(rank)
+        if now is None or now[0] != call_id:
+            return
+        with self._lock:  # every number below `upto` was failed here while the lane was wedged
+            del self.wedged[rank]
+            upto = self._next[rank]
+        try:
+            self.backend.unfence(self.hosts[rank], call_id, upto)  # type: ignore[attr-defined]
+        except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
+            log.warning("unfence.unsent", rank=rank, error=repr(e))
+
     def _fail_wedged(self, call: Any, rank: int) -> None:
         _, _, stuck, since = self.wedged[rank]
         call.fail(LaneWedgedError(call.group, call.method, rank, stuck, time.monotonic() - since), cancel_remote=True)
@@ -202,6 +231,35 @@ class Sequencer(WedgeReplies):
 
 def _pending(call: Any) -> bool:
     return call is not None and not call.settled() and not call._completed
+
+
+@dataclass(slots=True, eq=False)
+class CallPlan:
+    """One group call as its group planned it, before it is issued
+    (:meth:`Sequencer.issue`): what to run, where, with which per-rank arguments."""
+
+    site: "_Site"
+    """The group that issues it (its name, stats, and whether it is closed)."""
+    role: str
+    """The worker object the call runs on, in each process."""
+    spec: "MethodSpec"
+    """The registered method: dispatch mode, execute mode, ordered or concurrent."""
+    world: "World"
+    """The group's ranks and meshes (what the collect function gets)."""
+    sharded: "Sharded"
+    """The per-rank arguments the dispatch function made, and the padding of each rank."""
+    ranks: Sequence[int]
+    """The executing ranks (only rank 0 for ``Execute.RANK_ZERO``)."""
+    order: Sequence[int]
+    """Which executing ranks' results are collected, in collect (data-parallel) order."""
+    keep: list[bool]
+    """Per rank: return its result (False for a mesh rank that is not collected)."""
+    producers: "Sequence[_Call]"
+    """The calls whose futures are among the arguments (pipelined inputs)."""
+    timeout: float | None
+    """The call's deadline in seconds from now (one deadline), or None."""
+    time_calls: bool
+    """Every rank returns its times (arrived, started, ended), also for a non-DP mode."""
 
 
 class _Site(Protocol):
@@ -216,7 +274,7 @@ class _Site(Protocol):
     def _mark_broken(self, rank: int | None, detail: str) -> None: ...
 
 
-class _Call(Completion):
+class _Call:
     """One issued group call: the state its futures share (see the module docstring)."""
 
     __slots__ = (
@@ -224,21 +282,24 @@ class _Call(Completion):
         "data_parallel", "rank_zero", "collect_fn", "collect_index", "collect_refs", "collect_metas", "fetch_metas",
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_fut", "_fetch", "_result", "_error", "_failure",
-        "timing", "times",
-        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (case 15 of docs/protocol.md)
+        "timing", "times", "done_at", "_completed", "_watching", "_done_callbacks", "_loop", "_timer",
+        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (pinned-thread of docs/protocol.md)
     )
 
-    def __init__(self, site: _Site, backend: Backend, sequencer: Sequencer, spec: "MethodSpec", world: "World",
-                 ranks: Sequence[int], collect_index: Sequence[int], refs: list[Any], metas: list[Any] | None,
-                 entries: Sequence[Entry], timeout: float | None, producers: "Sequence[_Call]",
-                 pads: Sequence[int] | None = None) -> None:
+    def __init__(self, plan: CallPlan, sequencer: Sequencer, refs: list[Any], metas: list[Any] | None,
+                 entries: Sequence[Entry]) -> None:
+        """The state of `plan` once issued: `refs` (and, for a data-parallel call, `metas`:
+        each rank's ``(rows, padding, times)``) per executing rank, and its `entries`.
+        The plan itself is not kept (its arguments would stay alive with the call)."""
         # Thousands of calls may be in flight at once, each holding its _Call: every
         # container here is one more object for the garbage collector's full passes to
         # walk (benchmarks/inflight.py), so the per-group parts (ranks, collect order)
         # are shared tuples and the collected refs are the refs themselves when the
         # order is the identity.
+        site, spec, ranks, collect_index = plan.site, plan.spec, plan.ranks, plan.order
+        producers, timeout, pads = plan.producers, plan.timeout, plan.sharded.pad
         self.site = site
-        self.backend = backend
+        self.backend = sequencer.backend
         self.sequencer = sequencer
         self.method = spec.name
         self.ranks = ranks
@@ -247,7 +308,7 @@ class _Call(Completion):
         self.timing = metas  # the metadata refs that carry the workers' times (GroupFuture.worker_times)
         self.times: Any = None  # None, then False while reading them, then the times per rank
         self.entries = entries
-        self.world = world
+        self.world = plan.world
         mode = spec.dispatch_mode
         self.data_parallel = mode.data_parallel
         self.rank_zero = spec.execute_mode is Execute.RANK_ZERO
@@ -503,3 +564,97 @@ class _Call(Completion):
         if self.rank_zero:
             return values[0]
         return self.collect_fn(self.world, values)
+
+    # ---- completion without fetching, and the deadline ---------------------------------------
+
+    def is_done(self) -> bool:
+        """Non-blocking: every rank finished, or the controller failed the call. The
+        first call starts watching completion in the background (Ray: a completion
+        callback per rank on Ray's own thread, no polling)."""
+        if self._completed or self.settled():
+            return True
+        self._watch()
+        return self._completed
+
+    def _watch(self) -> None:
+        if not self._watching:
+            self._watching = True
+            self.backend.watch(self.refs, self._mark_completed)
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` on the running loop once `is_done()` turns true (see GroupFuture)."""
+        loop = asyncio.get_running_loop()
+        if self._done_callbacks is None:
+            self._done_callbacks = (loop, [])
+        self._done_callbacks[1].append(fn)
+        if self._completed or self.settled():
+            loop.call_soon(self._run_done_callbacks)
+            return
+        self._watch()
+        if self._completed:  # the backend thread finished it between the two checks
+            loop.call_soon(self._run_done_callbacks)
+
+    def _run_done_callbacks(self) -> None:  # on the loop only: each callback runs once
+        pending, self._done_callbacks = self._done_callbacks, None
+        if pending is None:
+            return
+        loop, callbacks = pending
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - reported like asyncio's own callbacks
+                loop.call_exception_handler({"message": f"done callback of {self.group}.{self.method} "
+                                                   "raised", "exception": e})
+
+    def _done_soon(self) -> None:
+        """Schedule the done callbacks on the loop, from any thread."""
+        pending = self._done_callbacks
+        if pending is not None and not pending[0].is_closed():
+            pending[0].call_soon_threadsafe(self._run_done_callbacks)
+
+    def _mark_done_at(self) -> None:
+        if self.done_at is None:
+            self.done_at = time.perf_counter()
+
+    def _mark_completed(self) -> None:  # may run on a backend thread
+        self._mark_done_at()  # before `_completed`: whoever sees that also sees the time
+        self._completed = True
+        if self._done_callbacks is not None:
+            self._done_soon()
+
+    def _timeout_error(self, waited: float | None = None) -> CallTimeoutError:
+        t = self.timeout if waited is None else waited
+        return CallTimeoutError(
+            f"{self.group}.{self.method} did not finish within its timeout of {t:g}s; the remote work was "
+            "cancelled (a plain def method cannot be interrupted: while it runs, later ordered calls on its "
+            "worker fail with LaneWedgedError)"
+        )
+
+    # ---- the deadline -----------------------------------------------------------------------
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        if self._completed or self.settled():
+            return
+        task = asyncio.ensure_future(self._check_deadline())
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+    async def _check_deadline(self) -> None:
+        if not self._completed:
+            try:
+                done = await self.backend.all_done(self.refs)
+            except Exception:  # the backend is gone (Ray shut down): let the fetch report it
+                done = True
+            if done:
+                self._mark_done_at()
+                self._completed = True
+        if not self._completed:
+            self.fail(self._timeout_error(), cancel_remote=True, deadline=True)
+
+    def _arm_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A call issued without a running loop gets its deadline timer on first await."""
+        if self.deadline is None or self._timer is not None or self._loop is not None:
+            return
+        self._loop = loop
+        self._timer = loop.call_later(max(0.0, self.deadline - time.monotonic()), self._on_deadline)

@@ -50,7 +50,7 @@ fail before the host runs when its object is lost after it was read (its node di
 when Ray could not store it (a result it cannot serialize, which a consumer in the
 producer's own process never noticed), or when it cannot be unpickled on the
 consumer's worker; the Ray backend observes every call sent with top-level inputs and
-releases the number of one that failed so (the one cancel message, case 4 of
+releases the number of one that failed so (the one cancel message, cancelled-before-arrival of
 docs/protocol.md), and the call's future fails with an ``UpstreamError``
 naming the producer.
 """

@@ -27,9 +27,8 @@ from typing import Any, Awaitable, Callable, Coroutine
 from asyncrl import batch as B
 from asyncrl._deferred import (has_deferred, has_local, input_pad, resolve_on_worker, shallow, take_local_inputs,
                                take_top_inputs)
-from asyncrl._lanes import NEVER_RAN, Lane, LoopWaits, OrderedThread, Ticket
-from asyncrl._thread_lane import ThreadLane, ThreadWaits
-from asyncrl._wire import Payload, arrived
+from asyncrl._lanes import NEVER_RAN, Lane, LoopWaits, OrderedThread, ThreadLane, ThreadWaits, Ticket
+from asyncrl._wire import CallMsg, Payload, arrived
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
 from asyncrl.worker import WorkerContext, _CONTEXT
@@ -131,8 +130,8 @@ class _HostBase:
 
     def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False, note: int = 0) -> Any:
         """The worker end of the one cancel path (see docs/protocol.md); after a
-        deadline's cancel, the call wedging the lane, if any (case 15). `note`: this
-        control message's number (case 16; 0: unnumbered)."""
+        deadline's cancel, the call wedging the lane, if any (pinned-thread). `note`: this
+        control message's number (control-before-call; 0: unnumbered)."""
         try:
             return self._lane.cancel(entries, deadline)
         finally:
@@ -140,7 +139,7 @@ class _HostBase:
 
     def control_state(self) -> dict[str, int]:
         """For tests: the control messages handled (every one numbered up to ``seen``) and
-        the calls waiting for one now (case 16 of docs/protocol.md)."""
+        the calls waiting for one now (control-before-call of docs/protocol.md)."""
         return {"seen": self._lane.control.seen, "waiting": self._lane.control.waiting}
 
     def _identity(self, role: str) -> tuple[str, int]:
@@ -166,18 +165,18 @@ class _HostBase:
         return RemoteError(spec.group, method, spec.context.rank, f"{type(e).__module__}.{type(e).__qualname__}",
                            str(e), "".join(traceback.format_exception(e)), cause=_picklable(e))
 
-    def _finish(self, spec: RoleSpec, method: str, args: Any, kwargs: Any, result: Any, pad: int,
-                want_meta: bool, keep: bool, ticket: Ticket, data_parallel: bool = True,
-                times: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> Any:
+    def _finish(self, spec: RoleSpec, msg: CallMsg, args: Any, kwargs: Any, result: Any, pad: int,
+                ticket: Ticket, data_parallel: bool, times: tuple[float, float, float]) -> Any:
         """The call's return: the result, and with `want_meta` its metadata ``(rows,
         trailing padding rows, arrived, started, ended)``: rows and padding of a
         data-parallel result (``(None, 0)`` for another mode, timed by the group's
         ``time_calls``), then `times`, the host's ``time.time()`` when the call arrived,
         when the method started (its turn and inputs there) and when it returned."""
-        if not want_meta:
+        keep = msg.keep
+        if not msg.want_meta:
             return result if keep else None
-        meta = (*(self._meta(spec, method, args, kwargs, result, pad) if data_parallel else (None, 0)), *times)
-        if ticket.outcome is not None:  # kept for same-process consumers (case 14 of docs/protocol.md)
+        meta = (*(self._meta(spec, msg.method, args, kwargs, result, pad) if data_parallel else (None, 0)), *times)
+        if ticket.outcome is not None:  # kept for same-process consumers (same-process-window of docs/protocol.md)
             # The container as it is now, as Ray serializes it now: a worker that returns a
             # container it keeps (a buffer it refills) and changes its keys in a later call
             # does not change what this call's consumers read.
@@ -239,7 +238,7 @@ class WorkerHost(_HostBase):
 
     async def init_workers(self, specs: list[RoleSpec], keep_results: int = 0) -> dict[str, dict[str, Any]]:
         """Construct the workers; returns each role's registered meshes. `keep_results`:
-        how many of its latest ordered numbers the lane keeps outcomes of (case 14 of
+        how many of its latest ordered numbers the lane keeps outcomes of (same-process-window of
         docs/protocol.md)."""
         self._lane.keep_results = keep_results
         out: dict[str, dict[str, Any]] = {}
@@ -253,22 +252,16 @@ class WorkerHost(_HostBase):
         self._started()
         return out
 
-    async def call(self, role: str, method: str, seq: int | None, call_id: int, payload: "Payload | list[Any]",
-                   in_pad: int | None, want_meta: bool, keep: bool = True, after: int = 0, *,
-                   top: tuple[Any, ...] = ()) -> Any:
-        """Run `role.method`; ordered when `seq` is given. With `want_meta` returns
-        ``(result, (rows, trailing padding rows))``. `after`: how many control messages
-        the controller had sent this process before this call (case 16). `top`: the
-        call's top-level inputs. The steps are :func:`_run_call`'s; they wait on this
-        process's event loop."""
-        return await _run_call(self, self._waits, role, method, seq, call_id, payload, in_pad, want_meta, keep,
-                               after, top, False)
+    async def call(self, msg: CallMsg, *top: Any) -> Any:
+        """Run the call `msg`; `top`: its top-level inputs. The steps are
+        :func:`_run_call`'s; they wait on this process's event loop."""
+        return await _run_call(self, self._waits, msg, top, False)
 
     async def call_packed(self, packed: list[Any], *top: Any) -> Any:
-        """:meth:`call` with its arguments in one list: the Ray backend's entry point
-        (one argument for Ray to serialize and deserialize per call, not eight), then the
-        call's top-level inputs, resolved by Ray."""
-        return await self.call(*packed, top=top)
+        """:meth:`call` of the message :meth:`CallMsg.wire` packed: the Ray backend's entry point
+        (one argument for Ray to serialize and deserialize per call), then the call's
+        top-level inputs, resolved by Ray."""
+        return await _run_call(self, self._waits, packed, top, False)
 
     async def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the thread."""
@@ -293,11 +286,11 @@ class ThreadedHost(_HostBase):
     ``def`` method right there, on the thread that received it and built the worker:
     no thread hand-off. A ``calls``-group call hands its ``def`` method to the pinned
     thread as a job (the pinned call waiting for its turn runs it, or a call the host
-    submits to itself does: case 15 of docs/protocol.md). ``async def``
+    submits to itself does: pinned-thread of docs/protocol.md). ``async def``
     methods and the resolution of pipelined arguments run on an event loop of the
     host's own (a thread started at the first use). Ordering, cancellation and the
-    wedged lane are :class:`~asyncrl._thread_lane.ThreadLane`'s; a wedge that pinned calls
-    queued in Ray cannot see is the controller's to act on (case 15).
+    wedged lane are :class:`~asyncrl._lanes.ThreadLane`'s; a wedge that pinned calls
+    queued in Ray cannot see is the controller's to act on (pinned-thread).
     """
 
     def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None) -> None:
@@ -328,20 +321,20 @@ class ThreadedHost(_HostBase):
         return out
 
     def serve_jobs(self) -> None:
-        """On the pinned thread: run the ``def`` methods of ``calls``-group calls waiting for it (case 15)."""
+        """On the pinned thread: run the ``def`` methods of ``calls``-group calls waiting for it (pinned-thread)."""
         self._lane.serve_jobs()  # type: ignore[attr-defined]
 
     def wait_unwedged(self, call_id: int) -> bool:
-        """Return once call `call_id` no longer wedges this process's lane (case 15)."""
+        """Return once call `call_id` no longer wedges this process's lane (pinned-thread)."""
         return self._lane.wait_unwedged(call_id)  # type: ignore[attr-defined]
 
     def pinned_state(self) -> dict[str, Any]:
-        """For tests: the pinned thread's state (:meth:`~asyncrl._thread_lane.ThreadLane.pinned_state`)."""
+        """For tests: the pinned thread's state (:meth:`~asyncrl._lanes.ThreadLane.pinned_state`)."""
         return self._lane.pinned_state()  # type: ignore[attr-defined]
 
     def unfence(self, call_id: int, upto: int, note: int = 0) -> None:
         """The controller saw call `call_id`'s wedge end: admit ordered numbers from `upto`
-        on (case 15). `note`: this control message's number (case 16)."""
+        on (pinned-thread). `note`: this control message's number (control-before-call)."""
         try:
             self._lane.unfence(call_id, upto)  # type: ignore[attr-defined]
         finally:
@@ -355,21 +348,16 @@ class ThreadedHost(_HostBase):
                 self._loop = loop
             return self._loop
 
-    def call(self, role: str, method: str, seq: int | None, call_id: int, payload: "Payload | list[Any]",
-             in_pad: int | None, want_meta: bool, keep: bool = True, after: int = 0, *,
-             top: tuple[Any, ...] = (), pinned: bool = False) -> Any:
-        """Run `role.method` (in Ray's thread, blocking); ordered when `seq` is given.
-        With `want_meta` returns ``(result, (rows, trailing padding rows))``. `after`: as
-        :meth:`WorkerHost.call`'s (case 16). `top`: the call's top-level inputs (resolved
-        by Ray: no hand-off to the host's loop for them). `pinned`: this is the pinned
-        thread (case 15). The steps are :func:`_run_call`'s; every wait blocks this thread."""
-        return _blocking(_run_call(self, self._waits, role, method, seq, call_id, payload, in_pad, want_meta, keep,
-                                   after, top, pinned))
+    def call(self, msg: "CallMsg | list[Any]", top: tuple[Any, ...] = (), pinned: bool = False) -> Any:
+        """Run the call `msg` (or the list :meth:`CallMsg.wire` packed; in Ray's thread, blocking). `top`: its top-level inputs
+        (resolved by Ray: no hand-off to the host's loop for them). `pinned`: this is the
+        pinned thread (pinned-thread). The steps are :func:`_run_call`'s; every wait blocks this thread."""
+        return _blocking(_run_call(self, self._waits, msg, top, pinned))
 
     def call_packed(self, packed: list[Any], *top: Any) -> Any:
-        """:meth:`call` with its arguments in one list, then its top-level inputs: the Ray
-        backend's entry point (``calls`` group)."""
-        return self.call(*packed, top=top)
+        """:meth:`call` of the message :meth:`CallMsg.wire` packed, then its top-level
+        inputs: the Ray backend's entry point (``calls`` group)."""
+        return self.call(packed, top)
 
     def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the threads."""
@@ -382,25 +370,29 @@ class ThreadedHost(_HostBase):
 # ---- the call: one template, two ways of waiting --------------------------------------------
 
 
-async def _run_call(host: _HostBase, waits: "LoopWaits | ThreadWaits", role: str, method: str, seq: int | None,
-                    call_id: int, payload: "Payload | list[Any]", in_pad: int | None, want_meta: bool, keep: bool,
-                    after: int, top: tuple[Any, ...], pinned: bool) -> Any:
+async def _run_call(host: _HostBase, waits: "LoopWaits | ThreadWaits", msg: "CallMsg | list[Any]",
+                    top: tuple[Any, ...], pinned: bool) -> Any:
     """The steps of one call on a host, for both host kinds: wait for the control messages
-    sent before it (case 16), arrive in the lane, start fetching its pipelined inputs, wait
+    sent before it (control-before-call), arrive in the lane, start fetching its pipelined inputs, wait
     for its turn (ordered calls), take its same-process inputs, run the method, report.
     Every wait is `waits`'s: :class:`LoopWaits` awaits on the async host's event loop;
     :class:`ThreadWaits` blocks the threaded host's Ray thread (never suspends, so
     :func:`_blocking` runs the coroutine to its end in one step)."""
     arrived_at = time.time()  # the worker's times travel in the call's metadata (want_meta)
+    if type(msg) is list:  # as the Ray backend sent it
+        msg = CallMsg.from_wire(msg)
+    assert isinstance(msg, CallMsg)
+    role, method, seq = msg.role, msg.method, msg.seq
     group, rank = host._identity(role)
     lane = host._lane
+    after = msg.after
     if after > lane.control.seen:  # a control message sent before this call is not handled yet
         await waits.control(after)
-    ticket = lane.arrive(call_id, seq, group, method, rank)  # from here on, leave() releases the number
+    ticket = lane.arrive(msg.call_id, seq, group, method, rank)  # from here on, leave() releases the number
     resolving: Any = None
-    host._keeps(ticket, want_meta, keep)
+    host._keeps(ticket, msg.want_meta, msg.keep)
     try:
-        payload = arrived(payload)
+        payload = arrived(msg.payload)
         spec, mspec = host._lookup(role, method, payload)
         args1, kwargs1, top_pad = take_top_inputs(spec, method, payload.args, payload.kwargs, top)
         if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
@@ -414,7 +406,7 @@ async def _run_call(host: _HostBase, waits: "LoopWaits | ThreadWaits", role: str
         local_pad = None
         if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
             args2, kwargs2, local_pad = take_local_inputs(host._lane, spec, method, ticket, args2, kwargs2)
-        pad = in_pad if in_pad is not None else input_pad(spec, method, top_pad, pipe_pad, local_pad)
+        pad = msg.in_pad if msg.in_pad is not None else input_pad(spec, method, top_pad, pipe_pad, local_pad)
         fn = getattr(host._workers[role], method)
         started_at = time.time()
         try:
@@ -427,8 +419,8 @@ async def _run_call(host: _HostBase, waits: "LoopWaits | ThreadWaits", role: str
             raise
         except Exception as e:
             raise host._method_error(spec, method, e) from None
-        return host._finish(spec, method, args2, kwargs2, result, pad, want_meta, keep, ticket,
-                            mspec.dispatch_mode.data_parallel, (arrived_at, started_at, time.time()))
+        return host._finish(spec, msg, args2, kwargs2, result, pad, ticket, mspec.dispatch_mode.data_parallel,
+                            (arrived_at, started_at, time.time()))
     except BaseException as e:
         host._failed(ticket, e)
         raise

@@ -5,7 +5,7 @@ call's number on each rank's lane), with :class:`Inputs` deciding how each pipel
 travels (nested, top-level or handed over in the worker's process), and packs it as the
 backend sends it (for Ray, :meth:`Payload.wire`: plain values as msgpack lists in
 :attr:`Payload.sent`, anything else as the Payload, one nested pickle stream whose
-unpickling on the worker never raises: case 3 of ``docs/protocol.md``); the worker host
+unpickling on the worker never raises: unpickling-never-raises of ``docs/protocol.md``); the worker host
 rebuilds it with :func:`arrived`.
 """
 
@@ -15,6 +15,7 @@ import io
 import pickle
 import threading
 import traceback
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard, has_deferred
@@ -22,7 +23,53 @@ from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard
 if TYPE_CHECKING:
     from asyncrl.dispatch import Sharded
 
-__all__ = ["Payload", "Builder", "Inputs", "arrived"]
+__all__ = ["CallMsg", "Payload", "Builder", "Inputs", "arrived"]
+
+
+@dataclass(slots=True, eq=False)
+class CallMsg:
+    """One rank's call as it crosses to its worker host: everything the host needs to run it.
+
+    The controller's :class:`~asyncrl._call.Sequencer` makes one per executing rank; the
+    backend stamps `after` and sends it (Ray: as the plain list :meth:`wire`, which Ray
+    encodes with msgpack, so a call with plain arguments crosses without pickling; the
+    local backend: as it is); the host rebuilds it with :meth:`from_wire` and runs it.
+    """
+
+    role: str
+    """The worker object (one per role in a process: colocated groups share the process)."""
+    method: str
+    """The registered method to run."""
+    seq: int | None
+    """Its number on the process's ordered lane; None for a concurrent call."""
+    call_id: int
+    """Unique per controller: what the one cancel message names."""
+    payload: "Payload | list[Any]"
+    """The arguments: a :class:`Payload`, or its plain lists (:meth:`Payload.wire`)."""
+    in_pad: int | None
+    """Padding rows of a data-parallel input the controller split (None: the host works it
+    out from the pipelined inputs' producers, or the call is not data-parallel)."""
+    want_meta: bool
+    """Return ``(result, metadata)``: the rows and padding of a data-parallel result, and the times."""
+    keep: bool
+    """Return the result (False: a mesh rank whose result is not collected returns None)."""
+    after: int = 0
+    """How many control messages (cancel, unfence) the controller had sent this process
+    before this call: the host runs it only after handling them (control-before-call)."""
+
+    def wire(self) -> list[Any]:
+        """The message as one plain list, in field order (one Ray argument, not nine); its
+        payload as the plain lists the builder packed (:attr:`Payload.sent`), if it did."""
+        payload = self.payload
+        if type(payload) is Payload and payload.sent is not None:
+            payload = payload.sent
+        return [self.role, self.method, self.seq, self.call_id, payload, self.in_pad, self.want_meta, self.keep,
+                self.after]
+
+    @classmethod
+    def from_wire(cls, packed: list[Any]) -> "CallMsg":
+        """The message :meth:`wire` packed."""
+        return cls(*packed)
 
 
 class Payload:
@@ -32,7 +79,7 @@ class Payload:
     tensors still cross without copies) whose unpickling on the worker never raises: a
     failure (a class that is not importable there, a ``__setstate__`` that raises)
     arrives as `error` and the host reports it as the call's ``RemoteError``, releasing
-    the call's number (case 3 of docs/protocol.md).
+    the call's number (unpickling-never-raises of docs/protocol.md).
     """
 
     __slots__ = ("args", "kwargs", "error", "top", "nested", "sent")
@@ -124,7 +171,7 @@ def _scalar(x: Any) -> bool:
 
 def _plain(x: Any) -> bool:
     """A value Ray encodes with msgpack and the worker decodes without unpickling anything
-    (so it cannot fail there: case 3 of docs/protocol.md): a scalar (an int of 64 bits,
+    (so it cannot fail there: unpickling-never-raises of docs/protocol.md): a scalar (an int of 64 bits,
     a float, a string, a bool, None), or lists and string-keyed dicts of such — a config
     dict — with at most ``_PLAIN_ITEMS`` items in all, nested at most ``_PLAIN_DEPTH``
     levels. Tuples, other key types, subclasses and anything larger take the pickled Payload."""
@@ -298,7 +345,7 @@ class Inputs:
         """One rank's argument (or an item of a list argument) for a call that will have
         number `seq` on `rank`'s lane: a matched shard of an ordered producer on the same
         process, whose outcome that lane provably still keeps at this call's turn (its
-        number within the window: case 14 of docs/protocol.md), becomes a
+        number within the window: same-process-window of docs/protocol.md), becomes a
         :class:`LocalShard`; a matched shard of a known-ok producer a :class:`TopShard`
         whose refs are appended to `top`."""
         if isinstance(x, DeferredShard):
@@ -310,7 +357,7 @@ class Inputs:
                     # Counted as a read: a consumer that succeeded got the producer's value,
                     # so the producer's host finished it. Ray's object of it could still have
                     # failed (a result Ray cannot serialize); a later top-level read of it then
-                    # fails before its host runs, which the backend observes (case 13 of
+                    # fails before its host runs, which the backend observes (input-failed-before-host of
                     # docs/protocol.md), as for an object lost after it was read.
                     self.read.update((id(s.refs[0]), id(s.metas[0])))  # type: ignore[index]
                     self.local_sent += 1
@@ -343,7 +390,7 @@ class Inputs:
 class Builder:
     """Every executing rank's ``(payload, input padding, keep result)`` of one call, built
     before anything is sent, knowing the number the call gets on each rank's lane (an error
-    here leaves nothing sent and no number taken: case 1 of docs/protocol.md). `producers`:
+    here leaves nothing sent and no number taken: build-before-send of docs/protocol.md). `producers`:
     the calls whose futures are among the arguments; `top`: matched shards of producers
     known to be ok may go as top-level arguments; `sequencer`: the consumer's own, for an
     ordered call (same-process inputs); `pack`: set each payload's :attr:`Payload.sent` to

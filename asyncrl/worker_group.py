@@ -28,7 +28,7 @@ from asyncrl.errors import (
     GroupClosedError,
     RegistrationError,
 )
-from asyncrl._call import _Call
+from asyncrl._call import CallPlan, _Call
 from asyncrl.future import GroupFuture
 from asyncrl.host_set import HostSet
 from asyncrl.register import Execute, MethodSpec, RegisteredMethod, registered_methods
@@ -290,8 +290,10 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if sharded.pad is not None and len(sharded.pad) != n:
             raise DispatchError(f"dispatch mode {mode.name!r} reported padding for {len(sharded.pad)} ranks; "
                                 f"a group of {n} workers needs one entry per rank")
-        call = self._hostset.sequencer.issue(self, self._role, spec, world, sharded, self._layout(spec, world),
-                                             producers_of(args, kwargs), timeout, self.time_calls)
+        ranks, order, keep = self._layout(spec, world)
+        plan = CallPlan(self, self._role, spec, world, sharded, ranks, order, keep, producers_of(args, kwargs),
+                        timeout, self.time_calls)
+        call = self._hostset.sequencer.issue(plan)
         return GroupFuture(call)
 
 

@@ -222,6 +222,7 @@ def check_no_copy(wg: RayWorkerGroup, t: torch.Tensor) -> tuple[Any, bool, int]:
     def spy(*call_args: Any, **kw: Any) -> Any:
         nonlocal serialized
         for x in [*call_args, *kw.values()]:
+            x = getattr(x, "payload", x)  # the call message's payload (a tree from before: the payload itself)
             for a in getattr(x, "args", None) or (x if isinstance(x, tuple) else ()):  # a Payload's, or a tuple
                 if isinstance(a, torch.Tensor):
                     seen.append((a.untyped_storage().data_ptr(), a.data_ptr()))

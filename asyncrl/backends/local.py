@@ -11,11 +11,12 @@ import asyncio
 import functools
 import pickle
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from asyncrl._backend import Cancelled, Slot
 from asyncrl._host import WorkerHost
-from asyncrl._wire import Payload
+from asyncrl._wire import CallMsg, Payload
 
 try:
     from ray import cloudpickle as _pickle
@@ -57,13 +58,14 @@ class LocalBackend:
             result = await result
         return result
 
-    def submit(self, host: WorkerHost, role: str, method: str, seq: int | None, call_id: int, payload: Payload,
-               in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
+    def submit(self, host: WorkerHost, msg: CallMsg) -> tuple[Any, Any]:
         loop = asyncio.get_running_loop()
-        arrived = payload.local_copy()
+        assert isinstance(msg.payload, Payload)
+        arrived = replace(msg, payload=msg.payload.local_copy())
+        want_meta = msg.want_meta
 
         async def run() -> Any:
-            out = await host.call(role, method, seq, call_id, arrived, in_pad, want_meta, keep)
+            out = await host.call(arrived)
             return _roundtrip(out)
 
         task = loop.create_task(run())

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl._backend import Slot
 from asyncrl._host import ThreadedHost, WorkerHost
+from asyncrl._wire import CallMsg, Payload
 from asyncrl.backends._ray_errors import _input_failed, _translate, await_ray
 from asyncrl.backends._ray_fetch import _RESOLVER, _Fetch, _Peek, _Watch
 from asyncrl.errors import PlacementError
@@ -50,7 +51,7 @@ def _all_ready(refs: list[Any]) -> bool:
 
 class _ThreadedWorkerHost(ThreadedHost):
     """The threaded host as a sync Ray actor (``max_concurrency=1``, so Ray keeps the
-    submission order when it dispatches each group's calls: case 12 of
+    submission order when it dispatches each group's calls: threads-hold-lowest-numbers of
     docs/protocol.md): set-up and the ordered calls that can run at once in
     ``ordered``, a group of ONE thread (the pinned thread); ordered calls with nested
     pipelined inputs (and concurrent calls) in ``calls`` (:data:`THREADED_CALLS` threads);
@@ -64,7 +65,7 @@ class _ThreadedWorkerHost(ThreadedHost):
 
     @ray.method(concurrency_group="ordered")
     def call_pinned(self, packed: list[Any], *top: Any) -> Any:
-        return self.call(*packed, top=top, pinned=True)
+        return self.call(packed, top, pinned=True)
 
     @ray.method(concurrency_group="ordered")
     def serve_jobs(self) -> None:
@@ -72,7 +73,7 @@ class _ThreadedWorkerHost(ThreadedHost):
 
     @ray.method(concurrency_group="calls")
     def call_packed(self, packed: list[Any], *top: Any) -> Any:
-        return self.call(*packed, top=top)
+        return self.call(packed, top)
 
     @ray.method(concurrency_group="calls")
     def wait_unwedged(self, call_id: int) -> bool:
@@ -108,7 +109,7 @@ class RayBackend:
     needs_pool = True
     top_level_inputs = True
     pins_ordered_calls = True
-    """A threaded host runs ordered calls on its pinned thread (case 15 of docs/protocol.md)."""
+    """A threaded host runs ordered calls on its pinned thread (pinned-thread of docs/protocol.md)."""
     sends_plain_lists = True
     """Plain arguments travel as msgpack lists (:meth:`asyncrl._wire.Payload.wire`, packed by the builder)."""
 
@@ -118,7 +119,7 @@ class RayBackend:
         self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1, "ordered": 1})(_ThreadedWorkerHost)
         self._methods: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(host) -> _host_methods(host)
         # id(host) -> control messages (cancel, unfence) sent to it: each is numbered and
-        # every call carries the count, so it runs only after them (case 16 of docs/protocol.md).
+        # every call carries the count, so it runs only after them (control-before-call of docs/protocol.md).
         self._notes: dict[int, int] = {}
         self._notes_lock = threading.Lock()  # (a release can be sent from Ray's thread)
 
@@ -156,26 +157,29 @@ class RayBackend:
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         return await await_ray(getattr(host, method).remote(*args))
 
-    def submit(self, host: Any, role: str, method: str, seq: int | None, call_id: int, payload: Any,
-               in_pad: int | None, want_meta: bool, keep: bool) -> tuple[Any, Any]:
-        # One Ray argument, not eight: Ray serializes each argument on its own (~10 µs each).
-        # A list, not a tuple: Ray encodes lists, strings and numbers with msgpack and
-        # pickles anything else (a tuple too), so a call whose arguments are plain scalars
-        # (`payload.sent`, packed by the builder: Payload.wire) crosses without pickling on either side.
-        sent = payload.sent if payload.sent is not None else payload
-        packed = [role, method, seq, call_id, sent, in_pad, want_meta, keep, self._notes.get(id(host), 0)]
+    def submit(self, host: Any, msg: CallMsg) -> tuple[Any, Any]:
+        # One Ray argument, the message as a list (CallMsg.wire), not nine: Ray serializes
+        # each argument on its own (~10 µs each). A list, not a tuple or the dataclass: Ray
+        # encodes lists, strings and numbers with msgpack and pickles anything else, so a
+        # call whose arguments are plain scalars (`payload.sent`, packed by the builder:
+        # Payload.wire) crosses without pickling on either side.
+        msg.after = self._notes.get(id(host), 0)
+        packed = msg.wire()
+        payload = msg.payload
+        assert isinstance(payload, Payload)
         methods = self._methods.get(id(host))
         if methods is None:  # .options() builds a new method object: once per host, not per call
             methods = self._methods[id(host)] = _host_methods(host)
         # An ordered call to a threaded host goes to its pinned thread unless it has nested
-        # pipelined inputs to fetch while its predecessors run (case 15 of docs/protocol.md).
+        # pipelined inputs to fetch while its predecessors run (pinned-thread, docs/protocol.md).
+        seq = msg.seq
         pinned = seq is not None and methods[2] is not None and not payload.nested
-        if want_meta:
+        if msg.want_meta:
             call2 = methods[3] if pinned else methods[1]
             top = payload.top  # (only data-parallel calls, which return their meta, take top-level inputs)
             if top:
                 ref, meta = call2.remote(packed, *top)
-                self._observe(meta, host, call_id, seq)
+                self._observe(meta, host, msg.call_id, seq)
             else:
                 ref, meta = call2.remote(packed)
             return ref, meta
@@ -184,7 +188,7 @@ class RayBackend:
     def _observe(self, ref: Any, host: Any, call_id: int, seq: int | None) -> None:
         """Watch a call sent with top-level inputs: if Ray fails it before its host runs
         it (an input lost, or not unpicklable there: see asyncrl._deferred), the host
-        never saw its number, so release it with the one cancel message (case 4 of
+        never saw its number, so release it with the one cancel message (cancelled-before-arrival of
         docs/protocol.md; idempotent). `ref` is the call's metadata ref (a few bytes);
         Ray calls back on its own thread; nothing runs on the loop unless it failed so."""
         if seq is None:
@@ -217,7 +221,7 @@ class RayBackend:
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool,
                      wedged: Callable[[Any], None] | None = None) -> None:
         """Send the cancel message. `wedged`: called on the caller's loop with the host's
-        reply to a deadline's cancel when it says the lane is wedged (case 15)."""
+        reply to a deadline's cancel when it says the lane is wedged (pinned-thread)."""
         ref = self._control(host, host.cancel_calls, entries, deadline)
         if deadline and wedged is not None:
             try:
@@ -227,11 +231,11 @@ class RayBackend:
             ref._on_completed(functools.partial(_cancel_replied, loop, wedged))
 
     def unfence(self, host: Any, call_id: int, upto: int) -> None:
-        """Tell `host` which ordered numbers are past call `call_id`'s wedge (case 15)."""
+        """Tell `host` which ordered numbers are past call `call_id`'s wedge (pinned-thread)."""
         self._control(host, host.unfence, call_id, upto)
 
     def _control(self, host: Any, method: Any, *args: Any) -> Any:
-        """Send a control message to `host`, numbered in the order sent (case 16 of
+        """Send a control message to `host`, numbered in the order sent (control-before-call of
         docs/protocol.md); the count moves on only once Ray took the message."""
         with self._notes_lock:
             note = self._notes.get(id(host), 0) + 1
@@ -241,7 +245,7 @@ class RayBackend:
 
     def watch_unwedged(self, host: Any, call_id: int, callback: Callable[[], None]) -> None:
         """Call `callback` (on the caller's loop) once call `call_id` no longer wedges
-        `host`'s lane, or the host is gone (case 15)."""
+        `host`'s lane, or the host is gone (pinned-thread)."""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:

@@ -70,7 +70,7 @@ def test_the_call_path_layers():
     assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.host_set"}
     # the call (its issuing: the sequencer; its state) knows nothing of groups, hosts or lanes
     assert not graph["asyncrl._call"] & {"asyncrl.worker_group", "asyncrl.host_set", "asyncrl._host",
-                                         "asyncrl._lanes", "asyncrl._thread_lane"}
+                                         "asyncrl._lanes"}
     # only the backends import ray's worker host wrapper; no backend-independent module imports a backend
     for m in ("asyncrl.future", "asyncrl.host_set", "asyncrl._call", "asyncrl._host", "asyncrl.resources"):
         assert not {d for d in graph[m] if d.startswith("asyncrl.backends")}, m
@@ -144,13 +144,12 @@ def test_the_console_script_is_the_pipelines_cli():
 
 
 def test_the_lanes_are_the_workers_half_and_know_nothing_of_the_controller():
-    """The worker half of the ordered-call protocol (``_lanes``, ``_thread_lane``) depends
+    """The worker half of the ordered-call protocol (``_lanes``: both hosts' lanes) depends
     only on the error types and the backend protocol; the controller's sequencer (``_call``)
     does not import it, nor does it import the sequencer."""
     graph = _imports()
     assert graph["asyncrl._lanes"] <= {"asyncrl.errors", "asyncrl._backend"}
-    assert graph["asyncrl._thread_lane"] <= {"asyncrl.errors", "asyncrl._backend", "asyncrl._lanes"}
-    assert not graph["asyncrl._call"] & {"asyncrl._lanes", "asyncrl._thread_lane"}
+    assert not graph["asyncrl._call"] & {"asyncrl._lanes"}
 
 
 def test_the_trainer_enters_through_the_groups_async_resource_base():

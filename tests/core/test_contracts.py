@@ -289,3 +289,24 @@ async def test_plain_and_other_arguments_arrive_with_their_exact_types(wg):
         ["dict", [[["str", "big"], ["list", [["int", i] for i in range(65)]]],
                   [["str", "w"], ["dict", [[["str", "t"], ["Tensor", [1.0, 1.0]]]]]]]],
     ]
+
+
+def test_a_call_crosses_as_its_typed_message_in_field_order():
+    """The call message (`CallMsg`) crosses Ray as one plain list in field order, which
+    Ray encodes with msgpack, and the host rebuilds the same message from it."""
+    import dataclasses
+
+    from asyncrl._wire import CallMsg, Payload
+
+    msg = CallMsg("actor", "score", 7, 1234, Payload((1,), {}).wire(), 2, True, False, after=3)
+    packed = msg.wire()
+    assert type(packed) is list
+    assert packed == ["actor", "score", 7, 1234, [[1], {}], 2, True, False, 3]
+    assert [f.name for f in dataclasses.fields(CallMsg)] == [
+        "role", "method", "seq", "call_id", "payload", "in_pad", "want_meta", "keep", "after"]
+    back = CallMsg.from_wire(packed)
+    assert dataclasses.astuple(back) == dataclasses.astuple(msg)
+    plain, odd = Payload((1, "a"), {}), Payload(((1, 2),), {})  # the builder packs the plain one only
+    plain.sent = plain.wire()
+    assert CallMsg("r", "m", None, 5, plain, None, False, True).wire()[4] == [[1, "a"], {}]
+    assert CallMsg("r", "m", None, 6, odd, None, False, True).wire()[4] is odd  # pickled by Ray as the Payload

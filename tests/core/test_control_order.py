@@ -1,4 +1,4 @@
-"""Case 16 of ``docs/protocol.md``: a call runs only after every control message
+"""The control-before-call invariant of ``docs/protocol.md``: a call runs only after every control message
 (cancel, unfence) its controller sent to the process before it.
 
 The Ray race itself is forced in ``test_pinned.py``
@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from asyncrl import Worker, register
-from asyncrl._host import Payload, RoleSpec, WorkerHost
+from asyncrl._host import CallMsg, Payload, RoleSpec, WorkerHost
 from asyncrl._lanes import ControlOrder
 from tests.core.kinds import until
 
@@ -86,13 +86,14 @@ async def test_the_async_host_refuses_a_call_cancelled_by_a_message_sent_before_
     and #1 runs in its turn."""
     host = WorkerHost(local=True)
     await host.init_workers([RoleSpec(role="r", group="g", cls=Recorder)])
-    later = asyncio.ensure_future(host.call("r", "record", 1, 11, Payload((2,), {}), None, False, True, 1))
+    msg = CallMsg("r", "record", 1, 11, Payload((2,), {}), None, False, True, after=1)
+    later = asyncio.ensure_future(host.call(msg))
     await until(lambda: _true(host.control_state()["waiting"] == 1), 60)  # it waits for message 1
     assert host.control_state() == {"seen": 0, "waiting": 1}
     host.cancel_calls([(10, 0)], False, note=1)
     assert await asyncio.wait_for(later, 60) == 2
     with pytest.raises(asyncio.CancelledError):
-        await host.call("r", "record", 0, 10, Payload((1,), {}), None, False, True, 0)
+        await host.call(CallMsg("r", "record", 0, 10, Payload((1,), {}), None, False, True, after=0))
     assert host._workers["r"].log == [2]
     assert host.control_state() == {"seen": 1, "waiting": 0}
     await host.close()

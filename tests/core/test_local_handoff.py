@@ -1,4 +1,4 @@
-"""Same-process hand-off of pipelined inputs (asyncrl._deferred, ``LocalShard``; case 14 of
+"""Same-process hand-off of pipelined inputs (asyncrl._deferred, ``LocalShard``; same-process-window of
 docs/protocol.md): an ordered consumer whose matched-layout input is the result of an
 earlier ordered call on its own worker process takes it from the host's memory, with the
 same value and the same errors as the paths through Ray, on every host kind."""
@@ -241,7 +241,7 @@ async def test_a_consumer_that_succeeded_makes_its_producer_known_ok(groups):
 async def test_a_result_ray_cannot_store_read_only_in_its_process(groups):
     """The producer's host returns a value that cannot be serialized: its same-process
     consumer succeeds (and makes it known ok), so on Ray another process's consumer gets it
-    top-level, and Ray fails that call before its host runs (case 13 of docs/protocol.md);
+    top-level, and Ray fails that call before its host runs (input-failed-before-host of docs/protocol.md);
     the local backend (which round-trips results through pickle as Ray would) keeps it
     nested. Either way: an UpstreamError naming the producer, and that lane goes on.
     Awaiting the producer raises the serialization error."""

@@ -1,4 +1,4 @@
-"""The threaded host's pinned thread (case 15 of ``docs/protocol.md``).
+"""The threaded host's pinned thread (pinned-thread of ``docs/protocol.md``).
 
 An ordered call that can run at once goes to the host's ``ordered`` concurrency group,
 ONE Ray thread that also built the worker, and runs its plain ``def`` method right there;
@@ -25,8 +25,7 @@ import pytest_asyncio
 
 import asyncrl
 from asyncrl import CallCancelledError, CallTimeoutError, Dispatch, Worker, WorkerDiedError, register
-from asyncrl._lanes import CallCancelled
-from asyncrl._thread_lane import ThreadLane
+from asyncrl._lanes import CallCancelled, ThreadLane
 from tests.core import kinds
 from tests.core.kinds import until
 
@@ -92,13 +91,13 @@ class Pinned(Worker):
     @register(concurrent=True)
     async def hold_next_cancel(self, until_logged: int) -> None:
         """Make this process's next cancel message wait (once) until a call waits for it
-        (case 16) or `until_logged` was recorded: the order Ray allows and CI once hit."""
+        (control-before-call) or `until_logged` was recorded: the order Ray allows and CI once hit."""
         _hold("cancel", lambda lane: lane.control.waiting or until_logged in self.log, once=True)
 
     @register(concurrent=True)
     async def hold_unfences(self) -> None:
         """Make every ``unfence`` message to this process wait until a call waits for it
-        (case 16): the controller has lifted the wedge, the host not yet."""
+        (control-before-call): the controller has lifted the wedge, the host not yet."""
         _hold("unfence", lambda lane: lane.control.waiting, once=False)
 
     @register()
@@ -438,7 +437,7 @@ async def test_a_cancelled_queued_pinned_call_never_runs_and_releases_its_number
 
 async def test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_late(pinned):
     """The cancel message of a queued pinned call is held on the host until either a
-    later call waits for it (case 16) or the cancelled call has run. Without the
+    later call waits for it (control-before-call) or the cancelled call has run. Without the
     ordering, the later unblock() frees the pinned thread, which runs the cancelled call."""
     await pinned.hold_next_cancel(43)
     await cancel_a_queued_call_then_unblock(pinned, 43, 44)
@@ -448,7 +447,7 @@ async def test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_
 
 async def test_a_call_sent_after_the_wedge_is_lifted_runs_even_when_the_unfence_is_late(pinned):
     """The controller saw the stuck thread return and sent ``unfence``; the host handles it
-    only once a later call waits for it (case 16). Without the ordering that call reaches
+    only once a later call waits for it (control-before-call). Without the ordering that call reaches
     the host's fence first and fails as wedged although the wedge is over."""
     await pinned.hold_unfences()
     await timed_out_while_running(pinned)

@@ -190,7 +190,7 @@ async def test_a_call_that_finished_in_time_never_times_out_when_awaited_late(wg
     else:
         pytest.fail("the call never finished well inside its deadline")
     await until(lambda: _deadline_fired(fut._call), deadline=timeout + 30)  # the deadline passing is the subject
-    await asyncio.gather(*list(asyncrl._completion._BACKGROUND))  # and its check, if it started one, has run
+    await asyncio.gather(*list(asyncrl._call._BACKGROUND))  # and its check, if it started one, has run
     assert fut.done()
     assert await fut == [1, 2]
 

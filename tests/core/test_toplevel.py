@@ -191,7 +191,7 @@ async def test_cancel_and_deadline_of_a_top_level_call_waiting_for_its_turn(grou
     with pytest.raises(CallTimeoutError):
         await timed
     # No wait for the cancel messages to reach the worker: a later call runs after them
-    # (case 16 of docs/protocol.md), so unblocking now never lets a cancelled call run.
+    # (control-before-call of docs/protocol.md), so unblocking now never lets a cancelled call run.
     await g.unblock()
     assert await holding == [0, 1]
     after = g.log_rows(produced)

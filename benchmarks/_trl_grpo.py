@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("asyncrl_arithmetic", ROOT / "roles" / "arithmetic.py")
+_spec = importlib.util.spec_from_file_location("asyncrl_arithmetic", ROOT / "roles" / "scoring" / "arithmetic.py")
 arithmetic = importlib.util.module_from_spec(_spec)
 sys.modules["asyncrl_arithmetic"] = arithmetic  # dataclasses look their module up
 _spec.loader.exec_module(arithmetic)

@@ -67,5 +67,5 @@ def test_the_loop_state_is_one_fresh_object_per_attempt(tmp_path: Path) -> None:
 
 
 def test_the_trainer_module_stays_a_readable_loop() -> None:
-    source = Path(__file__).resolve().parents[2] / "pipelines" / "trainer.py"
+    source = Path(__file__).resolve().parents[2] / "pipelines" / "loop" / "trainer.py"
     assert len(source.read_text().splitlines()) <= 400

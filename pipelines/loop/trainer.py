@@ -1,17 +1,6 @@
 """`GRPOTrainer` and `PPOTrainer`: two named loops joined by a staleness-bounded buffer.
 
-::
-
-                 rollout pool                                training pool
-   ┌──────────────── rollout loop ────────────────┐   ┌──────────────── train loop ─────────────────┐
-   │ wait: version >= t - max_staleness            │   │ get batch t (drop if too stale)              │
-   │ load_weights(export[v])  (if newer)           │   │ old_log_prob ─► ref_log_prob ─► values        │
-   │ generate(prompts t) ─► score                  │   │ ─► advantages ─► critic_update ─► actor_update│
-   │ await scores (small)                          │   │ ─► export_weights  => version t+1 published   │
-   │ put RolloutBatch(t, v, futures) ──────────────┼──►│ await update metrics (small)                  │
-   └───────────────────────────────────────────────┘   └───────────────────────────────────────────────┘
-            ▲                                StalenessBuffer(capacity = max_staleness + 1)     │
-            └──────────── exported weight futures (version -> GroupFuture) ◄───────────────────┘
+The two loops and the buffer between them are drawn in docs/pipelines.md ("How the trainer works").
 
 * The **rollout loop** (:class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout`) consumes prompt
   batches and exported weights; produces ``RolloutBatch`` items; waits for the version gate and

@@ -63,6 +63,21 @@ def stream_cfg(out: Path, *, restarts: int = 0, partial: str = "off"):
     return cfg.validate()
 
 
+async def fit_until_the_fault_fires(trainer: GRPOTrainer, fault_dir: Path) -> tuple[asyncio.Task, int]:
+    """Start ``trainer.fit()`` in a task and wait until the injected fault has fired: (the task, the pid the
+    fault wrote). Fails if the run ends first."""
+
+    async def run():
+        async with trainer:
+            return await trainer.fit()
+
+    task = asyncio.create_task(run())
+    fired = asyncio.create_task(wait_for_file(fault_dir / "pid", 120))
+    await asyncio.wait({task, fired}, return_when=asyncio.FIRST_COMPLETED)
+    assert fired.done(), f"the run ended before the fault fired: {task.exception()!r}"
+    return task, int((fault_dir / "pid").read_text())
+
+
 def groups_trained(out: Path) -> tuple[dict[int, int], list[dict]]:
     recs = [json.loads(x) for x in (out / "journal.jsonl").read_text().splitlines()]
     admitted = {r["index"]: r["version"] for r in recs if r["kind"] == "group"}
@@ -88,16 +103,8 @@ async def test_a_rollout_worker_killed_during_an_update_is_replaced_and_every_gr
     calls = tmp_path / "calls.jsonl"
     trainer = GRPOTrainer(cfg, worker_overrides={"rollout": (SlowFaultyRollout, {"fault": fault,
                                                                                  "calls": str(calls)})})
-
-    async def run():
-        async with trainer:
-            return await trainer.fit()
-
-    task = asyncio.create_task(run())
-    fired = asyncio.create_task(wait_for_file(tmp_path / "fault" / "pid", 120))
-    await asyncio.wait({task, fired}, return_when=asyncio.FIRST_COMPLETED)
-    assert fired.done(), f"the run ended before the fault fired: {task.exception()!r}"
-    os.kill(int((tmp_path / "fault" / "pid").read_text()), signal.SIGKILL)
+    task, pid = await fit_until_the_fault_fires(trainer, tmp_path / "fault")
+    os.kill(pid, signal.SIGKILL)
     history = await asyncio.wait_for(task, 180)  # completion, not a hang
     [r] = trainer.restarts
     assert r["kind"] == "replace" and r["from_checkpoint"] is None
@@ -246,16 +253,7 @@ async def test_a_rollout_worker_killed_mid_session_in_a_gateway_run_is_replaced_
     fault = Fault(dir=str(tmp_path / "fault"), point="generate")
     trainer = GRPOTrainer(cfg, worker_overrides={"rollout": (MidSessionFaultRollout, {"fault": fault,
                                                                                       "requests": str(requests)})})
-
-    async def run():
-        async with trainer:
-            return await trainer.fit()
-
-    task = asyncio.create_task(run())
-    fired = asyncio.create_task(wait_for_file(tmp_path / "fault" / "pid", 120))
-    await asyncio.wait({task, fired}, return_when=asyncio.FIRST_COMPLETED)
-    assert fired.done(), f"the run ended before the fault fired: {task.exception()!r}"
-    killed = int((tmp_path / "fault" / "pid").read_text())
+    task, killed = await fit_until_the_fault_fires(trainer, tmp_path / "fault")
     os.kill(killed, signal.SIGKILL)
     history = await asyncio.wait_for(task, 180)  # completion, not a hang
     [r] = trainer.restarts

@@ -140,13 +140,12 @@ def environment_episode_for(name: str, *, max_turns: int | None = None, tokens_p
 
     `max_turns` / `tokens_per_turn` default to the environment's own defaults when its constructor takes
     them (it then sees the loop's limits), else to 4 and 16."""
-    if name not in _ENVS:
-        make_environment(name)  # the unknown-name error
+    factory = _ENVS.get(name)  # the unknown-name error, before the options are looked at
     if env_kwargs is not None and not isinstance(env_kwargs, Mapping):
         raise EpisodeConfigError(f"environment {name!r}: env_kwargs must be a mapping of its options, got "
                                  f"{env_kwargs!r}")
     kwargs = dict(env_kwargs or {})
-    accepts = inspect.signature(_ENVS.get(name)).parameters
+    accepts = inspect.signature(factory).parameters
     limits = {}
     for k, given, fallback in (("max_turns", max_turns, 4), ("tokens_per_turn", tokens_per_turn, 16)):
         own = accepts[k].default if k in accepts and accepts[k].default is not inspect.Parameter.empty else fallback

@@ -30,6 +30,7 @@ from asyncrl.roles.errors import (
     TokenizerNotFoundError,
     TrajectoryError,
     UnknownNameError,
+    WeightsLostError,
     WeightSyncError,
 )
 from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
@@ -85,6 +86,7 @@ __all__ = [
     "UnknownNameError",
     "WeightHandle",
     "WeightSyncError",
+    "WeightsLostError",
     "arithmetic",
     "functional",
     "load_model",

@@ -18,6 +18,7 @@ __all__ = [
     "StaleWeightsError",
     "StaleBatchError",
     "WeightSyncError",
+    "WeightsLostError",
     "RewardFnError",
     "UnknownNameError",
     "DeviceError",
@@ -70,6 +71,13 @@ class CheckpointFormatError(RolesError, ValueError):
 
 class WeightSyncError(RolesError, RuntimeError):
     """Raised when a weight transfer is malformed (unknown/missing names, shapes, checksum mismatch)."""
+
+
+class WeightsLostError(WeightSyncError):
+    """Raised when the weights being loaded were lost with another process: the policy that owned the
+    ``object_store`` copy died (its node lost), or a weight channel's member died or stalled mid-transfer.
+    The rollout keeps its previous weights. A worker fault, not a bug: the trainer's restart policy handles
+    it like the death it reports."""
 
 
 class PauseDeadlineError(RolesError, TimeoutError):

@@ -39,9 +39,13 @@ def root_cause(error: BaseException) -> BaseException:
 def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
     """True when `error` comes from a worker process that died or hung (so a new process may
     succeed), not from the code it ran: ``WorkerDiedError``, ``GroupBrokenError``, a
-    ``CallTimeoutError`` (when `timeouts`), or an ``UpstreamError`` whose producer failed so."""
+    ``CallTimeoutError`` (when `timeouts`), an ``UpstreamError`` whose producer failed so, or a
+    worker's ``WeightsLostError`` (the weights it loaded were lost with the process that owned or sent
+    them: a lost training node reaches the rollout's weight sync as this, sometimes before its own death)."""
     e = root_cause(error)
     if isinstance(e, (WorkerDiedError, GroupBrokenError)):
+        return True
+    if isinstance(e, RemoteError) and e.exc_type.rpartition(".")[2] == "WeightsLostError":
         return True
     if isinstance(e, CallTimeoutError):
         return timeouts

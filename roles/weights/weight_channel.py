@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 import torch
 
-from asyncrl.roles.errors import StaleWeightsError, WeightSyncError
+from asyncrl.roles.errors import StaleWeightsError, WeightsLostError, WeightSyncError
 
 __all__ = ["WeightChannel", "bucketed_snapshot", "channel_backend", "free_port", "layout_hash", "layout_of",
            "member_info"]
@@ -227,12 +227,14 @@ class WeightChannel:
         except Exception as e:
             self._break(e, what)
         if any(c != MAGIC for c in codes):
-            self._break(RuntimeError(f"handshake codes {codes}"), what)
+            self._break(RuntimeError(f"handshake codes {codes}"), what, lost=False)
 
-    def _break(self, e: BaseException, what: str) -> NoReturn:
+    def _break(self, e: BaseException, what: str, *, lost: bool = True) -> NoReturn:
+        """Mark the channel broken and raise: a `WeightsLostError` when a member died or stalled (`lost`), a
+        plain `WeightSyncError` when the members disagree on the protocol."""
         self.broken = f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         self._abort()  # the peers' pending collectives fail now instead of at their timeout
-        raise WeightSyncError(
+        raise (WeightsLostError if lost else WeightSyncError)(
             f"weight channel {self.name!r} (rank {self.rank} of {self.world_size}, {self.backend}) failed during "
             f"{self.broken}; a member died or stalled past {self.timeout_s:g}s. Rollout ranks keep their previous "
             "weights; reopen the channel (open_weight_channel) or fall back to transport='object_store'"
@@ -308,7 +310,7 @@ class WeightChannel:
                 self._break(e, f"the header of version {expected_version}")
             magic, version, _, lhash, root_code = (int(x) for x in header.tolist())
             if magic != MAGIC:
-                self._break(RuntimeError(f"bad header magic {magic:#x}"), "the header")
+                self._break(RuntimeError(f"bad header magic {magic:#x}"), "the header", lost=False)
             if root_code:
                 code = OK
             elif version != expected_version:

@@ -67,6 +67,16 @@ class OneHostCluster:
             self.cluster.wait_for_nodes()
         return node
 
+    def restore(self) -> "OneHostCluster":
+        """Start again every node of the cluster's spec that a case removed and did not add back, so that each
+        case starts on the whole cluster whatever the one before it did (or failed to do)."""
+        missing = [name for name in self.spec if name not in self.nodes]
+        for name in missing:
+            self.add(name, self.spec[name], wait=False)
+        if missing:
+            self.cluster.wait_for_nodes()
+        return self
+
     def remove(self, name: str) -> None:
         """Kill node `name`'s raylet and every process on it (as a lost machine)."""
         self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,13 +50,30 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def cluster():
     cluster = OneHostCluster({"roll_a": 1, "roll_b": 1, "train": 2},
                              tags={"roll_a": {"rollout": 1}, "roll_b": {"rollout": 1}})
     try:
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def nodes(cluster):
+    """The module's cluster, whole again: each case starts with every node, whatever the case before it did."""
+    return cluster.restore()
+
+
+async def until(cond: Callable[[], object], what: str, limit_s: float = 180.0) -> None:
+    """Check `cond` on this loop every 20 ms until it holds; a ``TimeoutError`` naming `what` after `limit_s`
+    (the run ended or hung before it), so that a broken case fails instead of hanging."""
+    try:
+        async with asyncio.timeout(limit_s):
+            while not cond():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not happen within {limit_s:g} s") from None
 
 
 def _job(tmp_path, name: str, **restart):
@@ -84,8 +102,7 @@ async def _run_losing_the_rollout_node(nodes, cfg, *, comes_back_after: float | 
     t_lost: list[float] = []
 
     async def lose_the_rollout_node() -> None:
-        while len(tr.history) < 3:
-            await asyncio.sleep(0.02)
+        await until(lambda: len(tr.history) >= 3, "step 3")
         lost.append(_rollout_node(nodes, tr))
         nodes.remove(lost[0])
         t_lost.append(time.monotonic())
@@ -191,8 +208,7 @@ async def test_a_lost_training_node_restarts_from_the_newest_checkpoint_once_it_
     tr = GRPOTrainer(cfg)
 
     async def lose_the_training_node() -> None:
-        while len(tr.history) < 3:
-            await asyncio.sleep(0.02)
+        await until(lambda: len(tr.history) >= 3, "step 3")
         nodes.remove("train")
         await asyncio.sleep(2.0)  # the restart waits for the training pool's capacity
         nodes.add("train", 2)
@@ -222,8 +238,7 @@ async def test_two_nodes_lost_at_once_restart_the_run_once_the_training_node_is_
     lost: list[str] = []
 
     async def lose_two_nodes() -> None:
-        while len(tr.history) < 3:
-            await asyncio.sleep(0.02)
+        await until(lambda: len(tr.history) >= 3, "step 3")
         lost.append(_rollout_node(nodes, tr))
         nodes.remove(lost[0])  # the rollout node and the training node together
         nodes.remove("train")
@@ -267,13 +282,11 @@ async def test_the_node_of_a_draining_rollout_pool_lost_hands_its_groups_to_the_
     async with tr:
 
         async def lose_the_draining_node() -> str:
-            while len(tr.history) < 3:
-                await asyncio.sleep(0.02)
+            await until(lambda: len(tr.history) >= 3, "step 3")
             old = _rollout_node(nodes, tr)
             await _hang_pool(tr, hang, calls)
             notice = asyncio.create_task(tr.preempt_rollout(0, drain_s=120.0))  # drains far past this test
-            while not tr.workers.retiring:  # the new pool took over; the old one drains
-                await asyncio.sleep(0.02)
+            await until(lambda: tr.workers.retiring, "the new pool taking over")  # the old one drains
             nodes.remove(old)
             await notice
             return old
@@ -331,8 +344,7 @@ async def test_a_rollout_node_lost_during_a_weight_sync_is_replaced_and_the_batc
     async with tr:
 
         async def lose_the_node_mid_sync() -> str:
-            while not marker.exists():
-                await asyncio.sleep(0.02)
+            await until(marker.exists, "the load of version 2")
             lost = _rollout_node(nodes, tr)
             nodes.remove(lost)
             return lost
@@ -381,8 +393,7 @@ async def test_a_training_node_lost_during_a_checkpoint_restarts_from_the_last_w
     tr = GRPOTrainer(cfg, worker_overrides={"policy": (SlowSavePolicy, {"marker": str(marker), "nth": 2})})
 
     async def lose_the_node_mid_checkpoint() -> None:
-        while not marker.exists():  # the step-4 checkpoint is being written
-            await asyncio.sleep(0.02)
+        await until(marker.exists, "the step-4 checkpoint being written")
         nodes.remove("train")
         await asyncio.sleep(2.0)  # the restart waits for the training pool's capacity
         nodes.add("train", 2)

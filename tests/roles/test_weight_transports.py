@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import json
 import os
 import sys
 import time
+from typing import Any
 
 import pytest
 import ray
@@ -32,12 +34,14 @@ from asyncrl.roles import (
     RolloutWorker,
     StaleWeightsError,
     WeightHandle,
+    WeightsLostError,
     WeightSyncError,
     open_weight_channel,
     sync_weights,
 )
 from asyncrl.roles.training.functional import grpo_advantages
 from asyncrl.roles.modeling.models import state_dict_checksums
+from asyncrl.pipelines.supervision.recovery import is_worker_fault
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only worker subclasses
@@ -104,6 +108,10 @@ class DyingPolicy(Policy):
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def jump_to_version(self, version: int) -> None:
         self._version = version  # ahead of the rollout that earlier tests advanced
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def exit_now(self) -> None:
+        os._exit(1)  # its process and every object it owns are gone, as when its node is lost
 
 
 def _groups(model_config, policy_cls=Policy, rollout_cls=Rollout, name="wt", env=None):
@@ -487,7 +495,8 @@ async def test_the_policy_dying_mid_transfer_leaves_every_rollout_rank_unchanged
         handle = await policy.stage_weights("collective")
         sent, got = await _both(policy.send_weights(handle), rollout.update_weights(handle))
         assert isinstance(sent, asyncrl.WorkerDiedError)
-        assert isinstance(got, asyncrl.RemoteError) and isinstance(got.cause, WeightSyncError)
+        assert isinstance(got, asyncrl.RemoteError) and isinstance(got.cause, WeightsLostError)
+        assert is_worker_fault(got)  # the trainer restarts on it, whichever of the two errors reaches it first
         assert f"failed during the transfer of version {handle.version}" in str(got.cause)
         assert "Rollout ranks keep their previous weights" in str(got.cause)
         assert await rollout.get_version() == versions
@@ -498,6 +507,65 @@ async def test_the_policy_dying_mid_transfer_leaves_every_rollout_rank_unchanged
         with pytest.raises(asyncrl.RemoteError) as info:
             await rollout.update_weights(handle)
         assert "is broken by an earlier failure" in str(info.value.cause)
+        assert type(info.value.cause) is WeightSyncError and not is_worker_fault(info.value)  # a misuse now
+
+
+@ray.remote(num_cpus=0)
+class _Gate:
+    async def wait(self) -> None:
+        await asyncio.Event().wait()  # never opens: what waits on it is never stored
+
+
+@ray.remote(num_cpus=0)
+def _never_stored(gate: Any) -> None:
+    ray.get(gate.wait.remote())
+
+
+@ray.remote(num_cpus=0)
+class _WeightOwner:
+    """A plain Ray actor that owns staged weights as the policy does: `stage` stores them; `pending` hands out
+    the ref of weights not stored yet (a task it owns still produces them)."""
+
+    def stage(self) -> list:
+        from asyncrl.roles.weights.transfer import store_state
+
+        return [store_state({"w": torch.arange(4.0)}, None)]  # nested: the caller borrows, this actor owns
+
+    def pending(self, gate: Any) -> list:
+        return [_never_stored.remote(gate)]
+
+
+class _Loader(asyncrl.Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    async def load(self, handle: WeightHandle) -> dict[str, list[float]]:
+        from asyncrl.roles.weights.transfer import fetch_stored
+
+        return {k: v.tolist() for k, v in (await fetch_stored(handle)).items()}
+
+
+async def test_weights_whose_owner_died_fail_the_load_as_a_worker_fault(ray_cluster):
+    """An ``object_store`` stage is owned by the process that put it (the policy). When that process dies
+    before a rollout could read it (with its node), the read fails with ``WeightsLostError``, and the trainer's
+    recovery counts it as a worker fault (its restart policy applies), not a bug: a rollout's failed load can
+    reach the trainer before the policy's own death does. (On one node a stored object outlives its owner in the
+    node's store; here the owner dies while its weights are still being produced, which Ray reports the same
+    way, ``OwnerDiedError``.)"""
+    owner, gate = _WeightOwner.remote(), _Gate.remote()
+    (stored,), (pending,) = await owner.stage.remote(), await owner.pending.remote(gate)
+    handle = WeightHandle(version=3, transport="object_store", owner="w", pid=0, channel=None, num_tensors=1,
+                          nbytes=16, stored=stored)
+    try:
+        async with asyncrl.RayWorkerGroup(_Loader, world_size=1, name="wt-loader") as loader:
+            assert await loader.load(handle) == [{"w": [0.0, 1.0, 2.0, 3.0]}]
+            ray.kill(owner)
+            with pytest.raises(asyncrl.RemoteError) as info:
+                await asyncio.wait_for(loader.load(dataclasses.replace(handle, stored=pending)), TIMEOUT)
+    finally:
+        ray.kill(gate)
+    e = info.value
+    assert type(e.cause) is WeightsLostError and e.exc_type == "asyncrl.roles.errors.WeightsLostError"
+    assert e.message.startswith("the weights of version 3 could not be read from Ray's object store (OwnerDiedError")
+    assert is_worker_fault(e)
 
 
 async def test_a_rollout_rank_dying_mid_transfer_ends_the_sync_on_every_member(channel_groups, model_config, tmp_path):
@@ -520,7 +588,7 @@ async def test_a_rollout_rank_dying_mid_transfer_ends_the_sync_on_every_member(c
             await update.refs[0]
         print(f"every member of the transfer ended {time.monotonic() - t0:.2f}s after it started")
         survivor = json.loads(log.read_text())  # it failed typed, and kept version 0 and its weights
-        assert survivor["error"] == "WeightSyncError"
+        assert survivor["error"] == "WeightsLostError"  # a WeightSyncError: a member died
         assert f"failed during the transfer of version {handle.version}" in survivor["message"]
         assert survivor["version"] == 0 and survivor["checksums"] == initial
         # the broken channel refuses at once on the policy's side

@@ -39,7 +39,7 @@ __all__ = ["Checkpointer", "buffered_record", "checkpoint_due", "restored_batch"
 
 
 class CheckpointerOwner(Protocol):
-    """What :class:`Checkpointer` reads of the trainer that owns it (a restore also rewrites ``history``)."""
+    """What :class:`Checkpointer` reads of the trainer that owns it."""
 
     config: JobConfig
     groups: Groups | None
@@ -192,12 +192,12 @@ class Checkpointer:
         log.info("checkpoint.saved", step=step, path=str(final))
         return final
 
-    async def restore(self, path: Path) -> None:
-        """Load `path` into the workers and the (fresh) loop state: weights, versions, data
-        position, RNG, history, evaluations, and the buffered batches (re-homed on the training
-        pool, put back in the buffer when the rollout loop starts)."""
+    async def restore(self, path: Path, s: LoopState) -> list[dict[str, Any]]:
+        """Load `path` into the workers and the fresh loop state `s`: weights, versions, data position, RNG,
+        evaluations, and the buffered batches (re-homed on the training pool, put back in the buffer when the
+        rollout loop starts). Returns the metrics history up to the checkpoint's step."""
         tr = self._trainer
-        g, s = tr.groups, tr.state
+        g = tr.groups
         assert g is not None
         state = ckpt.read_state(path)
         loads = [g.policy.load(str(path / "policy"))]
@@ -210,7 +210,6 @@ class Checkpointer:
         s.next_gen = int(state["next_gen"])
         s.stream = state.get("stream")
         ckpt.set_rng_state(state["rng"])
-        tr.history = [h for h in state.get("history", []) if h["step"] < step]
         if tr.evaluator is not None:
             tr.evaluator.restore(state.get("evals", []), step)
         if step > 0:  # the rollout engines start at version 0: give them the restored weights
@@ -223,6 +222,7 @@ class Checkpointer:
             fut = g.advantage.echo(ckpt.plain_to_batch(b["batch"]))
             s.restored.append(restored_batch(b, fut))
         log.info("checkpoint.restored", step=step, path=str(path), buffered=len(buffered))
+        return [h for h in state.get("history", []) if h["step"] < step]
 
 
 def buffered_record(item: RolloutBatch, td: Any) -> dict[str, Any]:

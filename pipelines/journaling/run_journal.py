@@ -107,12 +107,12 @@ class RunJournal:
                 raise JournalError(f"batch {i} of the journal has other prompts or another seed than this run "
                                    "would use; replay with the journal's config and data")
 
-    async def rewind(self) -> None:
-        """Back to the restored state's position (a restart): drop what was recorded after it and
+    async def rewind(self, s: LoopState) -> None:
+        """Back to the restored loop state `s`'s position (a restart): drop what was recorded after it and
         follow the versions recorded for the batches after it (a replay keeps following its own)."""
         if self._file is None or self._replay is not None:
             return
-        journal, s, rounds = self._file, self._trainer.state, self._rounds
+        journal, rounds = self._file, self._rounds
         await self._fetched()
         self._schedule = await anyio.to_thread.run_sync(
             lambda: journal.rewind(next_gen=s.next_gen, start_step=s.start_step))

@@ -1,7 +1,7 @@
 """The loop state: everything the rollout and train loops share and change, in one object.
 
-A recovery (:mod:`asyncrl.pipelines.supervision.supervisor`) replaces it whole with a fresh one and
-then restores a checkpoint into it; nothing else in the trainer changes while the loops run.
+A restart (:mod:`asyncrl.pipelines.supervision.supervisor`) builds a fresh one, restores a checkpoint into it
+and hands it back to the trainer, which goes on from it; nothing else in the trainer changes while the loops run.
 """
 
 from __future__ import annotations

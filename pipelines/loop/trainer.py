@@ -10,20 +10,16 @@ The two loops and the buffer between them are drawn in docs/pipelines.md ("How t
   produces one policy version per step (an ``export_weights`` future) and metrics; waits for
   the buffer.
 
-Batch t is generated with weights ``max(0, t - max_staleness)`` (``fixed_lag``) or the newest
-exported (``latest``), so ``max_staleness=0`` is the synchronous loop (``pipelines/loop/sync.py``)
-and ``k`` lets rollout run up to k versions ahead. Per batch the stages keep the canonical
-order (generate, score, log-probs, advantages, updates, export); the train loop is the only producer of versions, so updates apply in
-version order. Payloads move worker to worker as futures; the controller awaits scores,
-metrics and weight-sync receipts only.
+Batch t is generated with weights ``max(0, t - max_staleness)`` (``fixed_lag``) or the newest exported
+(``latest``): ``max_staleness=0`` is the synchronous loop (``pipelines/loop/sync.py``). Per batch the stages
+keep the canonical order (generate, score, log-probs, advantages, updates, export); the train loop is the only
+producer of versions. Payloads move worker to worker as futures; the controller awaits scores, metrics and
+weight-sync receipts only.
 
-Everything the loops share is one :class:`~asyncrl.pipelines.loop.loop_state.LoopState`. The rest
-observes the loops from the side, one visible line each: recovery
-(:mod:`~asyncrl.pipelines.supervision.supervisor`), checkpoints (:mod:`~asyncrl.pipelines.checkpoints.checkpointing`),
-the journal (:mod:`~asyncrl.pipelines.journaling.run_journal`), precompute-ahead
-(:mod:`~asyncrl.pipelines.loop.precompute`), weight sync (:mod:`~asyncrl.pipelines.loop.weights`),
-group building (:mod:`~asyncrl.pipelines.loop.build`) and per-call deadlines
-(:mod:`~asyncrl.pipelines.loop.deadlines`).
+Everything the loops share is one :class:`~asyncrl.pipelines.loop.loop_state.LoopState` (a restart builds a
+new one and hands it back, :meth:`Trainer._resume`). The rest observes the loops from the side, one visible
+line each: recovery, checkpoints, the journal, precompute-ahead, weight sync, group building and per-call
+deadlines, each in its own module.
 
 Both loops run in an anyio task group: the first failure cancels the other.
 **Shutdown order** (every path): (1) the loops end or are cancelled; (2) the tracer
@@ -65,7 +61,7 @@ from asyncrl.pipelines.rollout.rollout_loop import BatchRollout
 from asyncrl.pipelines.journaling.run_journal import RunJournal, weights_digest
 from asyncrl.pipelines.journaling.stream_replay import stream_rollout
 from asyncrl.pipelines.loop.stages import Groups
-from asyncrl.pipelines.supervision.supervisor import Supervisor, first_error
+from asyncrl.pipelines.supervision.supervisor import Recovered, Supervisor, first_error
 from asyncrl.pipelines.observe.trace import Tracer
 from asyncrl.pipelines.loop.weights import WeightSync
 
@@ -196,22 +192,23 @@ class Trainer(AsyncResource):
             await anyio.to_thread.run_sync(_import_ray)
             resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
             cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)), cluster_gpus=float(resources.get("GPU", 0.0)))
-            await self.start_groups()
+            await self.start_groups(self.state)
         else:
-            await self.weights.prepare()
+            await self.weights.prepare(self.state)
         self.initial_rng = ckpt.rng_state()
         if self.checkpoints.resume is not None:
-            await self.checkpoints.restore(self.checkpoints.resume)
+            self.history = await self.checkpoints.restore(self.checkpoints.resume, self.state)
         await self.report.open()
         await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume)
         self._setup_done = True
         return self
 
-    async def start_groups(self) -> None:
-        """Start the workers (in the pools of an earlier start, if any); close everything on failure."""
+    async def start_groups(self, state: LoopState) -> None:
+        """Start the workers (in the pools of an earlier start, if any) for the loop state `state`; close
+        everything on failure."""
         try:
             self.groups = with_deadlines(await self.workers.start(), self.config.trainer)
-            await self.weights.prepare()
+            await self.weights.prepare(state)
         except BaseException:
             await self.close()
             raise
@@ -282,7 +279,7 @@ class Trainer(AsyncResource):
         self.fitting = True
         try:
             try:
-                await self.supervisor.run(self._run_loops)
+                await self.supervisor.run(self._run_loops, self._resume)
                 if self.interrupted is None:
                     await self.rollout.finish()
                 self.tracer.close()
@@ -298,6 +295,12 @@ class Trainer(AsyncResource):
             self.tracer.close()
             await self.report.finish()
         return self.history
+
+    async def _resume(self, recovered: Recovered) -> None:
+        """After a restart: go on from the loop state the supervisor rebuilt (and the history up to it)."""
+        self.state, self.history = recovered.state, recovered.history
+        await self.report.open()
+        self.report.rewind()
 
     async def _run_loops(self) -> None:
         try:

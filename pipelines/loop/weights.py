@@ -41,13 +41,13 @@ class WeightSync:
         self.sleep = cfg.trainer.colocated and cfg.rollout.sleep_level > 0
         """The rollout releases its memory while the policy trains."""
 
-    async def prepare(self) -> None:
-        """Learn the rollout's weight dtype and open the weight channel (``collective``); with
-        sleep level 2, stage version 0 so the rollout can reload it after its first sleep."""
+    async def prepare(self, s: LoopState) -> None:
+        """Learn the rollout's weight dtype (into the loop state `s`) and open the weight channel
+        (``collective``); with sleep level 2, stage version 0 so the rollout can reload it after its first sleep."""
         from asyncrl.roles.weights.sync import open_weight_channel, rollout_dtype
 
         tr = self._trainer
-        g, t, s = tr.groups, tr.config.trainer, tr.state
+        g, t = tr.groups, tr.config.trainer
         assert g is not None
         if t.gpus_per_worker > 0 or self.transport != "object_store":
             s.sync_dtype = await rollout_dtype(g.rollout)

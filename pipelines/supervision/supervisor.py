@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import anyio
@@ -45,16 +46,16 @@ if TYPE_CHECKING:
     from asyncrl.pipelines.observe.reporting import RunReport
     from asyncrl.pipelines.loop.weights import WeightSync
 
-__all__ = ["Supervisor", "first_error"]
+__all__ = ["Supervisor", "Recovered", "first_error"]
 
 
 class _Rewinds(Protocol):
-    async def rewind(self) -> None: ...
+    async def rewind(self, state: LoopState) -> None: ...
 
 
 class SupervisorOwner(Protocol):
-    """What :class:`Supervisor` reads of the trainer that owns it; a recovery replaces ``state`` and
-    rewinds ``history``."""
+    """What :class:`Supervisor` reads of the trainer that owns it (a restart builds a new loop state and
+    hands it back, :class:`Recovered`; it never assigns the trainer's)."""
 
     config: JobConfig
     groups: Groups | None
@@ -75,7 +76,17 @@ class SupervisorOwner(Protocol):
 
     def new_state(self) -> LoopState: ...
 
-    async def start_groups(self) -> None: ...
+    async def start_groups(self, state: LoopState) -> None: ...
+
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a restart hands back to the trainer: the loop state to go on from (restored from the newest
+    checkpoint, or fresh) and the metrics history up to its step."""
+
+    state: LoopState
+    history: list[dict[str, Any]]
 
 
 log = structlog.get_logger("asyncrl.pipelines")
@@ -109,15 +120,17 @@ class Supervisor:
         self._pending: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
         self._scale: tuple[int, float, str, asyncio.Future[None]] | None = None  # a pending resize
 
-    async def run(self, loops: Callable[[], Awaitable[None]]) -> None:
-        """Run `loops`; on a worker fault, restart and run them again. Faults of the stateless
-        rollout pool are handled inside the rollout loop (:meth:`replace_rollout`)."""
+    async def run(self, loops: Callable[[], Awaitable[None]],
+                  resume: Callable[[Recovered], Awaitable[None]]) -> None:
+        """Run `loops`; on a worker fault, restart: :meth:`_restart` builds the loop state to go on from and
+        `resume` (the trainer's) takes it before `loops` run again. Faults of the stateless rollout pool are
+        handled inside the rollout loop (:meth:`replace_rollout`)."""
         tr = self._trainer
         fault: Exception | None = None
         while True:
             try:
                 if fault is not None:
-                    await self._restart(fault)
+                    await resume(await self._restart(fault))
                 await loops()
                 self._fail_scale()
                 return
@@ -129,10 +142,11 @@ class Supervisor:
                     raise
                 fault = e
 
-    async def _restart(self, fault: Exception) -> None:
+    async def _restart(self, fault: Exception) -> Recovered:
         """Close every group, start new actors in the same placement groups and restore the newest
-        state this run saved into a new loop state; the journal is rewound to it, and the batches it
-        recorded after it are generated again with the same weight versions."""
+        state this run saved into a new loop state, which it returns (the trainer's is left alone); the
+        journal is rewound to it, and the batches it recorded after it are generated again with the same
+        weight versions."""
         tr = self._trainer
         t0 = time.perf_counter()
         point = tr.last_checkpoint
@@ -142,22 +156,20 @@ class Supervisor:
         self.restarts.append(record)
         self._pending.append({"kind": "restart", "at": tr.state.policy_version, "t": t0, "record": record})
         await tr.workers.recycle()
-        tr.state = tr.new_state()  # the old one's calls died with the groups
-        await tr.start_groups()
+        state = tr.new_state()  # the old one's calls died with the groups
+        await tr.start_groups(state)
         if point is not None:
-            await tr.checkpoints.restore(point)
+            history = await tr.checkpoints.restore(point, state)
         else:
-            tr.history = []
+            history = []
             if tr.evaluator is not None:
                 tr.evaluator.restore([], 0)
             if tr.initial_rng is not None:
                 ckpt.set_rng_state(tr.initial_rng)
-        await tr.report.open()
-        await tr.journal.rewind()
-        tr.report.rewind()
-        start = tr.state.start_step
-        record.update(from_step=start, time_s=time.perf_counter() - t0)
-        log.warning("trainer.restarted", from_step=start, seconds=round(time.perf_counter() - t0, 2))
+        await tr.journal.rewind(state)
+        record.update(from_step=state.start_step, time_s=time.perf_counter() - t0)
+        log.warning("trainer.restarted", from_step=state.start_step, seconds=round(time.perf_counter() - t0, 2))
+        return Recovered(state, history)
 
     def can_replace(self, error: Exception) -> bool:
         """A fault of the rollout pool (rollout or reward worker) that a replacement can cure."""
@@ -205,7 +217,7 @@ class Supervisor:
                                       advantage=g.advantage), tr.config.trainer)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         s.rollout_version = 0  # new engines hold the initial weights
-        await tr.weights.prepare()  # the new engines' weight dtype; a collective weight channel is reopened
+        await tr.weights.prepare(tr.state)  # the new engines' weight dtype; a collective weight channel is reopened
 
     async def scale_rollout(self, n: int) -> None:
         """Resize the rollout pool to `n` workers on one node; returns once the new workers took over. Batch

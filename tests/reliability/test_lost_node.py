@@ -141,7 +141,9 @@ async def test_a_lost_rollout_node_is_replaced_on_the_capacity_left(nodes, tmp_p
     _completed(history, tr.output_dir)
     assert compare_metrics(baseline, history) == []  # the same seeds, versions and so the same steps
     [r] = tr.restarts
-    assert r["kind"] == "replace" and r["origin"] == "rollout.rollout" and r["from_checkpoint"] is None
+    # the rollout and reward workers share the lost node's pool: whichever death the trainer sees first names it
+    assert r["kind"] == "replace" and r["origin"] in {"rollout.rollout", "rollout.reward"}
+    assert r["from_checkpoint"] is None
     assert {lost, where} == {"roll_a", "roll_b"}  # placed again on the other rollout node
     after = await settled(before)
     assert after == before

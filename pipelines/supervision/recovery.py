@@ -24,6 +24,10 @@ from asyncrl import CallTimeoutError, GroupBrokenError, RemoteError, UpstreamErr
 __all__ = ["is_worker_fault", "is_preemption", "fault_origin", "root_cause", "describe", "fault_record"]
 
 _RAY_DEATH = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "OwnerDiedError", "ObjectLostError"}
+# What a collective raises in a process whose peer died (its sockets closed): torch's gloo transport
+# (`gloo/transport/tcp/pair.cc`, "... by peer"). A training rank on a lost node's peer raises this, sometimes
+# before the supervisor hears of the death itself.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -40,12 +44,14 @@ def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
     """True when `error` comes from a worker process that died or hung (so a new process may
     succeed), not from the code it ran: ``WorkerDiedError``, ``GroupBrokenError``, a
     ``CallTimeoutError`` (when `timeouts`), an ``UpstreamError`` whose producer failed so, or a
-    worker's ``WeightsLostError`` (the weights it loaded were lost with the process that owned or sent
-    them: a lost training node reaches the rollout's weight sync as this, sometimes before its own death)."""
+    worker's error that says a peer process is gone: a ``WeightsLostError`` (the weights it loaded were lost
+    with the process that owned or sent them) or a collective's lost connection (a training rank whose peer
+    died). A lost node reaches the supervisor as these, sometimes before its own death does."""
     e = root_cause(error)
     if isinstance(e, (WorkerDiedError, GroupBrokenError)):
         return True
-    if isinstance(e, RemoteError) and e.exc_type.rpartition(".")[2] == "WeightsLostError":
+    if isinstance(e, RemoteError) and (e.exc_type.rpartition(".")[2] == "WeightsLostError"
+                                       or any(p in e.message for p in _PEER_LOST)):
         return True
     if isinstance(e, CallTimeoutError):
         return timeouts

@@ -41,6 +41,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import structlog
+from asyncrl import Broadcast
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.rollout.admission import Admission, groups_in_flight
 from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch, batch_seed
@@ -83,6 +84,8 @@ class _Attempt:
         self.wait_s = 0.0
         self.filtered = 0  # groups rejected by dynamic sampling since the last take
         self.running: dict[int, tuple[Any, Any]] = {}  # group -> (rollout group it runs on, generate future)
+        self.handed: dict[int, dict[str, dict[str, Any]]] = {}  # group -> its rows handed over (request key -> row)
+        self.handing: set[int] = set()  # groups whose hand-over call is in flight (their retry waits for it)
 
 
 class StreamRollout:
@@ -95,6 +98,11 @@ class StreamRollout:
         """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
         self.scaler = StreamScaler(trainer, self)
         """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
+        self.handovers: list[tuple[int, dict[str, dict[str, Any]]]] = []
+        """``(group, rows)`` of every hand-over that kept decoded tokens: each row (by request key) as the old
+        replica returned it (``ids``, ``log_probs``, ``versions``, ``finish``); the group's retry continued them."""
+        self.kept_tokens = 0
+        """Decoded tokens handed over to a new pool and continued there instead of generated again."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -147,9 +155,11 @@ class StreamRollout:
             groups = tr.groups
             assert groups is not None
             t0 = time.perf_counter()
+            resume = a.handed.get(g)  # rows a removed replica handed over: continued from their tokens
             try:
-                gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
-                                      "generate", step=g // B, group=g, version=v0)
+                call = (groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g), resume=Broadcast(resume))
+                        if resume else groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)))
+                gen = tr.tracer.watch(call, "generate", step=g // B, group=g, version=v0)
                 a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
                 if not a.issued.get(g):
                     a.issued[g] = True
@@ -167,10 +177,13 @@ class StreamRollout:
                 break
             except Exception as e:
                 a.running.pop(g, None)
+                self.keep_rows(a, g, handed_rows(e))  # a preemption notice's rows arrive with its error
                 await self._recover(a, e, epoch, g)
                 self.regenerated += 1
-                await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
+                # the new engines' weights: at least v0; and the old pool's hand-over of g has returned
+                await s.wait_for(lambda: s.rollout_version >= v0 and g not in a.handing)
         a.running.pop(g, None)
+        a.handed.pop(g, None)
         await self._notify()  # a drain may be waiting for it
         std = float(group_stds(scores, G)[0])
         if self._rejects(a, std):
@@ -236,6 +249,19 @@ class StreamRollout:
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
         await self._notify()
+
+    def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]]) -> None:
+        """Keep what group `g`'s rows decoded before a hand-over (by request key); its retry continues them. A
+        row already kept with more tokens keeps those (a later hand-over that came before the row restarted)."""
+        if not rows:
+            return
+        kept = a.handed.setdefault(g, {})
+        new = {k: r for k, r in rows.items() if len(r["ids"]) >= len(kept.get(k, {}).get("ids", ()))}
+        if not new:
+            return
+        self.kept_tokens += sum(len(r["ids"]) - len(kept.get(k, {}).get("ids", ())) for k, r in new.items())
+        kept.update(new)
+        self.handovers.append((g, {k: dict(r) for k, r in new.items()}))
 
     def rehome_flights(self, a: _Attempt) -> None:
         """Re-home the finished groups' futures on the training pool: their data must outlive the rollout
@@ -333,6 +359,16 @@ class StreamRollout:
         if a is None:
             return {"pending": [], "next_group": self._trainer.state.start_step * self._trainer.config.prompts_per_step}
         return {"pending": sorted([*a.admission.pending(), *a.queue]), "next_group": a.next_group}
+
+
+def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:
+    """The rows a ``PreemptedError`` carried (what the told-to-stop replica's rows decoded), else nothing."""
+    from asyncrl.pipelines.supervision.recovery import root_cause
+
+    e = root_cause(error)
+    cause = getattr(e, "cause", None)
+    partial = getattr(cause, "partial", None)
+    return dict(partial) if isinstance(partial, dict) else {}
 
 
 def stages_unwrap(group: Any) -> Any:

@@ -194,10 +194,13 @@ class StreamScaler:
         a.handing.update(late)
         try:
             parts = await unwrap(old_rollout).hand_over.options(timeout=HAND_OVER_S)(sorted(by_seed))
-            for rank in parts:
-                for seed, rows in rank.items():
+            rows: dict[int, dict[str, Any]] = {}
+            for rank in parts:  # a group's rows are split between the ranks
+                for seed, mine in rank.items():
                     if int(seed) in by_seed:
-                        self._rollout.keep_rows(a, by_seed[int(seed)], rows)
+                        rows.setdefault(by_seed[int(seed)], {}).update(mine)
+            for g, got in sorted(rows.items()):
+                self._rollout.keep_rows(a, g, got)
         except Exception as e:  # noqa: BLE001 - a rank gone: its rows start over from their seeds
             log.warning("trainer.hand_over_failed", groups=late, error=f"{type(e).__name__}: {e}"[:300])
         finally:

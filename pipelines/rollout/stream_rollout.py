@@ -86,6 +86,7 @@ class _Attempt:
         self.running: dict[int, tuple[Any, Any]] = {}  # group -> (rollout group it runs on, generate future)
         self.handed: dict[int, dict[str, dict[str, Any]]] = {}  # group -> its rows handed over (request key -> row)
         self.handing: set[int] = set()  # groups whose hand-over call is in flight (their retry waits for it)
+        self.carried: dict[int, int] = {}  # pool epoch -> tokens its hand-overs carried (Resize.kept_tokens)
 
 
 class StreamRollout:
@@ -102,7 +103,8 @@ class StreamRollout:
         """``(group, rows)`` of every hand-over that kept decoded tokens: each row (by request key) as the old
         replica returned it (``ids``, ``log_probs``, ``versions``, ``finish``); the group's retry continued them."""
         self.kept_tokens = 0
-        """Decoded tokens handed over to a new pool and continued there instead of generated again."""
+        """Decoded tokens the hand-overs carried to a new pool, continued there instead of generated again (a
+        token handed over twice counts twice)."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -177,7 +179,7 @@ class StreamRollout:
                 break
             except Exception as e:
                 a.running.pop(g, None)
-                self.keep_rows(a, g, handed_rows(e))  # a preemption notice's rows arrive with its error
+                self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
                 await self._recover(a, e, epoch, g)
                 self.regenerated += 1
                 # the new engines' weights: at least v0; and the old pool's hand-over of g has returned
@@ -250,17 +252,20 @@ class StreamRollout:
             a.epoch += 1
         await self._notify()
 
-    def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]]) -> None:
-        """Keep what group `g`'s rows decoded before a hand-over (by request key); its retry continues them. A
-        row already kept with more tokens keeps those (a later hand-over that came before the row restarted)."""
+    def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]], epoch: int) -> None:
+        """Keep what group `g`'s rows decoded on pool `epoch` before a hand-over (by request key); its retry
+        continues them. A row already kept with more tokens keeps those (a later hand-over that came before
+        the row restarted)."""
         if not rows:
             return
         kept = a.handed.setdefault(g, {})
         new = {k: r for k, r in rows.items() if len(r["ids"]) >= len(kept.get(k, {}).get("ids", ()))}
         if not new:
             return
-        self.kept_tokens += sum(len(r["ids"]) - len(kept.get(k, {}).get("ids", ())) for k, r in new.items())
         kept.update(new)
+        carried = sum(len(r["ids"]) for r in new.values())
+        self.kept_tokens += carried
+        a.carried[epoch] = a.carried.get(epoch, 0) + carried
         self.handovers.append((g, {k: dict(r) for k, r in new.items()}))
 
     def rehome_flights(self, a: _Attempt) -> None:

@@ -82,7 +82,8 @@ class Resize:
     """Groups in flight on the old pool past the drain deadline, or whose calls a preemption notice ended, issued
     again on the new pool."""
     kept_tokens: int = 0
-    """Tokens the handed-over rows had decoded, continued on the new pool instead of generated again."""
+    """Tokens the old pool's handed-over rows had decoded (from its hand-over call or its preemption notice's
+    errors), continued on the new pool instead of generated again."""
     start_s: float = 0.0
     """Seconds to start and load the new pool."""
     drain_s: float = 0.0
@@ -185,7 +186,7 @@ class StreamScaler:
         await s.wait_for(lambda: a.epoch != epoch or (fut is not None and fut.done()))
         return a.epoch != epoch
 
-    async def _hand_over(self, a: Any, old_rollout: Any, late: list[int]) -> None:
+    async def _hand_over(self, a: Any, old_rollout: Any, late: list[int], epoch: int) -> None:
         """Hand the groups `late` over from `old_rollout`: their rows stop at the next decoding step and what
         they decoded is kept for their retry (which waits for this); what the call does not stop (a rank gone,
         ``HAND_OVER_S`` passed) is cancelled, and those rows are generated again from their seeds."""
@@ -200,7 +201,7 @@ class StreamScaler:
                     if int(seed) in by_seed:
                         rows.setdefault(by_seed[int(seed)], {}).update(mine)
             for g, got in sorted(rows.items()):
-                self._rollout.keep_rows(a, g, got)
+                self._rollout.keep_rows(a, g, got, epoch)
         except Exception as e:  # noqa: BLE001 - a rank gone: its rows start over from their seeds
             log.warning("trainer.hand_over_failed", groups=late, error=f"{type(e).__name__}: {e}"[:300])
         finally:
@@ -253,11 +254,10 @@ class StreamScaler:
         with anyio.move_on_after(drain_s):
             await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
         late = sorted(k for k, (site, _) in a.running.items() if site is old_rollout)
-        kept0 = self._rollout.kept_tokens
         if late:
-            await self._hand_over(a, old_rollout, late)
+            await self._hand_over(a, old_rollout, late, old_epoch)
         await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
-        rec.kept_tokens = self._rollout.kept_tokens - kept0
+        rec.kept_tokens = a.carried.pop(old_epoch, 0)  # also the rows a preemption notice's errors carried
         noticed = {k for e, k in self._noticed if e == old_epoch}
         self._noticed = [(e, k) for e, k in self._noticed if e > old_epoch]
         rec.drained, rec.handed_over = sorted(on_old - set(late)), sorted(set(late) | noticed)

@@ -179,6 +179,7 @@ class StreamRollout:
                 break
             except Exception as e:
                 a.running.pop(g, None)
+                await self._notify()  # a drain waiting for the old pool to hold no group (nothing else may wake it)
                 self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
                 await self._recover(a, e, epoch, g)
                 self.regenerated += 1

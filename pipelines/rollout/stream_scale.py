@@ -244,6 +244,8 @@ class StreamScaler:
         old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, n)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         a.epoch += 1  # a load into the old pool now does not count, and its failed groups are issued again
+        tr.journal.resized(size_before=rec.size_before, size_after=n, reason=reason, version=loaded, epoch=a.epoch,
+                           after_step=s.taken)
         s.rollout_version = max(s.rollout_version, loaded)
         for old in [x for x in s.exports if x < s.rollout_version]:
             del s.exports[old]

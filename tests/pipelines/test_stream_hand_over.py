@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl import Dispatch, register
+from asyncrl.pipelines.journaling.journal import JournalError, read_journal
+from asyncrl.pipelines.journaling.replay import replay_config
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.roles.engines.batcher import RequestBatcher
@@ -183,6 +185,13 @@ async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_conti
     assert resizes[0].kept_tokens + resizes[1].kept_tokens == tr.rollout.kept_tokens
     # both ranks' rows came back: a group's rows were split between the two workers of the old pool
     assert all(len(rows) == cfg.group_size for _, rows in tr.rollout.handovers)
+    # the journal records both resizes, and a replay refuses the run with its one line (before any worker starts)
+    run = tmp_path / "run"
+    assert [(r["size_before"], r["size_after"], r["reason"], r["epoch"]) for r in read_journal(run).resizes] == [
+        (1, 2, "scale", 1), (2, 1, "scale", 2)]
+    with pytest.raises(JournalError, match=r"resized \(scale: 1 -> 2 workers after step \d\), which cannot be "
+                                           r"replayed bit for bit: the retired pool's rounds"):
+        GRPOTrainer(replay_config(run)[0], replay=run)
 
 
 @pytest.mark.slow  # one streaming run with three rollout pools: about 45 s on the loaded 2-core machine

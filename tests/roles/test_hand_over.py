@@ -186,3 +186,61 @@ async def test_a_rollout_worker_hands_a_call_over_and_another_resumes_it(model_c
         assert out["rollout_log_probs"][i][:3].tolist() == pytest.approx(row["log_probs"], abs=1e-6)
         assert out["token_versions"][i][:3].tolist() == [0, 0, 0]
         assert torch.equal(out["prompt_ids"][i], batch["prompt_ids"][i]) and out["input_ids"].shape[1] == P + 10
+
+
+# ---- across processes --------------------------------------------------------------------------
+
+
+async def test_two_ray_ranks_hand_a_call_over_and_one_rank_continues_every_row(ray_cluster, model_config,
+                                                                               prompt_batch, tmp_path):
+    """On real Ray workers: a call split over 2 ranks whose rows are held after 3 tokens is handed over
+    (``hand_over``, a group call: each rank returns its rows); the call fails with ``PreemptedError`` whose
+    ``partial`` crossed the process boundary; a worker of a 1-rank pool continues all 4 rows from exactly those
+    tokens."""
+    import json
+
+    import asyncrl
+    from asyncrl import RemoteError
+
+    from asyncrl.pipelines.rollout.stream_rollout import handed_rows
+    from tests.pipelines.test_stream_hand_over import HELD, StallingRollout
+
+    calls, stall = tmp_path / "calls.jsonl", tmp_path / "stall"
+    stall.write_text("*")
+    kwargs = {"model": model_config, "rollout": RolloutConfig(max_new_tokens=6, chunk_tokens=HELD, temperature=1.0),
+              "calls": str(calls), "hang": str(tmp_path / "hang"), "stall": str(stall)}
+    batch = prompt_batch(n=4)
+    async with asyncrl.RayWorkerGroup(StallingRollout, world_size=2, name="hand-over-two", kwargs=kwargs) as two:
+        gen = two.generate_requests(batch, seed=5)
+
+        def held() -> set[str]:
+            lines = [json.loads(x) for x in calls.read_text().splitlines()] if calls.exists() else []
+            return {k for c in lines if "held" in c for k in c["held"]}
+
+        async with asyncio.timeout(60):  # (a remote condition: the workers note each held row in the file)
+            while held() != {"5:0", "5:1", "5:2", "5:3"}:
+                await asyncio.sleep(0.02)
+        parts = await two.hand_over([5])
+        with pytest.raises(RemoteError, match="PreemptedError.*handed its rows over") as err:
+            await gen
+    rows = {k: r for p in parts for k, r in p[5].items()}
+    assert [sorted(p[5]) for p in parts] == [["5:0", "5:1"], ["5:2", "5:3"]]  # each rank's own rows
+    assert handed_rows(err.value) in ({k: rows[k] for k in ("5:0", "5:1")}, {k: rows[k] for k in ("5:2", "5:3")})
+    assert {k: r["ids"] for k, r in rows.items()} == {"5:0": [45, 42, 112], "5:1": [200, 225, 34],
+                                                     "5:2": [176, 353, 144], "5:3": [22, 345, 126]}
+    assert all(r["versions"] == [0] * HELD and r["finish"] == "" for r in rows.values())
+
+    one = RolloutWorker(model_config, kwargs["rollout"])  # the pool of one (in this process: rank 0 of 1)
+    try:
+        out = await one.generate_requests(batch, seed=5, resume=rows)
+    finally:
+        await one._batcher.aclose()
+    for i in range(4):
+        m = out["response_mask"][i].bool()
+        ids, lps = out["response_ids"][i][m].tolist(), out["rollout_log_probs"][i][m].tolist()
+        row = rows[f"5:{i}"]
+        assert ids[:HELD] == row["ids"] and lps[:HELD] == pytest.approx(row["log_probs"], abs=1e-6)
+        assert out["token_versions"][i][m].tolist() == [0] * len(ids) and len(ids) == 6
+    assert [out["response_ids"][i][out["response_mask"][i].bool()].tolist() for i in range(4)] == [
+        [45, 42, 112, 280, 73, 68], [200, 225, 34, 9, 102, 103], [176, 353, 144, 349, 150, 34],
+        [22, 345, 126, 223, 192, 206]]

@@ -24,7 +24,9 @@ It stands in for :class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout` b
 Recovery: a rollout-pool fault (dead or hung rollout/reward worker) replaces that pool
 (:meth:`~asyncrl.pipelines.supervision.supervisor.Supervisor.replace_rollout`); finished groups' futures are first
 re-homed on the training pool, groups in flight are issued again with the same prompts and seed once
-the new engines hold at least their admission version. A restart (training worker fault) or a resume
+the new engines hold at least their admission version. A resize or a preemption notice hands groups over
+with what their rows decoded (:meth:`StreamRollout.keep_rows`): the retry continues each row from its tokens
+(docs/nodes.md). A restart (training worker fault) or a resume
 replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
 admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
 

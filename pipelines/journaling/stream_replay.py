@@ -23,8 +23,9 @@ what is missing and the fix): a journal written before rounds were recorded, or 
 schedules requests itself (vLLM); a run resumed or restarted part-way (a second journal segment: the
 regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
 was replaced (the replaced engines' rounds died with them) or resized (a ``resize`` record: the retired
-pool's last rounds and the points where its rows were handed over are not recorded); a rounds file that is missing, unreadable,
-or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log records no agent sessions.
+pool's last rounds and the points where its rows were handed over are not recorded); a rounds file that is
+missing, unreadable, or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log
+records no agent sessions.
 
 Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
 digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic

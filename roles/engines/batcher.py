@@ -57,8 +57,8 @@ from asyncrl.roles.modeling.models import position_ids_from_mask
 from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests
 from asyncrl.roles.engines.hf import HFEngine, _autocast, left_pad
 
-__all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES", "RoundRecord",
-           "HandedOverError", "continuation_seed"]
+__all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES",
+           "RoundRecord", "HandedOverError", "continuation_seed"]
 
 PartialRollout = Literal["off", "keep", "recompute"]
 PARTIAL_ROLLOUT_MODES: tuple[str, ...] = get_args(PartialRollout)
@@ -253,7 +253,8 @@ class RequestBatcher:
             if not len(prefix.log_probs) == len(prefix.versions) == done:
                 raise ValueError(f"a handed-over prefix needs one log-prob and one version per token; got {done} "
                                  f"tokens, {len(prefix.log_probs)} log-probs, {len(prefix.versions)} versions")
-            req.tokens, req.log_probs, req.versions = list(prefix.response_ids), list(prefix.log_probs), list(prefix.versions)
+            req.tokens, req.log_probs = list(prefix.response_ids), list(prefix.log_probs)
+            req.versions = list(prefix.versions)
         self._waiting.append(req)
         assert self._wakeup is not None
         self._wakeup.set()

@@ -37,9 +37,9 @@ GENERATE_S = 0.3
 
 
 class StallingBatcher(RequestBatcher):
-    """A request batcher that, while its process is listed in the `stall` file (or it lists ``*``), lets each request decode
-    ``HELD`` tokens and then holds it (decoding nothing) until a hand-over, a weight update's pause or the
-    close; it notes each held request's key in `calls` once."""
+    """A request batcher that, while its process is listed in the `stall` file (or it lists ``*``), lets each
+    request decode ``HELD`` tokens and then holds it (decoding nothing) until a hand-over, a weight update's
+    pause or the close; it notes each held request's key in `calls` once."""
 
     def __init__(self, engine, *, stall: str, calls: str, **kwargs) -> None:
         super().__init__(engine, **kwargs)
@@ -104,7 +104,8 @@ class StallingRollout(LoggedRollout):
                 "ids": out["response_ids"][i][m].tolist(), "versions": out["token_versions"][i][m].tolist(),
                 "log_probs": out["rollout_log_probs"][i][m].tolist()}
         with open(self._calls, "a") as f:
-            f.write(json.dumps({"seed": seed, "pid": os.getpid(), "rows": rows, "resumed": sorted(resume or {})}) + "\n")
+            f.write(json.dumps({"seed": seed, "pid": os.getpid(), "rows": rows,
+                                "resumed": sorted(resume or {})}) + "\n")
         return out
 
 

@@ -263,3 +263,39 @@ async def test_a_new_pool_that_dies_while_continuing_is_replaced_and_continues_f
     _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
     # the rows handed over by the preemption finished on the replacement, beginning with the same tokens
     assert _check_continued(tr, cfg, calls, third) >= 1
+
+
+class FailingHandOverRollout(StallingRollout):
+    """A rollout worker whose ``hand_over`` fails (as a rank that cannot answer it would)."""
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def hand_over(self, seeds):
+        raise RuntimeError("this rank cannot hand its rows over")
+
+
+@pytest.mark.slow  # one streaming run with two rollout pools: about 40 s on the loaded 2-core machine
+async def test_a_hand_over_that_fails_cancels_the_groups_and_they_start_over_from_their_seeds(ray_cluster, tmp_path):
+    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
+    cfg = _config(tmp_path / "run", rollout_drain_s=1.0)
+    overrides = {"rollout": (FailingHandOverRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
+                                                      "delay": GENERATE_S})}
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> list[set[int]]:
+            await _history_reaches(tr, 1)
+            one = await _stall_pool(tr, stall, calls)
+            await tr.scale_rollout(2)  # past the drain the hand-over call fails: the held groups are cancelled
+            return [one, set(await tr.groups.rollout.pid())]
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (one, two) = fit.result(), task.result()
+        [rec] = tr.rollout.scaler.resizes
+        assert tr.restarts == []
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    assert rec.handed_over and rec.kept_tokens == 0 and tr.rollout.handovers == []
+    log = _calls(calls)
+    for g in rec.handed_over:  # each generated again on the new pool, from its seed: nothing resumed
+        final = [c for c in log if c.get("seed") == batch_seed(cfg, g) and "rows" in c]
+        assert final and all(c["pid"] in two and c["resumed"] == [] for c in final), (g, final)

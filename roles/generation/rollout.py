@@ -144,6 +144,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
         self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
         self._request_calls: dict[asyncio.Task[Any], RequestCall] = {}  # running generate_requests calls
+        self._notices: set[asyncio.Task[Any]] = set()  # hand-overs a SIGTERM started (held until they end)
         on_sigterm(self._on_preemption_notice)
 
     def _on_preemption_notice(self) -> None:
@@ -167,7 +168,9 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
                       loop: asyncio.AbstractEventLoop = loop) -> None:
                 for t, _ in mine:
                     t.add_done_callback(check)
-                loop.create_task(self._hand_over_calls(mine))
+                task = loop.create_task(self._hand_over_calls(mine))
+                self._notices.add(task)
+                task.add_done_callback(self._notices.discard)
 
             loop.call_soon_threadsafe(start)
         if calls:

@@ -152,7 +152,7 @@ def _check_continued(tr, cfg, calls: Path, new: set[int]) -> int:
     return n
 
 
-@pytest.mark.slow  # one streaming run with three rollout pools: about 45 s on the loaded 2-core machine
+@pytest.mark.slow  # one streaming run with three rollout pools: 80-105 s on the loaded 2-core machine
 async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_continues_them(ray_cluster, tmp_path):
     calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
     cfg = _config(tmp_path / "run", rollout_drain_s=1.0)
@@ -195,7 +195,7 @@ async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_conti
         GRPOTrainer(replay_config(run)[0], replay=run)
 
 
-@pytest.mark.slow  # one streaming run with three rollout pools: about 45 s on the loaded 2-core machine
+@pytest.mark.slow  # one streaming run with three rollout pools: 35-50 s on the loaded 2-core machine
 async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_continued(ray_cluster, tmp_path):
     calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
     cfg = _config(tmp_path / "run")
@@ -227,7 +227,7 @@ async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_
     assert all(r.kept_tokens >= HELD for r in resizes)
 
 
-@pytest.mark.slow  # one streaming run, a preemption and a replaced pool: about 45 s on the loaded 2-core machine
+@pytest.mark.slow  # one streaming run, a preemption and a replaced pool: 40-50 s on the loaded 2-core machine
 async def test_a_new_pool_that_dies_while_continuing_is_replaced_and_continues_from_the_same_tokens(
         ray_cluster, tmp_path):
     calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
@@ -273,7 +273,7 @@ class FailingHandOverRollout(StallingRollout):
         raise RuntimeError("this rank cannot hand its rows over")
 
 
-@pytest.mark.slow  # one streaming run with two rollout pools: about 40 s on the loaded 2-core machine
+@pytest.mark.slow  # one streaming run with two rollout pools: 45-80 s on the loaded 2-core machine
 async def test_a_hand_over_that_fails_cancels_the_groups_and_they_start_over_from_their_seeds(ray_cluster, tmp_path):
     calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
     cfg = _config(tmp_path / "run", rollout_drain_s=1.0)

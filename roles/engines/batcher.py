@@ -94,7 +94,7 @@ class BatcherStats:
     requests: int = 0
     """Requests finished."""
     tokens: int = 0
-    """Tokens generated (by finished requests)."""
+    """Tokens generated (by finished requests; a continued request's handed-over prefix is not counted)."""
     peak_active: int = 0
     """Most requests in one round."""
     pending: int = 0
@@ -108,7 +108,7 @@ class BatcherStats:
     max_pause_latency_s: float = 0.0
     """Longest such wait so far."""
     tokens_per_version: dict[int, int] = field(default_factory=dict)
-    """Tokens of finished requests by the weight version that produced them."""
+    """Tokens of finished requests by the weight version that produced them (decoded here, as ``tokens``)."""
     spanning_requests: int = 0
     """Finished requests whose tokens come from more than one weight version."""
 
@@ -126,7 +126,7 @@ class PauseInfo:
 
 
 class _Request:
-    __slots__ = ("prompt", "params", "gen", "tokens", "log_probs", "versions", "future", "finish", "key")
+    __slots__ = ("prompt", "params", "gen", "tokens", "log_probs", "versions", "future", "finish", "key", "kept")
 
     def __init__(self, prompt: list[int], params: SamplingParams, gen: torch.Generator,
                  future: asyncio.Future[Generation], key: str) -> None:
@@ -139,6 +139,7 @@ class _Request:
         self.versions: list[int] = []
         self.future = future
         self.finish: str | None = None
+        self.kept = 0  # tokens of a handed-over prefix (decoded elsewhere)
 
 
 class _Round:
@@ -254,7 +255,7 @@ class RequestBatcher:
                 raise ValueError(f"a handed-over prefix needs one log-prob and one version per token; got {done} "
                                  f"tokens, {len(prefix.log_probs)} log-probs, {len(prefix.versions)} versions")
             req.tokens, req.log_probs = list(prefix.response_ids), list(prefix.log_probs)
-            req.versions = list(prefix.versions)
+            req.versions, req.kept = list(prefix.versions), done
         self._waiting.append(req)
         assert self._wakeup is not None
         self._wakeup.set()
@@ -452,8 +453,8 @@ class RequestBatcher:
         for r in rnd.batch:
             if r.finish is not None and not r.future.done():
                 s.requests += 1
-                s.tokens += len(r.tokens)
-                for v in r.versions:
+                s.tokens += len(r.tokens) - r.kept
+                for v in r.versions[r.kept:]:
                     s.tokens_per_version[v] = s.tokens_per_version.get(v, 0) + 1
                 s.spanning_requests += len(set(r.versions)) > 1
                 r.future.set_result(Generation(r.tokens, r.log_probs, r.finish, versions=r.versions))

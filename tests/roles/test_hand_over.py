@@ -83,6 +83,8 @@ async def test_a_hand_over_stops_at_the_step_boundary_and_the_continuation_begin
     assert cont.versions == [0, 0, 0] + [1] * (len(cont.response_ids) - 3)
     assert cont.response_ids == [200, 307, 87, 131, 122, 289, 347, 118, 27, 151] and cont.finish_reason == "length"
     assert again.response_ids == cont.response_ids  # the continuation is a function of the prefix and seed
+    stats = new.statistics()  # the new replica counts only what it decoded (7 tokens each, version 1)
+    assert (stats.requests, stats.tokens, stats.tokens_per_version, stats.spanning_requests) == (2, 14, {1: 14}, 2)
 
 
 async def test_a_request_handed_over_before_its_first_token_continues_as_the_fresh_request(tiny):

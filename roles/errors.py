@@ -27,6 +27,7 @@ __all__ = [
     "PauseDeadlineError",
     "CheckpointFormatError",
     "PreemptedError",
+    "HandedOverError",
 ]
 
 
@@ -115,3 +116,8 @@ class PreemptedError(RolesError, RuntimeError):
     def __init__(self, message: str, partial: dict[str, dict] | None = None) -> None:
         super().__init__(message)
         self.partial: dict[str, dict] = dict(partial or {})
+
+
+class HandedOverError(RolesError, RuntimeError):
+    """Raised by a request's generation when the request batcher handed it over (``RequestBatcher.hand_over``):
+    what it decoded went to the caller of the hand-over, to be continued elsewhere."""

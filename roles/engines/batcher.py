@@ -52,13 +52,13 @@ from typing import Any, AsyncIterator, Callable, Iterable, Literal, get_args
 
 import torch
 
-from asyncrl.roles.errors import PauseDeadlineError
+from asyncrl.roles.errors import HandedOverError, PauseDeadlineError
 from asyncrl.roles.modeling.models import position_ids_from_mask
 from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests
 from asyncrl.roles.engines.hf import HFEngine, _autocast, left_pad
 
 __all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES",
-           "RoundRecord", "HandedOverError", "continuation_seed"]
+           "RoundRecord", "continuation_seed"]
 
 PartialRollout = Literal["off", "keep", "recompute"]
 PARTIAL_ROLLOUT_MODES: tuple[str, ...] = get_args(PartialRollout)
@@ -79,10 +79,6 @@ def continuation_seed(seed: int, decoded: int) -> int:
     if decoded <= 0:
         return int(seed)
     return int.from_bytes(hashlib.sha256(f"{int(seed)}|{int(decoded)}".encode()).digest()[:4], "little") & 0x3FFFFFFF
-
-
-class HandedOverError(RuntimeError):
-    """A request's future after :meth:`RequestBatcher.hand_over` took it away (its prefix went to the caller)."""
 
 
 @dataclass

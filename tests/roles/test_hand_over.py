@@ -13,9 +13,9 @@ import torch
 
 from asyncrl.roles import RolloutConfig, RolloutWorker, load_model
 from asyncrl.roles.engines import SamplingParams
-from asyncrl.roles.engines.batcher import Generation, HandedOverError, RequestBatcher, continuation_seed
+from asyncrl.roles.engines.batcher import Generation, RequestBatcher, continuation_seed
 from asyncrl.roles.engines.hf import HFEngine
-from asyncrl.roles.errors import PreemptedError
+from asyncrl.roles.errors import HandedOverError, PreemptedError
 
 from tests.forward_hooks import update_at_forwards
 from tests.roles.test_partial_rollout import perturbed

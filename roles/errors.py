@@ -28,6 +28,7 @@ __all__ = [
     "PauseDeadlineError",
     "CheckpointFormatError",
     "PreemptedError",
+    "HandedOverError",
 ]
 
 
@@ -115,5 +116,16 @@ class EpisodeError(RolesError, RuntimeError):
 
 class PreemptedError(RolesError, RuntimeError):
     """Raised by a rollout worker's request-level generation when its process was told to stop (a SIGTERM, a
-    preemption notice): the rows in flight stopped at their next decoding step and are to be generated again
-    elsewhere with the same seeds."""
+    preemption notice) or its rows were handed over (a resize): the rows in flight stopped at their next
+    decoding step and are to be continued elsewhere with the same seeds. ``partial`` holds what the call's plain
+    rows decoded, by request key (``{"ids", "log_probs", "versions", "finish"}``; a finished row's whole
+    completion, an unfinished one's prefix), for ``generate_requests(..., resume=...)``."""
+
+    def __init__(self, message: str, partial: dict[str, dict] | None = None) -> None:
+        super().__init__(message)
+        self.partial: dict[str, dict] = dict(partial or {})
+
+
+class HandedOverError(RolesError, RuntimeError):
+    """Raised by a request's generation when the request batcher handed it over (``RequestBatcher.hand_over``):
+    what it decoded went to the caller of the hand-over, to be continued elsewhere."""

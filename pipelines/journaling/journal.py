@@ -14,6 +14,8 @@ Streaming rollout (``trainer.rollout_mode=stream``) writes prompt groups instead
     {"kind": "step", "step": 3, "batch": 3, "version": 2, "groups": [13, 9, 12, 15]}
     {"kind": "group_drop", "index": 7, "version": 0, "at_version": 4}   # trainer.stream.drop_stale
     {"kind": "load", "version": 3}                                  # the rollout starts loading version 3
+    {"kind": "resize", "size_before": 2, "size_after": 1, "reason": "scale", "version": 3, "epoch": 1,
+     "after_step": 4}                                               # a new rollout pool took over (stream_scale)
 
 A ``group`` record is written when the group's calls are issued and a ``load`` record when a weight
 load is, so their order is the order of those calls on the rollout workers' ordered lane.
@@ -77,6 +79,9 @@ class JournalData:
     """``group_drop`` records, in order."""
     stream_order: list[dict[str, Any]] = field(default_factory=list)
     """Streaming: the ``group`` and ``load`` records, in the order they were written."""
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    """Streaming: ``resize`` records (a new rollout pool took over: ``scale_rollout``, a preemption, the
+    autoscaler), in order."""
     end: dict[str, Any] | None = None
     """The last ``end`` record, when the run finished (or stopped cleanly)."""
 
@@ -129,6 +134,8 @@ def _apply(data: JournalData, rec: dict[str, Any], kind: str) -> None:
         data.stream_order.append(rec)
     elif kind == "group_drop":
         data.group_drops.append(rec)
+    elif kind == "resize":
+        data.resizes.append(rec)
 
 
 class Journal:
@@ -161,6 +168,7 @@ class Journal:
             kept += steps
             kept += [d for d in previous.drops if int(d["at_version"]) < start_step]
             kept += [d for d in previous.group_drops if int(d["at_version"]) < start_step]
+            kept += [r for r in previous.resizes if int(r["after_step"]) < start_step]
             schedule = previous.schedule(next_gen)
         self._rewrite(kept + [{"kind": "run", **header, "start_step": start_step, "next_gen": next_gen}])
         return schedule
@@ -211,6 +219,14 @@ class Journal:
     def load(self, version: int) -> None:
         """Streaming: the rollout starts loading weights `version` (the update call is issued now)."""
         self._write({"kind": "load", "version": version})
+
+    def resize(self, *, size_before: int, size_after: int, reason: str, version: int, epoch: int,
+               after_step: int) -> None:
+        """Streaming: a new rollout pool of `size_after` workers (it loaded `version`) took over from one of
+        `size_before` for `reason` (``scale``, ``preempt``, ``autoscale``), as pool `epoch`, after step
+        `after_step` was taken."""
+        self._write({"kind": "resize", "size_before": size_before, "size_after": size_after, "reason": reason,
+                     "version": version, "epoch": epoch, "after_step": after_step})
 
     def group_drop(self, index: int, *, version: int, at_version: int) -> None:
         """Streaming with ``drop_stale``: group `index` (admitted at `version`) was dropped at `at_version`."""

@@ -195,6 +195,14 @@ class RunJournal:
         if self._file is not None:
             self._file.load(version)
 
+    def resized(self, *, size_before: int, size_after: int, reason: str, version: int, epoch: int,
+                after_step: int) -> None:
+        """Streaming: a new rollout pool took over (its size, why, the version it loaded, its pool epoch and the
+        last step taken before); a replay refuses such a run (stream_replay)."""
+        if self._file is not None:
+            self._file.resize(size_before=size_before, size_after=size_after, reason=reason, version=version,
+                              epoch=epoch, after_step=after_step)
+
     def group_dropped(self, index: int, *, version: int, at_version: int) -> None:
         """Streaming with ``drop_stale``: group `index` was dropped as too stale at `at_version`."""
         if self._file is not None:

@@ -22,8 +22,10 @@ What it refuses, before any worker starts (:class:`~asyncrl.pipelines.journaling
 what is missing and the fix): a journal written before rounds were recorded, or by an engine that
 schedules requests itself (vLLM); a run resumed or restarted part-way (a second journal segment: the
 regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
-was replaced (the replaced engines' rounds died with them); a rounds file that is missing, unreadable,
-or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log records no agent sessions.
+was replaced (the replaced engines' rounds died with them) or resized (a ``resize`` record: the retired
+pool's last rounds and the points where its rows were handed over are not recorded); a rounds file that is
+missing, unreadable, or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log
+records no agent sessions.
 
 Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
 digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic
@@ -161,6 +163,14 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
     if not path.is_file():
         raise JournalError(f"{where} needs its round log {str(path)!r}, which is missing; put the run's {ROUNDS} back "
                            "next to its journal")
+    if data.resizes:
+        r = data.resizes[0]
+        raise JournalError(
+            f"{where}: its rollout pool was resized ({r['reason']}: {r['size_before']} -> {r['size_after']} workers "
+            f"after step {r['after_step']}), which cannot be replayed bit for bit: the retired pool's rounds after "
+            "its last step died with it, the decoding step at which each handed-over row stopped is not in its "
+            "round log, and the journal does not order the new pool's start and first weight load against the "
+            "group calls and loads; replay covers stream runs whose rollout pool kept its size")
     chunks = sorted(read_rounds(path), key=lambda c: int(c["step"]))
     for c in chunks:
         if c.get("lost") is not None or int(c.get("epoch", 0)) != 0:

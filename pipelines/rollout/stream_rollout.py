@@ -24,7 +24,9 @@ It stands in for :class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout` b
 Recovery: a rollout-pool fault (dead or hung rollout/reward worker) replaces that pool
 (:meth:`~asyncrl.pipelines.supervision.supervisor.Supervisor.replace_rollout`); finished groups' futures are first
 re-homed on the training pool, groups in flight are issued again with the same prompts and seed once
-the new engines hold at least their admission version. A restart (training worker fault) or a resume
+the new engines hold at least their admission version. A resize or a preemption notice hands groups over
+with what their rows decoded (:meth:`StreamRollout.keep_rows`): the retry continues each row from its tokens
+(docs/nodes.md). A restart (training worker fault) or a resume
 replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
 admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
 
@@ -41,6 +43,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import structlog
+from asyncrl import Broadcast
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.rollout.admission import Admission, groups_in_flight
 from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch, batch_seed
@@ -83,6 +86,9 @@ class _Attempt:
         self.wait_s = 0.0
         self.filtered = 0  # groups rejected by dynamic sampling since the last take
         self.running: dict[int, tuple[Any, Any]] = {}  # group -> (rollout group it runs on, generate future)
+        self.handed: dict[int, dict[str, dict[str, Any]]] = {}  # group -> its rows handed over (request key -> row)
+        self.handing: set[int] = set()  # groups whose hand-over call is in flight (their retry waits for it)
+        self.carried: dict[int, int] = {}  # pool epoch -> tokens its hand-overs carried (Resize.kept_tokens)
 
 
 class StreamRollout:
@@ -95,6 +101,12 @@ class StreamRollout:
         """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
         self.scaler = StreamScaler(trainer, self)
         """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
+        self.handovers: list[tuple[int, dict[str, dict[str, Any]]]] = []
+        """``(group, rows)`` of every hand-over that kept decoded tokens: each row (by request key) as the old
+        replica returned it (``ids``, ``log_probs``, ``versions``, ``finish``); the group's retry continued them."""
+        self.kept_tokens = 0
+        """Decoded tokens the hand-overs carried to a new pool, continued there instead of generated again (a
+        token handed over twice counts twice)."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -147,9 +159,11 @@ class StreamRollout:
             groups = tr.groups
             assert groups is not None
             t0 = time.perf_counter()
+            resume = a.handed.get(g)  # rows a removed replica handed over: continued from their tokens
             try:
-                gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)),
-                                      "generate", step=g // B, group=g, version=v0)
+                call = (groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g), resume=Broadcast(resume))
+                        if resume else groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)))
+                gen = tr.tracer.watch(call, "generate", step=g // B, group=g, version=v0)
                 a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
                 if not a.issued.get(g):
                     a.issued[g] = True
@@ -167,10 +181,14 @@ class StreamRollout:
                 break
             except Exception as e:
                 a.running.pop(g, None)
+                await self._notify()  # a drain waiting for the old pool to hold no group (nothing else may wake it)
+                self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
                 await self._recover(a, e, epoch, g)
                 self.regenerated += 1
-                await s.wait_for(lambda: s.rollout_version >= v0)  # the new engines' weights: at least v0
+                # the new engines' weights: at least v0; and the old pool's hand-over of g has returned
+                await s.wait_for(lambda: s.rollout_version >= v0 and g not in a.handing)
         a.running.pop(g, None)
+        a.handed.pop(g, None)
         await self._notify()  # a drain may be waiting for it
         std = float(group_stds(scores, G)[0])
         if self._rejects(a, std):
@@ -236,6 +254,22 @@ class StreamRollout:
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
         await self._notify()
+
+    def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]], epoch: int) -> None:
+        """Keep what group `g`'s rows decoded on pool `epoch` before a hand-over (by request key); its retry
+        continues them. A row already kept with more tokens keeps those (a later hand-over that came before
+        the row restarted)."""
+        if not rows:
+            return
+        kept = a.handed.setdefault(g, {})
+        new = {k: r for k, r in rows.items() if len(r["ids"]) >= len(kept.get(k, {}).get("ids", ()))}
+        if not new:
+            return
+        kept.update(new)
+        carried = sum(len(r["ids"]) for r in new.values())
+        self.kept_tokens += carried
+        a.carried[epoch] = a.carried.get(epoch, 0) + carried
+        self.handovers.append((g, {k: dict(r) for k, r in new.items()}))
 
     def rehome_flights(self, a: _Attempt) -> None:
         """Re-home the finished groups' futures on the training pool: their data must outlive the rollout
@@ -333,6 +367,16 @@ class StreamRollout:
         if a is None:
             return {"pending": [], "next_group": self._trainer.state.start_step * self._trainer.config.prompts_per_step}
         return {"pending": sorted([*a.admission.pending(), *a.queue]), "next_group": a.next_group}
+
+
+def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:
+    """The rows a ``PreemptedError`` carried (what the told-to-stop replica's rows decoded), else nothing."""
+    from asyncrl.pipelines.supervision.recovery import root_cause
+
+    e = root_cause(error)
+    cause = getattr(e, "cause", None)
+    partial = getattr(cause, "partial", None)
+    return dict(partial) if isinstance(partial, dict) else {}
 
 
 def stages_unwrap(group: Any) -> Any:

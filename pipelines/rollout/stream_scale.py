@@ -9,14 +9,16 @@ autoscaler).
       │ load the newest exported version into them, again while a newer one appears
       │ swap: admission issues new groups on the new pool from now   (epoch + 1; rollout_version = loaded)
       │ drain: the old pool's groups in flight finish there, up to the drain deadline
-      │ hand over: the rest are cancelled (the engine drops them at its next decoding step) and issued again
-      │            on the new pool with the same prompts and seeds   (StreamRollout._group's retry)
+      │ hand over: the rest stop at their next decoding step and return what each row decoded (token ids,
+      │            log-probs, versions: RolloutWorker.hand_over); they are issued again on the new pool with
+      │            the same prompts and seeds, each row continuing from its tokens   (StreamRollout._group's retry)
       ▼ finished groups' futures re-homed on the training pool; the old pool's workers closed, its
         placement groups released
 
 The staleness bound is admission's (a group keeps its admission version ``v0``; the new pool holds at least
 the version admission uses next), so a resize trains nothing twice and keeps ``max_staleness``. A new pool
-never takes work before it holds the newest weights. A preemption is a resize that hands over at once
+never takes work before it holds the newest weights. A handed-over row keeps its tokens and their versions (all
+at least the group's ``v0``), so the bound holds for them too. A preemption is a resize that hands over at once
 (``drain_s=0``): the pool loses the preempted worker, or keeps its size on other capacity when that would
 fall below the range's minimum.
 
@@ -37,13 +39,14 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from asyncrl.pipelines.loop.deadlines import with_deadlines
+from asyncrl.pipelines.loop.deadlines import unwrap, with_deadlines
+from asyncrl.pipelines.loop.loop_state import batch_seed
 from asyncrl.pipelines.loop.stages import Groups
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner
 
-__all__ = ["StreamScaler", "Resize", "BUSY_STEPS", "BUSY_SHARE", "IDLE_STEPS", "IDLE_SHARE"]
+__all__ = ["StreamScaler", "Resize", "BUSY_STEPS", "BUSY_SHARE", "IDLE_STEPS", "IDLE_SHARE", "HAND_OVER_S"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -57,6 +60,10 @@ IDLE_STEPS = 4
 time for its groups (the engines are ahead of training)."""
 IDLE_SHARE = 0.05
 """See ``IDLE_STEPS``."""
+HAND_OVER_S = 30.0
+"""How long the old pool may take to hand its late groups over (their rows stop at the next decoding step);
+past it, or when the call fails (a rank gone), those groups are cancelled and their rows generated again from
+their seeds."""
 
 
 @dataclass
@@ -74,6 +81,9 @@ class Resize:
     handed_over: list[int] = field(default_factory=list)
     """Groups in flight on the old pool past the drain deadline, or whose calls a preemption notice ended, issued
     again on the new pool."""
+    kept_tokens: int = 0
+    """Tokens the old pool's handed-over rows had decoded (from its hand-over call or its preemption notice's
+    errors), continued on the new pool instead of generated again."""
     start_s: float = 0.0
     """Seconds to start and load the new pool."""
     drain_s: float = 0.0
@@ -176,6 +186,31 @@ class StreamScaler:
         await s.wait_for(lambda: a.epoch != epoch or (fut is not None and fut.done()))
         return a.epoch != epoch
 
+    async def _hand_over(self, a: Any, old_rollout: Any, late: list[int], epoch: int) -> None:
+        """Hand the groups `late` over from `old_rollout`: their rows stop at the next decoding step and what
+        they decoded is kept for their retry (which waits for this); what the call does not stop (a rank gone,
+        ``HAND_OVER_S`` passed) is cancelled, and those rows are generated again from their seeds."""
+        cfg = self._trainer.config
+        by_seed = {batch_seed(cfg, g): g for g in late}
+        a.handing.update(late)
+        try:
+            parts = await unwrap(old_rollout).hand_over.options(timeout=HAND_OVER_S)(sorted(by_seed))
+            rows: dict[int, dict[str, Any]] = {}
+            for rank in parts:  # a group's rows are split between the ranks
+                for seed, mine in rank.items():
+                    if int(seed) in by_seed:
+                        rows.setdefault(by_seed[int(seed)], {}).update(mine)
+            for g, got in sorted(rows.items()):
+                self._rollout.keep_rows(a, g, got, epoch)
+        except Exception as e:  # noqa: BLE001 - a rank gone: its rows start over from their seeds
+            log.warning("trainer.hand_over_failed", groups=late, error=f"{type(e).__name__}: {e}"[:300])
+        finally:
+            a.handing.difference_update(late)
+            for k in late:
+                if k in a.running:
+                    a.running[k][1].cancel()  # whatever the hand-over did not stop: _group issues it again
+            await self._rollout.notify()
+
     def size(self) -> int:
         """Workers in the rollout pool now."""
         return int(self._trainer.workers.parts[0]["rollout"].world_size)
@@ -209,6 +244,8 @@ class StreamScaler:
         old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, n)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         a.epoch += 1  # a load into the old pool now does not count, and its failed groups are issued again
+        tr.journal.resized(size_before=rec.size_before, size_after=n, reason=reason, version=loaded, epoch=a.epoch,
+                           after_step=s.taken)
         s.rollout_version = max(s.rollout_version, loaded)
         for old in [x for x in s.exports if x < s.rollout_version]:
             del s.exports[old]
@@ -219,9 +256,10 @@ class StreamScaler:
         with anyio.move_on_after(drain_s):
             await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
         late = sorted(k for k, (site, _) in a.running.items() if site is old_rollout)
-        for k in late:
-            a.running[k][1].cancel()  # the engine drops it at its next decoding step; _group issues it again
+        if late:
+            await self._hand_over(a, old_rollout, late, old_epoch)
         await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
+        rec.kept_tokens = a.carried.pop(old_epoch, 0)  # also the rows a preemption notice's errors carried
         noticed = {k for e, k in self._noticed if e == old_epoch}
         self._noticed = [(e, k) for e, k in self._noticed if e > old_epoch]
         rec.drained, rec.handed_over = sorted(on_old - set(late)), sorted(set(late) | noticed)
@@ -230,5 +268,6 @@ class StreamScaler:
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)
         self.resizes.append(rec)
-        log.info("trainer.drained", handed_over=rec.handed_over, drained=rec.drained, seconds=round(rec.drain_s, 2))
+        log.info("trainer.drained", handed_over=rec.handed_over, drained=rec.drained, kept_tokens=rec.kept_tokens,
+                 seconds=round(rec.drain_s, 2))
         return rec

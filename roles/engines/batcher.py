@@ -30,25 +30,35 @@ Each request samples from its own generator (``params.seed``), so its tokens do 
 which other requests share its rounds (up to float rounding of different batch shapes). The
 log-probs are the rounds' own (prefill, then KV-cached decode); the HF engine's
 ``exact_log_probs`` recomputation is not applied to requests.
+
+Hand-over (a replica removed or told to stop, docs/nodes.md): :meth:`RequestBatcher.hand_over` stops the
+named requests at the next decode-step boundary and returns what each decoded (:class:`Generation` with
+``finish_reason=""``: its token ids, behaviour log-probs and versions); ``generate(..., prefix=...)`` on
+another batcher continues such a request from its prefix: the next round prefills prompt + prefix (as
+``recompute`` does after an update) and samples from a generator seeded by :func:`continuation_seed`
+(row seed, prefix length), so a continuation is a function of the prefix. An empty prefix is the fresh
+request; a prefix at ``max_new_tokens`` (or finished) is returned as it is, without a round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Literal, get_args
+from typing import Any, AsyncIterator, Callable, Iterable, Literal, get_args
 
 import torch
 
-from asyncrl.roles.errors import PauseDeadlineError
+from asyncrl.roles.errors import HandedOverError, PauseDeadlineError
 from asyncrl.roles.modeling.models import position_ids_from_mask
 from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests
 from asyncrl.roles.engines.hf import HFEngine, _autocast, left_pad
 
-__all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES", "RoundRecord"]
+__all__ = ["Generation", "RequestBatcher", "BatcherStats", "PauseInfo", "PartialRollout", "PARTIAL_ROLLOUT_MODES",
+           "RoundRecord", "continuation_seed"]
 
 PartialRollout = Literal["off", "keep", "recompute"]
 PARTIAL_ROLLOUT_MODES: tuple[str, ...] = get_args(PartialRollout)
@@ -62,6 +72,15 @@ class Generation(Completion):
     """Weight version that produced each generated token (same length as ``response_ids``)."""
 
 
+def continuation_seed(seed: int, decoded: int) -> int:
+    """The sampling seed of a request continued after `decoded` tokens (a hand-over): `seed` itself for an
+    empty prefix (the fresh request), else a digest of both, so the continuation is a function of the row's
+    seed and its prefix, on any device."""
+    if decoded <= 0:
+        return int(seed)
+    return int.from_bytes(hashlib.sha256(f"{int(seed)}|{int(decoded)}".encode()).digest()[:4], "little") & 0x3FFFFFFF
+
+
 @dataclass
 class BatcherStats:
     """What the batcher did so far (observable backpressure)."""
@@ -71,7 +90,7 @@ class BatcherStats:
     requests: int = 0
     """Requests finished."""
     tokens: int = 0
-    """Tokens generated (by finished requests)."""
+    """Tokens generated (by finished requests; a continued request's handed-over prefix is not counted)."""
     peak_active: int = 0
     """Most requests in one round."""
     pending: int = 0
@@ -85,7 +104,7 @@ class BatcherStats:
     max_pause_latency_s: float = 0.0
     """Longest such wait so far."""
     tokens_per_version: dict[int, int] = field(default_factory=dict)
-    """Tokens of finished requests by the weight version that produced them."""
+    """Tokens of finished requests by the weight version that produced them (decoded here, as ``tokens``)."""
     spanning_requests: int = 0
     """Finished requests whose tokens come from more than one weight version."""
 
@@ -103,7 +122,7 @@ class PauseInfo:
 
 
 class _Request:
-    __slots__ = ("prompt", "params", "gen", "tokens", "log_probs", "versions", "future", "finish", "key")
+    __slots__ = ("prompt", "params", "gen", "tokens", "log_probs", "versions", "future", "finish", "key", "kept")
 
     def __init__(self, prompt: list[int], params: SamplingParams, gen: torch.Generator,
                  future: asyncio.Future[Generation], key: str) -> None:
@@ -116,6 +135,7 @@ class _Request:
         self.versions: list[int] = []
         self.future = future
         self.finish: str | None = None
+        self.kept = 0  # tokens of a handed-over prefix (decoded elsewhere)
 
 
 class _Round:
@@ -193,23 +213,45 @@ class RequestBatcher:
         self._abort = threading.Event()
         self._interrupt = threading.Event()  # set while a partial-rollout pause waits for the round
         self._pausers = 0
+        self._halt = threading.Event()  # set while a hand-over waits for the round (any mode)
+        self._halts = 0
         self._stats = BatcherStats()
         self._rounds: list[Any] | None = [] if record_rounds else None
         self._submitted = 0
 
     # ---- public ----------------------------------------------------------------------------
 
-    async def generate(self, prompt: list[int], params: SamplingParams, *, key: str | None = None) -> Generation:
+    async def generate(self, prompt: list[int], params: SamplingParams, *, key: str | None = None,
+                       prefix: Generation | None = None) -> Generation:
         """The completion of one prompt, decoded in the rounds it shares with other requests.
         Cancelling drops the request at the next decode step boundary. `key` names the request in the
-        round log (default: its submission index; a replay needs keys stable across runs)."""
+        round log (default: its submission index; a replay needs keys stable across runs).
+
+        `prefix`: what another batcher decoded of this request before handing it over
+        (:meth:`hand_over`): the completion begins with its tokens, log-probs and versions, and decoding
+        continues after them with a generator seeded by :func:`continuation_seed`. A finished prefix, or one
+        at ``max_new_tokens``, is the completion (no round runs)."""
+        if prefix is not None and (prefix.finish_reason or len(prefix.response_ids) >= params.max_new_tokens):
+            if len(prefix.response_ids) > params.max_new_tokens:
+                raise ValueError(f"a handed-over prefix of {len(prefix.response_ids)} tokens is longer than "
+                                 f"max_new_tokens={params.max_new_tokens}; continue it with the sampling params it "
+                                 "was decoded under")
+            return Generation(list(prefix.response_ids), list(prefix.log_probs), prefix.finish_reason or "length",
+                              versions=list(prefix.versions))
         key = self._key(key)
         self.engine._check([prompt], params)
         seed = params.seed if params.seed is not None else self.engine._next_seed()
         loop = asyncio.get_running_loop()
         self._ensure_driver(loop)
-        gen = torch.Generator(device=self.engine.device).manual_seed(seed)
+        done = len(prefix.response_ids) if prefix is not None else 0
+        gen = torch.Generator(device=self.engine.device).manual_seed(continuation_seed(seed, done))
         req = _Request(list(prompt), params, gen, loop.create_future(), key)
+        if prefix is not None:
+            if not len(prefix.log_probs) == len(prefix.versions) == done:
+                raise ValueError(f"a handed-over prefix needs one log-prob and one version per token; got {done} "
+                                 f"tokens, {len(prefix.log_probs)} log-probs, {len(prefix.versions)} versions")
+            req.tokens, req.log_probs = list(prefix.response_ids), list(prefix.log_probs)
+            req.versions, req.kept = list(prefix.versions), done
         self._waiting.append(req)
         assert self._wakeup is not None
         self._wakeup.set()
@@ -261,6 +303,34 @@ class RequestBatcher:
         """Fail every request in flight with `error` (a weight load that failed mid-generation left
         weights they cannot continue on); returns how many. Call it inside :meth:`paused`."""
         return fail_requests(self._waiting + self._active, error)
+
+    async def hand_over(self, keys: Iterable[str]) -> dict[str, Generation]:
+        """Stop the requests named `keys` at the next decode-step boundary (any ``partial_rollout`` mode; a
+        weight update's pause in progress goes first) and take them away: each one's future fails with
+        :class:`HandedOverError`, and what it decoded so far is returned by key (``finish_reason=""``), for
+        ``generate(..., prefix=...)`` elsewhere. Keys not in flight here are left out. The round's other
+        requests decode on (``keep``: in the same round; else in the next one, prefilled again)."""
+        wanted = {str(k) for k in keys}
+        lock = self._lock()
+        self._halts += 1
+        self._halt.set()
+        try:
+            await lock.acquire()
+        finally:
+            self._halts -= 1
+            if not self._halts:
+                self._halt.clear()
+        try:
+            out: dict[str, Generation] = {}
+            for r in self._active + self._waiting:
+                if r.key in wanted and not r.future.done():
+                    out[r.key] = Generation(list(r.tokens), list(r.log_probs), "", versions=list(r.versions))
+                    r.future.set_exception(HandedOverError(f"request {r.key!r} was handed over after "
+                                                           f"{len(r.tokens)} tokens"))
+                    r.future.exception()  # (retrieved: its awaiter may be gone)
+            return out
+        finally:
+            lock.release()
 
     def round_log(self, clear: bool = False) -> list[Any]:
         """The :class:`~.round_log.RoundRecord` of every round run so far (``record_rounds=True``);
@@ -379,8 +449,8 @@ class RequestBatcher:
         for r in rnd.batch:
             if r.finish is not None and not r.future.done():
                 s.requests += 1
-                s.tokens += len(r.tokens)
-                for v in r.versions:
+                s.tokens += len(r.tokens) - r.kept
+                for v in r.versions[r.kept:]:
                     s.tokens_per_version[v] = s.tokens_per_version.get(v, 0) + 1
                 s.spanning_requests += len(set(r.versions)) > 1
                 r.future.set_result(Generation(r.tokens, r.log_probs, r.finish, versions=r.versions))
@@ -422,7 +492,7 @@ class RequestBatcher:
             if steps is not None:
                 if rnd.step - first >= steps:
                     return rnd, True
-            elif partial and self._interrupt.is_set():
+            elif (partial and self._interrupt.is_set()) or self._halt.is_set():
                 return rnd, True
             step = rnd.step
             with eng._weights_lock, _autocast(dev, eng.autocast):

@@ -41,7 +41,7 @@ from asyncrl.roles.generation.preemption import PREEMPT_DEADLINE_S, on_sigterm
 from asyncrl.roles.modeling.models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
 from asyncrl.roles.modeling.threads import core_share_for, release_core_share
 from asyncrl.roles.generation.rollout_config import RolloutConfig
-from asyncrl.roles.generation.rollout_requests import RequestGenerationMixin
+from asyncrl.roles.generation.rollout_requests import RequestCall, RequestGenerationMixin
 from asyncrl.roles.weights.rollout_weights import WeightSyncMixin, unpack_weights
 from asyncrl.roles.weights.weight_channel import WeightChannel
 
@@ -143,12 +143,14 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
         self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
         self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
-        self._request_calls: dict[asyncio.Task[Any], asyncio.AbstractEventLoop] = {}  # running generate_requests
+        self._request_calls: dict[asyncio.Task[Any], RequestCall] = {}  # running generate_requests calls
+        self._notices: set[asyncio.Task[Any]] = set()  # hand-overs a SIGTERM started (held until they end)
         on_sigterm(self._on_preemption_notice)
 
     def _on_preemption_notice(self) -> None:
         """SIGTERM (main thread, before the process exits): stop the running ``generate_requests`` calls at
-        their next decoding step; they raise ``PreemptedError``, and the process exits once they ended (at most
+        their next decoding step, handing their rows over (:meth:`_hand_over_calls`); they raise
+        ``PreemptedError`` carrying what the rows decoded, and the process exits once they ended (at most
         ``PREEMPT_DEADLINE_S`` later), so the controller learns of the notice before the process is gone."""
         self._preempted = True
         calls = list(self._request_calls.items())
@@ -158,8 +160,19 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
             if all(task.done() for task, _ in calls):
                 ended.set()
 
-        for task, loop in calls:
-            loop.call_soon_threadsafe(lambda t=task: (t.cancel(), t.add_done_callback(check)))
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Task[Any], RequestCall]]] = {}
+        for task, call in calls:
+            loops.setdefault(call.loop, []).append((task, call))
+        for loop, mine in loops.items():
+            def start(mine: list[tuple[asyncio.Task[Any], RequestCall]] = mine,
+                      loop: asyncio.AbstractEventLoop = loop) -> None:
+                for t, _ in mine:
+                    t.add_done_callback(check)
+                task = loop.create_task(self._hand_over_calls(mine))
+                self._notices.add(task)
+                task.add_done_callback(self._notices.discard)
+
+            loop.call_soon_threadsafe(start)
         if calls:
             ended.wait(PREEMPT_DEADLINE_S)
 

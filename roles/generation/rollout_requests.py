@@ -13,7 +13,8 @@ through the row's ``llm`` -- so a new kind of row is one such function::
 
 * ``generate_episodes`` -- batch mode's episodes (seeds from the whole call, as ``generate``'s);
 * ``generate_requests`` -- the streaming trainer's calls: one response, episode or agent session per
-  row, version-free per-row seeds and round-log keys;
+  row, version-free per-row seeds and round-log keys; ``resume`` continues rows another replica handed
+  over (``hand_over``, or a preemption notice) from their decoded prefixes;
 * ``round_log`` / ``replay_rounds`` -- the batcher's recorded rounds and their exact replay;
 * ``statistics`` -- what this rank's request-level generation did.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,7 +44,47 @@ from asyncrl.roles.errors import EpisodeError, PreemptedError
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig
 
-__all__ = ["RequestGenerationMixin"]
+__all__ = ["RequestGenerationMixin", "RequestCall", "partial_row", "prefix_of"]
+
+
+@dataclass
+class RequestCall:
+    """One running ``generate_requests`` call on a rollout worker: what a hand-over needs of it."""
+
+    loop: asyncio.AbstractEventLoop
+    """The loop it runs on (a SIGTERM's notice reaches it from the main thread)."""
+    seed: int | None
+    """The call's seed (the prompt group's, in streaming)."""
+    keys: list[str] = field(default_factory=list)
+    """Its rows' request keys, once its requests start."""
+    plain: bool = False
+    """Plain requests (one response per row): only those are handed over with their tokens; an episode's or
+    agent's rows are generated again from their seeds (their environment's state does not travel)."""
+    finished: dict[str, Any] = field(default_factory=dict)
+    """Rows whose generation returned, by key."""
+    handing: bool = False
+    """A hand-over stopped it: it raises ``PreemptedError`` carrying ``handed``."""
+    handed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What its rows decoded, by key (:func:`partial_row`), once handed over."""
+
+
+def partial_row(gen: Any) -> dict[str, Any]:
+    """A row's generation (finished, or a prefix with ``finish_reason=""``) in the JSON-able form that travels
+    to the controller and back into ``generate_requests(resume=...)``."""
+    return {"ids": [int(t) for t in gen.response_ids], "log_probs": [float(x) for x in gen.log_probs],
+            "versions": [int(v) for v in gen.versions], "finish": str(gen.finish_reason or "")}
+
+
+def prefix_of(row: dict[str, Any]) -> Any:
+    """The :class:`~asyncrl.roles.engines.batcher.Generation` a :func:`partial_row` dict stands for."""
+    from asyncrl.roles.engines.batcher import Generation
+
+    ids, lps, vs = list(row["ids"]), list(row["log_probs"]), list(row["versions"])
+    if not len(ids) == len(lps) == len(vs):
+        raise ValueError(f"a handed-over row needs one log-prob and one version per token; got {len(ids)} ids, "
+                         f"{len(lps)} log-probs, {len(vs)} versions")
+    return Generation([int(t) for t in ids], [float(x) for x in lps], str(row.get("finish") or ""),
+                      versions=[int(v) for v in vs])
 
 
 class RequestGenerationMixin:
@@ -64,7 +105,7 @@ class RequestGenerationMixin:
         _replay: list[dict[str, Any]] | None
         _replay_hold: bool
         _preempted: bool
-        _request_calls: dict[asyncio.Task[Any], asyncio.AbstractEventLoop]
+        _request_calls: dict[asyncio.Task[Any], RequestCall]
 
         @property
         def rank(self) -> int: ...
@@ -96,8 +137,11 @@ class RequestGenerationMixin:
                 self._batcher = request_batcher(self.engine, record_rounds=self.config.record_rounds, **kwargs)
         batcher = self._batcher
         if batcher is not None:
-            async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
+            async def request(ids: list[int], params: SamplingParams, key: str | None = None,
+                              prefix: Generation | None = None) -> Generation:
                 self._check_weights()
+                if prefix is not None:
+                    return await batcher.generate(ids, params, key=key, prefix=prefix)
                 return await batcher.generate(ids, params, key=key)
 
             return request
@@ -239,7 +283,8 @@ class RequestGenerationMixin:
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
-                                temperature: float | None = None, seed: int | None = None) -> TensorDict:
+                                temperature: float | None = None, seed: int | None = None,
+                                resume: dict[str, dict[str, Any]] | None = None) -> TensorDict:
         """Every row through the request-level engine (:meth:`_run_rows`): one response per row, or with
         ``RolloutConfig.episode``/``agent`` one episode or agent session per row (the layout of
         :meth:`generate_episodes`), so many concurrent calls (streaming rollout: one per prompt group)
@@ -254,25 +299,36 @@ class RequestGenerationMixin:
         batch and its prompt (not the weight version): the same call regenerates the same rows under
         the same weights, and the rows of one prompt differ. Its requests are named ``f"{seed}:{row}"``
         in the round log (an episode's later turns ``f"{seed}:{row}/{turn}"``). A preemption notice (SIGTERM
-        to the process) stops the rows at their next decoding step and raises ``PreemptedError``
-        (roles/generation/preemption.py)."""
+        to the process) or :meth:`hand_over` stops the rows at their next decoding step and raises
+        ``PreemptedError`` whose ``partial`` holds what each plain row decoded (roles/generation/preemption.py).
+
+        `resume` (pass it as ``asyncrl.Broadcast``: every rank picks its rows): such ``partial`` rows by
+        request key, from the same call on another replica. A plain row found there begins with its
+        tokens, log-probs and versions and decodes on from them (a finished one is returned as it is); the
+        other rows (and every episode row) are generated from their seeds."""
         if self._preempted:
             raise PreemptedError(f"rollout rank {self.rank} was told to stop (SIGTERM); generate elsewhere")
         me = asyncio.current_task()
         assert me is not None  # a coroutine the actor's loop runs as a task
-        self._request_calls[me] = asyncio.get_running_loop()  # a preemption notice cancels it
+        call = self._request_calls[me] = RequestCall(asyncio.get_running_loop(), seed)  # a notice hands it over
         try:
-            return await self._generate_requests(batch, max_new_tokens, temperature, seed)
-        except asyncio.CancelledError:
-            if not self._preempted:
+            return await self._generate_requests(batch, max_new_tokens, temperature, seed, resume or {}, call)
+        except (asyncio.CancelledError, Exception):
+            if not (self._preempted or call.handing):
                 raise
-            raise PreemptedError(f"rollout rank {self.rank} was told to stop (SIGTERM): its rows stopped at their "
-                                 "next decoding step; generate them elsewhere with the same seed") from None
+            why = "was told to stop (SIGTERM)" if self._preempted else "handed its rows over (a resize)"
+            kept = sum(len(r["ids"]) for r in call.handed.values())
+            raise PreemptedError(f"rollout rank {self.rank} {why}: its rows stopped at their next decoding step "
+                                 f"({len(call.handed)} rows with {kept} tokens decoded kept); continue them elsewhere "
+                                 "with the same seed", call.handed) from None
         finally:
             self._request_calls.pop(me, None)
 
     async def _generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None,
-                                 temperature: float | None, seed: int | None) -> TensorDict:
+                                 temperature: float | None, seed: int | None,
+                                 resume: dict[str, dict[str, Any]], call: RequestCall) -> TensorDict:
+        from asyncrl.roles.agentic.episodes import single_turn
+
         program, name = self._row_program()
         R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
         offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
@@ -283,7 +339,64 @@ class RequestGenerationMixin:
 
         params = [replace(base, seed=row_seed(i)) for i in range(len(prompts))]
         keys = [f"{seed}:{offset + i}" for i in range(len(prompts))]
+        call.keys, call.plain = keys, program is single_turn
+        if call.plain:
+            submit = self._resuming(submit, resume, call)
         return await self._run_rows(batch, R, prompts, submit, params, keys, program, name)
+
+    def _resuming(self, submit: Any, resume: dict[str, dict[str, Any]], call: RequestCall) -> Any:
+        """`submit` that starts a row found in `resume` from its prefix (a finished one: its completion, no
+        decoding) and notes every returned row in `call` (a hand-over returns them too)."""
+        prefixes = {str(k): prefix_of(v) for k, v in resume.items()}
+        continues = self._batcher is not None  # an engine scheduling requests itself: unfinished rows start over
+
+        async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Any:
+            pre = prefixes.get(key) if key is not None else None
+            if pre is not None and pre.finish_reason:
+                gen = pre
+            elif pre is not None and continues:
+                gen = await submit(ids, params, key=key, prefix=pre)
+            else:
+                gen = await submit(ids, params, key=key)
+            if key is not None:
+                call.finished[key] = gen
+            return gen
+
+        return request
+
+    async def _hand_over_calls(self, calls: list[tuple[asyncio.Task[Any], RequestCall]]) -> dict[int, dict[str, Any]]:
+        """Stop `calls` at their rows' next decoding step and take what the rows decoded (their request
+        batcher's :meth:`~asyncrl.roles.engines.batcher.RequestBatcher.hand_over`, plus the rows that
+        already returned); each call raises ``PreemptedError`` carrying it. Returns it by call seed."""
+        from asyncrl.roles.engines.batcher import RequestBatcher
+
+        for _, c in calls:
+            c.handing = True
+        keys = [k for _, c in calls if c.plain for k in c.keys if k not in c.finished]
+        batcher = self._batcher
+        taken = await batcher.hand_over(keys) if isinstance(batcher, RequestBatcher) and keys else {}
+        out: dict[int, dict[str, Any]] = {}
+        for task, c in calls:
+            if c.plain:
+                rows = {k: partial_row(g) for k, g in c.finished.items()}
+                rows.update({k: partial_row(taken[k]) for k in c.keys if k in taken})
+                c.handed = rows
+            task.cancel()
+            if c.seed is not None:
+                out[int(c.seed)] = dict(c.handed)
+        return out
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def hand_over(self, seeds: list[int]) -> dict[int, dict[str, Any]]:
+        """Hand the running ``generate_requests`` calls of `seeds` over (a resize past its drain deadline): their
+        rows stop at the next decoding step and each call raises ``PreemptedError``; returns what the rows
+        decoded, ``{seed: {request key: row}}`` (rows as :func:`partial_row`; only plain requests' rows), for
+        ``generate_requests(..., resume=...)`` on another replica. A seed with no call running here is left out.
+        As a group call, one dict per rank."""
+        wanted = {int(s) for s in seeds}
+        calls = [(t, c) for t, c in self._request_calls.items() if c.seed is not None and int(c.seed) in wanted
+                 and not c.handing and not t.done()]
+        return await self._hand_over_calls(calls) if calls else {}
 
     @register(Dispatch.ONE_TO_ALL)
     def round_log(self, clear: bool = False) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 from asyncrl.roles.errors import PreemptedError
+from asyncrl.roles.generation.rollout_requests import RequestCall
 
 from tests.reliability.conftest import live_actors, settled
 
@@ -41,7 +42,7 @@ class LoggedRollout(RolloutWorker):
         return os.getpid()
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)
-    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None):
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
         hang = os.path.exists(self._hang) and str(os.getpid()) in Path(self._hang).read_text().split()
         with open(self._calls, "a") as f:
             f.write(json.dumps({"seed": seed, "pid": os.getpid(), "version": self.version, "hung": hang}) + "\n")
@@ -51,7 +52,7 @@ class LoggedRollout(RolloutWorker):
             await asyncio.sleep(self._delay)  # simulated generation time (the autoscaler's test: generation-bound)
             if hang:
                 await self._hanging()  # a generation that never ends here: only a hand-over finishes it
-            return await super().generate_requests(batch, max_new_tokens, temperature, seed)
+            return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
         except PreemptedError:
             with open(self._calls, "a") as f:
                 f.write(json.dumps({"seed": seed, "pid": os.getpid(), "preempted": True}) + "\n")
@@ -60,7 +61,7 @@ class LoggedRollout(RolloutWorker):
     async def _hanging(self) -> None:
         """Wait forever inside a request-level generation (so a preemption notice reaches it)."""
         me = asyncio.current_task()
-        self._request_calls[me] = asyncio.get_running_loop()
+        self._request_calls[me] = RequestCall(asyncio.get_running_loop(), None)  # no rows: nothing to hand over
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:

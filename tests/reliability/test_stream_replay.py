@@ -102,8 +102,9 @@ def test_a_stream_partial_rollout_run_replays_bit_for_bit(ray_cluster, tmp_path)
 
 
 def write_journal(run: Path, cfg, *, rounds: bool = True, segments: int = 1, chunks: list[dict] | None = None,
-                  rounds_file: bool = True) -> None:
-    """A stream journal of one step that trained groups 0 and 1 (and its rounds file)."""
+                  rounds_file: bool = True, resize: bool = False) -> None:
+    """A stream journal of one step that trained groups 0 and 1 (and its rounds file); with `resize`, a new
+    rollout pool of one worker took over from two after step 0 (stream_scale.py)."""
     header = {"kind": "run", "fingerprint": config_fingerprint(cfg), "config": to_dict(cfg), "start_step": 0,
               "next_gen": 0}
     if rounds:
@@ -111,6 +112,8 @@ def write_journal(run: Path, cfg, *, rounds: bool = True, segments: int = 1, chu
     recs = [header, {"kind": "group", "index": 0, "seed": 0, "version": 0},
             {"kind": "group", "index": 1, "seed": 1, "version": 0}]
     recs += [{**header, "start_step": 1}] * (segments - 1)
+    recs += [{"kind": "resize", "size_before": 2, "size_after": 1, "reason": "scale", "version": 0, "epoch": 1,
+              "after_step": 0}] if resize else []
     recs += [{"kind": "step", "step": 0, "batch": 0, "version": 0, "groups": [0, 1]},
              {"kind": "end", "steps": 1, "weights_sha256": "x"}]
     run.mkdir(parents=True, exist_ok=True)
@@ -123,6 +126,12 @@ def write_journal(run: Path, cfg, *, rounds: bool = True, segments: int = 1, chu
 
 
 ALL_KEYS = [f"{g}:{j}" for g in (0, 1) for j in range(4)]
+RESIZED = ("journal.jsonl': its rollout pool was resized \\(scale: 2 -> 1 workers after step 0\\), which cannot be "
+           "replayed bit for bit: the retired pool's rounds after its last step died with it, the decoding step at "
+           "which each handed-over row stopped is not in its round log, and the journal does not order the new "
+           "pool's start and first weight load against the group calls and loads; replay covers stream runs whose "
+           "rollout pool kept its size$")
+"""The refusal of a resized stream run (the whole line after the journal's path)."""
 
 
 @pytest.mark.parametrize("case, match", [
@@ -135,6 +144,8 @@ ALL_KEYS = [f"{g}:{j}" for g in (0, 1) for j in range(4)]
      "rollout pool was replaced"),
     ({"chunks": [{"step": 0, "epoch": 0, "ranks": None, "lost": "ActorDiedError: gone"}]},
      "rounds lost: ActorDiedError"),
+    ({"resize": True, "chunks": [{"step": 0, "epoch": 1, "ranks": [[{"keys": ALL_KEYS, "segments": [[0, 2]]}]]}]},
+     RESIZED),
 ])
 def test_a_stream_journal_that_cannot_be_replayed_is_refused_before_workers_start(tmp_path, case, match):
     cfg = stream_cfg(tmp_path / "out")

@@ -1,0 +1,301 @@
+"""A removed or preempted rollout replica hands its rows over with the tokens they decoded, on a real local Ray.
+
+The rows of a stalled pool decode exactly ``HELD`` tokens each and then wait (decoding nothing) until a hand-over
+takes them. A shrink 2 -> 1 past ``trainer.rollout_drain_s``, a real SIGTERM and ``preempt_rollout`` each hand
+them over: every handed-over row's final tokens begin with exactly the tokens decoded before (ids, behaviour
+log-probs and versions), the new pool decodes only the rest, and the run completes every step, trains every
+group once, within the staleness bound. Failure path: the new pool's process dies while it continues them; its
+replacement continues them again from the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl import Dispatch, register
+from asyncrl.pipelines.journaling.journal import JournalError, read_journal
+from asyncrl.pipelines.journaling.replay import replay_config
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.rollout.rollout_loop import batch_seed
+from asyncrl.roles.engines.batcher import RequestBatcher
+
+from tests.pipelines.test_stream_scale import (STEPS, LoggedRollout, _assert_every_group_once_within_the_bound,
+                                               _calls, _cfg, _history_reaches)
+from tests.reliability.conftest import live_actors, settled
+
+HELD = 3
+"""Tokens a stalled pool's rows decode before they wait for a hand-over."""
+NEW_TOKENS = 6
+GENERATE_S = 0.3
+"""A group call's extra time (the run lasts long enough for the test to stall its pools mid-run)."""
+
+
+class StallingBatcher(RequestBatcher):
+    """A request batcher that, while its process is listed in the `stall` file (or it lists ``*``), lets each
+    request decode ``HELD`` tokens and then holds it (decoding nothing) until a hand-over, a weight update's
+    pause or the close; it notes each held request's key in `calls` once."""
+
+    def __init__(self, engine, *, stall: str, calls: str, **kwargs) -> None:
+        super().__init__(engine, **kwargs)
+        self._stall, self._log = stall, calls
+        self._noted: set[str] = set()
+
+    def _stalling(self) -> bool:
+        listed = Path(self._stall).read_text().split() if os.path.exists(self._stall) else []
+        return "*" in listed or str(os.getpid()) in listed
+
+    def _begin(self, batch):
+        rnd = super()._begin(batch)
+        if self._stalling():
+            held = [r.key for b, r in enumerate(batch) if len(r.tokens) >= HELD and not rnd.done[b]]
+            for b, r in enumerate(batch):
+                if r.key in held:
+                    rnd.budget[b], rnd.done[b] = 0, True  # decodes nothing this round (its finish stays None)
+            new = [k for k in held if k not in self._noted]
+            if new:
+                self._noted.update(new)
+                with open(self._log, "a") as f:
+                    f.write(json.dumps({"held": new, "pid": os.getpid()}) + "\n")
+        return rnd
+
+    def _segment(self, batch, rnd, version, steps=None):
+        if rnd is None and self._stalling() and all(len(r.tokens) >= HELD for r in batch):
+            rnd = self._begin(batch)
+            while not (self._halt.is_set() or self._interrupt.is_set() or self._abort.is_set()):
+                time.sleep(0.01)  # (the worker thread: a hand-over, an update's pause or the close ends it)
+            return rnd, True
+        return super()._segment(batch, rnd, version, steps)
+
+
+class StallingRollout(LoggedRollout):
+    """:class:`LoggedRollout` over a :class:`StallingBatcher`, noting each call's returned rows in `calls`."""
+
+    def __init__(self, *args, stall: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._stall_file = stall
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def pid(self) -> int:
+        """This rank's process id (not queued behind the weight loads of the ordered lane)."""
+        return os.getpid()
+
+    def _request_engine(self):
+        if self._batcher is None:
+            self._batcher = StallingBatcher(self.engine, stall=self._stall_file, calls=self._calls,
+                                            max_batch_size=64, chunk_tokens=self.config.chunk_tokens,
+                                            version_fn=lambda: self._version,
+                                            partial_rollout=self.config.partial_rollout,
+                                            record_rounds=self.config.record_rounds)
+        return super()._request_engine()
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
+        out = await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+        rows = {}
+        for i in range(out.batch_size[0]):
+            m = out["response_mask"][i].bool()
+            rows[f"{seed}:{self.rank * out.batch_size[0] + i}"] = {
+                "ids": out["response_ids"][i][m].tolist(), "versions": out["token_versions"][i][m].tolist(),
+                "log_probs": out["rollout_log_probs"][i][m].tolist()}
+        with open(self._calls, "a") as f:
+            f.write(json.dumps({"seed": seed, "pid": os.getpid(), "rows": rows,
+                                "resumed": sorted(resume or {})}) + "\n")
+        return out
+
+
+def _config(out: Path, **trainer):
+    cfg = _cfg(out, **trainer)
+    cfg.rollout.max_new_tokens, cfg.rollout.partial_rollout = NEW_TOKENS, "recompute"  # updates reach held rows
+    cfg.rollout.chunk_tokens = HELD  # a round ends after HELD tokens: the next one holds its rows
+    return cfg.validate()
+
+
+async def _stall_pool(tr, stall: Path, calls: Path) -> set[int]:
+    """Stall the rollout pool's rows from now on; returns its pids once one of its rows is held."""
+    pids = set(await tr.groups.rollout.pid())
+    stall.write_text(" ".join(map(str, pids)))
+    async with asyncio.timeout(60):  # the run still has groups to generate (GENERATE_S each): one is held soon
+        while not any(c.get("held") and c["pid"] in pids for c in _calls(calls)):
+            await asyncio.sleep(0.02)
+    return pids
+
+
+def _check_continued(tr, cfg, calls: Path, new: set[int]) -> int:
+    """Every handed-over row that was unfinished ended, in a call of a pool in `new`, with exactly the tokens
+    (ids, log-probs, versions) it had decoded before, then its own; returns how many held rows (``HELD`` tokens
+    decoded before the hand-over) were so continued."""
+    log = _calls(calls)
+    seeds = {batch_seed(cfg, g): g for g, _ in tr.rollout.handovers}
+    n = 0
+    for g, rows in tr.rollout.handovers:
+        final = [c for c in log if c.get("seed") == batch_seed(cfg, g) and "rows" in c]  # one line per rank
+        assert final and all(c["pid"] in new and c["resumed"] for c in final), (g, final)  # on a new pool, resumed
+        got_rows = {k: r for c in final for k, r in c["rows"].items()}
+        assert len(got_rows) == sum(len(c["rows"]) for c in final) == cfg.group_size  # the group finished once
+        for key, row in rows.items():
+            got = got_rows[key]
+            if row["finish"]:
+                assert got["ids"] == row["ids"]  # finished before the hand-over: kept as it was
+                continue
+            k = len(row["ids"])  # HELD for a held row; fewer for one stopped in its first round
+            assert k <= HELD and got["ids"][:k] == row["ids"] and got["versions"][:k] == row["versions"]
+            assert got["log_probs"][:k] == pytest.approx(row["log_probs"], abs=1e-6)
+            assert len(got["ids"]) > k and min(got["versions"][k:]) >= max(row["versions"], default=0)
+            n += k == HELD
+    assert seeds  # something was handed over
+    return n
+
+
+@pytest.mark.slow  # one streaming run with three rollout pools: 80-105 s on the loaded 2-core machine
+async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_continues_them(ray_cluster, tmp_path):
+    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
+    cfg = _config(tmp_path / "run", rollout_drain_s=1.0)
+    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
+                                            "delay": GENERATE_S})}
+    before = live_actors()
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> list[set[int]]:
+            await _history_reaches(tr, 1)
+            await _stall_pool(tr, stall, calls)  # (so the run cannot end before the shrink)
+            await tr.scale_rollout(2)  # grow: the held groups are handed over after the drain
+            two = await _stall_pool(tr, stall, calls)
+            await tr.scale_rollout(1)  # shrink: likewise, from two workers
+            return [two, set(await tr.groups.rollout.pid())]
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (two, one) = fit.result(), task.result()
+        resizes = tr.rollout.scaler.resizes
+        assert tr.restarts == []
+    assert await settled(before) == before
+    assert [(r.size_before, r.size_after) for r in resizes] == [(1, 2), (2, 1)]
+    assert len(two) == 2 and two.isdisjoint(one)
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    continued = _check_continued(tr, cfg, calls, two | one)
+    handed = {g for g, _ in tr.rollout.handovers}
+    assert handed == set(resizes[0].handed_over) | set(resizes[1].handed_over) and continued >= 2
+    assert resizes[0].kept_tokens >= HELD and resizes[1].kept_tokens >= HELD
+    assert resizes[0].kept_tokens + resizes[1].kept_tokens == tr.rollout.kept_tokens
+    # both ranks' rows came back: a group's rows were split between the two workers of the old pool
+    assert all(len(rows) == cfg.group_size for _, rows in tr.rollout.handovers)
+    # the journal records both resizes, and a replay refuses the run with its one line (before any worker starts)
+    run = tmp_path / "run"
+    assert [(r["size_before"], r["size_after"], r["reason"], r["epoch"]) for r in read_journal(run).resizes] == [
+        (1, 2, "scale", 1), (2, 1, "scale", 2)]
+    with pytest.raises(JournalError, match=r"resized \(scale: 1 -> 2 workers after step \d\), which cannot be "
+                                           r"replayed bit for bit: the retired pool's rounds"):
+        GRPOTrainer(replay_config(run)[0], replay=run)
+
+
+@pytest.mark.slow  # one streaming run with three rollout pools: 35-50 s on the loaded 2-core machine
+async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_continued(ray_cluster, tmp_path):
+    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
+    cfg = _config(tmp_path / "run")
+    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
+                                            "delay": GENERATE_S})}
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> list[set[int]]:
+            await _history_reaches(tr, 1)
+            first = await _stall_pool(tr, stall, calls)
+            os.kill(next(iter(first)), signal.SIGTERM)  # the rows come back in the PreemptedError, through Ray
+            while len(tr.rollout.scaler.resizes) < 1:
+                await asyncio.sleep(0.02)
+            after_sigterm = len(tr.rollout.handovers)
+            second = await _stall_pool(tr, stall, calls)
+            await tr.preempt_rollout(0)  # the API's notice: the rows come back from hand_over
+            return [first, second, set(await tr.groups.rollout.pid()), after_sigterm]
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (first, second, third, after_sigterm) = fit.result(), task.result()
+        resizes = tr.rollout.scaler.resizes
+        assert tr.restarts == []  # a preemption is no fault
+    assert [(r.size_before, r.size_after, r.reason) for r in resizes] == [(1, 1, "preempt"), (1, 1, "preempt")]
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    assert after_sigterm >= 1 and len(tr.rollout.handovers) > after_sigterm  # each notice kept tokens
+    assert _check_continued(tr, cfg, calls, second | third) >= 2
+    assert all(r.kept_tokens >= HELD for r in resizes)
+
+
+@pytest.mark.slow  # one streaming run, a preemption and a replaced pool: 40-50 s on the loaded 2-core machine
+async def test_a_new_pool_that_dies_while_continuing_is_replaced_and_continues_from_the_same_tokens(
+        ray_cluster, tmp_path):
+    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
+    cfg = _config(tmp_path / "run")
+    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
+                                            "delay": GENERATE_S})}
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> list[set[int]]:
+            await _history_reaches(tr, 1)
+            first = await _stall_pool(tr, stall, calls)
+            kept = len(tr.rollout.handovers)
+            stall.write_text("*")  # the new pool holds the continued rows too (they start at HELD tokens)
+            await tr.preempt_rollout(0)  # (its drain ends although nothing else happens meanwhile: all held)
+            second = set(await tr.groups.rollout.pid())
+            assert len(tr.rollout.handovers) > kept
+            resumed = {k for _, rows in tr.rollout.handovers[kept:] for k in rows}
+            async with asyncio.timeout(60):
+                while not resumed & {k for c in _calls(calls) if c.get("held") and c["pid"] in second
+                                     for k in c["held"]}:
+                    await asyncio.sleep(0.02)
+            os.kill(next(iter(second)), signal.SIGKILL)  # it dies while it continues them
+            stall.write_text("")  # its replacement (seconds away) decodes freely
+            return [first, second]
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (first, second) = fit.result(), task.result()
+        restarts = list(tr.restarts)
+    third = {c["pid"] for c in _calls(calls) if "pid" in c} - first - second  # the replacement's
+    assert len(restarts) == 1  # the dead new pool was replaced (a fault), the preemption was not
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    # the rows handed over by the preemption finished on the replacement, beginning with the same tokens
+    assert _check_continued(tr, cfg, calls, third) >= 1
+
+
+class FailingHandOverRollout(StallingRollout):
+    """A rollout worker whose ``hand_over`` fails (as a rank that cannot answer it would)."""
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def hand_over(self, seeds):
+        raise RuntimeError("this rank cannot hand its rows over")
+
+
+@pytest.mark.slow  # one streaming run with two rollout pools: 45-80 s on the loaded 2-core machine
+async def test_a_hand_over_that_fails_cancels_the_groups_and_they_start_over_from_their_seeds(ray_cluster, tmp_path):
+    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
+    cfg = _config(tmp_path / "run", rollout_drain_s=1.0)
+    overrides = {"rollout": (FailingHandOverRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
+                                                      "delay": GENERATE_S})}
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> list[set[int]]:
+            await _history_reaches(tr, 1)
+            one = await _stall_pool(tr, stall, calls)
+            await tr.scale_rollout(2)  # past the drain the hand-over call fails: the held groups are cancelled
+            return [one, set(await tr.groups.rollout.pid())]
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (one, two) = fit.result(), task.result()
+        [rec] = tr.rollout.scaler.resizes
+        assert tr.restarts == []
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    assert rec.handed_over and rec.kept_tokens == 0 and tr.rollout.handovers == []
+    log = _calls(calls)
+    for g in rec.handed_over:  # each generated again on the new pool, from its seed: nothing resumed
+        final = [c for c in log if c.get("seed") == batch_seed(cfg, g) and "rows" in c]
+        assert final and all(c["pid"] in two and c["resumed"] == [] for c in final), (g, final)

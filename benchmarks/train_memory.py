@@ -19,6 +19,11 @@ gathered parameters stay until the backward, one all-gather per layer fewer).
     python benchmarks/train_memory.py --models large       # ~0.86 B parameters built from a config: fsdp2 at
                                                            # 2 ranks only (two replicas do not fit in 24 GiB)
     python benchmarks/train_memory.py --quick              # the tiny model, one update: a smoke run
+    python benchmarks/train_memory.py --models smollm2 --layouts ddp2 fsdp2 fsdp2+keep --rounds 3
+                                                           # the step ratios alone, three rounds
+
+Every layout runs in turn, ``--rounds`` times: a ratio to ddp x2 is taken within a round (the machine's load
+changes between rounds), and the table shows the median ratio and its range.
 
 Torch threads: 2 // ranks per rank, so each layout uses the machine's 2 cores.
 """
@@ -55,6 +60,10 @@ MODELS = {
 }
 """``large``: ~0.86 B parameters with the tiny tokenizer's vocabulary; a replica with AdamW needs ~16 bytes
 per parameter (13.7 GB), so two replicas (27.4 GB) do not fit in this machine's 24 GiB."""
+
+
+LAYOUTS = {"ddp1": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2), "fsdp2+keep": ("fsdp2+keep", 2)}
+"""``--layouts``: ``(strategy, ranks)``; ``fsdp2+keep`` is fsdp2 with ``fsdp_reshard_after_forward=false``."""
 
 
 def _rss() -> int:
@@ -201,7 +210,7 @@ async def main_async(args: argparse.Namespace) -> str:
     loads = [os.getloadavg()[0]]
     try:
         for model in args.models.split(","):
-            layouts = [("fsdp2", 2)] if model == "large" else [("ddp", 1), ("ddp", 2), ("fsdp2", 2), ("fsdp2+keep", 2)]
+            layouts = [("fsdp2", 2)] if model == "large" else [LAYOUTS[name] for name in args.layouts]
             for i, rnd in enumerate(rounds):  # every layout in turn, round after round: ratios within a round
                 for strategy, ranks in layouts:
                     print(f"{model}: round {i + 1}, {strategy} x{ranks} ...", flush=True)
@@ -230,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="tiny,smollm2", help=f"comma-separated of {sorted(MODELS)}")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="every layout in turn, this many times (ratios per round)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help="which layouts (not for --models large: fsdp2 x2 only)")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--prompt", type=int, default=48)
     p.add_argument("--response", type=int, default=16)

@@ -118,11 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=4, help="rows per rank (one micro-batch)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="the tiny model, one round of 2 steps")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fsdp2_step.md"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/fsdp2_step.md (_quick.md with --quick)")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.rounds, args.steps = "tiny", 1, 2
-        args.out = args.out.replace(".md", "_quick.md")
+    if args.out is None:
+        name = "fsdp2_step_quick.md" if args.quick else "fsdp2_step.md"
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     loads = [os.getloadavg()[0]]
     rounds: list[dict[str, dict[str, float]]] = []
     port = 29400 + os.getpid() % 500

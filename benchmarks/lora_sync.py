@@ -13,8 +13,16 @@ Bytes: what crosses between the processes (the full sync's state dict, a tied we
 kinds alternate within each repetition, into two rollouts (so each rollout only ever receives one kind); the
 table shows medians. The machine is shared: read the ratios.
 
+``--layouts`` spreads the policy over training ranks: ``one`` (1 rank, the default), ``ddp2`` (2 replicas: rank 0
+exports, the other rank idles) and ``fsdp2`` (2 ranks holding shards: every rank gathers one decoder layer at a time,
+rank 0 merges and packs it; the adapter's factors are gathered one tensor at a time). Several layouts live side by
+side and alternate within each repetition, each with its own two rollouts. Each training rank samples its resident
+memory every 2 ms during a sync; the table shows the median peak above its level before the sync, rank 0 and the
+largest of the others.
+
     python benchmarks/lora_sync.py                         # tiny and smollm2, ranks 8 and 64, 5 reps
     python benchmarks/lora_sync.py --models smollm2 --ranks 16 --reps 9
+    python benchmarks/lora_sync.py --models smollm2 --ranks 16 --layouts ddp2 fsdp2 --reps 3   # from fsdp2 shards
     python benchmarks/lora_sync.py --quick                 # tiny model, rank 8, 2 reps (the smoke test)
 
 Writes the table to ``benchmarks/results/lora_sync.md`` (``--out`` to change).
@@ -27,6 +35,7 @@ import asyncio
 import os
 import statistics
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -37,37 +46,84 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import load_note, run_header, write_result  # noqa: E402
 
 import asyncrl  # noqa: E402
-from asyncrl import Dispatch, Execute, register  # noqa: E402
+from asyncrl import Dispatch, register  # noqa: E402
 from asyncrl.pipelines.loop import stages  # noqa: E402
 from asyncrl.roles import ModelConfig, OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker  # noqa: E402
 from asyncrl.roles.training.lora import LoraConfig  # noqa: E402
+from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS  # noqa: E402
 
 FULL, ADAPTER = "full (object_store)", "adapter"
+LAYOUTS = {"one": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2)}
+"""``--layouts``: the policy's ``(actor.strategy, training ranks)``."""
+LAYOUT_NAMES = {"one": "1 rank", "ddp2": "ddp x2", "fsdp2": "fsdp2 x2"}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Peak:
+    """This process's resident memory sampled every 2 ms in a thread, from ``start`` to ``stop``."""
+
+    def __init__(self) -> None:
+        self.base = self.top = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.top = max(self.top, _rss())
+            self._stop.wait(0.002)
+
+    def stop(self) -> int:
+        """The peak above the level at the start, in bytes."""
+        self._stop.set()
+        self._t.join()
+        return max(self.top, _rss()) - self.base
 
 
 class LoraBenchPolicy(PolicyWorker):
     """A LoRA policy whose version can be bumped without training (each sync needs a newer version)."""
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    _peak: _Peak | None = None
+
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
     def bump(self) -> int:
-        """Next version, same weights."""
+        """Next version, same weights (on every rank)."""
         self._version += 1
         return self._version
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
     def sizes(self) -> dict[str, int]:
-        """Parameters of the model and of its adapters, and the bytes each sync kind moves."""
-        merged = self._export_state()
+        """Parameters of the model and of its adapters, and the bytes each sync kind moves (every rank runs it:
+        the adapter's factors are gathered under fsdp2)."""
+        from torch.distributed.tensor import DTensor
+
         seen, full, params = set(), 0, 0
-        for t in merged.values():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        for t in self._export_layout().values():  # the merged weights' names, shapes and ties (shards: whole shapes)
+            local = t.to_local() if isinstance(t, DTensor) else t
+            key = (local.untyped_storage().data_ptr(), local.storage_offset())
             if key not in seen:  # a tied weight once, as the object-store sync packs it
                 seen.add(key)
                 full += t.numel() * t.element_size()
                 params += t.numel()
-        adapters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        adapters = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # (shards: whole counts)
         return {"params": params, "adapter_params": adapters, "full_bytes": full,
                 "adapter_bytes": self.export_adapter().nbytes}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def watch(self) -> None:
+        """Start sampling this rank's resident memory (ordered before the sync's export on this worker)."""
+        self._peak = _Peak()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def peak(self) -> int:
+        """Bytes of resident memory above the level at :meth:`watch`, at the highest since."""
+        assert self._peak is not None
+        peak, self._peak = self._peak.stop(), None
+        return peak
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this script
@@ -82,63 +138,85 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, device="cpu", dtype="float32", num_threads="follow")
 
 
-async def measure(model: str, rank: int, reps: int) -> list[dict[str, Any]]:
+async def measure(model: str, rank: int, reps: int, layouts: list[str]) -> list[dict[str, Any]]:
     cfg = model_config(model)
-    optim = OptimConfig(lora=LoraConfig(rank=rank, alpha=2 * rank))
-    policy = asyncrl.RayWorkerGroup(LoraBenchPolicy, world_size=1, args=(cfg, optim), name=f"ls-policy-{rank}")
-    rollouts = {kind: asyncrl.RayWorkerGroup(RolloutWorker, world_size=1, args=(cfg, RolloutConfig(max_new_tokens=4)),
-                                             name=f"ls-rollout-{i}-{rank}") for i, kind in enumerate((FULL, ADAPTER))}
-    times: dict[str, list[float]] = {FULL: [], ADAPTER: []}
+    policies, rollouts = {}, {}
+    for layout in layouts:
+        strategy, ranks = LAYOUTS[layout]
+        optim = OptimConfig(lora=LoraConfig(rank=rank, alpha=2 * rank), strategy=strategy)  # type: ignore[arg-type]
+        policies[layout] = asyncrl.RayWorkerGroup(LoraBenchPolicy, world_size=ranks, args=(cfg, optim),
+                                                  name=f"ls-policy-{layout}-{rank}")
+        for i, kind in enumerate((FULL, ADAPTER)):
+            rollouts[layout, kind] = asyncrl.RayWorkerGroup(RolloutWorker, world_size=1,
+                                                            args=(cfg, RolloutConfig(max_new_tokens=4)),
+                                                            name=f"ls-rollout-{layout}-{i}-{rank}")
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in rollouts}
+    peaks: dict[tuple[str, str], list[list[int]]] = {k: [] for k in rollouts}
     try:
-        await asyncio.gather(policy.setup(), *(r.setup() for r in rollouts.values()))
-        sizes = await policy.sizes()
+        await asyncio.gather(*(p.setup() for p in policies.values()), *(r.setup() for r in rollouts.values()))
+        sizes = {layout: await p.sizes() for layout, p in policies.items()}
         for _ in range(reps + 1):  # the first repetition warms up (first put, first merge) and is dropped
-            for kind, rollout in rollouts.items():
+            for (layout, kind), rollout in rollouts.items():  # layouts and kinds alternate within a repetition
+                policy = policies[layout]
                 await policy.bump()
+                await policy.watch()
                 g = SimpleNamespace(policy=policy, rollout=rollout)
                 transport = "adapter" if kind == ADAPTER else "object_store"
                 t0 = time.perf_counter()
                 exported = stages.export_weights(g, transport=transport)  # type: ignore[arg-type]
                 await stages.load_weights(g, exported, transport=transport)  # type: ignore[arg-type]
-                times[kind].append(time.perf_counter() - t0)
+                times[layout, kind].append(time.perf_counter() - t0)
+                peaks[layout, kind].append(await policy.peak())
         sums = [await r.weights_checksum() for r in rollouts.values()]
-        # the full rollout holds the last version but one's merged weights, the adapter rollout the last one's;
-        # with untrained adapters (B = 0) both are the base: the same checksums
-        assert sums[0] == sums[1], "the two syncs left different weights"
+        # the full rollouts hold the last version but one's merged weights, the adapter rollouts the last one's;
+        # with untrained adapters (B = 0) all are the base: the same checksums, whatever the layout
+        assert all(s == sums[0] for s in sums), "the syncs left different weights"
     finally:
-        for group in (*rollouts.values(), policy):
+        for group in (*rollouts.values(), *policies.values()):
             try:
                 await group.close()
             except Exception:  # noqa: BLE001 - a group that never started
                 pass
     rows = []
-    for kind in (FULL, ADAPTER):
-        t = statistics.median(times[kind][1:])
-        nbytes = sizes["full_bytes"] if kind == FULL else sizes["adapter_bytes"]
-        rows.append({"model": model, "params": sizes["params"], "rank": rank, "adapter_params": sizes["adapter_params"],
-                     "kind": kind, "bytes": nbytes, "seconds": t})
+    for (layout, kind), ts in times.items():
+        size = sizes[layout]
+        ps = peaks[layout, kind][1:]
+        rows.append({"model": model, "params": size["params"], "rank": rank, "adapter_params": size["adapter_params"],
+                     "layout": layout, "kind": kind, "bytes": size["full_bytes" if kind == FULL else "adapter_bytes"],
+                     "seconds": statistics.median(ts[1:]), "spread": (min(ts[1:]), max(ts[1:])),
+                     "peak0": statistics.median(p[0] for p in ps),
+                     "peak_others": statistics.median(max(p[1:], default=0) for p in ps)})
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| model (params) | LoRA rank (adapter params) | sync | bytes moved | seconds (median) | vs full |",
-           "|---|---|---|---:|---:|---:|"]
-    full = {(r["model"], r["rank"]): r for r in rows if r["kind"] == FULL}
+    out = ["| model (params) | LoRA rank (adapter params) | policy | sync | bytes moved | seconds, median (min-max) | "
+           "vs full | vs the first policy layout | peak RSS of a training rank in the sync, rank 0 / others |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    full = {(r["model"], r["rank"], r["layout"]): r for r in rows if r["kind"] == FULL}
+    first: dict[tuple[str, int, str], dict[str, Any]] = {}
     for r in rows:
-        f = full[(r["model"], r["rank"])]
+        first.setdefault((r["model"], r["rank"], r["kind"]), r)
+    for r in rows:
+        f = full[(r["model"], r["rank"], r["layout"])]
         ratio = "" if r is f else f"{r['bytes'] / f['bytes']:.2%} of the bytes, {r['seconds'] / f['seconds']:.2f}x time"
+        b = first[(r["model"], r["rank"], r["kind"])]
+        vs = "" if r is b else f"{r['seconds'] / b['seconds']:.2f}x"
+        others = f"{r['peak_others'] / 2**20:.0f} MiB" if LAYOUTS[r["layout"]][1] > 1 else "-"
         out.append(f"| {r['model']} ({r['params'] / 1e6:.1f} M) | {r['rank']} ({r['adapter_params'] / 1e6:.2f} M) | "
-                   f"{r['kind']} | {r['bytes'] / 2**20:.2f} MiB | {r['seconds']:.4f} | {ratio} |")
+                   f"{LAYOUT_NAMES[r['layout']]} | {r['kind']} | {r['bytes'] / 2**20:.2f} MiB | {r['seconds']:.4f} "
+                   f"({r['spread'][0]:.3f}-{r['spread'][1]:.3f}) | {ratio} | {vs} | {r['peak0'] / 2**20:.0f} MiB / "
+                   f"{others} |")
     return "\n".join(out)
 
 
 async def main_async(args: argparse.Namespace) -> str:
     start = os.getloadavg()[0]
-    asyncrl.init(num_cpus=4)
+    asyncrl.init(num_cpus=max(4, sum(LAYOUTS[layout][1] + 2 for layout in args.layouts)))  # (logical: a bundle each)
     rows: list[dict[str, Any]] = []
     for model in args.models:
         for rank in args.ranks:
-            rows += await measure(model, rank, args.reps)
+            rows += await measure(model, rank, args.reps, args.layouts)
     asyncrl.shutdown()
     header = run_header("lora_sync.py", load_note(start, os.getloadavg()[0]))
     return (f"# LoRA weight sync: adapter vs full\n\n{header}\n\n{table(rows)}\n\n"
@@ -152,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     p.add_argument("--ranks", nargs="+", type=int, default=[8, 64])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--layouts", nargs="+", default=["one"], choices=list(LAYOUTS),
+                   help="the policy over its training ranks: one (1 rank), ddp2, fsdp2 (2 ranks each)")
     p.add_argument("--quick", action="store_true", help="tiny model, rank 8, 2 repetitions")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lora_sync.md"))
     args = p.parse_args(argv)

@@ -19,6 +19,11 @@ gathered parameters stay until the backward, one all-gather per layer fewer).
     python benchmarks/train_memory.py --models large       # ~0.86 B parameters built from a config: fsdp2 at
                                                            # 2 ranks only (two replicas do not fit in 24 GiB)
     python benchmarks/train_memory.py --quick              # the tiny model, one update: a smoke run
+    python benchmarks/train_memory.py --models smollm2 --layouts ddp2 fsdp2 fsdp2+keep --rounds 3
+                                                           # the step ratios alone, three rounds
+
+Every layout runs in turn, ``--rounds`` times: a ratio to ddp x2 is taken within a round (the machine's load
+changes between rounds), and the table shows the median ratio and its range.
 
 Torch threads: 2 // ranks per rank, so each layout uses the machine's 2 cores.
 """
@@ -55,6 +60,10 @@ MODELS = {
 }
 """``large``: ~0.86 B parameters with the tiny tokenizer's vocabulary; a replica with AdamW needs ~16 bytes
 per parameter (13.7 GB), so two replicas (27.4 GB) do not fit in this machine's 24 GiB."""
+
+
+LAYOUTS = {"ddp1": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2), "fsdp2+keep": ("fsdp2+keep", 2)}
+"""``--layouts``: ``(strategy, ranks)``; ``fsdp2+keep`` is fsdp2 with ``fsdp_reshard_after_forward=false``."""
 
 
 def _rss() -> int:
@@ -155,46 +164,62 @@ async def measure(model: str, layout: str, ranks: int, steps: int, rows: int, pr
     return {"model": model, "strategy": layout, "ranks": ranks, "per_rank": res}
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def _step(r: dict[str, Any]) -> float:
+    return statistics.mean(x["step_s"] for x in r["per_rank"])
+
+
+def table(rounds: list[list[dict[str, Any]]]) -> str:
+    """One row per layout: its bytes, and its medians over the rounds (each round ran every layout in turn, so a
+    ratio to ddp x2 is taken within a round, then the median and the range of those ratios)."""
     out = ["| model | layout | parameters | params + grads + AdamW / rank (GiB) | vs replicated | peak RSS in update "
-           "(GiB, max rank) | update s | vs ddp x2 | sync s (rank 0) | peak RSS in sync, rank 0 / others (GiB) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    base: dict[str, dict[str, float]] = {}
-    for r in rows:
-        ranks = r["per_rank"]
+           "(GiB, max rank) | update s | vs ddp x2 (median; min-max over rounds) | sync s (rank 0) | vs ddp x2 | "
+           "peak RSS in sync, rank 0 / others (GiB) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    key = lambda r: (r["model"], r["strategy"], r["ranks"])  # noqa: E731
+    order = [key(r) for r in rounds[0]]
+    by = {k: [next(r for r in rnd if key(r) == k) for rnd in rounds] for k in order}
+    for k in order:
+        model, layout, n = k
+        runs = by[k]
+        ranks = runs[0]["per_rank"]
         held = max(sum(x["held"].values()) for x in ranks)
-        step = statistics.mean(x["step_s"] for x in ranks)
-        if r["strategy"] == "ddp" and r["ranks"] == 1:
-            base[r["model"]] = {"held": held, "step": step}
-        if r["strategy"] == "ddp" and r["ranks"] == 2:
-            base[r["model"] + "@2"] = {"held": held, "step": step}
-        b1 = base.get(r["model"])
-        b2 = base.get(r["model"] + "@2", b1)
-        vs_held = f"{held / b1['held']:.2f}" if b1 else "-"
-        vs_step = f"{step / b2['step']:.2f}x" if b2 and r["ranks"] == 2 else "-"
-        params = (sum(x["params"] for x in ranks) if r["strategy"].startswith("fsdp2") and r["ranks"] > 1
-                  else ranks[0]["params"])
-        others = max((x["sync_peak"] for x in ranks[1:]), default=0)
-        out.append(f"| {r['model']} | {r['strategy']} x{r['ranks']} | {params / 1e6:.0f} M | {held / GIB:.3f} | "
-                   f"{vs_held} | {max(x['step_peak'] for x in ranks) / GIB:.3f} | {step:.3f} | {vs_step} | "
-                   f"{ranks[0]['sync_s']:.3f} | {ranks[0]['sync_peak'] / GIB:.3f} / "
+        one = by.get((model, "ddp", 1))
+        two = by.get((model, "ddp", 2))
+        vs_held = f"{held / max(sum(x['held'].values()) for x in one[0]['per_rank']):.2f}" if one else "-"
+        step = statistics.median(_step(r) for r in runs)
+        sync = statistics.median(r["per_rank"][0]["sync_s"] for r in runs)
+        vs_step = vs_sync = "-"
+        if two and n == 2:
+            ratios = [_step(r) / _step(b) for r, b in zip(runs, two)]
+            vs_step = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+            syncs = [r["per_rank"][0]["sync_s"] / b["per_rank"][0]["sync_s"] for r, b in zip(runs, two)]
+            vs_sync = f"{statistics.median(syncs):.2f}x"
+        params = (sum(x["params"] for x in ranks) if layout.startswith("fsdp2") and n > 1 else ranks[0]["params"])
+        peak = statistics.median(max(x["step_peak"] for x in r["per_rank"]) for r in runs)
+        peak0 = statistics.median(r["per_rank"][0]["sync_peak"] for r in runs)
+        others = statistics.median(max((x["sync_peak"] for x in r["per_rank"][1:]), default=0) for r in runs)
+        out.append(f"| {model} | {layout} x{n} | {params / 1e6:.0f} M | {held / GIB:.3f} | {vs_held} | "
+                   f"{peak / GIB:.3f} | {step:.3f} | {vs_step} | {sync:.3f} | {vs_sync} | {peak0 / GIB:.3f} / "
                    f"{others / GIB:.3f} |")
     return "\n".join(out)
 
 
 async def main_async(args: argparse.Namespace) -> str:
     asyncrl.init(num_cpus=4)
-    rows = []
-    start = os.getloadavg()[0]
+    rounds: list[list[dict[str, Any]]] = [[] for _ in range(args.rounds)]
+    loads = [os.getloadavg()[0]]
     try:
         for model in args.models.split(","):
-            layouts = [("fsdp2", 2)] if model == "large" else [("ddp", 1), ("ddp", 2), ("fsdp2", 2), ("fsdp2+keep", 2)]
-            for strategy, ranks in layouts:
-                print(f"{model}: {strategy} x{ranks} ...", flush=True)
-                rows.append(await measure(model, strategy, ranks, args.steps, args.rows, args.prompt, args.response))
+            layouts = [("fsdp2", 2)] if model == "large" else [LAYOUTS[name] for name in args.layouts]
+            for i, rnd in enumerate(rounds):  # every layout in turn, round after round: ratios within a round
+                for strategy, ranks in layouts:
+                    print(f"{model}: round {i + 1}, {strategy} x{ranks} ...", flush=True)
+                    rnd.append(await measure(model, strategy, ranks, args.steps, args.rows, args.prompt, args.response))
+                    loads.append(os.getloadavg()[0])
     finally:
         asyncrl.shutdown()
     n = MODELS["large"]
+    rows = rounds[0]
     note = ""
     if "large" in args.models:
         p = rows[-1]["per_rank"][0]["params"] * 2
@@ -202,15 +227,20 @@ async def main_async(args: argparse.Namespace) -> str:
                 f"{16 * p / 1e9:.1f} GB, so two replicas ({32 * p / 1e9:.1f} GB) need more than this machine's "
                 f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GIB:.0f} GiB; fsdp2 at 2 ranks holds half "
                 f"of one replica per rank (config: {n}).")
-    return (f"{run_header('train_memory.py', load_note(start, os.getloadavg()[0]))}\n\n"
+    spread = f"; 1-minute load average between layouts: median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+    return (f"{run_header('train_memory.py', load_note(loads[0], loads[-1]) + spread)}\n\n"
             f"Batch: {args.rows} rows x ({args.prompt} prompt + {args.response} response) tokens, {args.steps} updates "
-            f"per layout (the first is not timed).\n\n{table(rows)}{note}\n")
+            f"per layout (the first is not timed), {args.rounds} round(s) of every layout in turn; times are medians "
+            f"over the rounds.\n\n{table(rounds)}{note}\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,smollm2", help=f"comma-separated of {sorted(MODELS)}")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="every layout in turn, this many times (ratios per round)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+                   help="which layouts (not for --models large: fsdp2 x2 only)")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--prompt", type=int, default=48)
     p.add_argument("--response", type=int, default=16)
@@ -218,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/results/train_memory.md")
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.steps = "tiny", 2
+        args.models, args.steps, args.rounds = "tiny", 2, 1
         args.out = args.out.replace(".md", "_quick.md")
     write_result(args.out, asyncio.run(main_async(args)))
 

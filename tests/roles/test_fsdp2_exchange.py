@@ -1,0 +1,68 @@
+"""FSDP2's collectives over gloo as point-to-point exchanges (asyncrl.roles.training.strategy): at 3 ranks on real Ray
+processes, the all-gather equals gloo's own and the reduce-scatter is the sum of every rank's chunk in rank order."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray
+import torch
+
+import asyncrl
+from asyncrl import Dispatch, Worker, register
+
+
+def _inputs(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s shard (an all-gather input) and its world-chunked gradient (a reduce-scatter input)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(5, generator=g), torch.randn(world * 7, generator=g)
+
+
+class CollectiveProbe(Worker):
+    """Runs the exchange collectives and gloo's own on the group's default process group."""
+
+    def __init__(self) -> None:
+        from asyncrl.roles._util import DataParallel
+
+        self.dp = DataParallel(self.rank, self.world_size)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def gather_and_scatter(self) -> dict[str, torch.Tensor]:
+        import torch.distributed as dist
+
+        from asyncrl.roles.training.strategy import _ExchangeAllGather, _ExchangeReduceScatter
+
+        group, world = self.dp.grad_group(), self.world_size
+        shard, grads = _inputs(self.rank, world)
+        ag = _ExchangeAllGather()
+        out = ag.allocate((world * 5,), dtype=torch.float32, device=torch.device("cpu"))
+        mine = out.narrow(0, 5 * self.rank, 5)  # FSDP2 copies its shard into its slot of the output first
+        mine.copy_(shard)
+        assert ag(out, mine, group) is None
+        native = torch.empty(world * 5)
+        dist.all_gather_into_tensor(native, shard, group=group)
+        rs = _ExchangeReduceScatter()
+        reduced = rs.allocate((7,), dtype=torch.float32, device=torch.device("cpu"))
+        rs(reduced, grads.clone(), group, dist.ReduceOp.SUM)
+        with pytest.raises(ValueError, match="the exchange reduce-scatter sums; FSDP2 asked for"):
+            rs(reduced.clone(), grads.clone(), group, dist.ReduceOp.MAX)  # refused before anything is sent
+        return {"gathered": out, "native": native, "reduced": reduced}
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this test module is not importable by workers
+
+
+async def test_exchange_all_gather_and_reduce_scatter_at_three_ranks(ray_cluster):
+    group = asyncrl.RayWorkerGroup(CollectiveProbe, world_size=3, name="exchange-collectives")
+    await group.setup()
+    try:
+        results = await group.gather_and_scatter()
+    finally:
+        await group.close()
+    inputs = [_inputs(r, 3) for r in range(3)]
+    whole = torch.cat([shard for shard, _ in inputs])
+    for rank, res in enumerate(results):
+        assert torch.equal(res["gathered"], whole) and torch.equal(res["native"], whole), rank
+        chunks = [grads.view(3, 7)[rank] for _, grads in inputs]
+        assert torch.equal(res["reduced"], chunks[0] + chunks[1] + chunks[2]), rank  # rank order, bit for bit

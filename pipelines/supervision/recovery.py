@@ -28,6 +28,7 @@ _RAY_DEATH = {"ActorDiedError", "ActorUnavailableError", "RayActorError", "Owner
 # (`gloo/transport/tcp/pair.cc`, "... by peer"). A training rank on a lost node's peer raises this, sometimes
 # before the supervisor hears of the death itself.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+_COLLECTIVE_ERRORS = {"RuntimeError", "DistError", "DistBackendError", "DistNetworkError"}  # what torch raises them as
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -50,9 +51,10 @@ def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
     e = root_cause(error)
     if isinstance(e, (WorkerDiedError, GroupBrokenError)):
         return True
-    if isinstance(e, RemoteError) and (e.exc_type.rpartition(".")[2] == "WeightsLostError"
-                                       or any(p in e.message for p in _PEER_LOST)):
-        return True
+    if isinstance(e, RemoteError):
+        kind = e.exc_type.rpartition(".")[2]
+        if kind == "WeightsLostError" or (kind in _COLLECTIVE_ERRORS and any(p in e.message for p in _PEER_LOST)):
+            return True
     if isinstance(e, CallTimeoutError):
         return timeouts
     return any(c.__name__ in _RAY_DEATH for c in type(e).__mro__)  # a worker saw its producer die

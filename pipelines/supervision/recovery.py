@@ -51,13 +51,17 @@ def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
     e = root_cause(error)
     if isinstance(e, (WorkerDiedError, GroupBrokenError)):
         return True
-    if isinstance(e, RemoteError):
-        kind = e.exc_type.rpartition(".")[2]
-        if kind == "WeightsLostError" or (kind in _COLLECTIVE_ERRORS and any(p in e.message for p in _PEER_LOST)):
-            return True
+    if isinstance(e, RemoteError) and _peer_lost(e):
+        return True
     if isinstance(e, CallTimeoutError):
         return timeouts
     return any(c.__name__ in _RAY_DEATH for c in type(e).__mro__)  # a worker saw its producer die
+
+
+def _peer_lost(e: RemoteError) -> bool:
+    """Whether a worker's error says another process it depended on is gone (not its own fault)."""
+    kind = e.exc_type.rpartition(".")[2]
+    return kind == "WeightsLostError" or (kind in _COLLECTIVE_ERRORS and any(p in e.message for p in _PEER_LOST))
 
 
 def is_preemption(error: BaseException) -> bool:
@@ -71,9 +75,14 @@ def is_preemption(error: BaseException) -> bool:
 
 def fault_origin(error: BaseException) -> str | None:
     """The name of the group whose worker failed (``"rollout.rollout"``), when the error says;
-    None for errors that do not name a group (a missed deadline, a raw Ray error)."""
+    None for errors that do not name a group (a missed deadline, a raw Ray error). A worker that raised
+    because a peer process is gone (``WeightsLostError``, a collective's lost connection) did not fail
+    itself: the origin is ``"a peer of <its group>"``, so that replacing its group (which would load the
+    same lost weights again) is not taken for the cure; the run restarts instead."""
     e = root_cause(error)
     group = getattr(e, "group", None)
+    if isinstance(e, RemoteError) and _peer_lost(e):
+        return f"a peer of {group}"
     if isinstance(e, (WorkerDiedError, RemoteError)) and isinstance(group, str) and group != "?":
         return group
     if isinstance(e, GroupBrokenError):

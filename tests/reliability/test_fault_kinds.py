@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import asyncrl
 from asyncrl import Dispatch, register
-from asyncrl.pipelines.supervision.recovery import is_worker_fault
+from asyncrl.pipelines.supervision.recovery import fault_origin, is_worker_fault
 from asyncrl.roles.weights.weight_channel import free_port
 
 
@@ -53,3 +53,4 @@ async def test_a_collective_whose_peer_died_fails_as_a_worker_fault(ray_cluster)
     e = info.value
     assert e.exc_type == "builtins.RuntimeError" and "Connection closed by peer" in e.message
     assert is_worker_fault(e)
+    assert fault_origin(e) == "a peer of peer-a"  # not its own group: the cure is a restart, not replacing it

@@ -41,7 +41,7 @@ from asyncrl.roles import (
 )
 from asyncrl.roles.training.functional import grpo_advantages
 from asyncrl.roles.modeling.models import state_dict_checksums
-from asyncrl.pipelines.supervision.recovery import is_worker_fault
+from asyncrl.pipelines.supervision.recovery import fault_origin, is_worker_fault
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test-only worker subclasses
@@ -566,17 +566,21 @@ async def test_weights_whose_owner_died_fail_the_load_as_a_worker_fault(ray_clus
     assert type(e.cause) is WeightsLostError and e.exc_type == "asyncrl.roles.errors.WeightsLostError"
     assert e.message.startswith("the weights of version 3 could not be read from Ray's object store (OwnerDiedError")
     assert is_worker_fault(e)
+    # the loader is not at fault: replacing it would load the same lost weights again, so the run restarts
+    assert fault_origin(e) == "a peer of wt-loader"
 
 
-async def test_a_rollout_rank_dying_mid_transfer_ends_the_sync_on_every_member(channel_groups, model_config, tmp_path):
-    policy, _ = channel_groups
+async def test_a_rollout_rank_dying_mid_transfer_ends_the_sync_on_every_member(channel_groups, model_config, tmp_path,
+                                                                              prompt_batch):
+    policy, first = channel_groups
+    await _train_once(policy, first, prompt_batch(n=4, repeat=2))  # the policy's version ahead of the new rollout's 0
     log = tmp_path / "survivor.json"
     rollout = asyncrl.RayWorkerGroup(DyingRollout, world_size=2, name="wt-rollout-dies", env={"SURVIVOR_LOG": str(log)},
                                      kwargs={"model": model_config, "rollout": RolloutConfig(max_new_tokens=5)})
     async with rollout:
         await open_weight_channel(policy, rollout, timeout_s=TIMEOUT, bucket_bytes=16 << 10)
         initial = (await rollout.weights_checksum())[0]
-        handle = await policy.stage_weights("collective")  # earlier tests trained the policy: version >= 1
+        handle = await policy.stage_weights("collective")
         update = rollout.update_weights(handle)
         t0 = time.monotonic()
         sent, got = await _both(policy.send_weights(handle), update)

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,6 +153,14 @@ def _check_continued(tr, cfg, calls: Path, new: set[int]) -> int:
     return n
 
 
+def _stalling_run(tmp_path: Path) -> tuple[Path, Path, Path, Any, dict[str, Any]]:
+    """The files a `StallingRollout` reads and writes, the run's config and its worker overrides."""
+    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
+    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
+                                            "delay": GENERATE_S})}
+    return calls, hang, stall, _config(tmp_path / "run"), overrides
+
+
 @pytest.mark.slow  # one streaming run with three rollout pools: 80-105 s on the loaded 2-core machine
 async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_continues_them(ray_cluster, tmp_path):
     calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
@@ -197,18 +206,16 @@ async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_conti
 
 @pytest.mark.slow  # one streaming run with three rollout pools: 35-50 s on the loaded 2-core machine
 async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_continued(ray_cluster, tmp_path):
-    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
-    cfg = _config(tmp_path / "run")
-    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
-                                            "delay": GENERATE_S})}
+    calls, hang, stall, cfg, overrides = _stalling_run(tmp_path)
     async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
 
         async def drive() -> list[set[int]]:
             await _history_reaches(tr, 1)
             first = await _stall_pool(tr, stall, calls)
             os.kill(next(iter(first)), signal.SIGTERM)  # the rows come back in the PreemptedError, through Ray
-            while len(tr.rollout.scaler.resizes) < 1:
-                await asyncio.sleep(0.02)
+            async with asyncio.timeout(120):  # the SIGTERM's resize, or a clear failure
+                while len(tr.rollout.scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
             after_sigterm = len(tr.rollout.handovers)
             second = await _stall_pool(tr, stall, calls)
             await tr.preempt_rollout(0)  # the API's notice: the rows come back from hand_over
@@ -230,10 +237,7 @@ async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_
 @pytest.mark.slow  # one streaming run, a preemption and a replaced pool: 40-50 s on the loaded 2-core machine
 async def test_a_new_pool_that_dies_while_continuing_is_replaced_and_continues_from_the_same_tokens(
         ray_cluster, tmp_path):
-    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
-    cfg = _config(tmp_path / "run")
-    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
-                                            "delay": GENERATE_S})}
+    calls, hang, stall, cfg, overrides = _stalling_run(tmp_path)
     async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
 
         async def drive() -> list[set[int]]:

@@ -104,9 +104,6 @@ class StreamRollout:
         self.handovers: list[tuple[int, dict[str, dict[str, Any]]]] = []
         """``(group, rows)`` of every hand-over that kept decoded tokens: each row (by request key) as the old
         replica returned it (``ids``, ``log_probs``, ``versions``, ``finish``); the group's retry continued them."""
-        self.kept_tokens = 0
-        """Decoded tokens the hand-overs carried to a new pool, continued there instead of generated again (a
-        token handed over twice counts twice)."""
 
     # ---- the producer --------------------------------------------------------------------------
 
@@ -161,9 +158,9 @@ class StreamRollout:
             t0 = time.perf_counter()
             resume = a.handed.get(g)  # rows a removed replica handed over: continued from their tokens
             try:
-                call = (groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g), resume=Broadcast(resume))
-                        if resume else groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g)))
-                gen = tr.tracer.watch(call, "generate", step=g // B, group=g, version=v0)
+                more = {"resume": Broadcast(resume)} if resume else {}
+                gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g), **more),
+                                      "generate", step=g // B, group=g, version=v0)
                 a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
                 if not a.issued.get(g):
                     a.issued[g] = True
@@ -255,6 +252,12 @@ class StreamRollout:
             a.epoch += 1
         await self._notify()
 
+    @property
+    def kept_tokens(self) -> int:
+        """Decoded tokens the hand-overs carried to a new pool, continued there instead of generated again (a
+        token handed over twice counts twice)."""
+        return sum(len(r["ids"]) for _, rows in self.handovers for r in rows.values())
+
     def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]], epoch: int) -> None:
         """Keep what group `g`'s rows decoded on pool `epoch` before a hand-over (by request key); its retry
         continues them. A row already kept with more tokens keeps those (a later hand-over that came before
@@ -267,7 +270,6 @@ class StreamRollout:
             return
         kept.update(new)
         carried = sum(len(r["ids"]) for r in new.values())
-        self.kept_tokens += carried
         a.carried[epoch] = a.carried.get(epoch, 0) + carried
         self.handovers.append((g, {k: dict(r) for k, r in new.items()}))
 

@@ -79,7 +79,6 @@ class SupervisorOwner(Protocol):
     async def start_groups(self, state: LoopState) -> None: ...
 
 
-
 @dataclass(frozen=True)
 class Recovered:
     """What a restart hands back to the trainer: the loop state to go on from (restored from the newest

@@ -349,9 +349,6 @@ def store_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None,
         return ray.put(held)
 
 
-_OWNER_GONE = {"OwnerDiedError", "ObjectLostError", "ActorDiedError", "RayActorError", "WorkerDiedError"}
-
-
 async def fetch_stored(handle: WeightHandle) -> dict[str, torch.Tensor]:
     """The state dict an ``object_store`` handle holds (read-only zero-copy views of the store on Ray)."""
     stored = handle.stored
@@ -360,8 +357,9 @@ async def fetch_stored(handle: WeightHandle) -> dict[str, torch.Tensor]:
     try:
         state = await stored
     except Exception as e:
-        lost = any(c.__name__ in _OWNER_GONE for c in type(e).__mro__)
-        raise (WeightsLostError if lost else WeightSyncError)(
+        from ray.exceptions import ObjectLostError  # an ObjectRef: Ray is there (OwnerDiedError is one)
+
+        raise (WeightsLostError if isinstance(e, ObjectLostError) else WeightSyncError)(
             f"the weights of version {handle.version} could not be read from Ray's object store "
             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the policy that put them "
             "owns them: if it died, restart it and sync again"

@@ -153,20 +153,18 @@ def _check_continued(tr, cfg, calls: Path, new: set[int]) -> int:
     return n
 
 
-def _stalling_run(tmp_path: Path) -> tuple[Path, Path, Path, Any, dict[str, Any]]:
-    """The files a `StallingRollout` reads and writes, the run's config and its worker overrides."""
+def _stalling_run(tmp_path: Path, cls: type | None = None, **trainer: Any) -> tuple[Path, Path, Path, Any, dict[str, Any]]:
+    """The files a `StallingRollout` (or subclass `cls`) reads and writes, the run's config (with `trainer`
+    overrides) and its worker overrides."""
     calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
-    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
-                                            "delay": GENERATE_S})}
-    return calls, hang, stall, _config(tmp_path / "run"), overrides
+    overrides = {"rollout": (cls or StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
+                                                      "delay": GENERATE_S})}
+    return calls, hang, stall, _config(tmp_path / "run", **trainer), overrides
 
 
 @pytest.mark.slow  # one streaming run with three rollout pools: 80-105 s on the loaded 2-core machine
 async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_continues_them(ray_cluster, tmp_path):
-    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
-    cfg = _config(tmp_path / "run", rollout_drain_s=1.0)
-    overrides = {"rollout": (StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
-                                            "delay": GENERATE_S})}
+    calls, hang, stall, cfg, overrides = _stalling_run(tmp_path, rollout_drain_s=1.0)
     before = live_actors()
     async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
 
@@ -279,10 +277,7 @@ class FailingHandOverRollout(StallingRollout):
 
 @pytest.mark.slow  # one streaming run with two rollout pools: 45-80 s on the loaded 2-core machine
 async def test_a_hand_over_that_fails_cancels_the_groups_and_they_start_over_from_their_seeds(ray_cluster, tmp_path):
-    calls, hang, stall = tmp_path / "calls.jsonl", tmp_path / "hang", tmp_path / "stall"
-    cfg = _config(tmp_path / "run", rollout_drain_s=1.0)
-    overrides = {"rollout": (FailingHandOverRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
-                                                      "delay": GENERATE_S})}
+    calls, hang, stall, cfg, overrides = _stalling_run(tmp_path, FailingHandOverRollout, rollout_drain_s=1.0)
     async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
 
         async def drive() -> list[set[int]]:

@@ -427,9 +427,10 @@ class LoopWaits:
 
     cancelled: type[BaseException] = asyncio.CancelledError
 
-    def __init__(self, lane: Lane, thread: "OrderedThread") -> None:
+    def __init__(self, lane: Lane, thread: "OrderedThread", inline: bool = False) -> None:
         self._lane = lane
         self._thread = thread
+        self._inline = inline
 
     async def control(self, after: int) -> None:
         await self._lane.control.wait_async(after, CONTROL_WAIT)
@@ -447,6 +448,8 @@ class LoopWaits:
         return await coro
 
     async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
+        if self._inline:
+            return run()
         return await self._lane.run_thread(ticket, run, self._thread)
 
     @staticmethod

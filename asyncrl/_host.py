@@ -227,13 +227,11 @@ class WorkerHost(_HostBase):
     """Runs the worker objects of one process on an event loop: an async Ray actor (the
     Ray backend's host for processes with concurrent methods), and the local backend's host."""
 
-    def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False,
-                 inline: bool = False) -> None:
+    def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False) -> None:
         super().__init__(Lane(), local)
         self._wait = wait or _await_plain
-        self._inline = inline
         self._thread = OrderedThread()  # runs the constructors and every plain def method
-        self._waits = LoopWaits(self._lane, self._thread, inline)
+        self._waits = LoopWaits(self._lane, self._thread)
 
     def host_kind(self) -> str:
         return "async"
@@ -247,7 +245,7 @@ class WorkerHost(_HostBase):
         for spec in specs:
             construct = self._prepare(spec)
             try:
-                outcome: tuple[bool, Any] = (True, construct() if self._inline else await self._thread.run(construct))
+                outcome: tuple[bool, Any] = (True, await self._thread.run(construct))
             except Exception as e:
                 outcome = (False, e)
             self._constructed(spec, outcome, out)

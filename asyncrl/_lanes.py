@@ -427,10 +427,9 @@ class LoopWaits:
 
     cancelled: type[BaseException] = asyncio.CancelledError
 
-    def __init__(self, lane: Lane, thread: "OrderedThread", inline: bool = False) -> None:
+    def __init__(self, lane: Lane, thread: "OrderedThread") -> None:
         self._lane = lane
         self._thread = thread
-        self._inline = inline
 
     async def control(self, after: int) -> None:
         await self._lane.control.wait_async(after, CONTROL_WAIT)
@@ -448,8 +447,6 @@ class LoopWaits:
         return await coro
 
     async def run_def(self, ticket: Ticket, run: Callable[[], Any], pinned: bool) -> Any:
-        if self._inline:
-            return run()
         return await self._lane.run_thread(ticket, run, self._thread)
 
     @staticmethod

@@ -25,9 +25,7 @@ from asyncrl.backends._ray_errors import _input_failed, _translate, await_ray
 from asyncrl.backends._ray_fetch import _RESOLVER, _Fetch, _Peek, _Watch
 from asyncrl.errors import PlacementError
 
-_MAX_CONCURRENCY = int(__import__("os").environ.get("ASYNCRL_PROTO_MC", "100000"))  # in-flight calls per async host; ordering is by sequence number, not by slot
-import os as _os
-_INLINE = _os.environ.get("ASYNCRL_PROTO_INLINE") == "1"
+_MAX_CONCURRENCY = 100_000  # in-flight calls per async host; ordering is by sequence number, not by slot
 THREADED_CALLS = 64
 """Calls a threaded host runs or holds at once (Ray threads of its ``calls`` concurrency
 group); more wait in Ray's queue, in submission order."""
@@ -153,7 +151,7 @@ class RayBackend:
                     placement_group_bundle_index=slot.bundle_index,
                 ),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(slot.num_cpus)))}},
-            ).remote(wait=await_ray, **({} if threaded else {"inline": _INLINE})))
+            ).remote(wait=await_ray))
         return hosts
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:

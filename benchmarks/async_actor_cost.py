@@ -10,7 +10,9 @@ as asyncrl's call message is), on
 * ``async inline, max_concurrency=100k``: the same with the async host's ``max_concurrency``;
 * ``async hop``: an async actor that hops to a one-thread executor and back (the async
   host's plain ``def`` today);
-* ``async group``: an async actor whose ``ping`` is in a named concurrency group.
+* ``async group``: an async actor whose ``ping`` is in a named concurrency group;
+* ``async actor, def``: a plain ``def ping`` on an async actor, in a one-thread group (Ray itself
+  runs it on that group's thread: the other route to one host, with Ray doing the hop).
 
 Rounds interleave the variants, their order rotating; the table is the median per call and
 its ratio to ``sync``.
@@ -58,6 +60,15 @@ class AsyncGroup:
         return x
 
 
+class AsyncWithDef:
+    async def control(self) -> int:  # an async method makes the actor async
+        return 0
+
+    @ray.method(concurrency_group="ordered")
+    def ping(self, x: Any) -> Any:
+        return x
+
+
 async def per_call(actor: Any, calls: int) -> float:
     t0 = time.perf_counter()
     for i in range(calls):
@@ -73,6 +84,7 @@ async def main(calls: int, rounds: int) -> None:
         "async inline, max_concurrency=100k": ray.remote(**groups)(AsyncInline).options(max_concurrency=100_000).remote(),
         "async hop": ray.remote(**groups)(AsyncHop).remote(),
         "async group": ray.remote(**groups)(AsyncGroup).remote(),
+        "async actor, def": ray.remote(**groups)(AsyncWithDef).remote(),
     }
     names = list(actors)
     for a in actors.values():

@@ -87,6 +87,7 @@ async def test_prompts_that_cannot_fit_the_context_fail_before_any_worker_starts
             pass
 
 
+@pytest.mark.slow  # two runs, one evaluating every version (~15 s); default siblings: tests/README.md (Duration)
 async def test_evaluation_records_every_version_and_does_not_change_training(ray_cluster, tmp_path):
     """Async run (max_staleness=1) with evaluation at start, every step and at the end: same weights
     and rewards as the sequential one-step-off loop without evaluation; one eval row per version."""

@@ -103,6 +103,7 @@ def test_a_bad_strategy_setting_is_one_line_and_exit_2_before_ray_starts(overrid
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # two 2-rank runs (~35 s); default siblings: tests/README.md (Duration)
 def test_colocated_runs_give_each_rollout_rank_its_own_snapshot_and_fsdp2_trains_like_ddp(tmp_path):
     """Colocated at 2 ranks, the ``local`` sync stages a snapshot in each process and each rollout rank takes its
     own (before, rank 0's handle reached rank 1: a WeightSyncError); fsdp2 samples and trains what ddp does."""

@@ -175,11 +175,6 @@ class Lane:
         """The number whose turn it is."""
         return self._next
 
-    @property
-    def wedged_by(self) -> Ticket | None:
-        """The call whose thread outlived its deadline and still holds the lane, if any."""
-        return self._wedged_by
-
     def outcome(self, seq: int, call_id: int) -> Any:
         """The kept outcome of ordered call `call_id` (number `seq`), or None when this
         lane does not hold it. Read by the call whose turn it is (same-process-window)."""

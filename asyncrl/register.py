@@ -149,11 +149,6 @@ _MODES: dict[str, DispatchMode] = {}
 _MODES_LOCK = threading.Lock()
 
 
-def _is_dp_dispatch(mode: DispatchMode) -> bool:
-    fn = mode.dispatch.func if isinstance(mode.dispatch, functools.partial) else mode.dispatch
-    return fn in (_d.dispatch_dp, _d.dispatch_mesh)
-
-
 def register_dispatch_mode(mode: DispatchMode, *, replace: bool = False) -> DispatchMode:
     """Make `mode` usable by name: ``@register(dispatch_mode="my_mode")``.
 

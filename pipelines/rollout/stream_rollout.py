@@ -170,16 +170,22 @@ class StreamRollout:
                 # now, it would hold its place there until the group's tokens exist, and an update
                 # issued meanwhile would wait for this group to finish generating. Issued once the
                 # generation finished (nothing is fetched), it never holds an update back.
-                await _finished(gen)
-                if elastic:  # a preemption notice raises here, not in a score call to the dying process
-                    await gen.select("version")
+                if elastic:  # a preemption notice raises here, at the told-to-stop rank's error (the other
+                    await gen.select("version")  # ranks' rows are then handed over), not in a score call
+                else:
+                    await _finished(gen)
                 sc = stages.score(groups, gen)
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
+                self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
+                site = a.running.get(g)
+                if site is not None and len(getattr(site[1], "ranks", ())) > 1 and self._preempted(e, epoch):
+                    # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those
+                    # over too (issued before any await, while the pool still takes calls)
+                    await self.scaler.hand_over_rest(a, site[0], g, epoch)
                 a.running.pop(g, None)
                 await self._notify()  # a drain waiting for the old pool to hold no group (nothing else may wake it)
-                self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
                 await self._recover(a, e, epoch, g)
                 self.regenerated += 1
                 # the new engines' weights: at least v0; and the old pool's hand-over of g has returned
@@ -240,7 +246,7 @@ class StreamRollout:
         """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
         wait for the replacement), or raise `error` when it is not a rollout-pool fault."""
         tr = self._trainer
-        if (is_preemption(error) or self.scaler.preempting(epoch)) and await self.scaler.preempted(a, epoch, group):
+        if self._preempted(error, epoch) and await self.scaler.preempted(a, epoch, group):
             return  # the pool was resized away from the preempted worker; the caller issues its group again
         async with a.replacing:
             if a.epoch != epoch:
@@ -251,6 +257,10 @@ class StreamRollout:
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
         await self._notify()
+
+    def _preempted(self, error: Exception, epoch: int) -> bool:
+        """Whether `error` of pool `epoch` is a preemption notice's (or the told-to-stop process's exit)."""
+        return is_preemption(error) or self.scaler.preempting(epoch)
 
     @property
     def kept_tokens(self) -> int:

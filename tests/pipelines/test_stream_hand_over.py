@@ -232,6 +232,56 @@ async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_
     assert all(r.kept_tokens >= HELD for r in resizes)
 
 
+async def _held_on_every_rank(calls: Path, pids: set[int]) -> None:
+    """Until some group has rows held on each process of `pids` (so a notice finds tokens on every rank)."""
+    async with asyncio.timeout(60):
+        while True:
+            held: dict[str, set[int]] = {}
+            for c in _calls(calls):
+                for k in c.get("held", ()):
+                    held.setdefault(k.split(":")[0], set()).add(c["pid"])
+            if any(p == pids for p in held.values()):
+                return
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.slow  # one streaming run with two 2-worker rollout pools: 50-70 s on the loaded 2-core machine
+async def test_a_sigterm_to_one_rank_of_two_hands_over_every_ranks_rows_with_their_tokens(ray_cluster, tmp_path):
+    calls, hang, stall, cfg, overrides = _stalling_run(tmp_path, rollout_workers="2..3", rollout_placement=[2])
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> tuple[int, set[int], set[int]]:
+            await _history_reaches(tr, 1)
+            old = await _stall_pool(tr, stall, calls)
+            await _held_on_every_rank(calls, old)
+            told = min(old)
+            os.kill(told, signal.SIGTERM)  # one rank of two: its rows come back in its PreemptedError, the
+            async with asyncio.timeout(120):  # other rank's from its hand_over
+                while len(tr.rollout.scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
+            return told, old, set(await tr.groups.rollout.pid())
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (told, old, new) = fit.result(), task.result()
+        [rec] = tr.rollout.scaler.resizes
+        assert tr.restarts == []  # a preemption is no fault
+    assert (rec.size_before, rec.size_after, rec.reason) == (2, 2, "preempt")  # the range's minimum: as large
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    # every row held on either rank of the old pool was handed over with exactly its HELD tokens
+    kept: dict[str, dict[str, Any]] = {}
+    for _, rows in tr.rollout.handovers:
+        kept.update(rows)
+    held = {pid: {k for c in _calls(calls) if c.get("pid") == pid for k in c.get("held", ())} for pid in old}
+    assert all(held.values()) and set(held) == old
+    for pid, keys in held.items():
+        assert {len(kept[k]["ids"]) for k in keys} == {HELD}, (pid == told, keys - set(kept))
+    # and each continued, on the new pool, from exactly those tokens (ids, log-probs, versions) on both of its ranks
+    assert _check_continued(tr, cfg, calls, new) >= sum(len(k) for k in held.values())
+    assert len(new) == 2 and new.isdisjoint(old) and rec.kept_tokens == tr.rollout.kept_tokens
+
+
 @pytest.mark.slow  # one streaming run, a preemption and a replaced pool: 40-50 s on the loaded 2-core machine
 async def test_a_new_pool_that_dies_while_continuing_is_replaced_and_continues_from_the_same_tokens(
         ray_cluster, tmp_path):

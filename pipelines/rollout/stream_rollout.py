@@ -178,9 +178,13 @@ class StreamRollout:
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
+                handing = g in a.handing
+                if handing:  # a hand-over of g is under way: its answer keeps the rows first (the same rows its
+                    await s.wait_for(lambda: g not in a.handing)  # ranks' errors carry, whole)
                 self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
                 site = a.running.get(g)
-                if site is not None and len(getattr(site[1], "ranks", ())) > 1 and self._preempted(e, epoch):
+                if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
+                        and self._preempted(e, epoch)):
                     # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those
                     # over too (issued before any await, while the pool still takes calls)
                     await self.scaler.hand_over_rest(a, site[0], g, epoch)
@@ -270,12 +274,12 @@ class StreamRollout:
 
     def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]], epoch: int) -> None:
         """Keep what group `g`'s rows decoded on pool `epoch` before a hand-over (by request key); its retry
-        continues them. A row already kept with more tokens keeps those (a later hand-over that came before
-        the row restarted)."""
+        continues them. A row already kept with as many tokens or more keeps those (a later hand-over that came
+        before the row restarted, or the same rows again: a hand-over's error beside its answer)."""
         if not rows:
             return
         kept = a.handed.setdefault(g, {})
-        new = {k: r for k, r in rows.items() if len(r["ids"]) >= len(kept.get(k, {}).get("ids", ()))}
+        new = {k: r for k, r in rows.items() if k not in kept or len(r["ids"]) > len(kept[k]["ids"])}
         if not new:
             return
         kept.update(new)

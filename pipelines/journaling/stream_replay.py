@@ -7,7 +7,7 @@ which weight version each round (or, with partial rollout, each part of a round)
 the second is the engines' round log (:class:`~asyncrl.roles.engines.round_log.RoundRecord`), which
 the run fetches from its rollout workers after each step's groups are chosen and appends to
 ``rounds.jsonl`` next to the journal (one line per step: ``{"step", "epoch", "ranks": [[round, ...]
-per rollout rank]}``; ``epoch`` counts rollout-pool replacements)::
+per rollout rank]}``; ``epoch`` numbers the rollout pools: it counts replacements and resizes)::
 
     record:  StreamRollout.take(step) ─► rollout.round_log(clear=True)  ─► rounds.jsonl   (a task, off the step)
     replay:  rollout.replay_rank_rounds(rounds of each rank)   each engine runs exactly its recorded rounds
@@ -22,10 +22,17 @@ What it refuses, before any worker starts (:class:`~asyncrl.pipelines.journaling
 what is missing and the fix): a journal written before rounds were recorded, or by an engine that
 schedules requests itself (vLLM); a run resumed or restarted part-way (a second journal segment: the
 regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
-was replaced (the replaced engines' rounds died with them) or resized (a ``resize`` record: the retired
-pool's last rounds and the points where its rows were handed over are not recorded); a rounds file that is
-missing, unreadable, or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log
-records no agent sessions.
+was replaced (the replaced engines' rounds died with them: a pool epoch that no ``resize`` record started);
+a resized run whose retired pool's last rounds were not recorded (no ``retire`` record or no ``retired``
+line: a journal written before they were), or whose resize handed groups over mid-generation (the decoding
+step where each row stopped is not recorded, nor re-created); a rounds file that is missing, unreadable, or
+lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log records no agent sessions.
+
+Resized runs (``scale_rollout``, the autoscaler) whose resizes drained replay: each pool's rounds are its own
+(``rounds.jsonl`` lines by pool ``epoch``; a retired pool's last rounds in a ``"retired": true`` line written
+before it closed), and the journal's ``resize`` record stands where the new pool took over, among the
+``group`` and ``load`` records: the replay starts that pool there with its rounds, issues its load of the
+recorded version, sends the next records' calls to it, and closes the old pool once its groups finished.
 
 Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
 digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic

@@ -15,7 +15,9 @@ The replay forms each recorded round from its keys in the recorded batch order (
 they are all submitted), runs each segment for its recorded number of decode steps under its
 recorded version, and holds a pause (a weight update) until the next segment needs a newer
 version -- so the caller performs the same updates in the same order and they land where they
-landed. Requests sample from their own seeded generators, so the tokens, log-probs and versions
+landed. While it waits for the next round's requests, an update that round needs may land (the
+recording loaded it before that round as well), so an update of several replaying ranks never waits
+for a rank that is idle until later requests come. Requests sample from their own seeded generators, so the tokens, log-probs and versions
 come out bit-identical (same machine, same thread count; tested on CPU).
 
 Failure cases (each raises, never hangs):

@@ -137,13 +137,15 @@ class RunJournal:
         if self._rounds is not None and tr.groups is not None:
             self._fetch_rounds(tr.groups.rollout, step, epoch)
 
-    async def retired(self, rollout: Any, *, epoch: int, drained: list[int], handed_over: list[int]) -> None:
+    async def retired(self, rollout: Any, *, epoch: int, drained: list[int], handed_over: list[int],
+                      rows: dict[int, dict[str, int]] | None = None) -> None:
         """Streaming: rollout pool `epoch` (`rollout`) is about to be closed by a resize, its groups drained
-        (`drained`) or handed over (`handed_over`): journal a ``retire`` record and append the rounds its engines
+        (`drained`) or handed over (`handed_over`; `rows`: the decoding step, i.e. tokens kept, at which each
+        handed-over row stopped, by group and request key): journal a ``retire`` record and append the rounds its engines
         ran since their last fetch to ``rounds.jsonl`` (they would die with it), before it is closed (at most
         ``trainer.rollout_timeout_s``; a replay refuses a run whose retired pool's rounds are missing)."""
         if self._file is not None:
-            self._file.retire(epoch=epoch, drained=drained, handed_over=handed_over)
+            self._file.retire(epoch=epoch, drained=drained, handed_over=handed_over, rows=rows or {})
         if self._rounds is not None:
             self._fetch_rounds(rollout, self._trainer.state.taken, epoch, retired=True)
             await self._fetched()

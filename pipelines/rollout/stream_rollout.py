@@ -89,6 +89,7 @@ class _Attempt:
         self.handed: dict[int, dict[str, dict[str, Any]]] = {}  # group -> its rows handed over (request key -> row)
         self.handing: set[int] = set()  # groups whose hand-over call is in flight (their retry waits for it)
         self.carried: dict[int, int] = {}  # pool epoch -> tokens its hand-overs carried (Resize.kept_tokens)
+        self.stopped: dict[int, dict[int, dict[str, int]]] = {}  # pool epoch -> group -> row key -> tokens kept
 
 
 class StreamRollout:
@@ -181,7 +182,9 @@ class StreamRollout:
                 handing = g in a.handing
                 if handing:  # a hand-over of g is under way: its answer keeps the rows first (the same rows its
                     await s.wait_for(lambda: g not in a.handing)  # ranks' errors carry, whole)
-                self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
+                # a preemption notice's rows arrive with its error (less those this pool's hand-over kept)
+                done = a.stopped.get(epoch, {}).get(g, {})
+                self.keep_rows(a, g, {k: r for k, r in handed_rows(e).items() if k not in done}, epoch)
                 site = a.running.get(g)
                 if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
                         and self._preempted(e, epoch)):
@@ -274,15 +277,16 @@ class StreamRollout:
 
     def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]], epoch: int) -> None:
         """Keep what group `g`'s rows decoded on pool `epoch` before a hand-over (by request key); its retry
-        continues them. A row already kept with as many tokens or more keeps those (a later hand-over that came
-        before the row restarted, or the same rows again: a hand-over's error beside its answer)."""
+        continues them. A row already kept with more tokens keeps those (a later hand-over that came before
+        the row restarted)."""
         if not rows:
             return
         kept = a.handed.setdefault(g, {})
-        new = {k: r for k, r in rows.items() if k not in kept or len(r["ids"]) > len(kept[k]["ids"])}
+        new = {k: r for k, r in rows.items() if len(r["ids"]) >= len(kept.get(k, {}).get("ids", ()))}
         if not new:
             return
         kept.update(new)
+        a.stopped.setdefault(epoch, {}).setdefault(g, {}).update({k: len(r["ids"]) for k, r in new.items()})
         carried = sum(len(r["ids"]) for r in new.values())
         a.carried[epoch] = a.carried.get(epoch, 0) + carried
         self.handovers.append((g, {k: dict(r) for k, r in new.items()}))

@@ -285,7 +285,8 @@ class StreamScaler:
         rec.drained, rec.handed_over = sorted(on_old - set(late)), sorted(set(late) | noticed)
         rec.drain_s = time.perf_counter() - t1
         # its last rounds (since the last step's fetch) go to the round log before they die with it
-        await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over)
+        await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
+                                 rows=a.stopped.pop(old_epoch, {}))
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)

@@ -197,8 +197,15 @@ async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_conti
     run = tmp_path / "run"
     assert [(r["size_before"], r["size_after"], r["reason"], r["epoch"]) for r in read_journal(run).resizes] == [
         (1, 2, "scale", 1), (2, 1, "scale", 2)]
+    data = read_journal(run)
+    assert [(r["epoch"], r["handed_over"]) for r in data.retires.values()] == [
+        (0, resizes[0].handed_over), (1, resizes[1].handed_over)]
+    # each handed-over row's decoding step (tokens kept) is journaled with the pool that stopped it
+    kept = {k: len(r["ids"]) for _, rows in tr.rollout.handovers for k, r in rows.items()}
+    assert {k: n for r in data.retires.values() for rows in r["rows"].values() for k, n in rows.items()} == kept
     with pytest.raises(JournalError, match=r"resized \(scale: 1 -> 2 workers after step \d\), which cannot be "
-                                           r"replayed bit for bit: the retired pool's rounds"):
+                                           r"replayed bit for bit: it handed prompt groups \[[\d, ]+\] over to the "
+                                           r"new pool mid-generation"):
         GRPOTrainer(replay_config(run)[0], replay=run)
 
 
@@ -280,6 +287,13 @@ async def test_a_sigterm_to_one_rank_of_two_hands_over_every_ranks_rows_with_the
     # and each continued, on the new pool, from exactly those tokens (ids, log-probs, versions) on both of its ranks
     assert _check_continued(tr, cfg, calls, new) >= sum(len(k) for k in held.values())
     assert len(new) == 2 and new.isdisjoint(old) and rec.kept_tokens == tr.rollout.kept_tokens
+    # the journal records each row's decoding step at the hand-over; a replay refuses the run (one line)
+    [retire] = read_journal(tmp_path / "run").retires.values()
+    assert {k: n for rows in retire["rows"].values() for k, n in rows.items()} == {
+        k: len(r["ids"]) for k, r in kept.items()}
+    with pytest.raises(JournalError, match=r"resized \(preempt: 2 -> 2 workers after step \d\), which cannot be "
+                                           r"replayed bit for bit: it handed prompt groups"):
+        GRPOTrainer(replay_config(tmp_path / "run")[0], replay=tmp_path / "run")
 
 
 @pytest.mark.slow  # one streaming run, a preemption and a replaced pool: 40-50 s on the loaded 2-core machine

@@ -172,11 +172,13 @@ class GroupFuture(Generic[T]):
         """True when the call was cancelled (:meth:`cancel`, or its last awaiting task cancelled)."""
         return self._call.cancel_requested
 
-    async def as_completed(self) -> AsyncIterator[tuple[int, Any]]:
+    async def as_completed(self, *, return_exceptions: bool = False) -> AsyncIterator[tuple[int, Any]]:
         """Yield ``(rank, result)`` per rank as each completes (padding stripped for
-        data-parallel calls; not collected). Raises the call's error if the controller
-        fails it meanwhile (deadline, cancel)."""
-        async for item in _stream(self._call):
+        data-parallel calls; not collected). A rank's error is raised (the other ranks
+        are not waited for), or with `return_exceptions` yielded as that rank's result
+        (the public error, naming its rank), so the ranks that succeeded still arrive.
+        Raises the call's error if the controller fails it meanwhile (deadline, cancel)."""
+        async for item in _stream(self._call, return_exceptions):
             yield item
 
     # ---- pipelining ------------------------------------------------------------------
@@ -282,11 +284,17 @@ def _fail_from_thread(call: _Call, error: BaseException, *, cancel_remote: bool,
     call.fail(error, cancel_remote=cancel_remote, deadline=deadline)
 
 
-async def _stream(call: _Call) -> AsyncIterator[tuple[int, Any]]:
+async def _stream(call: _Call, return_exceptions: bool = False) -> AsyncIterator[tuple[int, Any]]:
     """`GroupFuture.as_completed`: ``(rank, result)`` per collected rank as each completes
-    (a wait per rank); the call's error if the controller fails it meanwhile."""
+    (a wait per rank; with `return_exceptions` a rank's error is its result); the call's
+    error if the controller fails it meanwhile."""
     async def one(i: int) -> tuple[int, Any]:
-        value = await _wait(call, call.collect_index[i], call.collect_refs[i])
+        try:
+            value = await _wait(call, call.collect_index[i], call.collect_refs[i])
+        except Exception as e:
+            if not return_exceptions:
+                raise
+            return call.ranks[call.collect_index[i]], e
         if i in call.fetch_metas:
             _, pad, *_t = await _wait(call, call.collect_index[i], call.collect_metas[i])  # type: ignore[index]
             value = B.strip_tail(value, pad)

@@ -16,9 +16,14 @@ Streaming rollout (``trainer.rollout_mode=stream``) writes prompt groups instead
     {"kind": "load", "version": 3}                                  # the rollout starts loading version 3
     {"kind": "resize", "size_before": 2, "size_after": 1, "reason": "scale", "version": 3, "epoch": 1,
      "after_step": 4}                                               # a new rollout pool took over (stream_scale)
+    {"kind": "retire", "epoch": 0, "drained": [17, 18], "handed_over": [19],
+     "rows": {"19": {"19:0": 3, "19:1": 0}}}                       # pool 0 closed; row 19:0 stopped after 3 tokens
 
 A ``group`` record is written when the group's calls are issued and a ``load`` record when a weight
-load is, so their order is the order of those calls on the rollout workers' ordered lane.
+load is, so their order is the order of those calls on the rollout workers' ordered lane. A ``resize``
+record is written as the new pool takes over (it loaded ``version``): the calls after it went to the new
+pool, those before it to the old one; ``retire`` names what the old pool finished (``drained``) or handed
+over before it was closed, and the decoding step (tokens kept) at which each handed-over row stopped.
 
 A stream run on the HF engine also writes ``"rounds": "rounds.jsonl"`` in its ``run`` record and keeps
 its engines' round log (which requests decoded together, under which version, for how many steps) in
@@ -81,7 +86,9 @@ class JournalData:
     """Streaming: the ``group`` and ``load`` records, in the order they were written."""
     resizes: list[dict[str, Any]] = field(default_factory=list)
     """Streaming: ``resize`` records (a new rollout pool took over: ``scale_rollout``, a preemption, the
-    autoscaler), in order."""
+    autoscaler), in order (also in :attr:`stream_order`)."""
+    retires: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Streaming: ``retire`` records (a resized-away pool closed) by pool epoch."""
     end: dict[str, Any] | None = None
     """The last ``end`` record, when the run finished (or stopped cleanly)."""
 
@@ -136,6 +143,9 @@ def _apply(data: JournalData, rec: dict[str, Any], kind: str) -> None:
         data.group_drops.append(rec)
     elif kind == "resize":
         data.resizes.append(rec)
+        data.stream_order.append(rec)
+    elif kind == "retire":
+        data.retires[int(rec["epoch"])] = rec
 
 
 class Journal:
@@ -169,6 +179,8 @@ class Journal:
             kept += [d for d in previous.drops if int(d["at_version"]) < start_step]
             kept += [d for d in previous.group_drops if int(d["at_version"]) < start_step]
             kept += [r for r in previous.resizes if int(r["after_step"]) < start_step]
+            epochs = {int(r["epoch"]) - 1 for r in previous.resizes if int(r["after_step"]) < start_step}
+            kept += [r for e, r in sorted(previous.retires.items()) if e in epochs]
             schedule = previous.schedule(next_gen)
         self._rewrite(kept + [{"kind": "run", **header, "start_step": start_step, "next_gen": next_gen}])
         return schedule
@@ -227,6 +239,14 @@ class Journal:
         `after_step` was taken."""
         self._write({"kind": "resize", "size_before": size_before, "size_after": size_after, "reason": reason,
                      "version": version, "epoch": epoch, "after_step": after_step})
+
+    def retire(self, *, epoch: int, drained: list[int], handed_over: list[int],
+               rows: dict[int, dict[str, int]] | None = None) -> None:
+        """Streaming: rollout pool `epoch`, replaced by a resize, is closed after its groups in flight finished
+        there (`drained`) or were handed over to the new pool (`handed_over`; `rows`: the tokens each of their
+        rows had decoded when it stopped, by group and request key)."""
+        self._write({"kind": "retire", "epoch": epoch, "drained": list(drained), "handed_over": list(handed_over),
+                     "rows": {str(g): dict(r) for g, r in sorted((rows or {}).items())}})
 
     def group_drop(self, index: int, *, version: int, at_version: int) -> None:
         """Streaming with ``drop_stale``: group `index` (admitted at `version`) was dropped at `at_version`."""

@@ -47,10 +47,14 @@ class RoundFile:
         tmp.write_text("".join(json.dumps(c) + "\n" for c in kept))
         tmp.replace(self.path)
 
-    def append(self, step: int, epoch: int, ranks: list[list[dict[str, Any]]] | None, lost: str | None = None) -> None:
-        """The rounds each rank ran since the last line, fetched after step `step` chose its groups (`lost`:
-        why they could not be fetched)."""
+    def append(self, step: int, epoch: int, ranks: list[list[dict[str, Any]]] | None, lost: str | None = None,
+               retired: bool = False) -> None:
+        """The rounds each rank of rollout pool `epoch` ran since its last line, fetched after step `step` chose
+        its groups, or (`retired`) before that pool was closed by a resize (`lost`: why they could not be
+        fetched)."""
         rec: dict[str, Any] = {"step": step, "epoch": epoch, "ranks": ranks}
+        if retired:
+            rec["retired"] = True
         if lost is not None:
             rec["lost"] = lost
         with self.path.open("a") as f:

@@ -11,7 +11,7 @@ import asyncio
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import anyio.to_thread
 import structlog
@@ -133,13 +133,34 @@ class RunJournal:
         """Streaming: step `step` chose its groups; fetch the engines' rounds since the last fetch (every round
         of those groups) and append them to ``rounds.jsonl`` -- in a task, so the step does not wait for the
         rollout workers' ordered lane (a weight update may hold it). `epoch`: rollout-pool replacements so far."""
-        tr, file = self._trainer, self._rounds
-        if file is None or tr.groups is None:
-            return
+        tr = self._trainer
+        if self._rounds is not None and tr.groups is not None:
+            self._fetch_rounds(tr.groups.rollout, step, epoch)
+
+    async def retired(self, rollout: Any, *, epoch: int, drained: list[int], handed_over: list[int],
+                      rows: dict[int, dict[str, int]] | None = None) -> None:
+        """Streaming: rollout pool `epoch` (`rollout`) is about to be closed by a resize, its groups drained
+        (`drained`) or handed over (`handed_over`; `rows`: the decoding step, i.e. tokens kept, at which each
+        handed-over row stopped, by group and request key): journal a ``retire`` record and append the rounds its engines
+        ran since their last fetch to ``rounds.jsonl`` (they would die with it), before it is closed (at most
+        ``trainer.rollout_timeout_s``; a replay refuses a run whose retired pool's rounds are missing)."""
+        if self._file is not None:
+            self._file.retire(epoch=epoch, drained=drained, handed_over=handed_over, rows=rows or {})
+        if self._rounds is not None:
+            self._fetch_rounds(rollout, self._trainer.state.taken, epoch, retired=True)
+            await self._fetched()
+
+    def _fetch_rounds(self, rollout: Any, step: int, epoch: int, retired: bool = False) -> None:
+        """Fetch `rollout`'s rounds since its last fetch (the call issued now) and append them as pool `epoch`'s
+        line of step `step`, after the fetches issued before (in a task: :attr:`_fetch`)."""
+        file = self._rounds
+        assert file is not None
         try:
-            call = tr.groups.rollout.round_log(True)
+            call = rollout.round_log(True)
         except AttributeError:  # a custom rollout worker without a round log
             call = None
+        except Exception as e:  # noqa: BLE001 - a pool that takes no call (a dead rank): its rounds are gone
+            call = e
         before = self._fetch
 
         async def fetch() -> None:
@@ -148,10 +169,12 @@ class RunJournal:
             try:
                 if call is None:
                     raise RuntimeError("the rollout worker has no round_log")
+                if isinstance(call, Exception):
+                    raise call
                 ranks, lost = list(await call), None
             except Exception as e:  # noqa: BLE001 - a dead rollout worker's rounds are gone: say so (replay refuses)
                 ranks, lost = None, f"{type(e).__name__}: {e}"
-            await anyio.to_thread.run_sync(file.append, step, epoch, ranks, lost)
+            await anyio.to_thread.run_sync(lambda: file.append(step, epoch, ranks, lost, retired))
 
         self._fetch = asyncio.get_running_loop().create_task(fetch(), name=f"round log of step {step}")
 
@@ -198,7 +221,8 @@ class RunJournal:
     def resized(self, *, size_before: int, size_after: int, reason: str, version: int, epoch: int,
                 after_step: int) -> None:
         """Streaming: a new rollout pool took over (its size, why, the version it loaded, its pool epoch and the
-        last step taken before); a replay refuses such a run (stream_replay)."""
+        last step taken before); written as it takes over, so its place among the ``group`` and ``load`` records
+        is where a replay starts it and issues the next calls to it (stream_replay)."""
         if self._file is not None:
             self._file.resize(size_before=size_before, size_after=size_after, reason=reason, version=version,
                               epoch=epoch, after_step=after_step)

@@ -7,7 +7,7 @@ which weight version each round (or, with partial rollout, each part of a round)
 the second is the engines' round log (:class:`~asyncrl.roles.engines.round_log.RoundRecord`), which
 the run fetches from its rollout workers after each step's groups are chosen and appends to
 ``rounds.jsonl`` next to the journal (one line per step: ``{"step", "epoch", "ranks": [[round, ...]
-per rollout rank]}``; ``epoch`` counts rollout-pool replacements)::
+per rollout rank]}``; ``epoch`` numbers the rollout pools: it counts replacements and resizes)::
 
     record:  StreamRollout.take(step) ─► rollout.round_log(clear=True)  ─► rounds.jsonl   (a task, off the step)
     replay:  rollout.replay_rank_rounds(rounds of each rank)   each engine runs exactly its recorded rounds
@@ -22,10 +22,17 @@ What it refuses, before any worker starts (:class:`~asyncrl.pipelines.journaling
 what is missing and the fix): a journal written before rounds were recorded, or by an engine that
 schedules requests itself (vLLM); a run resumed or restarted part-way (a second journal segment: the
 regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
-was replaced (the replaced engines' rounds died with them) or resized (a ``resize`` record: the retired
-pool's last rounds and the points where its rows were handed over are not recorded); a rounds file that is
-missing, unreadable, or lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log
-records no agent sessions.
+was replaced (the replaced engines' rounds died with them: a pool epoch that no ``resize`` record started);
+a resized run whose retired pool's last rounds were not recorded (no ``retire`` record or no ``retired``
+line: a journal written before they were), or whose resize handed groups over mid-generation (the decoding
+step where each row stopped is not recorded, nor re-created); a rounds file that is missing, unreadable, or
+lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log records no agent sessions.
+
+Resized runs (``scale_rollout``, the autoscaler) whose resizes drained replay: each pool's rounds are its own
+(``rounds.jsonl`` lines by pool ``epoch``; a retired pool's last rounds in a ``"retired": true`` line written
+before it closed), and the journal's ``resize`` record stands where the new pool took over, among the
+``group`` and ``load`` records: the replay starts that pool there with its rounds, issues its load of the
+recorded version, sends the next records' calls to it, and closes the old pool once its groups finished.
 
 Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
 digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic
@@ -45,6 +52,8 @@ from asyncrl.pipelines.journaling.journal import JOURNAL, JournalData, JournalEr
 from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed
 from asyncrl.pipelines.journaling.rounds import ROUNDS, RoundFile, read_rounds, recording_rollout, records_rounds
 from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
+from asyncrl.pipelines.loop.deadlines import with_deadlines
+from asyncrl.pipelines.loop.stages import Groups
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner
@@ -84,7 +93,7 @@ class StreamReplay(StreamRollout):
         source = trainer.journal.replay_source
         data = trainer.journal.replayed
         assert source is not None and data is not None
-        self._order, self._steps, self._drops, self._ranks = _plan(trainer.config, source, data)
+        self._order, self._steps, self._drops, self._pools = _plan(trainer.config, source, data)
 
     async def run(self) -> None:
         """Give each engine its rounds, then follow the journal's ``group`` and ``load`` records in order: issue
@@ -97,10 +106,13 @@ class StreamReplay(StreamRollout):
         assert groups is not None
         adm = _ReplayAdmission(cfg.prompts_per_step, cfg.trainer.max_staleness, 1 << 30, next_step=s.start_step)
         a = self._attempt = _Attempt(s, adm, [], 0)
-        await groups.rollout.replay_rank_rounds(self._ranks, [True] * len(self._ranks))
+        await groups.rollout.replay_rank_rounds(self._pools[0], [True] * len(self._pools[0]))
         await self._notify()
         async with anyio.create_task_group() as tg:
             for kind, n, v0 in self._order:
+                if kind == "resize":
+                    await self._resize(a, tg, n, v0)
+                    continue
                 if kind == "load":
                     await s.wait_for(lambda n=n: s.exports.get(n) is not None)
                     await tg.start(self._load, a, n, name=f"stream replay load {n}")
@@ -126,6 +138,46 @@ class StreamReplay(StreamRollout):
             del s.exports[old]  # a load issued later holds its own export already
         await self._notify()
 
+    async def _resize(self, a: _Attempt, tg: anyio.abc.TaskGroup, epoch: int, version: int) -> None:
+        """Re-create a recorded resize at its ``resize`` record: start pool `epoch` with its recorded rounds, issue
+        its load of `version`, and make it the pool the next records' calls go to; the old pool is closed once
+        its groups finished there (a drained resize: the journal's ``retire`` record)."""
+        tr = self._trainer
+        s, g = a.state, tr.groups
+        assert g is not None
+        rounds = self._pools[epoch]
+        part, pool = await tr.workers.start_rollout_part(len(rounds))
+        fresh = with_deadlines(Groups(rollout=part["rollout"], reward=part["reward"], policy=g.policy,
+                                      advantage=g.advantage), tr.config.trainer)
+        await fresh.rollout.replay_rank_rounds(rounds, [True] * len(rounds))
+        await s.wait_for(lambda: s.exports.get(version) is not None)
+        old_rollout = g.rollout
+        old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, len(rounds))
+        # the load first on the new pool's ordered lane, then the group calls after the record (its rounds
+        # hold the load until their first round needs it, as the original's did not need to)
+        await tg.start(self._load_into, a, fresh, version, name=f"stream replay pool {epoch} load {version}")
+        g.rollout, g.reward = fresh.rollout, fresh.reward
+        a.epoch = epoch
+        tg.start_soon(self._retire, a, old_rollout, old_part, old_pool, name=f"stream replay retire pool {epoch - 1}")
+
+    async def _load_into(self, a: _Attempt, groups: Groups, v: int, *,
+                         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Load version `v` into the new pool `groups` (issued before `task_status` returns)."""
+        tr, s = self._trainer, a.state
+        task_status.started()
+        with tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+            await tr.weights.load(groups, s.exports[v])
+        s.rollout_version = max(s.rollout_version, v)
+        await self._notify()
+
+    async def _retire(self, a: _Attempt, old_rollout: Any, part: Any, pool: Any) -> None:
+        """Close the replaced pool once its groups finished there."""
+        tr, s = self._trainer, a.state
+        await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
+        self.rehome_flights(a)
+        with anyio.CancelScope(shield=True):
+            await tr.workers.close_rollout_part(part, pool)
+
     async def take(self, step: int) -> RolloutBatch:
         """Step `step`'s batch: the journal's groups of that step, in its order, once they finished."""
         tr = self._trainer
@@ -141,9 +193,11 @@ class StreamReplay(StreamRollout):
 
 
 def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, int, int]], dict[int, list[int]],
-                                                                dict[int, list[int]], list[list[dict[str, Any]]]]:
-    """``(("group", index, v0) and ("load", version, 0) records in order, step -> groups, step -> dropped
-    groups, rounds per rank)`` of the journal at `source`, checked as the module docstring lists."""
+                                                                dict[int, list[int]],
+                                                                dict[int, list[list[dict[str, Any]]]]]:
+    """``(("group", index, v0), ("load", version, 0) and ("resize", pool epoch, version) records in order,
+    step -> groups, step -> dropped groups, pool epoch -> rounds per rank)`` of the journal at `source`, checked
+    as the module docstring lists."""
     journal = source / JOURNAL if source.is_dir() else source
     where = f"the journal {str(journal)!r}"
     if not records_rounds(cfg):
@@ -163,26 +217,36 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
     if not path.is_file():
         raise JournalError(f"{where} needs its round log {str(path)!r}, which is missing; put the run's {ROUNDS} back "
                            "next to its journal")
-    if data.resizes:
-        r = data.resizes[0]
-        raise JournalError(
-            f"{where}: its rollout pool was resized ({r['reason']}: {r['size_before']} -> {r['size_after']} workers "
-            f"after step {r['after_step']}), which cannot be replayed bit for bit: the retired pool's rounds after "
-            "its last step died with it, the decoding step at which each handed-over row stopped is not in its "
-            "round log, and the journal does not order the new pool's start and first weight load against the "
-            "group calls and loads; replay covers stream runs whose rollout pool kept its size")
-    chunks = sorted(read_rounds(path), key=lambda c: int(c["step"]))
+    sizes = {0: cfg.trainer.rollout_start}  # pool epoch -> its workers
+    chunks = read_rounds(path)  # (each pool's lines are in the order its rounds ran)
+    for r in data.resizes:
+        e = int(r["epoch"])
+        sizes[e] = int(r["size_after"])
+        what = (f"{where}: its rollout pool was resized ({r['reason']}: {r['size_before']} -> {r['size_after']} "
+                f"workers after step {r['after_step']}), which cannot be replayed bit for bit: ")
+        done = data.retires.get(e - 1)
+        if done is None or not any(c.get("retired") and int(c.get("epoch", -1)) == e - 1 for c in chunks):
+            raise JournalError(what + "the retired pool's rounds after its last step were not recorded (a journal "
+                               "written before resized runs recorded them, or a run that ended before the pool was "
+                               "closed); run it again with this version to get a replayable journal")
+        if done["handed_over"]:
+            raise JournalError(what + f"it handed prompt groups {done['handed_over']} over to the new pool mid-"
+                               "generation, and a replay does not re-create a hand-over yet (only drained "
+                               "resizes replay); raise trainer.rollout_drain_s so a resize drains")
     for c in chunks:
-        if c.get("lost") is not None or int(c.get("epoch", 0)) != 0:
+        if c.get("lost") is not None or int(c.get("epoch", 0)) not in sizes:
             raise JournalError(f"{where}: the rollout pool was replaced (or its rounds lost: {c.get('lost')}) by step "
                                f"{c['step']}, and the replaced engines' rounds died with them, so this run cannot be "
                                "replayed bit for bit")
-    n = len(chunks[0]["ranks"]) if chunks else 0
-    if any(len(c["ranks"]) != n for c in chunks) or n != cfg.trainer.rollout_start:
-        raise JournalError(f"{str(path)!r} holds rounds of {sorted({len(c['ranks']) for c in chunks})} rollout ranks, "
-                           f"the config has trainer.rollout_workers={cfg.trainer.rollout_workers}; restore the file "
-                           "the run wrote")
-    ranks: list[list[dict[str, Any]]] = [[r for c in chunks for r in c["ranks"][k]] for k in range(n)]
+    pools: dict[int, list[list[dict[str, Any]]]] = {}
+    for e, n in sizes.items():
+        mine = [c for c in chunks if int(c.get("epoch", 0)) == e]
+        if any(len(c["ranks"]) != n for c in mine):
+            raise JournalError(f"{str(path)!r} holds rounds of {sorted({len(c['ranks']) for c in mine})} ranks for "
+                               f"rollout pool {e}, which had {n} workers (trainer.rollout_workers="
+                               f"{cfg.trainer.rollout_workers}); restore the file the run wrote")
+        pools[e] = [[r for c in mine for r in c["ranks"][k]] for k in range(n)]
+    ranks = [r for e in sorted(pools) for r in pools[e]]  # (every pool's rounds, for the checks below)
     steps_done = data.end["steps"] if data.end is not None else len(data.steps)
     steps = {}
     for t in range(int(steps_done)):
@@ -204,6 +268,7 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
     drops: dict[int, list[int]] = {}
     for d in data.group_drops:
         drops.setdefault(int(d["at_version"]), []).append(int(d["index"]))
-    order = [("load", int(r["version"]), 0) if r["kind"] == "load" else ("group", int(r["index"]), int(r["version"]))
-             for r in data.stream_order]
-    return order, steps, drops, ranks
+    order = [("load", int(r["version"]), 0) if r["kind"] == "load" else
+             ("resize", int(r["epoch"]), int(r["version"])) if r["kind"] == "resize" else
+             ("group", int(r["index"]), int(r["version"])) for r in data.stream_order]
+    return order, steps, drops, pools

@@ -89,6 +89,7 @@ class _Attempt:
         self.handed: dict[int, dict[str, dict[str, Any]]] = {}  # group -> its rows handed over (request key -> row)
         self.handing: set[int] = set()  # groups whose hand-over call is in flight (their retry waits for it)
         self.carried: dict[int, int] = {}  # pool epoch -> tokens its hand-overs carried (Resize.kept_tokens)
+        self.stopped: dict[int, dict[int, dict[str, int]]] = {}  # pool epoch -> group -> row key -> tokens kept
 
 
 class StreamRollout:
@@ -170,16 +171,28 @@ class StreamRollout:
                 # now, it would hold its place there until the group's tokens exist, and an update
                 # issued meanwhile would wait for this group to finish generating. Issued once the
                 # generation finished (nothing is fetched), it never holds an update back.
-                await _finished(gen)
-                if elastic:  # a preemption notice raises here, not in a score call to the dying process
-                    await gen.select("version")
+                if elastic:  # a preemption notice raises here, at the told-to-stop rank's error (the other
+                    await gen.select("version")  # ranks' rows are then handed over), not in a score call
+                else:
+                    await _finished(gen)
                 sc = stages.score(groups, gen)
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
+                handing = g in a.handing
+                if handing:  # a hand-over of g is under way: its answer keeps the rows first (the same rows its
+                    await s.wait_for(lambda: g not in a.handing)  # ranks' errors carry, whole)
+                # a preemption notice's rows arrive with its error (less those this pool's hand-over kept)
+                done = a.stopped.get(epoch, {}).get(g, {})
+                self.keep_rows(a, g, {k: r for k, r in handed_rows(e).items() if k not in done}, epoch)
+                site = a.running.get(g)
+                if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
+                        and self._preempted(e, epoch)):
+                    # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those
+                    # over too (issued before any await, while the pool still takes calls)
+                    await self.scaler.hand_over_rest(a, site[0], g, epoch)
                 a.running.pop(g, None)
                 await self._notify()  # a drain waiting for the old pool to hold no group (nothing else may wake it)
-                self.keep_rows(a, g, handed_rows(e), epoch)  # a preemption notice's rows arrive with its error
                 await self._recover(a, e, epoch, g)
                 self.regenerated += 1
                 # the new engines' weights: at least v0; and the old pool's hand-over of g has returned
@@ -240,7 +253,7 @@ class StreamRollout:
         """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
         wait for the replacement), or raise `error` when it is not a rollout-pool fault."""
         tr = self._trainer
-        if (is_preemption(error) or self.scaler.preempting(epoch)) and await self.scaler.preempted(a, epoch, group):
+        if self._preempted(error, epoch) and await self.scaler.preempted(a, epoch, group):
             return  # the pool was resized away from the preempted worker; the caller issues its group again
         async with a.replacing:
             if a.epoch != epoch:
@@ -251,6 +264,10 @@ class StreamRollout:
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
         await self._notify()
+
+    def _preempted(self, error: Exception, epoch: int) -> bool:
+        """Whether `error` of pool `epoch` is a preemption notice's (or the told-to-stop process's exit)."""
+        return is_preemption(error) or self.scaler.preempting(epoch)
 
     @property
     def kept_tokens(self) -> int:
@@ -269,6 +286,7 @@ class StreamRollout:
         if not new:
             return
         kept.update(new)
+        a.stopped.setdefault(epoch, {}).setdefault(g, {}).update({k: len(r["ids"]) for k, r in new.items()})
         carried = sum(len(r["ids"]) for r in new.values())
         a.carried[epoch] = a.carried.get(epoch, 0) + carried
         self.handovers.append((g, {k: dict(r) for k, r in new.items()}))

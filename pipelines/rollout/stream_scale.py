@@ -188,28 +188,48 @@ class StreamScaler:
 
     async def _hand_over(self, a: Any, old_rollout: Any, late: list[int], epoch: int) -> None:
         """Hand the groups `late` over from `old_rollout`: their rows stop at the next decoding step and what
-        they decoded is kept for their retry (which waits for this); what the call does not stop (a rank gone,
-        ``HAND_OVER_S`` passed) is cancelled, and those rows are generated again from their seeds."""
+        they decoded is kept for their retry (which waits for this). Each rank answers on its own: the rows of a
+        rank that fails (gone, or a pool that takes no call) or does not answer within ``HAND_OVER_S`` are
+        generated again from their seeds (their calls are cancelled); the other ranks' rows are kept."""
         cfg = self._trainer.config
         by_seed = {batch_seed(cfg, g): g for g in late}
         a.handing.update(late)
+        rows: dict[int, dict[str, Any]] = {}
+        failed: list[str] = []
         try:
-            parts = await unwrap(old_rollout).hand_over.options(timeout=HAND_OVER_S)(sorted(by_seed))
-            rows: dict[int, dict[str, Any]] = {}
-            for rank in parts:  # a group's rows are split between the ranks
-                for seed, mine in rank.items():
-                    if int(seed) in by_seed:
-                        rows.setdefault(by_seed[int(seed)], {}).update(mine)
+            call = unwrap(old_rollout).hand_over(sorted(by_seed))  # (issued before any await)
+            answered: set[int] = set()
+            with anyio.move_on_after(HAND_OVER_S):
+                async for rank, part in call.as_completed(return_exceptions=True):  # each rank on its own
+                    answered.add(rank)
+                    if isinstance(part, Exception):  # a rank gone (a preempted process): its rows start over
+                        failed.append(f"rank {rank}: {type(part).__name__}: {part}"[:200])
+                        continue
+                    for seed, mine in part.items():  # a group's rows are split between the ranks
+                        if int(seed) in by_seed:
+                            rows.setdefault(by_seed[int(seed)], {}).update(mine)
+            late_ranks = [r for r in call.ranks if r not in answered]
+            if late_ranks:  # past HAND_OVER_S: those ranks' rows start over
+                call.cancel()
+                failed.append(f"ranks {late_ranks}: no answer within {HAND_OVER_S:g} s")
+        except Exception as e:  # noqa: BLE001 - the call could not be issued (a broken pool): rows start over
+            failed.append(f"{type(e).__name__}: {e}"[:300])
+        finally:
             for g, got in sorted(rows.items()):
                 self._rollout.keep_rows(a, g, got, epoch)
-        except Exception as e:  # noqa: BLE001 - a rank gone: its rows start over from their seeds
-            log.warning("trainer.hand_over_failed", groups=late, error=f"{type(e).__name__}: {e}"[:300])
-        finally:
+            if failed:
+                log.warning("trainer.hand_over_failed", groups=late, errors=failed)
             a.handing.difference_update(late)
             for k in late:
                 if k in a.running:
                     a.running[k][1].cancel()  # whatever the hand-over did not stop: _group issues it again
             await self._rollout.notify()
+
+    async def hand_over_rest(self, a: Any, rollout: Any, group: int, epoch: int) -> None:
+        """Group `group`'s call on pool `epoch` (`rollout`) ended on a preemption notice of one of its ranks, whose
+        rows came back with the notice: hand its rows on the other ranks over as well (each rank on its own; a
+        rank that fails or does not answer within ``HAND_OVER_S`` leaves its rows to start over)."""
+        await self._hand_over(a, rollout, [group], epoch)
 
     def size(self) -> int:
         """Workers in the rollout pool now."""
@@ -264,6 +284,9 @@ class StreamScaler:
         self._noticed = [(e, k) for e, k in self._noticed if e > old_epoch]
         rec.drained, rec.handed_over = sorted(on_old - set(late)), sorted(set(late) | noticed)
         rec.drain_s = time.perf_counter() - t1
+        # its last rounds (since the last step's fetch) go to the round log before they die with it
+        await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
+                                 rows=a.stopped.pop(old_epoch, {}))
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)

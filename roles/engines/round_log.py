@@ -15,7 +15,9 @@ The replay forms each recorded round from its keys in the recorded batch order (
 they are all submitted), runs each segment for its recorded number of decode steps under its
 recorded version, and holds a pause (a weight update) until the next segment needs a newer
 version -- so the caller performs the same updates in the same order and they land where they
-landed. Requests sample from their own seeded generators, so the tokens, log-probs and versions
+landed. While it waits for the next round's requests, an update that round needs may land (the
+recording loaded it before that round as well), so an update of several replaying ranks never waits
+for a rank that is idle until later requests come. Requests sample from their own seeded generators, so the tokens, log-probs and versions
 come out bit-identical (same machine, same thread count; tested on CPU).
 
 Failure cases (each raises, never hangs):
@@ -110,23 +112,43 @@ class ReplayBatcher(RequestBatcher):
         assert self._wakeup is not None
         lock = self._lock()
         grants, ended = self._events()
+        granted = False  # a pause granted and not ended yet (one at a time: the updates land one by one)
         for rec in self._script:
+            first = rec.segments[0][0] if rec.segments else 0
             while not all(k in self._by_key for k in rec.keys):
                 self._by_key.update({r.key: r for r in self._waiting})
                 self._waiting.clear()
                 if all(k in self._by_key for k in rec.keys):
                     break
+                if granted and ended.is_set():
+                    granted = False
+                if not granted and int(self.version_fn()) < first:
+                    # idle until the round's requests come: an update it needs may land meanwhile (the recording
+                    # loaded it before that round too), so a load on several ranks waits for none of them
+                    ended.clear()
+                    grants.release()
+                    granted = True
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                waits = [asyncio.ensure_future(self._wakeup.wait())]
+                if granted:
+                    waits.append(asyncio.ensure_future(ended.wait()))
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
             batch = [self._by_key[k] for k in rec.keys]
             self._active = batch
             rnd: _Round | None = None
             try:
                 for version, steps in rec.segments:
                     while int(self.version_fn()) < version:  # the next weight update lands here
-                        ended.clear()
-                        grants.release()
+                        if not granted:
+                            ended.clear()
+                            grants.release()
+                        granted = True
                         await ended.wait()
+                        granted = False
                     if int(self.version_fn()) > version:
                         raise ReplayDivergedError(
                             f"the replayed round of {rec.keys[:3]}... ran under version {version} but the weights "

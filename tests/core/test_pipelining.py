@@ -125,6 +125,18 @@ async def test_streaming_yields_each_ranks_result(groups):
     assert seen == {0: [0, 2, 4], 1: [6, 8, 10], 2: [12, 14, 16], 3: [18]}
 
 
+async def test_streaming_with_return_exceptions_yields_a_failed_ranks_error_beside_the_others(groups):
+    four, _ = groups
+    seen = {}
+    async for rank, part in four.boom_on_rank(batch(8), 2).as_completed(return_exceptions=True):
+        seen[rank] = part if isinstance(part, Exception) else part["x"].tolist()
+    assert [seen[r] for r in (0, 1, 3)] == [[0, 1], [2, 3], [6, 7]]
+    assert isinstance(seen[2], RemoteError) and seen[2].rank == 2 and "rank 2 failed" in str(seen[2])
+    with pytest.raises(RemoteError, match="rank 2 failed"):  # without it, the first error ends the stream
+        async for _ in four.boom_on_rank(batch(8), 2).as_completed():
+            pass
+
+
 async def test_loop_stays_responsive_with_10000_calls_in_flight(ray_cluster):
     """10,000 calls on one worker: a heartbeat task keeps running while they resolve."""
     async with RayWorkerGroup(Probe, world_size=1, name="busy") as wg:

@@ -4,8 +4,11 @@ The rows of a stalled pool decode exactly ``HELD`` tokens each and then wait (de
 takes them. A shrink 2 -> 1 past ``trainer.rollout_drain_s``, a real SIGTERM and ``preempt_rollout`` each hand
 them over: every handed-over row's final tokens begin with exactly the tokens decoded before (ids, behaviour
 log-probs and versions), the new pool decodes only the rest, and the run completes every step, trains every
-group once, within the staleness bound. Failure path: the new pool's process dies while it continues them; its
-replacement continues them again from the same tokens."""
+group once, within the staleness bound. In a pool of two, a SIGTERM to one rank brings its rows back with its
+notice and the other rank's through ``hand_over``: both ranks' rows keep their tokens. Failure paths: the new
+pool's process dies while it continues them (its replacement continues them again from the same tokens); a rank
+that cannot answer its hand-over (its rows start over from their seeds, the other rank's keep their tokens); a
+hand-over that fails on every rank."""
 
 from __future__ import annotations
 
@@ -197,8 +200,15 @@ async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_conti
     run = tmp_path / "run"
     assert [(r["size_before"], r["size_after"], r["reason"], r["epoch"]) for r in read_journal(run).resizes] == [
         (1, 2, "scale", 1), (2, 1, "scale", 2)]
+    data = read_journal(run)
+    assert [(r["epoch"], r["handed_over"]) for r in data.retires.values()] == [
+        (0, resizes[0].handed_over), (1, resizes[1].handed_over)]
+    # each handed-over row's decoding step (tokens kept) is journaled with the pool that stopped it
+    kept = {k: len(r["ids"]) for _, rows in tr.rollout.handovers for k, r in rows.items()}
+    assert {k: n for r in data.retires.values() for rows in r["rows"].values() for k, n in rows.items()} == kept
     with pytest.raises(JournalError, match=r"resized \(scale: 1 -> 2 workers after step \d\), which cannot be "
-                                           r"replayed bit for bit: the retired pool's rounds"):
+                                           r"replayed bit for bit: it handed prompt groups \[[\d, ]+\] over to the "
+                                           r"new pool mid-generation"):
         GRPOTrainer(replay_config(run)[0], replay=run)
 
 
@@ -230,6 +240,112 @@ async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_
     assert after_sigterm >= 1 and len(tr.rollout.handovers) > after_sigterm  # each notice kept tokens
     assert _check_continued(tr, cfg, calls, second | third) >= 2
     assert all(r.kept_tokens >= HELD for r in resizes)
+
+
+async def _held_on_every_rank(calls: Path, pids: set[int]) -> None:
+    """Until some group has rows held on each process of `pids` (so a notice finds tokens on every rank)."""
+    async with asyncio.timeout(60):
+        while True:
+            held: dict[str, set[int]] = {}
+            for c in _calls(calls):
+                for k in c.get("held", ()):
+                    held.setdefault(k.split(":")[0], set()).add(c["pid"])
+            if any(pids <= p for p in held.values()):  # (a group may have been held on an earlier pool too)
+                return
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.slow  # one streaming run with two 2-worker rollout pools: 50-70 s on the loaded 2-core machine
+async def test_a_sigterm_to_one_rank_of_two_hands_over_every_ranks_rows_with_their_tokens(ray_cluster, tmp_path):
+    calls, hang, stall, cfg, overrides = _stalling_run(tmp_path, rollout_workers="2..3", rollout_placement=[2])
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> tuple[int, set[int], set[int]]:
+            await _history_reaches(tr, 1)
+            old = await _stall_pool(tr, stall, calls)
+            await _held_on_every_rank(calls, old)
+            told = min(old)
+            os.kill(told, signal.SIGTERM)  # one rank of two: its rows come back in its PreemptedError, the
+            async with asyncio.timeout(120):  # other rank's from its hand_over
+                while len(tr.rollout.scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
+            return told, old, set(await tr.groups.rollout.pid())
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (told, old, new) = fit.result(), task.result()
+        [rec] = tr.rollout.scaler.resizes
+        assert tr.restarts == []  # a preemption is no fault
+    assert (rec.size_before, rec.size_after, rec.reason) == (2, 2, "preempt")  # the range's minimum: as large
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    # every row held on either rank of the old pool was handed over with exactly its HELD tokens
+    kept: dict[str, dict[str, Any]] = {}
+    for _, rows in tr.rollout.handovers:
+        kept.update(rows)
+    held = {pid: {k for c in _calls(calls) if c.get("pid") == pid for k in c.get("held", ())} for pid in old}
+    assert all(held.values()) and set(held) == old
+    for pid, keys in held.items():
+        assert {len(kept[k]["ids"]) for k in keys} == {HELD}, (pid == told, keys - set(kept))
+    # and each continued, on the new pool, from exactly those tokens (ids, log-probs, versions) on both of its ranks
+    assert _check_continued(tr, cfg, calls, new) >= sum(len(k) for k in held.values())
+    assert len(new) == 2 and new.isdisjoint(old) and rec.kept_tokens == tr.rollout.kept_tokens
+    # the journal records each row's decoding step at the hand-over; a replay refuses the run (one line)
+    [retire] = read_journal(tmp_path / "run").retires.values()
+    assert {k: n for rows in retire["rows"].values() for k, n in rows.items()} == {
+        k: len(r["ids"]) for k, r in kept.items()}
+    with pytest.raises(JournalError, match=r"resized \(preempt: 2 -> 2 workers after step \d\), which cannot be "
+                                           r"replayed bit for bit: it handed prompt groups"):
+        GRPOTrainer(replay_config(tmp_path / "run")[0], replay=tmp_path / "run")
+
+
+class RankOneFailsHandOverRollout(StallingRollout):
+    """A rollout worker whose rank 1 cannot answer ``hand_over`` (its rank 0 can)."""
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def hand_over(self, seeds):
+        if self.rank == 1:
+            raise RuntimeError("rank 1 cannot hand its rows over")
+        return await super().hand_over(seeds)
+
+
+@pytest.mark.slow  # one streaming run with three 2-worker rollout pools: 40-80 s on the loaded 2-core machine
+async def test_a_rank_that_cannot_hand_over_leaves_its_rows_to_start_over_and_the_others_keep_their_tokens(
+        ray_cluster, tmp_path):
+    calls, hang, stall, cfg, overrides = _stalling_run(tmp_path, RankOneFailsHandOverRollout,
+                                                       rollout_workers="2..3", rollout_placement=[2])
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> list[list[int]]:
+            await _history_reaches(tr, 1)
+            first = list(await tr.groups.rollout.pid())  # in rank order
+            await _stall_pool(tr, stall, calls)
+            await _held_on_every_rank(calls, set(first))
+            stall.write_text("*")  # the next pool holds its rows from its first round (on both of its ranks)
+            os.kill(first[0], signal.SIGTERM)  # rank 0's rows come back with its notice; rank 1's hand-over fails
+            async with asyncio.timeout(120):
+                while len(tr.rollout.scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
+            second = list(await tr.groups.rollout.pid())
+            await _stall_pool(tr, stall, calls)  # (only this pool from now on: the next one decodes freely)
+            await _held_on_every_rank(calls, set(second))
+            await tr.preempt_rollout(0)  # the API's notice: rank 0 answers its hand-over, rank 1 fails to
+            return [first, second, list(await tr.groups.rollout.pid())]
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, pools = fit.result(), task.result()
+        resizes = tr.rollout.scaler.resizes
+        assert tr.restarts == []
+    assert [(r.size_before, r.size_after, r.reason) for r in resizes] == [(2, 2, "preempt"), (2, 2, "preempt")]
+    assert len(history) == STEPS and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
+    log = _calls(calls)
+    for old in pools[:2]:  # for each notice: rank 0's held rows kept exactly their tokens, rank 1's started over
+        held = [{k for c in log if c.get("pid") == pid for k in c.get("held", ())} for pid in old]
+        kept = {k: r for _, rows in tr.rollout.handovers for k, r in rows.items() if k in held[0] | held[1]}
+        assert held[0] and held[1] and set(kept) == held[0] and {len(r["ids"]) for r in kept.values()} == {HELD}
+    assert _check_continued(tr, cfg, calls, set(pools[1]) | set(pools[2])) >= 2
 
 
 @pytest.mark.slow  # one streaming run, a preemption and a replaced pool: 40-50 s on the loaded 2-core machine

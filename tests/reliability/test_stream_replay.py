@@ -12,7 +12,9 @@ journal's admissions and step groups while the engines re-run their recorded rou
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -102,9 +104,10 @@ def test_a_stream_partial_rollout_run_replays_bit_for_bit(ray_cluster, tmp_path)
 
 
 def write_journal(run: Path, cfg, *, rounds: bool = True, segments: int = 1, chunks: list[dict] | None = None,
-                  rounds_file: bool = True, resize: bool = False) -> None:
+                  rounds_file: bool = True, resize: bool = False, retire: dict | None = None) -> None:
     """A stream journal of one step that trained groups 0 and 1 (and its rounds file); with `resize`, a new
-    rollout pool of one worker took over from two after step 0 (stream_scale.py)."""
+    rollout pool of one worker took over from two after step 0 (stream_scale.py), and `retire` is the old pool's
+    ``retire`` record, when given."""
     header = {"kind": "run", "fingerprint": config_fingerprint(cfg), "config": to_dict(cfg), "start_step": 0,
               "next_gen": 0}
     if rounds:
@@ -114,6 +117,7 @@ def write_journal(run: Path, cfg, *, rounds: bool = True, segments: int = 1, chu
     recs += [{**header, "start_step": 1}] * (segments - 1)
     recs += [{"kind": "resize", "size_before": 2, "size_after": 1, "reason": "scale", "version": 0, "epoch": 1,
               "after_step": 0}] if resize else []
+    recs += [{"kind": "retire", "epoch": 0, **retire}] if retire is not None else []
     recs += [{"kind": "step", "step": 0, "batch": 0, "version": 0, "groups": [0, 1]},
              {"kind": "end", "steps": 1, "weights_sha256": "x"}]
     run.mkdir(parents=True, exist_ok=True)
@@ -127,11 +131,12 @@ def write_journal(run: Path, cfg, *, rounds: bool = True, segments: int = 1, chu
 
 ALL_KEYS = [f"{g}:{j}" for g in (0, 1) for j in range(4)]
 RESIZED = ("journal.jsonl': its rollout pool was resized \\(scale: 2 -> 1 workers after step 0\\), which cannot be "
-           "replayed bit for bit: the retired pool's rounds after its last step died with it, the decoding step at "
-           "which each handed-over row stopped is not in its round log, and the journal does not order the new "
-           "pool's start and first weight load against the group calls and loads; replay covers stream runs whose "
-           "rollout pool kept its size$")
-"""The refusal of a resized stream run (the whole line after the journal's path)."""
+           "replayed bit for bit: ")
+"""The start of the refusal of a resized stream run (after the journal's path)."""
+OLD_POOL = {"step": 0, "epoch": 0, "ranks": [[{"keys": ALL_KEYS[:4], "segments": [[0, 2]]}]]}
+"""Pool 0's rounds (one rank: the config's): group 0's rows, fetched after step 0."""
+NEW_POOL = {"step": 0, "epoch": 1, "ranks": [[{"keys": ALL_KEYS[4:], "segments": [[0, 2]]}]]}
+"""Pool 1's rounds (one rank): group 1's rows."""
 
 
 @pytest.mark.parametrize("case, match", [
@@ -144,8 +149,23 @@ RESIZED = ("journal.jsonl': its rollout pool was resized \\(scale: 2 -> 1 worker
      "rollout pool was replaced"),
     ({"chunks": [{"step": 0, "epoch": 0, "ranks": None, "lost": "ActorDiedError: gone"}]},
      "rounds lost: ActorDiedError"),
-    ({"resize": True, "chunks": [{"step": 0, "epoch": 1, "ranks": [[{"keys": ALL_KEYS, "segments": [[0, 2]]}]]}]},
-     RESIZED),
+    ({"resize": True, "chunks": [OLD_POOL, NEW_POOL]},  # a journal written before retired pools' rounds were
+     RESIZED + "the retired pool's rounds after its last step were not recorded \\(a journal written before "
+     "resized runs recorded them, or a run that ended before the pool was closed\\); run it again with this "
+     "version to get a replayable journal$"),
+    ({"resize": True, "retire": {"drained": [0], "handed_over": []}, "chunks": [OLD_POOL, NEW_POOL]},
+     RESIZED + "the retired pool's rounds after its last step were not recorded"),  # its retired line is missing
+    ({"resize": True, "retire": {"drained": [], "handed_over": [0]},
+      "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "retired": True}]},
+     RESIZED + "it handed prompt groups \\[0\\] over to the new pool mid-generation, and a replay does not "
+     "re-create a hand-over yet \\(only drained resizes replay\\); raise trainer.rollout_drain_s so a resize "
+     "drains$"),
+    ({"resize": True, "retire": {"drained": [0], "handed_over": []},
+      "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "ranks": [[], []], "retired": True}]},
+     "holds rounds of \\[1, 2\\] ranks for rollout pool 0, which had 1 workers"),
+    ({"resize": True, "retire": {"drained": [0], "handed_over": []},
+      "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "retired": True}, {**NEW_POOL, "epoch": 2}]},
+     "rollout pool was replaced"),  # a pool epoch no resize started: a fault replaced it
 ])
 def test_a_stream_journal_that_cannot_be_replayed_is_refused_before_workers_start(tmp_path, case, match):
     cfg = stream_cfg(tmp_path / "out")
@@ -159,6 +179,16 @@ def test_a_complete_stream_journal_is_accepted(tmp_path):
     write_journal(tmp_path / "run", cfg)
     trainer = GRPOTrainer(cfg, replay=tmp_path / "run")
     assert trainer.journal.replaying and type(trainer.rollout).__name__ == "StreamReplay"
+
+
+def test_a_drained_resize_is_planned_as_a_new_pool_at_its_place_with_each_pools_own_rounds(tmp_path):
+    cfg = stream_cfg(tmp_path / "out")
+    retired = {**OLD_POOL, "ranks": [[{"keys": ["0:0"], "segments": [[0, 1]]}]], "retired": True}
+    write_journal(tmp_path / "run", cfg, resize=True, retire={"drained": [0], "handed_over": []},
+                  chunks=[OLD_POOL, NEW_POOL, retired])
+    rollout = GRPOTrainer(cfg, replay=tmp_path / "run").rollout
+    assert rollout._order == [("group", 0, 0), ("group", 1, 0), ("resize", 1, 0)]
+    assert rollout._pools == {0: [OLD_POOL["ranks"][0] + retired["ranks"][0]], 1: NEW_POOL["ranks"]}
 
 
 @pytest.mark.slow
@@ -234,3 +264,80 @@ def test_a_gateway_stream_run_replays_when_its_agent_is_deterministic_and_fails_
         with pytest.raises(Exception, match=r"request 1 of session '\d+:\d+' differs from the recorded one .* not a "
                                             r"deterministic function of the responses it received"):
             asyncrl.run(replay(run))
+
+
+class GatedRollout(SlowDecodeRollout):
+    """A :class:`SlowDecodeRollout` whose group calls wait before they start while its process is listed in the
+    `gate` file (what the calls compute does not change: their requests have not started)."""
+
+    def __init__(self, *args: Any, gate: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate_file = gate
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
+        while os.path.exists(self._gate_file) and str(os.getpid()) in Path(self._gate_file).read_text().split():
+            await asyncio.sleep(0.02)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+
+
+async def _resize_while_gated(tr, gate: Path, n: int) -> None:
+    """Resize the rollout pool to `n` while the old pool's calls wait at their gate (so the run cannot end before
+    the new pool takes over), and open the gate once it took over (the old pool's groups then drain)."""
+    gate.write_text(" ".join(map(str, await tr.groups.rollout.pid())))
+    old = tr.workers.parts[0]
+    scale = asyncio.ensure_future(tr.scale_rollout(n))
+    async with asyncio.timeout(120):
+        while tr.workers.parts[0] is old and not scale.done():
+            await asyncio.sleep(0.02)
+    gate.write_text("")
+    await scale
+
+
+@pytest.mark.slow  # a streaming run with three rollout pools and its replay: about 90 s on 2 loaded cores
+async def test_a_stream_run_resized_1_2_1_with_drains_replays_bit_for_bit(ray_cluster, tmp_path):
+    """``scale_rollout(2)`` then ``scale_rollout(1)`` mid-run, each draining the old pool's groups (no hand-over):
+    the retired pools' last rounds are in the round log and the journal places each new pool among the group
+    calls and loads, so the replay starts the pools where the run did and regenerates every token, behaviour
+    log-prob and version, with the same final weights."""
+    run = tmp_path / "run"
+    cfg = stream_cfg(run)
+    cfg.trainer.rollout_workers, cfg.trainer.rollout_placement = "1..2", [1]
+    cfg.trainer.rollout_drain_s = 120.0  # each resize drains: nothing is handed over
+    cfg.trainer.steps = steps = 10
+    cfg = cfg.validate()
+    gate = tmp_path / "gate"
+    overrides = {"rollout": (GatedRollout, {"delay_seed": 9, "max_delay": 0.06, "gate": str(gate)}),
+                 "policy": (DelayedPolicy, {"delay_seed": 10, "max_delay": 0.4}),
+                 "advantage": (TokenRecorder, {"path": str(tmp_path / "original.jsonl")})}
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> None:
+            while len(tr.history) < 1:
+                await asyncio.sleep(0.02)
+            await _resize_while_gated(tr, gate, 2)
+            while len(tr.history) < 4:
+                await asyncio.sleep(0.02)
+            await _resize_while_gated(tr, gate, 1)
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, resizes = fit.result(), tr.rollout.scaler.resizes
+    assert [r["step"] for r in history] == list(range(steps))
+    assert [(r.size_before, r.size_after, r.handed_over) for r in resizes] == [(1, 2, []), (2, 1, [])]
+    data = read_journal(run)
+    assert [(r["epoch"], r["drained"], r["handed_over"]) for r in data.retires.values()] == [
+        (0, resizes[0].drained, []), (1, resizes[1].drained, [])]
+    lines = read_rounds(run / "rounds.jsonl")
+    assert [(c["epoch"], len(c["ranks"])) for c in lines if c.get("retired")] == [(0, 1), (1, 2)]
+    assert {c["epoch"] for c in lines} == {0, 1, 2}
+
+    result = await replay(run, worker_overrides={
+        "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})})
+    assert result.metric_differences == [] and result.identical
+    assert result.weights_sha256 == result.original_weights_sha256 is not None  # the final weights, bit for bit
+    assert trained(tmp_path / "replayed.jsonl") == trained(tmp_path / "original.jsonl")  # tokens, log-probs, versions

@@ -599,7 +599,7 @@ class PolicyWorker(_Trainable, WeightSource):
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 agg = dict(loss_agg_mode=cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
                            loss_scale_factor=cfg.loss_scale_factor or mb["response_mask"].shape[1])
-                self.optimizer.zero_grad(set_to_none=True)
+                self.engine.zero_grad(self.optimizer)
                 micros = split_micro_batches(mb, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.dp,
                                              "actor.max_tokens_per_micro_batch")
                 for i, (_, b) in enumerate(micros):

@@ -7,12 +7,19 @@
 ``fsdp2``
     torch's FSDP2 (``fully_shard``) per decoder layer and at the root, over a mesh of the group's
     ranks (gloo on CPU, NCCL on GPUs): each rank keeps 1/N of the parameters, gradients and
-    optimizer state, and all-gathers a layer's parameters just before it computes. On a GPU with
+    optimizer state, and all-gathers a layer's parameters just before it computes. The last decoder layer and
+    the root stay gathered from their forward to their backward, which needs them first (torchtitan's policy; a
+    forward without autograd reshards them). On a GPU with
     bf16 autocast, parameters are all-gathered in bf16 and gradients reduced in fp32. Over gloo (CPU)
     FSDP2's all-gather and reduce-scatter are direct sends between the ranks (``_ExchangeAllGather``,
     ``_ExchangeReduceScatter``): gloo's own ran a decoder layer's shards at about a third of that speed on
-    one machine. Each micro-batch reduce-scatters its gradient into the sharded sum (no whole gradient is
-    kept across micro-batches, unlike DDP's ``no_sync``: fsdp2 is chosen for memory).
+    one machine. Gradients are reduce-scattered once per optimizer step, in the last micro-batch's backward, as
+    DDP all-reduces them (``set_requires_gradient_sync``): until then each rank accumulates each layer's whole
+    gradient (a replica's gradient bytes; parameters and optimizer state stay sharded).
+
+A micro-batch that raises fails the step and leaves nothing of it behind (DDP's reducer reset, FSDP2's
+``reset_iter_state`` and its unsynced whole gradients dropped, no collective): the next step runs as if the
+failed one never had.
 
 Both keep the loss's math: every micro-batch's loss is its share of the *global* loss (global
 token and sequence denominators), so gradients are **summed** over ranks, never averaged (DDP gets a
@@ -117,6 +124,8 @@ class TrainStrategy:
         """The model itself (its state dict has the model's own names); FSDP2's shards live in it."""
         self._ddp: nn.Module | None = None
         self.sharded = False
+        self._units: list[nn.Module] = []
+        self._kept: list[nn.Module] = []
         layers = decoder_layers(model) if strategy == "fsdp2" else []
         if strategy == "fsdp2" and not layers:  # (checked at one rank too: the config must work at any count)
             raise ValueError(
@@ -144,17 +153,31 @@ class TrainStrategy:
         mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp is not None else MixedPrecisionPolicy()
         kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
                                   reshard_after_forward=reshard_after_forward)
-        for layer in layers:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
+        del kw["reshard_after_forward"]
+        # torchtitan's policy: the last layer and the root are the first the backward needs, so they stay gathered
+        # from their forward to it (no second all-gather); a no-grad forward reshards them (_reshard_kept)
+        for i, layer in enumerate(layers):
+            fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kw)
+        fully_shard(model, reshard_after_forward=False, **kw)
         exchange = self.dp.backend == "gloo"
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_gradient_divide_factor(1.0)  # each rank's loss is its share of the global one: sum
-                m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; NCCL is fine)
-                if exchange:
-                    m.set_custom_all_gather(_ExchangeAllGather())
-                    m.set_custom_reduce_scatter(_ExchangeReduceScatter())
+        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in self._units:
+            m.set_gradient_divide_factor(1.0)  # each rank's loss is its share of the global one: sum
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; NCCL is fine)
+            if exchange:
+                m.set_custom_all_gather(_ExchangeAllGather())
+                m.set_custom_reduce_scatter(_ExchangeReduceScatter())
+        self._kept = [layers[-1], model] if reshard_after_forward else list(self._units)
+        # registered after fully_shard's own hooks, so it runs after the root's post-forward
+        model.register_forward_hook(self._reshard_kept)
+
+    def _reshard_kept(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After a forward without autograd (log-probs, values, evaluation) no backward will reshard the units kept
+        gathered after their forward: reshard them, so that between calls every rank holds shards only (what the
+        weight sync, the checksums and a checkpoint read)."""
+        if not torch.is_grad_enabled():
+            for unit in self._kept:
+                unit.reshard()  # type: ignore[operator]
 
     @property
     def forward_module(self) -> nn.Module:
@@ -163,13 +186,56 @@ class TrainStrategy:
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
-        """Around one micro-batch's forward and backward: DDP syncs gradients only in the `last` one
-        (FSDP2 reduce-scatters each micro-batch's gradient into the sharded sum, keeping no whole gradient)."""
-        if self._ddp is not None and not last:
-            with self._ddp.no_sync():  # type: ignore[operator]
+        """Around one micro-batch's forward and backward. Gradients are summed over the ranks once per optimizer
+        step, in the `last` micro-batch's backward: DDP's ``no_sync`` before it, and under FSDP2 no reduce-scatter
+        before it (``set_requires_gradient_sync``: each layer's whole gradient accumulates on every rank until
+        then). A micro-batch that raises leaves no gathered parameter and no FSDP2 state of the failed step behind
+        (:meth:`zero_grad` drops its gradients): the next step runs as if the failed one never had."""
+        if self._ddp is not None:
+            try:
+                with self._ddp.no_sync() if not last else contextlib.nullcontext():  # type: ignore[operator]
+                    yield
+            except BaseException:
+                # a backward that raised mid-reduction leaves DDP's reducer waiting for the rest of its buckets,
+                # and the next forward refuses to start: reset it as DDP's own _update_process_group does
+                self._ddp.reducer._reset_state()  # type: ignore[union-attr, operator]
+                raise
+        elif self.sharded:
+            self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
+            try:
                 yield
+            except BaseException:
+                self._abandon_step()
+                raise
         else:
             yield
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop every gradient before an optimizer step's micro-batches: the optimizer's (the shards' under FSDP2)
+        and FSDP2's whole gradients that a failed step accumulated without syncing them."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.sharded:
+            self._drop_unsynced_grads()
+
+    def _abandon_step(self) -> None:
+        """After a forward or backward raised mid-step: FSDP2 reshards every unit and forgets the step's
+        collectives and hooks (``reset_iter_state``, on the root), and the whole gradients it accumulated without a
+        reduce-scatter are dropped. No collective: a rank that failed alone does not wait for the others here."""
+        self.module.reset_iter_state()  # type: ignore[operator]
+        self._drop_unsynced_grads()
+
+    def _drop_unsynced_grads(self) -> None:
+        """FSDP2 keeps the gradient of a micro-batch run without gradient sync whole, on its unsharded parameter
+        (``unsharded_accumulated_grad`` under mixed precision), until a synced backward reduce-scatters it; torch
+        offers no call that drops it (``reset_iter_state`` keeps it, the optimizer's ``zero_grad`` sees the shards
+        only), so it is cleared here on each FSDP2 parameter."""
+        for unit in self._units:
+            for group in unit._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    unsharded = getattr(param, "_unsharded_param", None)  # created by the first all-gather
+                    if unsharded is not None:
+                        unsharded.grad = None
 
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """The total gradient norm over every rank's gradient (before clipping); clips in place when

@@ -36,6 +36,7 @@ rank runs in the same order, so no rank ever holds the whole gathered model at o
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator, Literal, Mapping
 
 import torch
@@ -103,13 +104,15 @@ class TrainStrategy:
         dp: the group's collectives (its process group is the one the model is spread over).
         strategy: ``ddp`` or ``fsdp2``.
         offload: ``fsdp2`` only: keep the shards and optimizer state in CPU memory between uses.
-        reshard_after_forward: ``fsdp2`` only: free a layer's gathered parameters after its forward.
+        reshard_after_forward: ``fsdp2`` only: free a layer's gathered parameters after its forward (all but the
+            last layer and the root, which the backward needs first).
+        reduce_every_micro_batch: ``fsdp2`` only: reduce-scatter every micro-batch's gradient, not the step's once.
         who: the role's name, for errors.
     """
 
     def __init__(self, model: nn.Module, placement: Placement, dp: DataParallel, strategy: str = "ddp", *,
-                 offload: bool = False, reshard_after_forward: bool = True, trainable: bool = True,
-                 who: str = "the role") -> None:
+                 offload: bool = False, reshard_after_forward: bool = True, reduce_every_micro_batch: bool = False,
+                 trainable: bool = True, who: str = "the role") -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"{who}: strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if offload and strategy != "fsdp2":
@@ -126,6 +129,7 @@ class TrainStrategy:
         self.sharded = False
         self._units: list[nn.Module] = []
         self._kept: list[nn.Module] = []
+        self._reduce_each = reduce_every_micro_batch
         layers = decoder_layers(model) if strategy == "fsdp2" else []
         if strategy == "fsdp2" and not layers:  # (checked at one rank too: the config must work at any count)
             raise ValueError(
@@ -189,8 +193,9 @@ class TrainStrategy:
         """Around one micro-batch's forward and backward. Gradients are summed over the ranks once per optimizer
         step, in the `last` micro-batch's backward: DDP's ``no_sync`` before it, and under FSDP2 no reduce-scatter
         before it (``set_requires_gradient_sync``: each layer's whole gradient accumulates on every rank until
-        then). A micro-batch that raises leaves no gathered parameter and no FSDP2 state of the failed step behind
-        (:meth:`zero_grad` drops its gradients): the next step runs as if the failed one never had."""
+        then), unless ``reduce_every_micro_batch``. A micro-batch that raises leaves no gathered parameter and no
+        FSDP2 state of the failed step behind (:meth:`zero_grad` drops its gradients): the next step runs as if the
+        failed one never had."""
         if self._ddp is not None:
             try:
                 with self._ddp.no_sync() if not last else contextlib.nullcontext():  # type: ignore[operator]
@@ -201,7 +206,7 @@ class TrainStrategy:
                 self._ddp.reducer._reset_state()  # type: ignore[union-attr, operator]
                 raise
         elif self.sharded:
-            self.module.set_requires_gradient_sync(last)  # type: ignore[operator]
+            self.module.set_requires_gradient_sync(last or self._reduce_each)  # type: ignore[operator]
             try:
                 yield
             except BaseException:
@@ -266,21 +271,63 @@ class TrainStrategy:
         if not self.sharded:
             yield list(sources)
             return
-        from torch.distributed.fsdp import FSDPModule
+        for unit, keys in self._per_unit(sources):
+            unit.unshard()  # type: ignore[operator]  # (not recursive: this unit's own parameters)
+            try:
+                yield keys
+            finally:
+                unit.reshard()  # type: ignore[operator]
 
-        units = [(prefix, m) for prefix, m in self.module.named_modules() if isinstance(m, FSDPModule)]
+    def gather_by_unit(self, tensors: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """``{name: whole tensor}`` of `tensors` (parameters of :attr:`module` under their state-dict names), one
+        FSDP unit at a time: one all-gather per unit of these tensors' shards alone, not of the unit's other
+        parameters (a LoRA adapter's factors without the frozen base weights beside them). New tensors. Not
+        sharded: all at once, as given. Every rank must iterate it to the end over the same names."""
+        if not self.sharded:
+            yield dict(tensors)
+            return
+        for _, keys in self._per_unit({k: k for k in tensors}):
+            yield self._gather_shards({k: tensors[k] for k in keys})
+
+    def _per_unit(self, sources: Mapping[str, str]) -> list[tuple[nn.Module, list[str]]]:
+        """``(unit, its keys of `sources`)`` for each FSDP unit that holds one: a key belongs to the innermost unit
+        whose prefix holds the name it reads."""
+        units = [(prefix, m) for prefix, m in self.module.named_modules() if m in self._units]
         owner: dict[str, list[str]] = {prefix: [] for prefix, _ in units}
-        for key, n in sources.items():  # the innermost unit whose prefix holds the name
+        for key, n in sources.items():
             best = max((p for p, _ in units if p == "" or n.startswith(p + ".")), key=len)
             owner[best].append(key)
-        for prefix, unit in units:
-            if not owner[prefix]:
-                continue
-            unit.unshard()  # not recursive: this unit's own parameters
-            try:
-                yield owner[prefix]
-            finally:
-                unit.reshard()
+        return [(unit, owner[prefix]) for prefix, unit in units if owner[prefix]]
+
+    def _gather_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole tensors of FSDP2 parameters (DTensors sharded on dim 0 over the group, as ``torch.chunk``
+        splits it) in one all-gather: each rank's shards, each padded to its largest chunk, side by side."""
+        import torch.distributed as dist
+
+        group = self.dp.grad_group()
+        world = group.size()
+        locals_ = {k: t.to_local().detach() for k, t in shards.items()}  # type: ignore[attr-defined]
+        dtypes = {t.dtype for t in locals_.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"gathering shards of one dtype at a time, got {sorted(map(str, dtypes))}")
+        layout = []  # (name, whole shape, rows per rank's slot, elements per row, offset in a rank's slot)
+        offset = 0
+        for k, t in shards.items():
+            rows = -(-t.shape[0] // world)
+            per_row = math.prod(t.shape[1:])
+            layout.append((k, t.shape, rows, per_row, offset))
+            offset += rows * per_row
+        send = torch.zeros(offset, dtype=dtypes.pop(), device=self.placement.device)
+        for k, shape, rows, per_row, at in layout:
+            piece = locals_[k].reshape(-1)
+            send[at:at + piece.numel()].copy_(piece)
+        out = torch.empty(world, offset, dtype=send.dtype, device=send.device)
+        if self.dp.backend == "gloo":
+            _ExchangeAllGather()(out, send, group)
+        else:
+            dist.all_gather_into_tensor(out, send, group=group)
+        return {k: out[:, at:at + rows * per_row].reshape(world * rows, *shape[1:])[:shape[0]].clone()
+                for k, shape, rows, per_row, at in layout}
 
     def _leaf(self, name: str) -> torch.Tensor:
         path, _, leaf = name.rpartition(".")

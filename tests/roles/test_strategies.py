@@ -85,7 +85,8 @@ async def ranks(ray_cluster, model_config):
     col = asyncrl.colocate({"ddp": (StrategyProbe, (model_config, OPTIM), {}),
                             "fsdp2": (StrategyProbe, (model_config, FSDP2), {}),
                             "resumed": (StrategyProbe, (model_config, FSDP2), {}),
-                            "kept": (StrategyProbe, (model_config, replace(FSDP2, fsdp_reshard_after_forward=False)), {}),
+                            "kept": (StrategyProbe, (model_config, replace(FSDP2, fsdp_reshard_after_forward=False,
+                                                                            fsdp_reduce_every_micro_batch=True)), {}),
                             "failing": (StrategyProbe, (model_config, FSDP2), {}),
                             "failing_ddp": (StrategyProbe, (model_config, OPTIM), {}),
                             "critic": (CriticWorker, (model_config, CRITIC), {}),
@@ -118,7 +119,7 @@ async def test_fsdp2_at_two_ranks_trains_like_ddp_at_two_and_like_one_rank(ranks
             m1 = one.update(uneven_batch)
             md = await ranks["ddp"].update(uneven_batch)
             mf = await ranks["fsdp2"].update(uneven_batch)
-            await ranks["kept"].update(uneven_batch)  # reshard_after_forward=false: fewer gathers, the same math
+            await ranks["kept"].update(uneven_batch)  # no reshard after forward, a reduce-scatter per micro-batch
             assert m1["grad_norm"] > OPTIM.max_grad_norm  # clipping is live
             for k, v in m1.items():
                 assert md[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (mode, "ddp", k)
@@ -130,7 +131,7 @@ async def test_fsdp2_at_two_ranks_trains_like_ddp_at_two_and_like_one_rank(ranks
         assert v1 == vd == vf
         _close(w1, wd, f"ddp after {mode}")
         _close(w1, wf, f"fsdp2 after {mode}")
-        _close(w1, (await ranks["kept"].export_weights())[1], f"fsdp2 without reshard after forward, after {mode}")
+        _close(w1, (await ranks["kept"].export_weights())[1], f"fsdp2 kept, reducing each micro-batch, after {mode}")
     assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 5e-3  # the weights did move
 
 

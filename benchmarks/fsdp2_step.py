@@ -16,14 +16,17 @@ gradient clipping and the AdamW step of ``--micro`` micro-batches per rank (a me
 * ``fsdp2+gloo``: gloo's own all-gather and reduce-scatter (FSDP2's defaults) instead of the exchanges;
 * ``+keep``: ``fsdp_reshard_after_forward=false`` (no all-gather in the backward).
 
-Every variant runs once per round, in turn; a ratio to ddp is taken within a round; the table shows the medians
-over the rounds and the range of the ratio.
+Every variant's two processes live side by side (SmolLM2: about 2.5 GB per ddp rank, 1.5 GB per fsdp2 rank), idle
+while another runs: a round is one step of each variant in turn (the order rotates from round to round), so the
+steps compared are seconds apart on a machine whose load changes by the minute. A ratio to ddp is taken within a
+round; the table shows the medians over the rounds (the first round warms up and is dropped) and the ratio's range.
 
 ::
 
-    python benchmarks/fsdp2_step.py                 # SmolLM2-135M, 2 micro-batches per rank, 3 rounds of 3 steps
+    python benchmarks/fsdp2_step.py                 # SmolLM2-135M, 2 micro-batches per rank, 8 rounds
+    python benchmarks/fsdp2_step.py --variants ddp fsdp2:before fsdp2:reshard-all fsdp2:rs-each fsdp2   # each change
     python benchmarks/fsdp2_step.py --micro 1 --variants ddp fsdp2:before fsdp2 fsdp2+gloo fsdp2+keep
-    python benchmarks/fsdp2_step.py --quick         # the tiny model, one round
+    python benchmarks/fsdp2_step.py --quick         # the tiny model, 3 rounds
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ from _common import load_note, run_header, write_result  # noqa: E402
 
 VARIANTS = ("ddp", "fsdp2:before", "fsdp2:reshard-all", "fsdp2:rs-each", "fsdp2", "fsdp2+gloo", "fsdp2+keep",
             "fsdp2+gloo+keep")
-DEFAULT_VARIANTS = ("ddp", "fsdp2:before", "fsdp2:reshard-all", "fsdp2:rs-each", "fsdp2", "fsdp2+keep")
+DEFAULT_VARIANTS = ("ddp", "fsdp2:before", "fsdp2", "fsdp2+keep")
 PARTS = ("forward", "backward", "clip", "optimizer", "step")
 
 
-def _rank(rank: int, port: int, model: str, variant: str, steps: int, rows: int, seq: int, micro: int,
+def _rank(rank: int, port: int, model: str, variant: str, rows: int, seq: int, micro: int, cmds: Any,
           out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
@@ -83,8 +86,8 @@ def _rank(rank: int, port: int, model: str, variant: str, steps: int, rows: int,
     optim = torch.optim.AdamW(net.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(3, len(tok) - 1, (rows, seq), generator=g) for _ in range(micro)]
-    times: dict[str, list[float]] = {k: [] for k in PARTS}
-    for _ in range(steps):
+    out.put(("ready", variant, rank))
+    while cmds.get() is not None:  # one step per command
         dist.barrier()
         t0 = time.perf_counter()
         engine.zero_grad(optim)
@@ -102,25 +105,43 @@ def _rank(rank: int, port: int, model: str, variant: str, steps: int, rows: int,
         t3 = time.perf_counter()
         optim.step()
         t4 = time.perf_counter()
-        for k, v in zip(PARTS, (fwd, bwd, t3 - t2, t4 - t3, t4 - t0)):
-            times[k].append(v)
-    if rank == 0:
-        out.put({k: statistics.median(v[1:] or v) for k, v in times.items()})  # the first step warms up
+        out.put(("step", variant, rank, dict(zip(PARTS, (fwd, bwd, t3 - t2, t4 - t3, t4 - t0)))))
     dist.destroy_process_group()
 
 
-def measure(model: str, variant: str, steps: int, rows: int, seq: int, micro: int, port: int) -> dict[str, float]:
+def measure(model: str, variants: list[str], rounds: int, rows: int, seq: int, micro: int, port: int
+            ) -> list[dict[str, dict[str, float]]]:
+    """Rank 0's times of each variant's step, one dict per round (the first, a warm-up, dropped)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, port, model, variant, steps, rows, seq, micro, out)) for r in range(2)]
+    cmds = {v: [ctx.SimpleQueue(), ctx.SimpleQueue()] for v in variants}
+    procs = [ctx.Process(target=_rank, args=(r, port + i, model, v, rows, seq, micro, cmds[v][r], out))
+             for i, v in enumerate(variants) for r in range(2)]
     for p in procs:
         p.start()
-    res = out.get()
-    for p in procs:
-        p.join()
-    return res
+    for _ in procs:
+        assert out.get()[0] == "ready"
+    results: list[dict[str, dict[str, float]]] = []
+    try:
+        for i in range(rounds + 1):
+            rnd = {}
+            for v in variants[i % len(variants):] + variants[:i % len(variants)]:  # the order rotates
+                for q in cmds[v]:
+                    q.put("step")
+                got = [out.get(), out.get()]
+                rnd[v] = next(t for kind, name, rank, t in got if rank == 0)
+            if i:
+                results.append({v: rnd[v] for v in variants})
+                print(f"round {i}: " + ", ".join(f"{v} {rnd[v]['step']:.2f} s" for v in variants), flush=True)
+    finally:
+        for qs in cmds.values():
+            for q in qs:
+                q.put(None)
+        for p in procs:
+            p.join()
+    return results
 
 
 def table(rounds: list[dict[str, dict[str, float]]]) -> str:
@@ -137,35 +158,25 @@ def table(rounds: list[dict[str, dict[str, float]]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", choices=["tiny", "smollm2"])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3, help="per variant and round (the first is not timed)")
+    p.add_argument("--rounds", type=int, default=8, help="timed steps of each variant, in turn (after a warm-up)")
     p.add_argument("--rows", type=int, default=4, help="rows per micro-batch")
     p.add_argument("--micro", type=int, default=2, help="micro-batches per rank and step")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--quick", action="store_true", help="the tiny model, one round of 2 steps")
+    p.add_argument("--quick", action="store_true", help="the tiny model, 3 rounds")
     p.add_argument("--out", default=None, help="default: benchmarks/results/fsdp2_step.md (_quick.md with --quick)")
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.rounds, args.steps = "tiny", 1, 2
+        args.model, args.rounds = "tiny", 3
     if args.out is None:
         name = "fsdp2_step_quick.md" if args.quick else "fsdp2_step.md"
         args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
-    loads = [os.getloadavg()[0]]
-    rounds: list[dict[str, dict[str, float]]] = []
-    port = 29400 + os.getpid() % 500
-    for i in range(args.rounds):
-        rnd = {}
-        for v in args.variants:
-            port += 1
-            rnd[v] = measure(args.model, v, args.steps, args.rows, args.seq, args.micro, port)
-            loads.append(os.getloadavg()[0])
-            print(f"round {i + 1}, {v}: {rnd[v]['step']:.3f} s", flush=True)
-        rounds.append(rnd)
-    note = load_note(loads[0], loads[-1]) + f"; between variants: median {statistics.median(loads):.1f}, max {max(loads):.1f}"
-    write_result(args.out, f"{run_header('fsdp2_step.py', note)}\n\n{args.model}, {args.micro} micro-batch(es) of "
-                           f"{args.rows} rows x {args.seq} tokens per rank, {args.rounds} round(s) of every variant in turn, medians over the rounds.\n\n"
-                           f"{table(rounds)}\n")
+    start = os.getloadavg()[0]
+    rounds = measure(args.model, args.variants, args.rounds, args.rows, args.seq, args.micro, 29400 + os.getpid() % 500)
+    write_result(args.out, f"{run_header('fsdp2_step.py', load_note(start, os.getloadavg()[0]))}\n\n{args.model}, "
+                           f"{args.micro} micro-batch(es) of {args.rows} rows x {args.seq} tokens per rank, "
+                           f"{args.rounds} round(s) of one step of every variant in turn, medians over the rounds."
+                           f"\n\n{table(rounds)}\n")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ gradient clipping and the AdamW step of ``--micro`` micro-batches per rank (a me
 * ``fsdp2+gloo``: gloo's own all-gather and reduce-scatter (FSDP2's defaults) instead of the exchanges;
 * ``+keep``: ``fsdp_reshard_after_forward=false`` (no all-gather in the backward).
 
-Every variant's two processes live side by side (SmolLM2: about 2.5 GB per ddp rank, 1.5 GB per fsdp2 rank), idle
-while another runs: a round is one step of each variant in turn (the order rotates from round to round), so the
-steps compared are seconds apart on a machine whose load changes by the minute. A ratio to ddp is taken within a
-round; the table shows the medians over the rounds (the first round warms up and is dropped) and the ratio's range.
+Each fsdp2 variant is measured beside ddp: the two variants' processes live side by side (SmolLM2: about 3.7 GB per
+ddp rank, up to 3 GB per fsdp2 rank, so one pair of variants at a time), idle while the other runs, and a round is
+one step of each in turn (the order alternates), so the two steps compared are seconds apart on a machine whose load
+changes by the minute. A ratio to ddp is taken within a round; the table shows the medians over the rounds (a
+warm-up round first is dropped) and the ratio's range; the ddp row pools every pair's ddp steps.
 
 ::
 
@@ -144,12 +145,16 @@ def measure(model: str, variants: list[str], rounds: int, rows: int, seq: int, m
     return results
 
 
-def table(rounds: list[dict[str, dict[str, float]]]) -> str:
+def table(sessions: dict[str, list[dict[str, dict[str, float]]]]) -> str:
+    """`sessions`: per fsdp2 variant, its rounds beside ddp (``{"ddp": times, variant: times}`` each)."""
     out = ["| variant | " + " | ".join(f"{k} s" for k in PARTS) + " | vs ddp, median (range) |",
            "|---|" + "---:|" * (len(PARTS) + 1)]
-    for v in rounds[0]:
-        med = {k: statistics.median(r[v][k] for r in rounds) for k in PARTS}
-        ratios = [r[v]["step"] / r["ddp"]["step"] for r in rounds]
+    ddp = [r["ddp"] for rounds in sessions.values() for r in rounds]
+    rows = [("ddp", ddp, [1.0])]
+    rows += [(v, [r[v] for r in rounds], [r[v]["step"] / r["ddp"]["step"] for r in rounds])
+             for v, rounds in sessions.items()]
+    for v, times, ratios in rows:
+        med = {k: statistics.median(t[k] for t in times) for k in PARTS}
         out.append(f"| {v} | " + " | ".join(f"{med[k]:.2f}" for k in PARTS) +
                    f" | {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
     return "\n".join(out)
@@ -172,11 +177,13 @@ def main(argv: list[str] | None = None) -> None:
         name = "fsdp2_step_quick.md" if args.quick else "fsdp2_step.md"
         args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     start = os.getloadavg()[0]
-    rounds = measure(args.model, args.variants, args.rounds, args.rows, args.seq, args.micro, 29400 + os.getpid() % 500)
+    port = 29400 + os.getpid() % 500
+    sessions = {v: measure(args.model, ["ddp", v], args.rounds, args.rows, args.seq, args.micro, port + 2 * i)
+                for i, v in enumerate(args.variants) if v != "ddp"}
     write_result(args.out, f"{run_header('fsdp2_step.py', load_note(start, os.getloadavg()[0]))}\n\n{args.model}, "
                            f"{args.micro} micro-batch(es) of {args.rows} rows x {args.seq} tokens per rank, "
-                           f"{args.rounds} round(s) of one step of every variant in turn, medians over the rounds."
-                           f"\n\n{table(rounds)}\n")
+                           f"{args.rounds} round(s) of one step of each variant and one of ddp beside it, medians over the "
+                           f"rounds.\n\n{table(sessions)}\n")
 
 
 if __name__ == "__main__":

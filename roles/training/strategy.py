@@ -29,8 +29,9 @@ With one rank (or a worker outside a multi-process group) both strategies are th
 
 Sharded parameters are ``DTensor`` s. What needs whole tensors reads them through collectives that every
 rank runs in the same order, so no rank ever holds the whole gathered model at once: a weight sync with
-:meth:`TrainStrategy.whole_by_unit` (one all-gather per decoder layer), checksums and ``export_weights`` with
-:meth:`TrainStrategy.full_tensors` (one tensor at a time).
+:meth:`TrainStrategy.whole_by_unit` (one all-gather per decoder layer), an adapter sync with
+:meth:`TrainStrategy.gather_by_unit` (one all-gather per unit of its LoRA factors alone), checksums and
+``export_weights`` with :meth:`TrainStrategy.full_tensors` (one tensor at a time).
 """
 
 from __future__ import annotations

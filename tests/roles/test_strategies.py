@@ -87,8 +87,9 @@ async def ranks(ray_cluster, model_config):
                             "resumed": (StrategyProbe, (model_config, FSDP2), {}),
                             "kept": (StrategyProbe, (model_config, replace(FSDP2, fsdp_reshard_after_forward=False,
                                                                             fsdp_reduce_every_micro_batch=True)), {}),
-                            "failing": (StrategyProbe, (model_config, FSDP2), {}),
-                            "failing_ddp": (StrategyProbe, (model_config, OPTIM), {}),
+                            # copies: workers unpickled from one object share it, and set_loss_agg_mode sets it
+                            "failing": (StrategyProbe, (model_config, replace(FSDP2)), {}),
+                            "failing_ddp": (StrategyProbe, (model_config, replace(OPTIM)), {}),
                             "critic": (CriticWorker, (model_config, CRITIC), {}),
                             "reference": (ReferenceWorker, (model_config,), {"strategy": "fsdp2",
                                                                              "micro_batch_size": 3})},

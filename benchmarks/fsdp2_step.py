@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                 for i, v in enumerate(args.variants) if v != "ddp"}
     write_result(args.out, f"{run_header('fsdp2_step.py', load_note(start, os.getloadavg()[0]))}\n\n{args.model}, "
                            f"{args.micro} micro-batch(es) of {args.rows} rows x {args.seq} tokens per rank, "
-                           f"{args.rounds} round(s) of one step of each variant and one of ddp beside it, medians over the "
-                           f"rounds.\n\n{table(sessions)}\n")
+                           f"{args.rounds} round(s) of one step of each variant and one of ddp beside it, medians "
+                           f"over the rounds.\n\n{table(sessions)}\n")
 
 
 if __name__ == "__main__":

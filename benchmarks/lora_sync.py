@@ -16,10 +16,10 @@ table shows medians. The machine is shared: read the ratios.
 ``--layouts`` spreads the policy over training ranks: ``one`` (1 rank, the default), ``ddp2`` (2 replicas: rank 0
 exports, the other rank idles) and ``fsdp2`` (2 ranks holding shards: every rank gathers one decoder layer at a time,
 rank 0 merges and packs it; an adapter sync gathers each unit's factors in one all-gather, without the frozen base),
-``fsdp2:per-tensor`` (the same, with the adapter's factors gathered one tensor at a time, as before). Several layouts live side by
-side and alternate within each repetition, each with its own two rollouts. Each training rank samples its resident
-memory every 2 ms during a sync; the table shows the median peak above its level before the sync, rank 0 and the
-largest of the others.
+``fsdp2:per-tensor`` (the same, with the adapter's factors gathered one tensor at a time, as before; its adapter
+sync only). Several layouts live side by side and alternate within each repetition, each with its own two rollouts.
+Each training rank samples its resident memory every 2 ms during a sync; the table shows the median peak above its
+level before the sync, rank 0 and the largest of the others.
 
     python benchmarks/lora_sync.py                         # tiny and smollm2, ranks 8 and 64, 5 reps
     python benchmarks/lora_sync.py --models smollm2 --ranks 16 --reps 9

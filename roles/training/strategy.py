@@ -156,9 +156,7 @@ class TrainStrategy:
         mesh = DeviceMesh.from_group(group, device_type=self.placement.device.type)
         amp = self.placement.autocast_dtype
         mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp is not None else MixedPrecisionPolicy()
-        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
-                                  reshard_after_forward=reshard_after_forward)
-        del kw["reshard_after_forward"]
+        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
         # torchtitan's policy: the last layer and the root are the first the backward needs, so they stay gathered
         # from their forward to it (no second all-gather); a no-grad forward reshards them (_reshard_kept)
         for i, layer in enumerate(layers):

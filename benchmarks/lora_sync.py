@@ -15,14 +15,16 @@ table shows medians. The machine is shared: read the ratios.
 
 ``--layouts`` spreads the policy over training ranks: ``one`` (1 rank, the default), ``ddp2`` (2 replicas: rank 0
 exports, the other rank idles) and ``fsdp2`` (2 ranks holding shards: every rank gathers one decoder layer at a time,
-rank 0 merges and packs it; the adapter's factors are gathered one tensor at a time). Several layouts live side by
-side and alternate within each repetition, each with its own two rollouts. Each training rank samples its resident
-memory every 2 ms during a sync; the table shows the median peak above its level before the sync, rank 0 and the
-largest of the others.
+rank 0 merges and packs it; an adapter sync gathers each unit's factors in one all-gather, without the frozen base),
+``fsdp2:per-tensor`` (the same, with the adapter's factors gathered one tensor at a time, as before; its adapter
+sync only). Several layouts live side by side and alternate within each repetition, each with its own two rollouts.
+Each training rank samples its resident memory every 2 ms during a sync; the table shows the median peak above its
+level before the sync, rank 0 and the largest of the others.
 
     python benchmarks/lora_sync.py                         # tiny and smollm2, ranks 8 and 64, 5 reps
     python benchmarks/lora_sync.py --models smollm2 --ranks 16 --reps 9
     python benchmarks/lora_sync.py --models smollm2 --ranks 16 --layouts ddp2 fsdp2 --reps 3   # from fsdp2 shards
+    python benchmarks/lora_sync.py --models smollm2 --ranks 16 --layouts ddp2 fsdp2:per-tensor fsdp2 --reps 3
     python benchmarks/lora_sync.py --quick                 # tiny model, rank 8, 2 reps (the smoke test)
 
 Writes the table to ``benchmarks/results/lora_sync.md`` (``--out`` to change).
@@ -53,9 +55,10 @@ from asyncrl.roles.training.lora import LoraConfig  # noqa: E402
 from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS  # noqa: E402
 
 FULL, ADAPTER = "full (object_store)", "adapter"
-LAYOUTS = {"one": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2)}
-"""``--layouts``: the policy's ``(actor.strategy, training ranks)``."""
-LAYOUT_NAMES = {"one": "1 rank", "ddp2": "ddp x2", "fsdp2": "fsdp2 x2"}
+LAYOUTS = {"one": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2), "fsdp2:per-tensor": ("fsdp2", 2)}
+"""``--layouts``: the policy's ``(actor.strategy, training ranks)``; ``fsdp2:per-tensor`` gathers an adapter's factors
+one tensor at a time (the path before the per-unit gather), for a side-by-side."""
+LAYOUT_NAMES = {"one": "1 rank", "ddp2": "ddp x2", "fsdp2": "fsdp2 x2", "fsdp2:per-tensor": "fsdp2 x2, per tensor"}
 
 
 def _rss() -> int:
@@ -126,6 +129,16 @@ class LoraBenchPolicy(PolicyWorker):
         return peak
 
 
+class PerTensorAdapterPolicy(LoraBenchPolicy):
+    """An adapter sync that gathers each factor of an FSDP2 policy alone (one all-gather per tensor)."""
+
+    @register(EVERY_RANK_GIVES_RANK_ZEROS)
+    def export_adapter(self, dtype: str | None = None) -> Any:
+        from asyncrl.roles.training.lora import adapter_delta
+
+        return adapter_delta(self.model, self._version, self._base_digest(dtype))
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this script
 
 
@@ -144,12 +157,15 @@ async def measure(model: str, rank: int, reps: int, layouts: list[str]) -> list[
     for layout in layouts:
         strategy, ranks = LAYOUTS[layout]
         optim = OptimConfig(lora=LoraConfig(rank=rank, alpha=2 * rank), strategy=strategy)  # type: ignore[arg-type]
-        policies[layout] = asyncrl.RayWorkerGroup(LoraBenchPolicy, world_size=ranks, args=(cfg, optim),
-                                                  name=f"ls-policy-{layout}-{rank}")
+        cls = PerTensorAdapterPolicy if layout.endswith(":per-tensor") else LoraBenchPolicy
+        policies[layout] = asyncrl.RayWorkerGroup(cls, world_size=ranks, args=(cfg, optim),
+                                                  name=f"ls-policy-{layout.replace(':', '-')}-{rank}")
         for i, kind in enumerate((FULL, ADAPTER)):
+            if kind == FULL and layout.endswith(":per-tensor"):
+                continue  # the same merged-weights sync as fsdp2's
             rollouts[layout, kind] = asyncrl.RayWorkerGroup(RolloutWorker, world_size=1,
                                                             args=(cfg, RolloutConfig(max_new_tokens=4)),
-                                                            name=f"ls-rollout-{layout}-{i}-{rank}")
+                                                            name=f"ls-rollout-{layout.replace(':', '-')}-{i}-{rank}")
     times: dict[tuple[str, str], list[float]] = {k: [] for k in rollouts}
     peaks: dict[tuple[str, str], list[list[int]]] = {k: [] for k in rollouts}
     try:
@@ -198,8 +214,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         first.setdefault((r["model"], r["rank"], r["kind"]), r)
     for r in rows:
-        f = full[(r["model"], r["rank"], r["layout"])]
-        ratio = "" if r is f else f"{r['bytes'] / f['bytes']:.2%} of the bytes, {r['seconds'] / f['seconds']:.2f}x time"
+        f = full.get((r["model"], r["rank"], r["layout"].split(":")[0]))
+        ratio = ("" if f is None or r is f else
+                 f"{r['bytes'] / f['bytes']:.2%} of the bytes, {r['seconds'] / f['seconds']:.2f}x time")
         b = first[(r["model"], r["rank"], r["kind"])]
         vs = "" if r is b else f"{r['seconds'] / b['seconds']:.2f}x"
         others = f"{r['peak_others'] / 2**20:.0f} MiB" if LAYOUTS[r["layout"]][1] > 1 else "-"

@@ -93,7 +93,7 @@ class CriticWorker(_Trainable):
             for mini_rows in mini_batches(n, mini):
                 mb = batch[mini_rows]
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
-                self.optimizer.zero_grad(set_to_none=True)
+                self.engine.zero_grad(self.optimizer)
                 micros = split_micro_batches(mb, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.dp,
                                              "critic.max_tokens_per_micro_batch")
                 for i, (_, b) in enumerate(micros):

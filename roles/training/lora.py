@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -236,17 +236,28 @@ def base_digest(peft_model: nn.Module, dtype: torch.dtype | None = None) -> str:
     return digest(base)
 
 
-def adapter_delta(peft_model: nn.Module, version: int, base: str) -> LoraDelta:
+def adapter_delta(peft_model: nn.Module, version: int, base: str,
+                  gather: Callable[[Mapping[str, torch.Tensor]], Iterator[dict[str, torch.Tensor]]] | None = None
+                  ) -> LoraDelta:
     """`peft_model`'s current adapters as a :class:`LoraDelta` of `version`; `base`: its :func:`base_digest` in the
-    rollout's dtype (computed once: the base never changes). FSDP2 shards are gathered: every rank must call it."""
-    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = {}
+    rollout's dtype (computed once: the base never changes). `gather`: ``{state-dict name: parameter}`` to its whole
+    tensors in groups (``TrainStrategy.gather_by_unit``: under FSDP2 one all-gather per unit of the unit's factors;
+    every rank must call it); None: each factor alone (an FSDP2 shard gathered one tensor at a time)."""
+    names = {id(p): n for n, p in peft_model.named_parameters()}
+    owners: dict[str, tuple[str, str, float, bool]] = {}  # base weight name -> (A's name, B's name, scaling, fan)
+    params: dict[str, torch.Tensor] = {}
+    for owner, layer in _lora_layers(peft_model).items():
+        (adapter,) = layer.active_adapters
+        a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        params[names[id(a)]], params[names[id(b)]] = a, b
+        owners[f"{owner}.weight"] = (names[id(a)], names[id(b)], float(layer.scaling[adapter]),
+                                     bool(getattr(layer, "fan_in_fan_out", False)))
+    whole: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for owner, layer in _lora_layers(peft_model).items():
-            (adapter,) = layer.active_adapters
-            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-            factors[f"{owner}.weight"] = (full_tensor(a.detach()).to("cpu", torch.float32, copy=True),
-                                          full_tensor(b.detach()).to("cpu", torch.float32, copy=True),
-                                          float(layer.scaling[adapter]), bool(getattr(layer, "fan_in_fan_out", False)))
+        groups = gather(params) if gather is not None else ({n: full_tensor(p)} for n, p in params.items())
+        for group in groups:
+            whole.update({n: t.detach().to("cpu", torch.float32, copy=True) for n, t in group.items()})
+    factors = {name: (whole[a], whole[b], scaling, fan) for name, (a, b, scaling, fan) in owners.items()}
     return LoraDelta(version=version, factors=factors, base_digest=base)
 
 

@@ -175,6 +175,11 @@ class OptimConfig:
     """``fsdp2`` only: free each layer's gathered parameters after its forward and gather them again for the
     backward (verl's and torchtitan's ``reshard_after_forward``); false keeps them until the backward: one
     all-gather per layer fewer, the whole model's parameters held during a micro-batch."""
+    fsdp_reduce_every_micro_batch: bool = False
+    """``fsdp2`` only: reduce-scatter each micro-batch's gradient in its own backward. False (default, as DDP's
+    ``no_sync``): once per optimizer step, in the last micro-batch's backward, each rank keeping every layer's whole
+    gradient until then (a replica's gradient bytes, 4 per parameter in fp32); true keeps gradient shards only, at
+    one reduce-scatter per layer and micro-batch. The same math either way."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters (policy only; ``lora.rank > 0``, needs ``peft``): only the adapters train, the
     reference log-probs are the base model's (the adapter disabled, no reference worker), the rollout gets
@@ -243,7 +248,8 @@ class _Trainable(Worker):
         cfg = self.optim_config
         self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
         self.engine = TrainStrategy(model, self.placement, self.dp, cfg.strategy, offload=cfg.fsdp_offload,
-                                    reshard_after_forward=cfg.fsdp_reshard_after_forward, who=who)
+                                    reshard_after_forward=cfg.fsdp_reshard_after_forward,
+                                    reduce_every_micro_batch=cfg.fsdp_reduce_every_micro_batch, who=who)
         self.model = self.engine.module
         self.model.train()
         self.optimizer = _adam(self.model, cfg)
@@ -599,7 +605,7 @@ class PolicyWorker(_Trainable, WeightSource):
                 denom = self.dp.all_reduce(F.loss_denominators(mb["response_mask"]))
                 agg = dict(loss_agg_mode=cfg.loss_agg_mode, num_tokens=denom[0], num_seqs=denom[1],
                            loss_scale_factor=cfg.loss_scale_factor or mb["response_mask"].shape[1])
-                self.optimizer.zero_grad(set_to_none=True)
+                self.engine.zero_grad(self.optimizer)
                 micros = split_micro_batches(mb, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, self.dp,
                                              "actor.max_tokens_per_micro_batch")
                 for i, (_, b) in enumerate(micros):
@@ -713,7 +719,7 @@ class PolicyWorker(_Trainable, WeightSource):
         if not self._lora:
             raise RuntimeError("PolicyWorker.export_adapter needs LoRA (actor.lora.rank > 0); sync the whole "
                                "weights with stage_weights/export_weights")
-        return adapter_delta(self.model, self._version, self._base_digest(dtype))
+        return adapter_delta(self.model, self._version, self._base_digest(dtype), self.engine.gather_by_unit)
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def get_version(self) -> int:

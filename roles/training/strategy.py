@@ -7,12 +7,19 @@
 ``fsdp2``
     torch's FSDP2 (``fully_shard``) per decoder layer and at the root, over a mesh of the group's
     ranks (gloo on CPU, NCCL on GPUs): each rank keeps 1/N of the parameters, gradients and
-    optimizer state, and all-gathers a layer's parameters just before it computes. On a GPU with
+    optimizer state, and all-gathers a layer's parameters just before it computes. The last decoder layer and
+    the root stay gathered from their forward to their backward, which needs them first (torchtitan's policy; a
+    forward without autograd reshards them). On a GPU with
     bf16 autocast, parameters are all-gathered in bf16 and gradients reduced in fp32. Over gloo (CPU)
     FSDP2's all-gather and reduce-scatter are direct sends between the ranks (``_ExchangeAllGather``,
     ``_ExchangeReduceScatter``): gloo's own ran a decoder layer's shards at about a third of that speed on
-    one machine. Each micro-batch reduce-scatters its gradient into the sharded sum (no whole gradient is
-    kept across micro-batches, unlike DDP's ``no_sync``: fsdp2 is chosen for memory).
+    one machine. Gradients are reduce-scattered once per optimizer step, in the last micro-batch's backward, as
+    DDP all-reduces them (``set_requires_gradient_sync``): until then each rank accumulates each layer's whole
+    gradient (a replica's gradient bytes; parameters and optimizer state stay sharded).
+
+A micro-batch that raises fails the step and leaves nothing of it behind (DDP's reducer reset, FSDP2's
+``reset_iter_state`` and its unsynced whole gradients dropped, no collective): the next step runs as if the
+failed one never had.
 
 Both keep the loss's math: every micro-batch's loss is its share of the *global* loss (global
 token and sequence denominators), so gradients are **summed** over ranks, never averaged (DDP gets a
@@ -22,13 +29,15 @@ With one rank (or a worker outside a multi-process group) both strategies are th
 
 Sharded parameters are ``DTensor`` s. What needs whole tensors reads them through collectives that every
 rank runs in the same order, so no rank ever holds the whole gathered model at once: a weight sync with
-:meth:`TrainStrategy.whole_by_unit` (one all-gather per decoder layer), checksums and ``export_weights`` with
-:meth:`TrainStrategy.full_tensors` (one tensor at a time).
+:meth:`TrainStrategy.whole_by_unit` (one all-gather per decoder layer), an adapter sync with
+:meth:`TrainStrategy.gather_by_unit` (one all-gather per unit of its LoRA factors alone), checksums and
+``export_weights`` with :meth:`TrainStrategy.full_tensors` (one tensor at a time).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator, Literal, Mapping
 
 import torch
@@ -96,13 +105,15 @@ class TrainStrategy:
         dp: the group's collectives (its process group is the one the model is spread over).
         strategy: ``ddp`` or ``fsdp2``.
         offload: ``fsdp2`` only: keep the shards and optimizer state in CPU memory between uses.
-        reshard_after_forward: ``fsdp2`` only: free a layer's gathered parameters after its forward.
+        reshard_after_forward: ``fsdp2`` only: free a layer's gathered parameters after its forward (all but the
+            last layer and the root, which the backward needs first).
+        reduce_every_micro_batch: ``fsdp2`` only: reduce-scatter every micro-batch's gradient, not the step's once.
         who: the role's name, for errors.
     """
 
     def __init__(self, model: nn.Module, placement: Placement, dp: DataParallel, strategy: str = "ddp", *,
-                 offload: bool = False, reshard_after_forward: bool = True, trainable: bool = True,
-                 who: str = "the role") -> None:
+                 offload: bool = False, reshard_after_forward: bool = True, reduce_every_micro_batch: bool = False,
+                 trainable: bool = True, who: str = "the role") -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"{who}: strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if offload and strategy != "fsdp2":
@@ -117,6 +128,9 @@ class TrainStrategy:
         """The model itself (its state dict has the model's own names); FSDP2's shards live in it."""
         self._ddp: nn.Module | None = None
         self.sharded = False
+        self._units: list[nn.Module] = []
+        self._kept: list[nn.Module] = []
+        self._reduce_each = reduce_every_micro_batch
         layers = decoder_layers(model) if strategy == "fsdp2" else []
         if strategy == "fsdp2" and not layers:  # (checked at one rank too: the config must work at any count)
             raise ValueError(
@@ -142,19 +156,31 @@ class TrainStrategy:
         mesh = DeviceMesh.from_group(group, device_type=self.placement.device.type)
         amp = self.placement.autocast_dtype
         mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp is not None else MixedPrecisionPolicy()
-        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy(),
-                                  reshard_after_forward=reshard_after_forward)
-        for layer in layers:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
+        kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+        # torchtitan's policy: the last layer and the root are the first the backward needs, so they stay gathered
+        # from their forward to it (no second all-gather); a no-grad forward reshards them (_reshard_kept)
+        for i, layer in enumerate(layers):
+            fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kw)
+        fully_shard(model, reshard_after_forward=False, **kw)
         exchange = self.dp.backend == "gloo"
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_gradient_divide_factor(1.0)  # each rank's loss is its share of the global one: sum
-                m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; NCCL is fine)
-                if exchange:
-                    m.set_custom_all_gather(_ExchangeAllGather())
-                    m.set_custom_reduce_scatter(_ExchangeReduceScatter())
+        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in self._units:
+            m.set_gradient_divide_factor(1.0)  # each rank's loss is its share of the global one: sum
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; NCCL is fine)
+            if exchange:
+                m.set_custom_all_gather(_ExchangeAllGather())
+                m.set_custom_reduce_scatter(_ExchangeReduceScatter())
+        self._kept = [layers[-1], model] if reshard_after_forward else list(self._units)
+        # registered after fully_shard's own hooks, so it runs after the root's post-forward
+        model.register_forward_hook(self._reshard_kept)
+
+    def _reshard_kept(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After a forward without autograd (log-probs, values, evaluation) no backward will reshard the units kept
+        gathered after their forward: reshard them, so that between calls every rank holds shards only (what the
+        weight sync, the checksums and a checkpoint read)."""
+        if not torch.is_grad_enabled():
+            for unit in self._kept:
+                unit.reshard()  # type: ignore[operator]
 
     @property
     def forward_module(self) -> nn.Module:
@@ -163,13 +189,57 @@ class TrainStrategy:
 
     @contextlib.contextmanager
     def micro_batch(self, last: bool) -> Iterator[None]:
-        """Around one micro-batch's forward and backward: DDP syncs gradients only in the `last` one
-        (FSDP2 reduce-scatters each micro-batch's gradient into the sharded sum, keeping no whole gradient)."""
-        if self._ddp is not None and not last:
-            with self._ddp.no_sync():  # type: ignore[operator]
+        """Around one micro-batch's forward and backward. Gradients are summed over the ranks once per optimizer
+        step, in the `last` micro-batch's backward: DDP's ``no_sync`` before it, and under FSDP2 no reduce-scatter
+        before it (``set_requires_gradient_sync``: each layer's whole gradient accumulates on every rank until
+        then), unless ``reduce_every_micro_batch``. A micro-batch that raises leaves no gathered parameter and no
+        FSDP2 state of the failed step behind (:meth:`zero_grad` drops its gradients): the next step runs as if the
+        failed one never had."""
+        if self._ddp is not None:
+            try:
+                with self._ddp.no_sync() if not last else contextlib.nullcontext():  # type: ignore[operator]
+                    yield
+            except BaseException:
+                # a backward that raised mid-reduction leaves DDP's reducer waiting for the rest of its buckets,
+                # and the next forward refuses to start: reset it as DDP's own _update_process_group does
+                self._ddp.reducer._reset_state()  # type: ignore[union-attr, operator]
+                raise
+        elif self.sharded:
+            self.module.set_requires_gradient_sync(last or self._reduce_each)  # type: ignore[operator]
+            try:
                 yield
+            except BaseException:
+                self._abandon_step()
+                raise
         else:
             yield
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop every gradient before an optimizer step's micro-batches: the optimizer's (the shards' under FSDP2)
+        and FSDP2's whole gradients that a failed step accumulated without syncing them."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.sharded:
+            self._drop_unsynced_grads()
+
+    def _abandon_step(self) -> None:
+        """After a forward or backward raised mid-step: FSDP2 reshards every unit and forgets the step's
+        collectives and hooks (``reset_iter_state``, on the root), and the whole gradients it accumulated without a
+        reduce-scatter are dropped. No collective: a rank that failed alone does not wait for the others here."""
+        self.module.reset_iter_state()  # type: ignore[operator]
+        self._drop_unsynced_grads()
+
+    def _drop_unsynced_grads(self) -> None:
+        """FSDP2 keeps the gradient of a micro-batch run without gradient sync whole, on its unsharded parameter
+        (``unsharded_accumulated_grad`` under mixed precision), until a synced backward reduce-scatters it; torch
+        offers no call that drops it (``reset_iter_state`` keeps it, the optimizer's ``zero_grad`` sees the shards
+        only), so it is cleared here on each FSDP2 parameter."""
+        for unit in self._units:
+            for group in unit._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    unsharded = getattr(param, "_unsharded_param", None)  # created by the first all-gather
+                    if unsharded is not None:
+                        unsharded.grad = None
 
     def clip_grad_norm(self, max_norm: float | None) -> float:
         """The total gradient norm over every rank's gradient (before clipping); clips in place when
@@ -200,21 +270,63 @@ class TrainStrategy:
         if not self.sharded:
             yield list(sources)
             return
-        from torch.distributed.fsdp import FSDPModule
+        for unit, keys in self._per_unit(sources):
+            unit.unshard()  # type: ignore[operator]  # (not recursive: this unit's own parameters)
+            try:
+                yield keys
+            finally:
+                unit.reshard()  # type: ignore[operator]
 
-        units = [(prefix, m) for prefix, m in self.module.named_modules() if isinstance(m, FSDPModule)]
+    def gather_by_unit(self, tensors: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """``{name: whole tensor}`` of `tensors` (parameters of :attr:`module` under their state-dict names), one
+        FSDP unit at a time: one all-gather per unit of these tensors' shards alone, not of the unit's other
+        parameters (a LoRA adapter's factors without the frozen base weights beside them). New tensors. Not
+        sharded: all at once, as given. Every rank must iterate it to the end over the same names."""
+        if not self.sharded:
+            yield dict(tensors)
+            return
+        for _, keys in self._per_unit({k: k for k in tensors}):
+            yield self._gather_shards({k: tensors[k] for k in keys})
+
+    def _per_unit(self, sources: Mapping[str, str]) -> list[tuple[nn.Module, list[str]]]:
+        """``(unit, its keys of `sources`)`` for each FSDP unit that holds one: a key belongs to the innermost unit
+        whose prefix holds the name it reads."""
+        units = [(prefix, m) for prefix, m in self.module.named_modules() if m in self._units]
         owner: dict[str, list[str]] = {prefix: [] for prefix, _ in units}
-        for key, n in sources.items():  # the innermost unit whose prefix holds the name
+        for key, n in sources.items():
             best = max((p for p, _ in units if p == "" or n.startswith(p + ".")), key=len)
             owner[best].append(key)
-        for prefix, unit in units:
-            if not owner[prefix]:
-                continue
-            unit.unshard()  # not recursive: this unit's own parameters
-            try:
-                yield owner[prefix]
-            finally:
-                unit.reshard()
+        return [(unit, owner[prefix]) for prefix, unit in units if owner[prefix]]
+
+    def _gather_shards(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole tensors of FSDP2 parameters (DTensors sharded on dim 0 over the group, as ``torch.chunk``
+        splits it) in one all-gather: each rank's shards, each padded to its largest chunk, side by side."""
+        import torch.distributed as dist
+
+        group = self.dp.grad_group()
+        world = group.size()
+        locals_ = {k: t.to_local().detach() for k, t in shards.items()}  # type: ignore[attr-defined]
+        dtypes = {t.dtype for t in locals_.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"gathering shards of one dtype at a time, got {sorted(map(str, dtypes))}")
+        layout = []  # (name, whole shape, rows per rank's slot, elements per row, offset in a rank's slot)
+        offset = 0
+        for k, t in shards.items():
+            rows = -(-t.shape[0] // world)
+            per_row = math.prod(t.shape[1:])
+            layout.append((k, t.shape, rows, per_row, offset))
+            offset += rows * per_row
+        send = torch.zeros(offset, dtype=dtypes.pop(), device=self.placement.device)
+        for k, shape, rows, per_row, at in layout:
+            piece = locals_[k].reshape(-1)
+            send[at:at + piece.numel()].copy_(piece)
+        out = torch.empty(world, offset, dtype=send.dtype, device=send.device)
+        if self.dp.backend == "gloo":
+            _ExchangeAllGather()(out, send, group)
+        else:
+            dist.all_gather_into_tensor(out, send, group=group)
+        return {k: out[:, at:at + rows * per_row].reshape(world * rows, *shape[1:])[:shape[0]].clone()
+                for k, shape, rows, per_row, at in layout}
 
     def _leaf(self, name: str) -> torch.Tensor:
         path, _, leaf = name.rpartition(".")

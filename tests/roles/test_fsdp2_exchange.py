@@ -1,5 +1,6 @@
 """FSDP2's collectives over gloo as point-to-point exchanges (asyncrl.roles.training.strategy): at 3 ranks on real Ray
-processes, the all-gather equals gloo's own and the reduce-scatter is the sum of every rank's chunk in rank order."""
+processes, the all-gather equals gloo's own and the reduce-scatter is the sum of every rank's chunk in rank order; a
+gather of chosen parameters per FSDP unit gives them whole, uneven and empty shards included."""
 
 from __future__ import annotations
 
@@ -50,6 +51,51 @@ class CollectiveProbe(Worker):
         return {"gathered": out, "native": native, "reduced": reduced}
 
 
+class Block(torch.nn.Module):
+    """A unit FSDP2 shards on its own (named in ``_no_split_modules``); its tensors' first dimensions do not divide by
+    3 ranks: 5 rows shard as 2, 2, 1; 2 rows as 1, 1 and an empty shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 5)
+        self.b = torch.nn.Linear(4, 2, bias=False)
+        self.c = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(x) + self.b(self.a(x)[..., :4]).sum(-1, keepdim=True)
+
+
+class Net(torch.nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(4, 7)
+
+
+class UnitGatherProbe(Worker):
+    """A small model sharded by the fsdp2 strategy over the group."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def gather(self) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+        from asyncrl.roles._util import DataParallel
+        from asyncrl.roles.modeling.device import Placement
+        from asyncrl.roles.training.strategy import TrainStrategy
+
+        net = Net()
+        engine = TrainStrategy(net, Placement(torch.device("cpu"), torch.float32, None),
+                               DataParallel(self.rank, self.world_size), "fsdp2")
+        chosen = {n: p for n, p in net.named_parameters() if not n.endswith(".c.weight")}  # not a unit's all
+        whole: dict[str, torch.Tensor] = {}
+        groups = []
+        for got in engine.gather_by_unit(chosen):
+            groups.append(sorted(got))
+            whole.update(got)
+        return whole, groups
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this test module is not importable by workers
 
 
@@ -66,3 +112,20 @@ async def test_exchange_all_gather_and_reduce_scatter_at_three_ranks(ray_cluster
         assert torch.equal(res["gathered"], whole) and torch.equal(res["native"], whole), rank
         chunks = [grads.view(3, 7)[rank] for _, grads in inputs]
         assert torch.equal(res["reduced"], chunks[0] + chunks[1] + chunks[2]), rank  # rank order, bit for bit
+
+
+async def test_a_gather_per_unit_gives_the_chosen_parameters_whole_from_uneven_shards(ray_cluster):
+    group = asyncrl.RayWorkerGroup(UnitGatherProbe, world_size=3, name="unit-gather")
+    await group.setup()
+    try:
+        results = await group.gather()
+    finally:
+        await group.close()
+    expected = {n: p.detach() for n, p in Net().named_parameters() if not n.endswith(".c.weight")}
+    for whole, groups in results:
+        assert groups == [["head.bias", "head.weight"],  # the root unit, then each block: one all-gather each
+                          [f"blocks.0.{n}" for n in ("a.bias", "a.weight", "b.weight", "c.bias")],
+                          [f"blocks.1.{n}" for n in ("a.bias", "a.weight", "b.weight", "c.bias")]]
+        assert whole.keys() == expected.keys()
+        for n, t in expected.items():
+            assert torch.equal(whole[n], t), n

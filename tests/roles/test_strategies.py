@@ -44,7 +44,32 @@ class StrategyProbe(PolicyWorker):
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         return {"params": sum(t.numel() for t in params), "grads": sum(t.numel() for t in grads),
                 "optim": sum(t.numel() for t in optim),
-                "sharded": any(isinstance(p, DTensor) for p in self.model.parameters())}
+                "sharded": any(isinstance(p, DTensor) for p in self.model.parameters()),
+                "all_sharded": all(isinstance(p, DTensor) for p in self.model.parameters())}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_next_update(self, where: str, micro: int) -> None:
+        """The next update raises in its `micro`-th micro-batch (1-based), in the second decoder layer: on entering
+        its forward (after FSDP2 gathered it), or in the backward (after the layers above it ran theirs)."""
+        layer = [m for m in self.model.modules() if "DecoderLayer" in type(m).__name__][1]  # (FSDP renames it)
+        seen = [0]
+
+        def boom(*_):
+            raise RuntimeError(f"injected failure in micro-batch {micro}'s {where}")
+
+        def pre(module, args):
+            seen[0] += torch.is_grad_enabled()
+            if seen[0] == micro and where == "forward":
+                handles[0].remove()
+                boom()
+
+        def post(module, args, output):
+            if seen[0] == micro and where == "backward" and torch.is_grad_enabled():
+                handles[0].remove()
+                handles[1].remove()
+                (output[0] if isinstance(output, tuple) else output).register_hook(boom)
+
+        handles = [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this test module is not importable by workers
@@ -60,7 +85,11 @@ async def ranks(ray_cluster, model_config):
     col = asyncrl.colocate({"ddp": (StrategyProbe, (model_config, OPTIM), {}),
                             "fsdp2": (StrategyProbe, (model_config, FSDP2), {}),
                             "resumed": (StrategyProbe, (model_config, FSDP2), {}),
-                            "kept": (StrategyProbe, (model_config, replace(FSDP2, fsdp_reshard_after_forward=False)), {}),
+                            "kept": (StrategyProbe, (model_config, replace(FSDP2, fsdp_reshard_after_forward=False,
+                                                                            fsdp_reduce_every_micro_batch=True)), {}),
+                            # copies: workers unpickled from one object share it, and set_loss_agg_mode sets it
+                            "failing": (StrategyProbe, (model_config, replace(FSDP2)), {}),
+                            "failing_ddp": (StrategyProbe, (model_config, replace(OPTIM)), {}),
                             "critic": (CriticWorker, (model_config, CRITIC), {}),
                             "reference": (ReferenceWorker, (model_config,), {"strategy": "fsdp2",
                                                                              "micro_batch_size": 3})},
@@ -91,7 +120,7 @@ async def test_fsdp2_at_two_ranks_trains_like_ddp_at_two_and_like_one_rank(ranks
             m1 = one.update(uneven_batch)
             md = await ranks["ddp"].update(uneven_batch)
             mf = await ranks["fsdp2"].update(uneven_batch)
-            await ranks["kept"].update(uneven_batch)  # reshard_after_forward=false: fewer gathers, the same math
+            await ranks["kept"].update(uneven_batch)  # no reshard after forward, a reduce-scatter per micro-batch
             assert m1["grad_norm"] > OPTIM.max_grad_norm  # clipping is live
             for k, v in m1.items():
                 assert md[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (mode, "ddp", k)
@@ -103,7 +132,7 @@ async def test_fsdp2_at_two_ranks_trains_like_ddp_at_two_and_like_one_rank(ranks
         assert v1 == vd == vf
         _close(w1, wd, f"ddp after {mode}")
         _close(w1, wf, f"fsdp2 after {mode}")
-        _close(w1, (await ranks["kept"].export_weights())[1], f"fsdp2 without reshard after forward, after {mode}")
+        _close(w1, (await ranks["kept"].export_weights())[1], f"fsdp2 kept, reducing each micro-batch, after {mode}")
     assert max((w1[k] - start[k]).abs().max().item() for k in w1) > 5e-3  # the weights did move
 
 
@@ -126,6 +155,38 @@ async def test_a_rollout_loads_the_weights_gathered_from_fsdp2_shards_by_each_tr
         assert (await rollout["rollout"].weights_checksum())[0] == {k: tensor_checksum(v) for k, v in whole.items()}
     finally:
         await rollout.close()
+
+
+async def test_a_step_that_raises_mid_micro_batch_leaves_nothing_behind_for_the_next(ranks, model_config,
+                                                                                    uneven_batch):
+    """Each rank runs two micro-batches per step (the first's gradient is summed over the ranks in the second's
+    backward). A step raises in the second micro-batch's forward, then in its backward (some layers' gradients
+    already reduce-scattered), then in the first micro-batch's backward: each fails, the version stays, and the
+    next good step gives the weights and metrics of that good step alone, under fsdp2 and ddp."""
+    one = StrategyProbe(model_config, OPTIM)
+    expected = one.update(uneven_batch)
+    _, weights = one.export_weights()
+    for name in ("failing", "failing_ddp"):
+        for where, micro in (("forward", 2), ("backward", 2), ("backward", 1)):
+            await ranks[name].fail_next_update(where, micro)
+            with pytest.raises(Exception, match=f"injected failure in micro-batch {micro}'s {where}"):
+                await ranks[name].update(uneven_batch)
+            assert await ranks[name].get_version() == 0
+        metrics = await ranks[name].update(uneven_batch)
+        for k, v in expected.items():
+            assert metrics[0][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (name, k)
+        _close(weights, (await ranks[name].export_weights())[1], f"{name}: a good step after failed ones")
+
+
+async def test_fsdp2_holds_shards_only_between_calls(ranks, uneven_batch):
+    """The last decoder layer and the root stay gathered from their forward to their backward (every unit with
+    reshard_after_forward=false); a forward without autograd (log-probs) reshards them: what the weight sync, the
+    checksums and a checkpoint read are shards."""
+    for name in ("fsdp2", "kept"):
+        await ranks[name].compute_log_prob(uneven_batch)
+        assert [h["all_sharded"] for h in await ranks[name].held()] == [True, True], name
+        await ranks[name].update(uneven_batch)
+        assert [h["all_sharded"] for h in await ranks[name].held()] == [True, True], name
 
 
 async def test_fsdp2_holds_half_of_the_replicated_model_per_rank(ranks, uneven_batch):

@@ -225,7 +225,12 @@ class TrainStrategy:
         """After a forward or backward raised mid-step: FSDP2 reshards every unit and forgets the step's
         collectives and hooks (``reset_iter_state``, on the root), and the whole gradients it accumulated without a
         reduce-scatter are dropped. No collective: a rank that failed alone does not wait for the others here."""
-        self.module.reset_iter_state()  # type: ignore[operator]
+        reset = getattr(self.module, "reset_iter_state", None)  # torch >= 2.13
+        if reset is not None:
+            reset()
+        else:  # older torch: reshard what the failed pass gathered (its per-iteration trackers restart next forward)
+            for unit in self._units:
+                unit.reshard()  # type: ignore[operator]
         self._drop_unsynced_grads()
 
     def _drop_unsynced_grads(self) -> None:

@@ -190,7 +190,7 @@ class StreamRollout:
                         and self._preempted(e, epoch)):
                     # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those
                     # over too (issued before any await, while the pool still takes calls)
-                    await self.scaler.hand_over_rest(a, site[0], g, epoch)
+                    await self.scaler.hand_over(a, site[0], [g], epoch)
                 a.running.pop(g, None)
                 await self._notify()  # a drain waiting for the old pool to hold no group (nothing else may wake it)
                 await self._recover(a, e, epoch, g)

@@ -186,8 +186,9 @@ class StreamScaler:
         await s.wait_for(lambda: a.epoch != epoch or (fut is not None and fut.done()))
         return a.epoch != epoch
 
-    async def _hand_over(self, a: Any, old_rollout: Any, late: list[int], epoch: int) -> None:
-        """Hand the groups `late` over from `old_rollout`: their rows stop at the next decoding step and what
+    async def hand_over(self, a: Any, old_rollout: Any, late: list[int], epoch: int) -> None:
+        """Hand the groups `late` over from `old_rollout` (pool `epoch`: a resize's late groups, or the rest of a
+        group whose call a preemption notice of one rank ended): their rows stop at the next decoding step and what
         they decoded is kept for their retry (which waits for this). Each rank answers on its own: the rows of a
         rank that fails (gone, or a pool that takes no call) or does not answer within ``HAND_OVER_S`` are
         generated again from their seeds (their calls are cancelled); the other ranks' rows are kept."""
@@ -224,12 +225,6 @@ class StreamScaler:
                 if k in a.running:
                     a.running[k][1].cancel()  # whatever the hand-over did not stop: _group issues it again
             await self._rollout.notify()
-
-    async def hand_over_rest(self, a: Any, rollout: Any, group: int, epoch: int) -> None:
-        """Group `group`'s call on pool `epoch` (`rollout`) ended on a preemption notice of one of its ranks, whose
-        rows came back with the notice: hand its rows on the other ranks over as well (each rank on its own; a
-        rank that fails or does not answer within ``HAND_OVER_S`` leaves its rows to start over)."""
-        await self._hand_over(a, rollout, [group], epoch)
 
     def size(self) -> int:
         """Workers in the rollout pool now."""
@@ -277,7 +272,7 @@ class StreamScaler:
             await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
         late = sorted(k for k, (site, _) in a.running.items() if site is old_rollout)
         if late:
-            await self._hand_over(a, old_rollout, late, old_epoch)
+            await self.hand_over(a, old_rollout, late, old_epoch)
         await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
         rec.kept_tokens = a.carried.pop(old_epoch, 0)  # also the rows a preemption notice's errors carried
         noticed = {k for e, k in self._noticed if e == old_epoch}

@@ -100,12 +100,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this test mod
 
 
 async def test_exchange_all_gather_and_reduce_scatter_at_three_ranks(ray_cluster):
-    group = asyncrl.RayWorkerGroup(CollectiveProbe, world_size=3, name="exchange-collectives")
-    await group.setup()
-    try:
+    async with asyncrl.RayWorkerGroup(CollectiveProbe, world_size=3, name="exchange-collectives") as group:
         results = await group.gather_and_scatter()
-    finally:
-        await group.close()
     inputs = [_inputs(r, 3) for r in range(3)]
     whole = torch.cat([shard for shard, _ in inputs])
     for rank, res in enumerate(results):
@@ -115,12 +111,8 @@ async def test_exchange_all_gather_and_reduce_scatter_at_three_ranks(ray_cluster
 
 
 async def test_a_gather_per_unit_gives_the_chosen_parameters_whole_from_uneven_shards(ray_cluster):
-    group = asyncrl.RayWorkerGroup(UnitGatherProbe, world_size=3, name="unit-gather")
-    await group.setup()
-    try:
+    async with asyncrl.RayWorkerGroup(UnitGatherProbe, world_size=3, name="unit-gather") as group:
         results = await group.gather()
-    finally:
-        await group.close()
     expected = {n: p.detach() for n, p in Net().named_parameters() if not n.endswith(".c.weight")}
     for whole, groups in results:
         assert groups == [["head.bias", "head.weight"],  # the root unit, then each block: one all-gather each

@@ -649,6 +649,9 @@ class JobConfig:
             raise ConfigError(f"critic.lora.rank={self.critic.lora.rank}: LoRA adapts the policy only (actor.lora); "
                               "set critic.lora.rank=0")
         lora = self.actor.lora
+        if lora.enabled and importlib.util.find_spec("peft") is None:
+            raise ConfigError(f"actor.lora.rank={lora.rank} needs the peft package: pip install 'asyncrl[lora]' "
+                              "(or bash scripts/setup.sh lora), or set actor.lora.rank=0")
         if not lora.enabled or lora.target_modules == "all-linear":
             return
         from asyncrl.roles.training.lora import check_targets
@@ -663,7 +666,6 @@ class JobConfig:
                 check_targets(skeleton, lora)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-
 
     def _validate_bypass(self) -> None:
         """``actor.rollout_correction.bypass_mode='on_policy'`` only where the rollout's log-probs are the

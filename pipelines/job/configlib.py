@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -19,6 +20,19 @@ import yaml
 __all__ = ["ConfigError", "from_dict", "to_dict", "load", "parse_overrides", "apply_overrides", "check_types"]
 
 T = TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a number in exponent form without a dot (``1e-3``, ``2E+5``) is a float,
+    as in YAML 1.2 and Python: PyYAML follows YAML 1.1, which reads it as the string ``'1e-3'``."""
+
+
+_Loader.add_implicit_resolver(  # copies SafeLoader's resolvers first: SafeLoader itself is unchanged
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 class ConfigError(ValueError):
@@ -184,7 +198,7 @@ def parse_overrides(items: Sequence[str]) -> list[tuple[list[str], Any]]:
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key part")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = _yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
         out.append((key.split("."), value))
@@ -227,7 +241,7 @@ def load(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] 
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = _yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         merged = _deep_merge(to_dict(cfg), data, "")

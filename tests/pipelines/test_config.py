@@ -26,6 +26,19 @@ def test_yaml_then_overrides_apply_in_order(tmp_path):
     assert cfg.rollout.temperature == 0.5 and cfg.trainer.output_dir == "out"
 
 
+def test_exponent_numbers_without_a_dot_are_floats_in_overrides_and_files(tmp_path):
+    """``2e-4`` is a float (YAML 1.2, Python), though PyYAML's YAML 1.1 would read the string ``'2e-4'``."""
+    f = tmp_path / "run.yaml"
+    f.write_text("actor:\n  lr: 1e-5\n  weight_decay: 1E+0\n")
+    cfg = load_config(f, [])
+    assert (cfg.actor.lr, cfg.actor.weight_decay) == (1e-5, 1.0)
+    cfg = load_config(None, ["actor.lr=2e-4", "critic.lr=+3e-6", "actor.betas=[9e-1, 0.95]"])
+    assert (cfg.actor.lr, cfg.critic.lr, cfg.actor.betas) == (2e-4, 3e-6, (0.9, 0.95))
+    assert load_config(None, ["trainer.output_dir=1e3x"]).trainer.output_dir == "1e3x"  # not a number: a string
+    with pytest.raises(ConfigError, match=r"trainer.steps must be an integer, got 1000.0"):
+        load_config(None, ["trainer.steps=1e3"])
+
+
 def test_yaml_booleans_read_as_the_choice_they_spell(tmp_path):
     """YAML 1.1 reads ``off`` as False: a choice whose one "off"-like spelling is ``off`` gets it back,
     in an override and in a file alike; a choice without such a spelling still refuses the boolean."""

@@ -5,6 +5,7 @@ like one."""
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import replace
 
 import pytest
@@ -130,6 +131,14 @@ def test_target_modules_that_match_nothing_are_refused_listing_the_linear_layers
     from asyncrl.pipelines.loop.build import role_specs
 
     assert sorted(role_specs(cfg, None)[1]) == ["advantage", "policy"]  # no ReferenceWorker
+
+
+def test_lora_without_peft_is_a_config_error_naming_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # find_spec answers None: the package is not installed
+    with pytest.raises(ConfigError, match=r"^actor.lora.rank=8 needs the peft package: pip install 'asyncrl\[lora\]' "
+                                          r"\(or bash scripts/setup.sh lora\), or set actor.lora.rank=0$"):
+        load_config(None, ["actor.lora.rank=8"])
+    assert load_config(None, ["actor.lora.rank=0"]).actor.lora.rank == 0
 
 
 CLIPPED = replace(LORA, max_grad_norm=0.05)  # a bound below the gradient's norm: clipping is live

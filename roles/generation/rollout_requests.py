@@ -66,6 +66,10 @@ class RequestCall:
     """A hand-over stopped it: it raises ``PreemptedError`` carrying ``handed``."""
     handed: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What its rows decoded, by key (:func:`partial_row`), once handed over."""
+    started: set[str] = field(default_factory=set)
+    """Plain rows submitted to the engine (or returned from a finished prefix), by key."""
+    all_started: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once every plain row started: a hand-over then finds each in the engine or among the finished."""
 
 
 def partial_row(gen: Any) -> dict[str, Any]:
@@ -352,6 +356,10 @@ class RequestGenerationMixin:
 
         async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Any:
             pre = prefixes.get(key) if key is not None else None
+            if key is not None:  # (submitted below before any other task runs: no await in between)
+                call.started.add(key)
+                if call.started.issuperset(call.keys):
+                    call.all_started.set()
             if pre is not None and pre.finish_reason:
                 gen = pre
             elif pre is not None and continues:
@@ -372,6 +380,11 @@ class RequestGenerationMixin:
 
         for _, c in calls:
             c.handing = True
+        for task, c in calls:  # each row in the engine or finished, so the rows are taken where they stand
+            if c.plain and c.keys and not c.all_started.is_set() and not task.done():  # (a replay: where the
+                started = asyncio.ensure_future(c.all_started.wait())  # recording stopped them)
+                await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
+                started.cancel()
         keys = [k for _, c in calls if c.plain for k in c.keys if k not in c.finished]
         batcher = self._batcher
         taken = await batcher.hand_over(keys) if isinstance(batcher, RequestBatcher) and keys else {}

@@ -167,6 +167,11 @@ class StreamReplay(StreamRollout):
                                       advantage=g.advantage), tr.config.trainer)
         await fresh.rollout.replay_rank_rounds(rounds, [True] * len(rounds))
         await s.wait_for(lambda: s.exports.get(version) is not None)
+        # the run's resizes are one at a time: the groups the last one handed over were issued again on the pool
+        # retired now before this one started
+        before, _ = self._handed.get(epoch - 2, ([], {}))
+        await s.wait_for(lambda: not any(k in a.handing or k in a.reissuing or (k in a.running and a.running[k][0]
+                                                                               is not g.rollout) for k in before))
         old_rollout = g.rollout
         old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, len(rounds))
         # the load first on the new pool's ordered lane, then the group calls after the record (its rounds

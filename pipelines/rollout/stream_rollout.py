@@ -91,6 +91,7 @@ class _Attempt:
         self.carried: dict[int, int] = {}  # pool epoch -> tokens its hand-overs carried (Resize.kept_tokens)
         self.stopped: dict[int, dict[int, dict[str, int]]] = {}  # pool epoch -> group -> row key -> tokens kept
         self.reissued: dict[int, set[int]] = {}  # pool epoch -> groups whose call there ended and was issued again
+        self.reissuing: set[int] = set()  # groups whose call ended, not issued again yet
 
 
 class StreamRollout:
@@ -168,6 +169,9 @@ class StreamRollout:
                     a.issued[g] = True
                     tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
                     task_status.started()
+                elif g in a.reissuing:  # issued again: a replay's next resize waits for that (stream_replay)
+                    a.reissuing.discard(g)
+                    await self._notify()
                 # The score call is ordered on the rollout workers' lane, like a weight update: issued
                 # now, it would hold its place there until the group's tokens exist, and an update
                 # issued meanwhile would wait for this group to finish generating. Issued once the
@@ -181,6 +185,7 @@ class StreamRollout:
                 break
             except Exception as e:
                 a.reissued.setdefault(epoch, set()).add(g)  # (a resize's journal: handed over, not drained)
+                a.reissuing.add(g)
                 handing = g in a.handing
                 if handing:  # a hand-over of g is under way: its answer keeps the rows first (the same rows its
                     await s.wait_for(lambda: g not in a.handing)  # ranks' errors carry, whole)

@@ -281,9 +281,11 @@ class StreamScaler:
         again = a.reissued.pop(old_epoch, set())
         rec.drained, rec.handed_over = sorted(on_old - again), sorted(again)
         rec.drain_s = time.perf_counter() - t1
-        # its last rounds (since the last step's fetch) go to the round log before they die with it
+        # its last rounds (since the last step's fetch) go to the round log before they die with it; the rows
+        # kept are those of the groups issued again (a call that returned while handed over drained)
+        rows = {k: r for k, r in a.stopped.pop(old_epoch, {}).items() if k in again}
         await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
-                                 rows=a.stopped.pop(old_epoch, {}))
+                                 rows=rows)
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)

@@ -41,9 +41,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Iterable
 
-from asyncrl.roles.errors import RolesError
+from asyncrl.roles.errors import HandedOverError, RolesError
 from asyncrl.roles.engines.batcher import Generation, RequestBatcher, RoundRecord, _Request, _Round
-from asyncrl.roles.errors import HandedOverError
 
 __all__ = ["RoundRecord", "ReplayBatcher", "ReplayDivergedError"]
 

@@ -380,9 +380,9 @@ class RequestGenerationMixin:
 
         for _, c in calls:
             c.handing = True
-        for task, c in calls:  # each row in the engine or finished, so the rows are taken where they stand
-            if c.plain and c.keys and not c.all_started.is_set() and not task.done():  # (a replay: where the
-                started = asyncio.ensure_future(c.all_started.wait())  # recording stopped them)
+        for task, c in calls:  # every row submitted (or finished) first: a replay takes each where it stands
+            if c.plain and c.keys and not c.all_started.is_set() and not task.done():
+                started = asyncio.ensure_future(c.all_started.wait())
                 await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
                 started.cancel()
         keys = [k for _, c in calls if c.plain for k in c.keys if k not in c.finished]

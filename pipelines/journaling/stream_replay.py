@@ -296,21 +296,23 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
                                "written before resized runs recorded them, or a run that ended before the pool was "
                                "closed); run it again with this version to get a replayable journal")
         lost = [c for c in chunks if c.get("lost") is not None and int(c.get("epoch", -1)) == e - 1]
-        if lost and done["handed_over"]:
+        if done["handed_over"] and lost and not _all_noticed(chunks, e - 1, sizes[e - 1]):
+            some = any("notice" in c and int(c.get("epoch", -1)) == e - 1 for c in chunks)
             raise JournalError(what + f"it handed prompt groups {done['handed_over']} over, and the retired pool's "
-                               f"rounds after step {lost[0]['step']} were lost ({lost[0]['lost']}): a rank whose "
-                               "process exited (a SIGTERM's preemption notice) takes its last rounds with it, so the "
-                               "rows it handed over cannot be regenerated; a notice through preempt_rollout(rank) "
-                               "keeps the rank alive until its rounds are recorded, and replays")
+                               f"rounds after step {lost[0]['step']} were lost ({lost[0]['lost']})"
+                               + (f": a SIGTERM to one of its {sizes[e - 1]} ranks broke the pool's group, so the "
+                                  "other ranks' last rounds could not be fetched" if some else "")
+                               + ", so the rows it handed over cannot be regenerated")
         _check_kept_rows(cfg, where, e - 1, done, chunks)
+    covered = {e for e, n in sizes.items() if _all_noticed(chunks, e, n)}  # (every rank's rounds came with a notice)
     for c in chunks:
-        if c.get("lost") is not None or int(c.get("epoch", 0)) not in sizes:
+        if (c.get("lost") is not None and int(c.get("epoch", 0)) not in covered) or int(c.get("epoch", 0)) not in sizes:
             raise JournalError(f"{where}: the rollout pool was replaced (or its rounds lost: {c.get('lost')}) by step "
                                f"{c['step']}, and the replaced engines' rounds died with them, so this run cannot be "
                                "replayed bit for bit")
     pools: dict[int, list[list[dict[str, Any]]]] = {}
     for e, n in sizes.items():
-        mine = [c for c in chunks if int(c.get("epoch", 0)) == e]
+        mine = [c for c in chunks if int(c.get("epoch", 0)) == e and c.get("ranks") is not None]
         if any(len(c["ranks"]) != n for c in mine):
             raise JournalError(f"{str(path)!r} holds rounds of {sorted({len(c['ranks']) for c in mine})} ranks for "
                                f"rollout pool {e}, which had {n} workers (trainer.rollout_workers="
@@ -342,6 +344,12 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
              ("resize", int(r["epoch"]), int(r["version"])) if r["kind"] == "resize" else
              ("group", int(r["index"]), int(r["version"])) for r in data.stream_order]
     return order, steps, drops, pools
+
+
+def _all_noticed(chunks: list[dict[str, Any]], epoch: int, size: int) -> bool:
+    """Whether every rank of rollout pool `epoch` (`size` ranks) sent its last rounds with a SIGTERM's notice (its
+    ``notice`` lines): its process exited then, and the pool's later fetches that failed lost no round."""
+    return {int(c["notice"]) for c in chunks if "notice" in c and int(c.get("epoch", -1)) == epoch} >= set(range(size))
 
 
 def _check_kept_rows(cfg: Any, where: str, epoch: int, retire: dict[str, Any], chunks: list[dict[str, Any]]) -> None:

@@ -193,6 +193,9 @@ class StreamRollout:
                 done = a.stopped.get(epoch, {}).get(g, {})
                 self.keep_rows(a, g, {k: r for k, r in handed_rows(e).items() if k not in done}, epoch)
                 site = a.running.get(g)
+                noticed = notice_rounds(e)  # a SIGTERM's: the rank's last rounds, which exit with its process
+                if noticed is not None and site is not None:
+                    tr.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1])
                 if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
                         and self._preempted(e, epoch)):
                     # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those
@@ -404,6 +407,17 @@ def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:
     cause = getattr(e, "cause", None)
     partial = getattr(cause, "partial", None)
     return dict(partial) if isinstance(partial, dict) else {}
+
+
+def notice_rounds(error: BaseException) -> tuple[int, list[dict[str, Any]]] | None:
+    """``(rank, rounds)`` a SIGTERM's ``PreemptedError`` carried (the told-to-stop rank's round log since its last
+    fetch), else None."""
+    from asyncrl.pipelines.supervision.recovery import root_cause
+
+    e = root_cause(error)
+    rounds = getattr(getattr(e, "cause", None), "rounds", None)
+    rank = getattr(e, "rank", None)
+    return (int(rank), list(rounds)) if isinstance(rounds, list) and rank is not None else None
 
 
 def stages_unwrap(group: Any) -> Any:

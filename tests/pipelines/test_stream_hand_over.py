@@ -294,14 +294,16 @@ async def test_a_sigterm_to_one_rank_of_two_hands_over_every_ranks_rows_with_the
     assert _check_continued(tr, cfg, calls, new) >= sum(len(k) for k in held.values())
     assert len(new) == 2 and new.isdisjoint(old) and rec.kept_tokens == tr.rollout.kept_tokens
     # the journal records each row's decoding step at the hand-over; a replay refuses the run (one line): the
-    # told-to-stop rank's last rounds died with its process
+    # told-to-stop rank's last rounds came with its notice, but the other rank's died with the broken group
     [retire] = read_journal(tmp_path / "run").retires.values()
     assert {k: n for rows in retire["rows"].values() for k, n in rows.items()} == {
         k: len(r["ids"]) for k, r in kept.items()}
     with pytest.raises(JournalError, match=r"resized \(preempt: 2 -> 2 workers after step \d\), which cannot be "
                                            r"replayed bit for bit: it handed prompt groups \[[\d, ]+\] over, and "
-                                           r"the retired pool's rounds after step \d+ were lost \(.*\): a rank whose "
-                                           r"process exited \(a SIGTERM's preemption notice\) takes its last rounds"):
+                                           r"the retired pool's rounds after step \d+ were lost \(.*\): a SIGTERM to "
+                                           r"one of its 2 ranks broke the pool's group, so the other ranks' last "
+                                           r"rounds could not be fetched, so the rows it handed over cannot be "
+                                           r"regenerated$"):
         GRPOTrainer(replay_config(tmp_path / "run")[0], replay=tmp_path / "run")
 
 

@@ -158,9 +158,7 @@ NEW_POOL = {"step": 0, "epoch": 1, "ranks": [[{"keys": ALL_KEYS[4:], "segments":
     ({"resize": True, "retire": {"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2}}},
       "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "ranks": None, "lost": "ActorDiedError: gone", "retired": True}]},
      RESIZED + "it handed prompt groups \\[0\\] over, and the retired pool's rounds after step 0 were lost "
-     "\\(ActorDiedError: gone\\): a rank whose process exited \\(a SIGTERM's preemption notice\\) takes its last "
-     "rounds with it, so the rows it handed over cannot be regenerated; a notice through preempt_rollout\\(rank\\) "
-     "keeps the rank alive until its rounds are recorded, and replays$"),
+     "\\(ActorDiedError: gone\\), so the rows it handed over cannot be regenerated$"),
     *[({"resize": True, "retire": {"drained": [], "handed_over": [0], "rows": rows},
         "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "retired": True}]},
        "the retire record of rollout pool 0 does not match its rounds: " + why + "; the journal or its "
@@ -211,6 +209,13 @@ def test_a_resize_that_handed_groups_over_is_planned_with_the_rows_its_retire_re
     rollout = GRPOTrainer(cfg, replay=tmp_path / "run").rollout
     assert rollout._order == [("group", 0, 0), ("group", 1, 0), ("resize", 1, 0)]
     assert rollout._handed == {0: ([0], {0: {"0:0": 2, "0:1": 0}})}
+    # a SIGTERM: the told-to-stop rank's last rounds came with its notice; the fetch after found it gone
+    notice = {**OLD_POOL, "ranks": [[{"keys": ["0:0"], "segments": [[0, 1]]}]], "notice": 0}
+    lost = {**OLD_POOL, "ranks": None, "lost": "GroupBrokenError: worker rank 0 died", "retired": True}
+    write_journal(tmp_path / "run", cfg, resize=True, retire={"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2}}},
+                  chunks=[OLD_POOL, notice, NEW_POOL, lost])
+    rollout = GRPOTrainer(cfg, replay=tmp_path / "run").rollout
+    assert rollout._pools[0] == [OLD_POOL["ranks"][0] + notice["ranks"][0]]
 
 
 @pytest.mark.slow
@@ -420,3 +425,44 @@ async def test_a_stream_run_whose_resizes_handed_groups_over_replays_bit_for_bit
                                                   f"stopped row '{key}' after {HELD} tokens, but the journal's retire "
                                                   f"record kept {HELD - 1}"):
         await replay(run, output_dir=tmp_path / "replay2")
+
+
+@pytest.mark.slow  # a streaming run with two 2-worker rollout pools and its replay: about 90 s
+async def test_a_stream_run_whose_rollout_rank_got_a_sigterm_replays_bit_for_bit(ray_cluster, tmp_path):
+    """A SIGTERM to the rollout worker while it holds its rows after 3 tokens: its rows and its last rounds come
+    back with its notice (its process then exits), and the run goes on on a new pool. The replay regenerates
+    every token, behaviour log-prob and version, with the same metrics and final weights. (In a pool of several
+    ranks the others' last rounds die with the broken group: refused, tests/pipelines/test_stream_hand_over.py.)"""
+    import signal
+
+    from tests.pipelines.test_stream_hand_over import HELD, _stall_pool, _stalling_run
+    from tests.pipelines.test_stream_scale import _history_reaches
+
+    calls, _, stall, cfg, overrides = _stalling_run(tmp_path)
+    run = tmp_path / "run"
+    overrides["advantage"] = (TokenRecorder, {"path": str(tmp_path / "original.jsonl")})
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> None:
+            await _history_reaches(tr, 1)
+            [pid] = await _stall_pool(tr, stall, calls)
+            os.kill(pid, signal.SIGTERM)
+            async with asyncio.timeout(120):
+                while len(tr.rollout.scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
+            stall.write_text("")
+
+        async with asyncio.TaskGroup() as tg:
+            fit, _ = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, [rec] = fit.result(), tr.rollout.scaler.resizes
+        assert tr.restarts == []
+    assert [r["step"] for r in history] == list(range(cfg.trainer.steps))
+    assert (rec.size_before, rec.size_after, rec.reason) == (1, 1, "preempt") and rec.kept_tokens >= HELD
+    [notice] = [c for c in read_rounds(run / "rounds.jsonl") if "notice" in c]  # the told-to-stop rank's rounds
+    assert notice["epoch"] == 0 and notice["ranks"][notice["notice"]]
+
+    result = await replay(run, worker_overrides={
+        "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})})
+    assert result.metric_differences == [] and result.identical
+    assert result.weights_sha256 == result.original_weights_sha256 is not None  # the final weights, bit for bit
+    assert trained(tmp_path / "replayed.jsonl") == trained(tmp_path / "original.jsonl")  # tokens, log-probs, versions

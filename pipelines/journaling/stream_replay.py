@@ -24,8 +24,9 @@ schedules requests itself (vLLM); a run resumed or restarted part-way (a second 
 regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
 was replaced (the replaced engines' rounds died with them: a pool epoch that no ``resize`` record started);
 a resized run whose retired pool's last rounds were not recorded (no ``retire`` record or no ``retired``
-line: a journal written before they were), or were lost while it handed groups over (a rank that exited on
-SIGTERM took its last rounds with it); a ``retire`` record whose kept rows do not fit its rounds (a row of a
+line: a journal written before they were), or were lost while it handed groups over (a SIGTERM to one rank
+of several: the told-to-stop rank sends its last rounds with its notice, but its exit breaks the pool's
+group, and the other ranks' last rounds cannot be fetched); a ``retire`` record whose kept rows do not fit its rounds (a row of a
 group it did not hand over, more tokens than ``max_new_tokens``, tokens no recorded round decoded: an edited
 journal); a rounds file that is missing, unreadable, or lacks the rounds of a trained group; a run with
 ``rollout.agent`` whose round log records no agent sessions.
@@ -45,7 +46,10 @@ its ``retire`` record, never from the replay's timing::
       new pool: the groups issued again with generate_requests(resume=rows); its rounds continue them
 
 The groups are the ones whose calls ended and were issued again (a late group whose generation had finished
-drained); rows the run's hand-over did not find start over from their seeds, as they did.
+drained); rows the run's hand-over did not find start over from their seeds, as they did. A SIGTERM's notice
+(a one-rank pool) is re-created the same way: the told-to-stop rank's last rounds came back with its
+``PreemptedError`` (a ``"notice"`` line of ``rounds.jsonl``), so the fetches that failed after its process
+exited lost none.
 
 Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
 digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic

@@ -390,9 +390,9 @@ class RequestGenerationMixin:
         keys = [k for _, c in calls if c.plain for k in c.keys if k not in c.finished]
         batcher = self._batcher
         taken = await batcher.hand_over(keys) if isinstance(batcher, RequestBatcher) and keys else {}
+        if taken:
+            await batcher.settled()  # the round it stopped is in the round log (keep: after its last segment)
         if self._preempted and self.config.record_rounds:  # the process exits with them: they go in the answer
-            if isinstance(batcher, RequestBatcher):
-                await batcher.settled()  # (the stopped round recorded)
             rounds = self._round_records(clear=True)  # (one copy per call; the journal keeps one per rank)
             for _, c in calls:
                 c.rounds = rounds

@@ -272,10 +272,11 @@ async def test_a_replayed_hand_over_takes_each_row_where_the_recorded_rounds_sto
                 asyncio.ensure_future(rec.generate(mate, mate_params, key="mate"))]
         done = await asyncio.gather(*runs, return_exceptions=True)
         await asyncio.wrap_future(started[0])
+        await rec.settled()  # the stopped round recorded (keep: after its last segment)
+        log = [r.to_dict() for r in rec.round_log()]
     finally:
         handle.remove()
         await rec.aclose()
-    log = [r.to_dict() for r in rec.round_log()]
     assert len(taken["row"].response_ids) == 3 and taken["row"].finish_reason == ""
     assert isinstance(done[0], HandedOverError)
 

@@ -26,9 +26,9 @@ was replaced (the replaced engines' rounds died with them: a pool epoch that no 
 a resized run whose retired pool's last rounds were not recorded (no ``retire`` record or no ``retired``
 line: a journal written before they were), or were lost while it handed groups over (a SIGTERM to one rank
 of several: the told-to-stop rank sends its last rounds with its notice, but its exit breaks the pool's
-group, and the other ranks' last rounds cannot be fetched); a ``retire`` record whose kept rows do not fit its rounds (a row of a
-group it did not hand over, more tokens than ``max_new_tokens``, tokens no recorded round decoded: an edited
-journal); a rounds file that is missing, unreadable, or lacks the rounds of a trained group; a run with
+group, and the other ranks' last rounds cannot be fetched); a ``retire`` record whose kept rows do not fit
+its rounds (a row of a group it did not hand over, more tokens than ``max_new_tokens``, tokens no recorded
+round decoded: an edited journal); a rounds file that is missing, unreadable, or lacks the rounds of a trained group; a run with
 ``rollout.agent`` whose round log records no agent sessions.
 
 Resized runs (``scale_rollout``, ``preempt_rollout``, the autoscaler) replay: each pool's rounds are its own
@@ -111,9 +111,9 @@ class StreamReplay(StreamRollout):
         data = trainer.journal.replayed
         assert source is not None and data is not None
         self._order, self._steps, self._drops, self._pools = _plan(trainer.config, source, data)
-        self._handed = {e: ([int(g) for g in r["handed_over"]],
+        self._handed = {e: ([int(g) for g in r["handed_over"]],  # pool epoch -> (groups handed over, their kept rows)
                             {int(g): {str(k): int(n) for k, n in rows.items()} for g, rows in r.get("rows", {}).items()})
-                        for e, r in data.retires.items()}  # pool epoch -> (groups handed over, their kept rows)
+                        for e, r in data.retires.items()}
 
     async def run(self) -> None:
         """Give each engine its rounds, then follow the journal's ``group`` and ``load`` records in order: issue
@@ -185,7 +185,8 @@ class StreamReplay(StreamRollout):
         a.epoch = epoch
         handed, _ = self._handed.get(epoch - 1, ([], {}))
         if handed:  # (issued now, before any later record's calls; each waits for its recorded rounds there)
-            tg.start_soon(self._hand_over, a, old_rollout, handed, epoch - 1, name=f"stream replay hand-over {epoch - 1}")
+            tg.start_soon(self._hand_over, a, old_rollout, handed, epoch - 1,
+                          name=f"stream replay hand-over {epoch - 1}")
         tg.start_soon(self._retire, a, old_rollout, old_part, old_pool, name=f"stream replay retire pool {epoch - 1}")
 
     async def _hand_over(self, a: _Attempt, old_rollout: Any, handed: list[int], epoch: int) -> None:

@@ -7,7 +7,11 @@ journal's admissions and step groups while the engines re-run their recorded rou
   per-step metrics and final weights, exactly.
 * What cannot be replayed is refused before any worker starts, naming what is missing and the fix: a
   journal written before rounds were recorded, a missing or truncated rounds file, a resumed or restarted
-  run, a run whose rollout pool was replaced.
+  run, a run whose rollout pool was replaced, a resize whose handed-over rows' rounds were lost, a ``retire``
+  record that does not fit its rounds.
+* Resized runs replay: drained, handed over past ``drain_s=0`` (grow, shrink, ``preempt_rollout``), and a
+  one-worker pool's SIGTERM (its notice carries its last rounds); an edited kept-token count fails the
+  replay at its hand-over (``ReplayDivergedError``).
 """
 
 from __future__ import annotations
@@ -212,8 +216,8 @@ def test_a_resize_that_handed_groups_over_is_planned_with_the_rows_its_retire_re
     # a SIGTERM: the told-to-stop rank's last rounds came with its notice; the fetch after found it gone
     notice = {**OLD_POOL, "ranks": [[{"keys": ["0:0"], "segments": [[0, 1]]}]], "notice": 0}
     lost = {**OLD_POOL, "ranks": None, "lost": "GroupBrokenError: worker rank 0 died", "retired": True}
-    write_journal(tmp_path / "run", cfg, resize=True, retire={"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2}}},
-                  chunks=[OLD_POOL, notice, NEW_POOL, lost])
+    write_journal(tmp_path / "run", cfg, resize=True, chunks=[OLD_POOL, notice, NEW_POOL, lost],
+                  retire={"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2}}})
     rollout = GRPOTrainer(cfg, replay=tmp_path / "run").rollout
     assert rollout._pools[0] == [OLD_POOL["ranks"][0] + notice["ranks"][0]]
 
@@ -370,7 +374,7 @@ async def test_a_stream_run_resized_1_2_1_with_drains_replays_bit_for_bit(ray_cl
     assert trained(tmp_path / "replayed.jsonl") == trained(tmp_path / "original.jsonl")  # tokens, log-probs, versions
 
 
-@pytest.mark.slow  # a streaming run with four rollout pools, its replay and a replay that diverges: 3-4 min
+@pytest.mark.slow  # a run with four rollout pools, its replay and one that diverges: 75-135 s on 2 loaded cores
 async def test_a_stream_run_whose_resizes_handed_groups_over_replays_bit_for_bit(ray_cluster, tmp_path):
     """``scale_rollout(2)``, ``scale_rollout(1)`` and ``preempt_rollout(0)`` mid-run with ``drain_s=0``, each
     while the old pool holds its rows after 3 tokens (tests/pipelines/test_stream_hand_over.py): every group in

@@ -119,11 +119,15 @@ class PreemptedError(RolesError, RuntimeError):
     preemption notice) or its rows were handed over (a resize): the rows in flight stopped at their next
     decoding step and are to be continued elsewhere with the same seeds. ``partial`` holds what the call's plain
     rows decoded, by request key (``{"ids", "log_probs", "versions", "finish"}``; a finished row's whole
-    completion, an unfinished one's prefix), for ``generate_requests(..., resume=...)``."""
+    completion, an unfinished one's prefix), for ``generate_requests(..., resume=...)``. ``rounds``: on a
+    SIGTERM's notice, the told-to-stop rank's round log since its last fetch (``round_log``; None when it records
+    no rounds), which would otherwise exit with its process."""
 
-    def __init__(self, message: str, partial: dict[str, dict] | None = None) -> None:
+    def __init__(self, message: str, partial: dict[str, dict] | None = None,
+                 rounds: list[dict] | None = None) -> None:
         super().__init__(message)
         self.partial: dict[str, dict] = dict(partial or {})
+        self.rounds: list[dict] | None = rounds
 
 
 class HandedOverError(RolesError, RuntimeError):

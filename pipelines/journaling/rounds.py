@@ -48,15 +48,17 @@ class RoundFile:
         tmp.replace(self.path)
 
     def append(self, step: int, epoch: int, ranks: list[list[dict[str, Any]]] | None, lost: str | None = None,
-               retired: bool = False) -> None:
+               retired: bool = False, notice: int | None = None) -> None:
         """The rounds each rank of rollout pool `epoch` ran since its last line, fetched after step `step` chose
         its groups, or (`retired`) before that pool was closed by a resize (`lost`: why they could not be
-        fetched)."""
+        fetched), or (`notice`) the rounds rank `notice` sent with its SIGTERM's preemption notice."""
         rec: dict[str, Any] = {"step": step, "epoch": epoch, "ranks": ranks}
         if retired:
             rec["retired"] = True
         if lost is not None:
             rec["lost"] = lost
+        if notice is not None:
+            rec["notice"] = notice
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 

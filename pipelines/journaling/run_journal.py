@@ -66,6 +66,7 @@ class RunJournal:
         self._replay: JournalData | None = None
         self._rounds: RoundFile | None = None  # streaming on HF: the engines' round log (rounds.jsonl)
         self._fetch: asyncio.Task[None] | None = None  # the newest round-log fetch (each awaits the one before)
+        self._notices: set[tuple[int, int]] = set()  # (pool epoch, rank) whose notice's rounds are written
         self.replay_source = Path(replay) if replay is not None else None
         """The journal (or run directory) this run replays."""
         if replay is not None:
@@ -150,31 +151,49 @@ class RunJournal:
             self._fetch_rounds(rollout, self._trainer.state.taken, epoch, retired=True)
             await self._fetched()
 
+    def noticed(self, epoch: int, rank: int, size: int, rounds: list[dict[str, Any]]) -> None:
+        """Streaming: rank `rank` of rollout pool `epoch` (`size` ranks) was told to stop by a SIGTERM and sent its
+        rounds since its last fetch with its notice (``PreemptedError.rounds``): append them as its line, after
+        the fetches issued before (once per rank: each of its calls' errors carries the same rounds). Its process
+        exits and the pool's later fetches fail (``lost``); a replay accepts that of a pool whose every rank sent
+        its notice's rounds (none is left to decode)."""
+        if self._rounds is None or (epoch, rank) in self._notices:
+            return
+        self._notices.add((epoch, rank))
+        ranks: list[list[dict[str, Any]]] = [[] for _ in range(size)]
+        ranks[rank] = list(rounds)
+        self._append_after(self._trainer.state.taken, epoch, None, ranks=ranks, notice=rank)
+
     def _fetch_rounds(self, rollout: Any, step: int, epoch: int, retired: bool = False) -> None:
         """Fetch `rollout`'s rounds since its last fetch (the call issued now) and append them as pool `epoch`'s
         line of step `step`, after the fetches issued before (in a task: :attr:`_fetch`)."""
-        file = self._rounds
-        assert file is not None
         try:
             call = rollout.round_log(True)
         except AttributeError:  # a custom rollout worker without a round log
-            call = None
+            call = RuntimeError("the rollout worker has no round_log")
         except Exception as e:  # noqa: BLE001 - a pool that takes no call (a dead rank): its rounds are gone
             call = e
+        self._append_after(step, epoch, call, retired=retired)
+
+    def _append_after(self, step: int, epoch: int, call: Any, *, retired: bool = False,
+                      ranks: list[list[dict[str, Any]]] | None = None, notice: int | None = None) -> None:
+        """Append the line of the round-log `call` (or of `ranks`, a notice's) after the lines issued before."""
+        file = self._rounds
+        assert file is not None
         before = self._fetch
 
         async def fetch() -> None:
             if before is not None:
                 await asyncio.wait([before])
+            got, lost = ranks, None
             try:
-                if call is None:
-                    raise RuntimeError("the rollout worker has no round_log")
-                if isinstance(call, Exception):
-                    raise call
-                ranks, lost = list(await call), None
+                if got is None:
+                    if isinstance(call, Exception):
+                        raise call
+                    got = list(await call)
             except Exception as e:  # noqa: BLE001 - a dead rollout worker's rounds are gone: say so (replay refuses)
-                ranks, lost = None, f"{type(e).__name__}: {e}"
-            await anyio.to_thread.run_sync(lambda: file.append(step, epoch, ranks, lost, retired))
+                got, lost = None, f"{type(e).__name__}: {e}"
+            await anyio.to_thread.run_sync(lambda: file.append(step, epoch, got, lost, retired, notice))
 
         self._fetch = asyncio.get_running_loop().create_task(fetch(), name=f"round log of step {step}")
 

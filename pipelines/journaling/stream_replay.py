@@ -24,15 +24,32 @@ schedules requests itself (vLLM); a run resumed or restarted part-way (a second 
 regenerated groups ran on fresh engines the replay cannot re-create in place); a run whose rollout pool
 was replaced (the replaced engines' rounds died with them: a pool epoch that no ``resize`` record started);
 a resized run whose retired pool's last rounds were not recorded (no ``retire`` record or no ``retired``
-line: a journal written before they were), or whose resize handed groups over mid-generation (the decoding
-step where each row stopped is not recorded, nor re-created); a rounds file that is missing, unreadable, or
-lacks the rounds of a trained group; a run with ``rollout.agent`` whose round log records no agent sessions.
+line: a journal written before they were), or were lost while it handed groups over (a SIGTERM to one rank
+of several: the told-to-stop rank sends its last rounds with its notice, but its exit breaks the pool's
+group, and the other ranks' last rounds cannot be fetched); a ``retire`` record whose kept rows do not fit
+its rounds (a row of a group it did not hand over, more tokens than ``max_new_tokens``, tokens no recorded
+round decoded: an edited journal); a rounds file that is missing, unreadable, or lacks the rounds of a trained group; a run with
+``rollout.agent`` whose round log records no agent sessions.
 
-Resized runs (``scale_rollout``, the autoscaler) whose resizes drained replay: each pool's rounds are its own
+Resized runs (``scale_rollout``, ``preempt_rollout``, the autoscaler) replay: each pool's rounds are its own
 (``rounds.jsonl`` lines by pool ``epoch``; a retired pool's last rounds in a ``"retired": true`` line written
 before it closed), and the journal's ``resize`` record stands where the new pool took over, among the
 ``group`` and ``load`` records: the replay starts that pool there with its rounds, issues its load of the
 recorded version, sends the next records' calls to it, and closes the old pool once its groups finished.
+A resize that handed groups over mid-generation (past its drain deadline, a preemption) is re-created from
+its ``retire`` record, never from the replay's timing::
+
+    retire {"handed_over": [g...], "rows": {g: {row key: tokens kept}}}
+      old pool: hand_over(seeds of g...) at the resize record; each rank's ReplayBatcher takes the rows once
+                its recorded rounds of them ran (where the run stopped them)
+      keep the rows the record kept, each with exactly its tokens (else ReplayDivergedError, naming the row)
+      new pool: the groups issued again with generate_requests(resume=rows); its rounds continue them
+
+The groups are the ones whose calls ended and were issued again (a late group whose generation had finished
+drained); rows the run's hand-over did not find start over from their seeds, as they did. A SIGTERM's notice
+(a one-rank pool) is re-created the same way: the told-to-stop rank's last rounds came back with its
+``PreemptedError`` (a ``"notice"`` line of ``rounds.jsonl``), so the fetches that failed after its process
+exited lost none.
 
 Agents (``rollout.agent``): the round log also carries each gateway session's requests and responses (as
 digests). The replaying gateways hold their sessions to them: an agent whose calls are a deterministic
@@ -52,7 +69,7 @@ from asyncrl.pipelines.journaling.journal import JOURNAL, JournalData, JournalEr
 from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed
 from asyncrl.pipelines.journaling.rounds import ROUNDS, RoundFile, read_rounds, recording_rollout, records_rounds
 from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
-from asyncrl.pipelines.loop.deadlines import with_deadlines
+from asyncrl.pipelines.loop.deadlines import unwrap, with_deadlines
 from asyncrl.pipelines.loop.stages import Groups
 
 if TYPE_CHECKING:
@@ -94,6 +111,9 @@ class StreamReplay(StreamRollout):
         data = trainer.journal.replayed
         assert source is not None and data is not None
         self._order, self._steps, self._drops, self._pools = _plan(trainer.config, source, data)
+        self._handed = {e: ([int(g) for g in r["handed_over"]],  # pool epoch -> (groups handed over, their kept rows)
+                            {int(g): {str(k): int(n) for k, n in rows.items()} for g, rows in r.get("rows", {}).items()})
+                        for e, r in data.retires.items()}
 
     async def run(self) -> None:
         """Give each engine its rounds, then follow the journal's ``group`` and ``load`` records in order: issue
@@ -151,6 +171,11 @@ class StreamReplay(StreamRollout):
                                       advantage=g.advantage), tr.config.trainer)
         await fresh.rollout.replay_rank_rounds(rounds, [True] * len(rounds))
         await s.wait_for(lambda: s.exports.get(version) is not None)
+        # the run's resizes are one at a time: the groups the last one handed over were issued again on the pool
+        # retired now before this one started
+        before, _ = self._handed.get(epoch - 2, ([], {}))
+        await s.wait_for(lambda: not any(k in a.handing or k in a.reissuing or (k in a.running and a.running[k][0]
+                                                                               is not g.rollout) for k in before))
         old_rollout = g.rollout
         old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, len(rounds))
         # the load first on the new pool's ordered lane, then the group calls after the record (its rounds
@@ -158,7 +183,53 @@ class StreamReplay(StreamRollout):
         await tg.start(self._load_into, a, fresh, version, name=f"stream replay pool {epoch} load {version}")
         g.rollout, g.reward = fresh.rollout, fresh.reward
         a.epoch = epoch
+        handed, _ = self._handed.get(epoch - 1, ([], {}))
+        if handed:  # (issued now, before any later record's calls; each waits for its recorded rounds there)
+            tg.start_soon(self._hand_over, a, old_rollout, handed, epoch - 1,
+                          name=f"stream replay hand-over {epoch - 1}")
         tg.start_soon(self._retire, a, old_rollout, old_part, old_pool, name=f"stream replay retire pool {epoch - 1}")
+
+    async def _hand_over(self, a: _Attempt, old_rollout: Any, handed: list[int], epoch: int) -> None:
+        """Re-create the hand-over of the groups `handed` from pool `epoch` (its ``retire`` record): each rank
+        takes their rows where its recorded rounds stopped them (``ReplayBatcher.hand_over``), the rows the
+        record kept are kept -- exactly as many tokens each, else :class:`ReplayDivergedError` -- and the groups
+        are issued again on the new pool, continuing them (``StreamRollout._group``'s retry)."""
+        from asyncrl.roles.engines.round_log import ReplayDivergedError
+
+        _, recorded = self._handed[epoch]
+        by_seed = {batch_seed(self._trainer.config, g): g for g in handed}
+        a.handing.update(handed)
+        try:
+            parts = await unwrap(old_rollout).hand_over(sorted(by_seed))
+            rows: dict[int, dict[str, dict[str, Any]]] = {}
+            for part in parts:
+                for seed, mine in part.items():
+                    rows.setdefault(by_seed[int(seed)], {}).update(mine)
+            for g in handed:
+                got = rows.get(g, {})
+                if g not in rows and not (g in a.running and a.running[g][0] is old_rollout):
+                    continue  # its call returned before the hand-over reached it: it finished, as recorded rows do
+                for key, n in sorted(recorded.get(g, {}).items()):
+                    have = len(got[key]["ids"]) if key in got else None
+                    if have != n:
+                        raise ReplayDivergedError(
+                            f"the replayed hand-over of prompt group {g} from rollout pool {epoch} stopped row {key!r} "
+                            f"after {'no' if have is None else have} tokens, but the journal's retire record kept {n}: "
+                            "the journal or its rounds.jsonl were edited, or the pool's rounds did not run as "
+                            "recorded; replay the files the run wrote")
+                self.keep_rows(a, g, {k: got[k] for k in recorded.get(g, {})}, epoch)
+        finally:
+            a.handing.difference_update(handed)
+            for g in handed:
+                if g in a.running and a.running[g][0] is old_rollout:
+                    a.running[g][1].cancel()  # (a rank that took no rows: issued again, from its seeds)
+            await self._notify()
+
+    def keep_rows(self, a: _Attempt, g: int, rows: dict[str, dict[str, Any]], epoch: int) -> None:
+        """As the run's, of the rows its ``retire`` record of pool `epoch` kept for group `g` only (the replay
+        hands over every row where it stands; the run kept those its hand-over found)."""
+        kept = self._handed.get(epoch, ([], {}))[1].get(g, {})
+        super().keep_rows(a, g, {k: r for k, r in rows.items() if k in kept}, epoch)
 
     async def _load_into(self, a: _Attempt, groups: Groups, v: int, *,
                          task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -229,18 +300,24 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
             raise JournalError(what + "the retired pool's rounds after its last step were not recorded (a journal "
                                "written before resized runs recorded them, or a run that ended before the pool was "
                                "closed); run it again with this version to get a replayable journal")
-        if done["handed_over"]:
-            raise JournalError(what + f"it handed prompt groups {done['handed_over']} over to the new pool mid-"
-                               "generation, and a replay does not re-create a hand-over yet (only drained "
-                               "resizes replay); raise trainer.rollout_drain_s so a resize drains")
+        lost = [c for c in chunks if c.get("lost") is not None and int(c.get("epoch", -1)) == e - 1]
+        if done["handed_over"] and lost and not _all_noticed(chunks, e - 1, sizes[e - 1]):
+            some = any("notice" in c and int(c.get("epoch", -1)) == e - 1 for c in chunks)
+            raise JournalError(what + f"it handed prompt groups {done['handed_over']} over, and the retired pool's "
+                               f"rounds after step {lost[0]['step']} were lost ({lost[0]['lost']})"
+                               + (f": a SIGTERM to one of its {sizes[e - 1]} ranks broke the pool's group, so the "
+                                  "other ranks' last rounds could not be fetched" if some else "")
+                               + ", so the rows it handed over cannot be regenerated")
+        _check_kept_rows(cfg, where, e - 1, done, chunks)
+    covered = {e for e, n in sizes.items() if _all_noticed(chunks, e, n)}  # (every rank's rounds came with a notice)
     for c in chunks:
-        if c.get("lost") is not None or int(c.get("epoch", 0)) not in sizes:
+        if (c.get("lost") is not None and int(c.get("epoch", 0)) not in covered) or int(c.get("epoch", 0)) not in sizes:
             raise JournalError(f"{where}: the rollout pool was replaced (or its rounds lost: {c.get('lost')}) by step "
                                f"{c['step']}, and the replaced engines' rounds died with them, so this run cannot be "
                                "replayed bit for bit")
     pools: dict[int, list[list[dict[str, Any]]]] = {}
     for e, n in sizes.items():
-        mine = [c for c in chunks if int(c.get("epoch", 0)) == e]
+        mine = [c for c in chunks if int(c.get("epoch", 0)) == e and c.get("ranks") is not None]
         if any(len(c["ranks"]) != n for c in mine):
             raise JournalError(f"{str(path)!r} holds rounds of {sorted({len(c['ranks']) for c in mine})} ranks for "
                                f"rollout pool {e}, which had {n} workers (trainer.rollout_workers="
@@ -272,3 +349,35 @@ def _plan(cfg: Any, source: Path, data: JournalData) -> tuple[list[tuple[str, in
              ("resize", int(r["epoch"]), int(r["version"])) if r["kind"] == "resize" else
              ("group", int(r["index"]), int(r["version"])) for r in data.stream_order]
     return order, steps, drops, pools
+
+
+def _all_noticed(chunks: list[dict[str, Any]], epoch: int, size: int) -> bool:
+    """Whether every rank of rollout pool `epoch` (`size` ranks) sent its last rounds with a SIGTERM's notice (its
+    ``notice`` lines): its process exited then, and the pool's later fetches that failed lost no round."""
+    return {int(c["notice"]) for c in chunks if "notice" in c and int(c.get("epoch", -1)) == epoch} >= set(range(size))
+
+
+def _check_kept_rows(cfg: Any, where: str, epoch: int, retire: dict[str, Any], chunks: list[dict[str, Any]]) -> None:
+    """The ``retire`` record of pool `epoch` against the round log, before any worker starts: each kept row is a row
+    of a group it handed over, kept at most ``rollout.max_new_tokens`` tokens, and one that kept tokens was decoded
+    in a recorded round of that pool or an earlier one (else :class:`JournalError`: an edited journal). Whether the
+    counts are the rounds' own is checked as the replay hands them over (``ReplayDivergedError``)."""
+    handed = {int(g) for g in retire["handed_over"]}
+    decoded = {k for c in chunks if int(c.get("epoch", 0)) <= epoch and c.get("ranks")
+               for rank in c["ranks"] for r in rank for k in r.get("keys", ())}
+    for g, rows in sorted((int(g), rows) for g, rows in retire.get("rows", {}).items()):
+        keys = {f"{batch_seed(cfg, g)}:{j}" for j in range(cfg.group_size)}
+        for key, n in sorted(rows.items()):
+            why = None
+            if g not in handed:
+                why = f"group {g} is not among the groups it handed over ({sorted(handed)})"
+            elif key not in keys:
+                why = f"{key!r} is not a row of group {g}"
+            elif not isinstance(n, int) or not 0 <= n <= cfg.rollout.max_new_tokens:
+                why = f"row {key!r} kept {n!r} tokens (0..rollout.max_new_tokens={cfg.rollout.max_new_tokens})"
+            elif n > 0 and key not in decoded:
+                why = f"row {key!r} kept {n} tokens but no recorded round of pool {epoch} or before decoded it"
+            if why is not None:
+                raise JournalError(f"{where}: the retire record of rollout pool {epoch} does not match its rounds: "
+                                   f"{why}; the journal or its rounds.jsonl were edited, restore the files the run "
+                                   "wrote")

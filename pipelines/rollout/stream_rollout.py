@@ -90,6 +90,8 @@ class _Attempt:
         self.handing: set[int] = set()  # groups whose hand-over call is in flight (their retry waits for it)
         self.carried: dict[int, int] = {}  # pool epoch -> tokens its hand-overs carried (Resize.kept_tokens)
         self.stopped: dict[int, dict[int, dict[str, int]]] = {}  # pool epoch -> group -> row key -> tokens kept
+        self.reissued: dict[int, set[int]] = {}  # pool epoch -> groups whose call there ended and was issued again
+        self.reissuing: set[int] = set()  # groups whose call ended, not issued again yet
 
 
 class StreamRollout:
@@ -167,6 +169,9 @@ class StreamRollout:
                     a.issued[g] = True
                     tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
                     task_status.started()
+                elif g in a.reissuing:  # issued again: a replay's next resize waits for that (stream_replay)
+                    a.reissuing.discard(g)
+                    await self._notify()
                 # The score call is ordered on the rollout workers' lane, like a weight update: issued
                 # now, it would hold its place there until the group's tokens exist, and an update
                 # issued meanwhile would wait for this group to finish generating. Issued once the
@@ -179,6 +184,8 @@ class StreamRollout:
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
+                a.reissued.setdefault(epoch, set()).add(g)  # (a resize's journal: handed over, not drained)
+                a.reissuing.add(g)
                 handing = g in a.handing
                 if handing:  # a hand-over of g is under way: its answer keeps the rows first (the same rows its
                     await s.wait_for(lambda: g not in a.handing)  # ranks' errors carry, whole)
@@ -186,6 +193,9 @@ class StreamRollout:
                 done = a.stopped.get(epoch, {}).get(g, {})
                 self.keep_rows(a, g, {k: r for k, r in handed_rows(e).items() if k not in done}, epoch)
                 site = a.running.get(g)
+                noticed = notice_rounds(e)  # a SIGTERM's: the rank's last rounds, which exit with its process
+                if noticed is not None and site is not None:
+                    tr.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1])
                 if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
                         and self._preempted(e, epoch)):
                     # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those
@@ -397,6 +407,17 @@ def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:
     cause = getattr(e, "cause", None)
     partial = getattr(cause, "partial", None)
     return dict(partial) if isinstance(partial, dict) else {}
+
+
+def notice_rounds(error: BaseException) -> tuple[int, list[dict[str, Any]]] | None:
+    """``(rank, rounds)`` a SIGTERM's ``PreemptedError`` carried (the told-to-stop rank's round log since its last
+    fetch), else None."""
+    from asyncrl.pipelines.supervision.recovery import root_cause
+
+    e = root_cause(error)
+    rounds = getattr(getattr(e, "cause", None), "rounds", None)
+    rank = getattr(e, "rank", None)
+    return (int(rank), list(rounds)) if isinstance(rounds, list) and rank is not None else None
 
 
 def stages_unwrap(group: Any) -> Any:

@@ -79,8 +79,8 @@ class Resize:
     drained: list[int] = field(default_factory=list)
     """Groups in flight on the old pool that finished there."""
     handed_over: list[int] = field(default_factory=list)
-    """Groups in flight on the old pool past the drain deadline, or whose calls a preemption notice ended, issued
-    again on the new pool."""
+    """Groups whose calls on the old pool ended (stopped past the drain deadline, or by a preemption notice) and
+    were issued again on the new pool (a late group whose generation had already finished drained instead)."""
     kept_tokens: int = 0
     """Tokens the old pool's handed-over rows had decoded (from its hand-over call or its preemption notice's
     errors), continued on the new pool instead of generated again."""
@@ -275,13 +275,17 @@ class StreamScaler:
             await self.hand_over(a, old_rollout, late, old_epoch)
         await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
         rec.kept_tokens = a.carried.pop(old_epoch, 0)  # also the rows a preemption notice's errors carried
-        noticed = {k for e, k in self._noticed if e == old_epoch}
         self._noticed = [(e, k) for e, k in self._noticed if e > old_epoch]
-        rec.drained, rec.handed_over = sorted(on_old - set(late)), sorted(set(late) | noticed)
+        # what each group did, not what the deadline expected: a late group whose generation had finished is
+        # scored there (drained); a preemption notice's groups were issued again before the swap
+        again = a.reissued.pop(old_epoch, set())
+        rec.drained, rec.handed_over = sorted(on_old - again), sorted(again)
         rec.drain_s = time.perf_counter() - t1
-        # its last rounds (since the last step's fetch) go to the round log before they die with it
+        # its last rounds (since the last step's fetch) go to the round log before they die with it; the rows
+        # kept are those of the groups issued again (a call that returned while handed over drained)
+        rows = {k: r for k, r in a.stopped.pop(old_epoch, {}).items() if k in again}
         await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
-                                 rows=a.stopped.pop(old_epoch, {}))
+                                 rows=rows)
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)

@@ -332,6 +332,12 @@ class RequestBatcher:
         finally:
             lock.release()
 
+    async def settled(self) -> None:
+        """Until the driver's turn queued before this call has run: after a :meth:`hand_over`, the round it
+        stopped has ended and is in the round log (``keep``: after its segment that decodes the rest)."""
+        async with self._lock():
+            pass
+
     def round_log(self, clear: bool = False) -> list[Any]:
         """The :class:`~.round_log.RoundRecord` of every round run so far (``record_rounds=True``);
         `clear` forgets the returned records (a journal that stores them per step)."""

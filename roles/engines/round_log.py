@@ -28,16 +28,21 @@ Failure cases (each raises, never hangs):
 2. the weights are already newer than a segment's recorded version (updates out of order or
    missing): every request of that round fails with :class:`ReplayDivergedError`.
 
+Hand-over (a resize or preemption stopped rows to continue them on another pool, docs/nodes.md): the
+recording's hand-over stopped each row after its last recorded round, so the replay's
+:meth:`ReplayBatcher.hand_over` waits until the script has run every round of the named requests and
+takes them as they stand then (finished ones too), never at its own next decoding step.
+
 Not recorded: cancellations (a cancelled request's round mates decode on as recorded).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Iterable
 
-from asyncrl.roles.errors import RolesError
-from asyncrl.roles.engines.batcher import RequestBatcher, RoundRecord, _Request, _Round
+from asyncrl.roles.errors import HandedOverError, RolesError
+from asyncrl.roles.engines.batcher import Generation, RequestBatcher, RoundRecord, _Request, _Round
 
 __all__ = ["RoundRecord", "ReplayBatcher", "ReplayDivergedError"]
 
@@ -67,6 +72,8 @@ class ReplayBatcher(RequestBatcher):
         self._grants: asyncio.Semaphore | None = None  # one per weight update the script needs now
         self._pause_ended: asyncio.Event | None = None
         self._script_done = False
+        self._ran = 0  # script rounds run (or failed) so far
+        self._progress: asyncio.Event | None = None  # set (and replaced) after each script round
 
     def _key(self, key: str | None) -> str:
         if key is not None and self.hold_unknown:
@@ -80,6 +87,37 @@ class ReplayBatcher(RequestBatcher):
         """Stop the replay; every request submitted and not finished is cancelled."""
         self._waiting += [r for r in self._by_key.values() if r not in self._waiting]
         await super().aclose()
+
+    async def hand_over(self, keys: Iterable[str]) -> dict[str, Generation]:
+        """The recording's hand-over of `keys`, re-created: once the script has run every round of those
+        requests (where the recording stopped them), take each away as it stands -- unfinished ones with
+        ``finish_reason=""`` (their futures fail with :class:`HandedOverError`), finished ones as they
+        finished -- by key. Keys never submitted here are left out."""
+        wanted = {str(k) for k in keys}
+        last = max((i for i, rec in enumerate(self._script) if wanted.intersection(rec.keys)), default=-1)
+        while self._ran <= last and not self._script_done:
+            if self._progress is None:
+                self._progress = asyncio.Event()
+            await self._progress.wait()
+        async with self._lock():
+            out: dict[str, Generation] = {}
+            for r in [*self._by_key.values(), *(r for r in self._waiting if r.key not in self._by_key)]:
+                if r.key not in wanted:
+                    continue
+                if not r.future.done():
+                    out[r.key] = Generation(list(r.tokens), list(r.log_probs), "", versions=list(r.versions))
+                    r.future.set_exception(HandedOverError(f"request {r.key!r} was handed over after "
+                                                           f"{len(r.tokens)} tokens (replayed)"))
+                    r.future.exception()  # (retrieved: its awaiter may be gone)
+                elif not r.future.cancelled() and r.future.exception() is None:
+                    out[r.key] = r.future.result()
+            return out
+
+    def _round_ran(self) -> None:
+        self._ran += 1
+        if self._progress is not None:
+            self._progress.set()
+            self._progress = None
 
     def _rounds_to_replay(self) -> list[Any] | None:
         return self._script
@@ -162,9 +200,13 @@ class ReplayBatcher(RequestBatcher):
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(e)
+                self._round_ran()
                 continue
             assert rnd is not None
             self._finish_round(rnd)
+            self._round_ran()
         self._active = []
         self._script_done = True  # later pauses need not wait for the script
         grants.release()
+        if self._progress is not None:
+            self._progress.set()

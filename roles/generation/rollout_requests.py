@@ -66,6 +66,12 @@ class RequestCall:
     """A hand-over stopped it: it raises ``PreemptedError`` carrying ``handed``."""
     handed: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What its rows decoded, by key (:func:`partial_row`), once handed over."""
+    started: set[str] = field(default_factory=set)
+    """Plain rows submitted to the engine (or returned from a finished prefix), by key."""
+    all_started: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once every plain row started: a hand-over then finds each in the engine or among the finished."""
+    rounds: list[dict[str, Any]] | None = None
+    """On a SIGTERM's notice: the rank's round log since its last fetch, carried by its ``PreemptedError``."""
 
 
 def partial_row(gen: Any) -> dict[str, Any]:
@@ -320,7 +326,7 @@ class RequestGenerationMixin:
             kept = sum(len(r["ids"]) for r in call.handed.values())
             raise PreemptedError(f"rollout rank {self.rank} {why}: its rows stopped at their next decoding step "
                                  f"({len(call.handed)} rows with {kept} tokens decoded kept); continue them elsewhere "
-                                 "with the same seed", call.handed) from None
+                                 "with the same seed", call.handed, call.rounds) from None
         finally:
             self._request_calls.pop(me, None)
 
@@ -352,6 +358,10 @@ class RequestGenerationMixin:
 
         async def request(ids: list[int], params: SamplingParams, key: str | None = None) -> Any:
             pre = prefixes.get(key) if key is not None else None
+            if key is not None:  # (submitted below before any other task runs: no await in between)
+                call.started.add(key)
+                if call.started.issuperset(call.keys):
+                    call.all_started.set()
             if pre is not None and pre.finish_reason:
                 gen = pre
             elif pre is not None and continues:
@@ -372,9 +382,20 @@ class RequestGenerationMixin:
 
         for _, c in calls:
             c.handing = True
+        for task, c in calls:  # every row submitted (or finished) first: a replay takes each where it stands
+            if c.plain and c.keys and not c.all_started.is_set() and not task.done():
+                started = asyncio.ensure_future(c.all_started.wait())
+                await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
+                started.cancel()
         keys = [k for _, c in calls if c.plain for k in c.keys if k not in c.finished]
         batcher = self._batcher
         taken = await batcher.hand_over(keys) if isinstance(batcher, RequestBatcher) and keys else {}
+        if taken:
+            await batcher.settled()  # the round it stopped is in the round log (keep: after its last segment)
+        if self._preempted and self.config.record_rounds:  # the process exits with them: they go in the answer
+            rounds = self._round_records(clear=True)  # (one copy per call; the journal keeps one per rank)
+            for _, c in calls:
+                c.rounds = rounds
         out: dict[int, dict[str, Any]] = {}
         for task, c in calls:
             if c.plain:
@@ -406,6 +427,10 @@ class RequestGenerationMixin:
         what was returned. As a group call, one list per rank."""
         if not self.config.record_rounds:
             raise RuntimeError("this rollout worker does not record its rounds; set RolloutConfig.record_rounds=True")
+        return self._round_records(clear)
+
+    def _round_records(self, clear: bool) -> list[dict[str, Any]]:
+        """:meth:`round_log`'s records."""
         sessions = list(getattr(self._episode_fn, "sessions", None) or [])  # rollout.agent: the gateway's sessions
         if clear and sessions:
             self._episode_fn.sessions.clear()

@@ -43,7 +43,8 @@ GENERATE_S = 0.3
 class StallingBatcher(RequestBatcher):
     """A request batcher that, while its process is listed in the `stall` file (or it lists ``*``), lets each
     request decode ``HELD`` tokens and then holds it (decoding nothing) until a hand-over, a weight update's
-    pause or the close; it notes each held request's key in `calls` once."""
+    pause or the close; it notes each held request's key in `calls` once. Held requests sit out the other
+    requests' rounds, and a round of held requests only decodes no step, so its round log replays as it ran."""
 
     def __init__(self, engine, *, stall: str, calls: str, **kwargs) -> None:
         super().__init__(engine, **kwargs)
@@ -54,26 +55,28 @@ class StallingBatcher(RequestBatcher):
         listed = Path(self._stall).read_text().split() if os.path.exists(self._stall) else []
         return "*" in listed or str(os.getpid()) in listed
 
-    def _begin(self, batch):
-        rnd = super()._begin(batch)
-        if self._stalling():
-            held = [r.key for b, r in enumerate(batch) if len(r.tokens) >= HELD and not rnd.done[b]]
-            for b, r in enumerate(batch):
-                if r.key in held:
-                    rnd.budget[b], rnd.done[b] = 0, True  # decodes nothing this round (its finish stays None)
-            new = [k for k in held if k not in self._noted]
-            if new:
-                self._noted.update(new)
-                with open(self._log, "a") as f:
-                    f.write(json.dumps({"held": new, "pid": os.getpid()}) + "\n")
-        return rnd
+    def _held(self, batch) -> list:
+        """The requests of `batch` held now (noted in `calls` once)."""
+        if not self._stalling():
+            return []
+        held = [r for r in batch if len(r.tokens) >= HELD]
+        new = [r.key for r in held if r.key not in self._noted]
+        if new:
+            self._noted.update(new)
+            with open(self._log, "a") as f:
+                f.write(json.dumps({"held": new, "pid": os.getpid()}) + "\n")
+        return held
 
     def _segment(self, batch, rnd, version, steps=None):
-        if rnd is None and self._stalling() and all(len(r.tokens) >= HELD for r in batch):
-            rnd = self._begin(batch)
-            while not (self._halt.is_set() or self._interrupt.is_set() or self._abort.is_set()):
-                time.sleep(0.01)  # (the worker thread: a hand-over, an update's pause or the close ends it)
-            return rnd, True
+        if rnd is None:
+            held = self._held(batch)
+            if held and len(held) == len(batch):  # a round of held requests: no decode step
+                rnd = self._begin(batch)
+                rnd.done[:] = [True] * len(batch)  # (their finish stays None)
+                while not (self._halt.is_set() or self._interrupt.is_set() or self._abort.is_set()):
+                    time.sleep(0.01)  # (the worker thread: a hand-over, an update's pause or the close ends it)
+                return rnd, True
+            batch = [r for r in batch if r not in held]  # the others decode without them
         return super()._segment(batch, rnd, version, steps)
 
 
@@ -196,7 +199,8 @@ async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_conti
     assert resizes[0].kept_tokens + resizes[1].kept_tokens == tr.rollout.kept_tokens
     # both ranks' rows came back: a group's rows were split between the two workers of the old pool
     assert all(len(rows) == cfg.group_size for _, rows in tr.rollout.handovers)
-    # the journal records both resizes, and a replay refuses the run with its one line (before any worker starts)
+    # the journal records both resizes, each with the rows it handed over (a replay re-creates them:
+    # tests/reliability/test_stream_replay.py)
     run = tmp_path / "run"
     assert [(r["size_before"], r["size_after"], r["reason"], r["epoch"]) for r in read_journal(run).resizes] == [
         (1, 2, "scale", 1), (2, 1, "scale", 2)]
@@ -206,10 +210,9 @@ async def test_a_shrink_hands_rows_over_with_their_tokens_and_the_new_pool_conti
     # each handed-over row's decoding step (tokens kept) is journaled with the pool that stopped it
     kept = {k: len(r["ids"]) for _, rows in tr.rollout.handovers for k, r in rows.items()}
     assert {k: n for r in data.retires.values() for rows in r["rows"].values() for k, n in rows.items()} == kept
-    with pytest.raises(JournalError, match=r"resized \(scale: 1 -> 2 workers after step \d\), which cannot be "
-                                           r"replayed bit for bit: it handed prompt groups \[[\d, ]+\] over to the "
-                                           r"new pool mid-generation"):
-        GRPOTrainer(replay_config(run)[0], replay=run)
+    replaying = GRPOTrainer(replay_config(run)[0], replay=run).rollout
+    assert {e: groups for e, (groups, _) in replaying._handed.items()} == {0: resizes[0].handed_over,
+                                                                            1: resizes[1].handed_over}
 
 
 @pytest.mark.slow  # one streaming run with three rollout pools: 35-50 s on the loaded 2-core machine
@@ -290,12 +293,17 @@ async def test_a_sigterm_to_one_rank_of_two_hands_over_every_ranks_rows_with_the
     # and each continued, on the new pool, from exactly those tokens (ids, log-probs, versions) on both of its ranks
     assert _check_continued(tr, cfg, calls, new) >= sum(len(k) for k in held.values())
     assert len(new) == 2 and new.isdisjoint(old) and rec.kept_tokens == tr.rollout.kept_tokens
-    # the journal records each row's decoding step at the hand-over; a replay refuses the run (one line)
+    # the journal records each row's decoding step at the hand-over; a replay refuses the run (one line): the
+    # told-to-stop rank's last rounds came with its notice, but the other rank's died with the broken group
     [retire] = read_journal(tmp_path / "run").retires.values()
     assert {k: n for rows in retire["rows"].values() for k, n in rows.items()} == {
         k: len(r["ids"]) for k, r in kept.items()}
     with pytest.raises(JournalError, match=r"resized \(preempt: 2 -> 2 workers after step \d\), which cannot be "
-                                           r"replayed bit for bit: it handed prompt groups"):
+                                           r"replayed bit for bit: it handed prompt groups \[[\d, ]+\] over, and "
+                                           r"the retired pool's rounds after step \d+ were lost \(.*\): a SIGTERM to "
+                                           r"one of its 2 ranks broke the pool's group, so the other ranks' last "
+                                           r"rounds could not be fetched, so the rows it handed over cannot be "
+                                           r"regenerated$"):
         GRPOTrainer(replay_config(tmp_path / "run")[0], replay=tmp_path / "run")
 
 

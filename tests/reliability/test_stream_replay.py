@@ -7,7 +7,11 @@ journal's admissions and step groups while the engines re-run their recorded rou
   per-step metrics and final weights, exactly.
 * What cannot be replayed is refused before any worker starts, naming what is missing and the fix: a
   journal written before rounds were recorded, a missing or truncated rounds file, a resumed or restarted
-  run, a run whose rollout pool was replaced.
+  run, a run whose rollout pool was replaced, a resize whose handed-over rows' rounds were lost, a ``retire``
+  record that does not fit its rounds.
+* Resized runs replay: drained, handed over past ``drain_s=0`` (grow, shrink, ``preempt_rollout``), and a
+  one-worker pool's SIGTERM (its notice carries its last rounds); an edited kept-token count fails the
+  replay at its hand-over (``ReplayDivergedError``).
 """
 
 from __future__ import annotations
@@ -155,11 +159,21 @@ NEW_POOL = {"step": 0, "epoch": 1, "ranks": [[{"keys": ALL_KEYS[4:], "segments":
      "version to get a replayable journal$"),
     ({"resize": True, "retire": {"drained": [0], "handed_over": []}, "chunks": [OLD_POOL, NEW_POOL]},
      RESIZED + "the retired pool's rounds after its last step were not recorded"),  # its retired line is missing
-    ({"resize": True, "retire": {"drained": [], "handed_over": [0]},
-      "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "retired": True}]},
-     RESIZED + "it handed prompt groups \\[0\\] over to the new pool mid-generation, and a replay does not "
-     "re-create a hand-over yet \\(only drained resizes replay\\); raise trainer.rollout_drain_s so a resize "
-     "drains$"),
+    ({"resize": True, "retire": {"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2}}},
+      "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "ranks": None, "lost": "ActorDiedError: gone", "retired": True}]},
+     RESIZED + "it handed prompt groups \\[0\\] over, and the retired pool's rounds after step 0 were lost "
+     "\\(ActorDiedError: gone\\), so the rows it handed over cannot be regenerated$"),
+    *[({"resize": True, "retire": {"drained": [], "handed_over": [0], "rows": rows},
+        "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "retired": True}]},
+       "the retire record of rollout pool 0 does not match its rounds: " + why + "; the journal or its "
+       "rounds.jsonl were edited, restore the files the run wrote$") for rows, why in [
+        ({"1": {"1:0": 2}}, "group 1 is not among the groups it handed over \\(\\[0\\]\\)"),
+        ({"0": {"1:0": 2}}, "'1:0' is not a row of group 0"),
+        ({"0": {"0:0": 9}}, "row '0:0' kept 9 tokens \\(0..rollout.max_new_tokens=8\\)"),
+    ]],
+    ({"resize": True, "retire": {"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2}}},
+      "chunks": [{**OLD_POOL, "ranks": [[]]}, NEW_POOL, {**OLD_POOL, "ranks": [[]], "retired": True}]},
+     "row '0:0' kept 2 tokens but no recorded round of pool 0 or before decoded it"),
     ({"resize": True, "retire": {"drained": [0], "handed_over": []},
       "chunks": [OLD_POOL, NEW_POOL, {**OLD_POOL, "ranks": [[], []], "retired": True}]},
      "holds rounds of \\[1, 2\\] ranks for rollout pool 0, which had 1 workers"),
@@ -189,6 +203,23 @@ def test_a_drained_resize_is_planned_as_a_new_pool_at_its_place_with_each_pools_
     rollout = GRPOTrainer(cfg, replay=tmp_path / "run").rollout
     assert rollout._order == [("group", 0, 0), ("group", 1, 0), ("resize", 1, 0)]
     assert rollout._pools == {0: [OLD_POOL["ranks"][0] + retired["ranks"][0]], 1: NEW_POOL["ranks"]}
+
+
+def test_a_resize_that_handed_groups_over_is_planned_with_the_rows_its_retire_record_kept(tmp_path):
+    cfg = stream_cfg(tmp_path / "out")
+    retired = {**OLD_POOL, "ranks": [[{"keys": ["0:0", "0:1"], "segments": [[0, 0]]}]], "retired": True}
+    write_journal(tmp_path / "run", cfg, resize=True, chunks=[OLD_POOL, NEW_POOL, retired],
+                  retire={"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2, "0:1": 0}}})
+    rollout = GRPOTrainer(cfg, replay=tmp_path / "run").rollout
+    assert rollout._order == [("group", 0, 0), ("group", 1, 0), ("resize", 1, 0)]
+    assert rollout._handed == {0: ([0], {0: {"0:0": 2, "0:1": 0}})}
+    # a SIGTERM: the told-to-stop rank's last rounds came with its notice; the fetch after found it gone
+    notice = {**OLD_POOL, "ranks": [[{"keys": ["0:0"], "segments": [[0, 1]]}]], "notice": 0}
+    lost = {**OLD_POOL, "ranks": None, "lost": "GroupBrokenError: worker rank 0 died", "retired": True}
+    write_journal(tmp_path / "run", cfg, resize=True, chunks=[OLD_POOL, notice, NEW_POOL, lost],
+                  retire={"drained": [], "handed_over": [0], "rows": {"0": {"0:0": 2}}})
+    rollout = GRPOTrainer(cfg, replay=tmp_path / "run").rollout
+    assert rollout._pools[0] == [OLD_POOL["ranks"][0] + notice["ranks"][0]]
 
 
 @pytest.mark.slow
@@ -335,6 +366,104 @@ async def test_a_stream_run_resized_1_2_1_with_drains_replays_bit_for_bit(ray_cl
     lines = read_rounds(run / "rounds.jsonl")
     assert [(c["epoch"], len(c["ranks"])) for c in lines if c.get("retired")] == [(0, 1), (1, 2)]
     assert {c["epoch"] for c in lines} == {0, 1, 2}
+
+    result = await replay(run, worker_overrides={
+        "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})})
+    assert result.metric_differences == [] and result.identical
+    assert result.weights_sha256 == result.original_weights_sha256 is not None  # the final weights, bit for bit
+    assert trained(tmp_path / "replayed.jsonl") == trained(tmp_path / "original.jsonl")  # tokens, log-probs, versions
+
+
+@pytest.mark.slow  # a run with four rollout pools, its replay and one that diverges: 75-135 s on 2 loaded cores
+async def test_a_stream_run_whose_resizes_handed_groups_over_replays_bit_for_bit(ray_cluster, tmp_path):
+    """``scale_rollout(2)``, ``scale_rollout(1)`` and ``preempt_rollout(0)`` mid-run with ``drain_s=0``, each
+    while the old pool holds its rows after 3 tokens (tests/pipelines/test_stream_hand_over.py): every group in
+    flight is handed over, its rows continued on the new pool from the tokens they had. The replay hands the same
+    rows over where the journal says they stopped, and regenerates every token, behaviour log-prob and version,
+    with the same metrics and final weights. A retire record edited to keep another token count fails the
+    replay at that hand-over, naming the row."""
+    from asyncrl.roles.engines.round_log import ReplayDivergedError
+    from tests.pipelines.test_stream_hand_over import HELD, _stall_pool, _stalling_run
+    from tests.pipelines.test_stream_scale import _history_reaches
+
+    calls, _, stall, cfg, overrides = _stalling_run(tmp_path, rollout_drain_s=0.0)
+    run = tmp_path / "run"
+    overrides["advantage"] = (TokenRecorder, {"path": str(tmp_path / "original.jsonl")})
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> None:
+            await _history_reaches(tr, 1)
+            await _stall_pool(tr, stall, calls)  # (so the run cannot end before the resizes)
+            await tr.scale_rollout(2)  # grow 1 -> 2: every group in flight handed over at once
+            await _stall_pool(tr, stall, calls)
+            await tr.scale_rollout(1)  # shrink 2 -> 1, from both ranks
+            await _stall_pool(tr, stall, calls)
+            await tr.preempt_rollout(0)  # the API's notice: 1 -> 1 (the range's minimum)
+            stall.write_text("")
+
+        async with asyncio.TaskGroup() as tg:
+            fit, _ = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, resizes = fit.result(), tr.rollout.scaler.resizes
+        kept = {k: len(r["ids"]) for _, rows in tr.rollout.handovers for k, r in rows.items()}
+    assert [r["step"] for r in history] == list(range(cfg.trainer.steps))
+    assert [(r.size_before, r.size_after, r.reason) for r in resizes] == [(1, 2, "scale"), (2, 1, "scale"),
+                                                                          (1, 1, "preempt")]
+    assert all(r.handed_over and r.kept_tokens >= HELD for r in resizes)  # each kept decoded tokens
+    retires = read_journal(run).retires
+    assert [(e, r["handed_over"]) for e, r in retires.items()] == [(e, r.handed_over) for e, r in enumerate(resizes)]
+    assert {k: n for r in retires.values() for rows in r["rows"].values() for k, n in rows.items()} == kept
+
+    result = await replay(run, worker_overrides={
+        "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})})
+    assert result.metric_differences == [] and result.identical
+    assert result.weights_sha256 == result.original_weights_sha256 is not None  # the final weights, bit for bit
+    assert trained(tmp_path / "replayed.jsonl") == trained(tmp_path / "original.jsonl")  # tokens, log-probs, versions
+
+    # the journal edited: the first resize kept one token fewer of a held row than its rounds decoded
+    lines = [json.loads(x) for x in (run / "journal.jsonl").read_text().splitlines()]
+    retire = next(r for r in lines if r["kind"] == "retire")
+    g, key = next((g, k) for g, rows in retire["rows"].items() for k, n in rows.items() if n == HELD)
+    retire["rows"][g][key] = HELD - 1
+    (run / "journal.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(ReplayDivergedError, match=f"the replayed hand-over of prompt group {g} from rollout pool 0 "
+                                                  f"stopped row '{key}' after {HELD} tokens, but the journal's retire "
+                                                  f"record kept {HELD - 1}"):
+        await replay(run, output_dir=tmp_path / "replay2")
+
+
+@pytest.mark.slow  # a streaming run with two 2-worker rollout pools and its replay: about 90 s
+async def test_a_stream_run_whose_rollout_rank_got_a_sigterm_replays_bit_for_bit(ray_cluster, tmp_path):
+    """A SIGTERM to the rollout worker while it holds its rows after 3 tokens: its rows and its last rounds come
+    back with its notice (its process then exits), and the run goes on on a new pool. The replay regenerates
+    every token, behaviour log-prob and version, with the same metrics and final weights. (In a pool of several
+    ranks the others' last rounds die with the broken group: refused, tests/pipelines/test_stream_hand_over.py.)"""
+    import signal
+
+    from tests.pipelines.test_stream_hand_over import HELD, _stall_pool, _stalling_run
+    from tests.pipelines.test_stream_scale import _history_reaches
+
+    calls, _, stall, cfg, overrides = _stalling_run(tmp_path)
+    run = tmp_path / "run"
+    overrides["advantage"] = (TokenRecorder, {"path": str(tmp_path / "original.jsonl")})
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> None:
+            await _history_reaches(tr, 1)
+            [pid] = await _stall_pool(tr, stall, calls)
+            os.kill(pid, signal.SIGTERM)
+            async with asyncio.timeout(120):
+                while len(tr.rollout.scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
+            stall.write_text("")
+
+        async with asyncio.TaskGroup() as tg:
+            fit, _ = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, [rec] = fit.result(), tr.rollout.scaler.resizes
+        assert tr.restarts == []
+    assert [r["step"] for r in history] == list(range(cfg.trainer.steps))
+    assert (rec.size_before, rec.size_after, rec.reason) == (1, 1, "preempt") and rec.kept_tokens >= HELD
+    [notice] = [c for c in read_rounds(run / "rounds.jsonl") if "notice" in c]  # the told-to-stop rank's rounds
+    assert notice["epoch"] == 0 and notice["ranks"][notice["notice"]]
 
     result = await replay(run, worker_overrides={
         "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})})

@@ -246,3 +246,52 @@ async def test_two_ray_ranks_hand_a_call_over_and_one_rank_continues_every_row(r
     assert [out["response_ids"][i][out["response_mask"][i].bool()].tolist() for i in range(4)] == [
         [45, 42, 112, 280, 73, 68], [200, 225, 34, 9, 102, 103], [176, 353, 144, 349, 150, 34],
         [22, 345, 126, 223, 192, 206]]
+
+
+@pytest.mark.parametrize("mode", ["off", "recompute", "keep"])
+async def test_a_replayed_hand_over_takes_each_row_where_the_recorded_rounds_stopped_it(tiny, mode):
+    """The recording hands ``row`` over after its 3rd decode step while its round mate decodes on (``keep``: the
+    mate is handed over too, as a resize hands every row in flight over). The replaying batcher is asked for the
+    hand-over before any round ran: it waits for the rows' recorded rounds and returns exactly the recorded
+    prefixes (ids, log-probs, versions), and the mate's completion is the recorded one."""
+    from asyncrl.roles.engines.round_log import ReplayBatcher, RoundRecord
+
+    eng, tok = tiny
+    prompt, mate = tok.encode(PROMPT), tok.encode("say hello")
+    params, mate_params = SamplingParams(max_new_tokens=10, seed=7), SamplingParams(max_new_tokens=10, seed=12)
+    wanted = ["row", "mate"] if mode == "keep" else ["row"]
+    rec = RequestBatcher(eng, chunk_tokens=4, partial_rollout=mode, record_rounds=True)
+    taken: dict[str, Generation] = {}
+
+    async def take() -> None:
+        taken.update(await rec.hand_over(wanted))
+
+    handle, started = update_at_forwards(eng.model, {3: take}, rec._halt)
+    try:
+        runs = [asyncio.ensure_future(rec.generate(prompt, params, key="row")),
+                asyncio.ensure_future(rec.generate(mate, mate_params, key="mate"))]
+        done = await asyncio.gather(*runs, return_exceptions=True)
+        await asyncio.wrap_future(started[0])
+        await rec.settled()  # the stopped round recorded (keep: after its last segment)
+        log = [r.to_dict() for r in rec.round_log()]
+    finally:
+        handle.remove()
+        await rec.aclose()
+    assert len(taken["row"].response_ids) == 3 and taken["row"].finish_reason == ""
+    assert isinstance(done[0], HandedOverError)
+
+    rep = ReplayBatcher(eng, [RoundRecord.from_dict(d) for d in log], chunk_tokens=4, partial_rollout=mode)
+    try:
+        runs = [asyncio.ensure_future(rep.generate(prompt, params, key="row")),
+                asyncio.ensure_future(rep.generate(mate, mate_params, key="mate"))]
+        got = await rep.hand_over(wanted)  # issued before any round ran
+        again = await asyncio.gather(*runs, return_exceptions=True)
+    finally:
+        await rep.aclose()
+    assert set(got) == set(taken)
+    for k, g in taken.items():
+        assert (got[k].response_ids, got[k].log_probs, got[k].versions, got[k].finish_reason) == (
+            g.response_ids, g.log_probs, g.versions, g.finish_reason)
+    assert isinstance(again[0], HandedOverError)
+    if mode != "keep":  # the mate decoded on, in the recorded rounds: its recorded completion
+        assert again[1].response_ids == done[1].response_ids and again[1].log_probs == done[1].log_probs

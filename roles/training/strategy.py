@@ -13,13 +13,17 @@
     bf16 autocast, parameters are all-gathered in bf16 and gradients reduced in fp32. Over gloo (CPU)
     FSDP2's all-gather and reduce-scatter are direct sends between the ranks (``_ExchangeAllGather``,
     ``_ExchangeReduceScatter``): gloo's own ran a decoder layer's shards at about a third of that speed on
-    one machine. Gradients are reduce-scattered once per optimizer step, in the last micro-batch's backward, as
+    one machine. They run beside the compute, as DDP's all-reduce does (``_InFlight``): each unit's all-gather
+    is posted one unit ahead (FSDP2's asynchronous unshard, prefetched in the forward and in the backward) and
+    waited for before the unit computes; a reduce-scatter returns once its sends are posted and its sum is
+    written when the next one is posted, the last at the end of the micro-batch (FSDP2 only makes views of it
+    until then). Gradients are reduce-scattered once per optimizer step, in the last micro-batch's backward, as
     DDP all-reduces them (``set_requires_gradient_sync``): until then each rank accumulates each layer's whole
     gradient (a replica's gradient bytes; parameters and optimizer state stay sharded).
 
-A micro-batch that raises fails the step and leaves nothing of it behind (DDP's reducer reset, FSDP2's
-``reset_iter_state`` and its unsynced whole gradients dropped, no collective): the next step runs as if the
-failed one never had.
+A micro-batch that raises fails the step and leaves nothing of it behind (DDP's reducer reset; under FSDP2 the
+exchanges already posted finished, ``reset_iter_state``, its unsynced whole gradients dropped, no new collective):
+the next step runs as if the failed one never had.
 
 Both keep the loss's math: every micro-batch's loss is its share of the *global* loss (global
 token and sequence denominators), so gradients are **summed** over ranks, never averaged (DDP gets a
@@ -377,12 +381,6 @@ def _post(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Te
     ops = [dist.P2POp(dist.isend, t, glob(peer), group) for peer, t in sends]
     ops += [dist.P2POp(dist.irecv, t, glob(peer), group) for peer, t in recvs]
     return dist.batch_isend_irecv(ops)
-
-
-def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group: Any) -> None:
-    """Point-to-point sends and receives, all posted at once, waited for together."""
-    for work in _post(sends, recvs, group):
-        work.wait()
 
 
 class _InFlight:

@@ -29,6 +29,7 @@ warm-up round first is dropped) and the ratio's range, with the median step of t
     python benchmarks/fsdp2_step.py                 # SmolLM2-135M, 2 micro-batches per rank, 8 rounds
     python benchmarks/fsdp2_step.py --variants ddp fsdp2:before fsdp2:reshard-all fsdp2:rs-each fsdp2   # each change
     python benchmarks/fsdp2_step.py --micro 1 --variants ddp fsdp2:before fsdp2 fsdp2+gloo fsdp2+keep
+    python benchmarks/fsdp2_step.py --micro 1 --variants ddp fsdp2:sync fsdp2   # the exchanges beside the compute
     python benchmarks/fsdp2_step.py --quick         # the tiny model, 3 rounds
 """
 

@@ -11,7 +11,8 @@ synthetic batch. Per rank it reports:
 - the median seconds of an update and of the weight sync.
 
 Layouts: ddp x1, ddp x2, fsdp2 x2, and ``fsdp2+keep`` x2 (``actor.fsdp_reshard_after_forward=false``: the
-gathered parameters stay until the backward, one all-gather per layer fewer).
+gathered parameters stay until the backward, one all-gather per layer fewer); on request ``fsdp2:sync`` x2 (the
+strategy's exchanges synchronous where FSDP2 calls them, not beside the compute).
 
 ::
 
@@ -19,7 +20,7 @@ gathered parameters stay until the backward, one all-gather per layer fewer).
     python benchmarks/train_memory.py --models large       # ~0.86 B parameters built from a config: fsdp2 at
                                                            # 2 ranks only (two replicas do not fit in 24 GiB)
     python benchmarks/train_memory.py --quick              # the tiny model, one update: a smoke run
-    python benchmarks/train_memory.py --models smollm2 --layouts ddp2 fsdp2 fsdp2+keep --rounds 3
+    python benchmarks/train_memory.py --models smollm2 --layouts ddp2 fsdp2:sync fsdp2 fsdp2+keep --rounds 3
                                                            # the step ratios alone, three rounds
 
 Every layout runs in turn, ``--rounds`` times: a ratio to ddp x2 is taken within a round (the machine's load

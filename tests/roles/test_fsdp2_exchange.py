@@ -118,15 +118,16 @@ class Cell(torch.nn.Module):
 class Chain(torch.nn.Module):
     _no_split_modules = ["Cell"]
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.cells = torch.nn.ModuleList([Cell() for _ in range(4)])
         self.head = torch.nn.Linear(7, 3)
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for cell in self.cells:
-            x = cell(x)
+        for cell in self.cells:  # checkpointed: each cell's forward computed again in the backward
+            x = torch.utils.checkpoint.checkpoint(cell, x, use_reentrant=False) if self.checkpointed else cell(x)
         return self.head(x)
 
 
@@ -134,7 +135,7 @@ class TrainProbe(Worker):
     """A :class:`Chain` under the fsdp2 strategy, trained two micro-batches per step."""
 
     @register(Dispatch.ONE_TO_ALL)
-    def train(self, overlap: bool, fail: str | None = None) -> dict:
+    def train(self, overlap: bool, fail: str | None = None, checkpointed: bool = False) -> dict:
         """Two clipped AdamW steps, after a step that raises in its last micro-batch's `fail` (``forward``: on
         entering the second cell, with the third's all-gather prefetched; ``backward``: in the second cell's, after
         the cells above posted their reduce-scatters). The whole weights and what stays in flight after the failure."""
@@ -142,7 +143,7 @@ class TrainProbe(Worker):
         from asyncrl.roles.modeling.device import Placement
         from asyncrl.roles.training.strategy import TrainStrategy
 
-        net = Chain()
+        net = Chain(checkpointed)
         engine = TrainStrategy(net, Placement(torch.device("cpu"), torch.float32, None),
                                DataParallel(self.rank, self.world_size), "fsdp2", overlap=overlap)
         optim = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -239,11 +240,13 @@ async def test_a_gather_per_unit_gives_the_chosen_parameters_whole_from_uneven_s
 
 async def test_training_with_the_exchanges_beside_the_compute_ends_where_the_synchronous_ones_do(ray_cluster):
     """Three ranks, uneven shards and batches: the same weights bit for bit (the same sums in the same order), also
-    after a step that failed in its forward or its backward with exchanges in flight, none of which is left over."""
+    after a step that failed in its forward or its backward with exchanges in flight, none of which is left over, and
+    with each unit's forward computed again in the backward (activation checkpointing)."""
     async with asyncrl.RayWorkerGroup(TrainProbe, world_size=3, name="exchange-train") as group:
         sync = await group.train(False)
         beside = await group.train(True)
         failed = {where: await group.train(True, where) for where in ("forward", "backward")}
+        recomputed = await group.train(False, None, True), await group.train(True, None, True)
     start = Chain().state_dict()
     for rank in range(3):
         assert sync[rank]["left_in_flight"] is None and beside[rank]["left_in_flight"] is None
@@ -252,5 +255,7 @@ async def test_training_with_the_exchanges_beside_the_compute_ends_where_the_syn
             assert torch.equal(beside[rank]["weights"][k], t), (rank, k)
             for where, res in failed.items():
                 assert torch.equal(res[rank]["weights"][k], t), (where, rank, k)
+            assert torch.equal(recomputed[0][rank]["weights"][k], t), (rank, k)  # activation checkpointing
+            assert torch.equal(recomputed[1][rank]["weights"][k], t), (rank, k)
         for where, res in failed.items():
             assert res[rank]["left_in_flight"] == (0, 0), (where, rank)

@@ -209,9 +209,10 @@ class TrainStrategy:
         """Around one micro-batch's forward and backward. Gradients are summed over the ranks once per optimizer
         step, in the `last` micro-batch's backward: DDP's ``no_sync`` before it, and under FSDP2 no reduce-scatter
         before it (``set_requires_gradient_sync``: each layer's whole gradient accumulates on every rank until
-        then), unless ``reduce_every_micro_batch``. A micro-batch that raises leaves no gathered parameter and no
-        FSDP2 state of the failed step behind (:meth:`zero_grad` drops its gradients): the next step runs as if the
-        failed one never had."""
+        then), unless ``reduce_every_micro_batch``. Over gloo the exchanges still in flight at its end are finished
+        before it returns (the gradient shards are whole then). A micro-batch that raises leaves no gathered
+        parameter, no exchange in flight and no FSDP2 state of the failed step behind (:meth:`zero_grad` drops its
+        gradients): the next step runs as if the failed one never had."""
         if self._ddp is not None:
             try:
                 with self._ddp.no_sync() if not last else contextlib.nullcontext():  # type: ignore[operator]

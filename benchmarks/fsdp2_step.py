@@ -12,7 +12,9 @@ gradient clipping and the AdamW step of ``--micro`` micro-batches per rank (a me
   the backward);
 * ``fsdp2:rs-each``: a reduce-scatter in every micro-batch's backward (``fsdp_reduce_every_micro_batch=true``: no
   whole gradient kept across them);
-* ``fsdp2:before``: both (the strategy's previous default);
+* ``fsdp2:before``: both, and the exchanges synchronous (the strategy's first policy);
+* ``fsdp2:sync``: the exchanges synchronous where FSDP2 calls them (``overlap=False``: no all-gather prefetched ahead
+  of its unit, no reduce-scatter finished a unit later);
 * ``fsdp2+gloo``: gloo's own all-gather and reduce-scatter (FSDP2's defaults) instead of the exchanges;
 * ``+keep``: ``fsdp_reshard_after_forward=false`` (no all-gather in the backward).
 
@@ -27,6 +29,7 @@ warm-up round first is dropped) and the ratio's range, with the median step of t
     python benchmarks/fsdp2_step.py                 # SmolLM2-135M, 2 micro-batches per rank, 8 rounds
     python benchmarks/fsdp2_step.py --variants ddp fsdp2:before fsdp2:reshard-all fsdp2:rs-each fsdp2   # each change
     python benchmarks/fsdp2_step.py --micro 1 --variants ddp fsdp2:before fsdp2 fsdp2+gloo fsdp2+keep
+    python benchmarks/fsdp2_step.py --micro 1 --variants ddp fsdp2:sync fsdp2   # the exchanges beside the compute
     python benchmarks/fsdp2_step.py --quick         # the tiny model, 3 rounds
 """
 
@@ -44,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import load_note, run_header, write_result  # noqa: E402
 
-VARIANTS = ("ddp", "fsdp2:before", "fsdp2:reshard-all", "fsdp2:rs-each", "fsdp2", "fsdp2+gloo", "fsdp2+keep",
+VARIANTS = ("ddp", "fsdp2:sync", "fsdp2:before", "fsdp2:reshard-all", "fsdp2:rs-each", "fsdp2", "fsdp2+gloo", "fsdp2+keep",
             "fsdp2+gloo+keep")
 DEFAULT_VARIANTS = ("ddp", "fsdp2:before", "fsdp2", "fsdp2+keep")
 PARTS = ("forward", "backward", "clip", "optimizer", "step")
@@ -69,7 +72,8 @@ def _rank(rank: int, port: int, model: str, variant: str, rows: int, seq: int, m
     before = variant.endswith(":before")
     engine = TrainStrategy(net, Placement(torch.device("cpu"), torch.float32, None), DataParallel(rank, 2),
                            variant.split("+")[0].split(":")[0], reshard_after_forward="keep" not in variant,
-                           reduce_every_micro_batch=before or variant.endswith(":rs-each"))
+                           reduce_every_micro_batch=before or variant.endswith(":rs-each"),
+                           overlap=not (before or variant.endswith(":sync")))
     if before or variant.endswith(":reshard-all"):  # the root and the last layer resharded after forward too
         from torch.distributed.fsdp import FSDPModule
 

@@ -11,7 +11,8 @@ synthetic batch. Per rank it reports:
 - the median seconds of an update and of the weight sync.
 
 Layouts: ddp x1, ddp x2, fsdp2 x2, and ``fsdp2+keep`` x2 (``actor.fsdp_reshard_after_forward=false``: the
-gathered parameters stay until the backward, one all-gather per layer fewer).
+gathered parameters stay until the backward, one all-gather per layer fewer); on request ``fsdp2:sync`` x2 (the
+strategy's exchanges synchronous where FSDP2 calls them, not beside the compute).
 
 ::
 
@@ -19,7 +20,7 @@ gathered parameters stay until the backward, one all-gather per layer fewer).
     python benchmarks/train_memory.py --models large       # ~0.86 B parameters built from a config: fsdp2 at
                                                            # 2 ranks only (two replicas do not fit in 24 GiB)
     python benchmarks/train_memory.py --quick              # the tiny model, one update: a smoke run
-    python benchmarks/train_memory.py --models smollm2 --layouts ddp2 fsdp2 fsdp2+keep --rounds 3
+    python benchmarks/train_memory.py --models smollm2 --layouts ddp2 fsdp2:sync fsdp2 fsdp2+keep --rounds 3
                                                            # the step ratios alone, three rounds
 
 Every layout runs in turn, ``--rounds`` times: a ratio to ddp x2 is taken within a round (the machine's load
@@ -62,8 +63,10 @@ MODELS = {
 per parameter (13.7 GB), so two replicas (27.4 GB) do not fit in this machine's 24 GiB."""
 
 
-LAYOUTS = {"ddp1": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2), "fsdp2+keep": ("fsdp2+keep", 2)}
-"""``--layouts``: ``(strategy, ranks)``; ``fsdp2+keep`` is fsdp2 with ``fsdp_reshard_after_forward=false``."""
+LAYOUTS = {"ddp1": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2), "fsdp2+keep": ("fsdp2+keep", 2),
+           "fsdp2:sync": ("fsdp2:sync", 2)}
+"""``--layouts``: ``(strategy, ranks)``; ``fsdp2+keep`` is fsdp2 with ``fsdp_reshard_after_forward=false``,
+``fsdp2:sync`` fsdp2 with its exchanges synchronous (the strategy's ``overlap=False``)."""
 
 
 def _rss() -> int:
@@ -100,7 +103,25 @@ class _Peak:
 
 
 class MemoryProbe(PolicyWorker):
-    """The policy plus the measurement: updates and a weight sync under a resident-memory sampler."""
+    """The policy plus the measurement: updates and a weight sync under a resident-memory sampler (`overlap`: the
+    fsdp2 strategy's, false for the ``fsdp2:sync`` layout)."""
+
+    def __init__(self, *args: Any, overlap: bool = True, **kwargs: Any) -> None:
+        self._overlap = overlap
+        super().__init__(*args, **kwargs)
+
+    def _distribute(self, model: torch.nn.Module, who: str) -> None:
+        from asyncrl.roles._util import DataParallel
+        from asyncrl.roles.training.policy import _adam
+        from asyncrl.roles.training.strategy import TrainStrategy
+
+        cfg = self.optim_config
+        self.dp = DataParallel(self.rank, self.world_size, self.placement.device)
+        self.engine = TrainStrategy(model, self.placement, self.dp, cfg.strategy,
+                                    reshard_after_forward=cfg.fsdp_reshard_after_forward, overlap=self._overlap, who=who)
+        self.model = self.engine.module
+        self.model.train()
+        self.optimizer = _adam(self.model, cfg)
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     def measure(self, batch: TensorDict, steps: int) -> dict[str, Any]:
@@ -150,11 +171,12 @@ def batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0) -> T
 async def measure(model: str, layout: str, ranks: int, steps: int, rows: int, prompt: int, response: int
                   ) -> dict[str, Any]:
     strategy, _, keep = layout.partition("+")  # "fsdp2+keep": fsdp_reshard_after_forward=false
+    strategy, _, sync = strategy.partition(":")  # "fsdp2:sync": the exchanges synchronous
     cfg = ModelConfig(seed=0, dtype="float32", num_threads=max(1, 2 // ranks), **MODELS[model])  # type: ignore[arg-type]
     optim = OptimConfig(lr=1e-5, micro_batch_size=max(1, rows // ranks), strategy=strategy,  # type: ignore[arg-type]
                         fsdp_reshard_after_forward=keep != "keep")
-    group = asyncrl.colocate({"policy": (MemoryProbe, (cfg, optim), {})}, world_size=ranks,
-                             name=f"mem-{model}-{strategy}{'-keep' if keep else ''}-{ranks}")
+    group = asyncrl.colocate({"policy": (MemoryProbe, (cfg, optim), {"overlap": sync != "sync"})}, world_size=ranks,
+                             name=f"mem-{model}-{strategy}{'-keep' if keep else ''}{'-sync' if sync else ''}-{ranks}")
     await group.setup()
     vocab = len(tokenizer_for(cfg))
     try:

@@ -13,13 +13,17 @@
     bf16 autocast, parameters are all-gathered in bf16 and gradients reduced in fp32. Over gloo (CPU)
     FSDP2's all-gather and reduce-scatter are direct sends between the ranks (``_ExchangeAllGather``,
     ``_ExchangeReduceScatter``): gloo's own ran a decoder layer's shards at about a third of that speed on
-    one machine. Gradients are reduce-scattered once per optimizer step, in the last micro-batch's backward, as
+    one machine. They run beside the compute, as DDP's all-reduce does (``_InFlight``): each unit's all-gather
+    is posted one unit ahead (FSDP2's asynchronous unshard, prefetched in the forward and in the backward) and
+    waited for before the unit computes; a reduce-scatter returns once its sends are posted and its sum is
+    written when the next one is posted, the last at the end of the micro-batch (FSDP2 only makes views of it
+    until then). Gradients are reduce-scattered once per optimizer step, in the last micro-batch's backward, as
     DDP all-reduces them (``set_requires_gradient_sync``): until then each rank accumulates each layer's whole
     gradient (a replica's gradient bytes; parameters and optimizer state stay sharded).
 
-A micro-batch that raises fails the step and leaves nothing of it behind (DDP's reducer reset, FSDP2's
-``reset_iter_state`` and its unsynced whole gradients dropped, no collective): the next step runs as if the
-failed one never had.
+A micro-batch that raises fails the step and leaves nothing of it behind (DDP's reducer reset; under FSDP2 the
+exchanges already posted finished, ``reset_iter_state``, its unsynced whole gradients dropped, no new collective):
+the next step runs as if the failed one never had.
 
 Both keep the loss's math: every micro-batch's loss is its share of the *global* loss (global
 token and sequence denominators), so gradients are **summed** over ranks, never averaged (DDP gets a
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping
 
 import torch
 from torch import nn
@@ -108,12 +112,14 @@ class TrainStrategy:
         reshard_after_forward: ``fsdp2`` only: free a layer's gathered parameters after its forward (all but the
             last layer and the root, which the backward needs first).
         reduce_every_micro_batch: ``fsdp2`` only: reduce-scatter every micro-batch's gradient, not the step's once.
+        overlap: ``fsdp2`` over gloo only: run the exchanges beside the compute (all-gathers prefetched one unit ahead,
+            reduce-scatters finished a unit later); false: each one synchronous where FSDP2 calls it.
         who: the role's name, for errors.
     """
 
     def __init__(self, model: nn.Module, placement: Placement, dp: DataParallel, strategy: str = "ddp", *,
                  offload: bool = False, reshard_after_forward: bool = True, reduce_every_micro_batch: bool = False,
-                 trainable: bool = True, who: str = "the role") -> None:
+                 overlap: bool = True, trainable: bool = True, who: str = "the role") -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"{who}: strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if offload and strategy != "fsdp2":
@@ -131,6 +137,7 @@ class TrainStrategy:
         self._units: list[nn.Module] = []
         self._kept: list[nn.Module] = []
         self._reduce_each = reduce_every_micro_batch
+        self._flight: _InFlight | None = None
         layers = decoder_layers(model) if strategy == "fsdp2" else []
         if strategy == "fsdp2" and not layers:  # (checked at one rank too: the config must work at any count)
             raise ValueError(
@@ -139,12 +146,13 @@ class TrainStrategy:
         if not dp.active:
             return
         if strategy == "fsdp2":
-            self._shard(model, layers, offload, reshard_after_forward)
+            self._shard(model, layers, offload, reshard_after_forward, overlap)
             self.sharded = True
         elif trainable:
             self._ddp = _ddp(model, placement, dp)
 
-    def _shard(self, model: nn.Module, layers: list[nn.Module], offload: bool, reshard_after_forward: bool) -> None:
+    def _shard(self, model: nn.Module, layers: list[nn.Module], offload: bool, reshard_after_forward: bool,
+               overlap: bool) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -164,12 +172,21 @@ class TrainStrategy:
         fully_shard(model, reshard_after_forward=False, **kw)
         exchange = self.dp.backend == "gloo"
         self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self._flight = _InFlight() if exchange and overlap else None
         for m in self._units:
             m.set_gradient_divide_factor(1.0)  # each rank's loss is its share of the global one: sum
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM; NCCL is fine)
             if exchange:
-                m.set_custom_all_gather(_ExchangeAllGather())
-                m.set_custom_reduce_scatter(_ExchangeReduceScatter())
+                m.set_custom_all_gather(_ExchangeAllGather(self._flight))
+                m.set_custom_reduce_scatter(_ExchangeReduceScatter(self._flight))
+        if self._flight is not None:
+            # on the CPU FSDP2's all-gathers are synchronous unless asked for asynchronous ones: then its backward
+            # prefetch (the next unit's all-gather, issued before this unit's backward) and the forward prefetch set
+            # here run beside the compute, and FSDP2 waits for each before its unit computes
+            model._set_unshard_async_op(True)  # type: ignore[operator]
+            chain = [model, *layers]
+            for unit, after in zip(chain, chain[1:]):
+                unit.set_modules_to_forward_prefetch([after])  # type: ignore[operator]
         self._kept = [layers[-1], model] if reshard_after_forward else list(self._units)
         # registered after fully_shard's own hooks, so it runs after the root's post-forward
         model.register_forward_hook(self._reshard_kept)
@@ -192,9 +209,10 @@ class TrainStrategy:
         """Around one micro-batch's forward and backward. Gradients are summed over the ranks once per optimizer
         step, in the `last` micro-batch's backward: DDP's ``no_sync`` before it, and under FSDP2 no reduce-scatter
         before it (``set_requires_gradient_sync``: each layer's whole gradient accumulates on every rank until
-        then), unless ``reduce_every_micro_batch``. A micro-batch that raises leaves no gathered parameter and no
-        FSDP2 state of the failed step behind (:meth:`zero_grad` drops its gradients): the next step runs as if the
-        failed one never had."""
+        then), unless ``reduce_every_micro_batch``. Over gloo the exchanges still in flight at its end are finished
+        before it returns (the gradient shards are whole then). A micro-batch that raises leaves no gathered
+        parameter, no exchange in flight and no FSDP2 state of the failed step behind (:meth:`zero_grad` drops its
+        gradients): the next step runs as if the failed one never had."""
         if self._ddp is not None:
             try:
                 with self._ddp.no_sync() if not last else contextlib.nullcontext():  # type: ignore[operator]
@@ -206,11 +224,19 @@ class TrainStrategy:
                 raise
         elif self.sharded:
             self.module.set_requires_gradient_sync(last or self._reduce_each)  # type: ignore[operator]
+            flight = self._flight
+            if flight is not None:  # FSDP2 adds into an existing gradient shard at once: defer only the first
+                flight.defer_reduce = all(p.grad is None for p in self.module.parameters())
             try:
                 yield
+                if flight is not None:
+                    flight.drain()
             except BaseException:
                 self._abandon_step()
                 raise
+            finally:
+                if flight is not None:
+                    flight.defer_reduce = False
         else:
             yield
 
@@ -224,7 +250,10 @@ class TrainStrategy:
     def _abandon_step(self) -> None:
         """After a forward or backward raised mid-step: FSDP2 reshards every unit and forgets the step's
         collectives and hooks (``reset_iter_state``, on the root), and the whole gradients it accumulated without a
-        reduce-scatter are dropped. No collective: a rank that failed alone does not wait for the others here."""
+        reduce-scatter are dropped. No new collective: the exchanges already posted are finished first (the peers
+        posted theirs in the same order up to the same point), so that none is left to match a later one."""
+        if self._flight is not None:
+            self._flight.drain()
         reset = getattr(self.module, "reset_iter_state", None)  # torch >= 2.13
         if reset is not None:
             reset()
@@ -345,39 +374,91 @@ class TrainStrategy:
             yield name, full_tensor(t)
 
 
-def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group: Any) -> None:
-    """Point-to-point sends and receives, all posted at once, waited for together."""
+def _post(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group: Any) -> list[Any]:
+    """Point-to-point sends and receives, all posted at once; their works (gloo moves them in its own thread)."""
     import torch.distributed as dist
 
     glob = lambda r: dist.get_global_rank(group, r)  # noqa: E731  (P2POp names peers by global rank)
     ops = [dist.P2POp(dist.isend, t, glob(peer), group) for peer, t in sends]
     ops += [dist.P2POp(dist.irecv, t, glob(peer), group) for peer, t in recvs]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    return dist.batch_isend_irecv(ops)
+
+
+class _InFlight:
+    """The exchanges of one sharded model that run beside its compute: all-gathers that FSDP2 prefetches (it waits
+    for each before the unit computes) and reduce-scatters whose sum is finished later, at most `window` of them
+    outstanding after each new one and all of them by :meth:`drain`. Both ranks post them in the same order (FSDP2's
+    schedule is the model's), so each pair's sends and receives match in order as the synchronous ones do."""
+
+    def __init__(self, window: int = 1) -> None:
+        self.window = window
+        self.defer_reduce = False
+        """Whether a reduce-scatter may finish later (set per micro-batch: only while no sharded gradient exists, since
+        FSDP2 adds a new gradient shard into an existing one as soon as the reduce-scatter returns)."""
+        self.gathers: list[_ExchangeWork] = []
+        self.reduces: list[Callable[[], None]] = []
+
+    def drain(self) -> None:
+        """Finish every exchange in flight (the reduce-scatters' sums included), oldest first."""
+        while self.reduces:
+            self.reduces.pop(0)()
+        while self.gathers:
+            self.gathers[0].wait()
+
+
+class _ExchangeWork(torch.distributed.Work):  # type: ignore[misc]
+    """An asynchronous all-gather's exchange as FSDP2 waits for it (a ``Work``): its sends and receives."""
+
+    def __init__(self, works: list[Any], flight: _InFlight) -> None:
+        super().__init__()
+        self._works, self._flight = works, flight
+        flight.gathers.append(self)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self in self._flight.gathers:
+            self._flight.gathers.remove(self)
+        return True
 
 
 class _ExchangeAllGather:
     """FSDP2's all-gather over gloo as direct sends to every other rank: each rank sends its shard once to each
     peer (what a ring moves too), while gloo's own all-gather moved a decoder layer's shards (14 MiB) at about a third
-    of the speed of these sends between two processes of one machine. Synchronous, as FSDP2 calls it on CPU."""
+    of the speed of these sends between two processes of one machine. Synchronous unless FSDP2 asks for an
+    asynchronous one (a prefetch, with `flight`): then a ``Work`` that FSDP2 waits for before the unit computes."""
+
+    def __init__(self, flight: _InFlight | None = None) -> None:
+        self._flight = flight
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 async_op: bool = False) -> None:
+                 async_op: bool = False) -> Any:
         rank, world = group.rank(), group.size()
         slots = output_tensor.view(world, -1)
         if slots[rank].data_ptr() != input_tensor.data_ptr():  # FSDP2 copies its shard in place already
             slots[rank].copy_(input_tensor.view(-1))
         peers = [r for r in range(world) if r != rank]
-        _exchange([(r, input_tensor) for r in peers], [(r, slots[r]) for r in peers], group)
+        works = _post([(r, input_tensor) for r in peers], [(r, slots[r]) for r in peers], group)
+        if async_op and self._flight is not None:
+            return _ExchangeWork(works, self._flight)
+        for work in works:
+            work.wait()
+        return None
 
 
 class _ExchangeReduceScatter:
     """FSDP2's reduce-scatter over gloo as direct sends: rank r receives every peer's chunk r and sums the chunks in
     rank order (the same sum on any number of ranks); gloo's own reduce-scatter is slower still than its all-gather
-    here. Only SUM (the strategy forces it)."""
+    here. Only SUM (the strategy forces it). With `flight` deferring, it returns once the sends and receives are
+    posted and the sum is written into the output later (FSDP2 only makes views of it until the optimizer reads them):
+    the exchange runs beside the backward of the units below."""
+
+    def __init__(self, flight: _InFlight | None = None) -> None:
+        self._flight = flight
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -392,12 +473,24 @@ class _ExchangeReduceScatter:
         chunks = input_tensor.view(world, -1)
         got = torch.empty(world - 1, chunks.shape[1], dtype=chunks.dtype, device=chunks.device)
         peers = [r for r in range(world) if r != rank]
-        _exchange([(r, chunks[r]) for r in peers], list(zip(peers, got)), group)
-        parts = [chunks[rank] if r == rank else got[r - (r > rank)] for r in range(world)]
-        out = output_tensor.view(-1)
-        out.copy_(parts[0])
-        for part in parts[1:]:
-            out.add_(part)
+        works = _post([(r, chunks[r]) for r in peers], list(zip(peers, got)), group)
+
+        def finish() -> None:
+            for work in works:
+                work.wait()
+            parts = [chunks[rank] if r == rank else got[r - (r > rank)] for r in range(world)]
+            out = output_tensor.view(-1)
+            out.copy_(parts[0])
+            for part in parts[1:]:
+                out.add_(part)
+
+        flight = self._flight
+        if flight is None or not flight.defer_reduce:
+            finish()
+            return
+        flight.reduces.append(finish)
+        while len(flight.reduces) > flight.window:
+            flight.reduces.pop(0)()
 
 
 def _ddp(model: nn.Module, placement: Placement, dp: DataParallel) -> nn.Module:

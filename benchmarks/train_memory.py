@@ -64,9 +64,10 @@ per parameter (13.7 GB), so two replicas (27.4 GB) do not fit in this machine's 
 
 
 LAYOUTS = {"ddp1": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2), "fsdp2+keep": ("fsdp2+keep", 2),
-           "fsdp2:sync": ("fsdp2:sync", 2)}
+           "fsdp2:sync": ("fsdp2:sync", 2), "ddp2+fused": ("ddp+fused", 2), "fsdp2+fused": ("fsdp2+fused", 2)}
 """``--layouts``: ``(strategy, ranks)``; ``fsdp2+keep`` is fsdp2 with ``fsdp_reshard_after_forward=false``,
-``fsdp2:sync`` fsdp2 with its exchanges synchronous (the strategy's ``overlap=False``)."""
+``fsdp2:sync`` fsdp2 with its exchanges synchronous (the strategy's ``overlap=False``), ``+fused`` torch's fused
+AdamW (``optimizer_impl=fused``)."""
 
 
 def _rss() -> int:
@@ -170,13 +171,14 @@ def batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0) -> T
 
 async def measure(model: str, layout: str, ranks: int, steps: int, rows: int, prompt: int, response: int
                   ) -> dict[str, Any]:
-    strategy, _, keep = layout.partition("+")  # "fsdp2+keep": fsdp_reshard_after_forward=false
+    strategy, _, extra = layout.partition("+")  # "fsdp2+keep": fsdp_reshard_after_forward=false; "+fused": fused AdamW
     strategy, _, sync = strategy.partition(":")  # "fsdp2:sync": the exchanges synchronous
     cfg = ModelConfig(seed=0, dtype="float32", num_threads=max(1, 2 // ranks), **MODELS[model])  # type: ignore[arg-type]
     optim = OptimConfig(lr=1e-5, micro_batch_size=max(1, rows // ranks), strategy=strategy,  # type: ignore[arg-type]
-                        fsdp_reshard_after_forward=keep != "keep")
+                        fsdp_reshard_after_forward=extra != "keep",
+                        optimizer_impl="fused" if extra == "fused" else "foreach")
     group = asyncrl.colocate({"policy": (MemoryProbe, (cfg, optim), {"overlap": sync != "sync"})}, world_size=ranks,
-                             name=f"mem-{model}-{strategy}{'-keep' if keep else ''}{'-sync' if sync else ''}-{ranks}")
+                             name=f"mem-{model}-{strategy}{'-' + extra if extra else ''}{'-sync' if sync else ''}-{ranks}")
     await group.setup()
     vocab = len(tokenizer_for(cfg))
     try:
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="tiny,smollm2", help=f"comma-separated of {sorted(MODELS)}")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="every layout in turn, this many times (ratios per round)")
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS),
+    p.add_argument("--layouts", nargs="+", default=[k for k in LAYOUTS if not k.endswith("+fused")], choices=list(LAYOUTS),
                    help="which layouts (not for --models large: fsdp2 x2 only)")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--prompt", type=int, default=48)

@@ -22,17 +22,8 @@ __all__ = ["ConfigError", "from_dict", "to_dict", "load", "parse_overrides", "ap
 T = TypeVar("T")
 
 
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a number in exponent form without a dot (``1e-3``, ``2E+5``) is a float,
-    as in YAML 1.2 and Python: PyYAML follows YAML 1.1, which reads it as the string ``'1e-3'``."""
-
-
-_Loader.add_implicit_resolver(  # copies SafeLoader's resolvers first: SafeLoader itself is unchanged
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-
-
-def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+_EXPONENT = re.compile(r"[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+")
+"""A number in exponent form without a dot (``2e-4``): YAML 1.2 and Python read a float, PyYAML (YAML 1.1) a string."""
 
 
 class ConfigError(ValueError):
@@ -123,6 +114,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             return value
         raise ConfigError(f"{path} must be an integer, got {value!r}")
     if tp is float:
+        if isinstance(value, str) and _EXPONENT.fullmatch(value):
+            value = float(value.replace("_", ""))
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
             return float(value)
         raise ConfigError(f"{path} must be a number, got {value!r}")
@@ -188,7 +181,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def parse_overrides(items: Sequence[str]) -> list[tuple[list[str], Any]]:
-    """Parse ``a.b=value`` strings; values are read as YAML scalars (``3``, ``1e-3``, ``true``, ``[1, 2]``)."""
+    """Parse ``a.b=value`` strings; values are read as YAML scalars (``3``, ``0.5``, ``true``, ``[1, 2]``; a float
+    field also takes ``1e-3``, which PyYAML reads as a string)."""
     out = []
     for item in items:
         if "=" not in item:
@@ -198,7 +192,7 @@ def parse_overrides(items: Sequence[str]) -> list[tuple[list[str], Any]]:
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key part")
         try:
-            value = _yaml(raw) if raw.strip() else ""
+            value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
         out.append((key.split("."), value))
@@ -241,7 +235,7 @@ def load(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] 
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = _yaml(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         merged = _deep_merge(to_dict(cfg), data, "")

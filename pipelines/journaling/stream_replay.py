@@ -217,7 +217,7 @@ class StreamReplay(StreamRollout):
                             f"after {'no' if have is None else have} tokens, but the journal's retire record kept {n}: "
                             "the journal or its rounds.jsonl were edited, or the pool's rounds did not run as "
                             "recorded; replay the files the run wrote")
-                self.keep_rows(a, g, {k: got[k] for k in recorded.get(g, {})}, epoch)
+                self.keep_rows(a, g, got, epoch)  # (the rows the record kept: keep_rows below)
         finally:
             a.handing.difference_update(handed)
             for g in handed:

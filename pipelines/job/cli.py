@@ -10,6 +10,7 @@ and sampled trajectories).
     asyncrl replay runs/grpo_toy                   # the same run again from its journal, bit for bit
     asyncrl export runs/grpo_toy --out policy_hf   # the trained policy as a Hugging Face model directory
     asyncrl view runs/grpo_toy                     # its curves, timeline and trajectories at http://127.0.0.1:8765/
+    asyncrl ledger runs/grpo_toy                   # every sample trained once or dropped with a reason, in the bound
 
 Every setting is checked (unknown keys, impossible values, unregistered reward functions
 and engines, missing paths, a resume from another config, corrupt checkpoint files)
@@ -82,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8765, help="port to serve on (default 8765; 0 picks a free one)")
     v.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; the page shows model output)")
+    g = sub.add_parser("ledger", help="check a run's per-sample ledger: nothing lost, nothing trained twice, "
+                                      "every trained token within the staleness bound",
+                       description="Read RUN's journal and ledger.jsonl and check every sample: admitted, then "
+                                   "trained once or dropped with its reason. Exit 0 when the ledger holds, 1 "
+                                   "when not (the offending samples are named), 2 when RUN has no journal.")
+    g.add_argument("run", metavar="RUN", help="the run directory (holding journal.jsonl)")
+    g.add_argument("--samples", metavar="FILE.jsonl", help="also write one line per sample to FILE.jsonl")
+    g.add_argument("--unfinished", action="store_true", help="check a run that has not ended (no end record)")
     return p
 
 
@@ -119,7 +128,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _export(args)
     if args.command == "view":
         return _view(args)
+    if args.command == "ledger":
+        return _ledger(args)
     return _train(args)
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    """``asyncrl ledger``: exit 0 when the ledger holds, 1 when not, 2 when RUN has no readable journal."""
+    import json
+
+    from asyncrl.pipelines.journaling.journal import JournalError
+    from asyncrl.pipelines.journaling.ledger import check_ledger, read_samples
+
+    try:
+        report = check_ledger(args.run, finished=not args.unfinished)
+        if args.samples:
+            samples = read_samples(args.run)[0]
+            Path(args.samples).write_text("".join(json.dumps(s.as_dict()) + "\n" for _, s in sorted(samples.items())))
+    except (JournalError, OSError) as e:
+        _say("asyncrl ledger", str(e))
+        return 2
+    print(report.render())
+    return 0 if report.ok else 1
 
 
 def _view(args: argparse.Namespace) -> int:

@@ -3,6 +3,11 @@
 The loops report to it in one line each -- a batch generated, a step trained, a batch dropped
 -- and the rollout loop asks it which weight version a batch must follow (resume, restart,
 replay). It never changes what the loops do otherwise.
+
+With each step it also asks the training pool what the step's rows say about their generation (replica, token
+versions: :func:`~asyncrl.pipelines.journaling.ledger.row_facts`, one small call beside the step's) and appends the
+answer to ``ledger.jsonl`` in a task and a thread, off the step and the loop (the per-sample ledger,
+:mod:`asyncrl.pipelines.journaling.ledger`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from asyncrl.pipelines.job.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.datasets.datafiles import code_digests
 from asyncrl.pipelines.job.configlib import to_dict
 from asyncrl.pipelines.journaling.journal import JOURNAL, Journal, JournalData, JournalError, read_journal
+from asyncrl.pipelines.journaling.ledger import LEDGER, LedgerFile
 from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed
 from asyncrl.pipelines.journaling.rounds import ROUNDS, RoundFile, records_rounds
 
@@ -40,6 +46,8 @@ class RunJournalOwner(Protocol):
     state: LoopState
     loader: PromptLoader | None
     output_dir: Path
+    rollout: Any
+    """The rollout producer (its ``untrained()`` names what the run leaves untrained at its end)."""
 
 
 log = structlog.get_logger("asyncrl.pipelines")
@@ -67,6 +75,8 @@ class RunJournal:
         self._rounds: RoundFile | None = None  # streaming on HF: the engines' round log (rounds.jsonl)
         self._fetch: asyncio.Task[None] | None = None  # the newest round-log fetch (each awaits the one before)
         self._notices: set[tuple[int, int]] = set()  # (pool epoch, rank) whose notice's rounds are written
+        self._ledger: LedgerFile | None = None  # the measured rows of each step (ledger.jsonl)
+        self._measure: asyncio.Task[None] | None = None  # the newest step's measurement (each awaits the one before)
         self.replay_source = Path(replay) if replay is not None else None
         """The journal (or run directory) this run replays."""
         if replay is not None:
@@ -92,9 +102,11 @@ class RunJournal:
             header["rounds"] = ROUNDS
             self._rounds = RoundFile(tr.output_dir / ROUNDS)
             self._rounds.start(source.with_name(ROUNDS) if source is not None else None, tr.state.start_step)
+        self._ledger = LedgerFile(tr.output_dir / LEDGER)
+        self._ledger.start(source.with_name(LEDGER) if source is not None else None, tr.state.start_step)
         self._file = Journal(tr.output_dir / JOURNAL)
         schedule = self._file.start(header, previous=previous, next_gen=tr.state.next_gen,
-                                    start_step=tr.state.start_step)
+                                    start_step=tr.state.start_step, **_settled(tr.state))
         if self._replay is not None:
             schedule = self._replay.schedule()
             self._check_replay(self._replay)
@@ -113,12 +125,15 @@ class RunJournal:
         follow the versions recorded for the batches after it (a replay keeps following its own)."""
         if self._file is None or self._replay is not None:
             return
-        journal, rounds = self._file, self._rounds
+        journal, rounds, ledger = self._file, self._rounds, self._ledger
         await self._fetched()
+        await self._measured()
         self._schedule = await anyio.to_thread.run_sync(
-            lambda: journal.rewind(next_gen=s.next_gen, start_step=s.start_step))
+            lambda: journal.rewind(next_gen=s.next_gen, start_step=s.start_step, **_settled(s)))
         if rounds is not None:
             await anyio.to_thread.run_sync(lambda: rounds.start(rounds.path, s.start_step))
+        if ledger is not None:
+            await anyio.to_thread.run_sync(lambda: ledger.start(ledger.path, s.start_step))
 
     @property
     def replaying(self) -> bool:
@@ -223,9 +238,56 @@ class RunJournal:
                              version=version, rows=tr.config.trainer.batch_size)
 
     def step(self, step: int, item: RolloutBatch) -> None:
-        """Step `step` trains on `item`."""
+        """Step `step` trains on `item`: journal it, and measure its rows' generation (:meth:`_measure_rows`)."""
         if self._file is not None:
             self._file.step(step, batch=item.step, version=item.version, groups=item.groups)
+            self._measure_rows(step, item.batch)
+
+    def _measure_rows(self, step: int, batch: Any) -> None:
+        """Ask the training pool for the rows of `batch` (``AdvantageWorker.ledger_rows``; the call issued now, so
+        it runs before the step's own calls there) and append them to ``ledger.jsonl`` in a task, after the
+        measurements issued before (a failed fetch is written as lost: the check reports the step unmeasured)."""
+        tr, file = self._trainer, self._ledger
+        if file is None or tr.groups is None:
+            return
+        try:
+            call: Any = tr.groups.advantage.ledger_rows(batch)
+        except AttributeError:  # a custom advantage worker without the method
+            call = RuntimeError("the advantage worker has no ledger_rows")
+        except Exception as e:  # noqa: BLE001 - a group that takes no call (closed): the step goes unmeasured
+            call = e
+        before = self._measure
+
+        async def measure() -> None:
+            if before is not None:
+                await asyncio.wait([before])
+            facts, lost = None, None
+            try:
+                if isinstance(call, Exception):
+                    raise call
+                facts = await call
+            except Exception as e:  # noqa: BLE001 - the rows' facts are gone with a dead worker: say so
+                lost = f"{type(e).__name__}: {e}"[:300]
+            await anyio.to_thread.run_sync(lambda: file.append(step, facts, lost))
+
+        self._measure = asyncio.get_running_loop().create_task(measure(), name=f"ledger rows of step {step}")
+
+    async def _measured(self) -> None:
+        """Until the measurements issued so far are written -- at most ``trainer.rollout_timeout_s`` (then the
+        last is cancelled, and its step goes unmeasured)."""
+        task = self._measure
+        if task is None or task.done():
+            return
+        done, _ = await asyncio.wait([task], timeout=self._trainer.config.trainer.rollout_timeout_s)
+        if not done:
+            task.cancel()
+            log.warning("journal.ledger_timeout", detail="the last step's rows were not measured in time")
+
+    def filtered(self, index: int, *, seeds: list[int], picks: list[tuple[int, int]]) -> None:
+        """Batch mode with ``algorithm.filter_groups``: batch `index` made generate calls with `seeds` and
+        trains the groups `picks` (``(call, slot)``); the other groups of those calls were rejected."""
+        if self._file is not None:
+            self._file.filter(index, seeds=seeds, picks=picks)
 
     def group(self, index: int, *, seed: int, version: int) -> None:
         """Streaming: prompt group `index` was admitted at `version` (sampling with `seed`)."""
@@ -267,6 +329,11 @@ class RunJournal:
         if self._file is None or tr.groups is None:
             return
         await self._fetched()
+        await self._measured()
+        untrained = getattr(tr.rollout, "untrained", None)  # a rollout producer of one's own may not say
+        if untrained is not None:
+            batches, groups = untrained()
+            self._file.left(batches=batches, groups=groups)
         try:
             sums = await tr.groups.policy.weights_checksum()
         except AttributeError:  # a custom policy without checksums
@@ -277,7 +344,17 @@ class RunJournal:
 
     def close(self) -> None:
         """Close the file (idempotent); a round-log fetch still running is cancelled."""
-        if self._fetch is not None and not self._fetch.done():
-            self._fetch.cancel()
+        for task in (self._fetch, self._measure):
+            if task is not None and not task.done():
+                task.cancel()
         if self._file is not None:
             self._file.close()
+
+
+def _settled(s: LoopState) -> dict[str, Any]:
+    """What a journal rewind needs of a restored streaming state: its untrained ``pending`` groups (admitted again)
+    and ``next_group`` (the groups below it that are not pending were settled before the checkpoint)."""
+    stream = s.stream
+    if not stream:
+        return {}
+    return {"pending": [int(g) for g in stream.get("pending", [])], "next_group": int(stream["next_group"])}

@@ -122,6 +122,15 @@ class AdvantageWorker(Worker):
 
         return version_stats(batch, step, max_staleness)
 
+    @register(Dispatch.DP_COMPUTE)
+    def ledger_rows(self, batch: TensorDictBase) -> TensorDict:
+        """Per row of a step's batch, how it was generated: ``replica``, ``lo`` / ``hi`` (its model tokens' oldest
+        and newest weight version) and ``tokens`` (small: four int32 per row); see
+        :func:`asyncrl.pipelines.journaling.ledger.row_facts`."""
+        from asyncrl.pipelines.journaling.ledger import row_facts
+
+        return row_facts(batch)
+
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def sample_trajectories(self, batch: TensorDictBase, n: int, seed: int,
                             policy_version: int) -> list[dict[str, Any]]:

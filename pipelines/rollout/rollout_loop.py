@@ -73,12 +73,14 @@ class BatchRollout:
 
     def __init__(self, trainer: RolloutOwner) -> None:
         self._trainer = trainer
+        self._putting: int | None = None  # the journaled batch waiting for buffer space
 
     async def run(self) -> None:
         """Consumes prompt batches and exported weights; produces RolloutBatch items."""
         tr = self._trainer
         s, steps = tr.state, tr.config.trainer.steps
         assert tr.loader is not None
+        self._putting = None  # (a restart's new attempt)
         for item in s.restored:
             await s.buffer.put(item)
         s.restored = []
@@ -96,7 +98,9 @@ class BatchRollout:
                         raise
                     await tr.supervisor.replace_rollout(e, i)  # then the same batch again: same prompts, seed, version
             tr.journal.batch(i, version)
+            self._putting = i
             await s.buffer.put(item)
+            self._putting = None
             s.generating = None  # in the buffer now
             i += 1
             await s.advance(next_gen=i)
@@ -181,10 +185,14 @@ class BatchRollout:
                                            version=version, call=k)
                     return more, tr.tracer.watch(stages.score(g, more), "score", step=i, call=k)
 
-                gen, sc, scores, sampling = await fill_batch(
+                gen, sc, scores, sampling, picks = await fill_batch(
                     step=i, first=(gen, sc, scores), loader=loader, group_size=tr.config.group_size,
                     max_calls=fg.max_num_gen_batches, seed=tr.config.trainer.seed, generate=again,
                     echo=g.advantage.echo)
+                if picks is not None:  # the per-sample ledger: which call's groups the batch holds
+                    calls = int(sampling["sampling/gen_batches"])
+                    tr.journal.filtered(i, seeds=[batch_seed(tr.config, i) + k * 1_000_000_007 for k in range(calls)],
+                                        picks=picks)
             if sync.sleep:  # release the rollout's memory while the policy trains
                 await g.rollout.sleep()
         return RolloutBatch(step=i, version=version, batch=gen, scores=sc,
@@ -194,6 +202,13 @@ class BatchRollout:
     async def finish(self) -> None:
         """After the last step: the evaluations still due (:func:`evaluate_rest`)."""
         await evaluate_rest(self._trainer)
+
+    def untrained(self) -> tuple[list[int], list[int]]:
+        """``(batches, groups)`` generated and journaled but not trained (at the run's end: the buffer's, and one
+        waiting for room in it); the groups are a streaming producer's."""
+        s = self._trainer.state
+        batches = [it.step for it in [*s.buffer.peek_all(), *s.restored]]
+        return batches + ([self._putting] if self._putting is not None else []), []
 
 
 async def evaluate(tr: RolloutOwner, version: int) -> None:

@@ -92,7 +92,8 @@ def select_groups(batches: Sequence[TensorDict], picks: Sequence[tuple[int, int]
 
 async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader: Any, group_size: int,
                      max_calls: int, seed: int, generate: Callable[[TensorDict, int], tuple[Any, Any]],
-                     echo: Callable[[TensorDict], Any]) -> tuple[Any, Any, torch.Tensor, dict[str, float]]:
+                     echo: Callable[[TensorDict], Any]
+                     ) -> tuple[Any, Any, torch.Tensor, dict[str, float], list[tuple[int, int]] | None]:
     """Step `step`'s batch of informative groups.
 
     Args:
@@ -104,14 +105,15 @@ async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader:
         generate: ``generate(prompt batch, call) -> (generate future, score future)`` of call `call`.
         echo: puts a concrete batch on the training pool and returns its future.
 
-    Returns ``(batch future, scores future, scores, metrics)``; when the first call's groups are all
-    informative the first call's futures are returned as they are (nothing is fetched)."""
+    Returns ``(batch future, scores future, scores, metrics, picks)``, `picks` the ``(call, group)`` of each
+    group of the batch, in order (the run journal's ``filter`` record); when the first call's groups are all
+    informative the first call's futures are returned as they are (nothing is fetched) and `picks` is None."""
     pps = loader.prompts_per_step
     gen, sc, scores = first
     keep = informative_groups(scores, group_size)
     calls, dropped_total = 1, pps - len(keep)
     if len(keep) == pps:
-        return gen, sc, scores, _metrics(calls, dropped_total, 0, group_stds(scores, group_size))
+        return gen, sc, scores, _metrics(calls, dropped_total, 0, group_stds(scores, group_size)), None
     results = [(gen, sc, scores, keep)]
     have = len(keep)
     while have < pps and calls < max_calls:
@@ -141,7 +143,7 @@ async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader:
     out_scores = combined["scores"].clone()
     fut = echo(combined)
     return fut, fut.select("scores"), out_scores, _metrics(calls, dropped_total, padded,
-                                                           group_stds(out_scores, group_size))
+                                                           group_stds(out_scores, group_size)), picks
 
 
 def _metrics(calls: int, dropped: int, padded: int, stds: torch.Tensor) -> dict[str, float]:

@@ -390,6 +390,12 @@ class StreamRollout:
             await evaluate(tr, tr.state.rollout_version)
         await evaluate_rest(tr)
 
+    def untrained(self) -> tuple[list[int], list[int]]:
+        """``(batches, groups)`` admitted and not trained (at the run's end: generating, or finished and waiting
+        for a step); no batches (streaming has none)."""
+        a = self._attempt
+        return [], sorted(a.admission.pending()) if a is not None else []
+
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of streaming: the admitted, untrained groups (regenerated on resume,
         first, with the same seeds) and the next new group's index."""

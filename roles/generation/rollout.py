@@ -293,7 +293,13 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
             ver[k] = v
         return {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver}
 
+    def _replica_field(self, n: int) -> torch.Tensor:
+        """``replica`` of `n` rows: this rank, the replica that returned them (the run journal's per-sample
+        ledger records it)."""
+        return torch.full((n,), self.rank, dtype=torch.long)
+
     def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict:
+        fields["replica"] = self._replica_field(int(fields["response_ids"].shape[0]))
         fields["input_ids"] = torch.cat([batch["prompt_ids"].long(), fields["response_ids"]], dim=1)
         fields["attention_mask"] = torch.cat([batch["prompt_mask"].long(), fields["response_mask"]], dim=1)
         return with_fields(batch, fields)

@@ -121,6 +121,7 @@ class RequestGenerationMixin:
         def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
                     seed: int | None) -> SamplingParams: ...
         def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict: ...
+        def _replica_field(self, n: int) -> torch.Tensor: ...
 
     # ---- multi-turn episodes --------------------------------------------------------------
 
@@ -260,6 +261,7 @@ class RequestGenerationMixin:
             self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
         if agent:
             fields.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask)
+        fields["replica"] = self._replica_field(len(trajs))
         return with_fields(batch, fields)
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)

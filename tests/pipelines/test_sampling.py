@@ -97,7 +97,7 @@ async def test_out_of_generate_calls_the_batch_is_padded_with_the_first_dropped_
     advantage = LocalWorkerGroup(AdvantageWorker, world_size=1)
     await advantage.setup()
     try:
-        fut, scores_fut, scores, metrics = await fill_batch(
+        fut, scores_fut, scores, metrics, picks = await fill_batch(
             step=step, first=(done(own), done(TensorDict({"scores": torch.tensor(rewards[0])}, batch_size=[4])),
                               torch.tensor(rewards[0])),
             loader=loader, group_size=2, max_calls=2, seed=0, generate=generate, echo=advantage.echo)
@@ -111,5 +111,6 @@ async def test_out_of_generate_calls_the_batch_is_padded_with_the_first_dropped_
     assert list(out["prompt"]) == [extra[0]] * 2 + [list(own["prompt"])[0]] * 2
     assert scores.tolist() == [0.0, 1.0, 0.5, 0.5]
     assert out["uid"].tolist() == [6, 6, 7, 7]  # renumbered from step 3's uid base (3 * 2)
+    assert picks == [(1, 0), (0, 0)]  # (call, group) of each group, as the journal's filter record keeps them
     assert metrics == {"sampling/gen_batches": 2.0, "sampling/filtered_groups": 3.0,
                        "sampling/padded_groups": 1.0, "sampling/min_group_std": 0.0}

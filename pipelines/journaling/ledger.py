@@ -260,9 +260,9 @@ def read_samples(run: str | Path) -> tuple[dict[tuple[int, int, int], Sample], J
     for p, st in sorted(data.steps.items()):
         groups = st.get("groups")
         if groups is not None:
-            rows = [s for g in groups for s in group_rows.get(int(g), [_ghost(int(g), G)])]
+            rows = [s for g in groups for s in group_rows.get(int(g), _ghost(int(g), G))]
         else:
-            rows = batch_rows.get(int(st["batch"]), [_ghost(int(st["batch"]) * B, G)])
+            rows = batch_rows.get(int(st["batch"]), _ghost(int(st["batch"]) * B, G * B))
         by_step[p] = rows
         for s in rows:
             s.trained.append(p)
@@ -288,9 +288,9 @@ def read_samples(run: str | Path) -> tuple[dict[tuple[int, int, int], Sample], J
     return samples, data, by_step
 
 
-def _ghost(group: int, G: int) -> Sample:
-    """A stand-in for a trained group the journal never admitted (reported as ``unadmitted``)."""
-    return Sample(group, -1, -1, -1)
+def _ghost(group: int, G: int) -> list[Sample]:
+    """Stand-ins for the rows of a trained group the journal never admitted (reported as ``unadmitted``)."""
+    return [Sample(group, -1, -1, -1)] * G
 
 
 def check_ledger(run: str | Path, *, finished: bool = True, limit: int = 5) -> LedgerReport:
@@ -331,9 +331,12 @@ def check_ledger(run: str | Path, *, finished: bool = True, limit: int = 5) -> L
             bad("unmeasured", f"step {p} measured {len(m.get('lo', ()))} rows for its {len(rows)} samples")
         else:
             rep.measured_steps += 1
+        ghosts: set[int] = set()
         for s in rows:
-            if s.row < 0 or (s.group, s.row, s.seed) not in samples:
-                bad("unadmitted", f"step {p} trained group {s.group}, which the journal never admitted")
+            if s.row < 0:
+                if s.group not in ghosts:
+                    ghosts.add(s.group)
+                    bad("unadmitted", f"step {p} trained group {s.group}, which the journal never admitted")
                 continue
             if not 0 <= p - s.admitted <= k:
                 bad("stale", f"{s.name} admitted at version {s.admitted} was trained at step {p} "

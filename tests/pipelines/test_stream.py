@@ -10,6 +10,7 @@ import pytest
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config
 from asyncrl.pipelines.job.presets import tiny_test
+from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 STREAM_KEYS = {"staleness/max", "staleness/mean", "stream/multi_version_frac", "stream/tokens_staleness_0",
@@ -53,6 +54,9 @@ async def test_stream_mode_trains_every_group_once_within_the_staleness_bound(ra
     assert all(admitted[g]["seed"] == cfg.trainer.seed * 1_000_003 + g for g in admitted)
     state = json.loads((tmp_path / "checkpoints" / "step_000004" / "state.json").read_text())
     assert state["stream"] == {"pending": [], "next_group": 4 * B}  # the end checkpoint: nothing owed
+    rep = check_ledger(tmp_path)  # the per-sample ledger, measured from the trained rows themselves
+    assert rep.ok, rep.render()
+    assert (rep.trained, rep.measured_steps, rep.replicas) == (4 * B * cfg.group_size, 4, 1)
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -116,6 +120,11 @@ async def test_under_random_delays_every_trajectory_is_within_the_bound_and_no_g
         assert dropped == [] and sorted(trained) == sorted(admitted) == list(range(8 * B))
     updates = [v for name, _, v in rec.events if name == "actor_update"]
     assert updates == list(range(8))
+    rep = check_ledger(tmp_path)
+    assert rep.ok, rep.render()
+    G = cfg.group_size
+    assert rep.trained == 8 * B * G and rep.dropped.get("stale", 0) == len(dropped) * G
+    assert rep.samples == len(admitted) * G and sum(rep.staleness.values()) == rep.trained
 
 
 async def test_drop_stale_drops_a_group_that_finished_past_the_bound_and_counts_it(tmp_path):
@@ -142,6 +151,9 @@ async def test_drop_stale_drops_a_group_that_finished_past_the_bound_and_counts_
     assert 0 not in trained and len(trained) == len(set(trained)) == 6 * B and not set(trained) & set(drops)
     assert history[-1]["stream/dropped_groups"] == len(drops) >= 1
     assert all(0 <= r["staleness/max"] <= 1 for r in history)
+    rep = check_ledger(tmp_path)
+    assert rep.ok, rep.render()
+    assert rep.dropped["stale"] == len(drops) * cfg.group_size and rep.trained == 6 * B * cfg.group_size
 
 
 @pytest.mark.slow

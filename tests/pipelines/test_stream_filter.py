@@ -41,6 +41,8 @@ async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tm
     from asyncrl.pipelines.job.presets import tiny_test
     from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
+    from asyncrl.pipelines.journaling.ledger import check_ledger
+
     from .fakes import ConstantReward, Recorder, fake_groups
 
     cfg = tiny_test()
@@ -58,7 +60,11 @@ async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tm
     assert [h["step"] for h in history] == [0, 1, 2]
     assert all(h["sampling/padded_groups"] == B and h["sampling/min_group_std"] == 0.0 for h in history), history
     recs = journal(tmp_path)
+    rep = check_ledger(tmp_path)  # rejected groups are dropped as filtered, every trained one once
+    assert rep.ok, rep.render()
+    assert rep.trained == 3 * B * cfg.group_size
     if mode == "batch":
+        assert rep.dropped == {"filtered": 3 * B * cfg.group_size}  # each step's extra call
         assert [(h["sampling/gen_batches"], h["sampling/filtered_groups"]) for h in history] == [(2.0, 2.0 * B)] * 3
         assert [r["batch"] for r in recs if r["kind"] == "step"] == [0, 1, 2]
         # the padding is the step's own prompt groups (call 0), in order: one generate call of extra prompts each
@@ -72,6 +78,7 @@ async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tm
     assert all(h["sampling/filtered_groups"] <= B for h in history)
     assert len(trained) == 3 * B and admitted == sorted(trained + filtered) == list(range(len(admitted)))
     assert sum(h["sampling/filtered_groups"] for h in history) == len(filtered) == history[-1]["stream/rejected_groups"]
+    assert rep.dropped.get("filtered", 0) == len(filtered) * cfg.group_size
 
 
 @pytest.mark.slow  # a real run, ~20 s on a loaded 2-core machine

@@ -18,6 +18,7 @@ import yaml
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.job.config import RestartConfig, TrainerConfig
 from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
 from tests.reliability.conftest import live_actors, settled
@@ -57,6 +58,8 @@ async def test_at_the_defaults_a_killed_rollout_worker_is_replaced_and_a_killed_
     assert (restarted["kind"], restarted["from_checkpoint"], restarted["from_step"]) == ("restart", None, 0)
     assert [h["step"] for h in out.history] == list(range(STEPS))
     _exactly_once(tmp_path / "run")
+    ledger = check_ledger(tmp_path / "run")  # the restart went back to the start: one rewind, step 0 discarded
+    assert (ledger.rewinds, ledger.discarded_steps) == (1, 0)
     assert [p.name for p in ckpt.checkpoints(tmp_path / "run")] == [f"step_{STEPS:06d}"]  # the end's only
     assert await settled(before) == before
 

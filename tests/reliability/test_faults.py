@@ -23,6 +23,7 @@ import pytest
 
 import asyncrl
 from asyncrl.pipelines.journaling.journal import read_journal
+from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.trainer import GRPOTrainer, is_worker_fault
@@ -157,11 +158,14 @@ async def test_a_killed_worker_fails_the_run_fast_with_a_typed_error_and_release
 
 
 def _exactly_once(run: Path) -> None:
-    """Every step trained once, each on its own batch, and metrics.jsonl has one row per step."""
+    """Every step trained once, each on its own batch, and metrics.jsonl has one row per step; the per-sample
+    ledger holds (nothing lost, nothing trained twice, every trained token within the bound)."""
     journal = read_journal(run)
     assert sorted(journal.steps) == list(range(STEPS))
     assert [journal.steps[t]["batch"] for t in range(STEPS)] == list(range(STEPS))
     assert [row["step"] for row in read_jsonl(run / "metrics.jsonl")] == list(range(STEPS))
+    ledger = check_ledger(run)
+    assert ledger.ok, ledger.render()
 
 
 ROLLOUT_KILLS = {p: v for p, v in KILLS.items() if v[0] == "rollout"}

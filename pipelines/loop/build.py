@@ -22,6 +22,7 @@ from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pair
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.journaling.rounds import recording_rollout
+from asyncrl.pipelines.twin.workers import twin_roles, twin_rollout
 
 __all__ = ["needs_reference", "reference_worker", "role_specs", "rollout_config", "main_pool", "run_pools",
            "build_rollout_part",
@@ -44,6 +45,8 @@ def rollout_config(cfg: JobConfig) -> Any:
     """The ``RolloutConfig`` the run's rollout workers get (:func:`recording_rollout`); an adapter sync into vLLM
     starts its engine serving LoRA adapters of the policy's rank (``max_lora_rank``, unless the config sets it)."""
     rollout = recording_rollout(cfg)
+    if cfg.twin.enabled:
+        rollout = twin_rollout(cfg, rollout)
     if cfg.trainer.weight_sync == "adapter" and rollout.engine == "vllm":
         rollout = replace(rollout, engine_kwargs={"max_lora_rank": cfg.actor.lora.rank, **rollout.engine_kwargs})
     return rollout
@@ -69,6 +72,8 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
             "fsdp_offload": cfg.actor.fsdp_offload})
     if cfg.algorithm.name == "ppo":
         train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})
+    if cfg.twin.enabled:  # simulated GPU workers (asyncrl.pipelines.twin)
+        twin_roles(cfg, rollout_roles, train_roles)
     for role, spec in (overrides or {}).items():
         roles = rollout_roles if role in rollout_roles else train_roles if role in train_roles else None
         if roles is None:

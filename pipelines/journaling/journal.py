@@ -188,7 +188,6 @@ class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._f: Any = None
-        self._records: list[dict[str, Any]] = []
 
     def start(self, header: dict[str, Any], *, previous: JournalData | None = None, next_gen: int = 0,
               start_step: int = 0, pending: Collection[int] = (), next_group: int | None = None) -> dict[int, int]:
@@ -230,12 +229,10 @@ class Journal:
                next_group: int | None = None) -> dict[int, int]:
         """Back to a restore point within this run (a restart from a checkpoint): drop what was
         recorded after it (see :meth:`start`) and return the versions of the batches recorded after `next_gen`."""
-        data = JournalData()
-        for rec in self._records:
-            _apply(data, rec, rec["kind"])
-        runs = [r for r in self._records if r["kind"] == "run"]
-        header = {k: v for k, v in (runs[-1] if runs else {}).items() if k not in ("kind", "start_step", "next_gen")}
-        self.close()
+        self.close()  # (every record is flushed: the file is the record, none is kept in memory)
+        data = read_journal(self.path)
+        header = {k: v for k, v in (data.runs[-1] if data.runs else {}).items()
+                  if k not in ("kind", "start_step", "next_gen")}
         return self.start(header, previous=data, next_gen=next_gen, start_step=start_step, pending=pending,
                           next_group=next_group)
 
@@ -245,11 +242,9 @@ class Journal:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         tmp.replace(self.path)
-        self._records = list(records)
         self._f = self.path.open("a")
 
     def _write(self, rec: dict[str, Any]) -> None:
-        self._records.append(rec)
         if self._f is not None:
             self._f.write(json.dumps(rec) + "\n")
             self._f.flush()

@@ -108,7 +108,9 @@ def test_the_journal_rewinds_to_a_restore_point_and_returns_the_versions_recorde
     assert k.start({"fingerprint": "f", "config": {}}, previous=data, next_gen=3, start_step=1) == {3: 2}
     k.close()
     lines = [json.loads(x) for x in (tmp_path / "b" / "journal.jsonl").read_text().splitlines()]
-    assert [x["kind"] for x in lines] == ["run", "batch", "batch", "batch", "step", "run"]
+    # (each rewind is recorded for the per-sample ledger: the steps it discarded)
+    assert [x["kind"] for x in lines] == ["run", "rewind", "batch", "batch", "batch", "step", "rewind", "run"]
+    assert [(x["start_step"], x["discarded_steps"]) for x in lines if x["kind"] == "rewind"] == [(2, [2, 3]), (1, [1])]
 
 
 def test_a_torn_last_line_is_ignored_and_a_corrupt_one_is_an_error(tmp_path):

@@ -30,7 +30,7 @@ from asyncrl.errors import (
 )
 from asyncrl._call import CallPlan, _Call
 from asyncrl.future import GroupFuture
-from asyncrl.host_set import HostSet
+from asyncrl.host_set import HostSet, check_ranks_per_process
 from asyncrl.register import Execute, MethodSpec, RegisteredMethod, registered_methods
 from asyncrl.resources import AsyncResource, ResourcePool
 from asyncrl.worker import PROTECTED_ENV, Worker
@@ -101,6 +101,12 @@ class WorkerGroup(AsyncResource, Generic[W]):
     keeps, so that a later ordered call in the same process takes one as its pipelined
     input from memory instead of through the controller (default 4, or the environment
     variable ``ASYNCRL_LOCAL_RESULTS``; 0 turns it off).
+
+    `ranks_per_process`: how many ranks each worker process hosts (default 1; the Ray backend). Each
+    rank keeps its own worker object and ordered lane, so calls, cancellation and errors stay per rank,
+    while the ranks of a process share its memory and die with it: for workers light enough to share a
+    process (simulated ones: the cluster twin runs hundreds of replicas this way), never for ranks that
+    each join a torch.distributed group. A pool then needs ``ceil(world_size / ranks_per_process)`` bundles.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         name: str | None = None,
         backend: BackendSpec,
         local_results: int | None = None,
+        ranks_per_process: int = 1,
         _hostset: HostSet | None = None,
         _role: str | None = None,
     ) -> None:
@@ -134,14 +141,17 @@ class WorkerGroup(AsyncResource, Generic[W]):
             n = world_size if world_size is not None else pool.world_size  # type: ignore[union-attr]
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"world_size must be a positive int, got {n!r}")
-            if pool is not None and n > pool.world_size:
-                raise ValueError(f"world_size={n} is larger than the pool's {pool.world_size} bundles")
+            procs = _processes(n, ranks_per_process)
+            if pool is not None and procs > pool.world_size:
+                raise ValueError(f"world_size={n} is larger than the pool's {pool.world_size} bundles"
+                                 + (f" hold at {ranks_per_process} ranks per process" if ranks_per_process > 1 else ""))
             owns = pool is None and backend.needs_pool
             if owns:
-                pool = ResourcePool([n])
+                pool = ResourcePool([procs])
             self.name = name or f"{cls.__name__}_{next(_group_ids)}"
             _hostset = HostSet(backend, pool, n, [("worker", cls, tuple(args), dict(kwargs or {}))], env or {},
-                                self.name, owns_pool=owns, local_results=local_results)
+                                self.name, owns_pool=owns, local_results=local_results,
+                                ranks_per_process=ranks_per_process)
             self._role = "worker"
         else:
             self._role = _role  # type: ignore[assignment]
@@ -297,6 +307,11 @@ class WorkerGroup(AsyncResource, Generic[W]):
         return GroupFuture(call)
 
 
+def _processes(world_size: int, ranks_per_process: int) -> int:
+    """Processes (bundles) a group of `world_size` ranks needs at `ranks_per_process` ranks each."""
+    return -(-world_size // check_ranks_per_process(ranks_per_process))
+
+
 def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> "Sequence[_Call]":
     """The calls whose futures are among a call's arguments (top level, or in a list)."""
     out: list[_Call] = []
@@ -329,9 +344,10 @@ class _BackendGroup(WorkerGroup[W]):
     def __init__(self, cls: type[W], pool: ResourcePool | None = None, *, world_size: int | None = None,
                  args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, name: str | None = None,
-                 local_results: int | None = None) -> None:
+                 local_results: int | None = None, ranks_per_process: int = 1) -> None:
         super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
-                         backend=backends.named(self._BACKEND), local_results=local_results)
+                         backend=backends.named(self._BACKEND), local_results=local_results,
+                         ranks_per_process=ranks_per_process)
 
 
 class RayWorkerGroup(_BackendGroup[W]):
@@ -395,6 +411,7 @@ def colocate(
     name: str = "colocated",
     backend: str = "ray",
     local_results: int | None = None,
+    ranks_per_process: int = 1,
 ) -> Colocated:
     """Put several worker classes in the same processes (e.g. policy and reference).
 
@@ -402,24 +419,30 @@ def colocate(
     `local_results`: how many of its latest ordered calls' results each process keeps
     so that a later ordered call there (any role) takes one as its pipelined input from
     memory instead of through the controller (default 4, or ``ASYNCRL_LOCAL_RESULTS``;
-    0 turns it off).
+    0 turns it off). `ranks_per_process`: ranks each process hosts (default 1; see
+    :class:`WorkerGroup`); without `world_size` a pool's bundles hold that many ranks each.
     """
     if not roles:
         raise ValueError("colocate() needs at least one role")
     be = backends.named(backend)
-    n = world_size if world_size is not None else (pool.world_size if pool is not None else None)
+    n = world_size if world_size is not None else (pool.world_size * ranks_per_process if pool is not None else None)
     if n is None:
         raise ValueError("give a ResourcePool or a world_size")
+    procs = _processes(n, ranks_per_process)
+    if pool is not None and procs > pool.world_size:
+        raise ValueError(f"world_size={n} at {ranks_per_process} ranks per process needs {procs} bundles; the pool "
+                         f"has {pool.world_size}")
     owns = pool is None and be.needs_pool
     if owns:
-        pool = ResourcePool([n])
+        pool = ResourcePool([procs])
     specs = []
     for role, v in roles.items():
         cls, a, k = (v, (), {}) if isinstance(v, type) else v
         specs.append((role, cls, tuple(a), dict(k)))
     if env and PROTECTED_ENV & set(env):
         raise ValueError(f"env may not set {sorted(PROTECTED_ENV & set(env))}")
-    hs = HostSet(be, pool, n, specs, env or {}, name, owns_pool=owns, local_results=local_results)
+    hs = HostSet(be, pool, n, specs, env or {}, name, owns_pool=owns, local_results=local_results,
+                 ranks_per_process=ranks_per_process)
     groups = {role: WorkerGroup(cls, backend=be, _hostset=hs, _role=role, name=f"{name}.{role}")
               for role, cls, _, _ in specs}
     return Colocated(hs, groups)

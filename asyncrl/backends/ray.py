@@ -102,6 +102,75 @@ class _ThreadedWorkerHost(ThreadedHost):
         super().close()
 
 
+class _RanksHost:
+    """The hosts of several ranks in one process (an async Ray actor): one :class:`WorkerHost` per rank, each with
+    its own worker objects, ordered lane and thread; every method names its rank's host (``index``, the rank's
+    place in this process). What a group of ``ranks_per_process > 1`` runs on (:meth:`RayBackend.make_hosts`)."""
+
+    def __init__(self, wait: Callable[[Any], Any], ranks: int) -> None:
+        self._hosts = [WorkerHost(wait=wait) for _ in range(ranks)]
+        self._constructing: asyncio.Lock | None = None
+
+    def node_info(self, index: int) -> dict[str, Any]:
+        return self._hosts[index].node_info()
+
+    def host_kind(self, index: int) -> str:
+        return self._hosts[index].host_kind()
+
+    def ping(self, index: int) -> int:
+        return self._hosts[index].ping()
+
+    async def init_workers(self, index: int, specs: list[Any], keep_results: int = 0) -> dict[str, dict[str, Any]]:
+        # One rank's constructors at a time: each rank's run on its own thread, and two threads importing a
+        # lazily-loaded library (transformers) at once can see it half-initialised.
+        if self._constructing is None:
+            self._constructing = asyncio.Lock()
+        async with self._constructing:
+            return await self._hosts[index].init_workers(specs, keep_results)
+
+    async def call_packed(self, index: int, packed: list[Any], *top: Any) -> Any:
+        return await self._hosts[index].call_packed(packed, *top)
+
+    def cancel_calls(self, index: int, entries: list[tuple[int, int | None]], deadline: bool = False,
+                     note: int = 0) -> Any:
+        return self._hosts[index].cancel_calls(entries, deadline, note)
+
+    def control_state(self, index: int) -> dict[str, int]:
+        return self._hosts[index].control_state()
+
+    async def close(self, index: int) -> None:
+        await self._hosts[index].close()
+
+
+class _RankMethod:
+    """A method of a :class:`_RanksHost` actor bound to one rank's host: ``.remote(*args)`` and ``.options(...)``
+    as an actor method's, the rank's index passed first."""
+
+    __slots__ = ("_method", "_index")
+
+    def __init__(self, method: Any, index: int) -> None:
+        self._method, self._index = method, index
+
+    def remote(self, *args: Any) -> Any:
+        return self._method.remote(self._index, *args)
+
+    def options(self, **kwargs: Any) -> "_RankMethod":
+        return _RankMethod(self._method.options(**kwargs), self._index)
+
+
+class _RankHandle:
+    """One rank's host inside a :class:`_RanksHost` process: what the group holds per rank (its lane, its control
+    messages, its calls) in place of an actor handle; `actor` is the process's."""
+
+    __slots__ = ("actor", "index")
+
+    def __init__(self, actor: Any, index: int) -> None:
+        self.actor, self.index = actor, index
+
+    def __getattr__(self, name: str) -> _RankMethod:
+        return _RankMethod(getattr(self.actor, name), self.index)
+
+
 class RayBackend:
     """Worker hosts as Ray actors; every blocking Ray call runs off the event loop."""
 
@@ -117,6 +186,7 @@ class RayBackend:
         # Local wrappers: need no running Ray.
         self._actor_cls = ray.remote(WorkerHost)
         self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1, "ordered": 1})(_ThreadedWorkerHost)
+        self._ranks_cls = ray.remote(_RanksHost)
         self._methods: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(host) -> _host_methods(host)
         # id(host) -> control messages (cancel, unfence) sent to it: each is numbered and
         # every call carries the count, so it runs only after them (control-before-call of docs/protocol.md).
@@ -130,16 +200,27 @@ class RayBackend:
             await ainit()
         return self
 
-    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False) -> list[Any]:
+    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False,
+                         per_process: int = 1) -> list[Any]:
         # Creating an actor is a GCS round trip (and, the first time, Ray imports what it
         # needs to export the class): in a thread, like every blocking Ray call.
-        return await asyncio.get_running_loop().run_in_executor(None, self._make_hosts, list(slots), n, threaded)
+        return await asyncio.get_running_loop().run_in_executor(None, self._make_hosts, list(slots), n, threaded,
+                                                                per_process)
 
-    def _make_hosts(self, slots: list[Any], n: int, threaded: bool) -> list[Any]:
-        hosts = []
+    def _make_hosts(self, slots: list[Any], n: int, threaded: bool, per_process: int = 1) -> list[Any]:
+        if per_process > 1:  # one async actor per slot, hosting `per_process` ranks (the last one fewer)
+            actors = self._start_actors(self._ranks_cls, {"max_concurrency": _MAX_CONCURRENCY}, slots,
+                                        -(-n // per_process), lambda i: min(per_process, n - i * per_process))
+            return [_RankHandle(actors[r // per_process], r % per_process) for r in range(n)]
         cls, kind = (self._threaded_cls, {}) if threaded else (self._actor_cls, {"max_concurrency": _MAX_CONCURRENCY})
+        return self._start_actors(cls, kind, slots, n, None)
+
+    def _start_actors(self, cls: Any, kind: dict[str, Any], slots: list[Any], n: int,
+                      ranks: Callable[[int], int] | None) -> list[Any]:
+        hosts = []
         for rank in range(n):
             slot = slots[rank]
+            args = {"wait": await_ray} if ranks is None else {"wait": await_ray, "ranks": ranks(rank)}
             hosts.append(cls.options(
                 name=None,
                 num_cpus=slot.num_cpus,
@@ -151,7 +232,7 @@ class RayBackend:
                     placement_group_bundle_index=slot.bundle_index,
                 ),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(slot.num_cpus)))}},
-            ).remote(wait=await_ray))
+            ).remote(**args))
         return hosts
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
@@ -326,9 +407,10 @@ def _cancel_replied(loop: asyncio.AbstractEventLoop | None, wedged: Callable[[An
 
 
 def _kill_all(hosts: list[Any]) -> None:
-    for h in hosts:
+    actors = {id(a): a for a in (getattr(h, "actor", h) for h in hosts)}  # a process hosting several ranks once
+    for a in actors.values():
         try:
-            ray.kill(h, no_restart=True)
+            ray.kill(a, no_restart=True)
         except Exception:
             pass
 

@@ -573,7 +573,8 @@ class JobConfig:
         """ConfigError when the pools need more `unit` than the cluster has (`available`; None: unknown)."""
         if available is None:
             return
-        need = sum(self.pool_sizes().values()) * per_worker
+        k = self.twin.replicas_per_process if self.twin.enabled else 1  # the twin hosts k simulated ranks per process
+        need = sum(-(-n // k) for n in self.pool_sizes().values()) * per_worker
         if need > available + 1e-9:
             r = self.trainer.rollout_range
             start = f" (trainer.rollout_workers={r} starts at {r.min})" if r.elastic else ""

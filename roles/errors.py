@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointFormatError",
     "PreemptedError",
     "HandedOverError",
+    "ReplicaLostError",
 ]
 
 
@@ -133,3 +134,9 @@ class PreemptedError(RolesError, RuntimeError):
 class HandedOverError(RolesError, RuntimeError):
     """Raised by a request's generation when the request batcher handed it over (``RequestBatcher.hand_over``):
     what it decoded went to the caller of the hand-over, to be continued elsewhere."""
+
+
+class ReplicaLostError(RolesError, RuntimeError):
+    """Raised by every call of a simulated rollout replica that died (the cluster twin's chaos,
+    ``asyncrl.pipelines.twin.chaos``): its engine is gone while the process hosting it, and its other replicas,
+    live on. The supervisor takes it for that rank's death (a worker fault of its group)."""

@@ -182,6 +182,12 @@ class StreamRollout:
                     await _finished(gen)
                 sc = stages.score(groups, gen)
                 scores = (await sc)["scores"]
+                if a.epoch != epoch or a.replacing.locked():
+                    # finished on a pool that is being (or was) replaced after a fault: re-home its results on the
+                    # training pool now, before that pool closes (rehome_flights has run already); a pool closed
+                    # meanwhile refuses them (GroupClosedError) and the group is generated again
+                    advantage = stages_unwrap(tr.groups.advantage if tr.groups is not None else groups.advantage)
+                    gen, sc = advantage.echo(gen), advantage.echo(sc)
                 break
             except Exception as e:
                 a.reissued.setdefault(epoch, set()).add(g)  # (a resize's journal: handed over, not drained)

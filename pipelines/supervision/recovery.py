@@ -47,15 +47,22 @@ def is_worker_fault(error: BaseException, *, timeouts: bool = True) -> bool:
     ``CallTimeoutError`` (when `timeouts`), an ``UpstreamError`` whose producer failed so, or a
     worker's error that says a peer process is gone: a ``WeightsLostError`` (the weights it loaded were lost
     with the process that owned or sent them) or a collective's lost connection (a training rank whose peer
-    died). A lost node reaches the supervisor as these, sometimes before its own death does."""
+    died), or a simulated replica's death (``ReplicaLostError``). A lost node reaches the supervisor as these,
+    sometimes before its own death does."""
     e = root_cause(error)
     if isinstance(e, (WorkerDiedError, GroupBrokenError)):
         return True
-    if isinstance(e, RemoteError) and _peer_lost(e):
+    if isinstance(e, RemoteError) and (_peer_lost(e) or _replica_lost(e)):
         return True
     if isinstance(e, CallTimeoutError):
         return timeouts
     return any(c.__name__ in _RAY_DEATH for c in type(e).__mro__)  # a worker saw its producer die
+
+
+def _replica_lost(e: RemoteError) -> bool:
+    """Whether a rank's error says the simulated replica it served died (``ReplicaLostError``, the cluster twin's
+    chaos): the death of that rank, though its process lives on."""
+    return e.exc_type.rpartition(".")[2] == "ReplicaLostError"
 
 
 def _peer_lost(e: RemoteError) -> bool:

@@ -15,6 +15,7 @@ from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.journaling.replay import compare_metrics
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.journaling.ledger import check_ledger
 
 STEPS = 8
 
@@ -100,6 +101,8 @@ async def test_scale_rollout_up_and_down_mid_run_keeps_every_step_and_the_stalen
     assert max(m["staleness/max"] for m in history) <= 1
     journal = read_journal(tmp_path / "scaled")
     assert [journal.steps[t]["batch"] for t in range(STEPS)] == list(range(STEPS))  # each batch trained once
+    ledger = check_ledger(tmp_path / "scaled")
+    assert ledger.ok and ledger.replicas == 2, ledger.render()  # the 2-engine pool's rows name both replicas
     # every batch generated with the version fixed_lag gives it, by 1 or 2 engines
     assert [journal.batches[i]["version"] for i in range(STEPS)] == [max(0, i - 1) for i in range(STEPS)]
     # the steps before the resize are the unscaled run's; after it, 2 engines draw other samples (each

@@ -26,6 +26,7 @@ from asyncrl import Dispatch, register
 from asyncrl.pipelines.journaling.journal import JournalError, read_journal
 from asyncrl.pipelines.journaling.replay import replay_config
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.roles.engines.batcher import RequestBatcher
 
@@ -156,6 +157,8 @@ def _check_continued(tr, cfg, calls: Path, new: set[int]) -> int:
             assert len(got["ids"]) > k and min(got["versions"][k:]) >= max(row["versions"], default=0)
             n += k == HELD
     assert seeds  # something was handed over
+    ledger = check_ledger(Path(tr.config.trainer.output_dir))  # the continued rows trained once, in the bound
+    assert ledger.ok, ledger.render()
     return n
 
 

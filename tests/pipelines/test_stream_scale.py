@@ -19,6 +19,7 @@ from asyncrl.pipelines.rollout.elastic import RolloutRangeError
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.roles import RolloutWorker
 from asyncrl.roles.errors import PreemptedError
 from asyncrl.roles.generation.rollout_requests import RequestCall
@@ -95,6 +96,8 @@ def _assert_every_group_once_within_the_bound(out: Path, B: int) -> None:
     trained = [g for s in steps for g in s["groups"]]
     assert sorted(trained) == list(range(STEPS * B))  # nothing trained twice, nothing lost
     assert all(0 <= s["step"] - admitted[g] <= 1 for s in steps for g in s["groups"])
+    ledger = check_ledger(out)  # per sample, the handed-over rows' tokens measured within the bound too
+    assert ledger.ok, ledger.render()
 
 
 async def _history_reaches(tr, n: int) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.roles import RolloutWorker
 
 from asyncrl import Dispatch, register
@@ -91,6 +92,8 @@ def assert_every_group_once_within_the_bound(out: Path, B: int) -> None:
     assert sorted(trained) == list(range(STEPS * B))
     for s in steps:
         assert all(0 <= s["step"] - admitted[g] <= 1 for g in s["groups"])
+    ledger = check_ledger(out)
+    assert ledger.ok, ledger.render()
 
 
 @pytest.mark.slow

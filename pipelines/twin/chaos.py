@@ -1,0 +1,315 @@
+"""Chaos in the cluster twin: seeded fault schedules against the real controller, and what must hold after them.
+
+::
+
+    plan(kind, seed, replicas, ...)  ─► ChaosPlan: which replicas/processes, at which step and delay
+    run_chaos(config, plan)          ─► the real GRPOTrainer.fit() on the twin, a driver task firing the faults
+                                        (ChaosRollout / ChaosPolicy: the twin's workers plus the faults' hooks)
+    check_chaos(trainer, history)    ─► completed? ledger (0 lost, 0 trained twice, every token in the bound)?
+                                        no call longer than 2x its deadline?
+
+The faults (``KINDS``) and which are real:
+
+* ``kill`` -- 10 % of the replicas die at random times. **Simulated**: a replica shares its process with others
+  (``twin.replicas_per_process``), so its death is its engine's: the requests in flight and every later call of
+  that rank fail with :class:`~asyncrl.roles.errors.ReplicaLostError`, which the supervisor takes for that rank's
+  death; the process and its other replicas live on.
+* ``slow`` -- one replica 10x slower than the rest (**simulated**: its engine's costs times ten, from the start).
+* ``node`` -- a node of 8 replicas lost (**real**: SIGKILL of the process hosting them; run it with
+  ``replicas_per_process=8``).
+* ``preempt`` -- a preemption wave (**real**: SIGTERM to a quarter of the rollout processes, at least two, within
+  one step; a rollout worker answers a SIGTERM with its preemption notice, docs/nodes.md).
+* ``train`` -- a training rank lost (**real**: SIGKILL of the process hosting it; the run restarts from its newest
+  checkpoint).
+
+A fault lands at a seeded step ``s`` (after ``s`` steps are done) plus a seeded fraction of the last step's
+duration, so every schedule lands inside the run whatever its speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl import Dispatch, register
+from asyncrl.roles import ReplicaLostError, RolloutWorker
+from asyncrl.pipelines.twin.workers import TwinPolicy
+
+__all__ = ["KINDS", "ChaosEvent", "ChaosPlan", "ChaosResult", "ChaosRollout", "ChaosPolicy", "plan", "run_chaos",
+           "check_chaos", "deadline_overruns"]
+
+KINDS = ("kill", "slow", "node", "preempt", "train")
+"""The fault kinds of a chaos table (module docstring)."""
+
+REAL = {"kill": False, "slow": False, "node": True, "preempt": True, "train": True}
+"""Which kinds act on real processes (SIGKILL, SIGTERM); the others are simulated inside a shared process."""
+
+SLOW_FACTOR = 10.0
+"""How much slower the ``slow`` fault's replica is."""
+
+
+@dataclass(frozen=True)
+class ChaosEvent:
+    """One fault: after `step` steps are done, `delay` of the last step's duration later, act on `target` (a
+    replica rank for ``kill``/``slow``, a rollout process index for ``node``/``preempt``, a training rank for
+    ``train``)."""
+
+    kind: str
+    step: int
+    delay: float
+    target: int
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    """A seeded fault schedule for one run (:func:`plan`)."""
+
+    kind: str
+    seed: int
+    events: tuple[ChaosEvent, ...]
+
+    @property
+    def real(self) -> bool:
+        """Whether its faults act on real processes."""
+        return REAL.get(self.kind, False)
+
+
+def plan(kind: str, seed: int, *, replicas: int, replicas_per_process: int, train_ranks: int, steps: int,
+         node: int = 8) -> ChaosPlan:
+    """The schedule of fault `kind` for `seed`: targets and times drawn from ``Random(f"{kind}:{seed}")``; faults
+    land after steps ``1 .. steps - 3`` (the run still has steps to recover in)."""
+    if kind not in KINDS and kind != "none":
+        raise ValueError(f"unknown chaos kind {kind!r}; use one of {', '.join(KINDS)} (or none)")
+    if steps < 4:
+        raise ValueError(f"a chaos run needs at least 4 steps (faults land after steps 1 .. steps - 3), got {steps}")
+    rng = random.Random(f"{kind}:{seed}")
+    processes = -(-replicas // replicas_per_process)
+
+    def when() -> tuple[int, float]:
+        return rng.randint(1, steps - 3), rng.random()
+
+    events: list[ChaosEvent] = []
+    if kind == "kill":
+        for r in sorted(rng.sample(range(replicas), max(1, round(replicas / 10)))):
+            events.append(ChaosEvent("kill", *when(), r))
+    elif kind == "slow":
+        events.append(ChaosEvent("slow", 0, 0.0, rng.randrange(replicas)))
+    elif kind == "node":
+        if replicas_per_process != node:
+            raise ValueError(f"a lost node of {node} replicas needs twin.replicas_per_process={node}, got "
+                             f"{replicas_per_process}")
+        events.append(ChaosEvent("node", *when(), rng.randrange(processes)))
+    elif kind == "preempt":
+        wave = max(2, processes // 4)
+        step, delay = when()
+        for p in sorted(rng.sample(range(processes), min(wave, processes))):
+            events.append(ChaosEvent("preempt", step, delay + rng.random() * 0.5, p))
+    elif kind == "train":
+        events.append(ChaosEvent("train", *when(), rng.randrange(train_ranks)))
+    events.sort(key=lambda e: (e.step, e.delay))
+    return ChaosPlan(kind, seed, tuple(events))
+
+
+class ChaosRollout(RolloutWorker):
+    """The twin's rollout worker with the simulated faults' hooks: :meth:`die` (a ``kill``) and :meth:`slow_down`
+    (a ``slow``), and :meth:`pid` (the driver's way to the real processes)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._dead = False
+
+    def _lost(self) -> ReplicaLostError:
+        return ReplicaLostError(f"rollout replica {self.rank} died (simulated: the twin's chaos)")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        """This rank's process id."""
+        return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def die(self, ranks: list[int]) -> bool:
+        """The ranks in `ranks` die: their requests in flight fail with ``ReplicaLostError``, as does every later
+        call. Returns whether this rank died."""
+        if self.rank not in ranks or self._dead:
+            return False
+        self._dead = True
+        fail = getattr(self.engine, "fail_in_flight", None)
+        if fail is not None:
+            fail(self._lost())
+        return True
+
+    @register(Dispatch.ONE_TO_ALL)
+    def slow_down(self, ranks: list[int], factor: float = SLOW_FACTOR) -> bool:
+        """The ranks in `ranks` get an engine `factor` times slower (every cost of its cost model)."""
+        if self.rank not in ranks:
+            return False
+        for name in ("step_s", "seq_s", "kv_s", "prefill_token_s", "prefill_s", "load_s"):
+            if hasattr(self.engine, name):
+                setattr(self.engine, name, getattr(self.engine, name) * factor)
+        return True
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate(self, batch: Any, max_new_tokens: int | None = None, temperature: float | None = None,
+                       seed: int | None = None) -> Any:
+        """``RolloutWorker.generate``, failing once this replica died."""
+        if self._dead:
+            raise self._lost()
+        return await super().generate(batch, max_new_tokens, temperature, seed)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch: Any, max_new_tokens: int | None = None, temperature: float | None = None,
+                                seed: int | None = None, resume: dict[str, dict[str, Any]] | None = None) -> Any:
+        """``RolloutWorker.generate_requests``, failing once this replica died."""
+        if self._dead:
+            raise self._lost()
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+
+    async def _engine_load(self, state: Any) -> None:
+        if self._dead:
+            raise self._lost()
+        await super()._engine_load(state)
+
+
+class ChaosPolicy(TwinPolicy):
+    """The twin's training rank with :meth:`pid` (the driver kills its process for a ``train`` fault)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        """This rank's process id."""
+        return os.getpid()
+
+
+@dataclass
+class ChaosResult:
+    """What one chaos run did and whether what must hold held."""
+
+    plan: ChaosPlan
+    completed: bool
+    error: str | None
+    steps: int
+    wall_s: float
+    fired: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per fault fired: kind, target, the time it fired (seconds since fit started), pids."""
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    """The trainer's recoveries (``trainer.restarts``)."""
+    resizes: int = 0
+    """Rollout-pool resizes (preemptions handed over)."""
+    ledger: Any = None
+    """The :class:`~asyncrl.pipelines.journaling.ledger.LedgerReport`."""
+    overruns: list[str] = field(default_factory=list)
+    """Calls that waited longer than twice their deadline."""
+    max_wait_ratio: float = 0.0
+    """The longest call over its deadline (a ratio; must stay <= 2)."""
+
+    @property
+    def ok(self) -> bool:
+        """Every must-hold held."""
+        return self.completed and self.ledger is not None and self.ledger.ok and not self.overruns
+
+
+async def _fire(trainer: Any, ev: ChaosEvent, replicas_per_process: int, t0: float) -> dict[str, Any]:
+    g = trainer.groups
+    rec: dict[str, Any] = {"kind": ev.kind, "target": ev.target, "at_s": round(time.perf_counter() - t0, 3),
+                           "after_step": len(trainer.history)}
+    if ev.kind == "kill":
+        rec["died"] = sum(bool(x) for x in await g.rollout.die([ev.target]))
+    elif ev.kind == "slow":
+        rec["slowed"] = sum(bool(x) for x in await g.rollout.slow_down([ev.target]))
+    elif ev.kind in ("node", "preempt"):
+        pids = await g.rollout.pid()
+        k = replicas_per_process
+        procs = sorted({pids[r] for r in range(ev.target * k, min(len(pids), (ev.target + 1) * k))})
+        sig = signal.SIGKILL if ev.kind == "node" else signal.SIGTERM
+        for pid in procs:
+            os.kill(pid, sig)
+        rec["pids"] = procs
+    elif ev.kind == "train":
+        pids = await g.policy.pid()
+        pid = pids[ev.target % len(pids)]
+        os.kill(pid, signal.SIGKILL)
+        rec["pids"] = [pid]
+    return rec
+
+
+async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fired: list[dict[str, Any]]) -> None:
+    """Fire `chaos`'s events as the run reaches them (see :class:`ChaosEvent`)."""
+    t0 = time.perf_counter()
+    for ev in chaos.events:
+        while len(trainer.history) < ev.step or trainer.groups is None:
+            await asyncio.sleep(0.02)
+        h = trainer.history
+        last = float(h[-1]["time/step"]) if h else 0.0
+        await asyncio.sleep(ev.delay * last)
+        try:
+            fired.append(await _fire(trainer, ev, replicas_per_process, t0))
+        except Exception as e:  # noqa: BLE001 - a target already gone (replaced meanwhile): say so, go on
+            fired.append({"kind": ev.kind, "target": ev.target, "error": f"{type(e).__name__}: {e}"[:200]})
+
+
+def deadline_overruns(trainer: Any) -> tuple[list[str], float]:
+    """Group calls of `trainer`'s last run that lasted longer than twice their deadline (issue to done, as the
+    tracer saw them), and the largest duration-to-deadline ratio. Deadlines: ``trainer.rollout_timeout_s`` on the
+    rollout pool's generate and score calls, ``trainer.stage_timeout_s`` (when set) on every call."""
+    t = trainer.config.trainer
+    rollout_stages = {"generate", "score"}
+    out, worst = [], 0.0
+    for sp in trainer.tracer.spans:
+        if sp.end is None or sp.start is None:
+            continue
+        limits = [x for x in (t.stage_timeout_s, t.rollout_timeout_s if sp.name in rollout_stages else None)
+                  if x is not None]
+        if not limits or sp.name in ("train_step", "weight_sync", "checkpoint", "evaluate"):
+            continue  # controller spans: they wait for calls that carry the deadlines
+        limit = min(limits)
+        ratio = (sp.end - sp.start) / limit
+        worst = max(worst, ratio)
+        if ratio > 2.0:
+            out.append(f"{sp.name} on {sp.track} ({dict(sp.args)}): {sp.end - sp.start:.2f} s, deadline {limit:g} s")
+    return out, worst
+
+
+async def run_chaos(cfg: Any, chaos: ChaosPlan) -> ChaosResult:
+    """Run `cfg` (a twin config; ``trainer.output_dir`` is the run's) under `chaos` and check it
+    (:func:`check_chaos`)."""
+    from asyncrl.pipelines.loop.trainer import GRPOTrainer
+
+    overrides = {"rollout": (ChaosRollout, {}), "policy": (ChaosPolicy, {})}
+    trainer = GRPOTrainer(cfg, worker_overrides=overrides)
+    fired: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
+    error: str | None = None
+    t0 = time.perf_counter()
+    async with trainer:
+        driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired))
+        try:
+            history = await trainer.fit()
+        except Exception as e:  # noqa: BLE001 - a run that fails is a chaos result, not a crash of the table
+            error = f"{type(e).__name__}: {e}"[:300]
+            Path(cfg.trainer.output_dir, "chaos_error.log").write_text(traceback.format_exc())
+        finally:
+            driver.cancel()
+            await asyncio.gather(driver, return_exceptions=True)
+    return check_chaos(trainer, history, chaos, fired=fired, error=error, wall_s=time.perf_counter() - t0)
+
+
+def check_chaos(trainer: Any, history: list[dict[str, Any]], chaos: ChaosPlan, *, fired: list[dict[str, Any]],
+                error: str | None, wall_s: float) -> ChaosResult:
+    """What must hold after a chaos run: it completed every step, its ledger holds, no call overran twice its
+    deadline."""
+    from asyncrl.pipelines.journaling.ledger import check_ledger
+
+    steps = trainer.config.trainer.steps
+    completed = error is None and [h["step"] for h in history] == list(range(steps))
+    out = Path(trainer.config.trainer.output_dir)
+    ledger = check_ledger(out) if (out / "journal.jsonl").is_file() else None
+    overruns, worst = deadline_overruns(trainer)
+    resizes = len(getattr(getattr(trainer.rollout, "scaler", None), "resizes", []) or [])
+    return ChaosResult(chaos, completed, error, len(history), wall_s, fired, list(trainer.restarts), resizes,
+                       ledger, overruns, worst)

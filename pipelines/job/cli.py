@@ -11,6 +11,7 @@ and sampled trajectories).
     asyncrl export runs/grpo_toy --out policy_hf   # the trained policy as a Hugging Face model directory
     asyncrl view runs/grpo_toy                     # its curves, timeline and trajectories at http://127.0.0.1:8765/
     asyncrl ledger runs/grpo_toy                   # every sample trained once or dropped with a reason, in the bound
+    asyncrl profile runs/a runs/b --out mine.yaml  # a twin profile fitted to real runs (docs/scale.md)
 
 Every setting is checked (unknown keys, impossible values, unregistered reward functions
 and engines, missing paths, a resume from another config, corrupt checkpoint files)
@@ -91,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("run", metavar="RUN", help="the run directory (holding journal.jsonl)")
     g.add_argument("--samples", metavar="FILE.jsonl", help="also write one line per sample to FILE.jsonl")
     g.add_argument("--unfinished", action="store_true", help="check a run that has not ended (no end record)")
+    f = sub.add_parser("profile", help="fit a cluster-twin profile to real runs (their trace.json and ledger)",
+                       description="Fit the twin's cost model (docs/scale.md) to real runs and write it as a profile "
+                                   "YAML with the source of every number; batch-mode runs give the rollout costs. "
+                                   "Exit 2 when a run cannot be fitted.")
+    f.add_argument("runs", nargs="+", metavar="RUN", help="run directories (holding journal.jsonl, trace.json, "
+                                                           "ledger.jsonl)")
+    f.add_argument("--out", required=True, metavar="FILE.yaml", help="the profile to write")
+    f.add_argument("--name", help="the profile's name (default fitted_<first run>)")
+    f.add_argument("--skip", type=int, default=1, metavar="N", help="warm-up steps left out (default 1)")
     return p
 
 
@@ -130,7 +140,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _view(args)
     if args.command == "ledger":
         return _ledger(args)
+    if args.command == "profile":
+        return _profile(args)
     return _train(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """``asyncrl profile``: exit 0 with the profile written, 2 when the runs cannot be fitted."""
+    from asyncrl.pipelines.job.configlib import ConfigError
+    from asyncrl.pipelines.twin.fit import write_fitted
+
+    try:
+        p = write_fitted(args.runs, args.out, name=args.name, skip=args.skip)
+    except (ConfigError, OSError) as e:
+        _say("asyncrl profile", str(e))
+        return 2
+    r, t = p.rollout, p.training
+    print(f"wrote {args.out}: decoding step {r.decode_base_ms:.3f} ms + {r.decode_ms_per_seq:.4f} ms per row, "
+          f"forward {2 * p.model.params_b * 1e9 / (t.peak_tflops * t.mfu * 1e12) * 1e6:.3f} us per token, "
+          f"{int(sum(p.lengths.counts))} response lengths; run it with twin.profile={args.out}")
+    return 0
 
 
 def _ledger(args: argparse.Namespace) -> int:

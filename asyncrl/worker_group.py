@@ -64,30 +64,50 @@ class GroupStats:
     earlier ordered call on the same process: see asyncrl._deferred, ``LocalShard``)."""
 
 
+_KEEP: Any = object()  # an option not given to GroupMethod.options: the method's own stays
+
+
 class GroupMethod(Generic[P, R]):
     """A registered worker method bound to a group; calling it issues a group call."""
 
-    def __init__(self, group: "WorkerGroup[Any]", spec: MethodSpec, timeout: float | None = None) -> None:
+    def __init__(self, group: "WorkerGroup[Any]", spec: MethodSpec, timeout: float | None = None,
+                 rank: int | None = None) -> None:
         self._group = group
         self.spec = spec
         self._timeout = timeout
+        self._rank = rank
         self.__signature__ = spec.signature.replace(parameters=list(spec.signature.parameters.values())[1:])
         self.__name__ = spec.name
         self.__doc__ = f"Group call of {spec.name} ({spec.dispatch_mode.name}, {spec.execute_mode.value}, {spec.mode.value})."
 
-    def options(self, *, timeout: float | None = None) -> "GroupMethod[P, R]":
-        """The same method with call options. `timeout` (seconds) fails the future with
-        :class:`~asyncrl.CallTimeoutError` and cancels the remote work when it passes."""
-        if timeout is not None:
+    def options(self, *, timeout: float | None = _KEEP, rank: int | None = _KEEP) -> "GroupMethod[P, R]":
+        """The same method with call options (those not given keep this method's). `timeout` (seconds) fails
+        the future with :class:`~asyncrl.CallTimeoutError` and cancels the remote work when it passes.
+        `rank` runs the call on that rank alone, as if the group were that one worker: the whole arguments
+        go to it (a data-parallel batch is not split) and the result is what a group of one returns (a
+        batch, a one-item list, or the value of a ``RANK_ZERO`` method). In its lane the call keeps its
+        issue order with the group calls that reach that rank. Not for mesh dispatch modes."""
+        if timeout is _KEEP:
+            timeout = self._timeout
+        elif timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
                 raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return GroupMethod(self._group, self.spec, timeout=float(timeout) if timeout is not None else None)
+        if rank is _KEEP:
+            rank = self._rank
+        elif rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+                raise ValueError(f"rank must be a rank of the group (an int >= 0), got {rank!r}")
+            if self.spec.dispatch_mode.mesh is not None:
+                raise DispatchError(f"{self._group.name}.{self.spec.name} dispatches over mesh "
+                                    f"{self.spec.dispatch_mode.mesh!r}; a call to one rank takes a non-mesh mode")
+        return GroupMethod(self._group, self.spec, timeout=float(timeout) if timeout is not None else None, rank=rank)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> GroupFuture[R]:
-        return self._group._issue(self.spec, args, kwargs, self._timeout)
+        return self._group._issue(self.spec, args, kwargs, self._timeout, self._rank)
 
     def __repr__(self) -> str:
-        return f"<GroupMethod {self._group.name}.{self.spec.name}{self.__signature__}>"
+        at = f" on rank {self._rank}" if self._rank is not None else ""
+        return f"<GroupMethod {self._group.name}.{self.spec.name}{self.__signature__}{at}>"
 
 
 class WorkerGroup(AsyncResource, Generic[W]):
@@ -271,9 +291,15 @@ class WorkerGroup(AsyncResource, Generic[W]):
                 f"group {self.name!r} is broken: worker rank {rank} died ({detail}). Close it and create a new group"
             )
 
-    def _issue(self, spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None) -> GroupFuture[Any]:
+    def _issue(self, spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None,
+               rank: int | None = None) -> GroupFuture[Any]:
         self._check_usable()
         world = self.world
+        if rank is not None:  # one rank, as a group of one (GroupMethod.options)
+            if rank >= world.world_size:
+                raise ValueError(f"{self.name}.{spec.name}: rank {rank} is not a rank of this group of "
+                                 f"{world.world_size} workers")
+            world = World(1, self.name, {})
         mode = spec.dispatch_mode
         if not _positional_fits(spec, args, kwargs):
             try:
@@ -300,11 +326,29 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if sharded.pad is not None and len(sharded.pad) != n:
             raise DispatchError(f"dispatch mode {mode.name!r} reported padding for {len(sharded.pad)} ranks; "
                                 f"a group of {n} workers needs one entry per rank")
-        ranks, order, keep = self._layout(spec, world)
+        if rank is not None:
+            sharded, ranks, order, keep = _at_rank(sharded, rank, self.world_size), (rank,), (0,), [True] * self.world_size
+        else:
+            ranks, order, keep = self._layout(spec, world)
         plan = CallPlan(self, self._role, spec, world, sharded, ranks, order, keep, producers_of(args, kwargs),
                         timeout, self.time_calls)
         call = self._hostset.sequencer.issue(plan)
         return GroupFuture(call)
+
+
+def _at_rank(sharded: Sharded, rank: int, n: int) -> Sharded:
+    """A group of one's per-rank arguments (`sharded`) placed at `rank` of a group of `n` (the Builder reads a
+    rank's arguments at its index; the other indices are never read)."""
+    def place(xs: Any) -> list[Any]:
+        out: list[Any] = [None] * n
+        out[rank] = xs[0]
+        return out
+
+    pad = None
+    if sharded.pad is not None:
+        pad = [0] * n
+        pad[rank] = sharded.pad[0]
+    return Sharded(tuple(place(a) for a in sharded.args), {k: place(v) for k, v in sharded.kwargs.items()}, pad=pad)
 
 
 def _processes(world_size: int, ranks_per_process: int) -> int:

@@ -21,9 +21,11 @@ token, a finish reason) and models what decides a schedule's speed on a GPU:
   drawn from the request's sampling seed, capped by ``max_new_tokens``; reaching the cap ends with
   ``"length"``, any shorter response ends on EOS (``"stop"``). ``prompt_sigma`` spreads each prompt's own
   median (its responses share its difficulty).
-* **Tokens per id** (``tokens_per_step`` k): each emitted token id stands for k simulated tokens and each
-  engine step for k decoding steps (costed as k steps whose context grows by one token each), so a twin of
-  long responses moves k times fewer ids through the data plane. k = 1 (the default) is a token per id.
+* **Tokens per id** (``tokens_per_step`` k): the engine decodes simulated tokens (one per request and step,
+  as above) but a response carries one id per k of them (``ceil(tokens / k)``; ``max_new_tokens`` counts ids,
+  so the cap is k times as many tokens), so a twin of long responses moves k times fewer ids through the data
+  plane while pauses and loads still land between single decoding steps. k = 1 (the default) is a token per
+  id.
 * The cost is **slept**, not computed, on an absolute clock, and the engine sleeps from one event to the next
   (a request finishing, a new request, a pause, a weight load, the KV cache filling up), not once per step: a
   stretch of n steps is one sleep, so hundreds of simulated engines fit on one CPU core. A late wake-up on a
@@ -70,11 +72,11 @@ def response_length(seed: int, max_new_tokens: int, median_tokens: float, sigma:
 def draw_length(seed: int, prompt: list[int] | tuple[int, ...], max_new_tokens: int, *, median_tokens: float,
                 sigma: float, prompt_sigma: float = 0.0,
                 histogram: tuple[list[float], list[float]] | None = None, tokens_per_id: int = 1) -> int:
-    """The simulated response length, in ids, of a request for `prompt` sampled with `seed`: a draw in tokens
-    from the log-normal (median `median_tokens` times the prompt's own factor ``exp(prompt_sigma * z)``, z drawn
-    from the prompt) or from `histogram` (``(edges, counts)``, uniform within a bin), divided by
-    `tokens_per_id`, at least 1, at most `max_new_tokens`. Without a prompt spread, a histogram or k > 1 it
-    is :func:`response_length`."""
+    """The simulated response length, in tokens, of a request for `prompt` sampled with `seed`: a draw from the
+    log-normal (median `median_tokens` times the prompt's own factor ``exp(prompt_sigma * z)``, z drawn from
+    the prompt) or from `histogram` (``(edges, counts)``, uniform within a bin), at least 1, at most
+    `max_new_tokens` ids of `tokens_per_id` tokens each. Without a prompt spread, a histogram or k > 1 it is
+    :func:`response_length`."""
     rng = random.Random(seed)
     if histogram is not None:
         edges, counts = histogram
@@ -85,7 +87,7 @@ def draw_length(seed: int, prompt: list[int] | tuple[int, ...], max_new_tokens: 
         if prompt_sigma > 0:
             median *= math.exp(prompt_sigma * random.Random(hash(tuple(prompt))).gauss(0.0, 1.0))
         draw = rng.lognormvariate(math.log(median), sigma)
-    return max(1, min(max_new_tokens, round(draw / tokens_per_id)))
+    return max(1, min(max_new_tokens * tokens_per_id, round(draw)))
 
 
 @dataclass
@@ -132,26 +134,36 @@ class _Request:
         self.length = length
         self.max_new_tokens = max_new_tokens
         self.seed = seed
-        self.done = 0  # ids decoded so far
+        self.done = 0  # tokens decoded so far
         self.future = future
         self.version_fn = version_fn
-        self.versions: list[tuple[int, int]] = []  # (version, ids) runs, in order
+        self.versions: list[tuple[int, int]] = []  # (version, tokens) runs, in order
         self.prompt_tokens = prompt_tokens
         self.prefilled = False  # its context is in the KV cache (admitted and not preempted since)
 
-    def tokens(self, vocab: int, eos_id: int) -> list[int]:
-        """Its ids: uniform over the vocabulary but EOS, EOS last when it stopped short of the cap."""
+    def tokens(self, vocab: int, eos_id: int, k: int) -> list[int]:
+        """Its ids, one per k tokens: uniform over the vocabulary but EOS, EOS last when it stopped short of the
+        cap."""
         rng = random.Random(self.seed ^ 0x5EED)
+        n, stopped = -(-self.length // k), self.length < self.max_new_tokens * k
         out = []
-        for _ in range(self.length - (self.length < self.max_new_tokens)):
+        for _ in range(n - stopped):
             tok = rng.randrange(vocab - 1)
             out.append(tok if tok < eos_id else tok + 1)  # never EOS before the end
-        if self.length < self.max_new_tokens:
+        if stopped:
             out.append(eos_id)
         return out
 
-    def version_list(self) -> list[int]:
-        return [v for v, n in self.versions for _ in range(n)]
+    def version_list(self, k: int) -> list[int]:
+        """The version of each id: the version its last token was decoded under."""
+        out: list[int] = []
+        end = 0
+        for v, n in self.versions:
+            end += n
+            out.extend([v] * (end // k - len(out)))  # the ids whose last token is in this run
+        if end % k:
+            out.append(self.versions[-1][0])  # the last id, shorter than k tokens
+        return out
 
 
 class _Stretch:
@@ -204,7 +216,7 @@ class SimEngine:
         step_ms_per_1k_kv: a decoding step's cost per 1000 context tokens of the running requests.
         prefill_ms_per_token: prefill cost per context token of an admitted (or re-prefilled) request.
         kv_capacity_tokens: context tokens the KV cache holds (None: unbounded).
-        tokens_per_step: simulated tokens per emitted id (k; each engine step costs k decoding steps).
+        tokens_per_step: simulated tokens per emitted id (k; the cap is ``max_new_tokens`` ids of k tokens).
         prompt_tokens: a request's prompt length for the costs (None: its real prompt's).
         prompt_sigma: log-space spread of each prompt's own median response length.
         length_histogram: ``(edges, counts)`` in tokens: draw lengths from it instead of the log-normal.
@@ -491,7 +503,7 @@ class SimEngine:
 
     def _context(self, r: _Request) -> int:
         """Tokens `r` holds in the KV cache (prompt + its tokens so far)."""
-        return r.prompt_tokens + r.done * self.k
+        return r.prompt_tokens + r.done
 
     def _admit(self) -> float:
         """At a step boundary: move waiting requests into free slots while the KV cache holds them; returns
@@ -508,7 +520,7 @@ class SimEngine:
                 break
             ctx = self._context(r)
             if self.kv_capacity is not None:
-                if used + ctx + self.k > self.kv_capacity and (self._active or n):
+                if used + ctx + 1 > self.kv_capacity and (self._active or n):
                     break  # first come, first served: the head of the line waits for room
                 used += ctx
             cost += ctx * self.prefill_token_s
@@ -521,7 +533,7 @@ class SimEngine:
     def _preempt(self) -> None:
         """The KV cache cannot hold the next step: the newest running requests wait again (first in line)."""
         assert self.kv_capacity is not None
-        while len(self._active) > 1 and sum(self._context(r) + self.k for r in self._active) > self.kv_capacity:
+        while len(self._active) > 1 and sum(self._context(r) + 1 for r in self._active) > self.kv_capacity:
             r = self._active.pop()
             r.prefilled = False
             self._waiting.insert(0, r)
@@ -531,19 +543,18 @@ class SimEngine:
         """The next stretch: the steps until the next event the engine can foresee (a request finishing, a
         round's end with a load waiting, the KV cache filling up), or one step while `on_step` is set."""
         active = self._active
-        R, k = len(active), self.k
+        R = len(active)
         C = sum(self._context(r) for r in active)
         n = min(r.length - r.done for r in active)
         if self._loads_waiting:
             n = min(n, self.round_steps - self._round_pos)
         if self.kv_capacity is not None:
-            n = min(n, max(1, (self.kv_capacity - C) // (k * R)))
+            n = min(n, max(1, (self.kv_capacity - C) // R))
         if self.on_step is not None:
             n = 1
-        # a step of R requests at context C costs k decoding steps whose context grows by R each
-        a = k * (self.step_s + self.seq_s * R + self.kv_s * C) + self.kv_s * R * k * (k - 1) / 2
-        b = self.kv_s * k * k * R  # the next engine step's context is k * R tokens larger
-        return _Stretch(start, first, a, b, max(1, n), R)
+        # step i of the stretch: R requests holding C + i * R tokens of context
+        a = self.step_s + self.seq_s * R + self.kv_s * C
+        return _Stretch(start, first, a, self.kv_s * R, max(1, n), R)
 
     async def _sleep_until(self, when: float, interruptible: bool) -> bool:
         """Sleep until `when` (``time.monotonic()``); True when :meth:`_poke` woke it first (only if `interruptible`)."""
@@ -632,15 +643,15 @@ class SimEngine:
                 else:
                     r.versions.append((v, n))
             if r.done >= r.length:
-                finish = "stop" if r.length < r.max_new_tokens else "length"
-                ids = r.tokens(self.vocab, self.eos_id)
+                finish = "stop" if r.length < r.max_new_tokens * self.k else "length"
+                ids = r.tokens(self.vocab, self.eos_id, self.k)
                 self._tokens += len(ids)
                 self._requests += 1
                 logps = [self.log_prob] * len(ids)
                 if r.version_fn is None:
                     r.future.set_result(Completion(ids, logps, finish))
                 else:
-                    r.future.set_result(Generation(ids, logps, finish, versions=r.version_list()))
+                    r.future.set_result(Generation(ids, logps, finish, versions=r.version_list(self.k)))
 
 
 def _wake(waker: asyncio.Future[None]) -> None:

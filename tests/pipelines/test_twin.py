@@ -95,12 +95,38 @@ async def test_the_twin_runs_the_real_trainer_within_the_staleness_bound(ray_clu
     async with GRPOTrainer(cfg) as trainer:
         history = await trainer.fit()
         rollout = await trainer.groups.rollout.statistics()
+        ranks = [s.args["rank"] for s in trainer.tracer.spans if s.name == "generate"]
     assert [r["step"] for r in history] == [0, 1, 2, 3]
     assert all(0 <= r["staleness/max"] <= k for r in history)
     assert all(r["actor/rows"] * cfg.trainer.train_workers == cfg.trainer.batch_size for r in history)
     assert all(r["actor/tokens"] > 0 for r in history)
     assert len(rollout) == 2 and all(st["sim_requests"] > 0 for st in rollout)  # both replicas decoded
+    assert sorted(set(ranks)) == [0, 1] and abs(ranks.count(0) - ranks.count(1)) <= B  # each group to one replica
     recs = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
     admitted = {r["index"]: r for r in recs if r["kind"] == "group"}
     trained = [g for r in recs if r["kind"] == "step" for g in r["groups"]]
     assert len(trained) == len(set(trained)) == 4 * B and set(trained) <= set(admitted)
+
+
+def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():
+    from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
+
+    class Pool:
+        def __init__(self, n: int) -> None:
+            self.world_size = n
+
+    class Owner:
+        config = twin()
+
+    route = StreamRollout._route.__get__(StreamRollout.__new__(StreamRollout))
+    unload = StreamRollout._unload.__get__(StreamRollout.__new__(StreamRollout))
+    route.__self__._trainer = Owner()
+    a = _Attempt.__new__(_Attempt)
+    a.load, a.load_epoch = [], -1
+    assert [route(a, Pool(3), 0) for _ in range(4)] == [0, 1, 2, 0]  # the lowest rank of the least loaded
+    unload(a, 1, 0)
+    unload(a, 2, 0)
+    assert route(a, Pool(3), 0) == 1 and a.load == [2, 1, 0]
+    unload(a, 0, 7)  # a group of a replaced pool: nothing of the new one
+    assert a.load == [2, 1, 0]
+    assert route(a, Pool(2), 1) == 0 and a.load == [1, 0]  # a new pool starts empty

@@ -247,15 +247,34 @@ def test_a_step_costs_its_base_its_requests_and_their_context():
         eng._active = [_Request(10, 64, s, loop.create_future(), None, 100) for s in range(3)]
     finally:
         loop.close()
-    eng._active[0].done = 2  # 100 + 2 x 4 tokens of context
+    eng._active[0].done = 2  # 100 + 2 tokens of context
     st = eng._plan(0.0, 0.0)
-    C = 3 * 100 + 8
-    # 4 decoding steps of 3 requests, the context growing by 3 tokens each: 4 x (2 + 3 x 0.5 + 10 C / 1000) + 10 x 3 x 6 / 1000 ms
-    assert st.a == pytest.approx((4 * (2.0 + 1.5 + 10 * C / 1000) + 10 * 3 * 6 / 1000) / 1e3)
-    assert st.b == pytest.approx(10 * 16 * 3 / 1e6)  # the next engine step's context is 4 x 3 tokens larger
+    C = 3 * 100 + 2
+    assert st.a == pytest.approx((2.0 + 3 * 0.5 + 10 * C / 1000) / 1e3)  # 3 requests holding C tokens
+    assert st.b == pytest.approx(10 * 3 / 1e6)  # each step's context is 3 tokens larger
     assert st.n == 8 and st.running == 3  # until the first request finishes
     assert [st.steps_by(st.end_of(m)) for m in range(9)] == list(range(9))
     assert st.steps_by(st.end_of(3) - 1e-9) == 2
+
+
+def test_a_response_carries_one_id_per_k_tokens_and_each_id_the_version_of_its_last_token():
+    eng = _engine(max_batch_size=4, median_tokens=10.0, sigma=0.0, tokens_per_step=4)
+    version = [0]
+
+    async def bump():
+        async with eng.apaused("keep", deadline_s=5.0):
+            version[0] = 1
+
+    async def main():
+        tasks = _at_step(eng, {5: bump})
+        g = await eng.agenerate_request([1], SamplingParams(max_new_tokens=64, seed=0), version_fn=lambda: version[0])
+        await asyncio.gather(*tasks)
+        return g, eng.statistics()
+
+    g, st = asyncio.run(main())
+    assert st.steps == 10 and len(g.response_ids) == 3  # 10 tokens: ids for tokens 1-4, 5-8, 9-10
+    assert g.versions == [0, 1, 1]  # token 6 (after the pause asked for at step 5) is the first of version 1
+    assert g.finish_reason == "stop" and g.response_ids[-1] == 3
 
 
 def test_the_kv_cache_bounds_the_context_in_flight_and_preempts_the_newest():
@@ -275,9 +294,8 @@ def test_lengths_follow_a_histogram_or_a_per_prompt_median_and_the_tokens_per_id
     hist = ([100.0, 200.0, 400.0], [1.0, 0.0])
     drawn = [draw_length(s, [1], 10_000, median_tokens=1.0, sigma=0.0, histogram=hist) for s in range(200)]
     assert min(drawn) >= 100 and max(drawn) <= 200  # the empty bin never drawn
-    ids = [draw_length(s, [1], 10_000, median_tokens=1.0, sigma=0.0, histogram=hist, tokens_per_id=10)
-           for s in range(200)]
-    assert min(ids) >= 10 and max(ids) <= 20 and all(abs(i * 10 - n) <= 5 for i, n in zip(ids, drawn))
+    assert [draw_length(s, [1], 12, median_tokens=1.0, sigma=0.0, histogram=hist, tokens_per_id=10)
+            for s in range(200)] == [min(n, 120) for n in drawn]  # the cap: 12 ids of 10 tokens
     a = [draw_length(s, [7, 7], 10_000, median_tokens=100.0, sigma=0.0, prompt_sigma=1.0) for s in range(3)]
     b = [draw_length(s, [8], 10_000, median_tokens=100.0, sigma=0.0, prompt_sigma=1.0) for s in range(3)]
     assert len(set(a)) == 1 and len(set(b)) == 1 and a[0] != b[0]  # a prompt's own median, shared by its rows

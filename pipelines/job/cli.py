@@ -12,6 +12,7 @@ and sampled trajectories).
     asyncrl view runs/grpo_toy                     # its curves, timeline and trajectories at http://127.0.0.1:8765/
     asyncrl ledger runs/grpo_toy                   # every sample trained once or dropped with a reason, in the bound
     asyncrl profile runs/a runs/b --out mine.yaml  # a twin profile fitted to real runs (docs/scale.md)
+    asyncrl plan qwen2_7b_h100_vllm --gpus 64      # the best configurations on 64 GPUs, from short twin runs
 
 Every setting is checked (unknown keys, impossible values, unregistered reward functions
 and engines, missing paths, a resume from another config, corrupt checkpoint files)
@@ -101,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True, metavar="FILE.yaml", help="the profile to write")
     f.add_argument("--name", help="the profile's name (default fitted_<first run>)")
     f.add_argument("--skip", type=int, default=1, metavar="N", help="warm-up steps left out (default 1)")
+    n = sub.add_parser("plan", help="the best configurations for a GPU budget, from short cluster-twin runs",
+                       description="Search the rollout/training split, max_staleness, the rollout mode and the "
+                                   "concurrency with short twin runs of PROFILE (docs/scale.md) and print the best "
+                                   "few: predicted tokens/s, the trainer's idle fraction and the (G+T)/max(G,T) "
+                                   "ceiling.")
+    n.add_argument("profile", metavar="PROFILE", help="a shipped profile name or a profile YAML file")
+    n.add_argument("--gpus", type=int, required=True, help="the GPU budget (rollout + training)")
+    n.add_argument("--batch-size", type=int, default=1024, help="responses per step (default 1024)")
+    n.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
+    n.add_argument("--steps", type=int, default=5, help="steps per twin run, 2 of them warm-up (default 5)")
+    n.add_argument("--top", type=int, default=5, help="configurations printed (default 5)")
+    n.add_argument("--brute-force", action="store_true", help="run every candidate instead of the search")
+    n.add_argument("--out-dir", metavar="DIR", help="where the twin runs go (default: a temporary directory)")
     return p
 
 
@@ -142,7 +156,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _ledger(args)
     if args.command == "profile":
         return _profile(args)
+    if args.command == "plan":
+        return _plan(args)
     return _train(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``asyncrl plan``: exit 0 with the table printed, 2 on a bad profile or budget."""
+    from asyncrl.pipelines.job.configlib import ConfigError
+    from asyncrl.pipelines.twin.plan import run_plan
+
+    try:
+        print(run_plan(args.profile, args.gpus, batch_size=args.batch_size, group_size=args.group_size,
+                       steps=args.steps, top=args.top, brute=args.brute_force, out_dir=args.out_dir,
+                       say=lambda line: print(line, file=sys.stderr, flush=True)))
+    except (ConfigError, ValueError) as e:
+        _say("asyncrl plan", str(e))
+        return 2
+    return 0
 
 
 def _profile(args: argparse.Namespace) -> int:

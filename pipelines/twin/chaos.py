@@ -51,6 +51,9 @@ KINDS = ("kill", "slow", "node", "preempt", "train")
 REAL = {"kill": False, "slow": False, "node": True, "preempt": True, "train": True}
 """Which kinds act on real processes (SIGKILL, SIGTERM); the others are simulated inside a shared process."""
 
+RETRIES = 240
+"""Tries (0.5 s apart) to reach a fault's target while its pool is being replaced."""
+
 SLOW_FACTOR = 10.0
 """How much slower the ``slow`` fault's replica is."""
 
@@ -252,10 +255,17 @@ async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fire
         h = trainer.history
         last = float(h[-1]["time/step"]) if h else 0.0
         await asyncio.sleep(ev.delay * last)
-        try:
-            fired.append(await _fire(trainer, ev, replicas_per_process, t0))
-        except Exception as e:  # noqa: BLE001 - a target already gone (replaced meanwhile): say so, go on
-            fired.append({"kind": ev.kind, "target": ev.target, "error": f"{type(e).__name__}: {e}"[:200]})
+        error = None
+        for _ in range(RETRIES):  # a pool being replaced (closed, not yet new) takes no call: try again
+            try:
+                fired.append(await _fire(trainer, ev, replicas_per_process, t0))
+                error = None
+                break
+            except Exception as e:  # noqa: BLE001 - a target gone meanwhile: say so, go on
+                error = f"{type(e).__name__}: {e}"[:200]
+                await asyncio.sleep(0.5)
+        if error is not None:
+            fired.append({"kind": ev.kind, "target": ev.target, "error": error})
 
 
 def deadline_overruns(trainer: Any) -> tuple[list[str], float]:

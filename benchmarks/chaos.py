@@ -1,0 +1,132 @@
+"""Chaos at scale, in the twin: seeded fault schedules at N simulated rollout replicas, and what must hold.
+
+Each run is the real trainer (``GRPOTrainer.fit()`` on a local Ray, streaming, ``max_staleness`` 2, partial rollout
+``keep``) against ``--replicas`` simulated replicas (``--per-process`` per process) of the 7B/H100 profile, with
+one fault schedule of :mod:`asyncrl.pipelines.twin.chaos` (``kill``: 10 % of the replicas die at random times,
+simulated; ``slow``: one replica 10x slower, simulated; ``node``: the process hosting 8 replicas SIGKILLed;
+``preempt``: a quarter of the rollout processes SIGTERMed within a step; ``train``: a training rank's process
+SIGKILLed), ``--seeds`` seeds each. Must hold, per run: it completes every step; its ledger holds (0 samples lost,
+0 trained twice, every trained token within the staleness bound); no call lasts longer than twice its deadline.
+
+Each finished run is appended to ``<--work-dir>/chaos_runs.jsonl`` (a later call with the same work dir skips the
+runs already there), and the table is written from all of them.
+
+    python benchmarks/chaos.py --replicas 64 --per-process 8 --seeds 20          # the table of docs/scale.md
+    python benchmarks/chaos.py --replicas 4 --per-process 2 --seeds 1 --steps 6  # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import load_note, run_header, write_result
+
+import asyncrl
+from asyncrl.pipelines.job.presets import twin
+from asyncrl.pipelines.twin.chaos import KINDS, REAL, plan, run_chaos
+
+
+def config(a: argparse.Namespace, out: Path) -> Any:
+    cfg = twin()
+    t = cfg.trainer
+    t.steps, t.rollout_workers, t.output_dir = a.steps, a.replicas, str(out)
+    t.batch_size = a.groups_per_replica * cfg.algorithm.group_size * a.replicas
+    t.train_workers = max(2, a.replicas // 16)
+    t.rollout_timeout_s = a.deadline_s
+    t.checkpoint_every = 2  # a lost training rank restarts from a checkpoint at most 2 steps old
+    t.keep_checkpoints = 1
+    t.num_cpus = 4 * (a.replicas + t.train_workers)
+    cfg.twin.replicas_per_process, cfg.twin.time_scale = a.per_process, a.time_scale
+    return cfg.validate()
+
+
+def one(a: argparse.Namespace, kind: str, seed: int, work: Path) -> dict[str, Any]:
+    out = work / f"{kind}_{seed:02d}"
+    cfg = config(a, out)
+    chaos = plan(kind, seed, replicas=a.replicas, replicas_per_process=a.per_process,
+                 train_ranks=cfg.trainer.train_workers, steps=a.steps, node=a.per_process)
+    r = asyncrl.run(run_chaos(cfg, chaos))
+    led = r.ledger
+    return {
+        "kind": kind, "seed": seed, "ok": r.ok, "completed": r.completed, "error": r.error, "wall_s": r.wall_s,
+        "fired": r.fired, "restarts": [{k: x.get(k) for k in ("kind", "origin", "time_s", "interrupted_s")}
+                                       for x in r.restarts],
+        "resizes": r.resizes, "overruns": r.overruns, "max_wait_ratio": r.max_wait_ratio,
+        "ledger": None if led is None else {"ok": led.ok, "samples": led.samples, "trained": led.trained,
+                                            "lost": led.lost, "trained_twice": led.trained_twice,
+                                            "dropped": led.dropped, "rewinds": led.rewinds,
+                                            "staleness": {str(k): v for k, v in led.staleness.items()},
+                                            "violations": led.violations[:3]},
+    }
+
+
+def table(rows: list[dict[str, Any]], k: int) -> list[str]:
+    out = ["| fault | real? | runs | completed | ledger holds | lost | trained twice | max staleness (bound "
+           f"{k}) | longest wait / deadline | recoveries (replace / restart / resize) | recovery s (mean) | "
+           "faults fired |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for kind in [x for x in (*KINDS, "none") if any(r["kind"] == x for r in rows)]:
+        rs = [r for r in rows if r["kind"] == kind]
+        led = [r["ledger"] for r in rs if r["ledger"]]
+        stale = max((int(d) for x in led for d, n in x["staleness"].items() if n), default=0)
+        rec = [x for r in rs for x in r["restarts"]]
+        times = [x["time_s"] for x in rec if x.get("time_s") is not None]
+        kinds = "/".join(str(sum(x["kind"] == c for x in rec)) for c in ("replace", "restart"))
+        fired = sum(1 for r in rs for f in r["fired"] if "error" not in f)
+        missed = sum(1 for r in rs for f in r["fired"] if "error" in f)
+        out.append(
+            f"| {kind} | {'real' if REAL.get(kind) else 'simulated' if kind != 'none' else '-'} | {len(rs)} | "
+            f"{sum(r['completed'] for r in rs)} | {sum(x['ok'] for x in led)} | {sum(x['lost'] for x in led)} | "
+            f"{sum(x['trained_twice'] for x in led)} | {stale} | {max(r['max_wait_ratio'] for r in rs):.2f} | "
+            f"{kinds}/{sum(r['resizes'] for r in rs)} | {statistics.fmean(times) if times else 0:.1f} | "
+            f"{fired}{f' ({missed} missed: target gone)' if missed else ''} |")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=64)
+    p.add_argument("--per-process", type=int, default=8, help="replicas per process (a lost node: one process)")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}, none")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--groups-per-replica", type=int, default=2, help="prompt groups per replica per step")
+    p.add_argument("--time-scale", type=float, default=0.01)
+    p.add_argument("--deadline-s", type=float, default=120.0, help="trainer.rollout_timeout_s of every run")
+    p.add_argument("--work-dir", default="runs/chaos")
+    p.add_argument("--out", default="benchmarks/results/chaos.md")
+    a = p.parse_args()
+    work = Path(a.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "chaos_runs.jsonl"
+    done = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+    have = {(r["kind"], r["seed"]) for r in done}
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    for kind in a.kinds.split(","):
+        for seed in range(a.seeds):
+            if (kind, seed) in have:
+                continue
+            row = one(a, kind, seed, work)
+            done.append(row)
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{kind} seed {seed}: ok={row['ok']} wall {row['wall_s']:.0f} s "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    rows = [r for r in done if r["kind"] in a.kinds.split(",") and r["seed"] < a.seeds]
+    note = load_note(load0, os.getloadavg()[0])
+    text = "\n".join([run_header("chaos.py", note), "",
+                      f"{a.replicas} simulated replicas ({a.per_process} per process), streaming, max_staleness 2, "
+                      f"{a.steps} steps of {a.groups_per_replica * 8 * a.replicas} responses, twin.time_scale "
+                      f"{a.time_scale}; {len(rows)} runs ({time.perf_counter() - t0:.0f} s this call).", "",
+                      *table(rows, 2), ""])
+    write_result(a.out, text)
+
+
+if __name__ == "__main__":
+    main()

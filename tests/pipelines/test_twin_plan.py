@@ -1,0 +1,74 @@
+"""``asyncrl plan`` (pipelines/twin/plan.py): the candidate space, the cost model's G and T, the coordinate search
+against every candidate on a known landscape, and the command's refusals. One real twin run of a candidate at the
+smallest budget checks what a run reports; the plans of the shipped profiles are in docs/scale.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.pipelines.twin.plan import (Candidate, Outcome, brute_force, candidates, estimate, evaluate, render,
+                                         search)
+from asyncrl.pipelines.twin.profile import load_profile
+
+P = load_profile("qwen2_7b_h100_vllm")
+
+
+def test_the_space_holds_every_split_staleness_mode_and_concurrency():
+    cs = candidates(P, 16)
+    splits = sorted({(c.rollout_gpus, c.train_gpus) for c in cs})
+    assert splits == [(4, 12), (6, 10), (8, 8), (10, 6), (12, 4), (14, 2)]
+    per_split = [c for c in cs if (c.rollout_gpus, c.train_gpus) == (8, 8)]
+    # batch at k = 0, 1, 2, 4; stream at k = 1, 2, 4 with admission's bound and one step in flight
+    assert len(per_split) == 4 + 3 * 2 and not any(c.mode == "stream" and c.max_staleness == 0 for c in cs)
+
+
+def test_more_rollout_gpus_shorten_generation_and_fewer_training_gpus_lengthen_training():
+    g1, t1 = estimate(P, Candidate(4, 12, 1, "batch"), batch_size=512, group_size=8)
+    g2, t2 = estimate(P, Candidate(12, 4, 1, "batch"), batch_size=512, group_size=8)
+    assert g2 < g1 and t2 > t1
+    o = Outcome(Candidate(8, 8, 1, "batch"), 1.0, 0.0, gen_s=3.0, train_s=1.0, step_s=3.0, ledger_ok=True, wall_s=0)
+    assert o.ceiling == pytest.approx(4 / 3)
+
+
+def landscape(c: Candidate) -> Outcome:
+    """A known landscape: throughput peaks at 12 rollout GPUs, streaming with k=2 and one step in flight."""
+    tps = 1000.0 - 40 * abs(c.rollout_gpus - 12) + (60 if c.mode == "stream" else 0) - 15 * abs(c.max_staleness - 2)
+    tps += 20 if c.in_flight == 1 else 0
+    return Outcome(c, tps, 0.1, 2.0, 1.0, 2.0, True, 1.0)
+
+
+def test_the_coordinate_search_finds_the_best_of_every_candidate_in_far_fewer_runs():
+    runs: list[Candidate] = []
+
+    def run(c: Candidate) -> Outcome:
+        runs.append(c)
+        return landscape(c)
+
+    found = search(P, 16, run)
+    everything = brute_force(P, 16, landscape)
+    assert found[0].candidate == everything[0].candidate == Candidate(12, 4, 2, "stream", 1)
+    assert len(runs) == len(set(runs)) <= 16 < len(everything)  # no candidate run twice
+    table = render(found, top=2)
+    assert "| 1 | 12+4 GPUs, stream, k=2, in flight 1 steps | 1,080 |" in table and "| 3 |" not in table
+
+
+def test_bad_budgets_and_sizes_are_one_line_errors(capsys):
+    from asyncrl.pipelines.job.cli import main
+
+    assert main(["plan", "qwen2_7b_h100_vllm", "--gpus", "1"]) == 2
+    assert "--gpus 1 cannot hold a rollout replica (1 GPUs) and a training rank (1); give at least 2" in \
+        capsys.readouterr().err
+    assert main(["plan", "qwen2_7b_h100_vllm", "--gpus", "8", "--batch-size", "100"]) == 2
+    assert "must be a multiple of --group-size 8" in capsys.readouterr().err
+    assert main(["plan", "nope", "--gpus", "8"]) == 2
+    assert "not a shipped profile" in capsys.readouterr().err
+
+
+async def test_a_candidate_runs_in_the_twin_and_reports_its_throughput_idle_time_and_ledger(ray_cluster, tmp_path):
+    import asyncio
+
+    o = await asyncio.to_thread(evaluate, "qwen2_7b_h100_vllm", Candidate(2, 2, 1, "stream"), batch_size=32,
+                                group_size=8, steps=4, out=tmp_path / "run", step_wall_s=0.5)
+    assert o.ledger_ok and o.tokens_per_s > 0 and 0 <= o.idle <= 1 and o.step_s > 0
+    g, t = estimate(P, Candidate(2, 2, 1, "stream"), batch_size=32, group_size=8)
+    assert (o.gen_s, o.train_s) == (g, t)

@@ -158,8 +158,8 @@ class Trainer(AsyncResource):
 
     @property
     def restarts(self) -> list[dict[str, Any]]:
-        """One record per recovery: ``{"kind": "replace" | "restart", "error_type", "error", "origin",
-        "from_checkpoint", "from_step", "time_s", "interrupted_s"}`` (``time_s``: the recovery itself;
+        """One record per recovery: ``{"kind": "replace" | "restart" | "replace_replica", "error_type", "error",
+        "origin", "from_checkpoint", "from_step", "time_s", "interrupted_s"}`` (``time_s``: the recovery itself;
         ``interrupted_s``: how long training was held up by the fault, see docs/reliability.md)."""
         return self.supervisor.restarts
 

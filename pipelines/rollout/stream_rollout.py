@@ -27,7 +27,10 @@ Recovery: a rollout-pool fault (dead or hung rollout/reward worker) replaces tha
 re-homed on the training pool, groups in flight are issued again with the same prompts and seed once
 the new engines hold at least their admission version. A resize or a preemption notice hands groups over
 with what their rows decoded (:meth:`StreamRollout.keep_rows`): the retry continues each row from its tokens
-(docs/nodes.md). A restart (training worker fault) or a resume
+(docs/nodes.md). One replica whose engine died (``ReplicaLostError``) is replaced alone: taken out of routing and
+weight loads, its groups issued again on the others, a new engine started in its process and loaded with the
+version the others hold, then routed to again (:meth:`StreamRollout._lose_replica`; a lost *process* breaks its
+worker group, and the pool is replaced). A restart (training worker fault) or a resume
 replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
 admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
 
@@ -60,7 +63,7 @@ from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evalu
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
 
-__all__ = ["StreamRollout", "ROUTE_GROUPS"]
+__all__ = ["StreamRollout", "ROUTE_GROUPS", "REPLACE_REPLICAS"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -68,6 +71,11 @@ ROUTE_GROUPS = True
 """Send each prompt group to one replica, the least loaded (module docstring). False: one call to the whole
 rollout group, its rows split across every replica (what a run that records rounds does; the twin's benchmark
 measures both)."""
+
+REPLACE_REPLICAS = True
+"""Replace a lost replica's engine alone (:meth:`StreamRollout._lose_replica`), its groups issued again on the other
+replicas meanwhile. False: the whole rollout pool is replaced for it (what the code did before; the chaos
+benchmark measures both)."""
 
 
 @dataclass
@@ -107,6 +115,9 @@ class _Attempt:
         self.reissuing: set[int] = set()  # groups whose call ended, not issued again yet
         self.load: list[int] = []  # groups in flight per rollout rank (of the pool `load_epoch`)
         self.load_epoch = -1
+        self.dead: set[int] = set()  # ranks of pool `epoch` whose engine died and is being replaced (not routed to)
+        self.loading = anyio.Lock()  # a weight load, or a replaced replica catching up with the loaded version
+        self.tg: anyio.abc.TaskGroup | None = None  # the producer's task group (replicas' replacements run in it)
 
 
 class StreamRollout:
@@ -136,6 +147,7 @@ class StreamRollout:
                                      int(resume.get("next_group", s.start_step * B)))
         await self._notify()
         async with anyio.create_task_group() as tg:
+            a.tg = tg
             tg.start_soon(self._weights_loop, a)
             tg.start_soon(self.scaler.run, a)
             while True:
@@ -231,7 +243,7 @@ class StreamRollout:
                     await self.scaler.hand_over(a, site[0], [g], epoch)
                 a.running.pop(g, None)
                 await self._notify()  # a drain waiting for the old pool to hold no group (nothing else may wake it)
-                await self._recover(a, e, epoch, g)
+                await self._recover(a, e, epoch, g, rank=rank)
                 self.regenerated += 1
                 # the new engines' weights: at least v0; and the old pool's hand-over of g has returned
                 await s.wait_for(lambda: s.rollout_version >= v0 and g not in a.handing)
@@ -260,7 +272,8 @@ class StreamRollout:
         if a.load_epoch != epoch or len(a.load) != n:  # a new pool: nothing of it in flight yet
             a.load, a.load_epoch = [0] * n, epoch
         load = a.load
-        rank = load.index(min(load))
+        live = [r for r in range(n) if r not in a.dead] or list(range(n))  # (none live: it fails, the pool goes)
+        rank = min(live, key=lambda r: (load[r], r))
         load[rank] += 1
         return rank
 
@@ -296,7 +309,12 @@ class StreamRollout:
                 # shielded: when the run ends, rollout_version must name the weights the engines hold
                 with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name,
                                                                      version=v):
-                    await tr.weights.load(groups, s.exports[v])
+                    async with a.loading:
+                        if a.dead:  # a replica's engine is being replaced: the others load, it catches up after
+                            await self._load_ranks(groups, s.exports[v], [r for r in range(groups.rollout.world_size)
+                                                                          if r not in a.dead])
+                        else:
+                            await tr.weights.load(groups, s.exports[v])
                     if a.epoch == epoch:  # else loaded into engines that were replaced meanwhile
                         s.rollout_version = v
                         for old in [x for x in s.exports if x < v]:
@@ -306,12 +324,17 @@ class StreamRollout:
                 continue
             await self._notify()
 
-    async def _recover(self, a: _Attempt, error: Exception, epoch: int, group: int | None = None) -> None:
+    async def _recover(self, a: _Attempt, error: Exception, epoch: int, group: int | None = None,
+                       rank: int | None = None) -> None:
         """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
-        wait for the replacement), or raise `error` when it is not a rollout-pool fault."""
+        wait for the replacement), or raise `error` when it is not a rollout-pool fault. A lost replica's engine
+        (``ReplicaLostError`` of `rank`, the call's rank when it went to one) is replaced alone
+        (:meth:`_lose_replica`): its groups are issued again on the other replicas meanwhile."""
         tr = self._trainer
         if self._preempted(error, epoch) and await self.scaler.preempted(a, epoch, group):
             return  # the pool was resized away from the preempted worker; the caller issues its group again
+        if self._lose_replica(a, error, epoch, rank):
+            return
         async with a.replacing:
             if a.epoch != epoch:
                 return  # another group (or the weight loop) already replaced the pool
@@ -320,7 +343,85 @@ class StreamRollout:
             self.rehome_flights(a)
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
+            a.dead.clear()  # a new pool: every engine new
         await self._notify()
+
+    def _lose_replica(self, a: _Attempt, error: Exception, epoch: int, rank: int | None) -> bool:
+        """Whether `error` is the death of one replica's engine that is replaced alone: a ``ReplicaLostError``
+        of a rank (groups routed one per replica; weights sent by the object store; another replica alive; the
+        restart policy allows replacements). Then the rank is taken out of routing and weight loads and its
+        replacement runs beside the groups in flight (:meth:`_replace_replica`)."""
+        from asyncrl import RemoteError
+        from asyncrl.pipelines.supervision.recovery import root_cause
+
+        tr = self._trainer
+        e = root_cause(error)
+        if not (isinstance(e, RemoteError) and e.exc_type.rpartition(".")[2] == "ReplicaLostError"):
+            return False
+        groups = tr.groups
+        if (not REPLACE_REPLICAS or a.epoch != epoch or groups is None or a.tg is None or not ROUTE_GROUPS
+                or records_rounds(tr.config) or tr.weights.transport == "collective"
+                or not tr.supervisor.can_replace(error)):
+            return False
+        if rank is None:
+            rank = getattr(e, "rank", None)
+        n = groups.rollout.world_size
+        if not isinstance(rank, int) or not 0 <= rank < n:
+            return False
+        if rank in a.dead:
+            return True  # already being replaced
+        if len(a.dead) + 1 >= n:
+            return False  # no replica left to route to: replace the pool
+        a.dead.add(rank)
+        record = tr.supervisor.replica_lost(error, rank)
+        a.tg.start_soon(self._replace_replica, a, rank, epoch, record, name=f"replace rollout replica {rank}")
+        return True
+
+    async def _replace_replica(self, a: _Attempt, rank: int, epoch: int, record: dict[str, Any]) -> None:
+        """A new engine for replica `rank` (``RolloutWorker.restart_engine``), loaded with the version the other
+        replicas hold (under the weight loop's lock, so none is loaded past it meanwhile); then it is routed to
+        again. When that fails, the pool is replaced (:meth:`_recover`)."""
+        from asyncrl.pipelines.loop.deadlines import unwrap
+
+        tr = self._trainer
+        s, groups = a.state, tr.groups
+        assert groups is not None
+        t0 = time.perf_counter()
+        try:
+            await unwrap(groups.rollout).restart_engine.options(rank=rank)()
+            async with a.loading:
+                v = s.rollout_version
+                if v > 0:
+                    await self._load_ranks(groups, s.exports[v], [rank])
+        except Exception as e:  # noqa: BLE001 - the new engine failed too: the whole pool is replaced
+            if a.epoch == epoch:
+                a.dead.discard(rank)
+                await self._recover(a, e, epoch)
+            return
+        if a.epoch == epoch:
+            a.dead.discard(rank)
+            if a.load_epoch == epoch and rank < len(a.load):
+                a.load[rank] = 0
+        record["time_s"] = time.perf_counter() - t0
+        log.warning("trainer.replica_replaced", rank=rank, version=s.rollout_version,
+                    seconds=round(record["time_s"], 2))
+        await self._notify()
+
+    async def _load_ranks(self, groups: Any, exported: Any, ranks: list[int]) -> None:
+        """Load `exported` into the rollout ranks `ranks`, one call each (a rank that holds it already -- the
+        group load that failed on another rank reached it -- counts as loaded)."""
+        from asyncrl import RemoteError
+        from asyncrl.pipelines.supervision.recovery import root_cause
+
+        calls = [groups.rollout.update_weights.options(rank=r)(exported) for r in ranks]
+        for call in calls:
+            try:
+                await call
+            except Exception as e:
+                cause = root_cause(e)
+                if isinstance(cause, RemoteError) and cause.exc_type.rpartition(".")[2] == "StaleWeightsError":
+                    continue
+                raise
 
     def _preempted(self, error: Exception, epoch: int) -> bool:
         """Whether `error` of pool `epoch` is a preemption notice's (or the told-to-stop process's exit)."""

@@ -136,7 +136,7 @@ class Supervisor:
             except Exception as e:
                 self._fail_scale()
                 policy = tr.config.trainer.restart
-                if not (tr.owns_groups and len(self.restarts) < policy.max_restarts
+                if not (tr.owns_groups and self._recoveries() < policy.max_restarts
                         and is_worker_fault(e, timeouts=policy.on_timeout)):
                     raise
                 fault = e
@@ -149,7 +149,7 @@ class Supervisor:
         tr = self._trainer
         t0 = time.perf_counter()
         point = tr.last_checkpoint
-        log.warning("trainer.restart", error=describe(fault), restart=len(self.restarts) + 1,
+        log.warning("trainer.restart", error=describe(fault), restart=self._recoveries() + 1,
                     from_checkpoint=str(point) if point else "start")
         record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
         self.restarts.append(record)
@@ -170,13 +170,27 @@ class Supervisor:
         log.warning("trainer.restarted", from_step=state.start_step, seconds=round(time.perf_counter() - t0, 2))
         return Recovered(state, history)
 
+    def replica_lost(self, error: Exception, rank: int) -> dict[str, Any]:
+        """A rollout replica's engine died (``ReplicaLostError`` of `rank`) and is replaced alone, beside the
+        others (streaming: :meth:`StreamRollout._replace_replica`); returns its ``restarts`` record (kind
+        ``replace_replica``; the caller fills ``time_s``). It does not count against ``max_restarts``: the pool
+        and the run go on."""
+        record = fault_record("replace_replica", error, from_step=self._trainer.state.policy_version, rank=rank)
+        self.restarts.append(record)
+        log.warning("trainer.replace_replica", error=describe(error), rank=rank)
+        return record
+
+    def _recoveries(self) -> int:
+        """Recoveries that count against ``trainer.restart.max_restarts`` (pool replacements and restarts)."""
+        return sum(1 for r in self.restarts if r["kind"] in ("replace", "restart"))
+
     def can_replace(self, error: Exception) -> bool:
         """A fault of the rollout pool (rollout or reward worker) that a replacement can cure."""
         tr = self._trainer
         t = tr.config.trainer
         policy = t.restart
         if not (tr.owns_groups and policy.replace_stateless and not t.colocated and tr.groups is not None
-                and len(self.restarts) < policy.max_restarts and is_worker_fault(error, timeouts=policy.on_timeout)):
+                and self._recoveries() < policy.max_restarts and is_worker_fault(error, timeouts=policy.on_timeout)):
             return False
         origin = fault_origin(error)
         return origin is None or origin in (tr.groups.rollout.name, tr.groups.reward.name)

@@ -54,6 +54,11 @@ REAL = {"kill": False, "slow": False, "node": True, "preempt": True, "train": Tr
 RETRIES = 240
 """Tries (0.5 s apart) to reach a fault's target while its pool is being replaced."""
 
+ENGINE_START_S = 60.0
+"""Seconds (simulated, before the time scale) a replaced replica's new engine takes to start before it loads its
+weights: an assumption (a vLLM engine's start -- process, CUDA context, graph capture -- is tens of seconds; the
+profiles carry no such number), stated with every per-replica replacement figure."""
+
 SLOW_FACTOR = 10.0
 """How much slower the ``slow`` fault's replica is."""
 
@@ -124,9 +129,10 @@ class ChaosRollout(RolloutWorker):
     """The twin's rollout worker with the simulated faults' hooks: :meth:`die` (a ``kill``) and :meth:`slow_down`
     (a ``slow``), and :meth:`pid` (the driver's way to the real processes)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, engine_start_s: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._dead = False
+        self._engine_start_s = engine_start_s
 
     def _lost(self) -> ReplicaLostError:
         return ReplicaLostError(f"rollout replica {self.rank} died (simulated: the twin's chaos)")
@@ -157,6 +163,15 @@ class ChaosRollout(RolloutWorker):
             if hasattr(self.engine, name):
                 setattr(self.engine, name, getattr(self.engine, name) * factor)
         return True
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def restart_engine(self) -> int:
+        """``RolloutWorker.restart_engine`` after the time a new engine takes to start (``ENGINE_START_S`` times
+        the time scale; the weights it then loads cost the profile's load time); the replica lives again."""
+        await asyncio.sleep(self._engine_start_s)
+        rank = super().restart_engine()
+        self._dead = False
+        return rank
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate(self, batch: Any, max_new_tokens: int | None = None, temperature: float | None = None,
@@ -295,7 +310,8 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan) -> ChaosResult:
     (:func:`check_chaos`)."""
     from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
-    overrides = {"rollout": (ChaosRollout, {}), "policy": (ChaosPolicy, {})}
+    overrides = {"rollout": (ChaosRollout, {"engine_start_s": ENGINE_START_S * cfg.twin.time_scale}),
+                 "policy": (ChaosPolicy, {})}
     trainer = GRPOTrainer(cfg, worker_overrides=overrides)
     fired: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []

@@ -22,6 +22,7 @@ Every row carries the version of the weights that generated all of its tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import tempfile
 import threading
@@ -105,6 +106,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
             _check_vllm_memory(engine_kwargs, self.placement)
             if self.config.sleep_level:
                 engine_kwargs.setdefault("sleep_mode", True)
+        self._engine_spec = (model_dir, engine_kwargs)  # what restart_engine builds again
         self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
                                   model_dir=model_dir, **engine_kwargs)
         modes = tuple(getattr(self.engine, "partial_rollout_modes", ()))
@@ -403,6 +405,28 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         td = self._assemble(batch[torch.tensor(rows)], self._rows(job, rows, R))
         td.set("index", torch.tensor(rows, dtype=torch.long) + self.rank * n)
         return {"rows": td, "done": done}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def restart_engine(self) -> int:
+        """Replace this replica's engine by a new one (its previous engine died: a ``ReplicaLostError``): the
+        requests still in it fail, the new engine holds the initial weights (version 0) until the next
+        ``update_weights``. The process and its other state (tokenizer, weight channel) stay. Returns the rank."""
+        from asyncrl.roles.errors import ReplicaLostError
+
+        old = self.engine
+        fail = getattr(old, "fail_in_flight", None)
+        if fail is not None:
+            fail(ReplicaLostError(f"rollout replica {self.rank}'s engine was replaced"))
+        if self._batcher is not None:
+            self._batcher._abort.set()
+            self._batcher = None
+        with contextlib.suppress(Exception):
+            old.close()
+        model_dir, engine_kwargs = self._engine_spec
+        self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
+                                  model_dir=model_dir, **engine_kwargs)
+        self._version, self._committed, self._needs_weights = 0, None, False
+        return self.rank
 
     def on_close(self) -> None:
         """Close the weight channel and the engine."""

@@ -15,8 +15,8 @@ Figures per N (steady state: the steps after ``--warmup``):
   (``ideal/s``; generation-bound when training keeps up), and measured / ideal;
 * the controller's CPU per trained sample (its process CPU time, every thread: the loop, Ray's core worker,
   the fetch threads), its event-loop lag p99 (a 5 ms heartbeat on the loop) and its RSS (peak);
-* the time for a weight version to reach every replica (``weight_sync`` span: the controller's
-  ``update_weights`` call to all N ranks, issue to the last receipt), median, and that over the N = 1 run's;
+* the time for a weight version to reach every replica (its export finished on the training rank, to the
+  controller holding all N replicas' receipts), median, and that over the N = 1 run's;
 * the staleness histogram (response tokens 0, 1, 2 versions old) and the trainer's idle fraction (time the
   train loop waited for a batch / step time).
 
@@ -63,6 +63,31 @@ def rss_mib(field: str = "VmHWM") -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each of this process's threads so far, summed by thread name (the main thread: ``loop``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    me = str(os.getpid())
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = "loop" if tid == me else f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        fields = stat.rpartition(")")[2].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_by_thread(before: dict[str, float], after: dict[str, float], samples: int, top: int = 4) -> str:
+    """The threads that used the most CPU between two :func:`thread_cpu` readings, in us per trained sample."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    best = sorted(d.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{k} {v / samples * 1e6:.0f}" for k, v in best if v > 0)
 
 
 class LoopLag:
@@ -117,7 +142,7 @@ def ideal_tokens_s(cfg: Any, n: int, in_flight: float) -> float:
 
     p = load_profile(cfg.twin.profile)
     r, lm = p.rollout, p.lengths
-    c = max(1.0, min(in_flight, r.max_num_seqs))
+    c = max(1.0, min(in_flight, r.max_num_seqs))  # every replica always holding `in_flight` requests
     mean_len = lm.median * math.exp(lm.sigma ** 2 / 2 + lm.prompt_sigma ** 2 / 2) if lm.kind == "lognormal" else 0.0
     mean_len = min(mean_len, lm.max_new_tokens)
     ctx = lm.prompt_tokens + mean_len / 2  # a running request's mean context
@@ -137,15 +162,23 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     out = tempfile.mkdtemp(prefix=f"asyncrl-twin-{n}-{variant}-")
     cfg = config(args, n, out)
     marks: list[tuple[float, float]] = []  # (monotonic, process CPU s) at each step's end
+    threads: list[dict[str, float]] = []  # CPU per thread at the steady window's start and end
     lag = LoopLag()
     restore = set_variant(variant)
+
+    def on_step(tr: Any, step: int, m: Any) -> None:
+        marks.append((time.monotonic(), time.process_time()))
+        if step in (args.warmup, args.steps - 1):
+            threads.append(thread_cpu())
+
     try:
-        trainer = GRPOTrainer(cfg, on_step=lambda tr, step, m: marks.append((time.monotonic(), time.process_time())))
+        trainer = GRPOTrainer(cfg, on_step=on_step)
         async with trainer:
             lag.start()
             hist = await trainer.fit()
             lag.stop()
             spans = [s for s in trainer.tracer.spans if s.name == "weight_sync"]
+            exports = {s.args["step"] + 1: s for s in trainer.tracer.spans if s.name == "export_weights"}
     finally:
         restore()
     w = args.warmup
@@ -159,8 +192,8 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     del k
     tokens = sum(h["actor/tokens"] * cfg.trainer.train_workers for h in steady)
     stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady) for d in range(cfg.trainer.max_staleness + 1)]
-    in_flight = statistics.fmean(h["stream/in_flight"] for h in steady) * cfg.group_size / n
-    sync = [s.end - s.start for s in spans if s.args.get("version", 0) > w]
+    in_flight = (cfg.trainer.max_staleness + 1) * args.groups_per_replica * cfg.group_size  # admission's bound
+    sync = reach_times(spans, exports, w)
     return {
         "n": n, "variant": variant, "train_ranks": cfg.trainer.train_workers, "batch": cfg.trainer.batch_size,
         "samples_s": samples / (t1 - t0), "tokens_s": tokens / (t1 - t0),
@@ -170,7 +203,21 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
         "stale": [x / sum(stale) if sum(stale) else 0.0 for x in stale],
         "idle": sum(h["time/wait_rollout"] for h in steady) / sum(h["time/step"] for h in steady),
         "step_s": (t1 - t0) / len(steady), "per_id": per_id,
+        "threads": cpu_by_thread(threads[0], threads[-1], samples),
     }
+
+
+def reach_times(syncs: list[Any], exports: dict[int, Any], warmup: int) -> list[float]:
+    """Seconds from each version's export finishing on the training rank (its worker's end) to the controller
+    holding every replica's receipt for it (its ``weight_sync`` span's end), for the versions after `warmup`."""
+    out = []
+    for s in syncs:
+        v = s.args.get("version", 0)
+        e = exports.get(v)
+        if v > warmup and e is not None:
+            done = e.ran[1] if e.ran is not None else e.end
+            out.append(s.end - max(done, s.start))
+    return out
 
 
 def set_variant(variant: str) -> Any:
@@ -217,10 +264,13 @@ def workload(args: argparse.Namespace) -> str:
         f"{args.warmup + 1}..{args.steps - 1}), up to {args.per_process} simulated replicas per rollout process; each "
         f"response id stands for {k} tokens. samples/s: trained responses per second; tokens/s: simulated tokens "
         "(prompt + response) trained per second; vs N x 1: samples/s over N times the N = 1 run's; ideal tokens/s: "
-        "the cost model's, N replicas decoding as many requests as admission gives them without pause (or the "
+        "the cost model's, N replicas each decoding as many requests as admission allows ((max_staleness + 1) x "
+        "groups per replica x group size) without pause (or the "
         "training ranks' capacity, when lower); ctrl CPU: the controller process's CPU time (all its threads) per "
         "trained sample; loop lag: a 5 ms heartbeat on the controller's loop; RSS: the controller's peak; weight "
-        "sync: the controller's update_weights call to every replica, issue to the last receipt (median); "
+        "sync: from a version's export finishing on the training rank to the controller holding every replica's "
+        "receipt (median; each replica pulls the version from the object store and loads it between two decoding "
+        "steps); "
         "staleness: the trained response tokens generated 0/1/2 versions before their step; trainer idle: the "
         "train loop's wait for a batch / step time.")
 
@@ -235,7 +285,8 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(r)
             print(f"N={n} {v}: {r['samples_s']:.1f} samples/s, {r['tokens_s']:.0f} tokens/s (ideal "
                   f"{r['ideal_tokens_s']:.0f}), ctrl {r['cpu_us']:.0f} us/sample, lag p99 {r['lag_p99_ms']:.1f} ms, "
-                  f"sync {r['sync_ms']:.0f} ms, idle {r['idle']:.2f}, load {load:.1f}", flush=True)
+                  f"sync {r['sync_ms']:.0f} ms, idle {r['idle']:.2f}, load {load:.1f}; CPU us/sample by thread: "
+                  f"{r['threads']}", flush=True)
     return rows
 
 
@@ -272,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     write_result(args.out or RESULTS, "\n\n".join([
         "# Cluster twin: the real controller at 1-256 simulated replicas",
         run_header("cluster_twin.py", load_note(load0, os.getloadavg()[0])), workload(args), table(rows),
+        "Controller CPU by thread (us per trained sample, the top 4): " + "; ".join(
+            f"N={r['n']} {r['variant']}: {r['threads']}" for r in rows) + ".",
         "1-minute load average at each run's start: " + ", ".join(f"N={r['n']} {r['variant']} {r['load']:.1f}"
                                                              for r in rows) + "."]) + "\n")
 

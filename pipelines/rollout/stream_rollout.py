@@ -130,6 +130,7 @@ class StreamRollout:
         """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
         self.scaler = StreamScaler(trainer, self)
         """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
+        self._prompt_batches: dict[int, Any] = {}  # step -> its prompt rows (_step_prompts)
         self.handovers: list[tuple[int, dict[str, dict[str, Any]]]] = []
         """``(group, rows)`` of every hand-over that kept decoded tokens: each row (by request key) as the old
         replica returned it (``ids``, ``log_probs``, ``versions``, ``finish``); the group's retry continued them."""
@@ -179,7 +180,7 @@ class StreamRollout:
         assert loader is not None
         B, G = cfg.prompts_per_step, cfg.group_size
         slot = g % B
-        prompts = loader.batch(g // B)[slot * G:(slot + 1) * G]
+        prompts = self._step_prompts(g // B)[slot * G:(slot + 1) * G]
         elastic = cfg.trainer.rollout_range.elastic
         while True:
             epoch = a.epoch
@@ -261,6 +262,20 @@ class StreamRollout:
         a.admission.finish(g)
         a.finishes += 1
         await self._notify()
+
+    def _step_prompts(self, step: int) -> Any:
+        """The prompt rows of step `step`'s batch, built once for its groups (a step's batch costs the controller
+        time in proportion to its size: built per group, that was quadratic in the groups per step). The last
+        few steps' are kept: groups are admitted in index order, at most ``max_staleness + 1`` steps apart."""
+        got = self._prompt_batches.get(step)
+        if got is None:
+            loader = self._trainer.loader
+            assert loader is not None
+            got = self._prompt_batches[step] = loader.batch(step)
+            keep = self._trainer.config.trainer.max_staleness + 2
+            for old in [s for s in self._prompt_batches if s < step - keep]:
+                del self._prompt_batches[old]
+        return got
 
     def _route(self, a: _Attempt, rollout: Any, epoch: int) -> int | None:
         """The rollout rank a group's calls go to: the one with the fewest groups in flight (the lowest rank of

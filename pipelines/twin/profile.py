@@ -216,6 +216,18 @@ def load_profile(name_or_path: str) -> Profile:
     """The profile `name_or_path` (a shipped profile's name or a YAML file), checked: every section and number
     present, each number with its source, values in range. Raises :class:`ProfileError` naming the key."""
     path = _resolve(name_or_path)
+    key = (str(path.resolve()), path.stat().st_mtime_ns)
+    cached = _LOADED.get(key)
+    if cached is not None:  # (a config is validated several times: read each file once while it is unchanged)
+        return cached
+    _LOADED[key] = profile = _load(path)
+    return profile
+
+
+_LOADED: dict[tuple[str, int], Profile] = {}
+
+
+def _load(path: Path) -> Profile:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

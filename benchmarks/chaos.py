@@ -29,7 +29,7 @@ from _common import load_note, run_header, write_result
 
 import asyncrl
 from asyncrl.pipelines.job.presets import twin
-from asyncrl.pipelines.twin.chaos import KINDS, REAL, plan, run_chaos
+from asyncrl.pipelines.twin.chaos import ENGINE_START_S, KINDS, REAL, plan, run_chaos
 
 
 def config(a: argparse.Namespace, out: Path) -> Any:
@@ -39,6 +39,7 @@ def config(a: argparse.Namespace, out: Path) -> Any:
     t.batch_size = a.groups_per_replica * cfg.algorithm.group_size * a.replicas
     t.train_workers = max(2, a.replicas // 16)
     t.rollout_timeout_s = a.deadline_s
+    t.restart.max_restarts = 20  # every fault of a schedule may cost a recovery: the table tests them, not the budget
     t.checkpoint_every = 2  # a lost training rank restarts from a checkpoint at most 2 steps old
     t.keep_checkpoints = 1
     t.num_cpus = 4 * (a.replicas + t.train_workers)
@@ -46,15 +47,20 @@ def config(a: argparse.Namespace, out: Path) -> Any:
     return cfg.validate()
 
 
-def one(a: argparse.Namespace, kind: str, seed: int, work: Path) -> dict[str, Any]:
-    out = work / f"{kind}_{seed:02d}"
+def one(a: argparse.Namespace, kind: str, seed: int, work: Path, variant: str = "after") -> dict[str, Any]:
+    from asyncrl.pipelines.rollout import stream_rollout
+
+    out = work / f"{kind}_{seed:02d}{'' if variant == 'after' else '_' + variant}"
     cfg = config(a, out)
+    stream_rollout.REPLACE_REPLICAS = variant == "after"
     chaos = plan(kind, seed, replicas=a.replicas, replicas_per_process=a.per_process,
                  train_ranks=cfg.trainer.train_workers, steps=a.steps, node=a.per_process)
     r = asyncrl.run(run_chaos(cfg, chaos))
     led = r.ledger
+    steps = [h["time/step"] for h in r.history]
     return {
-        "kind": kind, "seed": seed, "ok": r.ok, "completed": r.completed, "error": r.error, "wall_s": r.wall_s,
+        "kind": kind, "seed": seed, "variant": variant, "ok": r.ok, "steps_s": sum(steps),
+        "max_step_s": max(steps, default=0.0), "completed": r.completed, "error": r.error, "wall_s": r.wall_s,
         "fired": r.fired, "restarts": [{k: x.get(k) for k in ("kind", "origin", "time_s", "interrupted_s")}
                                        for x in r.restarts],
         "resizes": r.resizes, "overruns": r.overruns, "max_wait_ratio": r.max_wait_ratio,
@@ -88,6 +94,22 @@ def table(rows: list[dict[str, Any]], k: int) -> list[str]:
     return out
 
 
+def before_after(rows: list[dict[str, Any]]) -> list[str]:
+    """The ``kill`` runs with and without per-replica replacement, side by side."""
+    out = ["| variant | runs | ledger holds | recoveries | recovery s (mean) | slowest step s (mean) | steps s (mean) |",
+           "|---|---|---|---|---|---|---|"]
+    for variant, what in (("before", "the whole pool replaced"), ("after", "the replica replaced alone")):
+        rs = [r for r in rows if r["kind"] == "kill" and r.get("variant", "after") == variant]
+        if not rs:
+            continue
+        rec = [x for r in rs for x in r["restarts"]]
+        times = [x["time_s"] for x in rec if x.get("time_s") is not None]
+        out.append(f"| {variant}: {what} | {len(rs)} | {sum(bool(r['ledger'] and r['ledger']['ok']) for r in rs)} | "
+                   f"{len(rec)} | {statistics.fmean(times) if times else 0:.1f} | "
+                   f"{statistics.fmean(r['max_step_s'] for r in rs):.1f} | {statistics.fmean(r['steps_s'] for r in rs):.1f} |")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=64)
@@ -98,6 +120,8 @@ def main() -> None:
     p.add_argument("--groups-per-replica", type=int, default=2, help="prompt groups per replica per step")
     p.add_argument("--time-scale", type=float, default=0.01)
     p.add_argument("--deadline-s", type=float, default=120.0, help="trainer.rollout_timeout_s of every run")
+    p.add_argument("--before", type=int, default=0, metavar="N",
+                   help="also run the first N kill seeds with per-replica replacement off (the whole pool replaced)")
     p.add_argument("--work-dir", default="runs/chaos")
     p.add_argument("--out", default="benchmarks/results/chaos.md")
     a = p.parse_args()
@@ -105,27 +129,35 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     log = work / "chaos_runs.jsonl"
     done = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
-    have = {(r["kind"], r["seed"]) for r in done}
+    have = {(r["kind"], r["seed"], r.get("variant", "after")) for r in done}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    for kind in a.kinds.split(","):
-        for seed in range(a.seeds):
-            if (kind, seed) in have:
-                continue
-            row = one(a, kind, seed, work)
+    todo = [(kind, seed, "after") for kind in a.kinds.split(",") for seed in range(a.seeds)]
+    todo += [("kill", seed, "before") for seed in range(a.before)]
+
+    def report() -> None:  # the table of every run so far (rewritten after each run: a long call is readable)
+        rows = [r for r in done if r["kind"] in a.kinds.split(",") and r["seed"] < a.seeds
+                and r.get("variant", "after") == "after"]
+        note = load_note(load0, os.getloadavg()[0])
+        text = "\n".join([run_header("chaos.py", note), "",
+                          f"{a.replicas} simulated replicas ({a.per_process} per process), streaming, max_staleness 2, "
+                          f"{a.steps} steps of {a.groups_per_replica * 8 * a.replicas} responses, twin.time_scale "
+                          f"{a.time_scale}; {len(rows)} runs ({time.perf_counter() - t0:.0f} s this call).", "",
+                          *table(rows, 2), "",
+                          f"Per-replica replacement, before and after ({ENGINE_START_S:g} s simulated engine start, "
+                          "an assumption):", "", *before_after(done), ""])
+        write_result(a.out, text)
+
+    for kind, seed, variant in todo:
+        if (kind, seed, variant) not in have:
+            row = one(a, kind, seed, work, variant)
             done.append(row)
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{kind} seed {seed}: ok={row['ok']} wall {row['wall_s']:.0f} s "
+            print(f"{kind} seed {seed} ({variant}): ok={row['ok']} wall {row['wall_s']:.0f} s "
                   f"(load {os.getloadavg()[0]:.1f})", flush=True)
-    rows = [r for r in done if r["kind"] in a.kinds.split(",") and r["seed"] < a.seeds]
-    note = load_note(load0, os.getloadavg()[0])
-    text = "\n".join([run_header("chaos.py", note), "",
-                      f"{a.replicas} simulated replicas ({a.per_process} per process), streaming, max_staleness 2, "
-                      f"{a.steps} steps of {a.groups_per_replica * 8 * a.replicas} responses, twin.time_scale "
-                      f"{a.time_scale}; {len(rows)} runs ({time.perf_counter() - t0:.0f} s this call).", "",
-                      *table(rows, 2), ""])
-    write_result(a.out, text)
+            report()
+    report()
 
 
 if __name__ == "__main__":

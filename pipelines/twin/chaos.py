@@ -230,6 +230,8 @@ class ChaosResult:
     """Calls that waited longer than twice their deadline."""
     max_wait_ratio: float = 0.0
     """The longest call over its deadline (a ratio; must stay <= 2)."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The run's per-step metrics."""
 
     @property
     def ok(self) -> bool:
@@ -343,4 +345,4 @@ def check_chaos(trainer: Any, history: list[dict[str, Any]], chaos: ChaosPlan, *
     overruns, worst = deadline_overruns(trainer)
     resizes = len(getattr(getattr(trainer.rollout, "scaler", None), "resizes", []) or [])
     return ChaosResult(chaos, completed, error, len(history), wall_s, fired, list(trainer.restarts), resizes,
-                       ledger, overruns, worst)
+                       ledger, overruns, worst, list(history))

@@ -36,6 +36,7 @@ def config(a: argparse.Namespace, out: Path) -> Any:
     cfg = twin()
     t = cfg.trainer
     t.steps, t.rollout_workers, t.output_dir = a.steps, a.replicas, str(out)
+    t.rollout_placement = [a.replicas]  # a pool of its own: a preemption resizes it (a new pool, the groups handed over)
     t.batch_size = a.groups_per_replica * cfg.algorithm.group_size * a.replicas
     t.train_workers = max(2, a.replicas // 16)
     t.rollout_timeout_s = a.deadline_s
@@ -74,7 +75,7 @@ def one(a: argparse.Namespace, kind: str, seed: int, work: Path, variant: str = 
 
 def table(rows: list[dict[str, Any]], k: int) -> list[str]:
     out = ["| fault | real? | runs | completed | ledger holds | lost | trained twice | max staleness (bound "
-           f"{k}) | longest wait / deadline | recoveries (replace / restart / resize) | recovery s (mean) | "
+           f"{k}) | longest wait / deadline | recoveries (replica / pool / restart / resize) | recovery s (mean) | "
            "faults fired |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for kind in [x for x in (*KINDS, "none") if any(r["kind"] == x for r in rows)]:
         rs = [r for r in rows if r["kind"] == kind]
@@ -82,7 +83,7 @@ def table(rows: list[dict[str, Any]], k: int) -> list[str]:
         stale = max((int(d) for x in led for d, n in x["staleness"].items() if n), default=0)
         rec = [x for r in rs for x in r["restarts"]]
         times = [x["time_s"] for x in rec if x.get("time_s") is not None]
-        kinds = "/".join(str(sum(x["kind"] == c for x in rec)) for c in ("replace", "restart"))
+        kinds = "/".join(str(sum(x["kind"] == c for x in rec)) for c in ("replace_replica", "replace", "restart"))
         fired = sum(1 for r in rs for f in r["fired"] if "error" not in f)
         missed = sum(1 for r in rs for f in r["fired"] if "error" in f)
         out.append(

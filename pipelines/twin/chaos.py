@@ -29,6 +29,7 @@ duration, so every schedule lands inside the run whatever its speed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -114,7 +115,7 @@ def plan(kind: str, seed: int, *, replicas: int, replicas_per_process: int, trai
             raise ValueError(f"a lost node of {node} replicas needs twin.replicas_per_process={node}, got "
                              f"{replicas_per_process}")
         events.append(ChaosEvent("node", *when(), rng.randrange(processes)))
-    elif kind == "preempt":
+    elif kind == "preempt":  # the wave's signals land within half a second of each other
         wave = max(2, processes // 4)
         step, delay = when()
         for p in sorted(rng.sample(range(processes), min(wave, processes))):
@@ -264,13 +265,34 @@ async def _fire(trainer: Any, ev: ChaosEvent, replicas_per_process: int, t0: flo
 
 
 async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fired: list[dict[str, Any]]) -> None:
-    """Fire `chaos`'s events as the run reaches them (see :class:`ChaosEvent`)."""
+    """Fire `chaos`'s events as the run reaches them (see :class:`ChaosEvent`). A wave (the events of one step)
+    takes its targets' processes as they are at its first event: a recovery its first signal starts does not
+    move the rest of the wave onto the new processes."""
     t0 = time.perf_counter()
+    wave_pids: dict[int, list[int]] = {}
+    wave_t: dict[int, float] = {}
     for ev in chaos.events:
         while len(trainer.history) < ev.step or trainer.groups is None:
             await asyncio.sleep(0.02)
         h = trainer.history
         last = float(h[-1]["time/step"]) if h else 0.0
+        if ev.kind == "preempt":
+            start = min(e.delay for e in chaos.events if e.kind == "preempt" and e.step == ev.step)
+            if ev.step not in wave_pids:
+                wave_pids[ev.step] = list(await trainer.groups.rollout.pid())
+                await asyncio.sleep(start * last)
+                wave_t[ev.step] = time.perf_counter()
+            pids = wave_pids[ev.step]
+            # the wave's later signals: their offsets from its first, in seconds
+            await asyncio.sleep(max(0.0, wave_t[ev.step] + (ev.delay - start) - time.perf_counter()))
+            k = replicas_per_process
+            procs = sorted({pids[r] for r in range(ev.target * k, min(len(pids), (ev.target + 1) * k))})
+            for pid in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            fired.append({"kind": "preempt", "target": ev.target, "at_s": round(time.perf_counter() - t0, 3),
+                          "after_step": len(trainer.history), "pids": procs})
+            continue
         await asyncio.sleep(ev.delay * last)
         error = None
         for _ in range(RETRIES):  # a pool being replaced (closed, not yet new) takes no call: try again

@@ -35,6 +35,7 @@ def chaos_config(out, steps: int = 8):
     cfg = twin()
     t = cfg.trainer
     t.steps, t.rollout_workers, t.train_workers, t.output_dir = steps, 4, 2, str(out)
+    t.rollout_placement = [4]  # a pool of its own: a preemption resizes it
     t.batch_size, t.rollout_timeout_s, t.checkpoint_every, t.num_cpus = 64, 60.0, 2, 32
     cfg.twin.replicas_per_process = 2
     return cfg.validate()

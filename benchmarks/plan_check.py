@@ -1,0 +1,78 @@
+"""``asyncrl plan`` against a brute-force twin sweep: is the search's pick within 5 % of the best candidate?
+
+Every candidate of the space (the rollout/training splits x ``max_staleness`` 0, 1, 2, 4 x batch/stream x the
+concurrency) is run in the twin once (the brute force); then the coordinate search of ``asyncrl plan`` runs
+with its own, fresh twin runs. The pick is scored by the brute force's measurement of the same candidate (its
+own run is noisy too: both are shown), against the best the brute force found.
+
+    python benchmarks/plan_check.py --profile qwen2_7b_h100_vllm --gpus 4 --batch-size 256
+
+Also writes the plans of the shipped profiles (``--plans``): ``asyncrl plan NAME --gpus G`` for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from _common import load_note, run_header, write_result
+
+from asyncrl.pipelines.twin.plan import Candidate, Outcome, brute_force, evaluate, render, run_plan, search
+from asyncrl.pipelines.twin.profile import PROFILES, load_profile
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="qwen2_7b_h100_vllm")
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--plans", type=int, default=0, metavar="GPUS",
+                   help="also plan every shipped profile on this many GPUs (0: not)")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--out", default="benchmarks/results/plan_check.md")
+    a = p.parse_args()
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="plan_check_"))
+    load0 = os.getloadavg()[0]
+    prof = load_profile(a.profile)
+    n = [0]
+
+    def runner(tag: str):
+        def run(c: Candidate) -> Outcome:
+            n[0] += 1
+            return evaluate(a.profile, c, batch_size=a.batch_size, group_size=a.group_size, steps=a.steps,
+                            out=work / f"{tag}{n[0]:03d}")
+        return run
+
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    brute = brute_force(prof, a.gpus, runner("brute"), say=say)
+    t_brute = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    found = search(prof, a.gpus, runner("search"), say=say)
+    t_search = time.perf_counter() - t1
+    best = brute[0]
+    pick = found[0].candidate
+    in_brute = next(o for o in brute if o.candidate == pick)
+    ratio = in_brute.tokens_per_s / best.tokens_per_s
+    lines = [f"{a.profile} on {a.gpus} GPUs, {a.batch_size} responses per step, {a.steps}-step twin runs.", "",
+             f"Brute force: {len(brute)} candidates in {t_brute:.0f} s; search: {len(found)} runs in {t_search:.0f} s.",
+             "", f"Best (brute force): **{best.candidate.label()}**, {best.tokens_per_s:,.0f} tokens/s.",
+             f"Search's pick: **{pick.label()}**: {found[0].tokens_per_s:,.0f} tokens/s in its own run, "
+             f"{in_brute.tokens_per_s:,.0f} in the brute force's = **{ratio:.1%} of the best** (target >= 95 %).",
+             "", "The brute force's best five:", "", render(brute, 5), "", "The search's best five:", "",
+             render(found, 5), ""]
+    if a.plans:
+        for name in PROFILES:
+            lines += [f"`asyncrl plan {name} --gpus {a.plans} --batch-size {a.batch_size}`:", "",
+                      run_plan(name, a.plans, batch_size=a.batch_size, group_size=a.group_size, steps=a.steps,
+                               out_dir=str(work / f"plan_{name}"), say=say), ""]
+    write_result(a.out, "\n".join([run_header("plan_check.py", load_note(load0, os.getloadavg()[0])), "", *lines]))
+
+
+if __name__ == "__main__":
+    main()

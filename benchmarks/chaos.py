@@ -36,7 +36,7 @@ def config(a: argparse.Namespace, out: Path) -> Any:
     cfg = twin()
     t = cfg.trainer
     t.steps, t.rollout_workers, t.output_dir = a.steps, a.replicas, str(out)
-    t.rollout_placement = [a.replicas]  # a pool of its own: a preemption resizes it (a new pool, the groups handed over)
+    t.rollout_placement = [a.replicas]  # a pool of its own: a preemption resizes it (groups handed over)
     t.batch_size = a.groups_per_replica * cfg.algorithm.group_size * a.replicas
     t.train_workers = max(2, a.replicas // 16)
     t.rollout_timeout_s = a.deadline_s
@@ -97,7 +97,8 @@ def table(rows: list[dict[str, Any]], k: int) -> list[str]:
 
 def before_after(rows: list[dict[str, Any]]) -> list[str]:
     """The ``kill`` runs with and without per-replica replacement, side by side."""
-    out = ["| variant | runs | ledger holds | recoveries | recovery s (mean) | slowest step s (mean) | steps s (mean) |",
+    out = ["| variant | runs | ledger holds | recoveries | recovery s (mean) | slowest step s (mean) | "
+           "steps s (mean) |",
            "|---|---|---|---|---|---|---|"]
     for variant, what in (("before", "the whole pool replaced"), ("after", "the replica replaced alone")):
         rs = [r for r in rows if r["kind"] == "kill" and r.get("variant", "after") == variant]
@@ -107,7 +108,8 @@ def before_after(rows: list[dict[str, Any]]) -> list[str]:
         times = [x["time_s"] for x in rec if x.get("time_s") is not None]
         out.append(f"| {variant}: {what} | {len(rs)} | {sum(bool(r['ledger'] and r['ledger']['ok']) for r in rs)} | "
                    f"{len(rec)} | {statistics.fmean(times) if times else 0:.1f} | "
-                   f"{statistics.fmean(r['max_step_s'] for r in rs):.1f} | {statistics.fmean(r['steps_s'] for r in rs):.1f} |")
+                   f"{statistics.fmean(r['max_step_s'] for r in rs):.1f} | "
+                   f"{statistics.fmean(r['steps_s'] for r in rs):.1f} |")
     return out
 
 

@@ -198,7 +198,8 @@ class ChaosRollout(RolloutWorker):
 
 class ChaosPolicy(TwinPolicy):
     """The twin's training rank with :meth:`pid` (the driver kills its process for a ``train`` fault); it builds its
-    stand-in weights when it starts , as a real policy builds its model (not in its first export, which would stall a step)."""
+    stand-in weights when it starts, as a real policy builds its model (not in its first export, which would stall
+    a step)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -189,8 +189,16 @@ def fit_profile(runs: list[str | Path], *, name: str | None = None, skip: int = 
                        "share the engine's rounds); add a run with trainer.rollout_mode=batch")
     names = ", ".join(Path(c.run).name for c in costs)
     # generate: seconds = L * base + prompt_tokens * prefill + L * n * per_seq (the last term goes first when the
-    # calls cannot tell it apart: one rows-per-rank value)
+    # calls cannot tell it apart: one rows-per-rank value); calls a loaded machine stretched (residual over 3 median
+    # absolute deviations) are left out and the rest fitted again
     sol = _lstsq([[L, p, L * n] for _, n, L, p in gen], [d for d, *_ in gen])
+    if sol is not None:
+        res = [abs(d - (L * sol[0] + p * sol[1] + L * n * sol[2])) for d, n, L, p in gen]
+        mad = statistics.median(res)
+        kept = [g for g, r in zip(gen, res) if r <= 3 * mad] if mad > 0 else gen
+        if len(kept) >= 3 and len(kept) < len(gen):
+            gen = kept
+            sol = _lstsq([[L, p, L * n] for _, n, L, p in gen], [d for d, *_ in gen])
     if sol is None or sol[0] + sol[2] <= 0:
         sol = [statistics.fmean(d / L for d, _, L, _ in gen), 0.0, 0.0]
     step_s, prefill_s, seq_s = sol
@@ -199,13 +207,13 @@ def fit_profile(runs: list[str | Path], *, name: str | None = None, skip: int = 
     upd = [u for c in costs for u in c.update]
     if not upd:
         raise FitError("no actor_update call in the runs' traces; fit runs that trained at least skip + 1 steps")
-    if fwd:
-        per_token = sum(d for d, _ in fwd) / sum(t for _, t in fwd)
-        how_fwd = f"old_log_prob calls: {len(fwd)}, {per_token * 1e6:.3f} us per token"
+    if fwd:  # medians: a loaded machine stretches some calls
+        per_token = statistics.median(d / t for d, t in fwd)
+        how_fwd = f"old_log_prob calls: {len(fwd)}, median {per_token * 1e6:.3f} us per token"
     else:  # the bypass: no forward pass of its own; the update is 3 forwards and the rest
-        per_token = statistics.fmean(d / (3 * t) for d, t in upd)
-        how_fwd = f"actor_update calls / 3 (no old_log_prob pass: bypass): {per_token * 1e6:.3f} us per token"
-    opt_s = max(1e-6, statistics.fmean(d - 3 * per_token * t for d, t in upd))
+        per_token = statistics.median(d / (3 * t) for d, t in upd)
+        how_fwd = f"actor_update calls / 3 (no old_log_prob pass: bypass): median {per_token * 1e6:.3f} us per token"
+    opt_s = max(1e-6, statistics.median(d - 3 * per_token * t for d, t in upd))
     params = base.params
     weight_gb = base.weight_bytes / 1e9
     export_s = statistics.fmean([e for c in costs for e in c.export] or [1e-3])
@@ -222,7 +230,8 @@ def fit_profile(runs: list[str | Path], *, name: str | None = None, skip: int = 
         "rollout.gpus": f"{src}: one rollout worker per replica",
         "rollout.max_num_seqs": f"{src}: no bound on this machine (a batch's rows decode together)",
         "rollout.kv_cache_tokens": f"{src}: no bound on this machine",
-        "rollout.decode_base_ms": f"{src}: least squares over {len(gen)} generate calls (exec): seconds = L x base + "
+        "rollout.decode_base_ms": f"{src}: least squares over {len(gen)} generate calls (exec; calls stretched past 3 "
+                                  "median absolute deviations left out): seconds = L x base + "
                                   f"L x rows x per_seq + prompt tokens x prefill; rows per rank seen {rows_seen}",
         "rollout.decode_ms_per_seq": f"{src}: the same fit" + ("" if len(rows_seen) > 1 else
                                                                " (one rows-per-rank value seen: not separable, 0)"),
@@ -234,7 +243,8 @@ def fit_profile(runs: list[str | Path], *, name: str | None = None, skip: int = 
         "training.gpus": f"{src}: one training worker per rank",
         "training.peak_tflops": f"{src}: 2 x params x tokens / seconds of a forward pass ({how_fwd}), mfu folded in",
         "training.mfu": f"{src}: folded into peak_tflops (1)",
-        "training.hbm_gb_per_s": f"{src}: actor_update calls less 3 forward passes: {opt_s * 1e3:.2f} ms per step "
+        "training.hbm_gb_per_s": f"{src}: actor_update calls less 3 forward passes (median): {opt_s * 1e3:.2f} ms "
+                                 "per step "
                                  f"= params x {OPT_BYTES:g} bytes / (ranks x rate)",
         "training.optimizer_bytes_per_param": f"{src}: nominal (the rate is fitted)",
         "training.export_gb_per_s": f"{src}: set high: the twin exports the run's own weights for real (mean "

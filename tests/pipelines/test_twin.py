@@ -12,6 +12,7 @@ import yaml
 
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config, twin
+from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.pipelines.twin.profile import (PROFILES, ProfileError, TwinConfig, dump_profile, engine_kwargs,
                                             load_profile)
@@ -109,6 +110,8 @@ async def test_sixteen_replicas_train_every_group_once_within_the_staleness_boun
     trained = [g for r in steps for g in r["groups"]]
     assert len(trained) == len(set(trained)) == 4 * B and set(trained) <= set(admitted)  # once each, none made up
     assert all(0 <= s["step"] - admitted[g]["version"] <= k for s in steps for g in s["groups"])
+    ledger = check_ledger(tmp_path)  # per sample: 0 lost, 0 trained twice, every token measured within the bound
+    assert ledger.ok and ledger.trained == 4 * t.batch_size and ledger.replicas == 16, ledger.render()
 
 
 def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():

@@ -135,8 +135,11 @@ def main() -> None:
     have = {(r["kind"], r["seed"], r.get("variant", "after")) for r in done}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    todo = [(kind, seed, "after") for kind in a.kinds.split(",") for seed in range(a.seeds)]
-    todo += [("kill", seed, "before") for seed in range(a.before)]
+    # seed-major (the before/after runs after the first seed): a call stopped part-way leaves every kind with as
+    # many seeds as the others
+    kinds = a.kinds.split(",")
+    todo = [(k, 0, "after") for k in kinds] + [("kill", s, "before") for s in range(a.before)]
+    todo += [(k, seed, "after") for seed in range(1, a.seeds) for k in kinds]
 
     def report() -> None:  # the table of every run so far (rewritten after each run: a long call is readable)
         rows = [r for r in done if r["kind"] in a.kinds.split(",") and r["seed"] < a.seeds

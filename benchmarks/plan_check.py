@@ -5,7 +5,7 @@ concurrency) is run in the twin once (the brute force); then the coordinate sear
 with its own, fresh twin runs. The pick is scored by the brute force's measurement of the same candidate (its
 own run is noisy too: both are shown), against the best the brute force found.
 
-    python benchmarks/plan_check.py --profile qwen2_7b_h100_vllm --gpus 4 --batch-size 256
+    python benchmarks/plan_check.py --profile qwen2_7b_h100_vllm --gpus 4
 
 Also writes the plans of the shipped profiles (``--plans``): ``asyncrl plan NAME --gpus G`` for each.
 """
@@ -28,7 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="qwen2_7b_h100_vllm")
     p.add_argument("--gpus", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=384, help="responses per step (default 384: 48 prompts, "
+                   "divisible by 1, 2, 3, 4, 6 and 8 training ranks)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--plans", type=int, default=0, metavar="GPUS",
@@ -50,10 +51,11 @@ def main() -> None:
 
     say = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    brute = brute_force(prof, a.gpus, runner("brute"), say=say)
+    prompts = a.batch_size // a.group_size
+    brute = brute_force(prof, a.gpus, runner("brute"), prompts=prompts, say=say)
     t_brute = time.perf_counter() - t0
     t1 = time.perf_counter()
-    found = search(prof, a.gpus, runner("search"), say=say)
+    found = search(prof, a.gpus, runner("search"), prompts=prompts, say=say)
     t_search = time.perf_counter() - t1
     best = brute[0]
     pick = found[0].candidate

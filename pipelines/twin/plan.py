@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 from asyncrl.pipelines.twin.profile import Profile, load_profile
 
-__all__ = ["Candidate", "Outcome", "estimate", "evaluate", "search", "brute_force", "candidates", "render", "run_plan",
-           "SPLITS", "STALENESS"]
+__all__ = ["Candidate", "Outcome", "estimate", "evaluate", "search", "brute_force", "candidates", "splits", "render",
+           "run_plan", "SPLITS", "STALENESS"]
 
 SPLITS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 """Fractions of the budget given to rollout."""
@@ -89,11 +89,19 @@ def _split(profile: Profile, gpus: int, frac: float) -> tuple[int, int] | None:
     return (r, t) if t >= per_t else None
 
 
-def candidates(profile: Profile, gpus: int) -> list[Candidate]:
+def splits(profile: Profile, gpus: int, prompts: int | None = None) -> list[tuple[int, int]]:
+    """The rollout/training splits tried (:data:`SPLITS`), those whose training ranks divide the `prompts` per step
+    (a GRPO group stays on one rank) when given."""
+    out = sorted({s for f in SPLITS if (s := _split(profile, gpus, f)) is not None})
+    if prompts is not None:
+        out = [(r, t) for r, t in out if prompts % (t // profile.training.gpus) == 0]
+    return out
+
+
+def candidates(profile: Profile, gpus: int, prompts: int | None = None) -> list[Candidate]:
     """Every candidate of the space (the brute force's list)."""
-    splits = sorted({s for f in SPLITS if (s := _split(profile, gpus, f)) is not None})
     out = []
-    for r, t in splits:
+    for r, t in splits(profile, gpus, prompts):
         for k in STALENESS:
             out.append(Candidate(r, t, k, "batch"))
             if k >= 1:
@@ -192,7 +200,8 @@ def evaluate(profile: str, cand: Candidate, *, batch_size: int, group_size: int,
 Runner = Callable[[Candidate], Outcome]
 
 
-def search(profile: Profile, gpus: int, run: Runner, *, say: Callable[[str], None] = lambda s: None) -> list[Outcome]:
+def search(profile: Profile, gpus: int, run: Runner, *, prompts: int | None = None,
+           say: Callable[[str], None] = lambda s: None) -> list[Outcome]:
     """The coordinate search of the module docstring; every outcome it ran, best first."""
     seen: dict[Candidate, Outcome] = {}
 
@@ -206,12 +215,13 @@ def search(profile: Profile, gpus: int, run: Runner, *, say: Callable[[str], Non
     def best(cs: list[Candidate]) -> Candidate:
         return max((go(c) for c in cs), key=lambda o: o.tokens_per_s).candidate
 
-    splits = sorted({s for f in SPLITS if (s := _split(profile, gpus, f)) is not None})
-    if not splits:
-        raise ValueError(f"{gpus} GPUs cannot hold a rollout replica ({profile.rollout.gpus} GPUs) and a training "
-                         f"rank ({profile.training.gpus}); plan a larger budget")
+    split = splits(profile, gpus, prompts)
+    if not split:
+        raise ValueError(f"{gpus} GPUs hold no split of a rollout replica ({profile.rollout.gpus} GPUs) and training "
+                         f"ranks ({profile.training.gpus} GPUs each) that divide the {prompts} prompts of a step; "
+                         "plan another budget or batch size")
     say("split (batch, max_staleness=1):")
-    c = best([Candidate(r, t, 1, "batch") for r, t in splits])
+    c = best([Candidate(r, t, 1, "batch") for r, t in split])
     say("staleness and mode:")
     c = best([replace(c, max_staleness=k, mode=m, in_flight=None) for k in STALENESS for m in ("batch", "stream")
               if not (m == "stream" and k == 0)])
@@ -219,16 +229,16 @@ def search(profile: Profile, gpus: int, run: Runner, *, say: Callable[[str], Non
         say("concurrency:")
         c = best([replace(c, in_flight=x) for x in CONCURRENCY])
     say("splits next to the best:")
-    i = splits.index((c.rollout_gpus, c.train_gpus))
-    best([replace(c, rollout_gpus=r, train_gpus=t) for r, t in splits[max(0, i - 1):i + 2]])
+    i = split.index((c.rollout_gpus, c.train_gpus))
+    best([replace(c, rollout_gpus=r, train_gpus=t) for r, t in split[max(0, i - 1):i + 2]])
     return sorted(seen.values(), key=lambda o: -o.tokens_per_s)
 
 
-def brute_force(profile: Profile, gpus: int, run: Runner, *,
+def brute_force(profile: Profile, gpus: int, run: Runner, *, prompts: int | None = None,
                 say: Callable[[str], None] = lambda s: None) -> list[Outcome]:
     """Every candidate (:func:`candidates`) run; best first."""
     out = []
-    for c in candidates(profile, gpus):
+    for c in candidates(profile, gpus, prompts):
         o = run(c)
         say(f"  {c.label()}: {o.tokens_per_s:,.0f} tokens/s, idle {o.idle:.2f} ({o.wall_s:.0f} s)")
         out.append(o)
@@ -270,7 +280,7 @@ def run_plan(profile: str, gpus: int, *, batch_size: int = 1024, group_size: int
     t0 = time.perf_counter()
     say(f"planning {p.name} on {gpus} GPUs ({batch_size} responses per step, {group_size} per prompt); twin runs "
         f"in {root}")
-    outcomes = (brute_force if brute else search)(p, gpus, run, say=say)
+    outcomes = (brute_force if brute else search)(p, gpus, run, prompts=batch_size // group_size, say=say)
     head = (f"{p.name} on {gpus} GPUs, {batch_size} responses per step: {len(outcomes)} twin runs of {steps} steps "
             f"in {time.perf_counter() - t0:.0f} s ({'every candidate' if brute else 'coordinate search'})")
     return head + "\n\n" + render(outcomes, top)

@@ -17,6 +17,9 @@ def test_the_space_holds_every_split_staleness_mode_and_concurrency():
     cs = candidates(P, 16)
     splits = sorted({(c.rollout_gpus, c.train_gpus) for c in cs})
     assert splits == [(4, 12), (6, 10), (8, 8), (10, 6), (12, 4), (14, 2)]
+    # a GRPO group stays on one training rank: 32 prompts a step leave the splits with 8, 4 and 2 ranks
+    assert sorted({(c.rollout_gpus, c.train_gpus) for c in candidates(P, 16, prompts=32)}) == [(8, 8), (12, 4),
+                                                                                             (14, 2)]
     per_split = [c for c in cs if (c.rollout_gpus, c.train_gpus) == (8, 8)]
     # batch at k = 0, 1, 2, 4; stream at k = 1, 2, 4 with admission's bound and one step in flight
     assert len(per_split) == 4 + 3 * 2 and not any(c.mode == "stream" and c.max_staleness == 0 for c in cs)

@@ -20,9 +20,14 @@ Figures per N (steady state: the steps after ``--warmup``):
 * the staleness histogram (response tokens 0, 1, 2 versions old) and the trainer's idle fraction (time the
   train loop waited for a batch / step time).
 
-``--variants`` runs each N once per variant, side by side: ``routed`` (each prompt group to one replica,
-least loaded first: the code) and ``spread`` (each group one call to the whole rollout group, split across
-every replica: the code before the twin found it).
+``--variants`` runs each N once per variant, side by side, the fixes the twin led to switched on one by one:
+
+* ``before``: the controller as it was: each prompt group one call to the whole rollout group (its rows split
+  across every replica), the step's batch built on one training rank (every rank then reads it whole), the
+  tracer sweeping every pending call at each new one;
+* ``routed``: each prompt group to one replica, the least loaded (``stream_rollout.ROUTE_GROUPS``);
+* ``sharded``: routed, and the step's batch built in shards, one per training rank (``SHARD_STEP_BATCH``);
+* ``after``: the code: routed, sharded, and the tracer's sweep amortised.
 
     python benchmarks/cluster_twin.py                       # N = 1,4,16,64,256, ~20 minutes
     python benchmarks/cluster_twin.py --replicas 1,4 --steps 6 --quick
@@ -49,7 +54,7 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
-VARIANTS = ("routed", "spread")
+VARIANTS = ("before", "routed", "sharded", "after")
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
@@ -221,16 +226,22 @@ def reach_times(syncs: list[Any], exports: dict[int, Any], warmup: int) -> list[
 
 
 def set_variant(variant: str) -> Any:
-    """Make the controller route prompt groups as `variant` does; returns the undo."""
-    from asyncrl.pipelines.rollout import stream_rollout
+    """Make the controller run as `variant` (module docstring); returns the undo."""
+    from asyncrl.pipelines.observe import trace
+    from asyncrl.pipelines.rollout import stream_rollout as sr
 
-    if variant == "routed":
-        return lambda: None
-    before = stream_rollout.ROUTE_GROUPS
-    stream_rollout.ROUTE_GROUPS = False
+    saved = sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, trace.Tracer.watch
+    sr.ROUTE_GROUPS = variant != "before"
+    sr.SHARD_STEP_BATCH = variant in ("sharded", "after")
+    if variant != "after":  # the tracer as it was: every watched call swept every pending one
+        def watch(self: Any, future: Any, stage: str, **kw: Any) -> Any:
+            self._sweep_at = 0
+            return saved[2](self, future, stage, **kw)
+
+        trace.Tracer.watch = watch  # type: ignore[method-assign]
 
     def undo() -> None:
-        stream_rollout.ROUTE_GROUPS = before
+        sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, trace.Tracer.watch = saved  # type: ignore[method-assign]
 
     return undo
 
@@ -294,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", default="1,4,16,64,256", help="comma-separated rollout replica counts, from 1")
-    p.add_argument("--variants", default="routed", help=f"comma-separated, of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default="after", help=f"comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--profile", default="qwen2_7b_h100_vllm")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=8)

@@ -61,7 +61,7 @@ from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evalu
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
 
-__all__ = ["StreamRollout", "ROUTE_GROUPS"]
+__all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -69,6 +69,10 @@ ROUTE_GROUPS = True
 """Send each prompt group to one replica, the least loaded (module docstring). False: one call to the whole
 rollout group, its rows split across every replica (what a run that records rounds does; the twin's benchmark
 measures both)."""
+
+SHARD_STEP_BATCH = True
+"""Build a step's batch in shards, one per training rank (``stages.concat_sharded``). False: on one rank, which
+every training rank then reads whole (what the code did before; ``benchmarks/cluster_twin.py`` measures both)."""
 
 
 @dataclass
@@ -423,7 +427,7 @@ class StreamRollout:
         groups = tr.groups
         assert groups is not None and tr.loader is not None
         gens, scores = [f.gen for f in flights], [f.scores for f in flights]
-        if len(flights) >= groups.advantage.world_size:  # one shard per training rank, built where it trains
+        if SHARD_STEP_BATCH and len(flights) >= groups.advantage.world_size:  # a shard per training rank, built there
             width = max(self._prompt_width(g // cfg.prompts_per_step) for g in chosen)
             batch = stages.concat_sharded(groups, gens, scores, pad_id=tr.loader.pad_id,
                                           uid_base=step * cfg.prompts_per_step, width=width)

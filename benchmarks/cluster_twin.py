@@ -70,6 +70,15 @@ def rss_mib(field: str = "VmHWM") -> float:
     return float("nan")
 
 
+def reset_peak_rss() -> None:
+    """Reset this process's peak RSS (Linux ``clear_refs`` 5), so that each run reports its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def thread_cpu() -> dict[str, float]:
     """CPU seconds of each of this process's threads so far, summed by thread name (the main thread: ``loop``)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -170,6 +179,7 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     threads: list[dict[str, float]] = []  # CPU per thread at the steady window's start and end
     lag = LoopLag()
     restore = set_variant(variant)
+    reset_peak_rss()
 
     def on_step(tr: Any, step: int, m: Any) -> None:
         marks.append((time.monotonic(), time.process_time()))
@@ -196,7 +206,8 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     per_id = tokens_per_id(load_profile(cfg.twin.profile), cfg.twin)
     del k
     tokens = sum(h["actor/tokens"] * cfg.trainer.train_workers for h in steady)
-    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady) for d in range(cfg.trainer.max_staleness + 1)]
+    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady)
+             for d in range(cfg.trainer.max_staleness + 1)]
     in_flight = (cfg.trainer.max_staleness + 1) * args.groups_per_replica * cfg.group_size  # admission's bound
     sync = reach_times(spans, exports, w)
     return {
@@ -278,7 +289,8 @@ def workload(args: argparse.Namespace) -> str:
         "the cost model's, N replicas each decoding as many requests as admission allows ((max_staleness + 1) x "
         "groups per replica x group size) without pause (or the "
         "training ranks' capacity, when lower); ctrl CPU: the controller process's CPU time (all its threads) per "
-        "trained sample; loop lag: a 5 ms heartbeat on the controller's loop; RSS: the controller's peak; weight "
+        "trained sample; loop lag: a 5 ms heartbeat on the controller's loop; RSS: the controller's peak in the run; "
+        "weight "
         "sync: from a version's export finishing on the training rank to the controller holding every replica's "
         "receipt (median; each replica pulls the version from the object store and loads it between two decoding "
         "steps); "
@@ -324,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--variants of {VARIANTS}; --replicas must start at 1; --steps must exceed --warmup + 1")
     import asyncrl
 
-    procs = sum(-(-n // args.per_process) for n in (max(args.replicas), max(1, max(args.replicas) // args.replicas_per_rank)))
+    top = max(args.replicas)
+    procs = sum(-(-n // args.per_process) for n in (top, max(1, top // args.replicas_per_rank)))
     load0 = os.getloadavg()[0]
     asyncrl.init(num_cpus=procs + 4)
     try:

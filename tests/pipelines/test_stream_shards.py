@@ -21,8 +21,8 @@ def _group(g: int, width: int) -> tuple[TensorDict, TensorDict]:
     resp = torch.full((2, 3), 10 + g, dtype=torch.long)
     td = TensorDict({"prompt_ids": ids, "prompt_mask": mask, "response_ids": resp,
                      "response_mask": torch.ones(2, 3, dtype=torch.long),
-                     "input_ids": torch.cat([ids, resp], 1), "attention_mask": torch.cat([mask, torch.ones(2, 3,
-                                                                                                  dtype=torch.long)], 1),
+                     "input_ids": torch.cat([ids, resp], 1),
+                     "attention_mask": torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
                      "uid": torch.full((2,), 99)}, batch_size=[2])
     return td, TensorDict({"scores": torch.tensor([float(g), -float(g)])}, batch_size=[2])
 

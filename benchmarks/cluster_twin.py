@@ -20,9 +20,14 @@ Figures per N (steady state: the steps after ``--warmup``):
 * the staleness histogram (response tokens 0, 1, 2 versions old) and the trainer's idle fraction (time the
   train loop waited for a batch / step time).
 
-``--variants`` runs each N once per variant, side by side: ``routed`` (each prompt group to one replica,
-least loaded first: the code) and ``spread`` (each group one call to the whole rollout group, split across
-every replica: the code before the twin found it).
+``--variants`` runs each N once per variant, side by side, the fixes the twin led to switched on one by one:
+
+* ``before``: the controller as it was: each prompt group one call to the whole rollout group (its rows split
+  across every replica), the step's batch built on one training rank (every rank then reads it whole), the
+  tracer sweeping every pending call at each new one;
+* ``routed``: each prompt group to one replica, the least loaded (``stream_rollout.ROUTE_GROUPS``);
+* ``sharded``: routed, and the step's batch built in shards, one per training rank (``SHARD_STEP_BATCH``);
+* ``after``: the code: routed, sharded, and the tracer's sweep amortised.
 
     python benchmarks/cluster_twin.py                       # N = 1,4,16,64,256, ~20 minutes
     python benchmarks/cluster_twin.py --replicas 1,4 --steps 6 --quick
@@ -49,7 +54,7 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
-VARIANTS = ("routed", "spread")
+VARIANTS = ("before", "routed", "sharded", "after")
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
@@ -63,6 +68,15 @@ def rss_mib(field: str = "VmHWM") -> float:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's peak RSS (Linux ``clear_refs`` 5), so that each run reports its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def thread_cpu() -> dict[str, float]:
@@ -165,6 +179,7 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     threads: list[dict[str, float]] = []  # CPU per thread at the steady window's start and end
     lag = LoopLag()
     restore = set_variant(variant)
+    reset_peak_rss()
 
     def on_step(tr: Any, step: int, m: Any) -> None:
         marks.append((time.monotonic(), time.process_time()))
@@ -191,7 +206,8 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     per_id = tokens_per_id(load_profile(cfg.twin.profile), cfg.twin)
     del k
     tokens = sum(h["actor/tokens"] * cfg.trainer.train_workers for h in steady)
-    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady) for d in range(cfg.trainer.max_staleness + 1)]
+    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady)
+             for d in range(cfg.trainer.max_staleness + 1)]
     in_flight = (cfg.trainer.max_staleness + 1) * args.groups_per_replica * cfg.group_size  # admission's bound
     sync = reach_times(spans, exports, w)
     return {
@@ -221,16 +237,22 @@ def reach_times(syncs: list[Any], exports: dict[int, Any], warmup: int) -> list[
 
 
 def set_variant(variant: str) -> Any:
-    """Make the controller route prompt groups as `variant` does; returns the undo."""
-    from asyncrl.pipelines.rollout import stream_rollout
+    """Make the controller run as `variant` (module docstring); returns the undo."""
+    from asyncrl.pipelines.observe import trace
+    from asyncrl.pipelines.rollout import stream_rollout as sr
 
-    if variant == "routed":
-        return lambda: None
-    before = stream_rollout.ROUTE_GROUPS
-    stream_rollout.ROUTE_GROUPS = False
+    saved = sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, trace.Tracer.watch
+    sr.ROUTE_GROUPS = variant != "before"
+    sr.SHARD_STEP_BATCH = variant in ("sharded", "after")
+    if variant != "after":  # the tracer as it was: every watched call swept every pending one
+        def watch(self: Any, future: Any, stage: str, **kw: Any) -> Any:
+            self._sweep_at = 0
+            return saved[2](self, future, stage, **kw)
+
+        trace.Tracer.watch = watch  # type: ignore[method-assign]
 
     def undo() -> None:
-        stream_rollout.ROUTE_GROUPS = before
+        sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, trace.Tracer.watch = saved  # type: ignore[method-assign]
 
     return undo
 
@@ -267,7 +289,8 @@ def workload(args: argparse.Namespace) -> str:
         "the cost model's, N replicas each decoding as many requests as admission allows ((max_staleness + 1) x "
         "groups per replica x group size) without pause (or the "
         "training ranks' capacity, when lower); ctrl CPU: the controller process's CPU time (all its threads) per "
-        "trained sample; loop lag: a 5 ms heartbeat on the controller's loop; RSS: the controller's peak; weight "
+        "trained sample; loop lag: a 5 ms heartbeat on the controller's loop; RSS: the controller's peak in the run; "
+        "weight "
         "sync: from a version's export finishing on the training rank to the controller holding every replica's "
         "receipt (median; each replica pulls the version from the object store and loads it between two decoding "
         "steps); "
@@ -294,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", default="1,4,16,64,256", help="comma-separated rollout replica counts, from 1")
-    p.add_argument("--variants", default="routed", help=f"comma-separated, of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default="after", help=f"comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--profile", default="qwen2_7b_h100_vllm")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=8)
@@ -313,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--variants of {VARIANTS}; --replicas must start at 1; --steps must exceed --warmup + 1")
     import asyncrl
 
-    procs = sum(-(-n // args.per_process) for n in (max(args.replicas), max(1, max(args.replicas) // args.replicas_per_rank)))
+    top = max(args.replicas)
+    procs = sum(-(-n // args.per_process) for n in (top, max(1, top // args.replicas_per_rank)))
     load0 = os.getloadavg()[0]
     asyncrl.init(num_cpus=procs + 4)
     try:

@@ -25,12 +25,16 @@ from typing import Any, Callable, Mapping
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from asyncrl import Broadcast, Dispatch, Execute, GroupFuture, Worker, WorkerGroup, register
+from asyncrl import Broadcast, Dispatch, DispatchMode, Execute, GroupFuture, Worker, WorkerGroup, register
+from asyncrl.dispatch import Sharded, World, collect_dp
+from asyncrl.errors import DispatchError
 from asyncrl.roles.training import functional as F
 
 __all__ = [
     "AdvantageWorker",
     "Groups",
+    "SHARDS",
+    "concat_sharded",
     "generate",
     "score",
     "old_log_prob",
@@ -62,6 +66,23 @@ class Groups:
     policy group itself (its adapters disabled)."""
     critic: WorkerGroup[Any] | None = None
     """CriticWorker group (PPO)."""
+
+
+def _dispatch_shards(world: World, parts: list[list[Any]], scores: list[list[Any]], *, pad_id: int,
+                     uid_base: list[int], width: int) -> Sharded:
+    """Rank r gets ``parts[r]``, ``scores[r]`` (its chunk of groups) and ``uid_base[r]``."""
+    n = world.world_size
+    if not (len(parts) == len(scores) == len(uid_base) == n):
+        raise DispatchError(f"concat_shard takes one chunk of groups per rank ({n}), got {len(parts)}, "
+                            f"{len(scores)} and {len(uid_base)}")
+    return Sharded((list(parts), list(scores)), {"pad_id": [pad_id] * n, "uid_base": list(uid_base),
+                                                  "width": [width] * n})
+
+
+SHARDS = DispatchMode("SHARDS", _dispatch_shards, collect_dp, data_parallel=True)
+"""Each rank gets its own arguments (one list per rank, as ``ALL_TO_ALL``) and returns its shard of one batch:
+the collected result is their concatenation, and a data-parallel consumer of the same world size reads rank
+r's shard on rank r (streaming's step batch, :func:`concat_sharded`)."""
 
 
 class AdvantageWorker(Worker):
@@ -113,6 +134,16 @@ class AdvantageWorker(Worker):
         from asyncrl.pipelines.rollout.stream_batch import concat_groups
 
         return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base)
+
+    @register(SHARDS)
+    def concat_shard(self, parts: list[TensorDictBase], scores: list[TensorDictBase], *, pad_id: int,
+                     uid_base: int, width: int) -> TensorDict:
+        """Streaming rollout: this rank's shard of one step's batch, the groups of its chunk (their futures,
+        fetched here) as :meth:`concat_groups` makes them, prompts padded to the step's `width`; the shards of
+        all ranks are one data-parallel batch (call it through :func:`concat_sharded`)."""
+        from asyncrl.pipelines.rollout.stream_batch import concat_groups
+
+        return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base, width=width)
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def version_stats(self, batch: TensorDictBase, step: int, max_staleness: int) -> dict[str, float]:
@@ -293,6 +324,20 @@ def sample_trajectories(g: Groups, train_batch: GroupFuture[TensorDict], *, n: i
     """`n` trajectories of the merged training batch for ``samples.jsonl`` (small: cut on the advantage
     worker, behind this batch's ``advantages``)."""
     return g.advantage.sample_trajectories(train_batch, n, seed, policy_version)
+
+
+def concat_sharded(g: Groups, gens: list[Any], scores: list[Any], *, pad_id: int, uid_base: int,
+                   width: int) -> GroupFuture[TensorDict]:
+    """One step's batch of finished groups (`gens`, `scores`: their futures, in order) built on the advantage
+    ranks, each its contiguous chunk of groups (as equal as can be): a data-parallel batch whose shards the
+    training calls of the same world size read in place, so no rank fetches the whole batch (with one rank
+    building it, every training rank read all of it to take its rows: quadratic in the ranks)."""
+    n = g.advantage.world_size
+    k, extra = divmod(len(gens), n)
+    bounds = [i * k + min(i, extra) for i in range(n + 1)]
+    chunks = [(bounds[i], bounds[i + 1]) for i in range(n)]
+    return g.advantage.concat_shard([gens[a:b] for a, b in chunks], [scores[a:b] for a, b in chunks], pad_id=pad_id,
+                                    uid_base=[uid_base + a for a, _ in chunks], width=width)
 
 
 def mean_metrics(per_rank: list[Mapping[str, float]] | None, prefix: str) -> dict[str, float]:

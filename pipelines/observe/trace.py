@@ -88,6 +88,7 @@ class Tracer:
         self._t0 = time.perf_counter()
         self._wall0 = time.time() - self._t0  # a worker's time.time() minus this is on our clock
         self._pending: list[tuple[Any, str, str, float, dict[str, Any]]] = []  # watched calls not seen done yet
+        self._sweep_at = 64  # watch() sweeps once this many are pending (twice as many as the last sweep left)
         self._closed = False
 
     @property
@@ -125,7 +126,9 @@ class Tracer:
     def watch(self, future: Any, stage: str, **args: Any) -> Any:
         """Record a group call from now until it completes; returns `future` unchanged."""
         if self.enabled and not self._closed:
-            self._sweep()
+            if len(self._pending) >= self._sweep_at:  # amortised: a sweep per call walked every pending call
+                self._sweep()
+                self._sweep_at = 2 * len(self._pending) + 64
             start = self.now()
             try:
                 future.done()  # starts the backend's watch of its ranks

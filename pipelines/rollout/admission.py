@@ -143,6 +143,7 @@ class Admission:
     _dropped: int = 0
     _rejected: int = 0
     _peak: int = 0
+    _by_v0: dict[int, int] = field(default_factory=dict)  # untrained groups per admission version
     dropped_groups: list[int] = field(default_factory=list)
     """Groups dropped since the last successful :meth:`take` (which returns and clears them)."""
 
@@ -157,7 +158,9 @@ class Admission:
         return len(self._groups) - len(self._finished)
 
     def _untrained_upto(self, u: int) -> int:
-        return sum(1 for g in self._groups.values() if g.v0 <= u)
+        # per version, not per group: admission asks this for every group it admits (and at every wake-up
+        # of the sampler), with thousands of groups in flight at hundreds of replicas
+        return sum(n for v, n in self._by_v0.items() if v <= u)
 
     def can_admit(self, version: int) -> bool:
         """Whether a group may start now at rollout weight version `version`."""
@@ -191,6 +194,7 @@ class Admission:
             raise RuntimeError(f"admitting group {group} at version {version} would break the staleness bound "
                                f"(next step {self.next_step}); wait until can_admit() holds")
         self._groups[group] = _Group(version)
+        self._by_v0[version] = self._by_v0.get(version, 0) + 1
         self._admitted += 1
         self._peak = max(self._peak, self._in_flight())
 
@@ -230,7 +234,7 @@ class Admission:
             self._discard(chosen)
             self._step_done(chosen)
             return chosen, self._drain_dropped()
-        versions = sorted({g.v0 for g in self._groups.values()})
+        versions = sorted(self._by_v0)
         need = {u: max(0, self._untrained_upto(u) - max(0, u + k - p) * B) for u in versions}
         chosen: list[int] = []
         count = dict.fromkeys(versions, 0)  # chosen groups with v0 <= u
@@ -256,7 +260,12 @@ class Admission:
     def _discard(self, groups: list[int]) -> None:
         gone = set(groups)
         for g in groups:
-            del self._groups[g]
+            v = self._groups.pop(g).v0
+            left = self._by_v0[v] - 1
+            if left:
+                self._by_v0[v] = left
+            else:
+                del self._by_v0[v]
         self._finished = [g for g in self._finished if g not in gone]
 
     def _step_done(self, chosen: list[int]) -> None:

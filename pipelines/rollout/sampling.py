@@ -68,12 +68,12 @@ def _left_pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
 
 
 def select_groups(batches: Sequence[TensorDict], picks: Sequence[tuple[int, int]], group_size: int, *,
-                  pad_id: int, uid_base: int) -> TensorDict:
+                  pad_id: int, uid_base: int, width: int | None = None) -> TensorDict:
     """One batch of the groups `picks` (``(batch number, group number)`` each, in that order) of
-    `batches`; prompts are re-padded on the left to a common width, and ``uid`` renumbered
+    `batches`; prompts are re-padded on the left to a common width (at least `width`), and ``uid`` renumbered
     ``uid_base, uid_base + 1, ...`` per group."""
     rows = [batches[b][g * group_size:(g + 1) * group_size] for b, g in picks]
-    prompt_w = max(int(r["prompt_ids"].shape[1]) for r in rows)
+    prompt_w = max([int(r["prompt_ids"].shape[1]) for r in rows] + [width or 0])
     fixed = []
     for r in rows:
         r = r.clone(recurse=False)

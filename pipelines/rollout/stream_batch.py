@@ -14,10 +14,10 @@ __all__ = ["concat_groups", "version_stats"]
 
 
 def concat_groups(parts: Sequence[TensorDictBase], scores: Sequence[TensorDictBase], *, pad_id: int,
-                  uid_base: int) -> TensorDict:
+                  uid_base: int, width: int | None = None) -> TensorDict:
     """The groups' generate results (`parts`, one prompt group each, in order) with their ``scores``
-    merged in, as one batch: prompts re-padded on the left to a common width, ``uid`` renumbered
-    ``uid_base, uid_base + 1, ...`` per group."""
+    merged in, as one batch: prompts re-padded on the left to a common width (at least `width`: the shards of
+    one step's batch share it), ``uid`` renumbered ``uid_base, uid_base + 1, ...`` per group."""
     if not parts or len(parts) != len(scores):
         raise ValueError(f"concat_groups needs one scores TensorDict per group, got {len(parts)} groups and "
                          f"{len(scores)} scores")
@@ -29,7 +29,8 @@ def concat_groups(parts: Sequence[TensorDictBase], scores: Sequence[TensorDictBa
     size = int(merged[0].batch_size[0])
     if any(int(m.batch_size[0]) != size for m in merged):
         raise ValueError(f"groups of unequal size: {[int(m.batch_size[0]) for m in merged]}")
-    return select_groups(merged, [(i, 0) for i in range(len(merged))], size, pad_id=pad_id, uid_base=uid_base)
+    return select_groups(merged, [(i, 0) for i in range(len(merged))], size, pad_id=pad_id, uid_base=uid_base,
+                         width=width)
 
 
 def version_stats(batch: TensorDictBase, step: int, max_staleness: int) -> dict[str, float]:

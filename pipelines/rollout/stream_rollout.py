@@ -11,8 +11,9 @@ first finished groups that fill it, within ``max_staleness`` per trajectory, not
     weights ──► load export[newest] as soon as it is published (never waits for groups in flight: the
                 update lands at a decoding-round boundary; tokens carry their version)
     take(step) ◄── the first finished groups that keep the bound (Admission.take)
-                   ─► AdvantageWorker.concat_groups(group futures)  (worker to worker; the controller
-                      holds futures only) ─► RolloutBatch(step, min v0, batch future, scores future)
+                   ─► AdvantageWorker.concat_shard(group futures)  (worker to worker, each training rank
+                      builds its own shard of the batch; the controller holds futures only)
+                      ─► RolloutBatch(step, min v0, batch future, scores future)
 
 With ``algorithm.filter_groups`` a finished group whose rewards are all equal is rejected
 (:meth:`Admission.reject`) and the next group admitted in its room. Held-out evaluation runs in the weight
@@ -63,7 +64,7 @@ from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evalu
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
 
-__all__ = ["StreamRollout", "ROUTE_GROUPS", "REPLACE_REPLICAS"]
+__all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "REPLACE_REPLICAS"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -71,6 +72,10 @@ ROUTE_GROUPS = True
 """Send each prompt group to one replica, the least loaded (module docstring). False: one call to the whole
 rollout group, its rows split across every replica (what a run that records rounds does; the twin's benchmark
 measures both)."""
+
+SHARD_STEP_BATCH = True
+"""Build a step's batch in shards, one per training rank (``stages.concat_sharded``). False: on one rank, which
+every training rank then reads whole (what the code did before; ``benchmarks/cluster_twin.py`` measures both)."""
 
 REPLACE_REPLICAS = True
 """Replace a lost replica's engine alone (:meth:`StreamRollout._lose_replica`), its groups issued again on the other
@@ -131,6 +136,7 @@ class StreamRollout:
         self.scaler = StreamScaler(trainer, self)
         """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
         self._prompt_batches: dict[int, Any] = {}  # step -> its prompt rows (_step_prompts)
+        self._prompt_widths: dict[int, int] = {}  # step -> its prompt rows' width (_prompt_width)
         self.handovers: list[tuple[int, dict[str, dict[str, Any]]]] = []
         """``(group, rows)`` of every hand-over that kept decoded tokens: each row (by request key) as the old
         replica returned it (``ids``, ``log_probs``, ``versions``, ``finish``); the group's retry continued them."""
@@ -263,6 +269,13 @@ class StreamRollout:
         a.finishes += 1
         await self._notify()
 
+    def _prompt_width(self, step: int) -> int:
+        """The prompt width (left-padded) of step `step`'s prompt rows: every group of the step has it."""
+        width = self._prompt_widths.get(step)
+        if width is None:
+            width = self._prompt_widths[step] = int(self._step_prompts(step)["prompt_ids"].shape[1])
+        return width
+
     def _step_prompts(self, step: int) -> Any:
         """The prompt rows of step `step`'s batch, built once for its groups (a step's batch costs the controller
         time in proportion to its size: built per group, that was quadratic in the groups per step). The last
@@ -272,6 +285,7 @@ class StreamRollout:
             loader = self._trainer.loader
             assert loader is not None
             got = self._prompt_batches[step] = loader.batch(step)
+            self._prompt_widths[step] = int(got["prompt_ids"].shape[1])
             keep = self._trainer.config.trainer.max_staleness + 2
             for old in [s for s in self._prompt_batches if s < step - keep]:
                 del self._prompt_batches[old]
@@ -519,8 +533,14 @@ class StreamRollout:
         flights = [a.flights.pop(g) for g in chosen]
         groups = tr.groups
         assert groups is not None and tr.loader is not None
-        batch = groups.advantage.concat_groups([f.gen for f in flights], [f.scores for f in flights],
-                                               pad_id=tr.loader.pad_id, uid_base=step * cfg.prompts_per_step)
+        gens, scores = [f.gen for f in flights], [f.scores for f in flights]
+        if SHARD_STEP_BATCH and len(flights) >= groups.advantage.world_size:  # a shard per training rank, built there
+            width = max(self._prompt_width(g // cfg.prompts_per_step) for g in chosen)
+            batch = stages.concat_sharded(groups, gens, scores, pad_id=tr.loader.pad_id,
+                                          uid_base=step * cfg.prompts_per_step, width=width)
+        else:
+            batch = groups.advantage.concat_groups(gens, scores, pad_id=tr.loader.pad_id,
+                                                   uid_base=step * cfg.prompts_per_step)
         metrics: dict[str, float] = dict(await groups.advantage.version_stats(batch, step, cfg.trainer.max_staleness))
         st = a.admission.statistics()
         metrics.update({

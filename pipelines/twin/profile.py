@@ -238,7 +238,8 @@ def _load(path: Path) -> Profile:
     where = f"profile {str(path)!r}"
     unknown = sorted(set(data) - {"name", "description", *_SECTIONS})
     if unknown:
-        raise ProfileError(f"{where}: unknown key {unknown[0]!r}; the keys are name, description, {', '.join(_SECTIONS)}")
+        raise ProfileError(f"{where}: unknown key {unknown[0]!r}; the keys are name, description, "
+                           f"{', '.join(_SECTIONS)}")
     for key in ("name", "description"):
         if not isinstance(data.get(key), str) or not data[key].strip():
             raise ProfileError(f"{where}: {key} must be a non-empty string")

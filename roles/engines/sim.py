@@ -557,7 +557,8 @@ class SimEngine:
         return _Stretch(start, first, a, self.kv_s * R, max(1, n), R)
 
     async def _sleep_until(self, when: float, interruptible: bool) -> bool:
-        """Sleep until `when` (``time.monotonic()``); True when :meth:`_poke` woke it first (only if `interruptible`)."""
+        """Sleep until `when` (``time.monotonic()``); True when :meth:`_poke` woke it first (only if
+        `interruptible`)."""
         if not interruptible:
             await asyncio.sleep(max(0.0, when - time.monotonic()))
             return False

@@ -1,6 +1,6 @@
 """``asyncrl plan`` (pipelines/twin/plan.py): the candidate space, the cost model's G and T, the coordinate search
 against every candidate on a known landscape, and the command's refusals. One real twin run of a candidate at the
-smallest budget checks what a run reports; the plans of the shipped profiles are in docs/scale.md."""
+smallest budget checks what a run reports (slow); the plans of the shipped profiles are in docs/scale.md."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def test_bad_budgets_and_sizes_are_one_line_errors(capsys):
     assert "not a shipped profile" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # one twin run: ~30 s here (its parts are fast tests above; the plans are benchmarks/plan_check.py)
 async def test_a_candidate_runs_in_the_twin_and_reports_its_throughput_idle_time_and_ledger(ray_cluster, tmp_path):
     import asyncio
 

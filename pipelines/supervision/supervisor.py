@@ -173,9 +173,10 @@ class Supervisor:
     def replica_lost(self, error: Exception, rank: int) -> dict[str, Any]:
         """A rollout replica's engine died (``ReplicaLostError`` of `rank`) and is replaced alone, beside the
         others (streaming: :meth:`StreamRollout._replace_replica`); returns its ``restarts`` record (kind
-        ``replace_replica``; the caller fills ``time_s``). It does not count against ``max_restarts``: the pool
-        and the run go on."""
-        record = fault_record("replace_replica", error, from_step=self._trainer.state.policy_version, rank=rank)
+        ``replace_replica``; the caller fills ``time_s`` once the new engine serves). It does not count against
+        ``max_restarts``: the pool and the run go on."""
+        record = fault_record("replace_replica", error, from_step=self._trainer.state.policy_version, rank=rank,
+                              time_s=None)  # (None until the new engine serves: a run may end first)
         self.restarts.append(record)
         log.warning("trainer.replace_replica", error=describe(error), rank=rank)
         return record

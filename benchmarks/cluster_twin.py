@@ -29,8 +29,8 @@ Figures per N (steady state: the steps after ``--warmup``):
 * ``sharded``: routed, and the step's batch built in shards, one per training rank (``SHARD_STEP_BATCH``);
 * ``after``: the code: routed, sharded, and the tracer's sweep amortised.
 
-    python benchmarks/cluster_twin.py                       # N = 1,4,16,64,256, ~20 minutes
-    python benchmarks/cluster_twin.py --replicas 1,4 --steps 6 --quick
+    python benchmarks/cluster_twin.py --variants before,after   # N = 1,4,16,64,256; before up to 64
+    python benchmarks/cluster_twin.py --replicas 1,4 --steps 4 --warmup 1     # a quick look
 
 Writes ``benchmarks/results/cluster_twin.md`` (``--out``).
 """
@@ -301,7 +301,7 @@ def workload(args: argparse.Namespace) -> str:
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in args.replicas:
-        for v in args.variants:
+        for v in [v for v in args.variants if v == "after" or n <= args.variants_upto]:
             load = os.getloadavg()[0]
             r = await run_one(args, n, v)
             r["load"] = load
@@ -316,19 +316,26 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="N = 1,2, before and after, 4 short steps: the mechanism only")
     p.add_argument("--replicas", default="1,4,16,64,256", help="comma-separated rollout replica counts, from 1")
     p.add_argument("--variants", default="after", help=f"comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--profile", default="qwen2_7b_h100_vllm")
     p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady state")
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--group", type=int, default=8, help="responses per prompt group")
-    p.add_argument("--groups-per-replica", type=int, default=2, help="prompt groups per replica per step")
+    p.add_argument("--groups-per-replica", type=int, default=4, help="prompt groups per replica per step")
     p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
     p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
+    p.add_argument("--variants-upto", type=int, default=64,
+                   help="run the variants other than 'after' only up to this N (the code before the fixes splits "
+                        "every group across every replica: at 256 a step takes many minutes)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.quick:
+        args.replicas, args.variants, args.steps, args.warmup = "1,2", "before,after", 4, 1
+        args.groups_per_replica, args.time_scale = 1, 0.05
     args.replicas = [int(x) for x in args.replicas.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]

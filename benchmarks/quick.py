@@ -47,6 +47,7 @@ QUICK: dict[str, tuple[str, ...]] = {  # benchmark (its script's name) -> extra 
     "engine_throughput": (),
     "longtail": (),
     "token_budget": (),
+    "cluster_twin": (),
 }
 
 OWN_RAY = frozenset({"loop_lag", "weight_sync"})

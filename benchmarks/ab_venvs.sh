@@ -9,7 +9,8 @@
 #
 # BEFORE_ROOT: a checkout of the "before" code (e.g. `git worktree add ../base main`); "after" is this
 # tree. ROUNDS (2) applies to dispatch and pipelining; overlap and the TRL step run one round.
-# BENCHES="dispatch pipelining overlap trl" (the default) picks which run.
+# BENCHES="dispatch pipelining overlap trl" (the default) picks which run; overlap_real adds the real
+# tiny presets (long on a loaded machine).
 set -euo pipefail
 before=$(cd "${1:?usage: ab_venvs.sh BEFORE_ROOT [ROUNDS] [OUT_DIR]}" && pwd)
 rounds=${2:-2}
@@ -45,11 +46,12 @@ for b in $benches; do
                 both "$r" "pipelining_r$r" pipelining.py --mib 16 --workers 4 --reps 5
             done ;;
         overlap)
-            both 1 overlap_sim overlap.py --train-ms 2000 --ratios 1 --steps 8 --no-real
+            both 1 overlap_sim overlap.py --train-ms 2000 --ratios 1 --steps 8 --no-real ;;
+        overlap_real)
             both 2 overlap_real overlap.py --no-sweep --floor-rounds 0 ;;
         trl)  # TRL once, beside the "after" run (it imports no asyncrl)
-            run after trl_r1 vs_trl.py --variants trl,bypass_follow --steps 5 --rounds 1 --held-out 0
-            run before trl_r1 vs_trl.py --variants bypass_follow --steps 5 --rounds 1 --held-out 0 ;;
+            run after trl_r1 vs_trl.py --variants trl,bypass_follow --steps 4 --rounds 1 --held-out 0
+            run before trl_r1 vs_trl.py --variants bypass_follow --steps 4 --rounds 1 --held-out 0 ;;
     esac
 done
 echo "results in $out"

@@ -184,6 +184,7 @@ class Sequencer:
         """An ordered call was submitted: remember it per lane (weakly) until it is over."""
         ref = weakref.ref(call)
         for rank, call_id, seq in call.entries:
+            assert seq is not None  # (an ordered call's)
             q = self._issued[rank]
             q.append((seq, call_id, ref))
             if len(q) >= self._sweep_at[rank]:

@@ -326,6 +326,8 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if sharded.pad is not None and len(sharded.pad) != n:
             raise DispatchError(f"dispatch mode {mode.name!r} reported padding for {len(sharded.pad)} ranks; "
                                 f"a group of {n} workers needs one entry per rank")
+        ranks: tuple[int, ...]
+        order: tuple[int, ...]
         if rank is not None:
             sharded, ranks, order, keep = _at_rank(sharded, rank, self.world_size), (rank,), (0,), [True] * self.world_size
         else:

@@ -160,9 +160,11 @@ class Backend(Protocol):
     async def start(self) -> "Backend":
         """Make the backend usable (Ray: start or connect, off the event loop); returns itself."""
 
-    async def make_hosts(self, group: str, slots: Sequence[Slot], n: int, threaded: bool = False) -> list[Any]:
+    async def make_hosts(self, group: str, slots: Sequence[Slot], n: int, threaded: bool = False,
+                         per_process: int = 1) -> list[Any]:
         """Start one host per rank (Ray: actors created off the event loop); `threaded`:
-        hosts without an event loop on the call path (for processes with no concurrent methods)."""
+        hosts without an event loop on the call path (for processes with no concurrent methods);
+        `per_process`: ranks per process, each with a host of its own (one process per slot)."""
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
         """Run a host method (set-up, close); errors arrive in the internal shapes."""

@@ -436,6 +436,46 @@ class ThreadedHost(_HostBase):
                 self._loop.call_soon_threadsafe(self._loop.stop)
 
 
+class RanksHost:
+    """The hosts of several ranks in one process (an async Ray actor): one :class:`WorkerHost` per rank, each with
+    its own worker objects, ordered lane and thread; every method names its rank's host (``index``, the rank's
+    place in this process). What a group of ``ranks_per_process > 1`` runs on (the Ray backend's ``make_hosts``)."""
+
+    def __init__(self, wait: Callable[[Any], Any], ranks: int) -> None:
+        self._hosts = [WorkerHost(wait=wait) for _ in range(ranks)]
+        self._constructing: asyncio.Lock | None = None
+
+    def node_info(self, index: int) -> dict[str, Any]:
+        return self._hosts[index].node_info()
+
+    def host_kind(self, index: int) -> str:
+        return self._hosts[index].host_kind()
+
+    def ping(self, index: int) -> int:
+        return self._hosts[index].ping()
+
+    async def init_workers(self, index: int, specs: list[Any], keep_results: int = 0) -> dict[str, dict[str, Any]]:
+        # One rank's constructors at a time: each rank's run on its own thread, and two threads importing a
+        # lazily-loaded library (transformers) at once can see it half-initialised.
+        if self._constructing is None:
+            self._constructing = asyncio.Lock()
+        async with self._constructing:
+            return await self._hosts[index].init_workers(specs, keep_results)
+
+    async def call(self, index: int, msg: "CallMsg | list[Any]", *top: Any) -> Any:
+        return await self._hosts[index].call(msg, *top)
+
+    def cancel_calls(self, index: int, entries: list[tuple[int, int | None]], deadline: bool = False,
+                     behind: list[tuple[int, int | None]] = (), note: int = 0) -> Any:  # type: ignore[assignment]
+        return self._hosts[index].cancel_calls(entries, deadline, behind, note)
+
+    def control_state(self, index: int) -> dict[str, int]:
+        return self._hosts[index].control_state()
+
+    async def close(self, index: int) -> None:
+        await self._hosts[index].close()
+
+
 class _LoopWork:
     """A coroutine run on the threaded host's event loop for a call whose thread waits for
     it (:meth:`result`). Started and cancelled through the loop's queue, so a cancel always

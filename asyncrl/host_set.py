@@ -71,10 +71,15 @@ class HostSet:
 
     def __init__(self, backend: BackendSpec, pool: ResourcePool | None, world_size: int,
                  roles: list[tuple[str, type, tuple[Any, ...], dict[str, Any]]],
-                 env: Mapping[str, str], name: str, owns_pool: bool, local_results: int | None = None) -> None:
+                 env: Mapping[str, str], name: str, owns_pool: bool, local_results: int | None = None,
+                 ranks_per_process: int = 1) -> None:
         self.backend: Backend = backend  # type: ignore[assignment]  # a stand-in until _start()
         self.pool = pool
         self.world_size = world_size
+        self.ranks_per_process = check_ranks_per_process(ranks_per_process)
+        """Ranks each process hosts (1: a process per rank). With more, each rank still has its own host, worker
+        objects and ordered lane (so its calls are numbered and cancelled on their own), but the ranks of one
+        process share its Python and die with it; they must not each join a torch.distributed group."""
         self.roles = roles
         self.env = dict(env)
         self.name = name
@@ -97,10 +102,18 @@ class HostSet:
         return self.state == "closed"
 
     @property
+    def processes(self) -> int:
+        """Worker processes (bundles of the pool) the set starts: ``ceil(world_size / ranks_per_process)``."""
+        return -(-self.world_size // self.ranks_per_process)
+
+    @property
     def threaded(self) -> bool:
         """Whether the processes get threaded hosts: when no hosted role has a concurrent
         method (those may run unboundedly many calls at once, which an event loop carries
-        and a thread per call would not). ``HOST_KIND`` overrides it (tests)."""
+        and a thread per call would not). ``HOST_KIND`` overrides it (tests). Processes that host
+        several ranks always run them on an event loop (async hosts, one per rank)."""
+        if self.ranks_per_process > 1:
+            return False
         if HOST_KIND is not None:
             return HOST_KIND == "threaded"
         return not any(m.mode is Mode.CONCURRENT for _, cls, *_ in self.roles for m in registered_methods(cls).values())
@@ -139,27 +152,31 @@ class HostSet:
         # pass walks them all on the loop (measured: a 270 ms stall in the middle of
         # setup(), benchmarks/loop_lag.py). The same reasoning as the freeze below.
         gc.freeze()
-        n = self.world_size
+        n, k, procs = self.world_size, self.ranks_per_process, self.processes
         slots = []
         if self.pool is not None:
             await self.pool.place(self.backend)
-            if self.pool.world_size < n:
-                raise ValueError(f"group {self.name!r} needs {n} bundles but its pool has {self.pool.world_size}")
-            slots = self.pool.slots[:n]
+            if self.pool.world_size < procs:
+                raise ValueError(f"group {self.name!r} needs {procs} bundles but its pool has {self.pool.world_size}")
+            slots = self.pool.slots[:procs]
         threaded = self.threaded
-        self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=threaded))
+        if k > 1:
+            self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=threaded, per_process=k))
+        else:
+            self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=threaded))
         info = await self._admin(0, "node_info", "node_info")
         local_world: dict[Any, int] = {}
-        for s in slots:
-            local_world[s.node_key] = local_world.get(s.node_key, 0) + 1
+        for r in range(n if slots else 0):
+            key = slots[r // k].node_key
+            local_world[key] = local_world.get(key, 0) + 1
         specs_per_host = []
         self.contexts = []
         for rank in range(n):
-            slot = slots[rank] if slots else None
+            slot = slots[rank // k] if slots else None
             ctx = WorkerContext(
-                rank=rank, world_size=n, local_rank=slot.local_rank if slot else rank,
+                rank=rank, world_size=n, local_rank=(slot.local_rank * k + rank % k) if slot else rank,
                 group=self.name, role=self.roles[0][0],
-                num_cpus=slot.num_cpus if slot else 1.0, num_gpus=slot.num_gpus if slot else 0.0,
+                num_cpus=slot.num_cpus / k if slot else 1.0, num_gpus=slot.num_gpus / k if slot else 0.0,
             )
             self.contexts.append(ctx)
             env = {
@@ -230,6 +247,13 @@ class HostSet:
                 await self.backend.kill(hosts)
         if self.pool is not None and self.owns_pool:
             await self.pool.release()
+
+
+def check_ranks_per_process(k: Any) -> int:
+    """`k` as a number of ranks per process, or a clear error."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"ranks_per_process must be a positive int (1: a process per rank), got {k!r}")
+    return k
 
 
 def _check_meshes(group: str, role: str, per_rank: list[dict[str, MeshRank]]) -> dict[str, tuple[MeshRank, ...]]:

@@ -30,7 +30,7 @@ from asyncrl.errors import (
 )
 from asyncrl._call import CallPlan, _Call
 from asyncrl.future import GroupFuture
-from asyncrl.host_set import HostSet
+from asyncrl.host_set import HostSet, check_ranks_per_process
 from asyncrl.register import Execute, MethodSpec, RegisteredMethod, registered_methods
 from asyncrl.resources import AsyncResource, ResourcePool
 from asyncrl.worker import PROTECTED_ENV, Worker
@@ -64,30 +64,50 @@ class GroupStats:
     earlier ordered call on the same process: see asyncrl._deferred, ``LocalShard``)."""
 
 
+_KEEP: Any = object()  # an option not given to GroupMethod.options: the method's own stays
+
+
 class GroupMethod(Generic[P, R]):
     """A registered worker method bound to a group; calling it issues a group call."""
 
-    def __init__(self, group: "WorkerGroup[Any]", spec: MethodSpec, timeout: float | None = None) -> None:
+    def __init__(self, group: "WorkerGroup[Any]", spec: MethodSpec, timeout: float | None = None,
+                 rank: int | None = None) -> None:
         self._group = group
         self.spec = spec
         self._timeout = timeout
+        self._rank = rank
         self.__signature__ = spec.signature.replace(parameters=list(spec.signature.parameters.values())[1:])
         self.__name__ = spec.name
         self.__doc__ = f"Group call of {spec.name} ({spec.dispatch_mode.name}, {spec.execute_mode.value}, {spec.mode.value})."
 
-    def options(self, *, timeout: float | None = None) -> "GroupMethod[P, R]":
-        """The same method with call options. `timeout` (seconds) fails the future with
-        :class:`~asyncrl.CallTimeoutError` and cancels the remote work when it passes."""
-        if timeout is not None:
+    def options(self, *, timeout: float | None = _KEEP, rank: int | None = _KEEP) -> "GroupMethod[P, R]":
+        """The same method with call options (those not given keep this method's). `timeout` (seconds) fails
+        the future with :class:`~asyncrl.CallTimeoutError` and cancels the remote work when it passes.
+        `rank` runs the call on that rank alone, as if the group were that one worker: the whole arguments
+        go to it (a data-parallel batch is not split) and the result is what a group of one returns (a
+        batch, a one-item list, or the value of a ``RANK_ZERO`` method). In its lane the call keeps its
+        issue order with the group calls that reach that rank. Not for mesh dispatch modes."""
+        if timeout is _KEEP:
+            timeout = self._timeout
+        elif timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
                 raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return GroupMethod(self._group, self.spec, timeout=float(timeout) if timeout is not None else None)
+        if rank is _KEEP:
+            rank = self._rank
+        elif rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+                raise ValueError(f"rank must be a rank of the group (an int >= 0), got {rank!r}")
+            if self.spec.dispatch_mode.mesh is not None:
+                raise DispatchError(f"{self._group.name}.{self.spec.name} dispatches over mesh "
+                                    f"{self.spec.dispatch_mode.mesh!r}; a call to one rank takes a non-mesh mode")
+        return GroupMethod(self._group, self.spec, timeout=float(timeout) if timeout is not None else None, rank=rank)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> GroupFuture[R]:
-        return self._group._issue(self.spec, args, kwargs, self._timeout)
+        return self._group._issue(self.spec, args, kwargs, self._timeout, self._rank)
 
     def __repr__(self) -> str:
-        return f"<GroupMethod {self._group.name}.{self.spec.name}{self.__signature__}>"
+        at = f" on rank {self._rank}" if self._rank is not None else ""
+        return f"<GroupMethod {self._group.name}.{self.spec.name}{self.__signature__}{at}>"
 
 
 class WorkerGroup(AsyncResource, Generic[W]):
@@ -101,6 +121,12 @@ class WorkerGroup(AsyncResource, Generic[W]):
     keeps, so that a later ordered call in the same process takes one as its pipelined
     input from memory instead of through the controller (default 4, or the environment
     variable ``ASYNCRL_LOCAL_RESULTS``; 0 turns it off).
+
+    `ranks_per_process`: how many ranks each worker process hosts (default 1; the Ray backend). Each
+    rank keeps its own worker object and ordered lane, so calls, cancellation and errors stay per rank,
+    while the ranks of a process share its memory and die with it: for workers light enough to share a
+    process (simulated ones: the cluster twin runs hundreds of replicas this way), never for ranks that
+    each join a torch.distributed group. A pool then needs ``ceil(world_size / ranks_per_process)`` bundles.
     """
 
     def __init__(
@@ -115,6 +141,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         name: str | None = None,
         backend: BackendSpec,
         local_results: int | None = None,
+        ranks_per_process: int = 1,
         _hostset: HostSet | None = None,
         _role: str | None = None,
     ) -> None:
@@ -134,14 +161,17 @@ class WorkerGroup(AsyncResource, Generic[W]):
             n = world_size if world_size is not None else pool.world_size  # type: ignore[union-attr]
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"world_size must be a positive int, got {n!r}")
-            if pool is not None and n > pool.world_size:
-                raise ValueError(f"world_size={n} is larger than the pool's {pool.world_size} bundles")
+            procs = _processes(n, ranks_per_process)
+            if pool is not None and procs > pool.world_size:
+                raise ValueError(f"world_size={n} is larger than the pool's {pool.world_size} bundles"
+                                 + (f" hold at {ranks_per_process} ranks per process" if ranks_per_process > 1 else ""))
             owns = pool is None and backend.needs_pool
             if owns:
-                pool = ResourcePool([n])
+                pool = ResourcePool([procs])
             self.name = name or f"{cls.__name__}_{next(_group_ids)}"
             _hostset = HostSet(backend, pool, n, [("worker", cls, tuple(args), dict(kwargs or {}))], env or {},
-                                self.name, owns_pool=owns, local_results=local_results)
+                                self.name, owns_pool=owns, local_results=local_results,
+                                ranks_per_process=ranks_per_process)
             self._role = "worker"
         else:
             self._role = _role  # type: ignore[assignment]
@@ -261,9 +291,15 @@ class WorkerGroup(AsyncResource, Generic[W]):
                 f"group {self.name!r} is broken: worker rank {rank} died ({detail}). Close it and create a new group"
             )
 
-    def _issue(self, spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None) -> GroupFuture[Any]:
+    def _issue(self, spec: MethodSpec, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None,
+               rank: int | None = None) -> GroupFuture[Any]:
         self._check_usable()
         world = self.world
+        if rank is not None:  # one rank, as a group of one (GroupMethod.options)
+            if rank >= world.world_size:
+                raise ValueError(f"{self.name}.{spec.name}: rank {rank} is not a rank of this group of "
+                                 f"{world.world_size} workers")
+            world = World(1, self.name, {})
         mode = spec.dispatch_mode
         if not _positional_fits(spec, args, kwargs):
             try:
@@ -290,11 +326,36 @@ class WorkerGroup(AsyncResource, Generic[W]):
         if sharded.pad is not None and len(sharded.pad) != n:
             raise DispatchError(f"dispatch mode {mode.name!r} reported padding for {len(sharded.pad)} ranks; "
                                 f"a group of {n} workers needs one entry per rank")
-        ranks, order, keep = self._layout(spec, world)
+        ranks: tuple[int, ...]
+        order: tuple[int, ...]
+        if rank is not None:
+            sharded, ranks, order, keep = _at_rank(sharded, rank, self.world_size), (rank,), (0,), [True] * self.world_size
+        else:
+            ranks, order, keep = self._layout(spec, world)
         plan = CallPlan(self, self._role, spec, world, sharded, ranks, order, keep, producers_of(args, kwargs),
                         timeout, self.time_calls)
         call = self._hostset.sequencer.issue(plan)
         return GroupFuture(call)
+
+
+def _at_rank(sharded: Sharded, rank: int, n: int) -> Sharded:
+    """A group of one's per-rank arguments (`sharded`) placed at `rank` of a group of `n` (the Builder reads a
+    rank's arguments at its index; the other indices are never read)."""
+    def place(xs: Any) -> list[Any]:
+        out: list[Any] = [None] * n
+        out[rank] = xs[0]
+        return out
+
+    pad = None
+    if sharded.pad is not None:
+        pad = [0] * n
+        pad[rank] = sharded.pad[0]
+    return Sharded(tuple(place(a) for a in sharded.args), {k: place(v) for k, v in sharded.kwargs.items()}, pad=pad)
+
+
+def _processes(world_size: int, ranks_per_process: int) -> int:
+    """Processes (bundles) a group of `world_size` ranks needs at `ranks_per_process` ranks each."""
+    return -(-world_size // check_ranks_per_process(ranks_per_process))
 
 
 def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> "Sequence[_Call]":
@@ -329,9 +390,10 @@ class _BackendGroup(WorkerGroup[W]):
     def __init__(self, cls: type[W], pool: ResourcePool | None = None, *, world_size: int | None = None,
                  args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, name: str | None = None,
-                 local_results: int | None = None) -> None:
+                 local_results: int | None = None, ranks_per_process: int = 1) -> None:
         super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
-                         backend=backends.named(self._BACKEND), local_results=local_results)
+                         backend=backends.named(self._BACKEND), local_results=local_results,
+                         ranks_per_process=ranks_per_process)
 
 
 class RayWorkerGroup(_BackendGroup[W]):
@@ -395,6 +457,7 @@ def colocate(
     name: str = "colocated",
     backend: str = "ray",
     local_results: int | None = None,
+    ranks_per_process: int = 1,
 ) -> Colocated:
     """Put several worker classes in the same processes (e.g. policy and reference).
 
@@ -402,24 +465,30 @@ def colocate(
     `local_results`: how many of its latest ordered calls' results each process keeps
     so that a later ordered call there (any role) takes one as its pipelined input from
     memory instead of through the controller (default 4, or ``ASYNCRL_LOCAL_RESULTS``;
-    0 turns it off).
+    0 turns it off). `ranks_per_process`: ranks each process hosts (default 1; see
+    :class:`WorkerGroup`); without `world_size` a pool's bundles hold that many ranks each.
     """
     if not roles:
         raise ValueError("colocate() needs at least one role")
     be = backends.named(backend)
-    n = world_size if world_size is not None else (pool.world_size if pool is not None else None)
+    n = world_size if world_size is not None else (pool.world_size * ranks_per_process if pool is not None else None)
     if n is None:
         raise ValueError("give a ResourcePool or a world_size")
+    procs = _processes(n, ranks_per_process)
+    if pool is not None and procs > pool.world_size:
+        raise ValueError(f"world_size={n} at {ranks_per_process} ranks per process needs {procs} bundles; the pool "
+                         f"has {pool.world_size}")
     owns = pool is None and be.needs_pool
     if owns:
-        pool = ResourcePool([n])
+        pool = ResourcePool([procs])
     specs = []
     for role, v in roles.items():
         cls, a, k = (v, (), {}) if isinstance(v, type) else v
         specs.append((role, cls, tuple(a), dict(k)))
     if env and PROTECTED_ENV & set(env):
         raise ValueError(f"env may not set {sorted(PROTECTED_ENV & set(env))}")
-    hs = HostSet(be, pool, n, specs, env or {}, name, owns_pool=owns, local_results=local_results)
+    hs = HostSet(be, pool, n, specs, env or {}, name, owns_pool=owns, local_results=local_results,
+                 ranks_per_process=ranks_per_process)
     groups = {role: WorkerGroup(cls, backend=be, _hostset=hs, _role=role, name=f"{name}.{role}")
               for role, cls, _, _ in specs}
     return Colocated(hs, groups)

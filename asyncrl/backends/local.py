@@ -48,8 +48,10 @@ class LocalBackend:
     async def start(self) -> "LocalBackend":
         return self
 
-    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False) -> list[WorkerHost]:
-        # In process, every host runs on the controller's loop (`threaded` is a Ray host kind).
+    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False,
+                         per_process: int = 1) -> list[WorkerHost]:
+        # In process, every host runs on the controller's loop (`threaded` is a Ray host kind; every rank
+        # shares this one process whatever `per_process` says).
         return [WorkerHost(wait=_await_local, local=True) for _ in range(n)]
 
     async def admin(self, host: WorkerHost, method: str, *args: Any) -> Any:

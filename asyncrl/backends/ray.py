@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl._backend import Slot
-from asyncrl._host import ThreadedHost, WorkerHost
+from asyncrl._host import RanksHost, ThreadedHost, WorkerHost
 from asyncrl._wire import CallMsg, Payload
 from asyncrl.backends._ray_errors import _input_failed, _translate, await_ray
 from asyncrl.backends._ray_fetch import _RESOLVER, _Fetch, _Peek, _Watch
@@ -73,6 +73,35 @@ def _all_ready(refs: list[Any]) -> bool:
     return len(ready) == len(refs)
 
 
+class _RankMethod:
+    """A method of a :class:`~asyncrl._host.RanksHost` actor bound to one rank's host: ``.remote(*args)`` and ``.options(...)``
+    as an actor method's, the rank's index passed first."""
+
+    __slots__ = ("_method", "_index")
+
+    def __init__(self, method: Any, index: int) -> None:
+        self._method, self._index = method, index
+
+    def remote(self, *args: Any) -> Any:
+        return self._method.remote(self._index, *args)
+
+    def options(self, **kwargs: Any) -> "_RankMethod":
+        return _RankMethod(self._method.options(**kwargs), self._index)
+
+
+class _RankHandle:
+    """One rank's host inside a :class:`~asyncrl._host.RanksHost` process: what the group holds per rank (its lane, its control
+    messages, its calls) in place of an actor handle; `actor` is the process's."""
+
+    __slots__ = ("actor", "index")
+
+    def __init__(self, actor: Any, index: int) -> None:
+        self.actor, self.index = actor, index
+
+    def __getattr__(self, name: str) -> _RankMethod:
+        return _RankMethod(getattr(self.actor, name), self.index)
+
+
 class RayBackend:
     """Worker hosts as Ray actors; every blocking Ray call runs off the event loop."""
 
@@ -86,7 +115,8 @@ class RayBackend:
         # Local wrappers: need no running Ray.
         self._actor_cls = ray.remote(WorkerHost)
         self._threaded_cls = ray.remote(concurrency_groups=THREADED_GROUPS)(ThreadedHost)
-        self._methods: dict[int, _Methods] = {}  # id(host) -> its methods
+        self._ranks_cls = ray.remote(RanksHost)
+        self._methods: dict[int, _Methods] = {}  # id(host) -> its methods (host: an actor, or a _RankHandle)
         # id(host) -> control messages sent (or reserved) to it: each is numbered and every
         # call carries the count, so it runs only after them (control-before-call of docs/protocol.md).
         self._notes: dict[int, int] = {}
@@ -99,17 +129,34 @@ class RayBackend:
             await ainit()
         return self
 
-    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False) -> list[Any]:
+    async def make_hosts(self, group: str, slots: Sequence[Any], n: int, threaded: bool = False,
+                         per_process: int = 1) -> list[Any]:
         # Creating an actor is a GCS round trip (and, the first time, Ray imports what it
         # needs to export the class): in a thread, like every blocking Ray call.
-        return await asyncio.get_running_loop().run_in_executor(None, self._make_hosts, list(slots), n, threaded)
+        return await asyncio.get_running_loop().run_in_executor(None, self._make_hosts, list(slots), n, threaded,
+                                                                per_process)
 
-    def _make_hosts(self, slots: list[Any], n: int, threaded: bool) -> list[Any]:
+    def _make_hosts(self, slots: list[Any], n: int, threaded: bool, per_process: int = 1) -> list[Any]:
+        if per_process > 1:  # one async actor per slot, hosting `per_process` ranks (the last one fewer)
+            actors = self._start_actors(self._ranks_cls, {"max_concurrency": _MAX_CONCURRENCY}, slots,
+                                        -(-n // per_process), lambda i: min(per_process, n - i * per_process))
+            hosts = [_RankHandle(actors[r // per_process], r % per_process) for r in range(n)]
+            threaded = False
+        else:
+            cls, kind = ((self._threaded_cls, {}) if threaded else
+                         (self._actor_cls, {"max_concurrency": _MAX_CONCURRENCY}))
+            hosts = self._start_actors(cls, kind, slots, n, None)
+        for host in hosts:
+            self._methods[id(host)] = _Methods(host, threaded)
+        return hosts
+
+    def _start_actors(self, cls: Any, kind: dict[str, Any], slots: list[Any], n: int,
+                      ranks: Callable[[int], int] | None) -> list[Any]:
         hosts = []
-        cls, kind = (self._threaded_cls, {}) if threaded else (self._actor_cls, {"max_concurrency": _MAX_CONCURRENCY})
         for rank in range(n):
             slot = slots[rank]
-            host = cls.options(
+            args = {"wait": await_ray} if ranks is None else {"wait": await_ray, "ranks": ranks(rank)}
+            hosts.append(cls.options(
                 name=None,
                 num_cpus=slot.num_cpus,
                 num_gpus=slot.num_gpus,
@@ -120,9 +167,7 @@ class RayBackend:
                     placement_group_bundle_index=slot.bundle_index,
                 ),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(max(1, int(slot.num_cpus)))}},
-            ).remote(wait=await_ray)
-            self._methods[id(host)] = _Methods(host, threaded)
-            hosts.append(host)
+            ).remote(**args))
         return hosts
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
@@ -297,9 +342,10 @@ def _cancel_replied(loop: asyncio.AbstractEventLoop | None, replied: Callable[..
 
 
 def _kill_all(hosts: list[Any]) -> None:
-    for h in hosts:
+    actors = {id(a): a for a in (getattr(h, "actor", h) for h in hosts)}  # a process hosting several ranks once
+    for a in actors.values():
         try:
-            ray.kill(h, no_restart=True)
+            ray.kill(a, no_restart=True)
         except Exception:
             pass
 

@@ -23,6 +23,7 @@ from asyncrl.pipelines.job.configlib import ConfigError
 from asyncrl.pipelines.rollout.elastic import WorkerRange, parse_workers
 from asyncrl.pipelines.datasets.evaluation import EvalConfig
 from asyncrl.pipelines.rollout.sampling import FilterGroupsConfig
+from asyncrl.pipelines.twin.profile import TwinConfig, check_twin
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 
 LOGGERS = ("wandb",)
@@ -38,6 +39,7 @@ __all__ = [
     "RestartConfig",
     "StreamConfig",
     "TrainerConfig",
+    "TwinConfig",
     "WorkerRange",
     "config_fingerprint",
 ]
@@ -315,6 +317,9 @@ class JobConfig:
     """The controller settings."""
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation (greedy) before, during and after training (off by default)."""
+    twin: TwinConfig = field(default_factory=TwinConfig)
+    """The cluster twin: the real trainer against simulated GPU workers (off unless ``twin.profile`` is set;
+    docs/scale.md)."""
 
     @property
     def group_size(self) -> int:
@@ -480,6 +485,7 @@ class JobConfig:
             raise ConfigError(f"trainer.rollout_timeout_s must be a positive number of seconds or null (no deadline), "
                               f"got {t.rollout_timeout_s}")
         check_stream(self)
+        check_twin(self)
         self._validate_loss()
         self._validate_data()
         self.evaluation.validate()
@@ -567,7 +573,8 @@ class JobConfig:
         """ConfigError when the pools need more `unit` than the cluster has (`available`; None: unknown)."""
         if available is None:
             return
-        need = sum(self.pool_sizes().values()) * per_worker
+        k = self.twin.replicas_per_process if self.twin.enabled else 1  # the twin hosts k simulated ranks per process
+        need = sum(-(-n // k) for n in self.pool_sizes().values()) * per_worker
         if need > available + 1e-9:
             r = self.trainer.rollout_range
             start = f" (trainer.rollout_workers={r} starts at {r.min})" if r.elastic else ""

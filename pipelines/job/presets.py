@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Sequence
 
 from asyncrl.pipelines.job import configlib
-from asyncrl.pipelines.job.config import AlgorithmConfig, DataConfig, EvalConfig, JobConfig, TrainerConfig
+from asyncrl.pipelines.job.config import AlgorithmConfig, DataConfig, EvalConfig, JobConfig, TrainerConfig, TwinConfig
 from asyncrl.roles import (SMOLLM2_135M_INSTRUCT, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                            RolloutCorrectionConfig)
 
 __all__ = ["load_config", "grpo_toy", "ppo_toy", "grpo_smollm_arith", "grpo_smollm_arith_vllm", "grpo_agents_toy",
-           "grpo_smollm_calculator", "tiny_test", "PRESETS"]
+           "grpo_smollm_calculator", "tiny_test", "twin", "PRESETS"]
 
 
 def grpo_toy() -> JobConfig:
@@ -124,9 +124,23 @@ def tiny_test(algorithm: str = "grpo") -> JobConfig:
     return cfg.validate()
 
 
+def twin() -> JobConfig:
+    """The cluster twin (docs/scale.md): the real trainer, streaming with partial rollout, against 4 simulated vLLM
+    replicas of a 7B model on H100s and 2 simulated training ranks, costs shrunk 100x (``twin.time_scale=0.01``)."""
+    cfg = grpo_toy()
+    cfg.model = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0,
+                            num_threads=1)
+    cfg.twin = TwinConfig(profile="qwen2_7b_h100_vllm", time_scale=0.01)
+    cfg.rollout.partial_rollout = "keep"  # weight versions reach generations in flight (the KV cache kept)
+    cfg.trainer = TrainerConfig(steps=10, batch_size=64, max_staleness=2, rollout_mode="stream", rollout_workers=4,
+                                train_workers=2, seed=0, progress=False, plot=False, tensorboard=False,
+                                samples_per_step=0, output_dir="runs/twin")
+    return cfg.validate()
+
+
 PRESETS = {"grpo_toy": grpo_toy, "ppo_toy": ppo_toy, "grpo_smollm_arith": grpo_smollm_arith,
            "grpo_smollm_arith_vllm": grpo_smollm_arith_vllm, "grpo_agents_toy": grpo_agents_toy,
-           "grpo_smollm_calculator": grpo_smollm_calculator}
+           "grpo_smollm_calculator": grpo_smollm_calculator, "twin": twin}
 """Presets the command line can start from (``asyncrl train --preset NAME``)."""
 
 

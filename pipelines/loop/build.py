@@ -22,6 +22,7 @@ from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pair
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.journaling.rounds import recording_rollout
+from asyncrl.pipelines.twin.workers import twin_roles, twin_rollout
 
 __all__ = ["needs_reference", "reference_worker", "role_specs", "rollout_config", "main_pool", "run_pools",
            "build_rollout_part",
@@ -44,6 +45,8 @@ def rollout_config(cfg: JobConfig) -> Any:
     """The ``RolloutConfig`` the run's rollout workers get (:func:`recording_rollout`); an adapter sync into vLLM
     starts its engine serving LoRA adapters of the policy's rank (``max_lora_rank``, unless the config sets it)."""
     rollout = recording_rollout(cfg)
+    if cfg.twin.enabled:
+        rollout = twin_rollout(cfg, rollout)
     if cfg.trainer.weight_sync == "adapter" and rollout.engine == "vllm":
         rollout = replace(rollout, engine_kwargs={"max_lora_rank": cfg.actor.lora.rank, **rollout.engine_kwargs})
     return rollout
@@ -69,6 +72,8 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
             "fsdp_offload": cfg.actor.fsdp_offload})
     if cfg.algorithm.name == "ppo":
         train_roles["critic"] = (CriticWorker, (cfg.model, cfg.critic), {})
+    if cfg.twin.enabled:  # simulated GPU workers (asyncrl.pipelines.twin)
+        twin_roles(cfg, rollout_roles, train_roles)
     for role, spec in (overrides or {}).items():
         roles = rollout_roles if role in rollout_roles else train_roles if role in train_roles else None
         if roles is None:
@@ -80,14 +85,25 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
     return rollout_roles, train_roles
 
 
+def ranks_per_process(cfg: JobConfig) -> int:
+    """Ranks each worker process hosts: the twin's ``replicas_per_process`` (simulated workers share processes),
+    else 1."""
+    return cfg.twin.replicas_per_process if cfg.twin.enabled else 1
+
+
+def processes(cfg: JobConfig, ranks: int) -> int:
+    """Worker processes (pool bundles) that host `ranks` ranks (:func:`ranks_per_process` each)."""
+    return -(-ranks // ranks_per_process(cfg))
+
+
 def main_pool(cfg: JobConfig) -> ResourcePool:
     """The run's one placement-group pool: rollout + training bundles, or the colocated ones."""
     t = cfg.trainer
     if t.colocated:
         return ResourcePool([t.train_workers], cpus_per_bundle=t.cpus_per_worker, gpus_per_bundle=t.gpus_per_worker,
                             name="asyncrl-colocated")
-    return ResourcePool([t.rollout_start + t.train_workers], cpus_per_bundle=t.cpus_per_worker,
-                        gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
+    return ResourcePool([processes(cfg, t.rollout_start) + processes(cfg, t.train_workers)],
+                        cpus_per_bundle=t.cpus_per_worker, gpus_per_bundle=t.gpus_per_worker, name="asyncrl")
 
 
 def own_pool(cfg: JobConfig, kind: str, *, placement: list[int] | None = None,
@@ -97,7 +113,8 @@ def own_pool(cfg: JobConfig, kind: str, *, placement: list[int] | None = None,
     after a lost node waits up to ``trainer.restart.placement_wait_s`` for the cluster to hold it."""
     t = cfg.trainer
     kw: dict[str, Any] = {"placement_timeout": t.restart.placement_wait_s} if wait_for_capacity else {}
-    return ResourcePool(placement or t.placements()[kind == "train"], cpus_per_bundle=t.cpus_per_worker,
+    per_node = [processes(cfg, n) for n in placement or t.placements()[kind == "train"]]
+    return ResourcePool(per_node, cpus_per_bundle=t.cpus_per_worker,
                         gpus_per_bundle=t.gpus_per_worker, resources_per_bundle=getattr(t, f"{kind}_resources"),
                         name=f"asyncrl-{kind}", wait_for_capacity=wait_for_capacity, **kw)
 
@@ -119,19 +136,23 @@ def _two_pools(cfg: JobConfig, pools: list[ResourcePool]) -> tuple[ResourcePool,
     t = cfg.trainer
     if len(pools) == 2:
         return pools[0], pools[1]
-    rpool, tpool = pools[0].split([t.rollout_start, t.train_workers])
+    rpool, tpool = pools[0].split([processes(cfg, t.rollout_start), processes(cfg, t.train_workers)])
     return rpool, tpool
 
 
-def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pools: list[ResourcePool]) -> Any:
+def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pools: list[ResourcePool],
+                       ranks: int | None = None) -> Any:
     """A new, unstarted rollout-pool part (rollout and reward workers, colocated) on the rollout
     bundles of `pools` (:func:`run_pools` of a two-pool run, placed or not): what replaces the
-    rollout pool's workers after one of them died."""
-    return colocate(role_specs(cfg, overrides)[0], _two_pools(cfg, pools)[0], name="rollout")
+    rollout pool's workers after one of them died. `ranks`: its workers (None: the config's starting size)."""
+    return colocate(role_specs(cfg, overrides)[0], _two_pools(cfg, pools)[0], name="rollout",
+                    world_size=ranks if ranks is not None else cfg.trainer.rollout_start,
+                    ranks_per_process=ranks_per_process(cfg))
 
 
 def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
-                 pools: list[ResourcePool] | None = None) -> tuple[Groups, list[Any], list[ResourcePool]]:
+                 pools: list[ResourcePool] | None = None,
+                 rollout_ranks: int | None = None) -> tuple[Groups, list[Any], list[ResourcePool]]:
     """Unstarted groups for `cfg`: two pools (rollout + reward; policy + advantage + reference +
     critic) or one colocated pool. Returns ``(groups, things to set up and close, pools)``.
 
@@ -139,17 +160,20 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
     ``critic``) to a worker class that replaces the default one with the same constructor
     arguments, or to ``(cls, extra_kwargs)`` (e.g. a subclass that injects faults in tests).
     `pools` reuses the pools of an earlier ``build_groups`` of the same config (their placement
-    groups stay; new actors take the same bundles)."""
+    groups stay; new actors take the same bundles); `rollout_ranks`: the rollout workers of a resized pool
+    (None: the config's starting size)."""
     t = cfg.trainer
     rollout_roles, train_roles = role_specs(cfg, overrides)
     pools = pools or run_pools(cfg)
+    k = ranks_per_process(cfg)
     if t.colocated:
         col = colocate({**rollout_roles, **train_roles}, pools[0], name="colocated")
         parts, cols = [col], {**{r: col for r in rollout_roles}, **{r: col for r in train_roles}}
     else:
         rpool, tpool = _two_pools(cfg, pools)
-        rcol = colocate(rollout_roles, rpool, name="rollout")
-        tcol = colocate(train_roles, tpool, name="train")
+        rcol = colocate(rollout_roles, rpool, name="rollout", world_size=rollout_ranks or t.rollout_start,
+                        ranks_per_process=k)
+        tcol = colocate(train_roles, tpool, name="train", world_size=t.train_workers, ranks_per_process=k)
         parts = [rcol, tcol]
         cols = {**{r: rcol for r in rollout_roles}, **{r: tcol for r in train_roles}}
     g = Groups(
@@ -188,7 +212,8 @@ class Workers:
         On failure the caller closes them (:meth:`release`)."""
         pools = self.pools or run_pools(self.config, rollout_placement=self.rollout_placement,
                                         wait_for_capacity=self._replaced)
-        groups, self.parts, self.pools = build_groups(self.config, self.overrides, pools=pools)
+        ranks = sum(self.rollout_placement) if self.rollout_placement is not None else None
+        groups, self.parts, self.pools = build_groups(self.config, self.overrides, pools=pools, rollout_ranks=ranks)
         await asyncio.gather(*(p.setup() for p in self.parts))
         return groups
 
@@ -208,7 +233,8 @@ class Workers:
                                                          wait_for_capacity=True)
             with contextlib.suppress(Exception):
                 await old.release()
-        new = build_rollout_part(self.config, self.overrides, self.pools)
+        new = build_rollout_part(self.config, self.overrides, self.pools,
+                                 sum(self.rollout_placement) if self.rollout_placement is not None else None)
         self.parts = [new, *self.parts[1:]]  # closed with the rest on any later failure
         await new.setup()
         return new
@@ -219,7 +245,7 @@ class Workers:
         (:meth:`adopt_rollout_part` makes it the pool's). Closed again when it fails to start."""
         assert len(self.pools) == 2, "a resize needs a rollout pool of its own"
         pool = own_pool(self.config, "rollout", placement=[size], wait_for_capacity=True)
-        part = build_rollout_part(self.config, self.overrides, [pool, self.pools[1]])
+        part = build_rollout_part(self.config, self.overrides, [pool, self.pools[1]], size)
         try:
             await part.setup()
         except BaseException:

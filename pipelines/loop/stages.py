@@ -182,9 +182,12 @@ def generate(g: Groups, prompts: TensorDictBase, *, seed: int) -> GroupFuture[Te
     return g.rollout.generate(prompts, seed=seed)
 
 
-def score(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase) -> GroupFuture[TensorDict]:
-    """``TD{scores}`` of the generated batch."""
-    return g.reward.compute_reward(batch)
+def score(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase, *, rank: int | None = None
+          ) -> GroupFuture[TensorDict]:
+    """``TD{scores}`` of the generated batch (on reward rank `rank` alone: where a batch generated on that rollout
+    rank already is)."""
+    compute = g.reward.compute_reward
+    return (compute if rank is None else compute.options(rank=rank))(batch)
 
 
 def old_log_prob(g: Groups, batch: GroupFuture[TensorDict] | TensorDictBase, *,

@@ -4,8 +4,9 @@ first finished groups that fill it, within ``max_staleness`` per trajectory, not
 ::
 
     sampler ──► admit group g at the rollout's version v0   (waits: admission control, pipelines/rollout/admission.py)
-       │          generate_requests(prompts of g)  ─► score   (one call per group, concurrent on the rollout:
-       │                                                       the request-level engine batches their rounds)
+       │          generate_requests(prompts of g)  ─► score   (one call per group to one replica, the one with the
+       │                                                       fewest groups in flight; its request-level engine
+       │                                                       batches the rounds of the groups it holds)
        │          await the scores (small) ─► finished: the group may be taken
     weights ──► load export[newest] as soon as it is published (never waits for groups in flight: the
                 update lands at a decoding-round boundary; tokens carry their version)
@@ -30,6 +31,12 @@ with what their rows decoded (:meth:`StreamRollout.keep_rows`): the retry contin
 replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
 admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
 
+Routing: each group is one call to one replica (``options(rank=r)``) and its score call goes to the same
+rank (the reward shares its process: the rows never leave it), so a group's G rows decode together, one
+engine's batch, whatever the number of replicas. A run that records its engines' rounds (the HF engine, for
+an exact replay) sends each group to the whole rollout group instead, its rows split across the ranks, as a
+replay re-issues them (:data:`ROUTE_GROUPS`).
+
 Replay: after each take the engines' round log goes to the journal's side file, and ``asyncrl replay``
 follows it with :class:`~asyncrl.pipelines.journaling.stream_replay.StreamReplay` (a subclass of this one).
 """
@@ -45,6 +52,7 @@ import anyio.abc
 import structlog
 from asyncrl import Broadcast
 from asyncrl.pipelines.loop import stages
+from asyncrl.pipelines.journaling.rounds import records_rounds
 from asyncrl.pipelines.rollout.admission import Admission, groups_in_flight
 from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch, batch_seed
 from asyncrl.pipelines.supervision.recovery import is_preemption
@@ -52,9 +60,14 @@ from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evalu
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
 
-__all__ = ["StreamRollout"]
+__all__ = ["StreamRollout", "ROUTE_GROUPS"]
 
 log = structlog.get_logger("asyncrl.pipelines")
+
+ROUTE_GROUPS = True
+"""Send each prompt group to one replica, the least loaded (module docstring). False: one call to the whole
+rollout group, its rows split across every replica (what a run that records rounds does; the twin's benchmark
+measures both)."""
 
 
 @dataclass
@@ -92,6 +105,8 @@ class _Attempt:
         self.stopped: dict[int, dict[int, dict[str, int]]] = {}  # pool epoch -> group -> row key -> tokens kept
         self.reissued: dict[int, set[int]] = {}  # pool epoch -> groups whose call there ended and was issued again
         self.reissuing: set[int] = set()  # groups whose call ended, not issued again yet
+        self.load: list[int] = []  # groups in flight per rollout rank (of the pool `load_epoch`)
+        self.load_epoch = -1
 
 
 class StreamRollout:
@@ -160,10 +175,14 @@ class StreamRollout:
             assert groups is not None
             t0 = time.perf_counter()
             resume = a.handed.get(g)  # rows a removed replica handed over: continued from their tokens
+            rank = held = self._route(a, groups.rollout, epoch)  # held: counted in flight on `rank` until it ends
             try:
                 more = {"resume": Broadcast(resume)} if resume else {}
-                gen = tr.tracer.watch(groups.rollout.generate_requests(prompts, seed=batch_seed(cfg, g), **more),
-                                      "generate", step=g // B, group=g, version=v0)
+                generate = groups.rollout.generate_requests
+                if rank is not None:
+                    generate = generate.options(rank=rank)
+                gen = tr.tracer.watch(generate(prompts, seed=batch_seed(cfg, g), **more),
+                                      "generate", step=g // B, group=g, version=v0, rank=rank)
                 a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
                 if not a.issued.get(g):
                     a.issued[g] = True
@@ -180,10 +199,13 @@ class StreamRollout:
                     await gen.select("version")  # ranks' rows are then handed over), not in a score call
                 else:
                     await _finished(gen)
-                sc = stages.score(groups, gen)
+                self._unload(a, held, epoch)
+                held = None
+                sc = stages.score(groups, gen, rank=rank)
                 scores = (await sc)["scores"]
                 break
             except Exception as e:
+                self._unload(a, held, epoch)
                 a.reissued.setdefault(epoch, set()).add(g)  # (a resize's journal: handed over, not drained)
                 a.reissuing.add(g)
                 handing = g in a.handing
@@ -221,6 +243,25 @@ class StreamRollout:
         a.admission.finish(g)
         a.finishes += 1
         await self._notify()
+
+    def _route(self, a: _Attempt, rollout: Any, epoch: int) -> int | None:
+        """The rollout rank a group's calls go to: the one with the fewest groups in flight (the lowest rank of
+        those), counted as in flight from now; None: the whole group (:data:`ROUTE_GROUPS`, a run that records
+        its engines' rounds)."""
+        if not ROUTE_GROUPS or records_rounds(self._trainer.config):
+            return None
+        n = rollout.world_size
+        if a.load_epoch != epoch or len(a.load) != n:  # a new pool: nothing of it in flight yet
+            a.load, a.load_epoch = [0] * n, epoch
+        load = a.load
+        rank = load.index(min(load))
+        load[rank] += 1
+        return rank
+
+    def _unload(self, a: _Attempt, rank: int | None, epoch: int) -> None:
+        """A group's generation on `rank` of pool `epoch` ended (done or failed): no longer in flight there."""
+        if rank is not None and a.load_epoch == epoch and rank < len(a.load):
+            a.load[rank] -= 1
 
     def _rejects(self, a: _Attempt, std: float) -> bool:
         """Dynamic sampling (``algorithm.filter_groups``): reject a group whose rewards are all equal, at

@@ -1,34 +1,49 @@
-"""A simulated generation engine: GPU-like decoding cost, heavy-tailed response lengths.
+"""A simulated generation engine: a GPU-like cost model, heavy-tailed response lengths.
 
-For benchmarks of the rollout schedule (``benchmarks/longtail.py``), not for training. It
-keeps the contract of :class:`~.base.GenerationEngine` (token ids, one log-prob per token,
-a finish reason) and models what decides a schedule's speed on a GPU:
+For the schedules of ``benchmarks/longtail.py`` and for the cluster twin (``asyncrl.pipelines.twin``), not
+for training a model. It keeps the contract of :class:`~.base.GenerationEngine` (token ids, one log-prob per
+token, a finish reason) and models what decides a schedule's speed on a GPU:
 
-* **A decoding step costs the same whatever the batch size** (``step_ms``, up to
-  ``max_batch_size`` requests): decoding is memory-bound, so a step of 1 request and a step
-  of 64 take the same time. Every active request gets one token per step; requests join
-  and leave at step boundaries (continuous batching, as vLLM schedules). A batch whose
-  rows finish at different lengths therefore leaves slots idle until its longest row ends.
-* **Response lengths are heavy-tailed**: log-normal with median ``median_tokens`` and
-  log-space deviation ``sigma`` (p99/p50 = exp(2.326 sigma): 16x at sigma 1.2), drawn from
-  the request's sampling seed, capped by ``max_new_tokens``; reaching the cap ends with
-  ``"length"``, any shorter response ends on EOS (``"stop"``).
-* The cost is **slept**, not computed, on an absolute clock: step k of a busy stretch ends
-  at ``start + k * step_ms``, so a late wake-up on a loaded CPU is caught up (at most
-  ``catchup_ms`` behind) rather than added to every later step.
+* **Continuous batching.** Every running request gets one token per decoding step; requests join and leave at
+  step boundaries, at most ``max_batch_size`` at once (vLLM's ``max_num_seqs``), first come first served. A
+  batch whose rows finish at different lengths leaves slots idle until its longest row ends.
+* **A decoding step's cost** is ``step_ms + step_ms_per_seq * R + step_ms_per_1k_kv * C / 1000`` for R running
+  requests holding C context tokens (prompt + tokens so far): the weights are read once per step whatever the
+  batch (``step_ms``), each request adds its own work, attention reads the KV cache. With the defaults (only
+  ``step_ms``) a step of 1 request and a step of 64 cost the same: decoding is memory-bound.
+* **Prefill**: a request admitted to a step adds ``prefill_ms_per_token`` per prompt token to it (chunked
+  prefill rides along with decoding).
+* **KV cache**: with ``kv_capacity_tokens`` set, a request is admitted only while the running requests'
+  context fits, and when growing contexts overflow it the newest running request is preempted: it waits again
+  (first in line) and re-prefills its prompt and tokens when it is admitted again (vLLM's recompute).
+* **Response lengths are heavy-tailed**: log-normal with median ``median_tokens`` and log-space deviation
+  ``sigma`` (p99/p50 = exp(2.326 sigma): 16x at sigma 1.2), or an empirical histogram (``length_histogram``),
+  drawn from the request's sampling seed, capped by ``max_new_tokens``; reaching the cap ends with
+  ``"length"``, any shorter response ends on EOS (``"stop"``). ``prompt_sigma`` spreads each prompt's own
+  median (its responses share its difficulty).
+* **Tokens per id** (``tokens_per_step`` k): the engine decodes simulated tokens (one per request and step,
+  as above) but a response carries one id per k of them (``ceil(tokens / k)``; ``max_new_tokens`` counts ids,
+  so the cap is k times as many tokens), so a twin of long responses moves k times fewer ids through the data
+  plane while pauses and loads still land between single decoding steps. k = 1 (the default) is a token per
+  id.
+* The cost is **slept**, not computed, on an absolute clock, and the engine sleeps from one event to the next
+  (a request finishing, a new request, a pause, a weight load, the KV cache filling up), not once per step: a
+  stretch of n steps is one sleep, so hundreds of simulated engines fit on one CPU core. A late wake-up on a
+  loaded CPU is caught up (at most ``catchup_ms`` behind) rather than added to every later step. With
+  :attr:`on_step` set (tests) it stops after every step.
 
 Weight updates follow the rollout worker's protocol for request-level generation
 (``RolloutConfig.partial_rollout``, docs/partial_rollout.md). Without partial rollout the worker
 waits for the generations in flight, so the engine loads idle; a load that does arrive with
 requests in flight (:meth:`aload_weights`) waits for the end of the running *round* of
 ``round_steps`` decoding steps and the requests then re-prefill prompt + tokens so far
-(``prefill_ms``, once for all of them). With partial rollout the worker
-holds the engine with :meth:`apaused` after its current decoding step and loads inside the pause;
-``recompute`` then costs the re-prefill, ``keep`` decodes on (the KV cache kept). A load costs
+(``prefill_ms`` plus ``prefill_ms_per_token`` per context token, once for all of them). With partial
+rollout the worker holds the engine with :meth:`apaused` after its current decoding step and loads inside the
+pause; ``recompute`` then costs the re-prefill, ``keep`` decodes on (the KV cache kept). A load costs
 ``load_ms``. With partial rollout the worker submits through :meth:`agenerate_request`, and each
-token records the worker's weight version at the step that produced it. :meth:`statistics` counts steps, the decode slots used, tokens and the peak
-requests in flight, which a benchmark turns into the engine's idle fraction:
-``1 - slots used / (max_batch_size * elapsed / step_ms)`` (:meth:`idle_between` over a window).
+token records the worker's weight version at the step that produced it. :meth:`statistics` counts steps, the
+decode slots used, tokens and the peak requests in flight, which a benchmark turns into the engine's idle
+fraction: ``1 - slots used / (max_batch_size * elapsed / step_ms)`` (:meth:`idle_between` over a window).
 """
 
 from __future__ import annotations
@@ -44,7 +59,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 from asyncrl.roles.errors import PauseDeadlineError
 from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests, register_engine
 
-__all__ = ["SimEngine", "SimStats", "response_length"]
+__all__ = ["SimEngine", "SimStats", "response_length", "draw_length"]
 
 
 def response_length(seed: int, max_new_tokens: int, median_tokens: float, sigma: float) -> int:
@@ -52,6 +67,27 @@ def response_length(seed: int, max_new_tokens: int, median_tokens: float, sigma:
     `median_tokens`, log-space deviation `sigma`), at least 1, at most `max_new_tokens`."""
     draw = random.Random(seed).lognormvariate(math.log(median_tokens), sigma)
     return max(1, min(max_new_tokens, round(draw)))
+
+
+def draw_length(seed: int, prompt: list[int] | tuple[int, ...], max_new_tokens: int, *, median_tokens: float,
+                sigma: float, prompt_sigma: float = 0.0,
+                histogram: tuple[list[float], list[float]] | None = None, tokens_per_id: int = 1) -> int:
+    """The simulated response length, in tokens, of a request for `prompt` sampled with `seed`: a draw from the
+    log-normal (median `median_tokens` times the prompt's own factor ``exp(prompt_sigma * z)``, z drawn from
+    the prompt) or from `histogram` (``(edges, counts)``, uniform within a bin), at least 1, at most
+    `max_new_tokens` ids of `tokens_per_id` tokens each. Without a prompt spread, a histogram or k > 1 it is
+    :func:`response_length`."""
+    rng = random.Random(seed)
+    if histogram is not None:
+        edges, counts = histogram
+        i = rng.choices(range(len(counts)), weights=counts)[0]
+        draw = rng.uniform(edges[i], edges[i + 1])
+    else:
+        median = median_tokens
+        if prompt_sigma > 0:
+            median *= math.exp(prompt_sigma * random.Random(hash(tuple(prompt))).gauss(0.0, 1.0))
+        draw = rng.lognormvariate(math.log(median), sigma)
+    return max(1, min(max_new_tokens * tokens_per_id, round(draw)))
 
 
 @dataclass
@@ -67,7 +103,7 @@ class SimStats:
     slots_available: float
     """``max_batch_size * elapsed_s / step_s``: the slots a never-idle engine would have had."""
     tokens: int
-    """Tokens of the requests that finished."""
+    """Tokens (ids) of the requests that finished."""
     requests: int
     """Requests that finished."""
     peak_in_flight: int
@@ -78,6 +114,10 @@ class SimStats:
     """Re-prefills of the requests in flight after a load (each costs ``prefill_ms``)."""
     load_steps: list[int]
     """The decoding step count at each load (a load without partial rollout lands at a round's end)."""
+    preemptions: int = 0
+    """Requests preempted because the KV cache was full (each re-prefilled when admitted again)."""
+    busy_s: float = 0.0
+    """Seconds with at least one request decoding."""
 
     @property
     def idle_fraction(self) -> float:
@@ -86,35 +126,100 @@ class SimStats:
 
 
 class _Request:
-    __slots__ = ("future", "length", "max_new_tokens", "rng", "tokens", "version_fn", "versions")
+    __slots__ = ("future", "length", "max_new_tokens", "seed", "done", "version_fn", "versions", "prompt_tokens",
+                 "prefilled")
 
     def __init__(self, length: int, max_new_tokens: int, seed: int, future: asyncio.Future[Completion],
-                 version_fn: Callable[[], int] | None = None) -> None:
+                 version_fn: Callable[[], int] | None, prompt_tokens: int) -> None:
         self.length = length
         self.max_new_tokens = max_new_tokens
-        self.rng = random.Random(seed ^ 0x5EED)
-        self.tokens: list[int] = []
+        self.seed = seed
+        self.done = 0  # tokens decoded so far
         self.future = future
         self.version_fn = version_fn
-        self.versions: list[int] = []
+        self.versions: list[tuple[int, int]] = []  # (version, tokens) runs, in order
+        self.prompt_tokens = prompt_tokens
+        self.prefilled = False  # its context is in the KV cache (admitted and not preempted since)
+
+    def tokens(self, vocab: int, eos_id: int, k: int) -> list[int]:
+        """Its ids, one per k tokens: uniform over the vocabulary but EOS, EOS last when it stopped short of the
+        cap."""
+        rng = random.Random(self.seed ^ 0x5EED)
+        n, stopped = -(-self.length // k), self.length < self.max_new_tokens * k
+        out = []
+        for _ in range(n - stopped):
+            tok = rng.randrange(vocab - 1)
+            out.append(tok if tok < eos_id else tok + 1)  # never EOS before the end
+        if stopped:
+            out.append(eos_id)
+        return out
+
+    def version_list(self, k: int) -> list[int]:
+        """The version of each id: the version its last token was decoded under."""
+        out: list[int] = []
+        end = 0
+        for v, n in self.versions:
+            end += n
+            out.extend([v] * (end // k - len(out)))  # the ids whose last token is in this run
+        if end % k:
+            out.append(self.versions[-1][0])  # the last id, shorter than k tokens
+        return out
+
+
+class _Stretch:
+    """A run of decoding steps with the same requests: one sleep (costs in seconds)."""
+
+    __slots__ = ("start", "first", "a", "b", "n", "running")
+
+    def __init__(self, start: float, first: float, a: float, b: float, n: int, running: int) -> None:
+        self.start, self.first, self.a, self.b, self.n, self.running = start, first, a, b, n, running
+
+    def end_of(self, m: int) -> float:
+        """Clock time at which step m (1-based) of the stretch ends."""
+        return self.start + self.first + m * self.a + self.b * m * (m - 1) / 2
+
+    def steps_by(self, t: float) -> int:
+        """Steps of the stretch finished by clock time `t`."""
+        x = t - self.start - self.first
+        if x < self.a:
+            return 0
+        if self.b <= 0:
+            m = int(x / self.a)
+        else:  # b/2 m^2 + (a - b/2) m - x <= 0
+            h = self.a - self.b / 2
+            m = int((-h + math.sqrt(h * h + 2 * self.b * x)) / self.b)
+        m = max(0, min(self.n, m))
+        while m < self.n and self.end_of(m + 1) <= t:
+            m += 1
+        while m > 0 and self.end_of(m) > t:
+            m -= 1
+        return m
 
 
 @register_engine("sim")
 class SimEngine:
-    """A generation engine that sleeps a GPU-like decoding cost (see the module docstring).
+    """A generation engine that sleeps a GPU-like cost (see the module docstring).
 
     Args:
         model: unused (the engine keeps the registry's factory signature).
         tokenizer: gives the vocabulary size and the EOS id of the sampled tokens.
         model_dir: unused.
-        step_ms: cost of one decoding step, whatever the number of requests in it.
+        step_ms: a decoding step's fixed cost (whatever the number of requests in it).
         max_batch_size: decode slots: most requests in one step (the rest wait for a slot).
-        median_tokens: median response length.
+        median_tokens: median response length, in tokens.
         sigma: log-space standard deviation of the response lengths (the tail's weight).
         load_ms: cost of a weight load.
         prefill_ms: cost of re-prefilling the requests in flight after a weight load (not after ``keep``).
         round_steps: decoding steps per round: a load without partial rollout waits for a round's end.
         catchup_ms: most a late step is caught up on the engine's clock.
+        step_ms_per_seq: a decoding step's cost per running request.
+        step_ms_per_1k_kv: a decoding step's cost per 1000 context tokens of the running requests.
+        prefill_ms_per_token: prefill cost per context token of an admitted (or re-prefilled) request.
+        kv_capacity_tokens: context tokens the KV cache holds (None: unbounded).
+        tokens_per_step: simulated tokens per emitted id (k; the cap is ``max_new_tokens`` ids of k tokens).
+        prompt_tokens: a request's prompt length for the costs (None: its real prompt's).
+        prompt_sigma: log-space spread of each prompt's own median response length.
+        length_histogram: ``(edges, counts)`` in tokens: draw lengths from it instead of the log-normal.
     """
 
     partial_rollout_modes = ("keep", "recompute")
@@ -123,11 +228,28 @@ class SimEngine:
     def __init__(self, *, model: Any = None, tokenizer: Any = None, model_dir: str | None = None,
                  step_ms: float = 5.0, max_batch_size: int = 32, median_tokens: float = 16.0, sigma: float = 1.2,
                  load_ms: float = 0.0, prefill_ms: float = 0.0, round_steps: int = 32,
-                 catchup_ms: float = 50.0) -> None:
-        if step_ms <= 0 or max_batch_size < 1 or median_tokens < 1 or sigma < 0 or round_steps < 1:
-            raise ValueError(f"SimEngine needs step_ms > 0, max_batch_size >= 1, median_tokens >= 1, sigma >= 0 and "
+                 catchup_ms: float = 50.0, step_ms_per_seq: float = 0.0, step_ms_per_1k_kv: float = 0.0,
+                 prefill_ms_per_token: float = 0.0, kv_capacity_tokens: int | None = None,
+                 tokens_per_step: int = 1, prompt_tokens: int | None = None, prompt_sigma: float = 0.0,
+                 length_histogram: tuple[list[float], list[float]] | None = None) -> None:
+        if step_ms < 0 or max_batch_size < 1 or median_tokens < 1 or sigma < 0 or round_steps < 1:
+            raise ValueError(f"SimEngine needs step_ms >= 0, max_batch_size >= 1, median_tokens >= 1, sigma >= 0 and "
                              f"round_steps >= 1; got {step_ms}, {max_batch_size}, {median_tokens}, {sigma}, {round_steps}")
+        if step_ms_per_seq < 0 or step_ms_per_1k_kv < 0 or prefill_ms_per_token < 0 or step_ms + step_ms_per_seq <= 0:
+            raise ValueError("SimEngine's step_ms_per_seq, step_ms_per_1k_kv and prefill_ms_per_token must be >= 0 "
+                             "and a step must cost something (step_ms + step_ms_per_seq > 0)")
+        if tokens_per_step < 1 or (kv_capacity_tokens is not None and kv_capacity_tokens < 1):
+            raise ValueError(f"SimEngine needs tokens_per_step >= 1 and kv_capacity_tokens >= 1 or None; got "
+                             f"{tokens_per_step}, {kv_capacity_tokens}")
         self.step_s = step_ms / 1e3
+        self.seq_s = step_ms_per_seq / 1e3
+        self.kv_s = step_ms_per_1k_kv / 1e6  # per context token
+        self.prefill_token_s = prefill_ms_per_token / 1e3
+        self.kv_capacity = kv_capacity_tokens
+        self.k = tokens_per_step
+        self.prompt_tokens = prompt_tokens
+        self.prompt_sigma = prompt_sigma
+        self.histogram = (list(length_histogram[0]), list(length_histogram[1])) if length_histogram else None
         self.max_batch_size = max_batch_size
         self.median_tokens = median_tokens
         self.sigma = sigma
@@ -141,16 +263,18 @@ class SimEngine:
         self.log_prob = -math.log(self.vocab - 1)  # tokens are drawn uniformly from all but EOS
         self._waiting: list[_Request] = []
         self._active: list[_Request] = []
-        self._wakeup: asyncio.Event | None = None
+        self._waker: asyncio.Future[None] | None = None  # the driver's sleep, cut short by _poke
         self._lock: asyncio.Lock | None = None
         self._driver: asyncio.Task[None] | None = None
         self._clock: float | None = None
+        self._stretch: _Stretch | None = None  # the steps running now
         self._prefill_due = False
         self._round_pos = 0  # decoding steps into the running round
         self._loads_waiting: list[asyncio.Future[None]] = []  # loads waiting for a round's end
         self._pauses = 0  # apaused() blocks open
         self.on_step: Callable[[int], None] | None = None
-        """Called with the step count after each decoding step, on the engine's loop (tests hook it)."""
+        """Called with the step count after each decoding step, on the engine's loop (tests hook it); while it
+        is set the engine stops after every step."""
         self._round_done = asyncio.Event()
         self._load_sleep = 0.0  # the cost of the last load, paid by the driver or the pause
         self.reset_statistics()
@@ -168,7 +292,7 @@ class SimEngine:
         """``(prompt index, completion)`` as each finishes; closing the stream drops the rest."""
         loop = asyncio.get_running_loop()
         base = params.seed if params.seed is not None else random.getrandbits(30)
-        futures = [self._submit(base + i, params.max_new_tokens, loop) for i in range(len(prompts))]
+        futures = [self._submit(base + i, prompts[i], params.max_new_tokens, loop) for i in range(len(prompts))]
         index = {f: i for i, f in enumerate(futures)}
         pending = set(futures)
         try:
@@ -187,7 +311,7 @@ class SimEngine:
         from asyncrl.roles.engines.batcher import Generation
 
         seed = params.seed if params.seed is not None else random.getrandbits(30)
-        future = self._submit(seed, params.max_new_tokens, asyncio.get_running_loop(), version_fn)
+        future = self._submit(seed, prompt, params.max_new_tokens, asyncio.get_running_loop(), version_fn)
         try:
             c = await future
         finally:
@@ -220,8 +344,7 @@ class SimEngine:
         loop = asyncio.get_running_loop()
         turn: asyncio.Future[None] = loop.create_future()
         self._loads_waiting.append(turn)
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._poke()  # a stretch in progress ends at its next step boundary
         try:
             await turn  # the driver stopped at a round's end and waits for this load
             self._load_now(named_tensors, prefill=True)
@@ -264,6 +387,7 @@ class SimEngine:
         lock = self._step_lock()
         interrupted = lock.locked()
         self._pauses += 1
+        self._poke()  # a stretch in progress ends at its next step boundary
         try:
             try:
                 async with asyncio.timeout(deadline_s):
@@ -297,26 +421,52 @@ class SimEngine:
         """Start counting again (steps, slots, tokens, the peak in flight) from now."""
         self._since = time.monotonic()
         self._steps = self._slots = self._tokens = self._requests = self._loads = self._prefills = 0
+        self._preemptions = 0
+        self._busy = 0.0
         self._load_steps: list[int] = []
         self._peak = len(self._waiting) + len(self._active)
-        self._log: list[tuple[float, int]] = []  # (monotonic end, slots used) of each step
+        self._log: list[tuple[float, float, int]] = []  # (monotonic start, end, slots used) of each stretch
 
     def idle_between(self, start: float, end: float) -> float:
         """Share of the decode slots left unused between two ``time.monotonic()`` readings (any process
         on this machine: the clock is system-wide) since the last reset."""
-        used = sum(n for t, n in self._log if start < t <= end)
-        available = self.max_batch_size * (end - start) / self.step_s
+        used = 0.0
+        for t0, t1, n in self._log:
+            if t1 <= start or t0 >= end:
+                continue
+            if start <= t0 and t1 <= end:
+                used += n
+            else:  # a stretch across the window's edge: its share inside
+                used += n * (min(t1, end) - max(t0, start)) / (t1 - t0)
+        available = self.max_batch_size * (end - start) / self.step_s if self.step_s > 0 else 0.0
         return 1.0 - used / available if available > 0 else 0.0
 
     def statistics(self) -> SimStats:
-        """What the engine did since the last :meth:`reset_statistics`."""
+        """What the engine did since the last :meth:`reset_statistics` (the steps of a stretch in progress
+        counted as far as they went)."""
         elapsed = time.monotonic() - self._since
-        return SimStats(elapsed_s=elapsed, steps=self._steps, slots_used=self._slots,
-                        slots_available=self.max_batch_size * elapsed / self.step_s, tokens=self._tokens,
-                        requests=self._requests, peak_in_flight=self._peak, loads=self._loads,
-                        prefills=self._prefills, load_steps=list(self._load_steps))
+        steps, slots = self._steps, self._slots
+        st = self._stretch
+        if st is not None:
+            m = st.steps_by(time.monotonic())
+            steps, slots = steps + m, slots + m * st.running
+        available = self.max_batch_size * elapsed / self.step_s if self.step_s > 0 else 0.0
+        return SimStats(elapsed_s=elapsed, steps=steps, slots_used=slots, slots_available=available,
+                        tokens=self._tokens, requests=self._requests, peak_in_flight=self._peak, loads=self._loads,
+                        prefills=self._prefills, load_steps=list(self._load_steps), preemptions=self._preemptions,
+                        busy_s=self._busy)
 
     # ---- the driver ------------------------------------------------------------------------
+
+    def _poke(self) -> None:
+        """Wake the driver from its sleep (a stretch in progress then ends at its next step boundary)."""
+        w = self._waker
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _on_done(self, future: asyncio.Future[Completion]) -> None:
+        if future.cancelled():
+            self._poke()  # drop it at the next step boundary, not at the stretch's end
 
     async def _serve_loads(self) -> None:
         """At a round's end: let each waiting load in (one at a time), then pay what they cost."""
@@ -337,31 +487,94 @@ class SimEngine:
             self._lock = asyncio.Lock()
         return self._lock
 
-    def _submit(self, seed: int, max_new_tokens: int, loop: asyncio.AbstractEventLoop,
+    def _submit(self, seed: int, prompt: list[int], max_new_tokens: int, loop: asyncio.AbstractEventLoop,
                 version_fn: Callable[[], int] | None = None) -> asyncio.Future[Completion]:
         future: asyncio.Future[Completion] = loop.create_future()
-        length = response_length(seed, max_new_tokens, self.median_tokens, self.sigma)
-        self._waiting.append(_Request(length, max_new_tokens, seed, future, version_fn))
+        length = draw_length(seed, prompt, max_new_tokens, median_tokens=self.median_tokens, sigma=self.sigma,
+                             prompt_sigma=self.prompt_sigma, histogram=self.histogram, tokens_per_id=self.k)
+        tokens = self.prompt_tokens if self.prompt_tokens is not None else len(prompt)
+        self._waiting.append(_Request(length, max_new_tokens, seed, future, version_fn, tokens))
+        future.add_done_callback(self._on_done)
         self._peak = max(self._peak, len(self._waiting) + len(self._active))
-        if self._wakeup is None:
-            self._wakeup = asyncio.Event()
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive(), name="asyncrl-sim-engine")
-        self._wakeup.set()
+        self._poke()
         return future
 
-    async def _drive(self) -> None:
-        from asyncrl.roles.engines.batcher import Generation
+    def _context(self, r: _Request) -> int:
+        """Tokens `r` holds in the KV cache (prompt + its tokens so far)."""
+        return r.prompt_tokens + r.done
 
-        assert self._wakeup is not None
+    def _admit(self) -> float:
+        """At a step boundary: move waiting requests into free slots while the KV cache holds them; returns
+        their prefill cost (seconds)."""
+        self._active = [r for r in self._active if not r.future.done()]
+        self._waiting = [r for r in self._waiting if not r.future.done()]
+        cost = 0.0
+        if not self._waiting or len(self._active) >= self.max_batch_size:
+            return cost
+        used = sum(self._context(r) for r in self._active) if self.kv_capacity is not None else 0
+        n = 0
+        for r in self._waiting:
+            if len(self._active) + n >= self.max_batch_size:
+                break
+            ctx = self._context(r)
+            if self.kv_capacity is not None:
+                if used + ctx + 1 > self.kv_capacity and (self._active or n):
+                    break  # first come, first served: the head of the line waits for room
+                used += ctx
+            cost += ctx * self.prefill_token_s
+            r.prefilled = True
+            n += 1
+        self._active += self._waiting[:n]
+        del self._waiting[:n]
+        return cost
+
+    def _preempt(self) -> None:
+        """The KV cache cannot hold the next step: the newest running requests wait again (first in line)."""
+        assert self.kv_capacity is not None
+        while len(self._active) > 1 and sum(self._context(r) + 1 for r in self._active) > self.kv_capacity:
+            r = self._active.pop()
+            r.prefilled = False
+            self._waiting.insert(0, r)
+            self._preemptions += 1
+
+    def _plan(self, start: float, first: float) -> _Stretch:
+        """The next stretch: the steps until the next event the engine can foresee (a request finishing, a
+        round's end with a load waiting, the KV cache filling up), or one step while `on_step` is set."""
+        active = self._active
+        R = len(active)
+        C = sum(self._context(r) for r in active)
+        n = min(r.length - r.done for r in active)
+        if self._loads_waiting:
+            n = min(n, self.round_steps - self._round_pos)
+        if self.kv_capacity is not None:
+            n = min(n, max(1, (self.kv_capacity - C) // R))
+        if self.on_step is not None:
+            n = 1
+        # step i of the stretch: R requests holding C + i * R tokens of context
+        a = self.step_s + self.seq_s * R + self.kv_s * C
+        return _Stretch(start, first, a, self.kv_s * R, max(1, n), R)
+
+    async def _sleep_until(self, when: float, interruptible: bool) -> bool:
+        """Sleep until `when` (``time.monotonic()``); True when :meth:`_poke` woke it first (only if `interruptible`)."""
+        if not interruptible:
+            await asyncio.sleep(max(0.0, when - time.monotonic()))
+            return False
         loop = asyncio.get_running_loop()
+        waker: asyncio.Future[None] = loop.create_future()
+        self._waker = waker
+        handle = loop.call_later(max(0.0, when - time.monotonic()), _wake, waker)
+        try:
+            await waker
+        finally:
+            handle.cancel()
+            self._waker = None
+        return time.monotonic() < when
+
+    async def _drive(self) -> None:
         while True:
-            self._active = [r for r in self._active if not r.future.done()]
-            self._waiting = [r for r in self._waiting if not r.future.done()]
-            room = self.max_batch_size - len(self._active)
-            if room > 0 and self._waiting:
-                self._active += self._waiting[:room]
-                del self._waiting[:room]
+            prefill = self._admit()
             if self._loads_waiting and (self._round_pos == 0 or not self._active):
                 async with self._step_lock():
                     await self._serve_loads()
@@ -370,42 +583,77 @@ class SimEngine:
             if not self._active:
                 self._clock = None
                 self._round_pos = 0
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                if not self._waiting:
+                    await self._sleep_until(time.monotonic() + 3600.0, True)
                 continue
+            if self.kv_capacity is not None and self._active:
+                self._preempt()
             async with self._step_lock():
-                now = loop.time()
+                now = time.monotonic()
                 if self._clock is None or now - self._clock > self.catchup_s:
                     self._clock = now  # idle before this step (or too late to catch up)
-                self._clock += self.step_s
                 if self._prefill_due:
-                    self._clock += self.prefill_s
+                    ctx = sum(self._context(r) for r in self._active)
+                    prefill += self.prefill_s + ctx * self.prefill_token_s
                     self._prefill_due = False
                     self._prefills += 1
-                # always yield once: requests and pauses of other coroutines get in between steps
-                await asyncio.sleep(max(0.0, self._clock - loop.time()))
-                batch = [r for r in self._active if not r.future.done()]
-                self._steps += 1
-                self._round_pos = (self._round_pos + 1) % self.round_steps
-                self._slots += len(batch)
-                self._log.append((time.monotonic(), len(batch)))
-                for r in batch:
-                    if r.version_fn is not None:
-                        r.versions.append(int(r.version_fn()))
-                    last = len(r.tokens) + 1 == r.length
-                    if last and r.length < r.max_new_tokens:
-                        r.tokens.append(self.eos_id)
-                    else:
-                        tok = r.rng.randrange(self.vocab - 1)
-                        r.tokens.append(tok if tok < self.eos_id else tok + 1)  # never EOS before the end
-                    if last:
-                        finish = "stop" if r.length < r.max_new_tokens else "length"
-                        self._tokens += len(r.tokens)
-                        self._requests += 1
-                        logps = [self.log_prob] * len(r.tokens)
-                        if r.version_fn is None:
-                            r.future.set_result(Completion(list(r.tokens), logps, finish))
-                        else:
-                            r.future.set_result(Generation(list(r.tokens), logps, finish, versions=list(r.versions)))
-                if self.on_step is not None:
-                    self.on_step(self._steps)
+                st = self._stretch = self._plan(self._clock, prefill)
+                t_start = now
+                end = st.end_of(st.n)
+                # always yield once: requests and pauses of other coroutines get in between stretches
+                if await self._sleep_until(end, True):
+                    m = st.steps_by(time.monotonic())
+                    if m < st.n:  # the step in progress ends first
+                        m += 1
+                        await self._sleep_until(st.end_of(m), False)
+                else:
+                    m = st.n
+                self._stretch = None
+                self._clock = st.end_of(m)
+                self._commit(m, t_start)
+
+    def _commit(self, m: int, t_start: float) -> None:
+        """`m` decoding steps of the running requests are done: their ids, the versions, the finished ones."""
+        batch = [r for r in self._active if not r.future.done()]
+        t_end = time.monotonic()
+        self._busy += t_end - t_start
+        for _ in range(m):
+            self._steps += 1
+            self._round_pos = (self._round_pos + 1) % self.round_steps
+            if self.on_step is not None:
+                self._record(batch, 1)
+                self.on_step(self._steps)
+        if self.on_step is None:
+            self._record(batch, m)
+        self._slots += m * len(batch)
+        self._log.append((t_start, t_end, m * len(batch)))
+
+    def _record(self, batch: list[_Request], m: int) -> None:
+        from asyncrl.roles.engines.batcher import Generation
+
+        for r in batch:
+            if r.future.done():
+                continue
+            n = min(m, r.length - r.done)
+            r.done += n
+            if r.version_fn is not None:
+                v = int(r.version_fn())
+                if r.versions and r.versions[-1][0] == v:
+                    r.versions[-1] = (v, r.versions[-1][1] + n)
+                else:
+                    r.versions.append((v, n))
+            if r.done >= r.length:
+                finish = "stop" if r.length < r.max_new_tokens * self.k else "length"
+                ids = r.tokens(self.vocab, self.eos_id, self.k)
+                self._tokens += len(ids)
+                self._requests += 1
+                logps = [self.log_prob] * len(ids)
+                if r.version_fn is None:
+                    r.future.set_result(Completion(ids, logps, finish))
+                else:
+                    r.future.set_result(Generation(ids, logps, finish, versions=r.version_list(self.k)))
+
+
+def _wake(waker: asyncio.Future[None]) -> None:
+    if not waker.done():
+        waker.set_result(None)

@@ -203,3 +203,100 @@ def test_idle_between_counts_the_unused_slots_of_a_window():
     used = 1 - eng.idle_between(t0, t1)  # 10 slots used of 4 * elapsed / 1 ms available
     assert used * 4 * (t1 - t0) / 1e-3 == pytest.approx(10)
     assert eng.idle_between(t1, t1 + 1.0) == 1.0
+
+
+# ---- the cost model (the cluster twin's engine) ----------------------------------------------
+
+
+def _run(eng: SimEngine, n: int, seed: int = 5, max_new_tokens: int = 64):
+    async def main():
+        eng.reset_statistics()
+        out = await eng.generate([[1, 2, 3]] * n, SamplingParams(max_new_tokens=max_new_tokens, seed=seed))
+        return out, eng.statistics()
+
+    return asyncio.run(main())
+
+
+def test_stretches_count_what_single_steps_count():
+    kw = dict(max_batch_size=3, median_tokens=8.0, sigma=0.9, step_ms=0.2)
+    stepped = _engine(**kw)
+    stepped.on_step = lambda step: None  # a hook: the engine stops after every step
+    out1, st1 = _run(stepped, 7)
+    out2, st2 = _run(_engine(**kw), 7)
+    assert [c.response_ids for c in out1] == [c.response_ids for c in out2]
+    assert (st1.steps, st1.slots_used, st1.tokens, st1.requests) == (st2.steps, st2.slots_used, st2.tokens,
+                                                                     st2.requests)
+    assert st2.steps == batch_steps([len(c.response_ids) for c in out2], 3)
+
+
+def batch_steps(lengths: list[int], slots: int) -> int:
+    import heapq
+
+    free = [0] * slots
+    for n in lengths:
+        heapq.heappush(free, heapq.heappop(free) + n)
+    return max(free)
+
+
+def test_a_step_costs_its_base_its_requests_and_their_context():
+    from asyncrl.roles.engines.sim import _Request
+
+    eng = _engine(step_ms=2.0, step_ms_per_seq=0.5, step_ms_per_1k_kv=10.0, prompt_tokens=100, tokens_per_step=4)
+    loop = asyncio.new_event_loop()
+    try:
+        eng._active = [_Request(10, 64, s, loop.create_future(), None, 100) for s in range(3)]
+    finally:
+        loop.close()
+    eng._active[0].done = 2  # 100 + 2 tokens of context
+    st = eng._plan(0.0, 0.0)
+    C = 3 * 100 + 2
+    assert st.a == pytest.approx((2.0 + 3 * 0.5 + 10 * C / 1000) / 1e3)  # 3 requests holding C tokens
+    assert st.b == pytest.approx(10 * 3 / 1e6)  # each step's context is 3 tokens larger
+    assert st.n == 8 and st.running == 3  # until the first request finishes
+    assert [st.steps_by(st.end_of(m)) for m in range(9)] == list(range(9))
+    assert st.steps_by(st.end_of(3) - 1e-9) == 2
+
+
+def test_a_response_carries_one_id_per_k_tokens_and_each_id_the_version_of_its_last_token():
+    eng = _engine(max_batch_size=4, median_tokens=10.0, sigma=0.0, tokens_per_step=4)
+    version = [0]
+
+    async def bump():
+        async with eng.apaused("keep", deadline_s=5.0):
+            version[0] = 1
+
+    async def main():
+        tasks = _at_step(eng, {5: bump})
+        g = await eng.agenerate_request([1], SamplingParams(max_new_tokens=64, seed=0), version_fn=lambda: version[0])
+        await asyncio.gather(*tasks)
+        return g, eng.statistics()
+
+    g, st = asyncio.run(main())
+    assert st.steps == 10 and len(g.response_ids) == 3  # 10 tokens: ids for tokens 1-4, 5-8, 9-10
+    assert g.versions == [0, 1, 1]  # token 6 (after the pause asked for at step 5) is the first of version 1
+    assert g.finish_reason == "stop" and g.response_ids[-1] == 3
+
+
+def test_the_kv_cache_bounds_the_context_in_flight_and_preempts_the_newest():
+    cap = 50
+    eng = _engine(max_batch_size=8, median_tokens=20.0, sigma=0.0, prompt_tokens=10, kv_capacity_tokens=cap)
+    peaks: list[int] = []
+    eng.on_step = lambda step: peaks.append(sum(eng._context(r) for r in eng._active))
+    out, st = _run(eng, 3)
+    assert [len(c.response_ids) for c in out] == [20, 20, 20]
+    assert max(peaks) <= cap and st.preemptions >= 1
+    assert st.requests == 3 and st.tokens == 60
+
+
+def test_lengths_follow_a_histogram_or_a_per_prompt_median_and_the_tokens_per_id():
+    from asyncrl.roles.engines.sim import draw_length
+
+    hist = ([100.0, 200.0, 400.0], [1.0, 0.0])
+    drawn = [draw_length(s, [1], 10_000, median_tokens=1.0, sigma=0.0, histogram=hist) for s in range(200)]
+    assert min(drawn) >= 100 and max(drawn) <= 200  # the empty bin never drawn
+    assert [draw_length(s, [1], 12, median_tokens=1.0, sigma=0.0, histogram=hist, tokens_per_id=10)
+            for s in range(200)] == [min(n, 120) for n in drawn]  # the cap: 12 ids of 10 tokens
+    a = [draw_length(s, [7, 7], 10_000, median_tokens=100.0, sigma=0.0, prompt_sigma=1.0) for s in range(3)]
+    b = [draw_length(s, [8], 10_000, median_tokens=100.0, sigma=0.0, prompt_sigma=1.0) for s in range(3)]
+    assert len(set(a)) == 1 and len(set(b)) == 1 and a[0] != b[0]  # a prompt's own median, shared by its rows
+    assert draw_length(3, [1], 64, median_tokens=16.0, sigma=1.2) == response_length(3, 64, 16.0, 1.2)

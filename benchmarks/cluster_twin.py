@@ -1,0 +1,280 @@
+"""Cluster twin: the real controller at 1 to 256 simulated rollout replicas, and where it stops scaling.
+
+Each run is ``asyncrl train --preset twin`` in-process (``GRPOTrainer.fit()`` on a real local Ray, streaming,
+``max_staleness`` 2) against simulated GPU workers whose costs come from a profile (default
+``qwen2_7b_h100_vllm``, docs/scale.md), costs multiplied by ``--time-scale``. The batch per step and the
+training ranks grow with N, as users scale a run: ``--groups-per-replica`` prompt groups of ``--group``
+responses per replica per step, one training rank per ``--replicas-per-rank`` replicas, so the ideal is N times
+one replica's throughput. Simulated replicas share processes (``--per-process`` each).
+
+Figures per N (steady state: the steps after ``--warmup``):
+
+* samples/s and tokens/s (simulated tokens: ids x tokens per id, plus each prompt's tokens), against N x the
+  N = 1 run's; efficiency = samples/s / (N x samples/s at N = 1);
+* the cost model's ideal: N x what one replica decodes when it holds as many requests as admission lets it
+  (``ideal/s``; generation-bound when training keeps up), and measured / ideal;
+* the controller's CPU per trained sample (its process CPU time, every thread: the loop, Ray's core worker,
+  the fetch threads), its event-loop lag p99 (a 5 ms heartbeat on the loop) and its RSS (peak);
+* the time for a weight version to reach every replica (``weight_sync`` span: the controller's
+  ``update_weights`` call to all N ranks, issue to the last receipt), median, and that over the N = 1 run's;
+* the staleness histogram (response tokens 0, 1, 2 versions old) and the trainer's idle fraction (time the
+  train loop waited for a batch / step time).
+
+``--variants`` runs each N once per variant, side by side: ``routed`` (each prompt group to one replica,
+least loaded first: the code) and ``spread`` (each group one call to the whole rollout group, split across
+every replica: the code before the twin found it).
+
+    python benchmarks/cluster_twin.py                       # N = 1,4,16,64,256, ~20 minutes
+    python benchmarks/cluster_twin.py --replicas 1,4 --steps 6 --quick
+
+Writes ``benchmarks/results/cluster_twin.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from _common import load_note, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
+VARIANTS = ("routed", "spread")
+
+COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
+           "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
+           "staleness 0/1/2 (tokens %)", "trainer idle", "s/step"]
+
+
+def rss_mib(field: str = "VmHWM") -> float:
+    """This process's peak (``VmHWM``) or current (``VmRSS``) resident memory, MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class LoopLag:
+    """A heartbeat on the controller's loop: how late each 5 ms sleep wakes up."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (monotonic time, lag s)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.samples.append((time.monotonic(), time.perf_counter() - t - 0.005))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def p99(self, start: float, end: float) -> float:
+        lags = sorted(lag for t, lag in self.samples if start <= t <= end)
+        return lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else float("nan")
+
+
+def config(args: argparse.Namespace, n: int, out: str) -> Any:
+    """The twin run of `n` replicas (module docstring)."""
+    from asyncrl.pipelines.job.presets import twin
+
+    cfg = twin()
+    cfg.twin.profile, cfg.twin.time_scale = args.profile, args.time_scale
+    cfg.twin.replicas_per_process = min(n, args.per_process)
+    cfg.algorithm.group_size = args.group
+    B = args.groups_per_replica * n
+    t = cfg.trainer
+    t.steps, t.batch_size, t.max_staleness = args.steps, B * args.group, args.staleness
+    t.rollout_workers, t.train_workers = n, max(1, n // args.replicas_per_rank)
+    t.checkpoint_at_end, t.checkpoint_every_s, t.samples_per_step = False, None, 0
+    t.rollout_timeout_s = None
+    t.output_dir = out
+    cfg.data.num_prompts = max(64, 2 * B)
+    return cfg.validate()
+
+
+def ideal_tokens_s(cfg: Any, n: int, in_flight: float) -> float:
+    """The cost model's ideal: n replicas each decoding `in_flight` requests without pause (every step full),
+    simulated tokens per (scaled) second, and the training ranks' capacity for them (whichever is lower)."""
+    from asyncrl.pipelines.twin.profile import load_profile
+    from asyncrl.pipelines.twin.workers import train_costs
+
+    p = load_profile(cfg.twin.profile)
+    r, lm = p.rollout, p.lengths
+    c = max(1.0, min(in_flight, r.max_num_seqs))
+    mean_len = lm.median * math.exp(lm.sigma ** 2 / 2 + lm.prompt_sigma ** 2 / 2) if lm.kind == "lognormal" else 0.0
+    mean_len = min(mean_len, lm.max_new_tokens)
+    ctx = lm.prompt_tokens + mean_len / 2  # a running request's mean context
+    step_ms = r.decode_base_ms + r.decode_ms_per_seq * c + r.decode_ms_per_1k_kv * c * ctx / 1000
+    prefill_ms = r.prefill_ms_per_token * lm.prompt_tokens * c / max(mean_len, 1.0)  # per step, amortised
+    gen = n * c / ((step_ms + prefill_ms) / 1e3) / cfg.twin.time_scale
+    sample_tokens = lm.prompt_tokens + mean_len
+    per_rank = train_costs(p, sample_tokens * 1000, 1)  # seconds per 1000 samples on one rank, by FLOPs
+    train_s = 2 * per_rank["forward"] + per_rank["backward"]  # old log-prob forward + update's forward/backward
+    train = cfg.trainer.train_workers * 1000 * mean_len / train_s / cfg.twin.time_scale
+    return min(gen, train)
+
+
+async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any]:
+    from asyncrl.pipelines.loop.trainer import GRPOTrainer
+
+    out = tempfile.mkdtemp(prefix=f"asyncrl-twin-{n}-{variant}-")
+    cfg = config(args, n, out)
+    marks: list[tuple[float, float]] = []  # (monotonic, process CPU s) at each step's end
+    lag = LoopLag()
+    restore = set_variant(variant)
+    try:
+        trainer = GRPOTrainer(cfg, on_step=lambda tr, step, m: marks.append((time.monotonic(), time.process_time())))
+        async with trainer:
+            lag.start()
+            hist = await trainer.fit()
+            lag.stop()
+            spans = [s for s in trainer.tracer.spans if s.name == "weight_sync"]
+    finally:
+        restore()
+    w = args.warmup
+    steady = hist[w + 1:]
+    (t0, c0), (t1, c1) = marks[w], marks[-1]
+    samples = len(steady) * cfg.trainer.batch_size
+    k = cfg.twin.tokens_per_id
+    from asyncrl.pipelines.twin.profile import load_profile, tokens_per_id
+
+    per_id = tokens_per_id(load_profile(cfg.twin.profile), cfg.twin)
+    del k
+    tokens = sum(h["actor/tokens"] * cfg.trainer.train_workers for h in steady)
+    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady) for d in range(cfg.trainer.max_staleness + 1)]
+    in_flight = statistics.fmean(h["stream/in_flight"] for h in steady) * cfg.group_size / n
+    sync = [s.end - s.start for s in spans if s.args.get("version", 0) > w]
+    return {
+        "n": n, "variant": variant, "train_ranks": cfg.trainer.train_workers, "batch": cfg.trainer.batch_size,
+        "samples_s": samples / (t1 - t0), "tokens_s": tokens / (t1 - t0),
+        "ideal_tokens_s": ideal_tokens_s(cfg, n, in_flight),
+        "cpu_us": (c1 - c0) / samples * 1e6, "lag_p99_ms": lag.p99(t0, t1) * 1e3, "rss_mib": rss_mib(),
+        "sync_ms": statistics.median(sync) * 1e3 if sync else float("nan"),
+        "stale": [x / sum(stale) if sum(stale) else 0.0 for x in stale],
+        "idle": sum(h["time/wait_rollout"] for h in steady) / sum(h["time/step"] for h in steady),
+        "step_s": (t1 - t0) / len(steady), "per_id": per_id,
+    }
+
+
+def set_variant(variant: str) -> Any:
+    """Make the controller route prompt groups as `variant` does; returns the undo."""
+    from asyncrl.pipelines.rollout import stream_rollout
+
+    if variant == "routed":
+        return lambda: None
+    before = stream_rollout.ROUTE_GROUPS
+    stream_rollout.ROUTE_GROUPS = False
+
+    def undo() -> None:
+        stream_rollout.ROUTE_GROUPS = before
+
+    return undo
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    base = {r["variant"]: r for r in rows if r["n"] == 1}
+    for r in rows:
+        b = base.get(r["variant"])
+        vs = f"{r['samples_s'] / (r['n'] * b['samples_s']):.2f}" if b else "n/a"
+        sync = f"{r['sync_ms'] / b['sync_ms']:.2f}x" if b and b["sync_ms"] == b["sync_ms"] else "n/a"
+        out.append("| " + " | ".join([
+            str(r["n"]), r["variant"], str(r["train_ranks"]), str(r["batch"]), f"{r['samples_s']:.1f}", vs,
+            f"{r['tokens_s']:.0f}", f"{r['ideal_tokens_s']:.0f}", f"{r['tokens_s'] / r['ideal_tokens_s']:.2f}",
+            f"{r['cpu_us']:.0f}", f"{r['lag_p99_ms']:.1f}", f"{r['rss_mib']:.0f}", f"{r['sync_ms']:.0f}", sync,
+            "/".join(f"{100 * x:.0f}" for x in r["stale"]), f"{r['idle']:.2f}", f"{r['step_s']:.2f}",
+        ]) + " |")
+    return "\n".join(out)
+
+
+def workload(args: argparse.Namespace) -> str:
+    from asyncrl.pipelines.twin.profile import TwinConfig, load_profile, tokens_per_id
+
+    p = load_profile(args.profile)
+    k = tokens_per_id(p, TwinConfig(profile=args.profile))
+    return (
+        f"Profile `{args.profile}` ({p.description}); **time scale {args.time_scale:g}** (every simulated cost "
+        f"x {args.time_scale:g}: one simulated GPU second lasts {args.time_scale:g} s). Streaming, max_staleness "
+        f"{args.staleness}, {args.groups_per_replica} prompt groups of {args.group} per replica per step, one training "
+        f"rank per {args.replicas_per_rank} replicas, {args.steps} steps per run (steady state: steps "
+        f"{args.warmup + 1}..{args.steps - 1}), up to {args.per_process} simulated replicas per rollout process; each "
+        f"response id stands for {k} tokens. samples/s: trained responses per second; tokens/s: simulated tokens "
+        "(prompt + response) trained per second; vs N x 1: samples/s over N times the N = 1 run's; ideal tokens/s: "
+        "the cost model's, N replicas decoding as many requests as admission gives them without pause (or the "
+        "training ranks' capacity, when lower); ctrl CPU: the controller process's CPU time (all its threads) per "
+        "trained sample; loop lag: a 5 ms heartbeat on the controller's loop; RSS: the controller's peak; weight "
+        "sync: the controller's update_weights call to every replica, issue to the last receipt (median); "
+        "staleness: the trained response tokens generated 0/1/2 versions before their step; trainer idle: the "
+        "train loop's wait for a batch / step time.")
+
+
+async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for n in args.replicas:
+        for v in args.variants:
+            load = os.getloadavg()[0]
+            r = await run_one(args, n, v)
+            r["load"] = load
+            rows.append(r)
+            print(f"N={n} {v}: {r['samples_s']:.1f} samples/s, {r['tokens_s']:.0f} tokens/s (ideal "
+                  f"{r['ideal_tokens_s']:.0f}), ctrl {r['cpu_us']:.0f} us/sample, lag p99 {r['lag_p99_ms']:.1f} ms, "
+                  f"sync {r['sync_ms']:.0f} ms, idle {r['idle']:.2f}, load {load:.1f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", default="1,4,16,64,256", help="comma-separated rollout replica counts, from 1")
+    p.add_argument("--variants", default="routed", help=f"comma-separated, of {','.join(VARIANTS)}")
+    p.add_argument("--profile", default="qwen2_7b_h100_vllm")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady state")
+    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--group", type=int, default=8, help="responses per prompt group")
+    p.add_argument("--groups-per-replica", type=int, default=2, help="prompt groups per replica per step")
+    p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
+    p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.replicas = [int(x) for x in args.replicas.split(",")]
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or args.replicas[0] != 1 or args.warmup + 2 > args.steps:
+        p.error(f"--variants of {VARIANTS}; --replicas must start at 1; --steps must exceed --warmup + 1")
+    import asyncrl
+
+    procs = sum(-(-n // args.per_process) for n in (max(args.replicas), max(1, max(args.replicas) // args.replicas_per_rank)))
+    load0 = os.getloadavg()[0]
+    asyncrl.init(num_cpus=procs + 4)
+    try:
+        rows = asyncrl.run(amain(args))
+    finally:
+        asyncrl.shutdown()
+    write_result(args.out or RESULTS, "\n\n".join([
+        "# Cluster twin: the real controller at 1-256 simulated replicas",
+        run_header("cluster_twin.py", load_note(load0, os.getloadavg()[0])), workload(args), table(rows),
+        "1-minute load average at each run's start: " + ", ".join(f"N={r['n']} {r['variant']} {r['load']:.1f}"
+                                                             for r in rows) + "."]) + "\n")
+
+
+if __name__ == "__main__":
+    main()

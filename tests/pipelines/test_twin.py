@@ -1,0 +1,132 @@
+"""The cluster twin (asyncrl.pipelines.twin): profiles load with a source for every number and bad ones are
+refused naming the key; ``twin.profile`` runs the real trainer against simulated workers on real Ray, within
+the staleness bound, every group trained once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.pipelines.job.config import ConfigError
+from asyncrl.pipelines.job.presets import load_config, twin
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.twin.profile import (PROFILES, ProfileError, TwinConfig, dump_profile, engine_kwargs,
+                                            load_profile)
+from asyncrl.pipelines.twin.workers import train_costs
+
+
+def test_every_shipped_profile_loads_with_a_source_for_every_number():
+    assert "qwen2_7b_h100_vllm" in PROFILES
+    for name in PROFILES:
+        p = load_profile(name)
+        assert p.name == name
+        numbers = [f"{section}.{k}" for section in ("model", "rollout", "training", "lengths")
+                   for k, v in vars(getattr(p, section)).items() if not isinstance(v, str)]
+        given = [k for k in numbers if k in p.sources]
+        assert given and all(p.source(k) for k in given)
+        raw = yaml.safe_load(Path(p.path).read_text())
+        in_file = [f"{s}.{k}" for s in ("model", "rollout", "training", "lengths") for k in raw[s] if k != "kind"]
+        assert sorted(in_file) == sorted(p.sources)  # every number in the file has its source
+
+
+def test_a_profile_written_by_dump_loads_back_equal(tmp_path):
+    p = load_profile("qwen2_7b_h100_vllm")
+    again = load_profile(str(dump_profile(p, tmp_path / "mine.yaml")))
+    assert again == p and again.sources == p.sources
+
+
+def _write(tmp_path, edit) -> str:
+    raw = yaml.safe_load(Path(load_profile("qwen2_7b_h100_vllm").path).read_text())
+    edit(raw)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: r["rollout"]["decode_base_ms"].pop("source"), "rollout.decode_base_ms must be a mapping"),
+    (lambda r: r["rollout"]["decode_base_ms"].update(source=" "), "rollout.decode_base_ms.source must say"),
+    (lambda r: r["rollout"].pop("kv_cache_tokens"), "rollout.kv_cache_tokens is missing"),
+    (lambda r: r["rollout"].update(kv_tokens={"value": 1, "source": "x"}), "unknown key rollout.kv_tokens"),
+    (lambda r: r["training"]["mfu"].update(value=1.5), r"training.mfu must be in \(0, 1\]"),
+    (lambda r: r["rollout"]["max_num_seqs"].update(value=2.5), "rollout.max_num_seqs.value must be a whole number"),
+    (lambda r: r["rollout"]["kv_cache_tokens"].update(value=100), "cannot hold one request"),
+    (lambda r: r["lengths"].update(kind="gamma"), "lengths.kind must be 'lognormal' or 'histogram'"),
+    (lambda r: r["lengths"].update(kind="histogram", edges={"value": [1, 10], "source": "x"},
+                                   counts={"value": [1, 2], "source": "x"}), "one more entry than"),
+])
+def test_a_bad_profile_is_refused_naming_the_key(tmp_path, edit, match):
+    with pytest.raises(ProfileError, match=match):
+        load_profile(_write(tmp_path, edit))
+
+
+def test_an_unknown_profile_is_a_config_error_naming_the_shipped_ones():
+    with pytest.raises(ConfigError, match=r"twin.profile='nope' is not a shipped profile .*qwen2_7b_h100_vllm"):
+        load_config(None, ["twin.profile=nope"])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(None, ["twin.profile=/no/such/profile.yaml"])
+    with pytest.raises(ConfigError, match="twin.time_scale must be a positive number"):
+        load_config(None, ["twin.profile=qwen2_7b_h100_vllm", "twin.time_scale=0"])
+    with pytest.raises(ConfigError, match="cannot simulate trainer.colocated=true"):
+        load_config(None, ["twin.profile=qwen2_7b_h100_vllm", "trainer.colocated=true"])
+
+
+def test_the_engine_costs_are_the_profiles_times_the_time_scale():
+    p = load_profile("qwen2_7b_h100_vllm")
+    kw = engine_kwargs(p, TwinConfig(profile=p.name, time_scale=0.01, tokens_per_id=64))
+    assert kw["step_ms"] == pytest.approx(4.54 * 0.01) and kw["step_ms_per_seq"] == pytest.approx(0.0154 * 0.01)
+    assert kw["step_ms_per_1k_kv"] == pytest.approx(0.0171 * 0.01)
+    assert kw["max_batch_size"] == 1024 and kw["kv_capacity_tokens"] == 920_000 and kw["tokens_per_step"] == 64
+    assert kw["load_ms"] == pytest.approx((15.22 / 50 + 15.22 / 64) * 1e3 * 0.01)
+    c = train_costs(p, tokens=1e6, ranks=2)  # forward 2 * params * tokens / (peak * mfu)
+    assert c["forward"] == pytest.approx(2 * 7.61e9 * 1e6 / (989e12 * 0.40))
+    assert c["backward"] == pytest.approx(2 * c["forward"])
+    assert c["optimizer"] == pytest.approx(7.61e9 * 28 / (2 * 3350e9))
+
+
+async def test_the_twin_runs_the_real_trainer_within_the_staleness_bound(ray_cluster, tmp_path):
+    cfg = twin()
+    cfg.trainer.steps, cfg.trainer.rollout_workers, cfg.trainer.output_dir = 4, 2, str(tmp_path)
+    cfg.validate()
+    k, B = cfg.trainer.max_staleness, cfg.prompts_per_step
+    async with GRPOTrainer(cfg) as trainer:
+        history = await trainer.fit()
+        rollout = await trainer.groups.rollout.statistics()
+        ranks = [s.args["rank"] for s in trainer.tracer.spans if s.name == "generate"]
+    assert [r["step"] for r in history] == [0, 1, 2, 3]
+    assert all(0 <= r["staleness/max"] <= k for r in history)
+    assert all(r["actor/rows"] * cfg.trainer.train_workers == cfg.trainer.batch_size for r in history)
+    assert all(r["actor/tokens"] > 0 for r in history)
+    assert len(rollout) == 2 and all(st["sim_requests"] > 0 for st in rollout)  # both replicas decoded
+    assert sorted(set(ranks)) == [0, 1] and abs(ranks.count(0) - ranks.count(1)) <= B  # each group to one replica
+    recs = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    admitted = {r["index"]: r for r in recs if r["kind"] == "group"}
+    trained = [g for r in recs if r["kind"] == "step" for g in r["groups"]]
+    assert len(trained) == len(set(trained)) == 4 * B and set(trained) <= set(admitted)
+
+
+def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():
+    from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
+
+    class Pool:
+        def __init__(self, n: int) -> None:
+            self.world_size = n
+
+    class Owner:
+        config = twin()
+
+    route = StreamRollout._route.__get__(StreamRollout.__new__(StreamRollout))
+    unload = StreamRollout._unload.__get__(StreamRollout.__new__(StreamRollout))
+    route.__self__._trainer = Owner()
+    a = _Attempt.__new__(_Attempt)
+    a.load, a.load_epoch = [], -1
+    assert [route(a, Pool(3), 0) for _ in range(4)] == [0, 1, 2, 0]  # the lowest rank of the least loaded
+    unload(a, 1, 0)
+    unload(a, 2, 0)
+    assert route(a, Pool(3), 0) == 1 and a.load == [2, 1, 0]
+    unload(a, 0, 7)  # a group of a replaced pool: nothing of the new one
+    assert a.load == [2, 1, 0]
+    assert route(a, Pool(2), 1) == 0 and a.load == [1, 0]  # a new pool starts empty

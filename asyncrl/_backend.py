@@ -29,8 +29,8 @@ __all__ = ["Backend", "BackendSpec", "Slot", "Died", "Cancelled", "Failed", "Inp
            "public_error"]
 
 Wedge = tuple[int, int, str, float]
-"""``(call id, number, description, seconds its thread has run)`` of the call wedging a lane:
-a host's reply to a deadline's cancel message (pinned-thread of ``docs/protocol.md``)."""
+"""``(call id, number, description, seconds its method has run)`` of the call wedging a lane:
+a host's reply to a deadline's cancel message (wedged-lane of ``docs/protocol.md``)."""
 
 
 @dataclass(frozen=True)
@@ -174,12 +174,15 @@ class Backend(Protocol):
         ``msg.after``); returns ``(result ref, meta ref or None)``. (Typed ``Any`` here: the
         message's module imports this one.)"""
 
-    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool) -> None:
+    def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool,
+                     behind: list[tuple[int, int]] = ...,
+                     replied: Callable[[Any, Callable[[list[tuple[int, int]]], None]], None] | None = None) -> None:
         """Send the one cancel message of the sequencing protocol (see ``docs/protocol.md``).
-        A backend with ``pins_ordered_calls = True`` (Ray's threaded hosts: pinned-thread) also takes
-        ``wedged=callback`` (the host's reply to a deadline's cancel when its lane is wedged,
-        on the loop) and has ``watch_unwedged(host, call_id, callback)`` and
-        ``unfence(host, call_id, upto)``."""
+        A deadline's (wedged-lane): `behind`, the calls the host cancels too if one of
+        `entries` still runs its plain ``def`` method; ``replied(wedge or None, verdict)``
+        on the caller's loop with the host's reply, where ``verdict(entries)`` cancels
+        `entries` in a message that every call sent to that host since the deadline's
+        cancel runs after (control-before-call)."""
 
     async def wait(self, ref: Any) -> Any: ...
 

@@ -1,14 +1,16 @@
-"""One group call on the controller: issuing it (:class:`Sequencer`) and its state (`_Call`).
+"""One group call on the controller: issuing it (:class:`Sequencer`), its payloads (:class:`Builder`) and its state (`_Call`).
 
 *Issuing.* The :class:`Sequencer` of a set of worker processes numbers the ordered calls
-of each process (a *lane*; Ray's async actors do not keep submission order, so the
-process runs them by number: the worker half is :mod:`asyncrl._lanes`), has every rank's payload built (:mod:`asyncrl._wire`) and
-submits one call per rank to the backend. The invariant: **every number taken is released
-exactly once on the worker**, whatever fails, so the next number's call always gets its
-turn. Cancellation has one path, :meth:`Sequencer.cancel` → the host's ``cancel_calls`` →
-:meth:`~asyncrl._lanes.Lane.cancel`; cancelling twice is harmless. The failure cases of
-this protocol are named invariants listed in ``docs/protocol.md``, each with the test that
-pins it; the code cites them by name (``pinned-thread``, ``control-before-call``, ...).
+of each process (a *lane*, whose worker half is :mod:`asyncrl._lanes`), has every rank's
+payload built (:class:`Builder`: how each pipelined input travels) and submits one call
+per rank to the backend, in number order per process. The invariant: **every number
+taken is released exactly once on the worker**, whatever fails, so the next number's call
+always gets its turn. Cancellation has one path, :meth:`Sequencer.cancel` → the host's
+``cancel_calls`` → :meth:`~asyncrl._lanes.Lane.cancel`; cancelling twice is harmless. A
+lane whose call's deadline passed while its plain ``def`` method ran is *wedged*, and the
+wedge is the sequencer's to keep. The failure cases of this protocol are named invariants
+listed in ``docs/protocol.md``, each with the test that pins it; the code cites them by
+name (``wedged-lane``, ``control-before-call``, ...).
 
 *The state* (`_Call`, shared by a :class:`~asyncrl.GroupFuture` and its field
 selections): ``pending`` → ``completed`` (every rank finished; the value or the error is
@@ -33,13 +35,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Protocol, Sequence
 
 import structlog
 
 from asyncrl import batch as B
 from asyncrl._backend import Backend, InputFailed, input_error, public_error
-from asyncrl._wire import Builder, CallMsg
+from asyncrl._wire import CallMsg, DeferredShard, DeferredValue, LocalShard, Payload, TopShard, has_deferred
 from asyncrl.register import Execute, Mode
 from asyncrl.errors import (
     CallCancelledError,
@@ -63,17 +65,19 @@ Entry = tuple[int, int, "int | None"]
 
 _call_ids = itertools.count()
 _BACKGROUND: set[asyncio.Task[Any]] = set()  # deadline checks in flight (a task needs a strong reference)
-_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (pinned-thread)
+_ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (wedged-lane)
 
 
 class Sequencer:
     """Numbers the ordered calls of each worker process and issues every call.
 
     One per set of worker processes (a group, or colocated groups sharing processes):
-    all ordered calls to one process share one numbering, whatever role they call.
+    all ordered calls to one process share one numbering, whatever role they call. It
+    also keeps each lane's wedge (wedged-lane): which call's deadline passed while its
+    plain ``def`` method ran there, until that call's own result shows the method returned.
     """
 
-    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock", "pinned", "wedged", "_issued", "_sweep_at")
+    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock", "wedged", "_issued", "_sweep_at")
 
     def __init__(self, backend: Backend, hosts: list[Any], world_size: int, keep_results: int = 0) -> None:
         self.backend = backend
@@ -81,13 +85,11 @@ class Sequencer:
         self.keep_results = keep_results
         """How many of its latest ordered numbers each lane keeps the outcome of (same-process-window)."""
         self._next = [0] * world_size  # each lane's next number; only under the lock
-        self._lock = threading.Lock()  # number order = submission order per host, from any thread (threads-hold-lowest-numbers)
-        self.pinned = False
-        """The hosts run ordered calls on a pinned thread (threaded Ray hosts): a wedge is
-        also the controller's to act on (pinned-thread). Set by the owner when the hosts start."""
-        self.wedged: dict[int, tuple[int, int, str, float]] = {}
-        """Lane -> ``(call id, number, description, monotonic start)`` of the call wedging it, as its host reported."""
-        self._issued: list[collections.deque[tuple[int, Any]]] = [collections.deque() for _ in range(world_size)]
+        self._lock = threading.Lock()  # number order = submission order per host, from any thread (one-thread-group-order)
+        self.wedged: dict[int, tuple[int, str, float]] = {}
+        """Lane -> ``(call id, description, monotonic start)`` of the call wedging it, as its host reported."""
+        # Each lane's ordered calls not known to be over: (number, call id, weak ref to the call).
+        self._issued: list[collections.deque[tuple[int, int, Any]]] = [collections.deque() for _ in range(world_size)]
         self._sweep_at = [_ISSUED_SWEEP] * world_size
 
     def issue(self, plan: "CallPlan") -> "_Call":
@@ -99,31 +101,36 @@ class Sequencer:
         ordered = spec.mode is Mode.ORDERED
         build = Builder(plan.sharded, plan.keep, plan.producers, dp and backend.top_level_inputs,
                         self if ordered else None, backend.sends_plain_lists)
-        refs, metas, entries = self.submit(plan.role, spec.name, ordered, dp or plan.time_calls, plan.ranks, build)
+        wedged = [r for r in plan.ranks if r in self.wedged] if ordered and self.wedged else ()
+        refs, metas, entries = self.submit(plan.role, spec.name, ordered, dp or plan.time_calls, plan.ranks, build,
+                                           refuse=wedged)
         plan.site.stats.calls += 1
         call = _Call(plan, self, refs, metas if dp else None, entries)
         if not dp and plan.time_calls:
             call.timing = metas
-        if self.pinned:
-            self.issued(call)  # (a wedged lane fails it at once: pinned-thread)
         inputs = build.inputs
         if inputs is not None:
             call.reads = build.reads
             call.top_from = tuple(inputs.top_from) or None
             plan.site.stats.inputs_top_level += inputs.sent
             plan.site.stats.inputs_local += inputs.local_sent
+        if ordered:
+            self._remember(call)
+        if wedged:
+            self._fail_wedged(call, wedged[0])
         return call
 
     def submit(self, role: str, method: str, ordered: bool, want_meta: bool, ranks: Sequence[int],
-               build: Callable[[Sequence[int], Sequence[int | None]], list[tuple[Any, int | None, bool]]]
-               ) -> tuple[list[Any], list[Any], tuple[Entry, ...]]:
+               build: Callable[[Sequence[int], Sequence[int | None]], list[tuple[Any, int | None, bool]]],
+               refuse: Collection[int] = ()) -> tuple[list[Any], list[Any], tuple[Entry, ...]]:
         """Submit one call per rank of `ranks`. ``build(ranks, numbers)`` first makes every
         rank's ``(payload, input padding, keep result)`` knowing the number the call will
-        have there (None for a concurrent call): same-process inputs depend on it (case
-        14); if it raises, nothing was sent and no number taken (build-before-send). Returns ``(result
+        have there (None for a concurrent call): same-process inputs depend on it
+        (same-process-window); if it raises, nothing was sent and no number taken (build-before-send). Returns ``(result
         refs, meta refs, entries)``. A failed submission leaves nothing half-issued: the
         calls already submitted and the number taken for the failing one are cancelled,
-        then the error is raised (failed-submission)."""
+        then the error is raised (failed-submission). `refuse`: ranks whose lane is wedged;
+        their call is cancelled before it is sent, so it never runs (wedged-lane)."""
         backend, hosts, numbers = self.backend, self.hosts, self._next
         refs: list[Any] = []
         metas: list[Any] = []
@@ -138,6 +145,8 @@ class Sequencer:
                         seq = numbers[rank]
                         numbers[rank] = seq + 1
                     entries.append((rank, call_id, seq))
+                    if rank in refuse:
+                        self.cancel([(rank, call_id, seq)], deadline=False)
                     ref, meta = backend.submit(hosts[rank], CallMsg(role, method, seq, call_id, payload, pad, want_meta,
                                                                     keep))
                     refs.append(ref)
@@ -147,90 +156,90 @@ class Sequencer:
             raise
         return refs, metas, tuple(entries)  # a tuple of ints: the collector stops tracking it
 
-    def cancel(self, entries: Iterable[Entry], *, deadline: bool) -> None:
-        """The one cancel path: one message per worker process. `deadline`: the calls'
-        deadline passed (a call still running in its thread wedges its lane)."""
+    def cancel(self, entries: Iterable[Entry], *, deadline: bool, call: "_Call | None" = None) -> None:
+        """The one cancel path: one message per worker process. `deadline`: the deadline of
+        `call` (whose `entries` these are) passed; on a lane where it still runs its plain
+        ``def`` method, the lane is wedged (wedged-lane)."""
         by_rank: dict[int, list[tuple[int, int | None]]] = {}
         for rank, call_id, seq in entries:
             by_rank.setdefault(rank, []).append((call_id, seq))
         for rank, items in by_rank.items():
             try:
-                if deadline and self.pinned:
-                    self.backend.cancel_calls(self.hosts[rank], items, deadline,  # type: ignore[call-arg]
-                                              wedged=functools.partial(self._wedged_reply, rank))
+                if deadline and call is not None and items[0][1] is not None:
+                    self.backend.cancel_calls(self.hosts[rank], items, True, behind=self._after(rank, items[0][1]),
+                                              replied=functools.partial(self._replied, rank, call,
+                                                                        asyncio.get_running_loop()))
                 else:
-                    self.backend.cancel_calls(self.hosts[rank], items, deadline)
+                    self.backend.cancel_calls(self.hosts[rank], items, False)
             except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
                 log.warning("cancel.unsent", rank=rank, calls=len(items), error=repr(e))
 
-    # ---- the wedge of a pinned lane (pinned-thread), on the controller's loop: the host's reply
-    # to a deadline's cancel says its lane is wedged; the controller fails every ordered call
-    # numbered after the stuck one there, and once the host reports the thread returned,
-    # tells it which numbers were failed meanwhile (``unfence``) ------------------------------
+    # ---- the wedge (wedged-lane), on the controller's loop: a deadline's cancel names the
+    # calls issued after the timed-out one on its lane; the host's reply says whether its
+    # plain def method still runs (then it cancelled those too). The controller then fails
+    # every ordered call numbered after it there, and refuses every later one before it is
+    # sent, until the timed-out call's own result shows the method returned ----------------
 
-    def issued(self, call: Any) -> None:
-        """A call was submitted (`call`: its ``_Call``). On pinned hosts, remember its ordered
-        numbers (a wedge fails the ones still queued) and fail it at once if a lane it
-        needs is wedged."""
-        if not self.pinned:
-            return
+    def _remember(self, call: "_Call") -> None:
+        """An ordered call was submitted: remember it per lane (weakly) until it is over."""
         ref = weakref.ref(call)
-        wedged = None
-        for rank, _, seq in call.entries:
-            if seq is None:
-                continue
+        for rank, call_id, seq in call.entries:
+            assert seq is not None  # (an ordered call's)
             q = self._issued[rank]
-            q.append((seq, ref))
+            q.append((seq, call_id, ref))
             if len(q) >= self._sweep_at[rank]:
                 self._sweep(rank)
-            if self.wedged and wedged is None and rank in self.wedged:
-                wedged = rank
-        if wedged is not None:
-            self._fail_wedged(call, wedged)
 
     def _sweep(self, rank: int) -> None:
         """Forget the calls that are over (amortized: the bound doubles with what stays)."""
         q = self._issued[rank]
-        self._issued[rank] = collections.deque(e for e in q if _pending(e[1]()))
+        self._issued[rank] = collections.deque(e for e in q if _pending(e[2]()))
         self._sweep_at[rank] = max(_ISSUED_SWEEP, 2 * len(self._issued[rank]))
 
-    def _wedged_reply(self, rank: int, wedge: "Wedge") -> None:
-        """A host said its lane is wedged (its reply to a deadline's cancel): fail every
-        ordered call numbered after the stuck one there, until it reports the wedge over."""
-        call_id, seq, _, running = wedge
-        now = self.wedged.get(rank)
-        if now is not None and now[0] == call_id:
+    def _after(self, rank: int, seq: int) -> list[tuple[int, int]]:
+        """``(call id, number)`` of the pending ordered calls numbered after `seq` on lane `rank`."""
+        return [(call_id, s) for s, call_id, ref in self._issued[rank] if s > seq and _pending(ref())]
+
+    def _replied(self, rank: int, call: "_Call", loop: asyncio.AbstractEventLoop, wedge: "Wedge | None",
+                 verdict: Callable[[list[tuple[int, int]]], None]) -> None:
+        """The host's reply to `call`'s deadline cancel on lane `rank`, and `verdict`: sends
+        the control message the backend reserved for the answer, which every call sent to
+        that process since the deadline's cancel waits for (control-before-call). Wedged: it
+        refuses the calls numbered after the stuck one (some were sent while the reply was
+        on its way), they fail now, and so does every later ordered call there until the
+        stuck call's own result shows its method returned."""
+        if wedge is None:
+            verdict([])
             return
-        self.wedged[rank] = (call_id, seq, wedge[2], time.monotonic() - running)
-        try:
-            self.backend.watch_unwedged(self.hosts[rank], call_id,  # type: ignore[attr-defined]
-                                        functools.partial(self._unwedged, rank, call_id))
-        except Exception as e:  # Ray is shutting down: the lane goes with it
-            log.warning("wedge.unwatched", rank=rank, error=repr(e))
-        for s, ref in list(self._issued[rank]):
-            call = ref()
-            if s > seq and call is not None and not call.settled() and not call._completed:
-                self._fail_wedged(call, rank)
+        call_id, seq, what, running = wedge
+        followers = [(s, cid, ref()) for s, cid, ref in self._issued[rank] if s > seq]
+        verdict([(cid, s) for s, cid, c in followers if _pending(c)])
+        self.wedged[rank] = (call_id, what, time.monotonic() - running)
+        for _, _, c in followers:
+            if _pending(c):
+                self._fail_wedged(c, rank)
+        ref = call.refs[list(call.ranks).index(rank)]
+        self.backend.watch([ref], functools.partial(_on_loop, loop, self._unwedged, rank, call_id))
 
     def _unwedged(self, rank: int, call_id: int) -> None:
-        now = self.wedged.get(rank)
-        if now is None or now[0] != call_id:
-            return
-        with self._lock:  # every number below `upto` was failed here while the lane was wedged
+        if self.wedged.get(rank, (None,))[0] == call_id:
             del self.wedged[rank]
-            upto = self._next[rank]
-        try:
-            self.backend.unfence(self.hosts[rank], call_id, upto)  # type: ignore[attr-defined]
-        except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
-            log.warning("unfence.unsent", rank=rank, error=repr(e))
 
     def _fail_wedged(self, call: Any, rank: int) -> None:
-        _, _, stuck, since = self.wedged[rank]
+        _, stuck, since = self.wedged[rank]
         call.fail(LaneWedgedError(call.group, call.method, rank, stuck, time.monotonic() - since), cancel_remote=True)
 
 
 def _pending(call: Any) -> bool:
     return call is not None and not call.settled() and not call._completed
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Run `fn(*args)` on `loop` (from a backend's thread)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that loop is closed: nobody issues calls there any more
+        pass
 
 
 @dataclass(slots=True, eq=False)
@@ -283,7 +292,7 @@ class _Call:
         "timeout", "deadline", "claims", "consumers", "cancel_requested", "ok", "reads", "top_from",
         "_producers", "_fut", "_fetch", "_result", "_error", "_failure",
         "timing", "times", "done_at", "_completed", "_watching", "_done_callbacks", "_loop", "_timer",
-        "__weakref__",  # the sequencer remembers a pinned lane's calls weakly (pinned-thread of docs/protocol.md)
+        "__weakref__",  # the sequencer remembers each lane's pending calls weakly (wedged-lane of docs/protocol.md)
     )
 
     def __init__(self, plan: CallPlan, sequencer: Sequencer, refs: list[Any], metas: list[Any] | None,
@@ -410,7 +419,7 @@ class _Call:
         if fetch is not None:
             fetch.cancel()  # its delivery, if it comes, is a no-op
         if cancel_remote:
-            self.sequencer.cancel(self.entries, deadline=deadline)
+            self.sequencer.cancel(self.entries, deadline=deadline, call=self if deadline else None)
         self._release_producers()
         return True
 
@@ -658,3 +667,148 @@ class _Call:
             return
         self._loop = loop
         self._timer = loop.call_later(max(0.0, self.deadline - time.monotonic()), self._on_deadline)
+
+
+# ---- building every rank's Payload -------------------------------------------------------------
+
+
+class Inputs:
+    """The pipelined inputs of one call, as its ranks' payloads are built: which of them
+    are handed over inside the worker process or go top-level (see asyncrl._deferred),
+    and which producers' results every executing rank together reads whole (a producer
+    whose results a successful call read is known to have finished successfully:
+    ``_Call.ok``)."""
+
+    __slots__ = ("producers", "ok", "read", "top_from", "sent", "local", "window", "local_sent")
+
+    def __init__(self, producers: "Sequence[Any]", top: bool, sequencer: Any = None) -> None:
+        self.producers = producers
+        # The producers known to have finished successfully, by their collected refs (the
+        # same ref objects a Source holds): only their matched shards may go top-level.
+        self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
+        # Same-process candidates, by collected ref: the producer's (rank, call id, number)
+        # of an ordered data-parallel producer numbered by this call's own sequencer (the
+        # same processes). `sequencer` is given for an ordered consumer only (of any
+        # dispatch mode that makes matched shards: DP_COMPUTE, DP_COMPUTE_METRIC, meshes).
+        self.local: dict[int, tuple[int, int, int]] = {}
+        self.window = sequencer.keep_results if sequencer is not None else 0
+        if self.window:
+            for p in producers:
+                if p.sequencer is sequencer and p.collect_metas is not None:
+                    entries, index = p.entries, p.collect_index
+                    for j, ref in enumerate(p.collect_refs):
+                        entry = entries[index[j]]
+                        if entry[2] is not None:
+                            self.local[id(ref)] = entry
+        self.read: set[int] = set()
+        self.top_from: dict[tuple[str, str], None] = {}
+        self.sent = 0  # TopShards made (one per rank and input)
+        self.local_sent = 0  # LocalShards made
+
+    def rank_args(self, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
+        """One rank's argument (or an item of a list argument) for a call that will have
+        number `seq` on `rank`'s lane: a matched shard of an ordered producer on the same
+        process, whose outcome that lane provably still keeps at this call's turn (its
+        number within the window: same-process-window of docs/protocol.md), becomes a
+        :class:`LocalShard`; a matched shard of a known-ok producer a :class:`TopShard`
+        whose refs are appended to `top`."""
+        if isinstance(x, DeferredShard):
+            s = x.source
+            matched = x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
+            if matched and self.local and seq is not None:
+                entry = self.local.get(id(s.refs[0]))
+                if entry is not None and entry[0] == rank and 0 < seq - entry[2] <= self.window:
+                    # Counted as a read: a consumer that succeeded got the producer's value,
+                    # so the producer's host finished it. Ray's object of it could still have
+                    # failed (a result Ray cannot serialize); a later top-level read of it then
+                    # fails before its host runs, which the backend observes (input-failed-before-host of
+                    # docs/protocol.md), as for an object lost after it was read.
+                    self.read.update((id(s.refs[0]), id(s.metas[0])))  # type: ignore[index]
+                    self.local_sent += 1
+                    return LocalShard(s.group, s.method, s.select, entry[1], entry[2])
+            if x.count == len(s.refs) or not s.data_parallel:
+                self.read.update(map(id, s.refs))  # matched (rank r reads producer rank r), or the whole value
+            if s.metas is not None:
+                self.read.update(map(id, s.metas))
+            if self.ok and matched and id(s.refs[0]) in self.ok:
+                self.top_from[(s.group, s.method)] = None
+                self.sent += 1
+                top.extend((s.refs[0], s.metas[0]))  # type: ignore[index]  # (matched: metas is set)
+                return TopShard(s.group, s.method, s.select, len(top) - 2, len(top) - 1)
+        elif isinstance(x, DeferredValue):
+            s = x.source
+            self.read.update(map(id, s.refs))
+            if s.metas is not None:
+                self.read.update(map(id, s.metas))
+        return x
+
+    def fully_read(self) -> tuple[Any, ...]:
+        """The producers (not yet known ok) whose every collected result (and padding
+        metadata) some executing rank of this call reads."""
+        read = self.read
+        return tuple(p for p in self.producers if not p.ok
+                     and all(id(r) in read for r in p.collect_refs)
+                     and (p.collect_metas is None or all(id(m) in read for m in p.collect_metas)))
+
+
+class Builder:
+    """Every executing rank's ``(payload, input padding, keep result)`` of one call, built
+    before anything is sent, knowing the number the call gets on each rank's lane (an error
+    here leaves nothing sent and no number taken: build-before-send of docs/protocol.md). `producers`:
+    the calls whose futures are among the arguments; `top`: matched shards of producers
+    known to be ok may go as top-level arguments; `sequencer`: the consumer's own, for an
+    ordered call (same-process inputs); `pack`: set each payload's :attr:`Payload.sent` to
+    :meth:`Payload.wire` (the backend sends plain arguments as msgpack lists). After
+    building, `inputs` says how the pipelined inputs travelled (None without producers) and
+    `reads` which producers the call reads whole (:meth:`Inputs.fully_read`)."""
+
+    __slots__ = ("sharded", "keep", "inputs", "pack", "reads")
+
+    def __init__(self, sharded: "Sharded", keep: list[bool], producers: "Sequence[Any]", top: bool,
+                 sequencer: Any, pack: bool) -> None:
+        self.sharded, self.keep, self.pack = sharded, keep, pack
+        self.inputs = Inputs(producers, top, sequencer) if producers else None
+        self.reads: tuple[Any, ...] = ()
+
+    def __call__(self, ranks: "Sequence[int]", numbers: "Sequence[int | None]") -> list[tuple[Payload, int | None, bool]]:
+        built = [self.rank(r, seq) for r, seq in zip(ranks, numbers)]
+        if self.inputs is not None:
+            self.reads = self.inputs.fully_read()
+        return built
+
+    def rank(self, r: int, seq: int | None) -> tuple[Payload, int | None, bool]:
+        """One rank's ``(payload, input padding, keep result)``, for a call numbered `seq` there."""
+        sharded, inputs = self.sharded, self.inputs
+        pads = sharded.pad
+        a = tuple(_defer(x[r]) for x in sharded.args)
+        k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
+        top: list[Any] | None = None
+        nested = False
+        if inputs is not None:  # (without producers no argument is resolved on the worker)
+            top = []
+            a = tuple(_each(inputs, x, top, r, seq) for x in a)
+            k = {key: _each(inputs, v, top, r, seq) for key, v in k.items()}
+            nested = has_deferred(a, k)
+        payload = Payload(a, k, top=top or None, nested=nested)
+        if self.pack:
+            wire = payload.wire()
+            if wire is not payload:
+                payload.sent = wire  # type: ignore[assignment]
+        return payload, (pads[r] if pads is not None else None), self.keep[r]
+
+
+def _each(inputs: Inputs, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
+    if isinstance(x, list):
+        return [inputs.rank_args(i, top, rank, seq) for i in x]
+    return inputs.rank_args(x, top, rank, seq)
+
+
+def _defer(x: Any) -> Any:
+    """A future left in a rank's arguments (by a non-DP or custom mode) is resolved
+    whole on the worker."""
+    src = getattr(x, "_as_source", None)
+    if src is not None:
+        return DeferredValue(src())
+    if isinstance(x, list) and any(hasattr(i, "_as_source") for i in x):
+        return [_defer(i) for i in x]
+    return x

@@ -1,29 +1,28 @@
-"""Values that are resolved on the worker, not in the controller (futures pipelining).
+"""Pipelined inputs on the worker: the values a call resolves in its worker process, not in the controller.
 
 When a :class:`~asyncrl.GroupFuture` is passed into another group's call, the
-controller sends a small descriptor holding the producer's per-rank ObjectRefs; the
-worker that receives it fetches what it needs straight from the object store.
+controller sends a small descriptor (the markers of :mod:`asyncrl._wire`) holding the
+producer's per-rank ObjectRefs or its place in the process; the worker that receives it
+takes the value here. Three ways (the controller chooses: ``asyncrl._call.Inputs``):
 
-Two ways to send a pipelined input:
-
-* *nested* (:class:`DeferredShard`, :class:`DeferredValue`): the refs ride inside the
-  call's pickled :class:`~asyncrl._wire.Payload`; the host fetches them itself, through
-  their owner (the controller), while the call waits for its turn. Any producer outcome
-  (a value, the producer's error, a dead producer, a lost object) reaches the host
-  method, which names the producer in an :class:`~asyncrl.UpstreamError` and releases
-  the call's number.
-* *top level* (:class:`TopShard`): on the Ray backend, a matched-layout shard (consumer
-  rank r reads exactly producer rank r's output) of a producer the controller **knows
-  finished successfully** goes as two top-level Ray arguments of the host's call (the
+* *nested* (:class:`~asyncrl._wire.DeferredShard`, :class:`~asyncrl._wire.DeferredValue`):
+  the refs ride inside the call's pickled :class:`~asyncrl._wire.Payload`; the host fetches
+  them itself, through their owner (the controller): an async host while the call waits for
+  its turn, a threaded host on its pinned thread at the call's turn (pinned-thread of
+  docs/protocol.md). Any producer outcome (a value, the producer's error, a dead producer, a
+  lost object) reaches the host, which names the producer in an
+  :class:`~asyncrl.UpstreamError` and releases the call's number.
+* *top level* (:class:`~asyncrl._wire.TopShard`): on the Ray backend, a matched-layout shard
+  (consumer rank r reads exactly producer rank r's output) of a producer the controller
+  **knows finished successfully** goes as two top-level Ray arguments of the host's call (the
   shard and its ``(rows, pad)`` metadata); the payload holds only their indices. Ray
   resolves top-level arguments itself (a small finished value is inlined into the task,
   a larger one is read from the local object store before the task starts): the
   ``.remote()`` takes Ray's fast path (no nested refs to account for) and the host needs
   no fetch and no hand-off to its event loop.
-
-* *local* (:class:`LocalShard`): a matched-layout shard of a producer that was an
-  **ordered** call on the consumer rank's **own worker process** (colocated roles share
-  one), consumed by an ordered call there. The data would otherwise go worker →
+* *local* (:class:`~asyncrl._wire.LocalShard`): a matched-layout shard of a producer that
+  was an **ordered** call on the consumer rank's **own worker process** (colocated roles
+  share one), consumed by an ordered call there. The data would otherwise go worker →
   controller → the same worker; instead the payload carries a marker of plain scalars
   (the producer's call id and number, its name, the field selection: Ray's msgpack fast
   path, no refs, no dependency wait at submission) and the host hands the consumer the
@@ -39,129 +38,51 @@ Two ways to send a pipelined input:
   read-only). A failed, cancelled or never-run producer gives the consumer the same
   :class:`~asyncrl.UpstreamError` as the nested path.
 
-Why only known-finished producers: Ray fails a task whose top-level argument is an
-error *before* the host method runs, so the host would never see the call's sequence
-number and every later ordered call on that process would wait for it (a lane gap).
-What the controller knows (see ``_Call.ok`` in :mod:`asyncrl.future`): a call it
+Why only known-finished producers go top-level: Ray holds a call whose top-level argument
+is still being produced, and with it every later call of the controller to that actor, in
+every concurrency group (cancel messages included); and it fails a task whose top-level
+argument is an error *before* the host method runs, so an async host would never see the
+call's number and every later ordered call on that process would wait for it (a lane gap).
+What the controller knows (see ``_Call.ok`` in :mod:`asyncrl._call`): a call it
 awaited successfully, or one all of whose collected results were read by a consumer
 call that then succeeded (through Ray, or handed over in the producer's process: the
 consumer got the value, so the producer's host finished it). Such an input can still
 fail before the host runs when its object is lost after it was read (its node died),
 when Ray could not store it (a result it cannot serialize, which a consumer in the
 producer's own process never noticed), or when it cannot be unpickled on the
-consumer's worker; the Ray backend observes every call sent with top-level inputs and
+consumer's worker; the Ray backend observes every call sent so to an async host and
 releases the number of one that failed so (the one cancel message, cancelled-before-arrival of
-docs/protocol.md), and the call's future fails with an ``UpstreamError``
-naming the producer.
+docs/protocol.md; a threaded host waits for no number: one-thread-group-order), and the
+call's future fails with an ``UpstreamError`` naming the producer.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
-
 import traceback
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from asyncrl import batch as B
 from asyncrl._backend import public_error
-from asyncrl._lanes import CallCancelled, Lane, Ticket
+from asyncrl._lanes import shallow
+from asyncrl._wire import CallCancelled, DeferredShard, DeferredValue, LocalShard, Source, TopShard, select_fields
 from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 
-
-@dataclass(frozen=True)
-class Source:
-    """What a worker needs to rebuild a producer future's value."""
-
-    group: str
-    method: str
-    refs: tuple[Any, ...]
-    """Payload refs of the collecting ranks, in DP (or rank) order."""
-    metas: tuple[Any, ...] | None
-    """Refs of ``(rows, pad)`` per payload, for data-parallel producers."""
-    collect: Callable[..., Any] | None
-    """The producer's collect function; None in a matched-layout shard (rank r reads rank r)."""
-    world: Any
-    data_parallel: bool
-    select: tuple[str, ...] | None = None
-    ranks: tuple[int, ...] | None = None
-    """The producer rank of each of `refs` (and `metas`), for errors that name it."""
-
-
-@dataclass(frozen=True)
-class DeferredValue:
-    """Resolves to the producer's whole collected value (every rank fetches all shards)."""
-
-    source: Source
-
-
-@dataclass(frozen=True)
-class TopShard:
-    """A matched-layout shard passed as top-level Ray arguments (see the module docstring).
-
-    `value` and `meta` are indices into the call's top-level arguments: the producer
-    rank's output and its ``(rows, pad)``. Resolved by :func:`take_top`, without awaiting.
-    """
-
-    group: str
-    method: str
-    select: tuple[str, ...] | None
-    value: int
-    meta: int
-
-
-@dataclass(frozen=True)
-class LocalShard:
-    """A matched-layout shard handed over inside the worker process (see the module
-    docstring): the producer's name, the field selection, and the producer's call id and
-    ordered number on this process's lane. Resolved by the host at the consumer's turn."""
-
-    group: str
-    method: str
-    select: tuple[str, ...] | None
-    call_id: int
-    seq: int
-
-
-def shallow(value: Any) -> Any:
-    """A consumer's own container over the producer's values: a TensorDict, dict or list
-    is copied one level (nested TensorDicts too: their own keys), tensors are shared."""
-    from tensordict import TensorDictBase
-
-    if isinstance(value, TensorDictBase):
-        return value.copy()
-    if type(value) is dict:
-        return dict(value)
-    if type(value) is list:
-        return list(value)
-    return value
+if TYPE_CHECKING:
+    from asyncrl._lanes import Lane, Ticket
 
 
 def take_local(x: LocalShard, result: Any, meta: tuple[int, int]) -> tuple[Any, int]:
     """A :class:`LocalShard`'s ``(shard, trailing padding rows in it)`` from the
     producer's retained result and its ``(rows, pad)``."""
-    value = _select(result, x.select, x)
+    value = select_fields(result, x.select, x)
     return (value if x.select is not None else shallow(value)), int(meta[1])
 
 
 def take_top(x: TopShard, top: Sequence[Any]) -> tuple[Any, int]:
     """A :class:`TopShard`'s ``(shard, trailing padding rows in it)`` from the call's
     top-level arguments (already resolved by Ray)."""
-    return _select(top[x.value], x.select, x), int(top[x.meta][1])
-
-
-@dataclass(frozen=True)
-class DeferredShard:
-    """Resolves to shard `index` of `count` of a data-parallel producer's batch.
-
-    When the producer had `count` shards too, shard i is the producer's rank-i output
-    as it is (padding included); otherwise the worker fetches the metadata of every
-    producer shard (a few bytes each), then only the shards that overlap its rows.
-    """
-
-    source: Source
-    index: int
-    count: int
+    return select_fields(top[x.value], x.select, x), int(top[x.meta][1])
 
 
 Awaiter = Callable[[Any], Awaitable[Any]]
@@ -192,25 +113,6 @@ def _rank_of(s: Source, ref: Any) -> int | None:
     return None
 
 
-def _select(value: Any, fields: tuple[str, ...] | None, source: "Source | TopShard | LocalShard") -> Any:
-    if fields is None:
-        return value
-    from tensordict import TensorDictBase
-
-    if not isinstance(value, TensorDictBase):
-        raise DispatchError(
-            f"a field selection of {source.group}.{source.method} needs it to return a TensorDict, "
-            f"it returned {type(value).__name__}"
-        )
-    missing = [f for f in fields if f not in value.keys(include_nested=True)]
-    if missing:
-        raise DispatchError(
-            f"{source.group}.{source.method} has no field(s) {missing}; "
-            f"it returned fields {sorted(map(str, value.keys()))}"
-        )
-    return value.select(*fields)
-
-
 async def resolve_value(d: DeferredValue, wait: Awaiter) -> Any:
     s = d.source
     wait = _named(s, wait)
@@ -219,7 +121,7 @@ async def resolve_value(d: DeferredValue, wait: Awaiter) -> Any:
         metas = await asyncio.gather(*(wait(m) for m in s.metas))  # type: ignore[union-attr]
         outs = [B.strip_tail(o, m[1]) for o, m in zip(outs, metas)]
     assert s.collect is not None  # a Source always carries its producer's collect
-    return _select(s.collect(s.world, list(outs)), s.select, s)
+    return select_fields(s.collect(s.world, list(outs)), s.select, s)
 
 
 async def resolve_shard(d: DeferredShard, wait: Awaiter) -> tuple[Any, int]:
@@ -232,7 +134,7 @@ async def resolve_shard(d: DeferredShard, wait: Awaiter) -> tuple[Any, int]:
         return B.take_rows(whole, rows[d.index]), pads[d.index]
     if len(s.refs) == d.count:
         out, meta = await asyncio.gather(wait(s.refs[d.index]), wait(s.metas[d.index]))  # type: ignore[index]
-        return _select(out, s.select, s), int(meta[1])
+        return select_fields(out, s.select, s), int(meta[1])
     metas = await asyncio.gather(*(wait(m) for m in s.metas))  # type: ignore[union-attr]
     valid = [m[0] - m[1] for m in metas]
     total = sum(valid)
@@ -258,7 +160,7 @@ async def resolve_shard(d: DeferredShard, wait: Awaiter) -> tuple[Any, int]:
             run_shard, run_rows = i, []
         run_rows.append(r)
     pieces.append(B.take_rows(by_shard[run_shard], run_rows))
-    return _select(B.concat(pieces), s.select, s), pads[d.index]
+    return select_fields(B.concat(pieces), s.select, s), pads[d.index]
 
 
 async def resolve_args(
@@ -298,29 +200,10 @@ def one_pad(pads: list[int]) -> int | None:
     return pads[0]
 
 
-# ---- finding them in a call's arguments (both sides) -------------------------------------------
-
-
-_DEFERRED = (DeferredShard, DeferredValue)
-
-
-def _contains(args: Any, kwargs: dict[str, Any], kinds: type | tuple[type, ...]) -> bool:
-    """Whether an argument, or an item of a list or dict argument (the levels where
-    pipelined inputs are placed), is an instance of `kinds`."""
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, kinds):
-            return True
-        if isinstance(x, list) and any(isinstance(i, kinds) for i in x):
-            return True
-        if isinstance(x, dict) and any(isinstance(i, kinds) for i in x.values()):
-            return True
-    return False
-
-
 def substitute(args: Any, kwargs: dict[str, Any], kind: type,
                 one: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any]]:
     """`args` and `kwargs` with `one` applied to each argument, or to each item of a list
-    or dict argument that holds a `kind` (the levels :func:`_contains` looks at)."""
+    or dict argument that holds a `kind` (the levels :func:`asyncrl._wire.has_deferred` looks at)."""
     def arg(x: Any) -> Any:
         if isinstance(x, list) and any(isinstance(i, kind) for i in x):
             return [one(i) for i in x]
@@ -329,17 +212,6 @@ def substitute(args: Any, kwargs: dict[str, Any], kind: type,
         return one(x)
 
     return [arg(a) for a in args], {k: arg(v) for k, v in kwargs.items()}
-
-
-def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument, the levels
-    :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
-    return _contains(args, kwargs, _DEFERRED)
-
-
-def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
-    return _contains(args, kwargs, LocalShard)
 
 
 # ---- taking them on the worker (the host's call, asyncrl._host._run_call) ----------------------
@@ -403,7 +275,7 @@ def upstream_error(group: str, method: str, e: BaseException) -> BaseException:
                        "".join(traceback.format_exception(e)))
 
 
-def take_local_inputs(lane: Lane, spec: Any, method: str, ticket: Ticket, args: Any,
+def take_local_inputs(lane: "Lane", spec: Any, method: str, ticket: "Ticket", args: Any,
                       kwargs: Any) -> tuple[Any, Any, int | None]:
     """At the call's turn: its :class:`LocalShard` inputs replaced by the producers'
     kept results (shallow copies), and the padding they report. A producer that

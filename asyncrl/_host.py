@@ -1,50 +1,43 @@
 """The worker side of a group: one host per worker process.
 
-A host constructs the worker objects of one process (several, for colocated
-groups), resolves pipelined arguments, and runs calls. Ordered calls are admitted by
-the process's :class:`~asyncrl._lanes.Lane` in the order the controller numbered
-them, whatever order they arrive in (an async Ray actor does not keep submission
-order); concurrent calls run as soon as they arrive. A call's arguments travel as one
-:class:`~asyncrl._wire.Payload`, so a worker that cannot unpickle them still runs the host method,
-which reports the failure and releases the call's number.
+A host constructs the worker objects of one process (several, for colocated groups),
+takes a call's pipelined inputs, and runs calls through the process's
+:class:`~asyncrl._lanes.Lane`. Two kinds, one lane:
+
+* :class:`ThreadedHost` (a sync Ray actor; processes with no concurrent method): every
+  ordered call comes through Ray's one-thread group, in the order the controller sent it
+  (one-thread-group-order), and its call is a plain function on that thread: unpack, check
+  refusals, take its inputs (waiting for unfinished ones right there), run.
+* :class:`WorkerHost` (an async Ray actor, and the local backend's host): calls start in
+  any order, so an ordered call waits for its number in the lane; plain ``def`` methods run
+  in one thread of the host's own.
+
+A call's arguments travel as one :class:`~asyncrl._wire.Payload`, so a worker that cannot
+unpickle them still runs the host method, which reports the failure and releases the
+call's number.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import gc
 import functools
+import gc
 import os
 import pickle
 import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine
+from typing import Any, Awaitable, Callable
 
 from asyncrl import batch as B
-from asyncrl._deferred import (has_deferred, has_local, input_pad, resolve_on_worker, shallow, take_local_inputs,
-                               take_top_inputs)
-from asyncrl._lanes import NEVER_RAN, Lane, LoopWaits, OrderedThread, ThreadLane, ThreadWaits, Ticket
-from asyncrl._wire import CallMsg, Payload, arrived
+from asyncrl._deferred import input_pad, resolve_on_worker, take_local_inputs, take_top_inputs
+from asyncrl._lanes import CONTROL_WAIT, NEVER_RAN, Lane, OrderedThread, Ticket, shallow
+from asyncrl._wire import CallCancelled, CallMsg, Payload, arrived, has_deferred, has_local
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
-from asyncrl.worker import WorkerContext, _CONTEXT
-
-
-@dataclass
-class RoleSpec:
-    """How to build one worker object in a host."""
-
-    role: str
-    group: str
-    cls: type
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    context: WorkerContext = field(default_factory=WorkerContext)
-    env: dict[str, str] = field(default_factory=dict)
+from asyncrl.worker import RoleSpec, WorkerContext, _CONTEXT
 
 
 def free_port() -> int:
@@ -128,12 +121,14 @@ class _HostBase:
         except Exception:  # pragma: no cover
             pass
 
-    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False, note: int = 0) -> Any:
-        """The worker end of the one cancel path (see docs/protocol.md); after a
-        deadline's cancel, the call wedging the lane, if any (pinned-thread). `note`: this
-        control message's number (control-before-call; 0: unnumbered)."""
+    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False,
+                     behind: list[tuple[int, int | None]] = (), note: int = 0) -> Any:  # type: ignore[assignment]
+        """The worker end of the one cancel path (see docs/protocol.md). After a deadline's
+        cancel: the wedge, if one of the calls still runs its plain ``def`` method (then the
+        calls `behind` it are cancelled too), else None (wedged-lane). `note`: this control
+        message's number (control-before-call; 0: unnumbered)."""
         try:
-            return self._lane.cancel(entries, deadline)
+            return self._lane.cancel(entries, deadline, behind)
         finally:
             self._lane.control.done(note)
 
@@ -159,6 +154,28 @@ class _HostBase:
         if payload.error is not None:
             raise RemoteError(spec.group, method, spec.context.rank, *payload.error)
         return spec, mspec
+
+    def _arrived(self, msg: CallMsg, top: tuple[Any, ...]) -> tuple[RoleSpec, Any, Any, Any, int | None]:
+        """The call's role and method spec, and its arguments as they arrived with its
+        top-level inputs in place (and the padding those report)."""
+        payload = arrived(msg.payload)
+        spec, mspec = self._lookup(msg.role, msg.method, payload)
+        if not top:
+            return spec, mspec, payload.args, payload.kwargs, None
+        return spec, mspec, *take_top_inputs(spec, msg.method, payload.args, payload.kwargs, top)
+
+    def _at_turn(self, spec: RoleSpec, msg: CallMsg, ticket: Ticket, args: Any, kwargs: Any,
+                 top_pad: int | None, pipe_pad: int | None) -> tuple[Any, Any, int]:
+        """At the call's turn: its same-process inputs in place (the producers ran before
+        it), and its input padding."""
+        local_pad = None
+        if has_local(args, kwargs):
+            args, kwargs, local_pad = take_local_inputs(self._lane, spec, msg.method, ticket, args, kwargs)
+        if msg.in_pad is not None:
+            return args, kwargs, msg.in_pad
+        if top_pad is None and pipe_pad is None and local_pad is None:
+            return args, kwargs, 0
+        return args, kwargs, input_pad(spec, msg.method, top_pad, pipe_pad, local_pad)
 
     @staticmethod
     def _method_error(spec: RoleSpec, method: str, e: Exception) -> RemoteError:
@@ -225,13 +242,14 @@ class _HostBase:
 
 class WorkerHost(_HostBase):
     """Runs the worker objects of one process on an event loop: an async Ray actor (the
-    Ray backend's host for processes with concurrent methods), and the local backend's host."""
+    Ray backend's host for processes with concurrent methods), and the local backend's
+    host. Calls start in any order; an ordered one waits for its number in the lane, and
+    its plain ``def`` method runs in the host's one thread (:class:`~asyncrl._lanes.OrderedThread`)."""
 
     def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None, local: bool = False) -> None:
         super().__init__(Lane(), local)
         self._wait = wait or _await_plain
         self._thread = OrderedThread()  # runs the constructors and every plain def method
-        self._waits = LoopWaits(self._lane, self._thread)
 
     def host_kind(self) -> str:
         return "async"
@@ -252,16 +270,50 @@ class WorkerHost(_HostBase):
         self._started()
         return out
 
-    async def call(self, msg: CallMsg, *top: Any) -> Any:
-        """Run the call `msg`; `top`: its top-level inputs. The steps are
-        :func:`_run_call`'s; they wait on this process's event loop."""
-        return await _run_call(self, self._waits, msg, top, False)
-
-    async def call_packed(self, packed: list[Any], *top: Any) -> Any:
-        """:meth:`call` of the message :meth:`CallMsg.wire` packed: the Ray backend's entry point
-        (one argument for Ray to serialize and deserialize per call), then the call's
-        top-level inputs, resolved by Ray."""
-        return await _run_call(self, self._waits, packed, top, False)
+    async def call(self, msg: "CallMsg | list[Any]", *top: Any) -> Any:
+        """Run one call (the Ray backend sends the list :meth:`CallMsg.wire` packed, then the
+        call's top-level inputs, resolved by Ray): wait for the control messages sent before
+        it (control-before-call), arrive in the lane, start fetching its pipelined inputs, wait for
+        its turn, take its same-process inputs, run the method, report."""
+        arrived_at = time.time()  # the worker's times travel in the call's metadata (want_meta)
+        if type(msg) is not CallMsg:
+            msg = CallMsg.from_wire(msg)  # type: ignore[arg-type]
+        lane = self._lane
+        if msg.after > lane.control.seen:  # a control message sent before this call is not handled yet
+            await lane.control.wait_async(msg.after, CONTROL_WAIT)
+        group, rank = self._identity(msg.role)
+        ticket = lane.arrive(msg.call_id, msg.seq, group, msg.method, rank, asyncio.current_task().cancel)  # type: ignore[union-attr]
+        self._keeps(ticket, msg.want_meta, msg.keep)
+        resolving: asyncio.Future[Any] | None = None
+        try:
+            spec, mspec, args, kwargs, top_pad = self._arrived(msg, top)
+            if has_deferred(args, kwargs):  # pipelined inputs: fetch them while waiting our turn
+                resolving = asyncio.ensure_future(resolve_on_worker(spec, msg.method, args, kwargs, self._wait))
+            if msg.seq is not None:
+                await lane.turn(ticket)
+            pipe_pad = None
+            if resolving is not None:
+                args, kwargs, pipe_pad = await resolving
+            args, kwargs, pad = self._at_turn(spec, msg, ticket, args, kwargs, top_pad, pipe_pad)
+            fn = getattr(self._workers[msg.role], msg.method)
+            started_at = time.time()
+            try:
+                if mspec.is_async:
+                    result = await fn(*args, **kwargs)
+                else:
+                    run = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+                    result = await lane.run_thread(ticket, run, self._thread)
+            except Exception as e:
+                raise self._method_error(spec, msg.method, e) from None
+            return self._finish(spec, msg, args, kwargs, result, pad, ticket, mspec.dispatch_mode.data_parallel,
+                                (arrived_at, started_at, time.time()))
+        except BaseException as e:
+            self._failed(ticket, e)
+            raise
+        finally:
+            if resolving is not None and not resolving.done():
+                resolving.cancel()
+            lane.leave(ticket)
 
     async def close(self) -> None:
         """Cancel the calls in flight, call each worker's `on_close`, then stop the thread."""
@@ -277,36 +329,31 @@ class ThreadedHost(_HostBase):
     """Runs the worker objects of one process without an event loop on the call path:
     the Ray backend's host for processes with no concurrent methods.
 
-    A sync Ray actor with three concurrency groups: ``ordered``, ONE thread (the
-    *pinned* thread), which builds the workers and receives every ordered call the
-    controller can run at once (no pipelined input to fetch first); ``calls``
-    (:data:`THREADED_CALLS` threads) for concurrent calls and ordered calls with nested
-    pipelined inputs, which fetch them while their predecessors run; ``control`` for
-    cancel messages and close. A pinned call waits for its turn and runs its plain
-    ``def`` method right there, on the thread that received it and built the worker:
-    no thread hand-off. A ``calls``-group call hands its ``def`` method to the pinned
-    thread as a job (the pinned call waiting for its turn runs it, or a call the host
-    submits to itself does: pinned-thread of docs/protocol.md). ``async def``
-    methods and the resolution of pipelined arguments run on an event loop of the
-    host's own (a thread started at the first use). Ordering, cancellation and the
-    wedged lane are :class:`~asyncrl._lanes.ThreadLane`'s; a wedge that pinned calls
-    queued in Ray cannot see is the controller's to act on (pinned-thread).
+    A sync Ray actor with three concurrency groups (the backend names the group of each
+    call): ``ordered``, ONE thread (the *pinned* thread), which builds the workers and
+    runs every ordered call, in the order the controller sent them (Ray keeps it:
+    one-thread-group-order); ``calls`` (the backend's ``THREADED_CALLS`` threads) for
+    concurrent calls; ``control`` for cancel messages and close. A call is a plain function
+    on the thread that received it: its plain ``def`` method runs right there (no thread
+    hand-off, what a plain sync Ray actor costs); an ``async def`` method, and the fetch of
+    pipelined inputs that were still being produced when the call was sent, run on an event
+    loop of the host's own (a thread started at the first use) while the call's thread
+    waits for them, and the calls behind it wait in Ray's queue as behind any running call
+    (pinned-thread of docs/protocol.md).
     """
 
     def __init__(self, wait: Callable[[Any], Awaitable[Any]] | None = None) -> None:
-        super().__init__(ThreadLane(), local=False)
+        super().__init__(Lane(ray_ordered=True), local=False)
         self._wait = wait or _await_plain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
-        self._waits = ThreadWaits(self._lane, self._event_loop)  # type: ignore[arg-type]
 
     def host_kind(self) -> str:
         return "threaded"
 
     def init_workers(self, specs: list[RoleSpec], keep_results: int = 0) -> dict[str, dict[str, Any]]:
-        """Construct the workers here, on the pinned thread (every plain ``def`` call runs
-        on it); returns each role's registered meshes. `keep_results`: as
-        :meth:`WorkerHost.init_workers`'s."""
+        """Construct the workers here, on the pinned thread (every ordered call runs on it);
+        returns each role's registered meshes. `keep_results`: as :meth:`WorkerHost.init_workers`'s."""
         threading.current_thread().name = "asyncrl-ordered_0"
         self._lane.keep_results = keep_results
         out: dict[str, dict[str, Any]] = {}
@@ -320,25 +367,58 @@ class ThreadedHost(_HostBase):
         self._started()
         return out
 
-    def serve_jobs(self) -> None:
-        """On the pinned thread: run the ``def`` methods of ``calls``-group calls waiting for it (pinned-thread)."""
-        self._lane.serve_jobs()  # type: ignore[attr-defined]
-
-    def wait_unwedged(self, call_id: int) -> bool:
-        """Return once call `call_id` no longer wedges this process's lane (pinned-thread)."""
-        return self._lane.wait_unwedged(call_id)  # type: ignore[attr-defined]
-
-    def pinned_state(self) -> dict[str, Any]:
-        """For tests: the pinned thread's state (:meth:`~asyncrl._lanes.ThreadLane.pinned_state`)."""
-        return self._lane.pinned_state()  # type: ignore[attr-defined]
-
-    def unfence(self, call_id: int, upto: int, note: int = 0) -> None:
-        """The controller saw call `call_id`'s wedge end: admit ordered numbers from `upto`
-        on (pinned-thread). `note`: this control message's number (control-before-call)."""
+    def call(self, msg: "CallMsg | list[Any]", *top: Any) -> Any:
+        """Run one call on this thread (as :meth:`WorkerHost.call` takes it): wait for the
+        control messages sent before it (control-before-call), arrive in the lane (refused if
+        cancelled before it arrived), take its inputs (waiting here for pipelined ones still
+        being produced), run the method, report."""
+        arrived_at = time.time()
+        if type(msg) is not CallMsg:
+            msg = CallMsg.from_wire(msg)  # type: ignore[arg-type]
+        lane = self._lane
+        if msg.after > lane.control.seen:
+            lane.control.wait(msg.after, CONTROL_WAIT)
+        group, rank = self._identity(msg.role)
+        ticket = lane.arrive(msg.call_id, msg.seq, group, msg.method, rank)
+        self._keeps(ticket, msg.want_meta, msg.keep)
         try:
-            self._lane.unfence(call_id, upto)  # type: ignore[attr-defined]
+            spec, mspec, args, kwargs, top_pad = self._arrived(msg, top)
+            pipe_pad = None
+            if has_deferred(args, kwargs):
+                args, kwargs, pipe_pad = self._on_loop(ticket, resolve_on_worker(spec, msg.method, args, kwargs,
+                                                                                 self._wait))
+            args, kwargs, pad = self._at_turn(spec, msg, ticket, args, kwargs, top_pad, pipe_pad)
+            fn = getattr(self._workers[msg.role], msg.method)
+            started_at = time.time()
+            try:
+                if mspec.is_async:
+                    result = self._on_loop(ticket, fn(*args, **kwargs))
+                else:
+                    result = lane.run_here(ticket, functools.partial(contextvars.copy_context().run, fn, *args,
+                                                                     **kwargs))
+            except CallCancelled:
+                raise
+            except Exception as e:
+                raise self._method_error(spec, msg.method, e) from None
+            return self._finish(spec, msg, args, kwargs, result, pad, ticket, mspec.dispatch_mode.data_parallel,
+                                (arrived_at, started_at, time.time()))
+        except BaseException as e:
+            self._failed(ticket, e)
+            raise
         finally:
-            self._lane.control.done(note)
+            lane.leave(ticket)
+
+    def _on_loop(self, ticket: Ticket, coro: Any) -> Any:
+        """Run `coro` on the host's event loop while this thread waits for it; cancelling the
+        call cancels it, and the wait ends once it has unwound (cancelled-while-waiting,
+        cancelled-async-method)."""
+        work = _LoopWork(self._event_loop())
+        self._lane.abort_with(ticket, work.cancel, coro)
+        try:
+            work.start(coro)
+            return work.result()
+        finally:
+            self._lane.abort_with(ticket, None)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:
@@ -348,96 +428,109 @@ class ThreadedHost(_HostBase):
                 self._loop = loop
             return self._loop
 
-    def call(self, msg: "CallMsg | list[Any]", top: tuple[Any, ...] = (), pinned: bool = False) -> Any:
-        """Run the call `msg` (or the list :meth:`CallMsg.wire` packed; in Ray's thread, blocking). `top`: its top-level inputs
-        (resolved by Ray: no hand-off to the host's loop for them). `pinned`: this is the
-        pinned thread (pinned-thread). The steps are :func:`_run_call`'s; every wait blocks this thread."""
-        return _blocking(_run_call(self, self._waits, msg, top, pinned))
-
-    def call_packed(self, packed: list[Any], *top: Any) -> Any:
-        """:meth:`call` of the message :meth:`CallMsg.wire` packed, then its top-level
-        inputs: the Ray backend's entry point (``calls`` group)."""
-        return self.call(packed, top)
-
     def close(self) -> None:
-        """Cancel the calls in flight, call each worker's `on_close`, then stop the threads."""
+        """Cancel the calls in flight, call each worker's `on_close`, then stop the loop."""
         self._close_workers()
         with self._loop_lock:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-# ---- the call: one template, two ways of waiting --------------------------------------------
+class RanksHost:
+    """The hosts of several ranks in one process (an async Ray actor): one :class:`WorkerHost` per rank, each with
+    its own worker objects, ordered lane and thread; every method names its rank's host (``index``, the rank's
+    place in this process). What a group of ``ranks_per_process > 1`` runs on (the Ray backend's ``make_hosts``)."""
+
+    def __init__(self, wait: Callable[[Any], Any], ranks: int) -> None:
+        self._hosts = [WorkerHost(wait=wait) for _ in range(ranks)]
+        self._constructing: asyncio.Lock | None = None
+
+    def node_info(self, index: int) -> dict[str, Any]:
+        return self._hosts[index].node_info()
+
+    def host_kind(self, index: int) -> str:
+        return self._hosts[index].host_kind()
+
+    def ping(self, index: int) -> int:
+        return self._hosts[index].ping()
+
+    async def init_workers(self, index: int, specs: list[Any], keep_results: int = 0) -> dict[str, dict[str, Any]]:
+        # One rank's constructors at a time: each rank's run on its own thread, and two threads importing a
+        # lazily-loaded library (transformers) at once can see it half-initialised.
+        if self._constructing is None:
+            self._constructing = asyncio.Lock()
+        async with self._constructing:
+            return await self._hosts[index].init_workers(specs, keep_results)
+
+    async def call(self, index: int, msg: "CallMsg | list[Any]", *top: Any) -> Any:
+        return await self._hosts[index].call(msg, *top)
+
+    def cancel_calls(self, index: int, entries: list[tuple[int, int | None]], deadline: bool = False,
+                     behind: list[tuple[int, int | None]] = (), note: int = 0) -> Any:  # type: ignore[assignment]
+        return self._hosts[index].cancel_calls(entries, deadline, behind, note)
+
+    def control_state(self, index: int) -> dict[str, int]:
+        return self._hosts[index].control_state()
+
+    async def close(self, index: int) -> None:
+        await self._hosts[index].close()
 
 
-async def _run_call(host: _HostBase, waits: "LoopWaits | ThreadWaits", msg: "CallMsg | list[Any]",
-                    top: tuple[Any, ...], pinned: bool) -> Any:
-    """The steps of one call on a host, for both host kinds: wait for the control messages
-    sent before it (control-before-call), arrive in the lane, start fetching its pipelined inputs, wait
-    for its turn (ordered calls), take its same-process inputs, run the method, report.
-    Every wait is `waits`'s: :class:`LoopWaits` awaits on the async host's event loop;
-    :class:`ThreadWaits` blocks the threaded host's Ray thread (never suspends, so
-    :func:`_blocking` runs the coroutine to its end in one step)."""
-    arrived_at = time.time()  # the worker's times travel in the call's metadata (want_meta)
-    if type(msg) is list:  # as the Ray backend sent it
-        msg = CallMsg.from_wire(msg)
-    assert isinstance(msg, CallMsg)
-    role, method, seq = msg.role, msg.method, msg.seq
-    group, rank = host._identity(role)
-    lane = host._lane
-    after = msg.after
-    if after > lane.control.seen:  # a control message sent before this call is not handled yet
-        await waits.control(after)
-    ticket = lane.arrive(msg.call_id, seq, group, method, rank)  # from here on, leave() releases the number
-    resolving: Any = None
-    host._keeps(ticket, msg.want_meta, msg.keep)
-    try:
-        payload = arrived(msg.payload)
-        spec, mspec = host._lookup(role, method, payload)
-        args1, kwargs1, top_pad = take_top_inputs(spec, method, payload.args, payload.kwargs, top)
-        if has_deferred(args1, kwargs1):  # pipelined inputs: fetch them while waiting our turn
-            resolving = waits.start(ticket, resolve_on_worker(spec, method, args1, kwargs1, host._wait))
-        if seq is not None:
-            await waits.turn(ticket, pinned)
-        if resolving is None:
-            args2, kwargs2, pipe_pad = args1, kwargs1, None
-        else:
-            args2, kwargs2, pipe_pad = await waits.resolved(resolving)
-        local_pad = None
-        if has_local(args2, kwargs2):  # same-process inputs: the producers ran before our turn
-            args2, kwargs2, local_pad = take_local_inputs(host._lane, spec, method, ticket, args2, kwargs2)
-        pad = msg.in_pad if msg.in_pad is not None else input_pad(spec, method, top_pad, pipe_pad, local_pad)
-        fn = getattr(host._workers[role], method)
-        started_at = time.time()
+class _LoopWork:
+    """A coroutine run on the threaded host's event loop for a call whose thread waits for
+    it (:meth:`result`). Started and cancelled through the loop's queue, so a cancel always
+    finds it started; it is over once the coroutine has unwound."""
+
+    __slots__ = ("_loop", "_task", "_cancelled", "_done", "_outcome")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
+        self._done = threading.Event()
+        self._outcome: tuple[bool, Any] = (False, None)
+
+    def start(self, coro: Any) -> None:
+        self._loop.call_soon_threadsafe(self._start, coro)
+
+    def cancel(self) -> None:
+        """From any thread."""
         try:
-            if mspec.is_async:
-                result = await waits.run_async(ticket, fn(*args2, **kwargs2))
-            else:
-                run = functools.partial(contextvars.copy_context().run, fn, *args2, **kwargs2)
-                result = await waits.run_def(ticket, run, pinned)
-        except waits.cancelled:
-            raise
-        except Exception as e:
-            raise host._method_error(spec, method, e) from None
-        return host._finish(spec, msg, args2, kwargs2, result, pad, ticket, mspec.dispatch_mode.data_parallel,
-                            (arrived_at, started_at, time.time()))
-    except BaseException as e:
-        host._failed(ticket, e)
-        raise
-    finally:
-        if resolving is not None:
-            waits.stop(resolving)
-        lane.leave(ticket)
+            self._loop.call_soon_threadsafe(self._cancel)
+        except RuntimeError:  # the loop is closed (the host is closing): nothing runs there any more
+            pass
 
+    def result(self) -> Any:
+        self._done.wait()
+        ok, value = self._outcome
+        if ok:
+            return value
+        raise value
 
-def _blocking(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine that never suspends (a threaded host's :func:`_run_call`) to its end, here."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise RuntimeError("a threaded host's call suspended: its waits must block, never await")
+    def _start(self, coro: Any) -> None:
+        if self._cancelled:
+            coro.close()
+            self._finish((False, CallCancelled("cancelled before it started")))
+            return
+        self._task = self._loop.create_task(coro)
+        self._task.add_done_callback(self._ended)
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def _ended(self, task: "asyncio.Task[Any]") -> None:
+        if task.cancelled():
+            self._finish((False, CallCancelled("cancelled")))
+        elif task.exception() is not None:
+            self._finish((False, task.exception()))
+        else:
+            self._finish((True, task.result()))
+
+    def _finish(self, outcome: tuple[bool, Any]) -> None:
+        self._outcome = outcome
+        self._done.set()
 
 
 def _construct(spec: RoleSpec) -> Any:

@@ -1,12 +1,15 @@
-"""The wire format of a call's arguments: :class:`Payload`, and how it crosses to a worker.
+"""What crosses between the controller and a worker host: the message types both sides share.
 
-:class:`Builder` makes every executing rank's :class:`Payload` of one call (knowing the
-call's number on each rank's lane), with :class:`Inputs` deciding how each pipelined input
-travels (nested, top-level or handed over in the worker's process), and packs it as the
-backend sends it (for Ray, :meth:`Payload.wire`: plain values as msgpack lists in
-:attr:`Payload.sent`, anything else as the Payload, one nested pickle stream whose
-unpickling on the worker never raises: unpickling-never-raises of ``docs/protocol.md``); the worker host
-rebuilds it with :func:`arrived`.
+:class:`CallMsg` is one rank's call (the worker objects themselves are built from
+:class:`asyncrl.worker.RoleSpec`); its arguments travel as a :class:`Payload` (for Ray,
+:meth:`Payload.wire`: plain values as msgpack lists in :attr:`Payload.sent`, anything else
+as the Payload, one nested pickle stream whose unpickling on the worker never raises:
+unpickling-never-raises of ``docs/protocol.md``); the host rebuilds it with :func:`arrived`.
+A pipelined input travels as one of the markers below (:class:`DeferredShard`,
+:class:`DeferredValue`, :class:`TopShard`, :class:`LocalShard`: ``asyncrl._deferred`` says
+how the worker takes each). :class:`CallCancelled` is how a threaded host reports a
+cancelled call. The controller builds these (``asyncrl._call``), the worker reads them
+(``asyncrl._host``); nothing here runs on one side only.
 """
 
 from __future__ import annotations
@@ -16,14 +19,12 @@ import pickle
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable
 
-from asyncrl._deferred import DeferredShard, DeferredValue, LocalShard, TopShard, has_deferred
+from asyncrl.errors import DispatchError
 
-if TYPE_CHECKING:
-    from asyncrl.dispatch import Sharded
-
-__all__ = ["CallMsg", "Payload", "Builder", "Inputs", "arrived"]
+__all__ = ["CallMsg", "Payload", "arrived", "CallCancelled", "Source", "DeferredShard", "DeferredValue", "TopShard",
+           "LocalShard", "has_deferred", "has_local", "select_fields"]
 
 
 @dataclass(slots=True, eq=False)
@@ -54,7 +55,7 @@ class CallMsg:
     keep: bool
     """Return the result (False: a mesh rank whose result is not collected returns None)."""
     after: int = 0
-    """How many control messages (cancel, unfence) the controller had sent this process
+    """How many control messages the controller had sent (or reserved) to this process
     before this call: the host runs it only after handling them (control-before-call)."""
 
     def wire(self) -> list[Any]:
@@ -70,6 +71,113 @@ class CallMsg:
     def from_wire(cls, packed: list[Any]) -> "CallMsg":
         """The message :meth:`wire` packed."""
         return cls(*packed)
+
+
+class CallCancelled(Exception):
+    """A threaded host's call was cancelled (an ``Exception``, not asyncio's
+    ``CancelledError``, so that Ray reports it as the call's error; the controller reads it
+    as a cancellation)."""
+
+
+# ---- pipelined inputs: how each travels (asyncrl._deferred: how the worker takes it) ------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a worker needs to rebuild a producer future's value."""
+
+    group: str
+    method: str
+    refs: tuple[Any, ...]
+    """Payload refs of the collecting ranks, in DP (or rank) order."""
+    metas: tuple[Any, ...] | None
+    """Refs of ``(rows, pad)`` per payload, for data-parallel producers."""
+    collect: Callable[..., Any] | None
+    """The producer's collect function; None in a matched-layout shard (rank r reads rank r)."""
+    world: Any
+    data_parallel: bool
+    select: tuple[str, ...] | None = None
+    ranks: tuple[int, ...] | None = None
+    """The producer rank of each of `refs` (and `metas`), for errors that name it."""
+
+
+@dataclass(frozen=True)
+class DeferredValue:
+    """Resolves to the producer's whole collected value (every rank fetches all shards)."""
+
+    source: Source
+
+
+@dataclass(frozen=True)
+class TopShard:
+    """A matched-layout shard passed as top-level Ray arguments (see ``asyncrl._deferred``).
+
+    `value` and `meta` are indices into the call's top-level arguments: the producer
+    rank's output and its ``(rows, pad)``; the host takes them without awaiting.
+    """
+
+    group: str
+    method: str
+    select: tuple[str, ...] | None
+    value: int
+    meta: int
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """A matched-layout shard handed over inside the worker process (see
+    ``asyncrl._deferred``): the producer's name, the field selection, and the producer's call id and
+    ordered number on this process's lane. Resolved by the host at the consumer's turn."""
+
+    group: str
+    method: str
+    select: tuple[str, ...] | None
+    call_id: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class DeferredShard:
+    """Resolves to shard `index` of `count` of a data-parallel producer's batch.
+
+    When the producer had `count` shards too, shard i is the producer's rank-i output
+    as it is (padding included); otherwise the worker fetches the metadata of every
+    producer shard (a few bytes each), then only the shards that overlap its rows.
+    """
+
+    source: Source
+    index: int
+    count: int
+
+
+_DEFERRED = (DeferredShard, DeferredValue)
+
+
+def _contains(args: Any, kwargs: dict[str, Any], kinds: type | tuple[type, ...]) -> bool:
+    """Whether an argument, or an item of a list or dict argument (the levels where
+    pipelined inputs are placed), is an instance of `kinds`."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, kinds):
+            return True
+        if isinstance(x, list) and any(isinstance(i, kinds) for i in x):
+            return True
+        if isinstance(x, dict) and any(isinstance(i, kinds) for i in x.values()):
+            return True
+    return False
+
+
+def has_deferred(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an argument (or an item of a list or dict argument, the levels
+    :func:`~asyncrl._deferred.resolve_args` looks at) is resolved on the worker."""
+    return _contains(args, kwargs, _DEFERRED)
+
+
+def has_local(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether an argument (or an item of a list or dict argument) is a :class:`LocalShard`."""
+    return _contains(args, kwargs, LocalShard)
+
+
+# ---- the arguments ---------------------------------------------------------------------------
 
 
 class Payload:
@@ -303,148 +411,22 @@ def _unpickling_error(e: BaseException) -> tuple[str, str, str]:
             traceback.format_exc())
 
 
+def select_fields(value: Any, fields: tuple[str, ...] | None, source: "Source | TopShard | LocalShard") -> Any:
+    """`value`'s field selection `fields` (None: all of it), as a consumer and an awaiter
+    see it; an error names `source`'s producer."""
+    if fields is None:
+        return value
+    from tensordict import TensorDictBase
 
-
-# ---- the controller's side: each rank's Payload -------------------------------------------
-
-
-class Inputs:
-    """The pipelined inputs of one call, as its ranks' payloads are built: which of them
-    are handed over inside the worker process or go top-level (see asyncrl._deferred),
-    and which producers' results every executing rank together reads whole (a producer
-    whose results a successful call read is known to have finished successfully:
-    ``_Call.ok``)."""
-
-    __slots__ = ("producers", "ok", "read", "top_from", "sent", "local", "window", "local_sent")
-
-    def __init__(self, producers: "Sequence[Any]", top: bool, sequencer: Any = None) -> None:
-        self.producers = producers
-        # The producers known to have finished successfully, by their collected refs (the
-        # same ref objects a Source holds): only their matched shards may go top-level.
-        self.ok: dict[int, Any] = {id(ref): p for p in producers if p.ok and top for ref in p.collect_refs}
-        # Same-process candidates, by collected ref: the producer's (rank, call id, number)
-        # of an ordered data-parallel producer numbered by this call's own sequencer (the
-        # same processes). `sequencer` is given for an ordered consumer only (of any
-        # dispatch mode that makes matched shards: DP_COMPUTE, DP_COMPUTE_METRIC, meshes).
-        self.local: dict[int, tuple[int, int, int]] = {}
-        self.window = sequencer.keep_results if sequencer is not None else 0
-        if self.window:
-            for p in producers:
-                if p.sequencer is sequencer and p.collect_metas is not None:
-                    entries, index = p.entries, p.collect_index
-                    for j, ref in enumerate(p.collect_refs):
-                        entry = entries[index[j]]
-                        if entry[2] is not None:
-                            self.local[id(ref)] = entry
-        self.read: set[int] = set()
-        self.top_from: dict[tuple[str, str], None] = {}
-        self.sent = 0  # TopShards made (one per rank and input)
-        self.local_sent = 0  # LocalShards made
-
-    def rank_args(self, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
-        """One rank's argument (or an item of a list argument) for a call that will have
-        number `seq` on `rank`'s lane: a matched shard of an ordered producer on the same
-        process, whose outcome that lane provably still keeps at this call's turn (its
-        number within the window: same-process-window of docs/protocol.md), becomes a
-        :class:`LocalShard`; a matched shard of a known-ok producer a :class:`TopShard`
-        whose refs are appended to `top`."""
-        if isinstance(x, DeferredShard):
-            s = x.source
-            matched = x.count == 1 and len(s.refs) == 1 and s.data_parallel and s.metas is not None
-            if matched and self.local and seq is not None:
-                entry = self.local.get(id(s.refs[0]))
-                if entry is not None and entry[0] == rank and 0 < seq - entry[2] <= self.window:
-                    # Counted as a read: a consumer that succeeded got the producer's value,
-                    # so the producer's host finished it. Ray's object of it could still have
-                    # failed (a result Ray cannot serialize); a later top-level read of it then
-                    # fails before its host runs, which the backend observes (input-failed-before-host of
-                    # docs/protocol.md), as for an object lost after it was read.
-                    self.read.update((id(s.refs[0]), id(s.metas[0])))  # type: ignore[index]
-                    self.local_sent += 1
-                    return LocalShard(s.group, s.method, s.select, entry[1], entry[2])
-            if x.count == len(s.refs) or not s.data_parallel:
-                self.read.update(map(id, s.refs))  # matched (rank r reads producer rank r), or the whole value
-            if s.metas is not None:
-                self.read.update(map(id, s.metas))
-            if self.ok and matched and id(s.refs[0]) in self.ok:
-                self.top_from[(s.group, s.method)] = None
-                self.sent += 1
-                top.extend((s.refs[0], s.metas[0]))  # type: ignore[index]  # (matched: metas is set)
-                return TopShard(s.group, s.method, s.select, len(top) - 2, len(top) - 1)
-        elif isinstance(x, DeferredValue):
-            s = x.source
-            self.read.update(map(id, s.refs))
-            if s.metas is not None:
-                self.read.update(map(id, s.metas))
-        return x
-
-    def fully_read(self) -> tuple[Any, ...]:
-        """The producers (not yet known ok) whose every collected result (and padding
-        metadata) some executing rank of this call reads."""
-        read = self.read
-        return tuple(p for p in self.producers if not p.ok
-                     and all(id(r) in read for r in p.collect_refs)
-                     and (p.collect_metas is None or all(id(m) in read for m in p.collect_metas)))
-
-
-class Builder:
-    """Every executing rank's ``(payload, input padding, keep result)`` of one call, built
-    before anything is sent, knowing the number the call gets on each rank's lane (an error
-    here leaves nothing sent and no number taken: build-before-send of docs/protocol.md). `producers`:
-    the calls whose futures are among the arguments; `top`: matched shards of producers
-    known to be ok may go as top-level arguments; `sequencer`: the consumer's own, for an
-    ordered call (same-process inputs); `pack`: set each payload's :attr:`Payload.sent` to
-    :meth:`Payload.wire` (the backend sends plain arguments as msgpack lists). After
-    building, `inputs` says how the pipelined inputs travelled (None without producers) and
-    `reads` which producers the call reads whole (:meth:`Inputs.fully_read`)."""
-
-    __slots__ = ("sharded", "keep", "inputs", "pack", "reads")
-
-    def __init__(self, sharded: "Sharded", keep: list[bool], producers: "Sequence[Any]", top: bool,
-                 sequencer: Any, pack: bool) -> None:
-        self.sharded, self.keep, self.pack = sharded, keep, pack
-        self.inputs = Inputs(producers, top, sequencer) if producers else None
-        self.reads: tuple[Any, ...] = ()
-
-    def __call__(self, ranks: "Sequence[int]", numbers: "Sequence[int | None]") -> list[tuple[Payload, int | None, bool]]:
-        built = [self.rank(r, seq) for r, seq in zip(ranks, numbers)]
-        if self.inputs is not None:
-            self.reads = self.inputs.fully_read()
-        return built
-
-    def rank(self, r: int, seq: int | None) -> tuple[Payload, int | None, bool]:
-        """One rank's ``(payload, input padding, keep result)``, for a call numbered `seq` there."""
-        sharded, inputs = self.sharded, self.inputs
-        pads = sharded.pad
-        a = tuple(_defer(x[r]) for x in sharded.args)
-        k = {key: _defer(v[r]) for key, v in sharded.kwargs.items()}
-        top: list[Any] | None = None
-        nested = False
-        if inputs is not None:  # (without producers no argument is resolved on the worker)
-            top = []
-            a = tuple(_each(inputs, x, top, r, seq) for x in a)
-            k = {key: _each(inputs, v, top, r, seq) for key, v in k.items()}
-            nested = has_deferred(a, k)
-        payload = Payload(a, k, top=top or None, nested=nested)
-        if self.pack:
-            wire = payload.wire()
-            if wire is not payload:
-                payload.sent = wire  # type: ignore[assignment]
-        return payload, (pads[r] if pads is not None else None), self.keep[r]
-
-
-def _each(inputs: Inputs, x: Any, top: list[Any], rank: int, seq: int | None) -> Any:
-    if isinstance(x, list):
-        return [inputs.rank_args(i, top, rank, seq) for i in x]
-    return inputs.rank_args(x, top, rank, seq)
-
-
-def _defer(x: Any) -> Any:
-    """A future left in a rank's arguments (by a non-DP or custom mode) is resolved
-    whole on the worker."""
-    src = getattr(x, "_as_source", None)
-    if src is not None:
-        return DeferredValue(src())
-    if isinstance(x, list) and any(hasattr(i, "_as_source") for i in x):
-        return [_defer(i) for i in x]
-    return x
+    if not isinstance(value, TensorDictBase):
+        raise DispatchError(
+            f"a field selection of {source.group}.{source.method} needs it to return a TensorDict, "
+            f"it returned {type(value).__name__}"
+        )
+    missing = [f for f in fields if f not in value.keys(include_nested=True)]
+    if missing:
+        raise DispatchError(
+            f"{source.group}.{source.method} has no field(s) {missing}; "
+            f"it returned fields {sorted(map(str, value.keys()))}"
+        )
+    return value.select(*fields)

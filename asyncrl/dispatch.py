@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 from tensordict import TensorDictBase
 
 from asyncrl import batch as B
-from asyncrl._deferred import DeferredShard, Source
+from asyncrl._wire import DeferredShard, Source
 from asyncrl.errors import DispatchError
 
 __all__ = [

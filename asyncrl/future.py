@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Callable, Generator, Generic, Sequence, T
 
 from asyncrl import batch as B
 from asyncrl._call import _Call
-from asyncrl._deferred import Source
+from asyncrl._wire import Source, select_fields
 from asyncrl.errors import GroupClosedError
 
 __all__ = ["GroupFuture", "gather"]
@@ -198,9 +198,7 @@ class GroupFuture(Generic[T]):
     def _apply_select(self, value: Any) -> Any:
         if self._select is None:
             return value
-        from asyncrl._deferred import _select
-
-        return _select(value, self._select, self._as_source())
+        return select_fields(value, self._select, self._as_source())
 
     def _as_source(self) -> Source:
         call = self._call

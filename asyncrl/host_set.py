@@ -22,13 +22,12 @@ import os
 from typing import Any, Mapping
 
 from asyncrl._backend import Backend, BackendSpec, public_error
-from asyncrl._host import RoleSpec
 from asyncrl._call import Sequencer
 from asyncrl.dispatch import MeshRank
 from asyncrl.register import Mode, registered_methods
 from asyncrl.errors import DispatchError, GroupClosedError
 from asyncrl.resources import ResourcePool
-from asyncrl.worker import WorkerContext
+from asyncrl.worker import RoleSpec, WorkerContext
 
 __all__ = ["HostSet"]
 
@@ -165,7 +164,6 @@ class HostSet:
             self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=threaded, per_process=k))
         else:
             self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=threaded))
-        self.sequencer.pinned = threaded and getattr(self.backend, "pins_ordered_calls", False)
         info = await self._admin(0, "node_info", "node_info")
         local_world: dict[Any, int] = {}
         for r in range(n if slots else 0):

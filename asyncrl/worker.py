@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextvars
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from asyncrl.dispatch import MeshRank
 
-__all__ = ["Worker", "WorkerContext", "PROTECTED_ENV"]
+__all__ = ["Worker", "WorkerContext", "RoleSpec", "PROTECTED_ENV"]
 
 PROTECTED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 """Environment variables asyncrl sets per worker; a group's `env` may not override them."""
@@ -40,6 +41,19 @@ class WorkerContext:
             world_size=int(os.environ.get("WORLD_SIZE", 1)),
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         )
+
+
+@dataclass
+class RoleSpec:
+    """How to build one worker object in a host (the controller sends one per role to each host)."""
+
+    role: str
+    group: str
+    cls: type
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    context: WorkerContext = field(default_factory=WorkerContext)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 _CONTEXT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar("asyncrl_worker_context", default=None)

@@ -79,10 +79,22 @@ CALLS_PER_REP = {"tiny": 40, "tiny async": 40, "32 B": 40, "1 MiB": 20, "64 MiB"
 TINY_METHOD = {"tiny": "ping", "tiny async": "ping_async"}
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this whole process so far (every thread: Ray's included), user + system."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 class Sink(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def ping(self, x: int) -> int:
         return x
+
+    @register(Dispatch.ONE_TO_ALL)
+    def cpu(self) -> float:
+        return _cpu_seconds()
 
     @register(Dispatch.ONE_TO_ALL)
     async def ping_async(self, x: int) -> int:  # ordered too; runs on the worker's loop, no thread hop
@@ -105,6 +117,9 @@ class PlainSink:
 
     def consume(self, t: torch.Tensor) -> torch.Tensor:
         return torch.tensor([t.shape[0]])
+
+    def cpu(self) -> float:
+        return _cpu_seconds()
 
 
 def _verl_worker_class() -> type | None:
@@ -197,6 +212,22 @@ async def v_verl(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
 
 async def v_async_host(ctx: dict[str, Any], t: torch.Tensor | None) -> Any:
     return await v_asyncrl({**ctx, "wg": ctx["wg_async"]}, t)
+
+
+CPU_OF = {"asyncrl": "wg", "plain Ray": "actors", "host path": "wg", "async host": "wg_async"}
+"""The worker processes each variant's calls run in (their CPU time is counted with the controller's)."""
+
+
+async def _cpu_now(ctx: dict[str, Any], variant: str) -> float:
+    """CPU seconds so far of the controller's process plus the worker processes `variant` calls."""
+    where = CPU_OF.get(variant)
+    if where is None:
+        return 0.0
+    if where == "actors":
+        workers = sum(await asyncio.gather(*(a.cpu.remote() for a in ctx["actors"])))
+    else:
+        workers = sum(await ctx[where].cpu())
+    return _cpu_seconds() + workers
 
 
 VARIANTS: dict[str, Callable[[dict[str, Any], torch.Tensor | None], Awaitable[Any]]] = {
@@ -296,15 +327,20 @@ async def measure(workers: list[int], cells: list[str], reps: int, quick: bool,
                     assert got == expected, (v, cell, got, expected)
                 k = max(1, CALLS_PER_REP[cell] // (4 if quick else 1))
                 times: dict[str, list[float]] = {v: [] for v in variants}
+                cpus: dict[str, list[float]] = {v: [] for v in variants if v in CPU_OF}
                 for rep in range(reps):
                     for v in variants[rep % len(variants):] + variants[:rep % len(variants)]:
                         fn = VARIANTS[v]
+                        c0 = await _cpu_now(ctx, v)
                         t0 = time.perf_counter()
                         for _ in range(k):
                             await fn(ctx, t)
                         times[v].append((time.perf_counter() - t0) / k)
+                        if v in cpus:
+                            cpus[v].append((await _cpu_now(ctx, v) - c0) / k)
                 med = {v: statistics.median(ts) for v, ts in times.items()}
-                rows.append({"workers": n, "cell": cell, **med})
+                rows.append({"workers": n, "cell": cell, **med,
+                             **{f"cpu {v}": statistics.median(cs) for v, cs in cpus.items()}})
                 print(f"  {n} workers {cell:>6}: " + "  ".join(f"{v} {med[v] * 1e6:8.0f} us" for v in variants)
                       + f"  asyncrl/plain {med['asyncrl'] / med['plain Ray']:.2f}x", flush=True)
         finally:
@@ -334,6 +370,25 @@ def table(rows: list[dict]) -> str:
         if has_verl:
             cells += [f"{r['verl'] * 1e6:.0f}", f"{r['asyncrl'] / r['verl']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cpu_table(rows: list[dict]) -> str:
+    """CPU time per call (the controller's process and the worker processes it calls, every
+    thread), beside plain Ray's: what a call costs the machine, much less moved by other jobs
+    than the wall time is."""
+    head = ["workers", "call", "asyncrl CPU µs", "plain Ray CPU µs", "asyncrl / plain Ray", "host path / plain Ray",
+            "async host / plain Ray"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in rows:
+        if "cpu plain Ray" not in r:
+            continue
+        call = {"tiny": "tiny ONE_TO_ALL", "tiny async": "tiny ONE_TO_ALL, `async def`"}.get(
+            r["cell"], f"{r['cell']} DP_COMPUTE")
+        p = r["cpu plain Ray"]
+        lines.append("| " + " | ".join([str(r["workers"]), call, f"{r['cpu asyncrl'] * 1e6:.0f}", f"{p * 1e6:.0f}",
+                                         f"{r['cpu asyncrl'] / p:.2f}x", f"{r['cpu host path'] / p:.2f}x",
+                                         f"{r['cpu async host'] / p:.2f}x"]) + " |")
     return "\n".join(lines)
 
 
@@ -382,6 +437,9 @@ def main() -> None:
             "worker processes called as its Ray backend calls them, without the controller's dispatch, futures "
             "and collect. " + verl_note,
             table(rows),
+            "CPU time per call, the same runs (the controller's process plus the worker processes the "
+            "variant calls, every thread, user + system; the median over the repetitions):",
+            cpu_table(rows),
             "No-copy check (the shards handed to the backend share the input tensor's storage, at the expected "
             "offsets) and the bytes Ray's serializer makes of them in the controller:\n\n"
             + "\n".join(f"- {c}" for c in checks),

@@ -8,9 +8,17 @@ Not a speed benchmark: each line is an observed fact about the installed Ray (th
   actor) — also when an earlier call waits for a top-level argument still being produced;
 - threads: does every call of a one-thread group (and of a plain sync actor) run on one OS thread?
 - cancellation: ``ray.cancel`` of a queued call of a sync actor (does it ever run?), of a
-  running one (is it interrupted?), and of a running ``async def`` call (``CancelledError``?).
+  running one (is it interrupted?), and of a running ``async def`` call (``CancelledError``?);
+- the threaded host's actor shape (a one-thread group ``ordered``, an 8-thread group, a
+  one-thread ``control`` group): its one-thread group's order with 1 MiB arguments mixed in,
+  and whether the other groups run while the one-thread group is blocked (the two behaviours
+  the threaded host relies on);
+- Ray holding a call back itself (a top-level argument still being produced): what it does
+  to the caller's later calls to that actor, in the other groups too, and to them after
+  ``ray.cancel`` of the held call or when the argument fails (why asyncrl never passes an
+  unfinished input top-level; ``--no-stall`` leaves out the row that waits Ray's 30 s).
 
-    python benchmarks/ray_guarantees.py [--calls 200]
+    python benchmarks/ray_guarantees.py [--calls 200] [--no-stall]
 """
 
 from __future__ import annotations
@@ -77,6 +85,44 @@ class PinnedActor:
         return self.log, len(self.threads)
 
 
+@ray.remote(concurrency_groups={"ordered": 1, "calls": 8, "control": 1})
+class HostShaped:
+    """The threaded host's actor shape: a sync actor whose ``ordered`` group has one thread,
+    beside a ``calls`` group of 8 and a one-thread ``control`` group."""
+
+    def __init__(self) -> None:
+        self.log: list[Any] = []
+        self.threads: set[int] = set()
+        self.gate = threading.Event()
+
+    @ray.method(concurrency_group="ordered")
+    def record(self, i: Any, *_args: Any) -> None:
+        self.log.append(i)
+        self.threads.add(threading.get_ident())
+
+    @ray.method(concurrency_group="ordered")
+    def block(self) -> None:
+        self.gate.wait(60)
+
+    @ray.method(concurrency_group="calls")
+    def other(self, i: Any) -> Any:
+        self.log.append(i)
+        return i
+
+    @ray.method(concurrency_group="control")
+    def control(self, i: Any) -> Any:
+        self.log.append(i)
+        return i
+
+    @ray.method(concurrency_group="control")
+    def release(self) -> None:
+        self.gate.set()
+
+    @ray.method(concurrency_group="control")
+    def state(self) -> tuple[list[Any], int]:
+        return list(self.log), len(self.threads)
+
+
 @ray.remote
 class AsyncActor:
     def __init__(self) -> None:
@@ -98,9 +144,15 @@ class AsyncActor:
 
 
 @ray.remote
-def slow(x: int) -> int:
-    time.sleep(0.3)
+def slow(x: int, seconds: float = 0.3) -> int:
+    time.sleep(seconds)
     return x
+
+
+@ray.remote
+def fails(seconds: float) -> None:
+    time.sleep(seconds)
+    raise ValueError("the producer failed")
 
 
 def _inversions(log: list[int]) -> int:
@@ -181,13 +233,92 @@ def cancel_rows() -> list[tuple[str, str]]:
     return rows
 
 
+def host_rows(n: int) -> list[tuple[str, str]]:
+    """The two behaviours the threaded host relies on, on its actor shape."""
+    import numpy as np
+
+    rows = []
+    h = HostShaped.remote()
+    big = np.zeros(1 << 20, dtype=np.uint8)  # 1 MiB: Ray puts it in the object store, fetched before the call runs
+    refs = []
+    for i in range(n):
+        refs.append(h.record.remote(i, big) if i % 7 == 0 else h.record.remote(i))
+        if i % 3 == 0:
+            refs.append(h.other.remote(-1))
+    ray.get(refs)
+    log, threads = ray.get(h.state.remote())
+    ordered = [i for i in log if i != -1]
+    rows.append((f"order, the host's one-thread group beside an 8-thread and a control group, 1 MiB arguments "
+                 f"mixed in: {n} calls", f"{_inversions(ordered)} out of order; {threads} OS thread(s)"))
+    h2 = HostShaped.remote()
+    ray.get(h2.state.remote())
+    blocker = h2.block.remote()
+    queued = h2.record.remote("queued")
+    t0 = time.perf_counter()
+    ctl, oth = ray.get([h2.control.remote("control"), h2.other.remote("calls")])
+    beside = time.perf_counter() - t0
+    ran_before = "queued" not in ray.get(h2.state.remote())[0]
+    ray.get(h2.release.remote())
+    ray.get([blocker, queued])
+    rows.append(("while a call blocks the one-thread group: a control-group and a calls-group call",
+                 f"both ran in {beside * 1e3:.0f} ms, before the call queued behind the blocker: {ran_before}"))
+    return rows
+
+
+def held_rows(stall: bool) -> list[tuple[str, str]]:
+    """Ray holding a call back itself, until a top-level argument is produced."""
+    rows = []
+    h = HostShaped.remote()
+    ray.get(h.state.remote())
+    t0 = time.perf_counter()
+    dep = slow.remote(0, 1.5)
+    waiting = h.record.remote("waits", dep)
+    ctl = h.control.remote("control")
+    ray.get(ctl)
+    took = time.perf_counter() - t0
+    ray.get(waiting)
+    log = ray.get(h.state.remote())[0]
+    rows.append(("a call waits for a top-level argument (1.5 s): a later control-group call of the same caller",
+                 f"returned after {took:.1f} s; ran {'after' if log.index('control') > log.index('waits') else 'before'}"
+                 " the waiting call"))
+    h = HostShaped.remote()
+    ray.get(h.state.remote())
+    t0 = time.perf_counter()
+    waiting = h.record.remote("waits", fails.remote(1.0))
+    after = h.record.remote("after")
+    try:
+        ray.get(waiting)
+        out = "ran"
+    except ray.exceptions.RayTaskError as e:
+        out = f"{type(e).__name__} (cause {type(e.cause).__name__}), never ran"
+    ray.get(after)
+    rows.append(("the argument fails: the waiting call / the call behind it",
+                 f"{out} / ran after {time.perf_counter() - t0:.1f} s"))
+    if stall:
+        h = HostShaped.remote()
+        ray.get(h.state.remote())
+        waiting = h.record.remote("waits", slow.remote(0, 3.0))
+        behind = h.record.remote("behind")
+        time.sleep(0.3)
+        ray.cancel(waiting)
+        t0 = time.perf_counter()
+        try:
+            ray.get(behind, timeout=90)
+            out = f"ran after {time.perf_counter() - t0:.1f} s"
+        except Exception as e:  # noqa: BLE001 - the observation
+            out = f"{type(e).__name__} after {time.perf_counter() - t0:.0f} s"
+        rows.append(("`ray.cancel` of the call waiting for its argument: the call behind it", out))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--no-stall", action="store_true", help="leave out the row that waits for Ray's 30 s timeout")
     args = ap.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        rows = order_rows(args.calls) + cancel_rows()
+        rows = order_rows(args.calls) + cancel_rows() + host_rows(args.calls) + held_rows(not args.no_stall)
     finally:
         ray.shutdown()
     print(f"Ray {ray.__version__}\n\n| what | observed |\n|---|---|")

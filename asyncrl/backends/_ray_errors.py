@@ -17,7 +17,7 @@ from ray.exceptions import (
 )
 
 from asyncrl._backend import Cancelled, Died, Failed, InputFailed
-from asyncrl._lanes import CallCancelled
+from asyncrl._wire import CallCancelled
 from asyncrl.errors import AsyncRLError
 
 __all__ = ["await_ray"]

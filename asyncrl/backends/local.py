@@ -95,8 +95,14 @@ class LocalBackend:
             f.add_done_callback(_retrieve)
         return payload_fut, meta
 
-    def cancel_calls(self, host: WorkerHost, entries: list[tuple[int, int | None]], deadline: bool) -> None:
-        host.cancel_calls(entries, deadline)
+    def cancel_calls(self, host: WorkerHost, entries: list[tuple[int, int | None]], deadline: bool,
+                     behind: list[tuple[int, int]] = (),  # type: ignore[assignment]
+                     replied: Callable[[Any, Callable[[list[tuple[int, int]]], None]], None] | None = None) -> None:
+        # On one loop, a cancel is handled before any later call starts: the reply and the
+        # verdict need no ordering of their own (wedged-lane of docs/protocol.md).
+        wedge = host.cancel_calls(entries, deadline, list(behind))
+        if replied is not None:
+            replied(wedge, lambda refused: host.cancel_calls(refused) if refused else None)
 
     async def wait(self, ref: Any) -> Any:
         return await _await_local(ref)

@@ -1,8 +1,10 @@
 """The Ray backend: every worker process is a Ray actor hosting the worker objects.
 
-The actor wrappers, the hosts' placement and the routing of calls; its error translation
-is :mod:`asyncrl.backends._ray_errors` and its fetch machinery :mod:`asyncrl.backends._ray_fetch`.
-With them, the only modules that import ray (with :mod:`asyncrl.runtime`, which starts it).
+The controller's side of Ray: the hosts' actors (the hosts of :mod:`asyncrl._host` as they
+are, each call routed to its concurrency group), their placement, submitting calls and
+control messages; its error translation is :mod:`asyncrl.backends._ray_errors` and its
+fetch machinery :mod:`asyncrl.backends._ray_fetch`. With them, the only modules that import
+ray (with :mod:`asyncrl.runtime`, which starts it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl._backend import Slot
-from asyncrl._host import ThreadedHost, WorkerHost
+from asyncrl._host import RanksHost, ThreadedHost, WorkerHost
 from asyncrl._wire import CallMsg, Payload
 from asyncrl.backends._ray_errors import _input_failed, _translate, await_ray
 from asyncrl.backends._ray_fetch import _RESOLVER, _Fetch, _Peek, _Watch
@@ -27,21 +29,43 @@ from asyncrl.errors import PlacementError
 
 _MAX_CONCURRENCY = 100_000  # in-flight calls per async host; ordering is by sequence number, not by slot
 THREADED_CALLS = 64
-"""Calls a threaded host runs or holds at once (Ray threads of its ``calls`` concurrency
-group); more wait in Ray's queue, in submission order."""
+"""Concurrent calls a threaded host runs or holds at once (Ray threads of its ``calls``
+concurrency group); more wait in Ray's queue."""
+THREADED_GROUPS = {"ordered": 1, "calls": THREADED_CALLS, "control": 1}
+"""The threaded host's concurrency groups (:class:`~asyncrl._host.ThreadedHost`): ``ordered``,
+the one thread that runs the constructors and every ordered call (Ray keeps their order:
+one-thread-group-order of docs/protocol.md); ``calls``, concurrent calls; ``control``, cancel
+messages, close and the other admin calls (never queued behind a call)."""
 
 log = structlog.get_logger("asyncrl")
 
 
-def _host_methods(host: Any) -> tuple[Any, Any, Any, Any]:
-    """A host's call methods: ``calls`` group, the same with 2 returns, and (a threaded
-    host) its pinned thread's, with 2 returns; None for an async host."""
-    calls = host.call_packed
-    try:
-        pinned = host.call_pinned
-    except AttributeError:  # an async host
-        return calls, calls.options(num_returns=2), None, None
-    return calls, calls.options(num_returns=2), pinned, pinned.options(num_returns=2)
+class _Methods:
+    """One host's Ray methods, each with its options (made once per host: ``.options()``
+    builds a new method object)."""
+
+    __slots__ = ("threaded", "ordered", "ordered_meta", "concurrent", "concurrent_meta", "_host")
+
+    def __init__(self, host: Any, threaded: bool) -> None:
+        self.threaded = threaded
+        self._host = host
+        call = host.call
+        if threaded:
+            self.ordered = call.options(concurrency_group="ordered")
+            self.ordered_meta = call.options(concurrency_group="ordered", num_returns=2)
+            self.concurrent = call.options(concurrency_group="calls")
+            self.concurrent_meta = call.options(concurrency_group="calls", num_returns=2)
+        else:
+            self.ordered = self.concurrent = call
+            self.ordered_meta = self.concurrent_meta = call.options(num_returns=2)
+
+    def admin(self, method: str) -> Any:
+        """A set-up, control or test method; a threaded host builds its workers on the
+        ``ordered`` thread and answers everything else on ``control``."""
+        m = getattr(self._host, method)
+        if not self.threaded:
+            return m
+        return m.options(concurrency_group="ordered" if method == "init_workers" else "control")
 
 
 def _all_ready(refs: list[Any]) -> bool:
@@ -49,101 +73,8 @@ def _all_ready(refs: list[Any]) -> bool:
     return len(ready) == len(refs)
 
 
-class _ThreadedWorkerHost(ThreadedHost):
-    """The threaded host as a sync Ray actor (``max_concurrency=1``, so Ray keeps the
-    submission order when it dispatches each group's calls: threads-hold-lowest-numbers of
-    docs/protocol.md): set-up and the ordered calls that can run at once in
-    ``ordered``, a group of ONE thread (the pinned thread); ordered calls with nested
-    pipelined inputs (and concurrent calls) in ``calls`` (:data:`THREADED_CALLS` threads);
-    cancel messages and close in ``control`` (never queued behind calls or constructors)."""
-
-    @ray.method(concurrency_group="ordered")
-    def init_workers(self, specs: list[Any], keep_results: int = 0) -> dict[str, dict[str, Any]]:
-        # A job that finds the pinned thread idle gets it by a call of our own into its group.
-        self._lane.pump = ray.get_runtime_context().current_actor.serve_jobs.remote  # type: ignore[attr-defined]
-        return super().init_workers(specs, keep_results)
-
-    @ray.method(concurrency_group="ordered")
-    def call_pinned(self, packed: list[Any], *top: Any) -> Any:
-        return self.call(packed, top, pinned=True)
-
-    @ray.method(concurrency_group="ordered")
-    def serve_jobs(self) -> None:
-        super().serve_jobs()
-
-    @ray.method(concurrency_group="calls")
-    def call_packed(self, packed: list[Any], *top: Any) -> Any:
-        return self.call(packed, top)
-
-    @ray.method(concurrency_group="calls")
-    def wait_unwedged(self, call_id: int) -> bool:
-        return super().wait_unwedged(call_id)
-
-    @ray.method(concurrency_group="control")
-    def cancel_calls(self, entries: list[tuple[int, int | None]], deadline: bool = False, note: int = 0) -> Any:
-        return super().cancel_calls(entries, deadline, note)
-
-    @ray.method(concurrency_group="control")
-    def unfence(self, call_id: int, upto: int, note: int = 0) -> None:
-        super().unfence(call_id, upto, note)
-
-    @ray.method(concurrency_group="control")
-    def pinned_state(self) -> dict[str, Any]:
-        return super().pinned_state()
-
-    @ray.method(concurrency_group="control")
-    def control_state(self) -> dict[str, int]:
-        return super().control_state()
-
-    @ray.method(concurrency_group="control")
-    def close(self) -> None:
-        # Beside the calls and the constructors (ordered group), as on the async host: a
-        # close during set-up need not wait for the constructors.
-        super().close()
-
-
-class _RanksHost:
-    """The hosts of several ranks in one process (an async Ray actor): one :class:`WorkerHost` per rank, each with
-    its own worker objects, ordered lane and thread; every method names its rank's host (``index``, the rank's
-    place in this process). What a group of ``ranks_per_process > 1`` runs on (:meth:`RayBackend.make_hosts`)."""
-
-    def __init__(self, wait: Callable[[Any], Any], ranks: int) -> None:
-        self._hosts = [WorkerHost(wait=wait) for _ in range(ranks)]
-        self._constructing: asyncio.Lock | None = None
-
-    def node_info(self, index: int) -> dict[str, Any]:
-        return self._hosts[index].node_info()
-
-    def host_kind(self, index: int) -> str:
-        return self._hosts[index].host_kind()
-
-    def ping(self, index: int) -> int:
-        return self._hosts[index].ping()
-
-    async def init_workers(self, index: int, specs: list[Any], keep_results: int = 0) -> dict[str, dict[str, Any]]:
-        # One rank's constructors at a time: each rank's run on its own thread, and two threads importing a
-        # lazily-loaded library (transformers) at once can see it half-initialised.
-        if self._constructing is None:
-            self._constructing = asyncio.Lock()
-        async with self._constructing:
-            return await self._hosts[index].init_workers(specs, keep_results)
-
-    async def call_packed(self, index: int, packed: list[Any], *top: Any) -> Any:
-        return await self._hosts[index].call_packed(packed, *top)
-
-    def cancel_calls(self, index: int, entries: list[tuple[int, int | None]], deadline: bool = False,
-                     note: int = 0) -> Any:
-        return self._hosts[index].cancel_calls(entries, deadline, note)
-
-    def control_state(self, index: int) -> dict[str, int]:
-        return self._hosts[index].control_state()
-
-    async def close(self, index: int) -> None:
-        await self._hosts[index].close()
-
-
 class _RankMethod:
-    """A method of a :class:`_RanksHost` actor bound to one rank's host: ``.remote(*args)`` and ``.options(...)``
+    """A method of a :class:`~asyncrl._host.RanksHost` actor bound to one rank's host: ``.remote(*args)`` and ``.options(...)``
     as an actor method's, the rank's index passed first."""
 
     __slots__ = ("_method", "_index")
@@ -159,7 +90,7 @@ class _RankMethod:
 
 
 class _RankHandle:
-    """One rank's host inside a :class:`_RanksHost` process: what the group holds per rank (its lane, its control
+    """One rank's host inside a :class:`~asyncrl._host.RanksHost` process: what the group holds per rank (its lane, its control
     messages, its calls) in place of an actor handle; `actor` is the process's."""
 
     __slots__ = ("actor", "index")
@@ -177,19 +108,17 @@ class RayBackend:
     name = "ray"
     needs_pool = True
     top_level_inputs = True
-    pins_ordered_calls = True
-    """A threaded host runs ordered calls on its pinned thread (pinned-thread of docs/protocol.md)."""
     sends_plain_lists = True
     """Plain arguments travel as msgpack lists (:meth:`asyncrl._wire.Payload.wire`, packed by the builder)."""
 
     def __init__(self) -> None:
         # Local wrappers: need no running Ray.
         self._actor_cls = ray.remote(WorkerHost)
-        self._threaded_cls = ray.remote(concurrency_groups={"calls": THREADED_CALLS, "control": 1, "ordered": 1})(_ThreadedWorkerHost)
-        self._ranks_cls = ray.remote(_RanksHost)
-        self._methods: dict[int, tuple[Any, Any, Any, Any]] = {}  # id(host) -> _host_methods(host)
-        # id(host) -> control messages (cancel, unfence) sent to it: each is numbered and
-        # every call carries the count, so it runs only after them (control-before-call of docs/protocol.md).
+        self._threaded_cls = ray.remote(concurrency_groups=THREADED_GROUPS)(ThreadedHost)
+        self._ranks_cls = ray.remote(RanksHost)
+        self._methods: dict[int, _Methods] = {}  # id(host) -> its methods (host: an actor, or a _RankHandle)
+        # id(host) -> control messages sent (or reserved) to it: each is numbered and every
+        # call carries the count, so it runs only after them (control-before-call of docs/protocol.md).
         self._notes: dict[int, int] = {}
         self._notes_lock = threading.Lock()  # (a release can be sent from Ray's thread)
 
@@ -211,9 +140,15 @@ class RayBackend:
         if per_process > 1:  # one async actor per slot, hosting `per_process` ranks (the last one fewer)
             actors = self._start_actors(self._ranks_cls, {"max_concurrency": _MAX_CONCURRENCY}, slots,
                                         -(-n // per_process), lambda i: min(per_process, n - i * per_process))
-            return [_RankHandle(actors[r // per_process], r % per_process) for r in range(n)]
-        cls, kind = (self._threaded_cls, {}) if threaded else (self._actor_cls, {"max_concurrency": _MAX_CONCURRENCY})
-        return self._start_actors(cls, kind, slots, n, None)
+            hosts = [_RankHandle(actors[r // per_process], r % per_process) for r in range(n)]
+            threaded = False
+        else:
+            cls, kind = ((self._threaded_cls, {}) if threaded else
+                         (self._actor_cls, {"max_concurrency": _MAX_CONCURRENCY}))
+            hosts = self._start_actors(cls, kind, slots, n, None)
+        for host in hosts:
+            self._methods[id(host)] = _Methods(host, threaded)
+        return hosts
 
     def _start_actors(self, cls: Any, kind: dict[str, Any], slots: list[Any], n: int,
                       ranks: Callable[[int], int] | None) -> list[Any]:
@@ -236,7 +171,7 @@ class RayBackend:
         return hosts
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:
-        return await await_ray(getattr(host, method).remote(*args))
+        return await await_ray(self._methods[id(host)].admin(method).remote(*args))
 
     def submit(self, host: Any, msg: CallMsg) -> tuple[Any, Any]:
         # One Ray argument, the message as a list (CallMsg.wire), not nine: Ray serializes
@@ -248,32 +183,27 @@ class RayBackend:
         packed = msg.wire()
         payload = msg.payload
         assert isinstance(payload, Payload)
-        methods = self._methods.get(id(host))
-        if methods is None:  # .options() builds a new method object: once per host, not per call
-            methods = self._methods[id(host)] = _host_methods(host)
-        # An ordered call to a threaded host goes to its pinned thread unless it has nested
-        # pipelined inputs to fetch while its predecessors run (pinned-thread, docs/protocol.md).
+        m = self._methods[id(host)]
         seq = msg.seq
-        pinned = seq is not None and methods[2] is not None and not payload.nested
         if msg.want_meta:
-            call2 = methods[3] if pinned else methods[1]
             top = payload.top  # (only data-parallel calls, which return their meta, take top-level inputs)
             if top:
-                ref, meta = call2.remote(packed, *top)
-                self._observe(meta, host, msg.call_id, seq)
+                ref, meta = (m.ordered_meta if seq is not None else m.concurrent_meta).remote(packed, *top)
+                if seq is not None and not m.threaded:
+                    self._observe(meta, host, msg.call_id, seq)
             else:
-                ref, meta = call2.remote(packed)
+                ref, meta = (m.ordered_meta if seq is not None else m.concurrent_meta).remote(packed)
             return ref, meta
-        return (methods[2] if pinned else methods[0]).remote(packed), None
+        return (m.ordered if seq is not None else m.concurrent).remote(packed), None
 
     def _observe(self, ref: Any, host: Any, call_id: int, seq: int | None) -> None:
-        """Watch a call sent with top-level inputs: if Ray fails it before its host runs
-        it (an input lost, or not unpicklable there: see asyncrl._deferred), the host
-        never saw its number, so release it with the one cancel message (cancelled-before-arrival of
-        docs/protocol.md; idempotent). `ref` is the call's metadata ref (a few bytes);
-        Ray calls back on its own thread; nothing runs on the loop unless it failed so."""
-        if seq is None:
-            return  # a concurrent call holds no number
+        """Watch an ordered call sent to an async host with top-level inputs: if Ray fails
+        it before its host runs it (an input lost, or not unpicklable there: see
+        asyncrl._deferred), the host never saw its number, so release it with the one
+        cancel message (cancelled-before-arrival of docs/protocol.md; idempotent). `ref` is
+        the call's metadata ref (a few bytes); Ray calls back on its own thread; nothing
+        runs on the loop unless it failed so. (A threaded host's lane waits for no number:
+        one-thread-group-order.)"""
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # issued from a thread without a loop
@@ -300,20 +230,34 @@ class RayBackend:
             log.warning("release.unsent", call_id=call_id, error=repr(e))
 
     def cancel_calls(self, host: Any, entries: list[tuple[int, int | None]], deadline: bool,
-                     wedged: Callable[[Any], None] | None = None) -> None:
-        """Send the cancel message. `wedged`: called on the caller's loop with the host's
-        reply to a deadline's cancel when it says the lane is wedged (pinned-thread)."""
-        ref = self._control(host, host.cancel_calls, entries, deadline)
-        if deadline and wedged is not None:
-            try:
-                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
-            ref._on_completed(functools.partial(_cancel_replied, loop, wedged))
+                     behind: list[tuple[int, int]] = (),  # type: ignore[assignment]
+                     replied: Callable[[Any, Callable[[list[tuple[int, int]]], None]], None] | None = None) -> None:
+        """Send the cancel message. With `deadline`, `behind` and `replied` (wedged-lane of
+        docs/protocol.md): the message after it to that host is reserved for the
+        controller's answer to the host's reply, so every call sent meanwhile waits for it
+        (control-before-call); ``replied(wedge or None, verdict)`` runs on the caller's loop,
+        and ``verdict(entries)`` sends the reserved message: cancel `entries` (it must be
+        called once)."""
+        cancel = self._methods[id(host)].admin("cancel_calls")
+        if not deadline or replied is None:
+            self._control(host, cancel, entries, False, [])
+            return
+        with self._notes_lock:
+            note = self._notes.get(id(host), 0) + 1
+            ref = cancel.remote(entries, True, list(behind), note)
+            self._notes[id(host)] = note + 1  # note + 1: the verdict's, sent by `replied`
+        verdict = functools.partial(self._verdict, host, cancel, note + 1)
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        ref._on_completed(functools.partial(_cancel_replied, loop, replied, verdict))
 
-    def unfence(self, host: Any, call_id: int, upto: int) -> None:
-        """Tell `host` which ordered numbers are past call `call_id`'s wedge (pinned-thread)."""
-        self._control(host, host.unfence, call_id, upto)
+    def _verdict(self, host: Any, cancel: Any, note: int, entries: list[tuple[int, int]]) -> None:
+        try:
+            cancel.remote(entries, False, [], note)
+        except Exception as e:  # the process is gone (its lane with it) or Ray is shutting down
+            log.warning("cancel.unsent", calls=len(entries), error=repr(e))
 
     def _control(self, host: Any, method: Any, *args: Any) -> Any:
         """Send a control message to `host`, numbered in the order sent (control-before-call of
@@ -323,16 +267,6 @@ class RayBackend:
             ref = method.remote(*args, note)
             self._notes[id(host)] = note
         return ref
-
-    def watch_unwedged(self, host: Any, call_id: int, callback: Callable[[], None]) -> None:
-        """Call `callback` (on the caller's loop) once call `call_id` no longer wedges
-        `host`'s lane, or the host is gone (pinned-thread)."""
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        ref = host.wait_unwedged.remote(call_id)
-        _Watch([ref], functools.partial(_on_loop, loop, callback))
 
     async def wait(self, ref: Any) -> Any:
         return await _RESOLVER.wait(ref)
@@ -401,9 +335,10 @@ def _on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., None], *a
     fn(*args)
 
 
-def _cancel_replied(loop: asyncio.AbstractEventLoop | None, wedged: Callable[[Any], None], reply: Any) -> None:
-    if isinstance(reply, (list, tuple)) and len(reply) == 4:  # (a Ray error or None: nothing to report)
-        _on_loop(loop, wedged, tuple(reply))
+def _cancel_replied(loop: asyncio.AbstractEventLoop | None, replied: Callable[..., None], verdict: Any,
+                    reply: Any) -> None:  # on Ray's thread
+    wedge = tuple(reply) if isinstance(reply, (list, tuple)) and len(reply) == 4 else None  # (None, or a Ray error)
+    _on_loop(loop, replied, wedge, verdict)
 
 
 def _kill_all(hosts: list[Any]) -> None:

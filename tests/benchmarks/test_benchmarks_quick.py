@@ -33,9 +33,18 @@ def table_rows(text: str) -> list[list[str]]:
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
 
 
+def tables(text: str) -> list[list[list[str]]]:
+    """Each markdown table of `text`, as table_rows makes it."""
+    return [table_rows(block) for block in text.split("\n\n") if block.startswith("|")]
+
+
 def test_dispatch_overhead_quick(quick_runs):
     text = quick_runs.text("dispatch_overhead")
-    rows = table_rows(text)
+    rows, cpu = tables(text)
+    assert cpu[0] == ["workers", "call", "asyncrl CPU µs", "plain Ray CPU µs", "asyncrl / plain Ray",
+                      "host path / plain Ray", "async host / plain Ray"]
+    assert [(r[0], r[1]) for r in cpu[2:]] == [("1", "tiny ONE_TO_ALL"), ("1", "1 MiB DP_COMPUTE")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 and all(c.endswith("x") for c in r[4:]) for r in cpu[2:])
     assert rows[0][:9] == ["workers", "call", "asyncrl µs", "plain Ray µs", "asyncrl / plain Ray", "host path µs",
                            "host path / plain Ray", "async host µs", "async host / plain Ray"]
     assert rows[0][9:] in ([], ["verl µs", "asyncrl / verl"])  # verl's columns only where verl is installed

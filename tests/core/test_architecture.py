@@ -68,9 +68,8 @@ def test_the_call_path_layers():
     graph = _imports()
     # the future owns the call's state; it knows nothing of groups or hosts
     assert not graph["asyncrl.future"] & {"asyncrl.worker_group", "asyncrl.host_set"}
-    # the call (its issuing: the sequencer; its state) knows nothing of groups, hosts or lanes
-    assert not graph["asyncrl._call"] & {"asyncrl.worker_group", "asyncrl.host_set", "asyncrl._host",
-                                         "asyncrl._lanes"}
+    # the call (its issuing: the sequencer; its state) knows nothing of groups or hosts
+    assert not graph["asyncrl._call"] & {"asyncrl.worker_group", "asyncrl.host_set"}
     # only the backends import ray's worker host wrapper; no backend-independent module imports a backend
     for m in ("asyncrl.future", "asyncrl.host_set", "asyncrl._call", "asyncrl._host", "asyncrl.resources"):
         assert not {d for d in graph[m] if d.startswith("asyncrl.backends")}, m
@@ -143,13 +142,39 @@ def test_the_console_script_is_the_pipelines_cli():
     assert callable(getattr(importlib.import_module(module), attr))
 
 
-def test_the_lanes_are_the_workers_half_and_know_nothing_of_the_controller():
-    """The worker half of the ordered-call protocol (``_lanes``: both hosts' lanes) depends
-    only on the error types and the backend protocol; the controller's sequencer (``_call``)
-    does not import it, nor does it import the sequencer."""
+SIDES = {
+    "controller": {"asyncrl.worker_group", "asyncrl.host_set", "asyncrl._call", "asyncrl.future", "asyncrl.resources",
+                   "asyncrl.backends", "asyncrl.backends.ray", "asyncrl.backends._ray_fetch", "asyncrl.backends.local"},
+    "worker": {"asyncrl._host", "asyncrl._lanes", "asyncrl._deferred"},
+    "shared": {"asyncrl._wire", "asyncrl.errors", "asyncrl.batch", "asyncrl.register", "asyncrl.worker",
+               "asyncrl.dispatch", "asyncrl._backend", "asyncrl.backends._ray_errors", "asyncrl.runtime",
+               "asyncrl._tensordict_import"},
+}
+"""Where each core module runs: on the controller, in a worker process, or on both (the
+message types and the helpers both sides use)."""
+STARTS_HOSTS = {"asyncrl.backends.ray", "asyncrl.backends.local"}
+"""The controller's modules that name the hosts' classes, to start them (Ray actors, or in-process)."""
+
+
+def test_each_core_module_is_controller_side_or_worker_side():
+    """Every module of ``asyncrl/`` (not the roles or pipelines; the package itself is the
+    public face, re-exporting both) is on one side, or shared; the worker side imports
+    nothing of the controller's, the shared modules nothing of either side, and the
+    controller imports the worker side only to start its hosts."""
     graph = _imports()
-    assert graph["asyncrl._lanes"] <= {"asyncrl.errors", "asyncrl._backend"}
-    assert not graph["asyncrl._call"] & {"asyncrl._lanes"}
+    core = {m for m in graph if not m.startswith(("asyncrl.roles", "asyncrl.pipelines")) and m != "asyncrl"}
+    sides = {m: side for side, ms in SIDES.items() for m in ms}
+    assert core == set(sides), f"classify: {sorted(core - set(sides))}; gone: {sorted(set(sides) - core)}"
+    wrong = {}
+    for m in sorted(core):
+        bad = {d for d in graph[m] if d in sides and sides[d] != "shared" and sides[d] != sides[m]}
+        if sides[m] == "shared":
+            bad = {d for d in graph[m] if sides.get(d, "shared") != "shared"}
+        elif m in STARTS_HOSTS:
+            bad -= {"asyncrl._host"}
+        if bad:
+            wrong[m] = sorted(bad)
+    assert wrong == {}
 
 
 def test_the_trainer_enters_through_the_groups_async_resource_base():

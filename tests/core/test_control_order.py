@@ -1,5 +1,5 @@
 """The control-before-call invariant of ``docs/protocol.md``: a call runs only after every control message
-(cancel, unfence) its controller sent to the process before it.
+(a cancel message, or one reserved for the verdict on a wedge) its controller sent to the process before it.
 
 The Ray race itself is forced in ``test_pinned.py``
 (``test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_late``); these

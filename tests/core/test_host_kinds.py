@@ -73,10 +73,10 @@ class Both(Worker):
         return t * 2
 
 
-async def test_ordered_calls_run_in_issue_order_past_the_threaded_hosts_threads(ray_cluster):
-    """More ordered calls than the host has threads (64), mixed with 1 MiB arguments (Ray
-    fetches those before dispatching the call) and ordered async def calls, issued without
-    awaiting: all run, in issue order, every plain def on the one thread that built the worker."""
+async def test_ordered_calls_run_in_issue_order_on_the_threaded_hosts_one_thread(ray_cluster):
+    """300 ordered calls mixed with 1 MiB arguments (Ray fetches those before dispatching the
+    call) and ordered async def calls, issued without awaiting: all run, in issue order
+    (one-thread-group-order of docs/protocol.md), every plain def on the one thread that built the worker."""
     async with kinds.group("ray-threaded", Both, world_size=2, name="threaded-order") as wg:
         assert await host_kinds(wg) == ["threaded", "threaded"]
         big = torch.zeros(1 << 18)  # 1 MiB

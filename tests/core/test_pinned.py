@@ -1,20 +1,18 @@
 """The threaded host's pinned thread (pinned-thread of ``docs/protocol.md``).
 
-An ordered call that can run at once goes to the host's ``ordered`` concurrency group,
-ONE Ray thread that also built the worker, and runs its plain ``def`` method right there;
-an ordered call with nested pipelined inputs waits in the ``calls`` group and hands its
-method to that thread as a job (run by the pinned call waiting for its turn, or by a call
-the host submits to itself). A pinned call queued in Ray behind a wedged lane is
-invisible to the host, so the controller fails it (the host's reply to the deadline's
-cancel says the lane is wedged). Each race below is forced or repeated; nothing sleeps to
-wait and nothing is timed.
+Every ordered call goes to the host's ``ordered`` concurrency group, ONE Ray thread that
+also built the worker, in the order the controller numbered them, and Ray keeps that order
+(one-thread-group-order): the call runs its plain ``def`` method right there, and waits there for
+a pipelined input that is still being produced while the calls behind it wait in Ray's
+queue. A call queued in Ray behind a wedged one is invisible to the host, so the
+controller fails it (the host's reply to the deadline's cancel says the lane is wedged).
+Each race below is forced or repeated; nothing sleeps to wait and nothing is timed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import random
 import signal
 import threading
@@ -22,10 +20,13 @@ import time
 
 import pytest
 import pytest_asyncio
+import ray
 
 import asyncrl
 from asyncrl import CallCancelledError, CallTimeoutError, Dispatch, Worker, WorkerDiedError, register
-from asyncrl._lanes import CallCancelled, ThreadLane
+from asyncrl._call import Sequencer
+from asyncrl._lanes import NEVER_RAN, Lane
+from asyncrl._wire import CallCancelled
 from tests.core import kinds
 from tests.core.kinds import until
 
@@ -61,12 +62,24 @@ class Pinned(Worker):
 
     @register()
     def block(self, x=None) -> int:
-        """Holds the pinned thread until `unblock`; `x` (a pipelined input) routes it through the calls group."""
+        """Holds the pinned thread until `unblock`; `x`: a pipelined input, if any."""
         self._seen()
         self.blocked = True
         try:
             self.release.wait()
             self.release.clear()
+            return self.rank
+        finally:
+            self.blocked = False
+
+    @register()
+    def wait_gate(self, gate) -> int:
+        """Holds the pinned thread until the Ray actor `gate` opens (no call to this process
+        releases it)."""
+        self._seen()
+        self.blocked = True
+        try:
+            ray.get(gate.wait.remote())
             return self.rank
         finally:
             self.blocked = False
@@ -89,16 +102,23 @@ class Pinned(Worker):
         return os.getpid()
 
     @register(concurrent=True)
+    async def peek(self) -> list[int]:
+        return list(self.log)
+
+    @register(concurrent=True)
     async def hold_next_cancel(self, until_logged: int) -> None:
         """Make this process's next cancel message wait (once) until a call waits for it
         (control-before-call) or `until_logged` was recorded: the order Ray allows and CI once hit."""
-        _hold("cancel", lambda lane: lane.control.waiting or until_logged in self.log, once=True)
+        original = Lane.cancel
 
-    @register(concurrent=True)
-    async def hold_unfences(self) -> None:
-        """Make every ``unfence`` message to this process wait until a call waits for it
-        (control-before-call): the controller has lifted the wedge, the host not yet."""
-        _hold("unfence", lambda lane: lane.control.waiting, once=False)
+        def held(lane, *args, **kwargs):
+            Lane.cancel = original
+            end = time.monotonic() + HANG
+            while not (lane.control.waiting or until_logged in self.log) and time.monotonic() < end:
+                threading.Event().wait(0.005)
+            return original(lane, *args, **kwargs)
+
+        Lane.cancel = held
 
     @register()
     def take(self) -> list[int]:
@@ -107,20 +127,18 @@ class Pinned(Worker):
         return out
 
 
-def _hold(name: str, ready, once: bool) -> None:
-    """Patch this process's ``ThreadLane.<name>`` (a control message's handler) to poll,
-    with a deadline, until ``ready(lane)`` before it runs; `once`: then restore it."""
-    original = getattr(ThreadLane, name)
+@ray.remote
+class Gate:
+    """Opened by the test, never by a call to the worker that waits for it."""
 
-    def held(lane, *args):
-        if once:
-            setattr(ThreadLane, name, original)
-        end = time.monotonic() + HANG
-        while not ready(lane) and time.monotonic() < end:
-            threading.Event().wait(0.005)
-        return original(lane, *args)
+    def __init__(self) -> None:
+        self.opened = asyncio.Event()
 
-    setattr(ThreadLane, name, held)
+    async def wait(self) -> None:
+        await self.opened.wait()
+
+    async def open(self) -> None:
+        self.opened.set()
 
 
 class Source(Worker):
@@ -142,11 +160,6 @@ class Source(Worker):
     @register(Dispatch.ONE_TO_ALL, concurrent=True)
     async def let_go(self) -> None:
         self.release.set()
-
-
-async def states(wg) -> list[dict]:
-    hs = wg._hostset
-    return [await hs.backend.admin(h, "pinned_state") for h in hs.hosts]
 
 
 async def blocked(wg) -> bool:
@@ -197,8 +210,7 @@ async def pinned(ray_cluster):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def calm(ray_cluster):
-    """One group shared by the tests that never wedge its lane: each leaves it idle, its logs
-    taken, and counts the jobs it runs from the state it found."""
+    """One group shared by the tests that never wedge its lane: each leaves it idle and its logs taken."""
     async with kinds.group("ray-threaded", Pinned, world_size=2, name="pinned") as wg:
         yield wg
 
@@ -211,18 +223,17 @@ async def source(ray_cluster):
         yield g
 
 
-# ---- one thread, no hop -------------------------------------------------------------------------
+# ---- one thread, in number order ----------------------------------------------------------------
 
 
 async def test_the_constructor_and_every_def_call_run_on_the_one_pinned_thread(calm, source):
-    """Pinned calls, calls-group calls (nested inputs: their def runs as a job on the
-    pinned thread) and ordered async def calls, mixed: one thread, the constructor's."""
+    """Calls with and without pipelined inputs and ordered async def calls, mixed: one
+    thread, the constructor's."""
     pinned = calm
-    before = await states(pinned)
     futs = []
     for i in range(30):
         if i % 3 == 1:
-            futs.append(pinned.record(source.value(i)))  # a nested input: the calls group
+            futs.append(pinned.record(source.value(i)))  # a pipelined input, nested
         elif i % 5 == 4:
             futs.append(pinned.record_async(i))
         else:
@@ -231,46 +242,25 @@ async def test_the_constructor_and_every_def_call_run_on_the_one_pinned_thread(c
         await asyncrl.gather(*futs)
         assert await pinned.take() == [list(range(30))] * 2
         assert await pinned.threads_seen() == [(1, True, "asyncrl-ordered_0")] * 2
-    after = await states(pinned)
-    # every nested call's def ran as a job
-    assert [a["waiter"] + a["pump"] - b["waiter"] - b["pump"] for a, b in zip(after, before)] == [10, 10]
 
 
-async def test_a_job_is_run_by_the_pinned_call_waiting_for_its_turn(calm, source):
-    """A calls-group call waits for its input; the next pinned call waits for its turn on
-    the pinned thread; the input arrives: the waiting pinned call runs the job (no
-    self-submitted call), then its own method."""
+async def test_a_call_waits_for_its_input_on_the_pinned_thread_and_the_calls_behind_it_wait_in_ray(calm, source):
+    """Its input is still being produced: the call waits for it on the pinned thread, the
+    ordered calls sent after it wait in Ray's queue (none overtakes it), and a concurrent
+    call runs meanwhile. The input arrives: all run, in issue order."""
     pinned = calm
-    before = await states(pinned)
-    first = pinned.record(source.held(7))  # calls group: its input is held
-    second = pinned.record(8)  # pinned: waits for its turn on the pinned thread
-
-    async def serving() -> bool:
-        return all(s["serving"] for s in await states(pinned))
-
-    await until(serving, HANG)
-    await source.let_go()
+    first = pinned.record(source.held(7))  # its input waits for `let_go`
+    behind = [pinned.record(8), pinned.record_async(9), pinned.record(10)]
     async with asyncio.timeout(HANG):
-        assert await first == [7, 7] and await second == [8, 8]
-    after = await states(pinned)
-    assert [(a["waiter"] - b["waiter"], a["pump"] - b["pump"]) for a, b in zip(after, before)] == [(1, 0)] * 2
-    assert await pinned.take() == [[7, 8]] * 2
+        assert await pinned.peek() == [[], []]  # a concurrent call runs; no ordered one overtook the first
+        await source.let_go()
+        assert await first == [7, 7]
+        assert [await f for f in behind] == [[8, 8], [9, 9], [10, 10]]
+    assert await pinned.take() == [[7, 8, 9, 10]] * 2
 
 
-async def test_a_job_that_finds_the_thread_idle_gets_it_by_a_call_of_its_own(calm, source):
-    pinned = calm
-    before = await states(pinned)
-    async with asyncio.timeout(HANG):
-        assert await pinned.record(source.value(5)) == [5, 5]
-    after = await states(pinned)
-    assert [(a["waiter"] - b["waiter"], a["pump"] - b["pump"]) for a, b in zip(after, before)] == [(0, 1)] * 2
-    assert await pinned.threads_seen() == [(1, True, "asyncrl-ordered_0")] * 2
-    assert await pinned.take() == [[5]] * 2  # (the group is shared: leave its log empty)
-
-
-async def test_pinned_and_calls_group_calls_interleave_by_number(calm, source):
-    """Issued without awaiting, in a pseudo-random mix (fixed seed): the jobs race the
-    pinned calls for the thread, every way round; all run once, in issue order."""
+async def test_calls_with_and_without_pipelined_inputs_interleave_by_number(calm, source):
+    """Issued without awaiting, in a pseudo-random mix (fixed seed): all run once, in issue order."""
     pinned = calm
     rng = random.Random(14)
     futs = []
@@ -282,87 +272,38 @@ async def test_pinned_and_calls_group_calls_interleave_by_number(calm, source):
     assert await pinned.threads_seen() == [(1, True, "asyncrl-ordered_0")] * 2
 
 
-def test_jobs_never_strand_whoever_wins_the_race_for_the_thread():
-    """The lane alone, with a stand-in for Ray's one-thread group (a FIFO queue served by
-    one thread, as Ray dispatches it: submission order) and the calls group (a thread per
-    call): 2,000 ordered calls, each pinned or not at random, issued in number order. Every
-    one runs once, in number order, on the one thread; nothing waits forever."""
-    group: queue.SimpleQueue = queue.SimpleQueue()
-    lane = ThreadLane(pump=lambda: group.put(lane.serve_jobs))
-    ran: list[tuple[int, int]] = []
-    errors: list[BaseException] = []
-
-    def pinned_thread() -> None:
-        while (task := group.get()) is not None:
-            task()
-
-    def one(seq: int, pinned: bool) -> None:
-        try:
-            ticket = lane.arrive(seq, seq, "g", "m", 0)
-            try:
-                lane.wait_turn(ticket, serve=pinned)
-                run = lambda: ran.append((seq, threading.get_ident()))  # noqa: E731
-                lane.run_pinned(ticket, run) if pinned else lane.run_in_thread(ticket, run, lane)
-            finally:
-                lane.leave(ticket)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    t = threading.Thread(target=pinned_thread)
-    t.start()
-    rng = random.Random(15)
-    helpers = []
-    for seq in range(2000):
-        if rng.random() < 0.5:
-            group.put(lambda seq=seq: one(seq, True))
-        else:
-            h = threading.Thread(target=one, args=(seq, False))
-            h.start()
-            helpers.append(h)
-    for h in helpers:
-        h.join(HANG)
-    group.put(None)
-    t.join(HANG)
-    assert not errors and not t.is_alive() and not any(h.is_alive() for h in helpers)
-    assert [s for s, _ in ran] == list(range(2000))
-    assert {tid for _, tid in ran} == {t.ident}
-    assert lane.next_number == 2000
-    st = lane.pinned_state()
-    assert st["waiter"] + st["pump"] == len(helpers)
+async def test_a_call_cancelled_while_waiting_for_its_input_never_runs(calm, source):
+    """cancelled-while-waiting on the pinned thread: the wait is cancelled, the method never
+    runs, and the calls behind it run at once (the input is still not produced)."""
+    pinned = calm
+    waiting = pinned.record(source.held(11))
+    later = pinned.record(12)
+    assert waiting.cancel()
+    async with asyncio.timeout(HANG):
+        with pytest.raises(CallCancelledError):
+            await waiting
+        assert await later == [12, 12]
+        await source.let_go()  # (the producer's own call ends)
+    assert await pinned.take() == [[12], [12]]
 
 
-def test_a_job_cancelled_before_the_pinned_thread_takes_it_never_runs():
-    """A calls-group call (nested input) whose job waits for the pinned thread is cancelled
-    before the thread takes the job: the call fails at once, its method never runs, and its
-    number is released when the thread reaches the job."""
-    queued = threading.Event()
-    pumps: list = []
-    lane = ThreadLane(pump=lambda: (pumps.append(lane.serve_jobs), queued.set()))
-    ran: list[int] = []
-    failed: list[BaseException] = []
-    ticket = lane.arrive(7, 0, "g", "m", 0)
-    lane.wait_turn(ticket)
-
-    def call() -> None:
-        try:
-            lane.run_in_thread(ticket, lambda: ran.append(1), lane)
-        except CallCancelled as e:
-            failed.append(e)
-        finally:
-            lane.leave(ticket)
-
-    h = threading.Thread(target=call)
-    h.start()
-    assert queued.wait(HANG)  # the job waits for the pinned thread (nobody serves it yet)
-    lane.cancel([(7, 0)], deadline=False)
-    h.join(HANG)
-    assert not h.is_alive() and len(failed) == 1  # the call failed at once
-    assert lane.next_number == 0  # it keeps the lane until the thread reaches its job
-    assert len(pumps) == 1
-    pumps[0]()  # the pinned thread takes the job
-    assert ran == []  # the method never started
-    assert lane.next_number == 1  # and the number is released
-    assert lane.pinned_state()["pump"] == 1
+def test_a_ray_ordered_lane_marks_the_numbers_that_never_arrived_as_never_ran():
+    """On the threaded host Ray runs a lane's calls in number order, so a number that has
+    not arrived when a later one does never will (cancelled, or failed by Ray before the
+    host ran it): its same-process consumers read it as never ran, and a late arrival of
+    it is refused."""
+    lane = Lane(ray_ordered=True)
+    lane.keep_results = 4
+    first = lane.arrive(100, 0, "g", "m", 0)
+    first.outcome = (True, "zero", (1, 0))
+    lane.leave(first)
+    third = lane.arrive(102, 2, "g", "m", 0)  # number 1 (call 101) never arrived
+    assert lane.outcome(1, 101) == NEVER_RAN
+    assert lane.outcome(0, 100) == (True, "zero", (1, 0))
+    lane.leave(third)
+    with pytest.raises(CallCancelled):
+        lane.arrive(101, 1, "g", "m", 0)
+    assert lane.next_number == 3
 
 
 # ---- the wedge, seen by the controller ------------------------------------------------------------
@@ -382,36 +323,60 @@ async def test_a_pinned_call_queued_behind_a_wedged_one_fails_at_once_and_its_nu
     log = await pinned.take()
     assert [[x for x in rank_log if x != -1] for rank_log in log] == [[], []]  # 21 and 22 never ran
     async with asyncio.timeout(HANG):
-        assert await pinned.record(23) == [23, 23]  # their numbers were released: the lane moves on
+        assert await pinned.record(23) == [23, 23]  # the lane moves on
     assert await pinned.take() == [[23], [23]]
 
 
-async def test_a_wedge_by_a_calls_group_call_fails_the_pinned_calls_behind_it(pinned, source):
-    """The stuck method is a job on the pinned thread (its call came through the calls
-    group): the pinned calls queued behind it fail at once, too."""
-    for timeout in (2.0, 4.0, 8.0):
-        t0 = time.monotonic()
-        stuck = pinned.block.options(timeout=timeout)(source.value(1))
-        behind = pinned.record(31)
-        await until(lambda: blocked(pinned), HANG)
-        in_time = time.monotonic() - t0 < timeout * 0.8
-        with pytest.raises(CallTimeoutError):
-            await stuck
-        if in_time:
-            break
-        await asyncio.gather(behind, return_exceptions=True)
-        await drain(pinned)
-        await pinned.take()
-    else:
-        pytest.fail("the blocking call never started well inside its deadline")
-    async with asyncio.timeout(HANG):
-        with pytest.raises(asyncrl.LaneWedgedError, match=r"pinned\.block"):
-            await behind
-    assert await pinned.is_blocked() == [True, True]
-    await drain(pinned)
-    assert [[x for x in rank_log if x != -1] for rank_log in await pinned.take()] == [[], []]
-    async with asyncio.timeout(HANG):
-        assert await pinned.record(32) == [32, 32]
+@pytest.mark.parametrize("kind", ["ray-threaded", "ray"])
+async def test_a_call_sent_while_the_deadlines_reply_is_on_its_way_never_runs_on_a_wedged_lane(
+        ray_cluster, monkeypatch, kind):
+    """The deadline's cancel reached the host while the stuck method ran (the lane is
+    wedged), but the controller has not handled the reply yet, so it sends the next call;
+    the stuck method returns (released by an actor of the test, not by a call to the
+    host), and that call reaches the host. It waits for the controller's answer to the
+    reply (the control message reserved with the deadline's cancel: control-before-call),
+    which refuses it: it never runs, and fails as wedged."""
+    replies: list = []
+    original = Sequencer._replied
+    monkeypatch.setattr(Sequencer, "_replied", lambda self, *args: replies.append((self, args)))
+    gate = Gate.remote()
+    async with kinds.group(kind, Pinned, world_size=1, name=f"verdict-{kind}") as wg:
+        host = wg._hostset.hosts[0]
+        for timeout in (2.0, 4.0, 8.0):
+            t0 = time.monotonic()
+            stuck = wg.wait_gate.options(timeout=timeout)(gate)
+            await until(lambda: blocked(wg), HANG)
+            if time.monotonic() - t0 < timeout * 0.8:
+                break
+            stuck.cancel()
+            await gate.open.remote()
+            gate = Gate.remote()
+            await until(lambda: _control_waiting(wg, host, 0), HANG)
+        else:
+            pytest.fail("the blocking call never started well inside its deadline")
+        async with asyncio.timeout(HANG):
+            with pytest.raises(CallTimeoutError):
+                await stuck
+            await until(lambda: _true(len(replies) == 1), HANG)  # the host replied: the lane is wedged
+            (seq, (rank, call, loop, wedge, verdict)), = replies
+            assert wedge is not None and wedge[2].startswith(f"verdict-{kind}.wait_gate")
+            sent = wg.record(31)  # the controller does not know of the wedge yet
+            await gate.open.remote()  # the stuck method returns
+            await until(lambda: _control_waiting(wg, host, 1), HANG)  # `sent` waits for the answer
+            original(seq, rank, call, loop, wedge, verdict)
+            with pytest.raises(asyncrl.LaneWedgedError, match=r"wait_gate"):
+                await sent
+            await until(lambda: _true(not seq.wedged), HANG)  # the stuck call's result came back
+            assert await wg.record(32) == [32]
+        assert await wg.take() == [[32]]  # 31 never ran
+
+
+async def _control_waiting(wg, host, n: int) -> bool:
+    return (await wg._hostset.backend.admin(host, "control_state"))["waiting"] == n
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 async def cancel_a_queued_call_then_unblock(pinned, cancelled: int, kept: int) -> None:
@@ -445,28 +410,6 @@ async def test_a_call_sent_after_a_cancel_runs_after_it_even_when_the_cancel_is_
     assert states == [{"seen": 1, "waiting": 0}] * 2
 
 
-async def test_a_call_sent_after_the_wedge_is_lifted_runs_even_when_the_unfence_is_late(pinned):
-    """The controller saw the stuck thread return and sent ``unfence``; the host handles it
-    only once a later call waits for it (control-before-call). Without the ordering that call reaches
-    the host's fence first and fails as wedged although the wedge is over."""
-    await pinned.hold_unfences()
-    await timed_out_while_running(pinned)
-    seq = pinned._hostset.sequencer
-
-    async def wedged() -> bool:
-        return len(seq.wedged) == 2
-
-    async def lifted() -> bool:
-        return not seq.wedged
-
-    await until(wedged, HANG)  # both hosts answered the deadline's cancel: their lanes are wedged
-    await pinned.unblock()
-    await until(lifted, HANG)  # the controller heard both threads return and sent unfence
-    async with asyncio.timeout(HANG):
-        assert await pinned.record(61) == [61, 61]
-    assert await pinned.take() == [[61], [61]]
-
-
 async def test_a_sigkilled_worker_fails_its_running_and_queued_pinned_calls(ray_cluster):
     async with kinds.group("ray-threaded", Pinned, world_size=2, name="pinned-kill") as wg:
         pids = await wg.pid()
@@ -480,15 +423,3 @@ async def test_a_sigkilled_worker_fails_its_running_and_queued_pinned_calls(ray_
             assert info.value.rank == 1
             with pytest.raises(WorkerDiedError):
                 await queued
-
-
-def test_a_failed_self_submission_fails_the_job_instead_of_stranding_it():
-    """Ray shutting down under the host: the job's caller gets an error, never a wait."""
-    def pump() -> None:
-        raise RuntimeError("Ray is shutting down")
-
-    lane = ThreadLane(pump=pump)
-    ticket = lane.arrive(1, 0, "g", "m", 0)
-    lane.wait_turn(ticket)
-    with pytest.raises(CallCancelled, match="could not reach its pinned thread"):
-        lane.run_in_thread(ticket, lambda: 1, lane)

@@ -1,10 +1,10 @@
-"""The ordered-call protocol, the one deadline and lifecycle races (issue 13, defects 1-4).
+"""The ordered-call protocol (``docs/protocol.md``), the one deadline and lifecycle races.
 
-Each test names the invariant it pins; each failed on the core before the sequencer
-(``asyncrl/_sequencer.py``): a lost number hung every later ordered call, a cancelled
-thread let the next ordered call overlap it, a call finished in time raised
-``CallTimeoutError`` when awaited late, and close/setup/wait_for raced. Every test that
-can hang on a regression runs under ``asyncio.timeout`` so it fails instead.
+Each section names the invariants it pins: a lost number would hang every later ordered
+call, a cancelled thread would let the next ordered call overlap it, a call finished in
+time must not raise ``CallTimeoutError`` when awaited late, and close/setup/wait_for must
+not race. Every test that can hang on a regression runs under ``asyncio.timeout`` so it
+fails instead.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ async def open_gate(wg, first) -> None:
     assert await first == [2, 2]
 
 
-# ---- defect 1: every number taken is released ----------------------------------------------
+# ---- every number taken is released (build-before-send, failed-submission, unpickling-never-raises) ----
 
 
 async def test_an_argument_that_cannot_be_pickled_leaves_no_gap_in_the_order(wg):
@@ -118,7 +118,7 @@ async def test_a_class_missing_on_the_workers_fails_with_its_name(ray_cluster, t
         sys.modules.pop("only_here", None)
 
 
-# ---- defect 2: a cancelled or timed-out thread keeps its lane --------------------------------
+# ---- running-thread-keeps-lane, wedged-lane --------------------------------------------------------
 
 
 async def test_a_cancelled_running_thread_is_never_overlapped_by_the_next_ordered_call(wg):
@@ -177,7 +177,7 @@ async def _drain(wg) -> None:
     await until(runs_again)
 
 
-# ---- defect 3: one deadline, checked against completion -------------------------------------
+# ---- one deadline, checked against completion -------------------------------------------------
 
 
 async def test_a_call_that_finished_in_time_never_times_out_when_awaited_late(wg):
@@ -204,7 +204,7 @@ async def _deadline_fired(call) -> bool:
     return call._timer is None and time.monotonic() >= call.deadline
 
 
-# ---- defect 4: lifecycle races -------------------------------------------------------------
+# ---- lifecycle races ------------------------------------------------------------------------------
 
 
 async def test_one_awaiters_wait_for_does_not_cancel_the_call_for_other_holders(wg):
@@ -336,7 +336,7 @@ async def test_a_timed_out_producer_fails_its_consumer_with_the_producers_error(
     assert "wait_forever" in str(info.value.upstream)
 
 
-# ---- defect 5 (blocking): a group's constructor does not start Ray --------------------------
+# ---- a group's constructor does not start Ray ---------------------------------------------------
 
 
 def test_constructing_a_ray_group_does_not_start_ray(tmp_path):
@@ -354,7 +354,7 @@ def test_constructing_a_ray_group_does_not_start_ray(tmp_path):
     assert "initialized False" in proc.stdout
 
 
-# ---- defect 5: nothing blocking on the controller's event loop -------------------------------
+# ---- nothing blocking on the controller's event loop ------------------------------------------------
 
 _BLOCKING = ["init", "nodes", "cluster_resources", "available_resources", "wait", "get", "kill"]
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import structlog
 
-__all__ = ["MetricsWriter", "read_jsonl", "step_of"]
+__all__ = ["MetricsWriter", "jsonl_lines", "read_jsonl", "step_of"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -37,9 +37,9 @@ class MetricsWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if step_of(line) < start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self._f = self.path.open("a")
+            kept = [line for line in jsonl_lines(self.path.read_text(encoding="utf-8")) if step_of(line) < start_step]
+            self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        self._f = self.path.open("a", encoding="utf-8")
         self._tb: Any = None
         if tensorboard:
             try:
@@ -83,6 +83,14 @@ class MetricsWriter:
             self._wandb = None
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON-lines text, split at ``\\n`` only: a JSON string escapes its newlines, but written
+    with ``ensure_ascii=False`` it keeps U+2028, U+2029 and U+0085 raw, where ``str.splitlines`` would also
+    break (and a resume would drop both halves as torn)."""
+    lines = text.split("\n")
+    return lines[:-1] if lines and not lines[-1] else lines
+
+
 def step_of(line: str) -> float:
     """The step of one line; a blank or torn line (a process killed mid-write) sorts last and is dropped."""
     try:
@@ -100,4 +108,4 @@ def _plain(v: Any) -> Any:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a ``metrics.jsonl`` file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in jsonl_lines(Path(path).read_text(encoding="utf-8")) if line.strip()]

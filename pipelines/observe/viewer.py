@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import parse_qs, urlparse
 
+from asyncrl.pipelines.observe.metrics import jsonl_lines
+
 __all__ = ["RunError", "RUN_FILES", "describe", "load_run", "load_runs", "make_server", "render_html", "serve", "RunFollower"]
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "trace.json", "journal.jsonl")
@@ -46,7 +48,7 @@ def _finished(run: Path) -> bool:
     if j.exists():
         with j.open("rb") as f:
             f.seek(max(0, j.stat().st_size - 4096))
-            tail = f.read().decode("utf-8", "replace").splitlines()
+            tail = jsonl_lines(f.read().decode("utf-8", "replace"))
         for line in reversed(tail):
             try:
                 return json.loads(line).get("kind") == "end"
@@ -108,7 +110,7 @@ class _Lines:
         self.offset += end
         self.pending = len(data) - end
         rows = []
-        for line in data[:end].decode("utf-8", "replace").splitlines():
+        for line in jsonl_lines(data[:end].decode("utf-8", "replace")):
             if not line.strip():
                 continue
             try:

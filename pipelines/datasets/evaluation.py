@@ -34,13 +34,15 @@ from typing import Any, Callable
 import anyio
 import structlog
 
+from asyncrl.roles.fields import Section
+
 __all__ = ["EvalConfig", "Evaluator"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class EvalConfig(Section):
     """Held-out evaluation (greedy decoding) of the policy during training."""
 
     every: int = 0

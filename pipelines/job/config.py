@@ -24,6 +24,7 @@ from asyncrl.pipelines.rollout.elastic import WorkerRange, parse_workers
 from asyncrl.pipelines.datasets.evaluation import EvalConfig
 from asyncrl.pipelines.rollout.sampling import FilterGroupsConfig
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
+from asyncrl.roles.fields import Section
 
 LOGGERS = ("wandb",)
 """Names ``trainer.loggers`` accepts."""
@@ -44,7 +45,7 @@ __all__ = [
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Section):
     """Where prompts come from: a built-in task (deterministic, no files), or dataset files
     (``train_files``, verl's column names by default; see :mod:`asyncrl.pipelines.datasets.datafiles`)."""
 
@@ -81,7 +82,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class AlgorithmConfig:
+class AlgorithmConfig(Section):
     """The RL algorithm: advantage estimator and loss settings."""
 
     name: Literal["grpo", "ppo"] = "grpo"
@@ -106,7 +107,7 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True)
-class RestartConfig:
+class RestartConfig(Section):
     """Supervision: what the trainer does when a worker dies or a stage misses its deadline
     (see docs/reliability.md)."""
 
@@ -131,7 +132,7 @@ class RestartConfig:
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
+class TrainerConfig(Section):
     """The controller: how many steps, how much data per step, staleness and placement."""
 
     steps: int = 40
@@ -294,7 +295,7 @@ class TrainerConfig:
 
 
 @dataclass(kw_only=True)
-class JobConfig:
+class JobConfig(Section):
     """Everything a training run needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -37,12 +37,13 @@ is used (a file of a few hundred bytes can otherwise alias itself into gigabytes
 
 def safe_yaml(text: str, where: str) -> Any:
     """``yaml.safe_load(text)``, refusing with a :class:`ConfigError` that names `where` what ``safe_load`` lets
-    through: a recursive alias, and aliases that expand beyond :data:`MAX_YAML_SIZE`."""
+    through: a key given twice in one mapping (the last would silently win), a recursive alias, and aliases
+    that expand beyond :data:`MAX_YAML_SIZE`."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is None:
             return None
-        _YamlSize(where).of(node)
+        _YamlCheck(where).size(node)
         loader = yaml.SafeLoader("")
         try:
             return loader.construct_document(node)
@@ -54,15 +55,16 @@ def safe_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where} nests its values too deeply to be a config") from None
 
 
-class _YamlSize:
-    """The expanded size of a composed YAML node (values plus characters, aliases counted at each use)."""
+class _YamlCheck:
+    """Walks a composed YAML node: its expanded size (values plus characters, aliases counted at each use),
+    recursive aliases and duplicate keys."""
 
     def __init__(self, where: str) -> None:
         self.where = where
         self.sizes: dict[int, int] = {}
         self.open: set[int] = set()
 
-    def of(self, node: yaml.Node) -> int:
+    def size(self, node: yaml.Node) -> int:
         key = id(node)
         if key in self.sizes:
             return self.sizes[key]
@@ -74,9 +76,18 @@ class _YamlSize:
         if isinstance(node, yaml.ScalarNode):
             total += len(node.value)
         elif isinstance(node, yaml.SequenceNode):
-            total += sum(self.of(v) for v in node.value)
+            total += sum(self.size(v) for v in node.value)
         elif isinstance(node, yaml.MappingNode):
-            total += sum(self.of(k) + self.of(v) for k, v in node.value)
+            first: dict[tuple[str, str], int] = {}  # key -> the line it is first given on
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    line = k.start_mark.line + 1
+                    if (k.tag, k.value) in first:
+                        where = (f"lines {first[k.tag, k.value]} and {line}" if first[k.tag, k.value] != line
+                                 else f"line {line}")
+                        raise ConfigError(f"{self.where} gives key {k.value!r} twice ({where}); keep one")
+                    first[k.tag, k.value] = line
+                total += self.size(k) + self.size(v)
         self.open.discard(key)
         if total > MAX_YAML_SIZE:
             raise ConfigError(f"{self.where} expands to more than {MAX_YAML_SIZE:,} values and characters through "

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.roles.fields import Section
 
 __all__ = ["Admission", "AdmissionStats", "StreamConfig", "check_stream", "groups_in_flight"]
 
 
 @dataclass(kw_only=True)
-class StreamConfig:
+class StreamConfig(Section):
     """``trainer.stream``: streaming rollout (``trainer.rollout_mode=stream``)."""
 
     max_groups_in_flight: int | None = None

@@ -24,11 +24,13 @@ from typing import Any, Callable, Sequence
 import torch
 from tensordict import TensorDict
 
+from asyncrl.roles.fields import Section
+
 __all__ = ["FilterGroupsConfig", "group_stds", "informative_groups", "extra_indices", "select_groups", "fill_batch"]
 
 
 @dataclass(kw_only=True)
-class FilterGroupsConfig:
+class FilterGroupsConfig(Section):
     """``algorithm.filter_groups`` (verl's name): dynamic sampling for GRPO."""
 
     enable: bool = False

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from asyncrl.roles.fields import Section
+
 __all__ = ["RolloutConfig"]
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class RolloutConfig(Section):
     """How a rollout worker samples and syncs weights."""
 
     engine: str = "hf"

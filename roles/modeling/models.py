@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from asyncrl.roles.errors import ModelNotFoundError, TokenizerNotFoundError, UnknownNameError  # noqa: E402
+from asyncrl.roles.fields import Section
 from asyncrl.roles.modeling.gguf import gguf_model_dir, is_gguf_spec  # noqa: E402
 
 __all__ = [
@@ -60,7 +61,7 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Section):
     """Which model a worker loads or builds."""
 
     path: str | None = None

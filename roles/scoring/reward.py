@@ -57,6 +57,7 @@ from asyncrl import Dispatch, Worker, register
 from asyncrl.roles._util import micro_batches, require, text_list
 from asyncrl.roles.scoring.arithmetic import compute_score
 from asyncrl.roles.errors import RewardFnError, UnknownNameError
+from asyncrl.roles.fields import Section
 from asyncrl.roles.registry import Registry
 from asyncrl.roles.modeling.device import place_model, resolve_placement
 from asyncrl.roles.modeling.models import ModelConfig, build_reward_model, load_tokenizer, position_ids_from_mask, set_torch_threads
@@ -327,7 +328,7 @@ def arith(x: RewardInput) -> list[float]:
 
 
 @dataclass(kw_only=True)
-class RewardConfig:
+class RewardConfig(Section):
     """Where sequence rewards come from."""
 
     fn: str = "char_class"

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from asyncrl.roles.fields import Section
 from asyncrl.roles.modeling.models import tensor_checksum
 from asyncrl.roles.training.strategy import full_tensor
 
@@ -36,7 +37,7 @@ __all__ = ["LoraConfig", "LoraDelta", "MergedWeights", "adapter_delta", "apply_l
 
 
 @dataclass(kw_only=True)
-class LoraConfig:
+class LoraConfig(Section):
     """Low-rank adapters on the policy (``actor.lora``; peft's ``LoraConfig``): only the adapters train, the
     reference is the base model (the adapter disabled) and the rollout gets the merged weights."""
 

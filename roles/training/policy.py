@@ -37,6 +37,7 @@ from asyncrl.roles.training import functional as F
 from asyncrl.roles._util import DataParallel, mini_batches, require, require_token_budget, response_log_probs, split_micro_batches, with_fields
 from asyncrl.roles.modeling.device import Placement, place_model, resolve_placement
 from asyncrl.roles.errors import CheckpointFormatError, StaleBatchError
+from asyncrl.roles.fields import Section
 from asyncrl.roles.training.lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
 from asyncrl.roles.modeling.models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, tensor_checksum
 from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy, full_tensor
@@ -48,7 +49,7 @@ __all__ = ["LoraConfig", "OptimConfig", "PolicyWorker", "ReferenceWorker", "Roll
 
 
 @dataclass(kw_only=True)
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(Section):
     """Off-policy correction of the actor loss for rows sampled by an older policy (verl's
     ``algorithm.rollout_correction``; AReaL's decoupled PPO). See ``functional.importance_weights``."""
 
@@ -104,7 +105,7 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(Section):
     """Optimizer and loss settings of a trained role (policy or critic).
 
     Names follow verl where they differ only in spelling: ``clip_eps`` is verl's ``clip_ratio``

@@ -41,3 +41,46 @@ def test_yaml_aliases_cannot_expand_a_small_override_into_a_huge_config(capsys):
     assert len(text) < 300
     line = fails(["train", "--print-config", f"data.task_kwargs={text}"], capsys)
     assert "expands to more than" in line and "aliases" in line
+
+
+def _sections(cfg: object, path: str = "") -> list[tuple[str, object]]:
+    """``(dotted path, section)`` of every dataclass in the config tree `cfg` (the root as ``""``)."""
+    import dataclasses
+
+    out = [(path, cfg)]
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out += _sections(value, f"{path}.{f.name}" if path else f.name)
+    return out
+
+
+def test_a_typo_set_in_python_is_an_attribute_error_naming_the_nearest_field():
+    from asyncrl.pipelines.job.presets import grpo_toy
+    from asyncrl.roles import ModelConfig
+
+    cfg = grpo_toy()
+    with pytest.raises(AttributeError, match=r"TrainerConfig has no field 'stpes'; did you mean 'steps'\?"):
+        cfg.trainer.stpes = 3  # type: ignore[attr-defined]
+    assert cfg.trainer.steps == 80 and not hasattr(cfg.trainer, "stpes")
+    cfg.reward.model = ModelConfig()  # a section set to None by default is in the tree too
+    sections = _sections(cfg)
+    assert {type(x).__name__ for _, x in sections} >= {
+        "JobConfig", "ModelConfig", "DataConfig", "RolloutConfig", "OptimConfig", "RolloutCorrectionConfig",
+        "LoraConfig", "RewardConfig", "AlgorithmConfig", "FilterGroupsConfig", "TrainerConfig", "StreamConfig",
+        "RestartConfig", "EvalConfig"}
+    for path, section in sections:
+        with pytest.raises(AttributeError, match=f"^{type(section).__name__} has no field 'not_a_field'"):
+            section.not_a_field = 1  # type: ignore[attr-defined]
+    cfg.trainer.steps = 5  # fields are still set as before
+    assert cfg.validate().trainer.steps == 5
+
+
+def test_a_key_given_twice_in_yaml_is_refused_not_silently_overwritten(tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text("trainer:\n  steps: 3\n  batch_size: 16\n  steps: 30\n")
+    line = fails(["train", "--config", str(f), "--print-config"], capsys)
+    assert line == (f"asyncrl train: config error: config file {str(f)!r} gives key 'steps' twice (lines 2 and 4); "
+                    "keep one")
+    line = fails(["train", "--print-config", "data.task_kwargs={levels: [1], levels: [2]}"], capsys)
+    assert "override 'data.task_kwargs={levels: [1], levels: [2]}' gives key 'levels' twice" in line

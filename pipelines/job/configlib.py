@@ -142,6 +142,9 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
                 return _coerce(path, opt, value)
             except ConfigError as e:
                 errors.append(str(e))
+        inner = [e for e in errors if e.startswith((f"{path}.", f"{path}["))]
+        if len(errors) == 1 and inner:  # a mapping or list of the right kind with one bad item: name the item
+            raise ConfigError(inner[0])
         raise ConfigError(f"{path} must be {_kinds(options)}, got {value!r}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
@@ -170,7 +173,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return dict(value)
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        return {_coerce(path, kt, k): _coerce(f"{path}.{k}", vt, v) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value

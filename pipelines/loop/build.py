@@ -162,6 +162,19 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
     return g, parts, pools
 
 
+def simulated_policy(overrides: Mapping[str, Any] | None, groups: Any = None) -> bool:
+    """Whether the run's policy is not a ``PolicyWorker``: `overrides` (``worker_overrides``) replace it with
+    another class, or the caller's started `groups` run one (a benchmark's simulated workers, which
+    ``rollout.engine=sim`` may feed: ``JobConfig.validate(simulated_policy=...)``)."""
+    from asyncrl.roles import PolicyWorker
+
+    spec = (overrides or {}).get("policy")
+    cls = spec[0] if isinstance(spec, tuple) else spec
+    if cls is None and groups is not None:
+        cls = getattr(getattr(groups, "policy", None), "cls", None)
+    return isinstance(cls, type) and not issubclass(cls, PolicyWorker)
+
+
 class Workers:
     """The worker processes a trainer owns: the started parts (colocated group sets) and the
     placement-group pools they sit in, which outlive a restart so new actors take the same bundles.
@@ -174,6 +187,8 @@ class Workers:
     def __init__(self, config: JobConfig, overrides: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self.overrides = dict(overrides or {})
+        self.simulated_policy = simulated_policy(overrides)
+        """The overrides replace the policy with a class that is not a ``PolicyWorker``."""
         self.parts: list[Any] = []
         """The started parts: the rollout pool's first (when two pools), then the training pool's."""
         self.pools: list[ResourcePool] = []

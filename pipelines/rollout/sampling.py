@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 import torch
 from tensordict import TensorDict
 
-from asyncrl.roles.fields import Section
+from asyncrl.roles.fields import Range, Section
 
 __all__ = ["FilterGroupsConfig", "group_stds", "informative_groups", "extra_indices", "select_groups", "fill_batch"]
 
@@ -35,7 +35,7 @@ class FilterGroupsConfig(Section):
 
     enable: bool = False
     """Drop groups whose rewards are all equal and sample more prompts until the batch is full."""
-    max_num_gen_batches: int = 10
+    max_num_gen_batches: Annotated[int, Range(ge=1, le=1000)] = 10
     """Most generate calls per step (the first included); then the batch is filled with dropped groups."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -209,6 +210,8 @@ class PromptLoader:
         self._meta = [(getattr(p, "data_source", None), getattr(p, "extra_info", None)) for p in pairs]
         self._has_meta = any(ds is not None for ds, _ in self._meta)
         self._orders: dict[int, list[int]] = {}
+        self._lock = threading.Lock()  # batches are built in threads (off the controller's loop)
+        self._last: tuple[int, TensorDict] | None = None  # the step whose groups a stream is cutting
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -249,8 +252,20 @@ class PromptLoader:
     def batch(self, step: int) -> TensorDict:
         """Prompt rows of step `step`: ``prompt_ids``/``prompt_mask`` (left-padded), ``uid``,
         ``prompt`` and ``answer`` (one row per response); from data files also ``data_source`` and
-        ``extra_info`` (JSON text)."""
-        return self.batch_of(self.indices(step), step)
+        ``extra_info`` (JSON text). Its work grows with the step's rows: the trainer calls it in a thread."""
+        with self._lock:
+            return self.batch_of(self.indices(step), step)
+
+    def group(self, step: int, slot: int) -> TensorDict:
+        """The rows of prompt group `slot` of step `step`: ``batch(step)``'s rows ``slot * group_size`` up to
+        the next group's, padded as the whole step's. The step's batch is built once and kept until another
+        step's group is asked for, so the groups of a stream cost one batch per step, not one each."""
+        with self._lock:
+            if self._last is None or self._last[0] != step:
+                self._last = (step, self.batch_of(self.indices(step), step))
+            rows = self._last[1]
+        G = self.group_size
+        return rows[slot * G:(slot + 1) * G].clone()
 
     def batch_of(self, prompts: Sequence[int], step: int) -> TensorDict:
         """Like :meth:`batch`, for the dataset rows `prompts` (``uid`` numbered from step `step`'s)."""

@@ -142,7 +142,7 @@ class Evaluator:
         """Evaluate the weights the rollout group holds (which must be `version`); returns the
         recorded row (also appended to :attr:`records`)."""
         t0 = time.perf_counter()
-        batch = self.loader.batch(0)
+        batch = await anyio.to_thread.run_sync(self.loader.batch, 0)  # off the loop: evaluation.num_prompts rows
         gen = groups.rollout.generate(batch, max_new_tokens=self.max_new_tokens, temperature=0.0,
                                       seed=self.config.seed)
         if watch is not None:

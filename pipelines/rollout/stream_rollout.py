@@ -152,7 +152,7 @@ class StreamRollout:
         assert loader is not None
         B, G = cfg.prompts_per_step, cfg.group_size
         slot = g % B
-        prompts = loader.batch(g // B)[slot * G:(slot + 1) * G]
+        prompts = await anyio.to_thread.run_sync(loader.group, g // B, slot)  # off the loop: it builds a step
         elastic = cfg.trainer.rollout_range.elastic
         while True:
             epoch = a.epoch

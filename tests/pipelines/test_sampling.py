@@ -113,3 +113,26 @@ async def test_out_of_generate_calls_the_batch_is_padded_with_the_first_dropped_
     assert out["uid"].tolist() == [6, 6, 7, 7]  # renumbered from step 3's uid base (3 * 2)
     assert metrics == {"sampling/gen_batches": 2.0, "sampling/filtered_groups": 3.0,
                        "sampling/padded_groups": 1.0, "sampling/min_group_std": 0.0}
+
+
+def test_a_stream_group_is_its_slice_of_the_step_batch_and_the_step_is_built_once(monkeypatch):
+    from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pairs
+    from asyncrl.pipelines.job.presets import tiny_test
+    from asyncrl.roles import tiny_tokenizer
+
+    cfg = tiny_test()
+    pairs = task_pairs(cfg.data, 0, num_prompts=12)
+    loader = make_loader(cfg.data, tiny_tokenizer(), pairs, prompts_per_step=4, group_size=2, seed=0)
+    built = []
+    monkeypatch.setattr(PromptLoader, "batch_of", lambda self, p, step, real=PromptLoader.batch_of: (
+        built.append(step), real(self, p, step))[1])
+    for step in (0, 1, 5):
+        whole = loader.batch(step)
+        for slot in range(4):
+            part = loader.group(step, slot)
+            want = whole[slot * 2:(slot + 1) * 2]
+            assert part["uid"].tolist() == [step * 4 + slot] * 2
+            for key in ("prompt_ids", "prompt_mask", "uid"):
+                assert part[key].equal(want[key]), key
+            assert list(part["prompt"]) == list(want["prompt"]) and list(part["answer"]) == list(want["answer"])
+    assert built == [0, 0, 1, 1, 5, 5]  # batch(step) once, then the step's groups from one built batch

@@ -84,3 +84,12 @@ def test_a_key_given_twice_in_yaml_is_refused_not_silently_overwritten(tmp_path,
                     "keep one")
     line = fails(["train", "--print-config", "data.task_kwargs={levels: [1], levels: [2]}"], capsys)
     assert "override 'data.task_kwargs={levels: [1], levels: [2]}' gives key 'levels' twice" in line
+
+
+def test_a_batch_size_no_job_can_hold_is_refused_before_anything_is_built(capsys):
+    line = fails(["train", "--print-config", "trainer.batch_size=1000000000000"], capsys)
+    assert line == "asyncrl train: config error: trainer.batch_size must be <= 1048576, got 1000000000000"
+    line = fails(["train", "--print-config", "trainer.rollout_workers=1..1000000000", "trainer.rollout_placement=[1]"],
+                 capsys)  # its sizes would be listed one by one
+    assert line == ("asyncrl train: config error: trainer.rollout_workers=1..1000000000: a pool has at most 4096 "
+                    "workers, got max=1000000000")

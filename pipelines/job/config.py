@@ -464,6 +464,9 @@ class JobConfig(Section):
             self._check_capacity("GPUs", t.gpus_per_worker, cluster_gpus,
                                  "lower trainer.gpus_per_worker (0.5 shares a GPU between two workers), the worker "
                                  "counts, or set trainer.colocated=true")
+        if not t.output_dir.strip():
+            raise ConfigError("trainer.output_dir is empty, which would write the run into the current directory; "
+                              "name the run's directory (e.g. trainer.output_dir=runs/my_run)")
         out = Path(t.output_dir)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"trainer.output_dir={t.output_dir!r} is a file; give a directory for the run's outputs")

@@ -93,3 +93,11 @@ def test_a_batch_size_no_job_can_hold_is_refused_before_anything_is_built(capsys
                  capsys)  # its sizes would be listed one by one
     assert line == ("asyncrl train: config error: trainer.rollout_workers=1..1000000000: a pool has at most 4096 "
                     "workers, got max=1000000000")
+
+
+def test_an_empty_output_dir_is_refused_instead_of_writing_the_run_into_the_current_directory(capsys):
+    for value in ("", "  "):
+        line = fails(["train", "--print-config", f"trainer.output_dir={value}"], capsys)
+        assert line == ("asyncrl train: config error: trainer.output_dir is empty, which would write the run into "
+                        "the current directory; name the run's directory (e.g. trainer.output_dir=runs/my_run)")
+

@@ -470,6 +470,10 @@ class JobConfig(Section):
         out = Path(t.output_dir)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"trainer.output_dir={t.output_dir!r} is a file; give a directory for the run's outputs")
+        above = next(p for p in out.absolute().parents if p.exists())  # the directory mkdir would start in
+        if not out.exists() and not above.is_dir():
+            raise ConfigError(f"trainer.output_dir={t.output_dir!r} cannot be created: {str(above)!r} is a file; give "
+                              "a directory for the run's outputs")
         self._validate_reward()
         from asyncrl.pipelines.job.validation import check_worker_sections
 

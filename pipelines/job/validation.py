@@ -121,6 +121,7 @@ def check_worker_sections(cfg: Any) -> None:
     """Raise :class:`ConfigError` for a value of `cfg`'s worker sections (``model``, ``rollout``,
     ``actor``, ``critic``, ``reward``) or ``algorithm`` that a worker would reject at start-up."""
     from asyncrl.roles.engines import engine_names
+    from asyncrl.roles.engines.base import engine_options
     from asyncrl.roles.scoring.reward import reward_fn_names
 
     _check_model("model", cfg.model)
@@ -128,6 +129,11 @@ def check_worker_sections(cfg: Any) -> None:
     if r.engine not in engine_names():
         raise ConfigError(f"rollout.engine {r.engine!r} is not a registered engine; known: {engine_names()} "
                           "(add one with @asyncrl.roles.register_engine)")
+    options = engine_options(r.engine)
+    unknown = sorted(set(r.engine_kwargs) - set(options)) if options is not None else []
+    if unknown:
+        raise ConfigError(f"rollout.engine_kwargs: {unknown[0]!r} is not an option of the {r.engine!r} engine; it "
+                          f"takes {options}")
     if r.model_dir is not None and not os.path.isdir(r.model_dir):
         raise ConfigError(f"rollout.model_dir={r.model_dir!r} does not exist; give a local model directory or null")
     max_pos = getattr(cfg.model, "max_position_embeddings", None)

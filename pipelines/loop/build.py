@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from asyncrl import ResourcePool, colocate
-from asyncrl.pipelines.job.config import JobConfig
+from asyncrl.pipelines.job.config import ConfigError, JobConfig
 from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pairs
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
@@ -285,9 +285,16 @@ class Workers:
 
 
 def build_data(cfg: JobConfig, output_dir: Path) -> tuple[PromptLoader, Evaluator | None]:
-    """The prompt loader and the evaluator (blocking: tokenizer, prompt encoding; call it in a
-    thread); prompts that cannot fit the model's context fail here, before step 0."""
+    """The run's directory (created here: one that cannot be is a ``ConfigError`` before Ray starts), the
+    prompt loader and the evaluator (blocking: tokenizer, prompt encoding; call it in a thread); prompts that
+    cannot fit the model's context fail here, before step 0."""
     from asyncrl.roles.modeling.models import model_context_length, tokenizer_for
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"trainer.output_dir={str(output_dir)!r} cannot be created: {e.strerror or e}; give a "
+                          "directory this process can write") from None
 
     tokenizer = tokenizer_for(cfg.model)
     loader = make_loader(cfg.data, tokenizer, task_pairs(cfg.data, cfg.trainer.seed),

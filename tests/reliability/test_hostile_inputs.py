@@ -101,3 +101,30 @@ def test_an_empty_output_dir_is_refused_instead_of_writing_the_run_into_the_curr
         assert line == ("asyncrl train: config error: trainer.output_dir is empty, which would write the run into "
                         "the current directory; name the run's directory (e.g. trainer.output_dir=runs/my_run)")
 
+
+def test_an_output_dir_that_cannot_be_created_is_one_line_before_ray_starts(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("x")
+    line = fails(["train", "--print-config", f"trainer.output_dir={tmp_path / 'a_file' / 'run'}"], capsys)
+    assert line == (f"asyncrl train: config error: trainer.output_dir={str(tmp_path / 'a_file' / 'run')!r} cannot be "
+                    f"created: {str(tmp_path / 'a_file')!r} is a file; give a directory for the run's outputs")
+    import asyncrl
+
+    started = []
+    monkeypatch.setattr(asyncrl, "ainit", lambda *a, **k: started.append(1))  # must not be reached
+    where = "/proc/asyncrl-no-such-dir/run"  # passes every check on paper; mkdir fails (as root too)
+    line = fails(["train", f"trainer.output_dir={where}", "trainer.progress=false"], capsys)
+    assert line.startswith(f"asyncrl train: config error: trainer.output_dir={where!r} cannot be created: ")
+    assert line.endswith("; give a directory this process can write")
+    assert started == []
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["trainer.num_cpus=-4"], "trainer.num_cpus must be >= 1, got -4"),
+    (["rollout.engine_kwargs={max_batch_size: 8, temprature: 0.5}"],
+     "rollout.engine_kwargs: 'temprature' is not an option of the 'hf' engine; it takes ['autocast', 'cores', "
+     "'exact_log_probs', 'max_batch_size', 'seed']"),
+    (["trainer.rollout_placement=[1]", "trainer.rollout_resources={rollout_node: .nan}"],
+     "trainer.rollout_resources.rollout_node must be a number, got nan"),
+])
+def test_values_that_used_to_fail_only_after_ray_started_are_refused_at_validate(overrides, line, capsys):
+    assert fails(["train", "--print-config", *overrides], capsys) == f"asyncrl train: config error: {line}"

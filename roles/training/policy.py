@@ -113,8 +113,8 @@ class OptimConfig(Section):
     ``micro_batch_size`` its ``ppo_micro_batch_size_per_gpu``.
     """
 
-    lr: Annotated[float, Range(gt=0)] = 1e-3
-    """Adam learning rate."""
+    lr: Annotated[float, Range(ge=0)] = 1e-3
+    """AdamW learning rate (0 keeps the weights: a probe of the gradients)."""
     betas: Annotated[tuple[float, float], Range(ge=0, lt=1)] = (0.9, 0.999)
     """Adam betas."""
     eps: Annotated[float, Range(gt=0)] = 1e-8

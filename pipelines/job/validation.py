@@ -117,6 +117,20 @@ def _check_token_budget(key: str, o: Any, cfg: Any) -> None:
                           f"micro-batches of {key}.micro_batch_size rows")
 
 
+def _check_chat_template(key: str, m: Any) -> None:
+    """The agent's gateway renders chat messages with the policy's chat template: its tokenizer must have one."""
+    from asyncrl.roles.modeling.models import has_chat_template
+
+    if has_chat_template(m) is not False:
+        return
+    which = (f"model.tokenizer={m.tokenizer!r}" if m.tokenizer is not None
+             else f"model.tokenizer (null: the model's own, in {m.path!r})" if m.path is not None
+             else "model.tokenizer (null: the tiny model's 'tiny')")
+    raise ConfigError(f"{key} runs the agent against the gateway, which renders its chat messages with the policy's "
+                      f"chat template, but {which} has none; set model.tokenizer=qwen2 or a model whose tokenizer "
+                      "has a chat template")
+
+
 def check_worker_sections(cfg: Any) -> None:
     """Raise :class:`ConfigError` for a value of `cfg`'s worker sections (``model``, ``rollout``,
     ``actor``, ``critic``, ``reward``) or ``algorithm`` that a worker would reject at start-up."""
@@ -155,3 +169,5 @@ def check_worker_sections(cfg: Any) -> None:
     else:
         _check_model("reward.model", w.model)
     _check_tokenizer("reward.tokenizer", cfg.worker_reward().tokenizer if hasattr(cfg, "worker_reward") else w.tokenizer)
+    if r.agent is not None:
+        _check_chat_template("rollout.agent", cfg.model)

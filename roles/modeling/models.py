@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import tempfile
 from dataclasses import dataclass, replace
@@ -244,6 +245,28 @@ def tokenizer_for(cfg: ModelConfig) -> Any:
         return load_tokenizer(cfg.tokenizer)
     path = resolve_model_dir(cfg)
     return load_tokenizer(path if path is not None else "tiny")
+
+
+def has_chat_template(cfg: ModelConfig) -> bool | None:
+    """Whether :func:`tokenizer_for` of `cfg` has a chat template, read from its files without loading a model:
+    None where that cannot be told without converting one (a GGUF model: its conversion is checked later)."""
+    spec = cfg.tokenizer
+    if spec is None:
+        if cfg.gguf is not None:
+            return None
+        spec = cfg.path or "tiny"
+    if spec == "tiny":
+        return bool(getattr(tiny_tokenizer(), "chat_template", None))
+    if is_gguf_spec(spec):
+        return None
+    directory = qwen2_tokenizer_dir() if spec == "qwen2" else spec
+    if os.path.isfile(os.path.join(directory, "chat_template.jinja")):
+        return True
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:

@@ -128,3 +128,15 @@ def test_an_output_dir_that_cannot_be_created_is_one_line_before_ray_starts(tmp_
 ])
 def test_values_that_used_to_fail_only_after_ray_started_are_refused_at_validate(overrides, line, capsys):
     assert fails(["train", "--print-config", *overrides], capsys) == f"asyncrl train: config error: {line}"
+
+
+def test_an_agent_with_a_tokenizer_without_a_chat_template_is_a_config_error_naming_model_tokenizer(capsys):
+    from pathlib import Path
+
+    agent = f"{Path(__file__).parents[1] / 'roles' / 'gateway_agent.py'}:two_turns"
+    line = fails(["train", "--print-config", f"rollout.agent={agent}"], capsys)
+    assert line == ("asyncrl train: config error: rollout.agent runs the agent against the gateway, which renders its "
+                    "chat messages with the policy's chat template, but model.tokenizer (null: the tiny model's "
+                    "'tiny') has none; set model.tokenizer=qwen2 or a model whose tokenizer has a chat template")
+    assert main(["train", "--print-config", f"rollout.agent={agent}", "model.tokenizer=qwen2"]) == 0
+    capsys.readouterr()

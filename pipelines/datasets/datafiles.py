@@ -302,14 +302,20 @@ def code_digests(config: Mapping[str, Any]) -> dict[str, str]:
 
 
 def check_code_digests(saved: Any, config: Mapping[str, Any], where: str) -> None:
-    """ConfigError when a file that `saved` (a :func:`code_digests` record, or None: not checked) lists
-    now has other contents, or is gone; `where` names the record (the checkpoint, the journal)."""
-    if not isinstance(saved, dict):
-        return
+    """ConfigError when a file that `saved` (a :func:`code_digests` record; None: a record without one) lists
+    now has other contents, or is gone, or when `config` names code that `saved` holds no digest of (a
+    record written without it, or edited to name other code); `where` names the record (the checkpoint,
+    the journal). Call it before anything imports the code `config` names."""
+    saved = saved if isinstance(saved, dict) else {}
     now = code_digests(config)
-    for name in sorted(saved):
-        if now.get(name) != saved[name]:
+    for name in sorted(set(saved) | set(now)):
+        if now.get(name) != saved.get(name):
             key, _, file = name.partition(":")
+            if name not in saved:
+                raise ConfigError(
+                    f"{key}: {file!r} is code the run's config names to import and run, but {where} records no "
+                    "digest of it (written without one, or edited), so it is refused: start a new run (asyncrl "
+                    "export gives its weights)")
             state = "is gone" if not os.path.isfile(file) else "changed"
             raise ConfigError(
                 f"{key}: {file!r} {state} since {where} was written (content digest {saved[name]} then, "

@@ -165,7 +165,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     config saved in RUN's checkpoint and the outputs go to RUN (unless an override says otherwise)."""
     from asyncrl.pipelines.checkpoints import checkpoint as ckpt
     from asyncrl.pipelines.job import configlib
-    from asyncrl.pipelines.job.config import ConfigError, JobConfig
+    from asyncrl.pipelines.job.config import ConfigError, JobConfig, config_fingerprint
     from asyncrl.pipelines.job.presets import load_config
     from asyncrl.pipelines.job.presets import PRESETS
 
@@ -187,6 +187,9 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     # before anything imports the reward/episode/agent files the run names: they must be the ones it ran
     check_code_digests(ckpt.read_state(point).get("code_digests"), saved, f"checkpoint {str(point)!r}")
     base = configlib.from_dict(JobConfig, saved)
+    if ckpt.read_state(point).get("fingerprint") != config_fingerprint(base):
+        raise ckpt.CheckpointError(f"checkpoint {str(point)!r} was edited: its config does not hash to the fingerprint "
+                                   "it records, so it is refused; resume from another checkpoint of the run")
     base.trainer.output_dir = str(point.parent.parent)  # continue in the run's own directory
     return load_config(args.config, args.overrides, base=base), point
 

@@ -61,3 +61,63 @@ def test_a_reward_file_changed_since_the_run_is_refused_before_it_is_imported(ru
 def test_the_unchanged_reward_file_resumes(run):
     _, out = run
     assert main(["train", "--resume", str(out), "trainer.steps=3", "trainer.progress=false"]) == 0
+
+
+def _forge(run_dir, tmp_path, command: str, edit) -> list[str]:
+    """A copy of `run_dir` whose checkpoint state (resume) or journal header (replay) `edit` changed; the argv
+    that resumes or replays it."""
+    import json
+    import shutil
+
+    from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+
+    forged = tmp_path / "forged"
+    shutil.copytree(run_dir, forged)
+    if command == "resume":
+        f = ckpt.latest_checkpoint(forged) / "state.json"
+        record = json.loads(f.read_text())
+        edit(record)
+        f.write_text(json.dumps(record))
+        return ["train", "--resume", str(forged), "trainer.steps=3"]
+    f = forged / "journal.jsonl"
+    head, *rest = f.read_text().split("\n")
+    record = json.loads(head)
+    edit(record)
+    f.write_text("\n".join([json.dumps(record), *rest]))
+    return ["replay", str(forged), "--output-dir", str(tmp_path / "replay")]
+
+
+@pytest.mark.parametrize("command", ["resume", "replay"])
+def test_a_record_naming_other_code_without_its_digest_is_refused_before_that_code_is_imported(
+        run, command, capsys, tmp_path, monkeypatch):
+    _, out = run
+    evil = tmp_path / "evil.py"
+    evil.write_text(REWARD)
+    mark = tmp_path / "imported.txt"
+    monkeypatch.setenv("ASYNCRL_TEST_MARK", str(mark))
+
+    def edit(record):
+        record["config"]["reward"]["fn"] = f"{evil}:score"
+        del record["code_digests"]
+
+    argv = _forge(out, tmp_path, command, edit)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    where = "checkpoint" if command == "resume" else "the journal of"
+    assert len(err) == 1 and f"reward.fn: {str(evil)!r} is code" in err[0] and f"but {where}" in err[0], err
+    assert "records no digest of it" in err[0]
+    assert not mark.exists()  # refused before the file ran
+
+
+@pytest.mark.parametrize("command", ["resume", "replay"])
+def test_a_record_whose_config_no_longer_hashes_to_its_fingerprint_is_refused_naming_that(run, command, capsys,
+                                                                                         tmp_path):
+    _, out = run
+
+    def edit(record):
+        record["config"]["trainer"]["seed"] = 7
+
+    assert main(_forge(out, tmp_path, command, edit)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was edited: its config does not hash to the fingerprint it records" in err[0], err
+    assert "?" not in err[0]

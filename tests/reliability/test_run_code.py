@@ -121,3 +121,63 @@ def test_a_record_whose_config_no_longer_hashes_to_its_fingerprint_is_refused_na
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "was edited: its config does not hash to the fingerprint it records" in err[0], err
     assert "?" not in err[0]
+
+
+MODULE = "asyncrl_trust_reward_mod"
+
+
+@pytest.mark.parametrize("command", ["resume", "replay"])
+def test_a_reward_module_changed_since_the_run_is_refused_before_it_is_imported(run, command, capsys, tmp_path,
+                                                                               monkeypatch):
+    """``reward.fn=package.module:fn`` is digested as a file is (the module's source, found without importing
+    it), so an edited module is refused as an edited file is."""
+    import sys
+
+    from asyncrl.pipelines.datasets.datafiles import code_digests, content_digest
+    from asyncrl.pipelines.job.config import JobConfig, config_fingerprint
+    from asyncrl.pipelines.job.configlib import from_dict
+
+    _, out = run
+    pkg = tmp_path / "site"
+    pkg.mkdir()
+    source = pkg / f"{MODULE}.py"
+    source.write_text(REWARD)
+    monkeypatch.syspath_prepend(str(pkg))
+    mark = tmp_path / "imported.txt"
+    monkeypatch.setenv("ASYNCRL_TEST_MARK", str(mark))
+
+    def as_if_run_with_the_module(record):  # what a run naming the module writes
+        record["config"]["reward"]["fn"] = f"{MODULE}:score"
+        record["code_digests"] = code_digests(record["config"])
+        record["fingerprint"] = config_fingerprint(from_dict(JobConfig, record["config"]))
+
+    argv = _forge(out, tmp_path, command, as_if_run_with_the_module)
+    assert code_digests({"reward": {"fn": f"{MODULE}:score"}}) == {f"reward.fn:{MODULE}": content_digest(str(source))}
+    assert MODULE not in sys.modules and not mark.exists()  # digested without being imported
+    source.write_text(REWARD + "\n# edited\n")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    where = "checkpoint" if command == "resume" else "the journal of"
+    assert len(err) == 1 and f"reward.fn: module {MODULE!r} ({source}) changed since {where}" in err[0], err
+    assert MODULE not in sys.modules and not mark.exists()
+    source.unlink()
+    assert main(argv) == 2
+    assert f"reward.fn: module {MODULE!r} (not found) is gone since {where}" in capsys.readouterr().err
+
+
+def test_module_source_finds_a_module_s_file_without_importing_it_or_its_package(tmp_path, monkeypatch):
+    import sys
+
+    from asyncrl.pipelines.datasets.datafiles import module_source
+
+    (tmp_path / "asyncrl_trust_pkg").mkdir()
+    (tmp_path / "asyncrl_trust_pkg" / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (tmp_path / "asyncrl_trust_pkg" / "rewards.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_source("asyncrl_trust_pkg.rewards") == str(tmp_path / "asyncrl_trust_pkg" / "rewards.py")
+    assert module_source("asyncrl_trust_pkg") == str(tmp_path / "asyncrl_trust_pkg" / "__init__.py")
+    assert "asyncrl_trust_pkg" not in sys.modules
+    assert module_source("asyncrl_trust_pkg.missing") is None and module_source("not a module") is None
+    import asyncrl.roles.scoring.reward as installed  # an installed (editable) package's module is found too
+
+    assert module_source("asyncrl.roles.scoring.reward") == installed.__file__

@@ -181,3 +181,50 @@ def test_module_source_finds_a_module_s_file_without_importing_it_or_its_package
     import asyncrl.roles.scoring.reward as installed  # an installed (editable) package's module is found too
 
     assert module_source("asyncrl.roles.scoring.reward") == installed.__file__
+
+
+def _other_run(run_dir, tmp_path):
+    """A copy of `run_dir` re-labelled as another run (another seed: its own config and fingerprint)."""
+    import json
+    import shutil
+
+    from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+    from asyncrl.pipelines.job.config import JobConfig, config_fingerprint
+    from asyncrl.pipelines.job.configlib import from_dict
+
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    f = ckpt.latest_checkpoint(other) / "state.json"
+    state = json.loads(f.read_text())
+    state["config"]["trainer"]["seed"] = 11
+    state["fingerprint"] = config_fingerprint(from_dict(JobConfig, state["config"]))
+    f.write_text(json.dumps(state))
+    ckpt.write_manifest(f.parent)  # a whole checkpoint, as that run would have written it
+    return other
+
+
+@pytest.mark.parametrize("how", ["symlink", "renamed", "copied"])
+def test_a_checkpoint_that_is_not_the_run_s_own_is_refused_by_resume(run, how, capsys, tmp_path):
+    import shutil
+
+    from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+
+    _, out = run
+    mine = tmp_path / "mine"
+    shutil.copytree(out, mine)
+    own = ckpt.latest_checkpoint(mine)
+    theirs = ckpt.latest_checkpoint(_other_run(out, tmp_path))
+    shutil.rmtree(own)
+    if how == "symlink":  # another run's checkpoint put in place by a link
+        own.symlink_to(theirs, target_is_directory=True)
+        want = f"checkpoint {str(own)!r} leads to {str(theirs)!r}, outside {str(own.parent)!r}"
+    elif how == "renamed":  # a checkpoint of this run under another step's name
+        shutil.copytree(ckpt.latest_checkpoint(out), own.with_name("step_000001"))
+        own = own.with_name("step_000001")
+        want = f"checkpoint {str(own)!r} is named for step 1 but its state.json is at step 2"
+    else:  # another run's checkpoint copied in
+        shutil.copytree(theirs, own)
+        want = f"checkpoint {str(own)!r} was written by another run: its fingerprint"
+    assert main(["train", "--resume", str(mine), "trainer.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0], err

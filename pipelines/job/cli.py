@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -141,10 +142,14 @@ def _view(args: argparse.Namespace) -> int:
             _say("asyncrl view", f"{path} {state}; showing what exists: {viewer.describe(run)}")
     if args.out is not None:
         out = Path(args.out)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(viewer.render_html(data), encoding="utf-8")
+            tmp.write_text(viewer.render_html(data), encoding="utf-8")  # then renamed: never a half-written page
+            os.replace(tmp, out)
         except OSError as e:
+            if tmp.parent.is_dir():
+                tmp.unlink(missing_ok=True)
             _say("asyncrl view", f"cannot write {out}: {e.strerror or e}; pass another --out")
             return 2
         print(f"asyncrl view: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); open it in a browser", file=sys.stderr)

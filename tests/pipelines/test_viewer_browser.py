@@ -226,3 +226,39 @@ def test_open_time_of_a_10000_step_run_with_8_samples_per_step(tmp_path, browser
     assert errors == []
     print(f"\n10,000 steps x 8 samples: {html.stat().st_size / 1e6:.1f} MB page written in {t1 - t0:.2f} s; "
           f"opened (parsed, charts and step table drawn) in {t2 - t1:.2f} s; trajectory view in {t3 - t2:.2f} s")
+
+
+def test_a_malformed_row_is_counted_and_the_others_are_drawn(tmp_path, page_of):
+    rows = [sample(0, 0, i) for i in range(3)]
+    run = make_run(tmp_path / "run", steps=1, samples=rows)
+    with (run / "samples.jsonl").open("a") as f:
+        bad = sample(0, 0, 3)
+        bad["tokens"]["text"] = "ab"  # not a column
+        f.write(json.dumps(bad) + "\n")
+    page = page_of(run)
+    show(page, "traj")
+    assert count(page) == 3 and page.eval_on_selector_all(".traj", "els => els.length") == 3
+    assert "1 unreadable samples.jsonl lines skipped" in page.inner_text("#status")
+
+
+def test_a_live_page_shows_a_run_whose_samples_hold_nan(tmp_path, browser):
+    bad = sample(1, 1, 0)
+    bad["reward"], bad["tokens"]["advantage"] = math.nan, [math.inf, 0.5]
+    run = make_run(tmp_path / "run", steps=2, samples=[sample(0, 0, 0), bad])
+    srv = viewer.make_server([run], port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/")
+        page.wait_for_selector("#status .run-status")
+        show(page, "traj")
+        assert count(page) == 2
+        heads = page.eval_on_selector_all(".traj .meta", "ms => ms.map(m => m.textContent)")
+        assert any(h.startswith("#0 · reward – ·") for h in heads)  # NaN arrives as null, shown as a dash
+    finally:
+        page.close()
+        srv.shutdown()
+        srv.server_close()
+    assert errors == []

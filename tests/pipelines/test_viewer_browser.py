@@ -228,6 +228,17 @@ def test_open_time_of_a_10000_step_run_with_8_samples_per_step(tmp_path, browser
           f"opened (parsed, charts and step table drawn) in {t2 - t1:.2f} s; trajectory view in {t3 - t2:.2f} s")
 
 
+def test_bidi_controls_are_shown_as_escapes_so_a_response_cannot_reorder_itself(tmp_path, page_of):
+    rows = [sample(0, 0, 0, text="ok \u202egnp.exe\u202c \u2066x\u2069")]
+    rows[0]["prompt"] = "say \u202eevil"
+    page = page_of(make_run(tmp_path / "run", steps=1, samples=rows))
+    show(page, "traj")
+    shown = page.inner_text("#traj-list")
+    assert not set(shown) & {"\u202e", "\u202c", "\u2066", "\u2069"}
+    assert page.eval_on_selector_all(".traj .tok", "ts => ts.map(t => t.textContent)")[3:5] == ["\\u202e", "g"]
+    assert page.inner_text(".traj .prompt") == "say \\u202eevil"
+
+
 def test_a_malformed_row_is_counted_and_the_others_are_drawn(tmp_path, page_of):
     rows = [sample(0, 0, i) for i in range(3)]
     run = make_run(tmp_path / "run", steps=1, samples=rows)

@@ -8,10 +8,10 @@ training with the default.
 
     batch_size: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 64
 
-:func:`check_bounds` reads those declarations to refuse a value out of bounds (``JobConfig.validate`` and the roles'
-own ``validate`` call it), and the config fuzz reads them to produce values out of bounds
+:func:`check_bounds` reads those declarations to refuse a value out of bounds (``JobConfig.validate`` and
+the roles' own ``validate`` call it), and the config fuzz reads them to produce values out of bounds
 (:meth:`Range.outside`). Every number in a config must also be finite, declared or not: ``inf`` is never a
-setting (None says "no limit").
+setting (None, null in YAML, turns off a limit that can be off).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ the placement groups are up, and a constructor error reaches the user as a remot
 These checks repeat every one of those rules that can be decided in the controller -- names
 that must be registered (reward functions, generation engines, tasks), paths that must exist
 and values that must fit each other (value ranges are declared next to each field and checked
-by ``JobConfig.validate``: :mod:`asyncrl.roles.fields`) -- so ``asyncrl train`` (and ``--print-config``) reject a bad value in
-well under a second with a :class:`ConfigError` that names the key and how to fix it.
+by ``JobConfig.validate``: :mod:`asyncrl.roles.fields`) -- so ``asyncrl train`` (and
+``--print-config``) reject a bad value in well under a second with a :class:`ConfigError` that
+names the key and how to fix it.
 
 Registries are consulted by name in the controller: a reward function or engine registered
 in a module that only the workers import is not visible here; import that module before

@@ -234,7 +234,8 @@ class RunFollower:
             return {**base, "mode": "full", "metrics": self.metrics, "evals": self.evals, "samples": self.samples,
                     "trace": self.trace}
         m, e, n = counts
-        out = {**base, "mode": "append", "metrics": self.metrics[m:], "evals": self.evals[e:], "samples": self.samples[n:]}
+        out = {**base, "mode": "append", "metrics": self.metrics[m:], "evals": self.evals[e:],
+               "samples": self.samples[n:]}
         if have.get("t") != self.trace_stamp:
             out["trace"] = self.trace
         return out

@@ -235,7 +235,8 @@ def _rgba(css: str) -> tuple[float, ...]:
 
 
 def _colours(page) -> list[tuple[float, ...]]:
-    return [_rgba(c) for c in page.eval_on_selector_all(".traj .tok", "ts => ts.map(t => getComputedStyle(t).backgroundColor)")]
+    js = "ts => ts.map(t => getComputedStyle(t).backgroundColor)"
+    return [_rgba(c) for c in page.eval_on_selector_all(".traj .tok", js)]
 
 
 def test_each_colour_mode_paints_each_token_by_its_rule(tmp_path, page_of):

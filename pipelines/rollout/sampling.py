@@ -21,6 +21,7 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Sequence
 
+import anyio.to_thread
 import torch
 from tensordict import TensorDict
 
@@ -118,7 +119,8 @@ async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader:
     have = len(keep)
     while have < pps and calls < max_calls:
         idx = extra_indices(len(loader.pairs), pps, seed=seed, step=step, call=calls)
-        g2, s2 = generate(loader.batch_of(idx, step), calls)
+        prompts = await anyio.to_thread.run_sync(loader.batch_of, idx, step)  # off the loop: a step's rows
+        g2, s2 = generate(prompts, calls)
         sc2 = (await s2)["scores"]
         k2 = informative_groups(sc2, group_size)
         results.append((g2, s2, sc2, k2))
@@ -138,8 +140,9 @@ async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader:
         td.update(await results[b][1])
         fetched[b] = td
     order = {b: n for n, b in enumerate(needed)}
-    combined = select_groups([fetched[b] for b in needed], [(order[b], k) for b, k in picks], group_size,
-                             pad_id=loader.pad_id, uid_base=step * pps)
+    combined = await anyio.to_thread.run_sync(lambda: select_groups(
+        [fetched[b] for b in needed], [(order[b], k) for b, k in picks], group_size, pad_id=loader.pad_id,
+        uid_base=step * pps))
     out_scores = combined["scores"].clone()
     fut = echo(combined)
     return fut, fut.select("scores"), out_scores, _metrics(calls, dropped_total, padded,

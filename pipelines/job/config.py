@@ -27,6 +27,9 @@ from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, MAX_WORKERS, Range, Section
 
 LOGGERS = ("wandb",)
 """Names ``trainer.loggers`` accepts."""
+MAX_BUFFERED = 1024
+"""Most batches the rollout->train buffer may hold (``trainer.buffer_capacity``, ``max_staleness + 1`` by default):
+each is a step's rows, held in memory."""
 _PER_NODE = "a positive worker count (one per node)"
 _AMOUNT = "a positive amount of the custom Ray resource (CPUs and GPUs: cpus_per_worker, gpus_per_worker)"
 
@@ -140,7 +143,7 @@ class TrainerConfig(Section):
     """Training steps (one actor update and one weight version each)."""
     batch_size: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 64
     """Responses per step (prompts per step = batch_size / algorithm.group_size)."""
-    max_staleness: Annotated[int, Range(ge=0, le=1000)] = 1
+    max_staleness: Annotated[int, Range(ge=0, le=MAX_BUFFERED - 1)] = 1
     """How many versions rollout may run ahead: 0 is on-policy (the synchronous loop); k lets the
     batch of step t be generated with weights t-k."""
     rollout_weights: Literal["auto", "fixed_lag", "latest"] = "auto"
@@ -148,7 +151,7 @@ class TrainerConfig(Section):
     is reproducible and equals the k-step-off-policy loop; ``latest``: the newest version
     available when the batch starts (never older than that). ``auto`` follows the mode: ``latest``
     with ``rollout_mode=stream`` (its only choice), else ``fixed_lag`` (:meth:`weights_choice`)."""
-    buffer_capacity: Annotated[int, Range(ge=1, le=1001)] | None = None
+    buffer_capacity: Annotated[int, Range(ge=1, le=MAX_BUFFERED)] | None = None
     """Batches the rollout→train buffer holds; None = max_staleness + 1."""
     rollout_mode: Literal["batch", "stream"] = "batch"
     """``batch``: each step's prompts are generated as one batch; ``stream``: prompt groups are kept in

@@ -308,7 +308,7 @@ class Bench:
         if mode is not None:
             cfg.rollout.partial_rollout = mode
         t.output_dir = os.path.join(self.tmp, f"{variant.replace('+', '-')}-k{k}")
-        return cfg.validate()
+        return cfg.validate(simulated_policy=True)  # SimPolicy: the groups' policy is simulated too
 
     async def run(self, variant: str, k: int) -> dict[str, Any]:
         from asyncrl.pipelines.loop.trainer import make_trainer
@@ -369,7 +369,7 @@ def replica_config(args: argparse.Namespace, workers: str | int, out: str) -> An
     t.max_staleness, t.rollout_mode = 2, "stream"
     t.rollout_workers, t.rollout_placement = workers, [int(str(workers).partition("..")[0])]
     t.output_dir = out
-    return cfg.validate()
+    return cfg.validate(simulated_policy=True)  # ReplicaPolicy (replica_run's worker_overrides) is simulated too
 
 
 async def replica_run(args: argparse.Namespace, workers: str | int, out: str, grow_at: int | None = None

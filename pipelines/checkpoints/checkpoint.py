@@ -30,8 +30,8 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
 from asyncrl.pipelines.job.configlib import ConfigError
 
-__all__ = ["CheckpointError", "checkpoint_dir", "checkpoints", "latest_checkpoint", "resolve_resume", "read_state", "verify",
-           "fsync_tree", "file_sha256", "write_manifest", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointError", "checkpoint_dir", "checkpoints", "latest_checkpoint", "resolve_resume", "check_own",
+           "read_state", "verify", "fsync_tree", "file_sha256", "write_manifest", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]
 
 _PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -65,19 +65,54 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def resolve_resume(path: str | Path) -> Path:
-    """A checkpoint directory from `path`: the checkpoint itself or a run directory holding checkpoints."""
+    """A checkpoint directory from `path`: the checkpoint itself or a run directory holding checkpoints;
+    :class:`CheckpointError` when there is none, or when it is not its run's own (:func:`check_own`)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"resume path {str(p)!r} does not exist")
     if _complete(p):
-        return p
+        return check_own(p)
     latest = latest_checkpoint(p)
     if latest is None:
         raise CheckpointError(
             f"resume path {str(p)!r} holds no complete checkpoint (a directory step_NNNNNN with state.json, "
             "or a run directory with checkpoints/step_NNNNNN); unfinished *.tmp-* directories are ignored"
         )
-    return latest
+    return check_own(latest)
+
+
+def check_own(ckpt: Path) -> Path:
+    """`ckpt` when it is the checkpoint its run wrote: a directory inside the run's ``checkpoints/`` (not a
+    link leading elsewhere), its name the step its ``state.json`` records, and its fingerprint the one the
+    run's journal records (when there is one). A resume continues in the run's directory, so another run's
+    checkpoint put there would be adopted in silence."""
+    root = ckpt.parent
+    target = ckpt.resolve()
+    if ckpt.is_symlink() or target.parent != root.resolve():
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} leads to {str(target)!r}, outside {str(root)!r}: a run "
+                              "resumes from its own checkpoints only; resume the run that wrote it, or remove the link")
+    named = ckpt.name[len(_PREFIX):]
+    state = read_state(ckpt)
+    if not named.isdigit() or state.get("step") != int(named):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} is named for step {named.lstrip('0') or named} but its "
+                              f"state.json is at step {state.get('step')!r}: a renamed or copied checkpoint; give it "
+                              "back its name (step_NNNNNN of its step), or resume from another one")
+    header = _journal_header(root.parent)
+    if header is not None and header.get("fingerprint") != state.get("fingerprint"):
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} was written by another run: its fingerprint "
+                              f"{state.get('fingerprint')!r} is not {header.get('fingerprint')!r}, the one "
+                              f"{str(root.parent / 'journal.jsonl')!r} records; resume the run that wrote it")
+    return ckpt
+
+
+def _journal_header(run: Path) -> dict[str, Any] | None:
+    """The first record of `run`'s ``journal.jsonl`` when it is the run's header, else None."""
+    try:
+        with open(run / "journal.jsonl", encoding="utf-8") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return first if isinstance(first, dict) and first.get("kind") == "run" else None
 
 
 _STATE_KEYS = ("step", "policy_version", "next_gen", "rng", "config", "fingerprint")

@@ -90,6 +90,9 @@ class Checkpointer:
         saved = state.get("config") if isinstance(state.get("config"), dict) else {}
         if state.get("fingerprint") != config_fingerprint(cfg):
             diff = fingerprint_diff(saved, to_dict(cfg))
+            if not diff:
+                raise ckpt.CheckpointError(f"checkpoint {str(path)!r} was edited: its config does not hash to the "
+                                           "fingerprint it records, so it is refused; resume from another checkpoint")
             hint = ""
             strategies = [k for k in ("actor.strategy", "critic.strategy") if k in diff]
             if strategies:
@@ -97,7 +100,7 @@ class Checkpointer:
                 hint = (f"; resume with {strategies[0]}={saved.get(section, {}).get(key)!r} (at any number of training "
                         "ranks), or export its weights (asyncrl export) to start a new run from them")
             raise ckpt.CheckpointError(
-                f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff) or '?'}); "
+                f"checkpoint {str(path)!r} was written by a different config (differs in: {', '.join(diff)}); "
                 "resume with the same settings (only trainer.steps, output_dir, train_workers, checkpointing and "
                 f"reporting may change){hint}"
             )

@@ -21,10 +21,12 @@ as one line with exit status 2. Nothing here starts Ray or a worker.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -143,15 +145,12 @@ def export_policy(run: str | Path, out: str | Path, *, step: int | None = None, 
     model = build_model(replace(model_cfg, dtype="float32"), tokenizer).to(target)
     _load_exactly(model, weights, ckpt)
     dest = out.resolve()
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _writing(out, tmp):
+        dest.parent.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     name = next(k for k, v in DTYPES.items() if v == target)
     return ExportResult(out=out, checkpoint=ckpt, step=int(state["step"]), dtype=name)
 
@@ -163,17 +162,14 @@ def _export_adapter(ckpt: Path, out: Path, step: int, dtype: str | None) -> Expo
     weights = load_file(str(ckpt / "policy" / "adapter_model.safetensors"))
     target = DTYPES[dtype] if dtype is not None else _stored_dtype(weights)
     dest = out.resolve()
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _writing(out, tmp):
+        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         save_file({k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()},
                   str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.copyfile(ckpt / "policy" / "adapter_config.json", tmp / "adapter_config.json")
         _replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     name = next(k for k, v in DTYPES.items() if v == target)
     return ExportResult(out=out, checkpoint=ckpt, step=step, dtype=name, adapter=True)
 
@@ -185,7 +181,23 @@ def _model_config(ckpt: Path, config: object) -> ModelConfig:
     return configlib.from_dict(ModelConfig, config["model"], _path="model")
 
 
+@contextlib.contextmanager
+def _writing(out: Path, tmp: Path) -> Iterator[None]:
+    """Write the export into `tmp` (removed on every path); an ``OSError`` is a :class:`ConfigError` naming
+    ``--out`` (a directory that cannot be made or written, a full disk)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(f"--out {str(out)!r} cannot be written: {e.strerror or e}; pick another directory") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _check_out(out: Path, *, force: bool, keep: Path) -> Path:
+    above = next(p for p in out.absolute().parents if p.exists())  # where mkdir would start
+    if not out.exists() and not above.is_dir():
+        raise ConfigError(f"--out {str(out)!r} cannot be created: {str(above)!r} is a file; pick another directory")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not force:
             raise ConfigError(f"--out {str(out)!r} exists and is not empty; pick another directory, or pass --force "

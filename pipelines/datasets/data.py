@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -209,6 +210,7 @@ class PromptLoader:
         self._meta = [(getattr(p, "data_source", None), getattr(p, "extra_info", None)) for p in pairs]
         self._has_meta = any(ds is not None for ds, _ in self._meta)
         self._orders: dict[int, list[int]] = {}
+        self._lock = threading.Lock()  # batches are built in threads (off the controller's loop)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -249,8 +251,9 @@ class PromptLoader:
     def batch(self, step: int) -> TensorDict:
         """Prompt rows of step `step`: ``prompt_ids``/``prompt_mask`` (left-padded), ``uid``,
         ``prompt`` and ``answer`` (one row per response); from data files also ``data_source`` and
-        ``extra_info`` (JSON text)."""
-        return self.batch_of(self.indices(step), step)
+        ``extra_info`` (JSON text). Its work grows with the step's rows: the trainer calls it in a thread."""
+        with self._lock:
+            return self.batch_of(self.indices(step), step)
 
     def batch_of(self, prompts: Sequence[int], step: int) -> TensorDict:
         """Like :meth:`batch`, for the dataset rows `prompts` (``uid`` numbered from step `step`'s)."""

@@ -22,13 +22,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from asyncrl.pipelines.job.configlib import ConfigError
 
 __all__ = ["Record", "FORMATS", "file_format", "read_rows", "read_records", "file_records", "content_digest",
-           "data_digests", "code_digests", "check_code_digests"]
+           "data_digests", "code_digests", "check_code_digests", "module_source"]
 
 FORMATS = ("jsonl", "parquet", "hf_disk")
 """The formats a data file may have: JSON lines, Parquet, a ``datasets.save_to_disk`` directory."""
@@ -282,36 +283,88 @@ def data_digests(data: Any) -> dict[str, str]:
 
 
 CODE_KEYS = (("reward", "fn"), ("rollout", "episode"), ("rollout", "agent"))
-"""The settings that may name a Python file a run imports and runs (``path/to/file.py:function``)."""
+"""The settings that may name Python code a run imports and runs: a file (``path/to/file.py:function``) or a
+module (``package.module:function``); a registered name (no ``:``) names code of the installed packages."""
+
+
+def _is_file_spec(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def module_source(name: str) -> str | None:
+    """The source file of module `name` (a package's ``__init__.py``), found as ``import`` would find it but
+    without running any of it: no parent package is imported, each finder on ``sys.meta_path`` is asked with
+    the parent's search locations. None when there is no such module (or it has no file)."""
+    parts = name.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return None
+    spec: Any = None
+    locations: Any = None
+    for i in range(len(parts)):
+        full = ".".join(parts[:i + 1])
+        loaded = sys.modules.get(full)
+        spec = getattr(loaded, "__spec__", None) if loaded is not None else None
+        for finder in [] if spec is not None else sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            try:
+                spec = find(full, locations) if find is not None else None
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None:
+                break
+        if spec is None:
+            return None
+        locations = spec.submodule_search_locations
+        if locations is None and i < len(parts) - 1:
+            return None
+    origin = getattr(spec, "origin", None)
+    return origin if isinstance(origin, str) and os.path.isfile(origin) else None
+
+
+def _code(name: str) -> tuple[str, str | None]:
+    """``(what the error calls it, its file now or None)`` of a :func:`code_digests` entry's target."""
+    if _is_file_spec(name):
+        return repr(name), name if os.path.isfile(name) else None
+    path = module_source(name)
+    return f"module {name!r} ({path or 'not found'})", path
 
 
 def code_digests(config: Mapping[str, Any]) -> dict[str, str]:
-    """``{"<key>:<path>": content_digest(path)}`` for each Python file the run's config (a ``to_dict`` of a
-    ``JobConfig``) names in ``reward.fn``, ``rollout.episode`` or ``rollout.agent``. A checkpoint and the
-    journal record it; a resume and a replay compare it before anything imports those files
+    """``{"<key>:<target>": content_digest(file)}`` for the code the run's config (a ``to_dict`` of a
+    ``JobConfig``) names in ``reward.fn``, ``rollout.episode`` or ``rollout.agent``: a file by its path, a
+    module by its name (its source file found without importing it, :func:`module_source`). A checkpoint and
+    the journal record it; a resume and a replay compare it before anything imports that code
     (:func:`check_code_digests`): a run directory's code is what the run ran, or nothing runs."""
     out: dict[str, str] = {}
     for section, key in CODE_KEYS:
         spec = (config.get(section) or {}).get(key)
         if not isinstance(spec, str) or ":" not in spec:
             continue
-        target = spec.rpartition(":")[0]
-        if (target.endswith(".py") or "/" in target) and os.path.isfile(target):
-            out[f"{section}.{key}:{target}"] = content_digest(target)
+        target = spec.rpartition(":")[0] if _is_file_spec(spec.rpartition(":")[0]) else spec.partition(":")[0]
+        _, path = _code(target)
+        if path is not None:
+            out[f"{section}.{key}:{target}"] = content_digest(path)
     return out
 
 
 def check_code_digests(saved: Any, config: Mapping[str, Any], where: str) -> None:
-    """ConfigError when a file that `saved` (a :func:`code_digests` record, or None: not checked) lists
-    now has other contents, or is gone; `where` names the record (the checkpoint, the journal)."""
-    if not isinstance(saved, dict):
-        return
+    """ConfigError when code that `saved` (a :func:`code_digests` record; None: a record without one) lists
+    now has other contents, or is gone, or when `config` names code that `saved` holds no digest of (a
+    record written without it, or edited to name other code); `where` names the record (the checkpoint,
+    the journal). Call it before anything imports the code `config` names."""
+    saved = saved if isinstance(saved, dict) else {}
     now = code_digests(config)
-    for name in sorted(saved):
-        if now.get(name) != saved[name]:
-            key, _, file = name.partition(":")
-            state = "is gone" if not os.path.isfile(file) else "changed"
+    for name in sorted(set(saved) | set(now)):
+        if now.get(name) != saved.get(name):
+            key, _, target = name.partition(":")
+            what, path = _code(target)
+            if name not in saved:
+                raise ConfigError(
+                    f"{key}: {what} is code the run's config names to import and run, but {where} records no "
+                    "digest of it (written without one, or edited), so it is refused: start a new run (asyncrl "
+                    "export gives its weights)")
+            state = "is gone" if path is None else "changed"
             raise ConfigError(
-                f"{key}: {file!r} {state} since {where} was written (content digest {saved[name]} then, "
-                f"{now.get(name, 'none')} now); the run directory names this file as code to import and run, so "
+                f"{key}: {what} {state} since {where} was written (content digest {saved[name]} then, "
+                f"{now.get(name, 'none')} now); the run directory names this code to import and run, so "
                 "it is refused: put the original file back, or start a new run")

@@ -29,10 +29,12 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import anyio
 import structlog
+
+from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, Range, Section
 
 __all__ = ["EvalConfig", "Evaluator"]
 
@@ -40,22 +42,22 @@ log = structlog.get_logger("asyncrl.pipelines")
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class EvalConfig(Section):
     """Held-out evaluation (greedy decoding) of the policy during training."""
 
-    every: int = 0
+    every: Annotated[int, Range(ge=0, says=">= 0 (0 = off)")] = 0
     """Evaluate every this many steps (policy versions); 0 = no periodic evaluation."""
     at_start: bool = False
     """Evaluate the initial weights (version 0) before the first batch is generated."""
     at_end: bool = False
     """Evaluate the final weights after the last step."""
-    num_prompts: int = 64
+    num_prompts: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 64
     """Prompts in the evaluation set (the task's held-out set when it has one)."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0, le=MAX_SEED)] = 0
     """Seed of the evaluation set (fixed across runs; independent of ``trainer.seed``)."""
-    max_new_tokens: int | None = None
+    max_new_tokens: Annotated[int, Range(ge=1, le=1 << 20)] | None = None
     """Response length of an evaluation; None uses ``rollout.max_new_tokens``."""
-    num_samples: int = 4
+    num_samples: Annotated[int, Range(ge=0, le=MAX_ROWS)] = 4
     """Responses per evaluation written to ``eval_samples.jsonl`` (0 = none)."""
 
     @property
@@ -140,7 +142,7 @@ class Evaluator:
         """Evaluate the weights the rollout group holds (which must be `version`); returns the
         recorded row (also appended to :attr:`records`)."""
         t0 = time.perf_counter()
-        batch = self.loader.batch(0)
+        batch = await anyio.to_thread.run_sync(self.loader.batch, 0)  # off the loop: evaluation.num_prompts rows
         gen = groups.rollout.generate(batch, max_new_tokens=self.max_new_tokens, temperature=0.0,
                                       seed=self.config.seed)
         if watch is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -231,10 +232,14 @@ def _view(args: argparse.Namespace) -> int:
             _say("asyncrl view", f"{path} {state}; showing what exists: {viewer.describe(run)}")
     if args.out is not None:
         out = Path(args.out)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(viewer.render_html(data), encoding="utf-8")
+            tmp.write_text(viewer.render_html(data), encoding="utf-8")  # then renamed: never a half-written page
+            os.replace(tmp, out)
         except OSError as e:
+            if tmp.parent.is_dir():
+                tmp.unlink(missing_ok=True)
             _say("asyncrl view", f"cannot write {out}: {e.strerror or e}; pass another --out")
             return 2
         print(f"asyncrl view: wrote {out} ({out.stat().st_size / 1e6:.1f} MB); open it in a browser", file=sys.stderr)
@@ -255,7 +260,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     config saved in RUN's checkpoint and the outputs go to RUN (unless an override says otherwise)."""
     from asyncrl.pipelines.checkpoints import checkpoint as ckpt
     from asyncrl.pipelines.job import configlib
-    from asyncrl.pipelines.job.config import ConfigError, JobConfig
+    from asyncrl.pipelines.job.config import ConfigError, JobConfig, config_fingerprint
     from asyncrl.pipelines.job.presets import load_config
     from asyncrl.pipelines.job.presets import PRESETS
 
@@ -277,6 +282,9 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     # before anything imports the reward/episode/agent files the run names: they must be the ones it ran
     check_code_digests(ckpt.read_state(point).get("code_digests"), saved, f"checkpoint {str(point)!r}")
     base = configlib.from_dict(JobConfig, saved)
+    if ckpt.read_state(point).get("fingerprint") != config_fingerprint(base):
+        raise ckpt.CheckpointError(f"checkpoint {str(point)!r} was edited: its config does not hash to the fingerprint "
+                                   "it records, so it is refused; resume from another checkpoint of the run")
     base.trainer.output_dir = str(point.parent.parent)  # continue in the run's own directory
     return load_config(args.config, args.overrides, base=base), point
 

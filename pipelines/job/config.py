@@ -12,10 +12,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from asyncrl.pipelines.job import configlib
 from asyncrl.pipelines.rollout.admission import StreamConfig, check_stream
@@ -25,9 +24,15 @@ from asyncrl.pipelines.datasets.evaluation import EvalConfig
 from asyncrl.pipelines.rollout.sampling import FilterGroupsConfig
 from asyncrl.pipelines.twin.profile import TwinConfig, check_twin
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
+from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, MAX_WORKERS, Range, Section, check_bounds
 
 LOGGERS = ("wandb",)
 """Names ``trainer.loggers`` accepts."""
+MAX_BUFFERED = 1024
+"""Most batches the rollout->train buffer may hold (``trainer.buffer_capacity``, ``max_staleness + 1`` by default):
+each is a step's rows, held in memory."""
+_PER_NODE = "a positive worker count (one per node)"
+_AMOUNT = "a positive amount of the custom Ray resource (CPUs and GPUs: cpus_per_worker, gpus_per_worker)"
 
 __all__ = [
     "AlgorithmConfig",
@@ -46,7 +51,7 @@ __all__ = [
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Section):
     """Where prompts come from: a built-in task (deterministic, no files), or dataset files
     (``train_files``, verl's column names by default; see :mod:`asyncrl.pipelines.datasets.datafiles`)."""
 
@@ -61,7 +66,7 @@ class DataConfig:
     A dotted key reads a nested field."""
     answer_key: str = "reward_model.ground_truth"
     """Column of the answer the reward gets (verl's ``reward_model.ground_truth``); non-strings are JSON-encoded."""
-    max_prompt_length: int | None = None
+    max_prompt_length: Annotated[int, Range(ge=1, le=1 << 20)] | None = None
     """Longest prompt in tokens (after the chat template); a longer one is refused, or dropped with
     `filter_overlong_prompts`. None: no limit (the model's context still applies)."""
     filter_overlong_prompts: bool = False
@@ -71,7 +76,7 @@ class DataConfig:
     go with the reward function."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to the task's generator, e.g. ``{"levels": [1, 2], "ops": ["add", "mul"]}`` for ``arith``."""
-    num_prompts: int = 64
+    num_prompts: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 64
     """Distinct prompts in the dataset; the loader cycles through them in epochs."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by ``trainer.seed`` and the epoch)."""
@@ -83,20 +88,20 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class AlgorithmConfig:
+class AlgorithmConfig(Section):
     """The RL algorithm: advantage estimator and loss settings."""
 
     name: Literal["grpo", "ppo"] = "grpo"
     """``grpo`` (group-relative advantages, no critic) or ``ppo`` (critic + GAE)."""
-    group_size: int = 8
+    group_size: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 8
     """GRPO: responses sampled per prompt (n). PPO uses 1 unless set otherwise."""
     norm_adv_by_std: bool = True
     """GRPO: divide group-centred scores by the group's std."""
-    gamma: float = 1.0
+    gamma: Annotated[float, Range(ge=0, le=1)] = 1.0
     """PPO: discount of the GAE."""
-    lam: float = 0.95
+    lam: Annotated[float, Range(ge=0, le=1)] = 0.95
     """PPO: lambda of the GAE."""
-    kl_in_reward_coef: float = 0.0
+    kl_in_reward_coef: Annotated[float, Range(ge=0)] = 0.0
     """PPO: per-token KL(policy || reference) penalty subtracted from the reward (0 = off)."""
     kl_penalty: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = "k1"
     """Estimator of the in-reward KL penalty (verl's ``algorithm.kl_penalty``)."""
@@ -108,11 +113,11 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True)
-class RestartConfig:
+class RestartConfig(Section):
     """Supervision: what the trainer does when a worker dies or a stage misses its deadline
     (see docs/reliability.md)."""
 
-    max_restarts: int = 3
+    max_restarts: Annotated[int, Range(ge=0, le=1000)] = 3
     """How many times a run may recover, replacements and restarts together (0 = fail fast: raise
     the typed error and release every worker). A restart closes every group, starts new actors in
     the same placement groups, restores the last checkpoint this run wrote (or the run's start) and
@@ -126,21 +131,21 @@ class RestartConfig:
     by replacing that pool's processes in place and re-issuing the lost batch with the same prompts,
     seed and weight version, while training goes on -- no checkpoint restored. False: a full
     restart. Needs two pools (``colocated=false``)."""
-    placement_wait_s: float = 60.0
+    placement_wait_s: Annotated[float, Range(gt=0, says="a positive number of seconds")] = 60.0
     """With pools of their own (``trainer.rollout_placement``/``train_placement``): how long a pool whose node
     was lost waits for the cluster to hold it again (a node that comes back, an autoscaler) before the run
     fails with ``asyncrl.PlacementError`` naming the resources it misses."""
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
+class TrainerConfig(Section):
     """The controller: how many steps, how much data per step, staleness and placement."""
 
-    steps: int = 40
+    steps: Annotated[int, Range(ge=1, le=1 << 31)] = 40
     """Training steps (one actor update and one weight version each)."""
-    batch_size: int = 64
+    batch_size: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 64
     """Responses per step (prompts per step = batch_size / algorithm.group_size)."""
-    max_staleness: int = 1
+    max_staleness: Annotated[int, Range(ge=0, le=MAX_BUFFERED - 1)] = 1
     """How many versions rollout may run ahead: 0 is on-policy (the synchronous loop); k lets the
     batch of step t be generated with weights t-k."""
     rollout_weights: Literal["auto", "fixed_lag", "latest"] = "auto"
@@ -148,7 +153,7 @@ class TrainerConfig:
     is reproducible and equals the k-step-off-policy loop; ``latest``: the newest version
     available when the batch starts (never older than that). ``auto`` follows the mode: ``latest``
     with ``rollout_mode=stream`` (its only choice), else ``fixed_lag`` (:meth:`weights_choice`)."""
-    buffer_capacity: int | None = None
+    buffer_capacity: Annotated[int, Range(ge=1, le=MAX_BUFFERED)] | None = None
     """Batches the rollout→train buffer holds; None = max_staleness + 1."""
     rollout_mode: Literal["batch", "stream"] = "batch"
     """``batch``: each step's prompts are generated as one batch; ``stream``: prompt groups are kept in
@@ -156,11 +161,11 @@ class TrainerConfig:
     trajectory (docs/streaming.md; loads the newest weights: ``rollout_weights`` ``auto`` or ``latest``)."""
     stream: StreamConfig = field(default_factory=StreamConfig)
     """Settings of ``rollout_mode=stream``."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0, le=MAX_SEED)] = 0
     """Seed of the data order and of every sampling call (step t samples with seed + t)."""
     colocated: bool = False
     """Put rollout and training in the same worker processes (no overlap) instead of two pools."""
-    rollout_workers: int | WorkerRange | str = 1
+    rollout_workers: Annotated[int, Range(ge=1, le=MAX_WORKERS)] | WorkerRange | str = 1
     """Processes of the rollout pool (rollout engine and rule reward): a count, or a range ``min..max``
     (``"1..3"``, or ``WorkerRange(1, 3)`` in Python) within which ``scale_rollout`` and the autoscaler resize
     the pool; the run starts at ``min``. A range needs a rollout pool of its own (``rollout_placement``,
@@ -169,30 +174,30 @@ class TrainerConfig:
     """Streaming (``rollout_mode=stream``) with a ``rollout_workers`` range: grow the rollout pool by one worker
     while admission waits on generation, shrink it by one when its engines idle, within the range and the
     cluster's capacity (:mod:`asyncrl.pipelines.rollout.stream_scale`)."""
-    rollout_drain_s: float = 30.0
+    rollout_drain_s: Annotated[float, Range(ge=0, says=">= 0 seconds")] = 30.0
     """Streaming: how long a rollout pool being replaced by a resize (or a preemption) lets its groups in
     flight finish; past it they are handed over (cancelled at a decoding-step boundary and issued again on
     the new pool with the same prompts and seeds). 0: hand over at once."""
-    train_workers: int = 1
+    train_workers: Annotated[int, Range(ge=1, le=MAX_WORKERS)] = 1
     """Processes of the training pool (policy, reference and critic)."""
-    rollout_placement: list[int] | None = None
+    rollout_placement: Annotated[list[int], Range(ge=1, says=_PER_NODE)] | None = None
     """The rollout pool's workers per node, e.g. ``[1]`` or ``[2, 2]`` (two nodes with two each; they add up
     to ``rollout_workers``). Setting this or ``train_placement`` gives each pool placement groups of its own,
     so rollout and training can sit on different nodes of a Ray cluster, and a rollout pool whose node was
     lost is placed again on the capacity left (``restart.placement_wait_s``). None for both: today's single
     placement group on one node, shared by the two pools. Not with ``colocated``."""
-    train_placement: list[int] | None = None
+    train_placement: Annotated[list[int], Range(ge=1, says=_PER_NODE)] | None = None
     """The training pool's workers per node (they add up to ``train_workers``), e.g. ``[2]`` or ``[1, 1]``
     (two ranks on two nodes); see ``rollout_placement``. None with ``rollout_placement`` set: ``[train_workers]``."""
-    rollout_resources: dict[str, float] | None = None
+    rollout_resources: Annotated[dict[str, float], Range(gt=0, says=_AMOUNT)] | None = None
     """Custom Ray resources each rollout worker reserves besides its CPUs and GPUs, e.g. ``{rollout_node: 1}``,
     so that the pool goes only to nodes that advertise them (``ray start --resources='{"rollout_node": 4}'``).
     Needs ``rollout_placement`` or ``train_placement``. None: none."""
-    train_resources: dict[str, float] | None = None
+    train_resources: Annotated[dict[str, float], Range(gt=0, says=_AMOUNT)] | None = None
     """Custom Ray resources each training worker reserves (see ``rollout_resources``)."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: Annotated[float, Range(gt=0, le=1 << 16)] = 1.0
     """CPUs each worker process reserves in Ray."""
-    gpus_per_worker: float = 0.0
+    gpus_per_worker: Annotated[float, Range(ge=0, le=1024)] = 0.0
     """GPUs each worker process reserves (0: CPU-only pools). A fraction shares a GPU: 0.5 with one
     rollout and one training worker puts both pools on one GPU. Roles with ``model.device="auto"``
     compute on the GPU their bundle reserves."""
@@ -203,21 +208,21 @@ class TrainerConfig:
     store); the HF rollout merges them into its copy of the base weights, the vLLM rollout serves them as a
     LoRA adapter (``enable_lora``, a ``LoRARequest`` per version) on its base weights. ``auto``: local when
     colocated, collective when the pools have GPUs, else object_store."""
-    weight_sync_timeout_s: float = 120.0
+    weight_sync_timeout_s: Annotated[float, Range(gt=0)] = 120.0
     """Deadline of the collective weight channel's rendezvous and of each transfer over it."""
-    num_cpus: int | None = None
+    num_cpus: Annotated[int, Range(ge=1, le=1 << 20)] | None = None
     """CPUs of the embedded Ray the job starts (None: Ray counts the machine's)."""
     output_dir: str = "runs/grpo_toy"
     """Where metrics, traces, plots and checkpoints go."""
-    checkpoint_every: int = 0
+    checkpoint_every: Annotated[int, Range(ge=0)] = 0
     """Save a checkpoint every this many steps (0 = only at the end when checkpoint_at_end)."""
-    checkpoint_every_s: float | None = 600.0
+    checkpoint_every_s: Annotated[float, Range(gt=0, says="a positive number of seconds or null (off)")] | None = 600.0
     """Also save a checkpoint after the first step that ends at least this many seconds after the last one
     (or the start), so that a killed controller or training worker loses at most about this much work.
     None: only `checkpoint_every` (and the end)."""
     checkpoint_at_end: bool = True
     """Save a checkpoint after the last step."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, Range(ge=1, le=1 << 16)] = 2
     """Most recent checkpoints kept on disk."""
     trace: bool = True
     """Record stage spans and write ``trace.json`` (Perfetto)."""
@@ -234,15 +239,15 @@ class TrainerConfig:
     otherwise (``WANDB_MODE=online`` and a login upload it; ``wandb sync`` uploads an offline run later)."""
     wandb_project: str = "asyncrl"
     """The W&B project of ``loggers=["wandb"]``."""
-    samples_per_step: int = 4
+    samples_per_step: Annotated[int, Range(ge=0, le=MAX_ROWS, says=">= 0 (0 writes no samples.jsonl)")] = 4
     """Trajectories of each step's training batch written to ``samples.jsonl`` (whole prompt groups, drawn
     at random; per token the id, text, mask, version, log-probs and advantage; ``asyncrl view`` shows
     them). 0 = none."""
-    stage_timeout_s: float | None = None
+    stage_timeout_s: Annotated[float, Range(gt=0, says="a positive number of seconds or null")] | None = None
     """Deadline of every stage call (generate, score, log-probs, updates, weight sync, checkpoint
     save/load), counted from when the call is issued; a stage past it fails with
     ``asyncrl.CallTimeoutError`` and its remote work is cancelled. None = no deadline."""
-    rollout_timeout_s: float | None = 600.0
+    rollout_timeout_s: Annotated[float, Range(gt=0, says="a positive number of seconds or null (none)")] | None = 600.0
     """Deadline of the rollout pool's stateless stages (``generate``, ``generate_episodes``, the reward's
     ``compute_reward``), counted from when the call is issued, with two pools; so a hung rollout or reward
     worker misses it and is replaced (``restart``) instead of hanging the run. The smaller of this and
@@ -296,7 +301,7 @@ class TrainerConfig:
 
 
 @dataclass(kw_only=True)
-class JobConfig:
+class JobConfig(Section):
     """Everything a training run needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -373,16 +378,17 @@ class JobConfig:
             return "local"
         return "collective" if t.gpus_per_worker > 0 else "object_store"
 
-    def validate(self, cluster_cpus: float | None = None, cluster_gpus: float | None = None) -> "JobConfig":
-        """Raise :class:`ConfigError` for impossible values; `cluster_cpus`/`cluster_gpus` also check the pools fit."""
+    def validate(self, cluster_cpus: float | None = None, cluster_gpus: float | None = None, *,
+                 simulated_policy: bool = False) -> "JobConfig":
+        """Raise :class:`ConfigError` for impossible values; `cluster_cpus`/`cluster_gpus` also check the pools fit.
+        `simulated_policy`: the run's policy is not a ``PolicyWorker`` (a benchmark's simulated workers, which
+        the trainer sees in its ``worker_overrides`` or groups), so ``rollout.engine=sim`` may feed it."""
         configlib.check_types(self)  # every key has its annotated type, however it was set
+        try:
+            check_bounds(self)  # and every number is within the Range declared next to its field
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         t, a = self.trainer, self.algorithm
-        if t.steps < 1:
-            raise ConfigError(f"trainer.steps must be >= 1, got {t.steps}")
-        if t.batch_size < 1:
-            raise ConfigError(f"trainer.batch_size must be >= 1, got {t.batch_size}")
-        if a.group_size < 1:
-            raise ConfigError(f"algorithm.group_size must be >= 1, got {a.group_size}")
         if t.batch_size % a.group_size:
             raise ConfigError(
                 f"trainer.batch_size={t.batch_size} is not divisible by algorithm.group_size={a.group_size}; "
@@ -391,31 +397,15 @@ class JobConfig:
         if a.filter_groups.enable and a.name != "grpo":
             raise ConfigError("algorithm.filter_groups.enable=true drops GRPO groups with equal rewards: it needs "
                               "algorithm.name=grpo (set it to false for PPO)")
-        if a.filter_groups.max_num_gen_batches < 1:
-            raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 1, got "
-                              f"{a.filter_groups.max_num_gen_batches}")
         if a.name == "grpo" and a.group_size < 2:
             raise ConfigError("GRPO needs algorithm.group_size >= 2 (advantages are relative within a group)")
-        if t.max_staleness < 0:
-            raise ConfigError(f"trainer.max_staleness must be >= 0, got {t.max_staleness}")
-        if self.buffer_capacity < 1:
-            raise ConfigError(f"trainer.buffer_capacity must be >= 1, got {self.buffer_capacity}")
         try:
             r = t.rollout_range
         except ValueError as e:
             raise ConfigError(str(e)) from None
         t.rollout_workers = str(r) if r.elastic else r.min  # one spelling per meaning (the config's fingerprint)
-        if t.train_workers < 1:
-            raise ConfigError(f"trainer.train_workers must be >= 1, got {t.train_workers}")
         self._validate_placement()
         self._validate_elastic()
-        if t.cpus_per_worker <= 0:
-            raise ConfigError(f"trainer.cpus_per_worker must be > 0, got {t.cpus_per_worker}")
-        if t.gpus_per_worker < 0:
-            raise ConfigError(f"trainer.gpus_per_worker must be >= 0, got {t.gpus_per_worker}")
-        if t.weight_sync not in ("auto", "object_store", "local", "collective", "adapter"):
-            raise ConfigError(f"trainer.weight_sync must be auto, object_store, local, collective or adapter, "
-                              f"got {t.weight_sync!r}")
         if t.weight_sync == "adapter":
             vllm = self.rollout.engine == "vllm"  # serves the factors as a LoRA adapter beside its base weights
             needs = ((self.actor.lora.enabled, "actor.lora.rank > 0 (a LoRA policy)"),
@@ -432,8 +422,6 @@ class JobConfig:
             if why:
                 raise ConfigError(f"trainer.weight_sync=adapter sends only the LoRA factors, which needs "
                                   f"{' and '.join(why)}; or use trainer.weight_sync=auto")
-        if t.event_loop not in ("auto", "uvloop", "asyncio"):
-            raise ConfigError(f"trainer.event_loop must be auto, uvloop or asyncio, got {t.event_loop!r}")
         if t.event_loop == "uvloop":
             from asyncrl.runtime import loop_factory
 
@@ -447,12 +435,16 @@ class JobConfig:
         if t.weight_sync == "collective" and t.colocated:
             raise ConfigError("trainer.weight_sync=collective needs two pools; colocated roles share a process "
                               "(use local, or auto)")
-        if not t.weight_sync_timeout_s > 0:
-            raise ConfigError(f"trainer.weight_sync_timeout_s must be > 0, got {t.weight_sync_timeout_s}")
         try:
             self.rollout.validate("rollout")
         except ValueError as e:  # EpisodeConfigError too: the message names the rollout.* key
             raise ConfigError(str(e)) from e
+        twin = getattr(getattr(self, "twin", None), "profile", None)  # a simulated training run
+        if self.rollout.engine == "sim" and twin is None and not simulated_policy:
+            raise ConfigError("rollout.engine=sim is the benchmarks' simulated engine: its tokens and log-probs come "
+                              "from a cost model, not from the policy, so a policy trained on them learns nothing; "
+                              "use rollout.engine=hf or vllm (sim serves simulated runs: twin.profile, or a "
+                              "benchmark whose worker_overrides replace the policy)")
         if self.rollout.sleep_level and not t.colocated:
             raise ConfigError(f"rollout.sleep_level={self.rollout.sleep_level} releases the rollout's memory while "
                               "the policy trains on the same GPU: it needs trainer.colocated=true (set it to 0)")
@@ -469,21 +461,6 @@ class JobConfig:
         if "wandb" in t.loggers and importlib.util.find_spec("wandb") is None:
             raise ConfigError("trainer.loggers=['wandb'] needs the wandb package: pip install wandb "
                               "(or drop it from trainer.loggers)")
-        if t.samples_per_step < 0:
-            raise ConfigError(f"trainer.samples_per_step={t.samples_per_step}: must be >= 0 (0 writes no samples.jsonl)")
-        if t.checkpoint_every < 0 or t.keep_checkpoints < 1:
-            raise ConfigError("trainer.checkpoint_every must be >= 0 and trainer.keep_checkpoints >= 1")
-        if t.checkpoint_every_s is not None and not (t.checkpoint_every_s > 0 and math.isfinite(t.checkpoint_every_s)):
-            raise ConfigError(f"trainer.checkpoint_every_s must be a positive number of seconds or null (off), "
-                              f"got {t.checkpoint_every_s}")
-        if t.restart.max_restarts < 0:
-            raise ConfigError(f"trainer.restart.max_restarts must be >= 0, got {t.restart.max_restarts}")
-        if t.stage_timeout_s is not None and not (t.stage_timeout_s > 0 and math.isfinite(t.stage_timeout_s)):
-            raise ConfigError(f"trainer.stage_timeout_s must be a positive number of seconds or null, "
-                              f"got {t.stage_timeout_s}")
-        if t.rollout_timeout_s is not None and not (t.rollout_timeout_s > 0 and math.isfinite(t.rollout_timeout_s)):
-            raise ConfigError(f"trainer.rollout_timeout_s must be a positive number of seconds or null (no deadline), "
-                              f"got {t.rollout_timeout_s}")
         check_stream(self)
         check_twin(self)
         self._validate_loss()
@@ -496,9 +473,16 @@ class JobConfig:
             self._check_capacity("GPUs", t.gpus_per_worker, cluster_gpus,
                                  "lower trainer.gpus_per_worker (0.5 shares a GPU between two workers), the worker "
                                  "counts, or set trainer.colocated=true")
+        if not t.output_dir.strip():
+            raise ConfigError("trainer.output_dir is empty, which would write the run into the current directory; "
+                              "name the run's directory (e.g. trainer.output_dir=runs/my_run)")
         out = Path(t.output_dir)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"trainer.output_dir={t.output_dir!r} is a file; give a directory for the run's outputs")
+        above = next(p for p in out.absolute().parents if p.exists())  # the directory mkdir would start in
+        if not out.exists() and not above.is_dir():
+            raise ConfigError(f"trainer.output_dir={t.output_dir!r} cannot be created: {str(above)!r} is a file; give "
+                              "a directory for the run's outputs")
         self._validate_reward()
         from asyncrl.pipelines.job.validation import check_worker_sections
 
@@ -513,8 +497,7 @@ class JobConfig:
         for pool, workers in (("rollout", t.rollout_start), ("train", t.train_workers)):
             key, placement = f"trainer.{pool}_placement", getattr(t, f"{pool}_placement")
             if placement is not None:
-                if not placement or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                                            for n in placement):
+                if not placement:
                     raise ConfigError(f"{key} must be a non-empty list of positive worker counts per node, "
                                       f"got {placement!r}")
                 if sum(placement) != workers:
@@ -535,17 +518,12 @@ class JobConfig:
                 if bad:
                     raise ConfigError(f"{res_key} gives each worker custom Ray resources as positive amounts "
                                       f"(CPUs and GPUs: cpus_per_worker, gpus_per_worker), got {bad}")
-        if not t.restart.placement_wait_s > 0:
-            raise ConfigError(f"trainer.restart.placement_wait_s must be a positive number of seconds, "
-                              f"got {t.restart.placement_wait_s}")
 
     def _validate_elastic(self) -> None:
         """A ``rollout_workers`` range: a rollout pool of its own, every size dividing a step's prompts (batch
         mode), the autoscaler only in streaming mode, a drain deadline >= 0."""
         t = self.trainer
         r = t.rollout_range
-        if not t.rollout_drain_s >= 0:
-            raise ConfigError(f"trainer.rollout_drain_s must be >= 0 seconds, got {t.rollout_drain_s}")
         if t.rollout_autoscale and t.rollout_mode != "stream":
             raise ConfigError("trainer.rollout_autoscale=true grows the rollout pool while streaming admission waits "
                               "on generation: it needs trainer.rollout_mode=stream (in batch mode resize with "

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "from_dict", "to_dict", "load", "parse_overrides", "apply_overrides", "check_types"]
+__all__ = ["ConfigError", "MAX_YAML_SIZE", "safe_yaml", "from_dict", "to_dict", "load", "parse_overrides", "apply_overrides", "check_types"]
 
 T = TypeVar("T")
 
@@ -28,6 +28,72 @@ _EXPONENT = re.compile(r"[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+")
 
 class ConfigError(ValueError):
     """Raised when a config file, an override or a combination of values is invalid."""
+
+
+MAX_YAML_SIZE = 1_000_000
+"""Most values and characters a config file or an override may expand to, each alias counted every time it
+is used (a file of a few hundred bytes can otherwise alias itself into gigabytes)."""
+
+
+def safe_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load(text)``, refusing with a :class:`ConfigError` that names `where` what ``safe_load`` lets
+    through: a key given twice in one mapping (the last would silently win), a recursive alias, and aliases
+    that expand beyond :data:`MAX_YAML_SIZE`."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            return None
+        _YamlCheck(where).size(node)
+        loader = yaml.SafeLoader("")
+        try:
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} nests its values too deeply to be a config") from None
+
+
+class _YamlCheck:
+    """Walks a composed YAML node: its expanded size (values plus characters, aliases counted at each use),
+    recursive aliases and duplicate keys."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.sizes: dict[int, int] = {}
+        self.open: set[int] = set()
+
+    def size(self, node: yaml.Node) -> int:
+        key = id(node)
+        if key in self.sizes:
+            return self.sizes[key]
+        if key in self.open:
+            raise ConfigError(f"{self.where} holds a recursive alias (a value that contains itself, line "
+                              f"{node.start_mark.line + 1}); write the value out")
+        self.open.add(key)
+        total = 1
+        if isinstance(node, yaml.ScalarNode):
+            total += len(node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total += sum(self.size(v) for v in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}  # key -> the line it is first given on
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    line = k.start_mark.line + 1
+                    if (k.tag, k.value) in first:
+                        where = (f"lines {first[k.tag, k.value]} and {line}" if first[k.tag, k.value] != line
+                                 else f"line {line}")
+                        raise ConfigError(f"{self.where} gives key {k.value!r} twice ({where}); keep one")
+                    first[k.tag, k.value] = line
+                total += self.size(k) + self.size(v)
+        self.open.discard(key)
+        if total > MAX_YAML_SIZE:
+            raise ConfigError(f"{self.where} expands to more than {MAX_YAML_SIZE:,} values and characters through "
+                              "its aliases; a config is smaller: write the values out")
+        self.sizes[key] = total
+        return total
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -76,6 +142,9 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
                 return _coerce(path, opt, value)
             except ConfigError as e:
                 errors.append(str(e))
+        inner = [e for e in errors if e.startswith((f"{path}.", f"{path}["))]
+        if len(errors) == 1 and inner:  # a mapping or list of the right kind with one bad item: name the item
+            raise ConfigError(inner[0])
         raise ConfigError(f"{path} must be {_kinds(options)}, got {value!r}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)
@@ -104,7 +173,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return dict(value)
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        return {_coerce(path, kt, k): _coerce(f"{path}.{k}", vt, v) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -191,10 +261,7 @@ def parse_overrides(items: Sequence[str]) -> list[tuple[list[str], Any]]:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key part")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: cannot parse value: {e}") from None
+        value = safe_yaml(raw, f"override {item!r}") if raw.strip() else ""
         out.append((key.split("."), value))
     return out
 
@@ -231,16 +298,26 @@ def load(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] 
     """Config `cls` from defaults (or `base`), then the YAML file at `path`, then `overrides`."""
     cfg: Any = base if base is not None else cls()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        data = safe_yaml(_read_text(Path(path)), f"config file {str(path)!r}") or {}
         merged = _deep_merge(to_dict(cfg), data, "")
         cfg = from_dict(cls, merged)
     return apply_overrides(cfg, overrides) if overrides else cfg
+
+
+def _read_text(p: Path) -> str:
+    """The UTF-8 text of config file `p`; :class:`ConfigError` for a file that is missing, unreadable or not UTF-8."""
+    where = f"config file {str(p)!r}"
+    if not p.is_file():
+        raise ConfigError(f"{where} does not exist" + (" (it is a directory)" if p.is_dir() else ""))
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); save it as "
+                          "UTF-8") from None
 
 
 def _deep_merge(base: dict[str, Any], new: Mapping[str, Any], path: str) -> dict[str, Any]:

@@ -3,10 +3,12 @@ controller before Ray or any worker starts.
 
 Each worker validates its own config when it is constructed, but that happens after Ray and
 the placement groups are up, and a constructor error reaches the user as a remote traceback.
-These checks repeat every one of those rules that can be decided in the controller -- value
-ranges, names that must be registered (reward functions, generation engines, tasks) and
-paths that must exist -- so ``asyncrl train`` (and ``--print-config``) reject a bad value in
-well under a second with a :class:`ConfigError` that names the key and how to fix it.
+These checks repeat every one of those rules that can be decided in the controller -- names
+that must be registered (reward functions, generation engines, tasks), paths that must exist
+and values that must fit each other (value ranges are declared next to each field and checked
+by ``JobConfig.validate``: :mod:`asyncrl.roles.fields`) -- so ``asyncrl train`` (and
+``--print-config``) reject a bad value in well under a second with a :class:`ConfigError` that
+names the key and how to fix it.
 
 Registries are consulted by name in the controller: a reward function or engine registered
 in a module that only the workers import is not visible here; import that module before
@@ -15,34 +17,12 @@ building the trainer (the worker classes passed as ``worker_overrides`` are impo
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 from asyncrl.pipelines.job.configlib import ConfigError
 
 __all__ = ["check_worker_sections"]
-
-
-def _num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _positive(key: str, x: Any) -> None:
-    if not (_num(x) and x > 0):
-        raise ConfigError(f"{key} must be a positive number, got {x!r}")
-
-
-def _at_least(key: str, x: Any, low: int | float) -> None:
-    if not (_num(x) and x >= low):
-        raise ConfigError(f"{key} must be >= {low}, got {x!r}")
-
-
-def _in_range(key: str, x: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> None:
-    ok = _num(x) and (x > low if low_open else x >= low) and (x < high if high_open else x <= high)
-    if not ok:
-        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-        raise ConfigError(f"{key} must be in {lo}{low:g}, {high:g}{hi}, got {x!r}")
 
 
 def _check_tokenizer(key: str, spec: str | None) -> None:
@@ -83,12 +63,7 @@ def _check_model(key: str, m: Any) -> None:
                                   "save it there with tokenizer.save_pretrained(path), or name one with "
                                   f"{key}.tokenizer=DIR")
     _check_tokenizer(f"{key}.tokenizer", getattr(m, "tokenizer", None))
-    if path is None:  # a tiny model built from the config: its sizes must make a model
-        for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                  "max_position_embeddings"):
-            v = getattr(m, f, None)
-            if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                raise ConfigError(f"{key}.{f} must be an integer >= 1, got {v!r}")
+    if path is None:  # a tiny model built from the config: its sizes (each within its Range) must make a model
         h, heads, kv = getattr(m, "hidden_size", 1), getattr(m, "num_heads", 1), getattr(m, "num_kv_heads", 1)
         if h % heads:
             raise ConfigError(f"{key}.hidden_size={h} is not divisible by {key}.num_heads={heads}")
@@ -100,21 +75,6 @@ def _check_model(key: str, m: Any) -> None:
         raise ConfigError(f"{key}.num_threads must be null (the worker's CPU share), 0 (every core of the machine), "
                           f"'follow' (the machine's cores split among the workers busy now) or a positive integer, "
                           f"got {threads!r}")
-
-
-def _check_optim(key: str, o: Any) -> None:
-    """The optimizer values ``OptimConfig.validate`` (run by ``JobConfig.validate``) leaves to torch."""
-    _positive(f"{key}.lr", o.lr)
-    betas = tuple(o.betas)
-    if len(betas) != 2 or not all(_num(b) and 0 <= b < 1 for b in betas):
-        raise ConfigError(f"{key}.betas must be two numbers in [0, 1), got {list(betas)!r}")
-    _positive(f"{key}.eps", o.eps)
-    _at_least(f"{key}.weight_decay", o.weight_decay, 0)
-    if o.max_grad_norm is not None:
-        _positive(f"{key}.max_grad_norm", o.max_grad_norm)
-    _at_least(f"{key}.kl_coef", o.kl_coef, 0)
-    if not _num(o.entropy_coef):
-        raise ConfigError(f"{key}.entropy_coef must be a finite number, got {o.entropy_coef!r}")
 
 
 def _check_fsdp2(cfg: Any) -> None:
@@ -146,7 +106,7 @@ def _check_fsdp2(cfg: Any) -> None:
 def _check_token_budget(key: str, o: Any, cfg: Any) -> None:
     """A token budget below the longest row a batch can hold would fail the first update that meets one."""
     budget = getattr(o, "max_tokens_per_micro_batch", None)
-    if budget is None or not _num(budget):
+    if budget is None:
         return
     prompt, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
     longest = (prompt or 1) + new
@@ -158,10 +118,25 @@ def _check_token_budget(key: str, o: Any, cfg: Any) -> None:
                           f"micro-batches of {key}.micro_batch_size rows")
 
 
+def _check_chat_template(key: str, m: Any) -> None:
+    """The agent's gateway renders chat messages with the policy's chat template: its tokenizer must have one."""
+    from asyncrl.roles.modeling.models import has_chat_template
+
+    if has_chat_template(m) is not False:
+        return
+    which = (f"model.tokenizer={m.tokenizer!r}" if m.tokenizer is not None
+             else f"model.tokenizer (null: the model's own, in {m.path!r})" if m.path is not None
+             else "model.tokenizer (null: the tiny model's 'tiny')")
+    raise ConfigError(f"{key} runs the agent against the gateway, which renders its chat messages with the policy's "
+                      f"chat template, but {which} has none; set model.tokenizer=qwen2 or a model whose tokenizer "
+                      "has a chat template")
+
+
 def check_worker_sections(cfg: Any) -> None:
     """Raise :class:`ConfigError` for a value of `cfg`'s worker sections (``model``, ``rollout``,
     ``actor``, ``critic``, ``reward``) or ``algorithm`` that a worker would reject at start-up."""
     from asyncrl.roles.engines import engine_names
+    from asyncrl.roles.engines.base import engine_options
     from asyncrl.roles.scoring.reward import reward_fn_names
 
     _check_model("model", cfg.model)
@@ -169,21 +144,19 @@ def check_worker_sections(cfg: Any) -> None:
     if r.engine not in engine_names():
         raise ConfigError(f"rollout.engine {r.engine!r} is not a registered engine; known: {engine_names()} "
                           "(add one with @asyncrl.roles.register_engine)")
-    _at_least("rollout.max_new_tokens", r.max_new_tokens, 1)
-    _positive("rollout.temperature", r.temperature)
-    _in_range("rollout.top_p", r.top_p, 0, 1, low_open=True)
-    if not (isinstance(r.top_k, int) and (r.top_k == -1 or r.top_k >= 1)):
-        raise ConfigError(f"rollout.top_k must be -1 (off) or an integer >= 1, got {r.top_k!r}")
+    options = engine_options(r.engine)
+    unknown = sorted(set(r.engine_kwargs) - set(options)) if options is not None else []
+    if unknown:
+        raise ConfigError(f"rollout.engine_kwargs: {unknown[0]!r} is not an option of the {r.engine!r} engine; it "
+                          f"takes {options}")
     if r.model_dir is not None and not os.path.isdir(r.model_dir):
         raise ConfigError(f"rollout.model_dir={r.model_dir!r} does not exist; give a local model directory or null")
     max_pos = getattr(cfg.model, "max_position_embeddings", None)
     if cfg.model.path is None and isinstance(max_pos, int) and r.max_new_tokens >= max_pos:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the model's "
                           f"context of model.max_position_embeddings={max_pos}")
-    _check_optim("actor", cfg.actor)
     _check_token_budget("actor", cfg.actor, cfg)
     if cfg.algorithm.name == "ppo":
-        _check_optim("critic", cfg.critic)
         _check_token_budget("critic", cfg.critic, cfg)
     _check_fsdp2(cfg)
     w = cfg.reward
@@ -197,8 +170,5 @@ def check_worker_sections(cfg: Any) -> None:
     else:
         _check_model("reward.model", w.model)
     _check_tokenizer("reward.tokenizer", cfg.worker_reward().tokenizer if hasattr(cfg, "worker_reward") else w.tokenizer)
-    _at_least("reward.micro_batch_size", w.micro_batch_size, 1)
-    a = cfg.algorithm
-    _in_range("algorithm.gamma", a.gamma, 0, 1)
-    _in_range("algorithm.lam", a.lam, 0, 1)
-    _at_least("algorithm.kl_in_reward_coef", a.kl_in_reward_coef, 0)
+    if r.agent is not None:
+        _check_chat_template("rollout.agent", cfg.model)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from asyncrl.pipelines.job.config import JobConfig
+from asyncrl.pipelines.job.config import JobConfig, config_fingerprint
 from asyncrl.pipelines.job.configlib import from_dict
 from asyncrl.pipelines.datasets.datafiles import check_code_digests
 from asyncrl.pipelines.journaling.journal import JOURNAL, JournalError, read_journal
@@ -87,6 +87,9 @@ def replay_config(run_dir: str | Path, *, output_dir: str | Path | None = None,
         raise JournalError(f"{str(run / JOURNAL)!r} has no run header; it cannot be replayed")
     check_code_digests(data.header.get("code_digests"), data.header["config"], f"the journal of {str(run)!r}")
     cfg = from_dict(JobConfig, data.header["config"])
+    if data.header.get("fingerprint") != config_fingerprint(cfg):
+        raise JournalError(f"the journal of {str(run)!r} was edited: its config does not hash to the fingerprint it "
+                           "records, so it is refused")
     steps = data.end["steps"] if data.end is not None else len(data.steps)
     if steps < 1:
         raise JournalError(f"{str(run / JOURNAL)!r} records no finished step; nothing to replay")

@@ -84,8 +84,11 @@ class RunJournal:
             header = self._replay.header or {}
             if header.get("fingerprint") != config_fingerprint(trainer.config):
                 diff = fingerprint_diff(header.get("config") or {}, to_dict(trainer.config))
+                if not diff:
+                    raise JournalError(f"the journal {str(replay)!r} was edited: its config does not hash to the "
+                                       "fingerprint it records, so it is refused")
                 raise JournalError(f"the journal {str(replay)!r} was written by a different config (differs in: "
-                                   f"{', '.join(diff) or '?'}); replay with the run's own config")
+                                   f"{', '.join(diff)}); replay with the run's own config")
 
     def open(self, resume: Path | None) -> None:
         """Open the journal (blocking file I/O: call it in a thread): continue the resumed run's

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from asyncrl import ResourcePool, colocate
-from asyncrl.pipelines.job.config import JobConfig
+from asyncrl.pipelines.job.config import ConfigError, JobConfig
 from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pairs
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
@@ -186,6 +186,19 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
     return g, parts, pools
 
 
+def simulated_policy(overrides: Mapping[str, Any] | None, groups: Any = None) -> bool:
+    """Whether the run's policy is not a ``PolicyWorker``: `overrides` (``worker_overrides``) replace it with
+    another class, or the caller's started `groups` run one (a benchmark's simulated workers, which
+    ``rollout.engine=sim`` may feed: ``JobConfig.validate(simulated_policy=...)``)."""
+    from asyncrl.roles import PolicyWorker
+
+    spec = (overrides or {}).get("policy")
+    cls = spec[0] if isinstance(spec, tuple) else spec
+    if cls is None and groups is not None:
+        cls = getattr(getattr(groups, "policy", None), "cls", None)
+    return isinstance(cls, type) and not issubclass(cls, PolicyWorker)
+
+
 class Workers:
     """The worker processes a trainer owns: the started parts (colocated group sets) and the
     placement-group pools they sit in, which outlive a restart so new actors take the same bundles.
@@ -198,6 +211,8 @@ class Workers:
     def __init__(self, config: JobConfig, overrides: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self.overrides = dict(overrides or {})
+        self.simulated_policy = simulated_policy(overrides)
+        """The overrides replace the policy with a class that is not a ``PolicyWorker``."""
         self.parts: list[Any] = []
         """The started parts: the rollout pool's first (when two pools), then the training pool's."""
         self.pools: list[ResourcePool] = []
@@ -296,9 +311,16 @@ class Workers:
 
 
 def build_data(cfg: JobConfig, output_dir: Path) -> tuple[PromptLoader, Evaluator | None]:
-    """The prompt loader and the evaluator (blocking: tokenizer, prompt encoding; call it in a
-    thread); prompts that cannot fit the model's context fail here, before step 0."""
+    """The run's directory (created here: one that cannot be is a ``ConfigError`` before Ray starts), the
+    prompt loader and the evaluator (blocking: tokenizer, prompt encoding; call it in a thread); prompts that
+    cannot fit the model's context fail here, before step 0."""
     from asyncrl.roles.modeling.models import model_context_length, tokenizer_for
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"trainer.output_dir={str(output_dir)!r} cannot be created: {e.strerror or e}; give a "
+                          "directory this process can write") from None
 
     tokenizer = tokenizer_for(cfg.model)
     loader = make_loader(cfg.data, tokenizer, task_pairs(cfg.data, cfg.trainer.seed),

@@ -45,7 +45,7 @@ from asyncrl.resources import AsyncResource
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.loop.buffer import StalenessBuffer
-from asyncrl.pipelines.loop.build import Workers, build_data, build_groups, build_rollout_part
+from asyncrl.pipelines.loop.build import Workers, build_data, build_groups, build_rollout_part, simulated_policy
 from asyncrl.pipelines.checkpoints.checkpointing import Checkpointer
 from asyncrl.pipelines.job.config import ConfigError, JobConfig
 from asyncrl.pipelines.job.configlib import to_dict
@@ -103,7 +103,7 @@ class Trainer(AsyncResource):
                 f"{type(self).__name__} runs algorithm.name={self.algorithm!r}, the config says "
                 f"{config.algorithm.name!r}; use make_trainer(config) or fix algorithm.name"
             )
-        self.config = config.validate()
+        self.config = config.validate(simulated_policy=simulated_policy(worker_overrides, groups))
         t = config.trainer
         self.checkpoints = Checkpointer(self, ckpt.resolve_resume(resume) if resume is not None else None)
         """Checkpoint save and restore."""
@@ -191,7 +191,8 @@ class Trainer(AsyncResource):
         if self.owns_groups:
             await anyio.to_thread.run_sync(_import_ray)
             resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
-            cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)), cluster_gpus=float(resources.get("GPU", 0.0)))
+            cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)), cluster_gpus=float(resources.get("GPU", 0.0)),
+                         simulated_policy=self.workers.simulated_policy)
             await self.start_groups(self.state)
         else:
             await self.weights.prepare(self.state)

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import structlog
 
-__all__ = ["MetricsWriter", "read_jsonl", "step_of"]
+__all__ = ["MetricsWriter", "jsonl_lines", "read_jsonl", "step_of"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -24,6 +24,9 @@ class MetricsWriter:
         tensorboard: also write TensorBoard event files when ``torch.utils.tensorboard`` imports.
         start_step: on resume, lines of steps at or after it are dropped from an existing file
             so the file reads as one run.
+        history: on resume, the rows of the steps before `start_step` (the checkpoint's); one the file lost
+            (a process killed mid-write tore its last line) is written back in its place.
+        evals: on resume, the evaluation rows before `start_step` (the checkpoint's), restored the same way.
         loggers: more sinks (``"wandb"``).
         wandb_project: the W&B project.
         config: the run's config as a dict (W&B shows it with the run).
@@ -32,14 +35,17 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, start_step: int = 0,
                  loggers: Sequence[str] = (), wandb_project: str = "asyncrl",
-                 config: Mapping[str, Any] | None = None, wandb_id: str | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, wandb_id: str | None = None,
+                 history: Sequence[Mapping[str, Any]] = (), evals: Sequence[Mapping[str, Any]] = ()) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if step_of(line) < start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self._f = self.path.open("a")
+        if self.path.exists() or history or evals:
+            text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+            kept = _restored([line for line in jsonl_lines(text) if step_of(line) < start_step], start_step,
+                             history, evals)
+            self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        self._f = self.path.open("a", encoding="utf-8")
         self._tb: Any = None
         if tensorboard:
             try:
@@ -83,6 +89,30 @@ class MetricsWriter:
             self._wandb = None
 
 
+def _restored(kept: list[str], start_step: int, history: Sequence[Mapping[str, Any]],
+              evals: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`kept` (the file's lines before `start_step`) with the rows of `history` (training) and `evals`
+    (evaluation) it lacks put back, in step order; `kept` itself when it lacks none."""
+    def key(row: Mapping[str, Any]) -> tuple[int, bool]:
+        return int(row["step"]), row.get("kind") == "eval"
+
+    have = {key(r) for r in map(json.loads, kept)}
+    rows = [dict(h) for h in history] + [{"step": e["eval/version"], **e} for e in evals]
+    lost = [r for r in rows if int(r["step"]) < start_step and key(r) not in have]
+    if not lost:
+        return kept
+    lines = kept + [json.dumps(r) for r in lost]
+    return sorted(lines, key=lambda line: (int(json.loads(line)["step"]), json.loads(line).get("kind") != "eval"))
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON-lines text, split at ``\\n`` only: a JSON string escapes its newlines, but written
+    with ``ensure_ascii=False`` it keeps U+2028, U+2029 and U+0085 raw, where ``str.splitlines`` would also
+    break (and a resume would drop both halves as torn)."""
+    lines = text.split("\n")
+    return lines[:-1] if lines and not lines[-1] else lines
+
+
 def step_of(line: str) -> float:
     """The step of one line; a blank or torn line (a process killed mid-write) sorts last and is dropped."""
     try:
@@ -100,4 +130,4 @@ def _plain(v: Any) -> Any:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a ``metrics.jsonl`` file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in jsonl_lines(Path(path).read_text(encoding="utf-8")) if line.strip()]

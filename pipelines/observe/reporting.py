@@ -61,9 +61,11 @@ class RunReport:
         tr = self._trainer
         await anyio.to_thread.run_sync(self.close)
         t = tr.config.trainer
+        evals = list(tr.evaluator.records) if tr.evaluator is not None else []
         self.metrics = await anyio.to_thread.run_sync(lambda: MetricsWriter(
             tr.output_dir, tensorboard=t.tensorboard, start_step=tr.state.start_step, loggers=t.loggers,
-            wandb_project=t.wandb_project, config=to_dict(tr.config), wandb_id=self._wandb_id))
+            wandb_project=t.wandb_project, config=to_dict(tr.config), wandb_id=self._wandb_id,
+            history=list(tr.history), evals=evals))
         self._wandb_id = self.metrics.wandb_id if self.metrics is not None else None
         if tr.config.trainer.samples_per_step > 0:
             self.sampler = await anyio.to_thread.run_sync(self._open_samples)

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from asyncrl.pipelines.observe.metrics import step_of
+from asyncrl.pipelines.observe.metrics import jsonl_lines, step_of
 
 __all__ = ["SamplesWriter", "pick_rows", "trajectory_rows", "read_samples"]
 
@@ -109,9 +109,9 @@ class SamplesWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tok = tokenizer
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if step_of(line) < start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self._f = self.path.open("a")
+            kept = [line for line in jsonl_lines(self.path.read_text(encoding="utf-8")) if step_of(line) < start_step]
+            self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        self._f = self.path.open("a", encoding="utf-8")
 
     def lines(self, step: int, rows: Sequence[dict[str, Any]]) -> list[str]:
         """The JSON lines of `rows` (from :func:`trajectory_rows`) of `step`."""

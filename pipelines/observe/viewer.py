@@ -20,12 +20,15 @@ import http.server
 import json
 import math
 import os
+import re
 import sys
 import threading
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import parse_qs, urlparse
+
+from asyncrl.pipelines.observe.metrics import jsonl_lines
 
 __all__ = ["RunError", "RUN_FILES", "describe", "load_run", "load_runs", "make_server", "render_html", "serve", "RunFollower"]
 
@@ -46,7 +49,7 @@ def _finished(run: Path) -> bool:
     if j.exists():
         with j.open("rb") as f:
             f.seek(max(0, j.stat().st_size - 4096))
-            tail = f.read().decode("utf-8", "replace").splitlines()
+            tail = jsonl_lines(f.read().decode("utf-8", "replace"))
         for line in reversed(tail):
             try:
                 return json.loads(line).get("kind") == "end"
@@ -59,8 +62,8 @@ def _finished(run: Path) -> bool:
 def _spans(trace: Path) -> dict[str, Any]:
     """The trace's spans: ``{"tracks": [name per track], "spans": [[track, name, start_s, dur_s, wait]]}``."""
     try:
-        events = json.loads(trace.read_text()).get("traceEvents", [])
-    except (OSError, ValueError, AttributeError):
+        events = json.loads(trace.read_text(encoding="utf-8", errors="replace")).get("traceEvents", [])
+    except (OSError, ValueError, AttributeError, RecursionError):
         return {"tracks": [], "spans": [], "error": f"{trace.name} is unreadable"}
     procs = {e["pid"]: str(e["args"]["name"]) for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -77,8 +80,41 @@ def _spans(trace: Path) -> dict[str, Any]:
     return {"tracks": names, "spans": spans}
 
 
-def _plain(v: Any) -> Any:
-    return None if isinstance(v, float) and not math.isfinite(v) else v
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _clean(v: Any) -> Any:
+    """`v` (a parsed JSON value) as the page can hold it: NaN and infinities become null (JSON has none), lone
+    surrogates (JSON escapes may spell them, UTF-8 cannot) become U+FFFD."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, str):
+        return _SURROGATE.sub("\ufffd", v)
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {_clean(str(k)): _clean(x) for k, x in v.items()}
+    return v
+
+
+def _is_sample(row: dict[str, Any]) -> bool:
+    """Whether `row` is a trajectory the page can draw: an integer step and token columns of one length (a
+    row that is not is skipped and counted, never drawn half)."""
+    t, step = row.get("tokens"), row.get("step")
+    if not isinstance(t, dict) or not isinstance(step, int) or isinstance(step, bool):
+        return False
+    ids = t.get("id")
+    if not isinstance(ids, list):
+        return False
+    columns = [t.get(k) for k in ("text", "mask", "version", "advantage")]
+    optional = [t.get(k) for k in ("logp_rollout", "logp_old") if t.get(k) is not None]
+    return all(isinstance(c, list) and len(c) == len(ids) for c in columns + optional)
+
+
+def _count(have: dict[str, Any], key: str) -> int | None:
+    """The non-negative row count `have` holds under `key` (0 when absent), else None."""
+    n = have.get(key, 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 class _Lines:
@@ -108,15 +144,15 @@ class _Lines:
         self.offset += end
         self.pending = len(data) - end
         rows = []
-        for line in data[:end].decode("utf-8", "replace").splitlines():
+        for line in jsonl_lines(data[:end].decode("utf-8", "replace")):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 row = None
             if isinstance(row, dict):
-                rows.append(row)
+                rows.append(_clean(row))
             else:
                 self.skipped += 1
         return rows, reset
@@ -158,13 +194,12 @@ class RunFollower:
             rows, _ = self._metrics.read()
             samples, _ = self._samples.read()
         for r in rows:
-            plain = {k: _plain(v) for k, v in r.items()}
             if r.get("kind") == "eval":
-                self.evals.append(plain)
+                self.evals.append(r)
             elif "step" in r:
-                self.metrics.append(plain)
+                self.metrics.append(r)
         for r in samples:
-            if isinstance(r.get("tokens"), dict) and "step" in r:
+            if _is_sample(r):
                 self.samples.append(r)
             else:
                 self.bad_samples += 1
@@ -176,7 +211,7 @@ class RunFollower:
             ts = ""
         if ts != self.trace_stamp:
             self.trace_stamp = ts
-            self.trace = _spans(trace) if ts else {"tracks": [], "spans": []}
+            self.trace = _clean(_spans(trace)) if ts else {"tracks": [], "spans": []}
         self.complete = _finished(self.run)
 
     def status(self) -> dict[str, Any]:
@@ -192,13 +227,15 @@ class RunFollower:
     def snapshot(self, have: dict[str, Any] | None = None) -> dict[str, Any]:
         """The run for the page: everything, or (`have`: the ``epoch``, the counts ``m``, ``e``, ``s`` of
         metrics, evaluation and sample rows, and the trace stamp ``t`` the page holds) what it lacks."""
-        base = {"name": self.run.resolve().name, "path": str(self.run), "epoch": self.epoch,
+        base = {"name": _clean(self.run.resolve().name), "path": _clean(str(self.run)), "epoch": self.epoch,
                 "status": self.status(), "trace_stamp": self.trace_stamp}
-        if have is None or have.get("epoch") != self.epoch:
+        counts = [_count(have, k) for k in ("m", "e", "s")] if isinstance(have, dict) else [None]
+        if have is None or have.get("epoch") != self.epoch or None in counts:  # a bad `have` gets everything
             return {**base, "mode": "full", "metrics": self.metrics, "evals": self.evals, "samples": self.samples,
                     "trace": self.trace}
-        out = {**base, "mode": "append", "metrics": self.metrics[int(have.get("m", 0)):],
-               "evals": self.evals[int(have.get("e", 0)):], "samples": self.samples[int(have.get("s", 0)):]}
+        m, e, n = counts
+        out = {**base, "mode": "append", "metrics": self.metrics[m:], "evals": self.evals[e:],
+               "samples": self.samples[n:]}
         if have.get("t") != self.trace_stamp:
             out["trace"] = self.trace
         return out
@@ -284,7 +321,8 @@ def _handler(followers: list[RunFollower], page: str, host: str) -> type[http.se
                     for f, h in zip(followers, have):
                         f.refresh()
                         runs.append(f.snapshot(h if isinstance(h, dict) else None))
-                    body = json.dumps({"runs": runs}, ensure_ascii=False, separators=(",", ":")).encode()
+                    body = json.dumps({"runs": runs}, ensure_ascii=False, allow_nan=False,
+                                      separators=(",", ":")).encode()
                 self._send(200, body, "application/json; charset=utf-8")
             else:
                 self._send(404, b"not found", "text/plain; charset=utf-8")

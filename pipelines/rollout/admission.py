@@ -30,18 +30,19 @@ leaves without training (every ``U_u`` only shrinks, so the invariant holds) and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.roles.fields import MAX_ROWS, Range, Section
 
 __all__ = ["Admission", "AdmissionStats", "StreamConfig", "check_stream", "groups_in_flight"]
 
 
 @dataclass(kw_only=True)
-class StreamConfig:
+class StreamConfig(Section):
     """``trainer.stream``: streaming rollout (``trainer.rollout_mode=stream``)."""
 
-    max_groups_in_flight: int | None = None
+    max_groups_in_flight: Annotated[int, Range(ge=1, le=MAX_ROWS)] | None = None
     """Most prompt groups generating at once (a memory bound; with `drop_stale`, generating or waiting
     for a step); None: ``(max_staleness + 1) * groups per step``, what admission control allows anyway.
     Must be at least one step's groups."""
@@ -83,6 +84,14 @@ def check_stream(job: Any) -> None:
         raise ConfigError(f"trainer.stream.max_groups_in_flight={cap} is below one step's {B} prompt groups "
                           f"(trainer.batch_size / algorithm.group_size), so admission control could never fill a "
                           f"step; set it to at least {B}, or null for (max_staleness + 1) * {B}")
+    if job.actor.rollout_correction.bypass_mode == "behaviour":
+        raise ConfigError(f"{why} with actor.rollout_correction.bypass_mode=behaviour: a streamed step mixes groups "
+                          "admitted at different versions, and with partial rollout one trajectory's tokens come from "
+                          "several (docs/streaming.md), so the rollout's log-probs are no single policy; the bypass "
+                          "would take PPO's ratio and clip against that mixture with no importance weight, where "
+                          "streaming's per-token correction divides them into the recomputed pi_old (the proximal "
+                          "policy, docs/correctness.md). Use bypass_mode=off (the default), or "
+                          "trainer.rollout_mode=batch")
     unsupported = [
             (t.colocated, "trainer.colocated=true (streaming generates while the policy trains: two pools)",
          "set trainer.colocated=false"),

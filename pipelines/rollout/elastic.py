@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.roles.fields import MAX_WORKERS
+
 __all__ = ["WorkerRange", "RolloutRangeError", "parse_workers"]
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
@@ -51,7 +53,7 @@ class RolloutRangeError(ValueError):
 def parse_workers(value: Any, key: str = "trainer.rollout_workers") -> WorkerRange:
     """The :class:`WorkerRange` of a ``rollout_workers`` value: an int ``n`` (``n..n``), a ``WorkerRange``,
     a ``"min..max"`` string or a ``{min, max}`` mapping. ``ValueError`` (one line naming `key` and the
-    fix) for anything else, a minimum below 1 or a maximum below the minimum."""
+    fix) for anything else, a minimum below 1, a maximum below the minimum or above ``MAX_WORKERS``."""
     if isinstance(value, WorkerRange):
         r = value
     elif isinstance(value, int) and not isinstance(value, bool):
@@ -65,4 +67,6 @@ def parse_workers(value: Any, key: str = "trainer.rollout_workers") -> WorkerRan
         raise ValueError(f"{key} must be a number of workers or a range min..max (e.g. 1..3), got {value!r}")
     if r.min < 1 or r.max < r.min:
         raise ValueError(f"{key}={r} needs 1 <= min <= max (e.g. 1..3), got min={r.min}, max={r.max}")
+    if r.max > MAX_WORKERS:
+        raise ValueError(f"{key}={r}: a pool has at most {MAX_WORKERS} workers, got max={r.max}")
     return r

@@ -169,7 +169,8 @@ class BatchRollout:
             if tr.evaluator is not None and tr.evaluator.due(version):
                 await evaluate(tr, version)
             t0 = time.perf_counter()
-            gen = tr.tracer.watch(stages.generate(g, loader.batch(i), seed=batch_seed(tr.config, i)),
+            prompts = await anyio.to_thread.run_sync(loader.batch, i)  # off the loop: it grows with the batch
+            gen = tr.tracer.watch(stages.generate(g, prompts, seed=batch_seed(tr.config, i)),
                                   "generate", step=i, version=version)
             s.generating = (i, version, gen)
             tr.precompute.issue_next()  # the train loop may be waiting for this very batch

@@ -19,21 +19,24 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
+import anyio.to_thread
 import torch
 from tensordict import TensorDict
+
+from asyncrl.roles.fields import Range, Section
 
 __all__ = ["FilterGroupsConfig", "group_stds", "informative_groups", "extra_indices", "select_groups", "fill_batch"]
 
 
 @dataclass(kw_only=True)
-class FilterGroupsConfig:
+class FilterGroupsConfig(Section):
     """``algorithm.filter_groups`` (verl's name): dynamic sampling for GRPO."""
 
     enable: bool = False
     """Drop groups whose rewards are all equal and sample more prompts until the batch is full."""
-    max_num_gen_batches: int = 10
+    max_num_gen_batches: Annotated[int, Range(ge=1, le=1000)] = 10
     """Most generate calls per step (the first included); then the batch is filled with dropped groups."""
 
 
@@ -118,7 +121,8 @@ async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader:
     have = len(keep)
     while have < pps and calls < max_calls:
         idx = extra_indices(len(loader.pairs), pps, seed=seed, step=step, call=calls)
-        g2, s2 = generate(loader.batch_of(idx, step), calls)
+        prompts = await anyio.to_thread.run_sync(loader.batch_of, idx, step)  # off the loop: a step's rows
+        g2, s2 = generate(prompts, calls)
         sc2 = (await s2)["scores"]
         k2 = informative_groups(sc2, group_size)
         results.append((g2, s2, sc2, k2))
@@ -138,8 +142,9 @@ async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader:
         td.update(await results[b][1])
         fetched[b] = td
     order = {b: n for n, b in enumerate(needed)}
-    combined = select_groups([fetched[b] for b in needed], [(order[b], k) for b, k in picks], group_size,
-                             pad_id=loader.pad_id, uid_base=step * pps)
+    combined = await anyio.to_thread.run_sync(lambda: select_groups(
+        [fetched[b] for b in needed], [(order[b], k) for b, k in picks], group_size, pad_id=loader.pad_id,
+        uid_base=step * pps))
     out_scores = combined["scores"].clone()
     fut = echo(combined)
     return fut, fut.select("scores"), out_scores, _metrics(calls, dropped_total, padded,

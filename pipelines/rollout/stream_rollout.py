@@ -137,6 +137,7 @@ class StreamRollout:
         """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
         self._prompt_batches: dict[int, Any] = {}  # step -> its prompt rows (_step_prompts)
         self._prompt_widths: dict[int, int] = {}  # step -> its prompt rows' width (_prompt_width)
+        self._prompts_lock = anyio.Lock()
         self.handovers: list[tuple[int, dict[str, dict[str, Any]]]] = []
         """``(group, rows)`` of every hand-over that kept decoded tokens: each row (by request key) as the old
         replica returned it (``ids``, ``log_probs``, ``versions``, ``finish``); the group's retry continued them."""
@@ -186,7 +187,7 @@ class StreamRollout:
         assert loader is not None
         B, G = cfg.prompts_per_step, cfg.group_size
         slot = g % B
-        prompts = self._step_prompts(g // B)[slot * G:(slot + 1) * G]
+        prompts = (await self._step_prompts(g // B))[slot * G:(slot + 1) * G]
         elastic = cfg.trainer.rollout_range.elastic
         while True:
             epoch = a.epoch
@@ -273,22 +274,29 @@ class StreamRollout:
         """The prompt width (left-padded) of step `step`'s prompt rows: every group of the step has it."""
         width = self._prompt_widths.get(step)
         if width is None:
-            width = self._prompt_widths[step] = int(self._step_prompts(step)["prompt_ids"].shape[1])
+            loader = self._trainer.loader  # (a step whose groups this attempt never issued: a restored one)
+            assert loader is not None
+            width = self._prompt_widths[step] = int(loader.batch(step)["prompt_ids"].shape[1])
         return width
 
-    def _step_prompts(self, step: int) -> Any:
-        """The prompt rows of step `step`'s batch, built once for its groups (a step's batch costs the controller
-        time in proportion to its size: built per group, that was quadratic in the groups per step). The last
-        few steps' are kept: groups are admitted in index order, at most ``max_staleness + 1`` steps apart."""
+    async def _step_prompts(self, step: int) -> Any:
+        """The prompt rows of step `step`'s batch, built once for its groups and in a thread (a step's batch
+        grows with its rows: built per group, that was quadratic in the groups per step; built on the loop, it
+        stalled every call in flight). The last few steps' are kept: groups are admitted in index order, at
+        most ``max_staleness + 1`` steps apart."""
         got = self._prompt_batches.get(step)
         if got is None:
-            loader = self._trainer.loader
-            assert loader is not None
-            got = self._prompt_batches[step] = loader.batch(step)
-            self._prompt_widths[step] = int(got["prompt_ids"].shape[1])
-            keep = self._trainer.config.trainer.max_staleness + 2
-            for old in [s for s in self._prompt_batches if s < step - keep]:
-                del self._prompt_batches[old]
+            async with self._prompts_lock:  # one build per step, however many of its groups ask at once
+                got = self._prompt_batches.get(step)
+                if got is None:
+                    loader = self._trainer.loader
+                    assert loader is not None
+                    got = await anyio.to_thread.run_sync(loader.batch, step)
+                    self._prompt_batches[step] = got
+                    self._prompt_widths[step] = int(got["prompt_ids"].shape[1])
+                    keep = self._trainer.config.trainer.max_staleness + 2
+                    for old in [s for s in self._prompt_batches if s < step - keep]:
+                        del self._prompt_batches[old]
         return got
 
     def _route(self, a: _Attempt, rollout: Any, epoch: int) -> int | None:

@@ -12,6 +12,7 @@ Engines are picked by name with :func:`make_engine`; add one with :func:`registe
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Protocol, runtime_checkable
 
@@ -20,7 +21,7 @@ import torch
 from asyncrl.roles.registry import Registry
 
 __all__ = ["SamplingParams", "Completion", "fail_requests", "GenerationEngine", "make_engine", "register_engine", "engine_names",
-           "partial_rollout_modes"]
+           "engine_options", "partial_rollout_modes"]
 
 
 @dataclass(kw_only=True)
@@ -107,6 +108,23 @@ def register_engine(name: str, *, replace: bool = False) -> Callable[[EngineFact
 def engine_names() -> list[str]:
     """Names :func:`make_engine` accepts."""
     return _ENGINES.names()
+
+
+def engine_options(name: str) -> list[str] | None:
+    """The keyword options (``RolloutConfig.engine_kwargs``) the engine registered as `name` takes besides
+    ``model``, ``tokenizer`` and ``model_dir``, read from its signature; None when it takes any
+    (``**kwargs``), when its signature cannot be read, or when no engine has that name."""
+    factory = _ENGINES.find(name)
+    if factory is None:
+        return None
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return sorted(n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                  and n not in ("model", "tokenizer", "model_dir"))
 
 
 def partial_rollout_modes(name: str) -> tuple[str, ...] | None:

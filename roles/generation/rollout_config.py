@@ -8,26 +8,28 @@ what needs its engine), and ``JobConfig.validate`` before any worker starts. Imp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, Range, Section, check_bounds
 
 __all__ = ["RolloutConfig"]
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class RolloutConfig(Section):
     """How a rollout worker samples and syncs weights."""
 
     engine: str = "hf"
     """Generation engine by name (``"hf"``, ``"vllm"`` or one added with ``register_engine``)."""
-    max_new_tokens: int = 16
+    max_new_tokens: Annotated[int, Range(ge=1, le=1 << 20)] = 16
     """Response length R: every returned batch has ``response_ids`` of width R."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Range(ge=0)] = 1.0
     """Sampling temperature (log-probs are of ``log_softmax(logits / temperature)``)."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Nucleus sampling mass (1.0 = off)."""
-    top_k: int = -1
+    top_k: Annotated[int, Range(ge=1, le=1 << 20, also=(-1,))] = -1
     """Top-k sampling (-1 = off)."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0, le=MAX_SEED)] = 0
     """Base seed. A call's seed is derived from it, the weight version and the prompts, so the
     same prompts under the same weights sample the same responses whatever the call order."""
     sync_policy: Literal["wait", "abort"] = "wait"
@@ -41,7 +43,7 @@ class RolloutConfig:
     model_dir: str | None = None
     """Directory the engine loads from (vLLM); None saves the initial model to a temp dir when the
     engine is not ``"hf"``."""
-    sleep_level: int = 0
+    sleep_level: Annotated[int, Range(ge=0, le=2, says="0, 1 or 2")] = 0
     """What ``sleep()`` releases while the policy trains on a shared GPU (colocated): 0 = nothing
     (``sleep`` is a no-op), 1 = weights offloaded to the CPU and the KV cache freed, 2 = weights
     discarded (the next weight sync restores them). verl's / vLLM's sleep levels."""
@@ -59,9 +61,9 @@ class RolloutConfig:
     -> float | None`` that talks to ``base_url`` (a session of the worker's OpenAI-compatible gateway;
     ``base_url.api_key`` is its key). Its last row trains, with the gateway's rendered chat as the prompt.
     Not with ``episode``. Checked by :meth:`validate`."""
-    max_episodes_in_flight: int = 256
+    max_episodes_in_flight: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 256
     """Most episodes one rank runs at once (the engine batches their pending requests)."""
-    chunk_tokens: int = 32
+    chunk_tokens: Annotated[int, Range(ge=1, le=1 << 20)] = 32
     """Tokens a request decodes per round of the request-level HF engine; round boundaries are where new
     requests join (and, with ``partial_rollout="off"``, where weights may change)."""
     partial_rollout: Literal["off", "keep", "recompute"] = "off"
@@ -75,7 +77,7 @@ class RolloutConfig:
     """Keep the request-level HF engine's round log (:meth:`RolloutWorker.round_log`): each round's request
     keys and the version and decode steps of its segments, which :meth:`RolloutWorker.replay_rounds`
     replays bit for bit (docs/partial_rollout.md, "Exact replay"). HF engine only."""
-    pause_deadline_s: float = 60.0
+    pause_deadline_s: Annotated[float, Range(gt=0, says="> 0 seconds")] = 60.0
     """Partial rollout: most seconds a weight update waits for the engine to pause; past it the update
     raises :class:`~asyncrl.roles.errors.PauseDeadlineError` and nothing is loaded."""
 
@@ -87,6 +89,7 @@ class RolloutConfig:
         turns the error into a ``ConfigError``, so a run fails before any worker starts. Building the config
         checks nothing: a value set after construction is checked all the same."""
         s = section
+        check_bounds(self, s)
         if self.episode is not None:
             self._check_episode(s)
         if self.agent is not None:
@@ -100,14 +103,8 @@ class RolloutConfig:
                 resolve_agent(str(self.agent))
             except EpisodeConfigError as e:
                 raise EpisodeConfigError(f"{s}.agent: {e}") from e
-        for name in ("max_episodes_in_flight", "chunk_tokens"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-                raise ValueError(f"{s}.{name} must be an integer >= 1, got {v!r}")
         if self.sync_policy not in ("wait", "abort"):
             raise ValueError(f"{s}.sync_policy must be 'wait' or 'abort', got {self.sync_policy!r}")
-        if self.sleep_level not in (0, 1, 2) or isinstance(self.sleep_level, bool):
-            raise ValueError(f"{s}.sleep_level must be 0, 1 or 2, got {self.sleep_level!r}")
         self._check_partial_rollout(s)
 
     def _check_episode(self, s: str) -> None:
@@ -130,9 +127,6 @@ class RolloutConfig:
         mode = self.partial_rollout
         if mode not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"{s}.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {mode!r}")
-        d = self.pause_deadline_s
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
-            raise ValueError(f"{s}.pause_deadline_s must be > 0 seconds, got {d!r}")
         if self.record_rounds and self.engine != "hf":
             raise ValueError(f"{s}.record_rounds needs the request-level HF engine (engine='hf'); the "
                              f"{self.engine!r} engine schedules requests itself. Set record_rounds=False")

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import tempfile
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Literal
+from typing import Annotated, Any, Iterable, Literal
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from asyncrl.roles.errors import ModelNotFoundError, TokenizerNotFoundError, UnknownNameError  # noqa: E402
+from asyncrl.roles.fields import MAX_SEED, Range, Section
 from asyncrl.roles.modeling.gguf import gguf_model_dir, is_gguf_spec  # noqa: E402
 
 __all__ = [
@@ -59,8 +61,13 @@ PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 
 
+_THREADS = ("null (the worker's CPU share), 0 (every core of the machine), 'follow' (the machine's cores split "
+            "among the workers busy now) or a positive integer")
+"""What ``ModelConfig.num_threads`` may be."""
+
+
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Section):
     """Which model a worker loads or builds."""
 
     path: str | None = None
@@ -78,17 +85,17 @@ class ModelConfig:
     or `gguf` is set, else ``"tiny"``."""
     arch: Literal["qwen2", "llama"] = "qwen2"
     """Architecture of a tiny model built from a config."""
-    hidden_size: int = 64
+    hidden_size: Annotated[int, Range(ge=1, le=1 << 16)] = 64
     """Hidden size of a tiny model."""
-    num_layers: int = 2
+    num_layers: Annotated[int, Range(ge=1, le=1024)] = 2
     """Decoder layers of a tiny model."""
-    num_heads: int = 4
+    num_heads: Annotated[int, Range(ge=1, le=1024)] = 4
     """Attention heads of a tiny model."""
-    num_kv_heads: int = 2
+    num_kv_heads: Annotated[int, Range(ge=1, le=1024)] = 2
     """Key/value heads of a tiny model (grouped-query attention)."""
-    intermediate_size: int = 128
+    intermediate_size: Annotated[int, Range(ge=1, le=1 << 18)] = 128
     """MLP width of a tiny model."""
-    max_position_embeddings: int = 512
+    max_position_embeddings: Annotated[int, Range(ge=1, le=1 << 20)] = 512
     """Context length of a tiny model: prompt + response must fit."""
     tie_word_embeddings: bool = False
     """Share the input embedding and the LM head of a tiny model."""
@@ -99,7 +106,7 @@ class ModelConfig:
     """``auto`` (the worker's GPU when its bundle reserves one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     autocast: Literal["auto", "off", "bfloat16", "float16"] = "auto"
     """Mixed precision of the forward pass; ``auto`` is bf16 where dtype ``auto`` picked float32 weights on a GPU."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0, le=MAX_SEED)] = 0
     """Seed of the tiny model's initial weights (and of the worker's other randomness)."""
     attn_implementation: str = "eager"
     """Transformers attention kernel; eager is exact and fast enough for tiny models."""
@@ -109,7 +116,7 @@ class ModelConfig:
     for activation memory that no longer grows with the layers (transformers'
     ``activation_checkpointing_enable``, formerly ``gradient_checkpointing_enable``, non-reentrant). Same
     gradients; frozen roles ignore it."""
-    num_threads: int | str | None = None
+    num_threads: Annotated[int, Range(ge=0, says=_THREADS)] | str | None = None
     """Torch intra-op threads; None takes the worker's CPU share (``context.num_cpus``); 0 takes every core
     of the worker's machine (``os.cpu_count()``): on shared cores whichever worker is computing then uses the
     cores the others leave idle (the OS shares them while several compute, oversubscribed); ``"follow"``:
@@ -238,6 +245,28 @@ def tokenizer_for(cfg: ModelConfig) -> Any:
         return load_tokenizer(cfg.tokenizer)
     path = resolve_model_dir(cfg)
     return load_tokenizer(path if path is not None else "tiny")
+
+
+def has_chat_template(cfg: ModelConfig) -> bool | None:
+    """Whether :func:`tokenizer_for` of `cfg` has a chat template, read from its files without loading a model:
+    None where that cannot be told without converting one (a GGUF model: its conversion is checked later)."""
+    spec = cfg.tokenizer
+    if spec is None:
+        if cfg.gguf is not None:
+            return None
+        spec = cfg.path or "tiny"
+    if spec == "tiny":
+        return bool(getattr(tiny_tokenizer(), "chat_template", None))
+    if is_gguf_spec(spec):
+        return None
+    directory = qwen2_tokenizer_dir() if spec == "qwen2" else spec
+    if os.path.isfile(os.path.join(directory, "chat_template.jinja")):
+        return True
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            return bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _resolved(cfg: ModelConfig) -> ModelConfig:

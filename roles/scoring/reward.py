@@ -47,7 +47,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Annotated, Any, Callable, Literal, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -57,6 +57,7 @@ from asyncrl import Dispatch, Worker, register
 from asyncrl.roles._util import micro_batches, require, text_list
 from asyncrl.roles.scoring.arithmetic import compute_score
 from asyncrl.roles.errors import RewardFnError, UnknownNameError
+from asyncrl.roles.fields import MAX_ROWS, Range, Section
 from asyncrl.roles.registry import Registry
 from asyncrl.roles.modeling.device import place_model, resolve_placement
 from asyncrl.roles.modeling.models import ModelConfig, build_reward_model, load_tokenizer, position_ids_from_mask, set_torch_threads
@@ -327,7 +328,7 @@ def arith(x: RewardInput) -> list[float]:
 
 
 @dataclass(kw_only=True)
-class RewardConfig:
+class RewardConfig(Section):
     """Where sequence rewards come from."""
 
     fn: str = "char_class"
@@ -343,7 +344,7 @@ class RewardConfig:
     ``model.gguf``, else ``"tiny"``; a worker built on its own uses ``"tiny"``)."""
     model: ModelConfig | None = None
     """A reward model (sequence classifier, one label) scoring ``input_ids``; replaces `fn`."""
-    micro_batch_size: int = 16
+    micro_batch_size: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 16
     """Rows per reward-model forward."""
 
 

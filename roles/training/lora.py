@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Annotated, Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from asyncrl.roles.fields import Range, Section, check_bounds
 from asyncrl.roles.modeling.models import tensor_checksum
 from asyncrl.roles.training.strategy import full_tensor
 
@@ -36,13 +37,13 @@ __all__ = ["LoraConfig", "LoraDelta", "MergedWeights", "adapter_delta", "apply_l
 
 
 @dataclass(kw_only=True)
-class LoraConfig:
+class LoraConfig(Section):
     """Low-rank adapters on the policy (``actor.lora``; peft's ``LoraConfig``): only the adapters train, the
     reference is the base model (the adapter disabled) and the rollout gets the merged weights."""
 
-    rank: int = 0
+    rank: Annotated[int, Range(ge=0, le=1 << 16)] = 0
     """Rank r of each adapter (peft's ``r``); 0: no LoRA, the whole model trains."""
-    alpha: float = 16.0
+    alpha: Annotated[float, Range(gt=0)] = 16.0
     """Scale numerator (peft's ``lora_alpha``): an adapter adds ``alpha / rank * B @ A`` to its layer's weight."""
     target_modules: str | list[str] = "all-linear"
     """The linear layers to adapt: ``"all-linear"`` (every linear layer of the decoder, not the LM head), or
@@ -55,11 +56,7 @@ class LoraConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the ``lora.*`` field that no adapter can be built with."""
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"lora.rank must be an integer >= 0 (0 = off), got {self.rank!r}")
-        a = self.alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0 or a == float("inf"):
-            raise ValueError(f"lora.alpha must be a finite number > 0, got {a!r}")
+        check_bounds(self, "lora")
         t = self.target_modules
         if isinstance(t, str):
             if t != "all-linear":

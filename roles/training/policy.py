@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Annotated, Any, Iterator, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -37,6 +37,7 @@ from asyncrl.roles.training import functional as F
 from asyncrl.roles._util import DataParallel, mini_batches, require, require_token_budget, response_log_probs, split_micro_batches, with_fields
 from asyncrl.roles.modeling.device import Placement, place_model, resolve_placement
 from asyncrl.roles.errors import CheckpointFormatError, StaleBatchError
+from asyncrl.roles.fields import MAX_ROWS, Range, Section, check_bounds
 from asyncrl.roles.training.lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
 from asyncrl.roles.modeling.models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, tensor_checksum
 from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy, full_tensor
@@ -48,7 +49,7 @@ __all__ = ["LoraConfig", "OptimConfig", "PolicyWorker", "ReferenceWorker", "Roll
 
 
 @dataclass(kw_only=True)
-class RolloutCorrectionConfig:
+class RolloutCorrectionConfig(Section):
     """Off-policy correction of the actor loss for rows sampled by an older policy (verl's
     ``algorithm.rollout_correction``; AReaL's decoupled PPO). See ``functional.importance_weights``."""
 
@@ -59,7 +60,7 @@ class RolloutCorrectionConfig:
     ``max_staleness >= 1`` (a PolicyWorker built with ``max_staleness >= 1``), else ``none``."""
     rollout_is: Literal["token", "sequence"] = "token"
     """Weight per token, or one weight per row (the product of its token ratios), as verl's ``rollout_is``."""
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: Annotated[float, Range(gt=0)] = 2.0
     """Cap of the weights (verl's ``rollout_is_threshold``, default 2.0); must be > 0 (> 1 for ``decoupled``)."""
     bypass_mode: Literal["off", "on_policy", "behaviour"] = "off"
     """verl's ``bypass_mode``: use the rollout's log-probs as ``old_log_probs`` and skip the policy's
@@ -95,16 +96,15 @@ class RolloutCorrectionConfig:
                              f"old_log_probs (pi_old = pi_rollout), so the {self.mode!r} importance weights "
                              "pi_old / pi_rollout are all 1 and correct nothing; set rollout_correction.mode to "
                              "'auto' or 'none', or bypass_mode='off' for a three-policy correction")
+        check_bounds(self, "rollout_correction")
         t = self.rollout_is_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t or t == float("inf"):
-            raise ValueError(f"rollout_correction.rollout_is_threshold must be a finite number > 0, got {t!r}")
         if self.mode == "decoupled" and not t > 1:
             raise ValueError(f"rollout_correction.rollout_is_threshold must be > 1 for mode='decoupled' (AReaL's "
                              f"behav_imp_weight_cap: weights above it are dropped), got {t}")
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(Section):
     """Optimizer and loss settings of a trained role (policy or critic).
 
     Names follow verl where they differ only in spelling: ``clip_eps`` is verl's ``clip_ratio``
@@ -113,49 +113,49 @@ class OptimConfig:
     ``micro_batch_size`` its ``ppo_micro_batch_size_per_gpu``.
     """
 
-    lr: float = 1e-3
-    """Adam learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: Annotated[float, Range(ge=0)] = 1e-3
+    """AdamW learning rate (0 keeps the weights: a probe of the gradients)."""
+    betas: Annotated[tuple[float, float], Range(ge=0, lt=1)] = (0.9, 0.999)
     """Adam betas."""
-    eps: float = 1e-8
+    eps: Annotated[float, Range(gt=0)] = 1e-8
     """Adam epsilon."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Range(ge=0)] = 0.0
     """AdamW weight decay."""
     optimizer_impl: Literal["foreach", "fused"] = "foreach"
     """How torch's AdamW runs its step (torchtitan's ``optimizer.implementation``): ``foreach`` (torch's default,
     and verl's: a kernel per operation over lists of tensors) or ``fused`` (one fused kernel; on CPU and GPU
     several times faster, the weights differing from ``foreach`` in the last bits of fp32)."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: Annotated[float, Range(gt=0)] | None = 1.0
     """Clip the global gradient norm to this (None: no clipping; the norm is still reported)."""
-    micro_batch_size: int = 8
+    micro_batch_size: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 8
     """Rows per forward/backward on each rank (gradient accumulation over a mini-batch); unused when
     `max_tokens_per_micro_batch` is set."""
-    max_tokens_per_micro_batch: int | None = None
+    max_tokens_per_micro_batch: Annotated[int, Range(ge=1, le=1 << 30)] | None = None
     """Token budget of a forward/backward on each rank (verl's ``use_dynamic_bsz`` with
     ``ppo_max_token_len_per_gpu``): rows of similar length are grouped so that each micro-batch's
     padded tokens (rows x its own longest prompt + longest response) stay within it, and each
     micro-batch is cut to its own width. Same gradients as fixed micro-batches; must be at least the
     longest row. None: micro-batches of `micro_batch_size` rows, padded to the batch's longest row."""
-    mini_batch_size: int | None = None
+    mini_batch_size: Annotated[int, Range(ge=1, le=MAX_ROWS)] | None = None
     """Rows per optimizer step over all ranks together (each rank takes mini_batch_size / ranks of its
     shard, so it must divide by the number of ranks); None uses the whole batch for one step per epoch."""
-    ppo_epochs: int = 1
+    ppo_epochs: Annotated[int, Range(ge=1, le=1000)] = 1
     """Passes over the batch per ``update`` call."""
-    clip_eps: float = 0.2
+    clip_eps: Annotated[float, Range(ge=0)] = 0.2
     """PPO ratio clip (verl's ``clip_ratio``; policy) or value clip (critic)."""
-    clip_ratio_low: float | None = None
+    clip_ratio_low: Annotated[float, Range(ge=0)] | None = None
     """Lower ratio clip: ratio >= 1 - clip_ratio_low (None = ``clip_eps``)."""
-    clip_ratio_high: float | None = None
+    clip_ratio_high: Annotated[float, Range(ge=0)] | None = None
     """Upper ratio clip: ratio <= 1 + clip_ratio_high (None = ``clip_eps``; e.g. 0.28 for DAPO's clip-higher)."""
-    clip_ratio_c: float | None = 3.0
+    clip_ratio_c: Annotated[float, Range(gt=1)] | None = 3.0
     """Dual-clip PPO bound for negative advantages (verl's default 3.0; must be > 1; None = off)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses become one number (verl's ``loss_agg_mode``), over the global mini-batch:
     every rank and micro-batch contributes its share of the same global denominator."""
-    loss_scale_factor: float | None = None
+    loss_scale_factor: Annotated[float, Range(gt=0)] | None = None
     """``seq-mean-token-sum-norm``'s constant normaliser (None = the response width R)."""
-    kl_coef: float = 0.0
+    kl_coef: Annotated[float, Range(ge=0)] = 0.0
     """Weight of the KL loss against ``ref_log_probs`` (verl's ``kl_loss_coef``; 0 = off, the batch then
     needs no reference)."""
     kl_loss_type: str = "k3"
@@ -163,7 +163,7 @@ class OptimConfig:
     optionally ending in ``+`` (straight-through k2 gradient)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
-    temperature: float | None = None
+    temperature: Annotated[float, Range(gt=0)] | None = None
     """Logit temperature of the recomputed log-probs. None: the rollout's (the trainer fills it in; a
     PolicyWorker used alone takes 1.0); a value that differs from ``rollout.temperature`` is a config error."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
@@ -191,42 +191,25 @@ class OptimConfig:
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.max_tokens_per_micro_batch is not None and not self.max_tokens_per_micro_batch >= 1:
-            raise ValueError(f"max_tokens_per_micro_batch must be >= 1 (tokens) or None (micro_batch_size rows), "
-                             f"got {self.max_tokens_per_micro_batch}")
+        check_bounds(self)
         if self.mini_batch_size is not None:
-            if self.mini_batch_size < 1 or self.mini_batch_size % world_size:
+            if self.mini_batch_size % world_size:
                 raise ValueError(
                     f"mini_batch_size={self.mini_batch_size} must be a positive multiple of the {world_size} training "
                     "rank(s): it counts the rows of one optimizer step over all ranks together (None = whole batch)"
                 )
-        if self.ppo_epochs < 1:
-            raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
         if self.optimizer_impl not in ("foreach", "fused"):
             raise ValueError(f"optimizer_impl must be 'foreach' or 'fused', got {self.optimizer_impl!r}")
         if self.loss_agg_mode not in F.LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode must be one of {list(F.LOSS_AGG_MODES)}, got {self.loss_agg_mode!r}")
-        if self.loss_scale_factor is not None and not self.loss_scale_factor > 0:
-            raise ValueError(f"loss_scale_factor must be > 0 or None, got {self.loss_scale_factor}")
         base = self.kl_loss_type[:-1] if self.kl_loss_type.endswith("+") else self.kl_loss_type
         if base not in F.KL_ESTIMATORS:
             raise ValueError(f"kl_loss_type must be one of {list(F.KL_ESTIMATORS)} (optionally ending in '+'), "
                              f"got {self.kl_loss_type!r}")
-        for name in ("clip_eps", "clip_ratio_low", "clip_ratio_high"):
-            v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
-            raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1 or None, got {self.clip_ratio_c}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {self.strategy!r}")
         if self.fsdp_offload and self.strategy != "fsdp2":
             raise ValueError("fsdp_offload=true keeps FSDP2 shards in CPU memory: it needs strategy=fsdp2")
-        if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (log-probs of a greedy policy are undefined), "
-                             f"got {self.temperature}")
         self.rollout_correction.validate()
         self.lora.validate()
 

@@ -67,15 +67,15 @@ def test_yaml_booleans_read_as_the_choice_they_spell(tmp_path):
     ("trainer.train_workers=3", "the train pool has 3 workers but a step has 8 prompts"),
     # off-policy correction and loss conventions
     ("actor.rollout_correction.mode=magic", r"actor.rollout_correction.mode must be one of \['auto', 'none', 'tis'"),
-    ("actor.rollout_correction.rollout_is_threshold=0", "rollout_is_threshold must be a finite number > 0, got 0"),
-    ("actor.rollout_correction.rollout_is_threshold=-2.5", "rollout_is_threshold must be a finite number > 0"),
+    ("actor.rollout_correction.rollout_is_threshold=0", "rollout_is_threshold must be > 0, got 0.0"),
+    ("actor.rollout_correction.rollout_is_threshold=-2.5", "rollout_is_threshold must be > 0, got -2.5"),
     ("actor.rollout_correction.rollout_is=word", r"rollout_is must be one of \['token', 'sequence'\]"),
     ("actor.temperature=0.7", "actor.temperature=0.7 differs from rollout.temperature=1.0"),
     ("rollout.temperature=0", "rollout.temperature=0.0: training needs a sampling temperature > 0"),
     ("actor.loss_agg_mode=token-sum", "actor.loss_agg_mode must be one of"),
     ("actor.kl_loss_type=k4", "kl_loss_type must be one of"),
-    ("actor.clip_ratio_c=1.0", "clip_ratio_c .* must be > 1"),
-    ("actor.mini_batch_size=0", "mini_batch_size=0 must be a positive multiple"),
+    ("actor.clip_ratio_c=1.0", "actor.clip_ratio_c must be > 1, got 1.0"),
+    ("actor.mini_batch_size=0", "actor.mini_batch_size must be >= 1, got 0"),
 ])
 def test_bad_settings_are_rejected_with_the_key_named(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -165,7 +165,7 @@ def _one_line(capsys) -> str:
     (["rollout.episode=calculator", "rollout.episode_kwargs={env_kwargs: {depth: 3}}"],
      "rollout.episode_kwargs: environment 'calculator' has no option 'depth' (env_kwargs); it accepts ['tools']"),
     (["rollout.pause_deadline_s=0"], "rollout.pause_deadline_s must be > 0 seconds, got 0.0"),
-    (["rollout.chunk_tokens=0"], "rollout.chunk_tokens must be an integer >= 1, got 0"),
+    (["rollout.chunk_tokens=0"], "rollout.chunk_tokens must be >= 1, got 0"),
     (["rollout.partial_rollout=keep", "rollout.sync_policy=abort"],
      "rollout.partial_rollout='keep' continues generations across a weight update and sync_policy='abort' throws "
      "them away; use sync_policy='wait' with partial rollout, or partial_rollout='off' with 'abort'"),
@@ -248,7 +248,7 @@ def test_auto_rollout_weights_keep_the_fingerprint_of_what_they_resolve_to():
     (["trainer.train_placement=[]"],
      "trainer.train_placement must be a non-empty list of positive worker counts per node, got []"),
     (["trainer.rollout_placement=[1, 0]", "trainer.rollout_workers=1"],
-     "trainer.rollout_placement must be a non-empty list of positive worker counts per node, got [1, 0]"),
+     "trainer.rollout_placement[1] must be a positive worker count (one per node), got 0"),
     (["trainer.rollout_placement=[x]"], "trainer.rollout_placement"),
     (["trainer.colocated=true", "trainer.train_placement=[1]"],
      "trainer.train_placement places a pool of its own, but trainer.colocated=true puts both roles in one pool"),
@@ -257,7 +257,8 @@ def test_auto_rollout_weights_keep_the_fingerprint_of_what_they_resolve_to():
     (["trainer.rollout_placement=[1]", "trainer.train_resources={CPU: 1}"],
      "trainer.train_resources gives each worker custom Ray resources as positive amounts"),
     (["trainer.rollout_placement=[1]", "trainer.rollout_resources={roll: 0}"],
-     "trainer.rollout_resources gives each worker custom Ray resources as positive amounts"),
+     "trainer.rollout_resources.roll must be a positive amount of the custom Ray resource (CPUs and GPUs: "
+     "cpus_per_worker, gpus_per_worker), got 0.0"),
     (["trainer.restart.placement_wait_s=0"], "trainer.restart.placement_wait_s must be a positive number of seconds"),
 ])
 def test_bad_placements_exit_2_with_one_line_naming_the_key(overrides, line, capsys):

@@ -218,3 +218,15 @@ def test_weights_of_another_architecture_are_refused_naming_the_mismatch(tmp_pat
     with pytest.raises(CheckpointError, match=r"do not fit the model its config describes: .*mlp"):
         export.export_policy(tmp_path / "run", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_out_directory_that_cannot_be_made_is_one_line_and_exit_2(run, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    out = tmp_path / "a_file" / "policy_hf"
+    err = _fails(["export", str(run), "--out", str(out)], capsys)
+    assert err == (f"asyncrl export: error: --out {str(out)!r} cannot be created: {str(tmp_path / 'a_file')!r} is a "
+                   "file; pick another directory")
+    out = "/proc/asyncrl-no-such-dir/policy_hf"  # passes the checks on paper; mkdir fails (as root too)
+    err = _fails(["export", str(run), "--out", out], capsys)
+    assert err.startswith(f"asyncrl export: error: --out {out!r} cannot be written: ")
+    assert err.endswith("; pick another directory")

@@ -157,3 +157,35 @@ def test_streaming_and_episode_runs_write_their_samples_and_0_writes_none(ray_cl
     assert all(r["num_turns"] >= 1 and r["tool_errors"] is not None for r in rows)
     assert any(0 in r["tokens"]["mask"] for r in rows)  # the environment's feedback tokens
     assert {r["stop_reason"] for r in rows} <= {"done", "max_turns", "max_length", "stop"}
+
+
+class TextTokenizer:
+    """Decodes every id to the same text (a response that holds line separators of its own)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def decode(self, ids):
+        return self.text
+
+
+LINE_BREAKING = "a\u2028b\u2029c\x85d"
+"""Characters ``str.splitlines`` breaks a line at, which JSON keeps raw with ``ensure_ascii=False``."""
+
+
+def test_a_trajectory_holding_unicode_line_separators_survives_a_resume_and_reaches_the_viewer(tmp_path):
+    from asyncrl.pipelines.observe import viewer
+
+    rows = trajectory_rows(batch(), [0, 1], policy_version=3)
+    w = SamplesWriter(tmp_path, TextTokenizer(LINE_BREAKING))
+    for step in range(3):
+        w.write(step, rows)
+    w.close()
+    w = SamplesWriter(tmp_path, TextTokenizer(LINE_BREAKING), start_step=2)  # a resume at step 2
+    w.close()
+    got, bad = read_samples(tmp_path / "samples.jsonl")
+    assert ([r["step"] for r in got], bad) == ([0, 0, 1, 1], 0)
+    assert all(r["prompt"] == LINE_BREAKING and r["tokens"]["text"][0] == LINE_BREAKING for r in got)
+    run = viewer.load_run(tmp_path)
+    assert [s["step"] for s in run["samples"]] == [0, 0, 1, 1] and run["status"]["skipped_samples"] == 0
+    assert run["samples"][0]["response"] == LINE_BREAKING

@@ -114,3 +114,48 @@ async def test_out_of_generate_calls_the_batch_is_padded_with_the_first_dropped_
     assert picks == [(1, 0), (0, 0)]  # (call, group) of each group, as the journal's filter record keeps them
     assert metrics == {"sampling/gen_batches": 2.0, "sampling/filtered_groups": 3.0,
                        "sampling/padded_groups": 1.0, "sampling/min_group_std": 0.0}
+
+
+def test_a_stream_group_is_its_slice_of_the_step_batch_and_the_step_is_built_once(monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    import anyio
+
+    from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pairs
+    from asyncrl.pipelines.job.presets import tiny_test
+    from asyncrl.pipelines.rollout.stream_rollout import StreamRollout
+    from asyncrl.roles import tiny_tokenizer
+
+    cfg = tiny_test()
+    pairs = task_pairs(cfg.data, 0, num_prompts=12)
+    loader = make_loader(cfg.data, tiny_tokenizer(), pairs, prompts_per_step=4, group_size=2, seed=0)
+    built, threads = [], []
+    monkeypatch.setattr(PromptLoader, "batch_of", lambda self, p, step, real=PromptLoader.batch_of: (
+        built.append(step), threads.append(threading.current_thread()), real(self, p, step))[2])
+    wholes = {step: loader.batch(step) for step in (0, 1, 5)}
+    built.clear(), threads.clear()
+    stream = SimpleNamespace(_trainer=SimpleNamespace(loader=loader, config=cfg), _prompt_batches={},
+                             _prompt_widths={}, _prompts_lock=anyio.Lock())
+
+    async def groups(step: int) -> list:
+        out: list = [None] * 4
+
+        async def one(slot: int) -> None:
+            out[slot] = (await StreamRollout._step_prompts(stream, step))[slot * 2:(slot + 1) * 2]
+
+        async with anyio.create_task_group() as tg:
+            for slot in range(4):
+                tg.start_soon(one, slot)
+        return out
+
+    for step in (0, 1, 5):
+        for slot, part in enumerate(anyio.run(groups, step)):
+            want = wholes[step][slot * 2:(slot + 1) * 2]
+            assert part["uid"].tolist() == [step * 4 + slot] * 2
+            for key in ("prompt_ids", "prompt_mask", "uid"):
+                assert part[key].equal(want[key]), key
+            assert list(part["prompt"]) == list(want["prompt"]) and list(part["answer"]) == list(want["answer"])
+    assert built == [0, 1, 5]  # each step's batch once, however many of its groups asked at once
+    assert threading.main_thread() not in threads  # built in a thread, off the controller's loop
+    assert stream._prompt_widths == {s: int(w["prompt_ids"].shape[1]) for s, w in wholes.items()}

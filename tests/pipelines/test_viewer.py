@@ -4,6 +4,7 @@ page's escaping, and the served JSON that a live page polls. The page itself: te
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import urllib.error
@@ -136,3 +137,72 @@ def test_the_server_listens_on_loopback_sends_only_what_the_page_lacks_and_refus
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _served(runs):
+    srv = viewer.make_server(runs, port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_nan_and_infinity_in_a_sample_reach_the_page_as_null_offline_and_live(tmp_path, capsys):
+    bad = sample(1, 1, 0)
+    bad["reward"] = math.nan
+    bad["tokens"]["advantage"] = [math.inf, -math.inf]
+    bad["tokens"]["logp_old"] = [math.nan, -1.0]
+    run = make_run(tmp_path / "run", samples=[sample(0, 0, 0), bad])
+    assert "NaN" in (run / "samples.jsonl").read_text()  # json.dumps writes them so (Python reads them back)
+    out = tmp_path / "v.html"
+    assert main(["view", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    page = out.read_text(encoding="utf-8")
+    data = page.partition('<script id="data" type="application/json">')[2].partition("</script>")[0]
+    payload = json.loads(data, parse_constant=lambda c: pytest.fail(f"{c} in the page"))
+    shown = payload["runs"][0]["samples"][1]
+    assert (shown["reward"], shown["tokens"]["advantage"], shown["tokens"]["logp_old"]) == (None, [None, None],
+                                                                                            [None, -1.0])
+    srv, base = _served([run])
+    try:
+        body = urllib.request.urlopen(base + "/api/data").read().decode()
+        (live,) = json.loads(body, parse_constant=lambda c: pytest.fail(f"{c} in the served JSON"))["runs"]
+        assert live["samples"][1]["tokens"]["advantage"] == [None, None]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_lone_surrogate_is_shown_as_a_replacement_character_and_the_page_is_written(tmp_path, capsys):
+    run = make_run(tmp_path / "run", samples=[sample(0, 0, 0)])
+    with (run / "samples.jsonl").open("a") as f:  # JSON may escape a lone surrogate; UTF-8 cannot hold it
+        f.write(json.dumps(sample(1, 1, 0, text="a\ud800")) + "\n")
+    out = tmp_path / "v.html"
+    assert main(["view", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    page = out.read_text(encoding="utf-8")
+    assert out.stat().st_size > 50_000 and "a\ufffd" in page
+    assert viewer.load_run(run)["samples"][1]["tokens"]["text"] == ["a", "\ufffd"]
+
+
+def test_a_malformed_sample_row_is_skipped_and_counted_and_the_others_are_kept(tmp_path):
+    rows = [sample(0, 0, i) for i in range(3)]
+    rows[1]["tokens"]["mask"] = [1]  # shorter than its ids
+    broken = [dict(sample(0, 1, 0), tokens={"id": 5, "text": None}), dict(sample(0, 2, 0), step="x"),
+              dict(sample(0, 3, 0), tokens={**sample(0, 3, 0)["tokens"], "logp_old": "?"})]
+    run = make_run(tmp_path / "run", samples=rows + broken)
+    data = viewer.load_run(run)
+    assert [(s["uid"], s["index"]) for s in data["samples"]] == [(0, 0), (0, 2)]
+    assert data["status"]["skipped_samples"] == 4
+
+
+@pytest.mark.parametrize("have", ['[{"epoch": 0, "m": "x"}]', '[{"epoch": 0, "m": -5, "s": 1e400}]', "[[1]]",
+                                  '{"a": 1}', "[", '[{"epoch": 0, "t": {"x": 1}, "e": null}]'])
+def test_a_bad_have_parameter_gets_the_whole_run_and_no_traceback(tmp_path, capfd, have):
+    run = make_run(tmp_path / "run", steps=2)
+    srv, base = _served([run])
+    try:
+        (got,) = get(base + "/api/data?have=" + urllib.parse.quote(have))["runs"]
+        assert got["mode"] == "full" and len(got["metrics"]) == 2 and len(got["samples"]) == 4
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert "Traceback" not in capfd.readouterr().err

@@ -226,3 +226,92 @@ def test_open_time_of_a_10000_step_run_with_8_samples_per_step(tmp_path, browser
     assert errors == []
     print(f"\n10,000 steps x 8 samples: {html.stat().st_size / 1e6:.1f} MB page written in {t1 - t0:.2f} s; "
           f"opened (parsed, charts and step table drawn) in {t2 - t1:.2f} s; trajectory view in {t3 - t2:.2f} s")
+
+
+def _rgba(css: str) -> tuple[float, ...]:
+    """``rgb(1, 2, 3)`` / ``rgba(1, 2, 3, 0.5)`` as four numbers."""
+    parts = [float(x) for x in re.findall(r"[\d.]+", css)]
+    return tuple(parts + [1.0] * (4 - len(parts)))
+
+
+def _colours(page) -> list[tuple[float, ...]]:
+    js = "ts => ts.map(t => getComputedStyle(t).backgroundColor)"
+    return [_rgba(c) for c in page.eval_on_selector_all(".traj .tok", js)]
+
+
+def test_each_colour_mode_paints_each_token_by_its_rule(tmp_path, page_of):
+    """The offline page of known rows, read back as the browser renders it: per token, the background colour each
+    mode gives (mask, weight version, advantage scaled by the trajectory's largest, log-prob mismatch scaled to
+    0.5), and the legend that explains it."""
+    row = sample(2, 0, 0, text="abcd")
+    row["tokens"].update(mask=[1, 1, 0, 1], version=[0, 1, -1, 9], advantage=[1.0, -0.5, 0.3, -1.0],
+                         logp_old=[-1.0, -2.0, -1.0, -1.25], logp_rollout=[-1.0, -2.25, -3.0, -2.0])
+    page = page_of(make_run(tmp_path / "run", steps=3, samples=[row]))
+    show(page, "traj")
+    assert page.eval_on_selector_all(".traj .tok", "ts => ts.map(t => t.textContent)") == ["a", "b", "c", "d"]
+    assert page.eval_on_selector_all(".traj .tok", "ts => ts.map(t => t.title)")[1:3] == [
+        "id 1 · mask 1 · version 1 · behaviour logp -2.25 · trained logp -2 · advantage -0.5",
+        "id 2 · mask 0 · version -1 · behaviour logp -3 · trained logp -1 · advantage 0.3"]
+    assert page.inner_text(".traj .meta") == "#0 · reward 0 · staleness 1 · version 1 · stop: stop · 4 tokens"
+    blue, grey, pale = (207, 227, 255, 1), (230, 230, 230, 1), (240, 240, 240, 1)
+    green, red, orange = (44, 160, 44), (214, 39, 40), (255, 127, 14)
+    want = {
+        "mask": [blue, blue, grey, blue],  # the environment's token (mask 0) is grey
+        "version": [(142, 197, 255, 1), (255, 179, 167, 1), grey, (255, 179, 167, 1)],  # version 9 wraps to 1's
+        "advantage": [(*green, 0.75), (*red, 0.45), pale, (*red, 0.75)],  # |a| / max |a| = 1, 0.5, -, 1
+        "mismatch": [(*orange, 0.08), (*orange, 0.48), pale, (*orange, 0.88)],  # |old - behaviour| 0, 0.25, -, 0.75
+    }
+    legends = {"mask": "blue: the model's tokens", "version": "colour: the weight version",
+               "advantage": "green: positive advantage, red: negative", "mismatch": "orange: |log-prob under"}
+    for mode in ("version", "advantage", "mismatch", "mask"):
+        page.select_option("#f-color", mode)
+        got = _colours(page)
+        assert [c == pytest.approx(w, abs=0.006) for c, w in zip(got, want[mode])] == [True] * 4, (mode, got)
+        assert page.inner_text("#color-legend").startswith(legends[mode])
+
+
+def test_bidi_controls_are_shown_as_escapes_so_a_response_cannot_reorder_itself(tmp_path, page_of):
+    rows = [sample(0, 0, 0, text="ok \u202egnp.exe\u202c \u2066x\u2069")]
+    rows[0]["prompt"] = "say \u202eevil"
+    page = page_of(make_run(tmp_path / "run", steps=1, samples=rows))
+    show(page, "traj")
+    shown = page.inner_text("#traj-list")
+    assert not set(shown) & {"\u202e", "\u202c", "\u2066", "\u2069"}
+    assert page.eval_on_selector_all(".traj .tok", "ts => ts.map(t => t.textContent)")[3:5] == ["\\u202e", "g"]
+    assert page.inner_text(".traj .prompt") == "say \\u202eevil"
+
+
+def test_a_malformed_row_is_counted_and_the_others_are_drawn(tmp_path, page_of):
+    rows = [sample(0, 0, i) for i in range(3)]
+    run = make_run(tmp_path / "run", steps=1, samples=rows)
+    with (run / "samples.jsonl").open("a") as f:
+        bad = sample(0, 0, 3)
+        bad["tokens"]["text"] = "ab"  # not a column
+        f.write(json.dumps(bad) + "\n")
+    page = page_of(run)
+    show(page, "traj")
+    assert count(page) == 3 and page.eval_on_selector_all(".traj", "els => els.length") == 3
+    assert "1 unreadable samples.jsonl lines skipped" in page.inner_text("#status")
+
+
+def test_a_live_page_shows_a_run_whose_samples_hold_nan(tmp_path, browser):
+    bad = sample(1, 1, 0)
+    bad["reward"], bad["tokens"]["advantage"] = math.nan, [math.inf, 0.5]
+    run = make_run(tmp_path / "run", steps=2, samples=[sample(0, 0, 0), bad])
+    srv = viewer.make_server([run], port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(f"http://127.0.0.1:{srv.server_address[1]}/")
+        page.wait_for_selector("#status .run-status")
+        show(page, "traj")
+        assert count(page) == 2
+        heads = page.eval_on_selector_all(".traj .meta", "ms => ms.map(m => m.textContent)")
+        assert any(h.startswith("#0 · reward – ·") for h in heads)  # NaN arrives as null, shown as a dash
+    finally:
+        page.close()
+        srv.shutdown()
+        srv.server_close()
+    assert errors == []

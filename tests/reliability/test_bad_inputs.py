@@ -129,21 +129,35 @@ def test_malformed_call_arguments_give_a_typed_error_or_a_correct_result_never_a
         assert out == first
 
 
-keys = st.sampled_from(["trainer.steps", "trainer.batch_size", "trainer.max_staleness", "trainer.restart.max_restarts",
-                        "trainer.stage_timeout_s", "trainer.restart", "actor.lr", "actor.betas", "algorithm.name",
-                        "algorithm.group_size", "model.hidden_size", "data.task", "trainer", "nope", "trainer.nope",
-                        "trainer.steps.x", "", ".", "a..b", "rollout.max_new_tokens", "reward.fn_kwargs",
-                        "rollout.temperature", "actor.temperature", "actor.loss_agg_mode", "actor.rollout_correction",
-                        "actor.rollout_correction.mode", "actor.rollout_correction.rollout_is_threshold",
-                        "actor.clip_ratio_c", "actor.kl_loss_type", "actor.mini_batch_size"])
+def _override_keys() -> list[str]:
+    """Every key and section of the config, read from its dataclasses (a field added later is fuzzed too), and
+    keys that are not there."""
+    from tests.pipelines.test_config_fuzz import DECLARED
+
+    leaves = [k for k, _ in DECLARED]
+    sections = sorted({k.rpartition(".")[0] for k in leaves if "." in k})
+    return leaves + sections + ["nope", "trainer.nope", "trainer.steps.x", "", ".", "a..b"]
+
+
+def _out_of_range_overrides() -> list[str]:
+    """``key=value`` for every value just outside its key's declared range (see test_config_fuzz.py)."""
+    import yaml
+
+    from tests.pipelines.test_config_fuzz import OUT_OF_RANGE
+
+    return [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for k, v in OUT_OF_RANGE]
+
+
+keys = st.sampled_from(_override_keys())
 raw_values = st.one_of(st.sampled_from(["3", "-1", "0", "1e-3", "true", "null", "[1, 2]", "{a: 1}", "grpo", "ppo",
                                         "'", "[", "{", "nan", "inf", "1.5", "x: [", "", "!!python/object:os.system"]),
                        st.text(max_size=8))
 
 
 @settings(max_examples=150, deadline=None)
-@given(overrides=st.lists(st.tuples(keys, raw_values).map(lambda kv: f"{kv[0]}={kv[1]}") | st.text(max_size=10),
-                          max_size=3))
+@given(overrides=st.lists(st.tuples(keys, raw_values).map(lambda kv: f"{kv[0]}={kv[1]}") | st.text(max_size=10)
+                          | st.sampled_from(_out_of_range_overrides()), max_size=3))
 @example(overrides=["trainer.restart=3", "trainer.restart.max_restarts=3"])  # was a TypeError (found by this test)
 def test_random_config_overrides_load_or_raise_config_error(overrides):
     try:

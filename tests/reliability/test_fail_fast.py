@@ -50,8 +50,8 @@ RUN_BOUND_S = 300.0
 
 BAD = [
     ("reward.fn=nope", "reward.fn 'nope' is not a registered reward function"),
-    ("actor.lr=-1", "actor.lr must be a positive number, got -1.0"),
-    ("rollout.temperature=-1", "rollout.temperature=-1.0: training needs a sampling temperature > 0"),
+    ("actor.lr=-1", "actor.lr must be >= 0, got -1.0"),
+    ("rollout.temperature=-1", "rollout.temperature must be >= 0, got -1.0"),
     ("model.path=/nonexistent", "model.path='/nonexistent' does not exist"),
 ]
 

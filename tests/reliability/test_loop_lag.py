@@ -1,5 +1,6 @@
 """Nothing heavy runs on the controller's event loop while ``fit()`` trains: the trace file,
-checkpoint serialisation, hashing and fsync go to worker threads, the report (matplotlib, which
+checkpoint serialisation, hashing and fsync, and each step's prompt batch (it grows with
+``trainer.batch_size``) go to worker threads, the report (matplotlib, which
 holds the GIL for long stretches) to a child process, and a heartbeat on the loop (:class:`asyncrl.pipelines.supervision.heartbeat.LoopLag`) never
 sees a stall beyond a generous bound.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.datasets.data import PromptLoader
 from asyncrl.pipelines.observe import report
 from asyncrl.pipelines.supervision.heartbeat import LoopLag
 from asyncrl.pipelines.job.presets import tiny_test
@@ -44,6 +46,7 @@ async def test_fit_keeps_the_event_loop_free_with_report_trace_and_checkpoints_o
 
     monkeypatch.setattr(report.anyio, "run_process", watched_run_process)
     monkeypatch.setattr(ckpt, "commit", spy("checkpoint commit", ckpt.commit))
+    monkeypatch.setattr(PromptLoader, "batch", spy("prompt batch", PromptLoader.batch))  # grows with batch_size
     monkeypatch.setattr(Tracer, "write", spy("trace write", Tracer.write))
     cfg = tiny_test()
     t = cfg.trainer
@@ -53,7 +56,7 @@ async def test_fit_keeps_the_event_loop_free_with_report_trace_and_checkpoints_o
         async with LoopLag(interval=0.005) as lag:
             await trainer.fit()
     loop_thread = threading.current_thread().name
-    assert set(ran_on) == {"checkpoint commit", "trace write"}  # the report is not drawn in this process
+    assert set(ran_on) == {"checkpoint commit", "trace write", "prompt batch"}  # the report: another process
     assert [c[1:] for c in children] == [[report._report_draw.__file__, children[0][2], str(tmp_path / "report.png")]]
     assert all(loop_thread not in threads for threads in ran_on.values()), ran_on
     assert (tmp_path / "report.png").stat().st_size > 0 and (tmp_path / "trace.json").is_file()

@@ -117,7 +117,7 @@ def test_target_modules_that_match_nothing_are_refused_listing_the_linear_layers
         PolicyWorker(model_config, replace(LORA, lora=LoraConfig(rank=2, target_modules=["q_proj", "qkv"])))
     with pytest.raises(ConfigError, match=r"actor.lora.target_modules: \['lm_head'\] match no linear layer"):
         load_config(None, ["actor.lora.rank=2", "actor.lora.target_modules=[lm_head]"])
-    with pytest.raises(ConfigError, match="lora.alpha must be a finite number > 0"):
+    with pytest.raises(ConfigError, match="actor.lora.alpha must be > 0, got 0.0"):
         load_config(None, ["actor.lora.rank=2", "actor.lora.alpha=0"])
     with pytest.raises(ConfigError, match=r"weight_sync=adapter sends only the LoRA factors, which needs "
                                           r"actor.lora.rank > 0 \(a LoRA policy\)"):

@@ -1,12 +1,15 @@
 """The OpenAI-compatible gateway: an agent's HTTP calls become exact-token trajectories.
 
 An agent written against any OpenAI-compatible client points its ``base_url`` at a session of the
-gateway. The gateway owns tokenization (token truth): each
-session keeps the exact ids of its rows, and a request is encoded as the row's ids so far plus the
+gateway. The session URL is the capability: its path holds an unguessable token (192 random bits), the
+server listens on loopback only, and the client's key is ignored, so ``AsyncOpenAI(base_url=url,
+api_key="EMPTY")`` -- what agents written for local OpenAI-compatible servers do -- works unchanged, while
+another local process without the URL reaches no session. The gateway owns tokenization (token truth):
+each session keeps the exact ids of its rows, and a request is encoded as the row's ids so far plus the
 tokens of its *new* text only::
 
-    POST /s/<session>/v1/chat/completions  (Authorization: Bearer <key>, body <= max_body_bytes)
-      ─► checks: key (401), size (413), JSON and types (400), open session (404/410)
+    POST /s/<token>/v1/chat/completions  (any key or none; body <= max_body_bytes)
+      ─► checks: the URL's session (404, closed: 410), size (413), JSON and types (400)
       ─► chat template (tools included) of the messages ─► text T
       ─► T extends the row's text?  yes: observe(encode(T minus the row's text))   (mask 0)
                                      no:  a new row of the session, prompt = encode(T) (a prefix break)
@@ -30,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import json
 import re
 import secrets
@@ -77,11 +79,15 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 @dataclass
 class SessionInfo:
-    """What an agent needs to reach its session: ``OpenAI(base_url=info.base_url, api_key=info.key)``."""
+    """What an agent needs to reach its session: ``OpenAI(base_url=info.base_url, api_key="EMPTY")``."""
 
     id: str
+    """The session's name on the gateway (:meth:`Gateway.close_session`, statistics); not a capability."""
     key: str
+    """The session's token, the capability its :attr:`base_url` holds (a client may send it as its key; any key
+    is accepted)."""
     base_url: str
+    """``http://127.0.0.1:<port>/s/<token>/v1``: whoever has it can use the session."""
 
 
 @dataclass
@@ -185,11 +191,12 @@ class Gateway:
             ``max_tokens`` is kept). Both are recorded in each turn: ``turns[i]["client"]``, ``["used"]``.
         max_response_tokens: most tokens after a row's prompt (model and new-message tokens).
         context_length: most tokens of prompt + response the model takes (None: unchecked).
-        host, port: where to listen (loopback by default; port 0 picks a free one).
+        host, port: where to listen: a loopback address (a session URL is its own capability, so the gateway
+            never listens beyond this machine); port 0 picks a free one.
         max_body_bytes: larger request bodies get 413.
         model_name: what ``/v1/models`` lists (requests may name any model; it is recorded).
 
-    ``await gateway.start()`` listens, :meth:`open_session` gives an agent its URL and key,
+    ``await gateway.start()`` listens, :meth:`open_session` gives an agent its URL,
     :meth:`close_session` returns its rows as trajectories, ``await gateway.close()`` stops (also
     ``async with Gateway(...)``).
     """
@@ -204,6 +211,9 @@ class Gateway:
         except ImportError as e:
             raise MissingDependencyError(f"the gateway needs fastapi and uvicorn ({e}); "
                                          "pip install 'asyncrl[gateway]'") from e
+        if not _is_loopback(host):
+            raise ValueError(f"Gateway host={host!r}: the gateway listens on loopback only (127.0.0.1, ::1, "
+                             "localhost): a session's URL is its capability, sent in plain HTTP")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the gateway renders chat messages with the tokenizer's chat template, and this "
                              "tokenizer has none; use a chat model's tokenizer (e.g. ModelConfig.tokenizer='qwen2')")
@@ -217,6 +227,8 @@ class Gateway:
         self.host = host
         self._port = port
         self._sessions: dict[str, _Session] = {}
+        self._by_token: dict[bytes, _Session] = {}
+        """Sessions by the sha256 of their URL token (a lookup's timing then tells nothing of a token)."""
         self._rejected = 0
         self._eos_id = tokenizer.eos_token_id
         self._tool_convention = "<tool_call>" in str(tokenizer.chat_template)
@@ -282,7 +294,8 @@ class Gateway:
 
     def open_session(self, session_id: str | None = None, *, seed: int | None = None,
                      llm: LLM | None = None, expected: list[dict[str, str]] | None = None) -> SessionInfo:
-        """A new session: its id, a fresh key and its ``base_url`` (``<url>/s/<id>/v1``). `llm`: the session
+        """A new session: its id, its token and its ``base_url`` (``<url>/s/<token>/v1``, the session's capability:
+        192 random bits). `session_id` names it here (default: random); it is not in the URL. `llm`: the session
         samples through it (a rollout row's client: its engine, sampling settings, seed, length limit and
         round-log key), so an agent's requests enter the engine as an episode's do. Else through the
         gateway's `submit` and `params`, with `seed` as the base sampling seed (default: from the trainer's
@@ -301,13 +314,15 @@ class Gateway:
                 h = hashlib.sha256(f"{self.params.seed}|{sid}".encode()).digest()
                 seed = int.from_bytes(h[:4], "little") & 0x3FFFFFFF
             llm = LLM(self._submit, self.tokenizer, replace(self.params, seed=seed), self.max_response_tokens)
-        info = SessionInfo(sid, secrets.token_urlsafe(24), f"{self.url}/s/{sid}/v1")
-        self._sessions[sid] = _Session(info, llm, expected=list(expected) if expected is not None else None)
+        token = secrets.token_urlsafe(24)
+        info = SessionInfo(sid, token, f"{self.url}/s/{token}/v1")
+        self._sessions[sid] = self._by_token[_token_digest(token)] = _Session(
+            info, llm, expected=list(expected) if expected is not None else None)
         return info
 
     def close_session(self, session_id: str) -> list[Trajectory]:
         """Close a session (its later requests get 410) and return its rows, in order (the gateway keeps
-        only the session's key and :class:`SessionStats`)."""
+        only the session's URL token and :class:`SessionStats`)."""
         s = self._session(session_id)
         if s.closed:
             raise RuntimeError(f"session {session_id!r} is already closed; its rows were returned then")
@@ -444,17 +459,14 @@ class Gateway:
         app.add_exception_handler(_HTTPError, on_error)
         app.add_exception_handler(StarletteHTTPException, on_http)
 
-        def session_of(request: Request, sid: str) -> _Session:
-            s = self._sessions.get(sid)
+        def session_of(request: Request) -> _Session:
+            """The session whose token the URL holds (the key the client sends, if any, is not read)."""
+            s = self._by_token.get(_token_digest(request.path_params["token"]))
             if s is None:
-                raise _HTTPError(404, f"no session {sid[:80]!r} on this gateway", "session_not_found")
-            auth = request.headers.get("authorization", "")
-            key = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(key.encode(), s.info.key.encode()):
-                raise _HTTPError(401, "missing or wrong key for this session: send 'Authorization: Bearer <key>' "
-                                      "with the key the session was opened with", "authentication_error")
+                raise _HTTPError(404, "no session at this URL: use the base_url the session was opened with "
+                                      "(SessionInfo.base_url, the agent's base_url argument)", "session_not_found")
             if s.closed:
-                raise _HTTPError(410, f"session {sid!r} is closed", "session_closed")
+                raise _HTTPError(410, f"session {s.info.id!r} is closed", "session_closed")
             return s
 
         async def body_of(request: Request, model: Any) -> Any:
@@ -488,13 +500,13 @@ class Gateway:
                     "total_tokens": row_before + len(gen.response_ids)}
 
         async def models(request: Request) -> Any:
-            session_of(request, request.path_params["sid"])
+            session_of(request)
             return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                              "owned_by": "asyncrl"}]})
 
         async def chat(request: Request) -> Any:
-            sid = request.path_params["sid"]
-            s = session_of(request, sid)
+            s = session_of(request)
+            sid = s.info.id
             req = await body_of(request, self._chat_model)
             messages = [_message_dict(m) for m in req.messages]
             try:
@@ -530,8 +542,8 @@ class Gateway:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def completions(request: Request) -> Any:
-            sid = request.path_params["sid"]
-            s = session_of(request, sid)
+            s = session_of(request)
+            sid = s.info.id
             req = await body_of(request, self._completion_model)
             if req.stream:
                 raise _HTTPError(400, "stream=true is served on /v1/chat/completions only; send stream=false")
@@ -543,10 +555,25 @@ class Gateway:
                                                      "finish_reason": "stop" if gen.finish_reason == "stop" else "length"}],
                     "usage": usage(before, gen)})
 
-        app.add_route("/s/{sid}/v1/models", models, methods=["GET"])
-        app.add_route("/s/{sid}/v1/chat/completions", chat, methods=["POST"])
-        app.add_route("/s/{sid}/v1/completions", completions, methods=["POST"])
+        app.add_route("/s/{token}/v1/models", models, methods=["GET"])
+        app.add_route("/s/{token}/v1/chat/completions", chat, methods=["POST"])
+        app.add_route("/s/{token}/v1/completions", completions, methods=["POST"])
         return app
+
+
+def _token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _message_dict(m: Any) -> dict[str, Any]:

@@ -139,22 +139,77 @@ async def test_the_trainers_temperature_wins_over_the_clients_and_both_are_recor
     assert row.turns[0]["used"]["max_new_tokens"] == 2 and len(row.model_ids()) <= 2
 
 
-async def test_a_request_without_its_sessions_key_gets_401_and_a_closed_session_410(served):
+async def test_the_session_url_is_the_capability_whatever_key_the_client_sends(served):
+    """An agent written for a local OpenAI-compatible server sets its own key ("EMPTY"); the URL alone opens
+    the session, and a closed session's URL gets 410."""
     gw, _ = served
     a, b = gw.open_session("key_a"), gw.open_session("key_b")
-    with pytest.raises(AuthenticationError):
-        await AsyncOpenAI(base_url=a.base_url, api_key="wrong", max_retries=0).models.list()
-    with pytest.raises(AuthenticationError):  # another session's key does not open this one
-        await AsyncOpenAI(base_url=a.base_url, api_key=b.key, max_retries=0).models.list()
-    assert [m.id for m in (await client(a).models.list()).data] == ["asyncrl-policy"]
-    async with httpx.AsyncClient() as h:
-        r = await h.post(f"{a.base_url}/chat/completions", json={"model": "m", "messages": []})
-        assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
-    gw.close_session("key_b")
-    async with httpx.AsyncClient() as h:
-        r = await h.post(f"{b.base_url}/chat/completions", headers={"Authorization": f"Bearer {b.key}"},
-                         json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    for key in ("EMPTY", "sk-anything", b.key):
+        oa = AsyncOpenAI(base_url=a.base_url, api_key=key, max_retries=0, timeout=60)
+        assert [m.id for m in (await oa.models.list()).data] == ["asyncrl-policy"]
+    r = await AsyncOpenAI(base_url=a.base_url, api_key="EMPTY", max_retries=0, timeout=60).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].finish_reason in ("stop", "length") and gw.session_stats("key_a").requests == 1
+    async with httpx.AsyncClient(timeout=60) as h:  # no Authorization header at all
+        r = await h.post(f"{a.base_url}/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]})
+        assert r.status_code == 200 and gw.session_stats("key_a").requests == 2
+        assert a.base_url.startswith(f"{gw.url}/s/") and "key_a" not in a.base_url and a.key in a.base_url
+        gw.close_session("key_b")
+        r = await h.post(f"{b.base_url}/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]})
         assert r.status_code == 410 and "closed" in r.json()["error"]["message"]
+    gw.close_session("key_a")
+
+
+_PROBE = """
+import json, sys, httpx
+port, sid, url = sys.argv[1], sys.argv[2], sys.argv[3]
+base = f"http://127.0.0.1:{port}"
+body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+out = {}
+with httpx.Client(timeout=30) as h:
+    for key in (None, "EMPTY", sid):
+        hdr = {} if key is None else {"Authorization": f"Bearer {key}"}
+        for path in (f"/s/{sid}/v1/models", "/v1/models", "/models", f"/s/{sid}/models", "/s//v1/models",
+                     "/s/" + "A" * 32 + "/v1/models", "/docs", "/openapi.json"):
+            out[f"GET {path} {key}"] = h.get(base + path, headers=hdr).status_code
+        out[f"POST /s/{sid}/v1/chat/completions {key}"] = h.post(
+            f"{base}/s/{sid}/v1/chat/completions", headers=hdr, json=body).status_code
+    out["with the url"] = h.get(url + "/models").status_code
+print(json.dumps(out))
+"""
+
+
+async def test_another_local_process_without_the_session_url_reaches_no_session(served):
+    """Another process on this machine knows the port, the session's id and the API's paths, and sends no key,
+    the id, or "EMPTY": every request is a 404. Given the URL, the same process gets in."""
+    import sys
+
+    gw, _ = served
+    info = gw.open_session("private")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _PROBE, str(gw.url.rsplit(":", 1)[1]), info.id,
+                                                info.base_url, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    statuses = json.loads(out)
+    assert statuses.pop("with the url") == 200
+    assert set(statuses.values()) == {404}, statuses
+    assert gw.session_stats("private").requests == 0
+    gw.close_session("private")
+
+
+def test_the_gateway_listens_on_loopback_only():
+    from asyncrl.roles.modeling.models import load_tokenizer
+
+    async def submit(ids, params):
+        raise AssertionError("never called")
+
+    tok, params = load_tokenizer("qwen2"), SamplingParams(max_new_tokens=4)
+    for host in ("0.0.0.0", "192.168.1.7", "::", "example.org"):
+        with pytest.raises(ValueError, match=rf"host='{host}': the gateway listens on loopback only"):
+            Gateway(submit, tok, params, max_response_tokens=R, host=host)
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert Gateway(submit, tok, params, max_response_tokens=R, host=host).host == host
 
 
 async def test_completions_and_streamed_chat_extend_the_same_row(served):
@@ -268,9 +323,8 @@ async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_c
         ("POST", url, auth, json.dumps({"model": 7, "messages": msg}).encode()),
         ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "tools": "calc"}).encode()),
         ("POST", url, auth, b'{"model": "m", "messages": [' + b"x" * (70 << 10) + b"]}"),  # over 64 KiB: 413
-        ("POST", url, {}, json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", url, {"Authorization": "Bearer nope"}, json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", url.replace("/s/good/", "/s/nobody/"), auth, json.dumps({"model": "m", "messages": msg}).encode()),
+        ("POST", url.replace(good.key, "nobody"), auth, json.dumps({"model": "m", "messages": msg}).encode()),
+        ("POST", url.replace(good.key, "good"), auth, json.dumps({"model": "m", "messages": msg}).encode()),
         ("POST", f"{closed.base_url}/chat/completions", {"Authorization": f"Bearer {closed.key}"},
          json.dumps({"model": "m", "messages": msg}).encode()),
         ("POST", f"{good.base_url}/completions", auth, json.dumps({"model": "m", "prompt": ["a"]}).encode()),
@@ -301,7 +355,7 @@ async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_c
     _, finish = await asyncio.gather(hammer(), converse())  # the malformed requests hit the same session too
     rows = len(gw.close_session("good"))
     assert finish in ("stop", "length") and rows == 1 and gw.session_stats("good").requests == 3 and gw.session_stats("good").prefix_breaks == 0
-    assert len(statuses) == 1000 and set(statuses) == {400, 401, 404, 405, 410, 413}
+    assert len(statuses) == 1000 and set(statuses) == {400, 404, 405, 410, 413}
     assert gw.statistics()["rejected"] - rejected == 1000
 
 
@@ -310,10 +364,11 @@ async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_c
 AGENTS = os.path.join(os.path.dirname(__file__), "gateway_agent.py")
 
 
-async def test_an_agent_file_runs_per_row_against_the_workers_gateway_and_packs_its_rows(prompt_batch):
+@pytest.mark.parametrize("agent", ["two_turns", "own_key"])  # own_key: api_key="EMPTY", as for any local server
+async def test_an_agent_file_runs_per_row_against_the_workers_gateway_and_packs_its_rows(prompt_batch, agent):
     cfg = ModelConfig(seed=0, tokenizer="qwen2", device=os.environ.get("ASYNCRL_TEST_DEVICE", "cpu"),
                       dtype="float32", autocast="off")
-    rollout = RolloutWorker(cfg, RolloutConfig(max_new_tokens=24, agent=f"{AGENTS}:two_turns"))
+    rollout = RolloutWorker(cfg, RolloutConfig(max_new_tokens=24, agent=f"{AGENTS}:{agent}"))
     try:
         out = await rollout.generate_episodes(prompt_batch(n=2))
         gw = rollout._episode_fn.gateway

@@ -24,8 +24,11 @@ the row's text: the request starts a new row of the same session. :meth:`Gateway
 returns the rows as :class:`~asyncrl.roles.agentic.episodes.Trajectory` objects, the type episodes return,
 so :func:`~asyncrl.roles.agentic.episodes.pack_trajectories` trains them unchanged.
 
-Errors of one request (a malformed body, a wrong key, an unknown or closed session) are a 4xx with
-an OpenAI-shaped ``{"error": {"message", "type", "code"}}`` body and touch no session state.
+Errors of one request (a malformed body -- not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, a lone
+UTF-16 surrogate, a wrong type --, an unknown or closed session) are a 4xx with an OpenAI-shaped
+``{"error": {"message", "type", "code"}}`` body and touch no session state. The server's terminal (the
+trainer's, through the rollout worker) gets one line per rejected request, per client that disconnects
+mid-request, and per unexpected failure (a 500), never a traceback.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
 
+import structlog
+
 from asyncrl.roles.engines.base import SamplingParams
 from asyncrl.roles.engines.batcher import Generation
 from asyncrl.roles.agentic.episodes import LLM, Trajectory
@@ -49,9 +54,14 @@ from asyncrl.roles.errors import MissingDependencyError
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-__all__ = ["Gateway", "SessionInfo", "SessionStats", "parse_tool_calls"]
+__all__ = ["MAX_JSON_DEPTH", "Gateway", "SessionInfo", "SessionStats", "parse_tool_calls"]
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of objects and arrays a request body may have (OpenAI's bodies and tool schemas use under 10)."""
+
+log = structlog.get_logger("asyncrl")
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -383,15 +393,17 @@ class Gateway:
                 row.text = text
                 s.stats.new_message_tokens += len(ids)
                 return row
-        elif row is not None and row.text is not None:
-            s.stats.prefix_breaks += 1
+            breaks = False  # the row is full: a new row, not a prefix break
+        else:
+            breaks = row is not None and row.text is not None
         ids = self._encode(text)
-        if self.context_length is not None and len(ids) >= self.context_length:
+        if self.context_length is not None and len(ids) >= self.context_length:  # (refused: the session unchanged)
             raise _HTTPError(400, f"the prompt is {len(ids)} tokens and the model's context is {self.context_length}; "
                                   "shorten the conversation", "context_length_exceeded")
         new = _Row(Trajectory(prompt_ids=ids, max_response_tokens=s.llm.max_response_tokens), text)
         s.rows.append(new)
         s.stats.rows += 1
+        s.stats.prefix_breaks += breaks
         return new
 
     async def _complete(self, s: _Session, text: str, req: Any) -> tuple[Generation, str, int]:
@@ -437,24 +449,55 @@ class Gateway:
 
     def _build_app(self) -> Any:
         from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
         from starlette.exceptions import HTTPException as StarletteHTTPException
+        from starlette.requests import ClientDisconnect
 
         # Routes take the raw request (Starlette style): the gateway reads the body itself, to bound its
         # size before parsing and to answer every malformed body with its own 4xx.
         app = FastAPI(title="asyncrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
-        def error(status: int, message: str, kind: str) -> JSONResponse:
+        def error(request: Request, status: int, message: str, kind: str) -> JSONResponse:
             self._rejected += status < 500
+            log.info("gateway.rejected", status=status, **where(request), error=message[:200])
             return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
         async def on_error(request: Request, e: Exception) -> JSONResponse:
             assert isinstance(e, _HTTPError)
-            return error(e.status, e.message, e.kind)
+            return error(request, e.status, e.message, e.kind)
 
         async def on_http(request: Request, e: Exception) -> JSONResponse:
             assert isinstance(e, StarletteHTTPException)
-            return error(e.status_code, f"{e.detail}: {request.method} {request.url.path}", "invalid_request_error")
+            return error(request, e.status_code, f"{e.detail}: {request.method} {request.url.path}",
+                         "invalid_request_error")
+
+        def where(request: Request) -> dict[str, str]:
+            """What a log line names: the session (never its URL token) and the route."""
+            token = request.path_params.get("token")
+            s = self._by_token.get(_token_digest(token)) if isinstance(token, str) else None
+            route = request.url.path.rsplit("/v1/", 1)[-1] if s is not None else "?"
+            return {"session": s.info.id if s is not None else "?", "route": f"{request.method} {route}"}
+
+        def guarded(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
+            """`handler` whose unexpected failures are one log line and a 500 (the server would print a traceback),
+            and whose client, gone mid-request, is one log line."""
+            async def run(request: Request) -> Any:
+                try:
+                    return await handler(request)
+                except _HTTPError:
+                    raise  # the app's handler answers it
+                except ClientDisconnect:
+                    log.warning("gateway.client_disconnected", **where(request))
+                    return Response(status_code=400)  # (nobody reads it)
+                except Exception as e:
+                    tb = e.__traceback__
+                    while tb is not None and tb.tb_next is not None:
+                        tb = tb.tb_next
+                    at = f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else "?"
+                    log.error("gateway.failed", **where(request), error=f"{type(e).__name__}: {e}"[:300], at=at)
+                    return error(request, 500, f"the gateway failed on this request: {type(e).__name__}: {e}",
+                                 "server_error")
+            return run
 
         app.add_exception_handler(_HTTPError, on_error)
         app.add_exception_handler(StarletteHTTPException, on_http)
@@ -482,8 +525,12 @@ class Gateway:
                 obj = json.loads(body)
             except (ValueError, UnicodeDecodeError) as e:
                 raise _HTTPError(400, f"the body is not valid JSON: {e}") from None
+            except RecursionError:
+                raise _HTTPError(400, f"the body nests objects or arrays deeper than {MAX_JSON_DEPTH} levels; "
+                                      "send a flatter body") from None
             if not isinstance(obj, dict):
                 raise _HTTPError(400, f"the body must be a JSON object, not {type(obj).__name__}")
+            _check_json(obj)
             from pydantic import ValidationError
 
             try:
@@ -555,10 +602,33 @@ class Gateway:
                                                      "finish_reason": "stop" if gen.finish_reason == "stop" else "length"}],
                     "usage": usage(before, gen)})
 
-        app.add_route("/s/{token}/v1/models", models, methods=["GET"])
-        app.add_route("/s/{token}/v1/chat/completions", chat, methods=["POST"])
-        app.add_route("/s/{token}/v1/completions", completions, methods=["POST"])
+        app.add_route("/s/{token}/v1/models", guarded(models), methods=["GET"])
+        app.add_route("/s/{token}/v1/chat/completions", guarded(chat), methods=["POST"])
+        app.add_route("/s/{token}/v1/completions", guarded(completions), methods=["POST"])
         return app
+
+
+def _check_json(obj: Any) -> None:
+    """Refuse (400) a parsed body nested deeper than :data:`MAX_JSON_DEPTH` or holding a lone UTF-16 surrogate
+    (JSON's ``"\\ud800"`` escape parses to a ``str`` that is not text: no tokenizer encodes it), naming where."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(obj, ())]
+    while stack:
+        o, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise _HTTPError(400, f"the body nests objects or arrays deeper than {MAX_JSON_DEPTH} levels (at "
+                                  f"{'.'.join(path[:8])}...); send a flatter body")
+        if isinstance(o, dict):
+            for k, v in o.items():
+                key = k if len(k) < 40 and not _SURROGATE.search(k) else "<key>"
+                if _SURROGATE.search(k):
+                    raise _HTTPError(400, f"{'.'.join((*path, key))}: a key holds a lone UTF-16 surrogate, which is "
+                                          "not text; send valid Unicode")
+                stack.append((v, (*path, key)))
+        elif isinstance(o, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(o))
+        elif isinstance(o, str) and (m := _SURROGATE.search(o)):
+            raise _HTTPError(400, f"{'.'.join(path) or 'body'}: a lone UTF-16 surrogate ({ascii(m.group())} at "
+                                  f"character {m.start()}), which is not text; send valid Unicode")
 
 
 def _token_digest(token: str) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 
 import httpx
@@ -357,6 +358,85 @@ async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_c
     assert finish in ("stop", "length") and rows == 1 and gw.session_stats("good").requests == 3 and gw.session_stats("good").prefix_breaks == 0
     assert len(statuses) == 1000 and set(statuses) == {400, 404, 405, 410, 413}
     assert gw.statistics()["rejected"] - rejected == 1000
+
+
+@pytest.fixture
+def server_log():
+    """``(events, records)``: the gateway's structlog events and the records uvicorn logged (a traceback there is
+    what a trainer's terminal would print) while the test runs."""
+    import logging
+
+    from structlog.testing import capture_logs
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, loggers = Keep(), [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "uvicorn.asgi")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    with capture_logs() as events:
+        yield events, records
+    for lg in loggers:
+        lg.removeHandler(handler)
+
+
+async def test_a_lone_surrogate_or_deep_nesting_is_a_400_that_leaves_the_session_as_it_was(served, server_log):
+    gw, _ = served
+    events, records = server_log
+    info = gw.open_session("odd")
+    url = f"{info.base_url}/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    async with httpx.AsyncClient(timeout=60) as h:
+        r = await h.post(url, json={"model": "m", "messages": msgs})
+        msgs.append(r.json()["choices"][0]["message"])
+        before = (gw.session_stats("odd"), [list(r.traj.response_ids) for r in gw._sessions["odd"].rows])
+        deep = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [%s]}'
+        bodies = [  # each would have started a new row (another first message), were it encoded
+            '{"model": "m", "messages": [{"role": "user", "content": "\\ud800 hi"}]}',
+            '{"model": "m", "messages": [{"role": "user", "content": "ok", "\\udfff": 1}]}',
+            '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+            json.dumps({"model": "m", "messages": msgs + [{"role": "user", "content": "more"}]})[:-1]
+            + ', "tools": [{"type": "function", "function": {"name": "\\ud83d"}}]}',
+            deep % ("[" * 30_000 + "]" * 30_000), deep % ("[" * 70 + "]" * 70),
+            '{"model": "m", "messages": [{"role": "user", "content": "%s"}]}' % ("word " * 600),  # > the context
+        ]
+        for body in bodies:
+            r = await h.post(url, content=body.encode(), headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["message"], r.text
+            assert (gw.session_stats("odd"), [list(r.traj.response_ids) for r in gw._sessions["odd"].rows]) == before
+        r = await h.post(f"{info.base_url}/completions", content=b'{"model": "m", "prompt": "\\ud800"}')
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+        msgs.append({"role": "user", "content": "go on"})  # the conversation goes on in its row
+        assert (await h.post(url, json={"model": "m", "messages": msgs})).status_code == 200
+    stats = gw.session_stats("odd")
+    assert (stats.requests, stats.rows, stats.prefix_breaks) == (2, 1, 0)
+    gw.close_session("odd")
+    assert [e["status"] for e in events if e["event"] == "gateway.rejected"] == [400] * (len(bodies) + 1)
+    assert all(e["session"] == "odd" and info.key not in str(e) for e in events)
+    assert not [r for r in records if r.levelno >= logging.WARNING or r.exc_info], records
+
+
+async def test_a_client_that_disconnects_mid_request_is_one_log_line(served, server_log):
+    gw, _ = served
+    events, records = server_log
+    info = gw.open_session("gone")
+    path = info.base_url.split(gw.url, 1)[1] + "/chat/completions"
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 'Content-Length: 1000\r\n\r\n{"model": "m", '.encode())
+    await writer.drain()
+    writer.close()  # the body is never finished
+    await writer.wait_closed()
+    deadline = asyncio.get_running_loop().time() + 30  # the server logs once it reads the close: poll for it
+    while not events and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    assert [(e["event"], e["session"], e["route"]) for e in events] == [
+        ("gateway.client_disconnected", "gone", "POST chat/completions")]
+    assert gw.session_stats("gone") == type(gw.session_stats("gone"))() and not records
+    gw.close_session("gone")
 
 
 # ---- rollout.agent: the user's agent as the episode of a row --------------------------------------

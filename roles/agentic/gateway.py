@@ -272,8 +272,10 @@ class Gateway:
         sock.bind((self.host, self._port))
         sock.listen(1024)
         self._port = sock.getsockname()[1]
+        # keep-alive longer than a client's pool keeps an idle connection (httpx: 5 s), else a request sent just
+        # as the server closes the connection is reset
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=120)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="asyncrl-gateway")
         return self.url

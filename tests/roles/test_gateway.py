@@ -1,6 +1,8 @@
 """The OpenAI-compatible gateway on real HTTP (loopback) with the real ``openai`` client: token truth
-across turns, new rows on rewritten history, the trainer's sampling settings, keys, and malformed
-requests that each get a 4xx while a well-formed session completes.
+across turns, new rows on rewritten history, the trainer's sampling settings, the session URL as the
+capability, and bad input (a lone surrogate, deep nesting, a client gone mid-request). The oracles a
+re-tokenizing or fragile gateway would fail (non-canonical ids, 64 concurrent sessions, a seeded fuzz of the
+schema) are in test_gateway_oracles.py.
 
 The engine is a real in-process RolloutWorker's request-level engine (the tiny Qwen2 model with the
 real Qwen2 tokenizer and its chat template); `recorded` keeps what the engine returned per request."""
@@ -302,64 +304,6 @@ async def test_a_template_that_drops_earlier_reasoning_starts_a_new_row():
     assert "<|im_start|>assistant\nfour<|im_end|>" in tok.decode(rows[1].prompt_ids, skip_special_tokens=False)
 
 
-async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_completes(served):
-    gw, recorded = served
-    good, closed = gw.open_session("good"), gw.open_session("closed")
-    gw.close_session("closed")
-    auth = {"Authorization": f"Bearer {good.key}"}
-    url = f"{good.base_url}/chat/completions"
-    msg = [{"role": "user", "content": "hi"}]
-    bad: list[tuple[str, str, dict, bytes]] = [
-        ("POST", url, auth, b"{not json"),
-        ("POST", url, auth, b"\xff\xfe"),
-        ("POST", url, auth, b"[1, 2]"),
-        ("POST", url, auth, json.dumps({"model": "m"}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": "hi"}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": []}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "temperature": "hot"}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "max_tokens": -3}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "n": 4}).encode()),
-        ("POST", url, auth, json.dumps({"model": 7, "messages": msg}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "tools": "calc"}).encode()),
-        ("POST", url, auth, b'{"model": "m", "messages": [' + b"x" * (70 << 10) + b"]}"),  # over 64 KiB: 413
-        ("POST", url.replace(good.key, "nobody"), auth, json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", url.replace(good.key, "good"), auth, json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", f"{closed.base_url}/chat/completions", {"Authorization": f"Bearer {closed.key}"},
-         json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", f"{good.base_url}/completions", auth, json.dumps({"model": "m", "prompt": ["a"]}).encode()),
-        ("POST", f"{good.base_url}/completions", auth, json.dumps({"model": "m", "prompt": ""}).encode()),
-        ("GET", url, auth, b""),
-        ("POST", f"{gw.url}/v1/chat/completions", auth, json.dumps({"model": "m", "messages": msg}).encode()),
-    ]
-    statuses: list[int] = []
-
-    async def hammer() -> None:
-        async with httpx.AsyncClient(timeout=60) as h:
-            for i in range(1000):
-                method, u, headers, body = bad[i % len(bad)]
-                r = await h.request(method, u, headers={"Content-Type": "application/json", **headers}, content=body)
-                assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (i, r.status_code, r.text)
-                statuses.append(r.status_code)
-
-    async def converse() -> int:
-        oa = client(good)
-        msgs = [{"role": "user", "content": "count with me"}]
-        for turn in range(3):
-            r = await oa.chat.completions.create(model="m", messages=msgs)
-            msgs += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": "go on"}]
-        return r.choices[0].finish_reason
-
-    rejected = gw.statistics()["rejected"]
-    _, finish = await asyncio.gather(hammer(), converse())  # the malformed requests hit the same session too
-    rows = len(gw.close_session("good"))
-    assert finish in ("stop", "length") and rows == 1 and gw.session_stats("good").requests == 3 and gw.session_stats("good").prefix_breaks == 0
-    assert len(statuses) == 1000 and set(statuses) == {400, 404, 405, 410, 413}
-    assert gw.statistics()["rejected"] - rejected == 1000
-
-
 @pytest.fixture
 def server_log():
     """``(events, records)``: the gateway's structlog events and the records uvicorn logged (a traceback there is
@@ -417,6 +361,13 @@ async def test_a_lone_surrogate_or_deep_nesting_is_a_400_that_leaves_the_session
     assert [e["status"] for e in events if e["event"] == "gateway.rejected"] == [400] * (len(bodies) + 1)
     assert all(e["session"] == "odd" and info.key not in str(e) for e in events)
     assert not [r for r in records if r.levelno >= logging.WARNING or r.exc_info], records
+
+
+async def test_an_idle_connection_outlives_the_clients_pool_so_no_request_meets_a_closing_socket(served):
+    """httpx (the openai client's transport) drops a pooled connection after 5 s idle; had the server the same 5 s,
+    a request sent as it closes would be reset (seen with 64 agents on a loaded machine). The server waits longer."""
+    gw, _ = served
+    assert gw._server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry == 5.0
 
 
 async def test_a_client_that_disconnects_mid_request_is_one_log_line(served, server_log):

@@ -17,7 +17,7 @@ import os
 import httpx
 import pytest
 import torch
-from openai import AsyncOpenAI, AuthenticationError
+from openai import AsyncOpenAI
 
 from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles.engines import SamplingParams
@@ -302,29 +302,6 @@ async def test_a_template_that_drops_earlier_reasoning_starts_a_new_row():
     assert (len(rows), stats.rows, stats.prefix_breaks) == (2, 2, 1)
     assert rows[0].response_ids == said and rows[0].response_mask == [1] * len(said)
     assert "<|im_start|>assistant\nfour<|im_end|>" in tok.decode(rows[1].prompt_ids, skip_special_tokens=False)
-
-
-@pytest.fixture
-def server_log():
-    """``(events, records)``: the gateway's structlog events and the records uvicorn logged (a traceback there is
-    what a trainer's terminal would print) while the test runs."""
-    import logging
-
-    from structlog.testing import capture_logs
-
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler, loggers = Keep(), [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "uvicorn.asgi")]
-    for lg in loggers:
-        lg.addHandler(handler)
-    with capture_logs() as events:
-        yield events, records
-    for lg in loggers:
-        lg.removeHandler(handler)
 
 
 async def test_a_lone_surrogate_or_deep_nesting_is_a_400_that_leaves_the_session_as_it_was(served, server_log):

@@ -13,7 +13,12 @@ merged model; ``adapter=True`` (``--adapter``) writes the peft adapter instead (
 ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base, OUT)``).
 
 The result loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` and
-``AutoTokenizer.from_pretrained(OUT)``, offline. Every check (the run directory, the step,
+``AutoTokenizer.from_pretrained(OUT)``, offline, and that tokenizer gives the training tokenizer's ids:
+transformers 5 loads the tokenizer of a model type it knows (``qwen2``) with that type's class, which rebuilds
+its normalizer and pre-tokenizer from its own defaults (Qwen2's splits digits one per token) instead of reading
+``tokenizer.json``; where that would tokenize otherwise than training did (the toy's byte-level BPE), the export
+names in ``tokenizer_config.json`` a tokenizer class that keeps ``tokenizer.json`` as written
+(:func:`pin_tokenizer`), and checks the result. Every check (the run directory, the step,
 the manifest, the output directory) runs before anything is written; a failed check raises
 :class:`CheckpointError` or :class:`ConfigError` with the fix, which the command line prints
 as one line with exit status 2. Nothing here starts Ray or a worker.
@@ -22,11 +27,12 @@ as one line with exit status 2. Nothing here starts Ray or a worker.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -36,7 +42,7 @@ from asyncrl.pipelines.checkpoints.checkpoint import CheckpointError, checkpoint
 from asyncrl.pipelines.job.configlib import ConfigError
 from asyncrl.roles.modeling.models import ModelConfig, build_model, tokenizer_for
 
-__all__ = ["DTYPES", "ExportResult", "export_policy", "find_checkpoint", "read_policy_state"]
+__all__ = ["DTYPES", "ExportResult", "export_policy", "find_checkpoint", "pin_tokenizer", "read_policy_state"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtypes ``--dtype`` may name."""
@@ -150,9 +156,59 @@ def export_policy(run: str | Path, out: str | Path, *, step: int | None = None, 
         dest.parent.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        pin_tokenizer(tmp, tokenizer)
         _replace(tmp, dest)
     name = next(k for k, v in DTYPES.items() if v == target)
     return ExportResult(out=out, checkpoint=ckpt, step=int(state["step"]), dtype=name)
+
+
+_TOKENIZER_MODULE = "tokenization_asyncrl"
+_TOKENIZER_SOURCE = '''"""The tokenizer of an asyncrl export: tokenizer.json as written.
+
+transformers loads it by itself, without running this file; this class is what
+AutoTokenizer.from_pretrained(..., trust_remote_code=True) asks for instead."""
+
+try:
+    from transformers import TokenizersBackend as _Backend
+except ImportError:  # transformers 4
+    from transformers import PreTrainedTokenizerFast as _Backend
+
+
+class AsyncrlTokenizer(_Backend):
+    """tokenizer.json, unchanged."""
+'''
+
+
+def pin_tokenizer(out: str | Path, trained: Any) -> None:
+    """Make ``AutoTokenizer.from_pretrained(out)`` tokenize as `trained` (the training tokenizer, saved in model
+    directory `out`) does. When transformers would load `out`'s tokenizer with a class that rebuilds another
+    pipeline, ``tokenizer_config.json`` gets an ``auto_map`` naming a class that keeps ``tokenizer.json`` as
+    written: without ``trust_remote_code`` transformers then loads ``tokenizer.json`` itself (its
+    ``TokenizersBackend``); with it, the 5-line module written beside it (a subclass of that backend). Raises
+    :class:`CheckpointError` if the loaded tokenizer still differs."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    if _pipeline(AutoTokenizer.from_pretrained(out, local_files_only=True)) == _pipeline(trained):
+        return
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, f"{_TOKENIZER_MODULE}.AsyncrlTokenizer"]}
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out / f"{_TOKENIZER_MODULE}.py").write_text(_TOKENIZER_SOURCE)
+    loaded = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    if _pipeline(loaded) != _pipeline(trained):
+        raise CheckpointError(f"the exported tokenizer loads in transformers as {type(loaded).__name__}, which "
+                              f"tokenizes otherwise than the training tokenizer ({type(trained).__name__}); this "
+                              "transformers version cannot load it as trained")
+
+
+def _pipeline(tok: Any) -> dict[str, Any]:
+    """What decides a tokenizer's ids: its backend's normalizer, pre-tokenizer, model, post-processor, added tokens
+    and decoder (``tokenizer.json``'s sections)."""
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    return {k: spec.get(k) for k in ("normalizer", "pre_tokenizer", "model", "post_processor", "added_tokens",
+                                     "decoder")}
 
 
 def _export_adapter(ckpt: Path, out: Path, step: int, dtype: str | None) -> ExportResult:

@@ -1,11 +1,11 @@
 """Bring your own agent: ``RolloutConfig.agent`` runs the user's OpenAI-client agent as an episode.
 
 ``async def agent(sample, base_url) -> float | None`` is any code that talks to ``base_url`` with an
-OpenAI-compatible client (any model name); ``base_url.api_key`` is its session's key (or take a third
-parameter ``api_key``). It returns the episode's reward, or None to leave it to the reward function::
+OpenAI-compatible client (any model name, any key: the URL is the session's capability). It returns the
+episode's reward, or None to leave it to the reward function::
 
     async def solve(sample, base_url):
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=base_url.api_key)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY")
         r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": sample.prompt}])
         return float(sample.answer in r.choices[0].message.content)
 
@@ -35,7 +35,8 @@ Agent = Callable[..., Awaitable[float | None]]
 
 
 class SessionURL(str):
-    """A session's ``base_url`` (a ``str``) that also carries the session's key as :attr:`api_key`."""
+    """A session's ``base_url`` (a ``str``) that also carries the session's token as :attr:`api_key` (for agents
+    that send it; the gateway accepts any key, the URL is the capability)."""
 
     api_key: str
 

@@ -1,12 +1,15 @@
 """The OpenAI-compatible gateway: an agent's HTTP calls become exact-token trajectories.
 
 An agent written against any OpenAI-compatible client points its ``base_url`` at a session of the
-gateway. The gateway owns tokenization (token truth): each
-session keeps the exact ids of its rows, and a request is encoded as the row's ids so far plus the
+gateway. The session URL is the capability: its path holds an unguessable token (192 random bits), the
+server listens on loopback only, and the client's key is ignored, so ``AsyncOpenAI(base_url=url,
+api_key="EMPTY")`` -- what agents written for local OpenAI-compatible servers do -- works unchanged, while
+another local process without the URL reaches no session. The gateway owns tokenization (token truth):
+each session keeps the exact ids of its rows, and a request is encoded as the row's ids so far plus the
 tokens of its *new* text only::
 
-    POST /s/<session>/v1/chat/completions  (Authorization: Bearer <key>, body <= max_body_bytes)
-      ─► checks: key (401), size (413), JSON and types (400), open session (404/410)
+    POST /s/<token>/v1/chat/completions  (any key or none; body <= max_body_bytes)
+      ─► checks: the URL's session (404, closed: 410), size (413), JSON and types (400)
       ─► chat template (tools included) of the messages ─► text T
       ─► T extends the row's text?  yes: observe(encode(T minus the row's text))   (mask 0)
                                      no:  a new row of the session, prompt = encode(T) (a prefix break)
@@ -21,8 +24,11 @@ the row's text: the request starts a new row of the same session. :meth:`Gateway
 returns the rows as :class:`~asyncrl.roles.agentic.episodes.Trajectory` objects, the type episodes return,
 so :func:`~asyncrl.roles.agentic.episodes.pack_trajectories` trains them unchanged.
 
-Errors of one request (a malformed body, a wrong key, an unknown or closed session) are a 4xx with
-an OpenAI-shaped ``{"error": {"message", "type", "code"}}`` body and touch no session state.
+Errors of one request (a malformed body -- not JSON, nested deeper than :data:`MAX_JSON_DEPTH`, a lone
+UTF-16 surrogate, a wrong type --, an unknown or closed session) are a 4xx with an OpenAI-shaped
+``{"error": {"message", "type", "code"}}`` body and touch no session state. The server's terminal (the
+trainer's, through the rollout worker) gets one line per rejected request, per client that disconnects
+mid-request, and per unexpected failure (a 500), never a traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import json
 import re
 import secrets
@@ -38,6 +43,8 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
+
+import structlog
 
 from asyncrl.roles.engines.base import SamplingParams
 from asyncrl.roles.engines.batcher import Generation
@@ -47,9 +54,14 @@ from asyncrl.roles.errors import MissingDependencyError
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-__all__ = ["Gateway", "SessionInfo", "SessionStats", "parse_tool_calls"]
+__all__ = ["MAX_JSON_DEPTH", "Gateway", "SessionInfo", "SessionStats", "parse_tool_calls"]
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of objects and arrays a request body may have (OpenAI's bodies and tool schemas use under 10)."""
+
+log = structlog.get_logger("asyncrl")
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -77,11 +89,15 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 @dataclass
 class SessionInfo:
-    """What an agent needs to reach its session: ``OpenAI(base_url=info.base_url, api_key=info.key)``."""
+    """What an agent needs to reach its session: ``OpenAI(base_url=info.base_url, api_key="EMPTY")``."""
 
     id: str
+    """The session's name on the gateway (:meth:`Gateway.close_session`, statistics); not a capability."""
     key: str
+    """The session's token, the capability its :attr:`base_url` holds (a client may send it as its key; any key
+    is accepted)."""
     base_url: str
+    """``http://127.0.0.1:<port>/s/<token>/v1``: whoever has it can use the session."""
 
 
 @dataclass
@@ -185,11 +201,12 @@ class Gateway:
             ``max_tokens`` is kept). Both are recorded in each turn: ``turns[i]["client"]``, ``["used"]``.
         max_response_tokens: most tokens after a row's prompt (model and new-message tokens).
         context_length: most tokens of prompt + response the model takes (None: unchecked).
-        host, port: where to listen (loopback by default; port 0 picks a free one).
+        host, port: where to listen: a loopback address (a session URL is its own capability, so the gateway
+            never listens beyond this machine); port 0 picks a free one.
         max_body_bytes: larger request bodies get 413.
         model_name: what ``/v1/models`` lists (requests may name any model; it is recorded).
 
-    ``await gateway.start()`` listens, :meth:`open_session` gives an agent its URL and key,
+    ``await gateway.start()`` listens, :meth:`open_session` gives an agent its URL,
     :meth:`close_session` returns its rows as trajectories, ``await gateway.close()`` stops (also
     ``async with Gateway(...)``).
     """
@@ -204,6 +221,9 @@ class Gateway:
         except ImportError as e:
             raise MissingDependencyError(f"the gateway needs fastapi and uvicorn ({e}); "
                                          "pip install 'asyncrl[gateway]'") from e
+        if not _is_loopback(host):
+            raise ValueError(f"Gateway host={host!r}: the gateway listens on loopback only (127.0.0.1, ::1, "
+                             "localhost): a session's URL is its capability, sent in plain HTTP")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the gateway renders chat messages with the tokenizer's chat template, and this "
                              "tokenizer has none; use a chat model's tokenizer (e.g. ModelConfig.tokenizer='qwen2')")
@@ -217,6 +237,8 @@ class Gateway:
         self.host = host
         self._port = port
         self._sessions: dict[str, _Session] = {}
+        self._by_token: dict[bytes, _Session] = {}
+        """Sessions by the sha256 of their URL token (a lookup's timing then tells nothing of a token)."""
         self._rejected = 0
         self._eos_id = tokenizer.eos_token_id
         self._tool_convention = "<tool_call>" in str(tokenizer.chat_template)
@@ -250,8 +272,10 @@ class Gateway:
         sock.bind((self.host, self._port))
         sock.listen(1024)
         self._port = sock.getsockname()[1]
+        # keep-alive longer than a client's pool keeps an idle connection (httpx: 5 s), else a request sent just
+        # as the server closes the connection is reset
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=120)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="asyncrl-gateway")
         return self.url
@@ -282,7 +306,8 @@ class Gateway:
 
     def open_session(self, session_id: str | None = None, *, seed: int | None = None,
                      llm: LLM | None = None, expected: list[dict[str, str]] | None = None) -> SessionInfo:
-        """A new session: its id, a fresh key and its ``base_url`` (``<url>/s/<id>/v1``). `llm`: the session
+        """A new session: its id, its token and its ``base_url`` (``<url>/s/<token>/v1``, the session's capability:
+        192 random bits). `session_id` names it here (default: random); it is not in the URL. `llm`: the session
         samples through it (a rollout row's client: its engine, sampling settings, seed, length limit and
         round-log key), so an agent's requests enter the engine as an episode's do. Else through the
         gateway's `submit` and `params`, with `seed` as the base sampling seed (default: from the trainer's
@@ -301,13 +326,15 @@ class Gateway:
                 h = hashlib.sha256(f"{self.params.seed}|{sid}".encode()).digest()
                 seed = int.from_bytes(h[:4], "little") & 0x3FFFFFFF
             llm = LLM(self._submit, self.tokenizer, replace(self.params, seed=seed), self.max_response_tokens)
-        info = SessionInfo(sid, secrets.token_urlsafe(24), f"{self.url}/s/{sid}/v1")
-        self._sessions[sid] = _Session(info, llm, expected=list(expected) if expected is not None else None)
+        token = secrets.token_urlsafe(24)
+        info = SessionInfo(sid, token, f"{self.url}/s/{token}/v1")
+        self._sessions[sid] = self._by_token[_token_digest(token)] = _Session(
+            info, llm, expected=list(expected) if expected is not None else None)
         return info
 
     def close_session(self, session_id: str) -> list[Trajectory]:
         """Close a session (its later requests get 410) and return its rows, in order (the gateway keeps
-        only the session's key and :class:`SessionStats`)."""
+        only the session's URL token and :class:`SessionStats`)."""
         s = self._session(session_id)
         if s.closed:
             raise RuntimeError(f"session {session_id!r} is already closed; its rows were returned then")
@@ -368,15 +395,17 @@ class Gateway:
                 row.text = text
                 s.stats.new_message_tokens += len(ids)
                 return row
-        elif row is not None and row.text is not None:
-            s.stats.prefix_breaks += 1
+            breaks = False  # the row is full: a new row, not a prefix break
+        else:
+            breaks = row is not None and row.text is not None
         ids = self._encode(text)
-        if self.context_length is not None and len(ids) >= self.context_length:
+        if self.context_length is not None and len(ids) >= self.context_length:  # (refused: the session unchanged)
             raise _HTTPError(400, f"the prompt is {len(ids)} tokens and the model's context is {self.context_length}; "
                                   "shorten the conversation", "context_length_exceeded")
         new = _Row(Trajectory(prompt_ids=ids, max_response_tokens=s.llm.max_response_tokens), text)
         s.rows.append(new)
         s.stats.rows += 1
+        s.stats.prefix_breaks += breaks
         return new
 
     async def _complete(self, s: _Session, text: str, req: Any) -> tuple[Generation, str, int]:
@@ -422,39 +451,67 @@ class Gateway:
 
     def _build_app(self) -> Any:
         from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
         from starlette.exceptions import HTTPException as StarletteHTTPException
+        from starlette.requests import ClientDisconnect
 
         # Routes take the raw request (Starlette style): the gateway reads the body itself, to bound its
         # size before parsing and to answer every malformed body with its own 4xx.
         app = FastAPI(title="asyncrl gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
-        def error(status: int, message: str, kind: str) -> JSONResponse:
+        def error(request: Request, status: int, message: str, kind: str) -> JSONResponse:
             self._rejected += status < 500
+            log.info("gateway.rejected", status=status, **where(request), error=message[:200])
             return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
         async def on_error(request: Request, e: Exception) -> JSONResponse:
             assert isinstance(e, _HTTPError)
-            return error(e.status, e.message, e.kind)
+            return error(request, e.status, e.message, e.kind)
 
         async def on_http(request: Request, e: Exception) -> JSONResponse:
             assert isinstance(e, StarletteHTTPException)
-            return error(e.status_code, f"{e.detail}: {request.method} {request.url.path}", "invalid_request_error")
+            return error(request, e.status_code, f"{e.detail}: {request.method} {request.url.path}",
+                         "invalid_request_error")
+
+        def where(request: Request) -> dict[str, str]:
+            """What a log line names: the session (never its URL token) and the route."""
+            token = request.path_params.get("token")
+            s = self._by_token.get(_token_digest(token)) if isinstance(token, str) else None
+            route = request.url.path.rsplit("/v1/", 1)[-1] if s is not None else "?"
+            return {"session": s.info.id if s is not None else "?", "route": f"{request.method} {route}"}
+
+        def guarded(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
+            """`handler` whose unexpected failures are one log line and a 500 (the server would print a traceback),
+            and whose client, gone mid-request, is one log line."""
+            async def run(request: Request) -> Any:
+                try:
+                    return await handler(request)
+                except _HTTPError:
+                    raise  # the app's handler answers it
+                except ClientDisconnect:
+                    log.warning("gateway.client_disconnected", **where(request))
+                    return Response(status_code=400)  # (nobody reads it)
+                except Exception as e:
+                    tb = e.__traceback__
+                    while tb is not None and tb.tb_next is not None:
+                        tb = tb.tb_next
+                    at = f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else "?"
+                    log.error("gateway.failed", **where(request), error=f"{type(e).__name__}: {e}"[:300], at=at)
+                    return error(request, 500, f"the gateway failed on this request: {type(e).__name__}: {e}",
+                                 "server_error")
+            return run
 
         app.add_exception_handler(_HTTPError, on_error)
         app.add_exception_handler(StarletteHTTPException, on_http)
 
-        def session_of(request: Request, sid: str) -> _Session:
-            s = self._sessions.get(sid)
+        def session_of(request: Request) -> _Session:
+            """The session whose token the URL holds (the key the client sends, if any, is not read)."""
+            s = self._by_token.get(_token_digest(request.path_params["token"]))
             if s is None:
-                raise _HTTPError(404, f"no session {sid[:80]!r} on this gateway", "session_not_found")
-            auth = request.headers.get("authorization", "")
-            key = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(key.encode(), s.info.key.encode()):
-                raise _HTTPError(401, "missing or wrong key for this session: send 'Authorization: Bearer <key>' "
-                                      "with the key the session was opened with", "authentication_error")
+                raise _HTTPError(404, "no session at this URL: use the base_url the session was opened with "
+                                      "(SessionInfo.base_url, the agent's base_url argument)", "session_not_found")
             if s.closed:
-                raise _HTTPError(410, f"session {sid!r} is closed", "session_closed")
+                raise _HTTPError(410, f"session {s.info.id!r} is closed", "session_closed")
             return s
 
         async def body_of(request: Request, model: Any) -> Any:
@@ -470,8 +527,12 @@ class Gateway:
                 obj = json.loads(body)
             except (ValueError, UnicodeDecodeError) as e:
                 raise _HTTPError(400, f"the body is not valid JSON: {e}") from None
+            except RecursionError:
+                raise _HTTPError(400, f"the body nests objects or arrays deeper than {MAX_JSON_DEPTH} levels; "
+                                      "send a flatter body") from None
             if not isinstance(obj, dict):
                 raise _HTTPError(400, f"the body must be a JSON object, not {type(obj).__name__}")
+            _check_json(obj)
             from pydantic import ValidationError
 
             try:
@@ -488,13 +549,13 @@ class Gateway:
                     "total_tokens": row_before + len(gen.response_ids)}
 
         async def models(request: Request) -> Any:
-            session_of(request, request.path_params["sid"])
+            session_of(request)
             return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                              "owned_by": "asyncrl"}]})
 
         async def chat(request: Request) -> Any:
-            sid = request.path_params["sid"]
-            s = session_of(request, sid)
+            s = session_of(request)
+            sid = s.info.id
             req = await body_of(request, self._chat_model)
             messages = [_message_dict(m) for m in req.messages]
             try:
@@ -530,8 +591,8 @@ class Gateway:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def completions(request: Request) -> Any:
-            sid = request.path_params["sid"]
-            s = session_of(request, sid)
+            s = session_of(request)
+            sid = s.info.id
             req = await body_of(request, self._completion_model)
             if req.stream:
                 raise _HTTPError(400, "stream=true is served on /v1/chat/completions only; send stream=false")
@@ -543,10 +604,48 @@ class Gateway:
                                                      "finish_reason": "stop" if gen.finish_reason == "stop" else "length"}],
                     "usage": usage(before, gen)})
 
-        app.add_route("/s/{sid}/v1/models", models, methods=["GET"])
-        app.add_route("/s/{sid}/v1/chat/completions", chat, methods=["POST"])
-        app.add_route("/s/{sid}/v1/completions", completions, methods=["POST"])
+        app.add_route("/s/{token}/v1/models", guarded(models), methods=["GET"])
+        app.add_route("/s/{token}/v1/chat/completions", guarded(chat), methods=["POST"])
+        app.add_route("/s/{token}/v1/completions", guarded(completions), methods=["POST"])
         return app
+
+
+def _check_json(obj: Any) -> None:
+    """Refuse (400) a parsed body nested deeper than :data:`MAX_JSON_DEPTH` or holding a lone UTF-16 surrogate
+    (JSON's ``"\\ud800"`` escape parses to a ``str`` that is not text: no tokenizer encodes it), naming where."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(obj, ())]
+    while stack:
+        o, path = stack.pop()
+        if len(path) >= MAX_JSON_DEPTH:
+            raise _HTTPError(400, f"the body nests objects or arrays deeper than {MAX_JSON_DEPTH} levels (at "
+                                  f"{'.'.join(path[:8])}...); send a flatter body")
+        if isinstance(o, dict):
+            for k, v in o.items():
+                key = k if len(k) < 40 and not _SURROGATE.search(k) else "<key>"
+                if _SURROGATE.search(k):
+                    raise _HTTPError(400, f"{'.'.join((*path, key))}: a key holds a lone UTF-16 surrogate, which is "
+                                          "not text; send valid Unicode")
+                stack.append((v, (*path, key)))
+        elif isinstance(o, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(o))
+        elif isinstance(o, str) and (m := _SURROGATE.search(o)):
+            raise _HTTPError(400, f"{'.'.join(path) or 'body'}: a lone UTF-16 surrogate ({ascii(m.group())} at "
+                                  f"character {m.start()}), which is not text; send valid Unicode")
+
+
+def _token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _message_dict(m: Any) -> dict[str, Any]:

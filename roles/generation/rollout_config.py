@@ -59,8 +59,8 @@ class RolloutConfig(Section):
     """Run the user's OpenAI-client agent per row instead (:mod:`asyncrl.roles.agentic.agents`):
     ``"path/to/file.py:function"`` or ``"package.module:function"``, an ``async def fn(sample, base_url)
     -> float | None`` that talks to ``base_url`` (a session of the worker's OpenAI-compatible gateway;
-    ``base_url.api_key`` is its key). Its last row trains, with the gateway's rendered chat as the prompt.
-    Not with ``episode``. Checked by :meth:`validate`."""
+    the URL is the session's capability: any client key works). Its last row trains, with the gateway's
+    rendered chat as the prompt. Not with ``episode``. Checked by :meth:`validate`."""
     max_episodes_in_flight: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 256
     """Most episodes one rank runs at once (the engine batches their pending requests)."""
     chunk_tokens: Annotated[int, Range(ge=1, le=1 << 20)] = 32

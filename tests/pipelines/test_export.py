@@ -74,6 +74,54 @@ def test_the_export_loads_offline_with_the_checkpoints_weights_bit_for_bit(run, 
     assert json.loads((out / "generation_config.json").read_text())["pad_token_id"] == 0
 
 
+PROBES = ["write digits: 12345", "0 1 22 333 4444 55555 6666666 3.14159", "  two  spaces,\ttab\nnew line  ",
+          "café naïve ﬁ e\u0301 Ω Å", "日本語のテキスト 👍🏽 \u202eevil", "say cat.", "<|endoftext|> digits"]
+
+
+def _trained_policy(run):
+    """The tokenizer and the policy of `run`'s newest checkpoint as training builds them (a PolicyWorker that
+    loads the checkpoint, the tokenizer its config names)."""
+    from asyncrl.pipelines.checkpoints.checkpoint import verify
+    from asyncrl.pipelines.job import configlib
+    from asyncrl.roles import PolicyWorker
+    from asyncrl.roles.modeling.models import ModelConfig, tokenizer_for
+
+    ckpt = checkpoint_dir(run, 2)
+    model_cfg = configlib.from_dict(ModelConfig, verify(ckpt)["config"]["model"], _path="model")
+    policy = PolicyWorker(model_cfg)
+    assert policy.load(str(ckpt / "policy")) == 2
+    return tokenizer_for(model_cfg), policy
+
+
+def test_the_exported_model_and_tokenizer_are_the_trained_policys(run, tmp_path):
+    """``AutoTokenizer`` of the export gives the training tokenizer's ids (transformers 5 would load a qwen2 model's
+    tokenizer as Qwen2Tokenizer, which splits digits one per token), and ``AutoModelForCausalLM`` gives the
+    trained policy's logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.roles.modeling.models import position_ids_from_mask
+
+    out = tmp_path / "hf"
+    export.export_policy(run, out)
+    trained, policy = _trained_policy(run)
+    exported = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    for text in PROBES:
+        assert exported(text)["input_ids"] == trained(text)["input_ids"], text
+        assert exported.decode(exported(text)["input_ids"]) == text
+    assert trained("write digits: 12345")["input_ids"][-2:] == [383, 22]  # "123", "45": what digits look like here
+
+    enc = trained(PROBES, padding=True, return_tensors="pt")  # left-padded, as rollout prompts are
+    inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+              "position_ids": position_ids_from_mask(enc["attention_mask"])}
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = policy.model(**inputs).logits.float()
+        got = model(**inputs).logits
+    real = enc["attention_mask"].bool()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want)[real].abs().max().item() <= 1e-5
+
+
 def test_step_and_dtype_pick_the_checkpoint_and_cast_its_weights(run, tmp_path):
     out = tmp_path / "bf16"
     result = export.export_policy(run, out, step=1, dtype="bfloat16")
@@ -203,6 +251,8 @@ def test_smollm2_exports_with_its_tie_and_chat_template(tmp_path):
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert exported.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    for text in PROBES:
+        assert exported(text)["input_ids"] == tok(text)["input_ids"], text
 
 
 def test_weights_of_another_architecture_are_refused_naming_the_mismatch(tmp_path):

@@ -91,3 +91,28 @@ async def uneven_batch(model_config, prompt_batch):
     tokens = mask.sum(1)
     assert tokens[:4].sum() >= 4 * tokens[4:].sum() and P > 0  # very unequal shards
     return b
+
+
+@pytest.fixture
+def server_log():
+    """``(events, records)``: the structlog events (the gateway's log lines) and the records uvicorn logged (a
+    traceback there is what a trainer's terminal would print) while the test runs."""
+    import logging
+
+    from structlog.testing import capture_logs
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, loggers = Keep(), [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "uvicorn.asgi")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        with capture_logs() as events:
+            yield events, records
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)

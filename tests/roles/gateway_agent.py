@@ -35,3 +35,13 @@ async def two_turns_random(sample, base_url):
              {"role": "user", "content": f"sure? {random.random():.6f}"}]
     r = await client.chat.completions.create(model="whatever", messages=msgs)
     return float(len(r.choices[0].message.content) > 0)
+
+
+async def own_key(sample, base_url):
+    """`two_turns` as an agent written for any local OpenAI-compatible server: it sets its own key."""
+    client = AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0)
+    msgs = [{"role": "user", "content": sample.prompt}]
+    r = await client.chat.completions.create(model="whatever", messages=msgs, max_tokens=4)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "sure?"}]
+    r = await client.chat.completions.create(model="whatever", messages=msgs)
+    return float(len(r.choices[0].message.content) > 0)

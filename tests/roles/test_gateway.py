@@ -1,6 +1,8 @@
 """The OpenAI-compatible gateway on real HTTP (loopback) with the real ``openai`` client: token truth
-across turns, new rows on rewritten history, the trainer's sampling settings, keys, and malformed
-requests that each get a 4xx while a well-formed session completes.
+across turns, new rows on rewritten history, the trainer's sampling settings, the session URL as the
+capability, and bad input (a lone surrogate, deep nesting, a client gone mid-request). The oracles a
+re-tokenizing or fragile gateway would fail (non-canonical ids, 64 concurrent sessions, a seeded fuzz of the
+schema) are in test_gateway_oracles.py.
 
 The engine is a real in-process RolloutWorker's request-level engine (the tiny Qwen2 model with the
 real Qwen2 tokenizer and its chat template); `recorded` keeps what the engine returned per request."""
@@ -9,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 
 import httpx
 import pytest
 import torch
-from openai import AsyncOpenAI, AuthenticationError
+from openai import AsyncOpenAI
 
 from asyncrl.roles import RolloutConfig, RolloutWorker
 from asyncrl.roles.engines import SamplingParams
@@ -139,22 +142,77 @@ async def test_the_trainers_temperature_wins_over_the_clients_and_both_are_recor
     assert row.turns[0]["used"]["max_new_tokens"] == 2 and len(row.model_ids()) <= 2
 
 
-async def test_a_request_without_its_sessions_key_gets_401_and_a_closed_session_410(served):
+async def test_the_session_url_is_the_capability_whatever_key_the_client_sends(served):
+    """An agent written for a local OpenAI-compatible server sets its own key ("EMPTY"); the URL alone opens
+    the session, and a closed session's URL gets 410."""
     gw, _ = served
     a, b = gw.open_session("key_a"), gw.open_session("key_b")
-    with pytest.raises(AuthenticationError):
-        await AsyncOpenAI(base_url=a.base_url, api_key="wrong", max_retries=0).models.list()
-    with pytest.raises(AuthenticationError):  # another session's key does not open this one
-        await AsyncOpenAI(base_url=a.base_url, api_key=b.key, max_retries=0).models.list()
-    assert [m.id for m in (await client(a).models.list()).data] == ["asyncrl-policy"]
-    async with httpx.AsyncClient() as h:
-        r = await h.post(f"{a.base_url}/chat/completions", json={"model": "m", "messages": []})
-        assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
-    gw.close_session("key_b")
-    async with httpx.AsyncClient() as h:
-        r = await h.post(f"{b.base_url}/chat/completions", headers={"Authorization": f"Bearer {b.key}"},
-                         json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    for key in ("EMPTY", "sk-anything", b.key):
+        oa = AsyncOpenAI(base_url=a.base_url, api_key=key, max_retries=0, timeout=60)
+        assert [m.id for m in (await oa.models.list()).data] == ["asyncrl-policy"]
+    r = await AsyncOpenAI(base_url=a.base_url, api_key="EMPTY", max_retries=0, timeout=60).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].finish_reason in ("stop", "length") and gw.session_stats("key_a").requests == 1
+    async with httpx.AsyncClient(timeout=60) as h:  # no Authorization header at all
+        r = await h.post(f"{a.base_url}/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]})
+        assert r.status_code == 200 and gw.session_stats("key_a").requests == 2
+        assert a.base_url.startswith(f"{gw.url}/s/") and "key_a" not in a.base_url and a.key in a.base_url
+        gw.close_session("key_b")
+        r = await h.post(f"{b.base_url}/chat/completions", json={"model": "m", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]})
         assert r.status_code == 410 and "closed" in r.json()["error"]["message"]
+    gw.close_session("key_a")
+
+
+_PROBE = """
+import json, sys, httpx
+port, sid, url = sys.argv[1], sys.argv[2], sys.argv[3]
+base = f"http://127.0.0.1:{port}"
+body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+out = {}
+with httpx.Client(timeout=30) as h:
+    for key in (None, "EMPTY", sid):
+        hdr = {} if key is None else {"Authorization": f"Bearer {key}"}
+        for path in (f"/s/{sid}/v1/models", "/v1/models", "/models", f"/s/{sid}/models", "/s//v1/models",
+                     "/s/" + "A" * 32 + "/v1/models", "/docs", "/openapi.json"):
+            out[f"GET {path} {key}"] = h.get(base + path, headers=hdr).status_code
+        out[f"POST /s/{sid}/v1/chat/completions {key}"] = h.post(
+            f"{base}/s/{sid}/v1/chat/completions", headers=hdr, json=body).status_code
+    out["with the url"] = h.get(url + "/models").status_code
+print(json.dumps(out))
+"""
+
+
+async def test_another_local_process_without_the_session_url_reaches_no_session(served):
+    """Another process on this machine knows the port, the session's id and the API's paths, and sends no key,
+    the id, or "EMPTY": every request is a 404. Given the URL, the same process gets in."""
+    import sys
+
+    gw, _ = served
+    info = gw.open_session("private")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _PROBE, str(gw.url.rsplit(":", 1)[1]), info.id,
+                                                info.base_url, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    statuses = json.loads(out)
+    assert statuses.pop("with the url") == 200
+    assert set(statuses.values()) == {404}, statuses
+    assert gw.session_stats("private").requests == 0
+    gw.close_session("private")
+
+
+def test_the_gateway_listens_on_loopback_only():
+    from asyncrl.roles.modeling.models import load_tokenizer
+
+    async def submit(ids, params):
+        raise AssertionError("never called")
+
+    tok, params = load_tokenizer("qwen2"), SamplingParams(max_new_tokens=4)
+    for host in ("0.0.0.0", "192.168.1.7", "::", "example.org"):
+        with pytest.raises(ValueError, match=rf"host='{host}': the gateway listens on loopback only"):
+            Gateway(submit, tok, params, max_response_tokens=R, host=host)
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert Gateway(submit, tok, params, max_response_tokens=R, host=host).host == host
 
 
 async def test_completions_and_streamed_chat_extend_the_same_row(served):
@@ -246,63 +304,67 @@ async def test_a_template_that_drops_earlier_reasoning_starts_a_new_row():
     assert "<|im_start|>assistant\nfour<|im_end|>" in tok.decode(rows[1].prompt_ids, skip_special_tokens=False)
 
 
-async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_completes(served):
-    gw, recorded = served
-    good, closed = gw.open_session("good"), gw.open_session("closed")
-    gw.close_session("closed")
-    auth = {"Authorization": f"Bearer {good.key}"}
-    url = f"{good.base_url}/chat/completions"
-    msg = [{"role": "user", "content": "hi"}]
-    bad: list[tuple[str, str, dict, bytes]] = [
-        ("POST", url, auth, b"{not json"),
-        ("POST", url, auth, b"\xff\xfe"),
-        ("POST", url, auth, b"[1, 2]"),
-        ("POST", url, auth, json.dumps({"model": "m"}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": "hi"}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": []}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": [{"role": "user", "content": 5}]}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "temperature": "hot"}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "max_tokens": -3}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "n": 4}).encode()),
-        ("POST", url, auth, json.dumps({"model": 7, "messages": msg}).encode()),
-        ("POST", url, auth, json.dumps({"model": "m", "messages": msg, "tools": "calc"}).encode()),
-        ("POST", url, auth, b'{"model": "m", "messages": [' + b"x" * (70 << 10) + b"]}"),  # over 64 KiB: 413
-        ("POST", url, {}, json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", url, {"Authorization": "Bearer nope"}, json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", url.replace("/s/good/", "/s/nobody/"), auth, json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", f"{closed.base_url}/chat/completions", {"Authorization": f"Bearer {closed.key}"},
-         json.dumps({"model": "m", "messages": msg}).encode()),
-        ("POST", f"{good.base_url}/completions", auth, json.dumps({"model": "m", "prompt": ["a"]}).encode()),
-        ("POST", f"{good.base_url}/completions", auth, json.dumps({"model": "m", "prompt": ""}).encode()),
-        ("GET", url, auth, b""),
-        ("POST", f"{gw.url}/v1/chat/completions", auth, json.dumps({"model": "m", "messages": msg}).encode()),
-    ]
-    statuses: list[int] = []
+async def test_a_lone_surrogate_or_deep_nesting_is_a_400_that_leaves_the_session_as_it_was(served, server_log):
+    gw, _ = served
+    events, records = server_log
+    info = gw.open_session("odd")
+    url = f"{info.base_url}/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    async with httpx.AsyncClient(timeout=60) as h:
+        r = await h.post(url, json={"model": "m", "messages": msgs})
+        msgs.append(r.json()["choices"][0]["message"])
+        before = (gw.session_stats("odd"), [list(r.traj.response_ids) for r in gw._sessions["odd"].rows])
+        deep = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [%s]}'
+        bodies = [  # each would have started a new row (another first message), were it encoded
+            '{"model": "m", "messages": [{"role": "user", "content": "\\ud800 hi"}]}',
+            '{"model": "m", "messages": [{"role": "user", "content": "ok", "\\udfff": 1}]}',
+            '{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udc00"}]}]}',
+            json.dumps({"model": "m", "messages": msgs + [{"role": "user", "content": "more"}]})[:-1]
+            + ', "tools": [{"type": "function", "function": {"name": "\\ud83d"}}]}',
+            deep % ("[" * 30_000 + "]" * 30_000), deep % ("[" * 70 + "]" * 70),
+            '{"model": "m", "messages": [{"role": "user", "content": "%s"}]}' % ("word " * 600),  # > the context
+        ]
+        for body in bodies:
+            r = await h.post(url, content=body.encode(), headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["message"], r.text
+            assert (gw.session_stats("odd"), [list(r.traj.response_ids) for r in gw._sessions["odd"].rows]) == before
+        r = await h.post(f"{info.base_url}/completions", content=b'{"model": "m", "prompt": "\\ud800"}')
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+        msgs.append({"role": "user", "content": "go on"})  # the conversation goes on in its row
+        assert (await h.post(url, json={"model": "m", "messages": msgs})).status_code == 200
+    stats = gw.session_stats("odd")
+    assert (stats.requests, stats.rows, stats.prefix_breaks) == (2, 1, 0)
+    gw.close_session("odd")
+    assert [e["status"] for e in events if e["event"] == "gateway.rejected"] == [400] * (len(bodies) + 1)
+    assert all(e["session"] == "odd" and info.key not in str(e) for e in events)
+    assert not [r for r in records if r.levelno >= logging.WARNING or r.exc_info], records
 
-    async def hammer() -> None:
-        async with httpx.AsyncClient(timeout=60) as h:
-            for i in range(1000):
-                method, u, headers, body = bad[i % len(bad)]
-                r = await h.request(method, u, headers={"Content-Type": "application/json", **headers}, content=body)
-                assert 400 <= r.status_code < 500 and r.json()["error"]["message"], (i, r.status_code, r.text)
-                statuses.append(r.status_code)
 
-    async def converse() -> int:
-        oa = client(good)
-        msgs = [{"role": "user", "content": "count with me"}]
-        for turn in range(3):
-            r = await oa.chat.completions.create(model="m", messages=msgs)
-            msgs += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": "go on"}]
-        return r.choices[0].finish_reason
+async def test_an_idle_connection_outlives_the_clients_pool_so_no_request_meets_a_closing_socket(served):
+    """httpx (the openai client's transport) drops a pooled connection after 5 s idle; had the server the same 5 s,
+    a request sent as it closes would be reset (seen with 64 agents on a loaded machine). The server waits longer."""
+    gw, _ = served
+    assert gw._server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry == 5.0
 
-    rejected = gw.statistics()["rejected"]
-    _, finish = await asyncio.gather(hammer(), converse())  # the malformed requests hit the same session too
-    rows = len(gw.close_session("good"))
-    assert finish in ("stop", "length") and rows == 1 and gw.session_stats("good").requests == 3 and gw.session_stats("good").prefix_breaks == 0
-    assert len(statuses) == 1000 and set(statuses) == {400, 401, 404, 405, 410, 413}
-    assert gw.statistics()["rejected"] - rejected == 1000
+
+async def test_a_client_that_disconnects_mid_request_is_one_log_line(served, server_log):
+    gw, _ = served
+    events, records = server_log
+    info = gw.open_session("gone")
+    path = info.base_url.split(gw.url, 1)[1] + "/chat/completions"
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 'Content-Length: 1000\r\n\r\n{"model": "m", '.encode())
+    await writer.drain()
+    writer.close()  # the body is never finished
+    await writer.wait_closed()
+    deadline = asyncio.get_running_loop().time() + 30  # the server logs once it reads the close: poll for it
+    while not events and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    assert [(e["event"], e["session"], e["route"]) for e in events] == [
+        ("gateway.client_disconnected", "gone", "POST chat/completions")]
+    assert gw.session_stats("gone") == type(gw.session_stats("gone"))() and not records
+    gw.close_session("gone")
 
 
 # ---- rollout.agent: the user's agent as the episode of a row --------------------------------------
@@ -310,10 +372,11 @@ async def test_1000_malformed_requests_each_get_a_4xx_and_a_concurrent_session_c
 AGENTS = os.path.join(os.path.dirname(__file__), "gateway_agent.py")
 
 
-async def test_an_agent_file_runs_per_row_against_the_workers_gateway_and_packs_its_rows(prompt_batch):
+@pytest.mark.parametrize("agent", ["two_turns", "own_key"])  # own_key: api_key="EMPTY", as for any local server
+async def test_an_agent_file_runs_per_row_against_the_workers_gateway_and_packs_its_rows(prompt_batch, agent):
     cfg = ModelConfig(seed=0, tokenizer="qwen2", device=os.environ.get("ASYNCRL_TEST_DEVICE", "cpu"),
                       dtype="float32", autocast="off")
-    rollout = RolloutWorker(cfg, RolloutConfig(max_new_tokens=24, agent=f"{AGENTS}:two_turns"))
+    rollout = RolloutWorker(cfg, RolloutConfig(max_new_tokens=24, agent=f"{AGENTS}:{agent}"))
     try:
         out = await rollout.generate_episodes(prompt_batch(n=2))
         gw = rollout._episode_fn.gateway

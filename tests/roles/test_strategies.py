@@ -1,4 +1,5 @@
-"""The training strategies on real Ray: ``fsdp2`` at 2 ranks trains like ``ddp`` at 2 ranks and like one rank.
+"""The training strategies on real Ray: ``fsdp2`` at 2 ranks trains like ``ddp`` at 2 ranks and like one rank, and a
+weight sync from its shards gathers one unit at a time (measured).
 
 Two colocated Ray processes hold a ddp policy, an fsdp2 policy, an fsdp2 critic and an fsdp2 reference
 (gloo between them); the one-rank references run in this process. The batch's two shards hold very
@@ -19,7 +20,7 @@ import asyncrl
 from asyncrl import Dispatch, register
 from asyncrl.roles import (CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker,
                            RolloutConfig, RolloutCorrectionConfig, RolloutWorker, open_weight_channel, sync_weights)
-from asyncrl.roles.modeling.models import tensor_checksum
+from asyncrl.roles.modeling.models import ModelConfig, tensor_checksum
 from asyncrl.roles.training.functional import LOSS_AGG_MODES
 
 
@@ -71,6 +72,35 @@ class StrategyProbe(PolicyWorker):
 
         handles = [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
 
+    @register(Dispatch.ONE_TO_ALL)
+    def unit_bytes(self) -> list[int]:
+        """Bytes of each FSDP unit's own parameters whole (the root's, then each decoder layer's)."""
+        from asyncrl.roles.training.lora import MergedWeights
+
+        layout = self._export_layout()  # (DTensor shards: numel() is the whole tensor's)
+        sources = MergedWeights(self.model).sources if self._lora else {n: n for n in layout}  # the modules read
+        return [sum(layout[n].numel() * layout[n].element_size() for n in keys)
+                for _, keys in self.engine._per_unit(sources)]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_peak(self) -> dict[str, int]:
+        """``stage_weights("object_store")`` twice (the first allocates rank 0's packed host buffer, kept across
+        versions); of the second, the peak of the bytes the CPU allocator handed out beyond those live when it
+        started, and what was still held when it returned. The torch profiler records each allocation and free of
+        this thread with its bytes (FSDP2's storage resizes included): deterministic, unlike RSS."""
+        from torch.profiler import ProfilerActivity, profile
+
+        self.stage_weights("object_store")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            handle = self.stage_weights("object_store")
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
+        live = peak = 0
+        for _, n in events:
+            live += n
+            peak = max(peak, live)
+        return {"peak": peak, "held_after": live, "staged": 0 if handle is None else handle.nbytes}
+
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # this test module is not importable by workers
 
@@ -78,6 +108,9 @@ OPTIM = OptimConfig(lr=1e-3, micro_batch_size=3, max_grad_norm=0.01, kl_coef=0.1
                     entropy_coef=0.01, rollout_correction=RolloutCorrectionConfig(mode="tis", rollout_is_threshold=1.5))
 FSDP2 = replace(OPTIM, strategy="fsdp2")
 CRITIC = OptimConfig(lr=1e-3, micro_batch_size=3, max_grad_norm=0.01, strategy="fsdp2")
+DEEP = ModelConfig(hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=256, seed=0,
+                   device="cpu", dtype="float32", autocast="off", num_threads=1)
+"""Many units, none of them most of the model: what a gather of one unit at a time is told from a gather of all."""
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +126,9 @@ async def ranks(ray_cluster, model_config):
                             "failing_ddp": (StrategyProbe, (model_config, replace(OPTIM)), {}),
                             "critic": (CriticWorker, (model_config, CRITIC), {}),
                             "reference": (ReferenceWorker, (model_config,), {"strategy": "fsdp2",
-                                                                             "micro_batch_size": 3})},
+                                                                             "micro_batch_size": 3}),
+                            "deep": (StrategyProbe, (DEEP, FSDP2), {}),
+                            "deep_lora": (StrategyProbe, (DEEP, replace(FSDP2, lora=replace(FSDP2.lora, rank=4))), {})},
                            world_size=2, name="strategies")
     await col.setup()
     try:
@@ -201,6 +236,25 @@ async def test_fsdp2_holds_half_of_the_replicated_model_per_rank(ranks, uneven_b
     for part in ("params", "grads", "optim"):
         assert fsdp[0][part] + fsdp[1][part] == ddp[0][part], part  # every element once, over the two ranks
         assert max(fsdp[0][part], fsdp[1][part]) <= 0.55 * ddp[0][part], part  # 1/2 of a replica (+10 %)
+
+
+@pytest.mark.parametrize("policy", ["deep", "deep_lora"])
+async def test_a_sync_from_fsdp2_shards_holds_one_unit_whole_at_a_time(ranks, policy):
+    """Each rank stages the weights of an 8-layer policy for the object store: beyond what it held before, the sync
+    peaks at one unit's all-gather buffer and its parameters copied out of it (with LoRA also the unit's merged
+    weights and one adapter delta being added), about a quarter of the model; a gather of the model whole would need
+    all of it. Nothing stays allocated after the sync but rank 0's packed buffer of the first one."""
+    units = (await ranks[policy].unit_bytes())[0]
+    whole, largest = sum(units), max(units)
+    assert len(units) == 9 and largest < whole / 8  # the root and 8 layers
+    bound = 2 * largest
+    if policy == "deep_lora":
+        bound += largest + 2 * 64 * 256 * 4  # the unit's merged weights, an MLP weight's delta B @ A and its sum
+    peaks = await ranks[policy].sync_peak()
+    for rank, p in enumerate(peaks):
+        assert 0 < p["peak"] <= bound < whole / 2, (policy, rank, p, units)
+        assert p["held_after"] == 0, (policy, rank, p)
+    assert peaks[0]["staged"] == whole and peaks[1]["staged"] == 0  # rank 0 alone stages the whole payload
 
 
 async def test_fsdp2_critic_and_reference_compute_what_one_rank_does(ranks, model_config, uneven_batch):

@@ -205,6 +205,29 @@ def test_smollm2_exports_with_its_tie_and_chat_template(tmp_path):
         tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
 
+def test_a_tied_chat_model_exports_with_its_tie_and_chat_template(tmp_path):
+    """The default suite's twin of the SmolLM2 export above (a tied pretrained chat model): a tied model with the real
+    Qwen2 tokenizer (its chat template) keeps its tie and the template the run trained with."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.roles.modeling.models import ModelConfig, load_model
+
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=2,
+                      tokenizer="qwen2", tie_word_embeddings=True)
+    model, tok = load_model(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)  # the tie: the embedding doubles too
+    _checkpoint_of(model, tmp_path / "run", cfg)
+    export.export_policy(tmp_path / "run", tmp_path / "hf")
+    loaded, _ = _exported_state(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    chat = [{"role": "user", "content": "What is 2+3?"}]
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert exported.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
 def test_weights_of_another_architecture_are_refused_naming_the_mismatch(tmp_path):
     from asyncrl.roles.modeling.models import ModelConfig, load_model
 

@@ -170,6 +170,33 @@ def test_stream_mode_trains_an_openai_client_agent_through_the_gateway(ray_clust
         assert run_ids == tok.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.parametrize("mode", ["batch", "stream"])
+def test_one_step_of_an_openai_client_agent_trains_through_the_gateway(ray_cluster, tmp_path, mode):
+    """The default suite's gateway run, in each mode (``rollout.agent``; the slow tests below and in
+    ``test_agents_toy.py`` train more steps): one step of 4 two-turn sessions of an ``openai``-client agent
+    (2 prompts x 2), every trained model segment one request's sampled tokens on the row's exact ids, the new
+    user message masked 0."""
+    out = tmp_path / "run"
+    cfg = stream_cfg(out, steps=1)
+    cfg.trainer.rollout_mode = mode
+    cfg.trainer.batch_size, cfg.algorithm.group_size = 4, 2
+    cfg.model.tokenizer = "qwen2"
+    cfg.rollout.agent, cfg.rollout.max_new_tokens = f"{AGENT}:two_turns", 24
+    overrides = {"rollout": (SampledRecorder, {"path": str(tmp_path / "sampled.jsonl")}),
+                 "advantage": (TrainedRecorder, {"path": str(tmp_path / "trained.jsonl")})}
+    [row] = GRPOTrainer(cfg.validate(), worker_overrides=overrides).fit_sync()
+    assert (row["step"], row["reward/mean"], row["actor/episode/turns_mean"]) == (0, 1.0, 2.0)
+    [trained] = lines(tmp_path / "trained.jsonl")
+    sampled = lines(tmp_path / "sampled.jsonl")
+    assert len(trained["ids"]) == 4 and len(sampled) == 8  # 4 sessions of two requests, each trained once
+    env = check_trained_rows([trained], sampled, k=1)
+    from asyncrl.roles.modeling.models import load_tokenizer
+
+    tok = load_tokenizer("qwen2")
+    assert len(env) == 4 and all(tok.decode(e).endswith("<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n")
+                                 for e in env)
+
+
 @pytest.mark.parametrize("overrides", [["rollout.episode=char_class_retry"],
                                        [f"rollout.agent={AGENT}:two_turns", "model.tokenizer=qwen2"]])
 def test_stream_mode_accepts_episodes_and_agents(overrides):

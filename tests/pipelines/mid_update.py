@@ -49,26 +49,43 @@ def mid_update_workers(cfg: Any, held: Path, **rollout: Any) -> dict[str, Any]:
 
 class MidUpdateBatcher(RequestBatcher):
     """A request batcher that holds the rows of the prompt group with sampling seed `hold_seed` (see the module),
-    once, writing the file `held` as the hold begins."""
+    once a run, creating the file `held` as the hold begins."""
 
     def __init__(self, engine: Any, *, hold_seed: int, held: str, **kwargs: Any) -> None:
         super().__init__(engine, **kwargs)
         self._hold_seed, self._held = str(hold_seed), held
         self.released = False
+        self._at: int | None = None
+
+    def _claim(self, version: int) -> bool:
+        """Whether this process holds the group (under weight `version`, the one its rows started with): it created
+        the marker file `held`, or does now; False when a process of this run already did (one hold a run: a
+        replacement worker regenerating the group decodes it freely)."""
+        if self._at is None:
+            try:
+                os.close(os.open(self._held, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                self.released = True
+                return False
+            self._at = version
+        return True
 
     def _segment(self, batch: list[Any], rnd: Any, version: int, steps: int | None = None) -> Any:
         if rnd is None and not self.released:
             held = [r for r in batch if r.key.split(":")[0] == self._hold_seed and len(r.tokens) >= self.chunk_tokens]
-            if held and len(held) == len(batch):  # a round of the held rows only: no decode step
-                Path(self._held).write_text(str(os.getpid()))
-                rnd = self._begin(batch)
-                rnd.done[:] = [True] * len(batch)  # (their finish stays None: they go on in a later round)
-                for _ in range(int(LIMIT_S / 0.01)):  # (the worker thread: an update's pause ends it)
-                    if self._interrupt.wait(0.01) or self._halt.is_set() or self._abort.is_set():
-                        break
-                self.released = True
-                return rnd, True
-            batch = [r for r in batch if r not in held]  # the others decode without them
+            if held and self._claim(version):
+                if version > self._at:  # the update came (while the held rows sat out another round): decode on
+                    self.released = True
+                elif len(held) == len(batch):  # a round of the held rows only: no decode step
+                    rnd = self._begin(batch)
+                    rnd.done[:] = [True] * len(batch)  # (their finish stays None: they go on in a later round)
+                    for _ in range(int(LIMIT_S / 0.01)):  # (the worker thread: an update's pause ends it)
+                        if self._interrupt.wait(0.01) or self._halt.is_set() or self._abort.is_set():
+                            break
+                    self.released = True
+                    return rnd, True
+                else:
+                    batch = [r for r in batch if r not in held]  # the others decode without them
         return super()._segment(batch, rnd, version, steps)
 
 
@@ -82,7 +99,7 @@ class MidUpdateRollout(FaultyRollout):
                  gate_load: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._hold_seed, self._held, self._calls = hold_seed, held, calls
-        self._gate, self._gate_load, self._loads = gate, gate_load, 0
+        self._load_gate, self._gate_load, self._loads = gate, gate_load, 0
 
     def _request_engine(self) -> Any:
         if self._batcher is None:
@@ -102,10 +119,10 @@ class MidUpdateRollout(FaultyRollout):
 
     async def _engine_load(self, state: Any) -> None:
         self._loads += 1
-        if self._gate is not None and self._loads == self._gate_load:
-            Path(self._gate, "loading").write_text(str(os.getpid()))
+        if self._load_gate is not None and self._loads == self._gate_load:
+            Path(self._load_gate, "loading").write_text(str(os.getpid()))
             async with asyncio.timeout(LIMIT_S):
-                while not Path(self._gate, "go").exists():
+                while not Path(self._load_gate, "go").exists():
                     await asyncio.sleep(0.02)
         await super()._engine_load(state)
 

@@ -2,7 +2,9 @@
 shrinks it 2 -> 1 mid-run, beside the groups in flight. The new pool loads the newest weight version before it
 takes work; the old pool's groups drain, or past ``trainer.rollout_drain_s`` are handed over and generated
 again on the new pool with their own seeds; a preemption notice (``preempt_rollout``) hands over at once. Each
-run completes every step, trains every prompt group exactly once, within the staleness bound."""
+run completes every step, trains every prompt group exactly once, within the staleness bound. (Slow; the default
+suite's resizes, by the autoscaler both ways and by a SIGTERM, keep their rows' tokens:
+``test_stream_hand_over.py``.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from asyncrl.pipelines.rollout.elastic import RolloutRangeError
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
-from asyncrl.roles import PolicyWorker, RolloutWorker
+from asyncrl.roles import RolloutWorker
 from asyncrl.roles.errors import PreemptedError
 from asyncrl.roles.generation.rollout_requests import RequestCall
 
@@ -90,11 +91,11 @@ def _journal(out: Path) -> tuple[dict[int, int], list[dict]]:
     return {r["index"]: r["version"] for r in recs if r["kind"] == "group"}, [r for r in recs if r["kind"] == "step"]
 
 
-def _assert_every_group_once_within_the_bound(out: Path, B: int) -> None:
+def _assert_every_group_once_within_the_bound(out: Path, B: int, steps_done: int = STEPS) -> None:
     admitted, steps = _journal(out)
-    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["step"] for s in steps] == list(range(steps_done))
     trained = [g for s in steps for g in s["groups"]]
-    assert sorted(trained) == list(range(STEPS * B))  # nothing trained twice, nothing lost
+    assert sorted(trained) == list(range(steps_done * B))  # nothing trained twice, nothing lost
     assert all(0 <= s["step"] - admitted[g] <= 1 for s in steps for g in s["groups"])
 
 
@@ -211,91 +212,3 @@ async def test_preempt_and_out_of_range_calls_are_typed_errors(tmp_path):
     with pytest.raises(RuntimeError, match="preempt_rollout hands generations in flight over .* needs "
                                            "trainer.rollout_mode=stream"):
         await batch.preempt_rollout(0)
-
-
-class PacedRollout(LoggedRollout):
-    """A :class:`LoggedRollout` whose group calls each take the seconds written in the file `pace` longer
-    (simulated generation time; none while the file is missing or empty)."""
-
-    def __init__(self, *args, pace: str, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._pace = pace
-
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
-    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
-        self._delay = float(Path(self._pace).read_text() or 0) if os.path.exists(self._pace) else 0.0
-        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
-
-
-class _PacedEngine:
-    """Wraps the policy's gradient clipping (between backward and the optimizer step): it takes the seconds written
-    in the file `pace` longer."""
-
-    def __init__(self, engine, pace: str) -> None:
-        self._engine, self._pace = engine, pace
-
-    def clip_grad_norm(self, max_norm):
-        if os.path.exists(self._pace):
-            time.sleep(float(Path(self._pace).read_text() or 0))  # simulated training time
-        return self._engine.clip_grad_norm(max_norm)
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
-class PacedPolicy(PolicyWorker):
-    """A policy worker whose updates each take the seconds written in the file `pace` longer."""
-
-    def __init__(self, *args, pace: str, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.engine = _PacedEngine(self.engine, pace)
-
-
-async def test_the_autoscaler_grows_a_pool_that_generation_holds_up_and_shrinks_one_that_waits_for_training(
-        ray_cluster, tmp_path):
-    """``trainer.rollout_autoscale`` both ways in one streaming run, each resize a real one beside the groups in
-    flight: while each group call takes 1 s (steps wait for generation) it grows the pool 1 -> 2, and the groups
-    then in flight on the old pool (held there) are handed over to the new one with their seeds; once groups take
-    no time and each update 0.5 s (the engines wait for training) it shrinks the pool 2 -> 1. The run stops once
-    both resizes are done: every step until then trained every group once within the bound."""
-    calls, hang, gen_pace, train_pace = (tmp_path / n for n in ("calls.jsonl", "hang", "gen_pace", "train_pace"))
-    cfg = _cfg(tmp_path / "run", rollout_autoscale=True, rollout_drain_s=0.0, steps=200)  # stopped below
-    overrides = {"rollout": (PacedRollout, {"calls": str(calls), "hang": str(hang), "pace": str(gen_pace)}),
-                 "policy": (PacedPolicy, {"pace": str(train_pace)})}
-    gen_pace.write_text("1.0")  # generation-bound
-    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
-        scaler = tr.rollout.scaler
-
-        async def drive() -> list[set[int]]:
-            async with asyncio.timeout(240):
-                while scaler.requests != [(1, 2)]:
-                    await asyncio.sleep(0.02)
-                one = await _hang_pool(tr, hang, calls)  # its groups in flight wait for the hand-over
-                gen_pace.write_text("0")  # then training-bound: the new pool's groups take no time
-                train_pace.write_text("0.5")
-                while len(scaler.resizes) < 2:
-                    await asyncio.sleep(0.02)
-                tr.request_stop("both resizes done")
-                return [one, set(await tr.groups.rollout.pid())]
-
-        async with asyncio.TaskGroup() as tg:
-            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
-        history, (one, last) = fit.result(), task.result()
-        assert tr.restarts == []
-    assert scaler.requests == [(1, 2), (2, 1)]  # one grow, one shrink, each as the rule asked
-    grow, shrink = scaler.resizes
-    assert [(r.size_before, r.size_after, r.reason) for r in (grow, shrink)] == [(1, 2, "autoscale"),
-                                                                                  (2, 1, "autoscale")]
-    assert len(last) == 1 and last.isdisjoint(one)
-    done = tr.interrupted.steps_done
-    assert len(history) == done and max(m["staleness/max"] for m in history) <= 1
-    admitted, steps = _journal(tmp_path / "run")
-    trained = [g for s in steps for g in s["groups"]]
-    assert [s["step"] for s in steps] == list(range(done))
-    assert len(trained) == len(set(trained)) == done * cfg.prompts_per_step  # each group trained once
-    assert all(0 <= s["step"] - admitted[g] <= 1 for s in steps for g in s["groups"])
-    log = _calls(calls)
-    hung = sorted({c["seed"] for c in log if c.get("hung") and c["pid"] in one})
-    assert hung and [batch_seed(cfg, g) for g in grow.handed_over] == hung  # the held groups were handed over
-    for seed in hung:  # and each ran again on the new pool with its own seed
-        assert any(c["seed"] == seed and c["pid"] not in one for c in log)

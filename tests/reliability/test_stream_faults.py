@@ -86,7 +86,9 @@ async def test_a_rollout_worker_killed_during_an_update_is_replaced_and_every_gr
     history = await asyncio.wait_for(task, 180)  # completion, not a hang
     [r] = trainer.restarts
     assert r["kind"] == "replace" and r["from_checkpoint"] is None
-    assert "died while running 'update_weights'" in r["error"]  # the worker died inside the weight update
+    # the rollout pool's process died inside the update (its fault fired in the load of version 2): whichever call
+    # the trainer saw fail first names it (the reward worker shares the process)
+    assert r["origin"] in {"rollout.rollout", "rollout.reward"} and "died while running" in r["error"]
     assert len(history) == STEPS and all(h["staleness/max"] <= 1 for h in history)
     assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step)
     assert await settled(before) == before

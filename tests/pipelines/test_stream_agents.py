@@ -56,13 +56,31 @@ class TrainedRecorder(AdvantageWorker):
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def version_stats(self, batch: Any, step: int, max_staleness: int) -> dict[str, float]:
+        self._record(batch, step)
+        return super().version_stats(batch, step, max_staleness)
+
+    def _record(self, batch: Any, step: int) -> None:
         rec = {"step": step, "prompt_ids": batch["prompt_ids"].tolist(), "prompt_mask": batch["prompt_mask"].tolist(),
                "ids": batch["response_ids"].tolist(), "mask": batch["response_mask"].tolist(),
                "attn": batch["attention_mask"].tolist(), "logp": batch["rollout_log_probs"].tolist(),
                "versions": batch["token_versions"].tolist(), "turns": batch["num_turns"].tolist()}
         with open(self._path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        return super().version_stats(batch, step, max_staleness)
+
+
+class BatchTrainedRecorder(TrainedRecorder):
+    """A :class:`TrainedRecorder` for batch mode (no version statistics there): appends each step's rows as its
+    advantages are computed (one call a step)."""
+
+    _steps = 0
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_advantages(self, batch: Any, scores: Any, log_probs: Any = None, ref: Any = None, values: Any = None,
+                           *, algo: Any) -> Any:
+        out = super().compute_advantages(batch, scores, log_probs, ref, values, algo=algo)
+        self._record(batch, self._steps)
+        self._steps += 1
+        return out
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -182,8 +200,9 @@ def test_one_step_of_an_openai_client_agent_trains_through_the_gateway(ray_clust
     cfg.trainer.batch_size, cfg.algorithm.group_size = 4, 2
     cfg.model.tokenizer = "qwen2"
     cfg.rollout.agent, cfg.rollout.max_new_tokens = f"{AGENT}:two_turns", 24
+    recorder = TrainedRecorder if mode == "stream" else BatchTrainedRecorder
     overrides = {"rollout": (SampledRecorder, {"path": str(tmp_path / "sampled.jsonl")}),
-                 "advantage": (TrainedRecorder, {"path": str(tmp_path / "trained.jsonl")})}
+                 "advantage": (recorder, {"path": str(tmp_path / "trained.jsonl")})}
     [row] = GRPOTrainer(cfg.validate(), worker_overrides=overrides).fit_sync()
     assert (row["step"], row["reward/mean"], row["actor/episode/turns_mean"]) == (0, 1.0, 2.0)
     [trained] = lines(tmp_path / "trained.jsonl")

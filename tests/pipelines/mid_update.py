@@ -28,7 +28,7 @@ from asyncrl.pipelines.loop.loop_state import batch_seed
 from asyncrl.roles import PolicyWorker
 from asyncrl.roles.engines.batcher import RequestBatcher
 
-from tests.reliability.faults import FaultyRollout
+from tests.reliability.faults import BeforeStepEngine, FaultyRollout
 
 LIMIT_S = 120.0
 """Longest a hold or a gated load waits before it gives up (the test then fails on what it asserts)."""
@@ -127,29 +127,25 @@ class MidUpdateRollout(FaultyRollout):
         await super()._engine_load(state)
 
 
-class _WaitingEngine:
-    """Wraps the policy's gradient clipping (between backward and the optimizer step) of its `n`-th update."""
-
-    def __init__(self, engine: Any, held: str, n: int) -> None:
-        self._engine, self._held, self._n, self._updates = engine, held, n, 0
-
-    def clip_grad_norm(self, max_norm: Any) -> float:
-        self._updates += 1
-        if self._updates == self._n:  # a plain `def` on the worker thread: nothing else runs on this lane
-            for _ in range(int(LIMIT_S / 0.02)):
-                if os.path.exists(self._held):
-                    break
-                time.sleep(0.02)
-        return self._engine.clip_grad_norm(max_norm)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+def _wait_for(path: str) -> None:
+    """Until the file `path` exists (polled, at most ``LIMIT_S``)."""
+    for _ in range(int(LIMIT_S / 0.02)):
+        if os.path.exists(path):
+            return
+        time.sleep(0.02)
 
 
 class WaitingPolicy(PolicyWorker):
-    """A policy worker whose second update (the one that publishes version 2) waits until the file `held` exists:
-    the rollout's held group started under version 1 before version 2 exists."""
+    """A policy worker whose second update (the one that publishes version 2) waits, before its optimizer step,
+    until the file `held` exists: the rollout's held group started under version 1 before version 2 exists."""
 
     def __init__(self, *args: Any, held: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.engine = _WaitingEngine(self.engine, held, 2)
+        updates = [0]
+
+        def before_step() -> None:
+            updates[0] += 1
+            if updates[0] == 2:
+                _wait_for(held)
+
+        self.engine = BeforeStepEngine(self.engine, before_step)

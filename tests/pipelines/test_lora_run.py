@@ -1,7 +1,8 @@
 """A GRPO run with ``actor.lora.rank > 0`` and a KL loss (real Ray, colocated): no ReferenceWorker (the policy gives
 the reference log-probs with its adapters disabled), the rollout holds the merged policy weights, a resume from its
 checkpoint continues exactly (syncing only the adapter), and ``asyncrl export`` writes the merged model or
-(``--adapter``) the peft adapter."""
+(``--adapter``) the peft adapter. Under fsdp2 (not colocated): 2 training ranks resumed at 1 end with the 2-rank
+run's merged weights."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ Each run records what the rollout engine sampled (every request: its ids, tokens
 and what each step trained, and asserts, for every trained row: each model-token segment is one request's
 sampled tokens exactly, on exactly the row's ids before it (no token re-encoded); its per-token versions
 are within ``max_staleness`` of the step; environment / new-message tokens are masked 0 with no version and
-no log-prob; the attention mask covers exactly the trajectory; every admitted group is trained once."""
+no log-prob; the attention mask covers exactly the trajectory; every admitted group is trained once. The gateway
+agent's one-step run checks the same in batch mode too."""
 
 from __future__ import annotations
 

@@ -8,7 +8,10 @@ group once, within the staleness bound. In a pool of two, a SIGTERM to one rank 
 notice and the other rank's through ``hand_over``: both ranks' rows keep their tokens. Failure paths: the new
 pool's process dies while it continues them (its replacement continues them again from the same tokens); a rank
 that cannot answer its hand-over (its rows start over from their seeds, the other rank's keep their tokens); a
-hand-over that fails on every rank."""
+hand-over that fails on every rank.
+
+The default suite runs the autoscaler both ways (a grow that hands held rows over, a shrink) and a SIGTERM; the rest
+is slow (several rollout pools each)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from asyncrl.roles.engines.batcher import RequestBatcher
 from tests.pipelines.test_stream_scale import (STEPS, LoggedRollout, _assert_every_group_once_within_the_bound,
                                                _calls, _cfg, _history_reaches)
 from tests.reliability.conftest import live_actors, settled
+from tests.reliability.faults import BeforeStepEngine
 
 HELD = 3
 """Tokens a stalled pool's rows decode before they wait for a hand-over."""
@@ -169,6 +173,11 @@ def _stalling_run(tmp_path: Path, cls: type | None = None, **trainer: Any) -> tu
     return calls, hang, stall, _config(tmp_path / "run", **trainer), overrides
 
 
+def _seconds(path: str) -> float:
+    """The seconds written in the file `path` (0 while it is missing or empty)."""
+    return float(Path(path).read_text() or 0) if os.path.exists(path) else 0.0
+
+
 class PacedStallingRollout(StallingRollout):
     """A :class:`StallingRollout` whose group calls each take the seconds written in the file `pace` longer
     (simulated generation time; none while the file is missing or empty)."""
@@ -179,24 +188,8 @@ class PacedStallingRollout(StallingRollout):
 
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
-        self._delay = float(Path(self._pace).read_text() or 0) if os.path.exists(self._pace) else 0.0
+        self._delay = _seconds(self._pace)
         return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
-
-
-class _PacedEngine:
-    """Wraps the policy's gradient clipping (between backward and the optimizer step): it takes the seconds written
-    in the file `pace` longer."""
-
-    def __init__(self, engine, pace: str) -> None:
-        self._engine, self._pace = engine, pace
-
-    def clip_grad_norm(self, max_norm):
-        if os.path.exists(self._pace):
-            time.sleep(float(Path(self._pace).read_text() or 0))  # simulated training time
-        return self._engine.clip_grad_norm(max_norm)
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
 
 class PacedPolicy(PolicyWorker):
@@ -204,7 +197,7 @@ class PacedPolicy(PolicyWorker):
 
     def __init__(self, *args, pace: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.engine = _PacedEngine(self.engine, pace)
+        self.engine = BeforeStepEngine(self.engine, lambda: time.sleep(_seconds(pace)))  # simulated training time
 
 
 async def test_the_autoscaler_grows_a_pool_that_generation_holds_up_and_shrinks_one_that_waits_for_training(

@@ -19,7 +19,9 @@ from the last checkpoint written whole. Streaming with ``rollout_workers=1..2``:
 draining after a resize lost, its groups go to the new pool with their seeds, and no recovery is counted.
 
 The GCS here declares a lost raylet dead after about 1.5 s (``FAST_HEALTH_CHECKS``; Ray's default: about
-15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine)."""
+15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine); the default
+suite's twins (a rollout node and a training node lost, each against a fault-free run's metrics and weights) are
+``tests/cluster/test_lost_nodes.py``."""
 
 from __future__ import annotations
 

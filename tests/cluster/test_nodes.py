@@ -4,8 +4,8 @@ deadline when it waits for capacity); a job trains with its rollout on one node 
 across two others (over gloo), and replays from its journal there. Lost nodes:
 ``tests/reliability/test_lost_node.py``.
 
-The cluster's start costs about 10-17 s on the 2-core machine: the default suite runs the placement
-tests only; the training run is ``slow``."""
+The cluster (``conftest.py``, one for the folder) costs 10-20 s to start on the 2-core machine. The default suite's
+runs across nodes are ``test_lost_nodes.py``'s; the training run and replay here are ``slow``."""
 
 from __future__ import annotations
 

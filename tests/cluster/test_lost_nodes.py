@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 
 import pytest
 import ray
@@ -28,6 +27,7 @@ from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.journaling.replay import compare_metrics
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
+from tests.reliability.conftest import until
 
 STEPS = 5
 
@@ -61,16 +61,6 @@ def _job(out):
     t.output_dir = str(out)
     cfg.actor.strategy = "fsdp2"
     return cfg.validate()
-
-
-async def until(cond: Callable[[], object], what: str, limit_s: float = 120.0) -> None:
-    """Until `cond` holds (checked every 20 ms), or a ``TimeoutError`` naming `what`."""
-    try:
-        async with asyncio.timeout(limit_s):
-            while not cond():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise TimeoutError(f"{what} did not happen within {limit_s:g} s") from None
 
 
 async def _where(nodes, group) -> list[tuple[str, int]]:

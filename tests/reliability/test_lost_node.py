@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,7 +43,7 @@ from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.cluster.harness import OneHostCluster
-from tests.reliability.conftest import live_actors, settled
+from tests.reliability.conftest import live_actors, settled, until
 
 pytestmark = pytest.mark.slow
 
@@ -65,17 +64,6 @@ def cluster():
 def nodes(cluster):
     """The module's cluster, whole again: each case starts with every node, whatever the case before it did."""
     return cluster.restore()
-
-
-async def until(cond: Callable[[], object], what: str, limit_s: float = 180.0) -> None:
-    """Check `cond` on this loop every 20 ms until it holds; a ``TimeoutError`` naming `what` after `limit_s`
-    (the run ended or hung before it), so that a broken case fails instead of hanging."""
-    try:
-        async with asyncio.timeout(limit_s):
-            while not cond():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise TimeoutError(f"{what} did not happen within {limit_s:g} s") from None
 
 
 def _job(tmp_path, name: str, **restart):

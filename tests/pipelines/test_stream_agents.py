@@ -6,7 +6,8 @@ Each run records what the rollout engine sampled (every request: its ids, tokens
 and what each step trained, and asserts, for every trained row: each model-token segment is one request's
 sampled tokens exactly, on exactly the row's ids before it (no token re-encoded); its per-token versions
 are within ``max_staleness`` of the step; environment / new-message tokens are masked 0 with no version and
-no log-prob; the attention mask covers exactly the trajectory; every admitted group is trained once."""
+no log-prob; the attention mask covers exactly the trajectory; every admitted group is trained once. The gateway
+agent's one-step run checks the same in batch mode too."""
 
 from __future__ import annotations
 
@@ -56,13 +57,31 @@ class TrainedRecorder(AdvantageWorker):
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def version_stats(self, batch: Any, step: int, max_staleness: int) -> dict[str, float]:
+        self._record(batch, step)
+        return super().version_stats(batch, step, max_staleness)
+
+    def _record(self, batch: Any, step: int) -> None:
         rec = {"step": step, "prompt_ids": batch["prompt_ids"].tolist(), "prompt_mask": batch["prompt_mask"].tolist(),
                "ids": batch["response_ids"].tolist(), "mask": batch["response_mask"].tolist(),
                "attn": batch["attention_mask"].tolist(), "logp": batch["rollout_log_probs"].tolist(),
                "versions": batch["token_versions"].tolist(), "turns": batch["num_turns"].tolist()}
         with open(self._path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        return super().version_stats(batch, step, max_staleness)
+
+
+class BatchTrainedRecorder(TrainedRecorder):
+    """A :class:`TrainedRecorder` for batch mode (no version statistics there): appends each step's rows as its
+    advantages are computed (one call a step)."""
+
+    _steps = 0
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_advantages(self, batch: Any, scores: Any, log_probs: Any = None, ref: Any = None, values: Any = None,
+                           *, algo: Any) -> Any:
+        out = super().compute_advantages(batch, scores, log_probs, ref, values, algo=algo)
+        self._record(batch, self._steps)
+        self._steps += 1
+        return out
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -168,6 +187,34 @@ def test_stream_mode_trains_an_openai_client_agent_through_the_gateway(ray_clust
         assert re.fullmatch(r"(<\|im_end\|>)?\n<\|im_start\|>user\nsure\?<\|im_end\|>\n<\|im_start\|>assistant\n",
                             text), text
         assert run_ids == tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("mode", ["batch", "stream"])
+def test_one_step_of_an_openai_client_agent_trains_through_the_gateway(ray_cluster, tmp_path, mode):
+    """The default suite's gateway run, in each mode (``rollout.agent``; the slow tests below and in
+    ``test_agents_toy.py`` train more steps): one step of 4 two-turn sessions of an ``openai``-client agent
+    (2 prompts x 2), every trained model segment one request's sampled tokens on the row's exact ids, the new
+    user message masked 0."""
+    out = tmp_path / "run"
+    cfg = stream_cfg(out, steps=1)
+    cfg.trainer.rollout_mode = mode
+    cfg.trainer.batch_size, cfg.algorithm.group_size = 4, 2
+    cfg.model.tokenizer = "qwen2"
+    cfg.rollout.agent, cfg.rollout.max_new_tokens = f"{AGENT}:two_turns", 24
+    recorder = TrainedRecorder if mode == "stream" else BatchTrainedRecorder
+    overrides = {"rollout": (SampledRecorder, {"path": str(tmp_path / "sampled.jsonl")}),
+                 "advantage": (recorder, {"path": str(tmp_path / "trained.jsonl")})}
+    [row] = GRPOTrainer(cfg.validate(), worker_overrides=overrides).fit_sync()
+    assert (row["step"], row["reward/mean"], row["actor/episode/turns_mean"]) == (0, 1.0, 2.0)
+    [trained] = lines(tmp_path / "trained.jsonl")
+    sampled = lines(tmp_path / "sampled.jsonl")
+    assert len(trained["ids"]) == 4 and len(sampled) == 8  # 4 sessions of two requests, each trained once
+    env = check_trained_rows([trained], sampled, k=1)
+    from asyncrl.roles.modeling.models import load_tokenizer
+
+    tok = load_tokenizer("qwen2")
+    assert len(env) == 4 and all(tok.decode(e).endswith("<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n")
+                                 for e in env)
 
 
 @pytest.mark.parametrize("overrides", [["rollout.episode=char_class_retry"],

@@ -8,7 +8,10 @@ group once, within the staleness bound. In a pool of two, a SIGTERM to one rank 
 notice and the other rank's through ``hand_over``: both ranks' rows keep their tokens. Failure paths: the new
 pool's process dies while it continues them (its replacement continues them again from the same tokens); a rank
 that cannot answer its hand-over (its rows start over from their seeds, the other rank's keep their tokens); a
-hand-over that fails on every rank."""
+hand-over that fails on every rank.
+
+The default suite runs the autoscaler both ways (a grow that hands held rows over, a shrink) and a SIGTERM; the rest
+is slow (several rollout pools each)."""
 
 from __future__ import annotations
 
@@ -28,11 +31,13 @@ from asyncrl.pipelines.journaling.replay import replay_config
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
+from asyncrl.roles import PolicyWorker
 from asyncrl.roles.engines.batcher import RequestBatcher
 
 from tests.pipelines.test_stream_scale import (STEPS, LoggedRollout, _assert_every_group_once_within_the_bound,
                                                _calls, _cfg, _history_reaches)
 from tests.reliability.conftest import live_actors, settled
+from tests.reliability.faults import BeforeStepEngine
 
 HELD = 3
 """Tokens a stalled pool's rows decode before they wait for a hand-over."""
@@ -169,6 +174,116 @@ def _stalling_run(tmp_path: Path, cls: type | None = None, **trainer: Any) -> tu
     overrides = {"rollout": (cls or StallingRollout, {"calls": str(calls), "hang": str(hang), "stall": str(stall),
                                                       "delay": GENERATE_S})}
     return calls, hang, stall, _config(tmp_path / "run", **trainer), overrides
+
+
+def _seconds(path: str) -> float:
+    """The seconds written in the file `path` (0 while it is missing or empty)."""
+    return float(Path(path).read_text() or 0) if os.path.exists(path) else 0.0
+
+
+class PacedStallingRollout(StallingRollout):
+    """A :class:`StallingRollout` whose group calls each take the seconds written in the file `pace` longer
+    (simulated generation time; none while the file is missing or empty)."""
+
+    def __init__(self, *args, pace: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pace = pace
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
+        self._delay = _seconds(self._pace)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+
+
+class PacedPolicy(PolicyWorker):
+    """A policy worker whose updates each take the seconds written in the file `pace` longer."""
+
+    def __init__(self, *args, pace: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine = BeforeStepEngine(self.engine, lambda: time.sleep(_seconds(pace)))  # simulated training time
+
+
+async def test_the_autoscaler_grows_a_pool_that_generation_holds_up_and_shrinks_one_that_waits_for_training(
+        ray_cluster, tmp_path):
+    """``trainer.rollout_autoscale`` both ways in one streaming run, each a real resize beside the groups in flight:
+    while each group call takes 1 s (steps wait for generation) it grows the pool 1 -> 2, and the rows then held
+    on the old pool after ``HELD`` tokens are handed over at once (``rollout_drain_s=0``) and continued on the new
+    pool from exactly those tokens; once calls take no time and each update 0.5 s (the engines wait for training)
+    it shrinks the pool 2 -> 1. The run stops once both are done: every step until then trained every group once,
+    within the bound. (The default suite's proof of resizing, hand-over and autoscaling; the slow tests below
+    resize by ``scale_rollout``, from two ranks, and through failures.)"""
+    calls, _, stall, cfg, overrides = _stalling_run(tmp_path, rollout_autoscale=True, rollout_drain_s=0.0,
+                                                    steps=200)  # stopped below
+    gen_pace, train_pace = tmp_path / "gen_pace", tmp_path / "train_pace"
+    overrides["rollout"][1]["pace"] = str(gen_pace)
+    overrides = {"rollout": (PacedStallingRollout, overrides["rollout"][1]),
+                 "policy": (PacedPolicy, {"pace": str(train_pace)})}
+    gen_pace.write_text("1.0")  # generation-bound
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+        scaler = tr.rollout.scaler
+
+        async def drive() -> list[set[int]]:
+            async with asyncio.timeout(240):
+                while scaler.requests != [(1, 2)]:
+                    await asyncio.sleep(0.02)
+                one = await _stall_pool(tr, stall, calls)  # its rows wait for the hand-over after HELD tokens
+                gen_pace.write_text("0")  # then training-bound: the new pool's calls take no time
+                train_pace.write_text("0.5")
+                while len(scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
+                two = set(await tr.groups.rollout.pid())
+                while len(scaler.resizes) < 2:
+                    await asyncio.sleep(0.02)
+                tr.request_stop("both resizes done")
+                return [one, two, set(await tr.groups.rollout.pid())]
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (one, two, last) = fit.result(), task.result()
+        assert tr.restarts == []
+    assert scaler.requests == [(1, 2), (2, 1)]  # one grow, one shrink, each when its rule said so
+    grow, shrink = scaler.resizes
+    assert [(r.size_before, r.size_after, r.reason) for r in (grow, shrink)] == [(1, 2, "autoscale"),
+                                                                                  (2, 1, "autoscale")]
+    assert len(two) == 2 and len(last) == 1 and one.isdisjoint(two) and two.isdisjoint(last)
+    done = tr.interrupted.steps_done
+    assert len(history) == done and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step, done)
+    # the rows held on the old pool were handed over with their HELD tokens, and continued from them on the new one
+    assert grow.handed_over and grow.kept_tokens >= HELD
+    assert _check_continued(tr, cfg, calls, two | last) >= 1
+
+
+async def test_a_sigterm_to_the_rollout_worker_hands_its_rows_over_with_their_tokens(ray_cluster, tmp_path):
+    """The default suite's preemption notice: a real SIGTERM to the one rollout worker while its rows are held after
+    ``HELD`` tokens; its rows come back with its notice, a new pool continues each from exactly its tokens, and the
+    run completes every step, every group once within the bound, with no recovery counted. (Slow, below: the
+    ``preempt_rollout`` call too, two ranks, failures.)"""
+    steps = 4
+    calls, _, stall, cfg, overrides = _stalling_run(tmp_path, steps=steps)
+    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
+
+        async def drive() -> tuple[set[int], set[int]]:
+            await _history_reaches(tr, 1)
+            old = await _stall_pool(tr, stall, calls)
+            os.kill(next(iter(old)), signal.SIGTERM)
+            async with asyncio.timeout(120):
+                while len(tr.rollout.scaler.resizes) < 1:
+                    await asyncio.sleep(0.02)
+            return old, set(await tr.groups.rollout.pid())
+
+        async with asyncio.TaskGroup() as tg:
+            fit, task = tg.create_task(tr.fit()), tg.create_task(drive())
+        history, (old, new) = fit.result(), task.result()
+        [rec] = tr.rollout.scaler.resizes
+        assert tr.restarts == []  # a preemption is no fault
+    assert (rec.size_before, rec.size_after, rec.reason) == (1, 1, "preempt")  # the range's minimum
+    assert len(history) == steps and max(m["staleness/max"] for m in history) <= 1
+    _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step, steps)
+    assert new.isdisjoint(old) and rec.kept_tokens >= HELD
+    assert _check_continued(tr, cfg, calls, new) >= 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(next(iter(old)), 0)  # the SIGTERMed process is gone
 
 
 @pytest.mark.slow  # one streaming run with three rollout pools: 80-105 s on the loaded 2-core machine

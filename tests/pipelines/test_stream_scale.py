@@ -2,7 +2,9 @@
 shrinks it 2 -> 1 mid-run, beside the groups in flight. The new pool loads the newest weight version before it
 takes work; the old pool's groups drain, or past ``trainer.rollout_drain_s`` are handed over and generated
 again on the new pool with their own seeds; a preemption notice (``preempt_rollout``) hands over at once. Each
-run completes every step, trains every prompt group exactly once, within the staleness bound."""
+run completes every step, trains every prompt group exactly once, within the staleness bound. (Slow; the default
+suite's resizes, by the autoscaler both ways and by a SIGTERM, keep their rows' tokens:
+``test_stream_hand_over.py``.)"""
 
 from __future__ import annotations
 
@@ -90,11 +92,11 @@ def _journal(out: Path) -> tuple[dict[int, int], list[dict]]:
     return {r["index"]: r["version"] for r in recs if r["kind"] == "group"}, [r for r in recs if r["kind"] == "step"]
 
 
-def _assert_every_group_once_within_the_bound(out: Path, B: int) -> None:
+def _assert_every_group_once_within_the_bound(out: Path, B: int, steps_done: int = STEPS) -> None:
     admitted, steps = _journal(out)
-    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [s["step"] for s in steps] == list(range(steps_done))
     trained = [g for s in steps for g in s["groups"]]
-    assert sorted(trained) == list(range(STEPS * B))  # nothing trained twice, nothing lost
+    assert sorted(trained) == list(range(steps_done * B))  # nothing trained twice, nothing lost
     assert all(0 <= s["step"] - admitted[g] <= 1 for s in steps for g in s["groups"])
     ledger = check_ledger(out)  # per sample, the handed-over rows' tokens measured within the bound too
     assert ledger.ok, ledger.render()
@@ -213,22 +215,3 @@ async def test_preempt_and_out_of_range_calls_are_typed_errors(tmp_path):
     with pytest.raises(RuntimeError, match="preempt_rollout hands generations in flight over .* needs "
                                            "trainer.rollout_mode=stream"):
         await batch.preempt_rollout(0)
-
-
-@pytest.mark.slow  # one streaming run that grows its rollout pool: about 30 s on the loaded 2-core machine
-async def test_the_autoscaler_grows_a_pool_that_generation_holds_up_within_its_range(ray_cluster, tmp_path):
-    calls, hang = tmp_path / "calls.jsonl", tmp_path / "hang"
-    cfg = _cfg(tmp_path / "run", rollout_autoscale=True, steps=16)
-    overrides = {"rollout": (LoggedRollout, {"calls": str(calls), "hang": str(hang), "delay": 1.0})}
-    async with GRPOTrainer(cfg, worker_overrides=overrides) as tr:
-        history = await tr.fit()
-        scaler = tr.rollout.scaler
-        assert tr.restarts == []
-    # every group costs 1 s more than training a step: steps spend most of their time waiting for groups, so the
-    # autoscaler's first request is to grow 1 -> 2 (whether the new pool is up before the run ends is timing); it
-    # never asks past the range
-    assert scaler.requests[0] == (1, 2) and all(1 <= to <= 2 for _, to in scaler.requests)
-    assert all(r.reason == "autoscale" and 1 <= r.size_after <= 2 for r in scaler.resizes)
-    assert len(history) == 16 and max(m["staleness/max"] for m in history) <= 1
-    _, steps = _journal(tmp_path / "run")
-    assert sorted(g for s in steps for g in s["groups"]) == list(range(16 * cfg.prompts_per_step))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,17 @@ async def settled(want: tuple[int, int], deadline: float = 20.0) -> tuple[int, i
         if now == want or time.monotonic() > end:
             return now
         await asyncio.sleep(0.1)
+
+
+async def until(cond: Callable[[], object], what: str, limit_s: float = 180.0) -> None:
+    """Check `cond` on this loop every 20 ms until it holds; a ``TimeoutError`` naming `what` after `limit_s`
+    (the run ended or hung before it), so that a broken case fails instead of hanging."""
+    try:
+        async with asyncio.timeout(limit_s):
+            while not cond():
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not happen within {limit_s:g} s") from None
 
 
 async def wait_for_file(path: Path, deadline: float) -> None:

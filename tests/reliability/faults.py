@@ -91,20 +91,26 @@ class FaultyRollout(RolloutWorker):
         await super()._engine_load(state)
 
 
-class _HangingEngine:
-    """Wraps the policy's gradient clipping: the point between backward and optimizer step."""
+class BeforeStepEngine:
+    """Wraps a policy's training engine: `before()` runs in its gradient clipping, the point between backward and the
+    optimizer step of each update (on the worker's thread: a plain ``def`` method, so only killing the process
+    interrupts what `before` does there)."""
 
-    def __init__(self, engine: Any, counter: _Counter) -> None:
-        self._engine, self._counter = engine, counter
+    def __init__(self, engine: Any, before: Any) -> None:
+        self._engine, self._before = engine, before
 
     def clip_grad_norm(self, max_norm: Any) -> float:
-        if self._counter.hit("update"):
-            while True:  # a plain `def` method cannot be interrupted: only killing the process ends it
-                time.sleep(0.05)
+        self._before()
         return self._engine.clip_grad_norm(max_norm)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+
+def _hang_when_hit(counter: _Counter) -> None:
+    if counter.hit("update"):
+        while True:  # only killing the process ends it
+            time.sleep(0.05)
 
 
 class FaultyPolicy(PolicyWorker):
@@ -113,7 +119,8 @@ class FaultyPolicy(PolicyWorker):
 
     def __init__(self, *args: Any, fault: Fault | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.engine = _HangingEngine(self.engine, _Counter(fault))
+        counter = _Counter(fault)
+        self.engine = BeforeStepEngine(self.engine, lambda: _hang_when_hit(counter))
 
 
 @register_reward_fn("raises_on_third_batch", replace=True)
@@ -145,21 +152,10 @@ class DelayedRollout(RolloutWorker):
         await super()._run_job(job)
 
 
-class _DelayedEngine:
-    def __init__(self, engine: Any, rng: random.Random, max_delay: float) -> None:
-        self._engine, self._rng, self._max_delay = engine, rng, max_delay
-
-    def clip_grad_norm(self, max_norm: Any) -> float:
-        time.sleep(self._rng.uniform(0, self._max_delay))
-        return self._engine.clip_grad_norm(max_norm)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-
 class DelayedPolicy(PolicyWorker):
     """A policy worker whose update waits a random time (seeded) between backward and step."""
 
     def __init__(self, *args: Any, delay_seed: int = 0, max_delay: float = 0.2, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.engine = _DelayedEngine(self.engine, random.Random(delay_seed), max_delay)
+        rng = random.Random(delay_seed)
+        self.engine = BeforeStepEngine(self.engine, lambda: time.sleep(rng.uniform(0, max_delay)))

@@ -19,14 +19,15 @@ from the last checkpoint written whole. Streaming with ``rollout_workers=1..2``:
 draining after a resize lost, its groups go to the new pool with their seeds, and no recovery is counted.
 
 The GCS here declares a lost raylet dead after about 1.5 s (``FAST_HEALTH_CHECKS``; Ray's default: about
-15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine)."""
+15 s, which adds to every interruption below). Each case is a slow run (20-40 s on the 2-core machine); the default
+suite's twins (a rollout node and a training node lost, each against a fault-free run's metrics and weights) are
+``tests/cluster/test_lost_nodes.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.cluster.harness import OneHostCluster
-from tests.reliability.conftest import live_actors, settled
+from tests.reliability.conftest import live_actors, settled, until
 
 pytestmark = pytest.mark.slow
 
@@ -63,17 +64,6 @@ def cluster():
 def nodes(cluster):
     """The module's cluster, whole again: each case starts with every node, whatever the case before it did."""
     return cluster.restore()
-
-
-async def until(cond: Callable[[], object], what: str, limit_s: float = 180.0) -> None:
-    """Check `cond` on this loop every 20 ms until it holds; a ``TimeoutError`` naming `what` after `limit_s`
-    (the run ended or hung before it), so that a broken case fails instead of hanging."""
-    try:
-        async with asyncio.timeout(limit_s):
-            while not cond():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise TimeoutError(f"{what} did not happen within {limit_s:g} s") from None
 
 
 def _job(tmp_path, name: str, **restart):

@@ -2,9 +2,10 @@
 journal's admissions and step groups while the engines re-run their recorded rounds (pipelines/journaling/stream_replay.py).
 
 * Real Ray, the tiny model on ``char_class``: stream mode, ``partial_rollout=recompute``, ``max_staleness=2``,
-  decoding slowed by seeded random sleeps so weight updates land mid-generation; the replay (no sleeps:
-  other timing) trains on the same tokens, behaviour log-probs and token versions, and reaches the same
-  per-step metrics and final weights, exactly.
+  a weight update landing mid-generation every time (tests/pipelines/mid_update.py: a group held between two
+  rounds until version 2 reaches it); the replay (plain workers: other timing) trains on the same tokens,
+  behaviour log-probs and token versions, and reaches the same per-step metrics and final weights, exactly.
+  Slow: with evaluation or dynamic sampling, decoding and updates slowed by seeded random sleeps.
 * What cannot be replayed is refused before any worker starts, naming what is missing and the fix: a
   journal written before rounds were recorded, a missing or truncated rounds file, a resumed or restarted
   run, a run whose rollout pool was replaced, a resize whose handed-over rows' rounds were lost, a ``retire``
@@ -37,17 +38,18 @@ from asyncrl.roles import RolloutWorker
 
 import asyncrl
 from asyncrl import Dispatch, Execute, register
+from tests.pipelines.mid_update import mid_update_workers
 from tests.reliability.faults import DelayedPolicy
 
 STEPS = 6
 
 
-def stream_cfg(out: Path):
+def stream_cfg(out: Path, steps: int = STEPS):
     cfg = tiny_test()
     cfg.rollout.partial_rollout = "recompute"
     cfg.rollout.max_new_tokens, cfg.rollout.chunk_tokens = 8, 2
     t = cfg.trainer
-    t.steps, t.max_staleness, t.rollout_weights, t.rollout_mode = STEPS, 2, "latest", "stream"
+    t.steps, t.max_staleness, t.rollout_weights, t.rollout_mode = steps, 2, "latest", "stream"
     t.output_dir = str(out)
     return cfg.validate()
 
@@ -82,28 +84,24 @@ def trained(path: Path) -> list[dict[str, Any]]:
     return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda r: r["step"])
 
 
-@pytest.mark.slow
 def test_a_stream_partial_rollout_run_replays_bit_for_bit(ray_cluster, tmp_path):
-    run = tmp_path / "run"
-    overrides = {"rollout": (SlowDecodeRollout, {"delay_seed": 5, "max_delay": 0.06}),
-                 "policy": (DelayedPolicy, {"delay_seed": 6, "max_delay": 0.4}),
+    run, steps = tmp_path / "run", 4
+    cfg = stream_cfg(run, steps)
+    overrides = {**mid_update_workers(cfg, tmp_path / "held"),
                  "advantage": (TokenRecorder, {"path": str(tmp_path / "original.jsonl")})}
-    history = GRPOTrainer(stream_cfg(run), worker_overrides=overrides).fit_sync()
-    assert [r["step"] for r in history] == list(range(STEPS))
+    history = GRPOTrainer(cfg, worker_overrides=overrides).fit_sync()
+    assert [r["step"] for r in history] == list(range(steps))
     assert max(r["staleness/max"] for r in history) <= 2
     original = trained(tmp_path / "original.jsonl")
-    # The point of the test is a replay of updates that landed mid-generation; the seeded sleeps make that
-    # all but certain, but it is timing: when no trained row spans two versions, there is nothing to prove.
-    spans = sum(r["stream/multi_version_frac"] > 0 for r in history)
-    if not spans or not any(len({v for row in r["versions"] for v in row if v >= 0}) > 1 for r in original):
-        pytest.skip(f"precondition not met: no weight update landed mid-generation in {STEPS} steps "
-                    f"({spans} steps with multi-version rows); the replay would prove nothing")
+    # the held group's rows decoded under versions 1 and 2: the replay has an update mid-generation to re-enact
+    assert any(r["stream/multi_version_frac"] > 0 for r in history)
+    assert any({1, 2} <= {v for v in row if v >= 0} for r in original for row in r["versions"])
 
     result = asyncrl.run(replay(run, worker_overrides={
         "advantage": (TokenRecorder, {"path": str(tmp_path / "replayed.jsonl")})}))
     assert result.metric_differences == [] and result.identical
     assert result.weights_sha256 == result.original_weights_sha256 is not None  # the final weights, bit for bit
-    assert result.groups == result.original_groups == {t: read_journal(run).steps[t]["groups"] for t in range(STEPS)}
+    assert result.groups == result.original_groups == {t: read_journal(run).steps[t]["groups"] for t in range(steps)}
     assert trained(tmp_path / "replayed.jsonl") == original  # same tokens, log-probs (exact floats), versions
 
 

@@ -193,6 +193,7 @@ def test_the_preset_trains_one_step_and_evaluates_before_and_after(ray_cluster, 
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(900)  # as the other vLLM tests: this environment's first GGUF conversion, then vLLM's start-up
 async def test_vllm_engine_follows_a_weight_sync_of_the_tied_model(monkeypatch):
     """SmolLM2 ties its LM head to the input embedding: after a policy update and a weight sync the
     vLLM engine's log-probs match the *updated* policy (vLLM's reload skipped the tied head's CPU

@@ -39,11 +39,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 
 from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.roles.fields import MAX_SEED, MAX_WORKERS, Range, Section
 
 __all__ = ["TwinConfig", "Profile", "ModelSize", "RolloutCosts", "TrainCosts", "LengthModel", "ProfileError",
            "PROFILES", "load_profile", "dump_profile", "profile_names", "check_twin"]
@@ -52,7 +53,7 @@ HERE = Path(__file__).resolve().parent / "profiles"
 
 
 @dataclass(kw_only=True)
-class TwinConfig:
+class TwinConfig(Section):
     """``JobConfig.twin``: run the real trainer against simulated GPU workers (docs/scale.md).
 
     With `profile` set, the rollout workers run the cost-model engine (``rollout.engine`` becomes ``sim``, its
@@ -63,19 +64,19 @@ class TwinConfig:
     profile: str | None = None
     """A shipped profile's name (``asyncrl.pipelines.twin.PROFILES``, e.g. ``qwen2_7b_h100_vllm``) or the path of a
     profile YAML file; None: no twin (the normal trainer)."""
-    time_scale: float = 0.01
+    time_scale: Annotated[float, Range(gt=0, le=1000)] = 0.01
     """Simulated costs are multiplied by this, so a run takes minutes (0.01: a GPU second is 10 ms). Shrinking
     the simulated work leaves the controller's real work as it is, so its share only looks larger: figures stay
     conservative. Every reported figure states it."""
-    replicas_per_process: int = 16
+    replicas_per_process: Annotated[int, Range(ge=1, le=MAX_WORKERS)] = 16
     """How many simulated replicas (rollout ranks) one rollout process hosts; the training ranks are hosted the
     same way. Each rank keeps its own worker object and ordered lane: the controller schedules, syncs and
     supervises each as a replica of its own; a lost process loses its ranks together."""
-    tokens_per_id: int | None = None
+    tokens_per_id: Annotated[int | None, Range(ge=1, le=1 << 20)] = None
     """Simulated tokens each response token id stands for: the cost model counts tokens, the batches carry
     ``ceil(tokens / tokens_per_id)`` ids per row, so the data plane moves that much less. None: the smallest
     that keeps a capped response within 128 ids (1 for a profile whose ``max_new_tokens`` is at most 128)."""
-    seed: int = 0
+    seed: Annotated[int, Range(ge=0, le=MAX_SEED)] = 0
     """Seed of the stand-in rewards (the response lengths follow each request's sampling seed)."""
 
     @property
@@ -373,15 +374,9 @@ def dump_profile(profile: Profile, path: str | Path) -> Path:
 
 def check_twin(job: Any) -> None:
     """Raise :class:`ConfigError` for a ``twin`` section of `job` (a ``JobConfig``) that cannot run: an unknown or
-    bad profile, a time scale or a hosting count out of range, settings the twin cannot simulate."""
+    bad profile, settings the twin cannot simulate."""
     tw: TwinConfig = job.twin
-    if not (isinstance(tw.time_scale, (int, float)) and math.isfinite(tw.time_scale) and tw.time_scale > 0):
-        raise ConfigError(f"twin.time_scale must be a positive number (0.01: a simulated GPU second lasts 10 ms), "
-                          f"got {tw.time_scale!r}")
-    if tw.replicas_per_process < 1:
-        raise ConfigError(f"twin.replicas_per_process must be >= 1, got {tw.replicas_per_process}")
-    if tw.tokens_per_id is not None and tw.tokens_per_id < 1:
-        raise ConfigError(f"twin.tokens_per_id must be >= 1 or null (chosen from the profile), got {tw.tokens_per_id}")
+    # (its numbers are checked against the Range declared next to each field by JobConfig.validate)
     if not tw.enabled:
         return
     load_profile(str(tw.profile))  # (ProfileError is a ConfigError: one line naming the key)

@@ -69,7 +69,7 @@ def test_an_unknown_profile_is_a_config_error_naming_the_shipped_ones():
         load_config(None, ["twin.profile=nope"])
     with pytest.raises(ConfigError, match="no such file"):
         load_config(None, ["twin.profile=/no/such/profile.yaml"])
-    with pytest.raises(ConfigError, match="twin.time_scale must be a positive number"):
+    with pytest.raises(ConfigError, match=r"^twin.time_scale must be > 0, got 0.0$"):
         load_config(None, ["twin.profile=qwen2_7b_h100_vllm", "twin.time_scale=0"])
     with pytest.raises(ConfigError, match="cannot simulate trainer.colocated=true"):
         load_config(None, ["twin.profile=qwen2_7b_h100_vllm", "trainer.colocated=true"])
@@ -128,7 +128,7 @@ def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():
     unload = StreamRollout._unload.__get__(StreamRollout.__new__(StreamRollout))
     route.__self__._trainer = Owner()
     a = _Attempt.__new__(_Attempt)
-    a.load, a.load_epoch = [], -1
+    a.load, a.load_epoch, a.dead = [], -1, set()
     assert [route(a, Pool(3), 0) for _ in range(4)] == [0, 1, 2, 0]  # the lowest rank of the least loaded
     unload(a, 1, 0)
     unload(a, 2, 0)
@@ -136,3 +136,5 @@ def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():
     unload(a, 0, 7)  # a group of a replaced pool: nothing of the new one
     assert a.load == [2, 1, 0]
     assert route(a, Pool(2), 1) == 0 and a.load == [1, 0]  # a new pool starts empty
+    a.dead.add(1)  # a replica being replaced is not routed to, however idle
+    assert [route(a, Pool(2), 1) for _ in range(2)] == [0, 0] and a.load == [3, 0]

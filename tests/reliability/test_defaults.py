@@ -59,7 +59,7 @@ async def test_at_the_defaults_a_killed_rollout_worker_is_replaced_and_a_killed_
     assert [h["step"] for h in out.history] == list(range(STEPS))
     _exactly_once(tmp_path / "run")
     ledger = check_ledger(tmp_path / "run")  # the restart went back to the start: one rewind, step 0 discarded
-    assert (ledger.rewinds, ledger.discarded_steps) == (1, 0)
+    assert (ledger.rewinds, ledger.discarded_steps) == (1, 1)
     assert [p.name for p in ckpt.checkpoints(tmp_path / "run")] == [f"step_{STEPS:06d}"]  # the end's only
     assert await settled(before) == before
 

@@ -78,6 +78,11 @@ def _forge(run_dir, tmp_path, command: str, edit) -> list[str]:
         record = json.loads(f.read_text())
         edit(record)
         f.write_text(json.dumps(record))
+        journal = forged / "journal.jsonl"  # a thorough forger makes the journal's header agree (check_own)
+        head, *rest = journal.read_text().split("\n")
+        header = json.loads(head)
+        header["fingerprint"] = record.get("fingerprint")
+        journal.write_text("\n".join([json.dumps(header), *rest]))
         return ["train", "--resume", str(forged), "trainer.steps=3"]
     f = forged / "journal.jsonl"
     head, *rest = f.read_text().split("\n")
@@ -218,10 +223,11 @@ def test_a_checkpoint_that_is_not_the_run_s_own_is_refused_by_resume(run, how, c
     if how == "symlink":  # another run's checkpoint put in place by a link
         own.symlink_to(theirs, target_is_directory=True)
         want = f"checkpoint {str(own)!r} leads to {str(theirs)!r}, outside {str(own.parent)!r}"
-    elif how == "renamed":  # a checkpoint of this run under another step's name
-        shutil.copytree(ckpt.latest_checkpoint(out), own.with_name("step_000001"))
-        own = own.with_name("step_000001")
-        want = f"checkpoint {str(own)!r} is named for step 1 but its state.json is at step 2"
+    elif how == "renamed":  # a checkpoint of this run under a later step's name (the newest, so resume takes it)
+        step = ckpt.read_state(ckpt.latest_checkpoint(out))["step"]
+        own = own.with_name("step_999999")
+        shutil.copytree(ckpt.latest_checkpoint(out), own)
+        want = f"checkpoint {str(own)!r} is named for step 999999 but its state.json is at step {step}"
     else:  # another run's checkpoint copied in
         shutil.copytree(theirs, own)
         want = f"checkpoint {str(own)!r} was written by another run: its fingerprint"

@@ -27,10 +27,13 @@ Figures per N (steady state: the steps after ``--warmup``):
   tracer sweeping every pending call at each new one;
 * ``routed``: each prompt group to one replica, the least loaded (``stream_rollout.ROUTE_GROUPS``);
 * ``sharded``: routed, and the step's batch built in shards, one per training rank (``SHARD_STEP_BATCH``);
-* ``after``: the code: routed, sharded, and the tracer's sweep amortised.
+* ``after``: the code: routed, sharded, the tracer's sweep amortised, and ``trainer.balance_batch`` (each training
+  rank about the same tokens; the variants before run without it).
 
     python benchmarks/cluster_twin.py --variants before,after   # N = 1,4,16,64,256; before up to 64
     python benchmarks/cluster_twin.py --replicas 1,4 --steps 4 --warmup 1     # a quick look
+    python benchmarks/cluster_twin.py --fixed-lengths --replicas 1,64,256      # no long tail: the controller alone
+    python benchmarks/cluster_twin.py --set trainer.balance_batch=false         # any config override
 
 Writes ``benchmarks/results/cluster_twin.md`` (``--out``).
 """
@@ -45,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -145,6 +149,10 @@ def config(args: argparse.Namespace, n: int, out: str) -> Any:
     t.rollout_timeout_s = None
     t.output_dir = out
     cfg.data.num_prompts = max(64, 2 * B)
+    if args.set:  # KEY=VALUE overrides, as `asyncrl train` takes them
+        from asyncrl.pipelines.job.configlib import apply_overrides
+
+        cfg = apply_overrides(cfg, args.set)
     return cfg.validate()
 
 
@@ -175,6 +183,7 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
 
     out = tempfile.mkdtemp(prefix=f"asyncrl-twin-{n}-{variant}-")
     cfg = config(args, n, out)
+    cfg.trainer.balance_batch = cfg.trainer.balance_batch and variant == "after"
     marks: list[tuple[float, float]] = []  # (monotonic, process CPU s) at each step's end
     threads: list[dict[str, float]] = []  # CPU per thread at the steady window's start and end
     lag = LoopLag()
@@ -313,6 +322,20 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def fixed_lengths(name: str) -> Path:
+    """Profile `name` with every response at its median length (``sigma`` and ``prompt_sigma`` 0), written to a
+    temporary file; its description says so."""
+    from dataclasses import replace
+
+    from asyncrl.pipelines.twin.profile import dump_profile, load_profile
+
+    prof = load_profile(name)
+    fixed = replace(prof, name=f"{prof.name}_fixed_lengths",
+                    description=f"{prof.description}; every response {prof.lengths.median:g} tokens (--fixed-lengths)",
+                    lengths=replace(prof.lengths, sigma=0.0, prompt_sigma=0.0))
+    return dump_profile(fixed, Path(tempfile.mkdtemp(prefix="asyncrl-twin-profile-")) / f"{fixed.name}.yaml")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -331,12 +354,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants-upto", type=int, default=64,
                    help="run the variants other than 'after' only up to this N (the code before the fixes splits "
                         "every group across every replica: at 256 a step takes many minutes)")
+    p.add_argument("--fixed-lengths", action="store_true",
+                   help="every response the profile's median length (no long tail): what the controller, Ray, "
+                        "admission and the weight sync do alone, without the workload's stragglers")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of every run (repeatable), e.g. trainer.balance_batch=false")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick:
         args.replicas, args.variants, args.steps, args.warmup = "1,2", "before,after", 4, 1
         args.groups_per_replica, args.time_scale = 1, 0.05
     args.replicas = [int(x) for x in args.replicas.split(",")]
+    if args.fixed_lengths:
+        args.profile = str(fixed_lengths(args.profile))
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or args.replicas[0] != 1 or args.warmup + 2 > args.steps:

@@ -261,6 +261,13 @@ class TrainerConfig(Section):
     ``uvloop`` (libuv's loop: cheaper wake-ups and scheduling for the controller), ``asyncio`` (the standard
     library's), or ``auto`` (uvloop when it can be imported, else asyncio). An app that calls
     ``await trainer.fit()`` runs it on its own loop and this setting does not apply."""
+    balance_batch: bool = True
+    """verl's ``trainer.balance_batch``: give each training rank about the same number of tokens, so that no
+    data-parallel rank waits for one that drew the long responses. Streaming: a step's prompt groups (whole: a
+    GRPO group stays on one rank) are partitioned over the training ranks by their response tokens, the ranks
+    keeping equal group counts (the longest-processing-time rule); the journal keeps the groups as admitted.
+    Needs the reward's ``response_length`` (``RewardWorker`` returns it); without it, or in batch mode, rows
+    keep their order."""
     precompute_log_probs: bool = False
     """Issue the next step's ``old_log_prob``, ``ref_log_prob`` and ``values`` as soon as its batch is
     generated (or being generated) and the weights it trains from are final -- right after this step's

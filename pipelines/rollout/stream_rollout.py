@@ -47,6 +47,7 @@ follows it with :class:`~asyncrl.pipelines.journaling.stream_replay.StreamReplay
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +65,7 @@ from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evalu
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
 
-__all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "REPLACE_REPLICAS"]
+__all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "REPLACE_REPLICAS", "balanced_order"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -93,6 +94,8 @@ class _Flight:
     reward_mean: float
     reward_std: float
     gen_time: float
+    tokens: int | None = None
+    """Its rows' response tokens (the reward's ``response_length``; None when the reward returns none)."""
 
 
 class _Attempt:
@@ -222,7 +225,8 @@ class StreamRollout:
                 self._unload(a, held, epoch)
                 held = None
                 sc = stages.score(groups, gen, rank=rank)
-                scores = (await sc)["scores"]
+                scored_td = await sc
+                scores = scored_td["scores"]
                 if a.epoch != epoch or a.replacing.locked():
                     # finished on a pool that is being (or was) replaced after a fault: re-home its results on the
                     # training pool now, before that pool closes (rehome_flights has run already); a pool closed
@@ -265,7 +269,8 @@ class StreamRollout:
             tr.journal.group_filtered(g, version=v0)
             await self._notify()  # its room may be admitted again
             return
-        a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), std, time.perf_counter() - t0)
+        tokens = int(scored_td["response_length"].sum()) if "response_length" in scored_td.keys() else None
+        a.flights[g] = _Flight(gen, sc, v0, float(scores.float().mean()), std, time.perf_counter() - t0, tokens)
         a.admission.finish(g)
         a.finishes += 1
         await self._notify()
@@ -543,6 +548,10 @@ class StreamRollout:
         assert groups is not None and tr.loader is not None
         gens, scores = [f.gen for f in flights], [f.scores for f in flights]
         if SHARD_STEP_BATCH and len(flights) >= groups.advantage.world_size:  # a shard per training rank, built there
+            tokens = [f.tokens for f in flights]
+            if cfg.trainer.balance_batch and None not in tokens:  # each rank about the same tokens
+                order = balanced_order(tokens, groups.advantage.world_size)  # type: ignore[arg-type]
+                gens, scores = [gens[i] for i in order], [scores[i] for i in order]
             width = max(self._prompt_width(g // cfg.prompts_per_step) for g in chosen)
             batch = stages.concat_sharded(groups, gens, scores, pad_id=tr.loader.pad_id,
                                           uid_base=step * cfg.prompts_per_step, width=width)
@@ -630,3 +639,23 @@ async def _finished(fut: Any) -> None:
     done = anyio.Event()
     fut.add_done_callback(lambda _: done.set())
     await done.wait()
+
+
+def balanced_order(tokens: list[int], ranks: int) -> list[int]:
+    """An order of the groups (`tokens`: each group's response tokens) whose contiguous chunks, as
+    ``stages.concat_sharded`` cuts them (sizes as equal as can be, the larger first), give each of the `ranks`
+    training ranks about the same tokens: verl's ``balance_batch``, over whole groups. The longest-processing-time
+    rule: the groups, longest first, each to the least-loaded rank with room left (within 4/3 of the best
+    makespan); each rank's groups keep their order."""
+    n = len(tokens)
+    k, extra = divmod(n, ranks)
+    room = [k + (r < extra) for r in range(ranks)]
+    parts: list[list[int]] = [[] for _ in range(ranks)]
+    heap = [(0, r) for r in range(ranks) if room[r]]  # (load, rank) of the ranks with room: O(n log ranks)
+    for i in sorted(range(n), key=lambda i: (-tokens[i], i)):
+        load, r = heapq.heappop(heap)
+        parts[r].append(i)
+        room[r] -= 1
+        if room[r]:
+            heapq.heappush(heap, (load + tokens[i], r))
+    return [i for part in parts for i in sorted(part)]

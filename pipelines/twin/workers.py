@@ -29,6 +29,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, Execute, Worker, register
 from asyncrl.pipelines.twin.profile import Profile, TwinConfig, engine_kwargs, load_profile, max_new_ids, tokens_per_id
+from asyncrl.roles.scoring.reward import scored
 
 __all__ = ["TwinPolicy", "TwinReward", "twin_roles", "twin_rollout", "batch_tokens", "train_costs"]
 
@@ -152,7 +153,7 @@ class TwinReward(Worker):
     def compute_reward(self, batch: TensorDictBase) -> TensorDict:
         ids = batch["response_ids"] * batch["response_mask"]
         scores = ((ids.sum(-1) + self.seed) % 2).float()
-        return TensorDict({"scores": scores}, batch_size=batch.batch_size)
+        return scored(batch, scores)
 
 
 def twin_rollout(job: Any, rollout: Any) -> Any:

@@ -66,6 +66,7 @@ __all__ = [
     "RewardConfig",
     "RewardInput",
     "RewardWorker",
+    "scored",
     "register_reward_fn",
     "get_reward_fn",
     "reward_fn_names",
@@ -369,6 +370,15 @@ def _validate_scores(name: str, scores: Any, n: int) -> torch.Tensor:
     return t
 
 
+
+def scored(batch: TensorDictBase, scores: torch.Tensor) -> TensorDict:
+    """A reward's result for `batch`: ``TD{scores, response_length}`` (each row's response tokens, from its
+    ``response_mask``, when the batch has one: what ``trainer.balance_batch`` partitions the training ranks by)."""
+    out = {"scores": scores}
+    if "response_mask" in batch.keys():
+        out["response_length"] = batch["response_mask"].sum(-1).to(torch.int64)
+    return TensorDict(out, batch_size=[batch.batch_size[0]])
+
 class RewardWorker(Worker):
     """Scores responses with a registered reward function or a reward model.
 
@@ -423,13 +433,14 @@ class RewardWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_reward(self, batch: TensorDictBase) -> TensorDict:
-        """``TD{scores [B]}``: one float per row.
+        """``TD{scores [B], response_length [B]}``: one float per row, and its response tokens (what the
+        trainer balances the training ranks by: ``trainer.balance_batch``).
 
         A function that raises, or returns the wrong type or shape, raises
         :class:`RewardFnError` naming the function."""
         n = batch.batch_size[0]
         if "episode_reward" in batch.keys() and bool(torch.isfinite(batch["episode_reward"]).all()):
-            return TensorDict({"scores": batch["episode_reward"].float()}, batch_size=[n])  # episodes scored themselves
+            return scored(batch, batch["episode_reward"].float())  # episodes scored themselves
         if self.rm is not None:
             scores = self._model_scores(batch)
         else:
@@ -444,7 +455,7 @@ class RewardWorker(Worker):
                     "(it gets a RewardInput and returns one float per row)"
                 ) from e
             scores = _validate_scores(self.fn_name, raw, n)
-        return TensorDict({"scores": scores}, batch_size=[n])
+        return scored(batch, scores)
 
     def _model_scores(self, batch: TensorDictBase) -> torch.Tensor:
         require(batch, ["input_ids", "attention_mask"], "RewardWorker.compute_reward (reward model)")

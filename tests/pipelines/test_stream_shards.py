@@ -43,3 +43,36 @@ async def test_the_sharded_step_batch_is_the_one_rank_batch_row_for_row(ray_clus
         assert got["uid"].tolist() == [40 + i for i in range(7) for _ in range(2)]
         rows = await adv.echo(sharded)  # a data-parallel consumer of the same world: each rank its own shard
         assert torch.equal(rows["response_ids"], one["response_ids"])
+
+
+def test_balance_batch_gives_each_rank_about_the_same_tokens_in_whole_groups():
+    """``trainer.balance_batch``: the order whose contiguous chunks (as ``concat_sharded`` cuts them) hold equal
+    group counts and about equal tokens; each chunk keeps its groups' order; one rank keeps the order."""
+    import random
+
+    from asyncrl.pipelines.rollout.stream_rollout import balanced_order
+
+    assert balanced_order([5, 1, 1, 1, 4, 4], 2) == [0, 1, 2, 3, 4, 5]  # {5,1,1} 7 and {1,4,4} 9: the best split
+    assert balanced_order([9, 1, 1, 9], 2) == [0, 1, 2, 3]  # already balanced: kept
+    assert balanced_order([9, 9, 1, 1], 2) == [0, 2, 1, 3]  # 10 and 10, not 18 and 2
+    assert balanced_order([3, 1, 2], 2) == [0, 1, 2]  # chunks of 2 and 1: {3,1} first, {2}
+    assert balanced_order([1, 2, 3], 1) == [0, 1, 2]
+    rng = random.Random(0)
+    tokens = [int(800 * rng.lognormvariate(0, 0.8)) + 256 for _ in range(256)]  # the 7B profile's tail
+    order = balanced_order(tokens, 64)
+    assert sorted(order) == list(range(256))
+    chunks = [sum(tokens[i] for i in order[r * 4:(r + 1) * 4]) for r in range(64)]
+    plain = [sum(tokens[r * 4:(r + 1) * 4]) for r in range(64)]
+    mean = sum(tokens) / 64
+    best = max(mean, max(tokens) + sum(sorted(tokens)[:3]))  # no split does better: the longest group is whole
+    assert max(chunks) < 1.01 * best < 1.3 * best < max(plain)  # within 1 % of the best split here
+    assert round(max(chunks) / mean, 2) == 1.33 and round(max(plain) / mean, 2) == 1.76  # 1.76x the mean before
+
+
+def test_the_reward_returns_each_rows_response_length():
+    from asyncrl.roles.scoring.reward import scored
+
+    batch = TensorDict({"response_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}, batch_size=[2])
+    out = scored(batch, torch.tensor([1.0, 0.0]))
+    assert out["scores"].tolist() == [1.0, 0.0] and out["response_length"].tolist() == [2, 1]
+    assert set(scored(TensorDict({}, batch_size=[2]), torch.zeros(2)).keys()) == {"scores"}

@@ -456,6 +456,8 @@ class JobConfig(Section):
             raise ConfigError(f"rollout.sleep_level={self.rollout.sleep_level} releases the rollout's memory while "
                               "the policy trains on the same GPU: it needs trainer.colocated=true (set it to 0)")
         for name, n in self.pool_sizes().items():
+            if name == "rollout" and t.rollout_mode == "stream":
+                continue  # a stream routes each group whole to one replica: any number of replicas serves it
             if self.prompts_per_step % n:
                 raise ConfigError(
                     f"the {name} pool has {n} workers but a step has {self.prompts_per_step} prompts; "

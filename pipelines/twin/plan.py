@@ -98,12 +98,19 @@ def splits(profile: Profile, gpus: int, prompts: int | None = None) -> list[tupl
     return out
 
 
+def batch_fits(profile: Profile, rollout_gpus: int, prompts: int | None) -> bool:
+    """Whether batch mode can run on `rollout_gpus`: its rollout replicas divide the `prompts` per step (batch mode
+    splits a step's prompts over them, a GRPO group whole on one; streaming routes each group to one replica)."""
+    return prompts is None or prompts % (rollout_gpus // profile.rollout.gpus) == 0
+
+
 def candidates(profile: Profile, gpus: int, prompts: int | None = None) -> list[Candidate]:
     """Every candidate of the space (the brute force's list)."""
     out = []
     for r, t in splits(profile, gpus, prompts):
         for k in STALENESS:
-            out.append(Candidate(r, t, k, "batch"))
+            if batch_fits(profile, r, prompts):
+                out.append(Candidate(r, t, k, "batch"))
             if k >= 1:
                 out += [Candidate(r, t, k, "stream", c) for c in CONCURRENCY]
     return out
@@ -220,17 +227,19 @@ def search(profile: Profile, gpus: int, run: Runner, *, prompts: int | None = No
         raise ValueError(f"{gpus} GPUs hold no split of a rollout replica ({profile.rollout.gpus} GPUs) and training "
                          f"ranks ({profile.training.gpus} GPUs each) that divide the {prompts} prompts of a step; "
                          "plan another budget or batch size")
-    say("split (batch, max_staleness=1):")
-    c = best([Candidate(r, t, 1, "batch") for r, t in split])
+    say("split (max_staleness=1; batch, or stream where batch mode cannot split a step over the replicas):")
+    c = best([Candidate(r, t, 1, "batch") if batch_fits(profile, r, prompts) else Candidate(r, t, 1, "stream")
+              for r, t in split])
     say("staleness and mode:")
     c = best([replace(c, max_staleness=k, mode=m, in_flight=None) for k in STALENESS for m in ("batch", "stream")
-              if not (m == "stream" and k == 0)])
+              if not (m == "stream" and k == 0) and (m == "stream" or batch_fits(profile, c.rollout_gpus, prompts))])
     if c.mode == "stream":
         say("concurrency:")
         c = best([replace(c, in_flight=x) for x in CONCURRENCY])
     say("splits next to the best:")
     i = split.index((c.rollout_gpus, c.train_gpus))
-    best([replace(c, rollout_gpus=r, train_gpus=t) for r, t in split[max(0, i - 1):i + 2]])
+    best([replace(c, rollout_gpus=r, train_gpus=t) for r, t in split[max(0, i - 1):i + 2]
+          if c.mode == "stream" or batch_fits(profile, r, prompts)])
     return sorted(seen.values(), key=lambda o: -o.tokens_per_s)
 
 

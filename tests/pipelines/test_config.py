@@ -65,6 +65,7 @@ def test_yaml_booleans_read_as_the_choice_they_spell(tmp_path):
     ("trainer.max_staleness=-1", "max_staleness must be >= 0"),
     ("data.task=chess", "data.task 'chess' is unknown"),
     ("trainer.train_workers=3", "the train pool has 3 workers but a step has 8 prompts"),
+    ("trainer.rollout_workers=3", "the rollout pool has 3 workers but a step has 8 prompts"),  # batch mode
     # off-policy correction and loss conventions
     ("actor.rollout_correction.mode=magic", r"actor.rollout_correction.mode must be one of \['auto', 'none', 'tis'"),
     ("actor.rollout_correction.rollout_is_threshold=0", "rollout_is_threshold must be > 0, got 0.0"),

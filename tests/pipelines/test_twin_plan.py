@@ -20,6 +20,10 @@ def test_the_space_holds_every_split_staleness_mode_and_concurrency():
     # a GRPO group stays on one training rank: 32 prompts a step leave the splits with 8, 4 and 2 ranks
     assert sorted({(c.rollout_gpus, c.train_gpus) for c in candidates(P, 16, prompts=32)}) == [(8, 8), (12, 4),
                                                                                              (14, 2)]
+    # batch mode splits a step's prompts over the rollout replicas too; streaming routes each group to one
+    at_32 = candidates(P, 16, prompts=32)
+    assert {(c.rollout_gpus, c.mode) for c in at_32 if c.max_staleness == 1} == {
+        (8, "batch"), (8, "stream"), (12, "stream"), (14, "stream")}
     per_split = [c for c in cs if (c.rollout_gpus, c.train_gpus) == (8, 8)]
     # batch at k = 0, 1, 2, 4; stream at k = 1, 2, 4 with admission's bound and one step in flight
     assert len(per_split) == 4 + 3 * 2 and not any(c.mode == "stream" and c.max_staleness == 0 for c in cs)
@@ -76,3 +80,15 @@ async def test_a_candidate_runs_in_the_twin_and_reports_its_throughput_idle_time
     assert o.ledger_ok and o.tokens_per_s > 0 and 0 <= o.idle <= 1 and o.step_s > 0
     g, t = estimate(P, Candidate(2, 2, 1, "stream"), batch_size=32, group_size=8)
     assert (o.gen_s, o.train_s) == (g, t)
+
+
+def test_a_stream_needs_no_rollout_replica_count_that_divides_the_prompts():
+    from asyncrl.pipelines.job.configlib import ConfigError
+    from asyncrl.pipelines.job.presets import twin
+
+    cfg = twin()
+    cfg.trainer.rollout_workers, cfg.trainer.train_workers, cfg.trainer.batch_size = 12, 4, 1024  # 128 prompts
+    assert cfg.validate().trainer.rollout_workers == 12  # each group goes whole to one of the 12 replicas
+    cfg.trainer.rollout_mode = "batch"
+    with pytest.raises(ConfigError, match="^the rollout pool has 12 workers but a step has 128 prompts"):
+        cfg.validate()

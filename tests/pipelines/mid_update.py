@@ -128,11 +128,12 @@ class MidUpdateRollout(FaultyRollout):
 
 
 def _wait_for(path: str) -> None:
-    """Until the file `path` exists (polled, at most ``LIMIT_S``)."""
+    """Until the file `path` exists (polled; a ``TimeoutError`` naming it after ``LIMIT_S``)."""
     for _ in range(int(LIMIT_S / 0.02)):
         if os.path.exists(path):
             return
         time.sleep(0.02)
+    raise TimeoutError(f"{path} did not appear within {LIMIT_S:g} s")
 
 
 class WaitingPolicy(PolicyWorker):

@@ -36,7 +36,7 @@ from asyncrl.roles.engines.batcher import RequestBatcher
 
 from tests.pipelines.test_stream_scale import (STEPS, LoggedRollout, _assert_every_group_once_within_the_bound,
                                                _calls, _cfg, _history_reaches)
-from tests.reliability.conftest import live_actors, settled
+from tests.reliability.conftest import live_actors, settled, until
 from tests.reliability.faults import BeforeStepEngine
 
 HELD = 3
@@ -133,9 +133,8 @@ async def _stall_pool(tr, stall: Path, calls: Path) -> set[int]:
     """Stall the rollout pool's rows from now on; returns its pids once one of its rows is held."""
     pids = set(await tr.groups.rollout.pid())
     stall.write_text(" ".join(map(str, pids)))
-    async with asyncio.timeout(60):  # the run still has groups to generate (GENERATE_S each): one is held soon
-        while not any(c.get("held") and c["pid"] in pids for c in _calls(calls)):
-            await asyncio.sleep(0.02)
+    # the run still has groups to generate (GENERATE_S each): one is held soon
+    await until(lambda: any(c.get("held") and c["pid"] in pids for c in _calls(calls)), "a group held", 60)
     return pids
 
 
@@ -224,16 +223,13 @@ async def test_the_autoscaler_grows_a_pool_that_generation_holds_up_and_shrinks_
 
         async def drive() -> list[set[int]]:
             async with asyncio.timeout(240):
-                while scaler.requests != [(1, 2)]:
-                    await asyncio.sleep(0.02)
+                await until(lambda: scaler.requests == [(1, 2)], "the autoscaler asking to grow", 240)
                 one = await _stall_pool(tr, stall, calls)  # its rows wait for the hand-over after HELD tokens
                 gen_pace.write_text("0")  # then training-bound: the new pool's calls take no time
                 train_pace.write_text("0.5")
-                while len(scaler.resizes) < 1:
-                    await asyncio.sleep(0.02)
+                await until(lambda: len(scaler.resizes) >= 1, "the grow", 240)
                 two = set(await tr.groups.rollout.pid())
-                while len(scaler.resizes) < 2:
-                    await asyncio.sleep(0.02)
+                await until(lambda: len(scaler.resizes) >= 2, "the shrink", 240)
                 tr.request_stop("both resizes done")
                 return [one, two, set(await tr.groups.rollout.pid())]
 
@@ -267,9 +263,7 @@ async def test_a_sigterm_to_the_rollout_worker_hands_its_rows_over_with_their_to
             await _history_reaches(tr, 1)
             old = await _stall_pool(tr, stall, calls)
             os.kill(next(iter(old)), signal.SIGTERM)
-            async with asyncio.timeout(120):
-                while len(tr.rollout.scaler.resizes) < 1:
-                    await asyncio.sleep(0.02)
+            await until(lambda: len(tr.rollout.scaler.resizes) >= 1, "the SIGTERM's resize", 120)
             return old, set(await tr.groups.rollout.pid())
 
         async with asyncio.TaskGroup() as tg:
@@ -342,9 +336,7 @@ async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_
             await _history_reaches(tr, 1)
             first = await _stall_pool(tr, stall, calls)
             os.kill(next(iter(first)), signal.SIGTERM)  # the rows come back in the PreemptedError, through Ray
-            async with asyncio.timeout(120):  # the SIGTERM's resize, or a clear failure
-                while len(tr.rollout.scaler.resizes) < 1:
-                    await asyncio.sleep(0.02)
+            await until(lambda: len(tr.rollout.scaler.resizes) >= 1, "the SIGTERM's resize", 120)  # the SIGTERM's resize, or a clear failure
             after_sigterm = len(tr.rollout.handovers)
             second = await _stall_pool(tr, stall, calls)
             await tr.preempt_rollout(0)  # the API's notice: the rows come back from hand_over
@@ -365,15 +357,14 @@ async def test_a_sigterm_or_a_preempt_call_returns_the_rows_tokens_and_they_are_
 
 async def _held_on_every_rank(calls: Path, pids: set[int]) -> None:
     """Until some group has rows held on each process of `pids` (so a notice finds tokens on every rank)."""
-    async with asyncio.timeout(60):
-        while True:
-            held: dict[str, set[int]] = {}
-            for c in _calls(calls):
-                for k in c.get("held", ()):
-                    held.setdefault(k.split(":")[0], set()).add(c["pid"])
-            if any(pids <= p for p in held.values()):  # (a group may have been held on an earlier pool too)
-                return
-            await asyncio.sleep(0.02)
+    def held_everywhere() -> bool:
+        held: dict[str, set[int]] = {}
+        for c in _calls(calls):
+            for k in c.get("held", ()):
+                held.setdefault(k.split(":")[0], set()).add(c["pid"])
+        return any(pids <= p for p in held.values())  # (a group may have been held on an earlier pool too)
+
+    await until(held_everywhere, "rows held on every rank", 60)
 
 
 @pytest.mark.slow  # one streaming run with two 2-worker rollout pools: 50-70 s on the loaded 2-core machine
@@ -387,9 +378,7 @@ async def test_a_sigterm_to_one_rank_of_two_hands_over_every_ranks_rows_with_the
             await _held_on_every_rank(calls, old)
             told = min(old)
             os.kill(told, signal.SIGTERM)  # one rank of two: its rows come back in its PreemptedError, the
-            async with asyncio.timeout(120):  # other rank's from its hand_over
-                while len(tr.rollout.scaler.resizes) < 1:
-                    await asyncio.sleep(0.02)
+            await until(lambda: len(tr.rollout.scaler.resizes) >= 1, "the SIGTERM's resize", 120)  # other rank's from its hand_over
             return told, old, set(await tr.groups.rollout.pid())
 
         async with asyncio.TaskGroup() as tg:
@@ -449,9 +438,7 @@ async def test_a_rank_that_cannot_hand_over_leaves_its_rows_to_start_over_and_th
             await _held_on_every_rank(calls, set(first))
             stall.write_text("*")  # the next pool holds its rows from its first round (on both of its ranks)
             os.kill(first[0], signal.SIGTERM)  # rank 0's rows come back with its notice; rank 1's hand-over fails
-            async with asyncio.timeout(120):
-                while len(tr.rollout.scaler.resizes) < 1:
-                    await asyncio.sleep(0.02)
+            await until(lambda: len(tr.rollout.scaler.resizes) >= 1, "the SIGTERM's resize", 120)
             second = list(await tr.groups.rollout.pid())
             await _stall_pool(tr, stall, calls)  # (only this pool from now on: the next one decodes freely)
             await _held_on_every_rank(calls, set(second))
@@ -489,10 +476,8 @@ async def test_a_new_pool_that_dies_while_continuing_is_replaced_and_continues_f
             second = set(await tr.groups.rollout.pid())
             assert len(tr.rollout.handovers) > kept
             resumed = {k for _, rows in tr.rollout.handovers[kept:] for k in rows}
-            async with asyncio.timeout(60):
-                while not resumed & {k for c in _calls(calls) if c.get("held") and c["pid"] in second
-                                     for k in c["held"]}:
-                    await asyncio.sleep(0.02)
+            await until(lambda: resumed & {k for c in _calls(calls) if c.get("held") and c["pid"] in second
+                                           for k in c["held"]}, "the handed-over rows continued", 60)
             os.kill(next(iter(second)), signal.SIGKILL)  # it dies while it continues them
             stall.write_text("")  # its replacement (seconds away) decodes freely
             return [first, second]

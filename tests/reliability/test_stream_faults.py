@@ -26,7 +26,7 @@ from asyncrl.roles import RolloutWorker
 from asyncrl import Dispatch, register
 
 from tests.pipelines.mid_update import hold_group, mid_update_workers
-from tests.reliability.conftest import live_actors, settled, wait_for_file
+from tests.reliability.conftest import live_actors, settled, until, wait_for_file
 from tests.reliability.faults import Fault, FaultyPolicy
 
 STEPS = 4
@@ -122,9 +122,8 @@ async def test_a_stop_during_an_update_checkpoints_the_untrained_groups_and_a_re
     async with GRPOTrainer(cfg, on_step=stop, worker_overrides=overrides) as trainer:
 
         async def go() -> None:
-            async with asyncio.timeout(120):
-                while not ((gate / "loading").exists() and trainer.interrupted is not None):
-                    await asyncio.sleep(0.02)
+            await until(lambda: (gate / "loading").exists() and trainer.interrupted is not None,
+                        "the stop during the gated load", 120)
             loads = [r["version"] for r in journal(out) if r["kind"] == "load"]
             at_stop.update(loading=loads[-1], loaded=trainer.state.rollout_version)
             (gate / "go").write_text("")  # the load ends; the run returns

@@ -9,13 +9,18 @@ training nodes, over gloo):
 * a training node lost during ``fit()``: the run restarts from its newest checkpoint once the node is back, and
   ends with the fault-free run's final weights.
 
-Each case is one short run; the slow siblings (every step checked, capacity waits and deadlines, two nodes at
+Each loss happens while the run needs the lost node: the rollout holds its batch of step 2, the training ranks
+hold the update after checkpoint 2, until the node is gone (a tiny step takes 40 ms: without the hold, a run could
+end before the loss reaches it, and the case would test nothing). Each case is one short run; the slow siblings (every step checked, capacity waits and deadlines, two nodes at
 once, a node lost mid-sync or mid-checkpoint, a draining pool's node) are ``tests/reliability/test_lost_node.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -28,6 +33,7 @@ from asyncrl.pipelines.journaling.replay import compare_metrics
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.reliability.conftest import until
+from tests.reliability.faults import BeforeStepEngine
 
 STEPS = 5
 
@@ -50,6 +56,52 @@ class PlacedRollout(RolloutWorker, Placed):
 
 
 OVERRIDES = {"policy": PlacedPolicy, "rollout": PlacedRollout}
+
+HOLD_S = 120.0
+"""Longest a held update waits (only the lost node's restart, which kills the held ranks, is meant to end it)."""
+
+
+class HoldingPolicy(PlacedPolicy):
+    """A policy worker whose first update after the checkpoint `ckpt` exists holds, between backward and the
+    optimizer step, once a run per rank (marker file ``held-<rank>`` in `gate`): the training node is lost while
+    the run's training is pending, whatever the machine's timing (a tiny step takes 40 ms, so an unheld run can
+    finish before the node's loss reaches it)."""
+
+    def __init__(self, *args: Any, ckpt: str, gate: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
+        def before_step() -> None:
+            if not Path(ckpt).exists():
+                return
+            try:
+                os.close(os.open(Path(gate, f"held-{self.rank}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # held once already: a restarted rank trains freely
+            deadline = time.monotonic() + HOLD_S
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+
+        self.engine = BeforeStepEngine(self.engine, before_step)
+
+
+class HoldingRollout(PlacedRollout):
+    """A rollout worker whose third generation (the batch of step 2) holds, once a run (marker file ``held-rollout``
+    in `gate`): the rollout node is lost while the run still needs it, whatever the machine's timing."""
+
+    def __init__(self, *args: Any, gate: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hold_dir, self._jobs_run = gate, 0
+
+    async def _run_job(self, job: Any) -> None:
+        self._jobs_run += 1
+        if self._jobs_run == 3:
+            try:
+                os.close(os.open(Path(self._hold_dir, "held-rollout"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass  # held once already: the replacement generates freely
+            else:
+                await asyncio.sleep(HOLD_S)  # (only the node's loss is meant to end it)
+        await super()._run_job(job)
 
 
 def _job(out):
@@ -96,13 +148,13 @@ async def test_a_lost_rollout_node_is_replaced_without_restarting_training_and_t
         nodes, fault_free, tmp_path):
     clean, weights, _, _ = fault_free
     out = tmp_path / "run"
-    tr = GRPOTrainer(_job(out), worker_overrides=OVERRIDES)
+    tr = GRPOTrainer(_job(out), worker_overrides={**OVERRIDES, "rollout": (HoldingRollout, {"gate": str(tmp_path)})})
     async with tr:
         policy = await _where(nodes, tr.groups.policy)
         [(lost, _)] = await _where(nodes, tr.groups.rollout)
 
         async def lose_the_rollout_node() -> None:
-            await until(lambda: len(tr.history) >= 2, "step 1")
+            await until((tmp_path / "held-rollout").exists, "the rollout held in the batch of step 2")
             nodes.remove(lost)
 
         async with asyncio.TaskGroup() as tg:
@@ -123,10 +175,12 @@ async def test_a_lost_training_node_restarts_from_its_checkpoint_to_the_fault_fr
                                                                                            tmp_path):
     clean, weights, _, _ = fault_free
     out = tmp_path / "run"
-    tr = GRPOTrainer(_job(out), worker_overrides=OVERRIDES)
+    holding = (HoldingPolicy, {"ckpt": str(checkpoint_dir(out, 2)), "gate": str(tmp_path)})
+    tr = GRPOTrainer(_job(out), worker_overrides={**OVERRIDES, "policy": holding})
 
     async def lose_a_training_node() -> None:
-        await until(lambda: len(tr.history) >= 3 and checkpoint_dir(out, 2).exists(), "step 2 after a checkpoint")
+        held = [tmp_path / f"held-{rank}" for rank in range(2)]
+        await until(lambda: all(h.exists() for h in held), "both ranks held in the update after checkpoint 2")
         dead = nodes.node_id("t1")
         nodes.remove("t1")
         await asyncio.to_thread(nodes.wait_dead, dead)
@@ -139,7 +193,7 @@ async def test_a_lost_training_node_restarts_from_its_checkpoint_to_the_fault_fr
         history = fit.result()
         assert sorted(n for n, _ in await _where(nodes, tr.groups.policy)) == ["t1", "t2"]
     [r] = tr.restarts
-    assert r["kind"] == "restart" and r["from_checkpoint"] is not None and r["from_step"] in (2, 4)
+    assert r["kind"] == "restart" and r["from_checkpoint"] is not None and r["from_step"] == 2
     assert [m["step"] for m in history] == list(range(STEPS))
     assert compare_metrics(clean, history) == []
     assert _final_weights(out) == weights  # resumed from the checkpoint to the fault-free run's weights

@@ -9,8 +9,8 @@ training nodes, over gloo):
 * a training node lost during ``fit()``: the run restarts from its newest checkpoint once the node is back, and
   ends with the fault-free run's final weights.
 
-Each loss happens while the run needs the lost node: the rollout holds its batch of step 2, the training ranks
-hold the update after checkpoint 2, until the node is gone (a tiny step takes 40 ms: without the hold, a run could
+Each loss happens while the run needs the lost node: the rollout hangs in its batch of step 2, a training rank in
+the update of step 2 (after checkpoint 2), until the node is gone (``tests.reliability.faults``) (a tiny step takes 40 ms: without the hold, a run could
 end before the loss reaches it, and the case would test nothing). Each case is one short run; the slow siblings (every step checked, capacity waits and deadlines, two nodes at
 once, a node lost mid-sync or mid-checkpoint, a draining pool's node) are ``tests/reliability/test_lost_node.py``."""
 
@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -33,7 +30,7 @@ from asyncrl.pipelines.journaling.replay import compare_metrics
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.reliability.conftest import until
-from tests.reliability.faults import BeforeStepEngine
+from tests.reliability.faults import Fault, FaultyPolicy, FaultyRollout
 
 STEPS = 5
 
@@ -57,51 +54,13 @@ class PlacedRollout(RolloutWorker, Placed):
 
 OVERRIDES = {"policy": PlacedPolicy, "rollout": PlacedRollout}
 
-HOLD_S = 120.0
-"""Longest a held update waits (only the lost node's restart, which kills the held ranks, is meant to end it)."""
+
+class HoldingPolicy(FaultyPolicy, Placed):
+    """A placed policy worker that hangs in an update when its fault fires (once a run)."""
 
 
-class HoldingPolicy(PlacedPolicy):
-    """A policy worker whose first update after the checkpoint `ckpt` exists holds, between backward and the
-    optimizer step, once a run per rank (marker file ``held-<rank>`` in `gate`): the training node is lost while
-    the run's training is pending, whatever the machine's timing (a tiny step takes 40 ms, so an unheld run can
-    finish before the node's loss reaches it)."""
-
-    def __init__(self, *args: Any, ckpt: str, gate: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-
-        def before_step() -> None:
-            if not Path(ckpt).exists():
-                return
-            try:
-                os.close(os.open(Path(gate, f"held-{self.rank}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return  # held once already: a restarted rank trains freely
-            deadline = time.monotonic() + HOLD_S
-            while time.monotonic() < deadline:
-                time.sleep(0.05)
-
-        self.engine = BeforeStepEngine(self.engine, before_step)
-
-
-class HoldingRollout(PlacedRollout):
-    """A rollout worker whose third generation (the batch of step 2) holds, once a run (marker file ``held-rollout``
-    in `gate`): the rollout node is lost while the run still needs it, whatever the machine's timing."""
-
-    def __init__(self, *args: Any, gate: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._hold_dir, self._jobs_run = gate, 0
-
-    async def _run_job(self, job: Any) -> None:
-        self._jobs_run += 1
-        if self._jobs_run == 3:
-            try:
-                os.close(os.open(Path(self._hold_dir, "held-rollout"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                pass  # held once already: the replacement generates freely
-            else:
-                await asyncio.sleep(HOLD_S)  # (only the node's loss is meant to end it)
-        await super()._run_job(job)
+class HoldingRollout(FaultyRollout, Placed):
+    """A placed rollout worker that hangs in a generation when its fault fires (once a run)."""
 
 
 def _job(out):
@@ -148,13 +107,14 @@ async def test_a_lost_rollout_node_is_replaced_without_restarting_training_and_t
         nodes, fault_free, tmp_path):
     clean, weights, _, _ = fault_free
     out = tmp_path / "run"
-    tr = GRPOTrainer(_job(out), worker_overrides={**OVERRIDES, "rollout": (HoldingRollout, {"gate": str(tmp_path)})})
+    hold = Fault(dir=str(tmp_path), point="generate", call=3)  # the batch of step 2, once a run
+    tr = GRPOTrainer(_job(out), worker_overrides={**OVERRIDES, "rollout": (HoldingRollout, {"fault": hold})})
     async with tr:
         policy = await _where(nodes, tr.groups.policy)
         [(lost, _)] = await _where(nodes, tr.groups.rollout)
 
         async def lose_the_rollout_node() -> None:
-            await until((tmp_path / "held-rollout").exists, "the rollout held in the batch of step 2")
+            await until((tmp_path / "pid").exists, "the rollout held in the batch of step 2")
             nodes.remove(lost)
 
         async with asyncio.TaskGroup() as tg:
@@ -175,12 +135,12 @@ async def test_a_lost_training_node_restarts_from_its_checkpoint_to_the_fault_fr
                                                                                            tmp_path):
     clean, weights, _, _ = fault_free
     out = tmp_path / "run"
-    holding = (HoldingPolicy, {"ckpt": str(checkpoint_dir(out, 2)), "gate": str(tmp_path)})
-    tr = GRPOTrainer(_job(out), worker_overrides={**OVERRIDES, "policy": holding})
+    hold = Fault(dir=str(tmp_path), point="update", call=3)  # step 2's update, after checkpoint 2, once a run
+    tr = GRPOTrainer(_job(out), worker_overrides={**OVERRIDES, "policy": (HoldingPolicy, {"fault": hold})})
 
     async def lose_a_training_node() -> None:
-        held = [tmp_path / f"held-{rank}" for rank in range(2)]
-        await until(lambda: all(h.exists() for h in held), "both ranks held in the update after checkpoint 2")
+        await until(lambda: (tmp_path / "pid").exists() and checkpoint_dir(out, 2).exists(),
+                    "a rank held in the update of step 2, after checkpoint 2")
         dead = nodes.node_id("t1")
         nodes.remove("t1")
         await asyncio.to_thread(nodes.wait_dead, dead)

@@ -44,6 +44,7 @@ from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.cluster.harness import OneHostCluster
 from tests.reliability.conftest import live_actors, settled, until
+from tests.reliability.faults import Fault, FaultyPolicy, FaultyRollout
 
 pytestmark = pytest.mark.slow
 
@@ -83,16 +84,29 @@ def _rollout_node(nodes, tr) -> str:
     return nodes.names()[ray.util.placement_group_table(slot.placement_group)["bundles_to_node_id"][slot.bundle_index]]
 
 
+def _hold(cfg, point: str, call: int) -> tuple[type, dict]:
+    """A worker override that hangs the `call`-th ``generate`` or ``update`` of a process, once a run (in
+    ``<output_dir>.hold``): the node is lost while the run needs it, whatever the machine's timing."""
+    Path(cfg.trainer.output_dir + ".hold").mkdir(parents=True)
+    fault = Fault(dir=cfg.trainer.output_dir + ".hold", point=point, call=call)
+    return (FaultyRollout if point == "generate" else FaultyPolicy), {"fault": fault}
+
+
+async def _held(cfg) -> None:
+    """Until a worker hangs in its held call (see :func:`_hold`)."""
+    await until(Path(cfg.trainer.output_dir + ".hold", "pid").exists, "the held call")
+
+
 async def _run_losing_the_rollout_node(nodes, cfg, *, comes_back_after: float | None):
-    """Fit `cfg`, removing the rollout pool's node after step 3 (and starting it again after
-    `comes_back_after` seconds); returns (trainer, history or the error, the lost node's name, the
+    """Fit `cfg`, removing the rollout pool's node while it generates the batch of step 4 (and starting it again
+    after `comes_back_after` seconds); returns (trainer, history or the error, the lost node's name, the
     rollout pool's node at the end, seconds from the loss to the end of `fit`)."""
-    tr = GRPOTrainer(cfg)
+    tr = GRPOTrainer(cfg, worker_overrides={"rollout": _hold(cfg, "generate", 5)})
     lost: list[str] = []
     t_lost: list[float] = []
 
     async def lose_the_rollout_node() -> None:
-        await until(lambda: len(tr.history) >= 3, "step 3")
+        await _held(cfg)
         lost.append(_rollout_node(nodes, tr))
         nodes.remove(lost[0])
         t_lost.append(time.monotonic())
@@ -138,7 +152,7 @@ async def test_a_lost_rollout_node_is_replaced_on_the_capacity_left(nodes, tmp_p
     after = await settled(before)
     assert after == before
     nodes.add(lost, 1)  # for the next case
-    fault_row(order=40, fault="the node holding the rollout pool lost after step 3 (training on another node)",
+    fault_row(order=40, fault="the node holding the rollout pool lost while it generates the batch of step 4 (training on another node)",
               policy="none (the defaults), `rollout_placement=[1]`, `train_placement=[2]`",
               outcome="rollout pool placed again on the other rollout node, batch re-issued, run completed",
               seconds=r["time_s"], bound="node death detection + recovery", interrupted=r["interrupted_s"],
@@ -161,7 +175,7 @@ async def test_a_rollout_pool_with_no_capacity_left_waits_and_uses_the_node_that
         assert after == before
     finally:
         nodes.add("roll_b", 1)
-    fault_row(order=41, fault="the node holding the rollout pool lost after step 3, no capacity left; "
+    fault_row(order=41, fault="the node holding the rollout pool lost generating the batch of step 4, no capacity left; "
                               "a node comes back 2 s later",
               policy="none (the defaults; `restart.placement_wait_s=60`)",
               outcome="rollout pool waited, placed on the node that came back, batch re-issued, run completed",
@@ -185,7 +199,7 @@ async def test_a_rollout_pool_that_finds_no_capacity_by_the_deadline_fails_namin
     finally:
         nodes.add("roll_a", 1)
         nodes.add("roll_b", 1)
-    fault_row(order=42, fault="the node holding the rollout pool lost after step 3, no capacity left, none coming back",
+    fault_row(order=42, fault="the node holding the rollout pool lost generating the batch of step 4, no capacity left, none coming back",
               policy="`restart.placement_wait_s=3` (60 by default)",
               outcome="`PlacementError` raised by `fit()`, naming the resources the pool misses",
               seconds=seconds, bound="placement_wait_s + detection + recovery", interrupted="the run stops",
@@ -197,10 +211,10 @@ async def test_a_lost_training_node_restarts_from_the_newest_checkpoint_once_it_
     cfg = _job(tmp_path, "train")
     cfg.trainer.checkpoint_every = 2
     before = await asyncio.to_thread(live_actors)
-    tr = GRPOTrainer(cfg)
+    tr = GRPOTrainer(cfg, worker_overrides={"policy": _hold(cfg, "update", 4)})  # step 3's, after checkpoint 2
 
     async def lose_the_training_node() -> None:
-        await until(lambda: len(tr.history) >= 3, "step 3")
+        await _held(cfg)
         nodes.remove("train")
         await asyncio.sleep(2.0)  # the restart waits for the training pool's capacity
         nodes.add("train", 2)
@@ -214,7 +228,7 @@ async def test_a_lost_training_node_restarts_from_the_newest_checkpoint_once_it_
     assert r["kind"] == "restart" and r["from_checkpoint"] is not None and r["from_step"] >= 2
     after = await settled(before)
     assert after == before
-    fault_row(order=43, fault="the node holding the training pool lost after step 3; it comes back 2 s later",
+    fault_row(order=43, fault="the node holding the training pool lost during step 3's update; it comes back 2 s later",
               policy="none (the defaults), `checkpoint_every=2` here",
               outcome=f"restarted from the step-{r['from_step']} checkpoint once the training pool was placed again, "
                       "run completed",
@@ -226,11 +240,11 @@ async def test_two_nodes_lost_at_once_restart_the_run_once_the_training_node_is_
     cfg = _job(tmp_path, "two")
     cfg.trainer.checkpoint_every = 2
     before = await asyncio.to_thread(live_actors)
-    tr = GRPOTrainer(cfg)
+    tr = GRPOTrainer(cfg, worker_overrides={"policy": _hold(cfg, "update", 4)})  # step 3's, after checkpoint 2
     lost: list[str] = []
 
     async def lose_two_nodes() -> None:
-        await until(lambda: len(tr.history) >= 3, "step 3")
+        await _held(cfg)
         lost.append(_rollout_node(nodes, tr))
         nodes.remove(lost[0])  # the rollout node and the training node together
         nodes.remove("train")
@@ -249,7 +263,7 @@ async def test_two_nodes_lost_at_once_restart_the_run_once_the_training_node_is_
     after = await settled(before)
     assert after == before
     r = tr.restarts[-1]
-    fault_row(order=44, fault="the rollout node and the training node lost at once after step 3; the training node "
+    fault_row(order=44, fault="the rollout node and the training node lost at once during step 3's update; the training node "
                               "comes back 2 s later",
               policy="none (the defaults), `checkpoint_every=2` here",
               outcome=f"{' then '.join(x['kind'] for x in tr.restarts)}: from the step-{r['from_step']} checkpoint, "

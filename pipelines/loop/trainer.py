@@ -5,7 +5,8 @@ The two loops and the buffer between them are drawn in docs/pipelines.md ("How t
 * The **rollout loop** (:class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout`) consumes prompt
   batches and exported weights; produces ``RolloutBatch`` items; waits for the version gate and
   for buffer space. The train loop reaches it through ``take``/``upcoming`` only, so another
-  producer can replace it.
+  producer can replace it: ``trainer.rollout_mode`` names a registered mode that builds it
+  (:mod:`asyncrl.pipelines.rollout.modes`; streaming is one).
 * The **train loop** (:meth:`Trainer._train_loop`, below) consumes ``RolloutBatch`` items;
   produces one policy version per step (an ``export_weights`` future) and metrics; waits for
   the buffer.
@@ -53,13 +54,11 @@ from asyncrl.pipelines.datasets.data import PromptLoader
 from asyncrl.pipelines.loop.deadlines import with_deadlines
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.supervision.interrupt import Interruption, RunAbandoned, handle_signals
-from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch
+from asyncrl.pipelines.loop.loop_state import LoopState, Rollout, RolloutBatch
 from asyncrl.pipelines.loop.precompute import Precompute
 from asyncrl.pipelines.supervision.recovery import is_worker_fault
 from asyncrl.pipelines.observe.reporting import RunReport
-from asyncrl.pipelines.rollout.rollout_loop import BatchRollout
 from asyncrl.pipelines.journaling.run_journal import RunJournal, weights_digest
-from asyncrl.pipelines.journaling.stream_replay import stream_rollout
 from asyncrl.pipelines.loop.stages import Groups
 from asyncrl.pipelines.supervision.supervisor import Recovered, Supervisor, first_error
 from asyncrl.pipelines.observe.trace import Tracer
@@ -121,8 +120,8 @@ class Trainer(AsyncResource):
         self.state = self.new_state()
         """Everything the loops share; a restart replaces it whole."""
         self.precompute = Precompute(self)
-        self.rollout = BatchRollout(self) if t.rollout_mode == "batch" else stream_rollout(self)
-        """The producer of batches the train loop consumes (``trainer.rollout_mode``)."""
+        self.rollout: Rollout = t.mode().build(self)
+        """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
         self.supervisor = Supervisor(self)
         self.tracer = Tracer(enabled=t.trace)
         self.history: list[dict[str, Any]] = []

@@ -58,7 +58,9 @@ from asyncrl.pipelines.loop.loop_state import LoopState, Rollout, RolloutBatch
 from asyncrl.pipelines.loop.precompute import Precompute
 from asyncrl.pipelines.supervision.recovery import is_worker_fault
 from asyncrl.pipelines.observe.reporting import RunReport
+from asyncrl.pipelines.rollout import rollout_loop as _batch_mode  # noqa: F401  (registers rollout_mode=batch)
 from asyncrl.pipelines.journaling.run_journal import RunJournal, weights_digest
+from asyncrl.pipelines.journaling import stream_replay as _stream_mode  # noqa: F401  (registers rollout_mode=stream)
 from asyncrl.pipelines.loop.stages import Groups
 from asyncrl.pipelines.supervision.supervisor import Recovered, Supervisor, first_error
 from asyncrl.pipelines.observe.trace import Tracer

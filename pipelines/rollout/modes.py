@@ -15,9 +15,10 @@ A rollout mode is a :class:`RolloutMode` subclass registered under a name with
     precompute             rollout.upcoming(step)          which batch the next step trains, when decided
 
 The built-in ``batch`` (:mod:`asyncrl.pipelines.rollout.rollout_loop`) and ``stream``
-(:mod:`asyncrl.pipelines.journaling.stream_replay`) register themselves the same way; the registry names their
-modules, imported on first lookup, so validating a config needs nothing imported first. docs/rollout_modes.md
-shows a mode written from scratch.
+(:mod:`asyncrl.pipelines.journaling.stream_replay`) register themselves the same way when their modules are
+imported, which importing ``asyncrl.pipelines`` (any of its modules) does, through the trainer. This module
+names none of them: they import the config, which imports this registry. docs/rollout_modes.md shows a mode
+written from scratch.
 """
 
 from __future__ import annotations
@@ -70,10 +71,8 @@ M = TypeVar("M", bound=type[RolloutMode])
 
 _HOW = ("Register one with @asyncrl.pipelines.rollout.modes.register_rollout_mode(name) on a RolloutMode subclass, "
         "in a module imported before the config is validated (docs/rollout_modes.md)")
-_MODES: Registry[type[RolloutMode]] = Registry(
-    "rollout mode", how_to_register=_HOW, error=ConfigError,
-    lazy={"batch": "asyncrl.pipelines.rollout.rollout_loop", "stream": "asyncrl.pipelines.journaling.stream_replay"})
-"""The modes by name; the built-in ones' modules are imported on first lookup (they register themselves)."""
+_MODES: Registry[type[RolloutMode]] = Registry("rollout mode", how_to_register=_HOW, error=ConfigError)
+"""The modes by name (each module that defines one registers it on import)."""
 
 
 def register_rollout_mode(name: str, *, replace: bool = False) -> Callable[[M], M]:

@@ -417,7 +417,8 @@ class JobConfig(Section):
             raise ConfigError("GRPO needs algorithm.group_size >= 2 (advantages are relative within a group)")
         mode = t.mode()  # first: the checks below ask it
         if t.rollout_weights not in ("auto", "fixed_lag", "latest"):
-            raise ConfigError(f"trainer.rollout_weights must be 'auto', 'fixed_lag' or 'latest', got {t.rollout_weights!r}")
+            raise ConfigError("trainer.rollout_weights must be 'auto', 'fixed_lag' or 'latest', "
+                              f"got {t.rollout_weights!r}")
         try:
             r = t.rollout_range
         except ValueError as e:

@@ -4,9 +4,8 @@ The two loops and the buffer between them are drawn in docs/pipelines.md ("How t
 
 * The **rollout loop** (:class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout`) consumes prompt
   batches and exported weights; produces ``RolloutBatch`` items; waits for the version gate and
-  for buffer space. The train loop reaches it through ``take``/``upcoming`` only, so another
-  producer can replace it: ``trainer.rollout_mode`` names a registered mode that builds it
-  (:mod:`asyncrl.pipelines.rollout.modes`; streaming is one).
+  for buffer space. The train loop reaches it through ``take``/``upcoming`` only, so another producer
+  (built by ``trainer.rollout_mode``'s mode, :mod:`asyncrl.pipelines.rollout.modes`) can replace it.
 * The **train loop** (:meth:`Trainer._train_loop`, below) consumes ``RolloutBatch`` items;
   produces one policy version per step (an ``export_weights`` future) and metrics; waits for
   the buffer.

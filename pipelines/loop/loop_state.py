@@ -86,8 +86,6 @@ class LoopState:
     """Version -> its ``export_weights`` future (version 0 has none unless staged at setup)."""
     exported: int = 0
     """The newest version whose export has been issued."""
-    sync_dtype: str | None = None
-    """The rollout's weight dtype (exports are cast to it)."""
     policy_version: int = 0
     """Steps done (the policy's version)."""
     rollout_version: int = 0

@@ -117,7 +117,7 @@ class Trainer(AsyncResource):
         """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
         self.workers = Workers(self.config, worker_overrides)
         self._on_step = on_step
-        self.weights = WeightSync(self)
+        self.weights = WeightSync(self.config, lambda: self.groups)
         self.state = self.new_state()
         """Everything the loops share; a restart replaces it whole."""
         self.precompute = Precompute(self)

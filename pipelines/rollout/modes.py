@@ -36,8 +36,8 @@ class RolloutMode:
     """A way of producing the batches a run trains on (``trainer.rollout_mode``).
 
     Subclass it, override :meth:`build` (and what differs from the defaults below), and register the class
-    with :func:`register_rollout_mode`. A mode holds no state of a run: the trainer makes one instance per
-    lookup; what a run keeps lives in the producer :meth:`build` returns."""
+    with :func:`register_rollout_mode`. A mode holds no state of a run (one instance serves every run of the
+    process); what a run keeps lives in the producer :meth:`build` returns."""
 
     name: str = ""
     """The name it is registered under (set by :func:`register_rollout_mode`)."""
@@ -73,6 +73,7 @@ _HOW = ("Register one with @asyncrl.pipelines.rollout.modes.register_rollout_mod
         "in a module imported before the config is validated (docs/rollout_modes.md)")
 _MODES: Registry[type[RolloutMode]] = Registry("rollout mode", how_to_register=_HOW, error=ConfigError)
 """The modes by name (each module that defines one registers it on import)."""
+_INSTANCES: dict[type[RolloutMode], RolloutMode] = {}
 
 
 def register_rollout_mode(name: str, *, replace: bool = False) -> Callable[[M], M]:
@@ -98,9 +99,13 @@ def rollout_mode(name: str) -> RolloutMode:
         raise ConfigError(f"trainer.rollout_mode must be a string naming a registered rollout mode "
                           f"({rollout_mode_names()}), got {name!r}")
     try:
-        return _MODES.get(name)()
+        cls = _MODES.get(name)
     except ConfigError as e:
         raise ConfigError(f"trainer.rollout_mode: {e}") from None
+    mode = _INSTANCES.get(cls)
+    if mode is None:  # one per class: a mode holds no state of a run, and the stream asks it once per group
+        mode = _INSTANCES[cls] = cls()
+    return mode
 
 
 def rollout_mode_names() -> list[str]:

@@ -120,11 +120,11 @@ class Trainer(AsyncResource):
         self.weights = WeightSync(self.config, lambda: self.groups)
         self.state = self.new_state()
         """Everything the loops share; a restart replaces it whole."""
-        self.precompute = Precompute(self)
+        self.tracer = Tracer(enabled=t.trace)
+        self.precompute = Precompute(self.config, self.tracer.watch, lambda: self.stop_reason is not None)
         self.rollout: Rollout = t.mode().build(self)
         """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
         self.supervisor = Supervisor(self)
-        self.tracer = Tracer(enabled=t.trace)
         self.history: list[dict[str, Any]] = []
         self.output_dir = Path(t.output_dir)
         self.loader: PromptLoader | None = None
@@ -340,7 +340,7 @@ class Trainer(AsyncResource):
             if self._on_step is not None:
                 self._on_step(self, step, metrics)
             if self.stop_reason is not None and step + 1 < cfg.steps:
-                self.precompute.discard()  # no next step: free the training workers' lane for the save
+                self.precompute.discard(s)  # no next step: free the training workers' lane for the save
                 path = self.checkpoints.last_written if saved else await self.save_checkpoint()
                 self.interrupted = Interruption(self.stop_reason, step + 1, cfg.steps, path)
                 log.warning("trainer.stopped", reason=self.stop_reason, steps_done=step + 1, checkpoint=str(path))
@@ -352,7 +352,7 @@ class Trainer(AsyncResource):
         ``ref_log_prob`` and ``values`` possibly issued already, see :mod:`~asyncrl.pipelines.loop.precompute`)."""
         g, s, w = self.groups, self.state, self.tracer.watch
         assert g is not None
-        old, ref, vals = self.precompute.take(g, item, step)
+        old, ref, vals = self.precompute.take(g, s, item, step)
         adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
         samples = self.report.sample(g, adv, step, s.policy_version)  # samples.jsonl, cut behind the advantages
         crit = stages.critic_update(g, adv)
@@ -361,7 +361,7 @@ class Trainer(AsyncResource):
         exported = w(self.weights.export(g), "export_weights", step=step)
         staleness = s.policy_version - item.version
         await s.publish(s.policy_version + 1, exported)  # weight sync (policy side)
-        self.precompute.issue_next()  # the next step's first stages, right behind this export on the workers
+        self.precompute.issue_next(s, g, self.rollout)  # the next step's first stages, behind this export
         metrics: dict[str, Any] = {}
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))

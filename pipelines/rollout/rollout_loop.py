@@ -173,7 +173,7 @@ class BatchRollout:
             gen = tr.tracer.watch(stages.generate(g, prompts, seed=batch_seed(tr.config, i)),
                                   "generate", step=i, version=version)
             s.generating = (i, version, gen)
-            tr.precompute.issue_next()  # the train loop may be waiting for this very batch
+            tr.precompute.issue_next(s, g, self)  # the train loop may be waiting for this very batch
             sc = tr.tracer.watch(stages.score(g, gen), "score", step=i)
             scores = (await sc)["scores"]
             sampling: dict[str, float] = {}

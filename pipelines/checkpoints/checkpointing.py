@@ -153,9 +153,7 @@ class Checkpointer:
         g, t, s = tr.groups, tr.config.trainer, tr.state
         assert g is not None
         step = s.policy_version  # steps done == versions
-        ahead = min(step + 1 + t.max_staleness, t.steps + s.buffer.statistics().dropped)
-        if t.rollout_mode == "batch":  # streaming keeps no batches: its untrained groups are listed instead
-            await s.wait_for(lambda: s.rollout_done or s.next_gen >= ahead or step >= t.steps)
+        await tr.rollout.settle_for_checkpoint(step)
         final = ckpt.checkpoint_dir(tr.output_dir, step)
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         await anyio.to_thread.run_sync(_fresh_dir, tmp)
@@ -176,8 +174,9 @@ class Checkpointer:
                 "fingerprint": config_fingerprint(tr.config), "history": list(tr.history),
                 "evals": list(tr.evaluator.records) if tr.evaluator is not None else [],
             }
-            if t.rollout_mode == "stream":
-                state["stream"] = tr.rollout.checkpoint_state()  # type: ignore[attr-defined]
+            mode_state = tr.rollout.checkpoint_state()
+            if mode_state is not None:
+                state[t.rollout_mode] = mode_state  # under the mode's name: "stream" as checkpoints always had
 
             def write() -> None:  # serialising, hashing, fsync: off the event loop
                 if self._data_digests is None:  # the run read its data once: hash it once, not every save
@@ -211,7 +210,7 @@ class Checkpointer:
         s.start_step = step
         s.policy_version = s.exported = step
         s.next_gen = int(state["next_gen"])
-        s.stream = state.get("stream")
+        tr.rollout.restore(state.get(tr.config.trainer.rollout_mode), s)
         ckpt.set_rng_state(state["rng"])
         if tr.evaluator is not None:
             tr.evaluator.restore(state.get("evals", []), step)

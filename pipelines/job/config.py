@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from asyncrl.pipelines.job import configlib
-from asyncrl.pipelines.rollout.admission import StreamConfig, check_stream
+from asyncrl.pipelines.rollout.admission import StreamConfig
 from asyncrl.pipelines.job.configlib import ConfigError
 from asyncrl.pipelines.rollout.elastic import WorkerRange, parse_workers
+from asyncrl.pipelines.rollout.modes import RolloutMode, rollout_mode, rollout_mode_names
 from asyncrl.pipelines.datasets.evaluation import EvalConfig
 from asyncrl.pipelines.rollout.sampling import FilterGroupsConfig
 from asyncrl.pipelines.twin.profile import TwinConfig, check_twin
@@ -151,12 +152,14 @@ class TrainerConfig(Section):
     rollout_weights: Literal["auto", "fixed_lag", "latest"] = "auto"
     """``fixed_lag``: batch t is always generated with version max(0, t - max_staleness), so a run
     is reproducible and equals the k-step-off-policy loop; ``latest``: the newest version
-    available when the batch starts (never older than that). ``auto`` follows the mode: ``latest``
-    with ``rollout_mode=stream`` (its only choice), else ``fixed_lag`` (:meth:`weights_choice`)."""
+    available when the batch starts (never older than that). ``auto`` follows the mode (its
+    ``RolloutMode.weights``): ``latest`` with ``rollout_mode=stream`` (its only choice), ``fixed_lag``
+    with ``batch`` (:meth:`weights_choice`)."""
     buffer_capacity: Annotated[int, Range(ge=1, le=MAX_BUFFERED)] | None = None
     """Batches the rollout→train buffer holds; None = max_staleness + 1."""
-    rollout_mode: Literal["batch", "stream"] = "batch"
-    """``batch``: each step's prompts are generated as one batch; ``stream``: prompt groups are kept in
+    rollout_mode: str = "batch"
+    """A registered rollout mode (:mod:`asyncrl.pipelines.rollout.modes`; docs/rollout_modes.md shows how to
+    add one). ``batch``: each step's prompts are generated as one batch; ``stream``: prompt groups are kept in
     flight, and a step trains the first finished groups that fill it, within ``max_staleness`` per
     trajectory (docs/streaming.md; loads the newest weights: ``rollout_weights`` ``auto`` or ``latest``)."""
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -300,10 +303,16 @@ class TrainerConfig(Section):
         """The rollout pool's size at the start: ``rollout_workers``, or its range's minimum."""
         return self.rollout_range.min
 
+    def mode(self) -> RolloutMode:
+        """The rollout mode registered as ``rollout_mode``; :class:`ConfigError` listing the registered ones when
+        there is none."""
+        return rollout_mode(self.rollout_mode)
+
     def weights_choice(self) -> Literal["fixed_lag", "latest"]:
-        """The resolved ``rollout_weights``: ``auto`` is ``latest`` in stream mode, else ``fixed_lag``."""
+        """The resolved ``rollout_weights``: ``auto`` is the mode's choice (``latest`` in stream mode, ``fixed_lag``
+        in batch mode)."""
         if self.rollout_weights == "auto":
-            return "latest" if self.rollout_mode == "stream" else "fixed_lag"
+            return self.mode().weights
         return self.rollout_weights
 
 
@@ -406,6 +415,10 @@ class JobConfig(Section):
                               "algorithm.name=grpo (set it to false for PPO)")
         if a.name == "grpo" and a.group_size < 2:
             raise ConfigError("GRPO needs algorithm.group_size >= 2 (advantages are relative within a group)")
+        mode = t.mode()  # first: the checks below ask it
+        if t.rollout_weights not in ("auto", "fixed_lag", "latest"):
+            raise ConfigError("trainer.rollout_weights must be 'auto', 'fixed_lag' or 'latest', "
+                              f"got {t.rollout_weights!r}")
         try:
             r = t.rollout_range
         except ValueError as e:
@@ -456,8 +469,8 @@ class JobConfig(Section):
             raise ConfigError(f"rollout.sleep_level={self.rollout.sleep_level} releases the rollout's memory while "
                               "the policy trains on the same GPU: it needs trainer.colocated=true (set it to 0)")
         for name, n in self.pool_sizes().items():
-            if name == "rollout" and t.rollout_mode == "stream":
-                continue  # a stream routes each group whole to one replica: any number of replicas serves it
+            if name == "rollout" and not mode.splits_batches:
+                continue  # each group is routed whole to one replica (a stream): any number of replicas serves it
             if self.prompts_per_step % n:
                 raise ConfigError(
                     f"the {name} pool has {n} workers but a step has {self.prompts_per_step} prompts; "
@@ -470,7 +483,7 @@ class JobConfig(Section):
         if "wandb" in t.loggers and importlib.util.find_spec("wandb") is None:
             raise ConfigError("trainer.loggers=['wandb'] needs the wandb package: pip install wandb "
                               "(or drop it from trainer.loggers)")
-        check_stream(self)
+        mode.check(self)
         check_twin(self)
         self._validate_loss()
         self._validate_data()
@@ -529,14 +542,15 @@ class JobConfig(Section):
                                       f"(CPUs and GPUs: cpus_per_worker, gpus_per_worker), got {bad}")
 
     def _validate_elastic(self) -> None:
-        """A ``rollout_workers`` range: a rollout pool of its own, every size dividing a step's prompts (batch
-        mode), the autoscaler only in streaming mode, a drain deadline >= 0."""
+        """A ``rollout_workers`` range: a rollout pool of its own, every size dividing a step's prompts (a mode that
+        splits batches), the autoscaler only in a mode that hands generations over, a drain deadline >= 0."""
         t = self.trainer
-        r = t.rollout_range
-        if t.rollout_autoscale and t.rollout_mode != "stream":
+        r, mode = t.rollout_range, t.mode()
+        if t.rollout_autoscale and not mode.hands_over:
             raise ConfigError("trainer.rollout_autoscale=true grows the rollout pool while streaming admission waits "
-                              "on generation: it needs trainer.rollout_mode=stream (in batch mode resize with "
-                              "scale_rollout, or set rollout_autoscale=false)")
+                              "on generation: it needs trainer.rollout_mode=stream (or another mode that hands "
+                              f"generations over; in {t.rollout_mode} mode resize with scale_rollout, or set "
+                              "rollout_autoscale=false)")
         if t.rollout_autoscale and not r.elastic:
             raise ConfigError(f"trainer.rollout_autoscale=true needs a range to scale within: set "
                               f"trainer.rollout_workers=min..max (e.g. {r.min}..{r.min + 1}), not {r.min}")
@@ -545,16 +559,17 @@ class JobConfig(Section):
         if t.colocated or not t.own_pools:
             raise ConfigError(f"trainer.rollout_workers={r} resizes the rollout pool, which needs placement groups of "
                               f"its own: set trainer.rollout_placement=[{r.min}] (and trainer.colocated=false)")
-        if t.rollout_mode == "stream" and self.weight_transport() == "collective":
+        if mode.hands_over and self.weight_transport() == "collective":
             raise ConfigError(f"trainer.rollout_workers={r} in streaming mode starts each new pool beside the old one, "
                               "which the collective weight channel does not reach yet: set "
                               "trainer.weight_sync=object_store (or a fixed rollout_workers)")
-        if t.rollout_mode == "batch":
+        if mode.splits_batches:
             bad = [n for n in r.sizes() if self.prompts_per_step % n]
             if bad:
                 raise ConfigError(f"trainer.rollout_workers={r} includes {bad[0]} workers, which does not divide a "
-                                  f"step's {self.prompts_per_step} prompts (batch mode keeps each GRPO group on one "
-                                  "worker); narrow the range or change trainer.batch_size")
+                                  f"step's {self.prompts_per_step} prompts ({t.rollout_mode} mode splits a step's "
+                                  "prompts over the pool, each GRPO group on one worker); narrow the range or change "
+                                  "trainer.batch_size")
 
     def _check_capacity(self, unit: str, per_worker: float, available: float | None, fix: str) -> None:
         """ConfigError when the pools need more `unit` than the cluster has (`available`; None: unknown)."""
@@ -727,8 +742,9 @@ def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
     """`flat` with ``auto`` choices that follow the mode written as what they resolve to, so a run saved
     with ``rollout_weights: fixed_lag`` (the default before ``auto``) keeps its fingerprint."""
     if flat.get("trainer.rollout_weights") == "auto":
-        stream = flat.get("trainer.rollout_mode") == "stream"
-        flat = {**flat, "trainer.rollout_weights": "latest" if stream else "fixed_lag"}
+        name = flat.get("trainer.rollout_mode", "batch")
+        weights = rollout_mode(name).weights if name in rollout_mode_names() else "fixed_lag"
+        flat = {**flat, "trainer.rollout_weights": weights}
     return flat
 
 

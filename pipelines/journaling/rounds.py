@@ -18,9 +18,9 @@ ROUNDS = "rounds.jsonl"
 
 
 def records_rounds(job: Any) -> bool:
-    """Whether a run of `job` (a ``JobConfig``) records its engines' rounds: streaming on the HF engine (a twin's
-    rollout runs the simulated engine, whatever ``rollout.engine`` says)."""
-    return job.trainer.rollout_mode == "stream" and job.rollout.engine == "hf" and not job.twin.enabled
+    """Whether a run of `job` (a ``JobConfig``) records its engines' rounds: its rollout mode says
+    (``RolloutMode.records_rounds``; streaming on the HF engine)."""
+    return job.trainer.mode().records_rounds(job)
 
 
 def recording_rollout(job: Any) -> Any:

@@ -355,9 +355,10 @@ class RunJournal:
 
 
 def _settled(s: LoopState) -> dict[str, Any]:
-    """What a journal rewind needs of a restored streaming state: its untrained ``pending`` groups (admitted again)
-    and ``next_group`` (the groups below it that are not pending were settled before the checkpoint)."""
-    stream = s.stream
-    if not stream:
+    """What a journal rewind needs of a restored state of a mode that journals prompt groups (its checkpoint state
+    lists them, as streaming's does): its untrained ``pending`` groups (admitted again) and ``next_group`` (the
+    groups below it that are not pending were settled before the checkpoint)."""
+    stream = s.rollout_state
+    if not stream or "next_group" not in stream:
         return {}
     return {"pending": [int(g) for g in stream.get("pending", [])], "next_group": int(stream["next_group"])}

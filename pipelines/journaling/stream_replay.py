@@ -64,10 +64,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-from asyncrl.pipelines.rollout.admission import Admission
+from asyncrl.pipelines.rollout.admission import Admission, check_stream
 from asyncrl.pipelines.journaling.journal import JOURNAL, JournalData, JournalError
 from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed
 from asyncrl.pipelines.journaling.rounds import ROUNDS, RoundFile, read_rounds, recording_rollout, records_rounds
+from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode
 from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
 from asyncrl.pipelines.loop.deadlines import unwrap, with_deadlines
 from asyncrl.pipelines.loop.stages import Groups
@@ -75,12 +76,36 @@ from asyncrl.pipelines.loop.stages import Groups
 if TYPE_CHECKING:
     from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner
 
-__all__ = ["ROUNDS", "RoundFile", "StreamReplay", "read_rounds", "recording_rollout", "records_rounds", "stream_rollout"]
+__all__ = ["ROUNDS", "RoundFile", "StreamMode", "StreamReplay", "read_rounds", "recording_rollout", "records_rounds",
+           "stream_rollout"]
 
 def stream_rollout(trainer: RolloutOwner) -> StreamRollout:
     """The trainer's streaming producer: a :class:`StreamReplay` when it replays a journal, else a
     :class:`~asyncrl.pipelines.rollout.stream_rollout.StreamRollout`."""
     return StreamReplay(trainer) if trainer.journal.replaying else StreamRollout(trainer)
+
+
+@register_rollout_mode("stream")
+class StreamMode(RolloutMode):
+    """``trainer.rollout_mode=stream``: prompt groups in flight, admission control, the newest weights
+    (docs/streaming.md)."""
+
+    weights = "latest"
+    splits_batches = False  # each group is routed whole to one replica
+    hands_over = True
+
+    def check(self, job: Any) -> None:
+        """:func:`~asyncrl.pipelines.rollout.admission.check_stream`."""
+        check_stream(job)
+
+    def build(self, owner: Any) -> StreamRollout:
+        """:func:`stream_rollout`: the replay of a recorded stream run, or a new one."""
+        return stream_rollout(owner)
+
+    def records_rounds(self, job: Any) -> bool:
+        """On the HF engine (a twin's rollout runs the simulated engine, whatever ``rollout.engine`` says):
+        the rounds are what an exact replay of its interleaved requests needs."""
+        return job.rollout.engine == "hf" and not job.twin.enabled
 
 
 class _ReplayAdmission(Admission):

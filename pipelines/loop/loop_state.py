@@ -9,13 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from asyncrl import GroupFuture
 from asyncrl.pipelines.loop.buffer import StalenessBuffer
-
-if TYPE_CHECKING:
-    from asyncrl.pipelines.job.config import JobConfig
 
 __all__ = ["RolloutBatch", "Precomputed", "LoopState", "Rollout", "batch_seed"]
 
@@ -89,8 +86,6 @@ class LoopState:
     """Version -> its ``export_weights`` future (version 0 has none unless staged at setup)."""
     exported: int = 0
     """The newest version whose export has been issued."""
-    sync_dtype: str | None = None
-    """The rollout's weight dtype (exports are cast to it)."""
     policy_version: int = 0
     """Steps done (the policy's version)."""
     rollout_version: int = 0
@@ -109,8 +104,9 @@ class LoopState:
     """The last step whose batch the train loop took out of the buffer."""
     precomputed: Precomputed | None = None
     """The next step's first stages, issued early (``trainer.precompute_log_probs``)."""
-    stream: dict[str, Any] | None = None
-    """Streaming rollout's part of a restored checkpoint (``pending`` groups, ``next_group``)."""
+    rollout_state: dict[str, Any] | None = None
+    """The rollout mode's part of a restored checkpoint (its :meth:`Rollout.checkpoint_state`, put here by
+    :meth:`Rollout.restore`; streaming: ``pending`` groups and ``next_group``, which also rewind the journal)."""
 
     @classmethod
     def new(cls, capacity: int, max_staleness: int,
@@ -138,13 +134,14 @@ class LoopState:
             self.cond.notify_all()
 
 
-def batch_seed(config: JobConfig, index: int) -> int:
-    """The sampling seed of batch `index`."""
+def batch_seed(config: Any, index: int) -> int:
+    """The sampling seed of batch `index` of a run of `config` (a ``JobConfig``)."""
     return config.trainer.seed * 1_000_003 + index
 
 
 class Rollout(Protocol):
-    """What the train loop needs from a rollout producer."""
+    """What the train loop, the checkpoints and precompute-ahead need from a rollout producer (what a
+    :class:`~asyncrl.pipelines.rollout.modes.RolloutMode` builds)."""
 
     async def run(self) -> None:
         """Produce batches until the run has all it needs."""
@@ -157,3 +154,15 @@ class Rollout(Protocol):
 
     async def finish(self) -> None:
         """After the last step: the work the rollout side still owes (final evaluations)."""
+
+    async def settle_for_checkpoint(self, step: int) -> None:
+        """Before a checkpoint of the state after `step` steps is written: wait until what it saves of the
+        rollout (the buffered batches, :meth:`checkpoint_state`) is complete for it."""
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the rollout besides the buffered batches (JSON-able, saved under the
+        mode's name in ``state.json``); None: nothing."""
+
+    def restore(self, saved: dict[str, Any] | None, state: LoopState) -> None:
+        """Put a checkpoint's :meth:`checkpoint_state` (None: it kept none) into the fresh loop state `state`
+        the loops resume from (a resume, or a restart from that checkpoint)."""

@@ -9,7 +9,7 @@ batch, future and version match; otherwise they are cancelled and the step issue
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 
@@ -22,20 +22,8 @@ from asyncrl.pipelines.loop.stages import Groups
 if TYPE_CHECKING:
     from asyncrl.pipelines.job.config import JobConfig
     from asyncrl.pipelines.loop.loop_state import LoopState, Rollout
-    from asyncrl.pipelines.observe.trace import Tracer
 
 __all__ = ["Precomputed", "Precompute", "first_stages"]
-
-
-class PrecomputeOwner(Protocol):
-    """What :class:`Precompute` reads of the trainer that owns it."""
-
-    config: JobConfig
-    groups: Groups | None
-    state: LoopState
-    rollout: Rollout
-    tracer: Tracer
-    stop_reason: str | None
 
 
 log = structlog.get_logger("asyncrl.pipelines")
@@ -57,23 +45,29 @@ def first_stages(g: Groups, batch: Any, step: int, watch: Any, *, bypass: bool =
 
 class Precompute:
     """Issues the next step's first stages ahead (:meth:`issue_next`) and hands them to the step
-    that trains that batch (:meth:`take`). The calls live in ``trainer.state.precomputed``, so a
-    recovery that replaces the loop state forgets them with the groups they ran on."""
+    that trains that batch (:meth:`take`). The calls live in the loop state's ``precomputed``, so a
+    recovery that replaces the loop state forgets them with the groups they ran on.
 
-    def __init__(self, trainer: PrecomputeOwner) -> None:
-        t = trainer.config.trainer
-        self._trainer = trainer
+    Args:
+        config: the run's configuration (whether to precompute, the steps, the bypass of ``old_log_prob``).
+        watch: the tracer's ``watch`` (a span per call).
+        stopping: True once the run was asked to stop after the step in progress (nothing more is issued).
+    """
+
+    def __init__(self, config: JobConfig, watch: Callable[..., Any], stopping: Callable[[], bool]) -> None:
+        t = config.trainer
+        self._watch, self._stopping, self._steps = watch, stopping, t.steps
+        self._bypass = config.actor.rollout_correction.bypass_mode != "off"  # the rollout's log-probs serve
         self.enabled = t.precompute_log_probs and t.max_staleness >= 1 and not t.colocated
         """Whether this run precomputes at all (opt-in; two pools and some staleness needed)."""
         self.stats = {"issued": 0, "used": 0, "discarded": 0}
         """How many steps' first stages were issued ahead, used by their step, and discarded."""
 
-    def take(self, g: Groups, item: RolloutBatch, step: int) -> FirstStages:
-        """The first stages of the step training `item`: the precomputed ones when they read exactly
-        this batch with this step's weights, else issued now."""
-        tr = self._trainer
-        version = tr.state.policy_version
-        pre, tr.state.precomputed = tr.state.precomputed, None
+    def take(self, g: Groups, s: LoopState, item: RolloutBatch, step: int) -> FirstStages:
+        """The first stages of the step training `item` (loop state `s`): the precomputed ones when they read
+        exactly this batch with this step's weights, else issued now."""
+        version = s.policy_version
+        pre, s.precomputed = s.precomputed, None
         if pre is not None and not pre.matches(item, version):
             log.debug("precompute.discarded", step=step, batch=item.step, precomputed_batch=pre.batch_index,
                       precomputed_step=pre.step)
@@ -82,15 +76,15 @@ class Precompute:
         if pre is not None:
             self.stats["used"] += 1
             return pre.old, pre.ref, pre.vals
-        return first_stages(g, item.batch, step, tr.tracer.watch, bypass=_bypass(tr))
+        return first_stages(g, item.batch, step, self._watch, bypass=self._bypass)
 
-    def issue_next(self) -> None:
-        """Issue the next step's first stages now, if it is certain which batch it trains and with
-        which weights.
+    def issue_next(self, s: LoopState, g: Groups | None, rollout: Rollout) -> None:
+        """Issue the next step's first stages now on the groups `g`, if it is certain which batch it trains
+        and with which weights.
 
-        The next step is ``state.exported`` (its weights: the export issued last, so on each
+        The next step is ``s.exported`` (its weights: the export issued last, so on each
         training worker the calls run right after it, in its ordered lane, with exactly the weights
-        the step trains from); its batch is the one the rollout names
+        the step trains from); its batch is the one `rollout` names
         (:meth:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout.upcoming`), once its generate is
         issued (so nothing on the training workers waits for a generate that is not running). Not
         past the last step, not after a stop was requested, not once the train loop has taken that
@@ -98,14 +92,12 @@ class Precompute:
         Called when a step's export is published and when a generate is issued. The calls carry no
         stage deadline: they may wait a whole step for their turn; the step's ``advantages`` call,
         which waits for them, carries it."""
-        tr = self._trainer
-        s = tr.state
-        if not self.enabled or tr.stop_reason is not None or s.restored or tr.groups is None:
+        if not self.enabled or self._stopping() or s.restored or g is None:
             return
         step = s.exported
-        if step >= tr.config.trainer.steps or s.taken >= step:
+        if step >= self._steps or s.taken >= step:
             return
-        nxt = tr.rollout.upcoming(step)
+        nxt = rollout.upcoming(step)
         if nxt is None:
             return
         index, batch = nxt
@@ -113,15 +105,15 @@ class Precompute:
         if pre is not None:
             if pre.step == step and pre.batch is batch:
                 return  # issued already
-            self.discard()  # another batch (regenerated after a replacement)
-        old, ref, vals = first_stages(without_deadlines(tr.groups), batch, step, tr.tracer.watch, bypass=_bypass(tr),
+            self.discard(s)  # another batch (regenerated after a replacement)
+        old, ref, vals = first_stages(without_deadlines(g), batch, step, self._watch, bypass=self._bypass,
                                        precomputed=True)
         s.precomputed = Precomputed(step=step, batch_index=index, batch=batch, old=old, ref=ref, vals=vals)
         self.stats["issued"] += 1
 
-    def discard(self) -> None:
-        """Cancel the precomputed calls, if any (the run stops, or their batch was regenerated)."""
-        s = self._trainer.state
+    def discard(self, s: LoopState) -> None:
+        """Cancel the precomputed calls in the loop state `s`, if any (the run stops, or their batch was
+        regenerated)."""
         pre, s.precomputed = s.precomputed, None
         if pre is not None:
             self._discard(pre)
@@ -129,8 +121,3 @@ class Precompute:
     def _discard(self, pre: Precomputed) -> None:
         pre.discard()
         self.stats["discarded"] += 1
-
-
-def _bypass(tr: PrecomputeOwner) -> bool:
-    """Whether the rollout's log-probs stand in for ``old_log_prob`` (``rollout_correction.bypass_mode``)."""
-    return bool(tr.config.actor.rollout_correction.bypass_mode != "off")

@@ -4,8 +4,8 @@ The two loops and the buffer between them are drawn in docs/pipelines.md ("How t
 
 * The **rollout loop** (:class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout`) consumes prompt
   batches and exported weights; produces ``RolloutBatch`` items; waits for the version gate and
-  for buffer space. The train loop reaches it through ``take``/``upcoming`` only, so another
-  producer can replace it.
+  for buffer space. The train loop reaches it through ``take``/``upcoming`` only, so another producer
+  (built by ``trainer.rollout_mode``'s mode, :mod:`asyncrl.pipelines.rollout.modes`) can replace it.
 * The **train loop** (:meth:`Trainer._train_loop`, below) consumes ``RolloutBatch`` items;
   produces one policy version per step (an ``export_weights`` future) and metrics; waits for
   the buffer.
@@ -53,13 +53,13 @@ from asyncrl.pipelines.datasets.data import PromptLoader
 from asyncrl.pipelines.loop.deadlines import with_deadlines
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.supervision.interrupt import Interruption, RunAbandoned, handle_signals
-from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch
+from asyncrl.pipelines.loop.loop_state import LoopState, Rollout, RolloutBatch
 from asyncrl.pipelines.loop.precompute import Precompute
 from asyncrl.pipelines.supervision.recovery import is_worker_fault
 from asyncrl.pipelines.observe.reporting import RunReport
-from asyncrl.pipelines.rollout.rollout_loop import BatchRollout
+from asyncrl.pipelines.rollout import rollout_loop as _batch_mode  # noqa: F401  (registers rollout_mode=batch)
 from asyncrl.pipelines.journaling.run_journal import RunJournal, weights_digest
-from asyncrl.pipelines.journaling.stream_replay import stream_rollout
+from asyncrl.pipelines.journaling import stream_replay as _stream_mode  # noqa: F401  (registers rollout_mode=stream)
 from asyncrl.pipelines.loop.stages import Groups
 from asyncrl.pipelines.supervision.supervisor import Recovered, Supervisor, first_error
 from asyncrl.pipelines.observe.trace import Tracer
@@ -117,14 +117,14 @@ class Trainer(AsyncResource):
         """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
         self.workers = Workers(self.config, worker_overrides)
         self._on_step = on_step
-        self.weights = WeightSync(self)
+        self.weights = WeightSync(self.config, lambda: self.groups)
         self.state = self.new_state()
         """Everything the loops share; a restart replaces it whole."""
-        self.precompute = Precompute(self)
-        self.rollout = BatchRollout(self) if t.rollout_mode == "batch" else stream_rollout(self)
-        """The producer of batches the train loop consumes (``trainer.rollout_mode``)."""
-        self.supervisor = Supervisor(self)
         self.tracer = Tracer(enabled=t.trace)
+        self.precompute = Precompute(self.config, self.tracer.watch, lambda: self.stop_reason is not None)
+        self.rollout: Rollout = t.mode().build(self)
+        """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
+        self.supervisor = Supervisor(self)
         self.history: list[dict[str, Any]] = []
         self.output_dir = Path(t.output_dir)
         self.loader: PromptLoader | None = None
@@ -340,7 +340,7 @@ class Trainer(AsyncResource):
             if self._on_step is not None:
                 self._on_step(self, step, metrics)
             if self.stop_reason is not None and step + 1 < cfg.steps:
-                self.precompute.discard()  # no next step: free the training workers' lane for the save
+                self.precompute.discard(s)  # no next step: free the training workers' lane for the save
                 path = self.checkpoints.last_written if saved else await self.save_checkpoint()
                 self.interrupted = Interruption(self.stop_reason, step + 1, cfg.steps, path)
                 log.warning("trainer.stopped", reason=self.stop_reason, steps_done=step + 1, checkpoint=str(path))
@@ -352,7 +352,7 @@ class Trainer(AsyncResource):
         ``ref_log_prob`` and ``values`` possibly issued already, see :mod:`~asyncrl.pipelines.loop.precompute`)."""
         g, s, w = self.groups, self.state, self.tracer.watch
         assert g is not None
-        old, ref, vals = self.precompute.take(g, item, step)
+        old, ref, vals = self.precompute.take(g, s, item, step)
         adv = w(stages.advantages(g, item.batch, item.scores, old, ref, vals, self._algo), "advantages", step=step)
         samples = self.report.sample(g, adv, step, s.policy_version)  # samples.jsonl, cut behind the advantages
         crit = stages.critic_update(g, adv)
@@ -361,7 +361,7 @@ class Trainer(AsyncResource):
         exported = w(self.weights.export(g), "export_weights", step=step)
         staleness = s.policy_version - item.version
         await s.publish(s.policy_version + 1, exported)  # weight sync (policy side)
-        self.precompute.issue_next()  # the next step's first stages, right behind this export on the workers
+        self.precompute.issue_next(s, g, self.rollout)  # the next step's first stages, behind this export
         metrics: dict[str, Any] = {}
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))

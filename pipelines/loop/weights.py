@@ -1,13 +1,13 @@
 """Weight sync between the pools: export a policy version, load it into the rollout engines.
 
 The transport (``object_store``, ``collective``, ...) and the rollout's weight dtype are
-decided once per set of groups (:meth:`WeightSync.prepare`); the exported versions
-themselves live in the loop state (``exports``).
+decided once per set of groups (:meth:`WeightSync.prepare`, kept on the ``WeightSync``); the
+exported versions themselves live in the loop state (``exports``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from asyncrl import GroupFuture
 from asyncrl.pipelines.loop import stages
@@ -20,47 +20,46 @@ if TYPE_CHECKING:
 __all__ = ["WeightSync"]
 
 
-class WeightSyncOwner(Protocol):
-    """What :class:`WeightSync` reads of the trainer that owns it."""
-
-    config: JobConfig
-    groups: Groups | None
-    state: LoopState
-
-
-
 class WeightSync:
     """Exports policy versions and loads them into the rollout engines (sleeping and waking them
-    around training when ``rollout.sleep_level > 0`` on a colocated pool)."""
+    around training when ``rollout.sleep_level > 0`` on a colocated pool).
 
-    def __init__(self, trainer: WeightSyncOwner) -> None:
-        cfg = trainer.config
-        self._trainer = trainer
-        self.transport = cfg.weight_transport()
+    Args:
+        config: the run's configuration (the transport, sleep level, staleness and timeouts it reads).
+        groups: the run's current groups (a restart or a rollout replacement swaps them); :meth:`prepare`
+            acts on them, the other methods on the groups they are given.
+    """
+
+    def __init__(self, config: JobConfig, groups: Callable[[], Groups | None]) -> None:
+        self._config = config
+        self._groups = groups
+        self.transport = config.weight_transport()
         """How weights travel from the policy to the rollout (``trainer.weight_transport``)."""
-        self.sleep = cfg.trainer.colocated and cfg.rollout.sleep_level > 0
+        self.sleep = config.trainer.colocated and config.rollout.sleep_level > 0
         """The rollout releases its memory while the policy trains."""
+        self.dtype: str | None = None
+        """The rollout's weight dtype, which exports are cast to (learnt by :meth:`prepare`; None: as trained)."""
 
     async def prepare(self, s: LoopState) -> None:
-        """Learn the rollout's weight dtype (into the loop state `s`) and open the weight channel
-        (``collective``); with sleep level 2, stage version 0 so the rollout can reload it after its first sleep."""
+        """Learn the rollout's weight dtype and open the weight channel (``collective``) of the current groups;
+        with sleep level 2, stage version 0 in the loop state `s` so the rollout can reload it after its first
+        sleep."""
         from asyncrl.roles.weights.sync import open_weight_channel, rollout_dtype
 
-        tr = self._trainer
-        g, t = tr.groups, tr.config.trainer
+        g, cfg = self._groups(), self._config
+        t = cfg.trainer
         assert g is not None
         if t.gpus_per_worker > 0 or self.transport != "object_store":
-            s.sync_dtype = await rollout_dtype(g.rollout)
+            self.dtype = await rollout_dtype(g.rollout)
         if self.transport == "collective":
             await open_weight_channel(g.policy, g.rollout, timeout_s=t.weight_sync_timeout_s)
-        if self.sleep and tr.config.rollout.sleep_level == 2 and s.exports.get(0) is None:
+        if self.sleep and cfg.rollout.sleep_level == 2 and s.exports.get(0) is None:
             s.exports[0] = self.export(g)
 
     def export(self, g: Groups) -> GroupFuture[Any]:
         """Issue ``export_weights`` of the policy's current weights."""
-        tr = self._trainer
-        return stages.export_weights(g, transport=self.transport, dtype=tr.state.sync_dtype,
-                                     keep=tr.config.trainer.max_staleness + 3)
+        return stages.export_weights(g, transport=self.transport, dtype=self.dtype,
+                                     keep=self._config.trainer.max_staleness + 3)
 
     async def load(self, g: Groups, exported: GroupFuture[Any] | None) -> None:
         """Load an exported version into the rollout engines."""

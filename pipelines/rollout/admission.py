@@ -59,15 +59,9 @@ def groups_in_flight(job: Any) -> int:
 
 
 def check_stream(job: Any) -> None:
-    """Raise :class:`ConfigError` for a ``trainer.rollout_mode`` / ``trainer.stream`` setting of `job` (a
-    ``JobConfig``) that streaming cannot run, before any worker starts."""
+    """Raise :class:`ConfigError` for a setting of `job` (a ``JobConfig`` with ``trainer.rollout_mode=stream``)
+    that streaming cannot run, before any worker starts (the stream mode's ``check``)."""
     t = job.trainer
-    if t.rollout_mode not in ("batch", "stream"):
-        raise ConfigError(f"trainer.rollout_mode must be 'batch' or 'stream', got {t.rollout_mode!r}")
-    if t.rollout_weights not in ("auto", "fixed_lag", "latest"):
-        raise ConfigError(f"trainer.rollout_weights must be 'auto', 'fixed_lag' or 'latest', got {t.rollout_weights!r}")
-    if t.rollout_mode != "stream":
-        return
     why = "trainer.rollout_mode=stream"
     if t.max_staleness < 1:
         raise ConfigError(f"{why} keeps groups in flight while steps train, so some trajectories are one version "

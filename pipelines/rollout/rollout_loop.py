@@ -30,13 +30,13 @@ import structlog
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.rollout.sampling import fill_batch
 from asyncrl.pipelines.job.config import JobConfig
-from asyncrl.pipelines.loop.loop_state import Rollout, RolloutBatch, batch_seed
+from asyncrl.pipelines.loop.loop_state import LoopState, Rollout, RolloutBatch, batch_seed
+from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.loop.build import Workers
     from asyncrl.pipelines.datasets.data import PromptLoader
     from asyncrl.pipelines.datasets.evaluation import Evaluator
-    from asyncrl.pipelines.loop.loop_state import LoopState
     from asyncrl.pipelines.loop.precompute import Precompute
     from asyncrl.pipelines.observe.reporting import RunReport
     from asyncrl.pipelines.journaling.run_journal import RunJournal
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from asyncrl.pipelines.observe.trace import Tracer
     from asyncrl.pipelines.loop.weights import WeightSync
 
-__all__ = ["Rollout", "RolloutOwner", "BatchRollout", "batch_seed", "evaluate", "evaluate_rest"]
+__all__ = ["Rollout", "RolloutOwner", "BatchRollout", "BatchMode", "batch_seed", "evaluate", "evaluate_rest"]
 
 
 class RolloutOwner(Protocol):
@@ -173,7 +173,7 @@ class BatchRollout:
             gen = tr.tracer.watch(stages.generate(g, prompts, seed=batch_seed(tr.config, i)),
                                   "generate", step=i, version=version)
             s.generating = (i, version, gen)
-            tr.precompute.issue_next()  # the train loop may be waiting for this very batch
+            tr.precompute.issue_next(s, g, self)  # the train loop may be waiting for this very batch
             sc = tr.tracer.watch(stages.score(g, gen), "score", step=i)
             scores = (await sc)["scores"]
             sampling: dict[str, float] = {}
@@ -210,6 +210,30 @@ class BatchRollout:
         s = self._trainer.state
         batches = [it.step for it in [*s.buffer.peek_all(), *s.restored]]
         return batches + ([self._putting] if self._putting is not None else []), []
+
+    async def settle_for_checkpoint(self, step: int) -> None:
+        """Wait until every batch versions up to `step` allow is generated (or the rollout is done), so the
+        checkpoint's buffer is complete: a resume then generates no batch twice."""
+        tr = self._trainer
+        s, t = tr.state, tr.config.trainer
+        ahead = min(step + 1 + t.max_staleness, t.steps + s.buffer.statistics().dropped)
+        await s.wait_for(lambda: s.rollout_done or s.next_gen >= ahead or step >= t.steps)
+
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """None: a checkpoint keeps the buffered batches (``buffer.pt``) and ``next_gen``, nothing more."""
+        return None
+
+    def restore(self, saved: dict[str, Any] | None, state: LoopState) -> None:
+        """Nothing beyond the buffered batches and ``next_gen`` (restored by the checkpointer)."""
+
+
+@register_rollout_mode("batch")
+class BatchMode(RolloutMode):
+    """``trainer.rollout_mode=batch``: each step's prompts generated as one batch (:class:`BatchRollout`)."""
+
+    def build(self, owner: Any) -> BatchRollout:
+        """A :class:`BatchRollout` (a replay follows the journal's versions through ``owner.journal.planned``)."""
+        return BatchRollout(owner)
 
 
 async def evaluate(tr: RolloutOwner, version: int) -> None:

@@ -152,7 +152,7 @@ class StreamRollout:
         tr = self._trainer
         s, cfg = tr.state, tr.config
         B, t = cfg.prompts_per_step, cfg.trainer
-        resume = s.stream or {}
+        resume = s.rollout_state or {}
         adm = Admission(B, t.max_staleness, groups_in_flight(cfg), t.stream.drop_stale, next_step=s.start_step)
         a = self._attempt = _Attempt(s, adm, sorted(resume.get("pending", [])),
                                      int(resume.get("next_group", s.start_step * B)))
@@ -593,6 +593,13 @@ class StreamRollout:
         for a step); no batches (streaming has none)."""
         a = self._attempt
         return [], sorted(a.admission.pending()) if a is not None else []
+
+    async def settle_for_checkpoint(self, step: int) -> None:
+        """Nothing to wait for: streaming keeps no batches, its untrained groups are listed instead."""
+
+    def restore(self, saved: dict[str, Any] | None, state: LoopState) -> None:
+        """The run goes on from `saved`'s groups: its ``pending`` ones admitted again first, then ``next_group``."""
+        state.rollout_state = saved
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of streaming: the admitted, untrained groups (regenerated on resume,

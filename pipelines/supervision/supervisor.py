@@ -261,9 +261,9 @@ class Supervisor:
         tr = self._trainer
         t = tr.config.trainer
         self._check_pool("preempt_rollout")
-        if t.rollout_mode != "stream":
+        if not t.mode().hands_over:
             raise RuntimeError("preempt_rollout hands generations in flight over to a new pool: it needs "
-                               "trainer.rollout_mode=stream (in batch mode a lost worker is replaced: "
+                               f"trainer.rollout_mode=stream (in {t.rollout_mode} mode a lost worker is replaced: "
                                "trainer.restart)")
         self._check_running("preempt_rollout")
         n = tr.workers.parts[0]["rollout"].world_size if tr.workers.parts else 0

@@ -47,8 +47,8 @@ def test_yaml_booleans_read_as_the_choice_they_spell(tmp_path):
     assert load_config(f, []).rollout.partial_rollout == "off"
     assert load_config(None, ["rollout.partial_rollout=off"]).rollout.partial_rollout == "off"
     assert load_config(None, ["rollout.partial_rollout=recompute"]).rollout.partial_rollout == "recompute"
-    with pytest.raises(ConfigError, match="trainer.rollout_mode must be one of"):
-        load_config(None, ["trainer.rollout_mode=off"])
+    with pytest.raises(ConfigError, match="trainer.rollout_weights must be one of"):
+        load_config(None, ["trainer.rollout_weights=off"])
 
 
 @pytest.mark.parametrize("override, message", [

@@ -212,9 +212,10 @@ class StreamRollout:
             rank = held = self._route(a, groups.rollout, epoch)  # held: counted in flight on `rank` until it ends
             try:
                 more: dict[str, Any] = {"resume": Broadcast(resume)} if resume else {}
-                if SCORE_IN_GENERATE:
-                    more["compute_reward"] = True
                 generate = groups.rollout.generate_requests
+                fused = scores_in_generate(generate)
+                if fused:
+                    more["compute_reward"] = True
                 if rank is not None:
                     generate = generate.options(rank=rank)
                 gen = tr.tracer.watch(generate(prompts, seed=batch_seed(cfg, g), **more),
@@ -227,7 +228,7 @@ class StreamRollout:
                 elif g in a.reissuing:  # issued again: a replay's next resize waits for that (stream_replay)
                     a.reissuing.discard(g)
                     await self._notify()
-                if SCORE_IN_GENERATE:  # scored in the call: its reply carries the scores, the rows stay put
+                if fused:  # scored in the call: its reply carries the scores, the rows stay put
                     scored_td = await gen.summary()  # (a preemption notice raises here, at its rank's error)
                     self._unload(a, held, epoch)
                     held = None
@@ -620,6 +621,16 @@ class StreamRollout:
         if a is None:
             return {"pending": [], "next_group": self._trainer.state.start_step * self._trainer.config.prompts_per_step}
         return {"pending": sorted([*a.admission.pending(), *a.queue]), "next_group": a.next_group}
+
+
+def scores_in_generate(generate: Any) -> bool:
+    """Whether a group's scores come from its `generate` call (a ``generate_requests`` group method):
+    :data:`SCORE_IN_GENERATE`, and the rollout class's method takes ``compute_reward`` and carries ``scores`` in
+    its reply (``@register(..., summary=("scores", ...))``: ``RolloutWorker``'s does; a subclass that registers
+    its own must keep both). Else a score call follows it."""
+    spec = getattr(generate, "spec", None)
+    return (SCORE_IN_GENERATE and spec is not None and "compute_reward" in spec.signature.parameters
+            and "scores" in spec.summary)
 
 
 def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:

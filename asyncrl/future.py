@@ -175,7 +175,10 @@ class GroupFuture(Generic[T]):
             if not got.done():
                 got.set_result(values)
 
-        call.backend.peek(metas, lambda values: loop.call_soon_threadsafe(deliver, values))  # (Ray's thread)
+        def arrived(values: list[Any]) -> None:  # any thread (Ray's)
+            loop.call_soon_threadsafe(deliver, values)
+
+        call.backend.peek(metas, arrived)
         call.add_done_callback(lambda: deliver(None) if call._error is not None else None)  # failed here
         values = await got
         if values is None or call._error is not None or not all(isinstance(m, tuple) and len(m) >= 5 for m in values):

@@ -37,7 +37,7 @@ from asyncrl._lanes import CONTROL_WAIT, NEVER_RAN, Lane, OrderedThread, Ticket,
 from asyncrl._wire import CallCancelled, CallMsg, Payload, arrived, has_deferred, has_local
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
-from asyncrl.worker import RoleSpec, WorkerContext, _CONTEXT
+from asyncrl.worker import RoleSpec, Worker, WorkerContext, _CONTEXT
 
 
 def free_port() -> int:
@@ -102,6 +102,8 @@ class _HostBase:
                 "".join(traceback.format_exception(e)), cause=_picklable(e),
             ) from None
         self._workers[spec.role] = worker
+        if isinstance(worker, Worker):
+            worker._asyncrl_colocated = self._workers  # (shared: each sees the roles built after it too)
         self._specs[spec.role] = spec
         self._methods[spec.role] = registered_methods(spec.cls)
         out[spec.role] = dict(worker._asyncrl_meshes)
@@ -188,11 +190,15 @@ class _HostBase:
         trailing padding rows, arrived, started, ended)``: rows and padding of a
         data-parallel result (``(None, 0)`` for another mode, timed by the group's
         ``time_calls``), then `times`, the host's ``time.time()`` when the call arrived,
-        when the method started (its turn and inputs there) and when it returned."""
+        when the method started (its turn and inputs there) and when it returned; then, for a
+        data-parallel method registered with ``summary`` fields, those fields of the result."""
         keep = msg.keep
         if not msg.want_meta:
             return result if keep else None
         meta = (*(self._meta(spec, msg.method, args, kwargs, result, pad) if data_parallel else (None, 0)), *times)
+        fields = self._methods[spec.role][msg.method].summary
+        if fields and data_parallel:  # the result's small fields ride in the reply (GroupFuture.summary)
+            meta = (*meta, _summary(result, fields))
         if ticket.outcome is not None:  # kept for same-process consumers (same-process-window of docs/protocol.md)
             # The container as it is now, as Ray serializes it now: a worker that returns a
             # container it keeps (a buffer it refills) and changes its keys in a later call
@@ -531,6 +537,12 @@ class _LoopWork:
     def _finish(self, outcome: tuple[bool, Any]) -> None:
         self._outcome = outcome
         self._done.set()
+
+
+def _summary(result: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """The `fields` of a data-parallel `result` that it has (copies: a view would carry its whole storage)."""
+    keys = result.keys() if hasattr(result, "keys") else ()
+    return {f: result[f].clone() for f in fields if f in keys}
 
 
 def _construct(spec: RoleSpec) -> Any:

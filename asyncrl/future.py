@@ -158,6 +158,41 @@ class GroupFuture(Generic[T]):
                 call.times = [None] * len(call.timing)
         return call.times or None
 
+    async def summary(self) -> dict[str, Any]:
+        """The ``summary`` fields (``@register(..., summary=(...))``) of this data-parallel call's result, each
+        concatenated over the collected ranks in collect order, padding rows left out: what the result's fields
+        hold, without fetching the result (they ride in each rank's reply; the result stays in the object store
+        for the calls it feeds). Raises the call's error when it failed, and :class:`TypeError` when its method
+        registered no ``summary``."""
+        call = self._call
+        metas = call.collect_metas
+        if metas is None:
+            raise TypeError(f"{call.group}.{call.method} is not a data-parallel call: it has no summary")
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[list[Any] | None] = loop.create_future()
+
+        def deliver(values: list[Any] | None) -> None:
+            if not got.done():
+                got.set_result(values)
+
+        def arrived(values: list[Any]) -> None:  # any thread (Ray's)
+            loop.call_soon_threadsafe(deliver, values)
+
+        call.backend.peek(metas, arrived)
+        call.add_done_callback(lambda: deliver(None) if call._error is not None else None)  # failed here
+        values = await got
+        if values is None or call._error is not None or not all(isinstance(m, tuple) and len(m) >= 5 for m in values):
+            await self._call.value()  # a rank (or the controller) failed the call: raise its error
+            raise AssertionError("a call whose metadata failed cannot succeed")  # pragma: no cover
+        if not all(len(m) == 6 for m in values):
+            raise TypeError(f"{call.group}.{call.method} was registered without summary fields "
+                            "(@register(..., summary=('field', ...)))")
+        out: dict[str, Any] = {}
+        for name in values[0][5]:
+            parts = [m[5][name][:m[0] - m[1]] if m[1] else m[5][name] for m in values]
+            out[name] = parts[0] if len(parts) == 1 else B.concat(parts)
+        return out
+
     @property
     def worker_group(self) -> Any:
         """The group that issued this call."""

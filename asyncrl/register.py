@@ -199,6 +199,9 @@ class MethodSpec:
     mode: Mode
     is_async: bool
     signature: inspect.Signature
+    summary: tuple[str, ...] = ()
+    """Fields of the method's TensorDict result that also ride in the call's reply (its metadata), read by
+    :meth:`~asyncrl.GroupFuture.summary` without fetching the result."""
 
 
 class RegisteredMethod(Generic[P, R_co, C_co]):
@@ -242,22 +245,22 @@ _Method = Callable[Concatenate[Any, P], R]
 @overload
 def register(
     dispatch_mode: ConcatMode, execute_mode: Literal[Execute.ALL] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
 @overload
 def register(
     dispatch_mode: ListMode | None = ..., execute_mode: Literal[Execute.ALL] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, list[R]]]: ...
 @overload
 def register(
     dispatch_mode: DispatchMode | str | None = ..., execute_mode: Literal[Execute.RANK_ZERO] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
 @overload
 def register(
     dispatch_mode: DispatchMode | str | None = ..., execute_mode: Execute = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, Any]]: ...
 def register(
     dispatch_mode: DispatchMode | str | None = None,
@@ -265,6 +268,7 @@ def register(
     *,
     mode: Mode | None = None,
     concurrent: bool | None = None,
+    summary: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., Any]], RegisteredMethod[..., Any, Any]]:
     """Declare a worker method's group contract.
 
@@ -275,6 +279,10 @@ def register(
         execute_mode: which ranks run (:attr:`Execute.ALL` or :attr:`Execute.RANK_ZERO`).
         mode: :attr:`Mode.ORDERED` (default) or :attr:`Mode.CONCURRENT`.
         concurrent: shorthand for ``mode=Mode.CONCURRENT``.
+        summary: fields of a data-parallel method's TensorDict result (a few values per row) that also travel
+            in the call's reply, so the controller reads them with :meth:`~asyncrl.GroupFuture.summary`
+            without fetching the result (which stays in the object store for the calls it feeds). A field the
+            result lacks is left out.
 
     Keyword names follow verl's ``@register(dispatch_mode=..., execute_mode=...)``.
     """
@@ -290,6 +298,11 @@ def register(
     resolved_mode = mode if mode is not None else (Mode.CONCURRENT if concurrent else Mode.ORDERED)
     if not isinstance(resolved_mode, Mode):
         raise RegistrationError(f"mode must be an asyncrl.Mode, got {resolved_mode!r}")
+    if isinstance(summary, str) or not all(isinstance(f, str) and f for f in summary):
+        raise RegistrationError(f"summary must be a tuple of field names, got {summary!r}")
+    if summary and not dm.data_parallel:
+        raise RegistrationError(
+            f"summary needs a data-parallel dispatch mode (its rows are the result's), got {dm.name}")
 
     def decorate(fn: Callable[..., Any]) -> RegisteredMethod[..., Any, Any]:
         if isinstance(fn, RegisteredMethod):
@@ -309,6 +322,7 @@ def register(
             mode=resolved_mode,
             is_async=is_async,
             signature=inspect.signature(fn),
+            summary=tuple(summary),
         )
         return RegisteredMethod(fn, spec)
 

@@ -68,11 +68,13 @@ class Worker:
 
     _asyncrl_ctx: WorkerContext
     _asyncrl_meshes: dict[str, MeshRank]
+    _asyncrl_colocated: dict[str, "Worker"]
 
     def __new__(cls, *args: object, **kwargs: object) -> "Worker":
         self = super().__new__(cls)
         self._asyncrl_ctx = _CONTEXT.get() or WorkerContext.from_env()
         self._asyncrl_meshes = {}
+        self._asyncrl_colocated = {}
         return self
 
     @property
@@ -94,6 +96,18 @@ class Worker:
     def context(self) -> WorkerContext:
         """The full placement context (group name, role, CPUs and GPUs given)."""
         return self._asyncrl_ctx
+
+    def colocated(self, role: str) -> "Worker":
+        """The worker object of `role` that shares this worker's process and rank (groups made together by
+        ``colocate``), for work that must not cross a process: call its methods directly, as plain functions
+        (no group contract, no ordered lane; the caller keeps them from running at once where that matters).
+        Raises :class:`LookupError` naming the roles here when none is `role`."""
+        peer = self._asyncrl_colocated.get(role)
+        if peer is None:
+            here = sorted(self._asyncrl_colocated) or ["none (not built by a group)"]
+            raise LookupError(f"no {role!r} worker shares this process with rank {self.rank}; roles here: "
+                              f"{', '.join(here)} (colocate the groups to give it one)")
+        return peer
 
     def register_mesh(self, name: str, *, dp_rank: int, dp_size: int, collect: bool = True) -> None:
         """Declare this worker's place in mesh `name` (e.g. a dp x tp layout).

@@ -22,15 +22,19 @@ Figures per N (steady state: the steps after ``--warmup``):
 
 ``--variants`` runs each N once per variant, side by side, the fixes the twin led to switched on one by one:
 
-* ``before``: the controller as it was: each prompt group one call to the whole rollout group (its rows split
-  across every replica), the step's batch built on one training rank (every rank then reads it whole), the
-  tracer sweeping every pending call at each new one;
+* ``unrouted``: the controller before the twin's first fixes: each prompt group one call to the whole rollout
+  group (its rows split across every replica), the step's batch built on one training rank (every rank then
+  reads it whole), the tracer sweeping every pending call at each new one;
 * ``routed``: each prompt group to one replica, the least loaded (``stream_rollout.ROUTE_GROUPS``);
 * ``sharded``: routed, and the step's batch built in shards, one per training rank (``SHARD_STEP_BATCH``);
-* ``after``: the code: routed, sharded, the tracer's sweep amortised, and ``trainer.balance_batch`` (each training
-  rank about the same tokens; the variants before run without it).
+* ``before``: sharded, the tracer's sweep amortised, and ``trainer.balance_batch`` (each training rank about the
+  same tokens; the variants above run without it): each group still a generate and a score call, the
+  controller fetching its scores;
+* ``after``: the code: as ``before``, and each group scored in its generate call, the controller reading the
+  scores from the call's reply (``stream_rollout.SCORE_IN_GENERATE``): one Ray call per group.
 
-    python benchmarks/cluster_twin.py --variants before,after   # N = 1,4,16,64,256; before up to 64
+    python benchmarks/cluster_twin.py --variants before,after   # N = 1,4,16,64,256
+    python benchmarks/cluster_twin.py --variants unrouted,after --replicas 1,4,16,64   # the first fixes
     python benchmarks/cluster_twin.py --replicas 1,4 --steps 4 --warmup 1     # a quick look
     python benchmarks/cluster_twin.py --fixed-lengths --replicas 1,64,256      # no long tail: the controller alone
     python benchmarks/cluster_twin.py --set trainer.balance_batch=false         # any config override
@@ -58,7 +62,8 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
-VARIANTS = ("before", "routed", "sharded", "after")
+VARIANTS = ("unrouted", "routed", "sharded", "before", "after")
+CURRENT = ("before", "after")  # the variants with every fix but the last (before) and the code (after)
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
@@ -183,7 +188,7 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
 
     out = tempfile.mkdtemp(prefix=f"asyncrl-twin-{n}-{variant}-")
     cfg = config(args, n, out)
-    cfg.trainer.balance_batch = cfg.trainer.balance_batch and variant == "after"
+    cfg.trainer.balance_batch = cfg.trainer.balance_batch and variant in CURRENT
     marks: list[tuple[float, float]] = []  # (monotonic, process CPU s) at each step's end
     threads: list[dict[str, float]] = []  # CPU per thread at the steady window's start and end
     lag = LoopLag()
@@ -250,18 +255,19 @@ def set_variant(variant: str) -> Any:
     from asyncrl.pipelines.observe import trace
     from asyncrl.pipelines.rollout import stream_rollout as sr
 
-    saved = sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, trace.Tracer.watch
-    sr.ROUTE_GROUPS = variant != "before"
-    sr.SHARD_STEP_BATCH = variant in ("sharded", "after")
-    if variant != "after":  # the tracer as it was: every watched call swept every pending one
+    saved = sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch
+    sr.ROUTE_GROUPS = variant != "unrouted"
+    sr.SHARD_STEP_BATCH = variant in ("sharded", *CURRENT)
+    sr.SCORE_IN_GENERATE = variant == "after"
+    if variant not in CURRENT:  # the tracer as it was: every watched call swept every pending one
         def watch(self: Any, future: Any, stage: str, **kw: Any) -> Any:
             self._sweep_at = 0
-            return saved[2](self, future, stage, **kw)
+            return saved[3](self, future, stage, **kw)
 
         trace.Tracer.watch = watch  # type: ignore[method-assign]
 
     def undo() -> None:
-        sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, trace.Tracer.watch = saved  # type: ignore[method-assign]
+        sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch = saved  # type: ignore[method-assign]
 
     return undo
 
@@ -310,7 +316,7 @@ def workload(args: argparse.Namespace) -> str:
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in args.replicas:
-        for v in [v for v in args.variants if v == "after" or n <= args.variants_upto]:
+        for v in [v for v in args.variants if v in CURRENT or n <= args.variants_upto]:
             load = os.getloadavg()[0]
             r = await run_one(args, n, v)
             r["load"] = load
@@ -352,8 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
     p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
     p.add_argument("--variants-upto", type=int, default=64,
-                   help="run the variants other than 'after' only up to this N (the code before the fixes splits "
-                        "every group across every replica: at 256 a step takes many minutes)")
+                   help="run the variants other than 'before' and 'after' only up to this N (the unrouted code "
+                        "splits every group across every replica: at 256 a step takes many minutes)")
     p.add_argument("--fixed-lengths", action="store_true",
                    help="every response the profile's median length (no long tail): what the controller, Ray, "
                         "admission and the weight sync do alone, without the workload's stragglers")

@@ -126,7 +126,7 @@ class AdvantageWorker(Worker):
         return out
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def concat_groups(self, parts: list[TensorDictBase], scores: list[TensorDictBase], *, pad_id: int,
+    def concat_groups(self, parts: list[TensorDictBase], scores: list[TensorDictBase | None], *, pad_id: int,
                       uid_base: int) -> TensorDict:
         """Streaming rollout: one step's batch from its finished groups' ``generate`` and ``score``
         results (pass their futures: they are fetched here, worker to worker); see
@@ -136,7 +136,7 @@ class AdvantageWorker(Worker):
         return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base)
 
     @register(SHARDS)
-    def concat_shard(self, parts: list[TensorDictBase], scores: list[TensorDictBase], *, pad_id: int,
+    def concat_shard(self, parts: list[TensorDictBase], scores: list[TensorDictBase | None], *, pad_id: int,
                      uid_base: int, width: int) -> TensorDict:
         """Streaming rollout: this rank's shard of one step's batch, the groups of its chunk (their futures,
         fetched here) as :meth:`concat_groups` makes them, prompts padded to the step's `width`; the shards of

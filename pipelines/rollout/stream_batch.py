@@ -13,18 +13,23 @@ from tensordict import TensorDict, TensorDictBase
 __all__ = ["concat_groups", "version_stats"]
 
 
-def concat_groups(parts: Sequence[TensorDictBase], scores: Sequence[TensorDictBase], *, pad_id: int,
+def concat_groups(parts: Sequence[TensorDictBase], scores: Sequence[TensorDictBase | None], *, pad_id: int,
                   uid_base: int, width: int | None = None) -> TensorDict:
     """The groups' generate results (`parts`, one prompt group each, in order) with their ``scores``
     merged in, as one batch: prompts re-padded on the left to a common width (at least `width`: the shards of
-    one step's batch share it), ``uid`` renumbered ``uid_base, uid_base + 1, ...`` per group."""
+    one step's batch share it), ``uid`` renumbered ``uid_base, uid_base + 1, ...`` per group. A None score is a
+    group scored where it was generated (``generate_requests(compute_reward=True)``): its part holds them."""
     if not parts or len(parts) != len(scores):
-        raise ValueError(f"concat_groups needs one scores TensorDict per group, got {len(parts)} groups and "
-                         f"{len(scores)} scores")
+        raise ValueError(f"concat_groups needs one scores TensorDict (or None) per group, got {len(parts)} groups "
+                         f"and {len(scores)} scores")
     merged = []
-    for p, s in zip(parts, scores):
+    for i, (p, s) in enumerate(zip(parts, scores)):
         td = p.clone(recurse=False)
-        td.update(s)
+        if s is not None:
+            td.update(s)
+        elif "scores" not in td.keys():
+            raise ValueError(f"group {i} has no scores: pass its score call's result, or generate it with "
+                             "compute_reward=True")
         merged.append(td)
     size = int(merged[0].batch_size[0])
     if any(int(m.batch_size[0]) != size for m in merged):

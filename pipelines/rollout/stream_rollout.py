@@ -4,10 +4,12 @@ first finished groups that fill it, within ``max_staleness`` per trajectory, not
 ::
 
     sampler ──► admit group g at the rollout's version v0   (waits: admission control, pipelines/rollout/admission.py)
-       │          generate_requests(prompts of g)  ─► score   (one call per group to one replica, the one with the
-       │                                                       fewest groups in flight; its request-level engine
-       │                                                       batches the rounds of the groups it holds)
-       │          await the scores (small) ─► finished: the group may be taken
+       │          generate_requests(prompts of g, compute_reward)   (one call per group to one replica, the one
+       │                                                       with the fewest groups in flight; its request-level
+       │                                                       engine batches the rounds of the groups it holds;
+       │                                                       the reward worker of its process scores the rows)
+       │          await the scores (the call's reply, GroupFuture.summary: the rows stay on the replica)
+       │            ─► finished: the group may be taken
     weights ──► load export[newest] as soon as it is published (never waits for groups in flight: the
                 update lands at a decoding-round boundary; tokens carry their version)
     take(step) ◄── the first finished groups that keep the bound (Admission.take)
@@ -35,9 +37,10 @@ worker group, and the pool is replaced). A restart (training worker fault) or a 
 replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
 admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
 
-Routing: each group is one call to one replica (``options(rank=r)``) and its score call goes to the same
-rank (the reward shares its process: the rows never leave it), so a group's G rows decode together, one
-engine's batch, whatever the number of replicas. A run that records its engines' rounds (the HF engine, for
+Routing: each group is one call to one replica (``options(rank=r)``), scored there by the reward worker that
+shares its process (:data:`SCORE_IN_GENERATE`: one Ray call per group, and the controller reads the scores from
+the call's reply, not the rows), so a group's G rows decode together, one engine's batch, whatever the number of
+replicas. A run that records its engines' rounds (the HF engine, for
 an exact replay) sends each group to the whole rollout group instead, its rows split across the ranks, as a
 replay re-issues them (:data:`ROUTE_GROUPS`).
 
@@ -65,7 +68,8 @@ from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evalu
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
 
-__all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "REPLACE_REPLICAS", "balanced_order"]
+__all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "SCORE_IN_GENERATE", "REPLACE_REPLICAS",
+           "balanced_order"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -77,6 +81,12 @@ measures both)."""
 SHARD_STEP_BATCH = True
 """Build a step's batch in shards, one per training rank (``stages.concat_sharded``). False: on one rank, which
 every training rank then reads whole (what the code did before; ``benchmarks/cluster_twin.py`` measures both)."""
+
+SCORE_IN_GENERATE = True
+"""Score each prompt group in its generate call (``generate_requests(compute_reward=True)``: the reward worker of
+the replica's process scores the rows there) and read the scores from the call's reply (``GroupFuture.summary``):
+one call per group. False: a generate and a score call per group, the controller fetching the scores (what the
+code did before; ``benchmarks/cluster_twin.py`` measures both)."""
 
 REPLACE_REPLICAS = True
 """Replace a lost replica's engine alone (:meth:`StreamRollout._lose_replica`), its groups issued again on the other
@@ -90,6 +100,7 @@ class _Flight:
 
     gen: Any
     scores: Any
+    """Its score call's future; None when the generate call scored it (:data:`SCORE_IN_GENERATE`)."""
     v0: int
     reward_mean: float
     reward_std: float
@@ -200,8 +211,11 @@ class StreamRollout:
             resume = a.handed.get(g)  # rows a removed replica handed over: continued from their tokens
             rank = held = self._route(a, groups.rollout, epoch)  # held: counted in flight on `rank` until it ends
             try:
-                more = {"resume": Broadcast(resume)} if resume else {}
+                more: dict[str, Any] = {"resume": Broadcast(resume)} if resume else {}
                 generate = groups.rollout.generate_requests
+                fused = scores_in_generate(generate)
+                if fused:
+                    more["compute_reward"] = True
                 if rank is not None:
                     generate = generate.options(rank=rank)
                 gen = tr.tracer.watch(generate(prompts, seed=batch_seed(cfg, g), **more),
@@ -214,25 +228,31 @@ class StreamRollout:
                 elif g in a.reissuing:  # issued again: a replay's next resize waits for that (stream_replay)
                     a.reissuing.discard(g)
                     await self._notify()
-                # The score call is ordered on the rollout workers' lane, like a weight update: issued
-                # now, it would hold its place there until the group's tokens exist, and an update
-                # issued meanwhile would wait for this group to finish generating. Issued once the
-                # generation finished (nothing is fetched), it never holds an update back.
-                if elastic:  # a preemption notice raises here, at the told-to-stop rank's error (the other
-                    await gen.select("version")  # ranks' rows are then handed over), not in a score call
+                if fused:  # scored in the call: its reply carries the scores, the rows stay put
+                    scored_td = await gen.summary()  # (a preemption notice raises here, at its rank's error)
+                    self._unload(a, held, epoch)
+                    held = None
+                    sc = None
                 else:
-                    await _finished(gen)
-                self._unload(a, held, epoch)
-                held = None
-                sc = stages.score(groups, gen, rank=rank)
-                scored_td = await sc
+                    # The score call is ordered on the rollout workers' lane, like a weight update: issued
+                    # now, it would hold its place there until the group's tokens exist, and an update
+                    # issued meanwhile would wait for this group to finish generating. Issued once the
+                    # generation finished (nothing is fetched), it never holds an update back.
+                    if elastic:  # a preemption notice raises here, at the told-to-stop rank's error (the other
+                        await gen.select("version")  # ranks' rows are then handed over), not in a score call
+                    else:
+                        await _finished(gen)
+                    self._unload(a, held, epoch)
+                    held = None
+                    sc = stages.score(groups, gen, rank=rank)
+                    scored_td = await sc
                 scores = scored_td["scores"]
                 if a.epoch != epoch or a.replacing.locked():
                     # finished on a pool that is being (or was) replaced after a fault: re-home its results on the
                     # training pool now, before that pool closes (rehome_flights has run already); a pool closed
                     # meanwhile refuses them (GroupClosedError) and the group is generated again
                     advantage = stages_unwrap(tr.groups.advantage if tr.groups is not None else groups.advantage)
-                    gen, sc = advantage.echo(gen), advantage.echo(sc)
+                    gen, sc = advantage.echo(gen), (advantage.echo(sc) if sc is not None else None)
                 break
             except Exception as e:
                 self._unload(a, held, epoch)
@@ -608,6 +628,16 @@ class StreamRollout:
         if a is None:
             return {"pending": [], "next_group": self._trainer.state.start_step * self._trainer.config.prompts_per_step}
         return {"pending": sorted([*a.admission.pending(), *a.queue]), "next_group": a.next_group}
+
+
+def scores_in_generate(generate: Any) -> bool:
+    """Whether a group's scores come from its `generate` call (a ``generate_requests`` group method):
+    :data:`SCORE_IN_GENERATE`, and the rollout class's method takes ``compute_reward`` and carries ``scores`` in
+    its reply (``@register(..., summary=("scores", ...))``: ``RolloutWorker``'s does; a subclass that registers
+    its own must keep both). Else a score call follows it."""
+    spec = getattr(generate, "spec", None)
+    return (SCORE_IN_GENERATE and spec is not None and "compute_reward" in spec.signature.parameters
+            and "scores" in spec.summary)
 
 
 def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:

@@ -182,13 +182,14 @@ class ChaosRollout(RolloutWorker):
             raise self._lost()
         return await super().generate(batch, max_new_tokens, temperature, seed)
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
     async def generate_requests(self, batch: Any, max_new_tokens: int | None = None, temperature: float | None = None,
-                                seed: int | None = None, resume: dict[str, dict[str, Any]] | None = None) -> Any:
+                                seed: int | None = None, resume: dict[str, dict[str, Any]] | None = None,
+                                compute_reward: bool = False) -> Any:
         """``RolloutWorker.generate_requests``, failing once this replica died."""
         if self._dead:
             raise self._lost()
-        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
 
     async def _engine_load(self, state: Any) -> None:
         if self._dead:

@@ -146,6 +146,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
         self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
         self._request_calls: dict[asyncio.Task[Any], RequestCall] = {}  # running generate_requests calls
+        self._reward_thread: Any = None  # generate_requests(compute_reward=True): the colocated reward's thread
         self._notices: set[asyncio.Task[Any]] = set()  # hand-overs a SIGTERM started (held until they end)
         on_sigterm(self._on_preemption_notice)
 
@@ -438,6 +439,8 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         if gateway is not None:
             gateway.request_stop()
         self.engine.close()
+        if self._reward_thread is not None:
+            self._reward_thread.shutdown(wait=False)
         release_core_share(self)
 
 

@@ -112,9 +112,11 @@ class RequestGenerationMixin:
         _replay_hold: bool
         _preempted: bool
         _request_calls: dict[asyncio.Task[Any], RequestCall]
+        _reward_thread: Any
 
         @property
         def rank(self) -> int: ...
+        def colocated(self, role: str) -> Any: ...
         def _gate_event(self) -> asyncio.Event: ...
         def _check_weights(self) -> None: ...
         def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]: ...
@@ -289,10 +291,11 @@ class RequestGenerationMixin:
         return await self._run_rows(batch, R, prompts, submit, params, None, program, name,
                                     max_in_flight=max_in_flight)
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
     async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                                 temperature: float | None = None, seed: int | None = None,
-                                resume: dict[str, dict[str, Any]] | None = None) -> TensorDict:
+                                resume: dict[str, dict[str, Any]] | None = None,
+                                compute_reward: bool = False) -> TensorDict:
         """Every row through the request-level engine (:meth:`_run_rows`): one response per row, or with
         ``RolloutConfig.episode``/``agent`` one episode or agent session per row (the layout of
         :meth:`generate_episodes`), so many concurrent calls (streaming rollout: one per prompt group)
@@ -313,14 +316,20 @@ class RequestGenerationMixin:
         `resume` (pass it as ``asyncrl.Broadcast``: every rank picks its rows): such ``partial`` rows by
         request key, from the same call on another replica. A plain row found there begins with its
         tokens, log-probs and versions and decodes on from them (a finished one is returned as it is); the
-        other rows (and every episode row) are generated from their seeds."""
+        other rows (and every episode row) are generated from their seeds.
+
+        `compute_reward`: score the rows here, with the reward worker that shares this process and rank
+        (``Worker.colocated("reward")``: its ``compute_reward``, one call at a time, in a thread of its own), and
+        return its fields (``scores``, ``response_length``) with the rows: one call per prompt group instead of
+        a generate and a score call. Those two fields also ride in the call's reply
+        (``GroupFuture.summary()``: the controller reads a group's scores without fetching its rows)."""
         if self._preempted:
             raise PreemptedError(f"rollout rank {self.rank} was told to stop (SIGTERM); generate elsewhere")
         me = asyncio.current_task()
         assert me is not None  # a coroutine the actor's loop runs as a task
         call = self._request_calls[me] = RequestCall(asyncio.get_running_loop(), seed)  # a notice hands it over
         try:
-            return await self._generate_requests(batch, max_new_tokens, temperature, seed, resume or {}, call)
+            out = await self._generate_requests(batch, max_new_tokens, temperature, seed, resume or {}, call)
         except (asyncio.CancelledError, Exception):
             if not (self._preempted or call.handing):
                 raise
@@ -331,6 +340,21 @@ class RequestGenerationMixin:
                                  "with the same seed", call.handed, call.rounds) from None
         finally:
             self._request_calls.pop(me, None)
+        if compute_reward:
+            out.update(await self._score(out))
+        return out
+
+    async def _score(self, rows: TensorDict) -> TensorDictBase:
+        """The colocated reward worker's ``compute_reward`` of `rows` (see :meth:`generate_requests`): in one
+        thread, so the engine's loop decodes on meanwhile and reward calls never run at once (as on the reward's
+        own ordered lane)."""
+        reward = self.colocated("reward")
+        if self._reward_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._reward_thread = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-reward")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._reward_thread, reward.compute_reward, rows)
 
     async def _generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None,
                                  temperature: float | None, seed: int | None,

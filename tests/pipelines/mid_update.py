@@ -109,13 +109,13 @@ class MidUpdateRollout(FaultyRollout):
                                              record_rounds=self.config.record_rounds)
         return super()._request_engine()
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
     async def generate_requests(self, batch: Any, max_new_tokens: Any = None, temperature: Any = None,
-                                seed: Any = None, resume: Any = None) -> Any:
+                                seed: Any = None, resume: Any = None, compute_reward: bool = False) -> Any:
         if self._calls is not None:
             with open(self._calls, "a") as f:
                 f.write(json.dumps({"group": int(batch["uid"][0]), "seed": seed, "pid": os.getpid()}) + "\n")
-        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
 
     async def _engine_load(self, state: Any) -> None:
         self._loads += 1

@@ -107,9 +107,10 @@ class StallingRollout(LoggedRollout):
                                             record_rounds=self.config.record_rounds)
         return super()._request_engine()
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
-    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
-        out = await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None,
+                                compute_reward=False):
+        out = await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
         rows = {}
         for i in range(out.batch_size[0]):
             m = out["response_mask"][i].bool()
@@ -188,10 +189,11 @@ class PacedStallingRollout(StallingRollout):
         super().__init__(*args, **kwargs)
         self._pace = pace
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
-    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None,
+                                compute_reward=False):
         self._delay = _seconds(self._pace)
-        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
 
 
 class PacedPolicy(PolicyWorker):

@@ -44,8 +44,9 @@ class LoggedRollout(RolloutWorker):
         """This rank's process id."""
         return os.getpid()
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
-    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None,
+                                compute_reward=False):
         hang = os.path.exists(self._hang) and str(os.getpid()) in Path(self._hang).read_text().split()
         with open(self._calls, "a") as f:
             f.write(json.dumps({"seed": seed, "pid": os.getpid(), "version": self.version, "hung": hang}) + "\n")
@@ -55,7 +56,7 @@ class LoggedRollout(RolloutWorker):
             await asyncio.sleep(self._delay)  # simulated generation time (the autoscaler's test: generation-bound)
             if hang:
                 await self._hanging()  # a generation that never ends here: only a hand-over finishes it
-            return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+            return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
         except PreemptedError:
             with open(self._calls, "a") as f:
                 f.write(json.dumps({"seed": seed, "pid": os.getpid(), "preempted": True}) + "\n")

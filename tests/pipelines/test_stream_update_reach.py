@@ -35,12 +35,13 @@ class UpdateGatedRollout(RolloutWorker):
             self._updating = asyncio.Event()
         return self._updating
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
     async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
-                                temperature: float | None = None, seed: int | None = None) -> TensorDict:
+                                temperature: float | None = None, seed: int | None = None,
+                                compute_reward: bool = False) -> TensorDict:
         if seed == self._gated_seed:
             await self._update_started().wait()
-        return await super().generate_requests(batch, max_new_tokens, temperature, seed)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, compute_reward=compute_reward)
 
     @register(Dispatch.ONE_TO_ALL)
     async def update_weights(self, weights: Any, version: int | None = None, **kwargs: Any) -> dict[str, Any]:

@@ -307,11 +307,12 @@ class GatedRollout(SlowDecodeRollout):
     async def pid(self) -> int:
         return os.getpid()
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
-    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None):
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
+    async def generate_requests(self, batch, max_new_tokens=None, temperature=None, seed=None, resume=None,
+                                compute_reward=False):
         while os.path.exists(self._gate_file) and str(os.getpid()) in Path(self._gate_file).read_text().split():
             await asyncio.sleep(0.02)
-        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
 
 
 async def _resize_while_gated(tr, gate: Path, n: int) -> None:

@@ -1,0 +1,110 @@
+"""``@register(summary=...)``: the named fields of a data-parallel result ride in the call's reply, and
+``GroupFuture.summary()`` reads them without fetching the result (the fields exactly, padding rows left out,
+in collect order); a failed call raises its error there; ``Worker.colocated(role)`` is the worker object of
+another role in the same process and rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from asyncrl import Dispatch, RemoteError, Worker, colocate, register
+from asyncrl.errors import RegistrationError
+
+from tests.core import kinds
+from tests.core.kinds import BACKENDS
+
+
+class Scorer(Worker):
+    """Scores rows; its ``double`` result is large (``big``) and small (``score``, ``rank``)."""
+
+    @register(Dispatch.DP_COMPUTE, summary=("score", "rank", "absent"))
+    def double(self, batch: TensorDict) -> TensorDict:
+        n = batch.batch_size[0]
+        return TensorDict({"score": batch["x"].double() * 2, "rank": torch.full((n,), self.rank),
+                           "big": torch.zeros(n, 4096)}, batch_size=[n])
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("score",))
+    async def fail(self, batch: TensorDict) -> TensorDict:
+        raise ValueError(f"rank {self.rank} cannot score")
+
+    @register(Dispatch.DP_COMPUTE)
+    def plain(self, batch: TensorDict) -> TensorDict:
+        return batch
+
+    @register(Dispatch.DP_COMPUTE)
+    def via_peer(self, batch: TensorDict) -> TensorDict:
+        peer = self.colocated("helper")
+        return TensorDict({"y": peer.add_rank(batch["x"]), "pid": torch.full((batch.batch_size[0],), peer.pid())},
+                          batch_size=batch.batch_size)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+class Helper(Worker):
+    """A colocated role whose methods :class:`Scorer` calls directly."""
+
+    def add_rank(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 100 * self.rank
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self) -> int:
+        return self.rank
+
+
+def rows(n: int) -> TensorDict:
+    return TensorDict({"x": torch.arange(n)}, batch_size=[n])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_summary_fields_arrive_without_fetching_the_result_padding_left_out(backend, ray_cluster):
+    async with kinds.group(backend, Scorer, world_size=2, name=f"summary-{backend}") as wg:
+        fut = wg.double(rows(5))  # 3 + 3 rows, the last one padding
+        got = await fut.summary()
+        assert wg.stats.results_fetched == 0 and wg.stats.bytes_fetched == 0  # the result stayed remote
+        assert set(got) == {"score", "rank"}  # a field the result lacks is left out
+        assert got["score"].dtype == torch.float64 and got["score"].tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+        assert got["rank"].tolist() == [0, 0, 0, 1, 1]
+        whole = await fut
+        assert torch.equal(whole["score"], got["score"]) and torch.equal(whole["rank"], got["rank"])
+        one = await wg.double.options(rank=1)(rows(3)).summary()  # a call to one rank
+        assert one["score"].tolist() == [0.0, 2.0, 4.0] and one["rank"].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_failed_call_raises_its_error_from_summary(backend, ray_cluster):
+    async with kinds.group(backend, Scorer, world_size=2, name=f"summary-fail-{backend}") as wg:
+        with pytest.raises(RemoteError, match="cannot score") as info:
+            await wg.fail(rows(4)).summary()
+        assert info.value.method.endswith("fail")
+        with pytest.raises(TypeError, match="without summary fields"):
+            await wg.plain(rows(2)).summary()
+        with pytest.raises(TypeError, match="not a data-parallel call"):
+            await wg.pid().summary()
+
+
+def test_summary_needs_field_names_and_a_data_parallel_mode():
+    with pytest.raises(RegistrationError, match="tuple of field names"):
+        register(Dispatch.DP_COMPUTE, summary="score")  # type: ignore[arg-type]
+    with pytest.raises(RegistrationError, match="data-parallel dispatch mode"):
+        register(Dispatch.ONE_TO_ALL, summary=("score",))
+
+
+async def test_colocated_is_the_other_roles_worker_of_the_same_process_and_rank(ray_cluster):
+    async with colocate({"scorer": Scorer, "helper": Helper}, world_size=2, name="summary-co") as groups:
+        out = await groups["scorer"].via_peer(rows(4))
+        pids = await groups["scorer"].pid()
+        assert out["y"].tolist() == [0, 1, 102, 103]  # rank r's helper is rank r's
+        assert out["pid"].tolist() == [pids[0], pids[0], pids[1], pids[1]]  # in the caller's own process
+    with pytest.raises(LookupError, match="no 'helper' worker shares this process"):
+        Scorer().colocated("helper")  # built outside a group: alone

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol, Any
 from asyncrl import GroupFuture
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.loop.stages import Groups
+from asyncrl.roles.weights.sync import open_weight_channel, rollout_dtype
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.job.config import JobConfig
@@ -44,8 +45,6 @@ class WeightSync:
     async def prepare(self, s: LoopState) -> None:
         """Learn the rollout's weight dtype (into the loop state `s`) and open the weight channel
         (``collective``); with sleep level 2, stage version 0 so the rollout can reload it after its first sleep."""
-        from asyncrl.roles.weights.sync import open_weight_channel, rollout_dtype
-
         tr = self._trainer
         g, t = tr.groups, tr.config.trainer
         assert g is not None

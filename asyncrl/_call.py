@@ -335,7 +335,7 @@ class _Call:
         # (`pads`, per executing rank) returns none, so its metadata need not be awaited
         # (the common case: none at all). Padding of pipelined inputs comes from their
         # producer, unknown here: fetched. The metas stay in the call for pipelined
-        # consumers with another layout (C4), fetched or not.
+        # consumers with another layout (their shards are re-split there), fetched or not.
         self.fetch_metas: Sequence[int] = ()
         if metas is not None:
             if pads is None:

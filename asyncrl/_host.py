@@ -38,6 +38,7 @@ from asyncrl._wire import CallCancelled, CallMsg, Payload, arrived, has_deferred
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
 from asyncrl.worker import RoleSpec, Worker, WorkerContext, _CONTEXT
+from asyncrl.runtime import quiet_tensor_warnings
 
 
 def free_port() -> int:
@@ -85,8 +86,6 @@ class _HostBase:
     def _prepare(self, spec: RoleSpec) -> Callable[[], Any]:
         """Set the process up for `spec`; returns the constructor to run on the thread of its plain ``def`` methods."""
         if not self._local:  # in-process workers share the controller's environment
-            from asyncrl.runtime import quiet_tensor_warnings
-
             quiet_tensor_warnings()
             os.environ.update(spec.env)
             self._set_threads(spec.context)

@@ -8,8 +8,7 @@ rotating between repetitions (so both asyncrl variants see the same machine):
   (:meth:`asyncrl._backend.Backend.fetch`, ``_Getter`` in asyncrl/backends/_ray_fetch.py).
 * ``asyncrl, callbacks only``: the same group call with the getter thread switched off:
   Ray's completion callbacks count the ranks down on Ray's thread and wake the loop once
-  per call (asyncrl from issue 14's round 5 to round 7; still the path of a call that
-  arrives while the getter thread is busy).
+  per call (the path of a call that arrives while the getter thread is busy).
 * ``asyncrl, a wake-up per rank``: the same group call, its fetch replaced by one that
   hands every rank's outcome to the loop on its own (``call_soon_threadsafe`` per rank,
   counted down on the loop): what asyncrl did before (without its per-rank asyncio

@@ -5,7 +5,7 @@ task, tiny tokenizer), each with fresh Ray pools and workers, same seeds:
 
 ============  ==========================================================================================
 split-sync    two pools sharing the GPU (rollout 0.5 GPU, training 0.5 GPU), ``max_staleness=0``: the
-              synchronous schedule (each batch waits for the newest weights, C7)
+              synchronous schedule (each batch waits for the newest weights)
 split-async   the same pools, ``max_staleness=1``: rollout of batch k+1 overlaps training of batch k
 colocated     one process holds every role on the GPU, weights handed over in-process (``local``),
               the rollout sleeps (level 1: weights to the CPU) while the policy trains, ``max_staleness=1``

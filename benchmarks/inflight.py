@@ -23,7 +23,7 @@ Variants (one run, interleaved rounds, medians):
 
 Columns: worst heartbeat lag while submitting and while awaiting, the longest garbage
 collection while awaiting (``gc.callbacks``: a full collection walks every tracked object
-the calls in flight hold, with the GIL held), total wall time, and calls/s. Target (issue 14): worst lag < 50 ms for asyncrl.
+the calls in flight hold, with the GIL held), total wall time, and calls/s. Target: worst lag < 50 ms for asyncrl.
 
     python benchmarks/inflight.py            # 10,000 calls, 3 rounds
     python benchmarks/inflight.py --quick    # 1,000 calls, 1 round

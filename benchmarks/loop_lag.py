@@ -17,7 +17,7 @@ heartbeat to a cluster manager) would feel. One run, side by side:
 * ``trainer``: the real trainer as ``examples/fit_in_app.py`` runs it (preset ``grpo_toy``: 64
   responses per step, one rollout and one training worker, both busy): its set-up, ``fit()``, close.
 * ``64 episodes in flight``: ``benchmarks/agents.py``'s rollout worker running 64 multi-turn
-  episodes at once (issue 30's target: loop lag < 50 ms).
+  episodes at once (target: loop lag < 50 ms).
 
 Why a wake-up was late, per late wake-up (> 20 ms), from the loop thread's own scheduler counters
 (``/proc/thread-self/schedstat``: time on a CPU, time runnable in the run queue):
@@ -32,7 +32,7 @@ Why a wake-up was late, per late wake-up (> 20 ms), from the loop thread's own s
 
 The table shows, per phase, the heartbeat's worst lag, its 99th percentile and the
 phase's duration. Targets: worst lag < 20 ms during setup of 4 workers and during a trainer
-run (issue 13); < 50 ms with 64 episodes in flight (issue 30). On a shared machine the ``idle`` row says how much of a lag is the
+run; < 50 ms with 64 episodes in flight. On a shared machine the ``idle`` row says how much of a lag is the
 machine's own.
 
     python benchmarks/loop_lag.py                          # full

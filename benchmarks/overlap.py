@@ -13,7 +13,7 @@ synchronous baseline ``sequential_fit``):
    per step, rollout ``ratio x`` that. For each cost ratio (0.25, 0.5, 1, 2, 4) the
    synchronous loop runs once and the async trainer at ``max_staleness`` 0, 1, 2.
    Ideal step time: the sum of the stage costs for the synchronous loop (and for the
-   trainer at ``max_staleness=0``, which is the synchronous schedule, C7);
+   trainer at ``max_staleness=0``, which is the synchronous schedule);
    ``max(rollout, training + sync)`` for the trainer at ``max_staleness >= 1``.
 2. **The real tiny-model GRPO and PPO** (the ``asyncrl train`` presets ``grpo_toy`` and
    ``ppo_toy``, rollout and training on separate worker processes) on CPU: the trainer at

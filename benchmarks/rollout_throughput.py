@@ -9,7 +9,7 @@ Tokens/s counts generated tokens (EOS included). Writes a markdown table to ``be
 ``vllm-direct`` (not a registered engine) is vLLM's ``AsyncLLM`` driven the way a user of vLLM
 would: built with the engine arguments ``VLLMEngine`` passes, one ``AsyncLLM.generate`` per
 prompt with the ``vllm.SamplingParams`` ``VLLMEngine`` makes, gathered on the caller's loop.
-Beside ``vllm`` it measures what asyncrl's wrapper costs (issue 32: the engine must not be slower
+Beside ``vllm`` it measures what asyncrl's wrapper costs (the engine must not be slower
 than the library it wraps); the two must return the same tokens, which the run checks.
 
 Run it in an environment with vllm (``docs/vllm.md``)::

@@ -37,7 +37,7 @@ Variants (``--variants``, comma-separated):
 * ``bypass_follow``: ``bypass`` with ``model.num_threads=follow``.
 
 The table says which runs make a separate ``old_log_prob`` pass, and when ``k1`` and ``bypass`` ran
-(they differ only in the bypass) what removing that pass saved per step (issue 32 item 2).
+(they differ only in the bypass) what removing that pass saved per step.
 Also reported: the held-out accuracy (greedy, the same held-out problems for all) at the end of
 each run against its wall clock, and, labelled as a computed estimate, what an asyncrl step
 would take with the rollout on a device of its own: ``max(generate, train)`` per step from
@@ -193,7 +193,7 @@ def run_asyncrl(overrides: list[str], args: argparse.Namespace, work: Path, seed
 
 def render_seeds(seeds: list[int], results: dict[str, list[dict]]) -> list[str]:
     """Per-seed lines: held-out accuracy and s/step of each variant per seed, their means over seeds, and
-    for each variant and its bypass twin the per-seed accuracy difference (issue 32 item 2: does the
+    for each variant and its bypass twin the per-seed accuracy difference (does the
     bypass learn less, beyond what the seed alone moves?). A seed's several rounds are averaged."""
     def per_seed(runs: list[dict], value) -> dict[int, float]:  # noqa: ANN001
         got = {s: [value(r) for r in runs if r["seed"] == s] for s in seeds}
@@ -245,7 +245,7 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], note: str) 
         ratio = f"{med / base:.2f}x" if base else "—"
         lines.append(f"| {VARIANTS[v][0]} | {_old_pass(v)} | {med:.2f} | {min(s):.2f}–{max(s):.2f} | {ratio} | {len(s)} | {acc} | {at} | "
                      f"{rew} |")
-    for a, b in BYPASS_TWINS:  # issue 32 item 2: the same run with and without the pass
+    for a, b in BYPASS_TWINS:  # the same run with and without the pass
         if a not in results or b not in results:
             continue
         k1, bp = (statistics.median(timed(results[v], "step_s")) for v in (a, b))
@@ -264,7 +264,7 @@ def render(args: argparse.Namespace, results: dict[str, list[dict]], note: str) 
     if est:
         lines += ["", "**Computed estimate, not a measurement**: an asyncrl step with the rollout on a device of its "
                   "own, as `max(generate, train)` per step from the stage times measured above on shared cores "
-                  "(the weight sync, ~0.5 s per step in issue 32's stage table, is not in either and would add to "
+                  "(the weight sync, ~0.5 s per step in the SmolLM2 run's stage table, is not in either and would add to "
                   "the training side).", "",
                   "| run | generate s (median) | train s (median) | estimated s/step, rollout on its own device |",
                   "|---|---:|---:|---:|", *est]

@@ -26,6 +26,7 @@ from asyncrl._wire import CallMsg, Payload
 from asyncrl.backends._ray_errors import _input_failed, _translate, await_ray
 from asyncrl.backends._ray_fetch import _RESOLVER, _Fetch, _Peek, _Watch
 from asyncrl.errors import PlacementError
+from asyncrl.runtime import ainit
 
 _MAX_CONCURRENCY = 100_000  # in-flight calls per async host; ordering is by sequence number, not by slot
 THREADED_CALLS = 64
@@ -124,8 +125,6 @@ class RayBackend:
 
     async def start(self) -> "RayBackend":
         if not ray.is_initialized():
-            from asyncrl.runtime import ainit
-
             await ainit()
         return self
 

@@ -29,6 +29,10 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 from asyncrl.roles.registry import Registry
+from asyncrl.pipelines.datasets.datafiles import file_records
+from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.roles import PromptTooLongError, toy_dataset
+from asyncrl.roles.scoring.arithmetic import extract_answer, is_correct, make_problems
 
 __all__ = ["Task", "register_task", "task_names", "get_task", "PromptLoader", "chat_formatter", "make_loader", "task_pairs"]
 
@@ -77,8 +81,6 @@ def get_task(name: str) -> Task:
 
 def _roles_task(name: str) -> Callable[..., Pairs]:
     def make(n: int, seed: int) -> Pairs:
-        from asyncrl.roles import toy_dataset
-
         return [(r["prompt"], r["answer"]) for r in toy_dataset(name, n, seed)]
 
     return make
@@ -94,8 +96,6 @@ register_task(Task("echo_word", _roles_task("echo_word"), reward_fn="echo_word")
 def _arith(split: str) -> Callable[..., Pairs]:
     def make(n: int, seed: int, *, levels: Sequence[int] = (1,), ops: Sequence[str] = ("add", "sub", "mul"),
              eval_fraction: float = 0.2) -> Pairs:
-        from asyncrl.roles.scoring.arithmetic import make_problems
-
         probs = make_problems(n, seed, levels=tuple(levels), ops=tuple(ops), split=split,  # type: ignore[arg-type]
                               eval_fraction=eval_fraction)
         return [(p.prompt, str(p.answer)) for p in probs]
@@ -104,8 +104,6 @@ def _arith(split: str) -> Callable[..., Pairs]:
 
 
 def _arith_metrics(responses: Sequence[str], answers: Sequence[str]) -> dict[str, float]:
-    from asyncrl.roles.scoring.arithmetic import extract_answer, is_correct
-
     n = max(1, len(responses))
     return {
         "accuracy_flexible": sum(is_correct(r, a, "flexible") for r, a in zip(responses, answers)) / n,
@@ -129,8 +127,6 @@ def chat_formatter(tokenizer: Any, system_prompt: str | None = None) -> Callable
 
     Raises :class:`~asyncrl.pipelines.job.config.ConfigError` when the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        from asyncrl.pipelines.job.configlib import ConfigError
-
         raise ConfigError(
             f"data.chat_template=true but the tokenizer ({type(tokenizer).__name__}, "
             f"{getattr(tokenizer, 'name_or_path', '?')!r}) has no chat template; use an instruct model's tokenizer "
@@ -220,8 +216,6 @@ class PromptLoader:
     def check_fits(self, context_length: int, max_new_tokens: int, what: str = "data") -> None:
         """Raise :class:`~asyncrl.roles.PromptTooLongError` when the longest prompt plus `max_new_tokens`
         exceeds `context_length` (before any worker generates; prompts are never truncated)."""
-        from asyncrl.roles import PromptTooLongError
-
         i = max(range(len(self._ids)), key=lambda k: len(self._ids[k]))
         n = len(self._ids[i])
         if n + max_new_tokens > context_length:
@@ -282,8 +276,6 @@ class PromptLoader:
 
 
 def _config_error(msg: str) -> Exception:
-    from asyncrl.pipelines.job.configlib import ConfigError
-
     return ConfigError(msg)
 
 
@@ -322,8 +314,6 @@ def task_pairs(data: Any, seed: int, *, split: str = "train", num_prompts: int |
     they are the files' rows (:class:`~asyncrl.pipelines.datasets.datafiles.Record`; ``val_files`` for
     ``split="eval"``): all of them, or the first `num_prompts` when it is given."""
     if getattr(data, "train_files", None) is not None:
-        from asyncrl.pipelines.datasets.datafiles import file_records
-
         records = file_records(data, split=split)
         return list(records if num_prompts is None else records[:num_prompts])
     task = get_task(data.task)

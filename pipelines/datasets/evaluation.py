@@ -35,6 +35,8 @@ import anyio
 import structlog
 
 from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, Range, Section
+from asyncrl.pipelines.datasets.data import get_task, make_loader, task_pairs
+from asyncrl.pipelines.job.configlib import ConfigError
 
 __all__ = ["EvalConfig", "Evaluator"]
 
@@ -67,8 +69,6 @@ class EvalConfig(Section):
 
     def validate(self) -> None:
         """Raise ``ConfigError`` for impossible values."""
-        from asyncrl.pipelines.job.configlib import ConfigError
-
         if self.every < 0:
             raise ConfigError(f"evaluation.every must be >= 0 (0 = off), got {self.every}")
         if self.num_prompts < 1:
@@ -92,8 +92,6 @@ class Evaluator:
 
     def __init__(self, config: EvalConfig, data: Any, tokenizer: Any, *, max_new_tokens: int,
                  output_dir: str | Path) -> None:
-        from asyncrl.pipelines.datasets.data import get_task, make_loader, task_pairs
-
         self.config = config
         self.task = get_task(data.task)
         self.tokenizer = tokenizer

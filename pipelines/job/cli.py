@@ -40,6 +40,24 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+import asyncrl
+from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.checkpoints.export import export_policy
+from asyncrl.pipelines.datasets.datafiles import check_code_digests
+from asyncrl.pipelines.job import configlib
+from asyncrl.pipelines.job.config import ConfigError, JobConfig, config_fingerprint
+from asyncrl.pipelines.job.presets import PRESETS, load_config
+from asyncrl.pipelines.journaling.journal import JournalError
+from asyncrl.pipelines.journaling.ledger import check_ledger, read_samples
+from asyncrl.pipelines.journaling.replay import replay
+from asyncrl.pipelines.loop.trainer import make_trainer
+from asyncrl.pipelines.observe import viewer
+from asyncrl.pipelines.supervision.interrupt import RunAbandoned
+from asyncrl.pipelines.supervision.recovery import describe, is_worker_fault
+from asyncrl.pipelines.twin.fit import write_fitted
+from asyncrl.pipelines.twin.plan import run_plan
+from asyncrl.roles import RolesError
+
 __all__ = ["main", "build_parser"]
 
 
@@ -164,9 +182,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """``asyncrl plan``: exit 0 with the table printed, 2 on a bad profile or budget."""
-    from asyncrl.pipelines.job.configlib import ConfigError
-    from asyncrl.pipelines.twin.plan import run_plan
-
     try:
         print(run_plan(args.profile, args.gpus, batch_size=args.batch_size, group_size=args.group_size,
                        steps=args.steps, top=args.top, brute=args.brute_force, out_dir=args.out_dir,
@@ -179,9 +194,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     """``asyncrl profile``: exit 0 with the profile written, 2 when the runs cannot be fitted."""
-    from asyncrl.pipelines.job.configlib import ConfigError
-    from asyncrl.pipelines.twin.fit import write_fitted
-
     try:
         p = write_fitted(args.runs, args.out, name=args.name, skip=args.skip)
     except (ConfigError, OSError) as e:
@@ -198,8 +210,6 @@ def _ledger(args: argparse.Namespace) -> int:
     """``asyncrl ledger``: exit 0 when the ledger holds, 1 when not, 2 when RUN has no readable journal."""
     import json
 
-    from asyncrl.pipelines.journaling.journal import JournalError
-    from asyncrl.pipelines.journaling.ledger import check_ledger, read_samples
 
     try:
         report = check_ledger(args.run, finished=not args.unfinished)
@@ -218,7 +228,6 @@ def _view(args: argparse.Namespace) -> int:
     a run, or a port that is taken."""
     import errno
 
-    from asyncrl.pipelines.observe import viewer
 
     try:
         data = viewer.load_runs(args.runs)
@@ -258,12 +267,6 @@ def _view(args: argparse.Namespace) -> int:
 def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     """The run's config and the checkpoint to resume from. With ``--resume RUN`` the base is the
     config saved in RUN's checkpoint and the outputs go to RUN (unless an override says otherwise)."""
-    from asyncrl.pipelines.checkpoints import checkpoint as ckpt
-    from asyncrl.pipelines.job import configlib
-    from asyncrl.pipelines.job.config import ConfigError, JobConfig, config_fingerprint
-    from asyncrl.pipelines.job.presets import load_config
-    from asyncrl.pipelines.job.presets import PRESETS
-
     if args.resume is None:
         preset = args.preset or "grpo_toy"
         if preset not in PRESETS:
@@ -277,8 +280,6 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path | None]:
     if not isinstance(saved, dict):
         raise ckpt.CheckpointError(f"checkpoint {str(point)!r} holds no config; resume with --config and the "
                                    "run's settings instead")
-    from asyncrl.pipelines.datasets.datafiles import check_code_digests
-
     # before anything imports the reward/episode/agent files the run names: they must be the ones it ran
     check_code_digests(ckpt.read_state(point).get("code_digests"), saved, f"checkpoint {str(point)!r}")
     base = configlib.from_dict(JobConfig, saved)
@@ -293,11 +294,6 @@ def _train(args: argparse.Namespace) -> int:
     import structlog
     import yaml
 
-    from asyncrl.pipelines.job import configlib
-    from asyncrl.pipelines.job.config import ConfigError
-    from asyncrl.pipelines.supervision.interrupt import RunAbandoned
-    from asyncrl.pipelines.loop.trainer import make_trainer
-    from asyncrl.roles import RolesError
 
     prog = "asyncrl train"
     log = structlog.get_logger("asyncrl.pipelines")
@@ -372,8 +368,6 @@ def _resume_hint(trainer: Any, point: Path | None) -> str:
 
 
 def _report_failure(prog: str, trainer: Any, error: BaseException) -> None:
-    from asyncrl.pipelines.supervision.recovery import describe, is_worker_fault
-
     out = Path(trainer.output_dir)
     where = out / "error.log"
     try:
@@ -403,10 +397,6 @@ def _report_failure(prog: str, trainer: Any, error: BaseException) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import asyncrl
-    from asyncrl.pipelines.job.config import ConfigError
-    from asyncrl.pipelines.journaling.replay import replay
-
     prog = "asyncrl replay"
     try:
         result = asyncrl.run(replay(args.run, output_dir=args.output_dir, reporting={"progress": args.progress}))
@@ -417,8 +407,6 @@ def _replay(args: argparse.Namespace) -> int:
         _say(prog, "interrupted")
         return 130
     except Exception as e:
-        from asyncrl.pipelines.supervision.recovery import describe
-
         _say(prog, f"error: {describe(e)}")
         return 1
     if result.identical:
@@ -438,10 +426,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from asyncrl.pipelines.job.config import ConfigError
-    from asyncrl.pipelines.checkpoints.export import export_policy
-    from asyncrl.roles import RolesError
-
     from transformers.utils import logging as hf_logging
 
     prog = "asyncrl export"

@@ -26,6 +26,12 @@ from asyncrl.pipelines.rollout.sampling import FilterGroupsConfig
 from asyncrl.pipelines.twin.profile import TwinConfig, check_twin
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, MAX_WORKERS, Range, Section, check_bounds
+from asyncrl.pipelines.datasets.data import task_names, task_pairs
+from asyncrl.pipelines.job.validation import check_worker_sections
+from asyncrl.roles.modeling.models import meta_model
+from asyncrl.roles.scoring.reward import RewardFnSpecError, is_reward_path, load_reward_fn
+from asyncrl.roles.training.lora import check_targets
+from asyncrl.runtime import loop_factory
 
 LOGGERS = ("wandb",)
 """Names ``trainer.loggers`` accepts."""
@@ -443,8 +449,6 @@ class JobConfig(Section):
                 raise ConfigError(f"trainer.weight_sync=adapter sends only the LoRA factors, which needs "
                                   f"{' and '.join(why)}; or use trainer.weight_sync=auto")
         if t.event_loop == "uvloop":
-            from asyncrl.runtime import loop_factory
-
             try:
                 loop_factory("uvloop")
             except ValueError as e:
@@ -506,8 +510,6 @@ class JobConfig(Section):
             raise ConfigError(f"trainer.output_dir={t.output_dir!r} cannot be created: {str(above)!r} is a file; give "
                               "a directory for the run's outputs")
         self._validate_reward()
-        from asyncrl.pipelines.job.validation import check_worker_sections
-
         check_worker_sections(self)
         self._check_capacity("CPUs", t.cpus_per_worker, cluster_cpus,
                              "lower trainer.rollout_workers/train_workers/cpus_per_worker or set trainer.colocated=true")
@@ -587,8 +589,6 @@ class JobConfig(Section):
     def _validate_reward(self) -> None:
         """A reward function named by path is loaded here, in the controller, and its signature checked
         (the workers load it again by path); a relative file path is made absolute."""
-        from asyncrl.roles.scoring.reward import RewardFnSpecError, is_reward_path, load_reward_fn
-
         w = self.reward
         if w.model is not None or not is_reward_path(w.fn):
             return
@@ -613,12 +613,8 @@ class JobConfig(Section):
                                   "drop data.val_files to evaluate on the task)")
             if d.num_prompts < 1:
                 raise ConfigError(f"data.num_prompts must be >= 1, got {d.num_prompts}")
-            from asyncrl.pipelines.datasets.data import task_names
-
             if d.task not in task_names():
                 raise ConfigError(f"data.task {d.task!r} is unknown; known tasks: {task_names()}")
-        from asyncrl.pipelines.datasets.data import task_pairs
-
         try:
             task_pairs(d, self.trainer.seed, num_prompts=None if d.train_files is not None else 1)
             if d.val_files is not None:
@@ -663,9 +659,6 @@ class JobConfig(Section):
                               "(or bash scripts/setup.sh lora), or set actor.lora.rank=0")
         if not lora.enabled or lora.target_modules == "all-linear":
             return
-        from asyncrl.roles.training.lora import check_targets
-        from asyncrl.roles.modeling.models import meta_model
-
         try:
             skeleton = meta_model(self.model)
         except Exception:  # a model that cannot be read here: the worker checks the targets when it loads it

@@ -1,4 +1,4 @@
-"""Full runs as functions that return a config (STYLE rule 7).
+"""Full runs as functions that return a config: a run is a function, its config beside it.
 
 Each preset is a complete, validated :class:`~asyncrl.pipelines.job.config.JobConfig`;
 YAML files and ``key=value`` overrides start from one of them.

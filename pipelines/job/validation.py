@@ -21,20 +21,21 @@ import os
 from typing import Any
 
 from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.roles.engines import engine_names
+from asyncrl.roles.engines.base import engine_options
+from asyncrl.roles.errors import TokenizerNotFoundError
+from asyncrl.roles.modeling.models import _TOKENIZER_FILES, has_chat_template, is_gguf_spec, qwen2_tokenizer_dir
+from asyncrl.roles.scoring.reward import reward_fn_names
+from asyncrl.roles.training.strategy import layer_classes
 
 __all__ = ["check_worker_sections"]
 
 
 def _check_tokenizer(key: str, spec: str | None) -> None:
-    from asyncrl.roles.modeling.models import is_gguf_spec
-
     if spec is not None and is_gguf_spec(spec):
         return  # a GGUF file's own tokenizer: checked when the model is converted, before workers start
     if spec is None or spec in ("tiny", "qwen2"):
         if spec == "qwen2":
-            from asyncrl.roles.modeling.models import qwen2_tokenizer_dir
-            from asyncrl.roles.errors import TokenizerNotFoundError
-
             try:
                 qwen2_tokenizer_dir()
             except TokenizerNotFoundError as e:
@@ -56,8 +57,6 @@ def _check_model(key: str, m: Any) -> None:
             raise ConfigError(f"{key}.path={path!r} holds no config.json (nor a .gguf file), so it is not a model "
                               "directory; save one with model.save_pretrained(path)")
         if os.path.isdir(path) and getattr(m, "tokenizer", None) is None:
-            from asyncrl.roles.modeling.models import _TOKENIZER_FILES
-
             if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
                 raise ConfigError(f"{key}.path={path!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
                                   "save it there with tokenizer.save_pretrained(path), or name one with "
@@ -90,8 +89,6 @@ def _check_fsdp2(cfg: Any) -> None:
     path = cfg.model.path
     if not keys or path is None or not os.path.isfile(os.path.join(path, "config.json")):
         return
-    from asyncrl.roles.training.strategy import layer_classes
-
     try:
         name, layers = layer_classes(path)
     except (KeyError, ValueError, OSError) as e:
@@ -120,8 +117,6 @@ def _check_token_budget(key: str, o: Any, cfg: Any) -> None:
 
 def _check_chat_template(key: str, m: Any) -> None:
     """The agent's gateway renders chat messages with the policy's chat template: its tokenizer must have one."""
-    from asyncrl.roles.modeling.models import has_chat_template
-
     if has_chat_template(m) is not False:
         return
     which = (f"model.tokenizer={m.tokenizer!r}" if m.tokenizer is not None
@@ -135,10 +130,6 @@ def _check_chat_template(key: str, m: Any) -> None:
 def check_worker_sections(cfg: Any) -> None:
     """Raise :class:`ConfigError` for a value of `cfg`'s worker sections (``model``, ``rollout``,
     ``actor``, ``critic``, ``reward``) or ``algorithm`` that a worker would reject at start-up."""
-    from asyncrl.roles.engines import engine_names
-    from asyncrl.roles.engines.base import engine_options
-    from asyncrl.roles.scoring.reward import reward_fn_names
-
     _check_model("model", cfg.model)
     r = cfg.rollout
     if r.engine not in engine_names():

@@ -33,6 +33,7 @@ from asyncrl.pipelines.job.configlib import from_dict
 from asyncrl.pipelines.datasets.datafiles import check_code_digests
 from asyncrl.pipelines.journaling.journal import JOURNAL, JournalError, read_journal
 from asyncrl.pipelines.observe.metrics import read_jsonl
+from asyncrl.pipelines.loop.trainer import make_trainer, weights_digest
 
 __all__ = ["ReplayResult", "replay", "replay_config", "compare_metrics"]
 
@@ -134,8 +135,6 @@ async def replay(run_dir: str | Path, *, output_dir: str | Path | None = None,
     `worker_overrides` replaces worker classes as in :class:`~asyncrl.pipelines.loop.trainer.Trainer`
     (e.g. to replay under different stage delays); `reporting` sets trainer reporting keys
     (``trace``, ``plot``, ``progress``, ``tensorboard``)."""
-    from asyncrl.pipelines.loop.trainer import make_trainer, weights_digest
-
     run = Path(run_dir)
     cfg, steps = replay_config(run, output_dir=output_dir, overrides=reporting)
     original = read_journal(run)

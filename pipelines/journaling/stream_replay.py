@@ -72,6 +72,7 @@ from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode
 from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
 from asyncrl.pipelines.loop.deadlines import unwrap, with_deadlines
 from asyncrl.pipelines.loop.stages import Groups
+from asyncrl.roles.engines.round_log import ReplayDivergedError
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner
@@ -222,8 +223,6 @@ class StreamReplay(StreamRollout):
         takes their rows where its recorded rounds stopped them (``ReplayBatcher.hand_over``), the rows the
         record kept are kept -- exactly as many tokens each, else :class:`ReplayDivergedError` -- and the groups
         are issued again on the new pool, continuing them (``StreamRollout._group``'s retry)."""
-        from asyncrl.roles.engines.round_log import ReplayDivergedError
-
         _, recorded = self._handed[epoch]
         by_seed = {batch_seed(self._trainer.config, g): g for g in handed}
         a.handing.update(handed)

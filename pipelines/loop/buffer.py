@@ -4,7 +4,7 @@ The producer ``await put(item)`` waits while the buffer is full (backpressure). 
 consumer ``await get(current_version)`` receives items in FIFO order but never one
 generated more than ``max_staleness`` policy versions before `current_version`:
 older items are dropped and counted. ``statistics()`` reports the occupancy and the
-counters at any moment (STYLE rule 11: backpressure is observable).
+counters at any moment, so backpressure is observable.
 """
 
 from __future__ import annotations

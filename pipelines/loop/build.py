@@ -23,6 +23,8 @@ from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.journaling.rounds import recording_rollout
 from asyncrl.pipelines.twin.workers import twin_roles, twin_rollout
+from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
+from asyncrl.roles.modeling.models import model_context_length, tokenizer_for
 
 __all__ = ["needs_reference", "reference_worker", "role_specs", "rollout_config", "main_pool", "run_pools",
            "build_rollout_part",
@@ -54,8 +56,6 @@ def rollout_config(cfg: JobConfig) -> Any:
 
 def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(rollout-pool roles, training-pool roles)``: role -> worker class or (cls, args, kwargs)."""
-    from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
-
     t = cfg.trainer
     rollout_roles: dict[str, Any] = {
         "rollout": (RolloutWorker, (cfg.model, rollout_config(cfg)), {}),
@@ -190,8 +190,6 @@ def simulated_policy(overrides: Mapping[str, Any] | None, groups: Any = None) ->
     """Whether the run's policy is not a ``PolicyWorker``: `overrides` (``worker_overrides``) replace it with
     another class, or the caller's started `groups` run one (a benchmark's simulated workers, which
     ``rollout.engine=sim`` may feed: ``JobConfig.validate(simulated_policy=...)``)."""
-    from asyncrl.roles import PolicyWorker
-
     spec = (overrides or {}).get("policy")
     cls = spec[0] if isinstance(spec, tuple) else spec
     if cls is None and groups is not None:
@@ -314,8 +312,6 @@ def build_data(cfg: JobConfig, output_dir: Path) -> tuple[PromptLoader, Evaluato
     """The run's directory (created here: one that cannot be is a ``ConfigError`` before Ray starts), the
     prompt loader and the evaluator (blocking: tokenizer, prompt encoding; call it in a thread); prompts that
     cannot fit the model's context fail here, before step 0."""
-    from asyncrl.roles.modeling.models import model_context_length, tokenizer_for
-
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

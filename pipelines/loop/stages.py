@@ -29,6 +29,11 @@ from asyncrl import Broadcast, Dispatch, DispatchMode, Execute, GroupFuture, Wor
 from asyncrl.dispatch import Sharded, World, collect_dp
 from asyncrl.errors import DispatchError
 from asyncrl.roles.training import functional as F
+from asyncrl.pipelines.journaling.ledger import row_facts
+from asyncrl.pipelines.observe.samples import pick_rows, trajectory_rows
+from asyncrl.pipelines.rollout.stream_batch import concat_groups, version_stats
+from asyncrl.roles import PolicyWorker
+from asyncrl.roles._util import DataParallel
 
 __all__ = [
     "AdvantageWorker",
@@ -96,8 +101,6 @@ class AdvantageWorker(Worker):
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self._dp is None:  # created on first use: every rank reaches this call together
-            from asyncrl.roles._util import DataParallel
-
             self._dp = DataParallel(self.rank, self.world_size)
         return self._dp.all_reduce(t)
 
@@ -131,8 +134,6 @@ class AdvantageWorker(Worker):
         """Streaming rollout: one step's batch from its finished groups' ``generate`` and ``score``
         results (pass their futures: they are fetched here, worker to worker); see
         :func:`asyncrl.pipelines.rollout.stream_batch.concat_groups`."""
-        from asyncrl.pipelines.rollout.stream_batch import concat_groups
-
         return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base)
 
     @register(SHARDS)
@@ -141,16 +142,12 @@ class AdvantageWorker(Worker):
         """Streaming rollout: this rank's shard of one step's batch, the groups of its chunk (their futures,
         fetched here) as :meth:`concat_groups` makes them, prompts padded to the step's `width`; the shards of
         all ranks are one data-parallel batch (call it through :func:`concat_sharded`)."""
-        from asyncrl.pipelines.rollout.stream_batch import concat_groups
-
         return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base, width=width)
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def version_stats(self, batch: TensorDictBase, step: int, max_staleness: int) -> dict[str, float]:
         """Streaming rollout: the per-trajectory version metrics of a step's batch (small); see
         :func:`asyncrl.pipelines.rollout.stream_batch.version_stats`."""
-        from asyncrl.pipelines.rollout.stream_batch import version_stats
-
         return version_stats(batch, step, max_staleness)
 
     @register(Dispatch.DP_COMPUTE)
@@ -158,8 +155,6 @@ class AdvantageWorker(Worker):
         """Per row of a step's batch, how it was generated: ``replica``, ``lo`` / ``hi`` (its model tokens' oldest
         and newest weight version) and ``tokens`` (small: four int32 per row); see
         :func:`asyncrl.pipelines.journaling.ledger.row_facts`."""
-        from asyncrl.pipelines.journaling.ledger import row_facts
-
         return row_facts(batch)
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
@@ -167,8 +162,6 @@ class AdvantageWorker(Worker):
                             policy_version: int) -> list[dict[str, Any]]:
         """`n` trajectories of a merged training batch, whole prompt groups drawn with `seed`, as small
         dicts for ``samples.jsonl`` (see :mod:`asyncrl.pipelines.observe.samples`)."""
-        from asyncrl.pipelines.observe.samples import pick_rows, trajectory_rows
-
         return trajectory_rows(batch, pick_rows(batch["uid"], n, seed), policy_version)
 
     @register(Dispatch.DP_COMPUTE)
@@ -295,8 +288,6 @@ def export_weights(g: Groups, *, transport: str = "object_store", dtype: str | N
 def _stages_into_the_store(policy: WorkerGroup[Any]) -> bool:
     """Whether the policy's class exports as ``PolicyWorker`` does (then ``stage_weights("object_store")``
     gives the same weights with one copy fewer); a class that overrides ``export_weights`` keeps it."""
-    from asyncrl.roles import PolicyWorker
-
     cls = getattr(policy, "cls", None)
     return (isinstance(cls, type) and issubclass(cls, PolicyWorker)
             and getattr(cls, "export_weights", None) is PolicyWorker.export_weights

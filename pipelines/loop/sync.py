@@ -26,6 +26,10 @@ from asyncrl.pipelines.job.config import JobConfig
 from asyncrl.pipelines.job.configlib import to_dict
 from asyncrl.pipelines.datasets.data import PromptLoader
 from asyncrl.pipelines.loop.stages import Groups
+import asyncrl
+from asyncrl.pipelines.datasets.data import make_loader, task_pairs
+from asyncrl.pipelines.loop.trainer import build_groups
+from asyncrl.roles.modeling.models import tokenizer_for
 
 __all__ = ["sequential_fit"]
 
@@ -91,10 +95,6 @@ async def run_sequential(config: JobConfig, *, lag: int | None = None) -> tuple[
     ``(per-step metrics, policy weight checksums)``; the groups are closed on every path."""
     import asyncio
 
-    import asyncrl
-    from asyncrl.pipelines.datasets.data import make_loader, task_pairs
-    from asyncrl.pipelines.loop.trainer import build_groups
-    from asyncrl.roles.modeling.models import tokenizer_for
 
     resources = await asyncrl.ainit(num_cpus=config.trainer.num_cpus)
     config.validate(cluster_cpus=float(resources.get("CPU", 0.0)))

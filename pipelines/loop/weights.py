@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from asyncrl import GroupFuture
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.loop.stages import Groups
+from asyncrl.roles.weights.sync import open_weight_channel, rollout_dtype
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.job.config import JobConfig
@@ -44,8 +45,6 @@ class WeightSync:
         """Learn the rollout's weight dtype and open the weight channel (``collective``) of the current groups;
         with sleep level 2, stage version 0 in the loop state `s` so the rollout can reload it after its first
         sleep."""
-        from asyncrl.roles.weights.sync import open_weight_channel, rollout_dtype
-
         g, cfg = self._groups(), self._config
         t = cfg.trainer
         assert g is not None

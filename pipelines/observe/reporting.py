@@ -14,6 +14,8 @@ from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.job.configlib import to_dict
 from asyncrl.pipelines.observe.metrics import MetricsWriter
 from asyncrl.pipelines.observe.samples import SamplesWriter
+from asyncrl.pipelines.observe.report import draw_report
+from asyncrl.roles.modeling.models import tokenizer_for
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.loop.stages import Groups
@@ -71,8 +73,6 @@ class RunReport:
             self.sampler = await anyio.to_thread.run_sync(self._open_samples)
 
     def _open_samples(self) -> SamplesWriter:
-        from asyncrl.roles.modeling.models import tokenizer_for
-
         tr = self._trainer
         return SamplesWriter(tr.output_dir, tokenizer_for(tr.config.model), start_step=tr.state.start_step)
 
@@ -158,8 +158,6 @@ class RunReport:
             if cfg.trace:
                 await anyio.to_thread.run_sync(tr.tracer.write, tr.output_dir / "trace.json")
             if cfg.plot and tr.history:
-                from asyncrl.pipelines.observe.report import draw_report
-
                 evals = list(tr.evaluator.records) if tr.evaluator is not None else None
                 # in a child process: matplotlib holds the GIL for long stretches (see report.py)
                 await draw_report(list(tr.history), list(tr.tracer.spans), tr.output_dir / "report.png", evals=evals)

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any, Callable, Literal, TypeVar
 
 from asyncrl.pipelines.job.configlib import ConfigError
-from asyncrl.pipelines.loop.loop_state import Rollout
 from asyncrl.roles.registry import Registry
 
 __all__ = ["RolloutMode", "register_rollout_mode", "rollout_mode", "rollout_mode_names"]
@@ -55,8 +54,9 @@ class RolloutMode:
         """Raise :class:`ConfigError` for a setting of `job` (a ``JobConfig``) this mode cannot run, saying
         what to change; called by ``JobConfig.validate`` before any worker starts. Default: none."""
 
-    def build(self, owner: Any) -> Rollout:
-        """The producer of batches for the trainer `owner` (a ``RolloutOwner``: its config, loop state,
+    def build(self, owner: Any) -> Any:
+        """The producer of batches (a :class:`~asyncrl.pipelines.loop.loop_state.Rollout`; typed ``Any`` here
+        because this registry sits below the loop, in the config's layer) for the trainer `owner` (a ``RolloutOwner``: its config, loop state,
         groups, journal, ...). It is built once per trainer and runs again after a restart; when
         ``owner.journal.replaying`` it must follow the replayed journal."""
         raise NotImplementedError(f"rollout mode {self.name!r} ({type(self).__name__}) does not override build()")

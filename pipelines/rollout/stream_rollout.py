@@ -67,6 +67,9 @@ from asyncrl.pipelines.supervision.recovery import is_preemption
 from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evaluate_rest
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
+from asyncrl import RemoteError
+from asyncrl.pipelines.loop.deadlines import unwrap
+from asyncrl.pipelines.supervision.recovery import root_cause
 
 __all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "SCORE_IN_GENERATE", "REPLACE_REPLICAS",
            "balanced_order"]
@@ -411,9 +414,6 @@ class StreamRollout:
         of a rank (groups routed one per replica; weights sent by the object store; another replica alive; the
         restart policy allows replacements). Then the rank is taken out of routing and weight loads and its
         replacement runs beside the groups in flight (:meth:`_replace_replica`)."""
-        from asyncrl import RemoteError
-        from asyncrl.pipelines.supervision.recovery import root_cause
-
         tr = self._trainer
         e = root_cause(error)
         if not (isinstance(e, RemoteError) and e.exc_type.rpartition(".")[2] == "ReplicaLostError"):
@@ -441,8 +441,6 @@ class StreamRollout:
         """A new engine for replica `rank` (``RolloutWorker.restart_engine``), loaded with the version the other
         replicas hold (under the weight loop's lock, so none is loaded past it meanwhile); then it is routed to
         again. When that fails, the pool is replaced (:meth:`_recover`)."""
-        from asyncrl.pipelines.loop.deadlines import unwrap
-
         tr = self._trainer
         s, groups = a.state, tr.groups
         assert groups is not None
@@ -470,9 +468,6 @@ class StreamRollout:
     async def _load_ranks(self, groups: Any, exported: Any, ranks: list[int]) -> None:
         """Load `exported` into the rollout ranks `ranks`, one call each (a rank that holds it already -- the
         group load that failed on another rank reached it -- counts as loaded)."""
-        from asyncrl import RemoteError
-        from asyncrl.pipelines.supervision.recovery import root_cause
-
         calls = [groups.rollout.update_weights.options(rank=r)(exported) for r in ranks]
         for call in calls:
             try:
@@ -642,8 +637,6 @@ def scores_in_generate(generate: Any) -> bool:
 
 def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:
     """The rows a ``PreemptedError`` carried (what the told-to-stop replica's rows decoded), else nothing."""
-    from asyncrl.pipelines.supervision.recovery import root_cause
-
     e = root_cause(error)
     cause = getattr(e, "cause", None)
     partial = getattr(cause, "partial", None)
@@ -653,8 +646,6 @@ def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:
 def notice_rounds(error: BaseException) -> tuple[int, list[dict[str, Any]]] | None:
     """``(rank, rounds)`` a SIGTERM's ``PreemptedError`` carried (the told-to-stop rank's round log since its last
     fetch), else None."""
-    from asyncrl.pipelines.supervision.recovery import root_cause
-
     e = root_cause(error)
     rounds = getattr(getattr(e, "cause", None), "rounds", None)
     rank = getattr(e, "rank", None)
@@ -663,8 +654,6 @@ def notice_rounds(error: BaseException) -> tuple[int, list[dict[str, Any]]] | No
 
 def stages_unwrap(group: Any) -> Any:
     """The group under a deadline wrapper (calls issued on it carry no stage deadline)."""
-    from asyncrl.pipelines.loop.deadlines import unwrap
-
     return unwrap(group)
 
 

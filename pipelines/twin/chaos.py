@@ -42,6 +42,8 @@ from typing import Any
 from asyncrl import Dispatch, register
 from asyncrl.roles import ReplicaLostError, RolloutWorker
 from asyncrl.pipelines.twin.workers import TwinPolicy
+from asyncrl.pipelines.journaling.ledger import check_ledger
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
 
 __all__ = ["KINDS", "ChaosEvent", "ChaosPlan", "ChaosResult", "ChaosRollout", "ChaosPolicy", "plan", "run_chaos",
            "check_chaos", "deadline_overruns"]
@@ -334,8 +336,6 @@ def deadline_overruns(trainer: Any) -> tuple[list[str], float]:
 async def run_chaos(cfg: Any, chaos: ChaosPlan) -> ChaosResult:
     """Run `cfg` (a twin config; ``trainer.output_dir`` is the run's) under `chaos` and check it
     (:func:`check_chaos`)."""
-    from asyncrl.pipelines.loop.trainer import GRPOTrainer
-
     overrides = {"rollout": (ChaosRollout, {"engine_start_s": ENGINE_START_S * cfg.twin.time_scale}),
                  "policy": (ChaosPolicy, {})}
     trainer = GRPOTrainer(cfg, worker_overrides=overrides)
@@ -360,8 +360,6 @@ def check_chaos(trainer: Any, history: list[dict[str, Any]], chaos: ChaosPlan, *
                 error: str | None, wall_s: float) -> ChaosResult:
     """What must hold after a chaos run: it completed every step, its ledger holds, no call overran twice its
     deadline."""
-    from asyncrl.pipelines.journaling.ledger import check_ledger
-
     steps = trainer.config.trainer.steps
     completed = error is None and [h["step"] for h in history] == list(range(steps))
     out = Path(trainer.config.trainer.output_dir)

@@ -39,6 +39,10 @@ from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.journaling.ledger import LEDGER, read_ledger_rows
 from asyncrl.pipelines.twin.profile import (LengthModel, ModelSize, Profile, RolloutCosts, TrainCosts, dump_profile,
                                             load_profile)
+from asyncrl.pipelines.job.config import JobConfig
+from asyncrl.pipelines.job.configlib import from_dict
+from asyncrl.pipelines.loop.build import build_data
+from asyncrl.roles.modeling.models import meta_model, resolve_model_dir
 
 __all__ = ["FitError", "RunCosts", "run_costs", "fit_profile", "write_fitted"]
 
@@ -80,7 +84,6 @@ def _params(cfg: Any) -> tuple[int, int]:
 
     import torch
 
-    from asyncrl.roles.modeling.models import meta_model, resolve_model_dir
 
     model_cfg = cfg.model
     if model_cfg.gguf is not None:
@@ -108,10 +111,6 @@ def _spans(run: Path) -> dict[str, list[dict[str, Any]]]:
 
 def run_costs(run: str | Path, *, skip: int = 1) -> RunCosts:
     """Read one run's costs (its first `skip` steps are warm-up: left out)."""
-    from asyncrl.pipelines.job.config import JobConfig
-    from asyncrl.pipelines.job.configlib import from_dict
-    from asyncrl.pipelines.loop.build import build_data
-
     path = Path(run)
     data = read_journal(path)
     if data.header is None or "config" not in data.header:

@@ -28,6 +28,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from asyncrl.pipelines.twin.profile import Profile, load_profile
+import asyncrl
+from asyncrl.pipelines.job.presets import twin
+from asyncrl.pipelines.journaling.ledger import check_ledger, read_ledger_rows
+from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.twin.profile import tokens_per_id
+from asyncrl.pipelines.twin.workers import train_costs
+from asyncrl.roles.engines.sim import draw_length
 
 __all__ = ["Candidate", "Outcome", "estimate", "evaluate", "search", "brute_force", "candidates", "splits", "render",
            "run_plan", "SPLITS", "STALENESS"]
@@ -121,9 +128,6 @@ def estimate(profile: Profile, cand: Candidate, *, batch_size: int, group_size: 
     generate one step's batch (each replica decodes its rows until its longest ends, at the step cost of its
     running rows; a weight load), T the training ranks' time for it (a forward pass, the update and the export).
     Lengths are drawn from the profile's model with a fixed seed."""
-    from asyncrl.pipelines.twin.workers import train_costs
-    from asyncrl.roles.engines.sim import draw_length
-
     r, lm = profile.rollout, profile.lengths
     replicas = cand.rollout_gpus // r.gpus
     ranks = cand.train_gpus // profile.training.gpus
@@ -155,8 +159,6 @@ def estimate(profile: Profile, cand: Candidate, *, batch_size: int, group_size: 
 
 def _config(profile: str, cand: Candidate, *, batch_size: int, group_size: int, steps: int, time_scale: float,
             out: Path, per_process: int) -> Any:
-    from asyncrl.pipelines.job.presets import twin
-
     p = load_profile(profile)
     cfg = twin()
     cfg.twin.profile, cfg.twin.time_scale, cfg.twin.replicas_per_process = profile, time_scale, per_process
@@ -176,11 +178,6 @@ def evaluate(profile: str, cand: Candidate, *, batch_size: int, group_size: int,
              step_wall_s: float = 1.0, per_process: int = 16, warmup: int = 2) -> Outcome:
     """One short twin run of `cand` (in-process: ``GRPOTrainer.fit()`` on the local Ray), its time scale set so
     that a simulated step lasts about `step_wall_s`; measured over the steps after `warmup`."""
-    import asyncrl
-    from asyncrl.pipelines.journaling.ledger import check_ledger, read_ledger_rows
-    from asyncrl.pipelines.loop.trainer import GRPOTrainer
-    from asyncrl.pipelines.twin.profile import tokens_per_id
-
     p = load_profile(profile)
     G, T = estimate(p, cand, batch_size=batch_size, group_size=group_size)
     ideal = max(G, T) if cand.max_staleness > 0 else G + T

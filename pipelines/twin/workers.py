@@ -30,6 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, Execute, Worker, register
 from asyncrl.pipelines.twin.profile import Profile, TwinConfig, engine_kwargs, load_profile, max_new_ids, tokens_per_id
 from asyncrl.roles.scoring.reward import scored
+from asyncrl.roles.modeling.models import load_model
 
 __all__ = ["TwinPolicy", "TwinReward", "twin_roles", "twin_rollout", "batch_tokens", "train_costs"]
 
@@ -103,8 +104,6 @@ class TwinPolicy(Worker):
 
     def _stand_in(self) -> dict[str, torch.Tensor]:
         if self._weights is None:
-            from asyncrl.roles.modeling.models import load_model
-
             built, _ = load_model(self.model_config)
             self._weights = {k: v.detach().clone() for k, v in built.state_dict().items()}
         return self._weights

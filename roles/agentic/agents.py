@@ -28,6 +28,8 @@ from typing import Any, Awaitable, Callable
 
 from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory
 from asyncrl.roles.errors import EpisodeConfigError, EpisodeError
+from asyncrl.roles.agentic.gateway import Gateway
+from asyncrl.roles.engines.round_log import ReplayDivergedError
 
 __all__ = ["SessionURL", "AgentEpisode", "resolve_agent"]
 
@@ -112,8 +114,6 @@ class AgentEpisode:
         self.expected = {str(x["session"]): list(x["requests"]) for x in sessions}
 
     async def __call__(self, llm: LLM, sample: Sample) -> Trajectory:
-        from asyncrl.roles.agentic.gateway import Gateway
-
         if self.gateway is None:  # start() binds without awaiting anything, so episodes cannot race here
             gw = Gateway(llm.submit, llm.tokenizer, llm.params, max_response_tokens=llm.max_response_tokens,
                          context_length=self.context_length, host=self.host)
@@ -155,8 +155,6 @@ class AgentEpisode:
     def _check_replayed(self, gw: Any, session_id: str) -> None:
         why = gw.divergence(session_id)
         if why is not None:
-            from asyncrl.roles.engines.round_log import ReplayDivergedError
-
             raise ReplayDivergedError(f"agent {self.spec!r}: {why}: the agent's calls are not a deterministic function "
                                       "of the responses it received, so this run cannot be replayed")
 

@@ -23,6 +23,8 @@ import torch
 
 from asyncrl.roles.modeling.models import StateSlots, position_ids_from_mask, state_dict_checksums
 from asyncrl.roles.engines.base import Completion, SamplingParams, register_engine
+from asyncrl.roles._util import response_log_probs
+from asyncrl.roles.errors import WeightSyncError
 
 __all__ = ["HFEngine"]
 
@@ -149,8 +151,6 @@ class HFEngine:
             own = set(self.model.state_dict())
             missing = [k for k in missing if k in own and k not in state]
             if unexpected or missing:
-                from asyncrl.roles.errors import WeightSyncError
-
                 self.needs_weights = True  # the matching names were loaded before the check
                 raise WeightSyncError(
                     f"weights do not match the engine's model: unexpected {sorted(unexpected)[:5]}, "
@@ -173,8 +173,6 @@ class HFEngine:
         a colocated policy's snapshot, or a weight channel's receive buffers): a later load swaps
         storage again. Whoever hands them over must not write into them while :attr:`adopted` holds
         them (the snapshot pool and the channel's receive buffers check it)."""
-        from asyncrl.roles.errors import WeightSyncError
-
         state = dict(named_tensors)
         if self.sleep_level == 2:
             raise RuntimeError("the HF engine is asleep at level 2 (weights discarded); call wake_up() before loading")
@@ -366,8 +364,6 @@ class HFEngine:
     def _recompute_log_probs(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
                              logps: list[list[float]], params: SamplingParams) -> None:
         """Replace `logps` by the log-probs of one full forward pass (``exact_log_probs``)."""
-        from asyncrl.roles._util import response_log_probs
-
         B, L = len(tokens), max(len(t) for t in tokens)
         resp = torch.full((B, L), self.pad_id, dtype=torch.long)
         rmask = torch.zeros((B, L), dtype=torch.long)

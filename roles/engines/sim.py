@@ -58,6 +58,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 from asyncrl.roles.errors import PauseDeadlineError
 from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests, register_engine
+from asyncrl.roles.engines.batcher import Generation, PauseInfo
 
 __all__ = ["SimEngine", "SimStats", "response_length", "draw_length"]
 
@@ -308,8 +309,6 @@ class SimEngine:
                                 version_fn: Callable[[], int]) -> Any:
         """One request's completion with the weight version of every token (``version_fn()`` read at the
         step that produced it): a :class:`~.batcher.Generation`."""
-        from asyncrl.roles.engines.batcher import Generation
-
         seed = params.seed if params.seed is not None else random.getrandbits(30)
         future = self._submit(seed, prompt, params.max_new_tokens, asyncio.get_running_loop(), version_fn)
         try:
@@ -380,8 +379,6 @@ class SimEngine:
         the requests stay in flight. `mode` ``"recompute"`` re-prefills them after the block, ``"keep"``
         decodes on. Yields a :class:`~.batcher.PauseInfo`; raises
         :class:`~asyncrl.roles.errors.PauseDeadlineError` when no step ends within `deadline_s`."""
-        from asyncrl.roles.engines.batcher import PauseInfo
-
         t0 = time.perf_counter()
         in_flight = len(self._active) + len(self._waiting)
         lock = self._step_lock()
@@ -630,8 +627,6 @@ class SimEngine:
         self._log.append((t_start, t_end, m * len(batch)))
 
     def _record(self, batch: list[_Request], m: int) -> None:
-        from asyncrl.roles.engines.batcher import Generation
-
         for r in batch:
             if r.future.done():
                 continue

@@ -61,6 +61,7 @@ import torch
 from asyncrl.roles.errors import ModelNotFoundError, PauseDeadlineError, WeightSyncError
 from asyncrl.roles.engines.base import Completion, SamplingParams, register_engine
 from asyncrl.roles.engines.vllm_worker import EXTENSION_QUALNAME, VLLMWorkerExtension, safetensors_files, weight_specs
+from asyncrl.roles.engines.batcher import Generation, PauseInfo
 
 __all__ = ["VLLM_LORA_RANKS", "VLLMEngine", "VLLMWorkerExtension", "vllm_available", "vllm_lora_rank"]
 
@@ -386,7 +387,6 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        from asyncrl.roles.engines.batcher import Generation
 
         await asyncio.wrap_future(self._ready)
         sp = VSamplingParams(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -442,8 +442,6 @@ class VLLMEngine:
         preempted, so they re-prefill prompt + tokens so far on resume); resume on exit. Yields a
         :class:`~.batcher.PauseInfo`. Raises :class:`PauseDeadlineError` when vLLM has not paused within
         `deadline_s` (the engine then resumes as soon as its pause lands)."""
-        from asyncrl.roles.engines.batcher import PauseInfo
-
         if mode not in self.partial_rollout_modes:
             raise ValueError(f"the vLLM engine pauses for partial_rollout 'keep' or 'recompute', got {mode!r}")
         self._check_open()

@@ -45,6 +45,9 @@ from asyncrl.roles.generation.rollout_config import RolloutConfig
 from asyncrl.roles.generation.rollout_requests import RequestCall, RequestGenerationMixin
 from asyncrl.roles.weights.rollout_weights import WeightSyncMixin, unpack_weights
 from asyncrl.roles.weights.weight_channel import WeightChannel
+from asyncrl.roles.agentic.agents import AgentEpisode
+from asyncrl.roles.agentic.environments import resolve_episode
+from asyncrl.roles.errors import ReplicaLostError
 
 __all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
 
@@ -130,12 +133,8 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         self._stream_batches: dict[str, TensorDictBase] = {}
         self._episode_fn = None
         if self.config.episode is not None:
-            from asyncrl.roles.agentic.environments import resolve_episode
-
             self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
         elif self.config.agent is not None:
-            from asyncrl.roles.agentic.agents import AgentEpisode
-
             self._episode_fn = AgentEpisode(self.config.agent, context_length=self.context_length)
         self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
         self._episode_tasks: set[asyncio.Task[Any]] = set()
@@ -412,8 +411,6 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         """Replace this replica's engine by a new one (its previous engine died: a ``ReplicaLostError``): the
         requests still in it fail, the new engine holds the initial weights (version 0) until the next
         ``update_weights``. The process and its other state (tokenizer, weight channel) stay. Returns the rank."""
-        from asyncrl.roles.errors import ReplicaLostError
-
         old = self.engine
         fail = getattr(old, "fail_in_flight", None)
         if fail is not None:

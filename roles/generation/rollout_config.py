@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, Range, Section, check_bounds
+from asyncrl.roles.agentic.agents import resolve_agent
+from asyncrl.roles.agentic.environments import episode_names, resolve_episode
+from asyncrl.roles.engines.base import partial_rollout_modes
+from asyncrl.roles.engines.batcher import PARTIAL_ROLLOUT_MODES
+from asyncrl.roles.errors import EpisodeConfigError
 
 __all__ = ["RolloutConfig"]
 
@@ -93,9 +98,6 @@ class RolloutConfig(Section):
         if self.episode is not None:
             self._check_episode(s)
         if self.agent is not None:
-            from asyncrl.roles.agentic.agents import resolve_agent
-            from asyncrl.roles.errors import EpisodeConfigError
-
             if self.episode is not None:
                 raise EpisodeConfigError(f"{s}.agent and {s}.episode are both set; a row runs one of them, so "
                                          "set the other to null")
@@ -110,9 +112,6 @@ class RolloutConfig(Section):
     def _check_episode(self, s: str) -> None:
         """Resolve the episode now: an unknown name, a module that does not import, a tool that is not async
         or an option the environment does not take fail here, not in a worker."""
-        from asyncrl.roles.agentic.environments import episode_names, resolve_episode
-        from asyncrl.roles.errors import EpisodeConfigError
-
         # a registered name is fine by itself, so what fails is in its options
         key = "episode_kwargs" if self.episode_kwargs and self.episode in episode_names() else "episode"
         try:
@@ -121,9 +120,6 @@ class RolloutConfig(Section):
             raise EpisodeConfigError(f"{s}.{key}: {e}") from e
 
     def _check_partial_rollout(self, s: str) -> None:
-        from asyncrl.roles.engines.base import partial_rollout_modes
-        from asyncrl.roles.engines.batcher import PARTIAL_ROLLOUT_MODES
-
         mode = self.partial_rollout
         if mode not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"{s}.partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {mode!r}")

@@ -40,6 +40,10 @@ from asyncrl import Dispatch, register
 from asyncrl.roles._util import text_list, with_fields
 from asyncrl.roles.engines import SamplingParams
 from asyncrl.roles.errors import EpisodeError, PreemptedError
+from asyncrl.roles.agentic.environments import resolve_episode
+from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, pack_trajectories, single_turn, validate_trajectory
+from asyncrl.roles.engines.batcher import Generation, RequestBatcher, request_batcher
+from asyncrl.roles.engines.round_log import ReplayBatcher, RoundRecord
 
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig
@@ -83,8 +87,6 @@ def partial_row(gen: Any) -> dict[str, Any]:
 
 def prefix_of(row: dict[str, Any]) -> Any:
     """The :class:`~asyncrl.roles.engines.batcher.Generation` a :func:`partial_row` dict stands for."""
-    from asyncrl.roles.engines.batcher import Generation
-
     ids, lps, vs = list(row["ids"]), list(row["log_probs"]), list(row["versions"])
     if not len(ids) == len(lps) == len(vs):
         raise ValueError(f"a handed-over row needs one log-prob and one version per token; got {len(ids)} ids, "
@@ -131,15 +133,11 @@ class RequestGenerationMixin:
         """``submit(prompt_ids, params, key=None) -> Generation``: the request-level HF engine (one batcher
         per worker; `key` names the request in its round log), or one-prompt calls of an engine that
         schedules requests itself (vLLM; `key` unused)."""
-        from asyncrl.roles.engines.batcher import Generation, request_batcher
-
         if self._batcher is None:
             kwargs: dict[str, Any] = dict(max_batch_size=getattr(self.engine, "max_batch_size", 64),
                                           chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
                                           partial_rollout=self.config.partial_rollout)
             if self._replay is not None:
-                from asyncrl.roles.engines.round_log import ReplayBatcher, RoundRecord
-
                 self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay],
                                               hold_unknown=self._replay_hold, **kwargs)
             else:
@@ -187,9 +185,6 @@ class RequestGenerationMixin:
                      episode_kwargs: dict[str, Any] | None = None) -> tuple[Any, str]:
         """``(program, name)`` of this call's rows: `episode` when given, else the configured episode or agent
         (``RolloutConfig.episode``/``agent``), else :func:`~asyncrl.roles.agentic.episodes.single_turn`."""
-        from asyncrl.roles.agentic.environments import resolve_episode
-        from asyncrl.roles.agentic.episodes import single_turn
-
         if episode is not None:
             return resolve_episode(episode, episode_kwargs), episode
         if self._episode_fn is not None:
@@ -209,7 +204,6 @@ class RequestGenerationMixin:
         counts among the generations a weight update waits for (``partial_rollout="off"``) or reaches."""
         import anyio
 
-        from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, pack_trajectories, single_turn, validate_trajectory
 
         plain = program is single_turn  # the engine's own rows: trusted, no episode fields
         agent = getattr(program, "agent", None) is not None  # rows come from the gateway, with its prompts
@@ -281,8 +275,6 @@ class RequestGenerationMixin:
         overrides ``RolloutConfig.max_episodes_in_flight`` for this call (1: one episode at a time).
         Batch mode's call: row ``i``'s seed derives from the whole call's (its prompts and the weight version);
         :meth:`generate_requests` runs the same rows with version-free per-row seeds."""
-        from asyncrl.roles.agentic.episodes import single_turn
-
         program, name = self._row_program(episode, episode_kwargs)
         if program is single_turn:
             raise ValueError("generate_episodes needs an episode: set RolloutConfig.episode or pass episode=...")
@@ -359,8 +351,6 @@ class RequestGenerationMixin:
     async def _generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None,
                                  temperature: float | None, seed: int | None,
                                  resume: dict[str, dict[str, Any]], call: RequestCall) -> TensorDict:
-        from asyncrl.roles.agentic.episodes import single_turn
-
         program, name = self._row_program()
         R, prompts, base, submit = await self._start_requests(batch, max_new_tokens, temperature, seed)
         offset = self.rank * len(prompts)  # rows before this rank's shard (data-parallel shards are equal)
@@ -404,8 +394,6 @@ class RequestGenerationMixin:
         """Stop `calls` at their rows' next decoding step and take what the rows decoded (their request
         batcher's :meth:`~asyncrl.roles.engines.batcher.RequestBatcher.hand_over`, plus the rows that
         already returned); each call raises ``PreemptedError`` carrying it. Returns it by call seed."""
-        from asyncrl.roles.engines.batcher import RequestBatcher
-
         for _, c in calls:
             c.handing = True
         for task, c in calls:  # every row submitted (or finished) first: a replay takes each where it stands

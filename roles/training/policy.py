@@ -44,6 +44,7 @@ from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEG
 from asyncrl.roles.modeling.threads import computing, core_share_for, release_core_share
 from asyncrl.roles.weights.transfer import WeightSource
 from asyncrl.roles.weights.weight_channel import _cast
+from asyncrl.roles.agentic.episodes import episode_metrics
 
 __all__ = ["LoraConfig", "OptimConfig", "PolicyWorker", "ReferenceWorker", "RolloutCorrectionConfig"]
 
@@ -606,8 +607,6 @@ class PolicyWorker(_Trainable, WeightSource):
         self._version += 1
         metrics = self._metrics(batch, shares, counts, grad_norms, iw, has_behaviour)
         if "num_turns" in batch.keys():  # a batch of multi-turn episodes (asyncrl.roles.agentic.episodes)
-            from asyncrl.roles.agentic.episodes import episode_metrics
-
             metrics.update(episode_metrics(batch, self.dp.all_reduce))
         return metrics
 

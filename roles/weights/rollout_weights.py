@@ -43,6 +43,8 @@ from asyncrl.roles.training.lora import LoraDelta, digest, merge_delta
 from asyncrl.roles.modeling.models import state_dict_checksums
 from asyncrl.roles.weights.transfer import SNAPSHOTS, WeightHandle, fetch_stored
 from asyncrl.roles.weights.weight_channel import OK, STALE, WeightChannel, layout_of, member_info
+from asyncrl.roles.engines.batcher import PauseInfo
+from asyncrl.roles.training.lora import save_adapter
 
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig
@@ -259,7 +261,6 @@ class WeightSyncMixin:
         import shutil
         import tempfile
 
-        from asyncrl.roles.training.lora import save_adapter
 
         if version is not None and version != delta.version:
             raise WeightSyncError(f"update_weights(version={version}) but the adapter is version {delta.version}")
@@ -506,8 +507,6 @@ class WeightSyncMixin:
 
     def _engine_paused(self) -> Any:
         """The engine held still for a weight load (the request batcher's pause, or the engine's own)."""
-        from asyncrl.roles.engines.batcher import PauseInfo
-
         deadline = self.config.pause_deadline_s
         if self._batcher is None and self._replay is not None:
             self._request_engine()  # a replay's updates wait until its rounds need them

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn
 import torch
 
 from asyncrl.roles.errors import StaleWeightsError, WeightsLostError, WeightSyncError
+from asyncrl.roles.modeling.device import device_uuid
 
 __all__ = ["WeightChannel", "bucketed_snapshot", "channel_backend", "free_port", "layout_hash", "layout_of",
            "member_info"]
@@ -434,8 +435,6 @@ def channel_backend(members: Iterable[Mapping[str, Any]], requested: str = "auto
 
 def member_info(device: torch.device) -> dict[str, Any]:
     """Who a prospective channel member is: process, node, device and the device's physical id."""
-    from asyncrl.roles.modeling.device import device_uuid
-
     return {"pid": os.getpid(), "node": socket.gethostname(), "device": str(device), "uuid": device_uuid(device)}
 
 

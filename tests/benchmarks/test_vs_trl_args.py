@@ -38,7 +38,7 @@ def test_a_missing_trl_venv_says_how_to_make_it(monkeypatch, tmp_path):
 
 
 def test_the_table_says_which_runs_make_the_old_log_prob_pass_and_what_removing_it_saved():
-    """Issue 32 item 2's "step before and after the redundant pass is removed": k1 and bypass of the
+    """The step before and after the redundant pass is removed: k1 and bypass of the
     same run, side by side, with the saving computed from their medians (step 0 skipped)."""
     import argparse
 

@@ -1,4 +1,5 @@
-"""The core contracts (C1, C2, C3, C5, C9) on both backends: real Ray and in-process.
+"""The core contracts (dispatch/collect round trip, ordered and concurrent modes, failures, release)
+on both backends: real Ray and in-process.
 
 Every test here runs twice, once per backend, against the same worker class.
 """

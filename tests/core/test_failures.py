@@ -1,4 +1,4 @@
-"""Failure semantics (C5, C6): deadlines, cancellation, worker death. No call may hang."""
+"""Failure semantics: deadlines, cancellation, worker death. No call may hang."""
 
 from __future__ import annotations
 

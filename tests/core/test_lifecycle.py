@@ -1,4 +1,4 @@
-"""Lifecycle and placement (C9): colocation, pools, release on every path, two nodes."""
+"""Lifecycle and placement: colocation, pools, release on every path, two nodes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Futures pipelining (C4) and the responsiveness of the controller's loop."""
+"""Futures pipelining (shards flow worker to worker) and the responsiveness of the controller's loop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Your data, your reward, your model (issue 31), without Ray: dataset files in every format give
+"""Your data, your reward, your model, without Ray: dataset files in every format give
 the same prompts, answers, data sources and extra info; the data order is a pure function of
 (seed, step); a verl-style ``compute_score`` file is called with the right arguments; bad files,
 columns, reward files and model directories are refused before Ray starts with exit status 2."""
@@ -225,7 +225,7 @@ def test_val_files_feed_the_evaluation_set_and_a_val_file_without_train_files_is
 
 
 def _more_bad(tmp_path: Path) -> list[tuple[list[str], str]]:
-    """Issue 31's remaining bad inputs: empty and malformed data files, a DatasetDict or a plain directory
+    """The rest of the bad inputs: empty and malformed data files, a DatasetDict or a plain directory
     instead of a saved split, a prompt column of the wrong type, reward files that cannot be imported."""
     d = tmp_path / "more"
     d.mkdir()

@@ -1,4 +1,4 @@
-"""C7: the async trainer equals the sequential loops, step for step, on real Ray (CPU, fixed seeds).
+"""With ``max_staleness=0`` the async trainer equals the sequential loops, step for step, on real Ray (CPU, fixed seeds).
 
 Every run starts fresh workers (weights at version 0). The async runs use two pools
 (rollout and training overlap); the sequential references run colocated in one
@@ -38,7 +38,7 @@ async def _reference(cfg, lag):
     return await run_sequential(ref, lag=lag)
 
 
-# 2+2 (slow): the trainer-level C7 holds with 1+1 here, and 2 ranks == 1 rank is pinned per role in the default
+# 2+2 (slow): the trainer's step-for-step equality holds with 1+1 here, and 2 ranks == 1 rank is pinned per role in the default
 # suite (tests/roles/test_two_ranks_equal_one.py: gradients, mini-batches, critic, whitening over gloo on Ray).
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1+1 workers", "2+2 workers"])
 async def test_on_policy_async_trainer_equals_the_synchronous_loop(ray_cluster, tmp_path, workers):

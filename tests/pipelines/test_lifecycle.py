@@ -1,4 +1,4 @@
-"""C9 for the trainer: `async with` releases every worker process and placement group on
+"""Release on every path, for the trainer: `async with` releases every worker process and placement group on
 success, on a loop failure and on cancellation; the first failure cancels the other loop."""
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ async def test_a_failed_precomputed_stage_surfaces_like_the_canonical_one(tmp_pa
 
 
 async def test_max_staleness_0_keeps_the_canonical_order(tmp_path):
-    """The synchronous schedule (C7) never precomputes: the next batch is not generated before the
+    """The synchronous schedule (``max_staleness=0``) never precomputes: the next batch is not generated before the
     step that produces its weights ends; on the policy worker each batch's old_log_prob runs after
     the update before it, as with precomputation."""
     trainer, events = await _fake_run(tmp_path, precompute=True, k=0)

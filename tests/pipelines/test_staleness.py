@@ -1,4 +1,4 @@
-"""C7/C8 under random stage delays: no consumed sample is older than the bound, stages run
+"""Staleness and stage order under random stage delays: no consumed sample is older than the bound, stages run
 in the canonical order per batch, and updates apply in version order.
 
 Fake workers (tests/pipelines/fakes.py) on the in-process backend: the scheduling is

@@ -1,4 +1,4 @@
-"""Defaults that never lose work (issue 31): a run with no restart or checkpoint settings survives a
+"""Defaults that never lose work: a run with no restart or checkpoint settings survives a
 SIGKILLed rollout worker (replaced in place, every step done once) and a hung one (SIGSTOPped: its
 generate misses ``trainer.rollout_timeout_s`` and the pool is replaced), and writes time-based
 checkpoints (``trainer.checkpoint_every_s``) so that a SIGKILLed controller resumes from a

@@ -32,7 +32,7 @@ from tests.reliability.faults import BuggyReward, Fault, FaultyPolicy, FaultyRol
 
 STEPS = 4
 DEATH_BOUND_S = 15.0
-"""A killed worker fails the run within this many seconds (C5 promises seconds; the bound
+"""A killed worker fails the run within this many seconds (a dead worker fails its calls within seconds; the bound
 leaves room for a loaded 2-core machine)."""
 STAGE_TIMEOUT_S = 4.0
 

@@ -1,4 +1,4 @@
-"""A streaming partial-rollout run replays bit for bit (issue 29 item 6): ``asyncrl replay`` follows the
+"""A streaming partial-rollout run replays bit for bit: ``asyncrl replay`` follows the
 journal's admissions and step groups while the engines re-run their recorded rounds (pipelines/journaling/stream_replay.py).
 
 * Real Ray, the tiny model on ``char_class``: stream mode, ``partial_rollout=recompute``, ``max_staleness=2``,

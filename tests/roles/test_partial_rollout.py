@@ -1,4 +1,4 @@
-"""Partial rollout (issue 29 item 3): a weight update reaches generations in flight without waiting for them.
+"""Partial rollout: a weight update reaches generations in flight without waiting for them.
 
 ``recompute`` stops the running round after its current decode step and the next round prefills prompt +
 tokens so far under the new weights; ``keep`` parks the round with its KV cache and decodes on under the new
@@ -111,7 +111,7 @@ async def test_recompute_switches_version_right_after_the_decode_step_the_update
 
 
 async def test_recompute_per_token_versions_are_true(tiny):
-    """Issue 29 "Per-token versions are true": with updates forced mid-generation (three versions after
+    """Per-token versions are true: with updates forced mid-generation (three versions after
     the initial one, recompute, fp32), every token's recorded behaviour log-prob equals its log-prob
     recomputed under the recorded version's weights (teacher-forced prompt + tokens), within 1e-5."""
     eng, tok, ref = tiny

@@ -1,4 +1,4 @@
-"""Exact replay of the request batcher's rounds (issue 29 item 6, the engine side): a run whose rounds
+"""Exact replay of the request batcher's rounds (the engine side of exact replay): a run whose rounds
 depend on timing -- requests joining at round boundaries, weight updates interrupting rounds mid-way --
 is recorded (`record_rounds=True`) and regenerated bit for bit by `ReplayBatcher` from the JSON log, with
 the requests submitted in another order and the updates issued without any timing of their own."""

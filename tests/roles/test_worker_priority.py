@@ -1,7 +1,7 @@
 """The workers yield the CPU to the controller: the threads that compute in a Ray worker process (the
 thread that runs the calls and torch's intra-op threads) run at a lower CPU priority (a higher
 niceness) than the controller's process, so busy workers on shared cores cannot keep the
-controller's event loop from being scheduled (issue 32 item 6). Ray starts its worker processes at
+controller's event loop from being scheduled. Ray starts its worker processes at
 ``RAY_worker_niceness`` (15 by default), applied after its own C++ I/O threads started (those stay at
 the controller's priority: they only move messages). Nothing in asyncrl sets it: this pins that the
 embedded Ray asyncrl starts keeps it."""

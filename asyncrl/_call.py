@@ -529,9 +529,17 @@ class _Call:
                 method = " / ".join(m for _, m in self.top_from)
             return UpstreamError(self.group, self.method, rank, input_error(e.outcome, group=group, method=method))
         err = public_error(e, group=self.group, method=self.method, rank=rank, closed=self.site.closed)
-        if isinstance(err, WorkerDiedError):
+        if isinstance(err, WorkerDiedError) and not self._sent_before_replacement(rank):
             self.site._mark_broken(rank, str(e))
         return err
+
+    def _sent_before_replacement(self, rank: int | None) -> bool:
+        """Whether this call went to a process of `rank` that has been replaced since: its death is the old
+        process's, not the new one's (``restart="process"``)."""
+        if rank is None:
+            return False
+        fresh = self.sequencer.fresh[rank]
+        return fresh > 0 and any(r == rank and call_id < fresh for r, call_id, _ in self.entries)
 
     # The fetch: no task, and one event-loop wake-up per call, not per rank: the backend
     # counts the refs down off the loop (Ray: on its own thread) and resolves the fetch's

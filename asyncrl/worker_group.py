@@ -254,6 +254,18 @@ class WorkerGroup(AsyncResource, Generic[W]):
         return await super().__aenter__()  # type: ignore[no-any-return,unused-ignore]
 
     @property
+    def restart(self) -> str:
+        """The restart policy: ``"none"`` (a lost process breaks the group) or ``"process"`` (see the class)."""
+        return self._hostset.restart
+
+    def process_ranks(self, rank: int) -> list[int]:
+        """The ranks that share `rank`'s process (they live and die together), `rank` among them."""
+        hs = self._hostset
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < hs.world_size:
+            raise ValueError(f"group {self.name!r} has ranks 0..{hs.world_size - 1}, got {rank!r}")
+        return hs.ranks_of(hs.process_of(rank))
+
+    @property
     def lost_ranks(self) -> list[int]:
         """Ranks whose process died and was not replaced yet (``restart="process"``; else always empty)."""
         hs = self._hostset

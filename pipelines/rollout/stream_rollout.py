@@ -485,24 +485,23 @@ class StreamRollout:
         tr = self._trainer
         e = root_cause(error)
         groups = tr.groups
-        if not isinstance(e, (WorkerDiedError, GroupBrokenError)) or groups is None:
+        if groups is None or a.epoch != epoch:
             return False
         rollout = unwrap(groups.rollout)
         if getattr(rollout, "restart", "none") != "process":
             return False
-        if isinstance(e, WorkerDiedError):
-            if e.group not in (groups.rollout.name, groups.reward.name):
-                return False
-            r = e.rank
+        ours = (groups.rollout.name, groups.reward.name)
+        if isinstance(e, GroupBrokenError):
+            r = e.ranks[0] if e.ranks and str(e).startswith(tuple(f"group {x!r}" for x in ours)) else None
         else:
-            r = e.ranks[0] if e.ranks else None
-            if r is None or not str(e).startswith((f"group {groups.rollout.name!r}", f"group {groups.reward.name!r}")):
-                return False
+            r = getattr(e, "rank", None) if getattr(e, "group", None) in ours else None
         n = rollout.world_size
-        if not isinstance(r, int) or not 0 <= r < n or a.epoch != epoch:
+        if not isinstance(r, int) or not 0 <= r < n:
             return False
         if r in a.lost:
-            return True  # already being replaced
+            return True  # already being replaced (also a notice its process sent before it exited)
+        if not isinstance(e, (WorkerDiedError, GroupBrokenError)):
+            return False
         if r not in rollout.lost_ranks:
             return True  # a call to its former process, replaced since: the group is simply issued again
         if (not REPLACE_PROCESSES or a.tg is None or not ROUTE_GROUPS or records_rounds(tr.config)

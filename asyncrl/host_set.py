@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import time
 from typing import Any, Mapping
 
 import structlog
@@ -93,6 +94,9 @@ class HostSet:
         self._specs: list[list[RoleSpec]] = []  # per rank: what its host builds (kept for a replacement)
         self._slots: list[Any] = []  # per process: its bundle
         self._replacing: dict[int, asyncio.Future[list[int]]] = {}  # process index -> its replacement under way
+        self.replaced: list[tuple[list[int], float]] = []
+        """``(ranks, seconds)`` of each process replaced: its ranks, and how long the new process took to start
+        (kill, placement, process, constructors)."""
         self.backend: Backend = backend  # type: ignore[assignment]  # a stand-in until _start()
         self.pool = pool
         self.world_size = world_size
@@ -281,6 +285,7 @@ class HostSet:
         return await asyncio.shield(fut)
 
     async def _replace(self, p: int, timeout_s: float | None) -> list[int]:
+        t0 = time.perf_counter()
         ranks = self.ranks_of(p)
         self.lose(ranks[0], "replaced")  # (a live process being replaced takes no call meanwhile)
         await self.backend.kill([self.hosts[r] for r in ranks])
@@ -310,7 +315,9 @@ class HostSet:
             self.hosts[r] = host
         self.sequencer.reset_lanes(ranks)
         self.lost.pop(p, None)
-        log.warning("group.process_replaced", group=self.name, process=p, ranks=ranks)
+        self.replaced.append((ranks, time.perf_counter() - t0))
+        log.warning("group.process_replaced", group=self.name, process=p, ranks=ranks,
+                    seconds=round(self.replaced[-1][1], 2))
         return ranks
 
     async def _init(self, host: Any, rank: int, label: str) -> None:

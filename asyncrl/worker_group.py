@@ -266,6 +266,11 @@ class WorkerGroup(AsyncResource, Generic[W]):
         return hs.ranks_of(hs.process_of(rank))
 
     @property
+    def replaced(self) -> list[tuple[list[int], float]]:
+        """``(ranks, seconds to start)`` of each process :meth:`replace_process` replaced, in order."""
+        return list(self._hostset.replaced)
+
+    @property
     def lost_ranks(self) -> list[int]:
         """Ranks whose process died and was not replaced yet (``restart="process"``; else always empty)."""
         hs = self._hostset

@@ -73,6 +73,7 @@ def one(a: argparse.Namespace, kind: str, seed: int, work: Path, variant: str = 
         "fired": r.fired, "restarts": [{k: x.get(k) for k in ("kind", "origin", "time_s", "interrupted_s", "failed")}
                                        for x in r.restarts],
         "processes_replaced": sum(1 for p in set(r.pids[0]) if r.pids[1] and p not in r.pids[1]),
+        "process_starts": r.process_starts,
         "resizes": r.resizes, "overruns": r.overruns, "max_wait_ratio": r.max_wait_ratio,
         "ledger": None if led is None else {"ok": led.ok, "samples": led.samples, "trained": led.trained,
                                             "lost": led.lost, "trained_twice": led.trained_twice,
@@ -126,8 +127,8 @@ def before_after(rows: list[dict[str, Any]]) -> list[str]:
 def process_before_after(rows: list[dict[str, Any]]) -> list[str]:
     """The ``node`` and ``preempt`` runs with and without per-process replacement, side by side."""
     out = ["| fault | variant | runs | ledger holds | recoveries | processes restarted (mean) | recovery s (mean) | "
-           "slowest step s (mean) | steps s (mean) | wall s (mean) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "new process start s (mean) | slowest step s (mean) | steps s (mean) | wall s (mean) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for kind in ("node", "preempt"):
         for variant, what in (("before_process", "the whole pool replaced"), ("after", "the process replaced alone")):
             rs = [r for r in rows if r["kind"] == kind and r.get("variant", "after") == variant]
@@ -136,11 +137,13 @@ def process_before_after(rows: list[dict[str, Any]]) -> list[str]:
             rec = [x for r in rs for x in r["restarts"]]
             times = [x["time_s"] for x in rec if x.get("time_s") is not None]
             procs = [r["processes_replaced"] for r in rs if "processes_replaced" in r]
+            starts = [x for r in rs for x in r.get("process_starts", [])]
             out.append(f"| {kind} | {'before' if variant != 'after' else 'after'}: {what} | {len(rs)} | "
                        f"{sum(bool(r['ledger'] and r['ledger']['ok']) for r in rs)} | "
                        f"{'/'.join(sorted({x['kind'] for x in rec})) or '-'} ({len(rec)}) | "
                        f"{statistics.fmean(procs) if procs else float('nan'):.1f} | "
-                       f"{statistics.fmean(times) if times else 0:.1f} | "
+                       f"{f'{statistics.fmean(times):.1f}' if times else 'after the run'} | "
+                       f"{f'{statistics.fmean(starts):.1f}' if starts else '-'} | "
                        f"{statistics.fmean(r['max_step_s'] for r in rs):.1f} | "
                        f"{statistics.fmean(r['steps_s'] for r in rs):.1f} | "
                        f"{statistics.fmean(r['wall_s'] for r in rs):.0f} |")

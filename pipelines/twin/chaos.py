@@ -238,6 +238,9 @@ class ChaosResult:
     pids: tuple[list[int], list[int]] = ([], [])
     """Each rollout rank's process id when the run started and when it ended (a rank whose process was replaced
     has a new one; the others keep theirs; a replacement under way at the end is awaited)."""
+    process_starts: list[float] = field(default_factory=list)
+    """Seconds each replaced rollout process took to start (``WorkerGroup.replaced``: kill, placement, process,
+    constructors; a replacement the run outlasted or that finished after it)."""
 
     @property
     def ok(self) -> bool:
@@ -338,15 +341,16 @@ def deadline_overruns(trainer: Any) -> tuple[list[str], float]:
     return out, worst
 
 
-async def _pids_at_end(rollout: Any) -> list[int]:
-    """Each rollout rank's process id once the run ended; a process replacement still under way (the run may end
-    before it, the others' replicas took its groups) is awaited first."""
+async def _pids_at_end(rollout: Any) -> tuple[list[int], list[float]]:
+    """Each rollout rank's process id once the run ended, and the seconds each replaced process took to start; a
+    process replacement still under way (the run may end before it, the others' replicas took its groups) is
+    awaited first."""
     from asyncrl.pipelines.loop.deadlines import unwrap
 
     group = unwrap(rollout)
     for p in sorted({group.process_ranks(r)[0] for r in group.lost_ranks}):
         await group.replace_process(p)
-    return list(await rollout.pid())
+    return list(await rollout.pid()), [s for _, s in group.replaced]
 
 
 async def run_chaos(cfg: Any, chaos: ChaosPlan, *, rollout: tuple[type, dict[str, Any]] | None = None) -> ChaosResult:
@@ -366,11 +370,13 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *, rollout: tuple[type, dict[str
     error: str | None = None
     t0 = time.perf_counter()
     pids: tuple[list[int], list[int]] = ([], [])
+    starts: list[float] = []
     async with trainer:
         driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired, pids[0]))
         try:
             history = await trainer.fit()
-            pids[1].extend(await _pids_at_end(trainer.groups.rollout))
+            end, starts = await _pids_at_end(trainer.groups.rollout)
+            pids[1].extend(end)
         except Exception as e:  # noqa: BLE001 - a run that fails is a chaos result, not a crash of the table
             error = f"{type(e).__name__}: {e}"[:300]
             Path(cfg.trainer.output_dir, "chaos_error.log").write_text(traceback.format_exc())
@@ -378,7 +384,7 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *, rollout: tuple[type, dict[str
             driver.cancel()
             await asyncio.gather(driver, return_exceptions=True)
     res = check_chaos(trainer, history, chaos, fired=fired, error=error, wall_s=time.perf_counter() - t0)
-    res.pids = pids
+    res.pids, res.process_starts = pids, starts
     return res
 
 

@@ -1,8 +1,10 @@
 """Chaos in the cluster twin (pipelines/twin/chaos.py), the default suite's fast versions of the chaos table
 (benchmarks/chaos.py): seeded schedules, and real runs at 4 simulated replicas, 2 per process -- a replica that dies
-is replaced alone (simulated death, the real controller's recovery), a training rank's process SIGKILLed restarts
-the run from its checkpoint (a real fault); each completes with its ledger holding (nothing lost, nothing trained
-twice, every token within the bound) and no call past twice its deadline. Slow: a lost node (a process of replicas
+is replaced alone (simulated death, the real controller's recovery), a rollout process SIGKILLed while it holds a
+group is replaced alone (a real fault: the other process keeps its pid), a replacement that fails to start falls
+back to replacing the pool, a training rank's process SIGKILLed restarts the run from its checkpoint (a real fault);
+each completes with its ledger holding (nothing lost, nothing trained twice, every token within the bound) and no
+call past twice its deadline. Slow: a lost node (a process of replicas
 SIGKILLed), a preemption wave (SIGTERMs), a replica 10x slower, and the pool replaced whole when per-replica
 replacement is off."""
 

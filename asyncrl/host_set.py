@@ -282,7 +282,12 @@ class HostSet:
         if fut is None:
             fut = self._replacing[p] = asyncio.ensure_future(self._replace(p, timeout_s))
             fut.add_done_callback(lambda _: self._replacing.pop(p, None))
-        return await asyncio.shield(fut)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled() and self.state == "closed":  # close() stopped it, not our caller
+                raise GroupClosedError(f"group {self.name!r} was closed while a process was being replaced") from None
+            raise
 
     async def _replace(self, p: int, timeout_s: float | None) -> list[int]:
         t0 = time.perf_counter()
@@ -354,6 +359,11 @@ class HostSet:
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
+        replacing = list(self._replacing.values())
+        for fut in replacing:  # a process being replaced: its start stops (a new host made by then is killed)
+            fut.cancel()
+        if replacing:
+            await asyncio.gather(*replacing, return_exceptions=True)
         starting = self._starting
         if starting is not None and not starting.done():
             starting.cancel()

@@ -5,6 +5,7 @@ replacement whose start fails or never ends raises a clear error and leaves the 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -12,7 +13,7 @@ import pytest
 
 import asyncrl
 from asyncrl import PlacementError, RayWorkerGroup
-from asyncrl.errors import GroupBrokenError, RemoteError, WorkerDiedError
+from asyncrl.errors import GroupBrokenError, GroupClosedError, RemoteError, WorkerDiedError
 
 from .kinds import until
 from .workers import Probe, Restartable
@@ -95,3 +96,17 @@ async def test_without_the_policy_a_lost_process_breaks_the_group_and_bad_input_
             await wg2.replace_process(2)
         with pytest.raises(ValueError, match="timeout_s must be a positive number"):
             await wg2.replace_process(0, timeout_s=0)
+
+
+async def test_closing_the_group_stops_a_replacement_that_never_starts(ray_cluster, tmp_path):
+    gate = tmp_path / "gate"
+    wg = RayWorkerGroup(Restartable, world_size=2, ranks_per_process=1, name="closing", restart="process",
+                        kwargs={"gate": str(gate)})
+    async with wg:
+        await _lose_process(wg, 1)
+        gate.write_text("hang")
+        replacing = asyncio.ensure_future(wg.replace_process(1))
+        await asyncio.sleep(0)  # (it has begun: the old process killed, the new one starting)
+        await wg.close()
+        with pytest.raises(GroupClosedError, match="closed while a process was being replaced"):
+            await replacing

@@ -101,9 +101,19 @@ def table(rows: list[dict[str, Any]], k: int) -> list[str]:
             f"| {kind} | {'real' if REAL.get(kind) else 'simulated' if kind != 'none' else '-'} | {len(rs)} | "
             f"{sum(r['completed'] for r in rs)} | {sum(x['ok'] for x in led)} | {sum(x['lost'] for x in led)} | "
             f"{sum(x['trained_twice'] for x in led)} | {stale} | {max(r['max_wait_ratio'] for r in rs):.2f} | "
-            f"{kinds}/{sum(r['resizes'] for r in rs)} | {statistics.fmean(times) if times else 0:.1f} | "
+            f"{kinds}/{sum(r['resizes'] for r in rs)} | {_recovery(times, rs)} | "
             f"{fired}{f' ({missed} missed: target gone)' if missed else ''} |")
     return out
+
+
+def _recovery(times: list[float], rows: list[dict[str, Any]]) -> str:
+    """The mean recovery time of `rows`' recoveries (`times`: those that ended while their run went on); a process
+    replacement that ended after its run (its replicas' groups served by the others meanwhile) shows its new
+    process's start time instead."""
+    starts = [x for r in rows for x in r.get("process_starts", [])]
+    if times:
+        return f"{statistics.fmean(times):.1f}"
+    return f"after the run (new process up in {statistics.fmean(starts):.1f})" if starts else "-"
 
 
 def before_after(rows: list[dict[str, Any]]) -> list[str]:

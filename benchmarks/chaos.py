@@ -85,7 +85,8 @@ def one(a: argparse.Namespace, kind: str, seed: int, work: Path, variant: str = 
 
 def table(rows: list[dict[str, Any]], k: int) -> list[str]:
     out = ["| fault | real? | runs | completed | ledger holds | lost | trained twice | max staleness (bound "
-           f"{k}) | longest wait / deadline | recoveries (replica / process / pool / restart / resize) | recovery s (mean) | "
+           f"{k}) | longest wait / deadline | recoveries (replica / process / pool / restart / resize) | "
+           "recovery s (mean) | "
            "faults fired |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for kind in [x for x in (*KINDS, "none") if any(r["kind"] == x for r in rows)]:
         rs = [r for r in rows if r["kind"] == kind]

@@ -33,9 +33,10 @@ weight loads, its groups issued again on the others, a new engine started in its
 version the others hold, then routed to again (:meth:`StreamRollout._lose_replica`). A lost *process* of the
 rollout pool (its worker group has the ``"process"`` restart policy) is replaced the same way, alone: its replicas
 leave routing and weight loads, their groups are issued again on the other processes' replicas, a new process is
-started in its bundle and loaded with the version the others hold (:meth:`StreamRollout._lose_process`). A restart (training worker fault) or a resume
-replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
-admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
+started in its bundle and loaded with the version the others hold (:meth:`StreamRollout._lose_process`). A restart
+(training worker fault) or a resume replaces the loop state whole: the groups a checkpoint recorded as admitted and
+not yet trained are admitted again first, in index order, with the same seeds (finished ones are regenerated, not
+kept).
 
 Routing: each group is one call to one replica (``options(rank=r)``) and its score call goes to the same
 rank (the reward shares its process: the rows never leave it), so a group's G rows decode together, one

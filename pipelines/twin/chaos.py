@@ -353,7 +353,8 @@ async def _pids_at_end(rollout: Any) -> tuple[list[int], list[float]]:
     return list(await rollout.pid()), [s for _, s in group.replaced]
 
 
-async def run_chaos(cfg: Any, chaos: ChaosPlan, *, rollout: tuple[type, dict[str, Any]] | None = None) -> ChaosResult:
+async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
+                    rollout: tuple[type, dict[str, Any]] | None = None) -> ChaosResult:
     """Run `cfg` (a twin config; ``trainer.output_dir`` is the run's) under `chaos` and check it
     (:func:`check_chaos`). `rollout`: ``(a ChaosRollout subclass, its extra keyword arguments)`` in place of
     :class:`ChaosRollout` (a test's hooks)."""

@@ -138,7 +138,8 @@ async def test_a_lost_rollout_process_is_replaced_alone_and_the_ledger_holds(ray
     gate.mkdir()
     cfg = chaos_config(tmp_path / "run")
     chaos = plan("none", 0, replicas=4, replicas_per_process=2, train_ranks=2, steps=8)
-    run = asyncio.ensure_future(run_chaos(cfg, chaos, rollout=(HoldingRollout, {"gate": str(gate), "hold_rank": 2, "wait_rank": 0})))
+    hooks = {"gate": str(gate), "hold_rank": 2, "wait_rank": 0}
+    run = asyncio.ensure_future(run_chaos(cfg, chaos, rollout=(HoldingRollout, hooks)))
     killed = await _kill_held(gate)
     res = await run
     assert_holds(res)

@@ -387,7 +387,6 @@ class WorkerGroup(AsyncResource, Generic[W]):
         call = self._hostset.sequencer.issue(plan)
         return GroupFuture(call)
 
-
     def _refuse_lost(self, ranks: Sequence[int]) -> None:
         """A call that would reach a lost process's rank fails before it is sent (``restart="process"``)."""
         hs = self._hostset

@@ -77,7 +77,7 @@ class Sequencer:
     plain ``def`` method ran there, until that call's own result shows the method returned.
     """
 
-    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock", "wedged", "_issued", "_sweep_at")
+    __slots__ = ("backend", "hosts", "keep_results", "_next", "_lock", "wedged", "_issued", "_sweep_at", "fresh")
 
     def __init__(self, backend: Backend, hosts: list[Any], world_size: int, keep_results: int = 0) -> None:
         self.backend = backend
@@ -91,6 +91,22 @@ class Sequencer:
         # Each lane's ordered calls not known to be over: (number, call id, weak ref to the call).
         self._issued: list[collections.deque[tuple[int, int, Any]]] = [collections.deque() for _ in range(world_size)]
         self._sweep_at = [_ISSUED_SWEEP] * world_size
+        self.fresh = [0] * world_size
+        """Per lane: the first call id its current process has seen. A lane whose process was replaced
+        (:meth:`reset_lanes`) neither cancels nor hands over the older calls' numbers there: they were the
+        old process's."""
+
+    def reset_lanes(self, ranks: Sequence[int]) -> None:
+        """The processes of lanes `ranks` were replaced: their numbering starts again (a new host expects its
+        first number) and what was issued to the old ones is forgotten here."""
+        with self._lock:
+            first = next(_call_ids)
+            for rank in ranks:
+                self._next[rank] = 0
+                self._issued[rank] = collections.deque()
+                self._sweep_at[rank] = _ISSUED_SWEEP
+                self.wedged.pop(rank, None)
+                self.fresh[rank] = first
 
     def issue(self, plan: "CallPlan") -> "_Call":
         """Issue the group call `plan`: build every executing rank's payload, number and
@@ -161,8 +177,10 @@ class Sequencer:
         `call` (whose `entries` these are) passed; on a lane where it still runs its plain
         ``def`` method, the lane is wedged (wedged-lane)."""
         by_rank: dict[int, list[tuple[int, int | None]]] = {}
+        fresh = self.fresh
         for rank, call_id, seq in entries:
-            by_rank.setdefault(rank, []).append((call_id, seq))
+            if call_id >= fresh[rank]:  # (else its process was replaced: the call went with it)
+                by_rank.setdefault(rank, []).append((call_id, seq))
         for rank, items in by_rank.items():
             try:
                 if deadline and call is not None and items[0][1] is not None:
@@ -511,9 +529,17 @@ class _Call:
                 method = " / ".join(m for _, m in self.top_from)
             return UpstreamError(self.group, self.method, rank, input_error(e.outcome, group=group, method=method))
         err = public_error(e, group=self.group, method=self.method, rank=rank, closed=self.site.closed)
-        if isinstance(err, WorkerDiedError):
+        if isinstance(err, WorkerDiedError) and not self._sent_before_replacement(rank):
             self.site._mark_broken(rank, str(e))
         return err
+
+    def _sent_before_replacement(self, rank: int | None) -> bool:
+        """Whether this call went to a process of `rank` that has been replaced since: its death is the old
+        process's, not the new one's (``restart="process"``)."""
+        if rank is None:
+            return False
+        fresh = self.sequencer.fresh[rank]
+        return fresh > 0 and any(r == rank and call_id < fresh for r, call_id, _ in self.entries)
 
     # The fetch: no task, and one event-loop wake-up per call, not per rank: the backend
     # counts the refs down off the loop (Ray: on its own thread) and resolves the fetch's
@@ -698,7 +724,7 @@ class Inputs:
                     entries, index = p.entries, p.collect_index
                     for j, ref in enumerate(p.collect_refs):
                         entry = entries[index[j]]
-                        if entry[2] is not None:
+                        if entry[2] is not None and entry[1] >= sequencer.fresh[entry[0]]:
                             self.local[id(ref)] = entry
         self.read: set[int] = set()
         self.top_from: dict[tuple[str, str], None] = {}

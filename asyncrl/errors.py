@@ -90,7 +90,8 @@ class WorkerDiedError(AsyncRLError, RuntimeError):
         super().__init__(
             f"worker rank {rank} of group {group!r} died while running {method!r}"
             + (f": {detail}" if detail else "")
-            + "; the group is now broken. Close it and create a new one (or give it a restart policy)."
+            + "; the group is now broken. Close it and create a new one (or give it restart='process' and "
+            "replace the lost process: `await wg.replace_process(rank)`)."
         )
 
     def __reduce__(self):  # pickled inside an UpstreamError from a worker: rebuild it from its parts
@@ -102,7 +103,12 @@ class GroupClosedError(AsyncRLError, RuntimeError):
 
 
 class GroupBrokenError(AsyncRLError, RuntimeError):
-    """Raised when a call is made on a group one of whose workers has died."""
+    """Raised when a call is made on a group one of whose workers has died (with ``restart='process'``: a call
+    that reaches a rank of a lost process); `ranks` names the dead ranks when known."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class CallTimeoutError(AsyncRLError, TimeoutError):

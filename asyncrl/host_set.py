@@ -7,6 +7,11 @@ environment, the registered meshes, the ordered-call :class:`~asyncrl._call.Sequ
 and closing. Several :class:`~asyncrl.WorkerGroup` views (one per role) can share one
 HostSet; the processes go when the last view closes.
 
+A set started with ``restart="process"`` outlives the death of one of its processes: the lost process's
+ranks refuse calls (``GroupBrokenError``) while the others serve on, and :meth:`HostSet.replace_process`
+starts a new process for them in the lost one's bundle, with the same constructors, and resets their ordered
+lanes. For ranks that do not join a collective with the others (rollout replicas), never for training ranks.
+
 States: ``new`` → ``starting`` → ``ready`` → ``closed``. `setup()` runs the start-up
 as one task that every caller awaits; `close()` at any point (during start-up too)
 cancels that task, waits for it to unwind, and releases whatever exists by then:
@@ -19,17 +24,26 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import time
 from typing import Any, Mapping
+
+import structlog
 
 from asyncrl._backend import Backend, BackendSpec, public_error
 from asyncrl._call import Sequencer
 from asyncrl.dispatch import MeshRank
 from asyncrl.register import Mode, registered_methods
-from asyncrl.errors import DispatchError, GroupClosedError
+from asyncrl.errors import DispatchError, GroupClosedError, PlacementError
 from asyncrl.resources import ResourcePool
 from asyncrl.worker import RoleSpec, WorkerContext
 
-__all__ = ["HostSet"]
+__all__ = ["HostSet", "RESTART_POLICIES"]
+
+RESTART_POLICIES = ("none", "process")
+"""What a group does when one of its processes dies: ``"none"``, the whole group is broken (close it, create a
+new one); ``"process"``, only that process's ranks are, until :meth:`HostSet.replace_process` replaces it."""
+
+log = structlog.get_logger("asyncrl")
 
 _CLOSE_GRACE_S = 10.0  # how long close() waits for the workers' on_close hooks before killing
 
@@ -72,7 +86,17 @@ class HostSet:
     def __init__(self, backend: BackendSpec, pool: ResourcePool | None, world_size: int,
                  roles: list[tuple[str, type, tuple[Any, ...], dict[str, Any]]],
                  env: Mapping[str, str], name: str, owns_pool: bool, local_results: int | None = None,
-                 ranks_per_process: int = 1) -> None:
+                 ranks_per_process: int = 1, restart: str = "none") -> None:
+        self.restart = check_restart(restart)
+        """The restart policy (:data:`RESTART_POLICIES`)."""
+        self.lost: dict[int, str] = {}
+        """Process index -> what killed it, for processes lost and not replaced yet (``restart="process"``)."""
+        self._specs: list[list[RoleSpec]] = []  # per rank: what its host builds (kept for a replacement)
+        self._slots: list[Any] = []  # per process: its bundle
+        self._replacing: dict[int, asyncio.Future[list[int]]] = {}  # process index -> its replacement under way
+        self.replaced: list[tuple[list[int], float]] = []
+        """``(ranks, seconds)`` of each process replaced: its ranks, and how long the new process took to start
+        (kill, placement, process, constructors)."""
         self.backend: Backend = backend  # type: ignore[assignment]  # a stand-in until _start()
         self.pool = pool
         self.world_size = world_size
@@ -159,6 +183,7 @@ class HostSet:
             if self.pool.world_size < procs:
                 raise ValueError(f"group {self.name!r} needs {procs} bundles but its pool has {self.pool.world_size}")
             slots = self.pool.slots[:procs]
+        self._slots = list(slots)
         threaded = self.threaded
         if k > 1:
             self.hosts.extend(await self.backend.make_hosts(self.name, slots, n, threaded=threaded, per_process=k))
@@ -190,7 +215,8 @@ class HostSet:
                          context=WorkerContext(**{**ctx.__dict__, "role": role, "group": gname}), env=env)
                 for role, cls, args, kwargs, gname in self.role_names()
             ])
-        label = "/".join(f"{cls.__name__}.__init__" for _, cls, *_ in self.roles)
+        self._specs = specs_per_host
+        label = self._init_label()
         results = await asyncio.gather(*(self._admin(rank, "init_workers", label, specs, self.local_results)
                                          for rank, specs in enumerate(specs_per_host)))
         self.meshes = {role: _check_meshes(self.name, role, [r[role] for r in results]) for role, *_ in self.roles}
@@ -202,6 +228,110 @@ class HostSet:
             # each took 0.4-1.1 s on a loaded machine (benchmarks/inflight.py), after
             # the freeze 20-80 ms. The workers do the same after their constructors.
             gc.freeze()
+
+    def _init_label(self) -> str:
+        return "/".join(f"{cls.__name__}.__init__" for _, cls, *_ in self.roles)
+
+    # ---- one lost process (restart="process") --------------------------------------------
+
+    def process_of(self, rank: int) -> int:
+        """The index of the process (pool bundle) hosting `rank`."""
+        return rank // self.ranks_per_process
+
+    def ranks_of(self, process: int) -> list[int]:
+        """The ranks process `process` hosts."""
+        k = self.ranks_per_process
+        return list(range(process * k, min(self.world_size, (process + 1) * k)))
+
+    def lose(self, rank: int, detail: str) -> None:
+        """The process hosting `rank` died: its ranks refuse calls until it is replaced."""
+        p = self.process_of(rank)
+        if p not in self.lost:
+            self.lost[p] = detail
+            log.warning("group.process_lost", group=self.name, process=p, ranks=self.ranks_of(p), detail=detail)
+
+    def lost_ranks(self, ranks: Any) -> list[int]:
+        """Those of `ranks` whose process is lost."""
+        return [r for r in ranks if self.process_of(r) in self.lost]
+
+    async def replace_process(self, rank: int, *, timeout_s: float | None = None) -> list[int]:
+        """Start a new process for the ranks of the process hosting `rank` (in its bundle; where its node is gone,
+        wherever Ray places the bundle again) with the same constructors; the set's other processes, and the calls
+        they run, are left alone. Returns the replaced ranks. The old process is killed first (it may still be
+        alive: a caller may replace a process it gave up on). Their ordered lanes start again from the first
+        number; calls still pending on the old process fail as its death says. Concurrent callers for one
+        process share one replacement.
+
+        Raises ``RuntimeError`` unless the set was started with ``restart="process"`` and is ready,
+        ``ValueError`` for a rank outside the set, :class:`~asyncrl.PlacementError` when the new process has not
+        started within `timeout_s` (no capacity: it is killed, the ranks stay lost), and the constructor's error
+        (a :class:`~asyncrl.RemoteError`) when it raised."""
+        if self.restart != "process":
+            raise RuntimeError(f"group {self.name!r} has no restart policy: create it with restart='process' to "
+                               "replace one lost process (or close it and create a new one)")
+        if self.state != "ready":
+            raise RuntimeError(f"group {self.name!r} is {self.state}; only a started group replaces a process")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"replace_process needs a rank of group {self.name!r} (0..{self.world_size - 1}), "
+                             f"got {rank!r}")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+        p = self.process_of(rank)
+        fut = self._replacing.get(p)
+        if fut is None:
+            fut = self._replacing[p] = asyncio.ensure_future(self._replace(p, timeout_s))
+            fut.add_done_callback(lambda _: self._replacing.pop(p, None))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled() and self.state == "closed":  # close() stopped it, not our caller
+                raise GroupClosedError(f"group {self.name!r} was closed while a process was being replaced") from None
+            raise
+
+    async def _replace(self, p: int, timeout_s: float | None) -> list[int]:
+        t0 = time.perf_counter()
+        ranks = self.ranks_of(p)
+        self.lose(ranks[0], "replaced")  # (a live process being replaced takes no call meanwhile)
+        await self.backend.kill([self.hosts[r] for r in ranks])
+        slots = [self._slots[p]] if self._slots else []
+        k = self.ranks_per_process
+        new: list[Any] = []
+        try:
+            async with asyncio.timeout(timeout_s):
+                if k > 1:
+                    new = await self.backend.make_hosts(self.name, slots, len(ranks), threaded=False, per_process=k)
+                else:
+                    new = await self.backend.make_hosts(self.name, slots, 1, threaded=self.threaded)
+                label = self._init_label()
+                await asyncio.gather(*(self._init(host, r, label) for host, r in zip(new, ranks)))
+        except TimeoutError:
+            await self.backend.kill(new)
+            raise PlacementError(f"group {self.name!r}: the new process for ranks {ranks} did not start within "
+                                 f"{timeout_s:g} s (no capacity for its bundle?); it stays lost: close the group "
+                                 "and create a new one, or try again") from None
+        except BaseException:
+            await self.backend.kill(new)
+            raise
+        if self.state != "ready":  # closed meanwhile
+            await self.backend.kill(new)
+            raise GroupClosedError(f"group {self.name!r} was closed while a process was being replaced")
+        for r, host in zip(ranks, new):
+            self.hosts[r] = host
+        self.sequencer.reset_lanes(ranks)
+        self.lost.pop(p, None)
+        self.replaced.append((ranks, time.perf_counter() - t0))
+        log.warning("group.process_replaced", group=self.name, process=p, ranks=ranks,
+                    seconds=round(self.replaced[-1][1], 2))
+        return ranks
+
+    async def _init(self, host: Any, rank: int, label: str) -> None:
+        try:
+            await self.backend.admin(host, "init_workers", self._specs[rank], self.local_results)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise public_error(e, group=self.name, method=label, rank=rank, closed=self.closed) from None
 
     async def _admin(self, rank: int, method: str, label: str, *args: Any) -> Any:
         try:
@@ -229,6 +359,11 @@ class HostSet:
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
+        replacing = list(self._replacing.values())
+        for fut in replacing:  # a process being replaced: its start stops (a new host made by then is killed)
+            fut.cancel()
+        if replacing:
+            await asyncio.gather(*replacing, return_exceptions=True)
         starting = self._starting
         if starting is not None and not starting.done():
             starting.cancel()
@@ -247,6 +382,14 @@ class HostSet:
                 await self.backend.kill(hosts)
         if self.pool is not None and self.owns_pool:
             await self.pool.release()
+
+
+def check_restart(policy: Any) -> str:
+    """`policy` as a restart policy (:data:`RESTART_POLICIES`), or a clear error."""
+    if policy not in RESTART_POLICIES:
+        raise ValueError(f"restart must be one of {RESTART_POLICIES} ('process': a lost process is replaced alone, "
+                         f"for ranks that join no collective), got {policy!r}")
+    return str(policy)
 
 
 def check_ranks_per_process(k: Any) -> int:

@@ -127,6 +127,12 @@ class WorkerGroup(AsyncResource, Generic[W]):
     while the ranks of a process share its memory and die with it: for workers light enough to share a
     process (simulated ones: the cluster twin runs hundreds of replicas this way), never for ranks that
     each join a torch.distributed group. A pool then needs ``ceil(world_size / ranks_per_process)`` bundles.
+
+    `restart`: what the death of one of its processes does. ``"none"`` (the default): the group is broken, every
+    later call fails (close it, create a new one). ``"process"``: only that process's ranks are; calls that
+    reach them fail with :class:`~asyncrl.GroupBrokenError` while the other ranks serve on, and
+    :meth:`replace_process` starts a new process for them. For ranks that join no collective with the others
+    (rollout replicas), never for training ranks.
     """
 
     def __init__(
@@ -142,6 +148,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
         backend: BackendSpec,
         local_results: int | None = None,
         ranks_per_process: int = 1,
+        restart: str = "none",
         _hostset: HostSet | None = None,
         _role: str | None = None,
     ) -> None:
@@ -171,7 +178,7 @@ class WorkerGroup(AsyncResource, Generic[W]):
             self.name = name or f"{cls.__name__}_{next(_group_ids)}"
             _hostset = HostSet(backend, pool, n, [("worker", cls, tuple(args), dict(kwargs or {}))], env or {},
                                 self.name, owns_pool=owns, local_results=local_results,
-                                ranks_per_process=ranks_per_process)
+                                ranks_per_process=ranks_per_process, restart=restart)
             self._role = "worker"
         else:
             self._role = _role  # type: ignore[assignment]
@@ -246,7 +253,47 @@ class WorkerGroup(AsyncResource, Generic[W]):
     async def __aenter__(self) -> "WorkerGroup[W]":
         return await super().__aenter__()  # type: ignore[no-any-return,unused-ignore]
 
+    @property
+    def restart(self) -> str:
+        """The restart policy: ``"none"`` (a lost process breaks the group) or ``"process"`` (see the class)."""
+        return self._hostset.restart
+
+    def process_ranks(self, rank: int) -> list[int]:
+        """The ranks that share `rank`'s process (they live and die together), `rank` among them."""
+        hs = self._hostset
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < hs.world_size:
+            raise ValueError(f"group {self.name!r} has ranks 0..{hs.world_size - 1}, got {rank!r}")
+        return hs.ranks_of(hs.process_of(rank))
+
+    @property
+    def replaced(self) -> list[tuple[list[int], float]]:
+        """``(ranks, seconds to start)`` of each process :meth:`replace_process` replaced, in order."""
+        return list(self._hostset.replaced)
+
+    @property
+    def lost_ranks(self) -> list[int]:
+        """Ranks whose process died and was not replaced yet (``restart="process"``; else always empty)."""
+        hs = self._hostset
+        return hs.lost_ranks(range(hs.world_size)) if hs.lost else []
+
+    async def replace_process(self, rank: int, *, timeout_s: float | None = None) -> list[int]:
+        """Replace the process hosting `rank` (``restart="process"``): a new one in its bundle, with the same
+        constructors, its ranks' ordered lanes started again; the other processes and their calls are left
+        alone (a colocated group's other roles are replaced with it: they share the process). Returns the
+        replaced ranks. Raises ``RuntimeError`` without that policy or before setup, ``ValueError`` for a rank
+        outside the group, :class:`~asyncrl.PlacementError` when the process has not started within
+        `timeout_s`, and the constructor's :class:`~asyncrl.RemoteError` when it raised."""
+        self._check_open()
+        return await self._hostset.replace_process(rank, timeout_s=timeout_s)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise GroupClosedError(f"group {self.name!r} is closed; create a new group")
+
     def _mark_broken(self, rank: int | None, detail: str) -> None:
+        if rank is not None and self._hostset.restart == "process":
+            self._hostset.lose(rank, detail)
+            return
         if self._broken is None:
             self._broken = (rank, detail)
             log.warning("group.broken", group=self.name, rank=rank, detail=detail)
@@ -333,10 +380,22 @@ class WorkerGroup(AsyncResource, Generic[W]):
             ranks, order, keep = (rank,), (0,), [True] * self.world_size
         else:
             ranks, order, keep = self._layout(spec, world)
+        if self._hostset.lost:
+            self._refuse_lost(ranks)
         plan = CallPlan(self, self._role, spec, world, sharded, ranks, order, keep, producers_of(args, kwargs),
                         timeout, self.time_calls)
         call = self._hostset.sequencer.issue(plan)
         return GroupFuture(call)
+
+    def _refuse_lost(self, ranks: Sequence[int]) -> None:
+        """A call that would reach a lost process's rank fails before it is sent (``restart="process"``)."""
+        hs = self._hostset
+        lost = hs.lost_ranks(ranks)
+        if lost:
+            raise GroupBrokenError(
+                f"group {self.name!r} is broken: worker rank {lost[0]} died ({hs.lost[hs.process_of(lost[0])]}); "
+                f"ranks {lost} take no call until `await wg.replace_process({lost[0]})` replaced their process",
+                ranks=tuple(lost))
 
 
 def _at_rank(sharded: Sharded, rank: int, n: int) -> Sharded:
@@ -391,10 +450,10 @@ class _BackendGroup(WorkerGroup[W]):
     def __init__(self, cls: type[W], pool: ResourcePool | None = None, *, world_size: int | None = None,
                  args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                  env: Mapping[str, str] | None = None, name: str | None = None,
-                 local_results: int | None = None, ranks_per_process: int = 1) -> None:
+                 local_results: int | None = None, ranks_per_process: int = 1, restart: str = "none") -> None:
         super().__init__(cls, pool, world_size=world_size, args=args, kwargs=kwargs, env=env, name=name,
                          backend=backends.named(self._BACKEND), local_results=local_results,
-                         ranks_per_process=ranks_per_process)
+                         ranks_per_process=ranks_per_process, restart=restart)
 
 
 class RayWorkerGroup(_BackendGroup[W]):
@@ -459,6 +518,7 @@ def colocate(
     backend: str = "ray",
     local_results: int | None = None,
     ranks_per_process: int = 1,
+    restart: str = "none",
 ) -> Colocated:
     """Put several worker classes in the same processes (e.g. policy and reference).
 
@@ -467,7 +527,9 @@ def colocate(
     so that a later ordered call there (any role) takes one as its pipelined input from
     memory instead of through the controller (default 4, or ``ASYNCRL_LOCAL_RESULTS``;
     0 turns it off). `ranks_per_process`: ranks each process hosts (default 1; see
-    :class:`WorkerGroup`); without `world_size` a pool's bundles hold that many ranks each.
+    :class:`WorkerGroup`); without `world_size` a pool's bundles hold that many ranks each. `restart`: the
+    restart policy of the shared processes (see :class:`WorkerGroup`; ``"process"``: a lost process is replaced
+    alone, every role's view with it).
     """
     if not roles:
         raise ValueError("colocate() needs at least one role")
@@ -489,7 +551,7 @@ def colocate(
     if env and PROTECTED_ENV & set(env):
         raise ValueError(f"env may not set {sorted(PROTECTED_ENV & set(env))}")
     hs = HostSet(be, pool, n, specs, env or {}, name, owns_pool=owns, local_results=local_results,
-                 ranks_per_process=ranks_per_process)
+                 ranks_per_process=ranks_per_process, restart=restart)
     groups = {role: WorkerGroup(cls, backend=be, _hostset=hs, _role=role, name=f"{name}.{role}")
               for role, cls, _, _ in specs}
     return Colocated(hs, groups)

@@ -32,6 +32,11 @@ from asyncrl.pipelines.job.presets import twin
 from asyncrl.pipelines.twin.chaos import ENGINE_START_S, KINDS, REAL, plan, run_chaos
 
 
+VARIANTS = ("after", "before", "before_process")
+"""``after``: the code as it is; ``before``: a lost replica replaces the whole pool (``REPLACE_REPLICAS`` off);
+``before_process``: a lost process replaces the whole pool (``REPLACE_PROCESSES`` off)."""
+
+
 def config(a: argparse.Namespace, out: Path) -> Any:
     cfg = twin()
     t = cfg.trainer
@@ -52,8 +57,11 @@ def one(a: argparse.Namespace, kind: str, seed: int, work: Path, variant: str = 
     from asyncrl.pipelines.rollout import stream_rollout
 
     out = work / f"{kind}_{seed:02d}{'' if variant == 'after' else '_' + variant}"
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; use one of {', '.join(VARIANTS)}")
     cfg = config(a, out)
-    stream_rollout.REPLACE_REPLICAS = variant == "after"
+    stream_rollout.REPLACE_REPLICAS = variant != "before"
+    stream_rollout.REPLACE_PROCESSES = variant != "before_process"
     chaos = plan(kind, seed, replicas=a.replicas, replicas_per_process=a.per_process,
                  train_ranks=cfg.trainer.train_workers, steps=a.steps, node=a.per_process)
     r = asyncrl.run(run_chaos(cfg, chaos))
@@ -62,8 +70,10 @@ def one(a: argparse.Namespace, kind: str, seed: int, work: Path, variant: str = 
     return {
         "kind": kind, "seed": seed, "variant": variant, "ok": r.ok, "steps_s": sum(steps),
         "max_step_s": max(steps, default=0.0), "completed": r.completed, "error": r.error, "wall_s": r.wall_s,
-        "fired": r.fired, "restarts": [{k: x.get(k) for k in ("kind", "origin", "time_s", "interrupted_s")}
+        "fired": r.fired, "restarts": [{k: x.get(k) for k in ("kind", "origin", "time_s", "interrupted_s", "failed")}
                                        for x in r.restarts],
+        "processes_replaced": sum(1 for p in set(r.pids[0]) if r.pids[1] and p not in r.pids[1]),
+        "process_starts": r.process_starts,
         "resizes": r.resizes, "overruns": r.overruns, "max_wait_ratio": r.max_wait_ratio,
         "ledger": None if led is None else {"ok": led.ok, "samples": led.samples, "trained": led.trained,
                                             "lost": led.lost, "trained_twice": led.trained_twice,
@@ -75,7 +85,8 @@ def one(a: argparse.Namespace, kind: str, seed: int, work: Path, variant: str = 
 
 def table(rows: list[dict[str, Any]], k: int) -> list[str]:
     out = ["| fault | real? | runs | completed | ledger holds | lost | trained twice | max staleness (bound "
-           f"{k}) | longest wait / deadline | recoveries (replica / pool / restart / resize) | recovery s (mean) | "
+           f"{k}) | longest wait / deadline | recoveries (replica / process / pool / restart / resize) | "
+           "recovery s (mean) | "
            "faults fired |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for kind in [x for x in (*KINDS, "none") if any(r["kind"] == x for r in rows)]:
         rs = [r for r in rows if r["kind"] == kind]
@@ -83,16 +94,27 @@ def table(rows: list[dict[str, Any]], k: int) -> list[str]:
         stale = max((int(d) for x in led for d, n in x["staleness"].items() if n), default=0)
         rec = [x for r in rs for x in r["restarts"]]
         times = [x["time_s"] for x in rec if x.get("time_s") is not None]
-        kinds = "/".join(str(sum(x["kind"] == c for x in rec)) for c in ("replace_replica", "replace", "restart"))
+        kinds = "/".join(str(sum(x["kind"] == c for x in rec))
+                         for c in ("replace_replica", "replace_process", "replace", "restart"))
         fired = sum(1 for r in rs for f in r["fired"] if "error" not in f)
         missed = sum(1 for r in rs for f in r["fired"] if "error" in f)
         out.append(
             f"| {kind} | {'real' if REAL.get(kind) else 'simulated' if kind != 'none' else '-'} | {len(rs)} | "
             f"{sum(r['completed'] for r in rs)} | {sum(x['ok'] for x in led)} | {sum(x['lost'] for x in led)} | "
             f"{sum(x['trained_twice'] for x in led)} | {stale} | {max(r['max_wait_ratio'] for r in rs):.2f} | "
-            f"{kinds}/{sum(r['resizes'] for r in rs)} | {statistics.fmean(times) if times else 0:.1f} | "
+            f"{kinds}/{sum(r['resizes'] for r in rs)} | {_recovery(times, rs)} | "
             f"{fired}{f' ({missed} missed: target gone)' if missed else ''} |")
     return out
+
+
+def _recovery(times: list[float], rows: list[dict[str, Any]]) -> str:
+    """The mean recovery time of `rows`' recoveries (`times`: those that ended while their run went on); a process
+    replacement that ended after its run (its replicas' groups served by the others meanwhile) shows its new
+    process's start time instead."""
+    starts = [x for r in rows for x in r.get("process_starts", [])]
+    if times:
+        return f"{statistics.fmean(times):.1f}"
+    return f"after the run (new process up in {statistics.fmean(starts):.1f})" if starts else "-"
 
 
 def before_after(rows: list[dict[str, Any]]) -> list[str]:
@@ -113,6 +135,32 @@ def before_after(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def process_before_after(rows: list[dict[str, Any]]) -> list[str]:
+    """The ``node`` and ``preempt`` runs with and without per-process replacement, side by side."""
+    out = ["| fault | variant | runs | ledger holds | recoveries | processes restarted (mean) | recovery s (mean) | "
+           "new process start s (mean) | slowest step s (mean) | steps s (mean) | wall s (mean) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for kind in ("node", "preempt"):
+        for variant, what in (("before_process", "the whole pool replaced"), ("after", "the process replaced alone")):
+            rs = [r for r in rows if r["kind"] == kind and r.get("variant", "after") == variant]
+            if not rs or not any(r.get("variant") == "before_process" for r in rows if r["kind"] == kind):
+                continue
+            rec = [x for r in rs for x in r["restarts"]]
+            times = [x["time_s"] for x in rec if x.get("time_s") is not None]
+            procs = [r["processes_replaced"] for r in rs if "processes_replaced" in r]
+            starts = [x for r in rs for x in r.get("process_starts", [])]
+            out.append(f"| {kind} | {'before' if variant != 'after' else 'after'}: {what} | {len(rs)} | "
+                       f"{sum(bool(r['ledger'] and r['ledger']['ok']) for r in rs)} | "
+                       f"{'/'.join(sorted({x['kind'] for x in rec})) or '-'} ({len(rec)}) | "
+                       f"{statistics.fmean(procs) if procs else float('nan'):.1f} | "
+                       f"{f'{statistics.fmean(times):.1f}' if times else 'after the run'} | "
+                       f"{f'{statistics.fmean(starts):.1f}' if starts else '-'} | "
+                       f"{statistics.fmean(r['max_step_s'] for r in rs):.1f} | "
+                       f"{statistics.fmean(r['steps_s'] for r in rs):.1f} | "
+                       f"{statistics.fmean(r['wall_s'] for r in rs):.0f} |")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=64)
@@ -125,6 +173,9 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float, default=120.0, help="trainer.rollout_timeout_s of every run")
     p.add_argument("--before", type=int, default=0, metavar="N",
                    help="also run the first N kill seeds with per-replica replacement off (the whole pool replaced)")
+    p.add_argument("--before-process", type=int, default=0, metavar="N",
+                   help="also run the first N node and preempt seeds (of --kinds) with per-process replacement off "
+                        "(the whole pool replaced)")
     p.add_argument("--work-dir", default="runs/chaos")
     p.add_argument("--out", default="benchmarks/results/chaos.md")
     a = p.parse_args()
@@ -135,11 +186,14 @@ def main() -> None:
     have = {(r["kind"], r["seed"], r.get("variant", "after")) for r in done}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    # seed-major (the before/after runs after the first seed): a call stopped part-way leaves every kind with as
+    # seed-major (each seed's before runs beside its after runs): a call stopped part-way leaves every kind with as
     # many seeds as the others
     kinds = a.kinds.split(",")
-    todo = [(k, 0, "after") for k in kinds] + [("kill", s, "before") for s in range(a.before)]
-    todo += [(k, seed, "after") for seed in range(1, a.seeds) for k in kinds]
+    todo = []
+    for seed in range(max(a.seeds, a.before, a.before_process)):
+        todo += [(k, seed, "after") for k in kinds if seed < a.seeds]
+        todo += [("kill", seed, "before")] if seed < a.before else []
+        todo += [(k, seed, "before_process") for k in kinds if k in ("node", "preempt") and seed < a.before_process]
 
     def report() -> None:  # the table of every run so far (rewritten after each run: a long call is readable)
         rows = [r for r in done if r["kind"] in a.kinds.split(",") and r["seed"] < a.seeds
@@ -151,7 +205,9 @@ def main() -> None:
                           f"{a.time_scale}; {len(rows)} runs ({time.perf_counter() - t0:.0f} s this call).", "",
                           *table(rows, 2), "",
                           f"Per-replica replacement, before and after ({ENGINE_START_S:g} s simulated engine start, "
-                          "an assumption):", "", *before_after(done), ""])
+                          "an assumption):", "", *before_after(done), "",
+                          "Per-process replacement, before and after (a real SIGKILL or SIGTERM; a real process "
+                          "start, no simulated engine start):", "", *process_before_after(done), ""])
         write_result(a.out, text)
 
     for kind, seed, variant in todo:

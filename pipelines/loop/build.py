@@ -147,7 +147,7 @@ def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pool
     rollout pool's workers after one of them died. `ranks`: its workers (None: the config's starting size)."""
     return colocate(role_specs(cfg, overrides)[0], _two_pools(cfg, pools)[0], name="rollout",
                     world_size=ranks if ranks is not None else cfg.trainer.rollout_start,
-                    ranks_per_process=ranks_per_process(cfg))
+                    ranks_per_process=ranks_per_process(cfg), restart="process")
 
 
 def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
@@ -172,7 +172,7 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
     else:
         rpool, tpool = _two_pools(cfg, pools)
         rcol = colocate(rollout_roles, rpool, name="rollout", world_size=rollout_ranks or t.rollout_start,
-                        ranks_per_process=k)
+                        ranks_per_process=k, restart="process")  # (stateless: a lost process is replaced alone)
         tcol = colocate(train_roles, tpool, name="train", world_size=t.train_workers, ranks_per_process=k)
         parts = [rcol, tcol]
         cols = {**{r: rcol for r in rollout_roles}, **{r: tcol for r in train_roles}}

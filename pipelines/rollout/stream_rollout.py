@@ -32,10 +32,13 @@ the new engines hold at least their admission version. A resize or a preemption 
 with what their rows decoded (:meth:`StreamRollout.keep_rows`): the retry continues each row from its tokens
 (docs/nodes.md). One replica whose engine died (``ReplicaLostError``) is replaced alone: taken out of routing and
 weight loads, its groups issued again on the others, a new engine started in its process and loaded with the
-version the others hold, then routed to again (:meth:`StreamRollout._lose_replica`; a lost *process* breaks its
-worker group, and the pool is replaced). A restart (training worker fault) or a resume
-replaces the loop state whole: the groups a checkpoint recorded as admitted and not yet trained are
-admitted again first, in index order, with the same seeds (finished ones are regenerated, not kept).
+version the others hold, then routed to again (:meth:`StreamRollout._lose_replica`). A lost *process* of the
+rollout pool (its worker group has the ``"process"`` restart policy) is replaced the same way, alone: its replicas
+leave routing and weight loads, their groups are issued again on the other processes' replicas, a new process is
+started in its bundle and loaded with the version the others hold (:meth:`StreamRollout._lose_process`). A restart
+(training worker fault) or a resume replaces the loop state whole: the groups a checkpoint recorded as admitted and
+not yet trained are admitted again first, in index order, with the same seeds (finished ones are regenerated, not
+kept).
 
 Routing: each group is one call to one replica (``options(rank=r)``), scored there by the reward worker that
 shares its process (:data:`SCORE_IN_GENERATE`: one Ray call per group, and the controller reads the scores from
@@ -67,12 +70,12 @@ from asyncrl.pipelines.supervision.recovery import is_preemption
 from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evaluate_rest
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
-from asyncrl import RemoteError
+from asyncrl import GroupBrokenError, RemoteError, WorkerDiedError
 from asyncrl.pipelines.loop.deadlines import unwrap
-from asyncrl.pipelines.supervision.recovery import root_cause
+from asyncrl.pipelines.supervision.recovery import describe, root_cause
 
 __all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "SCORE_IN_GENERATE", "REPLACE_REPLICAS",
-           "balanced_order"]
+           "REPLACE_PROCESSES", "PROCESS_START_S", "balanced_order"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -95,6 +98,15 @@ REPLACE_REPLICAS = True
 """Replace a lost replica's engine alone (:meth:`StreamRollout._lose_replica`), its groups issued again on the other
 replicas meanwhile. False: the whole rollout pool is replaced for it (what the code did before; the chaos
 benchmark measures both)."""
+
+REPLACE_PROCESSES = True
+"""Replace a lost rollout process alone (:meth:`StreamRollout._lose_process`), its replicas' groups issued again on
+the other processes meanwhile. False: the whole rollout pool is replaced for it (what the code did before; the chaos
+benchmark measures both)."""
+
+PROCESS_START_S = 300.0
+"""How long a lost rollout process's replacement may take to start (placement, process, constructors) before the
+whole pool is replaced instead (no capacity for its bundle)."""
 
 
 @dataclass
@@ -138,6 +150,7 @@ class _Attempt:
         self.load: list[int] = []  # groups in flight per rollout rank (of the pool `load_epoch`)
         self.load_epoch = -1
         self.dead: set[int] = set()  # ranks of pool `epoch` whose engine died and is being replaced (not routed to)
+        self.lost: set[int] = set()  # those of `dead` whose process died and is being replaced
         self.loading = anyio.Lock()  # a weight load, or a replaced replica catching up with the loaded version
         self.tg: anyio.abc.TaskGroup | None = None  # the producer's task group (replicas' replacements run in it)
 
@@ -392,12 +405,20 @@ class StreamRollout:
         """Replace the rollout pool after `error` (once per fault: the other groups that saw it only
         wait for the replacement), or raise `error` when it is not a rollout-pool fault. A lost replica's engine
         (``ReplicaLostError`` of `rank`, the call's rank when it went to one) is replaced alone
-        (:meth:`_lose_replica`): its groups are issued again on the other replicas meanwhile."""
-        tr = self._trainer
+        (:meth:`_lose_replica`), as is a lost process of the pool (:meth:`_lose_process`): its groups are issued
+        again on the other replicas meanwhile."""
+        if not self.scaler.preempting(epoch) and self._lose_process(a, error, epoch, rank):
+            return
         if self._preempted(error, epoch) and await self.scaler.preempted(a, epoch, group):
             return  # the pool was resized away from the preempted worker; the caller issues its group again
         if self._lose_replica(a, error, epoch, rank):
             return
+        await self._replace_pool(a, error, epoch)
+
+    async def _replace_pool(self, a: _Attempt, error: Exception, epoch: int) -> None:
+        """Replace the whole rollout pool after `error` of pool `epoch` (once: the other groups that saw it only wait
+        for the replacement), or raise `error` when it is not a rollout-pool fault."""
+        tr = self._trainer
         async with a.replacing:
             if a.epoch != epoch:
                 return  # another group (or the weight loop) already replaced the pool
@@ -407,6 +428,7 @@ class StreamRollout:
             await tr.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
             a.dead.clear()  # a new pool: every engine new
+            a.lost.clear()
         await self._notify()
 
     def _lose_replica(self, a: _Attempt, error: Exception, epoch: int, rank: int | None) -> bool:
@@ -453,7 +475,8 @@ class StreamRollout:
                     await self._load_ranks(groups, s.exports[v], [rank])
         except Exception as e:  # noqa: BLE001 - the new engine failed too: the whole pool is replaced
             if a.epoch == epoch:
-                a.dead.discard(rank)
+                if rank not in a.lost:  # (else its process is being replaced: that replacement routes it again)
+                    a.dead.discard(rank)
                 await self._recover(a, e, epoch)
             return
         if a.epoch == epoch:
@@ -462,6 +485,83 @@ class StreamRollout:
                 a.load[rank] = 0
         record["time_s"] = time.perf_counter() - t0
         log.warning("trainer.replica_replaced", rank=rank, version=s.rollout_version,
+                    seconds=round(record["time_s"], 2))
+        await self._notify()
+
+    def _lose_process(self, a: _Attempt, error: Exception, epoch: int, rank: int | None) -> bool:
+        """Whether `error` is the death of a rollout-pool process (a ``WorkerDiedError`` of the rollout or reward
+        group, or a call refused at a rank of a lost process) that is replaced alone: the pool's worker group has
+        the ``"process"`` restart policy, groups are routed one per replica, weights go by the object store, a
+        replica of another process is alive and the restart policy allows replacements. Then the process's ranks
+        are taken out of routing and weight loads and its replacement runs beside the groups in flight
+        (:meth:`_replace_process`). A preemption *notice* (``PreemptedError``: the process still answers) is not a
+        death: the scaler hands its groups over (:meth:`StreamScaler.preempted`)."""
+        tr = self._trainer
+        e = root_cause(error)
+        groups = tr.groups
+        if groups is None or a.epoch != epoch:
+            return False
+        rollout = unwrap(groups.rollout)
+        if getattr(rollout, "restart", "none") != "process":
+            return False
+        ours = (groups.rollout.name, groups.reward.name)
+        if isinstance(e, GroupBrokenError):
+            r = e.ranks[0] if e.ranks and str(e).startswith(tuple(f"group {x!r}" for x in ours)) else None
+        else:
+            r = getattr(e, "rank", None) if getattr(e, "group", None) in ours else None
+        n = rollout.world_size
+        if not isinstance(r, int) or not 0 <= r < n:
+            return False
+        if r in a.lost:
+            return True  # already being replaced (also a notice its process sent before it exited)
+        if not isinstance(e, (WorkerDiedError, GroupBrokenError)):
+            return False
+        if r not in rollout.lost_ranks:
+            return True  # a call to its former process, replaced since: the group is simply issued again
+        if (not REPLACE_PROCESSES or a.tg is None or not ROUTE_GROUPS or records_rounds(tr.config)
+                or tr.weights.transport == "collective" or not tr.supervisor.can_replace(error)):
+            return False
+        ranks = rollout.process_ranks(r)
+        if len(a.dead | set(ranks)) >= n:
+            return False  # no replica left to route to: replace the pool
+        a.dead.update(ranks)
+        a.lost.update(ranks)
+        record = tr.supervisor.process_lost(error, ranks)
+        a.tg.start_soon(self._replace_process, a, ranks, epoch, error, record,
+                        name=f"replace rollout process of ranks {ranks}")
+        return True
+
+    async def _replace_process(self, a: _Attempt, ranks: list[int], epoch: int, error: Exception,
+                               record: dict[str, Any]) -> None:
+        """A new process for the lost rollout ranks `ranks` (``WorkerGroup.replace_process``: in its bundle, the
+        other processes left alone), loaded with the version the other replicas hold (under the weight loop's lock,
+        so none is loaded past it meanwhile); then its ranks are routed to again. When its start fails (or takes
+        longer than :data:`PROCESS_START_S`: no capacity), the whole pool is replaced for `error`."""
+        tr = self._trainer
+        s, groups = a.state, tr.groups
+        assert groups is not None
+        t0 = time.perf_counter()
+        try:
+            await unwrap(groups.rollout).replace_process(ranks[0], timeout_s=PROCESS_START_S)
+            async with a.loading:
+                v = s.rollout_version
+                if v > 0:
+                    await self._load_ranks(groups, s.exports[v], ranks)
+        except Exception as e:  # noqa: BLE001 - the new process failed: the whole pool is replaced
+            record["failed"] = describe(e)
+            log.warning("trainer.process_replacement_failed", ranks=ranks, error=describe(e))
+            if a.epoch == epoch:
+                await self._replace_pool(a, error, epoch)
+            return
+        if a.epoch == epoch:
+            a.dead.difference_update(ranks)
+            a.lost.difference_update(ranks)
+            if a.load_epoch == epoch:
+                for r in ranks:
+                    if r < len(a.load):
+                        a.load[r] = 0
+        record["time_s"] = time.perf_counter() - t0
+        log.warning("trainer.process_replaced", ranks=ranks, version=s.rollout_version,
                     seconds=round(record["time_s"], 2))
         await self._notify()
 

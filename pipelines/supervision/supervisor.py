@@ -181,6 +181,17 @@ class Supervisor:
         log.warning("trainer.replace_replica", error=describe(error), rank=rank)
         return record
 
+    def process_lost(self, error: Exception, ranks: list[int]) -> dict[str, Any]:
+        """A rollout-pool process died and is replaced alone, beside the others (streaming:
+        :meth:`StreamRollout._replace_process`; its ranks `ranks`); returns its ``restarts`` record (kind
+        ``replace_process``; the caller fills ``time_s`` once the new process serves, or ``failed`` when it did not
+        start and the pool was replaced). It does not count against ``max_restarts``: the pool and the run go on."""
+        record = fault_record("replace_process", error, from_step=self._trainer.state.policy_version,
+                              rank=ranks[0], ranks=list(ranks), time_s=None)
+        self.restarts.append(record)
+        log.warning("trainer.replace_process", error=describe(error), ranks=ranks)
+        return record
+
     def _recoveries(self) -> int:
         """Recoveries that count against ``trainer.restart.max_restarts`` (pool replacements and restarts)."""
         return sum(1 for r in self.restarts if r["kind"] in ("replace", "restart"))

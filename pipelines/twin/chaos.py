@@ -16,7 +16,8 @@ The faults (``KINDS``) and which are real:
   death; the process and its other replicas live on.
 * ``slow`` -- one replica 10x slower than the rest (**simulated**: its engine's costs times ten, from the start).
 * ``node`` -- a node of 8 replicas lost (**real**: SIGKILL of the process hosting them; run it with
-  ``replicas_per_process=8``).
+  ``replicas_per_process=8``). The rollout group has the ``"process"`` restart policy: that process alone is
+  replaced, the other processes' replicas serve on.
 * ``preempt`` -- a preemption wave (**real**: SIGTERM to a quarter of the rollout processes, at least two, within
   one step; a rollout worker answers a SIGTERM with its preemption notice, docs/nodes.md).
 * ``train`` -- a training rank lost (**real**: SIGKILL of the process hosting it; the run restarts from its newest
@@ -44,6 +45,7 @@ from asyncrl.roles import ReplicaLostError, RolloutWorker
 from asyncrl.pipelines.twin.workers import TwinPolicy
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.loop.deadlines import unwrap
 
 __all__ = ["KINDS", "ChaosEvent", "ChaosPlan", "ChaosResult", "ChaosRollout", "ChaosPolicy", "plan", "run_chaos",
            "check_chaos", "deadline_overruns"]
@@ -237,6 +239,12 @@ class ChaosResult:
     """The longest call over its deadline (a ratio; must stay <= 2)."""
     history: list[dict[str, Any]] = field(default_factory=list)
     """The run's per-step metrics."""
+    pids: tuple[list[int], list[int]] = ([], [])
+    """Each rollout rank's process id when the run started and when it ended (a rank whose process was replaced
+    has a new one; the others keep theirs; a replacement under way at the end is awaited)."""
+    process_starts: list[float] = field(default_factory=list)
+    """Seconds each replaced rollout process took to start (``WorkerGroup.replaced``: kill, placement, process,
+    constructors; a replacement the run outlasted or that finished after it)."""
 
     @property
     def ok(self) -> bool:
@@ -268,11 +276,15 @@ async def _fire(trainer: Any, ev: ChaosEvent, replicas_per_process: int, t0: flo
     return rec
 
 
-async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fired: list[dict[str, Any]]) -> None:
-    """Fire `chaos`'s events as the run reaches them (see :class:`ChaosEvent`). A wave (the events of one step)
-    takes its targets' processes as they are at its first event: a recovery its first signal starts does not
-    move the rest of the wave onto the new processes."""
+async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fired: list[dict[str, Any]],
+                 pids: list[int]) -> None:
+    """Fire `chaos`'s events as the run reaches them (see :class:`ChaosEvent`), after noting the rollout ranks'
+    process ids in `pids`. A wave (the events of one step) takes its targets' processes as they are at its first
+    event: a recovery its first signal starts does not move the rest of the wave onto the new processes."""
     t0 = time.perf_counter()
+    while trainer.groups is None:
+        await asyncio.sleep(0.02)
+    pids.extend(await trainer.groups.rollout.pid())
     wave_pids: dict[int, list[int]] = {}
     wave_t: dict[int, float] = {}
     for ev in chaos.events:
@@ -333,27 +345,48 @@ def deadline_overruns(trainer: Any) -> tuple[list[str], float]:
     return out, worst
 
 
-async def run_chaos(cfg: Any, chaos: ChaosPlan) -> ChaosResult:
+async def _pids_at_end(rollout: Any) -> tuple[list[int], list[float]]:
+    """Each rollout rank's process id once the run ended, and the seconds each replaced process took to start; a
+    process replacement still under way (the run may end before it, the others' replicas took its groups) is
+    awaited first."""
+    group = unwrap(rollout)
+    for p in sorted({group.process_ranks(r)[0] for r in group.lost_ranks}):
+        await group.replace_process(p)
+    return list(await rollout.pid()), [s for _, s in group.replaced]
+
+
+async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
+                    rollout: tuple[type, dict[str, Any]] | None = None) -> ChaosResult:
     """Run `cfg` (a twin config; ``trainer.output_dir`` is the run's) under `chaos` and check it
-    (:func:`check_chaos`)."""
-    overrides = {"rollout": (ChaosRollout, {"engine_start_s": ENGINE_START_S * cfg.twin.time_scale}),
+    (:func:`check_chaos`). `rollout`: ``(a ChaosRollout subclass, its extra keyword arguments)`` in place of
+    :class:`ChaosRollout` (a test's hooks)."""
+    cls, extra = rollout if rollout is not None else (ChaosRollout, {})
+    if not (isinstance(cls, type) and issubclass(cls, ChaosRollout)):
+        raise TypeError(f"rollout must be (a ChaosRollout subclass, kwargs), got {rollout!r}")
+    overrides = {"rollout": (cls, {"engine_start_s": ENGINE_START_S * cfg.twin.time_scale, **extra}),
                  "policy": (ChaosPolicy, {})}
     trainer = GRPOTrainer(cfg, worker_overrides=overrides)
     fired: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []
     error: str | None = None
     t0 = time.perf_counter()
+    pids: tuple[list[int], list[int]] = ([], [])
+    starts: list[float] = []
     async with trainer:
-        driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired))
+        driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired, pids[0]))
         try:
             history = await trainer.fit()
+            end, starts = await _pids_at_end(trainer.groups.rollout)
+            pids[1].extend(end)
         except Exception as e:  # noqa: BLE001 - a run that fails is a chaos result, not a crash of the table
             error = f"{type(e).__name__}: {e}"[:300]
             Path(cfg.trainer.output_dir, "chaos_error.log").write_text(traceback.format_exc())
         finally:
             driver.cancel()
             await asyncio.gather(driver, return_exceptions=True)
-    return check_chaos(trainer, history, chaos, fired=fired, error=error, wall_s=time.perf_counter() - t0)
+    res = check_chaos(trainer, history, chaos, fired=fired, error=error, wall_s=time.perf_counter() - t0)
+    res.pids, res.process_starts = pids, starts
+    return res
 
 
 def check_chaos(trainer: Any, history: list[dict[str, Any]], chaos: ChaosPlan, *, fired: list[dict[str, Any]],

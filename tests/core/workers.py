@@ -435,3 +435,21 @@ class WaitsInInit(Worker):
     @register()
     def ping(self) -> int:
         return self.rank
+
+
+class Restartable(Probe):
+    """A Probe whose start can be refused: when the file `gate` exists as a process starts, its constructor
+    raises (the file says ``fail``; the file is removed, so the next start succeeds) or waits until the file is
+    removed (``hang``: a start that never ends, as a bundle with no capacity)."""
+
+    def __init__(self, gate: str | None = None) -> None:
+        super().__init__()
+        if gate is None or not os.path.exists(gate):
+            return
+        with open(gate) as f:
+            how = f.read().strip()
+        if how == "fail":
+            os.remove(gate)
+            raise RuntimeError("start refused by the test's gate")
+        while os.path.exists(gate):  # a constructor that does not return (the test removes the file)
+            time.sleep(0.05)

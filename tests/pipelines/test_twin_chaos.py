@@ -1,17 +1,80 @@
 """Chaos in the cluster twin (pipelines/twin/chaos.py), the default suite's fast versions of the chaos table
 (benchmarks/chaos.py): seeded schedules, and real runs at 4 simulated replicas, 2 per process -- a replica that dies
-is replaced alone (simulated death, the real controller's recovery), a training rank's process SIGKILLed restarts
-the run from its checkpoint (a real fault); each completes with its ledger holding (nothing lost, nothing trained
-twice, every token within the bound) and no call past twice its deadline. Slow: a lost node (a process of replicas
+is replaced alone (simulated death, the real controller's recovery), a rollout process SIGKILLed while it holds a
+group is replaced alone (a real fault: the other process keeps its pid), a replacement that fails to start falls
+back to replacing the pool, a training rank's process SIGKILLed restarts the run from its checkpoint (a real fault);
+each completes with its ledger holding (nothing lost, nothing trained twice, every token within the bound) and no
+call past twice its deadline. Slow: a lost node (a process of replicas
 SIGKILLed), a preemption wave (SIGTERMs), a replica 10x slower, and the pool replaced whole when per-replica
 replacement is off."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from asyncrl import Dispatch, register
 from asyncrl.pipelines.job.presets import twin
-from asyncrl.pipelines.twin.chaos import KINDS, plan, run_chaos
+from asyncrl.pipelines.twin.chaos import KINDS, ChaosRollout, plan, run_chaos
+from tests.reliability.conftest import wait_for_file
+
+HOLD_S = 120.0
+"""Longest a held generation waits (only its process's SIGKILL is meant to end it)."""
+
+
+class HoldingRollout(ChaosRollout):
+    """The twin's rollout worker whose rank `hold_rank` holds its third prompt group, once a run (marker file
+    ``held`` in `gate`, holding its pid): its process is SIGKILLed while the run needs it (every admitted group is
+    trained), whatever the machine's timing. A process started after the hold (a replacement) writes ``started``,
+    and rank `wait_rank` holds its next group until then: the run goes on while the replacement starts, and cannot
+    end before. With `refuse`, the first process started after the hold fails its start (marker ``refused``)."""
+
+    def __init__(self, *args: Any, gate: str, hold_rank: int, wait_rank: int, refuse: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hold_dir, self._hold_rank, self._wait_rank = Path(gate), hold_rank, wait_rank
+        self._groups_seen, self._waited = 0, False
+        if not (self._hold_dir / "held").exists():
+            return
+        if refuse:
+            try:
+                os.close(os.open(self._hold_dir / "refused", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass  # refused once already: this start succeeds
+            else:
+                raise RuntimeError("the replacement's start refused by the test")
+        (self._hold_dir / "started").touch()
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_requests(self, batch: Any, max_new_tokens: int | None = None, temperature: float | None = None,
+                                seed: int | None = None, resume: dict[str, dict[str, Any]] | None = None) -> Any:
+        """``ChaosRollout.generate_requests``, held as the class says."""
+        self._groups_seen += 1
+        if self.rank == self._hold_rank and self._groups_seen == 3 and not (self._hold_dir / "held").exists():
+            # (held once already: a new process generates freely)
+            (self._hold_dir / "held.tmp").write_text(str(os.getpid()))
+            os.rename(self._hold_dir / "held.tmp", self._hold_dir / "held")  # (whole, once it exists)
+            await asyncio.sleep(HOLD_S)
+        elif self.rank == self._wait_rank and not self._waited and (self._hold_dir / "held").exists():
+            self._waited = True
+            deadline = time.monotonic() + HOLD_S
+            while not (self._hold_dir / "started").exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # (a file another process writes: nothing to await)
+        return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+
+
+async def _kill_held(gate: Path) -> int:
+    """SIGKILL the process whose group is held (once the hold began); returns its pid."""
+    await wait_for_file(gate / "held", HOLD_S)
+    pid = int((gate / "held").read_text())
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def test_schedules_are_seeded_and_land_inside_the_run():
@@ -66,6 +129,45 @@ async def test_a_training_rank_killed_restarts_from_its_checkpoint_and_the_ledge
     assert_holds(res)
     assert [r["kind"] for r in res.restarts] == ["restart"]  # a real SIGKILL: the run went back to a checkpoint
     assert res.ledger.rewinds == 1
+
+
+async def test_a_lost_rollout_process_is_replaced_alone_and_the_ledger_holds(ray_cluster, tmp_path):
+    """A real SIGKILL of the process of ranks 2 and 3 while it holds a group: that process alone is replaced (the
+    other process's pids unchanged), the run never stops, and every step completes with the ledger holding."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cfg = chaos_config(tmp_path / "run")
+    chaos = plan("none", 0, replicas=4, replicas_per_process=2, train_ranks=2, steps=8)
+    hooks = {"gate": str(gate), "hold_rank": 2, "wait_rank": 0}
+    run = asyncio.ensure_future(run_chaos(cfg, chaos, rollout=(HoldingRollout, hooks)))
+    killed = await _kill_held(gate)
+    res = await run
+    assert_holds(res)
+    before, after = res.pids
+    assert before[2] == before[3] == killed and before[0] == before[1] != killed
+    assert after[:2] == before[:2] and after[2] == after[3] and killed not in after  # that process alone
+    [rec] = res.restarts  # no pool replacement, no restart: the run went on
+    assert (rec["kind"], rec["ranks"]) == ("replace_process", [2, 3])
+    assert rec["origin"] in ("rollout.rollout", "rollout.reward")  # (whichever of its roles' calls saw it first)
+    assert "failed" not in rec and (gate / "started").exists()
+
+
+async def test_a_replacement_that_fails_to_start_falls_back_to_the_pool(ray_cluster, tmp_path):
+    """The new process's start fails (its constructor raises): the whole pool is replaced instead, and the run
+    still completes with the ledger holding."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cfg = chaos_config(tmp_path / "run")
+    chaos = plan("none", 0, replicas=4, replicas_per_process=2, train_ranks=2, steps=8)
+    hooks = {"gate": str(gate), "hold_rank": 0, "wait_rank": 2, "refuse": True}
+    run = asyncio.ensure_future(run_chaos(cfg, chaos, rollout=(HoldingRollout, hooks)))
+    killed = await _kill_held(gate)
+    res = await run
+    assert_holds(res)
+    assert [r["kind"] for r in res.restarts] == ["replace_process", "replace"]
+    assert "the replacement's start refused by the test" in res.restarts[0]["failed"]
+    assert res.restarts[0]["ranks"] == [0, 1] and (gate / "refused").exists()
+    assert killed not in res.pids[1] and not set(res.pids[1]) & set(res.pids[0])  # every process new
 
 
 @pytest.mark.slow

@@ -159,10 +159,8 @@ class Trainer(AsyncResource):
     @property
     def restarts(self) -> list[dict[str, Any]]:
         """One record per recovery: ``{"kind": "replace" | "restart" | "replace_replica" | "replace_process",
-        "error_type", "error", "origin", "from_checkpoint", "from_step", "time_s", "interrupted_s"}`` (``time_s``:
-        the recovery itself; ``interrupted_s``: how long training was held up by the fault, see docs/reliability.md;
-        a ``replace_replica`` record adds its ``rank``, a ``replace_process`` one its ``ranks`` and, when the new
-        process did not start and the pool was replaced instead, ``failed``)."""
+        "error_type", "error", "origin", "from_checkpoint", "from_step", "time_s", "interrupted_s"}``, plus the
+        lost ``rank``/``ranks`` and a failed replacement's ``failed`` (each field: docs/reliability.md)."""
         return self.supervisor.restarts
 
     @property

@@ -94,6 +94,7 @@ class StreamMode(RolloutMode):
     weights = "latest"
     splits_batches = False  # each group is routed whole to one replica
     hands_over = True
+    replaces_processes = True  # StreamRollout._lose_process
 
     def check(self, job: Any) -> None:
         """:func:`~asyncrl.pipelines.rollout.admission.check_stream`."""

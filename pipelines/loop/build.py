@@ -21,7 +21,7 @@ from asyncrl.pipelines.job.config import ConfigError, JobConfig
 from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pairs
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.journaling.rounds import recording_rollout
+from asyncrl.pipelines.journaling.rounds import recording_rollout, records_rounds
 from asyncrl.pipelines.twin.workers import twin_roles, twin_rollout
 from asyncrl.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker, RolloutWorker
 from asyncrl.roles.modeling.models import model_context_length, tokenizer_for
@@ -140,6 +140,17 @@ def _two_pools(cfg: JobConfig, pools: list[ResourcePool]) -> tuple[ResourcePool,
     return rpool, tpool
 
 
+def rollout_restart(cfg: JobConfig) -> str:
+    """The rollout pool's restart policy: ``"process"`` (a lost process breaks only its ranks, and the producer
+    replaces it alone) where the rollout mode does that (``RolloutMode.replaces_processes``), the run records no
+    engine rounds (an exact replay needs every rank's last rounds) and weights do not travel over a collective
+    channel (its group would lose a member); ``"none"`` otherwise: a lost process breaks the whole group, failing
+    every call in flight on it, and the pool is replaced."""
+    if cfg.trainer.mode().replaces_processes and not records_rounds(cfg) and cfg.weight_transport() != "collective":
+        return "process"
+    return "none"
+
+
 def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pools: list[ResourcePool],
                        ranks: int | None = None) -> Any:
     """A new, unstarted rollout-pool part (rollout and reward workers, colocated) on the rollout
@@ -147,7 +158,7 @@ def build_rollout_part(cfg: JobConfig, overrides: Mapping[str, Any] | None, pool
     rollout pool's workers after one of them died. `ranks`: its workers (None: the config's starting size)."""
     return colocate(role_specs(cfg, overrides)[0], _two_pools(cfg, pools)[0], name="rollout",
                     world_size=ranks if ranks is not None else cfg.trainer.rollout_start,
-                    ranks_per_process=ranks_per_process(cfg), restart="process")
+                    ranks_per_process=ranks_per_process(cfg), restart=rollout_restart(cfg))
 
 
 def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
@@ -172,7 +183,7 @@ def build_groups(cfg: JobConfig, overrides: Mapping[str, Any] | None = None, *,
     else:
         rpool, tpool = _two_pools(cfg, pools)
         rcol = colocate(rollout_roles, rpool, name="rollout", world_size=rollout_ranks or t.rollout_start,
-                        ranks_per_process=k, restart="process")  # (stateless: a lost process is replaced alone)
+                        ranks_per_process=k, restart=rollout_restart(cfg))
         tcol = colocate(train_roles, tpool, name="train", world_size=t.train_workers, ranks_per_process=k)
         parts = [rcol, tcol]
         cols = {**{r: rcol for r in rollout_roles}, **{r: tcol for r in train_roles}}

@@ -49,6 +49,10 @@ class RolloutMode:
     hands_over: bool = False
     """True when the rollout pool can be replaced beside generations in flight, handing them over
     (``trainer.rollout_autoscale``, ``preempt_rollout``, an elastic pool started beside the old one)."""
+    replaces_processes: bool = False
+    """True when the producer replaces a lost rollout process alone (the pool's group then gets the core's
+    ``"process"`` restart policy, where :func:`~asyncrl.pipelines.loop.build.rollout_restart` allows it); False:
+    a lost process breaks the pool's group, and the pool is replaced."""
 
     def check(self, job: Any) -> None:
         """Raise :class:`ConfigError` for a setting of `job` (a ``JobConfig``) this mode cannot run, saying

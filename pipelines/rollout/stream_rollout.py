@@ -229,7 +229,9 @@ class StreamRollout:
             try:
                 more: dict[str, Any] = {"resume": Broadcast(resume)} if resume else {}
                 generate = groups.rollout.generate_requests
-                fused = scores_in_generate(generate)
+                # scored in the call only when routed to one replica: a call split across the ranks must raise at
+                # the first rank's preemption notice (select, below), while its reply's summary waits for every rank
+                fused = rank is not None and scores_in_generate(generate)
                 if fused:
                     more["compute_reward"] = True
                 if rank is not None:
@@ -729,7 +731,8 @@ def scores_in_generate(generate: Any) -> bool:
     """Whether a group's scores come from its `generate` call (a ``generate_requests`` group method):
     :data:`SCORE_IN_GENERATE`, and the rollout class's method takes ``compute_reward`` and carries ``scores`` in
     its reply (``@register(..., summary=("scores", ...))``: ``RolloutWorker``'s does; a subclass that registers
-    its own must keep both). Else a score call follows it."""
+    its own must keep both), for a call routed to one replica. Else (and for a call split across the ranks: a run
+    that records its engines' rounds) a score call follows it."""
     spec = getattr(generate, "spec", None)
     return (SCORE_IN_GENERATE and spec is not None and "compute_reward" in spec.signature.parameters
             and "scores" in spec.summary)

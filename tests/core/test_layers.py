@@ -12,8 +12,7 @@ import ast
 import pathlib
 from dataclasses import dataclass
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = {"asyncrl": ROOT / "asyncrl", "asyncrl.roles": ROOT / "roles", "asyncrl.pipelines": ROOT / "pipelines"}
+from tests.core.test_import_cycles import PACKAGES, _modules  # (one reading of the project's modules)
 
 LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "asyncrl.pipelines": [
@@ -56,17 +55,6 @@ class Import:
     target: str
     line: int
     lazy: bool
-
-
-def _modules() -> dict[str, pathlib.Path]:
-    out = {}
-    for pkg, where in PACKAGES.items():
-        for path in where.rglob("*.py"):
-            parts = list(path.relative_to(where).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            out[".".join([pkg, *parts])] = path
-    return out
 
 
 def imports_of(name: str, source: str, *, is_package: bool, modules: set[str] | dict[str, object]) -> list[Import]:

@@ -9,7 +9,6 @@ and each such import is listed in :data:`LAZY` with its reason; a new one needs 
 from __future__ import annotations
 
 import ast
-import pathlib
 from dataclasses import dataclass
 
 from tests.core.test_import_cycles import PACKAGES, _modules  # (one reading of the project's modules)

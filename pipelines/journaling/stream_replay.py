@@ -59,6 +59,8 @@ asks anything else fails the replay with ``ReplayDivergedError`` naming the sess
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +143,7 @@ class StreamReplay(StreamRollout):
         self._handed = {e: ([int(g) for g in r["handed_over"]],  # pool epoch -> (groups handed over, their kept rows)
                             {int(g): {str(k): int(n) for k, n in rows.items()} for g, rows in r.get("rows", {}).items()})
                         for e, r in data.retires.items()}
+        self._loads: set[anyio.CancelScope] = set()  # the weight loads in flight, each shielded (_held_load)
 
     async def run(self) -> None:
         """Give each engine its rounds, then follow the journal's ``group`` and ``load`` records in order: issue
@@ -156,19 +159,54 @@ class StreamReplay(StreamRollout):
         await groups.rollout.replay_rank_rounds(self._pools[0], [True] * len(self._pools[0]))
         await self._notify()
         async with anyio.create_task_group() as tg:
-            for kind, n, v0 in self._order:
-                if kind == "resize":
-                    await self._resize(a, tg, n, v0)
-                    continue
-                if kind == "load":
-                    await s.wait_for(lambda n=n: s.exports.get(n) is not None)
-                    await tg.start(self._load, a, n, name=f"stream replay load {n}")
-                    continue
-                await s.wait_for(lambda v0=v0: s.exported >= v0)  # as the original: v0 <= its rollout version
-                adm.admit(n, v0)
-                a.next_group = max(a.next_group, n + 1)
-                await tg.start(self._group, a, n, v0, name=f"stream replay group {n}")
-            await anyio.sleep_forever()  # the train loop cancels it after the last step
+            with self._unshield_on_error():
+                for kind, n, v0 in self._order:
+                    if kind == "resize":
+                        await self._resize(a, tg, n, v0)
+                        continue
+                    if kind == "load":
+                        await s.wait_for(lambda n=n: s.exports.get(n) is not None)
+                        await tg.start(self._load, a, n, name=f"stream replay load {n}")
+                        continue
+                    await s.wait_for(lambda v0=v0: s.exported >= v0)  # as the original: v0 <= its rollout version
+                    adm.admit(n, v0)
+                    a.next_group = max(a.next_group, n + 1)
+                    await tg.start(self._group, a, n, v0, name=f"stream replay group {n}")
+                await anyio.sleep_forever()  # the train loop cancels it after the last step
+
+    @contextlib.contextmanager
+    def _held_load(self) -> Iterator[anyio.CancelScope]:
+        """A weight load's scope: shielded, as the run's weight loop (when the replay ends -- the train loop
+        cancels it after the last step -- with a load in flight, ``rollout_version`` must still name the
+        weights the engines hold), until the replay fails (:meth:`_unshield_on_error`)."""
+        with anyio.CancelScope(shield=True) as scope:
+            self._loads.add(scope)
+            try:
+                yield scope
+            finally:
+                self._loads.discard(scope)
+
+    @contextlib.contextmanager
+    def _unshield_on_error(self) -> Iterator[None]:
+        """Lift the shield of every load in flight when the code inside fails (a
+        :class:`ReplayDivergedError` above all): an engine holds a load until its recorded rounds need it,
+        and rounds that will never run (a hand-over refused, a group's calls failed) would hold it, and the
+        cancelled replay waiting for it, for ever."""
+        try:
+            yield
+        except Exception:
+            self._unshield()
+            raise
+
+    def _unshield(self) -> None:
+        for scope in list(self._loads):
+            scope.shield = False
+
+    async def _group(self, a: _Attempt, g: int, v0: int, *,
+                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """As the run's, lifting the loads' shields if it fails (:meth:`_unshield_on_error`)."""
+        with self._unshield_on_error():
+            await super()._group(a, g, v0, task_status=task_status)
 
     async def _load(self, a: _Attempt, v: int, *,
                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -181,7 +219,7 @@ class StreamReplay(StreamRollout):
         # shielded, as the run's weight loop: when the replay ends (the train loop cancels this after the last step)
         # with a load in flight, rollout_version must still name the weights the engines hold (the evaluation at the
         # end evaluates them)
-        with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+        with self._held_load(), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
             await tr.weights.load(groups, s.exports[v])
             s.rollout_version = max(s.rollout_version, v)
         for old in [x for x in s.exports if x < v]:
@@ -246,6 +284,9 @@ class StreamReplay(StreamRollout):
                             "the journal or its rounds.jsonl were edited, or the pool's rounds did not run as "
                             "recorded; replay the files the run wrote")
                 self.keep_rows(a, g, got, epoch)  # (the rows the record kept: keep_rows below)
+        except Exception:
+            self._unshield()
+            raise
         finally:
             a.handing.difference_update(handed)
             for g in handed:
@@ -264,7 +305,7 @@ class StreamReplay(StreamRollout):
         """Load version `v` into the new pool `groups` (issued before `task_status` returns)."""
         tr, s = self._trainer, a.state
         task_status.started()
-        with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+        with self._held_load(), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
             await tr.weights.load(groups, s.exports[v])  # (shielded as in _load)
             s.rollout_version = max(s.rollout_version, v)
         await self._notify()

@@ -106,7 +106,12 @@ async def test_closing_the_group_stops_a_replacement_that_never_starts(ray_clust
         await _lose_process(wg, 1)
         gate.write_text("hang")
         replacing = asyncio.ensure_future(wg.replace_process(1))
-        await asyncio.sleep(0)  # (it has begun: the old process killed, the new one starting)
+        started = tmp_path / "gate.started"
+
+        async def starting() -> bool:
+            return started.exists()
+
+        await until(starting)  # the old process killed, the new one's constructor running
         await wg.close()
         with pytest.raises(GroupClosedError, match="closed while a process was being replaced"):
             await replacing

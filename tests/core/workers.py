@@ -440,7 +440,8 @@ class WaitsInInit(Worker):
 class Restartable(Probe):
     """A Probe whose start can be refused: when the file `gate` exists as a process starts, its constructor
     raises (the file says ``fail``; the file is removed, so the next start succeeds) or waits until the file is
-    removed (``hang``: a start that never ends, as a bundle with no capacity)."""
+    removed (``hang``: a start that never ends, as a bundle with no capacity; it first writes its pid to
+    ``<gate>.started``, which a test can await)."""
 
     def __init__(self, gate: str | None = None) -> None:
         super().__init__()
@@ -451,5 +452,7 @@ class Restartable(Probe):
         if how == "fail":
             os.remove(gate)
             raise RuntimeError("start refused by the test's gate")
+        with open(gate + ".started", "w") as f:
+            f.write(str(os.getpid()))  # (the test awaits it: the new process is starting)
         while os.path.exists(gate):  # a constructor that does not return (the test removes the file)
             time.sleep(0.05)

@@ -207,22 +207,15 @@ class Checkpointer:
             loads.append(g.critic.load(str(path / "critic")))
         await asyncio.gather(*loads)
         step = int(state["step"])
-        s.start_step = step
-        s.policy_version = s.exported = step
-        s.next_gen = int(state["next_gen"])
-        tr.rollout.restore(state.get(tr.config.trainer.rollout_mode), s)
         ckpt.set_rng_state(state["rng"])
         if tr.evaluator is not None:
             tr.evaluator.restore(state.get("evals", []), step)
         if step > 0:  # the rollout engines start at version 0: give them the restored weights
-            exported = tr.weights.export(g)
-            await tr.weights.load(g, exported)
-            s.exports = {step: exported}
-            s.rollout_version = step
+            await tr.weights.restore(g, s, step)
         buffered = await anyio.to_thread.run_sync(lambda: torch.load(path / "buffer.pt", weights_only=True))
-        for b in buffered:
-            fut = g.advantage.echo(ckpt.plain_to_batch(b["batch"]))
-            s.restored.append(restored_batch(b, fut))
+        s.resume_at(step, int(state["next_gen"]),
+                    [restored_batch(b, g.advantage.echo(ckpt.plain_to_batch(b["batch"]))) for b in buffered])
+        tr.rollout.restore(state.get(tr.config.trainer.rollout_mode), s)
         log.info("checkpoint.restored", step=step, path=str(path), buffered=len(buffered))
         return [h for h in state.get("history", []) if h["step"] < step]
 

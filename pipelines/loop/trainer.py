@@ -311,9 +311,7 @@ class Trainer(AsyncResource):
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         finally:
-            # A run that failed trains no further step; its last precomputed calls finish or fail with
-            # their batch's generate (or with the groups, when they close), unawaited.
-            self.state.precomputed = None
+            self.precompute.forget(self.state)  # a run that failed trains no further step: unawaited
 
     async def _train_loop(self, loops: anyio.CancelScope) -> None:
         """Consumes RolloutBatch items; produces one policy version per step and its metrics."""
@@ -322,6 +320,7 @@ class Trainer(AsyncResource):
         for step in range(s.start_step, cfg.steps):
             t_wait = time.perf_counter()
             item = await self.rollout.take(step)
+            s.taken = step
             t0 = time.perf_counter()
             self.supervisor.note_resumed(step, item, t0)
             self.journal.step(step, item)
@@ -360,14 +359,14 @@ class Trainer(AsyncResource):
         act = w(stages.actor_update(g, adv), "actor_update", step=step)
         exported = w(self.weights.export(g), "export_weights", step=step)
         staleness = s.policy_version - item.version
-        await s.publish(s.policy_version + 1, exported)  # weight sync (policy side)
+        await self.weights.publish(s, s.policy_version + 1, exported)  # weight sync (policy side)
         self.precompute.issue_next(s, g, self.rollout)  # the next step's first stages, behind this export
         metrics: dict[str, Any] = {}
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))
         metrics.update(stages.mean_metrics(await act, "actor"))
         metrics.update(await self.report.samples(step, samples))  # done by now: cut before the update ran
-        s.policy_version += 1
+        s.trained()
         stats = s.buffer.statistics()
         metrics.update({
             "version": s.policy_version, "reward/mean": item.reward_mean,

@@ -241,8 +241,7 @@ class Supervisor:
         fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
                                       advantage=g.advantage), tr.config.trainer)
         g.rollout, g.reward = fresh.rollout, fresh.reward
-        s.rollout_version = 0  # new engines hold the initial weights
-        await tr.weights.prepare(tr.state)  # the new engines' weight dtype; a collective weight channel is reopened
+        await tr.weights.prepare(s)  # new engines: version 0, their weight dtype; a collective channel is reopened
 
     async def scale_rollout(self, n: int) -> None:
         """Resize the rollout pool to `n` workers on one node; returns once the new workers took over. Batch

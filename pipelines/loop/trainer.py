@@ -130,7 +130,7 @@ class Trainer(AsyncResource):
         self.loader: PromptLoader | None = None
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (``config.evaluation``); its ``records`` hold one row per evaluation."""
-        self.report = RunReport(self)
+        self.report = RunReport(self.config, self.tracer)
         self.initial_rng: dict[str, Any] | None = None
         """The RNG states at setup (a restart with no checkpoint starts from them)."""
         self.stop_reason: str | None = None
@@ -199,7 +199,7 @@ class Trainer(AsyncResource):
         self.initial_rng = ckpt.rng_state()
         if self.checkpoints.resume is not None:
             self.history = await self.checkpoints.restore(self.checkpoints.resume, self.state)
-        await self.report.open()
+        await self.report.open(self.state.start_step, self.history, self.evaluator)
         await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume)
         self._setup_done = True
         return self
@@ -276,7 +276,7 @@ class Trainer(AsyncResource):
         cfg = self.config.trainer
         self.event_loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
         self.started_at = time.perf_counter()
-        self.report.start()
+        self.report.start(self.state.start_step)
         self.fitting = True
         try:
             try:
@@ -294,14 +294,14 @@ class Trainer(AsyncResource):
         finally:
             self.fitting = False
             self.tracer.close()
-            await self.report.finish()
+            await self.report.finish(self.history, self.evaluator)
         return self.history
 
     async def _resume(self, recovered: Recovered) -> None:
         """After a restart: go on from the loop state the supervisor rebuilt (and the history up to it)."""
         self.state, self.history = recovered.state, recovered.history
-        await self.report.open()
-        self.report.rewind()
+        await self.report.open(self.state.start_step, self.history, self.evaluator)
+        self.report.rewind(self.state.start_step)
 
     async def _run_loops(self) -> None:
         try:

@@ -105,8 +105,11 @@ class Trainer(AsyncResource):
             )
         self.config = config.validate(simulated_policy=simulated_policy(worker_overrides, groups))
         t = config.trainer
-        self.checkpoints = Checkpointer(self, ckpt.resolve_resume(resume) if resume is not None else None)
-        """Checkpoint save and restore."""
+        self.weights = WeightSync(self.config, lambda: self.groups)
+        self.tracer = Tracer(enabled=t.trace)
+        self.checkpoints = Checkpointer(self.config, ckpt.resolve_resume(resume) if resume is not None else None,
+                                        groups=lambda: self.groups, rollout=lambda: self.rollout,
+                                        evaluator=lambda: self.evaluator, weights=self.weights, tracer=self.tracer)
         self.journal = RunJournal(self, replay)
         """The run journal (an observer of the loops)."""
         if self.config.buffer_capacity < t.max_staleness + 1:
@@ -117,10 +120,8 @@ class Trainer(AsyncResource):
         """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
         self.workers = Workers(self.config, worker_overrides)
         self._on_step = on_step
-        self.weights = WeightSync(self.config, lambda: self.groups)
         self.state = self.new_state()
         """Everything the loops share; a restart replaces it whole."""
-        self.tracer = Tracer(enabled=t.trace)
         self.precompute = Precompute(self.config, self.tracer.watch, lambda: self.stop_reason is not None)
         self.rollout: Rollout = t.mode().build(self)
         """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
@@ -265,7 +266,7 @@ class Trainer(AsyncResource):
     async def save_checkpoint(self) -> Path:
         """Write a checkpoint of the state after the last finished step (see
         :meth:`~asyncrl.pipelines.checkpoints.checkpointing.Checkpointer.save`)."""
-        return await self.checkpoints.save()
+        return await self.checkpoints.save(self.state, self.history)
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -335,7 +336,7 @@ class Trainer(AsyncResource):
             })
             self.history.append({"step": step, **metrics})
             self.report.step(step, metrics)
-            saved = await self.checkpoints.after_step(step)
+            saved = await self.checkpoints.after_step(step, s, self.history, self.started_at)
             if self._on_step is not None:
                 self._on_step(self, step, metrics)
             if self.stop_reason is not None and step + 1 < cfg.steps:

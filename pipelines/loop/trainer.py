@@ -110,7 +110,7 @@ class Trainer(AsyncResource):
         self.checkpoints = Checkpointer(self.config, ckpt.resolve_resume(resume) if resume is not None else None,
                                         groups=lambda: self.groups, rollout=lambda: self.rollout,
                                         evaluator=lambda: self.evaluator, weights=self.weights, tracer=self.tracer)
-        self.journal = RunJournal(self, replay)
+        self.journal = RunJournal(self.config, lambda: self.groups, replay)
         """The run journal (an observer of the loops)."""
         if self.config.buffer_capacity < t.max_staleness + 1:
             raise ConfigError(f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the "
@@ -201,7 +201,7 @@ class Trainer(AsyncResource):
         if self.checkpoints.resume is not None:
             self.history = await self.checkpoints.restore(self.checkpoints.resume, self.state)
         await self.report.open(self.state.start_step, self.history, self.evaluator)
-        await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume)
+        await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume, self.state, self.loader)
         self._setup_done = True
         return self
 
@@ -291,7 +291,7 @@ class Trainer(AsyncResource):
                     and (not self.history or self.history[-1]["step"] + 1 == cfg.steps)):
                 if ckpt.latest_checkpoint(self.output_dir) != ckpt.checkpoint_dir(self.output_dir, cfg.steps):
                     await self.save_checkpoint()
-            await self.journal.end()
+            await self.journal.end(self.state, self.rollout)
         finally:
             self.fitting = False
             self.tracer.close()

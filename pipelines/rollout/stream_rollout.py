@@ -285,7 +285,8 @@ class StreamRollout:
                 site = a.running.get(g)
                 noticed = notice_rounds(e)  # a SIGTERM's: the rank's last rounds, which exit with its process
                 if noticed is not None and site is not None:
-                    tr.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1])
+                    tr.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1],
+                                       after_step=s.taken)
                 if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
                         and self._preempted(e, epoch)):
                     # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those

@@ -284,7 +284,7 @@ class StreamScaler:
         # kept are those of the groups issued again (a call that returned while handed over drained)
         rows = {k: r for k, r in a.stopped.pop(old_epoch, {}).items() if k in again}
         await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
-                                 rows=rows)
+                                 after_step=s.taken, rows=rows)
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)

@@ -79,8 +79,8 @@ class Precomputed:
 class Generating(NamedTuple):
     """The batch the batch rollout is generating, issued and not yet buffered."""
 
-    index: int
-    """Its prompt batch index."""
+    step: int
+    """The train step it is for (its prompt batch index)."""
     version: int
     """The weight version it is generated with."""
     batch: Any

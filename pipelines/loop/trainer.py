@@ -105,6 +105,9 @@ class Trainer(AsyncResource):
             )
         self.config = config.validate(simulated_policy=simulated_policy(worker_overrides, groups))
         t = config.trainer
+        self.groups = with_deadlines(groups, t) if groups is not None else None
+        self.owns_groups = groups is None
+        """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
         self.weights = WeightSync(self.config, lambda: self.groups)
         self.tracer = Tracer(enabled=t.trace)
         self.checkpoints = Checkpointer(self.config, ckpt.resolve_resume(resume) if resume is not None else None,
@@ -115,9 +118,6 @@ class Trainer(AsyncResource):
         if self.config.buffer_capacity < t.max_staleness + 1:
             raise ConfigError(f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the "
                               f"{t.max_staleness + 1} batches rollout may run ahead; set it to at least max_staleness + 1")
-        self.groups = with_deadlines(groups, t) if groups is not None else None
-        self.owns_groups = groups is None
-        """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
         self.workers = Workers(self.config, worker_overrides)
         self._on_step = on_step
         self.state = self.new_state()

@@ -126,7 +126,7 @@ class BatchRollout:
             if step - it.version <= k:
                 return it.step, it.batch
         if s.generating is not None and step - s.generating.version <= k:
-            return s.generating.index, s.generating.batch
+            return s.generating.step, s.generating.batch
         return None
 
     async def _version_for(self, i: int) -> int:

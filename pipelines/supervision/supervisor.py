@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from asyncrl.pipelines.job.config import JobConfig
     from asyncrl.pipelines.datasets.evaluation import Evaluator
     from asyncrl.pipelines.loop.loop_state import LoopState
-    from asyncrl.pipelines.observe.reporting import RunReport
     from asyncrl.pipelines.loop.weights import WeightSync
 
 __all__ = ["Supervisor", "Recovered", "first_error"]
@@ -60,11 +59,9 @@ class SupervisorOwner(Protocol):
     config: JobConfig
     groups: Groups | None
     state: LoopState
-    history: list[dict[str, Any]]
     workers: Workers
     weights: WeightSync
     checkpoints: Checkpointer
-    report: RunReport
     journal: _Rewinds
     evaluator: Evaluator | None
     initial_rng: dict[str, Any] | None

@@ -64,14 +64,14 @@ def _owner(rows: int, steps: int, out: Path) -> SimpleNamespace:
     cfg.trainer.output_dir = str(out)
     cfg.validate()
     return SimpleNamespace(config=cfg, groups=SimpleNamespace(advantage=_Advantage(rows, steps), policy=_Policy()),
-                           state=LoopState.new(2, 1), loader=None, output_dir=out,
+                           state=LoopState.new(2, 1), loader=None,
                            rollout=SimpleNamespace(untrained=lambda: ([], [])))
 
 
 async def _ledger(rows: int, steps: int, out: Path) -> None:
     tr = _owner(rows, steps, out)
-    journal = RunJournal(tr)
-    journal.open(None)
+    journal = RunJournal(tr.config, lambda: tr.groups)
+    journal.open(None, tr.state, tr.loader)
     B = rows // G
     for step in range(steps):
         for g in range(step * B, (step + 1) * B):
@@ -80,7 +80,7 @@ async def _ledger(rows: int, steps: int, out: Path) -> None:
                             groups=list(range(step * B, (step + 1) * B)))
         journal.step(step, item)
         await asyncio.sleep(0)  # the train step's awaits: the measurement task runs beside it
-    await journal.end()
+    await journal.end(tr.state, tr.rollout)
     journal.close()
 
 

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio.to_thread
 import structlog
@@ -38,35 +38,29 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "buffered_record", "checkpoint_due", "restored_batch"]
 
 
-class CheckpointerOwner(Protocol):
-    """What :class:`Checkpointer` reads of the trainer that owns it."""
-
-    config: JobConfig
-    groups: Groups | None
-    state: LoopState
-    rollout: Rollout
-    tracer: Tracer
-    weights: WeightSync
-    evaluator: Evaluator | None
-    history: list[dict[str, Any]]
-    output_dir: Path
-    started_at: float
-
-
 log = structlog.get_logger("asyncrl.pipelines")
 
 
 class Checkpointer:
-    """Saves the trainer's state after a step and restores it into a fresh loop state.
+    """Saves the run's state after a step and restores it into a fresh loop state.
 
     Args:
-        trainer: the trainer whose state it saves.
+        config: the run's configuration (the checkpoint's directory, schedule and fingerprint).
         resume: the checkpoint the run starts from (already resolved), if any; its files are
             checked here, before any worker starts.
+        groups: the run's current groups (a restart or a rollout replacement swaps them).
+        rollout: the current rollout producer (what it keeps in a checkpoint, and when that is complete).
+        evaluator: the run's held-out evaluation, once set up (its records are saved and restored).
+        weights: the weight sync (a restored checkpoint's weights go to the rollout engines through it).
+        tracer: the run's tracer (a save is a span).
     """
 
-    def __init__(self, trainer: CheckpointerOwner, resume: Path | None) -> None:
-        self._trainer = trainer
+    def __init__(self, config: JobConfig, resume: Path | None, *, groups: Callable[[], Groups | None],
+                 rollout: Callable[[], Rollout], evaluator: Callable[[], Evaluator | None], weights: WeightSync,
+                 tracer: Tracer) -> None:
+        self._config, self._groups, self._rollout, self._evaluator = config, groups, rollout, evaluator
+        self._weights, self._tracer = weights, tracer
+        self._out = Path(config.trainer.output_dir)
         self.resume = resume
         """The checkpoint this run resumed from."""
         self.last_written: Path | None = None
@@ -75,7 +69,7 @@ class Checkpointer:
         """``time.perf_counter()`` of the newest checkpoint this trainer wrote (0: none yet)."""
         self._verified = False  # checkpoint file hashes checked
         self._data_digests: dict[str, str] | None = None  # the data files', hashed at the first save only
-        self._code_digests = code_digests(to_dict(trainer.config))  # the code files it imports, as it starts
+        self._code_digests = code_digests(to_dict(config))  # the code files it imports, as it starts
         if resume is not None:
             self._check_resume(resume)
 
@@ -85,7 +79,7 @@ class Checkpointer:
         return self.last_written or self.resume
 
     def _check_resume(self, path: Path) -> None:
-        cfg = self._trainer.config
+        cfg = self._config
         state = ckpt.read_state(path)
         saved = state.get("config") if isinstance(state.get("config"), dict) else {}
         if state.get("fingerprint") != config_fingerprint(cfg):
@@ -132,32 +126,32 @@ class Checkpointer:
         if self.resume is not None and not self._verified:
             await anyio.to_thread.run_sync(ckpt.verify, self.resume)
             state = ckpt.read_state(self.resume)
-            await anyio.to_thread.run_sync(_check_data, self.resume, state, self._trainer.config)
+            await anyio.to_thread.run_sync(_check_data, self.resume, state, self._config)
             self._verified = True
 
-    async def after_step(self, step: int) -> bool:
-        """Save when ``trainer.checkpoint_every`` steps are done or ``trainer.checkpoint_every_s`` seconds
-        passed since the last save or the run's start (not after the last step: the final checkpoint
-        is the run's); True when it saved."""
-        t = self._trainer.config.trainer
-        if checkpoint_due(t, step, now=time.perf_counter(), last=self.last_save_t or self._trainer.started_at):
-            await self.save()
+    async def after_step(self, step: int, s: LoopState, history: list[dict[str, Any]], started_at: float) -> bool:
+        """Save (:meth:`save`) when ``trainer.checkpoint_every`` steps are done or ``trainer.checkpoint_every_s``
+        seconds passed since the last save or the run's start `started_at` (not after the last step: the final
+        checkpoint is the run's); True when it saved."""
+        t = self._config.trainer
+        if checkpoint_due(t, step, now=time.perf_counter(), last=self.last_save_t or started_at):
+            await self.save(s, history)
             return True
         return False
 
-    async def save(self) -> Path:
-        """Write a checkpoint of the state after the last finished step (atomic). Waits until the
-        rollout loop has generated every batch the current versions allow, so the saved buffer is
-        complete."""
-        tr = self._trainer
-        g, t, s = tr.groups, tr.config.trainer, tr.state
+    async def save(self, s: LoopState, history: list[dict[str, Any]]) -> Path:
+        """Write a checkpoint of the loop state `s` after its last finished step, with the metrics `history`
+        (atomic). Waits until the rollout loop has generated every batch the current versions allow, so the
+        saved buffer is complete."""
+        g, cfg, rollout, evaluator = self._groups(), self._config, self._rollout(), self._evaluator()
+        t = cfg.trainer
         assert g is not None
         step = s.policy_version  # steps done == versions
-        await tr.rollout.settle_for_checkpoint(step)
-        final = ckpt.checkpoint_dir(tr.output_dir, step)
+        await rollout.settle_for_checkpoint(step)
+        final = ckpt.checkpoint_dir(self._out, step)
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         await anyio.to_thread.run_sync(_fresh_dir, tmp)
-        with tr.tracer.span("checkpoint", step=step):
+        with self._tracer.span("checkpoint", step=step):
             saves = [g.policy.save(str(tmp / "policy"))]
             if g.critic is not None:
                 saves.append(g.critic.save(str(tmp / "critic")))
@@ -170,23 +164,23 @@ class Checkpointer:
             state = {
                 "step": step, "policy_version": s.policy_version, "rollout_version": s.rollout_version,
                 "next_gen": s.next_gen, "dropped": s.buffer.statistics().dropped,
-                "rng": ckpt.rng_state(), "config": to_dict(tr.config),
-                "fingerprint": config_fingerprint(tr.config), "history": list(tr.history),
-                "evals": list(tr.evaluator.records) if tr.evaluator is not None else [],
+                "rng": ckpt.rng_state(), "config": to_dict(cfg),
+                "fingerprint": config_fingerprint(cfg), "history": list(history),
+                "evals": list(evaluator.records) if evaluator is not None else [],
             }
-            mode_state = tr.rollout.checkpoint_state()
+            mode_state = rollout.checkpoint_state()
             if mode_state is not None:
                 state[t.rollout_mode] = mode_state  # under the mode's name: "stream" as checkpoints always had
 
             def write() -> None:  # serialising, hashing, fsync: off the event loop
                 if self._data_digests is None:  # the run read its data once: hash it once, not every save
-                    self._data_digests = data_digests(tr.config.data)
+                    self._data_digests = data_digests(cfg.data)
                 state["data_digests"] = self._data_digests
                 state["code_digests"] = self._code_digests
                 torch.save(buffered, tmp / "buffer.pt")
                 (tmp / "state.json").write_text(json.dumps(state))
                 ckpt.commit(tmp, final)
-                ckpt.prune(tr.output_dir, t.keep_checkpoints)
+                ckpt.prune(self._out, t.keep_checkpoints)
 
             await anyio.to_thread.run_sync(write)
             self.last_written = final
@@ -198,8 +192,7 @@ class Checkpointer:
         """Load `path` into the workers and the fresh loop state `s`: weights, versions, data position, RNG,
         evaluations, and the buffered batches (re-homed on the training pool, put back in the buffer when the
         rollout loop starts). Returns the metrics history up to the checkpoint's step."""
-        tr = self._trainer
-        g = tr.groups
+        g, evaluator = self._groups(), self._evaluator()
         assert g is not None
         state = ckpt.read_state(path)
         loads = [g.policy.load(str(path / "policy"))]
@@ -207,22 +200,15 @@ class Checkpointer:
             loads.append(g.critic.load(str(path / "critic")))
         await asyncio.gather(*loads)
         step = int(state["step"])
-        s.start_step = step
-        s.policy_version = s.exported = step
-        s.next_gen = int(state["next_gen"])
-        tr.rollout.restore(state.get(tr.config.trainer.rollout_mode), s)
         ckpt.set_rng_state(state["rng"])
-        if tr.evaluator is not None:
-            tr.evaluator.restore(state.get("evals", []), step)
+        if evaluator is not None:
+            evaluator.restore(state.get("evals", []), step)
         if step > 0:  # the rollout engines start at version 0: give them the restored weights
-            exported = tr.weights.export(g)
-            await tr.weights.load(g, exported)
-            s.exports = {step: exported}
-            s.rollout_version = step
+            await self._weights.restore(g, s, step)
         buffered = await anyio.to_thread.run_sync(lambda: torch.load(path / "buffer.pt", weights_only=True))
-        for b in buffered:
-            fut = g.advantage.echo(ckpt.plain_to_batch(b["batch"]))
-            s.restored.append(restored_batch(b, fut))
+        s.resume_at(step, int(state["next_gen"]),
+                    [restored_batch(b, g.advantage.echo(ckpt.plain_to_batch(b["batch"]))) for b in buffered])
+        self._rollout().restore(state.get(self._config.trainer.rollout_mode), s)
         log.info("checkpoint.restored", step=step, path=str(path), buffered=len(buffered))
         return [h for h in state.get("history", []) if h["step"] < step]
 

@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import anyio.to_thread
 import structlog
@@ -38,18 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["RunJournal", "weights_digest"]
 
 
-class RunJournalOwner(Protocol):
-    """What :class:`RunJournal` reads of the trainer that owns it."""
-
-    config: JobConfig
-    groups: Groups | None
-    state: LoopState
-    loader: PromptLoader | None
-    output_dir: Path
-    rollout: Any
-    """The rollout producer (its ``untrained()`` names what the run leaves untrained at its end)."""
-
-
 log = structlog.get_logger("asyncrl.pipelines")
 
 
@@ -62,13 +50,18 @@ class RunJournal:
     """Writes ``<output_dir>/journal.jsonl`` as the loops run and holds the versions to follow.
 
     Args:
-        trainer: the trainer it observes.
+        config: the run's configuration (its fingerprint heads the journal; a replay must be the same config's).
+        groups: the run's current groups (a restart or a rollout replacement swaps them): the rows a step trains
+            and the rounds the engines ran are asked of them.
         replay: a run journal (or a run directory holding ``journal.jsonl``) whose batches this run
             generates with exactly the recorded weight versions; it must be the same config's.
     """
 
-    def __init__(self, trainer: RunJournalOwner, replay: str | Path | None = None) -> None:
-        self._trainer = trainer
+    def __init__(self, config: JobConfig, groups: Callable[[], Groups | None],
+                 replay: str | Path | None = None) -> None:
+        self._config, self._groups = config, groups
+        self._out = Path(config.trainer.output_dir)
+        self._loader: PromptLoader | None = None  # the run's prompts (given by open)
         self._file: Journal | None = None
         self._schedule: dict[int, int] = {}  # batch index -> weight version to follow
         self._replay: JournalData | None = None
@@ -82,44 +75,45 @@ class RunJournal:
         if replay is not None:
             self._replay = read_journal(replay)
             header = self._replay.header or {}
-            if header.get("fingerprint") != config_fingerprint(trainer.config):
-                diff = fingerprint_diff(header.get("config") or {}, to_dict(trainer.config))
+            if header.get("fingerprint") != config_fingerprint(config):
+                diff = fingerprint_diff(header.get("config") or {}, to_dict(config))
                 if not diff:
                     raise JournalError(f"the journal {str(replay)!r} was edited: its config does not hash to the "
                                        "fingerprint it records, so it is refused")
                 raise JournalError(f"the journal {str(replay)!r} was written by a different config (differs in: "
                                    f"{', '.join(diff)}); replay with the run's own config")
 
-    def open(self, resume: Path | None) -> None:
-        """Open the journal (blocking file I/O: call it in a thread): continue the resumed run's
-        (rewound to its checkpoint `resume`, following the versions it recorded after it), or
-        follow a replayed run's, or start a new one."""
-        tr = self._trainer
-        config = to_dict(tr.config)
-        header = {"fingerprint": config_fingerprint(tr.config), "config": config, "code_digests": code_digests(config)}
+    def open(self, resume: Path | None, s: LoopState, loader: PromptLoader | None) -> None:
+        """Open the journal (blocking file I/O: call it in a thread) at the loop state `s`'s position: continue
+        the resumed run's (rewound to its checkpoint `resume`, following the versions it recorded after it), or
+        follow a replayed run's, or start a new one. `loader`: the run's prompts (a batch's are journaled)."""
+        self._loader = loader
+        config = to_dict(self._config)
+        header = {"fingerprint": config_fingerprint(self._config), "config": config,
+                  "code_digests": code_digests(config)}
         previous = None
         source = resume.parent.parent / JOURNAL if resume is not None else None
         if source is not None and source.is_file():
             previous = read_journal(source)
-        if records_rounds(tr.config) and self._replay is None:
+        if records_rounds(self._config) and self._replay is None:
             header["rounds"] = ROUNDS
-            self._rounds = RoundFile(tr.output_dir / ROUNDS)
-            self._rounds.start(source.with_name(ROUNDS) if source is not None else None, tr.state.start_step)
-        self._ledger = LedgerFile(tr.output_dir / LEDGER)
-        self._ledger.start(source.with_name(LEDGER) if source is not None else None, tr.state.start_step)
-        self._file = Journal(tr.output_dir / JOURNAL)
-        schedule = self._file.start(header, previous=previous, next_gen=tr.state.next_gen,
-                                    start_step=tr.state.start_step, **_settled(tr.state))
+            self._rounds = RoundFile(self._out / ROUNDS)
+            self._rounds.start(source.with_name(ROUNDS) if source is not None else None, s.start_step)
+        self._ledger = LedgerFile(self._out / LEDGER)
+        self._ledger.start(source.with_name(LEDGER) if source is not None else None, s.start_step)
+        self._file = Journal(self._out / JOURNAL)
+        schedule = self._file.start(header, previous=previous, next_gen=s.next_gen,
+                                    start_step=s.start_step, **_settled(s))
         if self._replay is not None:
             schedule = self._replay.schedule()
             self._check_replay(self._replay)
         self._schedule = schedule
 
     def _check_replay(self, data: JournalData) -> None:
-        tr = self._trainer
-        assert tr.loader is not None
+        loader = self._loader
+        assert loader is not None
         for i, b in sorted(data.batches.items()):
-            if list(b["prompts"]) != tr.loader.indices(i) or int(b["seed"]) != batch_seed(tr.config, i):
+            if list(b["prompts"]) != loader.indices(i) or int(b["seed"]) != batch_seed(self._config, i):
                 raise JournalError(f"batch {i} of the journal has other prompts or another seed than this run "
                                    "would use; replay with the journal's config and data")
 
@@ -152,26 +146,27 @@ class RunJournal:
         """Streaming: step `step` chose its groups; fetch the engines' rounds since the last fetch (every round
         of those groups) and append them to ``rounds.jsonl`` -- in a task, so the step does not wait for the
         rollout workers' ordered lane (a weight update may hold it). `epoch`: rollout-pool replacements so far."""
-        tr = self._trainer
-        if self._rounds is not None and tr.groups is not None:
-            self._fetch_rounds(tr.groups.rollout, step, epoch)
+        groups = self._groups()
+        if self._rounds is not None and groups is not None:
+            self._fetch_rounds(groups.rollout, step, epoch)
 
     async def retired(self, rollout: Any, *, epoch: int, drained: list[int], handed_over: list[int],
-                      rows: dict[int, dict[str, int]] | None = None) -> None:
+                      after_step: int, rows: dict[int, dict[str, int]] | None = None) -> None:
         """Streaming: rollout pool `epoch` (`rollout`) is about to be closed by a resize, its groups drained
         (`drained`) or handed over (`handed_over`; `rows`: the decoding step, i.e. tokens kept, at which each
         handed-over row stopped, by group and request key): journal a ``retire`` record and append the rounds its engines
-        ran since their last fetch to ``rounds.jsonl`` (they would die with it), before it is closed (at most
+        ran since their last fetch to ``rounds.jsonl`` (as a line of `after_step`, the last step taken) (they would die with it), before it is closed (at most
         ``trainer.rollout_timeout_s``; a replay refuses a run whose retired pool's rounds are missing)."""
         if self._file is not None:
             self._file.retire(epoch=epoch, drained=drained, handed_over=handed_over, rows=rows or {})
         if self._rounds is not None:
-            self._fetch_rounds(rollout, self._trainer.state.taken, epoch, retired=True)
+            self._fetch_rounds(rollout, after_step, epoch, retired=True)
             await self._fetched()
 
-    def noticed(self, epoch: int, rank: int, size: int, rounds: list[dict[str, Any]]) -> None:
+    def noticed(self, epoch: int, rank: int, size: int, rounds: list[dict[str, Any]], *, after_step: int) -> None:
         """Streaming: rank `rank` of rollout pool `epoch` (`size` ranks) was told to stop by a SIGTERM and sent its
-        rounds since its last fetch with its notice (``PreemptedError.rounds``): append them as its line, after
+        rounds since its last fetch with its notice (``PreemptedError.rounds``): append them as its line of
+        `after_step` (the last step taken), after
         the fetches issued before (once per rank: each of its calls' errors carries the same rounds). Its process
         exits and the pool's later fetches fail (``lost``); a replay accepts that of a pool whose every rank sent
         its notice's rounds (none is left to decode)."""
@@ -180,7 +175,7 @@ class RunJournal:
         self._notices.add((epoch, rank))
         ranks: list[list[dict[str, Any]]] = [[] for _ in range(size)]
         ranks[rank] = list(rounds)
-        self._append_after(self._trainer.state.taken, epoch, None, ranks=ranks, notice=rank)
+        self._append_after(after_step, epoch, None, ranks=ranks, notice=rank)
 
     def _fetch_rounds(self, rollout: Any, step: int, epoch: int, retired: bool = False) -> None:
         """Fetch `rollout`'s rounds since its last fetch (the call issued now) and append them as pool `epoch`'s
@@ -222,7 +217,7 @@ class RunJournal:
         fetch = self._fetch
         if fetch is None or fetch.done():
             return
-        limit = self._trainer.config.trainer.rollout_timeout_s
+        limit = self._config.trainer.rollout_timeout_s
         done, _ = await asyncio.wait([fetch], timeout=limit)
         if not done:
             fetch.cancel()
@@ -235,10 +230,10 @@ class RunJournal:
 
     def batch(self, index: int, version: int) -> None:
         """Batch `index` was generated and scored with weights `version`."""
-        tr = self._trainer
-        if self._file is not None and tr.loader is not None:
-            self._file.batch(index, prompts=tr.loader.indices(index), seed=batch_seed(tr.config, index),
-                             version=version, rows=tr.config.trainer.batch_size)
+        loader = self._loader
+        if self._file is not None and loader is not None:
+            self._file.batch(index, prompts=loader.indices(index), seed=batch_seed(self._config, index),
+                             version=version, rows=self._config.trainer.batch_size)
 
     def step(self, step: int, item: RolloutBatch) -> None:
         """Step `step` trains on `item`: journal it, and measure its rows' generation (:meth:`_measure_rows`)."""
@@ -250,11 +245,11 @@ class RunJournal:
         """Ask the training pool for the rows of `batch` (``AdvantageWorker.ledger_rows``; the call issued now, so
         it runs before the step's own calls there) and append them to ``ledger.jsonl`` in a task, after the
         measurements issued before (a failed fetch is written as lost: the check reports the step unmeasured)."""
-        tr, file = self._trainer, self._ledger
-        if file is None or tr.groups is None:
+        groups, file = self._groups(), self._ledger
+        if file is None or groups is None:
             return
         try:
-            call: Any = tr.groups.advantage.ledger_rows(batch)
+            call: Any = groups.advantage.ledger_rows(batch)
         except AttributeError:  # a custom advantage worker without the method
             call = RuntimeError("the advantage worker has no ledger_rows")
         except Exception as e:  # noqa: BLE001 - a group that takes no call (closed): the step goes unmeasured
@@ -281,7 +276,7 @@ class RunJournal:
         task = self._measure
         if task is None or task.done():
             return
-        done, _ = await asyncio.wait([task], timeout=self._trainer.config.trainer.rollout_timeout_s)
+        done, _ = await asyncio.wait([task], timeout=self._config.trainer.rollout_timeout_s)
         if not done:
             task.cancel()
             log.warning("journal.ledger_timeout", detail="the last step's rows were not measured in time")
@@ -326,24 +321,25 @@ class RunJournal:
         if self._file is not None:
             self._file.drop(item.step, version=item.version, at_version=current)
 
-    async def end(self) -> None:
-        """The run finished (or stopped cleanly): record the steps done and the weights' digest."""
-        tr = self._trainer
-        if self._file is None or tr.groups is None:
+    async def end(self, s: LoopState, rollout: Any) -> None:
+        """The run finished (or stopped cleanly) at the loop state `s`: record the steps done, what `rollout`
+        (the producer) leaves untrained (its ``untrained()``), and the weights' digest."""
+        g = self._groups()
+        if self._file is None or g is None:
             return
         await self._fetched()
         await self._measured()
-        untrained = getattr(tr.rollout, "untrained", None)  # a rollout producer of one's own may not say
+        untrained = getattr(rollout, "untrained", None)  # a rollout producer of one's own may not say
         if untrained is not None:
             batches, groups = untrained()
             self._file.left(batches=batches, groups=groups)
         try:
-            sums = await tr.groups.policy.weights_checksum()
+            sums = await g.policy.weights_checksum()
         except AttributeError:  # a custom policy without checksums
             digest = None
         else:
             digest = weights_digest(sums)
-        self._file.end(tr.state.policy_version, digest)
+        self._file.end(s.policy_version, digest)
 
     def close(self) -> None:
         """Close the file (idempotent); a round-log fetch still running is cancelled."""

@@ -221,9 +221,8 @@ class StreamReplay(StreamRollout):
         # end evaluates them)
         with self._held_load(), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
             await tr.weights.load(groups, s.exports[v])
-            s.rollout_version = max(s.rollout_version, v)
-        for old in [x for x in s.exports if x < v]:
-            del s.exports[old]  # a load issued later holds its own export already
+            tr.weights.loaded(s, v)
+        tr.weights.drop_older(s, v)  # a load issued later holds its own export already
         await self._notify()
 
     async def _resize(self, a: _Attempt, tg: anyio.abc.TaskGroup, epoch: int, version: int) -> None:
@@ -307,7 +306,7 @@ class StreamReplay(StreamRollout):
         task_status.started()
         with self._held_load(), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
             await tr.weights.load(groups, s.exports[v])  # (shielded as in _load)
-            s.rollout_version = max(s.rollout_version, v)
+            tr.weights.loaded(s, v)
         await self._notify()
 
     async def _retire(self, a: _Attempt, old_rollout: Any, part: Any, pool: Any) -> None:

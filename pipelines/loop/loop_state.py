@@ -2,6 +2,14 @@
 
 A restart (:mod:`asyncrl.pipelines.supervision.supervisor`) builds a fresh one, restores a checkpoint into it
 and hands it back to the trainer, which goes on from it; nothing else in the trainer changes while the loops run.
+
+Each field has one writing module (``tests/pipelines/test_loop_state_writers.py`` reads the source and holds
+every module to it): the weight versions (``exports``, ``exported``, ``rollout_version``) are
+:class:`~asyncrl.pipelines.loop.weights.WeightSync`'s; the train loop's progress (``taken``) the trainer's;
+``generating`` the batch rollout's; ``precomputed`` precompute-ahead's; ``rollout_state`` the rollout
+mode's (:meth:`Rollout.restore`); the counters the loops wait on and a checkpoint's resume point
+(``policy_version``, ``start_step``, ``next_gen``, ``rollout_done``, ``restored``) this module's, through
+the named transitions of :class:`LoopState`.
 """
 
 from __future__ import annotations
@@ -9,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol, TypedDict
 
 from asyncrl import GroupFuture
 from asyncrl.pipelines.loop.buffer import StalenessBuffer
 
-__all__ = ["RolloutBatch", "Precomputed", "LoopState", "Rollout", "batch_seed"]
+__all__ = ["RolloutBatch", "Precomputed", "Generating", "ModeCheckpoint", "LoopState", "Rollout", "batch_seed"]
 
 
 @dataclass
@@ -68,6 +76,28 @@ class Precomputed:
                     f.cancel()
 
 
+class Generating(NamedTuple):
+    """The batch the batch rollout is generating, issued and not yet buffered."""
+
+    step: int
+    """The train step it is for (its prompt batch index)."""
+    version: int
+    """The weight version it is generated with."""
+    batch: Any
+    """Its generate future."""
+
+
+class ModeCheckpoint(TypedDict, total=False):
+    """A rollout mode's part of a checkpoint (:meth:`Rollout.checkpoint_state`, JSON under the mode's name in
+    ``state.json``). The keys below are those of a mode that journals prompt groups (streaming), which the
+    journal's rewind reads; a mode of its own may keep other JSON-able keys beside them."""
+
+    pending: list[int]
+    """The admitted, untrained prompt groups (admitted again first, with the same seeds)."""
+    next_group: int
+    """The next new prompt group's index (the groups below it that are not pending were settled)."""
+
+
 @dataclass(eq=False)
 class LoopState:
     """The shared state of one attempt at running the loops (a recovery starts a new one).
@@ -98,13 +128,13 @@ class LoopState:
     """The rollout loop generated its last batch."""
     restored: list[RolloutBatch] = field(default_factory=list)
     """Batches a restored checkpoint held, put back in the buffer when the rollout loop starts."""
-    generating: tuple[int, int, Any] | None = None
-    """``(index, version, generate future)`` of the batch being generated, not yet buffered."""
+    generating: Generating | None = None
+    """The batch being generated, not yet buffered (batch mode)."""
     taken: int = -1
     """The last step whose batch the train loop took out of the buffer."""
     precomputed: Precomputed | None = None
     """The next step's first stages, issued early (``trainer.precompute_log_probs``)."""
-    rollout_state: dict[str, Any] | None = None
+    rollout_state: ModeCheckpoint | None = None
     """The rollout mode's part of a restored checkpoint (its :meth:`Rollout.checkpoint_state`, put here by
     :meth:`Rollout.restore`; streaming: ``pending`` groups and ``next_group``, which also rewind the journal)."""
 
@@ -114,24 +144,37 @@ class LoopState:
         """A fresh state with an empty buffer of `capacity` batches."""
         return cls(buffer=StalenessBuffer(capacity, max_staleness, on_drop=on_drop))
 
-    async def publish(self, version: int, exported: GroupFuture[Any]) -> None:
-        """Weight sync, policy side: `version` is exported (its future) and may be loaded."""
+    def resume_at(self, step: int, next_gen: int, restored: list[RolloutBatch]) -> None:
+        """A checkpoint's resume point, before the loops start: `step` steps done (the policy's version), the
+        next batch to generate, and the batches it held (put back in the buffer when the rollout loop starts)."""
+        self.start_step = self.policy_version = step
+        self.next_gen = next_gen
+        self.restored = restored
+
+    def trained(self) -> None:
+        """The train loop finished a step: the policy is one version newer."""
+        self.policy_version += 1
+
+    def restored_buffered(self) -> None:
+        """The rollout loop put the restored batches back in the buffer."""
+        self.restored = []
+
+    async def generated(self, next_gen: int) -> None:
+        """The rollout loop buffered the batches below `next_gen` (wakes every waiter)."""
         async with self.cond:
-            self.exports[version] = exported
-            self.exported = version
+            self.next_gen = next_gen
+            self.cond.notify_all()
+
+    async def rollout_finished(self) -> None:
+        """The rollout loop generated its last batch (wakes every waiter)."""
+        async with self.cond:
+            self.rollout_done = True
             self.cond.notify_all()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Until `predicate()` holds (checked whenever a counter changes)."""
         async with self.cond:
             await self.cond.wait_for(predicate)
-
-    async def advance(self, **changes: Any) -> None:
-        """Set counters (``next_gen``, ``rollout_done``) and wake every waiter."""
-        async with self.cond:
-            for name, value in changes.items():
-                setattr(self, name, value)
-            self.cond.notify_all()
 
 
 def batch_seed(config: Any, index: int) -> int:
@@ -159,10 +202,10 @@ class Rollout(Protocol):
         """Before a checkpoint of the state after `step` steps is written: wait until what it saves of the
         rollout (the buffered batches, :meth:`checkpoint_state`) is complete for it."""
 
-    def checkpoint_state(self) -> dict[str, Any] | None:
+    def checkpoint_state(self) -> ModeCheckpoint | None:
         """What a checkpoint keeps of the rollout besides the buffered batches (JSON-able, saved under the
         mode's name in ``state.json``); None: nothing."""
 
-    def restore(self, saved: dict[str, Any] | None, state: LoopState) -> None:
+    def restore(self, saved: ModeCheckpoint | None, state: LoopState) -> None:
         """Put a checkpoint's :meth:`checkpoint_state` (None: it kept none) into the fresh loop state `state`
         the loops resume from (a resume, or a restart from that checkpoint)."""

@@ -118,6 +118,11 @@ class Precompute:
         if pre is not None:
             self._discard(pre)
 
+    def forget(self, s: LoopState) -> None:
+        """Drop the precomputed calls of the loop state `s` without cancelling them (a run that failed trains no
+        further step; they finish or fail with their batch's generate, or with the groups when they close)."""
+        s.precomputed = None
+
     def _discard(self, pre: Precomputed) -> None:
         pre.discard()
         self.stats["discarded"] += 1

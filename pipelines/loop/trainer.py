@@ -105,22 +105,23 @@ class Trainer(AsyncResource):
             )
         self.config = config.validate(simulated_policy=simulated_policy(worker_overrides, groups))
         t = config.trainer
-        self.checkpoints = Checkpointer(self, ckpt.resolve_resume(resume) if resume is not None else None)
-        """Checkpoint save and restore."""
-        self.journal = RunJournal(self, replay)
+        self.groups = with_deadlines(groups, t) if groups is not None else None
+        self.owns_groups = groups is None
+        """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
+        self.weights = WeightSync(self.config, lambda: self.groups)
+        self.tracer = Tracer(enabled=t.trace)
+        self.checkpoints = Checkpointer(self.config, ckpt.resolve_resume(resume) if resume is not None else None,
+                                        groups=lambda: self.groups, rollout=lambda: self.rollout,
+                                        evaluator=lambda: self.evaluator, weights=self.weights, tracer=self.tracer)
+        self.journal = RunJournal(self.config, lambda: self.groups, replay)
         """The run journal (an observer of the loops)."""
         if self.config.buffer_capacity < t.max_staleness + 1:
             raise ConfigError(f"trainer.buffer_capacity={self.config.buffer_capacity} cannot hold the "
                               f"{t.max_staleness + 1} batches rollout may run ahead; set it to at least max_staleness + 1")
-        self.groups = with_deadlines(groups, t) if groups is not None else None
-        self.owns_groups = groups is None
-        """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
         self.workers = Workers(self.config, worker_overrides)
         self._on_step = on_step
-        self.weights = WeightSync(self.config, lambda: self.groups)
         self.state = self.new_state()
         """Everything the loops share; a restart replaces it whole."""
-        self.tracer = Tracer(enabled=t.trace)
         self.precompute = Precompute(self.config, self.tracer.watch, lambda: self.stop_reason is not None)
         self.rollout: Rollout = t.mode().build(self)
         """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
@@ -130,7 +131,7 @@ class Trainer(AsyncResource):
         self.loader: PromptLoader | None = None
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (``config.evaluation``); its ``records`` hold one row per evaluation."""
-        self.report = RunReport(self)
+        self.report = RunReport(self.config, self.tracer)
         self.initial_rng: dict[str, Any] | None = None
         """The RNG states at setup (a restart with no checkpoint starts from them)."""
         self.stop_reason: str | None = None
@@ -199,8 +200,8 @@ class Trainer(AsyncResource):
         self.initial_rng = ckpt.rng_state()
         if self.checkpoints.resume is not None:
             self.history = await self.checkpoints.restore(self.checkpoints.resume, self.state)
-        await self.report.open()
-        await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume)
+        await self.report.open(self.state.start_step, self.history, self.evaluator)
+        await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume, self.state, self.loader)
         self._setup_done = True
         return self
 
@@ -265,7 +266,7 @@ class Trainer(AsyncResource):
     async def save_checkpoint(self) -> Path:
         """Write a checkpoint of the state after the last finished step (see
         :meth:`~asyncrl.pipelines.checkpoints.checkpointing.Checkpointer.save`)."""
-        return await self.checkpoints.save()
+        return await self.checkpoints.save(self.state, self.history)
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -276,7 +277,7 @@ class Trainer(AsyncResource):
         cfg = self.config.trainer
         self.event_loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
         self.started_at = time.perf_counter()
-        self.report.start()
+        self.report.start(self.state.start_step)
         self.fitting = True
         try:
             try:
@@ -290,18 +291,18 @@ class Trainer(AsyncResource):
                     and (not self.history or self.history[-1]["step"] + 1 == cfg.steps)):
                 if ckpt.latest_checkpoint(self.output_dir) != ckpt.checkpoint_dir(self.output_dir, cfg.steps):
                     await self.save_checkpoint()
-            await self.journal.end()
+            await self.journal.end(self.state, self.rollout)
         finally:
             self.fitting = False
             self.tracer.close()
-            await self.report.finish()
+            await self.report.finish(self.history, self.evaluator)
         return self.history
 
     async def _resume(self, recovered: Recovered) -> None:
         """After a restart: go on from the loop state the supervisor rebuilt (and the history up to it)."""
         self.state, self.history = recovered.state, recovered.history
-        await self.report.open()
-        self.report.rewind()
+        await self.report.open(self.state.start_step, self.history, self.evaluator)
+        self.report.rewind(self.state.start_step)
 
     async def _run_loops(self) -> None:
         try:
@@ -311,9 +312,7 @@ class Trainer(AsyncResource):
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         finally:
-            # A run that failed trains no further step; its last precomputed calls finish or fail with
-            # their batch's generate (or with the groups, when they close), unawaited.
-            self.state.precomputed = None
+            self.precompute.forget(self.state)  # a run that failed trains no further step: unawaited
 
     async def _train_loop(self, loops: anyio.CancelScope) -> None:
         """Consumes RolloutBatch items; produces one policy version per step and its metrics."""
@@ -322,6 +321,7 @@ class Trainer(AsyncResource):
         for step in range(s.start_step, cfg.steps):
             t_wait = time.perf_counter()
             item = await self.rollout.take(step)
+            s.taken = step
             t0 = time.perf_counter()
             self.supervisor.note_resumed(step, item, t0)
             self.journal.step(step, item)
@@ -336,7 +336,7 @@ class Trainer(AsyncResource):
             })
             self.history.append({"step": step, **metrics})
             self.report.step(step, metrics)
-            saved = await self.checkpoints.after_step(step)
+            saved = await self.checkpoints.after_step(step, s, self.history, self.started_at)
             if self._on_step is not None:
                 self._on_step(self, step, metrics)
             if self.stop_reason is not None and step + 1 < cfg.steps:
@@ -360,14 +360,14 @@ class Trainer(AsyncResource):
         act = w(stages.actor_update(g, adv), "actor_update", step=step)
         exported = w(self.weights.export(g), "export_weights", step=step)
         staleness = s.policy_version - item.version
-        await s.publish(s.policy_version + 1, exported)  # weight sync (policy side)
+        await self.weights.publish(s, s.policy_version + 1, exported)  # weight sync (policy side)
         self.precompute.issue_next(s, g, self.rollout)  # the next step's first stages, behind this export
         metrics: dict[str, Any] = {}
         if crit is not None:
             metrics.update(stages.mean_metrics(await crit, "critic"))
         metrics.update(stages.mean_metrics(await act, "actor"))
         metrics.update(await self.report.samples(step, samples))  # done by now: cut before the update ran
-        s.policy_version += 1
+        s.trained()
         stats = s.buffer.statistics()
         metrics.update({
             "version": s.policy_version, "reward/mean": item.reward_mean,

@@ -2,7 +2,10 @@
 
 The transport (``object_store``, ``collective``, ...) and the rollout's weight dtype are
 decided once per set of groups (:meth:`WeightSync.prepare`, kept on the ``WeightSync``); the
-exported versions themselves live in the loop state (``exports``).
+exported versions themselves live in the loop state (``exports``, ``exported``, ``rollout_version``),
+and this module is the only one that writes them: :meth:`WeightSync.publish` (policy side),
+:meth:`WeightSync.loaded` and :meth:`WeightSync.drop_older` (rollout side), :meth:`WeightSync.prepare`
+(new engines) and :meth:`WeightSync.restore` (a checkpoint's weights).
 """
 
 from __future__ import annotations
@@ -42,18 +45,44 @@ class WeightSync:
         """The rollout's weight dtype, which exports are cast to (learnt by :meth:`prepare`; None: as trained)."""
 
     async def prepare(self, s: LoopState) -> None:
-        """Learn the rollout's weight dtype and open the weight channel (``collective``) of the current groups;
-        with sleep level 2, stage version 0 in the loop state `s` so the rollout can reload it after its first
-        sleep."""
+        """The current groups' engines are new and hold the initial weights (version 0 in the loop state `s`):
+        learn the rollout's weight dtype and open the weight channel (``collective``); with sleep level 2, stage
+        version 0 in `s` so the rollout can reload it after its first sleep."""
         g, cfg = self._groups(), self._config
         t = cfg.trainer
         assert g is not None
+        s.rollout_version = 0
         if t.gpus_per_worker > 0 or self.transport != "object_store":
             self.dtype = await rollout_dtype(g.rollout)
         if self.transport == "collective":
             await open_weight_channel(g.policy, g.rollout, timeout_s=t.weight_sync_timeout_s)
         if self.sleep and cfg.rollout.sleep_level == 2 and s.exports.get(0) is None:
             s.exports[0] = self.export(g)
+
+    async def publish(self, s: LoopState, version: int, exported: GroupFuture[Any]) -> None:
+        """Policy side: `version` is exported (its future) and may be loaded (wakes every waiter of `s`)."""
+        async with s.cond:
+            s.exports[version] = exported
+            s.exported = version
+            s.cond.notify_all()
+
+    def loaded(self, s: LoopState, version: int) -> None:
+        """Rollout side: the engines hold `version` now (a load that completes after a newer one's moves nothing
+        back)."""
+        s.rollout_version = max(s.rollout_version, version)
+
+    def drop_older(self, s: LoopState, version: int) -> None:
+        """Forget the exports older than `version`: they are never loaded again."""
+        for old in [x for x in s.exports if x < version]:
+            del s.exports[old]
+
+    async def restore(self, g: Groups, s: LoopState, step: int) -> None:
+        """A checkpoint of `step` steps (> 0) was loaded into the policy: give the rollout engines, which start at
+        version 0, the restored weights, the only export of `s`."""
+        exported = self.export(g)
+        await self.load(g, exported)
+        s.exports = {step: exported}
+        s.exported = s.rollout_version = step
 
     def export(self, g: Groups) -> GroupFuture[Any]:
         """Issue ``export_weights`` of the policy's current weights."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable
 
 import anyio.to_thread
 import structlog
@@ -19,24 +20,11 @@ from asyncrl.roles.modeling.models import tokenizer_for
 
 if TYPE_CHECKING:
     from asyncrl.pipelines.loop.stages import Groups
-    from pathlib import Path
     from asyncrl.pipelines.job.config import JobConfig
     from asyncrl.pipelines.datasets.evaluation import Evaluator
-    from asyncrl.pipelines.loop.loop_state import LoopState
     from asyncrl.pipelines.observe.trace import Tracer
 
 __all__ = ["RunReport"]
-
-
-class RunReportOwner(Protocol):
-    """What :class:`RunReport` reads of the trainer that owns it."""
-
-    config: JobConfig
-    state: LoopState
-    tracer: Tracer
-    evaluator: Evaluator | None
-    history: list[dict[str, Any]]
-    output_dir: Path
 
 
 log = structlog.get_logger("asyncrl.pipelines")
@@ -45,10 +33,16 @@ log = structlog.get_logger("asyncrl.pipelines")
 class RunReport:
     """Writes each step's metrics (``metrics.jsonl``, TensorBoard) and sampled trajectories
     (``samples.jsonl``), shows progress, and writes ``trace.json`` and ``report.png`` at the end;
-    never changes what the loops do."""
+    never changes what the loops do.
 
-    def __init__(self, trainer: RunReportOwner) -> None:
-        self._trainer = trainer
+    Args:
+        config: the run's configuration (its ``trainer`` section says what to write, and where).
+        tracer: the run's tracer (its spans go to ``trace.json`` and ``report.png``; sampling calls are watched).
+    """
+
+    def __init__(self, config: JobConfig, tracer: Tracer) -> None:
+        self._config, self._tracer = config, tracer
+        self._out = Path(config.trainer.output_dir)
         self.metrics: MetricsWriter | None = None
         """The open metrics sinks (between setup and close)."""
         self.sampler: SamplesWriter | None = None
@@ -58,37 +52,34 @@ class RunReport:
         self.bar: Any = None
         """The progress bar of the ``fit`` in progress (``trainer.progress``)."""
 
-    async def open(self) -> None:
-        """(Re)open the metrics sinks at the loop state's first step (a restored run rewrites what follows)."""
-        tr = self._trainer
+    async def open(self, start_step: int, history: list[dict[str, Any]], evaluator: Evaluator | None) -> None:
+        """(Re)open the metrics sinks at `start_step`, the loop state's first step (a restored run rewrites what
+        follows), after the steps of `history` and the evaluations of `evaluator`."""
         await anyio.to_thread.run_sync(self.close)
-        t = tr.config.trainer
-        evals = list(tr.evaluator.records) if tr.evaluator is not None else []
+        cfg = self._config
+        t = cfg.trainer
+        evals = list(evaluator.records) if evaluator is not None else []
         self.metrics = await anyio.to_thread.run_sync(lambda: MetricsWriter(
-            tr.output_dir, tensorboard=t.tensorboard, start_step=tr.state.start_step, loggers=t.loggers,
-            wandb_project=t.wandb_project, config=to_dict(tr.config), wandb_id=self._wandb_id,
-            history=list(tr.history), evals=evals))
+            self._out, tensorboard=t.tensorboard, start_step=start_step, loggers=t.loggers,
+            wandb_project=t.wandb_project, config=to_dict(cfg), wandb_id=self._wandb_id,
+            history=list(history), evals=evals))
         self._wandb_id = self.metrics.wandb_id if self.metrics is not None else None
-        if tr.config.trainer.samples_per_step > 0:
-            self.sampler = await anyio.to_thread.run_sync(self._open_samples)
+        if t.samples_per_step > 0:
+            self.sampler = await anyio.to_thread.run_sync(
+                lambda: SamplesWriter(self._out, tokenizer_for(cfg.model), start_step=start_step))
 
-    def _open_samples(self) -> SamplesWriter:
-        tr = self._trainer
-        return SamplesWriter(tr.output_dir, tokenizer_for(tr.config.model), start_step=tr.state.start_step)
-
-    def start(self) -> None:
-        """A progress bar for the steps ``fit`` is about to run (when ``trainer.progress``)."""
-        tr = self._trainer
-        t = tr.config.trainer
+    def start(self, start_step: int) -> None:
+        """A progress bar for the steps ``fit`` is about to run, from `start_step` (when ``trainer.progress``)."""
+        t = self._config.trainer
         if t.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=t.steps, initial=tr.state.start_step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
-    def rewind(self) -> None:
-        """Show the restored state's step (after a restart)."""
+    def rewind(self, start_step: int) -> None:
+        """Show the restored state's first step `start_step` (after a restart)."""
         if self.bar is not None:
-            self.bar.n = self._trainer.state.start_step
+            self.bar.n = start_step
             self.bar.refresh()
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
@@ -100,7 +91,7 @@ class RunReport:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", stale=metrics["staleness/max"],
                             step_s=f"{metrics['time/step']:.2f}", refresh=False)
             bar.update(1)
-        if bar is not None and step % 10 and step + 1 != self._trainer.config.trainer.steps:
+        if bar is not None and step % 10 and step + 1 != self._config.trainer.steps:
             return  # the bar shows every step; the log gets every 10th
         log.info("train.step", step=step, reward=round(metrics["reward/mean"], 4),
                  staleness=metrics["staleness/max"], step_s=round(metrics["time/step"], 3),
@@ -109,8 +100,7 @@ class RunReport:
     def sample(self, g: "Groups", train_batch: Any, step: int, policy_version: int) -> Any:
         """Issue the cut of step `step`'s ``trainer.samples_per_step`` trajectories from its merged training
         batch (a call on the advantage worker, traced); None when the run samples none."""
-        tr = self._trainer
-        n = tr.config.trainer.samples_per_step
+        n = self._config.trainer.samples_per_step
         if n == 0:
             return None
         if not hasattr(g.advantage, "sample_trajectories"):  # an advantage class of one's own without the cut
@@ -120,9 +110,9 @@ class RunReport:
                             "samples.jsonl, or set trainer.samples_per_step=0")
                 self._warned_no_sampler = True
             return None
-        call = stages.sample_trajectories(g, train_batch, n=n, seed=tr.config.trainer.seed * 1_000_003 + step,
+        call = stages.sample_trajectories(g, train_batch, n=n, seed=self._config.trainer.seed * 1_000_003 + step,
                                           policy_version=policy_version)
-        return tr.tracer.watch(call, "sample_trajectories", step=step)
+        return self._tracer.watch(call, "sample_trajectories", step=step)
 
     async def samples(self, step: int, rows: Awaitable[list[dict[str, Any]]] | None) -> dict[str, float]:
         """Write step `step`'s sampled trajectories (awaited here, decoded and written in a thread); returns
@@ -147,20 +137,19 @@ class RunReport:
         if self.metrics is not None:
             self.metrics.write(version, row)
 
-    async def finish(self) -> None:
-        """Close the bar; write the trace and the plot (failures are logged: reports never hide the
-        run's own outcome)."""
-        tr = self._trainer
-        cfg = tr.config.trainer
+    async def finish(self, history: list[dict[str, Any]], evaluator: Evaluator | None) -> None:
+        """Close the bar; write the trace and the plot of `history` and `evaluator`'s evaluations (failures are
+        logged: reports never hide the run's own outcome)."""
+        cfg = self._config.trainer
         if self.bar is not None:
             self.bar.close()
         try:
             if cfg.trace:
-                await anyio.to_thread.run_sync(tr.tracer.write, tr.output_dir / "trace.json")
-            if cfg.plot and tr.history:
-                evals = list(tr.evaluator.records) if tr.evaluator is not None else None
+                await anyio.to_thread.run_sync(self._tracer.write, self._out / "trace.json")
+            if cfg.plot and history:
+                evals = list(evaluator.records) if evaluator is not None else None
                 # in a child process: matplotlib holds the GIL for long stretches (see report.py)
-                await draw_report(list(tr.history), list(tr.tracer.spans), tr.output_dir / "report.png", evals=evals)
+                await draw_report(list(history), list(self._tracer.spans), self._out / "report.png", evals=evals)
         except Exception as e:
             log.warning("report.failed", error=repr(e))
 

@@ -30,7 +30,7 @@ import structlog
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.rollout.sampling import fill_batch
 from asyncrl.pipelines.job.config import JobConfig
-from asyncrl.pipelines.loop.loop_state import LoopState, Rollout, RolloutBatch, batch_seed
+from asyncrl.pipelines.loop.loop_state import Generating, LoopState, ModeCheckpoint, Rollout, RolloutBatch, batch_seed
 from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class BatchRollout:
         self._putting = None  # (a restart's new attempt)
         for item in s.restored:
             await s.buffer.put(item)
-        s.restored = []
+        s.restored_buffered()
         i = s.next_gen
         while i < steps + s.buffer.statistics().dropped:
             await tr.supervisor.apply_scale(i)  # a pending scale_rollout, between two batches
@@ -103,8 +103,8 @@ class BatchRollout:
             self._putting = None
             s.generating = None  # in the buffer now
             i += 1
-            await s.advance(next_gen=i)
-        await s.advance(rollout_done=True)
+            await s.generated(i)
+        await s.rollout_finished()
 
     async def take(self, step: int) -> RolloutBatch:
         """The oldest buffered batch within the staleness bound of the policy (older ones are dropped)."""
@@ -113,7 +113,6 @@ class BatchRollout:
             item = await s.buffer.get(s.policy_version)
         except anyio.EndOfStream:
             raise RuntimeError(f"the rollout loop ended before step {step}") from None
-        s.taken = step
         return item
 
     def upcoming(self, step: int) -> tuple[int, Any] | None:
@@ -126,10 +125,8 @@ class BatchRollout:
         for it in s.buffer.peek_all():
             if step - it.version <= k:
                 return it.step, it.batch
-        if s.generating is not None:
-            i, version, gen = s.generating
-            if step - version <= k:
-                return i, gen
+        if s.generating is not None and step - s.generating.version <= k:
+            return s.generating.step, s.generating.batch
         return None
 
     async def _version_for(self, i: int) -> int:
@@ -163,16 +160,15 @@ class BatchRollout:
             if version > s.rollout_version:
                 with tr.tracer.span("weight_sync", track=g.rollout.name, version=version):
                     await sync.load(g, s.exports[version])  # weight sync (rollout side)
-                s.rollout_version = version
-                for v in [v for v in s.exports if v < version]:
-                    del s.exports[v]  # older exports are never loaded again
+                sync.loaded(s, version)
+                sync.drop_older(s, version)
             if tr.evaluator is not None and tr.evaluator.due(version):
                 await evaluate(tr, version)
             t0 = time.perf_counter()
             prompts = await anyio.to_thread.run_sync(loader.batch, i)  # off the loop: it grows with the batch
             gen = tr.tracer.watch(stages.generate(g, prompts, seed=batch_seed(tr.config, i)),
                                   "generate", step=i, version=version)
-            s.generating = (i, version, gen)
+            s.generating = Generating(i, version, gen)
             tr.precompute.issue_next(s, g, self)  # the train loop may be waiting for this very batch
             sc = tr.tracer.watch(stages.score(g, gen), "score", step=i)
             scores = (await sc)["scores"]
@@ -219,11 +215,11 @@ class BatchRollout:
         ahead = min(step + 1 + t.max_staleness, t.steps + s.buffer.statistics().dropped)
         await s.wait_for(lambda: s.rollout_done or s.next_gen >= ahead or step >= t.steps)
 
-    def checkpoint_state(self) -> dict[str, Any] | None:
+    def checkpoint_state(self) -> ModeCheckpoint | None:
         """None: a checkpoint keeps the buffered batches (``buffer.pt``) and ``next_gen``, nothing more."""
         return None
 
-    def restore(self, saved: dict[str, Any] | None, state: LoopState) -> None:
+    def restore(self, saved: ModeCheckpoint | None, state: LoopState) -> None:
         """Nothing beyond the buffered batches and ``next_gen`` (restored by the checkpointer)."""
 
 
@@ -262,7 +258,8 @@ async def evaluate_rest(tr: RolloutOwner) -> None:
         assert exported is not None
         with tr.tracer.span("weight_sync", track=g.rollout.name, version=v):
             await sync.load(g, exported)
-        s.rollout_version, needs_weights = v, False
+        sync.loaded(s, v)
+        needs_weights = False
         await evaluate(tr, v)
     if ev.due_final(final) and s.rollout_version == final:
         if needs_weights:

@@ -65,7 +65,7 @@ from asyncrl import Broadcast
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.journaling.rounds import records_rounds
 from asyncrl.pipelines.rollout.admission import Admission, groups_in_flight
-from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch, batch_seed
+from asyncrl.pipelines.loop.loop_state import LoopState, ModeCheckpoint, RolloutBatch, batch_seed
 from asyncrl.pipelines.supervision.recovery import is_preemption
 from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evaluate_rest
 from asyncrl.pipelines.rollout.sampling import group_stds
@@ -285,7 +285,8 @@ class StreamRollout:
                 site = a.running.get(g)
                 noticed = notice_rounds(e)  # a SIGTERM's: the rank's last rounds, which exit with its process
                 if noticed is not None and site is not None:
-                    tr.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1])
+                    tr.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1],
+                                       after_step=s.taken)
                 if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
                         and self._preempted(e, epoch)):
                     # the told-to-stop rank returned its rows; the other ranks still decode theirs: hand those
@@ -398,9 +399,8 @@ class StreamRollout:
                         else:
                             await tr.weights.load(groups, s.exports[v])
                     if a.epoch == epoch:  # else loaded into engines that were replaced meanwhile
-                        s.rollout_version = v
-                        for old in [x for x in s.exports if x < v]:
-                            del s.exports[old]  # older exports are never loaded again
+                        tr.weights.loaded(s, v)
+                        tr.weights.drop_older(s, v)
             except Exception as e:
                 await self._recover(a, e, epoch)
                 continue
@@ -691,7 +691,6 @@ class StreamRollout:
                             "sampling/min_group_std": min(f.reward_std for f in flights),
                             "stream/rejected_groups": float(st.rejected)})
         a.waits, a.wait_s, a.filtered = 0, 0.0, 0
-        s.taken = step
         return RolloutBatch(step=step, version=min(f.v0 for f in flights), batch=batch,
                             scores=batch.select("scores"),
                             reward_mean=sum(f.reward_mean for f in flights) / len(flights),
@@ -718,11 +717,11 @@ class StreamRollout:
     async def settle_for_checkpoint(self, step: int) -> None:
         """Nothing to wait for: streaming keeps no batches, its untrained groups are listed instead."""
 
-    def restore(self, saved: dict[str, Any] | None, state: LoopState) -> None:
+    def restore(self, saved: ModeCheckpoint | None, state: LoopState) -> None:
         """The run goes on from `saved`'s groups: its ``pending`` ones admitted again first, then ``next_group``."""
         state.rollout_state = saved
 
-    def checkpoint_state(self) -> dict[str, Any]:
+    def checkpoint_state(self) -> ModeCheckpoint:
         """What a checkpoint keeps of streaming: the admitted, untrained groups (regenerated on resume,
         first, with the same seeds) and the next new group's index."""
         a = self._attempt

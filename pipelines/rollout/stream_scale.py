@@ -261,9 +261,8 @@ class StreamScaler:
         a.epoch += 1  # a load into the old pool now does not count, and its failed groups are issued again
         tr.journal.resized(size_before=rec.size_before, size_after=n, reason=reason, version=loaded, epoch=a.epoch,
                            after_step=s.taken)
-        s.rollout_version = max(s.rollout_version, loaded)
-        for old in [x for x in s.exports if x < s.rollout_version]:
-            del s.exports[old]
+        tr.weights.loaded(s, loaded)
+        tr.weights.drop_older(s, s.rollout_version)
         await self._rollout.notify()
         log.info("trainer.scaled", rollout_workers=n, reason=reason, version=loaded, seconds=round(rec.start_s, 2))
         t1 = time.perf_counter()
@@ -285,7 +284,7 @@ class StreamScaler:
         # kept are those of the groups issued again (a call that returned while handed over drained)
         rows = {k: r for k, r in a.stopped.pop(old_epoch, {}).items() if k in again}
         await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
-                                 rows=rows)
+                                 after_step=s.taken, rows=rows)
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
             await tr.workers.close_rollout_part(old_part, old_pool)

@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from asyncrl.pipelines.job.config import JobConfig
     from asyncrl.pipelines.datasets.evaluation import Evaluator
     from asyncrl.pipelines.loop.loop_state import LoopState
-    from asyncrl.pipelines.observe.reporting import RunReport
     from asyncrl.pipelines.loop.weights import WeightSync
 
 __all__ = ["Supervisor", "Recovered", "first_error"]
@@ -60,11 +59,9 @@ class SupervisorOwner(Protocol):
     config: JobConfig
     groups: Groups | None
     state: LoopState
-    history: list[dict[str, Any]]
     workers: Workers
     weights: WeightSync
     checkpoints: Checkpointer
-    report: RunReport
     journal: _Rewinds
     evaluator: Evaluator | None
     initial_rng: dict[str, Any] | None
@@ -241,8 +238,7 @@ class Supervisor:
         fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
                                       advantage=g.advantage), tr.config.trainer)
         g.rollout, g.reward = fresh.rollout, fresh.reward
-        s.rollout_version = 0  # new engines hold the initial weights
-        await tr.weights.prepare(tr.state)  # the new engines' weight dtype; a collective weight channel is reopened
+        await tr.weights.prepare(s)  # new engines: version 0, their weight dtype; a collective channel is reopened
 
     async def scale_rollout(self, n: int) -> None:
         """Resize the rollout pool to `n` workers on one node; returns once the new workers took over. Batch

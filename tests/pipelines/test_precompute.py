@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from asyncrl import Dispatch, LocalWorkerGroup, register
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
+from asyncrl.pipelines.loop.loop_state import Generating
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
 from asyncrl.pipelines.loop.trainer import GRPOTrainer, PPOTrainer, RolloutBatch
@@ -276,12 +277,12 @@ async def test_the_precompute_names_the_batch_the_buffer_delivers(tmp_path):
     for it in items:
         trainer.buffer.put_nowait(it)
     gen = object()
-    trainer.state.generating = (6, 3, gen)
+    trainer.state.generating = Generating(6, 3, gen)
     assert trainer.rollout.upcoming(3) == (4, items[1].batch)  # batch 3 (version 1) is dropped at step 3
     assert (await trainer.buffer.get(3)) is items[1]
     assert trainer.rollout.upcoming(4) == (5, items[2].batch)
     assert (await trainer.buffer.get(4)) is items[2]
     assert trainer.rollout.upcoming(4) == (6, gen)  # nothing buffered: the batch in generation
     assert trainer.rollout.upcoming(5) is None  # version 3 is too stale for step 5
-    trainer.state.generating = (6, 2, gen)
+    trainer.state.generating = Generating(6, 2, gen)
     assert trainer.rollout.upcoming(4) is None  # it would be dropped; the one after is not issued yet

@@ -35,12 +35,12 @@ class LockstepRollout:
         self.generated = list((s.rollout_state or {}).get("generated", []))
         for item in s.restored:  # a checkpoint's buffered batches come first
             await s.buffer.put(item)
-        s.restored = []
+        s.restored_buffered()
         for i in range(s.next_gen, tr.config.trainer.steps):
             await s.wait_for(lambda: s.exported >= i)
             if i > s.rollout_version:
                 await tr.weights.load(g, s.exports[i])
-                s.rollout_version = i
+                tr.weights.loaded(s, i)
             t0 = time.perf_counter()
             prompts = await anyio.to_thread.run_sync(tr.loader.batch, i)
             gen = stages.generate(g, prompts, seed=batch_seed(tr.config, i))
@@ -50,8 +50,8 @@ class LockstepRollout:
             self.generated.append(i)
             await s.buffer.put(RolloutBatch(step=i, version=i, batch=gen, scores=scores, reward_mean=mean,
                                             gen_time=time.perf_counter() - t0))
-            await s.advance(next_gen=i + 1)
-        await s.advance(rollout_done=True)
+            await s.generated(i + 1)
+        await s.rollout_finished()
 
     async def take(self, step: int) -> RolloutBatch:
         s = self._tr.state

@@ -99,11 +99,17 @@ class DyingRollout(Rollout):
             raise
 
 
+def _die(what: str) -> None:
+    os._exit(1)
+
+
 class DyingPolicy(Policy):
     """The policy dies after sending the first bucket of a transfer."""
 
-    def _on_bucket_sent(self, what: str) -> None:
-        os._exit(1)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights.on_bucket_sent = _die
+
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def jump_to_version(self, version: int) -> None:
@@ -389,7 +395,7 @@ class PackingPolicy(Policy):
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def packed_buffer(self) -> int | None:
         """Address of the buffer an object_store stage with a cast packs into (None: no such stage yet)."""
-        held = (self._cast_scratch or {}).get("packed")
+        held = (self.weights._cast_scratch or {}).get("packed")
         return None if held is None else held.flat.data_ptr()
 
 

@@ -18,8 +18,8 @@ through the row's ``llm`` -- so a new kind of row is one such function::
 * ``round_log`` / ``replay_rounds`` -- the batcher's recorded rounds and their exact replay;
 * ``statistics`` -- what this rank's request-level generation did.
 
-The state it reads and writes (``engine``, ``config``, ``_batcher``, ``_episode_tasks``, ...) and the
-helpers it shares with batch generation (``_prompts``, ``_params``, ``_assemble``, ``_gate_event``,
+The state it reads and writes (``engine``, ``config``, ``_batcher``, ``_episode_tasks``, ``weights.version``,
+...) and the helpers it shares with batch generation (``_prompts``, ``_params``, ``_assemble``, ``_gate_event``,
 ``_check_weights``) are set up by ``RolloutWorker`` in :mod:`asyncrl.roles.generation.rollout`.
 """
 
@@ -47,6 +47,7 @@ from asyncrl.roles.engines.round_log import ReplayBatcher, RoundRecord
 
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig
+    from asyncrl.roles.weights.rollout_weights import RolloutWeights
 
 __all__ = ["RequestGenerationMixin", "RequestCall", "partial_row", "prefix_of"]
 
@@ -104,11 +105,10 @@ class RequestGenerationMixin:
         model: Any
         tokenizer: Any
         context_length: int
-        _version: int
+        weights: RolloutWeights
         _batcher: Any
         _episode_fn: Any
         _episode_tasks: set[asyncio.Task[Any]]
-        _updates: list[dict[str, Any]]
         _trajectories: list[int]
         _replay: list[dict[str, Any]] | None
         _replay_hold: bool
@@ -135,7 +135,7 @@ class RequestGenerationMixin:
         schedules requests itself (vLLM; `key` unused)."""
         if self._batcher is None:
             kwargs: dict[str, Any] = dict(max_batch_size=getattr(self.engine, "max_batch_size", 64),
-                                          chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+                                          chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self.weights.version,
                                           partial_rollout=self.config.partial_rollout)
             if self._replay is not None:
                 self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay],
@@ -157,12 +157,12 @@ class RequestGenerationMixin:
         if arequest is not None and self.config.partial_rollout != "off":
             async def versioned(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
                 self._check_weights()
-                return await arequest(ids, params, version_fn=lambda: self._version)
+                return await arequest(ids, params, version_fn=lambda: self.weights.version)
 
             return versioned
 
         async def submit(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
-            version = self._version
+            version = self.weights.version
             c = (await self.engine.generate([ids], params))[0]
             return Generation(c.response_ids, c.log_probs, c.finish_reason, versions=[version] * len(c.response_ids))
 
@@ -247,7 +247,7 @@ class RequestGenerationMixin:
         if agent:  # one width on every rank (their batches are concatenated): the longest prompt a row fits
             prompt_ids, prompt_mask = left_pad_prompts([t.prompt_ids for t in trajs], pad,
                                                        self.context_length - R)
-        fields = pack_trajectories(trajs, prompt_ids, prompt_mask, R, pad, self._version)
+        fields = pack_trajectories(trajs, prompt_ids, prompt_mask, R, pad, self.weights.version)
         if plain:  # a plain request's row keeps generate's layout (plus token_versions)
             for k in _EPISODE_FIELDS:
                 del fields[k]
@@ -490,8 +490,8 @@ class RequestGenerationMixin:
         if stats is None:
             engine_stats = getattr(self.engine, "request_statistics", None)
             stats = engine_stats() if engine_stats is not None else None
-        out: dict[str, Any] = {"version": self._version, "partial_rollout": self.config.partial_rollout,
-                               "updates": [dict(u) for u in self._updates], "trajectories": self._trajectories[0],
+        out: dict[str, Any] = {"version": self.weights.version, "partial_rollout": self.config.partial_rollout,
+                               "updates": [dict(u) for u in self.weights.updates], "trajectories": self._trajectories[0],
                                "spanning_trajectories": self._trajectories[1]}
         if stats is not None:
             out.update(asdict(stats) if not isinstance(stats, dict) else stats)

@@ -104,7 +104,7 @@ class MidUpdateRollout(FaultyRollout):
     def _request_engine(self) -> Any:
         if self._batcher is None:
             self._batcher = MidUpdateBatcher(self.engine, hold_seed=self._hold_seed, held=self._held, max_batch_size=64,
-                                             chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+                                             chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self.weights.version,
                                              partial_rollout=self.config.partial_rollout,
                                              record_rounds=self.config.record_rounds)
         return super()._request_engine()

@@ -9,15 +9,17 @@ Data flow of one ``generate`` call::
 
 This module holds the worker's construction and batch generation (``generate``,
 ``stream_generate``, ``submit``/``poll``). Its settings are :class:`RolloutConfig`
-(:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). Two more jobs live elsewhere:
+(:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). Two more jobs are objects the worker
+holds, each built with the values and callables it uses:
 
-* :mod:`asyncrl.roles.generation.rollout_requests` -- request-level generation (a mixin the worker composes):
-  multi-turn episodes, ``generate_requests`` (the streaming trainer's calls), the round log and its replay,
-  ``statistics``;
-* :mod:`asyncrl.roles.weights.rollout_weights` -- weight sync, an object the worker holds (``self.weights``,
-  a :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights`): the ``update_weights`` transaction (and its
-  partial-rollout path), the receiving side of the weight transports and ``sleep``/``wake_up``. The worker's
-  registered weight methods delegate to it; generation reads its version.
+* ``self.requests``, a :class:`~asyncrl.roles.generation.rollout_requests.RequestGeneration` -- request-level
+  generation: multi-turn episodes, ``generate_requests`` (the streaming trainer's calls), hand-overs, the round
+  log and its replay, ``statistics``;
+* ``self.weights``, a :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` -- weight sync: the
+  ``update_weights`` transaction (and its partial-rollout path), the receiving side of the weight transports and
+  ``sleep``/``wake_up``; generation reads its version.
+
+The worker's registered methods for both jobs are declared here, each a delegation to its object.
 
 Every row carries the version of the weights that generated all of its tokens.
 """
@@ -28,7 +30,6 @@ import asyncio
 import contextlib
 import hashlib
 import tempfile
-import threading
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
@@ -41,14 +42,12 @@ from asyncrl.roles._util import require, with_fields
 from asyncrl.roles.modeling.device import check_gpu_memory, place_model, resolve_placement
 from asyncrl.roles.engines import Completion, SamplingParams, make_engine
 from asyncrl.roles.errors import DeviceError, PromptTooLongError
-from asyncrl.roles.generation.preemption import PREEMPT_DEADLINE_S, on_sigterm
+from asyncrl.roles.generation.preemption import on_sigterm
 from asyncrl.roles.modeling.models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
 from asyncrl.roles.modeling.threads import core_share_for, release_core_share
 from asyncrl.roles.generation.rollout_config import RolloutConfig
-from asyncrl.roles.generation.rollout_requests import RequestCall, RequestGenerationMixin
+from asyncrl.roles.generation.rollout_requests import RequestGeneration
 from asyncrl.roles.weights.rollout_weights import Adoptable, RolloutWeights, unpack_weights
-from asyncrl.roles.agentic.agents import AgentEpisode
-from asyncrl.roles.agentic.environments import resolve_episode
 from asyncrl.roles.errors import ReplicaLostError
 
 __all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
@@ -71,11 +70,11 @@ class _Job:
         return [i for i, r in enumerate(self.results) if r is None]
 
 
-class RolloutWorker(RequestGenerationMixin, Worker):
+class RolloutWorker(Worker):
     """Generates responses for prompt batches and receives versioned policy weights.
 
-    Batch generation is here; request-level generation comes from a mixin, and weight sync is the
-    :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` it holds (``self.weights``; module docstring).
+    Batch generation is here; request-level generation and weight sync are the objects it holds
+    (``self.requests``, ``self.weights``; module docstring).
 
     Args:
         model: the model to sample from (its initial weights are version 0).
@@ -125,54 +124,19 @@ class RolloutWorker(RequestGenerationMixin, Worker):
         self._jobs: set[_Job] = set()
         self._streams: dict[str, tuple[_Job, asyncio.Future[None], int, int]] = {}
         self._stream_batches: dict[str, TensorDictBase] = {}
-        self._episode_fn = None
-        if self.config.episode is not None:
-            self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
-        elif self.config.agent is not None:
-            self._episode_fn = AgentEpisode(self.config.agent, context_length=self.context_length)
-        self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
-        self._episode_tasks: set[asyncio.Task[Any]] = set()
-        self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
-        self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
-        self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
-        self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
-        self._request_calls: dict[asyncio.Task[Any], RequestCall] = {}  # running generate_requests calls
-        self._reward_thread: Any = None  # generate_requests(compute_reward=True): the colocated reward's thread
-        self._notices: set[asyncio.Task[Any]] = set()  # hand-overs a SIGTERM started (held until they end)
+        episode_tasks: set[asyncio.Task[Any]] = set()  # request-level calls in flight (an update waits or reaches)
         self.weights = RolloutWeights(engine=self.engine, model=self.model, config=self.config,
                                       device=self.placement.device, rank=self.rank, gate=self._gate_event,
-                                      jobs=self._jobs, episode_tasks=self._episode_tasks,
+                                      jobs=self._jobs, episode_tasks=episode_tasks,
                                       batcher=self._running_batcher, load=self._engine_load)
-        on_sigterm(self._on_preemption_notice)
-
-    def _on_preemption_notice(self) -> None:
-        """SIGTERM (main thread, before the process exits): stop the running ``generate_requests`` calls at
-        their next decoding step, handing their rows over (:meth:`_hand_over_calls`); they raise
-        ``PreemptedError`` carrying what the rows decoded, and the process exits once they ended (at most
-        ``PREEMPT_DEADLINE_S`` later), so the controller learns of the notice before the process is gone."""
-        self._preempted = True
-        calls = list(self._request_calls.items())
-        ended = threading.Event()
-
-        def check(_: Any = None) -> None:
-            if all(task.done() for task, _ in calls):
-                ended.set()
-
-        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Task[Any], RequestCall]]] = {}
-        for task, call in calls:
-            loops.setdefault(call.loop, []).append((task, call))
-        for loop, mine in loops.items():
-            def start(mine: list[tuple[asyncio.Task[Any], RequestCall]] = mine,
-                      loop: asyncio.AbstractEventLoop = loop) -> None:
-                for t, _ in mine:
-                    t.add_done_callback(check)
-                task = loop.create_task(self._hand_over_calls(mine))
-                self._notices.add(task)
-                task.add_done_callback(self._notices.discard)
-
-            loop.call_soon_threadsafe(start)
-        if calls:
-            ended.wait(PREEMPT_DEADLINE_S)
+        self.requests = RequestGeneration(config=self.config, engine=lambda: self.engine, model=self.model,
+                                          tokenizer=self.tokenizer, context_length=self.context_length,
+                                          rank=self.rank, weights=self.weights, episode_tasks=episode_tasks,
+                                          gate=self._gate_event, check_weights=self._check_weights,
+                                          prompts=self._prompts, params=self._params,
+                                          replica_field=self._replica_field, colocated=self.colocated,
+                                          request_engine=self._request_engine)
+        on_sigterm(self.requests.on_preemption_notice)
 
     # ---- state --------------------------------------------------------------------------
 
@@ -312,7 +276,7 @@ class RolloutWorker(RequestGenerationMixin, Worker):
         `max_new_tokens`/`temperature` override the config for this call; `seed` is mixed
         into the derived sampling seed.
         """
-        if self._episode_fn is not None:
+        if self.requests.episodic:
             return await self.generate_episodes(batch, max_new_tokens, temperature, seed)
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
         prompts = self._prompts(batch, R)
@@ -473,11 +437,69 @@ class RolloutWorker(RequestGenerationMixin, Worker):
             await asyncio.to_thread(self.engine.load_weights, state.items())
 
     def _running_batcher(self) -> Any:
-        """The request batcher now running, or None; a replay's is built first (its weight updates wait until
-        its recorded rounds need them)."""
-        if self._batcher is None and self._replay is not None:
-            self._request_engine()
-        return self._batcher
+        """The request batcher now running, or None (``RequestGeneration.running_batcher``; what
+        ``self.weights`` pauses for a partial-rollout load)."""
+        return self.requests.running_batcher()
+
+    # ---- request-level generation: the registered face of self.requests (rollout_requests.py) ----
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None, *,
+                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
+                                max_in_flight: int | None = None) -> TensorDict:
+        """One episode per row (``RolloutConfig.episode`` or ``agent``, or `episode` for this call), all in
+        flight at once, in the layout of :meth:`generate` plus the episode fields
+        (``RequestGeneration.generate_episodes``)."""
+        return await self.requests.generate_episodes(batch, max_new_tokens, temperature, seed, episode=episode,
+                                                     episode_kwargs=episode_kwargs, max_in_flight=max_in_flight)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
+    async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None,
+                                resume: dict[str, dict[str, Any]] | None = None,
+                                compute_reward: bool = False) -> TensorDict:
+        """Every row through the request-level engine, so many concurrent calls (streaming rollout: one per
+        prompt group) share its decoding rounds; `resume` continues rows another replica handed over, and
+        `compute_reward` scores the rows with the colocated reward worker (``RequestGeneration.generate_requests``
+        says the layout, the seeds and the hand-over)."""
+        return await self.requests.generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def hand_over(self, seeds: list[int]) -> dict[int, dict[str, Any]]:
+        """Hand the running ``generate_requests`` calls of `seeds` over (a resize past its drain deadline);
+        returns what their rows decoded, ``{seed: {request key: row}}`` (``RequestGeneration.hand_over``). As a
+        group call, one dict per rank."""
+        return await self.requests.hand_over(seeds)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
+        """The request batcher's recorded rounds so far (``RolloutConfig.record_rounds``), as JSON-able dicts
+        (``RequestGeneration.round_log``); `clear` forgets what was returned. As a group call, one list per rank."""
+        return self.requests.round_log(clear)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def replay_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
+        """Replay `rounds` (a recorded :meth:`round_log`) bit for bit; call before any request-level generation
+        (``RequestGeneration.replay_rounds``). Returns the rounds."""
+        return self.requests.replay_rounds(rounds, hold_unknown)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def replay_rank_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
+        """:meth:`replay_rounds` with each rank's own recorded rounds (a group call takes one list per rank,
+        as :meth:`round_log` returned them, and `hold_unknown` once per rank)."""
+        return self.requests.replay_rank_rounds(rounds, hold_unknown)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def statistics(self) -> dict[str, Any]:
+        """What this rank's request-level generation did (``RequestGeneration.statistics``). As a group call, one
+        dict per rank."""
+        return self.requests.statistics()
+
+    def _request_engine(self) -> Any:
+        """``submit(prompt_ids, params, key=None) -> Generation`` of request-level generation
+        (``RequestGeneration.request_engine``; the seam test subclasses wrap)."""
+        return self.requests.request_engine()
 
     @register(Dispatch.ONE_TO_ALL)
     def restart_engine(self) -> int:
@@ -488,9 +510,7 @@ class RolloutWorker(RequestGenerationMixin, Worker):
         fail = getattr(old, "fail_in_flight", None)
         if fail is not None:
             fail(ReplicaLostError(f"rollout replica {self.rank}'s engine was replaced"))
-        if self._batcher is not None:
-            self._batcher._abort.set()
-            self._batcher = None
+        self.requests.drop_batcher()
         with contextlib.suppress(Exception):
             old.close()
         model_dir, engine_kwargs = self._engine_spec
@@ -500,16 +520,10 @@ class RolloutWorker(RequestGenerationMixin, Worker):
         return self.rank
 
     def on_close(self) -> None:
-        """Close the weight channel and the engine."""
+        """Close the weight channel, request-level generation and the engine."""
         self.weights.close()
-        if self._batcher is not None:
-            self._batcher._abort.set()
-        gateway = getattr(self._episode_fn, "gateway", None)  # rollout.agent: the worker's gateway
-        if gateway is not None:
-            gateway.request_stop()
+        self.requests.close()
         self.engine.close()
-        if self._reward_thread is not None:
-            self._reward_thread.shutdown(wait=False)
         release_core_share(self)
 
 

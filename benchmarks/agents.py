@@ -82,7 +82,7 @@ class GatewayBenchRollout(RolloutWorker):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         from asyncrl.roles.agentic.episodes import register_episode
 
-        self._agent_module = sys.modules[self._episode_fn.agent.__module__]
+        self._agent_module = sys.modules[self.requests._episode_fn.agent.__module__]
         register_episode("bench_chat", replace=True)(self._agent_module.chat_episode)
         self.engine_s: list[float] = []
 

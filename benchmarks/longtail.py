@@ -120,10 +120,10 @@ class LongtailRollout(RolloutWorker):
     def configure(self, partial: str | None = None) -> int:
         """Start a variant: weights version 0, the engine's counters and the peak RSS reset, partial
         rollout `partial` (None: off)."""
-        self._version = 0
+        self.weights.version = 0
         if hasattr(self.config, "partial_rollout"):
             self.config.partial_rollout = partial or "off"
-            self._updates = []
+            self.weights.updates = []
         elif partial is not None:
             raise RuntimeError("this RolloutWorker has no partial rollout (RolloutConfig.partial_rollout)")
         self._update_s: list[float] = []

@@ -105,7 +105,7 @@ class LoraBenchPolicy(PolicyWorker):
         from torch.distributed.tensor import DTensor
 
         seen, full, params = set(), 0, 0
-        for t in self._export_layout().values():  # the merged weights' names, shapes and ties (shards: whole shapes)
+        for t in self.weights.export_layout().values():  # the merged weights' names, shapes and ties (shards: whole shapes)
             local = t.to_local() if isinstance(t, DTensor) else t
             key = (local.untyped_storage().data_ptr(), local.storage_offset())
             if key not in seen:  # a tied weight once, as the object-store sync packs it

@@ -115,7 +115,7 @@ class BenchPolicy(PolicyWorker):
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def bucketed(self, on: bool) -> None:
         """Stage collective snapshots in the channel's buckets (the fix) or per tensor (before it)."""
-        self._bucketed_snapshots = on
+        self.weights.bucketed_snapshots = on
 
 
 class BenchRollout(RolloutWorker):

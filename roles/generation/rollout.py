@@ -9,12 +9,17 @@ Data flow of one ``generate`` call::
 
 This module holds the worker's construction and batch generation (``generate``,
 ``stream_generate``, ``submit``/``poll``). Its settings are :class:`RolloutConfig`
-(:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). The worker composes two mixins, each one job:
+(:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). Two more jobs are objects the worker
+holds, each built with the values and callables it uses:
 
-* :mod:`asyncrl.roles.generation.rollout_requests` -- request-level generation: multi-turn episodes,
-  ``generate_requests`` (the streaming trainer's calls), the round log and its replay, ``statistics``;
-* :mod:`asyncrl.roles.weights.rollout_weights` -- weight sync: the ``update_weights`` transaction (and its
-  partial-rollout path), weight transports and ``sleep``/``wake_up``.
+* ``self.requests``, a :class:`~asyncrl.roles.generation.rollout_requests.RequestGeneration` -- request-level
+  generation: multi-turn episodes, ``generate_requests`` (the streaming trainer's calls), hand-overs, the round
+  log and its replay, ``statistics``;
+* ``self.weights``, a :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` -- weight sync: the
+  ``update_weights`` transaction (and its partial-rollout path), the receiving side of the weight transports and
+  ``sleep``/``wake_up``; generation reads its version.
+
+The worker's registered methods for both jobs are declared here, each a delegation to its object.
 
 Every row carries the version of the weights that generated all of its tokens.
 """
@@ -25,28 +30,24 @@ import asyncio
 import contextlib
 import hashlib
 import tempfile
-import threading
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from asyncrl import Dispatch, Worker, register
+from asyncrl import Dispatch, Execute, Worker, register
 
 from asyncrl.roles._util import require, with_fields
 from asyncrl.roles.modeling.device import check_gpu_memory, place_model, resolve_placement
 from asyncrl.roles.engines import Completion, SamplingParams, make_engine
 from asyncrl.roles.errors import DeviceError, PromptTooLongError
-from asyncrl.roles.generation.preemption import PREEMPT_DEADLINE_S, on_sigterm
+from asyncrl.roles.generation.preemption import on_sigterm
 from asyncrl.roles.modeling.models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
 from asyncrl.roles.modeling.threads import core_share_for, release_core_share
 from asyncrl.roles.generation.rollout_config import RolloutConfig
-from asyncrl.roles.generation.rollout_requests import RequestCall, RequestGenerationMixin
-from asyncrl.roles.weights.rollout_weights import WeightSyncMixin, unpack_weights
-from asyncrl.roles.weights.weight_channel import WeightChannel
-from asyncrl.roles.agentic.agents import AgentEpisode
-from asyncrl.roles.agentic.environments import resolve_episode
+from asyncrl.roles.generation.rollout_requests import RequestGeneration
+from asyncrl.roles.weights.rollout_weights import Adoptable, RolloutWeights, unpack_weights
 from asyncrl.roles.errors import ReplicaLostError
 
 __all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
@@ -69,11 +70,11 @@ class _Job:
         return [i for i, r in enumerate(self.results) if r is None]
 
 
-class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
+class RolloutWorker(Worker):
     """Generates responses for prompt batches and receives versioned policy weights.
 
-    Batch generation is here; request-level generation and weight sync come from the mixins
-    (module docstring).
+    Batch generation is here; request-level generation and weight sync are the objects it holds
+    (``self.requests``, ``self.weights``; module docstring).
 
     Args:
         model: the model to sample from (its initial weights are version 0).
@@ -93,7 +94,6 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
             self.model = built.to(dtype=self.placement.param_dtype)
         self.model.eval().requires_grad_(False)
         self.context_length = context_length(self.model)
-        self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
         model_dir = self.config.model_dir
         if model_dir is None and self.config.engine != "hf":
             self._tmp = tempfile.TemporaryDirectory(prefix="asyncrl-rollout-")
@@ -120,75 +120,35 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         if self.config.sleep_level and not callable(getattr(self.engine, "sleep", None)):
             raise ValueError(f"RolloutConfig.sleep_level={self.config.sleep_level} but the {self.config.engine!r} "
                              "engine has no sleep/wake_up; set sleep_level=0")
-        self._asleep = 0
-        self._needs_weights = False
-        self._channel: WeightChannel | None = None
-        self._version = 0
-        self._committed: dict[str, torch.Tensor] | None = None
-        self._initial_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()}
-                               if self.config.verify_checksums else {})
         self._gate: asyncio.Event | None = None  # created on the worker's loop
         self._jobs: set[_Job] = set()
         self._streams: dict[str, tuple[_Job, asyncio.Future[None], int, int]] = {}
         self._stream_batches: dict[str, TensorDictBase] = {}
-        self._episode_fn = None
-        if self.config.episode is not None:
-            self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
-        elif self.config.agent is not None:
-            self._episode_fn = AgentEpisode(self.config.agent, context_length=self.context_length)
-        self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
-        self._episode_tasks: set[asyncio.Task[Any]] = set()
-        self._updates: list[dict[str, Any]] = []  # partial rollout: what each update's pause found
-        self._rolled_back = False  # the last failed load was undone (verify_checksums)
-        self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
-        self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
-        self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
-        self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
-        self._request_calls: dict[asyncio.Task[Any], RequestCall] = {}  # running generate_requests calls
-        self._reward_thread: Any = None  # generate_requests(compute_reward=True): the colocated reward's thread
-        self._notices: set[asyncio.Task[Any]] = set()  # hand-overs a SIGTERM started (held until they end)
-        on_sigterm(self._on_preemption_notice)
-
-    def _on_preemption_notice(self) -> None:
-        """SIGTERM (main thread, before the process exits): stop the running ``generate_requests`` calls at
-        their next decoding step, handing their rows over (:meth:`_hand_over_calls`); they raise
-        ``PreemptedError`` carrying what the rows decoded, and the process exits once they ended (at most
-        ``PREEMPT_DEADLINE_S`` later), so the controller learns of the notice before the process is gone."""
-        self._preempted = True
-        calls = list(self._request_calls.items())
-        ended = threading.Event()
-
-        def check(_: Any = None) -> None:
-            if all(task.done() for task, _ in calls):
-                ended.set()
-
-        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Task[Any], RequestCall]]] = {}
-        for task, call in calls:
-            loops.setdefault(call.loop, []).append((task, call))
-        for loop, mine in loops.items():
-            def start(mine: list[tuple[asyncio.Task[Any], RequestCall]] = mine,
-                      loop: asyncio.AbstractEventLoop = loop) -> None:
-                for t, _ in mine:
-                    t.add_done_callback(check)
-                task = loop.create_task(self._hand_over_calls(mine))
-                self._notices.add(task)
-                task.add_done_callback(self._notices.discard)
-
-            loop.call_soon_threadsafe(start)
-        if calls:
-            ended.wait(PREEMPT_DEADLINE_S)
+        episode_tasks: set[asyncio.Task[Any]] = set()  # request-level calls in flight (an update waits or reaches)
+        self.weights = RolloutWeights(engine=self.engine, model=self.model, config=self.config,
+                                      device=self.placement.device, rank=self.rank, gate=self._gate_event,
+                                      jobs=self._jobs, episode_tasks=episode_tasks,
+                                      batcher=self._running_batcher, load=self._engine_load)
+        self.requests = RequestGeneration(config=self.config, engine=lambda: self.engine, model=self.model,
+                                          tokenizer=self.tokenizer, context_length=self.context_length,
+                                          rank=self.rank, weights=self.weights, episode_tasks=episode_tasks,
+                                          gate=self._gate_event, check_weights=self._check_weights,
+                                          prompts=self._prompts, params=self._params,
+                                          replica_field=self._replica_field, colocated=self.colocated,
+                                          request_engine=self._request_engine)
+        on_sigterm(self.requests.on_preemption_notice)
 
     # ---- state --------------------------------------------------------------------------
 
     @property
     def version(self) -> int:
         """Version of the loaded weights (0 = initial)."""
-        return self._version
+        return self.weights.version
 
     @register(Dispatch.ONE_TO_ALL)
     def get_version(self) -> int:
         """Version of the loaded weights; as a group call, one int per rank."""
-        return self._version
+        return self.weights.version
 
     @register(Dispatch.ONE_TO_ALL)
     def weights_checksum(self) -> dict[str, str]:
@@ -204,15 +164,15 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
     # ---- generation ---------------------------------------------------------------------
 
     def _check_weights(self) -> None:
-        if self._needs_weights:
+        if self.weights.needs_weights:
             raise RuntimeError(f"rollout rank {self.rank} has no usable weights (it discarded its weights in "
                                "sleep(level=2), or a weight load failed part-way); sync weights (update_weights, after "
                                "wake_up() if asleep) before generating")
 
     def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]:
-        if self._asleep:
-            raise RuntimeError(f"rollout rank {self.rank} is asleep (level {self._asleep}); call wake_up() before "
-                               "generating")
+        if self.weights.asleep:
+            raise RuntimeError(f"rollout rank {self.rank} is asleep (level {self.weights.asleep}); call wake_up() "
+                               "before generating")
         self._check_weights()
         require(batch, ["prompt_ids", "prompt_mask"], "RolloutWorker.generate")
         ids, mask = batch["prompt_ids"], batch["prompt_mask"]
@@ -232,7 +192,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
     def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
                 seed: int | None) -> SamplingParams:
         c = self.config
-        h = hashlib.sha256(f"{c.seed}|{seed}|{self._version}|".encode())
+        h = hashlib.sha256(f"{c.seed}|{seed}|{self.weights.version}|".encode())
         for p in prompts:
             h.update(torch.tensor(p, dtype=torch.int64).numpy().tobytes() + b"|")
         return SamplingParams(
@@ -250,7 +210,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
                 while not gate.is_set():
                     await gate.wait()
                 idx = job.pending
-                version = self._version
+                version = self.weights.version
                 params = job.params if job.attempt == 0 else replace(job.params, seed=(job.params.seed or 0) + 7919 * job.attempt)
                 job.aborted = False
                 job.task = asyncio.ensure_future(self._consume(job, idx, version, params))
@@ -316,7 +276,7 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         `max_new_tokens`/`temperature` override the config for this call; `seed` is mixed
         into the derived sampling seed.
         """
-        if self._episode_fn is not None:
+        if self.requests.episodic:
             return await self.generate_episodes(batch, max_new_tokens, temperature, seed)
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
         prompts = self._prompts(batch, R)
@@ -406,6 +366,141 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         td.set("index", torch.tensor(rows, dtype=torch.long) + self.rank * n)
         return {"rows": td, "done": done}
 
+    # ---- weight sync: the registered face of self.weights (roles/weights/rollout_weights.py) ----
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Any, version: int | None = None, *,
+                             expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """Load policy weights as one transaction (begin, transfer, commit).
+
+        `weights` is the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` --
+        pass that future straight in so the tensors go through the object store, not the
+        controller -- a state dict with `version`, or a ``WeightHandle`` of ``stage_weights``
+        (``local``: copied from the colocated policy's snapshot; ``collective``: received over
+        the weight channel while ``PolicyWorker.send_weights`` sends it). Refuses a version <=
+        the current one (:class:`StaleWeightsError`) and malformed weights
+        (:class:`WeightSyncError`) without changing anything. Returns ``{"version",
+        "num_tensors", "waited", "aborted", "checksums_verified"}``. With
+        ``RolloutConfig.partial_rollout`` the update does not wait for request-level generations
+        in flight (episodes, streaming calls): it pauses the engine, loads, publishes the version
+        and resumes; the receipt adds ``pause_latency_s``, ``in_flight`` and ``interrupted``
+        (docs/partial_rollout.md). See ``RolloutWeights.update``.
+        """
+        return await self.weights.update(weights, version, expected_checksums=expected_checksums)
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def sleep(self, level: int | None = None) -> dict[str, Any]:
+        """Release the engine's weights and KV cache until :meth:`wake_up` (`level` defaults to
+        ``RolloutConfig.sleep_level``; 0 does nothing). In-flight generation finishes first."""
+        return await self.weights.sleep(level)
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def wake_up(self) -> dict[str, Any]:
+        """Re-acquire what :meth:`sleep` released. Returns ``{"needs_weights", "version"}``: after a
+        level-2 sleep the weights must be synced again (the same version is accepted) before generating."""
+        return await self.weights.wake_up()
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{name: (shape, dtype)}`` of the weights this rollout holds (what a sync must bring)."""
+        return self.weights.spec()
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def tied_weights(self) -> dict[str, str]:
+        """``{name: the earlier name whose tensor it is}`` (tied weights: SmolLM2's ``lm_head.weight`` is its
+        ``model.embed_tokens.weight``); a weight channel sends such a tensor once."""
+        return self.weights.tied()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def channel_member(self) -> dict[str, Any]:
+        """This rank's process and device, for choosing a weight channel's backend."""
+        return self.weights.member()
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
+                                  timeout_s: float = 120.0, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+        """Join weight channel `name` as channel rank ``1 + rank`` (policy rank 0 sends)."""
+        return await self.weights.join_channel(name, host, port, world_size, backend, timeout_s, bucket_bytes)
+
+    async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
+        """Load `state` into the engine (what ``self.weights`` calls for every load; subclasses that inject
+        faults wrap it): an engine with its own loop loads it there (vLLM), the HF engine adopts an
+        :class:`~asyncrl.roles.weights.rollout_weights.Adoptable` state as its parameters (no copy), and
+        copies anything else."""
+        aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
+        adopt = getattr(self.engine, "adopt_weights", None)  # the HF engine: no copy (docs/performance.md)
+        if aload is not None:
+            await aload(state.items())
+        elif adopt is not None and isinstance(state, Adoptable):
+            await asyncio.to_thread(adopt, state.items())
+        else:
+            await asyncio.to_thread(self.engine.load_weights, state.items())
+
+    def _running_batcher(self) -> Any:
+        """The request batcher now running, or None (``RequestGeneration.running_batcher``; what
+        ``self.weights`` pauses for a partial-rollout load)."""
+        return self.requests.running_batcher()
+
+    # ---- request-level generation: the registered face of self.requests (rollout_requests.py) ----
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True)
+    async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None, *,
+                                episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
+                                max_in_flight: int | None = None) -> TensorDict:
+        """One episode per row (``RolloutConfig.episode`` or ``agent``, or `episode` for this call), all in
+        flight at once, in the layout of :meth:`generate` plus the episode fields
+        (``RequestGeneration.generate_episodes``)."""
+        return await self.requests.generate_episodes(batch, max_new_tokens, temperature, seed, episode=episode,
+                                                     episode_kwargs=episode_kwargs, max_in_flight=max_in_flight)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
+    async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
+                                temperature: float | None = None, seed: int | None = None,
+                                resume: dict[str, dict[str, Any]] | None = None,
+                                compute_reward: bool = False) -> TensorDict:
+        """Every row through the request-level engine, so many concurrent calls (streaming rollout: one per
+        prompt group) share its decoding rounds; `resume` continues rows another replica handed over, and
+        `compute_reward` scores the rows with the colocated reward worker (``RequestGeneration.generate_requests``
+        says the layout, the seeds and the hand-over)."""
+        return await self.requests.generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def hand_over(self, seeds: list[int]) -> dict[int, dict[str, Any]]:
+        """Hand the running ``generate_requests`` calls of `seeds` over (a resize past its drain deadline);
+        returns what their rows decoded, ``{seed: {request key: row}}`` (``RequestGeneration.hand_over``). As a
+        group call, one dict per rank."""
+        return await self.requests.hand_over(seeds)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
+        """The request batcher's recorded rounds so far (``RolloutConfig.record_rounds``), as JSON-able dicts
+        (``RequestGeneration.round_log``); `clear` forgets what was returned. As a group call, one list per rank."""
+        return self.requests.round_log(clear)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def replay_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
+        """Replay `rounds` (a recorded :meth:`round_log`) bit for bit; call before any request-level generation
+        (``RequestGeneration.replay_rounds``). Returns the rounds."""
+        return self.requests.replay_rounds(rounds, hold_unknown)
+
+    @register(Dispatch.ALL_TO_ALL)
+    def replay_rank_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
+        """:meth:`replay_rounds` with each rank's own recorded rounds (a group call takes one list per rank,
+        as :meth:`round_log` returned them, and `hold_unknown` once per rank)."""
+        return self.requests.replay_rank_rounds(rounds, hold_unknown)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def statistics(self) -> dict[str, Any]:
+        """What this rank's request-level generation did (``RequestGeneration.statistics``). As a group call, one
+        dict per rank."""
+        return self.requests.statistics()
+
+    def _request_engine(self) -> Any:
+        """``submit(prompt_ids, params, key=None) -> Generation`` of request-level generation
+        (``RequestGeneration.request_engine``; the seam test subclasses wrap)."""
+        return self.requests.request_engine()
+
     @register(Dispatch.ONE_TO_ALL)
     def restart_engine(self) -> int:
         """Replace this replica's engine by a new one (its previous engine died: a ``ReplicaLostError``): the
@@ -415,29 +510,20 @@ class RolloutWorker(RequestGenerationMixin, WeightSyncMixin, Worker):
         fail = getattr(old, "fail_in_flight", None)
         if fail is not None:
             fail(ReplicaLostError(f"rollout replica {self.rank}'s engine was replaced"))
-        if self._batcher is not None:
-            self._batcher._abort.set()
-            self._batcher = None
+        self.requests.drop_batcher()
         with contextlib.suppress(Exception):
             old.close()
         model_dir, engine_kwargs = self._engine_spec
         self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
                                   model_dir=model_dir, **engine_kwargs)
-        self._version, self._committed, self._needs_weights = 0, None, False
+        self.weights.engine_replaced(self.engine)
         return self.rank
 
     def on_close(self) -> None:
-        """Close the weight channel and the engine."""
-        if self._channel is not None:
-            self._channel.close()
-        if self._batcher is not None:
-            self._batcher._abort.set()
-        gateway = getattr(self._episode_fn, "gateway", None)  # rollout.agent: the worker's gateway
-        if gateway is not None:
-            gateway.request_stop()
+        """Close the weight channel, request-level generation and the engine."""
+        self.weights.close()
+        self.requests.close()
         self.engine.close()
-        if self._reward_thread is not None:
-            self._reward_thread.shutdown(wait=False)
         release_core_share(self)
 
 

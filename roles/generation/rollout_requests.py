@@ -1,4 +1,5 @@
-"""Request-level generation of :class:`~asyncrl.roles.generation.rollout.RolloutWorker` (a mixin it composes).
+"""Request-level generation of a rollout worker: :class:`RequestGeneration`, the object a
+:class:`~asyncrl.roles.generation.rollout.RolloutWorker` holds as ``self.requests``.
 
 Every row is a program over the request-level engine (:meth:`_request_engine`: the HF request
 batcher, or an engine that schedules requests itself), so many concurrent calls share its decoding
@@ -18,37 +19,40 @@ through the row's ``llm`` -- so a new kind of row is one such function::
 * ``round_log`` / ``replay_rounds`` -- the batcher's recorded rounds and their exact replay;
 * ``statistics`` -- what this rank's request-level generation did.
 
-The state it reads and writes (``engine``, ``config``, ``_batcher``, ``_episode_tasks``, ...) and the
-helpers it shares with batch generation (``_prompts``, ``_params``, ``_assemble``, ``_gate_event``,
-``_check_weights``) are set up by ``RolloutWorker`` in :mod:`asyncrl.roles.generation.rollout`.
+It owns the request batcher, the calls in flight and the round-log replay; the helpers it shares with batch
+generation (``_prompts``, ``_params``, ``_gate_event``, ``_check_weights``) are the worker's, passed to its
+constructor, and each token's version comes from the worker's
+:class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from typing import TYPE_CHECKING
 
-from asyncrl import Dispatch, register
-
 from asyncrl.roles._util import text_list, with_fields
 from asyncrl.roles.engines import SamplingParams
 from asyncrl.roles.errors import EpisodeError, PreemptedError
+from asyncrl.roles.agentic.agents import AgentEpisode
 from asyncrl.roles.agentic.environments import resolve_episode
+from asyncrl.roles.generation.preemption import PREEMPT_DEADLINE_S
 from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, pack_trajectories, single_turn, validate_trajectory
 from asyncrl.roles.engines.batcher import Generation, RequestBatcher, request_batcher
 from asyncrl.roles.engines.round_log import ReplayBatcher, RoundRecord
 
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig
+    from asyncrl.roles.weights.rollout_weights import RolloutWeights
 
-__all__ = ["RequestGenerationMixin", "RequestCall", "partial_row", "prefix_of"]
+__all__ = ["RequestGeneration", "RequestCall", "partial_row", "prefix_of"]
 
 
 @dataclass
@@ -95,47 +99,142 @@ def prefix_of(row: dict[str, Any]) -> Any:
                       versions=[int(v) for v in vs])
 
 
-class RequestGenerationMixin:
-    """Request-level generation: episodes, ``generate_requests``, the round log and ``statistics``."""
+class RequestGeneration:
+    """Request-level generation of a rollout worker: episodes, ``generate_requests``, hand-overs, the round log
+    and ``statistics``. A :class:`~asyncrl.roles.generation.rollout.RolloutWorker` holds one (``self.requests``);
+    its registered request-level methods delegate here.
 
-    if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/generation/rollout.py)
-        config: RolloutConfig
-        engine: Any
-        model: Any
-        tokenizer: Any
-        context_length: int
-        _version: int
-        _batcher: Any
-        _episode_fn: Any
-        _episode_tasks: set[asyncio.Task[Any]]
-        _updates: list[dict[str, Any]]
-        _trajectories: list[int]
-        _replay: list[dict[str, Any]] | None
-        _replay_hold: bool
-        _preempted: bool
-        _request_calls: dict[asyncio.Task[Any], RequestCall]
-        _reward_thread: Any
+    It owns the request batcher, the calls in flight, the round-log replay and the episode program; it is given
+    the values and callables it uses of the worker.
 
-        @property
-        def rank(self) -> int: ...
-        def colocated(self, role: str) -> Any: ...
-        def _gate_event(self) -> asyncio.Event: ...
-        def _check_weights(self) -> None: ...
-        def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]: ...
-        def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
-                    seed: int | None) -> SamplingParams: ...
-        def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict: ...
-        def _replica_field(self, n: int) -> torch.Tensor: ...
+    Args:
+        config: the rollout's settings.
+        engine: the worker's current engine (``restart_engine`` replaces it; :meth:`drop_batcher` first).
+        model: the rollout's model (its vocabulary bounds an episode's tokens).
+        tokenizer: the model's tokenizer.
+        context_length: the model's context (an agent's prompts are padded to what a row fits).
+        rank: the rollout rank (row seeds and keys; named in errors).
+        weights: the worker's :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` (each token's
+            version; the updates ``statistics`` reports).
+        episode_tasks: the request-level calls in flight (shared with `weights`: an update waits for or reaches
+            them).
+        gate: the worker's generation gate (a call starts once no update is loading).
+        check_weights: raises while the engine holds no usable weights.
+        prompts: the worker's prompt check of a batch (``(batch, max_new_tokens) -> prompts``).
+        params: the worker's sampling parameters of a call (``(prompts, max_new_tokens, temperature, seed)``).
+        replica_field: the ``replica`` field of `n` rows.
+        colocated: the worker's ``colocated`` (the reward worker a ``compute_reward`` call scores with).
+        request_engine: the worker's ``_request_engine`` (the seam test subclasses wrap), whose default is
+            :meth:`request_engine`.
+    """
+
+    def __init__(self, *, config: RolloutConfig, engine: Callable[[], Any], model: Any, tokenizer: Any,
+                 context_length: int, rank: int, weights: RolloutWeights, episode_tasks: set[asyncio.Task[Any]],
+                 gate: Callable[[], asyncio.Event], check_weights: Callable[[], None],
+                 prompts: Callable[[TensorDictBase, int], list[list[int]]],
+                 params: Callable[[list[list[int]], int | None, float | None, int | None], SamplingParams],
+                 replica_field: Callable[[int], torch.Tensor], colocated: Callable[[str], Any],
+                 request_engine: Callable[[], Any]) -> None:
+        self.config = config
+        self._engine = engine
+        self.model = model
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.rank = rank
+        self.weights = weights
+        self._episode_tasks = episode_tasks
+        self._gate_event = gate
+        self._check_weights = check_weights
+        self._prompts = prompts
+        self._params = params
+        self._replica_field = replica_field
+        self.colocated = colocated
+        self._request_engine = request_engine
+        self._episode_fn: Any = None
+        if config.episode is not None:
+            self._episode_fn = resolve_episode(config.episode, config.episode_kwargs)
+        elif config.agent is not None:
+            self._episode_fn = AgentEpisode(config.agent, context_length=context_length)
+        self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
+        self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
+        self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
+        self._replay_hold = False  # the replay holds requests no recorded round ran (replay_rounds(hold_unknown))
+        self._preempted = False  # told to stop (SIGTERM): generate_requests raises PreemptedError
+        self._request_calls: dict[asyncio.Task[Any], RequestCall] = {}  # running generate_requests calls
+        self._reward_thread: Any = None  # generate_requests(compute_reward=True): the colocated reward's thread
+        self._notices: set[asyncio.Task[Any]] = set()  # hand-overs a SIGTERM started (held until they end)
+
+    @property
+    def engine(self) -> Any:
+        """The worker's current engine."""
+        return self._engine()
+
+    @property
+    def episodic(self) -> bool:
+        """Rows are episodes or agent sessions (``RolloutConfig.episode``/``agent``), not plain requests."""
+        return self._episode_fn is not None
+
+    def running_batcher(self) -> Any:
+        """The request batcher now running, or None; a replay's is built first (its weight updates wait until
+        its recorded rounds need them)."""
+        if self._batcher is None and self._replay is not None:
+            self._request_engine()
+        return self._batcher
+
+    def drop_batcher(self) -> None:
+        """Stop the request batcher (the worker replaces its engine: a new one is built on the new engine)."""
+        if self._batcher is not None:
+            self._batcher._abort.set()
+            self._batcher = None
+
+    def close(self) -> None:
+        """Stop the request batcher, the agent gateway and the reward thread (the worker's ``on_close``)."""
+        if self._batcher is not None:
+            self._batcher._abort.set()
+        gateway = getattr(self._episode_fn, "gateway", None)  # rollout.agent: the worker's gateway
+        if gateway is not None:
+            gateway.request_stop()
+        if self._reward_thread is not None:
+            self._reward_thread.shutdown(wait=False)
+
+    def on_preemption_notice(self) -> None:
+        """SIGTERM (main thread, before the process exits): stop the running ``generate_requests`` calls at
+        their next decoding step, handing their rows over (:meth:`_hand_over_calls`); they raise
+        ``PreemptedError`` carrying what the rows decoded, and the process exits once they ended (at most
+        ``PREEMPT_DEADLINE_S`` later), so the controller learns of the notice before the process is gone."""
+        self._preempted = True
+        calls = list(self._request_calls.items())
+        ended = threading.Event()
+
+        def check(_: Any = None) -> None:
+            if all(task.done() for task, _ in calls):
+                ended.set()
+
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Task[Any], RequestCall]]] = {}
+        for task, call in calls:
+            loops.setdefault(call.loop, []).append((task, call))
+        for loop, mine in loops.items():
+            def start(mine: list[tuple[asyncio.Task[Any], RequestCall]] = mine,
+                      loop: asyncio.AbstractEventLoop = loop) -> None:
+                for t, _ in mine:
+                    t.add_done_callback(check)
+                task = loop.create_task(self._hand_over_calls(mine))
+                self._notices.add(task)
+                task.add_done_callback(self._notices.discard)
+
+            loop.call_soon_threadsafe(start)
+        if calls:
+            ended.wait(PREEMPT_DEADLINE_S)
 
     # ---- multi-turn episodes --------------------------------------------------------------
 
-    def _request_engine(self) -> Any:
+    def request_engine(self) -> Any:
         """``submit(prompt_ids, params, key=None) -> Generation``: the request-level HF engine (one batcher
         per worker; `key` names the request in its round log), or one-prompt calls of an engine that
         schedules requests itself (vLLM; `key` unused)."""
         if self._batcher is None:
             kwargs: dict[str, Any] = dict(max_batch_size=getattr(self.engine, "max_batch_size", 64),
-                                          chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+                                          chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self.weights.version,
                                           partial_rollout=self.config.partial_rollout)
             if self._replay is not None:
                 self._batcher = ReplayBatcher(self.engine, [RoundRecord.from_dict(d) for d in self._replay],
@@ -157,12 +256,12 @@ class RequestGenerationMixin:
         if arequest is not None and self.config.partial_rollout != "off":
             async def versioned(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
                 self._check_weights()
-                return await arequest(ids, params, version_fn=lambda: self._version)
+                return await arequest(ids, params, version_fn=lambda: self.weights.version)
 
             return versioned
 
         async def submit(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
-            version = self._version
+            version = self.weights.version
             c = (await self.engine.generate([ids], params))[0]
             return Generation(c.response_ids, c.log_probs, c.finish_reason, versions=[version] * len(c.response_ids))
 
@@ -247,7 +346,7 @@ class RequestGenerationMixin:
         if agent:  # one width on every rank (their batches are concatenated): the longest prompt a row fits
             prompt_ids, prompt_mask = left_pad_prompts([t.prompt_ids for t in trajs], pad,
                                                        self.context_length - R)
-        fields = pack_trajectories(trajs, prompt_ids, prompt_mask, R, pad, self._version)
+        fields = pack_trajectories(trajs, prompt_ids, prompt_mask, R, pad, self.weights.version)
         if plain:  # a plain request's row keeps generate's layout (plus token_versions)
             for k in _EPISODE_FIELDS:
                 del fields[k]
@@ -260,7 +359,6 @@ class RequestGenerationMixin:
         fields["replica"] = self._replica_field(len(trajs))
         return with_fields(batch, fields)
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                                 temperature: float | None = None, seed: int | None = None, *,
                                 episode: str | None = None, episode_kwargs: dict[str, Any] | None = None,
@@ -283,7 +381,6 @@ class RequestGenerationMixin:
         return await self._run_rows(batch, R, prompts, submit, params, None, program, name,
                                     max_in_flight=max_in_flight)
 
-    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
     async def generate_requests(self, batch: TensorDictBase, max_new_tokens: int | None = None,
                                 temperature: float | None = None, seed: int | None = None,
                                 resume: dict[str, dict[str, Any]] | None = None,
@@ -421,7 +518,6 @@ class RequestGenerationMixin:
                 out[int(c.seed)] = dict(c.handed)
         return out
 
-    @register(Dispatch.ONE_TO_ALL, concurrent=True)
     async def hand_over(self, seeds: list[int]) -> dict[int, dict[str, Any]]:
         """Hand the running ``generate_requests`` calls of `seeds` over (a resize past its drain deadline): their
         rows stop at the next decoding step and each call raises ``PreemptedError``; returns what the rows
@@ -433,7 +529,6 @@ class RequestGenerationMixin:
                  and not c.handing and not t.done()]
         return await self._hand_over_calls(calls) if calls else {}
 
-    @register(Dispatch.ONE_TO_ALL)
     def round_log(self, clear: bool = False) -> list[dict[str, Any]]:
         """The request batcher's rounds so far as JSON-able dicts (``RolloutConfig.record_rounds``), then, with
         ``RolloutConfig.agent``, one ``{"session": key, "requests": [...]}`` per gateway session closed (what each
@@ -451,7 +546,6 @@ class RequestGenerationMixin:
         rounds = [r.to_dict() for r in self._batcher.round_log(clear)] if self._batcher is not None else []
         return rounds + sessions
 
-    @register(Dispatch.ONE_TO_ALL)
     def replay_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
         """Replay `rounds` (a recorded :meth:`round_log`): the request-level engine runs exactly those rounds,
         so the same requests (same keys and seeds) and the same weight updates, in order, regenerate the
@@ -471,13 +565,11 @@ class RequestGenerationMixin:
             self._episode_fn.replay(sessions)
         return len(self._replay)
 
-    @register(Dispatch.ALL_TO_ALL)
     def replay_rank_rounds(self, rounds: list[dict[str, Any]], hold_unknown: bool = False) -> int:
         """:meth:`replay_rounds` with each rank's own recorded rounds (a group call takes one list per rank,
         as :meth:`round_log` returned them, and `hold_unknown` once per rank)."""
         return self.replay_rounds(rounds, hold_unknown)
 
-    @register(Dispatch.ONE_TO_ALL)
     def statistics(self) -> dict[str, Any]:
         """What this rank's request-level generation did: the request batcher's counters (rounds, tokens
         per version, requests spanning versions, pauses and their latency), the episodes returned
@@ -490,8 +582,8 @@ class RequestGenerationMixin:
         if stats is None:
             engine_stats = getattr(self.engine, "request_statistics", None)
             stats = engine_stats() if engine_stats is not None else None
-        out: dict[str, Any] = {"version": self._version, "partial_rollout": self.config.partial_rollout,
-                               "updates": [dict(u) for u in self._updates], "trajectories": self._trajectories[0],
+        out: dict[str, Any] = {"version": self.weights.version, "partial_rollout": self.config.partial_rollout,
+                               "updates": [dict(u) for u in self.weights.updates], "trajectories": self._trajectories[0],
                                "spanning_trajectories": self._trajectories[1]}
         if stats is not None:
             out.update(asdict(stats) if not isinstance(stats, dict) else stats)

@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Iterator, Literal
+from typing import Annotated, Any, Iterator, Literal, Mapping
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -42,7 +42,7 @@ from asyncrl.roles.training.lora import LoraConfig, LoraDelta, adapter_delta, ap
 from asyncrl.roles.modeling.models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, tensor_checksum
 from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy, full_tensor
 from asyncrl.roles.modeling.threads import computing, core_share_for, release_core_share
-from asyncrl.roles.weights.transfer import WeightSource
+from asyncrl.roles.weights.transfer import STAGE, WeightHandle, WeightSource
 from asyncrl.roles.weights.weight_channel import _cast
 from asyncrl.roles.agentic.episodes import episode_metrics
 
@@ -298,32 +298,8 @@ class _Trainable(Worker):
         return path
 
     def _save_lora(self, path: str) -> None:
-        """LoRA: the adapter as peft writes it (``adapter_config.json``, ``adapter_model.safetensors``: what a
-        ``ddp`` resume loads and ``asyncrl export --adapter`` copies), the merged weights under the base names in
-        ``model.safetensors`` (what ``asyncrl export`` reads), and for ``ddp`` the optimizer (``fsdp2`` keeps the
-        adapters and the optimizer in ``dcp/``). Under FSDP2 every rank calls it: the merged weights are
-        gathered one unit at a time into rank 0's host buffer (as a weight sync does), the adapters one tensor
-        at a time; rank 0 writes."""
-        from safetensors.torch import save_file
-
-        adapter = None
-        if self.engine.sharded:
-            held = self._gathered(None)
-            adapter = {k: full_tensor(v) for k, v in self.model.state_dict().items() if "lora_" in k}
-            if held is None:
-                return
-            merged = held.views()
-        else:
-            merged = merged_state(self.model)
-        first: dict[tuple[int, int], str] = {}
-        for name in sorted(merged):  # tied names share one tensor: stored once, as save_model does
-            first.setdefault((merged[name].untyped_storage().data_ptr(), merged[name].storage_offset()), name)
-        save_file({n: merged[n].contiguous() for n in first.values()}, os.path.join(path, "model.safetensors"))
-        self.model.save_pretrained(path, state_dict=adapter)  # type: ignore[operator]
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(path, "README.md"))  # peft's model-card template: nothing of the run's
-        if self._format != "dcp":
-            torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+        """LoRA's files of :meth:`save` (only a :class:`PolicyWorker` trains adapters: it writes them)."""
+        raise NotImplementedError(f"{type(self).__name__} trains no LoRA adapters")
 
     def _dcp_options(self) -> Any:
         """``torch.distributed.checkpoint`` state-dict options: with LoRA only the trainable adapters (the frozen
@@ -437,8 +413,12 @@ def _one_process_is_meant() -> Iterator[None]:
 _MISSING, _STALE = 1, 2  # error codes ranks agree on before an update (DataParallel.agree)
 
 
-class PolicyWorker(_Trainable, WeightSource):
+class PolicyWorker(_Trainable):
     """The trained policy: recomputes log-probs, runs PPO updates, exports versioned weights.
+
+    The sending side of the weight transports is a :class:`~asyncrl.roles.weights.transfer.WeightSource` it
+    holds (``self.weights``); its registered transport methods (``stage_weights``, ``send_weights``, ...) delegate
+    there.
 
     Args:
         model: the model to train (same config as the rollout's, so version 0 matches).
@@ -472,6 +452,8 @@ class PolicyWorker(_Trainable, WeightSource):
             self._lora = True
         self._distribute(placed, "PolicyWorker")
         self._version = 0
+        self.weights = WeightSource(strategy=self.engine, rank=self.rank, device=self.placement.device,
+                                    lora=self._lora, version=lambda: self._version)
 
     @property
     def version(self) -> int:
@@ -508,13 +490,41 @@ class PolicyWorker(_Trainable, WeightSource):
                               dp=self.dp)
 
     def _full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, whole tensor)`` of the weights as exported (:meth:`_export_state`: LoRA merged; a sharded LoRA
-        model merges each unit's weights while the unit is gathered)."""
+        """``(name, whole tensor)`` of the weights as exported (``WeightSource.export_state``: LoRA merged; a
+        sharded LoRA model merges each unit's weights while the unit is gathered)."""
         if self._lora and self.engine.sharded:  # copies: a unit's gathered storage is freed (resized) after it
-            for whole in self._whole_by_unit(list(self._export_layout())):
+            for whole in self.weights.whole_by_unit(list(self.weights.export_layout())):
                 yield from ((n, t.clone()) for n, t in whole.items())
         else:
-            yield from self.engine.full_tensors(self._export_state())
+            yield from self.engine.full_tensors(self.weights.export_state())
+
+    def _save_lora(self, path: str) -> None:
+        """LoRA: the adapter as peft writes it (``adapter_config.json``, ``adapter_model.safetensors``: what a
+        ``ddp`` resume loads and ``asyncrl export --adapter`` copies), the merged weights under the base names in
+        ``model.safetensors`` (what ``asyncrl export`` reads), and for ``ddp`` the optimizer (``fsdp2`` keeps the
+        adapters and the optimizer in ``dcp/``). Under FSDP2 every rank calls it: the merged weights are
+        gathered one unit at a time into rank 0's host buffer (as a weight sync does), the adapters one tensor
+        at a time; rank 0 writes."""
+        from safetensors.torch import save_file
+
+        adapter = None
+        if self.engine.sharded:
+            held = self.weights.gathered(None)
+            adapter = {k: full_tensor(v) for k, v in self.model.state_dict().items() if "lora_" in k}
+            if held is None:
+                return
+            merged = held.views()
+        else:
+            merged = merged_state(self.model)
+        first: dict[tuple[int, int], str] = {}
+        for name in sorted(merged):  # tied names share one tensor: stored once, as save_model does
+            first.setdefault((merged[name].untyped_storage().data_ptr(), merged[name].storage_offset()), name)
+        save_file({n: merged[n].contiguous() for n in first.values()}, os.path.join(path, "model.safetensors"))
+        self.model.save_pretrained(path, state_dict=adapter)  # type: ignore[operator]
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, "README.md"))  # peft's model-card template: nothing of the run's
+        if self._format != "dcp":
+            torch.save(self.optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
 
     def _check_batch(self, batch: TensorDictBase) -> tuple[int, str | None]:
         """What is wrong with this rank's shard: ``(0, None)``, ``(_MISSING, message)`` or ``(_STALE, message)``."""
@@ -715,9 +725,56 @@ class PolicyWorker(_Trainable, WeightSource):
         """Number of updates applied."""
         return self._version
 
+    # ---- weight transports: the registered face of self.weights (roles/weights/transfer.py) ----
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{name: (shape, dtype)}`` of the weights as they would be exported."""
+        return self.weights.spec()
+
+    @register(STAGE)
+    @computing  # the copy (cast) is compute: with num_threads="follow" it takes the cores left idle
+    def stage_weights(self, transport: Literal["local", "collective", "object_store"] = "local",
+                      dtype: str | None = None, keep: int = 4) -> WeightHandle | None:
+        """Snapshot the current version and return its :class:`~asyncrl.roles.weights.transfer.WeightHandle`
+        (every rank takes part; the call resolves to rank 0's handle).
+
+        ``local``/``collective``: on this worker's device; `dtype` casts floating tensors (e.g. the
+        rollout's ``bfloat16``; a collective channel uses the dtypes the rollout announced when it
+        opened). The `keep` newest snapshots are kept; older ones are dropped (a handle to a dropped
+        version is refused). ``object_store``: put into Ray's object store (the handle holds the
+        reference, `keep` does not apply). See ``WeightSource.stage``."""
+        return self.weights.stage(transport, dtype, keep)
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def channel_member(self) -> dict[str, Any]:
+        """This rank's process/device (``member_info``) and a free port to serve a channel's rendezvous."""
+        return self.weights.member()
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
+    async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
+                                  layout: list[tuple[str, tuple[int, ...], str]], timeout_s: float = 120.0,
+                                  bucket_bytes: int = 256 << 20, tied: Mapping[str, str] | None = None
+                                  ) -> dict[str, Any]:
+        """Join channel `name` as its rank 0 (the sender); `layout` is the rollout's weight layout
+        (names must match this model's; floating dtypes may differ and are cast when staging), less
+        the names in `tied` (the rollout's tied weights: sent once, under the name they are tied to)."""
+        return await self.weights.join_channel(name, host, port, world_size, backend, layout, timeout_s,
+                                               bucket_bytes, tied)
+
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
+    async def send_weights(self, handle: WeightHandle) -> dict[str, Any]:
+        """Send the staged version `handle` over the open channel (the rollout ranks receive it in
+        ``update_weights(handle)`` at the same time). Runs beside training: the snapshot is immutable."""
+        return await self.weights.send(handle)
+
+    def close_weight_channel(self) -> None:
+        """Drop the channel and the staged snapshots (called on close)."""
+        self.weights.close()
+
     def on_close(self) -> None:
         """Drop the weight channel and the staged snapshots, and this worker's busy mark."""
-        self.close_weight_channel()
+        self.weights.close()
         release_core_share(self)
 
 

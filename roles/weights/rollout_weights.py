@@ -1,4 +1,5 @@
-"""Weight sync of :class:`~asyncrl.roles.generation.rollout.RolloutWorker` (a mixin it composes).
+"""Weight sync of a rollout worker: :class:`RolloutWeights`, the object a
+:class:`~asyncrl.roles.generation.rollout.RolloutWorker` holds as ``self.weights``.
 
 Weight sync is a transaction (``update_weights``): *begin* checks the version is newer
 and the tensors match the model (names, shapes, dtypes) before anything changes, and
@@ -24,19 +25,18 @@ Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to t
 level 2: discarded) and KV cache around training, ``wake_up()`` re-acquires them; after a
 level-2 sleep the next sync may reload the same version (``RolloutConfig.sleep_level``).
 
-The state it reads and writes (``engine``, ``config``, ``_version``, ``_jobs``, ``_channel``, ...) is
-set up by ``RolloutWorker`` in :mod:`asyncrl.roles.generation.rollout`.
+It owns the weight state (the version, the channel, the rollback point, the adapter base) and is given what it
+needs of the worker's generation: the gate, the jobs and request-level calls in flight, the request batcher and
+the engine load (its constructor's arguments).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import torch
-
-from asyncrl import Dispatch, Execute, register
 
 from asyncrl.roles.errors import StaleWeightsError, WeightSyncError
 from asyncrl.roles.training.lora import LoraDelta, digest, merge_delta
@@ -49,7 +49,7 @@ from asyncrl.roles.training.lora import save_adapter
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig
 
-__all__ = ["WeightSyncMixin", "unpack_weights"]
+__all__ = ["Adoptable", "RolloutWeights", "unpack_weights"]
 
 
 class Adoptable(dict):  # type: ignore[type-arg]
@@ -95,54 +95,92 @@ def unpack_weights(weights: Any, version: int | None) -> tuple[int, dict[str, to
     return version, sd
 
 
-class WeightSyncMixin:
-    """Weight sync: the ``update_weights`` transaction, weight transports and ``sleep``/``wake_up``."""
+class RolloutWeights:
+    """The weights a rollout worker's engine holds, and how they change: the ``update_weights`` transaction,
+    the receiving side of the weight transports and ``sleep``/``wake_up``. A
+    :class:`~asyncrl.roles.generation.rollout.RolloutWorker` holds one (``self.weights``); its registered
+    weight methods delegate here, and its generation reads :attr:`version`, :attr:`needs_weights` and
+    :attr:`asleep`.
 
-    if TYPE_CHECKING:  # what it uses of RolloutWorker (roles/generation/rollout.py)
-        config: RolloutConfig
-        engine: Any
-        model: torch.nn.Module
-        placement: Any
-        _shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
-        _version: int
-        _needs_weights: bool
-        _asleep: int
-        _channel: WeightChannel | None
-        _committed: dict[str, torch.Tensor] | None
-        _initial_state: dict[str, torch.Tensor]
-        _jobs: set[Any]
-        _episode_tasks: set[asyncio.Task[Any]]
-        _batcher: Any
-        _updates: list[dict[str, Any]]
-        _rolled_back: bool
-        _replay: list[dict[str, Any]] | None
+    Args:
+        engine: the generation engine (:meth:`engine_replaced` when the worker builds a new one).
+        model: the rollout's model (its names, shapes, dtypes and tied weights are what a sync must bring).
+        config: the rollout's settings (engine kind, ``sync_policy``, ``partial_rollout``, ``verify_checksums``,
+            ``sleep_level``, ``pause_deadline_s``).
+        device: where the engine's weights live (a collective receive lands there for the HF engine).
+        rank: the rollout rank (channel rank ``1 + rank``; named in errors).
+        gate: the worker's generation gate (closed while an update or a sleep runs: new generation waits).
+        jobs: the worker's batch generation jobs in flight (each with its ``task``, ``aborted`` and ``pending``),
+            which an update aborts or waits for.
+        episode_tasks: the request-level calls in flight, which an update (``partial_rollout="off"``) and a
+            sleep wait for.
+        batcher: the request batcher now running, or None (built first when a replay waits for it); partial
+            rollout pauses it for a load.
+        load: loads a state dict into the engine (``RolloutWorker._engine_load``: the seam fault-injection
+            subclasses wrap).
+    """
 
-        @property
-        def rank(self) -> int: ...
-        def _gate_event(self) -> asyncio.Event: ...
-        def _request_engine(self) -> Any: ...
+    def __init__(self, *, engine: Any, model: torch.nn.Module, config: RolloutConfig, device: torch.device | str,
+                 rank: int, gate: Callable[[], asyncio.Event], jobs: set[Any], episode_tasks: set[asyncio.Task[Any]],
+                 batcher: Callable[[], Any], load: Callable[[dict[str, torch.Tensor]], Awaitable[None]]) -> None:
+        self.engine = engine
+        self.model = model
+        self.config = config
+        self.device = device
+        self.rank = rank
+        self._gate = gate
+        self._jobs = jobs
+        self._episode_tasks = episode_tasks
+        self._batcher = batcher
+        self._load = load
+        self.version = 0
+        """Version of the weights the engine holds (0 = the initial weights)."""
+        self.needs_weights = False
+        """The engine holds no usable weights (a level-2 sleep discarded them, or a load failed part-way)."""
+        self.asleep = 0
+        """The level of the sleep the engine is in (0: awake)."""
+        self.updates: list[dict[str, Any]] = []
+        """Partial rollout: what each update's pause found (``statistics``)."""
+        self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+        self._channel: WeightChannel | None = None
+        self._committed: dict[str, torch.Tensor] | None = None
+        """The last verified weights (``verify_checksums``): what a failed verification rolls back to."""
+        self._initial_state = ({k: v.detach().clone() for k, v in model.state_dict().items()}
+                               if config.verify_checksums else {})
+        self._rolled_back = False  # the last failed load was undone (verify_checksums)
+        self._lora_base: dict[str, torch.Tensor] | None = None
+        """Adapter sync: a copy of the base weights of the adapted layers, taken at the first :class:`LoraDelta`."""
+        self._lora_base_digest: str | None = None
+        """Its digest (checked against the policy's once, when it was taken)."""
+        self._adapter_dir: Any = None
+        """vLLM adapter sync: the temporary directory the adapters are written into for the engine to read."""
+        self._engine_base_replaced = False
+        """vLLM adapter sync: whole weights were loaded, so the engine no longer holds the base an adapter needs."""
+        self.on_bucket_received: Callable[[str], None] = _no_fault
+        """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
 
-    _lora_base: dict[str, torch.Tensor] | None = None
-    """Adapter sync: a copy of the base weights of the adapted layers, taken at the first :class:`LoraDelta`."""
-    _lora_base_digest: str | None = None
-    """Its digest (checked against the policy's once, when it was taken)."""
-    _adapter_dir: Any = None
-    """vLLM adapter sync: the temporary directory the adapters are written into for the engine to read."""
-    _engine_base_replaced: bool = False
-    """vLLM adapter sync: whole weights were loaded, so the engine no longer holds the base an adapter needs."""
+    def engine_replaced(self, engine: Any) -> None:
+        """The worker replaced its engine (``restart_engine``): the new one holds the initial weights, version 0."""
+        self.engine = engine
+        self.version, self._committed, self.needs_weights = 0, None, False
+
+    def close(self) -> None:
+        """Close the weight channel (the worker's ``on_close``)."""
+        if self._channel is not None:
+            self._channel.close()
 
     # ---- weight sync ----------------------------------------------------------------------
 
     def _vote(self, version: int) -> int:
         """A collective transfer's vote on `version` (before any bytes move)."""
-        if version < self._version or (version == self._version and not self._needs_weights):
+        if version < self.version or (version == self.version and not self.needs_weights):
             return STALE
         return OK
 
     def _check_version(self, version: int) -> None:
         if self._vote(version) != OK:
             raise StaleWeightsError(
-                f"refusing weights of version {version}: rank {self.rank} already has version {self._version}; "
+                f"refusing weights of version {version}: rank {self.rank} already has version {self.version}; "
                 "updates must carry strictly increasing versions (sync after each policy update, in order)"
             )
 
@@ -169,13 +207,11 @@ class WeightSyncMixin:
 
     # ---- weight transports ----------------------------------------------------------------
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype)}`` of the weights this rollout holds (what a sync must bring)."""
         return {k: (shape, str(dtype).removeprefix("torch.")) for k, (shape, dtype) in self._shapes.items()}
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def tied_weights(self) -> dict[str, str]:
+    def tied(self) -> dict[str, str]:
         """``{name: the earlier name whose tensor it is}`` (tied weights: SmolLM2's ``lm_head.weight`` is its
         ``model.embed_tokens.weight``); a weight channel sends such a tensor once."""
         import itertools
@@ -189,20 +225,18 @@ class WeightSyncMixin:
                 out[name] = first[id(t)]
         return out
 
-    @register(Dispatch.ONE_TO_ALL)
-    def channel_member(self) -> dict[str, Any]:
+    def member(self) -> dict[str, Any]:
         """This rank's process and device, for choosing a weight channel's backend."""
-        return member_info(self.placement.device)
+        return member_info(self.device)
 
-    @register(Dispatch.ONE_TO_ALL, concurrent=True)
-    async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
-                                  timeout_s: float = 120.0, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
+    async def join_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
+                           timeout_s: float = 120.0, bucket_bytes: int = 256 << 20) -> dict[str, Any]:
         """Join weight channel `name` as channel rank ``1 + rank`` (policy rank 0 sends)."""
         if self._channel is not None:
             self._channel.close()
         self._channel = None
         ch = await asyncio.to_thread(WeightChannel, name, host, port, 1 + self.rank, world_size, backend=backend,
-                                     device=self.placement.device, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+                                     device=self.device, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         self._channel = ch
         return {"rank": ch.rank, "backend": ch.backend, "world_size": world_size}
 
@@ -211,17 +245,14 @@ class WeightSyncMixin:
         if ch is None or ch.name != handle.channel:
             raise WeightSyncError(f"rollout rank {self.rank} has no open weight channel {handle.channel!r}; call "
                                   "open_weight_channel(policy, rollout) first")
-        tied = self.tied_weights()
-        layout = [entry for entry in layout_of(self.weight_spec()) if entry[0] not in tied]  # a tied tensor once
-        target = self.placement.device if self.config.engine == "hf" else torch.device("cpu")
-        out = await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self._on_bucket_received,
+        tied = self.tied()
+        layout = [entry for entry in layout_of(self.spec()) if entry[0] not in tied]  # a tied tensor once
+        target = self.device if self.config.engine == "hf" else torch.device("cpu")
+        out = await asyncio.to_thread(ch.receive, handle.version, layout, self._vote, target, self.on_bucket_received,
                                       self._held())
         for name, source in tied.items():
             out[name] = out[source]
         return out
-
-    def _on_bucket_received(self, what: str) -> None:
-        """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
 
     def _merge_adapter(self, delta: LoraDelta) -> dict[str, torch.Tensor]:
         """The whole weights of `delta`'s version: the adapted ones merged into this rollout's copy of the base
@@ -241,7 +272,7 @@ class WeightSyncMixin:
             base = {k: own[k].detach().clone() for k in delta.factors}
             if digest(base) != delta.base_digest:
                 raise WeightSyncError(
-                    f"rollout rank {self.rank} (version {self._version}) does not hold the base weights the policy's "
+                    f"rollout rank {self.rank} (version {self.version}) does not hold the base weights the policy's "
                     "adapters were trained on: an adapter sync merges into the base, so the rollout must start from "
                     "the policy's model config and receive only adapter syncs (or sync whole weights)")
             self._lora_base, self._lora_base_digest = base, delta.base_digest
@@ -281,7 +312,7 @@ class WeightSyncMixin:
         if self._lora_base_digest is None:
             if self._engine_base_replaced or digest({k: own[k] for k in delta.factors}) != delta.base_digest:
                 raise WeightSyncError(
-                    f"rollout rank {self.rank} (version {self._version}) does not hold the base weights the policy's "
+                    f"rollout rank {self.rank} (version {self.version}) does not hold the base weights the policy's "
                     "adapters were trained on: an adapter sync serves the adapter on the base, so the rollout must "
                     "start from the policy's model config and receive only adapter syncs (or sync whole weights)")
             self._lora_base_digest = delta.base_digest
@@ -291,13 +322,13 @@ class WeightSyncMixin:
         if self._adapter_dir is None:
             self._adapter_dir = tempfile.TemporaryDirectory(prefix="asyncrl-lora-")
         path = save_adapter(delta, os.path.join(self._adapter_dir.name, f"v{delta.version}"))
-        gate = self._gate_event()
+        gate = self._gate()
         gate.clear()
         try:
             waited, aborted = await self._stop_generation()
             await self.engine.aload_adapter(delta.version, path)
-            self._version = delta.version
-            self._needs_weights = False
+            self.version = delta.version
+            self.needs_weights = False
         finally:
             gate.set()
         for old in os.listdir(self._adapter_dir.name):  # the engine read them; only the served one is kept
@@ -306,7 +337,9 @@ class WeightSyncMixin:
         return {"version": delta.version, "num_tensors": 2 * len(delta.factors), "waited": waited, "aborted": aborted,
                 "checksums_verified": False, "adapter": True}
 
-    async def _resolve_weights(self, weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+    async def resolve(self, weights: Any, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(version, state_dict)`` of what ``update_weights`` received, by its transport (a collective handle's
+        tensors are received here), before anything changes."""
         if isinstance(weights, list) and weights and isinstance(weights[0], (WeightHandle, LoraDelta)):
             weights = weights[0]  # (every policy rank gives the same delta)
         if isinstance(weights, LoraDelta):
@@ -329,14 +362,13 @@ class WeightSyncMixin:
 
     # ---- memory on a shared GPU ----------------------------------------------------------
 
-    @register(Dispatch.ONE_TO_ALL)
     async def sleep(self, level: int | None = None) -> dict[str, Any]:
-        """Release the engine's weights and KV cache until :meth:`wake_up` (`level` defaults to
-        ``RolloutConfig.sleep_level``; 0 does nothing). In-flight generation finishes first."""
+        """``RolloutWorker.sleep``: release the engine's weights and KV cache until :meth:`wake_up`, once the
+        generation in flight finished."""
         lvl = self.config.sleep_level if level is None else level
-        if lvl == 0 or self._asleep:
-            return {"asleep": bool(self._asleep), "level": self._asleep}
-        gate = self._gate_event()
+        if lvl == 0 or self.asleep:
+            return {"asleep": bool(self.asleep), "level": self.asleep}
+        gate = self._gate()
         gate.clear()
         try:
             tasks = [j.task for j in self._jobs if j.task is not None] + list(self._episode_tasks)
@@ -347,50 +379,35 @@ class WeightSyncMixin:
                 await asleep(lvl)
             else:
                 await asyncio.to_thread(self.engine.sleep, lvl)  # type: ignore[attr-defined]
-            self._asleep = lvl
+            self.asleep = lvl
         finally:
             gate.set()
         return {"asleep": True, "level": lvl}
 
-    @register(Dispatch.ONE_TO_ALL)
     async def wake_up(self) -> dict[str, Any]:
-        """Re-acquire what :meth:`sleep` released. Returns ``{"needs_weights", "version"}``: after a
-        level-2 sleep the weights must be synced again (the same version is accepted) before generating."""
-        if self._asleep:
+        """``RolloutWorker.wake_up``: re-acquire what :meth:`sleep` released (after a level-2 sleep the weights
+        must be synced again)."""
+        if self.asleep:
             awake = getattr(self.engine, "awake_up", None)
             if awake is not None:
                 await awake()
             else:
                 await asyncio.to_thread(self.engine.wake_up)  # type: ignore[attr-defined]
-            self._needs_weights = self._needs_weights or self._asleep == 2
-            self._asleep = 0
-        return {"needs_weights": self._needs_weights, "version": self._version}
+            self.needs_weights = self.needs_weights or self.asleep == 2
+            self.asleep = 0
+        return {"needs_weights": self.needs_weights, "version": self.version}
 
-    @register(Dispatch.ONE_TO_ALL)
-    async def update_weights(self, weights: Any, version: int | None = None, *,
-                             expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
-        """Load policy weights as one transaction (begin, transfer, commit).
-
-        `weights` is the ``(version, state_dict)`` pair of ``PolicyWorker.export_weights`` --
-        pass that future straight in so the tensors go through the object store, not the
-        controller -- a state dict with `version`, or a ``WeightHandle`` of ``stage_weights``
-        (``local``: copied from the colocated policy's snapshot; ``collective``: received over
-        the weight channel while ``PolicyWorker.send_weights`` sends it). Refuses a version <=
-        the current one (:class:`StaleWeightsError`) and malformed weights
-        (:class:`WeightSyncError`) without changing anything. Returns ``{"version",
-        "num_tensors", "waited", "aborted", "checksums_verified"}``. With
-        ``RolloutConfig.partial_rollout`` the update does not wait for request-level generations
-        in flight (episodes, streaming calls): it pauses the engine, loads, publishes the version
-        and resumes; the receipt adds ``pause_latency_s``, ``in_flight`` and ``interrupted``
-        (docs/partial_rollout.md).
-        """
-        if self._asleep == 2:
+    async def update(self, weights: Any, version: int | None = None, *,
+                     expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """``RolloutWorker.update_weights``: load policy weights as one transaction (begin, transfer, commit;
+        the module docstring), or pause-load-resume under partial rollout (:meth:`_update_in_flight`)."""
+        if self.asleep == 2:
             raise RuntimeError(f"rollout rank {self.rank} is asleep at level 2 (weights discarded); call wake_up() "
                                "before syncing weights")
         handle = weights[0] if isinstance(weights, list) and len(weights) == 1 else weights
         if isinstance(handle, LoraDelta) and callable(getattr(self.engine, "aload_adapter", None)):
             return await self._update_adapter(handle, version, expected_checksums)
-        version, state = await self._resolve_weights(weights, version)
+        version, state = await self.resolve(weights, version)
         # begin: every check before anything changes
         self._validate(version, state)
         state = self._cast(state)
@@ -398,7 +415,7 @@ class WeightSyncMixin:
             state = Adoptable(state)
         if self.config.partial_rollout != "off":
             return await self._update_in_flight(version, state, handle, expected_checksums)
-        gate = self._gate_event()
+        gate = self._gate()
         gate.clear()
         try:
             waited, aborted = await self._stop_generation()
@@ -430,7 +447,7 @@ class WeightSyncMixin:
         verified checksums."""
         verify = self.config.verify_checksums or expected_checksums is not None
         self._rolled_back = False
-        await self._engine_load(state)
+        await self._load(state)
         if callable(getattr(self.engine, "aload_adapter", None)):
             self._engine_base_replaced = True  # (the weights an adapter sync would serve its adapter on are gone)
         # commit (verify first)
@@ -440,9 +457,9 @@ class WeightSyncMixin:
             bad = sorted(k for k in want if got.get(k) != want[k])
             if bad or set(want) != set(got):
                 if self.config.verify_checksums:  # roll back to the last verified weights
-                    await self._engine_load(self._committed or self._initial_state)
+                    await self._load(self._committed or self._initial_state)
                     self._rolled_back = True
-                    outcome = f"rolled back to version {self._version}"
+                    outcome = f"rolled back to version {self.version}"
                 else:
                     outcome = "the engine holds unverified weights: sync again (verify_checksums=True rolls back)"
                 raise WeightSyncError(
@@ -450,8 +467,8 @@ class WeightSyncMixin:
                 )
         if self.config.verify_checksums:
             self._committed = state  # what a later failed verification rolls back to
-        self._version = version
-        self._needs_weights = False
+        self.version = version
+        self.needs_weights = False
         if isinstance(handle, WeightHandle) and handle.transport == "local":
             SNAPSHOTS.drop_older(handle.owner, version)
         return verify
@@ -469,7 +486,7 @@ class WeightSyncMixin:
         load has begun (a stop signal), the update still finishes -- load and version together, the
         engine paused meanwhile -- and then raises ``CancelledError``: the engine never resumes on
         half-loaded weights or under the wrong version."""
-        gate = self._gate_event()
+        gate = self._gate()
         gate.clear()  # new batch calls and new episodes start after the update
         try:
             tasks = [j.task for j in self._jobs if j.task is not None]
@@ -487,17 +504,17 @@ class WeightSyncMixin:
                     verify = load.result()
                 except BaseException as e:
                     if not self._rolled_back:  # a verified rollback restored the weights: requests continue
-                        self._needs_weights = True  # a sync of any version >= the current one restores them
+                        self.needs_weights = True  # a sync of any version >= the current one restores them
                         failed = self._fail_in_flight(WeightSyncError(
                             f"weights of version {version} failed to load on rollout rank {self.rank} while this "
                             f"request was in flight ({type(e).__name__}: {e}); it was stopped, since the weights it "
                             "would continue on are no longer known -- sync weights again and resubmit"))
-                        self._updates.append({"version": version, "failed": True, "failed_requests": failed})
+                        self.updates.append({"version": version, "failed": True, "failed_requests": failed})
                     raise
             receipt = {"version": version, "num_tensors": len(state), "waited": len(tasks), "aborted": 0,
                        "checksums_verified": verify, "pause_latency_s": paused.latency_s,
                        "in_flight": paused.in_flight, "interrupted": paused.interrupted}
-            self._updates.append({k: receipt[k] for k in ("version", "pause_latency_s", "in_flight", "interrupted")})
+            self.updates.append({k: receipt[k] for k in ("version", "pause_latency_s", "in_flight", "interrupted")})
             if cancelled:
                 raise asyncio.CancelledError(f"update_weights was cancelled while loading; version {version} was "
                                              "loaded and published before it stopped")
@@ -508,10 +525,9 @@ class WeightSyncMixin:
     def _engine_paused(self) -> Any:
         """The engine held still for a weight load (the request batcher's pause, or the engine's own)."""
         deadline = self.config.pause_deadline_s
-        if self._batcher is None and self._replay is not None:
-            self._request_engine()  # a replay's updates wait until its rounds need them
-        if self._batcher is not None:
-            return self._batcher.paused(deadline)
+        batcher = self._batcher()  # (a replay's updates wait until its rounds need them)
+        if batcher is not None:
+            return batcher.paused(deadline)
         apaused = getattr(self.engine, "apaused", None)  # engines that schedule requests themselves (vLLM)
         if apaused is not None:
             return apaused(self.config.partial_rollout, deadline)
@@ -523,20 +539,11 @@ class WeightSyncMixin:
         return idle()
 
     def _fail_in_flight(self, error: BaseException) -> int:
-        if self._batcher is not None:
-            return self._batcher.fail_in_flight(error)
+        batcher = self._batcher()
+        if batcher is not None:
+            return batcher.fail_in_flight(error)
         fail = getattr(self.engine, "fail_in_flight", None)
         return fail(error) if fail is not None else 0
-
-    async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
-        aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
-        adopt = getattr(self.engine, "adopt_weights", None)  # the HF engine: no copy (docs/performance.md)
-        if aload is not None:
-            await aload(state.items())
-        elif adopt is not None and isinstance(state, Adoptable):
-            await asyncio.to_thread(adopt, state.items())
-        else:
-            await asyncio.to_thread(self.engine.load_weights, state.items())
 
     def _held(self) -> list[torch.Tensor]:
         """The tensors a receive must not write into: the engine's (adopted) and the rollback point's."""
@@ -548,3 +555,7 @@ class WeightSyncMixin:
         if achecksum is not None:
             return await achecksum()
         return await asyncio.to_thread(self.engine.weights_checksum)
+
+
+def _no_fault(what: str) -> None:
+    """The default :attr:`RolloutWeights.on_bucket_received`: nothing."""

@@ -42,14 +42,13 @@ from typing import Any, Callable, Iterator, Literal, Mapping, TypeVar
 
 import torch
 
-from asyncrl import Dispatch, Execute, register
+from asyncrl import Dispatch
 from asyncrl.dispatch import dispatch_one_to_all
 
 from asyncrl.roles.errors import WeightsLostError, WeightSyncError
 from asyncrl.roles.training.lora import MergedWeights, merged_state
 from asyncrl.roles.modeling.models import StateSlots
 from asyncrl.roles.training.strategy import TrainStrategy, is_sharded
-from asyncrl.roles.modeling.threads import computing
 from asyncrl.roles.weights.weight_channel import (
     _DTYPE,
     WeightChannel,
@@ -372,33 +371,44 @@ async def fetch_stored(handle: WeightHandle) -> dict[str, torch.Tensor]:
 
 
 class WeightSource:
-    """The sending side of the weight transports, mixed into :class:`~asyncrl.roles.PolicyWorker`.
+    """The sending side of the weight transports: a :class:`~asyncrl.roles.PolicyWorker` holds one
+    (``self.weights``), and its registered transport methods delegate here.
 
-    Expects ``self.model`` (the trained module), ``self._version``, ``self.placement``, ``self.rank`` and
-    ``self.engine`` (its :class:`~asyncrl.roles.training.strategy.TrainStrategy`). Every transport reads the weights
-    through :meth:`_export_state` (the base model's names; LoRA merged there). Rank 0 stages and sends; under
-    ``fsdp2`` every rank takes part in staging (each weight is gathered from its shards, one at a time, into
-    rank 0's host buffer), and the staged copy lives in host memory except for ``local``.
+    It reads the weights of `strategy`'s module (the trained model, a peft model when `lora`) and the current
+    version from `version`. Every transport reads the weights through :meth:`export_state` (the base model's
+    names; LoRA merged there). Rank 0 stages and sends; under ``fsdp2`` every rank takes part in staging (each
+    weight is gathered from its shards, one at a time, into rank 0's host buffer), and the staged copy lives in
+    host memory except for ``local``.
+
+    Args:
+        strategy: the policy's :class:`~asyncrl.roles.training.strategy.TrainStrategy` (its ``module`` is the model).
+        rank: the policy rank this runs on.
+        device: the device the policy's weights live on (``local`` and ``collective`` snapshots go there).
+        lora: the model is a peft model with LoRA adapters: the weights leave merged (:meth:`export_state`).
+        version: the policy's current version (what a staged snapshot is labelled).
     """
 
-    model: torch.nn.Module
-    _version: int
-    placement: Any
-    rank: int
-    engine: TrainStrategy
-    _lora: bool = False
-    """``self.model`` is a peft model with LoRA adapters: the weights leave merged (:meth:`_export_state`)."""
-    _channel: "WeightChannel | None" = None
-    _channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
-    _owner: str | None = None
-    _state_slots: StateSlots | None = None
-    _cast_scratch: dict[str, Any] | None = None
-    """``object_store`` with a cast: the :class:`PackedState` buffer the cast writes before ``ray.put``
-    copies it (kept across versions)."""
-    _bucketed_snapshots: bool = True
-    """Stage collective snapshots in the channel's buckets (:func:`bucketed_snapshot`); False stages one
-    tensor per weight and concatenates each bucket when sending (the path before; kept for the benchmark's
-    side-by-side, benchmarks/weight_sync.py)."""
+    def __init__(self, *, strategy: TrainStrategy, rank: int, device: torch.device | str, lora: bool,
+                 version: Callable[[], int]) -> None:
+        self.strategy = strategy
+        self.model: torch.nn.Module = strategy.module
+        self.rank = rank
+        self.device = device
+        self.lora = lora
+        self._version = version
+        self._channel: WeightChannel | None = None
+        self._channel_layout: list[tuple[str, tuple[int, ...], str]] | None = None
+        self._owner: str | None = None
+        self._state_slots: StateSlots | None = None
+        self._cast_scratch: dict[str, Any] | None = None
+        """``object_store`` with a cast: the :class:`PackedState` buffer the cast writes before ``ray.put``
+        copies it (kept across versions)."""
+        self.bucketed_snapshots = True
+        """Stage collective snapshots in the channel's buckets (:func:`bucketed_snapshot`); False stages one
+        tensor per weight and concatenates each bucket when sending (the path before; kept for the benchmark's
+        side-by-side, benchmarks/weight_sync.py)."""
+        self.on_bucket_sent: Callable[[str], None] = _no_fault
+        """Called after each bucket a transfer sends (a seam for fault-injection tests)."""
 
     def _own_state(self) -> dict[str, torch.Tensor]:
         """``self.model.state_dict()`` without walking the modules each time (:class:`StateSlots`)."""
@@ -406,30 +416,30 @@ class WeightSource:
             self._state_slots = StateSlots(self.model)
         return self._state_slots.state()
 
-    def _export_state(self) -> dict[str, torch.Tensor]:
+    def export_state(self) -> dict[str, torch.Tensor]:
         """The weights as they leave the policy, under the base model's ``state_dict`` names: the one seam every
         transport, checksum and export reads. With LoRA, the merged weights (``W + scaling * B @ A``, new
         tensors computed beside the live model, which is not changed); else the model's own tensors. LoRA under
-        FSDP2 merges from gathered units instead (:meth:`_whole_by_unit`)."""
-        if self._lora and self.engine.sharded:
+        FSDP2 merges from gathered units instead (:meth:`whole_by_unit`)."""
+        if self.lora and self.strategy.sharded:
             raise RuntimeError("a sharded LoRA model's merged weights are read one FSDP unit at a time "
-                               "(_whole_by_unit), not as one state dict")
-        return merged_state(self.model) if self._lora else self._own_state()
+                               "(whole_by_unit), not as one state dict")
+        return merged_state(self.model) if self.lora else self._own_state()
 
-    def _export_layout(self) -> dict[str, torch.Tensor]:
-        """Tensors with the names, shapes, dtypes and ties of :meth:`_export_state`, without merging LoRA (under
+    def export_layout(self) -> dict[str, torch.Tensor]:
+        """Tensors with the names, shapes, dtypes and ties of :meth:`export_state`, without merging LoRA (under
         FSDP2: the shards, whose shapes are the whole tensors')."""
-        return MergedWeights(self.model).layout() if self._lora else self._own_state()
+        return MergedWeights(self.model).layout() if self.lora else self._own_state()
 
-    def _whole_by_unit(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
-        """``{name: whole exported tensor}`` of `names` (of :meth:`_export_layout`), one FSDP unit at a time (every
+    def whole_by_unit(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """``{name: whole exported tensor}`` of `names` (of :meth:`export_layout`), one FSDP unit at a time (every
         rank must iterate it to the end; the tensors may be views of the unit's gathered storage: copy what you
         keep before the next is yielded). With LoRA, each adapted weight is merged from its gathered unit."""
-        if not self._lora:
-            yield from self.engine.whole_by_unit(names)
+        if not self.lora:
+            yield from self.strategy.whole_by_unit(names)
             return
         view = MergedWeights(self.model)
-        for keys in self.engine.by_unit({n: view.sources[n] for n in names}):
+        for keys in self.strategy.by_unit({n: view.sources[n] for n in names}):
             yield {n: view.read(n) for n in keys}
 
     def _owner_id(self) -> str:
@@ -443,11 +453,11 @@ class WeightSource:
         with torch.no_grad():
             return untied(own, lambda k, v: _cast(v, dt, device))
 
-    def _gathered(self, dtype: torch.dtype | None, every_rank: bool = False) -> PackedState | None:
+    def gathered(self, dtype: torch.dtype | None, every_rank: bool = False) -> PackedState | None:
         """The whole weights (floating ones in `dtype`) in rank 0's host buffer, gathered from the FSDP2 shards
         one unit (decoder layer) at a time (every rank runs this; the others return None unless `every_rank`). The buffer is kept across versions:
         what reads it (``ray.put``, a snapshot copy) has copied it before the next gather."""
-        state = self._export_layout()
+        state = self.export_layout()
         plan = PackedState.plan(state, dtype)
         if plan is None:
             raise WeightSyncError(f"a weight's dtype cannot be staged from shards (dtypes {sorted({str(t.dtype) for t in state.values()})})")
@@ -462,7 +472,7 @@ class WeightSource:
                                                                     aliases)
         views = held.views() if held is not None else {}
         with torch.no_grad():  # one all-gather per FSDP unit, in module order on every rank
-            for whole in self._whole_by_unit([name for name, *_ in entries]):
+            for whole in self.whole_by_unit([name for name, *_ in entries]):
                 if held is not None:
                     for name, t in whole.items():
                         views[name].copy_(t)
@@ -480,16 +490,13 @@ class WeightSource:
                     t.copy_(own[k].detach())
         return state
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def weight_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{name: (shape, dtype)}`` of the weights as they would be exported."""
-        return {n: (s, d) for n, s, d in layout_of(self._export_layout())}
+        return {n: (s, d) for n, s, d in layout_of(self.export_layout())}
 
-    @register(STAGE)
-    @computing  # the copy (cast) is compute: with num_threads="follow" it takes the cores left idle
-    def stage_weights(self, transport: Literal["local", "collective", "object_store"] = "local",
-                      dtype: str | None = None, keep: int = 4) -> WeightHandle | None:
-        """Snapshot the current version and return its :class:`WeightHandle`.
+    def stage(self, transport: Literal["local", "collective", "object_store"] = "local",
+              dtype: str | None = None, keep: int = 4) -> WeightHandle | None:
+        """Snapshot the current version and return its :class:`WeightHandle` (``PolicyWorker.stage_weights``).
 
         ``local``/``collective``: on this worker's device; `dtype` casts floating tensors (e.g. the
         rollout's ``bfloat16``; a collective channel uses the dtypes the rollout announced when it
@@ -499,18 +506,19 @@ class WeightSource:
         if transport not in ("local", "collective", "object_store"):
             raise ValueError("stage_weights transport must be 'local', 'collective' or 'object_store', "
                              f"got {transport!r}")
-        sharded = self.engine.sharded
+        version = self._version()
+        sharded = self.strategy.sharded
         every_rank = transport == "local"  # each colocated rollout rank takes the snapshot in its own process
         if sharded:  # every rank gathers; rank 0 (every rank for local) stages from its host copy
             cast = dtype if transport == "object_store" else None  # (the others cast into their snapshot)
-            held = self._gathered(_DTYPE[cast] if isinstance(cast, str) else cast, every_rank)
+            held = self.gathered(_DTYPE[cast] if isinstance(cast, str) else cast, every_rank)
             if held is None:
                 return None
             own = held.views()
         elif self.rank != 0 and not every_rank:
             return None  # every rank holds the weights: rank 0 alone stages them
         else:
-            own = self._export_state()
+            own = self.export_state()
         if transport == "object_store":
             dt = _DTYPE[dtype] if isinstance(dtype, str) else dtype
             if sharded and _in_ray_worker():
@@ -523,7 +531,7 @@ class WeightSource:
                 stored = store_state(own, dt, self._cast_scratch)
             size = {k: v.numel() * (dt.itemsize if dt is not None and v.is_floating_point() else v.element_size())
                     for k, v in own.items()}
-            return WeightHandle(version=self._version, transport="object_store", owner=self._owner_id(),
+            return WeightHandle(version=version, transport="object_store", owner=self._owner_id(),
                                 pid=os.getpid(), channel=None, num_tensors=len(own), nbytes=sum(size.values()),
                                 stored=stored)
         channel = None
@@ -532,9 +540,9 @@ class WeightSource:
                 raise WeightSyncError("stage_weights('collective') needs an open weight channel: call "
                                       "open_weight_channel(policy, rollout) first")
             channel = self._channel.name
-            device = "cpu" if sharded else self.placement.device  # sharded: no whole copy on the device
+            device = "cpu" if sharded else self.device  # sharded: no whole copy on the device
             with torch.no_grad():
-                if self._bucketed_snapshots:  # one copy, already in the buckets send_weights broadcasts
+                if self.bucketed_snapshots:  # one copy, already in the buckets send_weights broadcasts
                     state = self._reused(own, self._channel_layout, device) or bucketed_snapshot(
                         own, self._channel_layout, self._channel.bucket_bytes, device)
                 else:
@@ -545,30 +553,27 @@ class WeightSource:
             with torch.no_grad():
                 layout = [(n, s, str(dt).removeprefix("torch.") if dt is not None and own[n].is_floating_point() else d)
                           for n, s, d in layout_of(own)]
-                state = (self._reused(own, layout, self.placement.device)
-                         or self._state_for(own, dtype, self.placement.device))
-        SNAPSHOTS.put(self._owner_id(), self._version, state, keep)
-        return WeightHandle(version=self._version, transport=transport, owner=self._owner_id(), pid=os.getpid(),
+                state = (self._reused(own, layout, self.device)
+                         or self._state_for(own, dtype, self.device))
+        SNAPSHOTS.put(self._owner_id(), version, state, keep)
+        return WeightHandle(version=version, transport=transport, owner=self._owner_id(), pid=os.getpid(),
                             channel=channel, num_tensors=len(state),
                             nbytes=sum(t.numel() * t.element_size() for t in state.values()))
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
-    def channel_member(self) -> dict[str, Any]:
+    def member(self) -> dict[str, Any]:
         """This rank's process/device (``member_info``) and a free port to serve a channel's rendezvous."""
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"  # this group's rank 0 (this worker) address
-        return {**member_info(self.placement.device), "host": host, "port": free_port()}
+        return {**member_info(self.device), "host": host, "port": free_port()}
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
-    async def join_weight_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
-                                  layout: list[tuple[str, tuple[int, ...], str]], timeout_s: float = 120.0,
-                                  bucket_bytes: int = 256 << 20, tied: Mapping[str, str] | None = None
-                                  ) -> dict[str, Any]:
+    async def join_channel(self, name: str, host: str, port: int, world_size: int, backend: str,
+                           layout: list[tuple[str, tuple[int, ...], str]], timeout_s: float = 120.0,
+                           bucket_bytes: int = 256 << 20, tied: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Join channel `name` as its rank 0 (the sender); `layout` is the rollout's weight layout
         (names must match this model's; floating dtypes may differ and are cast when staging), less
         the names in `tied` (the rollout's tied weights: sent once, under the name they are tied to)."""
         import asyncio
 
-        own = {n: s for n, s, _ in layout_of(self._export_layout()) if n not in (tied or {})}
+        own = {n: s for n, s, _ in layout_of(self.export_layout()) if n not in (tied or {})}
         theirs = {n: tuple(s) for n, s, _ in layout}
         if own != theirs:
             diff = sorted(set(own) ^ set(theirs)) or sorted(n for n in own if own[n] != theirs.get(n))
@@ -578,12 +583,11 @@ class WeightSource:
             self._channel.close()
         self._channel = None
         ch = await asyncio.to_thread(WeightChannel, name, host, port, 0, world_size, backend=backend,
-                                     device=self.placement.device, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
+                                     device=self.device, timeout_s=timeout_s, bucket_bytes=bucket_bytes)
         self._channel, self._channel_layout = ch, [(n, tuple(s), d) for n, s, d in layout]
         return {"rank": 0, "backend": ch.backend, "world_size": world_size}
 
-    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO, concurrent=True)
-    async def send_weights(self, handle: WeightHandle) -> dict[str, Any]:
+    async def send(self, handle: WeightHandle) -> dict[str, Any]:
         """Send the staged version `handle` over the open channel (the rollout ranks receive it in
         ``update_weights(handle)`` at the same time). Runs beside training: the snapshot is immutable."""
         import asyncio
@@ -594,18 +598,19 @@ class WeightSource:
         if ch is None or layout is None or ch.name != handle.channel:
             raise WeightSyncError(f"no open weight channel {handle.channel!r} on the policy; call open_weight_channel")
         state = SNAPSHOTS.get(handle.owner, handle.version) if handle.owner == self._owner else None
-        receipt = await asyncio.to_thread(ch.send, handle.version, state, layout, self._on_bucket_sent)
+        receipt = await asyncio.to_thread(ch.send, handle.version, state, layout, self.on_bucket_sent)
         if receipt["sent"]:
             SNAPSHOTS.drop_older(self._owner_id(), handle.version)
         return receipt
 
-    def _on_bucket_sent(self, what: str) -> None:
-        """Called after each bucket a transfer sends (a seam for fault-injection tests)."""
-
-    def close_weight_channel(self) -> None:
-        """Drop the channel and the staged snapshots (called on close)."""
+    def close(self) -> None:
+        """Drop the channel and the staged snapshots (the policy's ``on_close``)."""
         if self._channel is not None:
             self._channel.close()
             self._channel = None
         if self._owner is not None:
             SNAPSHOTS.clear(self._owner)
+
+
+def _no_fault(what: str) -> None:
+    """The default :attr:`WeightSource.on_bucket_sent`: nothing."""

@@ -102,9 +102,9 @@ class MidUpdateRollout(FaultyRollout):
         self._load_gate, self._gate_load, self._loads = gate, gate_load, 0
 
     def _request_engine(self) -> Any:
-        if self._batcher is None:
-            self._batcher = MidUpdateBatcher(self.engine, hold_seed=self._hold_seed, held=self._held, max_batch_size=64,
-                                             chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self._version,
+        if self.requests._batcher is None:
+            self.requests._batcher = MidUpdateBatcher(self.engine, hold_seed=self._hold_seed, held=self._held, max_batch_size=64,
+                                             chunk_tokens=self.config.chunk_tokens, version_fn=lambda: self.weights.version,
                                              partial_rollout=self.config.partial_rollout,
                                              record_rounds=self.config.record_rounds)
         return super()._request_engine()

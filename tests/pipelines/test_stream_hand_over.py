@@ -99,10 +99,10 @@ class StallingRollout(LoggedRollout):
         return os.getpid()
 
     def _request_engine(self):
-        if self._batcher is None:
-            self._batcher = StallingBatcher(self.engine, stall=self._stall_file, calls=self._calls,
+        if self.requests._batcher is None:
+            self.requests._batcher = StallingBatcher(self.engine, stall=self._stall_file, calls=self._calls,
                                             max_batch_size=64, chunk_tokens=self.config.chunk_tokens,
-                                            version_fn=lambda: self._version,
+                                            version_fn=lambda: self.weights.version,
                                             partial_rollout=self.config.partial_rollout,
                                             record_rounds=self.config.record_rounds)
         return super()._request_engine()

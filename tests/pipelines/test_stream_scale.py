@@ -50,7 +50,7 @@ class LoggedRollout(RolloutWorker):
         hang = os.path.exists(self._hang) and str(os.getpid()) in Path(self._hang).read_text().split()
         with open(self._calls, "a") as f:
             f.write(json.dumps({"seed": seed, "pid": os.getpid(), "version": self.version, "hung": hang}) + "\n")
-        if self._preempted:
+        if self.requests._preempted:
             raise PreemptedError("told to stop")
         try:
             await asyncio.sleep(self._delay)  # simulated generation time (the autoscaler's test: generation-bound)
@@ -65,11 +65,11 @@ class LoggedRollout(RolloutWorker):
     async def _hanging(self) -> None:
         """Wait forever inside a request-level generation (so a preemption notice reaches it)."""
         me = asyncio.current_task()
-        self._request_calls[me] = RequestCall(asyncio.get_running_loop(), None)  # no rows: nothing to hand over
+        self.requests._request_calls[me] = RequestCall(asyncio.get_running_loop(), None)  # no rows: nothing to hand over
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
-            if self._preempted:
+            if self.requests._preempted:
                 raise PreemptedError("told to stop while hanging") from None
             raise
 

@@ -67,7 +67,7 @@ async def test_a_partial_rollout_update_reaches_rows_in_flight_without_waiting_f
 
     # the update starts after the first forward (the first round's prefill: token 0 under version 0), and that
     # step is held until the update has asked for its pause, so the round stops right after token 0
-    handle, started = update_at_forwards(w.engine.model, {1: update}, w._batcher._interrupt)
+    handle, started = update_at_forwards(w.engine.model, {1: update}, w.requests._batcher._interrupt)
     try:
         task = asyncio.ensure_future(w.generate_requests(batch, seed=1))
         out = await task
@@ -104,13 +104,13 @@ async def test_without_partial_rollout_an_update_waits_for_the_rows_in_flight(mo
     w = RolloutWorker(model_config, RolloutConfig(max_new_tokens=6, chunk_tokens=2))
     w._request_engine()
     first_round = asyncio.Event()
-    version_of = w._batcher.version_fn
+    version_of = w.requests._batcher.version_fn
 
     def version() -> int:
         first_round.set()
         return version_of()
 
-    w._batcher.version_fn = version
+    w.requests._batcher.version_fn = version
     task = asyncio.ensure_future(w.generate_requests(_batch(w, ["write digits:", "say hello"]), seed=1))
     await first_round.wait()
     receipt = await w.update_weights((1, {k: v.clone() for k, v in w.model.state_dict().items()}))

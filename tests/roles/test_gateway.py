@@ -379,10 +379,10 @@ async def test_an_agent_file_runs_per_row_against_the_workers_gateway_and_packs_
     rollout = RolloutWorker(cfg, RolloutConfig(max_new_tokens=24, agent=f"{AGENTS}:{agent}"))
     try:
         out = await rollout.generate_episodes(prompt_batch(n=2))
-        gw = rollout._episode_fn.gateway
+        gw = rollout.requests._episode_fn.gateway
         assert gw.url.startswith("http://127.0.0.1:") and gw.statistics()["sessions_closed"] == 2
     finally:
-        await rollout._episode_fn.close()
+        await rollout.requests._episode_fn.close()
     tok = rollout.tokenizer
     P = rollout.context_length - 24  # one prompt width on every rank
     assert out["prompt_ids"].shape == (2, P) and out["input_ids"].shape == (2, P + 24)

@@ -159,7 +159,7 @@ async def test_a_rollout_worker_hands_a_call_over_and_another_resumes_it(model_c
     async def take() -> None:
         got.append(await old.hand_over([11]))
 
-    handle, started = update_at_forwards(old.model, {3: take}, old._batcher._halt)
+    handle, started = update_at_forwards(old.model, {3: take}, old.requests._batcher._halt)
     try:
         with pytest.raises(PreemptedError, match=r"handed its rows over \(a resize\).*\(2 rows with 6 tokens "
                                                  r"decoded kept\)") as err:
@@ -167,7 +167,7 @@ async def test_a_rollout_worker_hands_a_call_over_and_another_resumes_it(model_c
         await asyncio.wrap_future(started[0])
     finally:
         handle.remove()
-        await old._batcher.aclose()
+        await old.requests._batcher.aclose()
     partial = err.value.partial
     assert got == [{11: partial}] and sorted(partial) == ["11:0", "11:1"]
     assert [len(r["ids"]) for r in partial.values()] == [3, 3]
@@ -178,8 +178,8 @@ async def test_a_rollout_worker_hands_a_call_over_and_another_resumes_it(model_c
     try:
         out = await new.generate_requests(batch, seed=11, resume=partial)
     finally:
-        if new._batcher is not None:
-            await new._batcher.aclose()
+        if new.requests._batcher is not None:
+            await new.requests._batcher.aclose()
     P = batch["prompt_ids"].shape[1]
     for i in range(2):
         row = partial[f"11:{i}"]
@@ -236,7 +236,7 @@ async def test_two_ray_ranks_hand_a_call_over_and_one_rank_continues_every_row(r
     try:
         out = await one.generate_requests(batch, seed=5, resume=rows)
     finally:
-        await one._batcher.aclose()
+        await one.requests._batcher.aclose()
     for i in range(4):
         m = out["response_mask"][i].bool()
         ids, lps = out["response_ids"][i][m].tolist(), out["rollout_log_probs"][i][m].tolist()

@@ -276,7 +276,7 @@ def in_flight_update(rollout: RolloutWorker, at_forward: int, weights: Any) -> t
         return await rollout.update_weights(weights)
 
     submit = rollout._request_engine()  # builds the batcher
-    handle, started = update_at_forwards(rollout.model, {at_forward: update}, rollout._batcher._interrupt)
+    handle, started = update_at_forwards(rollout.model, {at_forward: update}, rollout.requests._batcher._interrupt)
     return submit, (handle, started)
 
 
@@ -291,7 +291,7 @@ async def test_rollout_update_reaches_requests_in_flight_and_reports_its_pause(m
         receipt = await asyncio.wrap_future(started[0])
     finally:
         handle.remove()
-        await rollout._batcher.aclose()
+        await rollout.requests._batcher.aclose()
     assert [g.versions for g in gens] == [[0] * 3 + [1] * 6] * 2
     assert receipt["version"] == 1 == rollout.version and receipt["in_flight"] == 2 and receipt["interrupted"]
     assert receipt["waited"] == 0 and receipt["pause_latency_s"] >= 0
@@ -324,7 +324,7 @@ async def test_a_load_that_fails_mid_generation_fails_the_requests_in_flight_and
     receipt = await rollout.update_weights((1, perturbed(rollout.model, 1)))  # the same version, loaded whole
     assert receipt["version"] == 1 and receipt["in_flight"] == 0
     g = await submit(tok.encode("x"), SamplingParams(max_new_tokens=3, seed=5))
-    await rollout._batcher.aclose()
+    await rollout.requests._batcher.aclose()
     assert g.versions == [1, 1, 1]
 
 
@@ -417,7 +417,7 @@ async def test_a_stop_signal_during_a_partial_update_finishes_the_load_then_stop
         update.append(asyncio.ensure_future(rollout.update_weights((1, perturbed(rollout.model, 1)))))
 
     submit = rollout._request_engine()
-    at, started = update_at_forwards(rollout.model, {3: start}, rollout._batcher._interrupt)
+    at, started = update_at_forwards(rollout.model, {3: start}, rollout.requests._batcher._interrupt)
     tok = rollout.tokenizer
     try:
         req = asyncio.ensure_future(submit(tok.encode("say hello"), SamplingParams(max_new_tokens=8, seed=2)))
@@ -433,7 +433,7 @@ async def test_a_stop_signal_during_a_partial_update_finishes_the_load_then_stop
         hook.remove()
         at.remove()
         go_on.set()
-        await rollout._batcher.aclose()
+        await rollout.requests._batcher.aclose()
     assert rollout.version == 1 and rollout.statistics()["updates"][0]["version"] == 1
     assert g.versions == [0] * 3 + [1] * (len(g.versions) - 3) and len(g.versions) > 3
 
@@ -448,7 +448,7 @@ async def test_a_checksum_mismatch_rolls_back_and_the_requests_in_flight_continu
         return await rollout.update_weights((1, weights), expected_checksums=wrong)
 
     submit = rollout._request_engine()
-    at, started = update_at_forwards(rollout.model, {3: update}, rollout._batcher._interrupt)
+    at, started = update_at_forwards(rollout.model, {3: update}, rollout.requests._batcher._interrupt)
     tok = rollout.tokenizer
     prompt, params = tok.encode("say hello"), SamplingParams(max_new_tokens=8, seed=12)
     try:
@@ -457,7 +457,7 @@ async def test_a_checksum_mismatch_rolls_back_and_the_requests_in_flight_continu
             await asyncio.wrap_future(started[0])
     finally:
         at.remove()
-        await rollout._batcher.aclose()
+        await rollout.requests._batcher.aclose()
     assert rollout.version == 0 and rollout.statistics()["updates"] == []
     ref = (await rollout.engine.generate([prompt], params))[0]  # the rolled-back weights are the initial ones
     assert g.response_ids == ref.response_ids and g.versions == [0] * len(g.response_ids)

@@ -1,4 +1,4 @@
-"""The one generation seam (``RolloutWorker._run_rows``): plain requests, episodes and gateway sessions are
+"""The one generation seam (``RequestGeneration._run_rows``): plain requests, episodes and gateway sessions are
 row programs over the same request-level engine, so ``generate_requests`` (the streaming trainer's call)
 runs a configured episode with partial rollout across its turns and per-token versions.
 
@@ -78,14 +78,14 @@ async def test_an_update_in_an_episodes_second_turn_pauses_that_turn_and_keeps_t
 
     # one row: forwards 1-4 decode turn 1 (prefill + 3 steps), forward 5 prefills turn 2; the update
     # arrives in forward 7, so turn 2's first three tokens are version 0 and the next three version 1
-    hook, started = update_at_forwards(rollout.model, {7: update}, rollout._batcher._interrupt)
+    hook, started = update_at_forwards(rollout.model, {7: update}, rollout.requests._batcher._interrupt)
     batch = prompt_batch(n=1)
     try:
         out = await rollout.generate_requests(batch, seed=5)
         await asyncio.wrap_future(started[0])
     finally:
         hook.remove()
-        await rollout._batcher.aclose()
+        await rollout.requests._batcher.aclose()
     obs = rollout.tokenizer.encode(OBS, add_special_tokens=False)
     n = 10 + len(obs)
     assert receipts[0]["version"] == 1 and receipts[0]["waited"] == 0  # it reached the episode, never waited
@@ -133,10 +133,10 @@ async def test_cancelling_a_call_mid_episode_drops_its_rows_and_the_next_update_
     PAUSED["between"] = asyncio.Event()
     call = asyncio.ensure_future(rollout.generate_requests(prompt_batch(n=2), seed=0))
     await PAUSED["between"].wait()
-    assert len(rollout._episode_tasks) == 1
+    assert len(rollout.requests._episode_tasks) == 1
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert rollout._episode_tasks == set()
+    assert rollout.requests._episode_tasks == set()
     receipt = await rollout.update_weights((1, perturbed(rollout.model, 1)))
     assert receipt["version"] == 1 and receipt["waited"] == 0

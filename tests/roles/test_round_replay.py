@@ -152,7 +152,7 @@ async def test_a_rollout_worker_records_its_rounds_and_a_fresh_one_replays_them(
         calls["n"] += 1
         if calls["n"] == 3:
             started.append(asyncio.run_coroutine_threadsafe(first.update_weights((1, perturbed_from(initial, 1))), loop))
-            assert first._batcher._interrupt.wait(30)
+            assert first.requests._batcher._interrupt.wait(30)
 
     handle = first.model.register_forward_hook(hook)
     try:
@@ -160,7 +160,7 @@ async def test_a_rollout_worker_records_its_rounds_and_a_fresh_one_replays_them(
         await asyncio.wrap_future(started[0])
     finally:
         handle.remove()
-        await first._batcher.aclose()
+        await first.requests._batcher.aclose()
     log = json.loads(json.dumps(first.round_log(clear=True)))
     assert first.round_log() == [] and len(log) >= 2
 
@@ -176,7 +176,7 @@ async def test_a_rollout_worker_records_its_rounds_and_a_fresh_one_replays_them(
         again = list(reversed(await asyncio.gather(*[replay_submit(p, q, key=k) for k, p, q in reversed(reqs)])))
         await up
     finally:
-        await second._batcher.aclose()
+        await second.requests._batcher.aclose()
     assert [(g.response_ids, g.log_probs, g.versions) for g in gens] == \
         [(g.response_ids, g.log_probs, g.versions) for g in again]
     with pytest.raises(RuntimeError, match="replay_rounds must come before any request-level generation"):

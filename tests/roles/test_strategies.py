@@ -77,7 +77,7 @@ class StrategyProbe(PolicyWorker):
         """Bytes of each FSDP unit's own parameters whole (the root's, then each decoder layer's)."""
         from asyncrl.roles.training.lora import MergedWeights
 
-        layout = self._export_layout()  # (DTensor shards: numel() is the whole tensor's)
+        layout = self.weights.export_layout()  # (DTensor shards: numel() is the whole tensor's)
         sources = MergedWeights(self.model).sources if self._lora else {n: n for n in layout}  # the modules read
         return [sum(layout[n].numel() * layout[n].element_size() for n in keys)
                 for _, keys in self.engine._per_unit(sources)]

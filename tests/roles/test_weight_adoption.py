@@ -176,7 +176,7 @@ async def test_collective_receives_into_the_other_buffer_set_never_the_engines(m
     assert _ptrs(third) == _ptrs(first)  # the free set again: two sets, not one per sync
     assert rollout.weights_checksum() == state_dict_checksums(states[3].items())
     root.close()
-    rollout._channel.close()
+    rollout.weights.close()
 
 
 async def test_a_tied_weight_crosses_the_channel_once_and_stays_tied(tied, channel_sender):
@@ -197,7 +197,7 @@ async def test_a_tied_weight_crosses_the_channel_once_and_stays_tied(tied, chann
     assert rollout.weights_checksum() == state_dict_checksums(
         dict(state, **{"lm_head.weight": state["model.embed_tokens.weight"]}).items())
     root.close()
-    rollout._channel.close()
+    rollout.weights.close()
 
 
 async def test_a_replaced_parameter_is_staged_and_adopted_not_a_cached_old_one(tied):

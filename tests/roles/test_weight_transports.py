@@ -60,14 +60,20 @@ class Policy(PolicyWorker):
 class Rollout(RolloutWorker):
     received: dict[str, torch.Tensor] | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        resolve = self.weights.resolve
+
+        async def recording(weights, version):
+            v, state = await resolve(weights, version)
+            self.received = state  # what the transport brought (object_store: views of Ray's store)
+            return v, state
+
+        self.weights.resolve = recording  # (RolloutWeights.update resolves through it)
+
     @register(Dispatch.ONE_TO_ALL)
     def raw_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    async def _resolve_weights(self, weights, version):
-        v, state = await super()._resolve_weights(weights, version)
-        self.received = state  # what the transport brought (object_store: views of Ray's store)
-        return v, state
 
     @register(Dispatch.ONE_TO_ALL)
     def adopted_received(self) -> bool:
@@ -80,30 +86,40 @@ class Rollout(RolloutWorker):
         return same
 
 
+def _die(what: str) -> None:
+    os._exit(1)
+
+
 class DyingRollout(Rollout):
     """Rollout rank 1 dies after the first bucket of a transfer it receives; rank 0 writes down
     how its receive ended (its group cannot be called once a rank died)."""
 
-    def _on_bucket_received(self, what: str) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         if self.rank == 1:
-            os._exit(1)
+            self.weights.on_bucket_received = _die
+        receive = self.weights._receive
 
-    async def _receive(self, handle):
-        try:
-            return await super()._receive(handle)
-        except Exception as e:
-            if self.rank == 0:
-                with open(os.environ["SURVIVOR_LOG"], "w") as f:
-                    json.dump({"error": type(e).__name__, "message": str(e), "version": self._version,
-                               "checksums": self.engine.weights_checksum()}, f)
-            raise
+        async def reporting(handle):
+            try:
+                return await receive(handle)
+            except Exception as e:
+                if self.rank == 0:
+                    with open(os.environ["SURVIVOR_LOG"], "w") as f:
+                        json.dump({"error": type(e).__name__, "message": str(e), "version": self.version,
+                                   "checksums": self.engine.weights_checksum()}, f)
+                raise
+
+        self.weights._receive = reporting  # (RolloutWeights.resolve receives a collective handle through it)
 
 
 class DyingPolicy(Policy):
     """The policy dies after sending the first bucket of a transfer."""
 
-    def _on_bucket_sent(self, what: str) -> None:
-        os._exit(1)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights.on_bucket_sent = _die
+
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def jump_to_version(self, version: int) -> None:
@@ -236,7 +252,7 @@ async def test_a_verified_rollout_rolls_back_to_weights_it_received_over_the_cha
     assert isinstance(failed, WeightSyncError) and "rolled back to version 1" in str(failed)
     assert rollout.version == 1 and rollout.weights_checksum() == one  # version 1's bytes, not version 2's
     root.close()
-    rollout._channel.close()
+    rollout.weights.close()
 
 
 async def test_local_snapshots_reuse_retired_buffers_but_never_a_rollback_point(model_config):
@@ -389,7 +405,7 @@ class PackingPolicy(Policy):
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def packed_buffer(self) -> int | None:
         """Address of the buffer an object_store stage with a cast packs into (None: no such stage yet)."""
-        held = (self._cast_scratch or {}).get("packed")
+        held = (self.weights._cast_scratch or {}).get("packed")
         return None if held is None else held.flat.data_ptr()
 
 

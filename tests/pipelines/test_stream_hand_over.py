@@ -139,10 +139,12 @@ async def _stall_pool(tr, stall: Path, calls: Path) -> set[int]:
     return pids
 
 
-def _check_continued(tr, cfg, calls: Path, new: set[int]) -> int:
+def _check_continued(tr, cfg, calls: Path, new: set[int], most: int | None = HELD) -> int:
     """Every handed-over row that was unfinished ended, in a call of a pool in `new`, with exactly the tokens
     (ids, log-probs, versions) it had decoded before, then its own; returns how many held rows (``HELD`` tokens
-    decoded before the hand-over) were so continued."""
+    decoded before the hand-over) were so continued. `most`: the most tokens a handed-over row had decoded
+    (``HELD`` where every hand-over was from a stalled pool; ``None`` where a pool that is not stalled hands
+    rows over wherever it stands)."""
     log = _calls(calls)
     seeds = {batch_seed(cfg, g): g for g, _ in tr.rollout.handovers}
     n = 0
@@ -157,7 +159,8 @@ def _check_continued(tr, cfg, calls: Path, new: set[int]) -> int:
                 assert got["ids"] == row["ids"]  # finished before the hand-over: kept as it was
                 continue
             k = len(row["ids"])  # HELD for a held row; fewer for one stopped in its first round
-            assert k <= HELD and got["ids"][:k] == row["ids"] and got["versions"][:k] == row["versions"]
+            assert most is None or k <= most
+            assert got["ids"][:k] == row["ids"] and got["versions"][:k] == row["versions"]
             assert got["log_probs"][:k] == pytest.approx(row["log_probs"], abs=1e-6)
             assert len(got["ids"]) > k and min(got["versions"][k:]) >= max(row["versions"], default=0)
             n += k == HELD
@@ -249,7 +252,9 @@ async def test_the_autoscaler_grows_a_pool_that_generation_holds_up_and_shrinks_
     _assert_every_group_once_within_the_bound(tmp_path / "run", cfg.prompts_per_step, done)
     # the rows held on the old pool were handed over with their HELD tokens, and continued from them on the new one
     assert grow.handed_over and grow.kept_tokens >= HELD
-    assert _check_continued(tr, cfg, calls, two | last) >= 1
+    # (the shrink hands over pool two's rows, which are not stalled: they stop wherever the shrink finds them, a
+    # round or an update's pause in, so with any number of tokens: 4 in 2 of 6 runs on a busy machine)
+    assert _check_continued(tr, cfg, calls, two | last, most=None) >= 1
 
 
 async def test_a_sigterm_to_the_rollout_worker_hands_its_rows_over_with_their_tokens(ray_cluster, tmp_path):

@@ -239,20 +239,10 @@ class Admission:
             self._discard(chosen)
             self._step_done(chosen)
             return chosen, self._drain_dropped()
-        if len(self._finished) < B:
+        need = self._needs()
+        if need is None:
             return None
-        versions = sorted(self._by_v0)
-        need: dict[int, int] = {}
-        untrained = finished = 0
-        for u in versions:
-            untrained += self._by_v0[u]
-            finished += self._finished_by_v0.get(u, 0)
-            need[u] = max(0, untrained - max(0, u + k - p) * B)
-            if finished < need[u]:
-                # a step must train need[u] groups with v0 <= u and fewer have finished: the scan below would
-                # find no B groups either. Checked per version, not per group: a take is tried at every finish,
-                # and the scan is O(finished groups), thousands at hundreds of replicas
-                return None
+        versions = list(need)
         chosen: list[int] = []
         count = dict.fromkeys(versions, 0)  # chosen groups with v0 <= u
         for g in self._finished:
@@ -269,6 +259,24 @@ class Admission:
         self._discard(chosen)
         self._step_done(chosen)
         return chosen, []
+
+    def _needs(self) -> dict[int, int] | None:
+        """``need_u`` for every version ``u`` of an untrained group (ascending), or None when the finished groups
+        cannot meet them: fewer than ``B``, or fewer than ``need_u`` with ``v0 <= u`` for some ``u`` (then
+        :meth:`take`'s scan would find no ``B`` groups either). Counted per version, not per group: a take is tried
+        at every finish, and the scan is O(finished groups), thousands at hundreds of replicas."""
+        B, k, p = self.groups_per_step, self.max_staleness, self.next_step
+        if len(self._finished) < B:
+            return None
+        need: dict[int, int] = {}
+        untrained = finished = 0
+        for u in sorted(self._by_v0):
+            untrained += self._by_v0[u]
+            finished += self._finished_by_v0.get(u, 0)
+            need[u] = max(0, untrained - max(0, u + k - p) * B)
+            if finished < need[u]:
+                return None
+        return need
 
     def _drain_dropped(self) -> list[int]:
         out, self.dropped_groups = self.dropped_groups, []

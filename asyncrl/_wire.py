@@ -358,6 +358,8 @@ def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
             or getattr(td, "_consolidated", None)):
         return None
     n = td.batch_size[0]
+    if not n:
+        return None  # (a text column of no rows has no cells to rebuild it from)
     keys: list[str] = []
     columns: list[Any] = []
     for k, v in td._tensordict.items():
@@ -365,10 +367,12 @@ def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
         if t is torch.Tensor:
             columns.append(v)
         elif t is NonTensorStack:
-            cells = v.tensordicts
+            cells: Any = v.tensordicts  # NonTensorData cells: their text is `_non_tensordict["data"]`
             if v.stack_dim != 0 or len(cells) != n or v.batch_dims != 1 or v.device is not None:
                 return None  # (n cells stacked on dimension 0 into one batch dimension: each cell has none)
-            texts = [c._non_tensordict.get("data") if type(c) is NonTensorData else None for c in cells]
+            if any(type(c) is not NonTensorData for c in cells):
+                return None
+            texts = [c._non_tensordict.get("data") for c in cells]
             if any(type(x) is not str for x in texts):
                 return None
             columns.append(texts)

@@ -309,6 +309,7 @@ async def test_a_tensordict_of_tensors_and_text_arrives_as_tensordicts_own_pickl
     locked = rows.clone().lock_()
     assert _wire._reduce_text_td(rows) is not None
     assert _wire._reduce_text_td(nested) is None and _wire._reduce_text_td(locked) is None
+    assert _wire._reduce_text_td(big[0:0]) is None
     want = ["TensorDict", [3], [["ids", "Tensor", [[4, 5], [6, 7], [8, 9]]],
                                 ["prompt", "NonTensorStack", ["c", "d", "e"]],
                                 ["uid", "Tensor", [42, 43, 44]], ["answer", "NonTensorStack", ["2", "3", "4"]]]]

@@ -14,6 +14,7 @@ cancelled call. The controller builds these (``asyncrl._call``), the worker read
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import threading
@@ -338,17 +339,84 @@ def arrived(payload: "Payload | list[Any]") -> Payload:
     return payload  # type: ignore[return-value]
 
 
+TEXT_TENSORDICTS = True
+"""Pickle a call argument that is a plain TensorDict of tensors and text columns (a prompt group's rows) as its
+columns (:func:`_reduce_text_td`); False: tensordict's own reduction, every text cell a pickled ``NonTensorData``
+(what the code did before; ``benchmarks/cluster_twin.py`` measures both)."""
+
+
+def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
+    """`td` as ``(_rebuild_text_td, (rows, keys, columns))`` when it is a plain ``TensorDict`` (one batch
+    dimension, no device, names, lock or consolidated storage) whose every value is a tensor or a
+    ``NonTensorStack`` of strings (one per row, stacked on dimension 0); else None (tensordict's reduction). The
+    tensors are pickled as before (Ray's zero-copy reducer); a text column crosses as one list of strings, not as
+    a pickled ``NonTensorData`` per cell (about ten times the CPU, on the controller, per routed prompt group)."""
+    from tensordict import NonTensorData, NonTensorStack
+    import torch
+
+    if (td.batch_dims != 1 or td.device is not None or td.is_locked or td._has_names()
+            or getattr(td, "_consolidated", None)):
+        return None
+    n = td.batch_size[0]
+    if not n:
+        return None  # (a text column of no rows has no cells to rebuild it from)
+    keys: list[str] = []
+    columns: list[Any] = []
+    for k, v in td._tensordict.items():
+        t = type(v)
+        if t is torch.Tensor:
+            columns.append(v)
+        elif t is NonTensorStack:
+            cells: Any = v.tensordicts  # NonTensorData cells: their text is `_non_tensordict["data"]`
+            if v.stack_dim != 0 or len(cells) != n or v.batch_dims != 1 or v.device is not None:
+                return None  # (n cells stacked on dimension 0 into one batch dimension: each cell has none)
+            if any(type(c) is not NonTensorData for c in cells):
+                return None
+            texts = [c._non_tensordict.get("data") for c in cells]
+            if any(type(x) is not str for x in texts):
+                return None
+            columns.append(texts)
+        else:
+            return None
+        keys.append(k)
+    return _rebuild_text_td, (n, keys, columns)
+
+
+def _rebuild_text_td(n: int, keys: list[str], columns: list[Any]) -> Any:
+    """The TensorDict :func:`_reduce_text_td` took apart: its tensors, and its text columns as
+    ``NonTensorStack`` s of strings, in its key order."""
+    from tensordict import NonTensorStack, TensorDict
+
+    return TensorDict({k: NonTensorStack(*c) if type(c) is list else c for k, c in zip(keys, columns)},
+                      batch_size=[n])
+
+
+@functools.cache
+def _pickler_class() -> type:
+    from ray import cloudpickle
+    from tensordict import TensorDict
+
+    class _Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if type(obj) is TensorDict and TEXT_TENSORDICTS:
+                reduced = _reduce_text_td(obj)
+                if reduced is not None:
+                    return reduced
+            return super().reducer_override(obj)
+
+    return _Pickler
+
+
 class _InnerPickler:
     """One cloudpickle pickler per thread, reused for every Payload (building a pickler
     costs several times more than pickling a few small arguments). It is Ray's
-    cloudpickle, so Ray's reducers apply (zero-copy tensors, ObjectRef accounting)."""
+    cloudpickle, so Ray's reducers apply (zero-copy tensors, ObjectRef accounting); a plain
+    TensorDict of tensors and text crosses as its columns (:data:`TEXT_TENSORDICTS`)."""
 
     def __init__(self) -> None:
-        from ray import cloudpickle
-
         self._file = io.BytesIO()
         self._buffers: list[pickle.PickleBuffer] = []
-        self._pickler = cloudpickle.CloudPickler(self._file, protocol=5, buffer_callback=self._buffer)
+        self._pickler = _pickler_class()(self._file, protocol=5, buffer_callback=self._buffer)
         self._busy = False
 
     def _buffer(self, b: pickle.PickleBuffer) -> None:
@@ -356,10 +424,10 @@ class _InnerPickler:
 
     def dumps(self, obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
         if self._busy:  # a Payload inside a Payload's arguments: a one-off pickler
-            from ray import cloudpickle
-
             buffers: list[pickle.PickleBuffer] = []
-            return cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append), buffers
+            f = io.BytesIO()
+            _pickler_class()(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+            return f.getvalue(), buffers
         self._busy = True
         f, self._buffers = self._file, []
         try:

@@ -166,7 +166,10 @@ def _split(world_size: int, names_values: list[tuple[str, Any]], group: str) -> 
                 out.append([DeferredShard(src, r, world_size) for r in range(world_size)])
         else:
             if isinstance(v, TensorDictBase) or B.is_batch(v):
-                out.append([B.take_rows(v, picks[r]) for r in range(world_size)])
+                # one shard of all the rows (a call to one rank): the batch itself, not a view of it (slicing a
+                # TensorDict of text fields costs tens of microseconds, paid per routed call)
+                whole = slice(0, B.batch_len(v))
+                out.append([v if picks[r] == whole else B.take_rows(v, picks[r]) for r in range(world_size)])
     return out, pads
 
 

@@ -27,11 +27,15 @@ Figures per N (steady state: the steps after ``--warmup``):
   reads it whole), the tracer sweeping every pending call at each new one;
 * ``routed``: each prompt group to one replica, the least loaded (``stream_rollout.ROUTE_GROUPS``);
 * ``sharded``: routed, and the step's batch built in shards, one per training rank (``SHARD_STEP_BATCH``);
-* ``before``: sharded, the tracer's sweep amortised, and ``trainer.balance_batch`` (each training rank about the
+* ``two-calls``: sharded, the tracer's sweep amortised, and ``trainer.balance_batch`` (each training rank about the
   same tokens; the variants above run without it): each group still a generate and a score call, the
   controller fetching its scores;
-* ``after``: the code: as ``before``, and each group scored in its generate call, the controller reading the
-  scores from the call's reply (``stream_rollout.SCORE_IN_GENERATE``): one Ray call per group.
+* ``before``: as ``two-calls``, and each group scored in its generate call, the controller reading the scores
+  from the call's reply (``stream_rollout.SCORE_IN_GENERATE``): one Ray call per group; a step's take still
+  scans every finished group at each finish, and a group's prompt rows are pickled by tensordict, a
+  ``NonTensorData`` per text cell;
+* ``after``: the code: as ``before``, and a take that is not ready answers from its per-version counts
+  (``Admission._needs``), the prompt rows crossing as their columns (``_wire.TEXT_TENSORDICTS``).
 
     python benchmarks/cluster_twin.py --variants before,after   # N = 1,4,16,64,256
     python benchmarks/cluster_twin.py --variants unrouted,after --replicas 1,4,16,64   # the first fixes
@@ -62,8 +66,8 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
-VARIANTS = ("unrouted", "routed", "sharded", "before", "after")
-CURRENT = ("before", "after")  # the variants with every fix but the last (before) and the code (after)
+VARIANTS = ("unrouted", "routed", "sharded", "two-calls", "before", "after")
+CURRENT = ("two-calls", "before", "after")  # the variants with the tracer's amortised sweep and balance_batch
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
@@ -114,24 +118,28 @@ def cpu_by_thread(before: dict[str, float], after: dict[str, float], samples: in
 
 
 class LoopLag:
-    """A heartbeat on the controller's loop: how late each 5 ms sleep wakes up."""
+    """A heartbeat on the controller's loop: how late each 5 ms timer runs. A timer callback, not a task that
+    sleeps: the same lag, at a fraction of the CPU (a task's wake-up is a future, a callback and a step; counted in
+    the controller's CPU, the sleeping task was 10-20 us per trained sample at 64 replicas)."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float]] = []  # (monotonic time, lag s)
-        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._beat())
+        self._due = time.perf_counter() + 0.005
+        self._timer = asyncio.get_running_loop().call_later(0.005, self._beat)
 
-    async def _beat(self) -> None:
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.005)
-            self.samples.append((time.monotonic(), time.perf_counter() - t - 0.005))
+    def _beat(self) -> None:
+        t = time.perf_counter()
+        self.samples.append((time.monotonic(), t - self._due))
+        self._due = t + 0.005
+        self._timer = asyncio.get_running_loop().call_later(0.005, self._beat)
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
 
     def p99(self, start: float, end: float) -> float:
         lags = sorted(lag for t, lag in self.samples if start <= t <= end)
@@ -252,13 +260,23 @@ def reach_times(syncs: list[Any], exports: dict[int, Any], warmup: int) -> list[
 
 def set_variant(variant: str) -> Any:
     """Make the controller run as `variant` (module docstring); returns the undo."""
+    from asyncrl import _wire
     from asyncrl.pipelines.observe import trace
     from asyncrl.pipelines.rollout import stream_rollout as sr
+    from asyncrl.pipelines.rollout.admission import Admission
 
     saved = sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch
+    kept = _wire.TEXT_TENSORDICTS, Admission._needs
     sr.ROUTE_GROUPS = variant != "unrouted"
     sr.SHARD_STEP_BATCH = variant in ("sharded", *CURRENT)
-    sr.SCORE_IN_GENERATE = variant == "after"
+    sr.SCORE_IN_GENERATE = variant in ("before", "after")
+    _wire.TEXT_TENSORDICTS = variant == "after"
+    if variant != "after":  # a take as it was: every finished group scanned at every try
+        def needs(self: Any) -> dict[int, int]:
+            B, k, p = self.groups_per_step, self.max_staleness, self.next_step
+            return {u: max(0, self._untrained_upto(u) - max(0, u + k - p) * B) for u in sorted(self._by_v0)}
+
+        Admission._needs = needs  # type: ignore[method-assign]
     if variant not in CURRENT:  # the tracer as it was: every watched call swept every pending one
         def watch(self: Any, future: Any, stage: str, **kw: Any) -> Any:
             self._sweep_at = 0
@@ -268,6 +286,7 @@ def set_variant(variant: str) -> Any:
 
     def undo() -> None:
         sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch = saved  # type: ignore[method-assign]
+        _wire.TEXT_TENSORDICTS, Admission._needs = kept  # type: ignore[method-assign]
 
     return undo
 
@@ -358,8 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
     p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
     p.add_argument("--variants-upto", type=int, default=64,
-                   help="run the variants other than 'before' and 'after' only up to this N (the unrouted code "
-                        "splits every group across every replica: at 256 a step takes many minutes)")
+                   help="run the variants other than 'two-calls', 'before' and 'after' only up to this N (the "
+                        "unrouted code splits every group across every replica: at 256 a step takes many minutes)")
     p.add_argument("--fixed-lengths", action="store_true",
                    help="every response the profile's median length (no long tail): what the controller, Ray, "
                         "admission and the weight sync do alone, without the workload's stragglers")

@@ -147,6 +147,7 @@ class Admission:
     _rejected: int = 0
     _peak: int = 0
     _by_v0: dict[int, int] = field(default_factory=dict)  # untrained groups per admission version
+    _finished_by_v0: dict[int, int] = field(default_factory=dict)  # finished, untrained groups per admission version
     dropped_groups: list[int] = field(default_factory=list)
     """Groups dropped since the last successful :meth:`take` (which returns and clears them)."""
 
@@ -208,6 +209,7 @@ class Admission:
             raise ValueError(f"group {group} finished twice")
         g.finished = True
         self._finished.append(group)
+        self._finished_by_v0[g.v0] = self._finished_by_v0.get(g.v0, 0) + 1
 
     def reject(self, group: int) -> None:
         """`group` finished but is not to be trained (dynamic sampling: its rewards are all equal). It leaves
@@ -237,8 +239,10 @@ class Admission:
             self._discard(chosen)
             self._step_done(chosen)
             return chosen, self._drain_dropped()
-        versions = sorted(self._by_v0)
-        need = {u: max(0, self._untrained_upto(u) - max(0, u + k - p) * B) for u in versions}
+        need = self._needs()
+        if need is None:
+            return None
+        versions = list(need)
         chosen: list[int] = []
         count = dict.fromkeys(versions, 0)  # chosen groups with v0 <= u
         for g in self._finished:
@@ -256,6 +260,24 @@ class Admission:
         self._step_done(chosen)
         return chosen, []
 
+    def _needs(self) -> dict[int, int] | None:
+        """``need_u`` for every version ``u`` of an untrained group (ascending), or None when the finished groups
+        cannot meet them: fewer than ``B``, or fewer than ``need_u`` with ``v0 <= u`` for some ``u`` (then
+        :meth:`take`'s scan would find no ``B`` groups either). Counted per version, not per group: a take is tried
+        at every finish, and the scan is O(finished groups), thousands at hundreds of replicas."""
+        B, k, p = self.groups_per_step, self.max_staleness, self.next_step
+        if len(self._finished) < B:
+            return None
+        need: dict[int, int] = {}
+        untrained = finished = 0
+        for u in sorted(self._by_v0):
+            untrained += self._by_v0[u]
+            finished += self._finished_by_v0.get(u, 0)
+            need[u] = max(0, untrained - max(0, u + k - p) * B)
+            if finished < need[u]:
+                return None
+        return need
+
     def _drain_dropped(self) -> list[int]:
         out, self.dropped_groups = self.dropped_groups, []
         return out
@@ -263,14 +285,20 @@ class Admission:
     def _discard(self, groups: list[int]) -> None:
         gone = set(groups)
         for g in groups:
-            v = self._groups.pop(g).v0
-            left = self._by_v0[v] - 1
-            if left:
-                self._by_v0[v] = left
-            else:
-                del self._by_v0[v]
+            x = self._groups.pop(g)
+            _decrement(self._by_v0, x.v0)
+            if x.finished:
+                _decrement(self._finished_by_v0, x.v0)
         self._finished = [g for g in self._finished if g not in gone]
 
     def _step_done(self, chosen: list[int]) -> None:
         self._trained += len(chosen)
         self.next_step += 1
+
+
+def _decrement(counts: dict[int, int], key: int) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]

@@ -355,8 +355,11 @@ class StreamRollout:
         if a.load_epoch != epoch or len(a.load) != n:  # a new pool: nothing of it in flight yet
             a.load, a.load_epoch = [0] * n, epoch
         load = a.load
-        live = [r for r in range(n) if r not in a.dead] or list(range(n))  # (none live: it fails, the pool goes)
-        rank = min(live, key=lambda r: (load[r], r))
+        if a.dead:
+            live = [r for r in range(n) if r not in a.dead] or list(range(n))  # (none live: it fails, the pool goes)
+            rank = min(live, key=lambda r: (load[r], r))
+        else:  # the same rank, found in C: this runs per group, over hundreds of replicas
+            rank = load.index(min(load))
         load[rank] += 1
         return rank
 

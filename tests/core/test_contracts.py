@@ -292,6 +292,40 @@ async def test_plain_and_other_arguments_arrive_with_their_exact_types(wg):
     ]
 
 
+async def test_a_tensordict_of_tensors_and_text_arrives_as_tensordicts_own_pickling_sends_it(wg):
+    """A plain TensorDict of tensors and text columns (a prompt group's rows, here a slice of a larger batch) crosses
+    as its columns (``_wire.TEXT_TENSORDICTS``) and arrives as tensordict's own reduction delivers it: the same class,
+    batch size, key order, value classes and values; one it cannot take apart (nested, locked) takes that reduction."""
+    from tensordict import NonTensorStack
+
+    from asyncrl import _wire
+
+    big = TensorDict({"ids": torch.arange(12).reshape(6, 2), "prompt": NonTensorStack(*"abcdef"),
+                      "uid": torch.arange(6) + 40, "answer": NonTensorStack(*[str(i) for i in range(6)])},
+                     batch_size=[6])
+    rows = big[2:5]
+    nested = rows.clone()
+    nested["inner"] = TensorDict({"z": torch.ones(3)}, batch_size=[3])
+    locked = rows.clone().lock_()
+    assert _wire._reduce_text_td(rows) is not None
+    assert _wire._reduce_text_td(nested) is None and _wire._reduce_text_td(locked) is None
+    assert _wire._reduce_text_td(big[0:0]) is None
+    want = ["TensorDict", [3], [["ids", "Tensor", [[4, 5], [6, 7], [8, 9]]],
+                                ["prompt", "NonTensorStack", ["c", "d", "e"]],
+                                ["uid", "Tensor", [42, 43, 44]], ["answer", "NonTensorStack", ["2", "3", "4"]]]]
+    got = {}
+    try:
+        for flag in (True, False):
+            _wire.TEXT_TENSORDICTS = flag
+            got[flag] = [await wg.td_layout(rows), await wg.td_layout(nested), await wg.td_layout(locked)]
+    finally:
+        _wire.TEXT_TENSORDICTS = True
+    assert got[True] == got[False]
+    assert got[True][0] == got[True][2] == want
+    assert got[True][1] == ["TensorDict", [3], [*want[2], ["inner", "TensorDict", ["TensorDict", [3], [
+        ["z", "Tensor", [1.0, 1.0, 1.0]]]]]]]
+
+
 def test_a_call_crosses_as_its_typed_message_in_field_order():
     """The call message (`CallMsg`) crosses Ray as one plain list in field order, which
     Ray encodes with msgpack, and the host rebuilds the same message from it."""

@@ -71,3 +71,14 @@ def test_a_mesh_method_cannot_be_sent_to_one_rank():
     g = RayWorkerGroup(Probe, world_size=2, args=(0, 2), name="mesh")  # refused as the call is made: no workers
     with pytest.raises(DispatchError, match="a call to one rank takes a non-mesh mode"):
         g.mesh_tag.options(rank=0)
+
+
+def test_a_split_into_one_shard_sends_the_batch_itself_not_a_view():
+    """A call to one rank (a group of one) takes every row: dispatch hands it the batch as it is, with no per-call
+    slicing; a split into several shards still cuts rows."""
+    from asyncrl.dispatch import World, dispatch_dp
+
+    td = _batch(5)
+    assert dispatch_dp(World(1, "g", {}), td).args[0][0] is td
+    halves = dispatch_dp(World(2, "g", {}), td).args[0]
+    assert [h["x"].tolist() for h in halves] == [[0.0, 1.0, 2.0], [3.0, 4.0, 0.0]]

@@ -288,6 +288,16 @@ class Probe(Worker):
         """The arguments as they arrived: each value with its exact type, recursively."""
         return [_typed(args), _typed(kwargs)]
 
+    @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
+    def td_layout(self, td: TensorDict) -> list:
+        """A TensorDict argument as it arrived: its class, batch size and, in key order, each value's class and
+        contents (a nested TensorDict's layout)."""
+        def layout(x):
+            return [type(x).__name__, list(x.batch_size), [
+                [k, type(v).__name__, layout(v) if type(v).__name__ == "TensorDict" else v.tolist()]
+                for k, v in x.items()]]
+        return layout(td)
+
     @register()
     def record_value(self, x) -> int:
         """Ordered; its argument may be a pipelined future."""

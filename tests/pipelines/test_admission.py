@@ -153,3 +153,49 @@ def test_every_trained_group_is_within_the_bound_and_nothing_is_lost(B, k, extra
                     f"(admitted {nxt}, generating {running}, version {version}, pending {a.pending()})")
     assert len(trained) == len(set(trained)) == steps * B
     assert a.statistics().dropped == 0
+
+
+def _scan_take(a: Admission) -> list[int] | None:
+    """The groups a take chooses by the full scan alone (the module docstring's rule, with no early answer), without
+    changing `a`."""
+    B, k, p = a.groups_per_step, a.max_staleness, a.next_step
+    pending = a.pending()
+    versions = sorted(set(pending.values()))
+    need = {u: max(0, sum(1 for v in pending.values() if v <= u) - max(0, u + k - p) * B) for u in versions}
+    chosen: list[int] = []
+    count = dict.fromkeys(versions, 0)
+    for g in a._finished:
+        trial = {u: c + (pending[g] <= u) for u, c in count.items()}
+        if all(need[u] - trial[u] <= B - len(chosen) - 1 for u in versions):
+            chosen.append(g)
+            count = trial
+            if len(chosen) == B:
+                return chosen
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 5), k=st.integers(1, 3), steps=st.integers(1, 6),
+       ops=st.lists(st.integers(0, 99), min_size=200, max_size=200))
+def test_a_take_answers_as_the_full_scan_of_finished_groups_does(B, k, steps, ops):
+    """A take that answers None from its per-version counts (too few finished groups of an old version) answers what
+    the scan of every finished group answers, at every point of random interleavings."""
+    a = Admission(groups_per_step=B, max_staleness=k, max_in_flight=(k + 1) * B)
+    version, nxt = 0, 0
+    running: list[int] = []
+    for op in ops:
+        if a.next_step >= steps:
+            break
+        choice = op % 4
+        if choice == 0 and nxt < steps * B and a.can_admit(version):
+            a.admit(nxt, version)
+            running.append(nxt)
+            nxt += 1
+        elif choice == 1 and version < a.next_step:
+            version += 1
+        elif choice == 2 and running:
+            a.finish(running.pop(op % len(running)))
+        else:
+            expected = _scan_take(a)
+            got = a.take()
+            assert (got[0] if got is not None else None) == expected

@@ -142,9 +142,10 @@ class ChaosRollout(RolloutWorker):
     def _lost(self) -> ReplicaLostError:
         return ReplicaLostError(f"rollout replica {self.rank} died (simulated: the twin's chaos)")
 
-    @register(Dispatch.ONE_TO_ALL)
-    def pid(self) -> int:
-        """This rank's process id."""
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def pid(self) -> int:
+        """This rank's process id (concurrent: not queued behind the weight loads of the ordered lane, so the
+        driver notes the processes before a fault, however slow the loads)."""
         return os.getpid()
 
     @register(Dispatch.ONE_TO_ALL)
@@ -383,7 +384,9 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
             Path(cfg.trainer.output_dir, "chaos_error.log").write_text(traceback.format_exc())
         finally:
             driver.cancel()
-            await asyncio.gather(driver, return_exceptions=True)
+            [driven] = await asyncio.gather(driver, return_exceptions=True)
+    if isinstance(driven, Exception) and error is None:  # (its faults did not all fire: not a run that held)
+        error = f"the chaos driver failed: {type(driven).__name__}: {driven}"[:300]
     res = check_chaos(trainer, history, chaos, fired=fired, error=error, wall_s=time.perf_counter() - t0)
     res.pids, res.process_starts = pids, starts
     return res

@@ -48,7 +48,8 @@ class Checkpointer:
         config: the run's configuration (the checkpoint's directory, schedule and fingerprint).
         resume: the checkpoint the run starts from (already resolved), if any; its files are
             checked here, before any worker starts.
-        groups: the run's current groups (a restart or a rollout replacement swaps them).
+        groups: the current attempt's groups, whose weights a save writes (a restart or a rollout replacement
+            swaps them; :meth:`restore` is given the new attempt's).
         rollout: the current rollout producer (what it keeps in a checkpoint, and when that is complete).
         evaluator: the run's held-out evaluation, once set up (its records are saved and restored).
         weights: the weight sync (a restored checkpoint's weights go to the rollout engines through it).
@@ -188,12 +189,11 @@ class Checkpointer:
         log.info("checkpoint.saved", step=step, path=str(final))
         return final
 
-    async def restore(self, path: Path, s: LoopState) -> list[dict[str, Any]]:
-        """Load `path` into the workers and the fresh loop state `s`: weights, versions, data position, RNG,
-        evaluations, and the buffered batches (re-homed on the training pool, put back in the buffer when the
+    async def restore(self, path: Path, g: Groups, s: LoopState) -> list[dict[str, Any]]:
+        """Load `path` into the new attempt's groups `g` and fresh loop state `s`: weights, versions, data position,
+        RNG, evaluations, and the buffered batches (re-homed on the training pool, put back in the buffer when the
         rollout loop starts). Returns the metrics history up to the checkpoint's step."""
-        g, evaluator = self._groups(), self._evaluator()
-        assert g is not None
+        evaluator = self._evaluator()
         state = ckpt.read_state(path)
         loads = [g.policy.load(str(path / "policy"))]
         if g.critic is not None:

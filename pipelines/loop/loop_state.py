@@ -1,7 +1,8 @@
 """The loop state: everything the rollout and train loops share and change, in one object.
 
-A restart (:mod:`asyncrl.pipelines.supervision.supervisor`) builds a fresh one, restores a checkpoint into it
-and hands it back to the trainer, which goes on from it; nothing else in the trainer changes while the loops run.
+One per attempt (:class:`~asyncrl.pipelines.loop.run.Run`): a restart (:mod:`asyncrl.pipelines.supervision.supervisor`)
+starts a new attempt with a fresh one, a checkpoint restored into it, and hands it back to the trainer, which goes
+on from it; nothing else in the trainer changes while the loops run.
 
 Each field has one writing module (``tests/pipelines/test_loop_state_writers.py`` reads the source and holds
 every module to it): the weight versions (``exports``, ``exported``, ``rollout_version``) are

@@ -16,8 +16,8 @@ keep the canonical order (generate, score, log-probs, advantages, updates, expor
 producer of versions. Payloads move worker to worker as futures; the controller awaits scores, metrics and
 weight-sync receipts only.
 
-Everything the loops share is one :class:`~asyncrl.pipelines.loop.loop_state.LoopState` (a restart builds a
-new one and hands it back, :meth:`Trainer._resume`). The rest observes the loops from the side, one visible
+An attempt's groups, loop state and history are one :class:`~asyncrl.pipelines.loop.run.Run` (a restart starts
+a new one and hands it back, :meth:`Trainer._resume`). The rest observes the loops from the side, one visible
 line each: recovery, checkpoints, the journal, precompute-ahead, weight sync, group building and per-call
 deadlines, each in its own module.
 
@@ -55,13 +55,14 @@ from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.supervision.interrupt import Interruption, RunAbandoned, handle_signals
 from asyncrl.pipelines.loop.loop_state import LoopState, Rollout, RolloutBatch
 from asyncrl.pipelines.loop.precompute import Precompute
+from asyncrl.pipelines.loop.run import Attempts, Run
 from asyncrl.pipelines.supervision.recovery import is_worker_fault
 from asyncrl.pipelines.observe.reporting import RunReport
 from asyncrl.pipelines.rollout import rollout_loop as _batch_mode  # noqa: F401  (registers rollout_mode=batch)
 from asyncrl.pipelines.journaling.run_journal import RunJournal, weights_digest
 from asyncrl.pipelines.journaling import stream_replay as _stream_mode  # noqa: F401  (registers rollout_mode=stream)
 from asyncrl.pipelines.loop.stages import Groups
-from asyncrl.pipelines.supervision.supervisor import Recovered, Supervisor, first_error
+from asyncrl.pipelines.supervision.supervisor import Supervisor, first_error
 from asyncrl.pipelines.observe.trace import Tracer
 from asyncrl.pipelines.loop.weights import WeightSync
 
@@ -105,10 +106,9 @@ class Trainer(AsyncResource):
             )
         self.config = config.validate(simulated_policy=simulated_policy(worker_overrides, groups))
         t = config.trainer
-        self.groups = with_deadlines(groups, t) if groups is not None else None
         self.owns_groups = groups is None
         """False when the caller passed started groups (the trainer then neither starts nor closes them)."""
-        self.weights = WeightSync(self.config, lambda: self.groups)
+        self.weights = WeightSync(self.config)
         self.tracer = Tracer(enabled=t.trace)
         self.checkpoints = Checkpointer(self.config, ckpt.resolve_resume(resume) if resume is not None else None,
                                         groups=lambda: self.groups, rollout=lambda: self.rollout,
@@ -120,27 +120,28 @@ class Trainer(AsyncResource):
                               f"{t.max_staleness + 1} batches rollout may run ahead; set it to at least max_staleness + 1")
         self.workers = Workers(self.config, worker_overrides)
         self._on_step = on_step
-        self.state = self.new_state()
-        """Everything the loops share; a restart replaces it whole."""
+        self.attempts = Attempts(self.config, workers=self.workers, weights=self.weights, checkpoints=self.checkpoints,
+                                 journal=self.journal, evaluator=lambda: self.evaluator, close=self.close)
+        self.run = Run(with_deadlines(groups, t) if groups is not None else None, self.attempts.new_state())
+        """The current attempt (its groups, loop state and history); a restart replaces it whole."""
         self.precompute = Precompute(self.config, self.tracer.watch, lambda: self.stop_reason is not None)
         self.rollout: Rollout = t.mode().build(self)
         """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
-        self.supervisor = Supervisor(self)
-        self.history: list[dict[str, Any]] = []
+        self.fitting = False
+        """True while :meth:`fit` runs its loops."""
+        self.supervisor = Supervisor(self.config, current=lambda: self.run, restart=self.attempts.restart,
+                                     last_checkpoint=lambda: self.last_checkpoint, workers=self.workers,
+                                     weights=self.weights, owns_groups=self.owns_groups, fitting=lambda: self.fitting)
         self.output_dir = Path(t.output_dir)
         self.loader: PromptLoader | None = None
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (``config.evaluation``); its ``records`` hold one row per evaluation."""
         self.report = RunReport(self.config, self.tracer)
-        self.initial_rng: dict[str, Any] | None = None
-        """The RNG states at setup (a restart with no checkpoint starts from them)."""
         self.stop_reason: str | None = None
         """Why the run was asked to stop after the step in progress (:meth:`request_stop`), if it was."""
         self._algo = to_dict(config.algorithm)
         self._setup_done = False
         self.started_at = 0.0  # perf_counter when fit() started its loops
-        self.fitting = False
-        """True while :meth:`fit` runs its loops."""
         self.interrupted: Interruption | None = None
         """Set when the run stopped early on :meth:`request_stop` (or SIGINT/SIGTERM in ``fit_sync``)."""
         self.abandoned: str | None = None
@@ -148,9 +149,20 @@ class Trainer(AsyncResource):
         self.event_loop: str | None = None
         """The controller's event loop the last ``fit()`` ran on (``"uvloop"`` or ``"asyncio"``)."""
 
-    def new_state(self) -> LoopState:
-        """A fresh loop state (empty buffer, version 0)."""
-        return LoopState.new(self.config.buffer_capacity, self.config.trainer.max_staleness, on_drop=self.journal.drop)
+    @property
+    def groups(self) -> Groups | None:
+        """The current attempt's worker groups (None until the trainer's own are started)."""
+        return self.run.groups
+
+    @property
+    def state(self) -> LoopState:
+        """Everything the current attempt's loops share."""
+        return self.run.state
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The per-step metrics (after a restart: those up to its checkpoint, then the steps trained again)."""
+        return self.run.history
 
     @property
     def buffer(self) -> StalenessBuffer[RolloutBatch]:
@@ -194,26 +206,11 @@ class Trainer(AsyncResource):
             resources = await asyncrl.ainit(num_cpus=cfg.trainer.num_cpus)
             cfg.validate(cluster_cpus=float(resources.get("CPU", 0.0)), cluster_gpus=float(resources.get("GPU", 0.0)),
                          simulated_policy=self.workers.simulated_policy)
-            await self.start_groups(self.state)
-        else:
-            await self.weights.prepare(self.state)
-        self.initial_rng = ckpt.rng_state()
-        if self.checkpoints.resume is not None:
-            self.history = await self.checkpoints.restore(self.checkpoints.resume, self.state)
+        self.run = await self.attempts.first(self.run.groups)
         await self.report.open(self.state.start_step, self.history, self.evaluator)
         await anyio.to_thread.run_sync(self.journal.open, self.checkpoints.resume, self.state, self.loader)
         self._setup_done = True
         return self
-
-    async def start_groups(self, state: LoopState) -> None:
-        """Start the workers (in the pools of an earlier start, if any) for the loop state `state`; close
-        everything on failure."""
-        try:
-            self.groups = with_deadlines(await self.workers.start(), self.config.trainer)
-            await self.weights.prepare(state)
-        except BaseException:
-            await self.close()
-            raise
 
     async def close(self) -> None:
         """Release everything (idempotent): rollout workers, then training workers, then pools."""
@@ -298,9 +295,9 @@ class Trainer(AsyncResource):
             await self.report.finish(self.history, self.evaluator)
         return self.history
 
-    async def _resume(self, recovered: Recovered) -> None:
-        """After a restart: go on from the loop state the supervisor rebuilt (and the history up to it)."""
-        self.state, self.history = recovered.state, recovered.history
+    async def _resume(self, run: Run) -> None:
+        """After a restart: go on from the attempt the supervisor started (its loop state and history)."""
+        self.run = run
         await self.report.open(self.state.start_step, self.history, self.evaluator)
         self.report.rewind(self.state.start_step)
 

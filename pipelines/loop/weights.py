@@ -10,7 +10,7 @@ and this module is the only one that writes them: :meth:`WeightSync.publish` (po
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncrl import GroupFuture
 from asyncrl.pipelines.loop import stages
@@ -30,13 +30,12 @@ class WeightSync:
 
     Args:
         config: the run's configuration (the transport, sleep level, staleness and timeouts it reads).
-        groups: the run's current groups (a restart or a rollout replacement swaps them); :meth:`prepare`
-            acts on them, the other methods on the groups they are given.
+
+    Each method acts on the groups it is given (a restart or a rollout replacement brings new ones).
     """
 
-    def __init__(self, config: JobConfig, groups: Callable[[], Groups | None]) -> None:
+    def __init__(self, config: JobConfig) -> None:
         self._config = config
-        self._groups = groups
         self.transport = config.weight_transport()
         """How weights travel from the policy to the rollout (``trainer.weight_transport``)."""
         self.sleep = config.trainer.colocated and config.rollout.sleep_level > 0
@@ -44,13 +43,12 @@ class WeightSync:
         self.dtype: str | None = None
         """The rollout's weight dtype, which exports are cast to (learnt by :meth:`prepare`; None: as trained)."""
 
-    async def prepare(self, s: LoopState) -> None:
-        """The current groups' engines are new and hold the initial weights (version 0 in the loop state `s`):
-        learn the rollout's weight dtype and open the weight channel (``collective``); with sleep level 2, stage
-        version 0 in `s` so the rollout can reload it after its first sleep."""
-        g, cfg = self._groups(), self._config
+    async def prepare(self, g: Groups, s: LoopState) -> None:
+        """The engines of `g` are new and hold the initial weights (version 0 in the loop state `s`): learn the
+        rollout's weight dtype and open the weight channel (``collective``); with sleep level 2, stage version 0
+        in `s` so the rollout can reload it after its first sleep."""
+        cfg = self._config
         t = cfg.trainer
-        assert g is not None
         s.rollout_version = 0
         if t.gpus_per_worker > 0 or self.transport != "object_store":
             self.dtype = await rollout_dtype(g.rollout)

@@ -53,8 +53,6 @@ class RolloutOwner(Protocol):
     them: the run's parts they report to or wait on."""
 
     config: JobConfig
-    groups: Groups | None
-    state: LoopState
     loader: PromptLoader | None
     evaluator: Evaluator | None
     tracer: Tracer
@@ -64,6 +62,13 @@ class RolloutOwner(Protocol):
     precompute: Precompute
     report: RunReport
     workers: Workers
+
+    @property
+    def groups(self) -> Groups | None: ...
+
+    @property
+    def state(self) -> LoopState: ...
+
 
 log = structlog.get_logger("asyncrl.pipelines")
 

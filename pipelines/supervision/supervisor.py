@@ -7,11 +7,12 @@ The loops run inside :meth:`Supervisor.run`. Two recoveries (which faults qualif
   :meth:`Supervisor.can_replace` and calls :meth:`Supervisor.replace_rollout`: the rollout
   pool's processes are killed and new ones start in the same bundles; the loop then loads the
   version the batch needs and generates it again. Training goes on from the buffer.
-* **Restart** -- any other worker fault ends the loops. The supervisor closes every group,
-  replaces the loop state whole, starts new actors in the same placement groups (pools of their
-  own are placed again, waiting for capacity: a lost node took its bundles), restores the
-  newest checkpoint this run saved (or the run's start) and runs the loops again; the journal
-  is rewound so the steps after the checkpoint recompute exactly what was lost.
+* **Restart** -- any other worker fault ends the loops. The supervisor asks for a new attempt
+  (:meth:`~asyncrl.pipelines.loop.run.Attempts.restart`, a new :class:`~asyncrl.pipelines.loop.run.Run`):
+  every group closed, new actors in the same placement groups (pools of their own are placed again,
+  waiting for capacity: a lost node took its bundles), a new loop state restored from the newest
+  checkpoint this run saved (or the run's start), the journal rewound so the steps after the
+  checkpoint recompute exactly what was lost; the trainer goes on from it and runs the loops again.
 
 Each recovery adds a record to :attr:`Supervisor.restarts`; its ``interrupted_s`` is measured
 as the train loop reports the steps after the fault (:meth:`note_resumed`, :meth:`note_trained`).
@@ -21,15 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import anyio
 import anyio.to_thread
 import structlog
 
 from asyncrl import WorkerDiedError
-from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.loop.deadlines import unwrap, with_deadlines
 from asyncrl.pipelines.rollout.elastic import RolloutRangeError
 from asyncrl.pipelines.loop.loop_state import RolloutBatch
@@ -38,51 +37,12 @@ from asyncrl.pipelines.loop.stages import Groups
 
 if TYPE_CHECKING:
     from pathlib import Path
-    from asyncrl.pipelines.loop.build import Workers
-    from asyncrl.pipelines.checkpoints.checkpointing import Checkpointer
     from asyncrl.pipelines.job.config import JobConfig
-    from asyncrl.pipelines.datasets.evaluation import Evaluator
-    from asyncrl.pipelines.loop.loop_state import LoopState
+    from asyncrl.pipelines.loop.build import Workers
+    from asyncrl.pipelines.loop.run import Run
     from asyncrl.pipelines.loop.weights import WeightSync
 
-__all__ = ["Supervisor", "Recovered", "first_error"]
-
-
-class _Rewinds(Protocol):
-    async def rewind(self, state: LoopState) -> None: ...
-
-
-class SupervisorOwner(Protocol):
-    """What :class:`Supervisor` reads of the trainer that owns it (a restart builds a new loop state and
-    hands it back, :class:`Recovered`; it never assigns the trainer's)."""
-
-    config: JobConfig
-    groups: Groups | None
-    state: LoopState
-    workers: Workers
-    weights: WeightSync
-    checkpoints: Checkpointer
-    journal: _Rewinds
-    evaluator: Evaluator | None
-    initial_rng: dict[str, Any] | None
-    owns_groups: bool
-    fitting: bool
-
-    @property
-    def last_checkpoint(self) -> Path | None: ...
-
-    def new_state(self) -> LoopState: ...
-
-    async def start_groups(self, state: LoopState) -> None: ...
-
-
-@dataclass(frozen=True)
-class Recovered:
-    """What a restart hands back to the trainer: the loop state to go on from (restored from the newest
-    checkpoint, or fresh) and the metrics history up to its step."""
-
-    state: LoopState
-    history: list[dict[str, Any]]
+__all__ = ["Supervisor", "first_error"]
 
 
 log = structlog.get_logger("asyncrl.pipelines")
@@ -107,21 +67,34 @@ def first_error(eg: BaseExceptionGroup) -> BaseException:
 
 
 class Supervisor:
-    """Runs the loops and recovers them from worker faults, within ``trainer.restart``'s limits."""
+    """Runs the loops and recovers them from worker faults, within ``trainer.restart``'s limits.
 
-    def __init__(self, trainer: SupervisorOwner) -> None:
-        self._trainer = trainer
+    Args:
+        config: the run's configuration (``trainer.restart``'s policy, the rollout pool's range).
+        current: the attempt the loops run now (its groups and loop state).
+        restart: starts a new attempt from a checkpoint (None: the run's start) after a fault
+            (:meth:`~asyncrl.pipelines.loop.run.Attempts.restart`).
+        last_checkpoint: the newest checkpoint of this run (a restart goes on from it).
+        workers: the run's workers (the rollout pool is replaced or resized through them).
+        weights: the weight sync (a new rollout pool's engines are prepared through it).
+        owns_groups: False when the caller passed started groups (nothing is then replaced or restarted).
+        fitting: whether ``fit()`` runs its loops (a resize acts only then).
+    """
+
+    def __init__(self, config: JobConfig, *, current: Callable[[], Run],
+                 restart: Callable[[Path | None], Awaitable[Run]], last_checkpoint: Callable[[], Path | None],
+                 workers: Workers, weights: WeightSync, owns_groups: bool, fitting: Callable[[], bool]) -> None:
+        self._config, self._current, self._new_run, self._last_checkpoint = config, current, restart, last_checkpoint
+        self._workers, self._weights, self._owns_groups, self._fitting = workers, weights, owns_groups, fitting
         self.restarts: list[dict[str, Any]] = []
         """One record per recovery (see :attr:`~asyncrl.pipelines.loop.trainer.Trainer.restarts`)."""
         self._pending: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
         self._scale: tuple[int, float, str, asyncio.Future[None]] | None = None  # a pending resize
 
-    async def run(self, loops: Callable[[], Awaitable[None]],
-                  resume: Callable[[Recovered], Awaitable[None]]) -> None:
-        """Run `loops`; on a worker fault, restart: :meth:`_restart` builds the loop state to go on from and
+    async def run(self, loops: Callable[[], Awaitable[None]], resume: Callable[[Run], Awaitable[None]]) -> None:
+        """Run `loops`; on a worker fault, restart: :meth:`_restart` starts the attempt to go on from and
         `resume` (the trainer's) takes it before `loops` run again. Faults of the stateless rollout pool are
         handled inside the rollout loop (:meth:`replace_rollout`)."""
-        tr = self._trainer
         fault: Exception | None = None
         while True:
             try:
@@ -132,47 +105,35 @@ class Supervisor:
                 return
             except Exception as e:
                 self._fail_scale()
-                policy = tr.config.trainer.restart
-                if not (tr.owns_groups and self._recoveries() < policy.max_restarts
+                policy = self._config.trainer.restart
+                if not (self._owns_groups and self._recoveries() < policy.max_restarts
                         and is_worker_fault(e, timeouts=policy.on_timeout)):
                     raise
                 fault = e
 
-    async def _restart(self, fault: Exception) -> Recovered:
-        """Close every group, start new actors in the same placement groups and restore the newest
-        state this run saved into a new loop state, which it returns (the trainer's is left alone); the
-        journal is rewound to it, and the batches it recorded after it are generated again with the same
-        weight versions."""
-        tr = self._trainer
+    async def _restart(self, fault: Exception) -> Run:
+        """A new attempt from the newest state this run saved, which it returns (the current one is left alone):
+        new actors in the same placement groups, a new loop state, the journal rewound to it (the batches it
+        recorded after it are generated again with the same weight versions)."""
         t0 = time.perf_counter()
-        point = tr.last_checkpoint
+        point = self._last_checkpoint()
         log.warning("trainer.restart", error=describe(fault), restart=self._recoveries() + 1,
                     from_checkpoint=str(point) if point else "start")
         record = fault_record("restart", fault, from_checkpoint=str(point) if point else None)
         self.restarts.append(record)
-        self._pending.append({"kind": "restart", "at": tr.state.policy_version, "t": t0, "record": record})
-        await tr.workers.recycle()
-        state = tr.new_state()  # the old one's calls died with the groups
-        await tr.start_groups(state)
-        if point is not None:
-            history = await tr.checkpoints.restore(point, state)
-        else:
-            history = []
-            if tr.evaluator is not None:
-                tr.evaluator.restore([], 0)
-            if tr.initial_rng is not None:
-                ckpt.set_rng_state(tr.initial_rng)
-        await tr.journal.rewind(state)
-        record.update(from_step=state.start_step, time_s=time.perf_counter() - t0)
-        log.warning("trainer.restarted", from_step=state.start_step, seconds=round(time.perf_counter() - t0, 2))
-        return Recovered(state, history)
+        self._pending.append({"kind": "restart", "at": self._current().state.policy_version, "t": t0,
+                              "record": record})
+        run = await self._new_run(point)
+        record.update(from_step=run.state.start_step, time_s=time.perf_counter() - t0)
+        log.warning("trainer.restarted", from_step=run.state.start_step, seconds=round(time.perf_counter() - t0, 2))
+        return run
 
     def replica_lost(self, error: Exception, rank: int) -> dict[str, Any]:
         """A rollout replica's engine died (``ReplicaLostError`` of `rank`) and is replaced alone, beside the
         others (streaming: :meth:`StreamRollout._replace_replica`); returns its ``restarts`` record (kind
         ``replace_replica``; the caller fills ``time_s`` once the new engine serves). It does not count against
         ``max_restarts``: the pool and the run go on."""
-        record = fault_record("replace_replica", error, from_step=self._trainer.state.policy_version, rank=rank,
+        record = fault_record("replace_replica", error, from_step=self._current().state.policy_version, rank=rank,
                               time_s=None)  # (None until the new engine serves: a run may end first)
         self.restarts.append(record)
         log.warning("trainer.replace_replica", error=describe(error), rank=rank)
@@ -183,7 +144,7 @@ class Supervisor:
         :meth:`StreamRollout._replace_process`; its ranks `ranks`); returns its ``restarts`` record (kind
         ``replace_process``; the caller fills ``time_s`` once the new process serves, or ``failed`` when it did not
         start and the pool was replaced). It does not count against ``max_restarts``: the pool and the run go on."""
-        record = fault_record("replace_process", error, from_step=self._trainer.state.policy_version,
+        record = fault_record("replace_process", error, from_step=self._current().state.policy_version,
                               rank=ranks[0], ranks=list(ranks), time_s=None)
         self.restarts.append(record)
         log.warning("trainer.replace_process", error=describe(error), ranks=ranks)
@@ -195,22 +156,20 @@ class Supervisor:
 
     def can_replace(self, error: Exception) -> bool:
         """A fault of the rollout pool (rollout or reward worker) that a replacement can cure."""
-        tr = self._trainer
-        t = tr.config.trainer
+        t, g = self._config.trainer, self._current().groups
         policy = t.restart
-        if not (tr.owns_groups and policy.replace_stateless and not t.colocated and tr.groups is not None
+        if not (self._owns_groups and policy.replace_stateless and not t.colocated and g is not None
                 and self._recoveries() < policy.max_restarts and is_worker_fault(error, timeouts=policy.on_timeout)):
             return False
         origin = fault_origin(error)
-        return origin is None or origin in (tr.groups.rollout.name, tr.groups.reward.name)
+        return origin is None or origin in (g.rollout.name, g.reward.name)
 
     async def replace_rollout(self, error: Exception, batch: int) -> None:
         """Kill the rollout pool's processes and start new ones in the same bundles (or, for a pool with
         placement groups of its own, wherever the cluster holds it now); the caller then loads the
         weight version it needs and issues its batch again."""
-        tr = self._trainer
         t0 = time.perf_counter()
-        record = fault_record("replace", error, from_step=tr.state.policy_version)
+        record = fault_record("replace", error, from_step=self._current().state.policy_version)
         self.restarts.append(record)
         self._pending.append({"kind": "replace", "at": batch, "t": t0, "record": record, "busy": 0.0})
         log.warning("trainer.replace", error=describe(error), batch=batch, replacement=len(self.restarts))
@@ -220,8 +179,8 @@ class Supervisor:
 
     async def _new_rollout(self, size: int | None = None) -> None:
         """New rollout-pool processes (`size` workers, else as many as before) in place of the current ones."""
-        tr = self._trainer
-        g, s = tr.groups, tr.state
+        run = self._current()
+        g, s = run.groups, run.state
         assert g is not None
         old = (g.rollout.name, g.reward.name)
         # Buffered batches are futures of the dying groups: re-home them on the training pool
@@ -234,11 +193,11 @@ class Supervisor:
                 item.batch = advantage.echo(item.batch)
             if getattr(item.scores, "group", None) in old:
                 item.scores = advantage.echo(item.scores)
-        new = await tr.workers.replace_rollout(size)
+        new = await self._workers.replace_rollout(size)
         fresh = with_deadlines(Groups(rollout=new["rollout"], reward=new["reward"], policy=g.policy,
-                                      advantage=g.advantage), tr.config.trainer)
+                                      advantage=g.advantage), self._config.trainer)
         g.rollout, g.reward = fresh.rollout, fresh.reward
-        await tr.weights.prepare(s)  # new engines: version 0, their weight dtype; a collective channel is reopened
+        await self._weights.prepare(g, s)  # new engines: version 0, their weight dtype; a collective channel reopened
 
     async def scale_rollout(self, n: int) -> None:
         """Resize the rollout pool to `n` workers on one node; returns once the new workers took over. Batch
@@ -247,8 +206,7 @@ class Supervisor:
         handed over (:mod:`~asyncrl.pipelines.rollout.stream_scale`). Raises ``ValueError`` for a bad `n`,
         :class:`~asyncrl.pipelines.rollout.elastic.RolloutRangeError` for `n` outside ``trainer.rollout_workers``'s
         range, and ``RuntimeError`` where the run cannot scale (a shared or colocated pool, not generating)."""
-        tr = self._trainer
-        t = tr.config.trainer
+        t = self._config.trainer
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"scale_rollout needs a positive number of rollout workers, got {n!r}")
         self._check_pool("scale_rollout")
@@ -265,29 +223,26 @@ class Supervisor:
         groups in flight are handed over after `drain_s` (0: at once, at a decoding-step boundary) and issued
         again on the new pool with the same seeds. Returns once the new pool took over and the old one is
         closed."""
-        tr = self._trainer
-        t = tr.config.trainer
+        t = self._config.trainer
         self._check_pool("preempt_rollout")
         if not t.mode().hands_over:
             raise RuntimeError("preempt_rollout hands generations in flight over to a new pool: it needs "
                                f"trainer.rollout_mode=stream (in {t.rollout_mode} mode a lost worker is replaced: "
                                "trainer.restart)")
         self._check_running("preempt_rollout")
-        n = tr.workers.parts[0]["rollout"].world_size if tr.workers.parts else 0
+        n = self._workers.parts[0]["rollout"].world_size if self._workers.parts else 0
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n:
             raise ValueError(f"preempt_rollout needs a rollout rank in 0..{n - 1}, got {rank!r}")
         await self._submit(max(n - 1, t.rollout_range.min), drain_s, "preempt")
 
     def _check_pool(self, what: str) -> None:
-        tr = self._trainer
-        t = tr.config.trainer
-        if not (tr.owns_groups and t.own_pools and not t.colocated):
+        t = self._config.trainer
+        if not (self._owns_groups and t.own_pools and not t.colocated):
             raise RuntimeError(f"{what} needs a rollout pool of its own: set trainer.rollout_placement "
                                "(and trainer.colocated=false)")
 
     def _check_running(self, what: str) -> None:
-        tr = self._trainer
-        if not tr.fitting or tr.state.rollout_done:
+        if not self._fitting() or self._current().state.rollout_done:
             raise RuntimeError(f"{what} acts while fit() generates batches; this run is not generating")
         if self._scale is not None:
             raise RuntimeError(f"a {self._scale[2]} to {self._scale[0]} rollout workers is still pending; await it "
@@ -295,7 +250,7 @@ class Supervisor:
 
     async def _submit(self, n: int, drain_s: float, reason: str) -> None:
         fut = self.request_resize(n, drain_s, reason)
-        s = self._trainer.state
+        s = self._current().state
         async with s.cond:
             s.cond.notify_all()  # the streaming scaler waits on the loop state
         await fut
@@ -327,9 +282,8 @@ class Supervisor:
         if self._scale is None:
             return
         n, _, _, fut = self._scale
-        tr = self._trainer
         try:
-            if n != tr.workers.parts[0]["rollout"].world_size:
+            if n != self._workers.parts[0]["rollout"].world_size:
                 t0 = time.perf_counter()
                 await self._new_rollout(n)
                 log.info("trainer.scaled", rollout_workers=n, batch=batch, seconds=round(time.perf_counter() - t0, 2))

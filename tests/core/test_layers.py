@@ -17,7 +17,8 @@ LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "asyncrl.pipelines": [
         ("commands", ("job.cli", "journaling.replay", "twin.plan", "twin.chaos", "twin.fit")),
         ("trainers", ("loop.trainer", "loop.sync")),
-        ("a run's parts", ("loop.build", "rollout", "supervision", "checkpoints", "journaling", "observe", "twin")),
+        ("a run's parts", ("loop.build", "loop.run", "rollout", "supervision", "checkpoints", "journaling", "observe",
+                           "twin")),
         ("the loops' vocabulary", ("loop",)),
         ("records", ("journaling.journal", "journaling.ledger", "observe.metrics", "observe.samples", "observe.trace",
                      "rollout.stream_batch")),

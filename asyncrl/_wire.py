@@ -22,6 +22,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+
 from asyncrl.errors import DispatchError
 
 __all__ = ["CallMsg", "Payload", "arrived", "CallCancelled", "Source", "DeferredShard", "DeferredValue", "TopShard",
@@ -351,9 +354,6 @@ def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
     ``NonTensorStack`` of strings (one per row, stacked on dimension 0); else None (tensordict's reduction). The
     tensors are pickled as before (Ray's zero-copy reducer); a text column crosses as one list of strings, not as
     a pickled ``NonTensorData`` per cell (about ten times the CPU, on the controller, per routed prompt group)."""
-    from tensordict import NonTensorData, NonTensorStack
-    import torch
-
     if (td.batch_dims != 1 or td.device is not None or td.is_locked or td._has_names()
             or getattr(td, "_consolidated", None)):
         return None
@@ -385,8 +385,6 @@ def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
 def _rebuild_text_td(n: int, keys: list[str], columns: list[Any]) -> Any:
     """The TensorDict :func:`_reduce_text_td` took apart: its tensors, and its text columns as
     ``NonTensorStack`` s of strings, in its key order."""
-    from tensordict import NonTensorStack, TensorDict
-
     return TensorDict({k: NonTensorStack(*c) if type(c) is list else c for k, c in zip(keys, columns)},
                       batch_size=[n])
 
@@ -394,7 +392,6 @@ def _rebuild_text_td(n: int, keys: list[str], columns: list[Any]) -> Any:
 @functools.cache
 def _pickler_class() -> type:
     from ray import cloudpickle
-    from tensordict import TensorDict
 
     class _Pickler(cloudpickle.CloudPickler):
         def reducer_override(self, obj: Any) -> Any:
@@ -484,8 +481,6 @@ def select_fields(value: Any, fields: tuple[str, ...] | None, source: "Source | 
     see it; an error names `source`'s producer."""
     if fields is None:
         return value
-    from tensordict import TensorDictBase
-
     if not isinstance(value, TensorDictBase):
         raise DispatchError(
             f"a field selection of {source.group}.{source.method} needs it to return a TensorDict, "

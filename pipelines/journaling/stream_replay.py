@@ -195,18 +195,20 @@ class StreamReplay(StreamRollout):
         try:
             yield
         except Exception:
-            self._unshield()
+            for scope in list(self._loads):
+                scope.shield = False
             raise
-
-    def _unshield(self) -> None:
-        for scope in list(self._loads):
-            scope.shield = False
 
     async def _group(self, a: _Attempt, g: int, v0: int, *,
                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """As the run's, lifting the loads' shields if it fails (:meth:`_unshield_on_error`)."""
         with self._unshield_on_error():
             await super()._group(a, g, v0, task_status=task_status)
+
+    async def _hand_over(self, a: _Attempt, old_rollout: Any, handed: list[int], epoch: int) -> None:
+        """:meth:`_take_handed`, lifting the loads' shields if it fails (:meth:`_unshield_on_error`)."""
+        with self._unshield_on_error():
+            await self._take_handed(a, old_rollout, handed, epoch)
 
     async def _load(self, a: _Attempt, v: int, *,
                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -256,7 +258,7 @@ class StreamReplay(StreamRollout):
                           name=f"stream replay hand-over {epoch - 1}")
         tg.start_soon(self._retire, a, old_rollout, old_part, old_pool, name=f"stream replay retire pool {epoch - 1}")
 
-    async def _hand_over(self, a: _Attempt, old_rollout: Any, handed: list[int], epoch: int) -> None:
+    async def _take_handed(self, a: _Attempt, old_rollout: Any, handed: list[int], epoch: int) -> None:
         """Re-create the hand-over of the groups `handed` from pool `epoch` (its ``retire`` record): each rank
         takes their rows where its recorded rounds stopped them (``ReplayBatcher.hand_over``), the rows the
         record kept are kept -- exactly as many tokens each, else :class:`ReplayDivergedError` -- and the groups
@@ -283,9 +285,6 @@ class StreamReplay(StreamRollout):
                             "the journal or its rounds.jsonl were edited, or the pool's rounds did not run as "
                             "recorded; replay the files the run wrote")
                 self.keep_rows(a, g, got, epoch)  # (the rows the record kept: keep_rows below)
-        except Exception:
-            self._unshield()
-            raise
         finally:
             a.handing.difference_update(handed)
             for g in handed:

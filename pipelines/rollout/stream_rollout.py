@@ -314,16 +314,12 @@ class StreamRollout:
         a.finishes += 1
         await self._notify()
 
-    def _prompt_width(self, step: int) -> int:
-        """The prompt width (left-padded) of step `step`'s prompt rows: every group of the step has it. (A step whose
-        groups this attempt never issued, a restored one, builds its batch here, on the loop: awaiting the per-step
-        cache from the train loop hung a replay whose rollout loop had failed.)"""
-        width = self._prompt_widths.get(step)
-        if width is None:
-            loader = self._trainer.loader
-            assert loader is not None
-            width = self._prompt_widths[step] = int(loader.batch(step)["prompt_ids"].shape[1])
-        return width
+    async def _prompt_width(self, step: int) -> int:
+        """The prompt width (left-padded) of step `step`'s prompt rows: every group of the step has it (a step whose
+        groups this attempt never issued, a restored one, has its rows built as any other's)."""
+        if step not in self._prompt_widths:
+            await self._step_prompts(step)
+        return self._prompt_widths[step]
 
     async def _step_prompts(self, step: int) -> Any:
         """The prompt rows of step `step`'s batch, built once for its groups and in a thread (a step's batch
@@ -674,7 +670,7 @@ class StreamRollout:
             if cfg.trainer.balance_batch and None not in tokens:  # each rank about the same tokens
                 order = balanced_order(tokens, groups.advantage.world_size)  # type: ignore[arg-type]
                 gens, scores = [gens[i] for i in order], [scores[i] for i in order]
-            width = max(self._prompt_width(step) for step in {g // cfg.prompts_per_step for g in chosen})
+            width = max([await self._prompt_width(step) for step in {g // cfg.prompts_per_step for g in chosen}])
             batch = stages.concat_sharded(groups, gens, scores, pad_id=tr.loader.pad_id,
                                           uid_base=step * cfg.prompts_per_step, width=width)
         else:

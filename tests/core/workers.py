@@ -464,5 +464,8 @@ class Restartable(Probe):
             raise RuntimeError("start refused by the test's gate")
         with open(gate + ".started", "w") as f:
             f.write(str(os.getpid()))  # (the test awaits it: the new process is starting)
+        deadline = time.monotonic() + 300.0
         while os.path.exists(gate):  # a constructor that does not return (the test removes the file)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test's gate {gate} was not removed within 300 s")
             time.sleep(0.05)

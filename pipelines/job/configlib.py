@@ -299,7 +299,7 @@ def load(cls: type[T], path: str | Path | None = None, overrides: Sequence[str] 
     cfg: Any = base if base is not None else cls()
     if path is not None:
         data = safe_yaml(_read_text(Path(path)), f"config file {str(path)!r}") or {}
-        merged = _deep_merge(to_dict(cfg), data, "")
+        merged = _deep_merge(to_dict(cfg), data, "", cls)
         cfg = from_dict(cls, merged)
     return apply_overrides(cfg, overrides) if overrides else cfg
 
@@ -320,16 +320,23 @@ def _read_text(p: Path) -> str:
                           "UTF-8") from None
 
 
-def _deep_merge(base: dict[str, Any], new: Mapping[str, Any], path: str) -> dict[str, Any]:
+def _deep_merge(base: dict[str, Any], new: Mapping[str, Any], path: str, cls: type) -> dict[str, Any]:
+    """`new` (a config file's mapping for section `cls`) over `base`: a section is merged key by key, any other
+    value -- a mapping-valued field such as ``reward.fn_kwargs`` included -- is replaced whole."""
     if not isinstance(new, Mapping):
         raise ConfigError(f"{path or 'the config file'} must be a mapping, got {new!r}")
     out = dict(base)
+    hints = _hints(cls)
     for k, v in new.items():
         where = f"{path}.{k}" if path else str(k)
         if k not in base:
             raise _unknown(path, str(k), list(base))
-        if isinstance(base[k], dict) and isinstance(v, Mapping):
-            out[k] = _deep_merge(base[k], v, where)
+        tp = hints[k]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):  # an optional section: `ModelConfig | None`
+            tp = next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), tp)
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(base[k], dict) \
+                and isinstance(v, Mapping):
+            out[k] = _deep_merge(base[k], v, where, tp)
         else:
             out[k] = v
     return out

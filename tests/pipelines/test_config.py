@@ -83,6 +83,24 @@ def test_bad_settings_are_rejected_with_the_key_named(override, message):
         load_config(None, [override])
 
 
+def test_a_files_mapping_valued_field_is_its_value_and_an_optional_section_merges(tmp_path):
+    """``reward.fn_kwargs`` (a free-form mapping) takes any keys from a file, replacing the preset's whole, as
+    an override's value would; a section, optional or not, still merges key by key and names an unknown key."""
+    f = tmp_path / "run.yaml"
+    base = grpo_toy()
+    base.reward.fn_kwargs = {"method": "flexible", "format_score": 0.0}
+    base.reward.model = base.model
+    f.write_text("reward:\n  fn_kwargs: {gate: /tmp/g, hold_at: 6}\n  model: {hidden_size: 48}\n"
+                 "rollout:\n  episode_kwargs: {max_turns: 2}\n")
+    cfg = load_config(f, base=base)
+    assert cfg.reward.fn_kwargs == {"gate": "/tmp/g", "hold_at": 6}
+    assert cfg.rollout.episode_kwargs == {"max_turns": 2}
+    assert (cfg.reward.model.hidden_size, cfg.reward.model.num_layers) == (48, base.model.num_layers)
+    f.write_text("reward:\n  model: {hidden_sise: 48}\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'reward.model.hidden_sise'; did you mean 'hidden_size'"):
+        load_config(f, base=base)
+
+
 def test_unknown_yaml_key_is_rejected(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("trainer:\n  stepss: 3\n")

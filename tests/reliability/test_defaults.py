@@ -127,7 +127,9 @@ async def test_a_killed_controller_resumes_from_a_checkpoint_at_most_checkpoint_
                                                                                           fault_row):
     cfg = tiny_test()
     t = cfg.trainer
-    t.steps, t.max_staleness, t.checkpoint_every_s, t.output_dir, t.num_cpus = 400, 1, EVERY_S, str(tmp_path / "run"), 8
+    # More steps than the run can train before the kill (400 took 14 s in CI): it must still be running at
+    # 2.5 * EVERY_S however fast its steps are.
+    t.steps, t.max_staleness, t.checkpoint_every_s, t.output_dir, t.num_cpus = 10**6, 1, EVERY_S, str(tmp_path / "run"), 8
     assert t.checkpoint_every == 0  # only the time-based checkpoints
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(to_dict(cfg.validate())))

@@ -39,6 +39,8 @@ from asyncrl.pipelines.job.configlib import to_dict
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.roles.scoring.reward import RewardConfig
+from tests.reliability.conftest import wait_for_file
 
 CONFIG_ERROR_BOUND_S = 60.0
 """``asyncrl train`` with a bad value exits within this (it never starts Ray: the time is Python's
@@ -64,9 +66,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "RAY_ADDRESS": ""}  # a new embedded Ray, never the test session's
 
 
-def _tiny_yaml(path: Path, out: Path, *, fail_fast: bool = False, **trainer: object) -> Path:
+def _tiny_yaml(path: Path, out: Path, *, fail_fast: bool = False, reward: RewardConfig | None = None,
+               **trainer: object) -> Path:
     cfg = tiny_test()
     cfg.trainer.output_dir = str(out)
+    if reward is not None:
+        cfg.reward = reward
     if fail_fast:  # not the default: a dead worker is replaced or the run restarted
         cfg.trainer.restart.max_restarts = 0
     for k, v in trainer.items():
@@ -181,6 +186,15 @@ def _weights(run: Path, step: int) -> str:
 
 
 STOP_STEPS = 12
+HOLD_AT = 6
+"""The reward call (one per batch) at which the signalled run is held until the signal is sent: steps 0-4 can
+train before it, so the run has its 3 rows and cannot reach STOP_STEPS."""
+
+
+def _gated_reward(gate: Path, hold_at: int) -> RewardConfig:
+    """char_class's scores from tests/reliability/gated_reward.py, held at call `hold_at` until `gate`/open."""
+    return RewardConfig(fn=f"{Path(__file__).with_name('gated_reward.py')}:char_class_gated",
+                        fn_kwargs={"gate": str(gate), "hold_at": hold_at})
 
 
 @pytest.mark.parametrize("sig, loop", [
@@ -190,9 +204,13 @@ STOP_STEPS = 12
 ])
 async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray_cluster, tmp_path, sig, loop, capsys):
     run, full = tmp_path / "run", tmp_path / "full"
+    gate = tmp_path / "gate"
+    gate.mkdir()
     cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8, event_loop=loop,
-                          checkpoint_every_s=None)
-    # checkpoint_every stays 0 (the default) and no time-based checkpoints: only the signal writes a checkpoint
+                          checkpoint_every_s=None, reward=_gated_reward(gate, HOLD_AT))
+    # checkpoint_every stays 0 (the default) and no time-based checkpoints: only the signal writes a checkpoint.
+    # The gated reward (char_class's scores) holds the run at batch HOLD_AT until the signal is sent: a run whose
+    # steps take milliseconds cannot end before it.
     cfg = tiny_test()
     cfg.trainer.steps, cfg.trainer.max_staleness, cfg.trainer.output_dir = STOP_STEPS, 1, str(full)
     async with GRPOTrainer(cfg) as trainer:  # the uninterrupted run
@@ -203,9 +221,11 @@ async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray
         proc = subprocess.Popen(_cli("train", "--config", str(cfg_file)), env=_env(), start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=err)
     try:
-        await _wait_rows(run / "metrics.jsonl", 3, RUN_BOUND_S,
-                         lambda: None if proc.poll() is None else f"the run ended early with status {proc.returncode}")
+        ended = lambda: None if proc.poll() is None else f"the run ended early with status {proc.returncode}"
+        await _wait_rows(run / "metrics.jsonl", 3, RUN_BOUND_S, ended)
+        await wait_for_file(gate / "reached", RUN_BOUND_S)
         os.kill(proc.pid, sig)
+        (gate / "open").touch()  # the held batch (and a resume's) goes on; the signal is already on its way
         rc = await asyncio.wait_for(asyncio.to_thread(proc.wait), RUN_BOUND_S)
     finally:
         if proc.poll() is None:

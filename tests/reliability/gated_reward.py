@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from asyncrl.roles.scoring.reward import RewardInput, get_reward_fn
+from asyncrl.roles.scoring.reward import RewardConfig, RewardInput, get_reward_fn
 
 _calls = 0
 HOLD_BOUND_S = 300.0
@@ -34,3 +34,9 @@ def char_class_gated(x: RewardInput) -> list[float]:
             time.sleep(0.02)
     rest = {k: v for k, v in x.kwargs.items() if k not in ("gate", "hold_at")}
     return list(get_reward_fn("char_class")(RewardInput(**{**vars(x), "kwargs": rest})))
+
+
+def gated_reward(gate: Path, hold_at: int) -> RewardConfig:
+    """The reward section of a run held at reward call `hold_at` until ``gate/open`` exists (`gate` is created)."""
+    gate.mkdir(parents=True, exist_ok=True)
+    return RewardConfig(fn=f"{Path(__file__)}:char_class_gated", fn_kwargs={"gate": str(gate), "hold_at": hold_at})

@@ -22,9 +22,14 @@ from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from tests.reliability.conftest import wait_for_file
+from tests.reliability.gated_reward import gated_reward
 
 STEPS = 6
 KILL_AFTER = 3
+HOLD_AT = KILL_AFTER + 3
+"""The killed run's reward call (one per batch, 1-based) held until the kill: batch KILL_AFTER + 2. The
+checkpoint after KILL_AFTER steps holds the batch then in flight (KILL_AFTER + 1, reward call KILL_AFTER + 2)
+with it, so it is written; the run cannot reach STEPS first, however fast its steps are."""
 REAP_BOUND_S = 120.0
 """Ray's reaper kills the dead driver's workers, raylet and GCS within seconds; its agents
 (dashboard agent, runtime-env agent) notice the raylet is gone within about a minute."""
@@ -64,7 +69,10 @@ async def test_a_killed_controller_resumes_from_its_checkpoint_and_leaks_nothing
     t.steps, t.max_staleness, t.checkpoint_every, t.output_dir = STEPS, 1, 1, str(tmp_path / "cut")
     t.num_cpus = 8
     cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text(yaml.safe_dump(to_dict(cfg)))
+    gate = tmp_path / "gate"
+    killed = to_dict(cfg)
+    killed["reward"] = to_dict(gated_reward(gate, HOLD_AT))  # char_class's scores, held until the kill
+    cfg_file.write_text(yaml.safe_dump(killed))
 
     full = tmp_path / "full"  # the uninterrupted run (in this process, same config)
     cfg.trainer.output_dir = str(full)
@@ -78,6 +86,7 @@ async def test_a_killed_controller_resumes_from_its_checkpoint_and_leaks_nothing
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         await wait_for_file(ckpt.checkpoint_dir(cut, KILL_AFTER) / "state.json", 180)
+        await wait_for_file(gate / "reached", 180)
         session = _session(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         t_kill = time.monotonic()
@@ -85,6 +94,7 @@ async def test_a_killed_controller_resumes_from_its_checkpoint_and_leaks_nothing
     finally:
         if proc.poll() is None:
             proc.kill()
+        (gate / "open").touch()  # the resumed run's held call goes on
     assert proc.returncode == -signal.SIGKILL
     assert any("WorkerHost" in n for n in session.values()) and any(n == "raylet" for n in session.values())
     saved = ckpt.latest_checkpoint(cut)

@@ -41,6 +41,7 @@ from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.trainer import GRPOTrainer
 from asyncrl.roles.scoring.reward import RewardConfig
 from tests.reliability.conftest import wait_for_file
+from tests.reliability.gated_reward import gated_reward
 
 CONFIG_ERROR_BOUND_S = 60.0
 """``asyncrl train`` with a bad value exits within this (it never starts Ray: the time is Python's
@@ -123,7 +124,7 @@ async def _wait_rows(path: Path, n: int, deadline: float, ended: Callable[[], st
 async def test_a_killed_worker_ends_the_cli_with_a_one_line_error_and_status_1(ray_cluster, tmp_path, capsys,
                                                                             fault_row):
     run = tmp_path / "run"
-    cfg = _tiny_yaml(tmp_path / "run.yaml", run, steps=500, max_staleness=1, checkpoint_every=2, fail_fast=True)
+    cfg = _tiny_yaml(tmp_path / "run.yaml", run, steps=10**6, max_staleness=1, checkpoint_every=2, fail_fast=True)
     before = set(_alive_hosts())
     cli = asyncio.create_task(asyncio.to_thread(main, ["train", "--config", str(cfg)]))  # its own loop, in a thread
     await _wait_rows(run / "metrics.jsonl", 3, RUN_BOUND_S,
@@ -191,11 +192,6 @@ HOLD_AT = 6
 train before it, so the run has its 3 rows and cannot reach STOP_STEPS."""
 
 
-def _gated_reward(gate: Path, hold_at: int) -> RewardConfig:
-    """char_class's scores from tests/reliability/gated_reward.py, held at call `hold_at` until `gate`/open."""
-    return RewardConfig(fn=f"{Path(__file__).with_name('gated_reward.py')}:char_class_gated",
-                        fn_kwargs={"gate": str(gate), "hold_at": hold_at})
-
 
 @pytest.mark.parametrize("sig, loop", [
     (signal.SIGINT, "auto"),  # uvloop's loop (the default), which the CLI's signal handlers run on
@@ -205,9 +201,8 @@ def _gated_reward(gate: Path, hold_at: int) -> RewardConfig:
 async def test_a_signal_checkpoints_the_run_and_resume_continues_it_in_place(ray_cluster, tmp_path, sig, loop, capsys):
     run, full = tmp_path / "run", tmp_path / "full"
     gate = tmp_path / "gate"
-    gate.mkdir()
     cfg_file = _tiny_yaml(tmp_path / "run.yaml", run, steps=STOP_STEPS, max_staleness=1, num_cpus=8, event_loop=loop,
-                          checkpoint_every_s=None, reward=_gated_reward(gate, HOLD_AT))
+                          checkpoint_every_s=None, reward=gated_reward(gate, HOLD_AT))
     # checkpoint_every stays 0 (the default) and no time-based checkpoints: only the signal writes a checkpoint.
     # The gated reward (char_class's scores) holds the run at batch HOLD_AT until the signal is sent: a run whose
     # steps take milliseconds cannot end before it.

@@ -11,7 +11,7 @@
 
 :func:`search` walks the space coordinate by coordinate -- the split (at ``batch``, ``max_staleness=1``), then
 ``max_staleness`` and the mode at the best split, then the concurrency, then the splits next to the best again --
-about 15 twin runs; :func:`brute_force` runs every candidate (the check that the search's pick is within a few per
+and runs its best two twice more, ranking them by their medians (:func:`remeasure`): about 15 twin runs; :func:`brute_force` runs every candidate (the check that the search's pick is within a few per
 cent of the best). Tokens/s are the profile's (simulated) tokens per simulated second: a run's response tokens
 (ids times ``twin.tokens_per_id``) over its step time divided by ``twin.time_scale``. The controller's real
 overhead is not scaled down, so a prediction can only be low.
@@ -37,7 +37,7 @@ from asyncrl.pipelines.twin.workers import train_costs
 from asyncrl.roles.engines.sim import draw_length
 
 __all__ = ["Candidate", "Outcome", "estimate", "evaluate", "search", "brute_force", "candidates", "splits", "render",
-           "run_plan", "SPLITS", "STALENESS"]
+           "run_plan", "remeasure", "median_of", "SPLITS", "STALENESS", "CONFIRM", "REPEATS"]
 
 SPLITS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 """Fractions of the budget given to rollout."""
@@ -80,6 +80,9 @@ class Outcome:
     """Measured simulated seconds per step."""
     ledger_ok: bool
     wall_s: float
+    runs: tuple[float, ...] = ()
+    """Each run's tokens/s when the candidate was run more than once (:func:`remeasure`): then `tokens_per_s` and
+    `idle` are their medians."""
 
     @property
     def ceiling(self) -> float:
@@ -203,10 +206,43 @@ def evaluate(profile: str, cand: Candidate, *, batch_size: int, group_size: int,
 
 Runner = Callable[[Candidate], Outcome]
 
+CONFIRM = 2
+"""The search's best candidates run again at its end (:func:`remeasure`): a short twin run on a shared machine
+varies by tens of per cent, so a single run's best is as likely the luckiest as the fastest."""
+REPEATS = 3
+"""Runs of each confirmed candidate in all (the first included); their median ranks it."""
 
-def search(profile: Profile, gpus: int, run: Runner, *, prompts: int | None = None,
-           say: Callable[[str], None] = lambda s: None) -> list[Outcome]:
-    """The coordinate search of the module docstring; every outcome it ran, best first."""
+
+def median_of(outcomes: list[Outcome]) -> Outcome:
+    """One outcome for several runs of one candidate: the median tokens/s and idle fraction, every run's tokens/s
+    in ``runs``, the ledger held only if it held in every run."""
+    first = outcomes[0]
+    assert all(o.candidate == first.candidate for o in outcomes)
+    return replace(first, tokens_per_s=statistics.median(o.tokens_per_s for o in outcomes),
+                   idle=statistics.median(o.idle for o in outcomes),
+                   step_s=statistics.median(o.step_s for o in outcomes),
+                   ledger_ok=all(o.ledger_ok for o in outcomes), wall_s=sum(o.wall_s for o in outcomes),
+                   runs=tuple(r for o in outcomes for r in (o.runs or (o.tokens_per_s,))))
+
+
+def remeasure(outcomes: list[Outcome], run: Runner, repeats: int = REPEATS,
+              say: Callable[[str], None] = lambda s: None) -> list[Outcome]:
+    """Run each of `outcomes`' candidates until it has `repeats` runs, round-robin (so that a spell of load on the
+    machine falls on all of them alike), and return each as the :func:`median_of` its runs, best first."""
+    have = {o.candidate: [o] for o in outcomes}
+    for _ in range(repeats - 1):
+        for c, got in have.items():
+            if len(got) < repeats:
+                got.append(o := run(c))
+                say(f"  {c.label()} again: {o.tokens_per_s:,.0f} tokens/s, idle {o.idle:.2f} ({o.wall_s:.0f} s)")
+    return sorted((median_of(got) for got in have.values()), key=lambda o: -o.tokens_per_s)
+
+
+def search(profile: Profile, gpus: int, run: Runner, *, prompts: int | None = None, confirm: int = CONFIRM,
+           repeats: int = REPEATS, say: Callable[[str], None] = lambda s: None) -> list[Outcome]:
+    """The coordinate search of the module docstring, then its best `confirm` candidates run until each has
+    `repeats` runs (:func:`remeasure`; ``confirm < 2``: not): every outcome, the confirmed ones first (by their
+    medians), then the rest by their one run."""
     seen: dict[Candidate, Outcome] = {}
 
     def go(c: Candidate) -> Outcome:
@@ -237,7 +273,12 @@ def search(profile: Profile, gpus: int, run: Runner, *, prompts: int | None = No
     i = split.index((c.rollout_gpus, c.train_gpus))
     best([replace(c, rollout_gpus=r, train_gpus=t) for r, t in split[max(0, i - 1):i + 2]
           if c.mode == "stream" or batch_fits(profile, r, prompts)])
-    return sorted(seen.values(), key=lambda o: -o.tokens_per_s)
+    ranked = sorted(seen.values(), key=lambda o: -o.tokens_per_s)
+    if confirm < 2:
+        return ranked
+    say(f"the best {confirm}, {repeats} runs each (their medians rank them):")
+    confirmed = remeasure(ranked[:confirm], run, repeats, say)
+    return confirmed + ranked[confirm:]
 
 
 def brute_force(profile: Profile, gpus: int, run: Runner, *, prompts: int | None = None,
@@ -256,7 +297,9 @@ def render(outcomes: list[Outcome], top: int = 5) -> str:
     lines = ["| # | configuration | tokens/s (predicted) | trainer idle | G s/step | T s/step | (G+T)/max(G,T) | "
              "ledger |", "|---|---|---|---|---|---|---|---|"]
     for i, o in enumerate(outcomes[:top], 1):
-        lines.append(f"| {i} | {o.candidate.label()} | {o.tokens_per_s:,.0f} | {o.idle:.2f} | {o.gen_s:.1f} | "
+        tps = f"{o.tokens_per_s:,.0f}" + (f" (median of {len(o.runs)}: {min(o.runs):,.0f}–{max(o.runs):,.0f})"
+                                          if len(o.runs) > 1 else "")
+        lines.append(f"| {i} | {o.candidate.label()} | {tps} | {o.idle:.2f} | {o.gen_s:.1f} | "
                      f"{o.train_s:.1f} | {o.ceiling:.2f} | {'holds' if o.ledger_ok else 'BROKEN'} |")
     return "\n".join(lines)
 
@@ -287,6 +330,7 @@ def run_plan(profile: str, gpus: int, *, batch_size: int = 1024, group_size: int
     say(f"planning {p.name} on {gpus} GPUs ({batch_size} responses per step, {group_size} per prompt); twin runs "
         f"in {root}")
     outcomes = (brute_force if brute else search)(p, gpus, run, prompts=batch_size // group_size, say=say)
-    head = (f"{p.name} on {gpus} GPUs, {batch_size} responses per step: {len(outcomes)} twin runs of {steps} steps "
+    runs = sum(len(o.runs) or 1 for o in outcomes)
+    head = (f"{p.name} on {gpus} GPUs, {batch_size} responses per step: {runs} twin runs of {steps} steps "
             f"in {time.perf_counter() - t0:.0f} s ({'every candidate' if brute else 'coordinate search'})")
     return head + "\n\n" + render(outcomes, top)

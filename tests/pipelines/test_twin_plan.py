@@ -4,10 +4,12 @@ smallest budget checks what a run reports (slow); the plans of the shipped profi
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from asyncrl.pipelines.twin.plan import (Candidate, Outcome, brute_force, candidates, estimate, evaluate, render,
-                                         search)
+from asyncrl.pipelines.twin.plan import (Candidate, Outcome, brute_force, candidates, estimate, evaluate,
+                                         median_of, remeasure, render, search)
 from asyncrl.pipelines.twin.profile import load_profile
 
 P = load_profile("qwen2_7b_h100_vllm")
@@ -54,9 +56,34 @@ def test_the_coordinate_search_finds_the_best_of_every_candidate_in_far_fewer_ru
     found = search(P, 16, run)
     everything = brute_force(P, 16, landscape)
     assert found[0].candidate == everything[0].candidate == Candidate(12, 4, 2, "stream", 1)
-    assert len(runs) == len(set(runs)) <= 16 < len(everything)  # no candidate run twice
+    assert len(set(runs)) <= 16 < len(everything)
+    # the search's best two, and only they, run three times each (the first run and two more at the end)
+    assert sorted(Counter(runs).values(), reverse=True)[:3] == [3, 3, 1]
+    assert {c for c, n in Counter(runs).items() if n == 3} == {o.candidate for o in found[:2]}
+    assert runs[-4:] == [found[0].candidate, found[1].candidate] * 2 or \
+        runs[-4:] == [found[1].candidate, found[0].candidate] * 2  # round-robin
     table = render(found, top=2)
-    assert "| 1 | 12+4 GPUs, stream, k=2, in flight 1 steps | 1,080 |" in table and "| 3 |" not in table
+    assert "| 1 | 12+4 GPUs, stream, k=2, in flight 1 steps | 1,080 (median of 3: 1,080–1,080) |" in table
+    assert "| 3 |" not in table
+
+
+def test_remeasuring_ranks_candidates_by_their_medians_not_by_a_lucky_first_run():
+    a, b = Candidate(8, 8, 1, "batch"), Candidate(8, 8, 2, "stream")
+    later = {a: [900.0, 910.0], b: [1010.0, 990.0]}  # a's first run (1,200) was its luckiest
+    order: list[Candidate] = []
+
+    def run(c: Candidate) -> Outcome:
+        order.append(c)
+        return Outcome(c, later[c].pop(0), 0.2, 2.0, 1.0, 2.0, c != a or len(later[a]) > 0, 1.0)
+
+    first = [Outcome(a, 1200.0, 0.1, 2.0, 1.0, 2.0, True, 1.0), Outcome(b, 1000.0, 0.3, 2.0, 1.0, 2.0, True, 1.0)]
+    ranked = remeasure(first, run, repeats=3)
+    assert order == [a, b, a, b]  # round-robin: a spell of load falls on both alike
+    assert [(o.candidate, o.tokens_per_s, o.runs) for o in ranked] == [(b, 1000.0, (1000.0, 1010.0, 990.0)),
+                                                                     (a, 910.0, (1200.0, 900.0, 910.0))]
+    assert (ranked[0].idle, ranked[0].wall_s, ranked[0].ledger_ok) == (0.2, 3.0, True)  # medians; the walls summed
+    assert ranked[1].ledger_ok is False  # a's last run broke its ledger: the candidate's does not hold
+    assert median_of([first[1]]).runs == (1000.0,)
 
 
 def test_bad_budgets_and_sizes_are_one_line_errors(capsys):

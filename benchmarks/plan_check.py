@@ -22,8 +22,8 @@ from pathlib import Path
 
 from _common import load_note, run_header, write_result
 
-from asyncrl.pipelines.twin.plan import (REPEATS, Candidate, Outcome, brute_force, evaluate, remeasure, render,
-                                         run_plan, search)
+from asyncrl.pipelines.twin.plan import (REPEATS, STEP_WALL_S, Candidate, Outcome, brute_force, evaluate, remeasure,
+                                         render, run_plan, search)
 from asyncrl.pipelines.twin.profile import PROFILES, load_profile
 
 
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--plans", type=int, default=0, metavar="GPUS",
                    help="also plan every shipped profile on this many GPUs (0: not)")
+    p.add_argument("--step-s", type=float, default=STEP_WALL_S, help="wall seconds per simulated step")
     p.add_argument("--finalists", type=int, default=3, help="the brute force's best N measured again (default 3)")
     p.add_argument("--repeats", type=int, default=REPEATS, help="runs of each finalist and of the pick, in all")
     p.add_argument("--work-dir", default=None)
@@ -51,7 +52,7 @@ def main() -> None:
         def run(c: Candidate) -> Outcome:
             n[0] += 1
             return evaluate(a.profile, c, batch_size=a.batch_size, group_size=a.group_size, steps=a.steps,
-                            out=work / f"{tag}{n[0]:03d}")
+                            out=work / f"{tag}{n[0]:03d}", step_wall_s=a.step_s)
         return run
 
     say = lambda s: print(s, flush=True)  # noqa: E731
@@ -73,7 +74,8 @@ def main() -> None:
     best = final[0]
     picked = next(o for o in final if o.candidate == pick)
     ratio = picked.tokens_per_s / best.tokens_per_s
-    lines = [f"{a.profile} on {a.gpus} GPUs, {a.batch_size} responses per step, {a.steps}-step twin runs.", "",
+    lines = [f"{a.profile} on {a.gpus} GPUs, {a.batch_size} responses per step, {a.steps}-step twin runs, a "
+             f"simulated step scaled to {a.step_s:g} s.", "",
              f"Brute force: {len(brute)} candidates in {t_brute:.0f} s; search: {sum(len(o.runs) or 1 for o in found)} "
              f"runs in {t_search:.0f} s; finalists: {len(final)} candidates to {a.repeats} runs each in {t_final:.0f} s.",
              "", f"Best (the finalists' medians): **{best.candidate.label()}**, {best.tokens_per_s:,.0f} tokens/s.",
@@ -88,7 +90,7 @@ def main() -> None:
         for name in PROFILES:
             lines += [f"`asyncrl plan {name} --gpus {a.plans} --batch-size {a.batch_size}`:", "",
                       run_plan(name, a.plans, batch_size=a.batch_size, group_size=a.group_size, steps=a.steps,
-                               out_dir=str(work / f"plan_{name}"), say=say), ""]
+                               out_dir=str(work / f"plan_{name}"), step_s=a.step_s, say=say), ""]
     write_result(a.out, "\n".join([run_header("plan_check.py", load_note(load0, os.getloadavg()[0])), "", *lines]))
 
 

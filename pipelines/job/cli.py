@@ -55,7 +55,7 @@ from asyncrl.pipelines.observe import viewer
 from asyncrl.pipelines.supervision.interrupt import RunAbandoned
 from asyncrl.pipelines.supervision.recovery import describe, is_worker_fault
 from asyncrl.pipelines.twin.fit import write_fitted
-from asyncrl.pipelines.twin.plan import run_plan
+from asyncrl.pipelines.twin.plan import STEP_WALL_S, run_plan
 from asyncrl.roles import RolesError
 
 __all__ = ["main", "build_parser"]
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--group-size", type=int, default=8, help="responses per prompt (default 8)")
     n.add_argument("--steps", type=int, default=5, help="steps per twin run, 2 of them warm-up (default 5)")
     n.add_argument("--top", type=int, default=5, help="configurations printed (default 5)")
+    n.add_argument("--step-s", type=float, default=STEP_WALL_S, metavar="S",
+                   help=f"wall seconds a simulated step is scaled to last (default {STEP_WALL_S:g}; longer: the "
+                        "controller's own overhead and the machine's load weigh less, each run takes longer)")
     n.add_argument("--brute-force", action="store_true", help="run every candidate instead of the search")
     n.add_argument("--out-dir", metavar="DIR", help="where the twin runs go (default: a temporary directory)")
     return p
@@ -185,6 +188,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         print(run_plan(args.profile, args.gpus, batch_size=args.batch_size, group_size=args.group_size,
                        steps=args.steps, top=args.top, brute=args.brute_force, out_dir=args.out_dir,
+                       step_s=args.step_s,
                        say=lambda line: print(line, file=sys.stderr, flush=True)))
     except (ConfigError, ValueError) as e:
         _say("asyncrl plan", str(e))

@@ -5,7 +5,7 @@
     candidates: rollout/training split x max_staleness x rollout mode x concurrency
       │ estimate(profile, candidate)   the cost model's per-step generation G and training T, without running:
       │                                 the (G + T) / max(G, T) ceiling of overlapping them, and a time scale
-      │                                 that makes a simulated step last about a second
+      │                                 that makes a simulated step last about three seconds
       ▼ evaluate(candidate)             a short twin run (the real trainer, ``twin.profile``): generated tokens per
                                         simulated second, the trainer's idle fraction, the ledger checked
 
@@ -37,12 +37,18 @@ from asyncrl.pipelines.twin.workers import train_costs
 from asyncrl.roles.engines.sim import draw_length
 
 __all__ = ["Candidate", "Outcome", "estimate", "evaluate", "search", "brute_force", "candidates", "splits", "render",
-           "run_plan", "remeasure", "median_of", "SPLITS", "STALENESS", "CONFIRM", "REPEATS"]
+           "run_plan", "remeasure", "median_of", "SPLITS", "STALENESS", "CONFIRM", "REPEATS", "STEP_WALL_S"]
 
 SPLITS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 """Fractions of the budget given to rollout."""
 STALENESS = (0, 1, 2, 4)
 """``max_staleness`` values tried (streaming needs >= 1)."""
+STEP_WALL_S = 3.0
+"""Wall seconds a twin run's simulated step is scaled to last. The controller's real work per step (the weight sync,
+the per-step calls: about half a second on a loaded 2-core machine) is not scaled down, and on a real cluster it is
+a small part of a 30-60 s step; at 1 s a step it was half of it, and the ranking of configurations followed the
+controller's overhead and the machine's load more than the cost model (one candidate measured 6,700-10,400
+tokens/s over three runs)."""
 CONCURRENCY = (None, 1)
 """Streaming ``max_groups_in_flight``, in steps' worth of groups (None: admission's own bound, ``(k + 1)`` steps)."""
 
@@ -178,7 +184,7 @@ def _config(profile: str, cand: Candidate, *, batch_size: int, group_size: int, 
 
 
 def evaluate(profile: str, cand: Candidate, *, batch_size: int, group_size: int, steps: int, out: Path,
-             step_wall_s: float = 1.0, per_process: int = 16, warmup: int = 2) -> Outcome:
+             step_wall_s: float = STEP_WALL_S, per_process: int = 16, warmup: int = 2) -> Outcome:
     """One short twin run of `cand` (in-process: ``GRPOTrainer.fit()`` on the local Ray), its time scale set so
     that a simulated step lasts about `step_wall_s`; measured over the steps after `warmup`."""
     p = load_profile(profile)
@@ -305,7 +311,8 @@ def render(outcomes: list[Outcome], top: int = 5) -> str:
 
 
 def run_plan(profile: str, gpus: int, *, batch_size: int = 1024, group_size: int = 8, steps: int = 5, top: int = 5,
-             brute: bool = False, out_dir: str | None = None, say: Callable[[str], None] = lambda s: None) -> str:
+             brute: bool = False, out_dir: str | None = None, step_s: float = STEP_WALL_S,
+             say: Callable[[str], None] = lambda s: None) -> str:
     """``asyncrl plan``: search (or, `brute`, run every candidate) and return the table of the best `top`.
     Raises ``ValueError`` for a budget or sizes it cannot plan (and ``ProfileError`` for a bad profile)."""
     import tempfile
@@ -316,6 +323,8 @@ def run_plan(profile: str, gpus: int, *, batch_size: int = 1024, group_size: int
                          f"({p.training.gpus}); give at least {p.rollout.gpus + p.training.gpus}")
     if group_size < 2 or batch_size % group_size:
         raise ValueError(f"--batch-size {batch_size} must be a multiple of --group-size {group_size} (>= 2)")
+    if not step_s > 0 or math.isinf(step_s):
+        raise ValueError(f"--step-s {step_s} must be a positive number of seconds (a simulated step's wall time)")
     if steps < 3:
         raise ValueError(f"--steps {steps} leaves no measured step after the 2 warm-up steps; give at least 3")
     root = Path(out_dir or tempfile.mkdtemp(prefix="asyncrl_plan_"))
@@ -324,7 +333,7 @@ def run_plan(profile: str, gpus: int, *, batch_size: int = 1024, group_size: int
     def run(c: Candidate) -> Outcome:
         count[0] += 1
         return evaluate(profile, c, batch_size=batch_size, group_size=group_size, steps=steps,
-                        out=root / f"run{count[0]:03d}")
+                        out=root / f"run{count[0]:03d}", step_wall_s=step_s)
 
     t0 = time.perf_counter()
     say(f"planning {p.name} on {gpus} GPUs ({batch_size} responses per step, {group_size} per prompt); twin runs "

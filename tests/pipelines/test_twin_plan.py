@@ -94,6 +94,8 @@ def test_bad_budgets_and_sizes_are_one_line_errors(capsys):
         capsys.readouterr().err
     assert main(["plan", "qwen2_7b_h100_vllm", "--gpus", "8", "--batch-size", "100"]) == 2
     assert "must be a multiple of --group-size 8" in capsys.readouterr().err
+    assert main(["plan", "qwen2_7b_h100_vllm", "--gpus", "8", "--step-s", "0"]) == 2
+    assert "--step-s 0.0 must be a positive number of seconds" in capsys.readouterr().err
     assert main(["plan", "nope", "--gpus", "8"]) == 2
     assert "not a shipped profile" in capsys.readouterr().err
 

@@ -77,15 +77,15 @@ from asyncrl.pipelines.loop.stages import Groups
 from asyncrl.roles.engines.round_log import ReplayDivergedError
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner
+    from asyncrl.pipelines.rollout.rollout_loop import RolloutServices
 
 __all__ = ["ROUNDS", "RoundFile", "StreamMode", "StreamReplay", "read_rounds", "recording_rollout", "records_rounds",
            "stream_rollout"]
 
-def stream_rollout(trainer: RolloutOwner) -> StreamRollout:
-    """The trainer's streaming producer: a :class:`StreamReplay` when it replays a journal, else a
+def stream_rollout(services: RolloutServices) -> StreamRollout:
+    """The run's streaming producer: a :class:`StreamReplay` when its journal replays a run, else a
     :class:`~asyncrl.pipelines.rollout.stream_rollout.StreamRollout`."""
-    return StreamReplay(trainer) if trainer.journal.replaying else StreamRollout(trainer)
+    return StreamReplay(services) if services.journal.replaying else StreamRollout(services)
 
 
 @register_rollout_mode("stream")
@@ -102,9 +102,9 @@ class StreamMode(RolloutMode):
         """:func:`~asyncrl.pipelines.rollout.admission.check_stream`."""
         check_stream(job)
 
-    def build(self, owner: Any) -> StreamRollout:
+    def build(self, services: Any) -> StreamRollout:
         """:func:`stream_rollout`: the replay of a recorded stream run, or a new one."""
-        return stream_rollout(owner)
+        return stream_rollout(services)
 
     def records_rounds(self, job: Any) -> bool:
         """On the HF engine (a twin's rollout runs the simulated engine, whatever ``rollout.engine`` says):
@@ -130,16 +130,16 @@ class StreamReplay(StreamRollout):
     journal's admissions and step groups, the engines replaying their recorded rounds.
 
     Args:
-        trainer: the replaying trainer (``Trainer(config, replay=RUN)``); the journal and its rounds file
+        services: the replaying run's parts (``Trainer(config, replay=RUN)``'s); the journal and its rounds file
             are checked here, before any worker starts.
     """
 
-    def __init__(self, trainer: RolloutOwner) -> None:
-        super().__init__(trainer)
-        source = trainer.journal.replay_source
-        data = trainer.journal.replayed
+    def __init__(self, services: RolloutServices) -> None:
+        super().__init__(services)
+        source = services.journal.replay_source
+        data = services.journal.replayed
         assert source is not None and data is not None
-        self._order, self._steps, self._drops, self._pools = _plan(trainer.config, source, data)
+        self._order, self._steps, self._drops, self._pools = _plan(services.config, source, data)
         self._handed = {e: ([int(g) for g in r["handed_over"]],  # pool epoch -> (groups handed over, their kept rows)
                             {int(g): {str(k): int(n) for k, n in rows.items()} for g, rows in r.get("rows", {}).items()})
                         for e, r in data.retires.items()}
@@ -150,9 +150,9 @@ class StreamReplay(StreamRollout):
         a group's calls once its admission version is exported, a load once its version is; each is issued
         before the next record is followed, so the rollout workers' ordered lane sees them in the recorded
         order (a score call waiting for its group's tokens holds the calls behind it there)."""
-        tr = self._trainer
-        s, cfg = tr.state, tr.config
-        groups = tr.groups
+        sv = self._services
+        run, cfg = sv.current(), sv.config
+        s, groups = run.state, run.groups
         assert groups is not None
         adm = _ReplayAdmission(cfg.prompts_per_step, cfg.trainer.max_staleness, 1 << 30, next_step=s.start_step)
         a = self._attempt = _Attempt(s, adm, [], 0)
@@ -214,30 +214,30 @@ class StreamReplay(StreamRollout):
                     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Load version `v` (the engines hold it until their rounds need it, so the loads of later records
         may be issued meanwhile; they complete in order)."""
-        tr = self._trainer
-        s, groups = a.state, tr.groups
+        sv = self._services
+        s, groups = a.state, sv.current().groups
         assert groups is not None
         task_status.started()  # the update is issued below, in this same step, before the driver goes on
         # shielded, as the run's weight loop: when the replay ends (the train loop cancels this after the last step)
         # with a load in flight, rollout_version must still name the weights the engines hold (the evaluation at the
         # end evaluates them)
-        with self._held_load(), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
-            await tr.weights.load(groups, s.exports[v])
-            tr.weights.loaded(s, v)
-        tr.weights.drop_older(s, v)  # a load issued later holds its own export already
+        with self._held_load(), sv.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+            await sv.weights.load(groups, s.exports[v])
+            sv.weights.loaded(s, v)
+        sv.weights.drop_older(s, v)  # a load issued later holds its own export already
         await self._notify()
 
     async def _resize(self, a: _Attempt, tg: anyio.abc.TaskGroup, epoch: int, version: int) -> None:
         """Re-create a recorded resize at its ``resize`` record: start pool `epoch` with its recorded rounds, issue
         its load of `version`, and make it the pool the next records' calls go to; the old pool is closed once
         its groups finished there (a drained resize: the journal's ``retire`` record)."""
-        tr = self._trainer
-        s, g = a.state, tr.groups
+        sv = self._services
+        s, g = a.state, sv.current().groups
         assert g is not None
         rounds = self._pools[epoch]
-        part, pool = await tr.workers.start_rollout_part(len(rounds))
+        part, pool = await sv.workers.start_rollout_part(len(rounds))
         fresh = with_deadlines(Groups(rollout=part["rollout"], reward=part["reward"], policy=g.policy,
-                                      advantage=g.advantage), tr.config.trainer)
+                                      advantage=g.advantage), sv.config.trainer)
         await fresh.rollout.replay_rank_rounds(rounds, [True] * len(rounds))
         await s.wait_for(lambda: s.exports.get(version) is not None)
         # the run's resizes are one at a time: the groups the last one handed over were issued again on the pool
@@ -246,7 +246,7 @@ class StreamReplay(StreamRollout):
         await s.wait_for(lambda: not any(k in a.handing or k in a.reissuing or (k in a.running and a.running[k][0]
                                                                                is not g.rollout) for k in before))
         old_rollout = g.rollout
-        old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, len(rounds))
+        old_part, old_pool = sv.workers.adopt_rollout_part(part, pool, len(rounds))
         # the load first on the new pool's ordered lane, then the group calls after the record (its rounds
         # hold the load until their first round needs it, as the original's did not need to)
         await tg.start(self._load_into, a, fresh, version, name=f"stream replay pool {epoch} load {version}")
@@ -264,7 +264,7 @@ class StreamReplay(StreamRollout):
         record kept are kept -- exactly as many tokens each, else :class:`ReplayDivergedError` -- and the groups
         are issued again on the new pool, continuing them (``StreamRollout._group``'s retry)."""
         _, recorded = self._handed[epoch]
-        by_seed = {batch_seed(self._trainer.config, g): g for g in handed}
+        by_seed = {batch_seed(self._services.config, g): g for g in handed}
         a.handing.update(handed)
         try:
             parts = await unwrap(old_rollout).hand_over(sorted(by_seed))
@@ -301,25 +301,25 @@ class StreamReplay(StreamRollout):
     async def _load_into(self, a: _Attempt, groups: Groups, v: int, *,
                          task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Load version `v` into the new pool `groups` (issued before `task_status` returns)."""
-        tr, s = self._trainer, a.state
+        sv, s = self._services, a.state
         task_status.started()
-        with self._held_load(), tr.tracer.span("weight_sync", track=groups.rollout.name, version=v):
-            await tr.weights.load(groups, s.exports[v])  # (shielded as in _load)
-            tr.weights.loaded(s, v)
+        with self._held_load(), sv.tracer.span("weight_sync", track=groups.rollout.name, version=v):
+            await sv.weights.load(groups, s.exports[v])  # (shielded as in _load)
+            sv.weights.loaded(s, v)
         await self._notify()
 
     async def _retire(self, a: _Attempt, old_rollout: Any, part: Any, pool: Any) -> None:
         """Close the replaced pool once its groups finished there."""
-        tr, s = self._trainer, a.state
+        sv, s = self._services, a.state
         await s.wait_for(lambda: not any(site is old_rollout for site, _ in a.running.values()))
         self.rehome_flights(a)
         with anyio.CancelScope(shield=True):
-            await tr.workers.close_rollout_part(part, pool)
+            await sv.workers.close_rollout_part(part, pool)
 
     async def take(self, step: int) -> RolloutBatch:
         """Step `step`'s batch: the journal's groups of that step, in its order, once they finished."""
-        tr = self._trainer
-        s = tr.state
+        sv = self._services
+        s = sv.current().state
         await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
         a = self._attempt
         assert a is not None

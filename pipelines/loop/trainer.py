@@ -58,7 +58,7 @@ from asyncrl.pipelines.loop.precompute import Precompute
 from asyncrl.pipelines.loop.run import Attempts, Run
 from asyncrl.pipelines.supervision.recovery import is_worker_fault
 from asyncrl.pipelines.observe.reporting import RunReport
-from asyncrl.pipelines.rollout import rollout_loop as _batch_mode  # noqa: F401  (registers rollout_mode=batch)
+from asyncrl.pipelines.rollout.rollout_loop import RolloutServices  # (its module registers rollout_mode=batch)
 from asyncrl.pipelines.journaling.run_journal import RunJournal, weights_digest
 from asyncrl.pipelines.journaling import stream_replay as _stream_mode  # noqa: F401  (registers rollout_mode=stream)
 from asyncrl.pipelines.loop.stages import Groups
@@ -125,8 +125,6 @@ class Trainer(AsyncResource):
         self.run = Run(with_deadlines(groups, t) if groups is not None else None, self.attempts.new_state())
         """The current attempt (its groups, loop state and history); a restart replaces it whole."""
         self.precompute = Precompute(self.config, self.tracer.watch, lambda: self.stop_reason is not None)
-        self.rollout: Rollout = t.mode().build(self)
-        """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
         self.fitting = False
         """True while :meth:`fit` runs its loops."""
         self.supervisor = Supervisor(self.config, current=lambda: self.run, restart=self.attempts.restart,
@@ -137,6 +135,11 @@ class Trainer(AsyncResource):
         self.evaluator: Evaluator | None = None
         """Held-out evaluation (``config.evaluation``); its ``records`` hold one row per evaluation."""
         self.report = RunReport(self.config, self.tracer)
+        self.rollout: Rollout = t.mode().build(RolloutServices(
+            config=self.config, current=lambda: self.run, loader=lambda: self.loader, evaluator=lambda: self.evaluator,
+            tracer=self.tracer, weights=self.weights, journal=self.journal, supervisor=self.supervisor,
+            precompute=self.precompute, report=self.report, workers=self.workers))
+        """The producer of batches the train loop consumes (built by ``trainer.rollout_mode``'s mode)."""
         self.stop_reason: str | None = None
         """Why the run was asked to stop after the step in progress (:meth:`request_stop`), if it was."""
         self._algo = to_dict(config.algorithm)

@@ -7,8 +7,8 @@ A rollout mode is a :class:`RolloutMode` subclass registered under a name with
                            mode.weights                    what trainer.rollout_weights=auto resolves to
                            mode.splits_batches             a step's prompts are split over the rollout pool
                            mode.hands_over                 resizes and preemptions beside generations in flight
-    Trainer.__init__       mode.build(trainer)             the producer the train loop consumes (a Rollout,
-                                                           a replaying one when trainer.journal.replaying)
+    Trainer.__init__       mode.build(services)            the producer the train loop consumes (a Rollout,
+                                                           a replaying one when services.journal.replaying)
     checkpoint save        rollout.settle_for_checkpoint() then rollout.checkpoint_state()  -> state.json[name]
     checkpoint restore     rollout.restore(state.json[name], loop state)
     journal                mode.records_rounds(job)        the engines' round log (rounds.jsonl) is written
@@ -58,11 +58,13 @@ class RolloutMode:
         """Raise :class:`ConfigError` for a setting of `job` (a ``JobConfig``) this mode cannot run, saying
         what to change; called by ``JobConfig.validate`` before any worker starts. Default: none."""
 
-    def build(self, owner: Any) -> Any:
+    def build(self, services: Any) -> Any:
         """The producer of batches (a :class:`~asyncrl.pipelines.loop.loop_state.Rollout`; typed ``Any`` here
-        because this registry sits below the loop, in the config's layer) for the trainer `owner` (a ``RolloutOwner``: its config, loop state,
-        groups, journal, ...). It is built once per trainer and runs again after a restart; when
-        ``owner.journal.replaying`` it must follow the replayed journal."""
+        because this registry sits below the loop, in the config's layer) built with `services` (a
+        :class:`~asyncrl.pipelines.rollout.rollout_loop.RolloutServices`: the run's config, the current attempt's
+        groups and loop state, its journal, weight sync, ...). It is built once per trainer and runs again after a
+        restart, reading the new attempt through ``services.current()``; when ``services.journal.replaying`` it must
+        follow the replayed journal."""
         raise NotImplementedError(f"rollout mode {self.name!r} ({type(self).__name__}) does not override build()")
 
     def records_rounds(self, job: Any) -> bool:

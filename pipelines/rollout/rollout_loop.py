@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 import structlog
@@ -40,34 +41,43 @@ if TYPE_CHECKING:
     from asyncrl.pipelines.loop.precompute import Precompute
     from asyncrl.pipelines.observe.reporting import RunReport
     from asyncrl.pipelines.journaling.run_journal import RunJournal
-    from asyncrl.pipelines.loop.stages import Groups
+    from asyncrl.pipelines.loop.run import Run
     from asyncrl.pipelines.supervision.supervisor import Supervisor
     from asyncrl.pipelines.observe.trace import Tracer
     from asyncrl.pipelines.loop.weights import WeightSync
 
-__all__ = ["Rollout", "RolloutOwner", "BatchRollout", "BatchMode", "batch_seed", "evaluate", "evaluate_rest"]
+__all__ = ["Rollout", "RolloutServices", "BatchRollout", "BatchMode", "batch_seed", "evaluate", "evaluate_rest"]
 
 
-class RolloutOwner(Protocol):
-    """What the rollout producers (:class:`BatchRollout`, the streaming ones) read of the trainer that owns
-    them: the run's parts they report to or wait on."""
+@dataclass(frozen=True, kw_only=True)
+class RolloutServices:
+    """What a rollout producer is built with (:meth:`~asyncrl.pipelines.rollout.modes.RolloutMode.build`): the
+    run's parts it reports to or waits on, built once by the trainer (not the trainer). The attempt's groups and
+    loop state are read through :attr:`current` at each use: a restart starts a new
+    :class:`~asyncrl.pipelines.loop.run.Run` and keeps the producer."""
 
     config: JobConfig
-    loader: PromptLoader | None
-    evaluator: Evaluator | None
+    """The run's configuration."""
+    current: Callable[[], Run]
+    """The attempt the loops run now (its groups and loop state)."""
+    loader: Callable[[], PromptLoader | None]
+    """The prompt loader (None until the trainer's setup builds it)."""
+    evaluator: Callable[[], Evaluator | None]
+    """The held-out evaluation (None until setup, or without ``config.evaluation``)."""
     tracer: Tracer
+    """Spans and watched calls (``trace.json``)."""
     weights: WeightSync
+    """Weight sync, the rollout side (loads into the engines, the versions they hold)."""
     journal: RunJournal
+    """The run journal (what was generated with which version; a replay's plan)."""
     supervisor: Supervisor
+    """Replaces or resizes the rollout pool after a fault or on request."""
     precompute: Precompute
+    """Precompute-ahead (batch mode issues the next step's first stages behind a batch's generate)."""
     report: RunReport
+    """The metrics sinks (an evaluation's row)."""
     workers: Workers
-
-    @property
-    def groups(self) -> Groups | None: ...
-
-    @property
-    def state(self) -> LoopState: ...
+    """The run's workers (a streaming resize starts and closes rollout pools through them)."""
 
 
 log = structlog.get_logger("asyncrl.pipelines")
@@ -76,22 +86,22 @@ log = structlog.get_logger("asyncrl.pipelines")
 class BatchRollout:
     """Generates whole batches in order, one at a time, into the loop state's staleness buffer."""
 
-    def __init__(self, trainer: RolloutOwner) -> None:
-        self._trainer = trainer
+    def __init__(self, services: RolloutServices) -> None:
+        self._services = services
         self._putting: int | None = None  # the journaled batch waiting for buffer space
 
     async def run(self) -> None:
         """Consumes prompt batches and exported weights; produces RolloutBatch items."""
-        tr = self._trainer
-        s, steps = tr.state, tr.config.trainer.steps
-        assert tr.loader is not None
+        sv = self._services
+        s, steps = sv.current().state, sv.config.trainer.steps
+        assert sv.loader() is not None
         self._putting = None  # (a restart's new attempt)
         for item in s.restored:
             await s.buffer.put(item)
         s.restored_buffered()
         i = s.next_gen
         while i < steps + s.buffer.statistics().dropped:
-            await tr.supervisor.apply_scale(i)  # a pending scale_rollout, between two batches
+            await sv.supervisor.apply_scale(i)  # a pending scale_rollout, between two batches
             version = await self._version_for(i)
             while True:
                 try:
@@ -99,10 +109,10 @@ class BatchRollout:
                     break
                 except Exception as e:
                     s.generating = None  # a failed batch is not trained; nothing precomputes from it
-                    if not tr.supervisor.can_replace(e):
+                    if not sv.supervisor.can_replace(e):
                         raise
-                    await tr.supervisor.replace_rollout(e, i)  # then the same batch again: same prompts, seed, version
-            tr.journal.batch(i, version)
+                    await sv.supervisor.replace_rollout(e, i)  # then the same batch again: same prompts, seed, version
+            sv.journal.batch(i, version)
             self._putting = i
             await s.buffer.put(item)
             self._putting = None
@@ -113,7 +123,7 @@ class BatchRollout:
 
     async def take(self, step: int) -> RolloutBatch:
         """The oldest buffered batch within the staleness bound of the policy (older ones are dropped)."""
-        s = self._trainer.state
+        s = self._services.current().state
         try:
             item = await s.buffer.get(s.policy_version)
         except anyio.EndOfStream:
@@ -125,8 +135,8 @@ class BatchRollout:
         already decided: the first buffered batch within the staleness bound of `step` (older ones
         are dropped), else the batch whose generate is in flight if it is within the bound; None
         while that batch is not issued yet."""
-        tr = self._trainer
-        k, s = tr.config.trainer.max_staleness, tr.state
+        sv = self._services
+        k, s = sv.config.trainer.max_staleness, sv.current().state
         for it in s.buffer.peek_all():
             if step - it.version <= k:
                 return it.step, it.batch
@@ -137,9 +147,9 @@ class BatchRollout:
     async def _version_for(self, i: int) -> int:
         """The weight version batch `i` is generated with, once it is published: the journal's
         (replay, resume), else ``fixed_lag``'s or the newest (``latest``)."""
-        tr = self._trainer
-        s, cfg = tr.state, tr.config.trainer
-        planned = tr.journal.planned(i)
+        sv = self._services
+        s, cfg = sv.current().state, sv.config.trainer
+        planned = sv.journal.planned(i)
         need = planned if planned is not None else max(0, i - cfg.max_staleness)
         await s.wait_for(lambda: s.exported >= need)
         if planned is not None:
@@ -155,45 +165,46 @@ class BatchRollout:
     async def _produce(self, i: int, version: int) -> RolloutBatch:
         """Load `version` if the engines are behind, evaluate it when due, generate batch `i` and
         score it."""
-        tr = self._trainer
-        g, s, sync, loader = tr.groups, tr.state, tr.weights, tr.loader
+        sv = self._services
+        run, sync, loader, ev = sv.current(), sv.weights, sv.loader(), sv.evaluator()
+        g, s = run.groups, run.state
         assert g is not None and loader is not None
-        async with s.device if tr.config.trainer.colocated else contextlib.nullcontext():
+        async with s.device if sv.config.trainer.colocated else contextlib.nullcontext():
             if sync.sleep and await sync.wake(g) and version == s.rollout_version:
-                with tr.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                with sv.tracer.span("weight_sync", track=g.rollout.name, version=version):
                     await sync.load(g, s.exports[version])  # level 2: the same version again
             if version > s.rollout_version:
-                with tr.tracer.span("weight_sync", track=g.rollout.name, version=version):
+                with sv.tracer.span("weight_sync", track=g.rollout.name, version=version):
                     await sync.load(g, s.exports[version])  # weight sync (rollout side)
                 sync.loaded(s, version)
                 sync.drop_older(s, version)
-            if tr.evaluator is not None and tr.evaluator.due(version):
-                await evaluate(tr, version)
+            if ev is not None and ev.due(version):
+                await evaluate(sv, version)
             t0 = time.perf_counter()
             prompts = await anyio.to_thread.run_sync(loader.batch, i)  # off the loop: it grows with the batch
-            gen = tr.tracer.watch(stages.generate(g, prompts, seed=batch_seed(tr.config, i)),
+            gen = sv.tracer.watch(stages.generate(g, prompts, seed=batch_seed(sv.config, i)),
                                   "generate", step=i, version=version)
             s.generating = Generating(i, version, gen)
-            tr.precompute.issue_next(s, g, self)  # the train loop may be waiting for this very batch
-            sc = tr.tracer.watch(stages.score(g, gen), "score", step=i)
+            sv.precompute.issue_next(s, g, self)  # the train loop may be waiting for this very batch
+            sc = sv.tracer.watch(stages.score(g, gen), "score", step=i)
             scores = (await sc)["scores"]
             sampling: dict[str, float] = {}
-            fg = tr.config.algorithm.filter_groups
+            fg = sv.config.algorithm.filter_groups
             if fg.enable:  # dynamic sampling: more prompts until every group has reward variance
 
                 def again(prompts: Any, k: int) -> tuple[Any, Any]:
-                    seed = batch_seed(tr.config, i) + k * 1_000_000_007
-                    more = tr.tracer.watch(stages.generate(g, prompts, seed=seed), "generate", step=i,
+                    seed = batch_seed(sv.config, i) + k * 1_000_000_007
+                    more = sv.tracer.watch(stages.generate(g, prompts, seed=seed), "generate", step=i,
                                            version=version, call=k)
-                    return more, tr.tracer.watch(stages.score(g, more), "score", step=i, call=k)
+                    return more, sv.tracer.watch(stages.score(g, more), "score", step=i, call=k)
 
                 gen, sc, scores, sampling, picks = await fill_batch(
-                    step=i, first=(gen, sc, scores), loader=loader, group_size=tr.config.group_size,
-                    max_calls=fg.max_num_gen_batches, seed=tr.config.trainer.seed, generate=again,
+                    step=i, first=(gen, sc, scores), loader=loader, group_size=sv.config.group_size,
+                    max_calls=fg.max_num_gen_batches, seed=sv.config.trainer.seed, generate=again,
                     echo=g.advantage.echo)
                 if picks is not None:  # the per-sample ledger: which call's groups the batch holds
                     calls = int(sampling["sampling/gen_batches"])
-                    tr.journal.filtered(i, seeds=[batch_seed(tr.config, i) + k * 1_000_000_007 for k in range(calls)],
+                    sv.journal.filtered(i, seeds=[batch_seed(sv.config, i) + k * 1_000_000_007 for k in range(calls)],
                                         picks=picks)
             if sync.sleep:  # release the rollout's memory while the policy trains
                 await g.rollout.sleep()
@@ -203,20 +214,20 @@ class BatchRollout:
 
     async def finish(self) -> None:
         """After the last step: the evaluations still due (:func:`evaluate_rest`)."""
-        await evaluate_rest(self._trainer)
+        await evaluate_rest(self._services)
 
     def untrained(self) -> tuple[list[int], list[int]]:
         """``(batches, groups)`` generated and journaled but not trained (at the run's end: the buffer's, and one
         waiting for room in it); the groups are a streaming producer's."""
-        s = self._trainer.state
+        s = self._services.current().state
         batches = [it.step for it in [*s.buffer.peek_all(), *s.restored]]
         return batches + ([self._putting] if self._putting is not None else []), []
 
     async def settle_for_checkpoint(self, step: int) -> None:
         """Wait until every batch versions up to `step` allow is generated (or the rollout is done), so the
         checkpoint's buffer is complete: a resume then generates no batch twice."""
-        tr = self._trainer
-        s, t = tr.state, tr.config.trainer
+        sv = self._services
+        s, t = sv.current().state, sv.config.trainer
         ahead = min(step + 1 + t.max_staleness, t.steps + s.buffer.statistics().dropped)
         await s.wait_for(lambda: s.rollout_done or s.next_gen >= ahead or step >= t.steps)
 
@@ -232,24 +243,25 @@ class BatchRollout:
 class BatchMode(RolloutMode):
     """``trainer.rollout_mode=batch``: each step's prompts generated as one batch (:class:`BatchRollout`)."""
 
-    def build(self, owner: Any) -> BatchRollout:
-        """A :class:`BatchRollout` (a replay follows the journal's versions through ``owner.journal.planned``)."""
-        return BatchRollout(owner)
+    def build(self, services: Any) -> BatchRollout:
+        """A :class:`BatchRollout` (a replay follows the journal's versions through ``services.journal.planned``)."""
+        return BatchRollout(services)
 
 
-async def evaluate(tr: RolloutOwner, version: int) -> None:
+async def evaluate(sv: RolloutServices, version: int) -> None:
     """Evaluate the rollout group's weights (`version`) and record the row in the metrics sinks."""
-    ev, g = tr.evaluator, tr.groups
+    ev, g = sv.evaluator(), sv.current().groups
     assert ev is not None and g is not None
-    with tr.tracer.span("evaluate", track=g.rollout.name, version=version):
-        row = await ev.run(g, version, watch=tr.tracer.watch)
-    tr.report.evaluation(version, row)
+    with sv.tracer.span("evaluate", track=g.rollout.name, version=version):
+        row = await ev.run(g, version, watch=sv.tracer.watch)
+    sv.report.evaluation(version, row)
 
 
-async def evaluate_rest(tr: RolloutOwner) -> None:
+async def evaluate_rest(sv: RolloutServices) -> None:
     """After the last step: evaluate the due versions the rollout never loaded (the last
     ``max_staleness`` ones) and, with ``evaluation.at_end``, the final weights."""
-    ev, g, s, sync = tr.evaluator, tr.groups, tr.state, tr.weights
+    ev, run, sync = sv.evaluator(), sv.current(), sv.weights
+    g, s = run.groups, run.state
     final = s.policy_version
     if ev is None or g is None:
         return
@@ -261,12 +273,12 @@ async def evaluate_rest(tr: RolloutOwner) -> None:
     for v in due:
         exported = s.exports[v]
         assert exported is not None
-        with tr.tracer.span("weight_sync", track=g.rollout.name, version=v):
+        with sv.tracer.span("weight_sync", track=g.rollout.name, version=v):
             await sync.load(g, exported)
         sync.loaded(s, v)
         needs_weights = False
-        await evaluate(tr, v)
+        await evaluate(sv, v)
     if ev.due_final(final) and s.rollout_version == final:
         if needs_weights:
             await sync.load(g, s.exports[final])  # level 2: the same version again
-        await evaluate(tr, final)
+        await evaluate(sv, final)

@@ -67,7 +67,7 @@ from asyncrl.pipelines.journaling.rounds import records_rounds
 from asyncrl.pipelines.rollout.admission import Admission, groups_in_flight
 from asyncrl.pipelines.loop.loop_state import LoopState, ModeCheckpoint, RolloutBatch, batch_seed
 from asyncrl.pipelines.supervision.recovery import is_preemption
-from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner, evaluate, evaluate_rest
+from asyncrl.pipelines.rollout.rollout_loop import RolloutServices, evaluate, evaluate_rest
 from asyncrl.pipelines.rollout.sampling import group_stds
 from asyncrl.pipelines.rollout.stream_scale import StreamScaler
 from asyncrl import GroupBrokenError, RemoteError, WorkerDiedError
@@ -158,12 +158,12 @@ class _Attempt:
 class StreamRollout:
     """Keeps prompt groups in flight and hands each step its first finished groups (see the module)."""
 
-    def __init__(self, trainer: RolloutOwner) -> None:
-        self._trainer = trainer
+    def __init__(self, services: RolloutServices) -> None:
+        self._services = services
         self._attempt: _Attempt | None = None
         self.regenerated = 0
         """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
-        self.scaler = StreamScaler(trainer, self)
+        self.scaler = StreamScaler(services, self)
         """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
         self._prompt_batches: dict[int, Any] = {}  # step -> its prompt rows (_step_prompts)
         self._prompt_widths: dict[int, int] = {}  # step -> its prompt rows' width (_prompt_width)
@@ -176,8 +176,8 @@ class StreamRollout:
 
     async def run(self) -> None:
         """Admit groups and load new weights until the train loop ends (it cancels this)."""
-        tr = self._trainer
-        s, cfg = tr.state, tr.config
+        sv = self._services
+        s, cfg = sv.current().state, sv.config
         B, t = cfg.prompts_per_step, cfg.trainer
         resume = s.rollout_state or {}
         adm = Admission(B, t.max_staleness, groups_in_flight(cfg), t.stream.drop_stale, next_step=s.start_step)
@@ -202,9 +202,9 @@ class StreamRollout:
                 tg.start_soon(self._group, a, g, v0, name=f"stream group {g}")
 
     def _admissible(self, a: _Attempt) -> bool:
-        s, adm, t = a.state, a.admission, self._trainer.config.trainer
+        s, adm, t = a.state, a.admission, self._services.config.trainer
         st = adm.statistics()
-        needed = (t.steps - s.start_step) * self._trainer.config.prompts_per_step
+        needed = (t.steps - s.start_step) * self._services.config.prompts_per_step
         return st.admitted - st.dropped - st.rejected < needed and adm.can_admit(s.rollout_version)
 
     async def _group(self, a: _Attempt, g: int, v0: int, *,
@@ -212,8 +212,8 @@ class StreamRollout:
         """Generate and score group `g` (admitted at `v0`); then it may be taken. Its journal record is
         written as its calls are issued (then `task_status` is started): the journal orders them with the
         weight loads as the rollout workers' ordered lane does, and a replay issues them in that order."""
-        tr = self._trainer
-        s, cfg, loader = a.state, tr.config, tr.loader
+        sv = self._services
+        s, cfg, loader = a.state, sv.config, sv.loader()
         assert loader is not None
         B, G = cfg.prompts_per_step, cfg.group_size
         slot = g % B
@@ -221,7 +221,7 @@ class StreamRollout:
         elastic = cfg.trainer.rollout_range.elastic
         while True:
             epoch = a.epoch
-            groups = tr.groups
+            groups = sv.current().groups
             assert groups is not None
             t0 = time.perf_counter()
             resume = a.handed.get(g)  # rows a removed replica handed over: continued from their tokens
@@ -236,12 +236,12 @@ class StreamRollout:
                     more["compute_reward"] = True
                 if rank is not None:
                     generate = generate.options(rank=rank)
-                gen = tr.tracer.watch(generate(prompts, seed=batch_seed(cfg, g), **more),
+                gen = sv.tracer.watch(generate(prompts, seed=batch_seed(cfg, g), **more),
                                       "generate", step=g // B, group=g, version=v0, rank=rank)
                 a.running[g] = (groups.rollout, gen)  # a resize drains it, or hands it over (stream_scale.py)
                 if not a.issued.get(g):
                     a.issued[g] = True
-                    tr.journal.group(g, seed=batch_seed(cfg, g), version=v0)
+                    sv.journal.group(g, seed=batch_seed(cfg, g), version=v0)
                     task_status.started()
                 elif g in a.reissuing:  # issued again: a replay's next resize waits for that (stream_replay)
                     a.reissuing.discard(g)
@@ -269,7 +269,8 @@ class StreamRollout:
                     # finished on a pool that is being (or was) replaced after a fault: re-home its results on the
                     # training pool now, before that pool closes (rehome_flights has run already); a pool closed
                     # meanwhile refuses them (GroupClosedError) and the group is generated again
-                    advantage = stages_unwrap(tr.groups.advantage if tr.groups is not None else groups.advantage)
+                    now = sv.current().groups
+                    advantage = stages_unwrap(now.advantage if now is not None else groups.advantage)
                     gen, sc = advantage.echo(gen), (advantage.echo(sc) if sc is not None else None)
                 break
             except Exception as e:
@@ -285,7 +286,7 @@ class StreamRollout:
                 site = a.running.get(g)
                 noticed = notice_rounds(e)  # a SIGTERM's: the rank's last rounds, which exit with its process
                 if noticed is not None and site is not None:
-                    tr.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1],
+                    sv.journal.noticed(epoch, noticed[0], len(getattr(site[1], "ranks", ())) or 1, noticed[1],
                                        after_step=s.taken)
                 if (not handing and site is not None and len(getattr(site[1], "ranks", ())) > 1
                         and self._preempted(e, epoch)):
@@ -305,7 +306,7 @@ class StreamRollout:
         if self._rejects(a, std):
             a.admission.reject(g)
             a.filtered += 1
-            tr.journal.group_filtered(g, version=v0)
+            sv.journal.group_filtered(g, version=v0)
             await self._notify()  # its room may be admitted again
             return
         tokens = int(scored_td["response_length"].sum()) if "response_length" in scored_td.keys() else None
@@ -331,12 +332,12 @@ class StreamRollout:
             async with self._prompts_lock:  # one build per step, however many of its groups ask at once
                 got = self._prompt_batches.get(step)
                 if got is None:
-                    loader = self._trainer.loader
+                    loader = self._services.loader()
                     assert loader is not None
                     got = await anyio.to_thread.run_sync(loader.batch, step)
                     self._prompt_batches[step] = got
                     self._prompt_widths[step] = int(got["prompt_ids"].shape[1])
-                    keep = self._trainer.config.trainer.max_staleness + 2
+                    keep = self._services.config.trainer.max_staleness + 2
                     for old in [s for s in self._prompt_batches if s < step - keep]:
                         del self._prompt_batches[old]
         return got
@@ -345,7 +346,7 @@ class StreamRollout:
         """The rollout rank a group's calls go to: the one with the fewest groups in flight (the lowest rank of
         those), counted as in flight from now; None: the whole group (:data:`ROUTE_GROUPS`, a run that records
         its engines' rounds)."""
-        if not ROUTE_GROUPS or records_rounds(self._trainer.config):
+        if not ROUTE_GROUPS or records_rounds(self._services.config):
             return None
         n = rollout.world_size
         if a.load_epoch != epoch or len(a.load) != n:  # a new pool: nothing of it in flight yet
@@ -368,38 +369,38 @@ class StreamRollout:
         """Dynamic sampling (``algorithm.filter_groups``): reject a group whose rewards are all equal, at
         most ``(max_num_gen_batches - 1) * B`` since the last step took its groups (batch mode's budget of
         extra groups per step); past that, such groups are trained (``sampling/padded_groups``)."""
-        cfg = self._trainer.config
+        cfg = self._services.config
         fg = cfg.algorithm.filter_groups
         return fg.enable and std == 0.0 and a.filtered < (fg.max_num_gen_batches - 1) * cfg.prompts_per_step
 
     async def _weights_loop(self, a: _Attempt) -> None:
         """Load the newest exported version as soon as it is published; evaluate it first when it is due
         (the next load waits for the evaluation, groups in flight decode on with the evaluated weights)."""
-        tr = self._trainer
-        s, ev = a.state, tr.evaluator
+        sv = self._services
+        s, ev = a.state, sv.evaluator()
         while True:
             epoch = a.epoch
             try:
                 if ev is not None and ev.due(s.rollout_version):
-                    await evaluate(tr, s.rollout_version)
+                    await evaluate(sv, s.rollout_version)
                     continue
                 await s.wait_for(lambda: s.exported > s.rollout_version and s.exports.get(s.exported) is not None)
                 v, epoch = s.exported, a.epoch
-                groups = tr.groups
+                groups = sv.current().groups
                 assert groups is not None
-                tr.journal.load(v)  # (the update is issued below, before any other task runs)
+                sv.journal.load(v)  # (the update is issued below, before any other task runs)
                 # shielded: when the run ends, rollout_version must name the weights the engines hold
-                with anyio.CancelScope(shield=True), tr.tracer.span("weight_sync", track=groups.rollout.name,
+                with anyio.CancelScope(shield=True), sv.tracer.span("weight_sync", track=groups.rollout.name,
                                                                      version=v):
                     async with a.loading:
                         if a.dead:  # a replica's engine is being replaced: the others load, it catches up after
                             await self._load_ranks(groups, s.exports[v], [r for r in range(groups.rollout.world_size)
                                                                           if r not in a.dead])
                         else:
-                            await tr.weights.load(groups, s.exports[v])
+                            await sv.weights.load(groups, s.exports[v])
                     if a.epoch == epoch:  # else loaded into engines that were replaced meanwhile
-                        tr.weights.loaded(s, v)
-                        tr.weights.drop_older(s, v)
+                        sv.weights.loaded(s, v)
+                        sv.weights.drop_older(s, v)
             except Exception as e:
                 await self._recover(a, e, epoch)
                 continue
@@ -423,14 +424,14 @@ class StreamRollout:
     async def _replace_pool(self, a: _Attempt, error: Exception, epoch: int) -> None:
         """Replace the whole rollout pool after `error` of pool `epoch` (once: the other groups that saw it only wait
         for the replacement), or raise `error` when it is not a rollout-pool fault."""
-        tr = self._trainer
+        sv = self._services
         async with a.replacing:
             if a.epoch != epoch:
                 return  # another group (or the weight loop) already replaced the pool
-            if not tr.supervisor.can_replace(error):
+            if not sv.supervisor.can_replace(error):
                 raise error
             self.rehome_flights(a)
-            await tr.supervisor.replace_rollout(error, a.state.policy_version)
+            await sv.supervisor.replace_rollout(error, a.state.policy_version)
             a.epoch += 1
             a.dead.clear()  # a new pool: every engine new
             a.lost.clear()
@@ -441,14 +442,14 @@ class StreamRollout:
         of a rank (groups routed one per replica; weights sent by the object store; another replica alive; the
         restart policy allows replacements). Then the rank is taken out of routing and weight loads and its
         replacement runs beside the groups in flight (:meth:`_replace_replica`)."""
-        tr = self._trainer
+        sv = self._services
         e = root_cause(error)
         if not (isinstance(e, RemoteError) and e.exc_type.rpartition(".")[2] == "ReplicaLostError"):
             return False
-        groups = tr.groups
+        groups = sv.current().groups
         if (not REPLACE_REPLICAS or a.epoch != epoch or groups is None or a.tg is None or not ROUTE_GROUPS
-                or records_rounds(tr.config) or tr.weights.transport == "collective"
-                or not tr.supervisor.can_replace(error)):
+                or records_rounds(sv.config) or sv.weights.transport == "collective"
+                or not sv.supervisor.can_replace(error)):
             return False
         if rank is None:
             rank = getattr(e, "rank", None)
@@ -460,7 +461,7 @@ class StreamRollout:
         if len(a.dead) + 1 >= n:
             return False  # no replica left to route to: replace the pool
         a.dead.add(rank)
-        record = tr.supervisor.replica_lost(error, rank)
+        record = sv.supervisor.replica_lost(error, rank)
         a.tg.start_soon(self._replace_replica, a, rank, epoch, record, name=f"replace rollout replica {rank}")
         return True
 
@@ -468,8 +469,8 @@ class StreamRollout:
         """A new engine for replica `rank` (``RolloutWorker.restart_engine``), loaded with the version the other
         replicas hold (under the weight loop's lock, so none is loaded past it meanwhile); then it is routed to
         again. When that fails, the pool is replaced (:meth:`_recover`)."""
-        tr = self._trainer
-        s, groups = a.state, tr.groups
+        sv = self._services
+        s, groups = a.state, sv.current().groups
         assert groups is not None
         t0 = time.perf_counter()
         try:
@@ -501,9 +502,9 @@ class StreamRollout:
         are taken out of routing and weight loads and its replacement runs beside the groups in flight
         (:meth:`_replace_process`). A preemption *notice* (``PreemptedError``: the process still answers) is not a
         death: the scaler hands its groups over (:meth:`StreamScaler.preempted`)."""
-        tr = self._trainer
+        sv = self._services
         e = root_cause(error)
-        groups = tr.groups
+        groups = sv.current().groups
         if groups is None or a.epoch != epoch:
             return False
         rollout = unwrap(groups.rollout)
@@ -523,15 +524,15 @@ class StreamRollout:
             return False
         if r not in rollout.lost_ranks:
             return True  # a call to its former process, replaced since: the group is simply issued again
-        if (not REPLACE_PROCESSES or a.tg is None or not ROUTE_GROUPS or records_rounds(tr.config)
-                or tr.weights.transport == "collective" or not tr.supervisor.can_replace(error)):
+        if (not REPLACE_PROCESSES or a.tg is None or not ROUTE_GROUPS or records_rounds(sv.config)
+                or sv.weights.transport == "collective" or not sv.supervisor.can_replace(error)):
             return False
         ranks = rollout.process_ranks(r)
         if len(a.dead | set(ranks)) >= n:
             return False  # no replica left to route to: replace the pool
         a.dead.update(ranks)
         a.lost.update(ranks)
-        record = tr.supervisor.process_lost(error, ranks)
+        record = sv.supervisor.process_lost(error, ranks)
         a.tg.start_soon(self._replace_process, a, ranks, epoch, error, record,
                         name=f"replace rollout process of ranks {ranks}")
         return True
@@ -542,8 +543,8 @@ class StreamRollout:
         other processes left alone), loaded with the version the other replicas hold (under the weight loop's lock,
         so none is loaded past it meanwhile); then its ranks are routed to again. When its start fails (or takes
         longer than :data:`PROCESS_START_S`: no capacity), the whole pool is replaced for `error`."""
-        tr = self._trainer
-        s, groups = a.state, tr.groups
+        sv = self._services
+        s, groups = a.state, sv.current().groups
         assert groups is not None
         t0 = time.perf_counter()
         try:
@@ -612,7 +613,7 @@ class StreamRollout:
     def rehome_flights(self, a: _Attempt) -> None:
         """Re-home the finished groups' futures on the training pool: their data must outlive the rollout
         pool's groups, which are about to close."""
-        g = self._trainer.groups
+        g = self._services.current().groups
         assert g is not None
         old = (g.rollout.name, g.reward.name)
         advantage = stages_unwrap(g.advantage)
@@ -627,7 +628,7 @@ class StreamRollout:
         await self._notify()
 
     async def _notify(self) -> None:
-        s = self._trainer.state
+        s = self._services.current().state
         async with s.cond:
             s.cond.notify_all()
 
@@ -636,8 +637,8 @@ class StreamRollout:
     async def take(self, step: int) -> RolloutBatch:
         """Step `step`'s batch: its first finished groups within the bound, assembled on the training
         pool (waits for groups to finish)."""
-        tr = self._trainer
-        s = tr.state
+        sv = self._services
+        s = sv.current().state
         await s.wait_for(lambda: self._attempt is not None and self._attempt.state is s)
         a = self._attempt
         assert a is not None and a.admission.next_step == step, (step, a and a.admission.next_step)
@@ -650,20 +651,20 @@ class StreamRollout:
         chosen, dropped = got
         self.scaler.after_take(time.perf_counter() - t0)  # the autoscaler's view of this step
         await self._notify()  # admission may go on
-        tr.journal.rounds(step, a.epoch)  # the engines' rounds so far: they ran every chosen group (replay)
+        sv.journal.rounds(step, a.epoch)  # the engines' rounds so far: they ran every chosen group (replay)
         return await self._assemble(a, step, chosen, dropped)
 
     async def _assemble(self, a: _Attempt, step: int, chosen: list[int], dropped: list[int]) -> RolloutBatch:
         """Step `step`'s batch of the finished groups `chosen` (in order), assembled on the training pool;
         `dropped` (too stale, ``drop_stale``) are journaled and forgotten."""
-        tr = self._trainer
-        s, cfg = tr.state, tr.config
+        sv = self._services
+        s, cfg = sv.current().state, sv.config
         for g in dropped:
             f = a.flights.pop(g)
-            tr.journal.group_dropped(g, version=f.v0, at_version=step)
+            sv.journal.group_dropped(g, version=f.v0, at_version=step)
         flights = [a.flights.pop(g) for g in chosen]
-        groups = tr.groups
-        assert groups is not None and tr.loader is not None
+        groups, loader = sv.current().groups, sv.loader()
+        assert groups is not None and loader is not None
         gens, scores = [f.gen for f in flights], [f.scores for f in flights]
         if SHARD_STEP_BATCH and len(flights) >= groups.advantage.world_size:  # a shard per training rank, built there
             tokens = [f.tokens for f in flights]
@@ -671,10 +672,10 @@ class StreamRollout:
                 order = balanced_order(tokens, groups.advantage.world_size)  # type: ignore[arg-type]
                 gens, scores = [gens[i] for i in order], [scores[i] for i in order]
             width = max([await self._prompt_width(step) for step in {g // cfg.prompts_per_step for g in chosen}])
-            batch = stages.concat_sharded(groups, gens, scores, pad_id=tr.loader.pad_id,
+            batch = stages.concat_sharded(groups, gens, scores, pad_id=loader.pad_id,
                                           uid_base=step * cfg.prompts_per_step, width=width)
         else:
-            batch = groups.advantage.concat_groups(gens, scores, pad_id=tr.loader.pad_id,
+            batch = groups.advantage.concat_groups(gens, scores, pad_id=loader.pad_id,
                                                    uid_base=step * cfg.prompts_per_step)
         metrics: dict[str, float] = dict(await groups.advantage.version_stats(batch, step, cfg.trainer.max_staleness))
         st = a.admission.statistics()
@@ -702,10 +703,11 @@ class StreamRollout:
     async def finish(self) -> None:
         """After the last step: the evaluations still due, the loaded version's first when the end of the
         run cut its evaluation short."""
-        tr = self._trainer
-        if tr.evaluator is not None and tr.groups is not None and tr.evaluator.due(tr.state.rollout_version):
-            await evaluate(tr, tr.state.rollout_version)
-        await evaluate_rest(tr)
+        sv = self._services
+        ev, run = sv.evaluator(), sv.current()
+        if ev is not None and run.groups is not None and ev.due(run.state.rollout_version):
+            await evaluate(sv, run.state.rollout_version)
+        await evaluate_rest(sv)
 
     def untrained(self) -> tuple[list[int], list[int]]:
         """``(batches, groups)`` admitted and not trained (at the run's end: generating, or finished and waiting
@@ -725,7 +727,8 @@ class StreamRollout:
         first, with the same seeds) and the next new group's index."""
         a = self._attempt
         if a is None:
-            return {"pending": [], "next_group": self._trainer.state.start_step * self._trainer.config.prompts_per_step}
+            sv = self._services
+            return {"pending": [], "next_group": sv.current().state.start_step * sv.config.prompts_per_step}
         return {"pending": sorted([*a.admission.pending(), *a.queue]), "next_group": a.next_group}
 
 

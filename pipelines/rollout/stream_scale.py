@@ -44,7 +44,7 @@ from asyncrl.pipelines.loop.loop_state import batch_seed
 from asyncrl.pipelines.loop.stages import Groups
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.rollout.rollout_loop import RolloutOwner
+    from asyncrl.pipelines.rollout.rollout_loop import RolloutServices
 
 __all__ = ["StreamScaler", "Resize", "BUSY_STEPS", "BUSY_SHARE", "IDLE_STEPS", "IDLE_SHARE", "HAND_OVER_S"]
 
@@ -94,14 +94,14 @@ class StreamScaler:
     """Carries out resize requests of a streaming run (see the module).
 
     Args:
-        trainer: the :class:`~asyncrl.pipelines.loop.trainer.Trainer` (its workers, groups, weights, supervisor and
-            config).
+        services: the run's parts a resize uses (:class:`~asyncrl.pipelines.rollout.rollout_loop.RolloutServices`:
+            its config, current groups, workers, weights, supervisor, tracer and journal).
         rollout: the :class:`~asyncrl.pipelines.rollout.stream_rollout.StreamRollout` whose attempts hold the groups in
             flight (its ``notify`` and ``rehome_flights``).
     """
 
-    def __init__(self, trainer: RolloutOwner, rollout: Any) -> None:
-        self._trainer = trainer
+    def __init__(self, services: RolloutServices, rollout: Any) -> None:
+        self._services = services
         self._rollout = rollout
         self.resizes: list[Resize] = []
         """One record per resize carried out."""
@@ -114,7 +114,7 @@ class StreamScaler:
     async def run(self, a: Any) -> None:
         """Wait for resize requests (the supervisor's, or the autoscaler's after each take) and carry them out
         one at a time, until the rollout ends (it cancels this)."""
-        sup, s = self._trainer.supervisor, a.state
+        sup, s = self._services.supervisor, a.state
         self._noticed = []  # a new attempt numbers its pools from 0 again
         while True:
             await s.wait_for(lambda: sup.pending_resize() is not None)
@@ -135,14 +135,14 @@ class StreamScaler:
         to finish generating. Over the last ``BUSY_STEPS`` steps, waiting more than ``BUSY_SHARE`` of the time
         grows the pool by one worker; over the last ``IDLE_STEPS``, each waiting less than ``IDLE_SHARE`` shrinks
         it. Files a resize request (one at a time; its failure is logged by :meth:`run`)."""
-        tr = self._trainer
-        t = tr.config.trainer
+        sv = self._services
+        t = sv.config.trainer
         now = time.perf_counter()
         span, self._last_take = now - self._last_take if self._last_take is not None else 0.0, now
         if not t.rollout_autoscale or span <= 0:
             return
         self._window = [*self._window, (waited_s, span)][-max(BUSY_STEPS, IDLE_STEPS):]
-        if tr.supervisor.pending_resize() is not None:
+        if sv.supervisor.pending_resize() is not None:
             return
         busy = self._window[-BUSY_STEPS:]
         idle = self._window[-IDLE_STEPS:]
@@ -155,13 +155,13 @@ class StreamScaler:
         if to is not None:
             self._window = []  # judge the new size on its own steps
             self.requests.append((n, to))
-            fut = tr.supervisor.request_resize(to, t.rollout_drain_s, "autoscale")
+            fut = sv.supervisor.request_resize(to, t.rollout_drain_s, "autoscale")
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it: run() logs a failure
 
     def preempting(self, epoch: int) -> bool:
         """True while a preemption notice of pool `epoch` is being handled: a fault of that pool then is the
         notice's consequence (the told-to-stop process exits, and the calls it still ran die with it)."""
-        pending = self._trainer.supervisor.pending_resize()
+        pending = self._services.supervisor.pending_resize()
         return any(e == epoch for e, _ in self._noticed) or (pending is not None and pending[2] == "preempt")
 
     async def preempted(self, a: Any, epoch: int, group: int | None = None) -> bool:
@@ -170,12 +170,12 @@ class StreamScaler:
         range's minimum) unless one is under way, and wait until the pool was replaced. False when that failed
         (no capacity): the caller treats the notice as a fault (``trainer.restart``). `group`: the prompt group
         whose call ended so (it is handed over)."""
-        tr = self._trainer
-        sup, s = tr.supervisor, a.state
+        sv = self._services
+        sup, s = sv.supervisor, a.state
         if group is not None:
             self._noticed.append((epoch, group))
         if a.epoch == epoch and sup.pending_resize() is None:
-            n = max(self.size() - 1, tr.config.trainer.rollout_range.min)
+            n = max(self.size() - 1, sv.config.trainer.rollout_range.min)
             fut = sup.request_resize(n, 0.0, "preempt")
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # run() logs a failure
             await self._rollout.notify()
@@ -192,7 +192,7 @@ class StreamScaler:
         they decoded is kept for their retry (which waits for this). Each rank answers on its own: the rows of a
         rank that fails (gone, or a pool that takes no call) or does not answer within ``HAND_OVER_S`` are
         generated again from their seeds (their calls are cancelled); the other ranks' rows are kept."""
-        cfg = self._trainer.config
+        cfg = self._services.config
         by_seed = {batch_seed(cfg, g): g for g in late}
         a.handing.update(late)
         rows: dict[int, dict[str, Any]] = {}
@@ -228,41 +228,41 @@ class StreamScaler:
 
     def size(self) -> int:
         """Workers in the rollout pool now."""
-        return int(self._trainer.workers.parts[0]["rollout"].world_size)
+        return int(self._services.workers.parts[0]["rollout"].world_size)
 
     async def resize(self, a: Any, n: int, drain_s: float, reason: str) -> Resize:
         """Replace the rollout pool by one of `n` workers beside the groups in flight (the module's steps)."""
-        tr = self._trainer
-        s, g = a.state, tr.groups
+        sv = self._services
+        s, g = a.state, sv.current().groups
         assert g is not None
         rec = Resize(self.size(), n, reason)
         t0 = time.perf_counter()
-        part, pool = await tr.workers.start_rollout_part(n)
+        part, pool = await sv.workers.start_rollout_part(n)
         try:
             fresh = with_deadlines(Groups(rollout=part["rollout"], reward=part["reward"], policy=g.policy,
-                                          advantage=g.advantage), tr.config.trainer)
+                                          advantage=g.advantage), sv.config.trainer)
             loaded = 0
             while s.exported > loaded:  # the newest version, again while a newer one is published meanwhile
                 v = s.exported
                 export = s.exports.get(v)
                 assert export is not None, f"version {v} is exported but its weights are gone"
-                with tr.tracer.span("weight_sync", track=fresh.rollout.name, version=v):
-                    await tr.weights.load(fresh, export)
+                with sv.tracer.span("weight_sync", track=fresh.rollout.name, version=v):
+                    await sv.weights.load(fresh, export)
                 loaded = v
         except BaseException:
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):  # also when the run ends meanwhile
-                await tr.workers.close_rollout_part(part, pool)
+                await sv.workers.close_rollout_part(part, pool)
             raise
         rec.version, rec.start_s = loaded, time.perf_counter() - t0
         # the swap: no await from the check above to here, so no version is published in between
         old_rollout, old_epoch = g.rollout, a.epoch
-        old_part, old_pool = tr.workers.adopt_rollout_part(part, pool, n)
+        old_part, old_pool = sv.workers.adopt_rollout_part(part, pool, n)
         g.rollout, g.reward = fresh.rollout, fresh.reward
         a.epoch += 1  # a load into the old pool now does not count, and its failed groups are issued again
-        tr.journal.resized(size_before=rec.size_before, size_after=n, reason=reason, version=loaded, epoch=a.epoch,
+        sv.journal.resized(size_before=rec.size_before, size_after=n, reason=reason, version=loaded, epoch=a.epoch,
                            after_step=s.taken)
-        tr.weights.loaded(s, loaded)
-        tr.weights.drop_older(s, s.rollout_version)
+        sv.weights.loaded(s, loaded)
+        sv.weights.drop_older(s, s.rollout_version)
         await self._rollout.notify()
         log.info("trainer.scaled", rollout_workers=n, reason=reason, version=loaded, seconds=round(rec.start_s, 2))
         t1 = time.perf_counter()
@@ -283,11 +283,11 @@ class StreamScaler:
         # its last rounds (since the last step's fetch) go to the round log before they die with it; the rows
         # kept are those of the groups issued again (a call that returned while handed over drained)
         rows = {k: r for k, r in a.stopped.pop(old_epoch, {}).items() if k in again}
-        await tr.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
+        await sv.journal.retired(old_rollout, epoch=old_epoch, drained=rec.drained, handed_over=rec.handed_over,
                                  after_step=s.taken, rows=rows)
         self._rollout.rehome_flights(a)
         with contextlib.suppress(Exception):
-            await tr.workers.close_rollout_part(old_part, old_pool)
+            await sv.workers.close_rollout_part(old_part, old_pool)
         self.resizes.append(rec)
         log.info("trainer.drained", handed_over=rec.handed_over, drained=rec.drained, kept_tokens=rec.kept_tokens,
                  seconds=round(rec.drain_s, 2))

@@ -24,29 +24,30 @@ from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode, 
 class LockstepRollout:
     """Generates batch t with version t once step t-1 exported it: the synchronous loop, as a producer."""
 
-    def __init__(self, trainer: Any) -> None:
-        self._tr = trainer
+    def __init__(self, services: Any) -> None:
+        self._sv = services  # a RolloutServices: the run's parts, not the trainer
         self.generated: list[int] = []
         """The batches this run generated (its checkpoint state: a resume goes on from the saved list)."""
 
     async def run(self) -> None:
-        tr = self._tr
-        s, g = tr.state, tr.groups
+        sv = self._sv
+        run = sv.current()  # this attempt's groups and loop state (a restart starts a new one)
+        s, g = run.state, run.groups
         self.generated = list((s.rollout_state or {}).get("generated", []))
         for item in s.restored:  # a checkpoint's buffered batches come first
             await s.buffer.put(item)
         s.restored_buffered()
-        for i in range(s.next_gen, tr.config.trainer.steps):
+        for i in range(s.next_gen, sv.config.trainer.steps):
             await s.wait_for(lambda: s.exported >= i)
             if i > s.rollout_version:
-                await tr.weights.load(g, s.exports[i])
-                tr.weights.loaded(s, i)
+                await sv.weights.load(g, s.exports[i])
+                sv.weights.loaded(s, i)
             t0 = time.perf_counter()
-            prompts = await anyio.to_thread.run_sync(tr.loader.batch, i)
-            gen = stages.generate(g, prompts, seed=batch_seed(tr.config, i))
+            prompts = await anyio.to_thread.run_sync(sv.loader().batch, i)
+            gen = stages.generate(g, prompts, seed=batch_seed(sv.config, i))
             scores = stages.score(g, gen)
             mean = float((await scores)["scores"].float().mean())
-            tr.journal.batch(i, i)
+            sv.journal.batch(i, i)
             self.generated.append(i)
             await s.buffer.put(RolloutBatch(step=i, version=i, batch=gen, scores=scores, reward_mean=mean,
                                             gen_time=time.perf_counter() - t0))
@@ -54,7 +55,7 @@ class LockstepRollout:
         await s.rollout_finished()
 
     async def take(self, step: int) -> RolloutBatch:
-        s = self._tr.state
+        s = self._sv.current().state
         return await s.buffer.get(s.policy_version)
 
     def upcoming(self, step: int) -> tuple[int, Any] | None:
@@ -64,7 +65,7 @@ class LockstepRollout:
         pass
 
     async def settle_for_checkpoint(self, step: int) -> None:
-        s = self._tr.state  # the batch of the next step is generated from the weights being saved
+        s = self._sv.current().state  # the batch of the next step is generated from the weights being saved
         await s.wait_for(lambda: s.rollout_done or s.next_gen > step)
 
     def checkpoint_state(self) -> dict[str, Any] | None:
@@ -83,8 +84,8 @@ class LockstepMode(RolloutMode):
             raise ConfigError(f"trainer.rollout_mode=lockstep generates batch t with the weights of step t: it needs "
                               f"trainer.max_staleness=0, got {job.trainer.max_staleness}")
 
-    def build(self, owner: Any) -> LockstepRollout:
-        return LockstepRollout(owner)
+    def build(self, services: Any) -> LockstepRollout:
+        return LockstepRollout(services)
 
 
 class Cut(Exception):

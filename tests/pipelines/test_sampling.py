@@ -135,7 +135,7 @@ def test_a_stream_group_is_its_slice_of_the_step_batch_and_the_step_is_built_onc
         built.append(step), threads.append(threading.current_thread()), real(self, p, step))[2])
     wholes = {step: loader.batch(step) for step in (0, 1, 5)}
     built.clear(), threads.clear()
-    stream = SimpleNamespace(_trainer=SimpleNamespace(loader=loader, config=cfg), _prompt_batches={},
+    stream = SimpleNamespace(_services=SimpleNamespace(loader=lambda: loader, config=cfg), _prompt_batches={},
                              _prompt_widths={}, _prompts_lock=anyio.Lock())
 
     async def groups(step: int) -> list:

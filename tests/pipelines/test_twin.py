@@ -121,12 +121,12 @@ def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():
         def __init__(self, n: int) -> None:
             self.world_size = n
 
-    class Owner:
+    class Services:
         config = twin()
 
     route = StreamRollout._route.__get__(StreamRollout.__new__(StreamRollout))
     unload = StreamRollout._unload.__get__(StreamRollout.__new__(StreamRollout))
-    route.__self__._trainer = Owner()
+    route.__self__._services = Services()
     a = _Attempt.__new__(_Attempt)
     a.load, a.load_epoch, a.dead = [], -1, set()
     assert [route(a, Pool(3), 0) for _ in range(4)] == [0, 1, 2, 0]  # the lowest rank of the least loaded

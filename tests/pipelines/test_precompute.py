@@ -152,11 +152,19 @@ async def test_a_regenerated_batch_discards_the_precompute_of_the_lost_one(ray_c
 
 
 class PickyPolicy(FakePolicy):
-    """Fails ``compute_log_prob`` of the batch of step `fail_step` (a worker bug, not a fault)."""
+    """Fails ``compute_log_prob`` of the batch of step `fail_step` (a worker bug, not a fault); its update of
+    step `hold_update` waits until :class:`StalledRollout`'s stalled generate has begun."""
 
-    def __init__(self, *args: Any, fail_step: int = -1) -> None:
+    def __init__(self, *args: Any, fail_step: int = -1, hold_update: int = -1) -> None:
         super().__init__(*args)
         self.fail_step = fail_step
+        self.hold_update = hold_update
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    async def update(self, batch):
+        if int(batch["uid"][0]) // self.pps == self.hold_update and StalledRollout.stalled is not None:
+            await StalledRollout.stalled.wait()
+        return await super().update(batch)
 
     @register(Dispatch.DP_COMPUTE)
     async def compute_log_prob(self, batch):
@@ -169,6 +177,8 @@ class StalledRollout(FakeRollout):
     """Generates batch `stall` only once the test sets `release` (a slow generate)."""
 
     release: asyncio.Event | None = None
+    stalled: asyncio.Event | None = None
+    """Set when the stalled generate begins (its call, and what the trainer issues with it, are out)."""
 
     def __init__(self, *args: Any, stall: int = -1) -> None:
         super().__init__(*args)
@@ -177,6 +187,8 @@ class StalledRollout(FakeRollout):
     @register(Dispatch.DP_COMPUTE, concurrent=True)
     async def generate(self, batch, seed: int | None = None):
         if int(batch["uid"][0]) // self.pps == self.stall and StalledRollout.release is not None:
+            if StalledRollout.stalled is not None:
+                StalledRollout.stalled.set()
             await StalledRollout.release.wait()
         return await super().generate(batch, seed=seed)
 
@@ -243,7 +255,7 @@ async def test_the_next_steps_stages_wait_in_the_lane_for_a_slow_generate_withou
     still running (stalled): step 1 finishes meanwhile (its calls are ahead in the lane), and step 2
     uses the precomputed call once the generate finishes. On the policy worker the order is that
     of the canonical schedule: old_log_prob of a batch right after the update that precedes it."""
-    StalledRollout.release = asyncio.Event()
+    StalledRollout.release, StalledRollout.stalled = asyncio.Event(), asyncio.Event()
     released: list[int] = []
 
     def on_step(trainer: GRPOTrainer, step: int, metrics: dict[str, Any]) -> None:
@@ -254,9 +266,12 @@ async def test_the_next_steps_stages_wait_in_the_lane_for_a_slow_generate_withou
             StalledRollout.release.set()
 
     try:
-        trainer, events = await _fake_run(tmp_path, precompute=True, rollout_kwargs={"stall": 2}, on_step=on_step)
+        # step 1's update waits for batch 2's generate to be out (the loader's thread hop before it can take
+        # longer than step 1 on a loaded machine): then its export issues step 2's stages behind that generate
+        trainer, events = await _fake_run(tmp_path, precompute=True, rollout_kwargs={"stall": 2}, on_step=on_step,
+                                          policy_kwargs={"hold_update": 1})
     finally:
-        StalledRollout.release = None
+        StalledRollout.release = StalledRollout.stalled = None
     assert released == [1]
     assert trainer.precompute_stats == {"issued": 5, "used": 5, "discarded": 0}
     policy = [(name, step, v) for name, step, v in events if name in ("old_log_prob", "actor_update")]

@@ -254,12 +254,16 @@ class Journal:
         self._write({"kind": "batch", "index": index, "prompts": prompts, "seed": seed, "version": version,
                      "rows": rows})
 
-    def step(self, step: int, *, batch: int, version: int, groups: list[int] | None = None) -> None:
+    def step(self, step: int, *, batch: int, version: int, groups: list[int] | None = None,
+             rows: list[int] | None = None) -> None:
         """Step `step` trained on batch `batch` (generated with `version`; streaming: the prompt `groups`
-        it took, `version` their oldest admission version)."""
+        it took, `version` their oldest admission version, and `rows`: the groups in the order of the batch's rows
+        where it is not `groups`' order, which the ledger's measured rows follow)."""
         rec: dict[str, Any] = {"kind": "step", "step": step, "batch": batch, "version": version}
         if groups is not None:
             rec["groups"] = list(groups)
+        if rows is not None:
+            rec["rows"] = list(rows)
         self._write(rec)
 
     def group(self, index: int, *, seed: int, version: int) -> None:

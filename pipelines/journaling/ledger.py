@@ -258,7 +258,7 @@ def read_samples(run: str | Path) -> tuple[dict[tuple[int, int, int], Sample], J
 
     by_step: dict[int, list[Sample]] = {}
     for p, st in sorted(data.steps.items()):
-        groups = st.get("groups")
+        groups = st.get("rows", st.get("groups"))  # the batch's row order (``ledger.jsonl`` measures in it)
         if groups is not None:
             rows = [s for g in groups for s in group_rows.get(int(g), _ghost(int(g), G))]
         else:

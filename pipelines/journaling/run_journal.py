@@ -238,7 +238,7 @@ class RunJournal:
     def step(self, step: int, item: RolloutBatch) -> None:
         """Step `step` trains on `item`: journal it, and measure its rows' generation (:meth:`_measure_rows`)."""
         if self._file is not None:
-            self._file.step(step, batch=item.step, version=item.version, groups=item.groups)
+            self._file.step(step, batch=item.step, version=item.version, groups=item.groups, rows=item.row_groups)
             self._measure_rows(step, item.batch)
 
     def _measure_rows(self, step: int, batch: Any) -> None:

@@ -46,6 +46,9 @@ class RolloutBatch:
     """Per-batch metrics of its sampling (``algorithm.filter_groups``: ``sampling/...``; streaming: ``stream/...``)."""
     groups: list[int] | None = None
     """Streaming rollout: the prompt groups it holds, in order (None: a whole prompt batch)."""
+    row_groups: list[int] | None = None
+    """Streaming rollout: the groups in the order of the batch's rows, where it is not `groups`' order
+    (``trainer.balance_batch`` deals the groups out to the training ranks by their tokens)."""
 
 
 @dataclass

@@ -666,11 +666,13 @@ class StreamRollout:
         groups, loader = sv.current().groups, sv.loader()
         assert groups is not None and loader is not None
         gens, scores = [f.gen for f in flights], [f.scores for f in flights]
+        row_groups: list[int] | None = None
         if SHARD_STEP_BATCH and len(flights) >= groups.advantage.world_size:  # a shard per training rank, built there
             tokens = [f.tokens for f in flights]
             if cfg.trainer.balance_batch and None not in tokens:  # each rank about the same tokens
                 order = balanced_order(tokens, groups.advantage.world_size)  # type: ignore[arg-type]
                 gens, scores = [gens[i] for i in order], [scores[i] for i in order]
+                row_groups = [chosen[i] for i in order] if order != list(range(len(order))) else None
             width = max([await self._prompt_width(step) for step in {g // cfg.prompts_per_step for g in chosen}])
             batch = stages.concat_sharded(groups, gens, scores, pad_id=loader.pad_id,
                                           uid_base=step * cfg.prompts_per_step, width=width)
@@ -694,7 +696,8 @@ class StreamRollout:
         return RolloutBatch(step=step, version=min(f.v0 for f in flights), batch=batch,
                             scores=batch.select("scores"),
                             reward_mean=sum(f.reward_mean for f in flights) / len(flights),
-                            gen_time=max(f.gen_time for f in flights), metrics=metrics, groups=chosen)
+                            gen_time=max(f.gen_time for f in flights), metrics=metrics, groups=chosen,
+                            row_groups=row_groups)
 
     def upcoming(self, step: int) -> tuple[int, Any] | None:
         """Never decided ahead (``trainer.precompute_log_probs`` is refused with streaming)."""

@@ -184,6 +184,31 @@ def test_a_stream_group_trained_past_its_admission_bound_is_stale(tmp_path):
                               "(max_staleness=1)"]
 
 
+def test_a_balanced_steps_rows_are_measured_in_the_order_of_its_batch_not_of_its_groups(tmp_path):
+    """``trainer.balance_batch`` deals a step's groups out to the training ranks by their tokens, so the batch's
+    rows (and ``ledger.jsonl``'s measurements of them) follow another order than the groups the step took; the
+    step record's ``rows`` names it, and each sample gets its own group's measured versions."""
+    j = Journal(tmp_path / "journal.jsonl")
+    j.start(header("stream", 4))
+    LedgerFile(tmp_path / LEDGER).start(None, 0)
+    j.group(0, seed=100, version=0)
+    j.group(1, seed=101, version=0)
+    j.step(0, batch=0, version=0, groups=[0, 1])
+    LedgerFile(tmp_path / LEDGER).append(0, facts([0] * 8))
+    j.group(2, seed=102, version=0)  # decoded with version 0 ...
+    j.group(3, seed=103, version=1)  # ... and this one with version 1, admitted at 1
+    j.step(1, batch=1, version=0, groups=[2, 3], rows=[3, 2])  # the batch holds group 3's rows first
+    LedgerFile(tmp_path / LEDGER).append(1, facts([1] * 4 + [0] * 4))
+    j.left(batches=[], groups=[])
+    j.end(2, None)
+    rep = check_ledger(tmp_path)
+    assert rep.ok, rep.render()  # read in the groups' order, group 3 (admitted at 1) would hold version-0 tokens
+    samples, _, by_step = read_samples(tmp_path)
+    assert [s.group for s in by_step[1][::G]] == [3, 2]
+    assert samples[(3, 0, 103)].versions == (1, 1) and samples[(2, 0, 102)].versions == (0, 0)
+    assert read_journal(tmp_path / "journal.jsonl").steps[1]["groups"] == [2, 3]  # what a replay takes, unchanged
+
+
 def test_a_restart_rewind_keeps_the_groups_settled_before_its_checkpoint_and_records_what_it_discarded(tmp_path):
     """A rewind to the checkpoint of step 1, whose stream state lists groups 2, 4 and 5 as pending (admitted,
     untrained when it was written: 2 trained at the discarded step 1, 5 dropped at a later take) and 6 as the

@@ -1,7 +1,8 @@
 """A removed or preempted rollout replica hands its rows over with the tokens they decoded, on a real local Ray.
 
-The rows of a stalled pool decode exactly ``HELD`` tokens each and then wait (decoding nothing) until a hand-over
-takes them. A shrink 2 -> 1 past ``trainer.rollout_drain_s``, a real SIGTERM and ``preempt_rollout`` each hand
+The rows of a stalled pool decode ``HELD`` tokens each and then wait (decoding nothing) until a hand-over takes
+them (a row that a weight update's pause cut mid-round may have decoded more when the stall began: it waits at its
+count, and the log notes each held row with its count). A shrink 2 -> 1 past ``trainer.rollout_drain_s``, a real SIGTERM and ``preempt_rollout`` each hand
 them over: every handed-over row's final tokens begin with exactly the tokens decoded before (ids, behaviour
 log-probs and versions), the new pool decodes only the rest, and the run completes every step, trains every
 group once, within the staleness bound. In a pool of two, a SIGTERM to one rank brings its rows back with its
@@ -49,7 +50,9 @@ GENERATE_S = 0.3
 class StallingBatcher(RequestBatcher):
     """A request batcher that, while its process is listed in the `stall` file (or it lists ``*``), lets each
     request decode ``HELD`` tokens and then holds it (decoding nothing) until a hand-over, a weight update's
-    pause or the close; it notes each held request's key in `calls` once. Held requests sit out the other
+    pause or the close; it notes each held request's key and token count in `calls` once (a request that had more
+    than ``HELD`` tokens when the stall began, from a round a weight update's pause cut short, is held at its
+    count). Held requests sit out the other
     requests' rounds, and a round of held requests only decodes no step, so its round log replays as it ran."""
 
     def __init__(self, engine, *, stall: str, calls: str, **kwargs) -> None:
@@ -70,7 +73,8 @@ class StallingBatcher(RequestBatcher):
         if new:
             self._noted.update(new)
             with open(self._log, "a") as f:
-                f.write(json.dumps({"held": new, "pid": os.getpid()}) + "\n")
+                f.write(json.dumps({"held": new, "pid": os.getpid(),
+                                    "tokens": {r.key: len(r.tokens) for r in held if r.key in new}}) + "\n")
         return held
 
     def _segment(self, batch, rnd, version, steps=None):
@@ -147,6 +151,7 @@ def _check_continued(tr, cfg, calls: Path, new: set[int], most: int | None = HEL
     rows over wherever it stands)."""
     log = _calls(calls)
     seeds = {batch_seed(cfg, g): g for g, _ in tr.rollout.handovers}
+    noted = _held_tokens(log)
     n = 0
     for g, rows in tr.rollout.handovers:
         returned = [c for c in log if c.get("seed") == batch_seed(cfg, g) and "rows" in c]  # one line per rank
@@ -161,16 +166,21 @@ def _check_continued(tr, cfg, calls: Path, new: set[int], most: int | None = HEL
             if row["finish"]:
                 assert got["ids"] == row["ids"]  # finished before the hand-over: kept as it was
                 continue
-            k = len(row["ids"])  # HELD for a held row; fewer for one stopped in its first round
-            assert most is None or k <= most
+            k = len(row["ids"])  # a held row's noted count (HELD, or more); fewer for one stopped in its first round
+            assert most is None or k <= max([most, *(n for (_, key2), n in noted.items() if key2 == key)])
             assert got["ids"][:k] == row["ids"] and got["versions"][:k] == row["versions"]
             assert got["log_probs"][:k] == pytest.approx(row["log_probs"], abs=1e-6)
             assert len(got["ids"]) > k and min(got["versions"][k:]) >= max(row["versions"], default=0)
-            n += k == HELD
+            n += k >= HELD
     assert seeds  # something was handed over
     ledger = check_ledger(Path(tr.config.trainer.output_dir))  # the continued rows trained once, in the bound
     assert ledger.ok, ledger.render()
     return n
+
+
+def _held_tokens(log: list[dict[str, Any]]) -> dict[tuple[int, str], int]:
+    """``(pid, row key) -> tokens`` of each row a stalled pool held, as its batcher noted it."""
+    return {(c["pid"], k): n for c in log for k, n in c.get("tokens", {}).items()}
 
 
 def _stalling_run(tmp_path: Path, cls: type | None = None, **trainer: Any) -> tuple[Path, Path, Path, Any, dict[str, Any]]:
@@ -405,8 +415,11 @@ async def test_a_sigterm_to_one_rank_of_two_hands_over_every_ranks_rows_with_the
         kept.update(rows)
     held = {pid: {k for c in _calls(calls) if c.get("pid") == pid for k in c.get("held", ())} for pid in old}
     assert all(held.values()) and set(held) == old
+    noted = _held_tokens(_calls(calls))
     for pid, keys in held.items():
-        assert {len(kept[k]["ids"]) for k in keys} == {HELD}, (pid == told, keys - set(kept))
+        assert {k: len(kept[k]["ids"]) for k in keys} == {k: noted[pid, k] for k in keys}, \
+            (pid == told, keys - set(kept))
+        assert min(noted[pid, k] for k in keys) >= HELD
     # and each continued, on the new pool, from exactly those tokens (ids, log-probs, versions) on both of its ranks
     assert _check_continued(tr, cfg, calls, new) >= sum(len(k) for k in held.values())
     assert len(new) == 2 and new.isdisjoint(old) and rec.kept_tokens == tr.rollout.kept_tokens
@@ -467,7 +480,10 @@ async def test_a_rank_that_cannot_hand_over_leaves_its_rows_to_start_over_and_th
     for old in pools[:2]:  # for each notice: rank 0's held rows kept exactly their tokens, rank 1's started over
         held = [{k for c in log if c.get("pid") == pid for k in c.get("held", ())} for pid in old]
         kept = {k: r for _, rows in tr.rollout.handovers for k, r in rows.items() if k in held[0] | held[1]}
-        assert held[0] and held[1] and set(kept) == held[0] and {len(r["ids"]) for r in kept.values()} == {HELD}
+        noted = _held_tokens(log)
+        assert held[0] and held[1] and set(kept) == held[0]
+        assert {k: len(r["ids"]) for k, r in kept.items()} == {k: noted[old[0], k] for k in kept}
+        assert min(noted[old[0], k] for k in kept) >= HELD
     assert _check_continued(tr, cfg, calls, set(pools[1]) | set(pools[2])) >= 2
 
 

@@ -334,9 +334,9 @@ class StreamRollout:
                 if got is None:
                     loader = self._services.loader()
                     assert loader is not None
-                    got = await anyio.to_thread.run_sync(loader.batch, step)
-                    self._prompt_batches[step] = got
-                    self._prompt_widths[step] = int(got["prompt_ids"].shape[1])
+                    built = await anyio.to_thread.run_sync(loader.batch, step)
+                    self._prompt_batches[step] = got = built
+                    self._prompt_widths[step] = int(built["prompt_ids"].shape[1])
                     keep = self._services.config.trainer.max_staleness + 2
                     for old in [s for s in self._prompt_batches if s < step - keep]:
                         del self._prompt_batches[old]

@@ -76,8 +76,9 @@ def main() -> None:
     ratio = picked.tokens_per_s / best.tokens_per_s
     lines = [f"{a.profile} on {a.gpus} GPUs, {a.batch_size} responses per step, {a.steps}-step twin runs, a "
              f"simulated step scaled to {a.step_s:g} s.", "",
-             f"Brute force: {len(brute)} candidates in {t_brute:.0f} s; search: {sum(len(o.runs) or 1 for o in found)} "
-             f"runs in {t_search:.0f} s; finalists: {len(final)} candidates to {a.repeats} runs each in {t_final:.0f} s.",
+             f"Brute force: {len(brute)} candidates in {t_brute:.0f} s; search: "
+             f"{sum(len(o.runs) or 1 for o in found)} runs in {t_search:.0f} s; finalists: {len(final)} candidates to "
+             f"{a.repeats} runs each in {t_final:.0f} s.",
              "", f"Best (the finalists' medians): **{best.candidate.label()}**, {best.tokens_per_s:,.0f} tokens/s.",
              f"Search's pick: **{pick.label()}**: {found[0].tokens_per_s:,.0f} tokens/s in its own runs, "
              f"{picked.tokens_per_s:,.0f} as a finalist = **{ratio:.1%} of the best** (target >= 95 %).",

@@ -12,9 +12,10 @@
 :func:`search` walks the space coordinate by coordinate -- the split (at ``batch``, ``max_staleness=1``), then
 ``max_staleness`` and the mode at the best split, then the concurrency, then the splits next to the best again --
 and runs its best two twice more, ranking them by their medians (:func:`remeasure`): about 15 twin runs;
-:func:`brute_force` runs every candidate (the check that the search's pick is within a few per cent of the best). Tokens/s are the profile's (simulated) tokens per simulated second: a run's response tokens
-(ids times ``twin.tokens_per_id``) over its step time divided by ``twin.time_scale``. The controller's real
-overhead is not scaled down, so a prediction can only be low.
+:func:`brute_force` runs every candidate (the check that the search's pick is within a few per cent of the best).
+Tokens/s are the profile's (simulated) tokens per simulated second: a run's response tokens (ids times
+``twin.tokens_per_id``) over its step time divided by ``twin.time_scale``. The controller's real overhead is not
+scaled down, so a prediction can only be low.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ workers need not import ``tests``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def char_class_gated(x: RewardInput) -> list[float]:
                 raise TimeoutError(f"{gate}/open was not created within {HOLD_BOUND_S:g} s")
             time.sleep(0.02)
     rest = {k: v for k, v in x.kwargs.items() if k not in ("gate", "hold_at")}
-    return list(get_reward_fn("char_class")(RewardInput(**{**vars(x), "kwargs": rest})))
+    return list(get_reward_fn("char_class")(dataclasses.replace(x, kwargs=rest)))
 
 
 def gated_reward(gate: Path, hold_at: int) -> RewardConfig:

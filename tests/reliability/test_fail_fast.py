@@ -192,7 +192,6 @@ HOLD_AT = 6
 train before it, so the run has its 3 rows and cannot reach STOP_STEPS."""
 
 
-
 @pytest.mark.parametrize("sig, loop", [
     (signal.SIGINT, "auto"),  # uvloop's loop (the default), which the CLI's signal handlers run on
     pytest.param(signal.SIGINT, "asyncio", marks=pytest.mark.slow),

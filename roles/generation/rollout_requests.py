@@ -200,7 +200,8 @@ class RequestGeneration:
     def on_preemption_notice(self) -> None:
         """SIGTERM (main thread, before the process exits): stop the running ``generate_requests`` calls at
         their next decoding step, handing their rows over (:meth:`_hand_over_calls`); they raise
-        ``PreemptedError`` carrying what the rows decoded, and the process exits once they ended (at most
+        ``PreemptedError`` carrying what the rows decoded (a call whose generation returned meanwhile returns its
+        rows instead, scored with ``compute_reward``), and the process exits once they ended (at most
         ``PREEMPT_DEADLINE_S`` later), so the controller learns of the notice before the process is gone."""
         self._preempted = True
         calls = list(self._request_calls.items())
@@ -490,7 +491,9 @@ class RequestGeneration:
     async def _hand_over_calls(self, calls: list[tuple[asyncio.Task[Any], RequestCall]]) -> dict[int, dict[str, Any]]:
         """Stop `calls` at their rows' next decoding step and take what the rows decoded (their request
         batcher's :meth:`~asyncrl.roles.engines.batcher.RequestBatcher.hand_over`, plus the rows that
-        already returned); each call raises ``PreemptedError`` carrying it. Returns it by call seed."""
+        already returned); each call still generating raises ``PreemptedError`` carrying it, and one whose
+        generation returned meanwhile finishes with its rows (scored, with ``compute_reward``). Returns them
+        by call seed."""
         for _, c in calls:
             c.handing = True
         for task, c in calls:  # every row submitted (or finished) first: a replay takes each where it stands
@@ -513,7 +516,13 @@ class RequestGeneration:
                 rows = {k: partial_row(g) for k, g in c.finished.items()}
                 rows.update({k: partial_row(taken[k]) for k in c.keys if k in taken})
                 c.handed = rows
-            task.cancel()
+            # Only a call still generating is stopped: its cancellation lands in generate_requests' try, which
+            # raises PreemptedError. One whose generation returned since it was listed (a SIGTERM lists the calls
+            # from the main thread; the awaits above) is scoring its whole rows (compute_reward) or has returned
+            # them: it finishes as it is, since a cancel there would reach the controller as a plain cancellation
+            # it never asked for. (Checked and cancelled with no await in between, on the loop the call runs on.)
+            if self._request_calls.get(task) is c:
+                task.cancel()
             if c.seed is not None:
                 out[int(c.seed)] = dict(c.handed)
         return out

@@ -7,10 +7,14 @@ through a whole call. The streaming trainer's use of it on real Ray: tests/pipel
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from typing import Any
 
 import pytest
 import torch
 
+from asyncrl import Dispatch, register
 from asyncrl.roles import RolloutConfig, RolloutWorker, load_model
 from asyncrl.roles.engines import SamplingParams
 from asyncrl.roles.engines.batcher import Generation, RequestBatcher, continuation_seed
@@ -246,6 +250,74 @@ async def test_two_ray_ranks_hand_a_call_over_and_one_rank_continues_every_row(r
     assert [out["response_ids"][i][out["response_mask"][i].bool()].tolist() for i in range(4)] == [
         [45, 42, 112, 280, 73, 68], [200, 225, 34, 9, 102, 103], [176, 353, 144, 349, 150, 34],
         [22, 345, 126, 223, 192, 206]]
+
+
+class ScoresAsTheNoticeStopsRollout(RolloutWorker):
+    """A rollout worker (with a colocated reward worker) that forces the order in which a SIGTERM's preemption notice
+    meets a ``generate_requests(compute_reward=True)`` call finishing its generation: the call's generation returns
+    only once the notice's hand-over has begun (the notice listed the call as generating), and the hand-over goes
+    on only once the call is scoring its rows, whose score waits for the hand-over to end. :meth:`generated` answers
+    (this process's pid) once the call's rows are generated."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._generated, self._noticed, self._scoring, self._handed = (asyncio.Event() for _ in range(4))
+        req = self.requests
+        generate, hand_over, score = req._generate_requests, req._hand_over_calls, req._score
+
+        async def generate_until_noticed(*args: Any) -> Any:
+            out = await generate(*args)
+            self._generated.set()
+            await self._noticed.wait()
+            return out
+
+        async def hand_over_once_scoring(calls: Any) -> Any:
+            self._noticed.set()
+            await self._scoring.wait()
+            try:
+                return await hand_over(calls)
+            finally:
+                self._handed.set()
+
+        async def score_after_hand_over(rows: Any) -> Any:
+            self._scoring.set()
+            await self._handed.wait()
+            return await score(rows)
+
+        req._generate_requests, req._hand_over_calls, req._score = (generate_until_noticed, hand_over_once_scoring,
+                                                                    score_after_hand_over)
+
+    @register(Dispatch.ONE_TO_ALL, concurrent=True)
+    async def generated(self) -> int:
+        """This process's pid, once a call's rows are generated."""
+        await self._generated.wait()
+        return os.getpid()
+
+
+async def test_a_sigterm_while_a_call_scores_its_finished_rows_returns_them_not_a_cancellation(ray_cluster,
+                                                                                              model_config,
+                                                                                              prompt_batch):
+    """On a real Ray process: a SIGTERM's notice lists a fused ``generate_requests`` call as generating, and the
+    call's generation returns before the notice's hand-over stops it (the order forced by the worker above). The
+    call then scores its whole rows and returns them: the hand-over stops only calls still generating, so the
+    controller never sees a cancellation it did not ask for (``CallCancelledError``, which a streaming run's
+    recovery does not take for a preemption)."""
+    import asyncrl
+    from asyncrl.roles import RewardWorker
+    from tests.roles.test_hand_over import ScoresAsTheNoticeStopsRollout as Rollout  # (by a name Ray workers import)
+
+    batch = prompt_batch(n=4)
+    rollout = (Rollout, (model_config, RolloutConfig(max_new_tokens=6, temperature=1.0)), {})
+    async with asyncrl.colocate({"rollout": rollout, "reward": RewardWorker}, world_size=1,
+                                name="notice-while-scoring") as groups:
+        gen = groups["rollout"].generate_requests(batch, seed=7, compute_reward=True)
+        [pid] = await groups["rollout"].generated()
+        os.kill(pid, signal.SIGTERM)
+        summary = await gen.summary()  # without the fix: CallCancelledError (the notice cancelled the scoring)
+        rows = await gen
+        assert rows["scores"].shape == (4,) and torch.equal(summary["scores"], rows["scores"])
+        assert torch.equal(summary["response_length"], rows["response_length"])
+        assert bool((rows["response_length"] > 0).all())
 
 
 @pytest.mark.parametrize("mode", ["off", "recompute", "keep"])

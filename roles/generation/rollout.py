@@ -17,9 +17,11 @@ holds, each built with the values and callables it uses:
   log and its replay, ``statistics``;
 * ``self.weights``, a :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` -- weight sync: the
   ``update_weights`` transaction (and its partial-rollout path), the receiving side of the weight transports and
-  ``sleep``/``wake_up``; generation reads its version.
+  ``sleep``/``wake_up``; generation reads its version and waits at its gate.
 
-The worker's registered methods for both jobs are declared here, each a delegation to its object.
+Both reach the engine through the same callable: the worker's ``engine``, which ``restart_engine`` replaces
+(``requests.drop_batcher()`` before, ``weights.engine_replaced()`` after). The worker's registered methods for
+both jobs are declared here, each a delegation to its object.
 
 Every row carries the version of the weights that generated all of its tokens.
 """
@@ -120,19 +122,22 @@ class RolloutWorker(Worker):
         if self.config.sleep_level and not callable(getattr(self.engine, "sleep", None)):
             raise ValueError(f"RolloutConfig.sleep_level={self.config.sleep_level} but the {self.config.engine!r} "
                              "engine has no sleep/wake_up; set sleep_level=0")
-        self._gate: asyncio.Event | None = None  # created on the worker's loop
         self._jobs: set[_Job] = set()
         self._streams: dict[str, tuple[_Job, asyncio.Future[None], int, int]] = {}
         self._stream_batches: dict[str, TensorDictBase] = {}
         episode_tasks: set[asyncio.Task[Any]] = set()  # request-level calls in flight (an update waits or reaches)
-        self.weights = RolloutWeights(engine=self.engine, model=self.model, config=self.config,
-                                      device=self.placement.device, rank=self.rank, gate=self._gate_event,
-                                      jobs=self._jobs, episode_tasks=episode_tasks,
-                                      batcher=self._running_batcher, load=self._engine_load)
-        self.requests = RequestGeneration(config=self.config, engine=lambda: self.engine, model=self.model,
+
+        def engine() -> Any:  # how the objects reach the engine (restart_engine replaces it)
+            return self.engine
+
+        self.weights = RolloutWeights(engine=engine, model=self.model, config=self.config,
+                                      device=self.placement.device, rank=self.rank, jobs=self._jobs,
+                                      episode_tasks=episode_tasks, batcher=self._running_batcher,
+                                      load=self._engine_load)
+        self.requests = RequestGeneration(config=self.config, engine=engine, model=self.model,
                                           tokenizer=self.tokenizer, context_length=self.context_length,
                                           rank=self.rank, weights=self.weights, episode_tasks=episode_tasks,
-                                          gate=self._gate_event, check_weights=self._check_weights,
+                                          gate=self.weights.gate, check_weights=self._check_weights,
                                           prompts=self._prompts, params=self._params,
                                           replica_field=self._replica_field, colocated=self.colocated,
                                           request_engine=self._request_engine)
@@ -154,12 +159,6 @@ class RolloutWorker(Worker):
     def weights_checksum(self) -> dict[str, str]:
         """``{name: checksum}`` of the engine's weights; as a group call, one dict per rank."""
         return self.engine.weights_checksum()
-
-    def _gate_event(self) -> asyncio.Event:
-        if self._gate is None:
-            self._gate = asyncio.Event()
-            self._gate.set()
-        return self._gate
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -203,7 +202,7 @@ class RolloutWorker(Worker):
 
     async def _run_job(self, job: _Job) -> None:
         """Generate every row of `job`, resubmitting unfinished rows after an abort."""
-        gate = self._gate_event()
+        gate = self.weights.gate()
         self._jobs.add(job)
         try:
             while job.pending:
@@ -516,7 +515,7 @@ class RolloutWorker(Worker):
         model_dir, engine_kwargs = self._engine_spec
         self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
                                   model_dir=model_dir, **engine_kwargs)
-        self.weights.engine_replaced(self.engine)
+        self.weights.engine_replaced()
         return self.rank
 
     def on_close(self) -> None:

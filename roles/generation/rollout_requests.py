@@ -20,7 +20,7 @@ through the row's ``llm`` -- so a new kind of row is one such function::
 * ``statistics`` -- what this rank's request-level generation did.
 
 It owns the request batcher, the calls in flight and the round-log replay; the helpers it shares with batch
-generation (``_prompts``, ``_params``, ``_gate_event``, ``_check_weights``) are the worker's, passed to its
+generation (``_prompts``, ``_params``, ``_check_weights``) are the worker's, passed to its
 constructor, and each token's version comes from the worker's
 :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights`.
 """
@@ -118,7 +118,7 @@ class RequestGeneration:
             version; the updates ``statistics`` reports).
         episode_tasks: the request-level calls in flight (shared with `weights`: an update waits for or reaches
             them).
-        gate: the worker's generation gate (a call starts once no update is loading).
+        gate: the weights' generation gate (a call starts once no update is loading).
         check_weights: raises while the engine holds no usable weights.
         prompts: the worker's prompt check of a batch (``(batch, max_new_tokens) -> prompts``).
         params: the worker's sampling parameters of a call (``(prompts, max_new_tokens, temperature, seed)``).

@@ -9,17 +9,23 @@ Data flow of one ``generate`` call::
 
 This module holds the worker's construction and batch generation (``generate``,
 ``stream_generate``, ``submit``/``poll``). Its settings are :class:`RolloutConfig`
-(:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). Two more jobs are objects the worker
-holds, each built with the values and callables it uses:
+(:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). The rest are objects the worker holds, each
+built with the values and callables it uses:
 
-* ``self.requests``, a :class:`~asyncrl.roles.generation.rollout_requests.RequestGeneration` -- request-level
-  generation: multi-turn episodes, ``generate_requests`` (the streaming trainer's calls), hand-overs, the round
-  log and its replay, ``statistics``;
 * ``self.weights``, a :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` -- weight sync: the
   ``update_weights`` transaction (and its partial-rollout path), the receiving side of the weight transports and
-  ``sleep``/``wake_up``; generation reads its version.
+  ``sleep``/``wake_up``; generation reads its version and waits at its gate;
+* ``self.call_setup``, a :class:`~asyncrl.roles.generation.call_setup.CallSetup` -- what batch and request-level
+  generation share: a call's prompt check, its sampling parameters, the ``replica`` field of its rows;
+* ``self.requests``, a :class:`~asyncrl.roles.generation.rollout_requests.RequestGeneration` -- request-level
+  generation: multi-turn episodes, ``generate_requests`` (the streaming trainer's calls), hand-overs, the round
+  log and its replay, ``statistics``.
 
-The worker's registered methods for both jobs are declared here, each a delegation to its object.
+``self.weights`` and ``self.requests`` reach the engine through the same callable: the worker's ``engine``,
+which ``restart_engine`` replaces (``requests.drop_batcher()`` before, ``weights.engine_replaced()`` after). Two
+seams they call back stay worker methods, so subclasses can wrap them: ``_engine_load`` (every weight load) and
+``_request_engine`` (the request-level engine). The worker's registered methods for weight sync and request-level
+generation are declared here, each a delegation to its object.
 
 Every row carries the version of the weights that generated all of its tokens.
 """
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import tempfile
 from dataclasses import replace
 from typing import Any, AsyncIterator
@@ -38,13 +43,14 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, Execute, Worker, register
 
-from asyncrl.roles._util import require, with_fields
+from asyncrl.roles._util import with_fields
 from asyncrl.roles.modeling.device import check_gpu_memory, place_model, resolve_placement
 from asyncrl.roles.engines import Completion, SamplingParams, make_engine
-from asyncrl.roles.errors import DeviceError, PromptTooLongError
+from asyncrl.roles.errors import DeviceError
 from asyncrl.roles.generation.preemption import on_sigterm
 from asyncrl.roles.modeling.models import ModelConfig, context_length, load_model, save_model_dir, set_torch_threads
 from asyncrl.roles.modeling.threads import core_share_for, release_core_share
+from asyncrl.roles.generation.call_setup import CallSetup
 from asyncrl.roles.generation.rollout_config import RolloutConfig
 from asyncrl.roles.generation.rollout_requests import RequestGeneration
 from asyncrl.roles.weights.rollout_weights import Adoptable, RolloutWeights, unpack_weights
@@ -73,8 +79,8 @@ class _Job:
 class RolloutWorker(Worker):
     """Generates responses for prompt batches and receives versioned policy weights.
 
-    Batch generation is here; request-level generation and weight sync are the objects it holds
-    (``self.requests``, ``self.weights``; module docstring).
+    Batch generation is here; request-level generation, weight sync and what the two kinds of generation share
+    are the objects it holds (``self.requests``, ``self.weights``, ``self.call_setup``; module docstring).
 
     Args:
         model: the model to sample from (its initial weights are version 0).
@@ -120,22 +126,24 @@ class RolloutWorker(Worker):
         if self.config.sleep_level and not callable(getattr(self.engine, "sleep", None)):
             raise ValueError(f"RolloutConfig.sleep_level={self.config.sleep_level} but the {self.config.engine!r} "
                              "engine has no sleep/wake_up; set sleep_level=0")
-        self._gate: asyncio.Event | None = None  # created on the worker's loop
         self._jobs: set[_Job] = set()
         self._streams: dict[str, tuple[_Job, asyncio.Future[None], int, int]] = {}
         self._stream_batches: dict[str, TensorDictBase] = {}
         episode_tasks: set[asyncio.Task[Any]] = set()  # request-level calls in flight (an update waits or reaches)
-        self.weights = RolloutWeights(engine=self.engine, model=self.model, config=self.config,
-                                      device=self.placement.device, rank=self.rank, gate=self._gate_event,
-                                      jobs=self._jobs, episode_tasks=episode_tasks,
-                                      batcher=self._running_batcher, load=self._engine_load)
-        self.requests = RequestGeneration(config=self.config, engine=lambda: self.engine, model=self.model,
-                                          tokenizer=self.tokenizer, context_length=self.context_length,
-                                          rank=self.rank, weights=self.weights, episode_tasks=episode_tasks,
-                                          gate=self._gate_event, check_weights=self._check_weights,
-                                          prompts=self._prompts, params=self._params,
-                                          replica_field=self._replica_field, colocated=self.colocated,
-                                          request_engine=self._request_engine)
+
+        def engine() -> Any:  # how the objects reach the engine (restart_engine replaces it)
+            return self.engine
+
+        self.weights = RolloutWeights(engine=engine, model=self.model, config=self.config,
+                                      device=self.placement.device, rank=self.rank, jobs=self._jobs,
+                                      episode_tasks=episode_tasks, batcher=self._running_batcher,
+                                      load=self._engine_load)
+        self.call_setup = CallSetup(config=self.config, weights=self.weights, rank=self.rank,
+                                    context_length=self.context_length)
+        self.requests = RequestGeneration(call_setup=self.call_setup, engine=engine,
+                                          request_engine=self._request_engine, model=self.model,
+                                          tokenizer=self.tokenizer, episode_tasks=episode_tasks,
+                                          colocated=self.colocated)
         on_sigterm(self.requests.on_preemption_notice)
 
     # ---- state --------------------------------------------------------------------------
@@ -155,55 +163,11 @@ class RolloutWorker(Worker):
         """``{name: checksum}`` of the engine's weights; as a group call, one dict per rank."""
         return self.engine.weights_checksum()
 
-    def _gate_event(self) -> asyncio.Event:
-        if self._gate is None:
-            self._gate = asyncio.Event()
-            self._gate.set()
-        return self._gate
-
     # ---- generation ---------------------------------------------------------------------
-
-    def _check_weights(self) -> None:
-        if self.weights.needs_weights:
-            raise RuntimeError(f"rollout rank {self.rank} has no usable weights (it discarded its weights in "
-                               "sleep(level=2), or a weight load failed part-way); sync weights (update_weights, after "
-                               "wake_up() if asleep) before generating")
-
-    def _prompts(self, batch: TensorDictBase, max_new_tokens: int) -> list[list[int]]:
-        if self.weights.asleep:
-            raise RuntimeError(f"rollout rank {self.rank} is asleep (level {self.weights.asleep}); call wake_up() "
-                               "before generating")
-        self._check_weights()
-        require(batch, ["prompt_ids", "prompt_mask"], "RolloutWorker.generate")
-        ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-        prompts = [ids[b][mask[b].bool()].tolist() for b in range(ids.shape[0])]
-        for b, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"row {b} has an empty prompt (prompt_mask is all 0)")
-            if len(p) + max_new_tokens > self.context_length:
-                raise PromptTooLongError(
-                    f"row {b}: prompt of {len(p)} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
-                    f"context of {self.context_length} positions; shorten or filter prompts longer than "
-                    f"{self.context_length - max_new_tokens} tokens, lower max_new_tokens, or use a model with a "
-                    "longer context (prompts are never truncated silently)"
-                )
-        return prompts
-
-    def _params(self, prompts: list[list[int]], max_new_tokens: int | None, temperature: float | None,
-                seed: int | None) -> SamplingParams:
-        c = self.config
-        h = hashlib.sha256(f"{c.seed}|{seed}|{self.weights.version}|".encode())
-        for p in prompts:
-            h.update(torch.tensor(p, dtype=torch.int64).numpy().tobytes() + b"|")
-        return SamplingParams(
-            max_new_tokens=max_new_tokens if max_new_tokens is not None else c.max_new_tokens,
-            temperature=temperature if temperature is not None else c.temperature,
-            top_p=c.top_p, top_k=c.top_k, seed=int.from_bytes(h.digest()[:4], "little") & 0x3FFFFFFF,
-        )
 
     async def _run_job(self, job: _Job) -> None:
         """Generate every row of `job`, resubmitting unfinished rows after an abort."""
-        gate = self._gate_event()
+        gate = self.weights.gate()
         self._jobs.add(job)
         try:
             while job.pending:
@@ -255,13 +219,8 @@ class RolloutWorker(Worker):
             ver[k] = v
         return {"response_ids": resp, "response_mask": rmask, "rollout_log_probs": logp, "version": ver}
 
-    def _replica_field(self, n: int) -> torch.Tensor:
-        """``replica`` of `n` rows: this rank, the replica that returned them (the run journal's per-sample
-        ledger records it)."""
-        return torch.full((n,), self.rank, dtype=torch.long)
-
     def _assemble(self, batch: TensorDictBase, fields: dict[str, torch.Tensor]) -> TensorDict:
-        fields["replica"] = self._replica_field(int(fields["response_ids"].shape[0]))
+        fields["replica"] = self.call_setup.replica_field(int(fields["response_ids"].shape[0]))
         fields["input_ids"] = torch.cat([batch["prompt_ids"].long(), fields["response_ids"]], dim=1)
         fields["attention_mask"] = torch.cat([batch["prompt_mask"].long(), fields["response_mask"]], dim=1)
         return with_fields(batch, fields)
@@ -279,8 +238,8 @@ class RolloutWorker(Worker):
         if self.requests.episodic:
             return await self.generate_episodes(batch, max_new_tokens, temperature, seed)
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
-        prompts = self._prompts(batch, R)
-        job = _Job(prompts, self._params(prompts, max_new_tokens, temperature, seed))
+        prompts = self.call_setup.prompts(batch, R)
+        job = _Job(prompts, self.call_setup.params(prompts, max_new_tokens, temperature, seed))
         await self._run_job(job)
         return self._assemble(batch, self._rows(job, list(range(len(prompts))), R))
 
@@ -290,8 +249,8 @@ class RolloutWorker(Worker):
         the row's position in `batch`) as soon as it finishes. In-process use; across
         processes use :meth:`submit` and :meth:`poll`."""
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
-        prompts = self._prompts(batch, R)
-        job = _Job(prompts, self._params(prompts, max_new_tokens, temperature, seed))
+        prompts = self.call_setup.prompts(batch, R)
+        job = _Job(prompts, self.call_setup.params(prompts, max_new_tokens, temperature, seed))
         runner = asyncio.ensure_future(self._run_job(job))
         try:
             for _ in range(len(prompts)):
@@ -326,8 +285,8 @@ class RolloutWorker(Worker):
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running on rank {self.rank}; use a new id")
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
-        prompts = self._prompts(batch, R)
-        job = _Job(prompts, self._params(prompts, max_new_tokens, None, None))
+        prompts = self.call_setup.prompts(batch, R)
+        job = _Job(prompts, self.call_setup.params(prompts, max_new_tokens, None, None))
         runner = asyncio.ensure_future(self._run_job(job))
         runner.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._streams[request_id] = (job, runner, R, len(prompts))
@@ -516,7 +475,7 @@ class RolloutWorker(Worker):
         model_dir, engine_kwargs = self._engine_spec
         self.engine = make_engine(self.config.engine, model=self.model, tokenizer=self.tokenizer,
                                   model_dir=model_dir, **engine_kwargs)
-        self.weights.engine_replaced(self.engine)
+        self.weights.engine_replaced()
         return self.rank
 
     def on_close(self) -> None:

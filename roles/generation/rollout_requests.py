@@ -19,10 +19,10 @@ through the row's ``llm`` -- so a new kind of row is one such function::
 * ``round_log`` / ``replay_rounds`` -- the batcher's recorded rounds and their exact replay;
 * ``statistics`` -- what this rank's request-level generation did.
 
-It owns the request batcher, the calls in flight and the round-log replay; the helpers it shares with batch
-generation (``_prompts``, ``_params``, ``_gate_event``, ``_check_weights``) are the worker's, passed to its
-constructor, and each token's version comes from the worker's
-:class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights`.
+It owns the request batcher, the calls in flight and the round-log replay; what it shares with batch generation
+(the prompt check, the sampling parameters, the replica field) is the worker's
+:class:`~asyncrl.roles.generation.call_setup.CallSetup`, and each token's version and the gate a call waits at come
+from the worker's :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` (its ``weights``).
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ from asyncrl.roles.engines.batcher import Generation, RequestBatcher, request_ba
 from asyncrl.roles.engines.round_log import ReplayBatcher, RoundRecord
 
 if TYPE_CHECKING:
-    from asyncrl.roles.generation.rollout_config import RolloutConfig
-    from asyncrl.roles.weights.rollout_weights import RolloutWeights
+    from asyncrl.roles.generation.call_setup import CallSetup
 
 __all__ = ["RequestGeneration", "RequestCall", "partial_row", "prefix_of"]
 
@@ -105,56 +104,43 @@ class RequestGeneration:
     its registered request-level methods delegate here.
 
     It owns the request batcher, the calls in flight, the round-log replay and the episode program; it is given
-    the values and callables it uses of the worker.
+    what it uses of the worker.
 
     Args:
-        config: the rollout's settings.
-        engine: the worker's current engine (``restart_engine`` replaces it; :meth:`drop_batcher` first).
-        model: the rollout's model (its vocabulary bounds an episode's tokens).
-        tokenizer: the model's tokenizer.
-        context_length: the model's context (an agent's prompts are padded to what a row fits).
-        rank: the rollout rank (row seeds and keys; named in errors).
-        weights: the worker's :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` (each token's
-            version; the updates ``statistics`` reports).
-        episode_tasks: the request-level calls in flight (shared with `weights`: an update waits for or reaches
-            them).
-        gate: the worker's generation gate (a call starts once no update is loading).
-        check_weights: raises while the engine holds no usable weights.
-        prompts: the worker's prompt check of a batch (``(batch, max_new_tokens) -> prompts``).
-        params: the worker's sampling parameters of a call (``(prompts, max_new_tokens, temperature, seed)``).
-        replica_field: the ``replica`` field of `n` rows.
-        colocated: the worker's ``colocated`` (the reward worker a ``compute_reward`` call scores with).
+        call_setup: the worker's :class:`~asyncrl.roles.generation.call_setup.CallSetup`, shared with batch
+            generation: the rollout's settings, rank, context and
+            :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` (each token's version, the gate a call
+            starts behind, the updates ``statistics`` reports), the prompt check, the sampling parameters and the
+            replica field.
+        engine: the worker's current engine (``restart_engine`` replaces it, after :meth:`drop_batcher`).
         request_engine: the worker's ``_request_engine`` (the seam test subclasses wrap), whose default is
             :meth:`request_engine`.
+        model: the rollout's model (its vocabulary bounds an episode's tokens).
+        tokenizer: the model's tokenizer.
+        episode_tasks: the request-level calls in flight (shared with the weights: an update waits for or reaches
+            them).
+        colocated: the worker's ``colocated`` (the reward worker a ``compute_reward`` call scores with).
     """
 
-    def __init__(self, *, config: RolloutConfig, engine: Callable[[], Any], model: Any, tokenizer: Any,
-                 context_length: int, rank: int, weights: RolloutWeights, episode_tasks: set[asyncio.Task[Any]],
-                 gate: Callable[[], asyncio.Event], check_weights: Callable[[], None],
-                 prompts: Callable[[TensorDictBase, int], list[list[int]]],
-                 params: Callable[[list[list[int]], int | None, float | None, int | None], SamplingParams],
-                 replica_field: Callable[[int], torch.Tensor], colocated: Callable[[str], Any],
-                 request_engine: Callable[[], Any]) -> None:
-        self.config = config
+    def __init__(self, *, call_setup: CallSetup, engine: Callable[[], Any], request_engine: Callable[[], Any],
+                 model: Any, tokenizer: Any, episode_tasks: set[asyncio.Task[Any]],
+                 colocated: Callable[[str], Any]) -> None:
+        self.call_setup = call_setup
+        self.config = call_setup.config
+        self.rank = call_setup.rank
+        self.context_length = call_setup.context_length
+        self.weights = call_setup.weights
         self._engine = engine
+        self._request_engine = request_engine
         self.model = model
         self.tokenizer = tokenizer
-        self.context_length = context_length
-        self.rank = rank
-        self.weights = weights
         self._episode_tasks = episode_tasks
-        self._gate_event = gate
-        self._check_weights = check_weights
-        self._prompts = prompts
-        self._params = params
-        self._replica_field = replica_field
         self.colocated = colocated
-        self._request_engine = request_engine
         self._episode_fn: Any = None
-        if config.episode is not None:
-            self._episode_fn = resolve_episode(config.episode, config.episode_kwargs)
-        elif config.agent is not None:
-            self._episode_fn = AgentEpisode(config.agent, context_length=context_length)
+        if self.config.episode is not None:
+            self._episode_fn = resolve_episode(self.config.episode, self.config.episode_kwargs)
+        elif self.config.agent is not None:
+            self._episode_fn = AgentEpisode(self.config.agent, context_length=self.context_length)
         self._batcher: Any = None  # the request-level engine, built on the worker's loop at first use
         self._trajectories = [0, 0]  # episodes returned, and those whose model tokens span versions
         self._replay: list[dict[str, Any]] | None = None  # rounds to replay (replay_rounds)
@@ -246,7 +232,7 @@ class RequestGeneration:
         if batcher is not None:
             async def request(ids: list[int], params: SamplingParams, key: str | None = None,
                               prefix: Generation | None = None) -> Generation:
-                self._check_weights()
+                self.call_setup.check_weights()
                 if prefix is not None:
                     return await batcher.generate(ids, params, key=key, prefix=prefix)
                 return await batcher.generate(ids, params, key=key)
@@ -256,7 +242,7 @@ class RequestGeneration:
         arequest = getattr(self.engine, "agenerate_request", None)  # per-token versions (vLLM)
         if arequest is not None and self.config.partial_rollout != "off":
             async def versioned(ids: list[int], params: SamplingParams, key: str | None = None) -> Generation:
-                self._check_weights()
+                self.call_setup.check_weights()
                 return await arequest(ids, params, version_fn=lambda: self.weights.version)
 
             return versioned
@@ -273,11 +259,11 @@ class RequestGeneration:
         """``(R, prompts, base params, submit)`` for a call whose rows become requests, once no weight update is
         loading (so the first round runs under the new weights)."""
         R = max_new_tokens if max_new_tokens is not None else self.config.max_new_tokens
-        prompts = self._prompts(batch, R)
-        gate = self._gate_event()
+        prompts = self.call_setup.prompts(batch, R)
+        gate = self.weights.gate()
         while not gate.is_set() and self._replay is None:  # an update is loading: start under the new weights
             await gate.wait()  # (a replay's rounds decide that; its updates wait for them, so must its requests not)
-        return R, prompts, self._params(prompts, R, temperature, seed), self._request_engine()
+        return R, prompts, self.call_setup.params(prompts, R, temperature, seed), self._request_engine()
 
     # ---- the one seam: every request-level row -------------------------------------------------
 
@@ -357,7 +343,7 @@ class RequestGeneration:
             self._trajectories[1] += sum(len(set(tv[b][model_tokens[b]].tolist())) > 1 for b in range(len(trajs)))
         if agent:
             fields.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask)
-        fields["replica"] = self._replica_field(len(trajs))
+        fields["replica"] = self.call_setup.replica_field(len(trajs))
         return with_fields(batch, fields)
 
     async def generate_episodes(self, batch: TensorDictBase, max_new_tokens: int | None = None,

@@ -25,9 +25,9 @@ Memory on a shared GPU: ``sleep()`` releases the engine's weights (level 1: to t
 level 2: discarded) and KV cache around training, ``wake_up()`` re-acquires them; after a
 level-2 sleep the next sync may reload the same version (``RolloutConfig.sleep_level``).
 
-It owns the weight state (the version, the channel, the rollback point, the adapter base) and is given what it
-needs of the worker's generation: the gate, the jobs and request-level calls in flight, the request batcher and
-the engine load (its constructor's arguments).
+It owns the weight state (the version, the channel, the rollback point, the adapter base) and the generation gate
+(closed while an update or a sleep runs), and is given what it needs of the worker: its current engine, the jobs
+and request-level calls in flight, the request batcher and the engine load (its constructor's arguments).
 """
 
 from __future__ import annotations
@@ -100,16 +100,15 @@ class RolloutWeights:
     the receiving side of the weight transports and ``sleep``/``wake_up``. A
     :class:`~asyncrl.roles.generation.rollout.RolloutWorker` holds one (``self.weights``); its registered
     weight methods delegate here, and its generation reads :attr:`version`, :attr:`needs_weights` and
-    :attr:`asleep`.
+    :attr:`asleep`, and waits at :meth:`gate`.
 
     Args:
-        engine: the generation engine (:meth:`engine_replaced` when the worker builds a new one).
+        engine: the worker's current engine (``restart_engine`` replaces it, then calls :meth:`engine_replaced`).
         model: the rollout's model (its names, shapes, dtypes and tied weights are what a sync must bring).
         config: the rollout's settings (engine kind, ``sync_policy``, ``partial_rollout``, ``verify_checksums``,
             ``sleep_level``, ``pause_deadline_s``).
         device: where the engine's weights live (a collective receive lands there for the HF engine).
         rank: the rollout rank (channel rank ``1 + rank``; named in errors).
-        gate: the worker's generation gate (closed while an update or a sleep runs: new generation waits).
         jobs: the worker's batch generation jobs in flight (each with its ``task``, ``aborted`` and ``pending``),
             which an update aborts or waits for.
         episode_tasks: the request-level calls in flight, which an update (``partial_rollout="off"``) and a
@@ -120,15 +119,15 @@ class RolloutWeights:
             subclasses wrap).
     """
 
-    def __init__(self, *, engine: Any, model: torch.nn.Module, config: RolloutConfig, device: torch.device | str,
-                 rank: int, gate: Callable[[], asyncio.Event], jobs: set[Any], episode_tasks: set[asyncio.Task[Any]],
+    def __init__(self, *, engine: Callable[[], Any], model: torch.nn.Module, config: RolloutConfig,
+                 device: torch.device | str, rank: int, jobs: set[Any], episode_tasks: set[asyncio.Task[Any]],
                  batcher: Callable[[], Any], load: Callable[[dict[str, torch.Tensor]], Awaitable[None]]) -> None:
-        self.engine = engine
+        self._engine = engine
         self.model = model
         self.config = config
         self.device = device
         self.rank = rank
-        self._gate = gate
+        self._gate_event: asyncio.Event | None = None  # created on the worker's loop (gate)
         self._jobs = jobs
         self._episode_tasks = episode_tasks
         self._batcher = batcher
@@ -159,9 +158,21 @@ class RolloutWeights:
         self.on_bucket_received: Callable[[str], None] = _no_fault
         """Called after each bucket a transfer receives (a seam for fault-injection tests)."""
 
-    def engine_replaced(self, engine: Any) -> None:
+    @property
+    def engine(self) -> Any:
+        """The worker's current engine."""
+        return self._engine()
+
+    def gate(self) -> asyncio.Event:
+        """The generation gate: set while no update or sleep runs; they clear it, and a new generate call (batch
+        or request-level) waits until it is set again."""
+        if self._gate_event is None:
+            self._gate_event = asyncio.Event()
+            self._gate_event.set()
+        return self._gate_event
+
+    def engine_replaced(self) -> None:
         """The worker replaced its engine (``restart_engine``): the new one holds the initial weights, version 0."""
-        self.engine = engine
         self.version, self._committed, self.needs_weights = 0, None, False
 
     def close(self) -> None:
@@ -322,7 +333,7 @@ class RolloutWeights:
         if self._adapter_dir is None:
             self._adapter_dir = tempfile.TemporaryDirectory(prefix="asyncrl-lora-")
         path = save_adapter(delta, os.path.join(self._adapter_dir.name, f"v{delta.version}"))
-        gate = self._gate()
+        gate = self.gate()
         gate.clear()
         try:
             waited, aborted = await self._stop_generation()
@@ -368,7 +379,7 @@ class RolloutWeights:
         lvl = self.config.sleep_level if level is None else level
         if lvl == 0 or self.asleep:
             return {"asleep": bool(self.asleep), "level": self.asleep}
-        gate = self._gate()
+        gate = self.gate()
         gate.clear()
         try:
             tasks = [j.task for j in self._jobs if j.task is not None] + list(self._episode_tasks)
@@ -415,7 +426,7 @@ class RolloutWeights:
             state = Adoptable(state)
         if self.config.partial_rollout != "off":
             return await self._update_in_flight(version, state, handle, expected_checksums)
-        gate = self._gate()
+        gate = self.gate()
         gate.clear()
         try:
             waited, aborted = await self._stop_generation()
@@ -486,7 +497,7 @@ class RolloutWeights:
         load has begun (a stop signal), the update still finishes -- load and version together, the
         engine paused meanwhile -- and then raises ``CancelledError``: the engine never resumes on
         half-loaded weights or under the wrong version."""
-        gate = self._gate()
+        gate = self.gate()
         gate.clear()  # new batch calls and new episodes start after the update
         try:
             tasks = [j.task for j in self._jobs if j.task is not None]

@@ -438,6 +438,7 @@ class _Call:
             fetch.cancel()  # its delivery, if it comes, is a no-op
         if cancel_remote:
             self.sequencer.cancel(self.entries, deadline=deadline, call=self if deadline else None)
+        self.read_times()  # (the ranks' errors, if they fail, are in their metadata too: retrieved)
         self._release_producers()
         return True
 
@@ -453,6 +454,25 @@ class _Call:
             self.cancel_requested = True
             self.fail(CallCancelledError(f"{self.group}.{self.method} was cancelled: every task awaiting it "
                                          "was cancelled"), cancel_remote=True)
+
+    def read_times(self) -> None:
+        """Start reading the workers' times once (:meth:`GroupFuture.worker_times`): the metadata refs of a timed
+        call, each rank's ``(arrived, started, ended)`` or None for a rank whose call failed. Never blocks (the
+        backend's ``peek``, off the loop). A failed call reads them too: a rank's error is in its metadata ref as
+        well as in its result ref, and an error nobody retrieves is reported by Ray as unhandled once the refs
+        are dropped."""
+        timing = self.timing
+        if timing is None or self.times is not None:
+            return
+        self.times = False
+
+        def got(values: list[Any]) -> None:  # any thread
+            self.times = [tuple(m[2:5]) if isinstance(m, tuple) and len(m) >= 5 else None for m in values]
+
+        try:
+            self.backend.peek(timing, got)
+        except Exception:  # noqa: BLE001 - a backend shut down: no times, ever
+            self.times = [None] * len(timing)
 
     def _release_producers(self) -> None:
         producers, self._producers = self._producers, ()
@@ -577,6 +597,7 @@ class _Call:
         if failed >= 0:
             pos = self._wait_order()[failed]
             self._result = (None, self._error_of(self.backend.translate(got[failed]), self.ranks[pos]))
+            self.read_times()  # the failed ranks' metadata holds their errors: retrieved with the times
         else:
             try:
                 values = got[:len(self.collect_index)]

@@ -146,16 +146,7 @@ class GroupFuture(Generic[T]):
         call = self._call
         if call.timing is None:
             return None
-        if call.times is None:
-            call.times = False
-
-            def got(values: list[Any]) -> None:  # any thread
-                call.times = [tuple(m[2:5]) if isinstance(m, tuple) and len(m) >= 5 else None for m in values]
-
-            try:
-                call.backend.peek(call.timing, got)
-            except Exception:  # noqa: BLE001 - a backend shut down: no times, ever
-                call.times = [None] * len(call.timing)
+        call.read_times()
         return call.times or None
 
     async def summary(self) -> dict[str, Any]:
@@ -292,6 +283,7 @@ def _resolve_blocking(call: _Call, timeout: float | None) -> Any:
         if not ok:
             rank = (call.ranks[pos] if pos < len(call.ranks)
                     else call.ranks[call.collect_index[call.fetch_metas[pos - len(call.ranks)]]])
+            call.read_times()  # (its metadata holds the error too: retrieved)
             raise call._error_of(value, rank)
         values.append(value)
     n = len(call.refs)
@@ -325,6 +317,7 @@ async def _stream(call: _Call, return_exceptions: bool = False) -> AsyncIterator
         try:
             value = await _wait(call, call.collect_index[i], call.collect_refs[i])
         except Exception as e:
+            call.read_times()  # (its metadata holds the error too: retrieved)
             if not return_exceptions:
                 raise
             return call.ranks[call.collect_index[i]], e

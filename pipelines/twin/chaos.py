@@ -357,15 +357,20 @@ async def _pids_at_end(rollout: Any) -> tuple[list[int], list[float]]:
 
 
 async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
-                    rollout: tuple[type, dict[str, Any]] | None = None) -> ChaosResult:
+                    rollout: tuple[type, dict[str, Any]] | None = None,
+                    policy: tuple[type, dict[str, Any]] | None = None) -> ChaosResult:
     """Run `cfg` (a twin config; ``trainer.output_dir`` is the run's) under `chaos` and check it
     (:func:`check_chaos`). `rollout`: ``(a ChaosRollout subclass, its extra keyword arguments)`` in place of
-    :class:`ChaosRollout` (a test's hooks)."""
+    :class:`ChaosRollout`, `policy`: ``(a ChaosPolicy subclass, its keyword arguments)`` in place of
+    :class:`ChaosPolicy` (a test's hooks)."""
     cls, extra = rollout if rollout is not None else (ChaosRollout, {})
     if not (isinstance(cls, type) and issubclass(cls, ChaosRollout)):
         raise TypeError(f"rollout must be (a ChaosRollout subclass, kwargs), got {rollout!r}")
+    policy_cls, policy_kw = policy if policy is not None else (ChaosPolicy, {})
+    if not (isinstance(policy_cls, type) and issubclass(policy_cls, ChaosPolicy)):
+        raise TypeError(f"policy must be (a ChaosPolicy subclass, kwargs), got {policy!r}")
     overrides = {"rollout": (cls, {"engine_start_s": ENGINE_START_S * cfg.twin.time_scale, **extra}),
-                 "policy": (ChaosPolicy, {})}
+                 "policy": (policy_cls, dict(policy_kw))}
     trainer = GRPOTrainer(cfg, worker_overrides=overrides)
     fired: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []

@@ -163,6 +163,49 @@ async def test_every_rank_failing_retrieves_every_error_and_logs_none(wg, monkey
     assert reported == [] and unhandled == []
 
 
+@pytest.mark.parametrize("how", ["every_rank", "data_parallel"])
+async def test_a_timed_call_that_fails_retrieves_its_metadata_errors_too(wg, monkeypatch, how):
+    """A call that returns its workers' times (``time_calls``; a data-parallel call always does) carries each rank's
+    error in its metadata as well as in its result: a failed call reads its times as it is settled, so neither
+    error is left for Ray (or asyncio) to report as unhandled, although nobody asked for the times; they read None
+    for a failed rank."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, ctx: reported.append(ctx))
+    unhandled: list = []
+    if wg.kind != "local":
+        import ray._private.worker as ray_worker
+
+        monkeypatch.setattr(ray_worker, "_unhandled_error_handler", unhandled.append)
+    timed = wg.time_calls
+    wg.time_calls = True
+    try:
+        fut = wg.boom("all fail") if how == "every_rank" else wg.boom_on_rank(rows(4), 1)
+        assert fut.timed
+        with pytest.raises(RemoteError) as err:
+            await fut
+        assert err.value.exc_type == ("builtins.ValueError" if how == "every_rank" else "builtins.KeyError")
+        call = fut._call
+        assert call.times is not None  # being read (False) or read: the failure started reading them
+
+        async def read() -> bool:
+            return isinstance(call.times, list)
+
+        await kinds.until(read)  # every rank's metadata reached the controller
+        got = fut.worker_times()
+        assert got is not None and [t is None for t in got] == ([True, True] if how == "every_rank" else [False, True])
+        assert all(len(t) == 3 for t in got if t is not None)
+        del fut, call, err, got
+        gc.collect()
+        assert await wg.add(0) == [0, 1]  # a round trip after the collection
+        gc.collect()
+    finally:
+        wg.time_calls = timed
+        loop.set_exception_handler(previous)
+    assert reported == [] and unhandled == []
+
+
 @pytest.mark.parametrize("how", ["deadline", "cancel"])
 async def test_a_late_delivery_after_the_controller_failed_the_call_changes_nothing(wg, monkeypatch, how):
     seen = deliveries(monkeypatch, wg.kind)

@@ -1,8 +1,10 @@
 """Chaos in the cluster twin (pipelines/twin/chaos.py), the default suite's fast versions of the chaos table
 (benchmarks/chaos.py): seeded schedules, and real runs at 4 simulated replicas, 2 per process -- a replica that dies
 is replaced alone (simulated death, the real controller's recovery), a rollout process SIGKILLed while it holds a
-group is replaced alone (a real fault: the other process keeps its pid), a replacement that fails to start falls
-back to replacing the pool, a training rank's process SIGKILLed restarts the run from its checkpoint (a real fault);
+group is replaced alone (a real fault: the other process keeps its pid), a rollout process SIGKILLed while the
+weight loop's load is in flight leaves no error unretrieved (the ranks that live refuse the version they hold once,
+the new process loads each version once), a replacement that fails to start falls back to replacing the pool, a
+training rank's process SIGKILLed restarts the run from its checkpoint (a real fault);
 each completes with its ledger holding (nothing lost, nothing trained twice, every token within the bound) and no
 call past twice its deadline. Slow: a lost node (a process of replicas
 SIGKILLed), a preemption wave (SIGTERMs), a replica 10x slower, and the pool replaced whole when per-replica
@@ -11,6 +13,7 @@ replacement is off."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
@@ -21,7 +24,8 @@ import pytest
 
 from asyncrl import Dispatch, register
 from asyncrl.pipelines.job.presets import twin
-from asyncrl.pipelines.twin.chaos import KINDS, ChaosRollout, plan, run_chaos
+from asyncrl.pipelines.twin.chaos import KINDS, ChaosPolicy, ChaosRollout, plan, run_chaos
+from asyncrl.roles import StaleWeightsError
 from tests.reliability.conftest import wait_for_file
 
 HOLD_S = 120.0
@@ -67,6 +71,74 @@ class HoldingRollout(ChaosRollout):
             while not (self._hold_dir / "started").exists() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # (a file another process writes: nothing to await)
         return await super().generate_requests(batch, max_new_tokens, temperature, seed, resume)
+
+
+class LoadHoldingRollout(ChaosRollout):
+    """The twin's rollout worker that records every weight load of its process (``loads_<rank>_<pid>`` in `gate`, a
+    line per load: ``loaded <version>`` or ``refused <version>``), and whose rank `hold_rank` holds the group load of
+    version `hold_version` once it has loaded it, once a run (marker ``held`` with its pid): its process is
+    SIGKILLed while the weight loop's group load is in flight, after the other process's ranks loaded that version.
+    A rank that refuses a version writes ``retried``; a process started after the hold (the replacement) waits for
+    it before it starts (its catch-up load comes after the weight loop's retry) and writes ``caught_up`` once it
+    loaded weights."""
+
+    def __init__(self, *args: Any, gate: str, hold_rank: int, hold_version: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hold_dir, self._hold_rank, self._hold_version = Path(gate), hold_rank, hold_version
+        self._new = (self._hold_dir / "held").exists()  # started after the hold: the replacement
+        if self._new:
+            deadline = time.monotonic() + HOLD_S
+            while not (self._hold_dir / "retried").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # (a file another process writes: nothing to await)
+
+    def _record(self, outcome: str, version: int) -> None:
+        with open(self._hold_dir / f"loads_{self.rank}_{os.getpid()}", "a") as f:
+            f.write(f"{outcome} {version}\n")
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Any, version: int | None = None, *,
+                             expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """``RolloutWorker.update_weights``, recorded and held as the class says."""
+        try:
+            got = await super().update_weights(weights, version, expected_checksums=expected_checksums)
+        except StaleWeightsError as e:
+            self._record("refused", int(str(e).split("refusing weights of version ")[1].split(":")[0]))
+            (self._hold_dir / "retried").touch()
+            raise
+        self._record("loaded", got["version"])
+        if self._new:
+            (self._hold_dir / "caught_up").touch()
+        elif (self.rank == self._hold_rank and got["version"] == self._hold_version
+              and not (self._hold_dir / "held").exists()):
+            (self._hold_dir / "held.tmp").write_text(str(os.getpid()))
+            os.rename(self._hold_dir / "held.tmp", self._hold_dir / "held")  # (whole, once it exists)
+            await asyncio.sleep(HOLD_S)
+        return got
+
+
+class SaveHoldingPolicy(ChaosPolicy):
+    """The twin's training rank whose checkpoint of version `hold_version` waits until the replacement process
+    loaded weights (``caught_up`` in `gate`): no newer version is published meanwhile (the next step waits for the
+    checkpoint), so the weight loop's loads stay at `hold_version` until then."""
+
+    def __init__(self, *args: Any, gate: str, hold_version: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hold_dir, self._hold_version = Path(gate), hold_version
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def save(self, path: str) -> str:
+        """``TwinPolicy.save``, held as the class says."""
+        if self.version == self._hold_version:
+            deadline = time.monotonic() + HOLD_S
+            while not (self._hold_dir / "caught_up").exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # (a file another process writes: nothing to await)
+        return super().save(path)
+
+
+def _loads(gate: Path, rank: int, pid: int) -> list[tuple[str, int]]:
+    """What `rank` of process `pid` recorded of its weight loads (LoadHoldingRollout), in order."""
+    path = gate / f"loads_{rank}_{pid}"
+    return [(o, int(v)) for o, v in (line.split() for line in path.read_text().splitlines())] if path.exists() else []
 
 
 async def _kill_held(gate: Path) -> int:
@@ -168,6 +240,44 @@ async def test_a_replacement_that_fails_to_start_falls_back_to_the_pool(ray_clus
     assert "the replacement's start refused by the test" in res.restarts[0]["failed"]
     assert res.restarts[0]["ranks"] == [0, 1] and (gate / "refused").exists()
     assert killed not in res.pids[1] and not set(res.pids[1]) & set(res.pids[0])  # every process new
+
+
+async def test_a_process_lost_during_a_weight_load_leaves_no_error_unretrieved(ray_cluster, tmp_path, monkeypatch):
+    """The process of ranks 2 and 3 is SIGKILLed while the weight loop's group load of version 4 is in flight, after
+    every rank loaded it: the weight loop loads version 4 again on the ranks that live, which refuse it (they hold
+    it: counted as loaded, nothing changes), once each; the new process is brought to version 4 and then loads what
+    the others load, each version once; no rank's error is left unretrieved (Ray logs none as unhandled), and the
+    run completes with its ledger holding."""
+    import ray._private.worker as ray_worker
+
+    unhandled: list[str] = []
+    monkeypatch.setattr(ray_worker, "_unhandled_error_handler", lambda e: unhandled.append(str(e)[:300]))
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cfg = chaos_config(tmp_path / "run")
+    chaos = plan("none", 0, replicas=4, replicas_per_process=2, train_ranks=2, steps=8)
+    hooks = {"gate": str(gate), "hold_rank": 2, "hold_version": 4}
+    run = asyncio.ensure_future(run_chaos(cfg, chaos, rollout=(LoadHoldingRollout, hooks),
+                                          policy=(SaveHoldingPolicy, {"gate": str(gate), "hold_version": 4})))
+    killed = await _kill_held(gate)
+    res = await run
+    gc.collect()
+    assert_holds(res)
+    [rec] = res.restarts
+    assert (rec["kind"], rec["ranks"]) == ("replace_process", [2, 3])
+    before, after = res.pids
+    assert before[2] == before[3] == killed and after[:2] == before[:2] and killed not in after
+    first = [("loaded", v) for v in (1, 2, 3, 4)]
+    for r in (2, 3):  # the lost process: versions 1 to 4, each once
+        assert _loads(gate, r, killed) == first
+    live = [_loads(gate, r, before[r]) for r in (0, 1)]
+    new = [_loads(gate, r, after[r]) for r in (2, 3)]
+    later = live[0][5:]  # what the weight loop loaded once the new process caught up
+    assert live[0] == live[1] == [*first, ("refused", 4), *later]  # the weight loop's one retry of version 4
+    assert new[0] == new[1] == [("loaded", 4), *later]  # the catch-up, then what the others load
+    versions = [v for _, v in later]
+    assert later and all(o == "loaded" for o, _ in later) and versions == sorted(set(versions)) and versions[0] > 4
+    assert unhandled == []
 
 
 @pytest.mark.slow

@@ -267,12 +267,15 @@ async def test_a_process_lost_during_a_weight_load_leaves_no_error_unretrieved(r
     assert (rec["kind"], rec["ranks"]) == ("replace_process", [2, 3])
     before, after = res.pids
     assert before[2] == before[3] == killed and after[:2] == before[:2] and killed not in after
-    first = [("loaded", v) for v in (1, 2, 3, 4)]
-    for r in (2, 3):  # the lost process: versions 1 to 4, each once
-        assert _loads(gate, r, killed) == first
+    # the lost process: the versions the weight loop loaded up to 4, each once (it loads the newest exported
+    # version, so a busy machine may skip one), the same on both ranks
+    first = _loads(gate, 2, killed)
+    upto = [v for _, v in first]
+    assert all(o == "loaded" for o, _ in first) and upto == sorted(set(upto)) and upto[-1] == 4
+    assert _loads(gate, 3, killed) == first
     live = [_loads(gate, r, before[r]) for r in (0, 1)]
     new = [_loads(gate, r, after[r]) for r in (2, 3)]
-    later = live[0][5:]  # what the weight loop loaded once the new process caught up
+    later = live[0][len(first) + 1:]  # what the weight loop loaded once the new process caught up
     assert live[0] == live[1] == [*first, ("refused", 4), *later]  # the weight loop's one retry of version 4
     assert new[0] == new[1] == [("loaded", 4), *later]  # the catch-up, then what the others load
     versions = [v for _, v in later]

@@ -75,7 +75,7 @@ from asyncrl.pipelines.loop.deadlines import unwrap
 from asyncrl.pipelines.supervision.recovery import describe, root_cause
 
 __all__ = ["StreamRollout", "ROUTE_GROUPS", "SHARD_STEP_BATCH", "SCORE_IN_GENERATE", "REPLACE_REPLICAS",
-           "REPLACE_PROCESSES", "PROCESS_START_S", "balanced_order"]
+           "REPLACE_PROCESSES", "PROCESS_START_S", "balanced_order", "load_every_rank", "load_ranks"]
 
 log = structlog.get_logger("asyncrl.pipelines")
 
@@ -394,10 +394,10 @@ class StreamRollout:
                                                                      version=v):
                     async with a.loading:
                         if a.dead:  # a replica's engine is being replaced: the others load, it catches up after
-                            await self._load_ranks(groups, s.exports[v], [r for r in range(groups.rollout.world_size)
-                                                                          if r not in a.dead])
+                            live = [r for r in range(groups.rollout.world_size) if r not in a.dead]
+                            await load_ranks(groups.rollout, s.exports[v], live)
                         else:
-                            await sv.weights.load(groups, s.exports[v])
+                            await load_every_rank(sv.weights, groups, s.exports[v])
                     if a.epoch == epoch:  # else loaded into engines that were replaced meanwhile
                         sv.weights.loaded(s, v)
                         sv.weights.drop_older(s, v)
@@ -478,7 +478,7 @@ class StreamRollout:
             async with a.loading:
                 v = s.rollout_version
                 if v > 0:
-                    await self._load_ranks(groups, s.exports[v], [rank])
+                    await load_ranks(groups.rollout, s.exports[v], [rank])
         except Exception as e:  # noqa: BLE001 - the new engine failed too: the whole pool is replaced
             if a.epoch == epoch:
                 if rank not in a.lost:  # (else its process is being replaced: that replacement routes it again)
@@ -552,7 +552,7 @@ class StreamRollout:
             async with a.loading:
                 v = s.rollout_version
                 if v > 0:
-                    await self._load_ranks(groups, s.exports[v], ranks)
+                    await load_ranks(groups.rollout, s.exports[v], ranks)
         except Exception as e:  # noqa: BLE001 - the new process failed: the whole pool is replaced
             record["failed"] = describe(e)
             log.warning("trainer.process_replacement_failed", ranks=ranks, error=describe(e))
@@ -570,19 +570,6 @@ class StreamRollout:
         log.warning("trainer.process_replaced", ranks=ranks, version=s.rollout_version,
                     seconds=round(record["time_s"], 2))
         await self._notify()
-
-    async def _load_ranks(self, groups: Any, exported: Any, ranks: list[int]) -> None:
-        """Load `exported` into the rollout ranks `ranks`, one call each (a rank that holds it already -- the
-        group load that failed on another rank reached it -- counts as loaded)."""
-        calls = [groups.rollout.update_weights.options(rank=r)(exported) for r in ranks]
-        for call in calls:
-            try:
-                await call
-            except Exception as e:
-                cause = root_cause(e)
-                if isinstance(cause, RemoteError) and cause.exc_type.rpartition(".")[2] == "StaleWeightsError":
-                    continue
-                raise
 
     def _preempted(self, error: Exception, epoch: int) -> bool:
         """Whether `error` of pool `epoch` is a preemption notice's (or the told-to-stop process's exit)."""
@@ -774,6 +761,39 @@ async def _finished(fut: Any) -> None:
     done = anyio.Event()
     fut.add_done_callback(lambda _: done.set())
     await done.wait()
+
+
+def _held_already(error: BaseException) -> bool:
+    """Whether `error` is a rollout rank refusing a version as one it holds (or a newer one's):
+    ``StaleWeightsError``, raised before the rank changes anything."""
+    cause = root_cause(error)
+    return isinstance(cause, RemoteError) and cause.exc_type.rpartition(".")[2] == "StaleWeightsError"
+
+
+async def load_ranks(rollout: Any, exported: Any, ranks: list[int]) -> None:
+    """Load `exported` into the rollout ranks `ranks` of the group `rollout`, one call each. A rank that holds it
+    already (a group load that failed on another rank reached it) counts as loaded; any other error is raised (the
+    calls not awaited then still have their errors retrieved: the core fetches every call's result)."""
+    calls = [rollout.update_weights.options(rank=r)(exported) for r in ranks]
+    for call in calls:
+        try:
+            await call
+        except Exception as e:
+            if not _held_already(e):
+                raise
+
+
+async def load_every_rank(weights: Any, groups: Any, exported: Any) -> None:
+    """The weight loop's load of `exported` into every rollout rank (one group call, ``WeightSync.load``). When some
+    ranks refuse it as a version they hold, the ranks are loaded one by one (:func:`load_ranks`): a group load that
+    failed part-way (a process lost during it) reached them, and a replica or process replaced since was brought to
+    the version before it. Not with the ``collective`` transport, whose ranks receive together."""
+    try:
+        await weights.load(groups, exported)
+    except Exception as e:
+        if weights.transport == "collective" or not _held_already(e):
+            raise
+        await load_ranks(groups.rollout, exported, list(range(groups.rollout.world_size)))
 
 
 def balanced_order(tokens: list[int], ranks: int) -> list[int]:

@@ -410,11 +410,11 @@ from tests.core import kinds
 from tests.core.workers import Probe
 
 
-async def idle(g):
+async def idle(g, deadline=30.0):
     async def is_idle():
         return g._idle
 
-    await kinds.until(is_idle)
+    await kinds.until(is_idle, deadline)
 
 
 async def main():
@@ -429,7 +429,9 @@ async def main():
     fut._call.outcome()
     assert not g._idle
     await asyncrl.ashutdown()  # Ray goes away while the thread waits in ray.get
-    await idle(g)  # the thread is back, not dead: Ray's get raised, the callbacks could not be registered
+    # the thread is back, not dead: Ray's get raised, the callbacks could not be registered (the deadline outlasts
+    # the get's window: at a load of 5-18 this once took longer than 30 s, and the get returns by its window's end)
+    await idle(g, deadline=rb._GET_WINDOW + 30.0)
     assert g._thread.is_alive()
     assert fut.done()  # (nothing will come: its refs count as done, and asking does not raise)
     rb._GET_WINDOW = 0.02

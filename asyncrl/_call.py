@@ -541,7 +541,9 @@ class _Call:
         return value
 
     def _error_of(self, e: BaseException, rank: int | None) -> BaseException:
-        """The one translation of a backend outcome for this call (see asyncrl._backend)."""
+        """The one translation of a backend outcome for this call (see asyncrl._backend). A rank's error is in its
+        metadata ref too (a timed call): it starts reading the times, which retrieves it (:meth:`read_times`)."""
+        self.read_times()
         if isinstance(e, InputFailed) and self.top_from:  # Ray failed it before its host ran: an input's fault
             (group, method), *more = self.top_from
             if more:  # Ray does not say which argument: name every producer passed top-level
@@ -597,7 +599,6 @@ class _Call:
         if failed >= 0:
             pos = self._wait_order()[failed]
             self._result = (None, self._error_of(self.backend.translate(got[failed]), self.ranks[pos]))
-            self.read_times()  # the failed ranks' metadata holds their errors: retrieved with the times
         else:
             try:
                 values = got[:len(self.collect_index)]

@@ -283,7 +283,6 @@ def _resolve_blocking(call: _Call, timeout: float | None) -> Any:
         if not ok:
             rank = (call.ranks[pos] if pos < len(call.ranks)
                     else call.ranks[call.collect_index[call.fetch_metas[pos - len(call.ranks)]]])
-            call.read_times()  # (its metadata holds the error too: retrieved)
             raise call._error_of(value, rank)
         values.append(value)
     n = len(call.refs)
@@ -317,7 +316,6 @@ async def _stream(call: _Call, return_exceptions: bool = False) -> AsyncIterator
         try:
             value = await _wait(call, call.collect_index[i], call.collect_refs[i])
         except Exception as e:
-            call.read_times()  # (its metadata holds the error too: retrieved)
             if not return_exceptions:
                 raise
             return call.ranks[call.collect_index[i]], e

@@ -356,6 +356,15 @@ async def _pids_at_end(rollout: Any) -> tuple[list[int], list[float]]:
     return list(await rollout.pid()), [s for _, s in group.replaced]
 
 
+def _worker_override(name: str, given: tuple[type, dict[str, Any]] | None,
+                     base: type) -> tuple[type, dict[str, Any]]:
+    """`given` (``(a subclass of base, its keyword arguments)``, a test's hooks) or ``(base, {})``."""
+    cls, kwargs = given if given is not None else (base, {})
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{name} must be (a {base.__name__} subclass, kwargs), got {given!r}")
+    return cls, kwargs
+
+
 async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
                     rollout: tuple[type, dict[str, Any]] | None = None,
                     policy: tuple[type, dict[str, Any]] | None = None) -> ChaosResult:
@@ -363,12 +372,8 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
     (:func:`check_chaos`). `rollout`: ``(a ChaosRollout subclass, its extra keyword arguments)`` in place of
     :class:`ChaosRollout`, `policy`: ``(a ChaosPolicy subclass, its keyword arguments)`` in place of
     :class:`ChaosPolicy` (a test's hooks)."""
-    cls, extra = rollout if rollout is not None else (ChaosRollout, {})
-    if not (isinstance(cls, type) and issubclass(cls, ChaosRollout)):
-        raise TypeError(f"rollout must be (a ChaosRollout subclass, kwargs), got {rollout!r}")
-    policy_cls, policy_kw = policy if policy is not None else (ChaosPolicy, {})
-    if not (isinstance(policy_cls, type) and issubclass(policy_cls, ChaosPolicy)):
-        raise TypeError(f"policy must be (a ChaosPolicy subclass, kwargs), got {policy!r}")
+    cls, extra = _worker_override("rollout", rollout, ChaosRollout)
+    policy_cls, policy_kw = _worker_override("policy", policy, ChaosPolicy)
     overrides = {"rollout": (cls, {"engine_start_s": ENGINE_START_S * cfg.twin.time_scale, **extra}),
                  "policy": (policy_cls, dict(policy_kw))}
     trainer = GRPOTrainer(cfg, worker_overrides=overrides)

@@ -19,7 +19,9 @@ forked child starting without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import Iterator
 
 import pytest
 import pytest_asyncio
@@ -35,6 +37,26 @@ from tests.core.kinds import BACKENDS
 from tests.core.workers import Probe
 
 HANG = 60  # seconds: what should be delivered by then never will be
+
+
+@contextlib.contextmanager
+def no_error_left_unretrieved(wg, monkeypatch) -> Iterator[None]:
+    """What asyncio reports (a future's exception nobody retrieved) and what Ray reports as unhandled (an error in
+    an object nobody read) while the block runs: both must be empty once it ends."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, ctx: reported.append(ctx))
+    unhandled: list = []
+    if wg.kind != "local":
+        import ray._private.worker as ray_worker
+
+        monkeypatch.setattr(ray_worker, "_unhandled_error_handler", unhandled.append)
+    try:
+        yield
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == [] and unhandled == []
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session", params=BACKENDS)
@@ -135,16 +157,7 @@ async def test_the_first_error_settles_the_call_while_another_rank_still_runs(wg
 
 
 async def test_every_rank_failing_retrieves_every_error_and_logs_none(wg, monkeypatch):
-    loop = asyncio.get_running_loop()
-    reported: list[dict] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _, ctx: reported.append(ctx))
-    unhandled: list = []
-    if wg.kind != "local":
-        import ray._private.worker as ray_worker
-
-        monkeypatch.setattr(ray_worker, "_unhandled_error_handler", unhandled.append)
-    try:
+    with no_error_left_unretrieved(wg, monkeypatch):
         fut = wg.boom("all fail")
         fut._call.outcome()  # the fetch starts
         handle = fut._call._fetch
@@ -158,9 +171,6 @@ async def test_every_rank_failing_retrieves_every_error_and_logs_none(wg, monkey
         gc.collect()
         assert await wg.add(0) == [0, 1]  # a round trip after the collection
         gc.collect()
-    finally:
-        loop.set_exception_handler(previous)
-    assert reported == [] and unhandled == []
 
 
 @pytest.mark.parametrize("how", ["every_rank", "data_parallel"])
@@ -169,18 +179,8 @@ async def test_a_timed_call_that_fails_retrieves_its_metadata_errors_too(wg, mon
     error in its metadata as well as in its result: a failed call reads its times as it is settled, so neither
     error is left for Ray (or asyncio) to report as unhandled, although nobody asked for the times; they read None
     for a failed rank."""
-    loop = asyncio.get_running_loop()
-    reported: list[dict] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _, ctx: reported.append(ctx))
-    unhandled: list = []
-    if wg.kind != "local":
-        import ray._private.worker as ray_worker
-
-        monkeypatch.setattr(ray_worker, "_unhandled_error_handler", unhandled.append)
-    timed = wg.time_calls
-    wg.time_calls = True
-    try:
+    monkeypatch.setattr(wg, "time_calls", True)  # (restored after the test)
+    with no_error_left_unretrieved(wg, monkeypatch):
         fut = wg.boom("all fail") if how == "every_rank" else wg.boom_on_rank(rows(4), 1)
         assert fut.timed
         with pytest.raises(RemoteError) as err:
@@ -200,10 +200,6 @@ async def test_a_timed_call_that_fails_retrieves_its_metadata_errors_too(wg, mon
         gc.collect()
         assert await wg.add(0) == [0, 1]  # a round trip after the collection
         gc.collect()
-    finally:
-        wg.time_calls = timed
-        loop.set_exception_handler(previous)
-    assert reported == [] and unhandled == []
 
 
 @pytest.mark.parametrize("how", ["deadline", "cancel"])

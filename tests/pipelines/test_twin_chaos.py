@@ -129,9 +129,7 @@ class SaveHoldingPolicy(ChaosPolicy):
     async def save(self, path: str) -> str:
         """``TwinPolicy.save``, held as the class says."""
         if self.version == self._hold_version:
-            deadline = time.monotonic() + HOLD_S
-            while not (self._hold_dir / "caught_up").exists() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)  # (a file another process writes: nothing to await)
+            await wait_for_file(self._hold_dir / "caught_up", HOLD_S)  # (a file another process writes)
         return super().save(path)
 
 

@@ -41,7 +41,7 @@ import structlog
 
 from asyncrl import batch as B
 from asyncrl._backend import Backend, InputFailed, input_error, public_error
-from asyncrl._wire import CallMsg, DeferredShard, DeferredValue, LocalShard, Payload, TopShard, has_deferred
+from asyncrl._wire import CallMsg, DeferredShard, DeferredValue, LocalShard, Payload, TopShard, TopValue, has_deferred
 from asyncrl.register import Execute, Mode
 from asyncrl.errors import (
     CallCancelledError,
@@ -66,6 +66,11 @@ Entry = tuple[int, int, "int | None"]
 _call_ids = itertools.count()
 _BACKGROUND: set[asyncio.Task[Any]] = set()  # deadline checks in flight (a task needs a strong reference)
 _ISSUED_SWEEP = 1024  # remembered ordered calls per lane before the first sweep (wedged-lane)
+
+TOP_VALUES = True
+"""Pass the whole value of a known-ok call to one rank as top-level Ray arguments (:class:`~asyncrl._wire.TopValue`:
+a streaming step's ``concat_shard`` takes its groups' results so). False: nested in the payload, as before (the
+benchmarks' earlier variants)."""
 
 
 class Sequencer:
@@ -366,7 +371,9 @@ class _Call:
         self.ok = False
         """Known to have finished successfully: every collected result (and its padding
         metadata) was read without error, by this controller's await or by a consumer
-        call that then succeeded (`reads`; a same-process hand-off counts). Only such a call's results are passed
+        call that then succeeded (`reads`; a same-process hand-off counts), or every collected rank's reply
+        arrived with its ``summary`` (``GroupFuture.summary``: the task returned its result with it). Only such a
+        call's results are passed
         top-level into later calls (asyncrl._deferred says why). Never set on failure."""
         self.reads: "tuple[_Call, ...]" = ()  # producers whose every collected result this call reads
         self.top_from: tuple[tuple[str, str], ...] | None = None  # (group, method) of its top-level inputs' producers
@@ -788,6 +795,12 @@ class Inputs:
             self.read.update(map(id, s.refs))
             if s.metas is not None:
                 self.read.update(map(id, s.metas))
+            if (TOP_VALUES and self.ok and len(s.refs) == 1 and s.data_parallel and s.metas is not None and s.collect is not None
+                    and id(s.refs[0]) in self.ok):  # a known-ok call to one rank: its whole value, top-level
+                self.top_from[(s.group, s.method)] = None
+                self.sent += 1
+                top.extend((s.refs[0], s.metas[0]))
+                return TopValue(s.group, s.method, s.select, s.collect, s.world, len(top) - 2, len(top) - 1)
         return x
 
     def fully_read(self) -> tuple[Any, ...]:

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 from asyncrl import batch as B
 from asyncrl._backend import public_error
 from asyncrl._lanes import shallow
-from asyncrl._wire import CallCancelled, DeferredShard, DeferredValue, LocalShard, Source, TopShard, select_fields
+from asyncrl._wire import CallCancelled, DeferredShard, DeferredValue, LocalShard, Source, TopShard, TopValue, select_fields
 from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 
 if TYPE_CHECKING:
@@ -83,6 +83,13 @@ def take_top(x: TopShard, top: Sequence[Any]) -> tuple[Any, int]:
     """A :class:`TopShard`'s ``(shard, trailing padding rows in it)`` from the call's
     top-level arguments (already resolved by Ray)."""
     return select_fields(top[x.value], x.select, x), int(top[x.meta][1])
+
+
+def take_top_value(x: TopValue, top: Sequence[Any]) -> Any:
+    """A :class:`TopValue`'s value from the call's top-level arguments (already resolved by Ray): what
+    :func:`resolve_value` makes of the producer's one output and its ``(rows, pad)``."""
+    out = B.strip_tail(top[x.value], int(top[x.meta][1]))
+    return select_fields(x.collect(x.world, [out]), x.select, x)
 
 
 Awaiter = Callable[[Any], Awaitable[Any]]
@@ -200,7 +207,7 @@ def one_pad(pads: list[int]) -> int | None:
     return pads[0]
 
 
-def substitute(args: Any, kwargs: dict[str, Any], kind: type,
+def substitute(args: Any, kwargs: dict[str, Any], kind: type | tuple[type, ...],
                 one: Callable[[Any], Any]) -> tuple[list[Any], dict[str, Any]]:
     """`args` and `kwargs` with `one` applied to each argument, or to each item of a list
     or dict argument that holds a `kind` (the levels :func:`asyncrl._wire.has_deferred` looks at)."""
@@ -232,8 +239,8 @@ async def resolve_on_worker(spec: Any, method: str, args: Any, kwargs: Any,
 
 def take_top_inputs(spec: Any, method: str, args: Any, kwargs: Any,
                     top: tuple[Any, ...]) -> tuple[Any, Any, int | None]:
-    """The call's arguments with its :class:`TopShard` inputs replaced by their values
-    (at the levels :func:`has_deferred` looks at); also the padding they report."""
+    """The call's arguments with its :class:`TopShard` and :class:`TopValue` inputs replaced by their values
+    (at the levels :func:`has_deferred` looks at); also the padding the shards report."""
     if not top:
         return args, kwargs, None
     pads: list[int] = []
@@ -243,10 +250,12 @@ def take_top_inputs(spec: Any, method: str, args: Any, kwargs: Any,
             value, pad = take_top(x, top)
             pads.append(pad)
             return value
+        if isinstance(x, TopValue):
+            return take_top_value(x, top)
         return x
 
     try:
-        new_args, new_kwargs = substitute(args, kwargs, TopShard, one)
+        new_args, new_kwargs = substitute(args, kwargs, (TopShard, TopValue), one)
         return new_args, new_kwargs, one_pad(pads)
     except DispatchError as e:  # a field selection the producer's result lacks, or inputs disagreeing on padding
         raise RemoteError(spec.group, method, spec.context.rank, "asyncrl.errors.DispatchError",

@@ -6,7 +6,7 @@
 as the Payload, one nested pickle stream whose unpickling on the worker never raises:
 unpickling-never-raises of ``docs/protocol.md``); the host rebuilds it with :func:`arrived`.
 A pipelined input travels as one of the markers below (:class:`DeferredShard`,
-:class:`DeferredValue`, :class:`TopShard`, :class:`LocalShard`: ``asyncrl._deferred`` says
+:class:`DeferredValue`, :class:`TopShard`, :class:`TopValue`, :class:`LocalShard`: ``asyncrl._deferred`` says
 how the worker takes each). :class:`CallCancelled` is how a threaded host reports a
 cancelled call. The controller builds these (``asyncrl._call``), the worker reads them
 (``asyncrl._host``); nothing here runs on one side only.
@@ -28,7 +28,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from asyncrl.errors import DispatchError
 
 __all__ = ["CallMsg", "Payload", "arrived", "CallCancelled", "Source", "DeferredShard", "DeferredValue", "TopShard",
-           "LocalShard", "has_deferred", "has_local", "select_fields"]
+           "TopValue", "LocalShard", "has_deferred", "has_local", "select_fields"]
 
 
 @dataclass(slots=True, eq=False)
@@ -123,6 +123,24 @@ class TopShard:
     group: str
     method: str
     select: tuple[str, ...] | None
+    value: int
+    meta: int
+
+
+@dataclass(frozen=True)
+class TopValue:
+    """The whole value of a one-rank data-parallel producer (a call to one rank: ``options(rank=r)``) passed as
+    top-level Ray arguments (see ``asyncrl._deferred``): what a :class:`DeferredValue` of it resolves to (the
+    output less its padding rows, through the producer's `collect`, the field selection), without a nested ref.
+
+    `value` and `meta` are indices into the call's top-level arguments: the producer rank's output and its
+    ``(rows, pad)``; the host takes them without awaiting. Reports no input padding (a whole value)."""
+
+    group: str
+    method: str
+    select: tuple[str, ...] | None
+    collect: Callable[..., Any]
+    world: Any
     value: int
     meta: int
 
@@ -476,7 +494,8 @@ def _unpickling_error(e: BaseException) -> tuple[str, str, str]:
             traceback.format_exc())
 
 
-def select_fields(value: Any, fields: tuple[str, ...] | None, source: "Source | TopShard | LocalShard") -> Any:
+def select_fields(value: Any, fields: tuple[str, ...] | None,
+                  source: "Source | TopShard | TopValue | LocalShard") -> Any:
     """`value`'s field selection `fields` (None: all of it), as a consumer and an awaiter
     see it; an error names `source`'s producer."""
     if fields is None:

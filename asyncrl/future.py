@@ -175,6 +175,10 @@ class GroupFuture(Generic[T]):
         if values is None or call._error is not None or not all(isinstance(m, tuple) and len(m) >= 5 for m in values):
             await self._call.value()  # a rank (or the controller) failed the call: raise its error
             raise AssertionError("a call whose metadata failed cannot succeed")  # pragma: no cover
+        # Every collected rank's reply arrived: its task returned the result with it (one task's returns are
+        # stored together), so the call is known to have finished successfully (``_Call.ok``): a later call
+        # takes its results as top-level arguments (asyncrl._deferred).
+        call.ok = True
         if not all(len(m) == 6 for m in values):
             raise TypeError(f"{call.group}.{call.method} was registered without summary fields "
                             "(@register(..., summary=('field', ...)))")

@@ -419,13 +419,18 @@ def _processes(world_size: int, ranks_per_process: int) -> int:
 
 
 def producers_of(args: Sequence[Any], kwargs: dict[str, Any]) -> "Sequence[_Call]":
-    """The calls whose futures are among a call's arguments (top level, or in a list)."""
+    """The calls whose futures are among a call's arguments (top level, in a list, or in the lists of a list: one
+    list per rank, as ``Dispatch.ALL_TO_ALL`` and the like take them)."""
     out: list[_Call] = []
     for x in (*args, *kwargs.values()):
         if isinstance(x, GroupFuture):
             out.append(x._call)
         elif isinstance(x, (list, tuple)):
-            out.extend(i._call for i in x if isinstance(i, GroupFuture))
+            for i in x:
+                if isinstance(i, GroupFuture):
+                    out.append(i._call)
+                elif isinstance(i, (list, tuple)):
+                    out.extend(j._call for j in i if isinstance(j, GroupFuture))
     return out or ()  # (most calls have none: no list kept per call)
 
 

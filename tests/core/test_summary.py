@@ -9,11 +9,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from asyncrl import Dispatch, RemoteError, Worker, colocate, register
+from asyncrl import Dispatch, RemoteError, UpstreamError, Worker, colocate, register
 from asyncrl.errors import RegistrationError
 
 from tests.core import kinds
 from tests.core.kinds import BACKENDS
+from tests.core.workers import PARTS
 
 
 class Scorer(Worker):
@@ -28,6 +29,12 @@ class Scorer(Worker):
     @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("score",))
     async def fail(self, batch: TensorDict) -> TensorDict:
         raise ValueError(f"rank {self.rank} cannot score")
+
+    @register(PARTS)
+    def totals(self, parts: list) -> TensorDict:
+        """Data-parallel over its own list of parts (each whole: pipelined futures): a row per part, its scores'
+        sum."""
+        return TensorDict({"total": torch.tensor([float(p["score"].sum()) for p in parts])}, batch_size=[len(parts)])
 
     @register(Dispatch.DP_COMPUTE)
     def plain(self, batch: TensorDict) -> TensorDict:
@@ -91,6 +98,33 @@ async def test_a_failed_call_raises_its_error_from_summary(backend, ray_cluster)
             await wg.plain(rows(2)).summary()
         with pytest.raises(TypeError, match="not a data-parallel call"):
             await wg.pid().summary()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_read_summary_makes_the_call_known_ok_its_value_then_goes_top_level(backend, ray_cluster):
+    """Every collected rank's reply arrived: the call finished successfully (its task returned the result with
+    it), so a later call takes its value as top-level arguments (the Ray backend), as one it awaited; a failed
+    call's summary marks nothing."""
+    async with kinds.group(backend, Scorer, world_size=2, name=f"summary-top-{backend}") as wg:
+        fut = wg.double.options(rank=1)(rows(3))
+        consumer = wg.totals([[fut], []])
+        assert kinds.top_from(consumer) is None  # not known ok yet: nested
+        assert (await consumer)["total"].tolist() == [6.0]
+        fut = wg.double.options(rank=1)(rows(3))
+        fetched = wg.stats.results_fetched
+        await fut.summary()
+        assert fut._call.ok and wg.stats.results_fetched == fetched  # known ok without fetching its result
+        consumer = wg.totals([[fut], [fut.select("score")]])
+        kinds.expect_top(wg, consumer, (wg.name, "double"))
+        assert (await consumer)["total"].tolist() == [6.0, 6.0]
+        failed = wg.fail.options(rank=0)(rows(2))
+        with pytest.raises(RemoteError, match="cannot score"):
+            await failed.summary()
+        assert not failed._call.ok
+        consumer = wg.totals([[failed], []])
+        assert kinds.top_from(consumer) is None
+        with pytest.raises(UpstreamError):
+            await consumer
 
 
 def test_summary_needs_field_names_and_a_data_parallel_mode():

@@ -93,6 +93,74 @@ async def test_known_ok_is_exact(groups):
     assert top_from(pair.inc(partly)) is None
 
 
+async def test_a_finished_call_to_one_rank_goes_top_level_whole(groups):
+    """A known-ok call to one rank (``options(rank=r)``), passed whole (an item of a rank's list: ``concat_shard``'s
+    way) into a data-parallel call: its value as top-level arguments (``TopValue``), the field selection applied;
+    not known ok, it stays nested. The same values either way."""
+    pair, _ = groups
+    await pair.get_log()
+    first, second = pair.tag.options(rank=0)(batch(3)), pair.tag.options(rank=1)(batch(5))
+    await asyncio.gather(first, second)
+    assert first._call.ok and second._call.ok
+    top = pair.sum_parts([[first, second.select("y")], [second]])
+    expect_top(pair, top, ("pair", "tag"))
+    got = await top
+    assert got["sum"].tolist() == [6, 20, 20] and got["rows"].tolist() == [3, 5, 5]
+    unread = pair.tag.options(rank=1)(batch(5))
+    mixed = pair.sum_parts([[first], [unread]])  # not known ok: nested; the known-ok one still goes top-level
+    expect_top(pair, mixed, ("pair", "tag"))
+    assert (await mixed)["sum"].tolist() == [6, 20]
+    never = pair.sum_parts([[pair.tag.options(rank=0)(batch(3))], [pair.tag.options(rank=0)(batch(2))]])
+    assert top_from(never) is None
+    assert (await never)["sum"].tolist() == [6, 2]
+    assert await pair.get_log() == [[6, 20, 6, 6], [20, 20, 2]]
+
+
+async def test_a_failed_call_to_one_rank_is_never_passed_top_level(groups):
+    pair, _ = groups
+    await pair.get_log()
+    b = batch(4)
+    b["y"] = b["x"] * 10
+    failed = pair.boom_on_rank.options(rank=1)(b, 1)
+    with pytest.raises(RemoteError, match="rank 1 failed"):
+        await failed
+    assert not failed._call.ok
+    ok = pair.tag.options(rank=0)(batch(2))
+    await ok
+    consumer = pair.sum_parts([[ok], [failed]])
+    expect_top(pair, consumer, ("pair", "tag"))  # the known-ok input only
+    with pytest.raises(UpstreamError) as info:
+        await consumer
+    e = info.value
+    assert (e.group, e.method, e.rank) == ("pair", "sum_parts", 1)
+    assert (e.upstream.group, e.upstream.method, e.upstream.rank) == ("pair", "boom_on_rank", 1)
+    assert await pair.record(3) == [3, 3]  # the lanes kept their order
+    assert await pair.get_log() == [[2, 3], [3]]  # rank 0 took its part; rank 1's call never ran
+
+
+async def test_cancel_of_a_call_with_top_level_values_waiting_for_its_turn(groups):
+    pair, _ = groups
+    if pair._hostset.backend.name != "ray":
+        pytest.skip("the top-level path is the Ray backend's")
+    await pair.get_log()
+    produced = pair.tag.options(rank=0)(batch(4))
+    await produced
+    holding = pair.block()
+    await until(lambda: _blocked(pair))
+    cancelled = pair.sum_parts([[produced], [produced]])
+    timed = pair.sum_parts.options(timeout=0.2)([[produced], [produced]])
+    assert top_from(cancelled) == top_from(timed) == (("pair", "tag"),)
+    assert cancelled.cancel()
+    with pytest.raises(CallCancelledError):
+        await cancelled
+    with pytest.raises(CallTimeoutError):
+        await timed
+    await pair.unblock()
+    assert await holding == [0, 1]
+    assert (await pair.sum_parts([[produced], [produced]]))["sum"].tolist() == [12, 12]
+    assert await pair.get_log() == [[12], [12]]  # the cancelled and timed-out calls never ran
+
+
 async def test_a_failed_producer_is_never_passed_top_level(groups):
     g, _ = groups
     await g.get_log()

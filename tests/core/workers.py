@@ -11,7 +11,8 @@ import time
 import torch
 from tensordict import TensorDict
 
-from asyncrl import Dispatch, Execute, Worker, register, register_dispatch_mode
+from asyncrl import Dispatch, DispatchMode, Execute, Worker, register, register_dispatch_mode
+from asyncrl.dispatch import collect_dp
 
 
 def _repeat_dispatch(world, xs):
@@ -35,6 +36,14 @@ def _short_pad_dispatch(world, x):
 
 SHORT_PAD = Dispatch.custom("short_pad", _short_pad_dispatch, _sum_collect)
 register_dispatch_mode(Dispatch.custom("named_repeat_pair", _repeat_dispatch, _sum_collect), replace=True)
+
+
+def _parts_dispatch(world, parts):
+    """Rank r gets ``parts[r]`` (a list, of futures too), as a streaming step's ``concat_shard`` takes its groups."""
+    return ([list(p) for p in parts],), {}
+
+
+PARTS = DispatchMode("parts", _parts_dispatch, collect_dp, data_parallel=True)
 
 
 FRAGILE_ENV = "ASYNCRL_TEST_FRAGILE"
@@ -304,6 +313,15 @@ class Probe(Worker):
         value = int(x) if not isinstance(x, list) else int(x[0])
         self.log.append(value)
         return value
+
+    @register(PARTS)
+    def sum_parts(self, parts: list) -> TensorDict:
+        """Ordered, data-parallel over its own list of parts (each whole: pipelined futures): logs each part's
+        ``y`` sum; a row per part (``sum``, ``rows``)."""
+        sums = [int(p["y"].sum()) for p in parts]
+        self.log.extend(sums)
+        return TensorDict({"sum": torch.tensor(sums), "rows": torch.tensor([p.batch_size[0] for p in parts])},
+                          batch_size=[len(parts)])
 
     @register()
     def get_log(self) -> list[int]:

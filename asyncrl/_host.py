@@ -538,8 +538,11 @@ class _LoopWork:
         self._done.set()
 
 
-def _summary(result: Any, fields: tuple[str, ...]) -> dict[str, Any]:
-    """The `fields` of a data-parallel `result` that it has (copies: a view would carry its whole storage)."""
+def _summary(result: Any, fields: Any) -> dict[str, Any]:
+    """The `fields` of a data-parallel `result` that it has (copies: a view would carry its whole storage), or
+    what the method's summary function (`fields` callable) gives of it."""
+    if callable(fields):
+        return {str(k): v for k, v in fields(result).items()}
     keys = result.keys() if hasattr(result, "keys") else ()
     return {f: result[f].clone() for f in fields if f in keys}
 

@@ -17,7 +17,7 @@ import functools
 import inspect
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Concatenate, Generic, Literal, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Generic, Literal, Mapping, ParamSpec, TypeVar, overload
 
 from asyncrl import dispatch as _d
 from asyncrl.errors import RegistrationError
@@ -199,9 +199,10 @@ class MethodSpec:
     mode: Mode
     is_async: bool
     signature: inspect.Signature
-    summary: tuple[str, ...] = ()
+    summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ()
     """Fields of the method's TensorDict result that also ride in the call's reply (its metadata), read by
-    :meth:`~asyncrl.GroupFuture.summary` without fetching the result."""
+    :meth:`~asyncrl.GroupFuture.summary` without fetching the result; or a function of the result giving such
+    per-row fields (computed in the worker)."""
 
 
 class RegisteredMethod(Generic[P, R_co, C_co]):
@@ -245,22 +246,22 @@ _Method = Callable[Concatenate[Any, P], R]
 @overload
 def register(
     dispatch_mode: ConcatMode, execute_mode: Literal[Execute.ALL] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
 @overload
 def register(
     dispatch_mode: ListMode | None = ..., execute_mode: Literal[Execute.ALL] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, list[R]]]: ...
 @overload
 def register(
     dispatch_mode: DispatchMode | str | None = ..., execute_mode: Literal[Execute.RANK_ZERO] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
 @overload
 def register(
     dispatch_mode: DispatchMode | str | None = ..., execute_mode: Execute = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: tuple[str, ...] = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, Any]]: ...
 def register(
     dispatch_mode: DispatchMode | str | None = None,
@@ -268,7 +269,7 @@ def register(
     *,
     mode: Mode | None = None,
     concurrent: bool | None = None,
-    summary: tuple[str, ...] = (),
+    summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = (),
 ) -> Callable[[Callable[..., Any]], RegisteredMethod[..., Any, Any]]:
     """Declare a worker method's group contract.
 
@@ -282,7 +283,9 @@ def register(
         summary: fields of a data-parallel method's TensorDict result (a few values per row) that also travel
             in the call's reply, so the controller reads them with :meth:`~asyncrl.GroupFuture.summary`
             without fetching the result (which stays in the object store for the calls it feeds). A field the
-            result lacks is left out.
+            result lacks is left out. Or a function of the result (a module-level function, run in the worker
+            after the method) that gives such fields, a mapping of name to per-row values (tensors of the
+            result's rows): small facts the controller needs of a result that is not among its fields.
 
     Keyword names follow verl's ``@register(dispatch_mode=..., execute_mode=...)``.
     """
@@ -298,8 +301,10 @@ def register(
     resolved_mode = mode if mode is not None else (Mode.CONCURRENT if concurrent else Mode.ORDERED)
     if not isinstance(resolved_mode, Mode):
         raise RegistrationError(f"mode must be an asyncrl.Mode, got {resolved_mode!r}")
-    if isinstance(summary, str) or not all(isinstance(f, str) and f for f in summary):
-        raise RegistrationError(f"summary must be a tuple of field names, got {summary!r}")
+    if callable(summary):
+        pass
+    elif isinstance(summary, str) or not all(isinstance(f, str) and f for f in summary):
+        raise RegistrationError(f"summary must be a tuple of field names or a function, got {summary!r}")
     if summary and not dm.data_parallel:
         raise RegistrationError(
             f"summary needs a data-parallel dispatch mode (its rows are the result's), got {dm.name}")
@@ -322,7 +327,7 @@ def register(
             mode=resolved_mode,
             is_async=is_async,
             signature=inspect.signature(fn),
-            summary=tuple(summary),
+            summary=summary if callable(summary) else tuple(summary),
         )
         return RegisteredMethod(fn, spec)
 

@@ -34,10 +34,14 @@ Figures per N (steady state: the steps after ``--warmup``):
   from the call's reply (``stream_rollout.SCORE_IN_GENERATE``): one Ray call per group; a step's take still
   scans every finished group at each finish, and a group's prompt rows are pickled by tensordict, a
   ``NonTensorData`` per text cell;
-* ``after``: the code: as ``before``, and a take that is not ready answers from its per-version counts
-  (``Admission._needs``), the prompt rows crossing as their columns (``_wire.TEXT_TENSORDICTS``).
+* ``columns``: as ``before``, and a take that is not ready answers from its per-version counts
+  (``Admission._needs``), the prompt rows crossing as their columns (``_wire.TEXT_TENSORDICTS``) (the rows named
+  ``after`` in docs/scale.md's tables before its section on top-level group results);
+* ``after``: the code: as ``columns``, and a step's ``concat_shard`` takes its groups' results as top-level Ray
+  arguments, not nested refs (``_call.TOP_VALUES``), and the step's ledger facts ride in its reply instead of a
+  ``ledger_rows`` call to every training rank (``run_journal.FACTS_IN_REPLY``).
 
-    python benchmarks/cluster_twin.py --variants before,after   # N = 1,4,16,64,256
+    python benchmarks/cluster_twin.py --variants columns,after   # N = 1,4,16,64,256
     python benchmarks/cluster_twin.py --variants unrouted,after --replicas 1,4,16,64   # the first fixes
     python benchmarks/cluster_twin.py --replicas 1,4 --steps 4 --warmup 1     # a quick look
     python benchmarks/cluster_twin.py --fixed-lengths --replicas 1,64,256      # no long tail: the controller alone
@@ -66,8 +70,8 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
-VARIANTS = ("unrouted", "routed", "sharded", "two-calls", "before", "after")
-CURRENT = ("two-calls", "before", "after")  # the variants with the tracer's amortised sweep and balance_batch
+VARIANTS = ("unrouted", "routed", "sharded", "two-calls", "before", "columns", "after")
+CURRENT = ("two-calls", "before", "columns", "after")  # the variants with the tracer's amortised sweep and balance_batch
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
@@ -260,18 +264,20 @@ def reach_times(syncs: list[Any], exports: dict[int, Any], warmup: int) -> list[
 
 def set_variant(variant: str) -> Any:
     """Make the controller run as `variant` (module docstring); returns the undo."""
-    from asyncrl import _wire
+    from asyncrl import _call, _wire
+    from asyncrl.pipelines.journaling import run_journal
     from asyncrl.pipelines.observe import trace
     from asyncrl.pipelines.rollout import stream_rollout as sr
     from asyncrl.pipelines.rollout.admission import Admission
 
     saved = sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch
-    kept = _wire.TEXT_TENSORDICTS, Admission._needs
+    kept = _wire.TEXT_TENSORDICTS, Admission._needs, _call.TOP_VALUES, run_journal.FACTS_IN_REPLY
     sr.ROUTE_GROUPS = variant != "unrouted"
     sr.SHARD_STEP_BATCH = variant in ("sharded", *CURRENT)
-    sr.SCORE_IN_GENERATE = variant in ("before", "after")
-    _wire.TEXT_TENSORDICTS = variant == "after"
-    if variant != "after":  # a take as it was: every finished group scanned at every try
+    sr.SCORE_IN_GENERATE = variant in ("before", "columns", "after")
+    _wire.TEXT_TENSORDICTS = variant in ("columns", "after")
+    _call.TOP_VALUES = run_journal.FACTS_IN_REPLY = variant == "after"
+    if variant not in ("columns", "after"):  # a take as it was: every finished group scanned at every try
         def needs(self: Any) -> dict[int, int]:
             B, k, p = self.groups_per_step, self.max_staleness, self.next_step
             return {u: max(0, self._untrained_upto(u) - max(0, u + k - p) * B) for u in sorted(self._by_v0)}
@@ -286,7 +292,7 @@ def set_variant(variant: str) -> Any:
 
     def undo() -> None:
         sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch = saved  # type: ignore[method-assign]
-        _wire.TEXT_TENSORDICTS, Admission._needs = kept  # type: ignore[method-assign]
+        _wire.TEXT_TENSORDICTS, Admission._needs, _call.TOP_VALUES, run_journal.FACTS_IN_REPLY = kept  # type: ignore[method-assign]
 
     return undo
 
@@ -377,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
     p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
     p.add_argument("--variants-upto", type=int, default=64,
-                   help="run the variants other than 'two-calls', 'before' and 'after' only up to this N (the "
+                   help="run the variants other than 'two-calls', 'before', 'columns' and 'after' only up to this N (the "
                         "unrouted code splits every group across every replica: at 256 a step takes many minutes)")
     p.add_argument("--fixed-lengths", action="store_true",
                    help="every response the profile's median length (no long tail): what the controller, Ray, "

@@ -35,7 +35,12 @@ if TYPE_CHECKING:
     from asyncrl.pipelines.loop.loop_state import LoopState
     from asyncrl.pipelines.loop.stages import Groups
 
-__all__ = ["RunJournal", "weights_digest"]
+__all__ = ["RunJournal", "weights_digest", "FACTS_IN_REPLY"]
+
+FACTS_IN_REPLY = True
+"""Read a streaming step's ledger facts from its ``concat_shard`` reply (``GroupFuture.summary``: the rows' facts ride
+in each rank's reply). False: ask every training rank with ``ledger_rows``, one call each, as before (the
+benchmark's earlier variants)."""
 
 
 log = structlog.get_logger("asyncrl.pipelines")
@@ -249,7 +254,10 @@ class RunJournal:
         if file is None or groups is None:
             return
         try:
-            call: Any = groups.advantage.ledger_rows(batch)
+            if FACTS_IN_REPLY and getattr(batch, "method", None) == "concat_shard":
+                call = batch.summary()  # a streaming step's shards: their rows' facts rode in its reply
+            else:
+                call = groups.advantage.ledger_rows(batch)
         except AttributeError:  # a custom advantage worker without the method
             call = RuntimeError("the advantage worker has no ledger_rows")
         except Exception as e:  # noqa: BLE001 - a group that takes no call (closed): the step goes unmeasured

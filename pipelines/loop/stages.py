@@ -136,12 +136,14 @@ class AdvantageWorker(Worker):
         :func:`asyncrl.pipelines.rollout.stream_batch.concat_groups`."""
         return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base)
 
-    @register(SHARDS)
+    @register(SHARDS, summary=row_facts)
     def concat_shard(self, parts: list[TensorDictBase], scores: list[TensorDictBase | None], *, pad_id: int,
                      uid_base: int, width: int) -> TensorDict:
         """Streaming rollout: this rank's shard of one step's batch, the groups of its chunk (their futures,
         fetched here) as :meth:`concat_groups` makes them, prompts padded to the step's `width`; the shards of
-        all ranks are one data-parallel batch (call it through :func:`concat_sharded`)."""
+        all ranks are one data-parallel batch (call it through :func:`concat_sharded`). Its rows' ledger facts
+        (:meth:`ledger_rows`) ride in the call's reply (``GroupFuture.summary``): the journal reads them there,
+        without a call of its own to every rank."""
         return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base, width=width)
 
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)

@@ -730,7 +730,7 @@ def scores_in_generate(generate: Any) -> bool:
     that records its engines' rounds) a score call follows it."""
     spec = getattr(generate, "spec", None)
     return (SCORE_IN_GENERATE and spec is not None and "compute_reward" in spec.signature.parameters
-            and "scores" in spec.summary)
+            and not callable(spec.summary) and "scores" in spec.summary)
 
 
 def handed_rows(error: BaseException) -> dict[str, dict[str, Any]]:

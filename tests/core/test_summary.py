@@ -17,6 +17,11 @@ from tests.core.kinds import BACKENDS
 from tests.core.workers import PARTS
 
 
+def _parity(result: TensorDict) -> dict[str, torch.Tensor]:
+    """A summary function: per row of the result, whether its ``sq`` is odd (computed in the worker)."""
+    return {"odd": result["sq"] % 2}
+
+
 class Scorer(Worker):
     """Scores rows; its ``double`` result is large (``big``) and small (``score``, ``rank``)."""
 
@@ -25,6 +30,10 @@ class Scorer(Worker):
         n = batch.batch_size[0]
         return TensorDict({"score": batch["x"].double() * 2, "rank": torch.full((n,), self.rank),
                            "big": torch.zeros(n, 4096)}, batch_size=[n])
+
+    @register(Dispatch.DP_COMPUTE, summary=_parity)
+    def square(self, batch: TensorDict) -> TensorDict:
+        return TensorDict({"sq": batch["x"] ** 2}, batch_size=batch.batch_size)
 
     @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("score",))
     async def fail(self, batch: TensorDict) -> TensorDict:
@@ -89,6 +98,16 @@ async def test_summary_fields_arrive_without_fetching_the_result_padding_left_ou
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_summary_function_gives_per_row_facts_of_the_result_padding_left_out(backend, ray_cluster):
+    async with kinds.group(backend, Scorer, world_size=2, name=f"summary-fn-{backend}") as wg:
+        fut = wg.square(rows(5))  # 3 + 3 rows, the last one padding
+        got = await fut.summary()
+        assert wg.stats.results_fetched == 0
+        assert set(got) == {"odd"} and got["odd"].tolist() == [0, 1, 0, 1, 0]
+        assert (await fut)["sq"].tolist() == [0, 1, 4, 9, 16]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_failed_call_raises_its_error_from_summary(backend, ray_cluster):
     async with kinds.group(backend, Scorer, world_size=2, name=f"summary-fail-{backend}") as wg:
         with pytest.raises(RemoteError, match="cannot score") as info:
@@ -128,7 +147,7 @@ async def test_a_read_summary_makes_the_call_known_ok_its_value_then_goes_top_le
 
 
 def test_summary_needs_field_names_and_a_data_parallel_mode():
-    with pytest.raises(RegistrationError, match="tuple of field names"):
+    with pytest.raises(RegistrationError, match="tuple of field names or a function"):
         register(Dispatch.DP_COMPUTE, summary="score")  # type: ignore[arg-type]
     with pytest.raises(RegistrationError, match="data-parallel dispatch mode"):
         register(Dispatch.ONE_TO_ALL, summary=("score",))

@@ -4,10 +4,11 @@ shard of its chunk of groups, and the shards are the batch ``concat_groups`` bui
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 
-from asyncrl import RayWorkerGroup
+from asyncrl import RayWorkerGroup, RemoteError
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
 
@@ -20,10 +21,12 @@ def _group(g: int, width: int) -> tuple[TensorDict, TensorDict]:
     mask[:, -1] = 1
     resp = torch.full((2, 3), 10 + g, dtype=torch.long)
     td = TensorDict({"prompt_ids": ids, "prompt_mask": mask, "response_ids": resp,
-                     "response_mask": torch.ones(2, 3, dtype=torch.long),
+                     "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
                      "input_ids": torch.cat([ids, resp], 1),
                      "attention_mask": torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
-                     "uid": torch.full((2,), 99)}, batch_size=[2])
+                     "uid": torch.full((2,), 99), "replica": torch.full((2,), g % 4),
+                     "version": torch.full((2,), g), "token_versions": torch.tensor([[g, g, g + 1], [g, g, -1]])},
+                    batch_size=[2])
     return td, TensorDict({"scores": torch.tensor([float(g), -float(g)])}, batch_size=[2])
 
 
@@ -76,3 +79,30 @@ def test_the_reward_returns_each_rows_response_length():
     out = scored(batch, torch.tensor([1.0, 0.0]))
     assert out["scores"].tolist() == [1.0, 0.0] and out["response_length"].tolist() == [2, 1]
     assert set(scored(TensorDict({}, batch_size=[2]), torch.zeros(2)).keys()) == {"scores"}
+
+
+async def test_the_shards_ledger_facts_ride_in_their_reply_as_ledger_rows_measures_them(ray_cluster):
+    """``concat_shard``'s reply carries its rows' ledger facts (``GroupFuture.summary``): what ``ledger_rows`` (a call
+    to every rank) gives, without that call; a rank that fails to build its shard raises its error there."""
+    async with RayWorkerGroup(AdvantageWorker, world_size=3, ranks_per_process=3, name="adv-facts") as adv:
+        g = Groups(rollout=None, reward=None, policy=None, advantage=adv)  # type: ignore[arg-type]
+        made = [_group(i, 1 + i % 3) for i in range(7)]
+        gens = [adv.echo.options(rank=i % 3)(td) for i, (td, _) in enumerate(made)]
+        scores = [adv.echo.options(rank=i % 3)(sc) for i, (_, sc) in enumerate(made)]
+        sharded = stages.concat_sharded(g, gens, scores, pad_id=0, uid_base=40, width=3)
+        calls = adv.stats.calls
+        facts = await sharded.summary()
+        assert adv.stats.calls == calls and adv.stats.results_fetched == 0  # no call, nothing fetched
+        measured = await adv.ledger_rows(sharded)
+        assert set(facts) == {"replica", "lo", "hi", "tokens"}
+        for key in facts:
+            assert torch.equal(facts[key], measured[key]), key
+        assert facts["replica"].tolist() == [i % 4 for i in range(7) for _ in range(2)]
+        assert facts["lo"].tolist() == [i for i in range(7) for _ in range(2)]
+        assert facts["hi"].tolist() == [x for i in range(7) for x in (i + 1, i)]
+        assert facts["tokens"].tolist() == [3, 2] * 7
+        # a group without scores in rank 1's chunk (groups 3, 4): that rank fails, and the facts with it
+        broken = stages.concat_sharded(g, gens, scores[:3] + [None] + scores[4:], pad_id=0, uid_base=40, width=3)
+        with pytest.raises(RemoteError, match="has no scores") as info:
+            await broken.summary()
+        assert (info.value.method, info.value.rank) == ("concat_shard", 1)

@@ -19,7 +19,11 @@ takes the value here. Three ways (the controller chooses: ``asyncrl._call.Inputs
   resolves top-level arguments itself (a small finished value is inlined into the task,
   a larger one is read from the local object store before the task starts): the
   ``.remote()`` takes Ray's fast path (no nested refs to account for) and the host needs
-  no fetch and no hand-off to its event loop.
+  no fetch and no hand-off to its event loop. The whole value of a known-ok call to one rank
+  (``options(rank=r)``: a streaming group's generate call), passed into a data-parallel call
+  (an item of its per-rank list: ``concat_shard``), goes the same way
+  (:class:`~asyncrl._wire.TopValue`: its output and ``(rows, pad)``, the padding stripped and the
+  producer's collect applied on the host, as the nested path does).
 * *local* (:class:`~asyncrl._wire.LocalShard`): a matched-layout shard of a producer that
   was an **ordered** call on the consumer rank's **own worker process** (colocated roles
   share one), consumed by an ordered call there. The data would otherwise go worker →

@@ -795,8 +795,9 @@ class Inputs:
             self.read.update(map(id, s.refs))
             if s.metas is not None:
                 self.read.update(map(id, s.metas))
-            if (TOP_VALUES and self.ok and len(s.refs) == 1 and s.data_parallel and s.metas is not None and s.collect is not None
-                    and id(s.refs[0]) in self.ok):  # a known-ok call to one rank: its whole value, top-level
+            # a known-ok call to one rank: its whole value, top-level
+            if (TOP_VALUES and self.ok and len(s.refs) == 1 and s.data_parallel and s.metas is not None
+                    and s.collect is not None and id(s.refs[0]) in self.ok):
                 self.top_from[(s.group, s.method)] = None
                 self.sent += 1
                 top.extend((s.refs[0], s.metas[0]))

@@ -69,7 +69,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 from asyncrl import batch as B
 from asyncrl._backend import public_error
 from asyncrl._lanes import shallow
-from asyncrl._wire import CallCancelled, DeferredShard, DeferredValue, LocalShard, Source, TopShard, TopValue, select_fields
+from asyncrl._wire import (CallCancelled, DeferredShard, DeferredValue, LocalShard, Source, TopShard, TopValue,
+                           select_fields)
 from asyncrl.errors import AsyncRLError, CallCancelledError, DispatchError, RemoteError, UpstreamError
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ import functools
 import inspect
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Concatenate, Generic, Literal, Mapping, ParamSpec, TypeVar, overload
+from typing import (TYPE_CHECKING, Any, Callable, Concatenate, Generic, Literal, Mapping, ParamSpec, TypeAlias,
+                    TypeVar, overload)
 
 from asyncrl import dispatch as _d
 from asyncrl.errors import RegistrationError
@@ -189,6 +190,11 @@ def get_dispatch_mode(mode: DispatchMode | str) -> DispatchMode:
     )
 
 
+Summary: TypeAlias = "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]"
+"""What ``register(summary=...)`` takes: field names of the result, or a function of the result giving per-row
+fields."""
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """The frozen contract of one registered method."""
@@ -199,7 +205,7 @@ class MethodSpec:
     mode: Mode
     is_async: bool
     signature: inspect.Signature
-    summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ()
+    summary: "Summary" = ()
     """Fields of the method's TensorDict result that also ride in the call's reply (its metadata), read by
     :meth:`~asyncrl.GroupFuture.summary` without fetching the result; or a function of the result giving such
     per-row fields (computed in the worker)."""
@@ -246,22 +252,22 @@ _Method = Callable[Concatenate[Any, P], R]
 @overload
 def register(
     dispatch_mode: ConcatMode, execute_mode: Literal[Execute.ALL] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "Summary" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
 @overload
 def register(
     dispatch_mode: ListMode | None = ..., execute_mode: Literal[Execute.ALL] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "Summary" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, list[R]]]: ...
 @overload
 def register(
     dispatch_mode: DispatchMode | str | None = ..., execute_mode: Literal[Execute.RANK_ZERO] = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "Summary" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, R]]: ...
 @overload
 def register(
     dispatch_mode: DispatchMode | str | None = ..., execute_mode: Execute = ..., *,
-    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = ...,
+    mode: Mode | None = ..., concurrent: bool | None = ..., summary: "Summary" = ...,
 ) -> Callable[[_Method[P, R]], RegisteredMethod[P, R, Any]]: ...
 def register(
     dispatch_mode: DispatchMode | str | None = None,
@@ -269,7 +275,7 @@ def register(
     *,
     mode: Mode | None = None,
     concurrent: bool | None = None,
-    summary: "tuple[str, ...] | Callable[[Any], Mapping[str, Any]]" = (),
+    summary: "Summary" = (),
 ) -> Callable[[Callable[..., Any]], RegisteredMethod[..., Any, Any]]:
     """Declare a worker method's group contract.
 

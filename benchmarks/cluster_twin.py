@@ -71,7 +71,7 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
 VARIANTS = ("unrouted", "routed", "sharded", "two-calls", "before", "columns", "after")
-CURRENT = ("two-calls", "before", "columns", "after")  # the variants with the tracer's amortised sweep and balance_batch
+CURRENT = ("two-calls", "before", "columns", "after")  # with the tracer's amortised sweep and balance_batch
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
@@ -292,7 +292,8 @@ def set_variant(variant: str) -> Any:
 
     def undo() -> None:
         sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch = saved  # type: ignore[method-assign]
-        _wire.TEXT_TENSORDICTS, Admission._needs, _call.TOP_VALUES, run_journal.FACTS_IN_REPLY = kept  # type: ignore[method-assign]
+        (_wire.TEXT_TENSORDICTS, Admission._needs,  # type: ignore[method-assign]
+         _call.TOP_VALUES, run_journal.FACTS_IN_REPLY) = kept
 
     return undo
 
@@ -383,8 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
     p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
     p.add_argument("--variants-upto", type=int, default=64,
-                   help="run the variants other than 'two-calls', 'before', 'columns' and 'after' only up to this N (the "
-                        "unrouted code splits every group across every replica: at 256 a step takes many minutes)")
+                   help="run the variants other than 'two-calls', 'before', 'columns' and 'after' only up to this N "
+                        "(the unrouted code splits every group across every replica: at 256 a step takes many minutes)")
     p.add_argument("--fixed-lengths", action="store_true",
                    help="every response the profile's median length (no long tail): what the controller, Ray, "
                         "admission and the weight sync do alone, without the workload's stragglers")

@@ -64,6 +64,40 @@ def test_a_bad_profile_is_refused_naming_the_key(tmp_path, edit, match):
         load_profile(_write(tmp_path, edit))
 
 
+def _shared(raw: dict, **devices) -> None:
+    raw["devices"] = {"kind": "shared", **{k: {"value": v, "source": "derived: a test"} for k, v in devices.items()}}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: r.update(devices={"kind": "gpu"}), "devices.kind must be 'separate' .* or 'shared' .*, got 'gpu'"),
+    (lambda r: _shared(r), r"devices.kind=shared needs devices.threads >= 1 .*, got 0"),
+    (lambda r: _shared(r, threads=1.5), "devices.threads.value must be a whole number, got 1.5"),
+    (lambda r: _shared(r, threads=1, work_per_s=0), r"devices.work_per_s must be in \(0, 10\] .*, got 0.0"),
+    (lambda r: r.update(devices={"threads": {"value": 2, "source": "x"}}),
+     "devices.threads and devices.work_per_s are for devices.kind=shared"),
+    (lambda r: r.update(devices={"kind": "shared", "cores": {"value": 2, "source": "x"}}),
+     "unknown key devices.cores"),
+    (lambda r: r.update(devices={"kind": "shared", "threads": 1}), "devices.threads must be a mapping"),
+])
+def test_a_bad_devices_section_is_refused_naming_the_key(tmp_path, edit, match):
+    with pytest.raises(ProfileError, match=match):
+        load_profile(_write(tmp_path, edit))
+
+
+def test_a_shared_devices_profile_loads_dumps_back_equal_and_burns_in_the_engine(tmp_path):
+    sep = load_profile("qwen2_7b_h100_vllm")
+    assert not sep.devices.shared and "devices" not in yaml.safe_load(Path(sep.path).read_text())  # the default
+    assert engine_kwargs(sep, TwinConfig(profile=sep.name))["burn_threads"] is None  # costs slept
+    p = load_profile(_write(tmp_path, lambda r: _shared(r, threads=2, work_per_s=0.75)))
+    assert (p.devices.kind, p.devices.threads, p.devices.work_per_s) == ("shared", 2, 0.75)
+    assert p.source("devices.threads") == "derived: a test"
+    again = load_profile(str(dump_profile(p, tmp_path / "again.yaml")))
+    assert again == p and again.sources == p.sources
+    kw = engine_kwargs(p, TwinConfig(profile=p.path, time_scale=0.01))
+    assert (kw["burn_threads"], kw["burn_work"]) == (2, 0.75)
+    assert kw["step_ms"] == pytest.approx(4.54 * 0.01)  # the costs are the profile's, burned instead of slept
+
+
 def test_an_unknown_profile_is_a_config_error_naming_the_shipped_ones():
     with pytest.raises(ConfigError, match=r"twin.profile='nope' is not a shipped profile .*qwen2_7b_h100_vllm"):
         load_config(None, ["twin.profile=nope"])

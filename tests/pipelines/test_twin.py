@@ -148,6 +148,21 @@ async def test_sixteen_replicas_train_every_group_once_within_the_staleness_boun
     assert ledger.ok and ledger.trained == 4 * t.batch_size and ledger.replicas == 16, ledger.render()
 
 
+async def test_a_shared_devices_twin_burns_its_costs_in_the_workers_and_trains_every_group_once(ray_cluster, tmp_path):
+    cfg = twin()  # the 7B profile, made a twin of shared cores: its costs burned on the workers' one thread each
+    cfg.twin.profile = _write(tmp_path, lambda r: _shared(r, threads=1, work_per_s=0.5))
+    t = cfg.trainer
+    t.steps, t.rollout_workers, t.batch_size, t.output_dir = 2, 2, 16, str(tmp_path / "run")
+    cfg.validate()
+    async with GRPOTrainer(cfg) as trainer:
+        history = await trainer.fit()
+        rollout = await trainer.groups.rollout.statistics()
+    assert [r["step"] for r in history] == [0, 1] and all(r["actor/gpu_s"] > 0 for r in history)
+    assert len(rollout) == 2 and all(r["sim_burned_s"] > 0 for r in rollout)  # each replica burned, none slept
+    ledger = check_ledger(tmp_path / "run")
+    assert ledger.ok and ledger.trained == 2 * t.batch_size, ledger.render()
+
+
 def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():
     from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
 

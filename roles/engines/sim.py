@@ -35,8 +35,10 @@ token, a finish reason) and models what decides a schedule's speed on a GPU:
   **burned** as real CPU work (:class:`Burner`: a loop of small torch ops on ``burn_threads`` intra-op threads,
   sized to take the cost when it runs alone), in a thread as a real engine's decoding runs. A stretch is then
   measured in seconds of work done, not on the clock: when other processes of the run (the training ranks,
-  the controller, other replicas) share the cores, it takes longer, as a CPU worker's generation does. A stretch
-  cut short by an event stops within half a millisecond of work and finishes its step. Weight loads burn too.
+  the controller, other replicas) share the cores, it takes longer, as a CPU worker's generation does. The
+  running requests' stretches burn in one thread call, each committed (its finished requests resolved) as it
+  ends; a request, pause or load arriving cuts the call within half a millisecond of work, and the step in
+  progress is finished. Weight loads burn too.
 
 Weight updates follow the rollout worker's protocol for request-level generation
 (``RolloutConfig.partial_rollout``, docs/partial_rollout.md). Without partial rollout the worker
@@ -673,29 +675,69 @@ class SimEngine:
         else:
             await asyncio.to_thread(self.burner.burn, seconds)
 
-    async def _burn(self, seconds: float, interruptible: bool) -> tuple[float, bool]:
-        """Burn `seconds` of work in a thread; ``(work done, cut short by :meth:`_poke`)``."""
+    async def _burn(self, seconds: float) -> None:
+        """Burn `seconds` of a step's cost in a thread (not cut short)."""
         assert self.burner is not None
-        stop = threading.Event() if interruptible else None
+        self._burned += await asyncio.to_thread(self.burner.burn, seconds)
+
+    def _plan_run(self, prefill: float) -> list[_Stretch]:
+        """Shared devices: the stretches the running requests go through until the last one ends, on a clock of
+        seconds of work from 0 (nothing new arriving: a request, a pause or a load ends the run at its next step
+        boundary). One stretch only while requests wait for a slot (they join when one ends), a load waits for a
+        round's end, the KV cache is bounded or `on_step` is set."""
+        if self._waiting or self._loads_waiting or self.kv_capacity is not None or self.on_step is not None:
+            return [self._plan(0.0, prefill)]
+        reqs = [(r.length - r.done, self._context(r)) for r in self._active]
+        out: list[_Stretch] = []
+        start, first = 0.0, prefill
+        while reqs:
+            R, C, n = len(reqs), sum(c for _, c in reqs), min(k for k, _ in reqs)
+            st = _Stretch(start, first, self.step_s + self.seq_s * R + self.kv_s * C, self.kv_s * R, n, R)
+            out.append(st)
+            start, first = st.end_of(n), 0.0
+            reqs = [(k - n, c + n) for k, c in reqs if k > n]
+        return out
+
+    def _burn_run(self, run: list[_Stretch], stop: threading.Event, commit: Callable[[int], None],
+                  loop: asyncio.AbstractEventLoop) -> tuple[int, float]:
+        """In a thread: burn `run`'s stretches one after the other, each committed on the loop as it ends (its
+        finished requests resolve then, without a return to the loop between stretches, as a real engine's
+        decoding thread runs on); ``(stretches done, work done)``, cut short when `stop` is set."""
+        assert self.burner is not None
+        done = 0.0
+        for i, st in enumerate(run):
+            done += self.burner.burn(st.end_of(st.n) - done, stop)
+            if stop.is_set():
+                return i, done
+            try:
+                loop.call_soon_threadsafe(commit, st.n)
+            except RuntimeError:  # the loop closed under the engine
+                return len(run), done
+        return len(run), done
+
+    async def _burn_stretch(self, prefill: float) -> None:
+        """Shared devices: burn the running requests' stretches (:meth:`_plan_run`) and commit their steps."""
+        run = self._plan_run(prefill)
+        mark = [time.monotonic()]
+
+        def commit(m: int) -> None:
+            self._commit(m, mark[0])
+            mark[0] = time.monotonic()
+
+        stop = threading.Event()
         self._burn_stop = stop
         try:
-            done = await asyncio.to_thread(self.burner.burn, seconds, stop)
+            i, done = await asyncio.to_thread(self._burn_run, run, stop, commit, asyncio.get_running_loop())
         finally:
             self._burn_stop = None
         self._burned += done
-        return done, stop is not None and stop.is_set()
-
-    async def _burn_stretch(self, prefill: float) -> int:
-        """Shared devices: burn the next stretch (its clock counts seconds of work, from 0); the steps done."""
-        st = self._plan(0.0, prefill)
-        done, cut = await self._burn(st.end_of(st.n), True)
-        if not cut:
-            return st.n
-        m = st.steps_by(done)
-        if m < st.n:  # the step in progress ends first
-            m += 1
-            await self._burn(st.end_of(m) - done, False)
-        return m
+        if i < len(run):  # cut short: the step in progress ends first
+            st = run[i]
+            m = st.steps_by(done)
+            if m < st.n:
+                m += 1
+                await self._burn(st.end_of(m) - done)
+            commit(m)
 
     async def _drive(self) -> None:
         while True:
@@ -720,8 +762,7 @@ class SimEngine:
                         prefill += self.prefill_s + sum(self._context(r) for r in self._active) * self.prefill_token_s
                         self._prefill_due = False
                         self._prefills += 1
-                    m = await self._burn_stretch(prefill)
-                    self._commit(m, now)
+                    await self._burn_stretch(prefill)
                     continue
                 if self._clock is None or now - self._clock > self.catchup_s:
                     self._clock = now  # idle before this step (or too late to catch up)

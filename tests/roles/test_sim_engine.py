@@ -373,3 +373,20 @@ def test_a_burner_does_the_work_of_its_cost_and_stops_when_asked():
         Burner(work=0.0)
     with pytest.raises(ValueError, match="threads >= 1"):
         Burner(threads=0)
+
+
+def test_a_shared_device_engine_burns_a_batch_stretch_by_stretch_as_its_rows_end():
+    kw = dict(max_batch_size=8, median_tokens=6.0, sigma=1.0, step_ms=1.0, step_ms_per_seq=0.5)
+    out1, st1 = _run(_engine(**kw), 5, seed=11)
+    burned = _engine(**kw, burn_threads=1)
+    burner = burned.burner = _CountingBurner()
+    out2, st2 = _run(burned, 5, seed=11)
+    assert [c.response_ids for c in out1] == [c.response_ids for c in out2] and st1.steps == st2.steps
+    lengths = sorted(len(c.response_ids) for c in out2)
+    # one burn per stretch between two rows' ends, each of its steps costing 1 ms + 0.5 ms x the rows still running
+    want, prev = [], 0
+    for i, n in enumerate(lengths):
+        if n > prev:
+            want.append((n - prev) * (1.0 + 0.5 * (5 - i)) / 1e3)
+            prev = n
+    assert [s for s, _ in burner.calls] == pytest.approx(want) and all(stoppable for _, stoppable in burner.calls)

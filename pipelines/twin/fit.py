@@ -8,6 +8,8 @@ What each number is fitted from (every source line of the written profile says i
                                                 + prefill; least squares over the calls (per_seq needs runs with
                                                 different rows per rank, e.g. 1 and 2 rollout workers; else 0)
     rollout.prefill_ms_per_token                the calls' constant part over their prompt tokens
+    rollout.join_round_steps                    the runs' engine: hf (the request-level batcher) joins requests
+                                                between rounds of rollout.chunk_tokens; another, at every step (0)
     rollout.weight_pull_gb_per_s, _load_gb_per_s
     training.export_gb_per_s                    set high: a twin of the run moves the run's own weights for real
                                                 (its training ranks export the run's model as their stand-in), so
@@ -95,6 +97,8 @@ class RunCosts:
     lengths: list[int] = field(default_factory=list)
     """Response tokens of every trained row."""
     max_staleness: int = 0
+    join_round_steps: int = 0
+    """The HF request batcher's rounds (``rollout.chunk_tokens``) when the run's engine is ``hf``, else 0."""
     threads: int = 1
     """Torch intra-op threads of the run's workers (``model.num_threads`` resolved as the workers do)."""
 
@@ -162,6 +166,7 @@ def run_costs(run: str | Path, *, skip: int = 1) -> RunCosts:
     n_train = int(t.train_workers)
     rc = RunCosts(str(path), t.rollout_mode, n_roll, n_train, params, weight_bytes, prompt,
                   int(cfg.rollout.max_new_tokens), max_staleness=int(t.max_staleness),
+                  join_round_steps=int(cfg.rollout.chunk_tokens) if cfg.rollout.engine == "hf" else 0,
                   threads=_threads(cfg.model.num_threads, t.cpus_per_worker))
     by_batch = {int(st["batch"]): s for s, st in data.steps.items()}
     tokens_of = {s: r["tokens"] for s, r in rows.items() if "tokens" in r}
@@ -330,6 +335,11 @@ def fit_profile(runs: list[str | Path], *, name: str | None = None, skip: int = 
                                                                " (one rows-per-rank value seen: not separable, 0)"),
         "rollout.decode_ms_per_1k_kv": f"{src}: not separable from the step cost on this machine (0)",
         "rollout.prefill_ms_per_token": f"{src}: the same fit (the calls' constant part per prompt token)",
+        "rollout.join_round_steps": (f"{src}: the runs' rollout.engine=hf: its request-level batcher runs rounds of "
+                                     f"rollout.chunk_tokens={base.join_round_steps} tokens and requests join "
+                                     "between them" if base.join_round_steps else
+                                     f"{src}: the runs' engine batches continuously (0: a request joins at the "
+                                     "next step)"),
         "rollout.weight_pull_gb_per_s": f"{src}: one machine, no network hop (set high)",
         "rollout.weight_load_gb_per_s": f"{src}: set high: the twin loads the run's own weights for real (mean "
                                         f"weight_sync span measured {load_s * 1e3:.1f} ms for {weight_gb:.4f} GB)",
@@ -367,7 +377,7 @@ def fit_profile(runs: list[str | Path], *, name: str | None = None, skip: int = 
         rollout=RolloutCosts(gpus=1, max_num_seqs=max(1024, max(n for _, n, _, _ in gen)), kv_cache_tokens=10**9,
                              decode_base_ms=step_s * 1e3, decode_ms_per_seq=seq_s * 1e3, decode_ms_per_1k_kv=0.0,
                              prefill_ms_per_token=prefill_s * 1e3, weight_pull_gb_per_s=1e6,
-                             weight_load_gb_per_s=1e6),
+                             weight_load_gb_per_s=1e6, join_round_steps=base.join_round_steps),
         training=TrainCosts(gpus=1, peak_tflops=2 * params / per_token / 1e12, mfu=1.0,
                             hbm_gb_per_s=params * OPT_BYTES / (base.train_ranks * opt_s) / 1e9,
                             optimizer_bytes_per_param=OPT_BYTES,

@@ -128,6 +128,10 @@ class RolloutCosts:
     """Rate at which a replica pulls a weight version from the trainer's copy, GB/s."""
     weight_load_gb_per_s: float
     """Rate at which a replica loads pulled weights into its engine, GB/s."""
+    join_round_steps: int = 0
+    """0 (vLLM's continuous batching, the default): a request joins at the next decoding step. n > 0: requests
+    join only when the running round ends (every request in it finished or n steps run), as in the request-level
+    HF engine (``rollout.chunk_tokens``); a load then waits for the round's end too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,7 +351,8 @@ def _check_values(where: str, p: Profile) -> None:
     for key, v in positive.items():
         if not v > 0:
             raise ProfileError(f"{where}: {key} must be > 0, got {v}")
-    non_negative = {"rollout.decode_base_ms": p.rollout.decode_base_ms,
+    non_negative = {"rollout.join_round_steps": p.rollout.join_round_steps,
+                    "rollout.decode_base_ms": p.rollout.decode_base_ms,
                     "rollout.decode_ms_per_seq": p.rollout.decode_ms_per_seq,
                     "rollout.decode_ms_per_1k_kv": p.rollout.decode_ms_per_1k_kv,
                     "rollout.prefill_ms_per_token": p.rollout.prefill_ms_per_token,
@@ -454,6 +459,7 @@ def engine_kwargs(profile: Profile, tw: TwinConfig) -> dict[str, Any]:
         "prompt_sigma": lm.prompt_sigma,
         "burn_threads": profile.devices.threads if profile.devices.shared else None,
         "burn_work": profile.devices.work_per_s,
+        "join_rounds": r.join_round_steps > 0,
         "catchup_ms": 500.0,  # a loaded machine's late wake-ups are caught up, not added to the run
     }
     if lm.kind == "histogram":

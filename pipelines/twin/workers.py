@@ -165,10 +165,11 @@ class TwinReward(Worker):
 
 def twin_rollout(job: Any, rollout: Any) -> Any:
     """`rollout` (the run's ``RolloutConfig``) on the cost-model engine of ``job.twin``'s profile: ``engine=sim``,
-    its costs, the response cap in ids; loads land at the next engine step (``round_steps`` 1)."""
+    its costs, the response cap in ids; loads land at the next engine step (``round_steps`` 1), or at the
+    running round's end when the profile's requests join at round ends (``rollout.join_round_steps``)."""
     tw = job.twin
     profile = load_profile(str(tw.profile))
-    kwargs = {**engine_kwargs(profile, tw), "round_steps": 1}
+    kwargs = {**engine_kwargs(profile, tw), "round_steps": profile.rollout.join_round_steps or 1}
     return replace(rollout, engine="sim", engine_kwargs=kwargs, max_new_tokens=max_new_ids(profile, tw),
                    model_dir=rollout.model_dir or "unused-by-the-sim-engine")
 

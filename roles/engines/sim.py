@@ -11,6 +11,10 @@ token, a finish reason) and models what decides a schedule's speed on a GPU:
   requests holding C context tokens (prompt + tokens so far): the weights are read once per step whatever the
   batch (``step_ms``), each request adds its own work, attention reads the KV cache. With the defaults (only
   ``step_ms``) a step of 1 request and a step of 64 cost the same: decoding is memory-bound.
+* **Joining**: a request joins at the next step boundary (vLLM's continuous batching), or, with
+  ``join_rounds``, only when the running *round* ends (every request in it finished, or ``round_steps`` steps
+  run): the request-level HF engine's rounds (``RequestBatcher``, ``rollout.chunk_tokens``), where a request
+  arriving mid-round waits for the round to end and slots freed mid-round stay empty.
 * **Prefill**: a request admitted to a step adds ``prefill_ms_per_token`` per prompt token to it (chunked
   prefill rides along with decoding).
 * **KV cache**: with ``kv_capacity_tokens`` set, a request is admitted only while the running requests'
@@ -308,6 +312,7 @@ class SimEngine:
         burn_threads: burn the costs as CPU work on this many torch threads instead of sleeping them (shared
             devices, module docstring); None: sleep.
         burn_work: seconds of work alone per second of cost (:class:`Burner`'s `work`).
+        join_rounds: requests join only when the running round ends (module docstring); False: at the next step.
     """
 
     partial_rollout_modes = ("keep", "recompute")
@@ -320,7 +325,7 @@ class SimEngine:
                  prefill_ms_per_token: float = 0.0, kv_capacity_tokens: int | None = None,
                  tokens_per_step: int = 1, prompt_tokens: int | None = None, prompt_sigma: float = 0.0,
                  length_histogram: tuple[list[float], list[float]] | None = None,
-                 burn_threads: int | None = None, burn_work: float = 1.0) -> None:
+                 burn_threads: int | None = None, burn_work: float = 1.0, join_rounds: bool = False) -> None:
         if step_ms < 0 or max_batch_size < 1 or median_tokens < 1 or sigma < 0 or round_steps < 1:
             raise ValueError(f"SimEngine needs step_ms >= 0, max_batch_size >= 1, median_tokens >= 1, sigma >= 0 and "
                              f"round_steps >= 1; got {step_ms}, {max_batch_size}, {median_tokens}, {sigma}, {round_steps}")
@@ -348,6 +353,7 @@ class SimEngine:
         self.load_s = load_ms / 1e3
         self.prefill_s = prefill_ms / 1e3
         self.round_steps = round_steps
+        self.join_rounds = join_rounds
         self.catchup_s = catchup_ms / 1e3
         self.vocab = len(tokenizer) if tokenizer is not None else 256
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -593,7 +599,8 @@ class SimEngine:
         self._peak = max(self._peak, len(self._waiting) + len(self._active))
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive(), name="asyncrl-sim-engine")
-        self._poke()
+        if not (self.join_rounds and self._active):  # (mid-round it joins at the round's end: nothing to cut)
+            self._poke()
         return future
 
     def _context(self, r: _Request) -> int:
@@ -606,6 +613,11 @@ class SimEngine:
         self._active = [r for r in self._active if not r.future.done()]
         self._waiting = [r for r in self._waiting if not r.future.done()]
         cost = 0.0
+        if self.join_rounds:
+            if not self._active:
+                self._round_pos = 0  # the round ended with its last request: the next starts now
+            elif self._round_pos:
+                return cost  # mid-round: the waiting requests join when it ends
         if not self._waiting or len(self._active) >= self.max_batch_size:
             return cost
         used = sum(self._context(r) for r in self._active) if self.kv_capacity is not None else 0
@@ -685,7 +697,10 @@ class SimEngine:
         seconds of work from 0 (nothing new arriving: a request, a pause or a load ends the run at its next step
         boundary). One stretch only while requests wait for a slot (they join when one ends), a load waits for a
         round's end, the KV cache is bounded or `on_step` is set."""
-        if self._waiting or self._loads_waiting or self.kv_capacity is not None or self.on_step is not None:
+        joins_later = self.join_rounds and all(r.length - r.done <= self.round_steps - self._round_pos
+                                               for r in self._active)  # the round ends with its last request
+        if ((self._waiting and not joins_later) or self._loads_waiting or self.kv_capacity is not None
+                or self.on_step is not None):
             return [self._plan(0.0, prefill)]
         reqs = [(r.length - r.done, self._context(r)) for r in self._active]
         out: list[_Stretch] = []

@@ -56,6 +56,8 @@ def _write(tmp_path, edit) -> str:
     (lambda r: r["rollout"]["max_num_seqs"].update(value=2.5), "rollout.max_num_seqs.value must be a whole number"),
     (lambda r: r["rollout"]["kv_cache_tokens"].update(value=100), "cannot hold one request"),
     (lambda r: r["lengths"].update(kind="gamma"), "lengths.kind must be 'lognormal' or 'histogram'"),
+    (lambda r: r["rollout"].update(join_round_steps={"value": -1, "source": "x"}),
+     "rollout.join_round_steps must be >= 0, got -1"),
     (lambda r: r["lengths"].update(kind="histogram", edges={"value": [1, 10], "source": "x"},
                                    counts={"value": [1, 2], "source": "x"}), "one more entry than"),
 ])
@@ -87,7 +89,8 @@ def test_a_bad_devices_section_is_refused_naming_the_key(tmp_path, edit, match):
 def test_a_shared_devices_profile_loads_dumps_back_equal_and_burns_in_the_engine(tmp_path):
     sep = load_profile("qwen2_7b_h100_vllm")
     assert not sep.devices.shared and "devices" not in yaml.safe_load(Path(sep.path).read_text())  # the default
-    assert engine_kwargs(sep, TwinConfig(profile=sep.name))["burn_threads"] is None  # costs slept
+    kw = engine_kwargs(sep, TwinConfig(profile=sep.name))
+    assert kw["burn_threads"] is None and kw["join_rounds"] is False  # costs slept; vLLM's continuous batching
     p = load_profile(_write(tmp_path, lambda r: _shared(r, threads=2, work_per_s=0.75)))
     assert (p.devices.kind, p.devices.threads, p.devices.work_per_s) == ("shared", 2, 0.75)
     assert p.source("devices.threads") == "derived: a test"

@@ -85,6 +85,8 @@ def test_a_fit_to_runs_with_known_costs_gives_those_costs_back(tmp_path):
     # steps 1..5 of both runs, 8 rows each: lengths 2, 3, 4, 1, 3
     assert lm.counts == (16.0, 16.0, 32.0, 16.0)
     assert "fitted (asyncrl profile) from the runs one, two, steps >= 1" in p.source("rollout.decode_base_ms")
+    assert r.join_round_steps == 32  # the HF engine's request batcher: requests join between rounds of chunk_tokens
+    assert "rollout.chunk_tokens=32" in p.source("rollout.join_round_steps")
 
 
 def test_one_rows_per_rank_value_fits_no_per_row_cost_and_says_so(tmp_path):

@@ -390,3 +390,25 @@ def test_a_shared_device_engine_burns_a_batch_stretch_by_stretch_as_its_rows_end
             want.append((n - prev) * (1.0 + 0.5 * (5 - i)) / 1e3)
             prev = n
     assert [s for s, _ in burner.calls] == pytest.approx(want) and all(stoppable for _, stoppable in burner.calls)
+
+
+@pytest.mark.parametrize("join_rounds, steps", [(False, 6), (True, 8)])
+def test_with_join_rounds_a_request_arriving_mid_round_waits_for_the_round_to_end(join_rounds, steps):
+    eng = _engine(max_batch_size=4, median_tokens=4.0, sigma=0.0, join_rounds=join_rounds)  # rows of 4 tokens
+    params = SamplingParams(max_new_tokens=64, seed=0)
+    later: list[asyncio.Future] = []
+
+    def on_step(step: int) -> None:
+        if step == 1:  # a request arrives during the second step (its task runs once the step has started)
+            later.append(asyncio.ensure_future(eng.generate([[1, 2]], params)))
+
+    eng.on_step = on_step
+
+    async def main():
+        first = await eng.generate([[1, 2]], params)
+        second = await later[0]
+        return first, second, eng.statistics()
+
+    a, b, st = asyncio.run(main())
+    assert len(a[0].response_ids) == len(b[0].response_ids) == 4 and st.slots_used == 8
+    assert st.steps == steps  # continuous: it joins at step 3 (6 steps); in rounds: after the first row's 4

@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", required=True, metavar="FILE.yaml", help="the profile to write")
     f.add_argument("--name", help="the profile's name (default fitted_<first run>)")
     f.add_argument("--skip", type=int, default=1, metavar="N", help="warm-up steps left out (default 1)")
+    f.add_argument("--devices", choices=("separate", "shared"), default="separate",
+                   help="separate (default): a device per simulated GPU, costs slept; shared: a twin of CPU runs on "
+                        "this machine, costs burned on its shared cores (fit runs at trainer.max_staleness=0)")
+    f.add_argument("--twins", nargs="+", metavar="TWIN_RUN", default=None,
+                   help="devices shared: twin runs of the RUNs (in order) made with a shared profile of them, to "
+                        "calibrate devices.work_per_s (the work in each measured second)")
     n = sub.add_parser("plan", help="the best configurations for a GPU budget, from short cluster-twin runs",
                        description="Search the rollout/training split, max_staleness, the rollout mode and the "
                                    "concurrency with short twin runs of PROFILE (docs/scale.md) and print the best "
@@ -199,7 +205,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     """``asyncrl profile``: exit 0 with the profile written, 2 when the runs cannot be fitted."""
     try:
-        p = write_fitted(args.runs, args.out, name=args.name, skip=args.skip)
+        p = write_fitted(args.runs, args.out, name=args.name, skip=args.skip, devices=args.devices, twins=args.twins)
     except (ConfigError, OSError) as e:
         _say("asyncrl profile", str(e))
         return 2

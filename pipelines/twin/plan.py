@@ -319,6 +319,10 @@ def run_plan(profile: str, gpus: int, *, batch_size: int = 1024, group_size: int
     import tempfile
 
     p = load_profile(profile)
+    if p.devices.shared:
+        raise ValueError(f"{profile!r} is a twin of CPU workers sharing this machine's cores (devices.kind=shared): "
+                         "its candidates would all burn the same cores, so GPU counts mean nothing; plan with a "
+                         "profile of separate devices (fit it without --devices shared)")
     if isinstance(gpus, bool) or gpus < p.rollout.gpus + p.training.gpus:
         raise ValueError(f"--gpus {gpus} cannot hold a rollout replica ({p.rollout.gpus} GPUs) and a training rank "
                          f"({p.training.gpus}); give at least {p.rollout.gpus + p.training.gpus}")

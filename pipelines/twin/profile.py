@@ -15,6 +15,7 @@ comes from. Text fields (``name``, ``description``, ``lengths.kind``) are plain.
     lengths:    kind (lognormal | histogram), prompt_tokens, max_new_tokens,
                 median, sigma, prompt_sigma                   (lognormal)
                 edges, counts                                 (histogram: tokens, a count per bin)
+    devices:    kind (separate | shared), threads, work_per_s (optional; absent: separate)
 
 What the twin makes of them (docs/scale.md, "What is real, what is simulated"):
 
@@ -27,7 +28,13 @@ What the twin makes of them (docs/scale.md, "What is real, what is simulated"):
   the optimizer ``params * optimizer_bytes_per_param / (ranks * hbm_gb_per_s)``, an export
   ``weight_gb / export_gb_per_s``;
 * a response's length is drawn from ``lengths`` by the request's seed; ``prompt_sigma`` spreads each prompt's
-  median (a prompt's responses share its difficulty).
+  median (a prompt's responses share its difficulty);
+* ``devices.kind`` says where those costs run. ``separate`` (the default, every shipped profile): each simulated
+  GPU is a device of its own, a cost is slept and simulated work never contends. ``shared``: the simulated
+  workers share this machine's CPU cores with each other and with the rest of the run, as CPU workers do; a cost
+  is burned as real CPU work on ``devices.threads`` torch threads, ``devices.work_per_s`` seconds of work alone
+  per second of cost (:class:`~asyncrl.roles.engines.sim.Burner`), so contention shows as it does for real. A
+  profile fitted to CPU runs on one machine (``asyncrl profile --devices shared``) is a twin of that machine.
 
 Profiles ship in ``profiles/`` (:data:`PROFILES`); a user's own is a path. :func:`load_profile` reads and checks
 one; :func:`dump_profile` writes one (a profile fitted from a run writes the same schema).
@@ -46,7 +53,7 @@ import yaml
 from asyncrl.pipelines.job.configlib import ConfigError
 from asyncrl.roles.fields import MAX_SEED, MAX_WORKERS, Range, Section
 
-__all__ = ["TwinConfig", "Profile", "ModelSize", "RolloutCosts", "TrainCosts", "LengthModel", "ProfileError",
+__all__ = ["TwinConfig", "Profile", "ModelSize", "RolloutCosts", "TrainCosts", "LengthModel", "Devices", "ProfileError",
            "PROFILES", "load_profile", "dump_profile", "profile_names", "check_twin"]
 
 HERE = Path(__file__).resolve().parent / "profiles"
@@ -121,6 +128,10 @@ class RolloutCosts:
     """Rate at which a replica pulls a weight version from the trainer's copy, GB/s."""
     weight_load_gb_per_s: float
     """Rate at which a replica loads pulled weights into its engine, GB/s."""
+    join_round_steps: int = 0
+    """0 (vLLM's continuous batching, the default): a request joins at the next decoding step. n > 0: requests
+    join only when the running round ends (every request in it finished or n steps run), as in the request-level
+    HF engine (``rollout.chunk_tokens``); a load then waits for the round's end too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +175,26 @@ class LengthModel:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Devices:
+    """Where the simulated work runs (module docstring); the section is optional."""
+
+    kind: Literal["separate", "shared"] = "separate"
+    """``separate``: a device per simulated GPU, costs slept (a GPU cluster). ``shared``: the workers share this
+    machine's CPU cores with the rest of the run, costs burned as CPU work (a twin of CPU workers here)."""
+    threads: int = 0
+    """shared: torch intra-op threads each simulated worker burns on (the real workers' count); separate: unset."""
+    work_per_s: float = 1.0
+    """shared: seconds of work alone in each second of a cost (a cost measured in a run holds the contention of the
+    run's own processes and the machine's other jobs: burned on the same cores it would count them twice; the fit
+    calibrates it from a twin of the calibration runs); separate: unset."""
+
+    @property
+    def shared(self) -> bool:
+        """True when the costs are burned on shared cores."""
+        return self.kind == "shared"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """What one GPU replica of a public setup costs (module docstring); :func:`load_profile` builds it."""
 
@@ -175,6 +206,8 @@ class Profile:
     rollout: RolloutCosts
     training: TrainCosts
     lengths: LengthModel
+    devices: Devices = field(default_factory=Devices)
+    """Where the costs run (absent from a file: separate devices)."""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     """``{dotted key: where the number comes from}`` for every number."""
     path: str = field(default="", compare=False)
@@ -186,8 +219,9 @@ class Profile:
 
 
 _SECTIONS: dict[str, type] = {"model": ModelSize, "rollout": RolloutCosts, "training": TrainCosts,
-                              "lengths": LengthModel}
-_TEXT = {"lengths.kind"}
+                              "lengths": LengthModel, "devices": Devices}
+_OPTIONAL = {"devices"}
+_TEXT = {"lengths.kind", "devices.kind"}
 
 
 def profile_names() -> list[str]:
@@ -245,7 +279,8 @@ def _load(path: Path) -> Profile:
         if not isinstance(data.get(key), str) or not data[key].strip():
             raise ProfileError(f"{where}: {key} must be a non-empty string")
     sources: dict[str, str] = {}
-    sections = {name: _section(where, name, cls, data.get(name), sources) for name, cls in _SECTIONS.items()}
+    sections = {name: _section(where, name, cls, data.get(name), sources) for name, cls in _SECTIONS.items()
+                if name not in _OPTIONAL or name in data}
     profile = Profile(name=data["name"], description=data["description"], sources=sources, path=str(path),
                       **sections)
     _check_values(where, profile)
@@ -316,7 +351,8 @@ def _check_values(where: str, p: Profile) -> None:
     for key, v in positive.items():
         if not v > 0:
             raise ProfileError(f"{where}: {key} must be > 0, got {v}")
-    non_negative = {"rollout.decode_base_ms": p.rollout.decode_base_ms,
+    non_negative = {"rollout.join_round_steps": p.rollout.join_round_steps,
+                    "rollout.decode_base_ms": p.rollout.decode_base_ms,
                     "rollout.decode_ms_per_seq": p.rollout.decode_ms_per_seq,
                     "rollout.decode_ms_per_1k_kv": p.rollout.decode_ms_per_1k_kv,
                     "rollout.prefill_ms_per_token": p.rollout.prefill_ms_per_token,
@@ -350,6 +386,21 @@ def _check_values(where: str, p: Profile) -> None:
             raise ProfileError(f"{where}: lengths.counts must be >= 0 and not all 0, got {list(lm.counts)}")
     else:
         raise ProfileError(f"{where}: lengths.kind must be 'lognormal' or 'histogram', got {lm.kind!r}")
+    d = p.devices
+    if d.kind == "shared":
+        if d.threads < 1:
+            raise ProfileError(f"{where}: devices.kind=shared needs devices.threads >= 1 (the torch threads each "
+                               f"simulated worker burns its costs on: the real workers' count), got {d.threads}")
+        if not 0 < d.work_per_s <= 10:
+            raise ProfileError(f"{where}: devices.work_per_s must be in (0, 10] (seconds of work alone per second "
+                               f"of cost), got {d.work_per_s}")
+    elif d.kind == "separate":
+        if d != Devices():
+            raise ProfileError(f"{where}: devices.threads and devices.work_per_s are for devices.kind=shared "
+                               "(separate devices sleep their costs); remove them or set devices.kind: shared")
+    else:
+        raise ProfileError(f"{where}: devices.kind must be 'separate' (a device per simulated GPU: costs slept) or "
+                           f"'shared' (the run's CPU cores: costs burned), got {d.kind!r}")
 
 
 def dump_profile(profile: Profile, path: str | Path) -> Path:
@@ -357,6 +408,8 @@ def dump_profile(profile: Profile, path: str | Path) -> Path:
     out: dict[str, Any] = {"name": profile.name, "description": profile.description}
     for name in _SECTIONS:
         section = getattr(profile, name)
+        if name in _OPTIONAL and section == _SECTIONS[name]():
+            continue  # (the defaults: files without the section read the same)
         entries: dict[str, Any] = {}
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
@@ -404,6 +457,9 @@ def engine_kwargs(profile: Profile, tw: TwinConfig) -> dict[str, Any]:
         "prompt_tokens": lm.prompt_tokens, "load_ms": weight_s * 1e3 * s, "prefill_ms": 0.0,
         "median_tokens": lm.median if lm.kind == "lognormal" else 16.0, "sigma": lm.sigma,
         "prompt_sigma": lm.prompt_sigma,
+        "burn_threads": profile.devices.threads if profile.devices.shared else None,
+        "burn_work": profile.devices.work_per_s,
+        "join_rounds": r.join_round_steps > 0,
         "catchup_ms": 500.0,  # a loaded machine's late wake-ups are caught up, not added to the run
     }
     if lm.kind == "histogram":

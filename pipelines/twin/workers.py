@@ -5,7 +5,9 @@
   twice that, the optimizer ``params * bytes / (ranks * bandwidth)``), times ``twin.time_scale``;
   ``export_weights`` sleeps the profile's gather-and-publish time and returns a **stand-in**: the tiny model's
   real weights (a few hundred KB, what the rollout workers check and load), not the profile's
-  ``model.weight_gb``. Its transfer through Ray's object store is real and timed; the time the real bytes
+  ``model.weight_gb``. With ``devices.kind=shared`` each of these costs is burned as CPU work on the rank's
+  shared cores instead of slept (:class:`~asyncrl.roles.engines.sim.Burner`), so it contends with the rest of the
+  run as a CPU worker's would. Its transfer through Ray's object store is real and timed; the time the real bytes
   would take is slept by each replica's engine when it loads them (``weight_gb / weight_pull_gb_per_s +
   weight_gb / weight_load_gb_per_s``, scaled). Its checkpoints hold the version only.
 * :class:`TwinReward` scores a response without decoding it (a stand-in for a rule reward: its cost is a
@@ -29,6 +31,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, Execute, Worker, register
 from asyncrl.pipelines.twin.profile import Profile, TwinConfig, engine_kwargs, load_profile, max_new_ids, tokens_per_id
+from asyncrl.roles.engines.sim import Burner
 from asyncrl.roles.scoring.reward import scored
 from asyncrl.roles.modeling.models import load_model
 
@@ -72,7 +75,10 @@ class TwinPolicy(Worker):
         self.version = 0
         self._weights: dict[str, torch.Tensor] | None = None
         self.slept_s = 0.0
-        """Seconds slept so far (scaled): what the GPU work would have taken times ``time_scale``."""
+        """Seconds slept (or burned) so far (scaled): what the GPU work would have taken times ``time_scale``."""
+        d = profile.devices
+        self.burner = Burner(d.threads, d.work_per_s) if d.shared else None
+        """Shared devices: what burns the costs (None: they are slept)."""
 
     def _tokens(self, batch: TensorDictBase) -> float:
         return batch_tokens(batch, self.profile.lengths.prompt_tokens, self.per_id)
@@ -80,7 +86,9 @@ class TwinPolicy(Worker):
     async def _sleep(self, seconds: float) -> None:
         s = seconds * self.scale
         self.slept_s += s
-        if s > 0:
+        if s > 0 and self.burner is not None:
+            await asyncio.to_thread(self.burner.burn, s)
+        elif s > 0:
             await asyncio.sleep(s)
 
     @register(Dispatch.DP_COMPUTE)
@@ -157,10 +165,11 @@ class TwinReward(Worker):
 
 def twin_rollout(job: Any, rollout: Any) -> Any:
     """`rollout` (the run's ``RolloutConfig``) on the cost-model engine of ``job.twin``'s profile: ``engine=sim``,
-    its costs, the response cap in ids; loads land at the next engine step (``round_steps`` 1)."""
+    its costs, the response cap in ids; loads land at the next engine step (``round_steps`` 1), or at the
+    running round's end when the profile's requests join at round ends (``rollout.join_round_steps``)."""
     tw = job.twin
     profile = load_profile(str(tw.profile))
-    kwargs = {**engine_kwargs(profile, tw), "round_steps": 1}
+    kwargs = {**engine_kwargs(profile, tw), "round_steps": profile.rollout.join_round_steps or 1}
     return replace(rollout, engine="sim", engine_kwargs=kwargs, max_new_tokens=max_new_ids(profile, tw),
                    model_dir=rollout.model_dir or "unused-by-the-sim-engine")
 

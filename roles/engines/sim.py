@@ -11,6 +11,10 @@ token, a finish reason) and models what decides a schedule's speed on a GPU:
   requests holding C context tokens (prompt + tokens so far): the weights are read once per step whatever the
   batch (``step_ms``), each request adds its own work, attention reads the KV cache. With the defaults (only
   ``step_ms``) a step of 1 request and a step of 64 cost the same: decoding is memory-bound.
+* **Joining**: a request joins at the next step boundary (vLLM's continuous batching), or, with
+  ``join_rounds``, only when the running *round* ends (every request in it finished, or ``round_steps`` steps
+  run): the request-level HF engine's rounds (``RequestBatcher``, ``rollout.chunk_tokens``), where a request
+  arriving mid-round waits for the round to end and slots freed mid-round stay empty.
 * **Prefill**: a request admitted to a step adds ``prefill_ms_per_token`` per prompt token to it (chunked
   prefill rides along with decoding).
 * **KV cache**: with ``kv_capacity_tokens`` set, a request is admitted only while the running requests'
@@ -31,6 +35,14 @@ token, a finish reason) and models what decides a schedule's speed on a GPU:
   stretch of n steps is one sleep, so hundreds of simulated engines fit on one CPU core. A late wake-up on a
   loaded CPU is caught up (at most ``catchup_ms`` behind) rather than added to every later step. With
   :attr:`on_step` set (tests) it stops after every step.
+* **Shared devices** (``burn_threads`` set, the twin's ``devices.kind=shared``): the cost is not slept but
+  **burned** as real CPU work (:class:`Burner`: a loop of small torch ops on ``burn_threads`` intra-op threads,
+  sized to take the cost when it runs alone), in a thread as a real engine's decoding runs. A stretch is then
+  measured in seconds of work done, not on the clock: when other processes of the run (the training ranks,
+  the controller, other replicas) share the cores, it takes longer, as a CPU worker's generation does. The
+  running requests' stretches burn in one thread call, each committed (its finished requests resolved) as it
+  ends; a request, pause or load arriving cuts the call within half a millisecond of work, and the step in
+  progress is finished. Weight loads burn too.
 
 Weight updates follow the rollout worker's protocol for request-level generation
 (``RolloutConfig.partial_rollout``, docs/partial_rollout.md). Without partial rollout the worker
@@ -52,6 +64,7 @@ import asyncio
 import contextlib
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -60,7 +73,7 @@ from asyncrl.roles.errors import PauseDeadlineError
 from asyncrl.roles.engines.base import Completion, SamplingParams, fail_requests, register_engine
 from asyncrl.roles.engines.batcher import Generation, PauseInfo
 
-__all__ = ["SimEngine", "SimStats", "response_length", "draw_length"]
+__all__ = ["SimEngine", "SimStats", "Burner", "response_length", "draw_length"]
 
 
 def response_length(seed: int, max_new_tokens: int, median_tokens: float, sigma: float) -> int:
@@ -91,6 +104,79 @@ def draw_length(seed: int, prompt: list[int] | tuple[int, ...], max_new_tokens: 
     return max(1, min(max_new_tokens * tokens_per_id, round(draw)))
 
 
+class Burner:
+    """Real CPU work sized in seconds of work as it runs alone: the twin's model of devices shared with the rest of
+    the run (``devices.kind=shared``, docs/scale.md). A cost of s seconds is ``round(s * work / op_s)`` torch ops
+    (a 64x64 matrix product and a tanh: the dispatcher and kernel mix of a tiny model's step, holding the GIL
+    between kernels as a real CPU worker's thread does) on `threads` intra-op threads; the time one op takes alone
+    (:attr:`op_s`) is measured once, the fastest of many short batches (a batch that shared the cores is slower,
+    never faster). On cores the run shares, a burn takes longer than its cost, as the work it stands for would.
+
+    Args:
+        threads: torch intra-op threads of the burn (set for the process, as the real workers set theirs); None
+            keeps the process's.
+        work: seconds of work alone per second of cost (a cost measured on cores the run itself kept partly busy
+            holds less work than it lasted; the twin's fit calibrates it, ``devices.work_per_s``).
+    """
+
+    SIZE = 64
+    CHUNK = 32
+    """Ops between two looks at the stop flag (about half a millisecond)."""
+
+    def __init__(self, threads: int | None = None, work: float = 1.0) -> None:
+        if (threads is not None and threads < 1) or not work > 0:
+            raise ValueError(f"Burner needs threads >= 1 or None and work > 0, got {threads} and {work}")
+        self.threads = threads
+        self.work = work
+        self._op_s: float | None = None
+        self._lock = threading.Lock()
+        self._tensors: tuple[Any, Any, Any] | None = None
+
+    def _ops(self, n: int) -> None:
+        import torch
+
+        a, b, c = self._tensors  # type: ignore[misc]
+        for _ in range(n):
+            torch.mm(a, b, out=c)
+            torch.tanh(c, out=c)
+
+    @property
+    def op_s(self) -> float:
+        """Seconds one op takes alone (measured on first use)."""
+        with self._lock:
+            if self._op_s is None:
+                import torch
+
+                if self.threads is not None and torch.get_num_threads() != self.threads:
+                    torch.set_num_threads(self.threads)
+                g = torch.Generator().manual_seed(0)
+                self._tensors = (torch.randn(self.SIZE, self.SIZE, generator=g) / self.SIZE ** 0.5,
+                                 torch.randn(self.SIZE, self.SIZE, generator=g) / self.SIZE ** 0.5,
+                                 torch.empty(self.SIZE, self.SIZE))
+                self._ops(64)  # warm
+                best = math.inf
+                for _ in range(40):
+                    t = time.perf_counter()
+                    self._ops(16)
+                    best = min(best, (time.perf_counter() - t) / 16)
+                self._op_s = best
+            return self._op_s
+
+    def burn(self, seconds: float, stop: threading.Event | None = None) -> float:
+        """Do the work of `seconds` of cost (``seconds * work`` as it takes alone); returns the seconds of cost
+        done: all of them, or less when `stop` was set (it stops within :attr:`CHUNK` ops). Blocks: call it in a
+        thread."""
+        op = self.op_s / self.work  # seconds of cost per op
+        left = round(seconds / op) if seconds > 0 else 0
+        done = 0
+        while left > 0 and not (stop is not None and stop.is_set()):
+            n = min(self.CHUNK, left)
+            self._ops(n)
+            done += n
+            left -= n
+        return done * op
+
+
 @dataclass
 class SimStats:
     """What the simulated engine did since its last :meth:`SimEngine.reset_statistics`."""
@@ -119,6 +205,8 @@ class SimStats:
     """Requests preempted because the KV cache was full (each re-prefilled when admitted again)."""
     busy_s: float = 0.0
     """Seconds with at least one request decoding."""
+    burned_s: float = 0.0
+    """Seconds of decoding cost burned as CPU work (shared devices; 0 when the costs are slept)."""
 
     @property
     def idle_fraction(self) -> float:
@@ -221,6 +309,10 @@ class SimEngine:
         prompt_tokens: a request's prompt length for the costs (None: its real prompt's).
         prompt_sigma: log-space spread of each prompt's own median response length.
         length_histogram: ``(edges, counts)`` in tokens: draw lengths from it instead of the log-normal.
+        burn_threads: burn the costs as CPU work on this many torch threads instead of sleeping them (shared
+            devices, module docstring); None: sleep.
+        burn_work: seconds of work alone per second of cost (:class:`Burner`'s `work`).
+        join_rounds: requests join only when the running round ends (module docstring); False: at the next step.
     """
 
     partial_rollout_modes = ("keep", "recompute")
@@ -232,7 +324,8 @@ class SimEngine:
                  catchup_ms: float = 50.0, step_ms_per_seq: float = 0.0, step_ms_per_1k_kv: float = 0.0,
                  prefill_ms_per_token: float = 0.0, kv_capacity_tokens: int | None = None,
                  tokens_per_step: int = 1, prompt_tokens: int | None = None, prompt_sigma: float = 0.0,
-                 length_histogram: tuple[list[float], list[float]] | None = None) -> None:
+                 length_histogram: tuple[list[float], list[float]] | None = None,
+                 burn_threads: int | None = None, burn_work: float = 1.0, join_rounds: bool = False) -> None:
         if step_ms < 0 or max_batch_size < 1 or median_tokens < 1 or sigma < 0 or round_steps < 1:
             raise ValueError(f"SimEngine needs step_ms >= 0, max_batch_size >= 1, median_tokens >= 1, sigma >= 0 and "
                              f"round_steps >= 1; got {step_ms}, {max_batch_size}, {median_tokens}, {sigma}, {round_steps}")
@@ -243,6 +336,9 @@ class SimEngine:
             raise ValueError(f"SimEngine needs tokens_per_step >= 1 and kv_capacity_tokens >= 1 or None; got "
                              f"{tokens_per_step}, {kv_capacity_tokens}")
         self.step_s = step_ms / 1e3
+        self.burner = Burner(burn_threads, burn_work) if burn_threads is not None else None
+        """Shared devices: what burns the costs (None: they are slept)."""
+        self._burn_stop: threading.Event | None = None  # the interruptible burn in progress
         self.seq_s = step_ms_per_seq / 1e3
         self.kv_s = step_ms_per_1k_kv / 1e6  # per context token
         self.prefill_token_s = prefill_ms_per_token / 1e3
@@ -257,6 +353,7 @@ class SimEngine:
         self.load_s = load_ms / 1e3
         self.prefill_s = prefill_ms / 1e3
         self.round_steps = round_steps
+        self.join_rounds = join_rounds
         self.catchup_s = catchup_ms / 1e3
         self.vocab = len(tokenizer) if tokenizer is not None else 256
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -323,7 +420,9 @@ class SimEngine:
         re-prefill before their next token."""
         for _ in named_tensors:
             pass
-        if self.load_s:
+        if self.load_s and self.burner is not None:
+            self.burner.burn(self.load_s)
+        elif self.load_s:
             time.sleep(self.load_s)
         self._loads += 1
         self._load_steps.append(self._steps)
@@ -338,7 +437,7 @@ class SimEngine:
             self._load_now(named_tensors, prefill=False)
             cost, self._load_sleep = self._load_sleep, 0.0
             if cost:
-                await asyncio.sleep(cost)
+                await self._pay(cost)
             return None
         loop = asyncio.get_running_loop()
         turn: asyncio.Future[None] = loop.create_future()
@@ -365,6 +464,8 @@ class SimEngine:
 
     def close(self) -> None:
         """Stop the driver; requests in flight are cancelled."""
+        if self._burn_stop is not None:
+            self._burn_stop.set()
         if self._driver is not None:
             self._driver.cancel()
         for r in self._waiting + self._active:
@@ -396,7 +497,7 @@ class SimEngine:
                 if mode == "keep":
                     self._prefill_due = False
                 if self._load_sleep:
-                    await asyncio.sleep(self._load_sleep)
+                    await self._pay(self._load_sleep)
                     self._load_sleep = 0.0
             finally:
                 self._clock = None  # the pause was idle time, not a late step
@@ -420,6 +521,7 @@ class SimEngine:
         self._steps = self._slots = self._tokens = self._requests = self._loads = self._prefills = 0
         self._preemptions = 0
         self._busy = 0.0
+        self._burned = 0.0
         self._load_steps: list[int] = []
         self._peak = len(self._waiting) + len(self._active)
         self._log: list[tuple[float, float, int]] = []  # (monotonic start, end, slots used) of each stretch
@@ -451,12 +553,14 @@ class SimEngine:
         return SimStats(elapsed_s=elapsed, steps=steps, slots_used=slots, slots_available=available,
                         tokens=self._tokens, requests=self._requests, peak_in_flight=self._peak, loads=self._loads,
                         prefills=self._prefills, load_steps=list(self._load_steps), preemptions=self._preemptions,
-                        busy_s=self._busy)
+                        busy_s=self._busy, burned_s=self._burned)
 
     # ---- the driver ------------------------------------------------------------------------
 
     def _poke(self) -> None:
         """Wake the driver from its sleep (a stretch in progress then ends at its next step boundary)."""
+        if self._burn_stop is not None:
+            self._burn_stop.set()
         w = self._waker
         if w is not None and not w.done():
             w.set_result(None)
@@ -475,7 +579,7 @@ class SimEngine:
             turn.set_result(None)
             await self._round_done.wait()
         if self._load_sleep:
-            await asyncio.sleep(self._load_sleep)
+            await self._pay(self._load_sleep)
             self._load_sleep = 0.0
         self._clock = None
 
@@ -495,7 +599,8 @@ class SimEngine:
         self._peak = max(self._peak, len(self._waiting) + len(self._active))
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive(), name="asyncrl-sim-engine")
-        self._poke()
+        if not (self.join_rounds and self._active):  # (mid-round it joins at the round's end: nothing to cut)
+            self._poke()
         return future
 
     def _context(self, r: _Request) -> int:
@@ -508,6 +613,11 @@ class SimEngine:
         self._active = [r for r in self._active if not r.future.done()]
         self._waiting = [r for r in self._waiting if not r.future.done()]
         cost = 0.0
+        if self.join_rounds:
+            if not self._active:
+                self._round_pos = 0  # the round ended with its last request: the next starts now
+            elif self._round_pos:
+                return cost  # mid-round: the waiting requests join when it ends
         if not self._waiting or len(self._active) >= self.max_batch_size:
             return cost
         used = sum(self._context(r) for r in self._active) if self.kv_capacity is not None else 0
@@ -570,6 +680,80 @@ class SimEngine:
             self._waker = None
         return time.monotonic() < when
 
+    async def _pay(self, seconds: float) -> None:
+        """A load's cost: slept, or burned (shared devices)."""
+        if self.burner is None:
+            await asyncio.sleep(seconds)
+        else:
+            await asyncio.to_thread(self.burner.burn, seconds)
+
+    async def _burn(self, seconds: float) -> None:
+        """Burn `seconds` of a step's cost in a thread (not cut short)."""
+        assert self.burner is not None
+        self._burned += await asyncio.to_thread(self.burner.burn, seconds)
+
+    def _plan_run(self, prefill: float) -> list[_Stretch]:
+        """Shared devices: the stretches the running requests go through until the last one ends, on a clock of
+        seconds of work from 0 (nothing new arriving: a request, a pause or a load ends the run at its next step
+        boundary). One stretch only while requests wait for a slot (they join when one ends), a load waits for a
+        round's end, the KV cache is bounded or `on_step` is set."""
+        joins_later = self.join_rounds and all(r.length - r.done <= self.round_steps - self._round_pos
+                                               for r in self._active)  # the round ends with its last request
+        if ((self._waiting and not joins_later) or self._loads_waiting or self.kv_capacity is not None
+                or self.on_step is not None):
+            return [self._plan(0.0, prefill)]
+        reqs = [(r.length - r.done, self._context(r)) for r in self._active]
+        out: list[_Stretch] = []
+        start, first = 0.0, prefill
+        while reqs:
+            R, C, n = len(reqs), sum(c for _, c in reqs), min(k for k, _ in reqs)
+            st = _Stretch(start, first, self.step_s + self.seq_s * R + self.kv_s * C, self.kv_s * R, n, R)
+            out.append(st)
+            start, first = st.end_of(n), 0.0
+            reqs = [(k - n, c + n) for k, c in reqs if k > n]
+        return out
+
+    def _burn_run(self, run: list[_Stretch], stop: threading.Event, commit: Callable[[int], None],
+                  loop: asyncio.AbstractEventLoop) -> tuple[int, float]:
+        """In a thread: burn `run`'s stretches one after the other, each committed on the loop as it ends (its
+        finished requests resolve then, without a return to the loop between stretches, as a real engine's
+        decoding thread runs on); ``(stretches done, work done)``, cut short when `stop` is set."""
+        assert self.burner is not None
+        done = 0.0
+        for i, st in enumerate(run):
+            done += self.burner.burn(st.end_of(st.n) - done, stop)
+            if stop.is_set():
+                return i, done
+            try:
+                loop.call_soon_threadsafe(commit, st.n)
+            except RuntimeError:  # the loop closed under the engine
+                return len(run), done
+        return len(run), done
+
+    async def _burn_stretch(self, prefill: float) -> None:
+        """Shared devices: burn the running requests' stretches (:meth:`_plan_run`) and commit their steps."""
+        run = self._plan_run(prefill)
+        mark = [time.monotonic()]
+
+        def commit(m: int) -> None:
+            self._commit(m, mark[0])
+            mark[0] = time.monotonic()
+
+        stop = threading.Event()
+        self._burn_stop = stop
+        try:
+            i, done = await asyncio.to_thread(self._burn_run, run, stop, commit, asyncio.get_running_loop())
+        finally:
+            self._burn_stop = None
+        self._burned += done
+        if i < len(run):  # cut short: the step in progress ends first
+            st = run[i]
+            m = st.steps_by(done)
+            if m < st.n:
+                m += 1
+                await self._burn(st.end_of(m) - done)
+            commit(m)
+
     async def _drive(self) -> None:
         while True:
             prefill = self._admit()
@@ -588,6 +772,13 @@ class SimEngine:
                 self._preempt()
             async with self._step_lock():
                 now = time.monotonic()
+                if self.burner is not None:
+                    if self._prefill_due:
+                        prefill += self.prefill_s + sum(self._context(r) for r in self._active) * self.prefill_token_s
+                        self._prefill_due = False
+                        self._prefills += 1
+                    await self._burn_stretch(prefill)
+                    continue
                 if self._clock is None or now - self._clock > self.catchup_s:
                     self._clock = now  # idle before this step (or too late to catch up)
                 if self._prefill_due:

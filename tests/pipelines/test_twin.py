@@ -56,12 +56,49 @@ def _write(tmp_path, edit) -> str:
     (lambda r: r["rollout"]["max_num_seqs"].update(value=2.5), "rollout.max_num_seqs.value must be a whole number"),
     (lambda r: r["rollout"]["kv_cache_tokens"].update(value=100), "cannot hold one request"),
     (lambda r: r["lengths"].update(kind="gamma"), "lengths.kind must be 'lognormal' or 'histogram'"),
+    (lambda r: r["rollout"].update(join_round_steps={"value": -1, "source": "x"}),
+     "rollout.join_round_steps must be >= 0, got -1"),
     (lambda r: r["lengths"].update(kind="histogram", edges={"value": [1, 10], "source": "x"},
                                    counts={"value": [1, 2], "source": "x"}), "one more entry than"),
 ])
 def test_a_bad_profile_is_refused_naming_the_key(tmp_path, edit, match):
     with pytest.raises(ProfileError, match=match):
         load_profile(_write(tmp_path, edit))
+
+
+def _shared(raw: dict, **devices) -> None:
+    raw["devices"] = {"kind": "shared", **{k: {"value": v, "source": "derived: a test"} for k, v in devices.items()}}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: r.update(devices={"kind": "gpu"}), "devices.kind must be 'separate' .* or 'shared' .*, got 'gpu'"),
+    (lambda r: _shared(r), r"devices.kind=shared needs devices.threads >= 1 .*, got 0"),
+    (lambda r: _shared(r, threads=1.5), "devices.threads.value must be a whole number, got 1.5"),
+    (lambda r: _shared(r, threads=1, work_per_s=0), r"devices.work_per_s must be in \(0, 10\] .*, got 0.0"),
+    (lambda r: r.update(devices={"threads": {"value": 2, "source": "x"}}),
+     "devices.threads and devices.work_per_s are for devices.kind=shared"),
+    (lambda r: r.update(devices={"kind": "shared", "cores": {"value": 2, "source": "x"}}),
+     "unknown key devices.cores"),
+    (lambda r: r.update(devices={"kind": "shared", "threads": 1}), "devices.threads must be a mapping"),
+])
+def test_a_bad_devices_section_is_refused_naming_the_key(tmp_path, edit, match):
+    with pytest.raises(ProfileError, match=match):
+        load_profile(_write(tmp_path, edit))
+
+
+def test_a_shared_devices_profile_loads_dumps_back_equal_and_burns_in_the_engine(tmp_path):
+    sep = load_profile("qwen2_7b_h100_vllm")
+    assert not sep.devices.shared and "devices" not in yaml.safe_load(Path(sep.path).read_text())  # the default
+    kw = engine_kwargs(sep, TwinConfig(profile=sep.name))
+    assert kw["burn_threads"] is None and kw["join_rounds"] is False  # costs slept; vLLM's continuous batching
+    p = load_profile(_write(tmp_path, lambda r: _shared(r, threads=2, work_per_s=0.75)))
+    assert (p.devices.kind, p.devices.threads, p.devices.work_per_s) == ("shared", 2, 0.75)
+    assert p.source("devices.threads") == "derived: a test"
+    again = load_profile(str(dump_profile(p, tmp_path / "again.yaml")))
+    assert again == p and again.sources == p.sources
+    kw = engine_kwargs(p, TwinConfig(profile=p.path, time_scale=0.01))
+    assert (kw["burn_threads"], kw["burn_work"]) == (2, 0.75)
+    assert kw["step_ms"] == pytest.approx(4.54 * 0.01)  # the costs are the profile's, burned instead of slept
 
 
 def test_an_unknown_profile_is_a_config_error_naming_the_shipped_ones():
@@ -112,6 +149,21 @@ async def test_sixteen_replicas_train_every_group_once_within_the_staleness_boun
     assert all(0 <= s["step"] - admitted[g]["version"] <= k for s in steps for g in s["groups"])
     ledger = check_ledger(tmp_path)  # per sample: 0 lost, 0 trained twice, every token measured within the bound
     assert ledger.ok and ledger.trained == 4 * t.batch_size and ledger.replicas == 16, ledger.render()
+
+
+async def test_a_shared_devices_twin_burns_its_costs_in_the_workers_and_trains_every_group_once(ray_cluster, tmp_path):
+    cfg = twin()  # the 7B profile, made a twin of shared cores: its costs burned on the workers' one thread each
+    cfg.twin.profile = _write(tmp_path, lambda r: _shared(r, threads=1, work_per_s=0.5))
+    t = cfg.trainer
+    t.steps, t.rollout_workers, t.batch_size, t.output_dir = 2, 2, 16, str(tmp_path / "run")
+    cfg.validate()
+    async with GRPOTrainer(cfg) as trainer:
+        history = await trainer.fit()
+        rollout = await trainer.groups.rollout.statistics()
+    assert [r["step"] for r in history] == [0, 1] and all(r["actor/gpu_s"] > 0 for r in history)
+    assert len(rollout) == 2 and all(r["sim_burned_s"] > 0 for r in rollout)  # each replica burned, none slept
+    ledger = check_ledger(tmp_path / "run")
+    assert ledger.ok and ledger.trained == 2 * t.batch_size, ledger.render()
 
 
 def test_a_group_goes_to_the_replica_with_the_fewest_groups_in_flight():

@@ -86,8 +86,13 @@ def test_remeasuring_ranks_candidates_by_their_medians_not_by_a_lucky_first_run(
     assert median_of([first[1]]).runs == (1000.0,)
 
 
-def test_bad_budgets_and_sizes_are_one_line_errors(capsys):
+def test_bad_budgets_and_sizes_are_one_line_errors(capsys, tmp_path):
+    from pathlib import Path
+
+    import yaml
+
     from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.twin.profile import load_profile
 
     assert main(["plan", "qwen2_7b_h100_vllm", "--gpus", "1"]) == 2
     assert "--gpus 1 cannot hold a rollout replica (1 GPUs) and a training rank (1); give at least 2" in \
@@ -98,6 +103,11 @@ def test_bad_budgets_and_sizes_are_one_line_errors(capsys):
     assert "--step-s 0.0 must be a positive number of seconds" in capsys.readouterr().err
     assert main(["plan", "nope", "--gpus", "8"]) == 2
     assert "not a shipped profile" in capsys.readouterr().err
+    raw = yaml.safe_load(Path(load_profile("qwen2_7b_h100_vllm").path).read_text())
+    raw["devices"] = {"kind": "shared", "threads": {"value": 1, "source": "derived: a test"}}
+    (tmp_path / "shared.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["plan", str(tmp_path / "shared.yaml"), "--gpus", "8"]) == 2
+    assert "is a twin of CPU workers sharing this machine's cores (devices.kind=shared)" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # one twin run: ~30 s here (its parts are fast tests above; the plans are benchmarks/plan_check.py)

@@ -300,3 +300,115 @@ def test_lengths_follow_a_histogram_or_a_per_prompt_median_and_the_tokens_per_id
     b = [draw_length(s, [8], 10_000, median_tokens=100.0, sigma=0.0, prompt_sigma=1.0) for s in range(3)]
     assert len(set(a)) == 1 and len(set(b)) == 1 and a[0] != b[0]  # a prompt's own median, shared by its rows
     assert draw_length(3, [1], 64, median_tokens=16.0, sigma=1.2) == response_length(3, 64, 16.0, 1.2)
+
+
+class _CountingBurner:
+    """Records each burn and does its work at once (no CPU time): `cut_at` cuts the first interruptible burn at that
+    much work, once the test sets its stop flag (it waits for the flag, as a burn in progress is stopped)."""
+
+    def __init__(self, cut_at: float | None = None) -> None:
+        import threading
+
+        self.calls: list[tuple[float, bool]] = []
+        self.cut_at = cut_at
+        self.started = threading.Event()
+
+    def burn(self, seconds, stop=None):
+        self.calls.append((seconds, stop is not None))
+        if self.cut_at is not None and stop is not None:
+            cut, self.cut_at = self.cut_at, None
+            self.started.set()
+            assert stop.wait(30)  # the test pokes the engine: a request arrives
+            return cut
+        return seconds
+
+
+def test_a_shared_device_engine_burns_what_a_sleeping_one_sleeps_and_counts_the_same():
+    kw = dict(max_batch_size=3, median_tokens=8.0, sigma=0.9, step_ms=0.2, step_ms_per_seq=0.05)
+    out1, st1 = _run(_engine(**kw), 7)
+    burned = _engine(**kw, burn_threads=1)
+    burner = burned.burner = _CountingBurner()
+    out2, st2 = _run(burned, 7)
+    assert [c.response_ids for c in out1] == [c.response_ids for c in out2]
+    assert (st1.steps, st1.slots_used, st1.tokens, st1.requests) == (st2.steps, st2.slots_used, st2.tokens,
+                                                                     st2.requests)
+    # every step's cost burned once: step_ms + step_ms_per_seq x its running requests
+    assert sum(s for s, _ in burner.calls) == pytest.approx((0.2 * st2.steps + 0.05 * st2.slots_used) / 1e3)
+    assert st2.burned_s == pytest.approx(sum(s for s, _ in burner.calls)) and st1.burned_s == 0.0
+
+
+def test_a_burn_cut_short_by_a_request_finishes_its_step_and_the_request_joins_at_the_next():
+    eng = _engine(max_batch_size=4, median_tokens=10.0, sigma=0.0, step_ms=1.0, burn_threads=1)  # rows of 10
+    burner = eng.burner = _CountingBurner(cut_at=2.5e-3)  # 2.5 steps of work done when the request arrives
+    params = SamplingParams(max_new_tokens=64, seed=0)
+
+    async def main():
+        first = asyncio.ensure_future(eng.generate([[1, 2]], params))
+        await asyncio.to_thread(burner.started.wait, 30)
+        second = asyncio.ensure_future(eng.generate([[1, 2]], params))  # pokes the engine: the burn stops
+        return await first, await second, eng.statistics()
+
+    a, b, st = asyncio.run(main())
+    assert len(a[0].response_ids) == len(b[0].response_ids) == 10
+    assert burner.calls[0] == (pytest.approx(10e-3), True)  # the stretch: 10 steps, cut after 2.5 of them
+    assert burner.calls[1] == (pytest.approx(0.5e-3), False)  # the third step finished, not interruptible
+    assert burner.calls[2] == (pytest.approx(7e-3), True)  # then both rows, until the first row's end
+    assert st.steps == 13 and st.slots_used == 20  # the second row joined after step 3
+
+
+def test_a_burner_does_the_work_of_its_cost_and_stops_when_asked():
+    import threading
+
+    from asyncrl.roles.engines.sim import Burner
+
+    b = Burner(threads=None, work=0.5)
+    op = b.op_s
+    assert op > 0
+    assert b.burn(0.0) == 0.0
+    assert b.burn(100 * op) == pytest.approx(100 * op)  # 50 ops of work: half a second of work per second of cost
+    stop = threading.Event()
+    stop.set()
+    assert b.burn(1.0, stop) == 0.0  # stopped before its first chunk
+    with pytest.raises(ValueError, match="work > 0"):
+        Burner(work=0.0)
+    with pytest.raises(ValueError, match="threads >= 1"):
+        Burner(threads=0)
+
+
+def test_a_shared_device_engine_burns_a_batch_stretch_by_stretch_as_its_rows_end():
+    kw = dict(max_batch_size=8, median_tokens=6.0, sigma=1.0, step_ms=1.0, step_ms_per_seq=0.5)
+    out1, st1 = _run(_engine(**kw), 5, seed=11)
+    burned = _engine(**kw, burn_threads=1)
+    burner = burned.burner = _CountingBurner()
+    out2, st2 = _run(burned, 5, seed=11)
+    assert [c.response_ids for c in out1] == [c.response_ids for c in out2] and st1.steps == st2.steps
+    lengths = sorted(len(c.response_ids) for c in out2)
+    # one burn per stretch between two rows' ends, each of its steps costing 1 ms + 0.5 ms x the rows still running
+    want, prev = [], 0
+    for i, n in enumerate(lengths):
+        if n > prev:
+            want.append((n - prev) * (1.0 + 0.5 * (5 - i)) / 1e3)
+            prev = n
+    assert [s for s, _ in burner.calls] == pytest.approx(want) and all(stoppable for _, stoppable in burner.calls)
+
+
+@pytest.mark.parametrize("join_rounds, steps", [(False, 6), (True, 8)])
+def test_with_join_rounds_a_request_arriving_mid_round_waits_for_the_round_to_end(join_rounds, steps):
+    eng = _engine(max_batch_size=4, median_tokens=4.0, sigma=0.0, join_rounds=join_rounds)  # rows of 4 tokens
+    params = SamplingParams(max_new_tokens=64, seed=0)
+    later: list[asyncio.Future] = []
+
+    def on_step(step: int) -> None:
+        if step == 1:  # a request arrives during the second step (its task runs once the step has started)
+            later.append(asyncio.ensure_future(eng.generate([[1, 2]], params)))
+
+    eng.on_step = on_step
+
+    async def main():
+        first = await eng.generate([[1, 2]], params)
+        second = await later[0]
+        return first, second, eng.statistics()
+
+    a, b, st = asyncio.run(main())
+    assert len(a[0].response_ids) == len(b[0].response_ids) == 4 and st.slots_used == 8
+    assert st.steps == steps  # continuous: it joins at step 3 (6 steps); in rounds: after the first row's 4

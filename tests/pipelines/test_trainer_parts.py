@@ -11,11 +11,11 @@ import pytest
 
 from asyncrl import WorkerDiedError
 from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch
-from asyncrl.pipelines.loop.run import Run
+from asyncrl.pipelines.run.run import Run
 from asyncrl.pipelines.supervision.supervisor import Supervisor
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.rollout.rollout_loop import BatchRollout, Rollout
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 from .fakes import Recorder, fake_groups
 

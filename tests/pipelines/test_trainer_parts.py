@@ -116,5 +116,5 @@ async def test_a_restart_hands_the_new_attempt_to_the_trainer_and_the_supervisor
 
 
 def test_the_trainer_module_stays_a_readable_loop() -> None:
-    source = Path(__file__).resolve().parents[2] / "pipelines" / "loop" / "trainer.py"
+    source = Path(__file__).resolve().parents[2] / "pipelines" / "trainers" / "trainer.py"
     assert len(source.read_text().splitlines()) <= 400

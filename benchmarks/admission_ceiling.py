@@ -41,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import run_header, write_result  # noqa: E402
 
 from asyncrl.pipelines.rollout.admission import Admission  # noqa: E402
-from asyncrl.pipelines.twin.profile import Profile, TwinConfig, engine_kwargs, load_profile, max_new_ids, tokens_per_id  # noqa: E402,E501
+from asyncrl.pipelines.twin.profile import (  # noqa: E402
+    Profile, TwinConfig, engine_kwargs, load_profile, max_new_ids, tokens_per_id)
 from asyncrl.pipelines.twin.workers import train_costs  # noqa: E402
 from asyncrl.roles.engines import sim  # noqa: E402
 from asyncrl.roles.engines.base import SamplingParams  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "admission_ceiling.md"
+RESULTS = str(Path(__file__).resolve().parent / "results" / "admission_ceiling.md")
 
 
 class _Clock:
@@ -237,6 +238,17 @@ async def simulate(w: Workload) -> Result:
                   statistics.fmean(tokens.values()) / w.group, ends)
 
 
+def pooled(runs: list[Result]) -> Result:
+    """One result of several runs of a cell: every run's trained samples over all their time (samples/s), step
+    time and idle time likewise, and the staleness histogram over every run's trained ids (weighted equally: the
+    runs train as many ids, give or take the tail)."""
+    spans = [1 / r.samples_s for r in runs]  # seconds per sample: every run trains as many samples
+    idle = sum(r.idle * s for r, s in zip(runs, spans)) / sum(spans)
+    hist = [statistics.fmean(h) for h in zip(*(r.staleness_hist for r in runs))]
+    return Result(runs[0].replicas, runs[0].staleness, len(runs) / sum(spans), statistics.fmean(r.step_s for r in runs),
+                  idle, hist, statistics.fmean(r.mean_tokens for r in runs), runs[0].step_ends)
+
+
 def fixed_lengths(p: Profile) -> Profile:
     """`p` with every response its median length (no tail), as ``cluster_twin.py --fixed-lengths``."""
     return replace(p, name=f"{p.name}_fixed_lengths", lengths=replace(p.lengths, sigma=0.0, prompt_sigma=0.0))
@@ -251,15 +263,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="steps a run; the steady window (after --warmup + 1) should hold whole periods: under the rule "
                         "every (max_staleness + 1)-th step waits for the slowest group of one admission wave, so a "
                         "window of 30 steps holds whole periods for max_staleness 1, 2 and 4")
-    a.add_argument("--baseline-steps", type=int, default=63,
+    a.add_argument("--baseline-steps", type=int, default=33,
                    help="steps of the N = 1 runs: one replica trains 32 samples a step, so its rate needs many steps "
                         "(and --seeds) before a long response's weight in it settles")
     a.add_argument("--warmup", type=int, default=2)
     a.add_argument("--group", type=int, default=8)
     a.add_argument("--groups-per-replica", type=int, default=4)
     a.add_argument("--replicas-per-rank", type=int, default=1)
-    a.add_argument("--seeds", type=int, default=1, help="runs per cell (different response lengths); the median")
-    a.add_argument("--baseline-seeds", type=int, default=5, help="runs of each N = 1 cell; the median")
+    a.add_argument("--seeds", type=int, default=3,
+                   help="runs per cell, each another draw of the response lengths; a cell's samples/s is all its runs' "
+                        "trained samples over all their time")
+    a.add_argument("--baseline-seeds", type=int, default=40, help="runs of each N = 1 cell")
     a.add_argument("--fixed-lengths", action="store_true")
     a.add_argument("--out", default=None)
     args = a.parse_args(argv)
@@ -277,14 +291,16 @@ def main(argv: list[str] | None = None) -> None:
             w = Workload(prof, n, k, args.group, args.groups_per_replica, args.replicas_per_rank,
                          args.baseline_steps if n == 1 else args.steps, args.warmup)
             t = time.perf_counter()
-            runs = [run_virtual(simulate(replace(w, seed=s))) for s in range(args.baseline_seeds if n == 1 else args.seeds)]
-            r = sorted(runs, key=lambda x: x.samples_s)[len(runs) // 2]
+            seeds = args.baseline_seeds if n == 1 else args.seeds
+            runs = [run_virtual(simulate(replace(w, seed=s))) for s in range(seeds)]
+            r = pooled(runs)
             base = base or r.samples_s
             rows.append((r, r.samples_s / (n * base), time.perf_counter() - t))
             print(f"k={k} N={n}: {r.samples_s:.1f} samples/s ({r.samples_s / (n * base):.2f} of N x 1), step "
                   f"{r.step_s:.1f} s, trainer idle {r.idle:.2f}, staleness {_hist(r.staleness_hist)} "
                   f"({time.perf_counter() - t:.0f} s wall)", flush=True)
-    lines = ["| max_staleness | N | samples/s | vs N x 1 | step s | trainer idle | staleness of trained ids (versions: share) |",
+    lines = ["| max_staleness | N | samples/s | vs N x 1 | step s | trainer idle "
+             "| staleness of trained ids (versions: share) |",
              "|---:|---:|---:|---:|---:|---:|---|"]
     for r, eff, _ in rows:
         lines.append(f"| {r.staleness} | {r.replicas} | {r.samples_s:.1f} | {eff:.2f} | {r.step_s:.1f} | {r.idle:.2f} "
@@ -294,8 +310,9 @@ def main(argv: list[str] | None = None) -> None:
         run_header("admission_ceiling.py", f"virtual clock; profile {prof.name}"),
         f"{args.groups_per_replica} groups of {args.group} per replica per step, one training rank per "
         f"{args.replicas_per_rank} replica(s); {args.steps} steps a run ({args.baseline_steps} at N = 1), all "
-        f"but the first {args.warmup + 1} measured; the median of {args.seeds} run(s) per cell ({args.baseline_seeds} at N = 1; each another "
-        f"draw of the response lengths).", "\n".join(lines)]) + "\n")
+        f"but the first {args.warmup + 1} measured; {args.seeds} run(s) per cell ({args.baseline_seeds} at N = 1), "
+        "each another draw of the response lengths; samples/s: every run's trained samples over all their time.",
+        "\n".join(lines)]) + "\n")
 
 
 def _hist(h: list[float]) -> str:

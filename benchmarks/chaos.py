@@ -2,7 +2,7 @@
 
 Each run is the real trainer (``GRPOTrainer.fit()`` on a local Ray, streaming, ``max_staleness`` 2, partial rollout
 ``keep``) against ``--replicas`` simulated replicas (``--per-process`` per process) of the 7B/H100 profile, with
-one fault schedule of :mod:`asyncrl.pipelines.twin.chaos` (``kill``: 10 % of the replicas die at random times,
+one fault schedule of :mod:`asyncrl.pipelines.commands.chaos` (``kill``: 10 % of the replicas die at random times,
 simulated; ``slow``: one replica 10x slower, simulated; ``node``: the process hosting 8 replicas SIGKILLed;
 ``preempt``: a quarter of the rollout processes SIGTERMed within a step; ``train``: a training rank's process
 SIGKILLed), ``--seeds`` seeds each. Must hold, per run: it completes every step; its ledger holds (0 samples lost,
@@ -29,7 +29,7 @@ from _common import load_note, run_header, write_result
 
 import asyncrl
 from asyncrl.pipelines.job.presets import twin
-from asyncrl.pipelines.twin.chaos import ENGINE_START_S, KINDS, REAL, plan, run_chaos
+from asyncrl.pipelines.commands.chaos import ENGINE_START_S, KINDS, REAL, plan, run_chaos
 
 
 VARIANTS = ("after", "before", "before_process")

@@ -167,7 +167,7 @@ def config(args: argparse.Namespace, n: int, out: str) -> Any:
     t.output_dir = out
     cfg.data.num_prompts = max(64, 2 * B)
     if args.set:  # KEY=VALUE overrides, as `asyncrl train` takes them
-        from asyncrl.pipelines.job.configlib import apply_overrides
+        from asyncrl.pipelines.configlib import apply_overrides
 
         cfg = apply_overrides(cfg, args.set)
     return cfg.validate()
@@ -196,7 +196,7 @@ def ideal_tokens_s(cfg: Any, n: int, in_flight: float) -> float:
 
 
 async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any]:
-    from asyncrl.pipelines.loop.trainer import GRPOTrainer
+    from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
     out = tempfile.mkdtemp(prefix=f"asyncrl-twin-{n}-{variant}-")
     cfg = config(args, n, out)
@@ -265,7 +265,7 @@ def reach_times(syncs: list[Any], exports: dict[int, Any], warmup: int) -> list[
 def set_variant(variant: str) -> Any:
     """Make the controller run as `variant` (module docstring); returns the undo."""
     from asyncrl import _call, _wire
-    from asyncrl.pipelines.journaling import run_journal
+    from asyncrl.pipelines.run import run_journal
     from asyncrl.pipelines.observe import trace
     from asyncrl.pipelines.rollout import stream_rollout as sr
     from asyncrl.pipelines.rollout.admission import Admission

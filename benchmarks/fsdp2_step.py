@@ -1,7 +1,7 @@
 """Where a 2-rank training step's time goes: ddp against fsdp2, with gloo's own collectives or the exchanges.
 
 Two processes (torch.distributed over gloo, one torch thread each, no Ray: the step alone) build the same model
-through :class:`~asyncrl.roles.training.strategy.TrainStrategy` and time, per step, the forwards, the backwards, the
+through :class:`~asyncrl.roles.modeling.strategy.TrainStrategy` and time, per step, the forwards, the backwards, the
 gradient clipping and the AdamW step of ``--micro`` micro-batches per rank (a mean log-prob loss). Variants:
 
 * ``ddp``: torch's DistributedDataParallel (one all-reduce per gradient bucket, in the last micro-batch's backward);
@@ -60,10 +60,10 @@ def _rank(rank: int, port: int, model: str, variant: str, rows: int, seq: int, m
     import torch.distributed as dist
 
     from asyncrl.roles import SMOLLM2_135M_INSTRUCT, ModelConfig
-    from asyncrl.roles._util import DataParallel
+    from asyncrl.roles.modeling.parallel import DataParallel
     from asyncrl.roles.modeling.device import Placement
     from asyncrl.roles.modeling.models import load_model
-    from asyncrl.roles.training.strategy import TrainStrategy
+    from asyncrl.roles.modeling.strategy import TrainStrategy
 
     cfg = (ModelConfig(seed=0, dtype="float32", gguf=SMOLLM2_135M_INSTRUCT) if model == "smollm2" else
            ModelConfig(seed=0, dtype="float32", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,

@@ -49,7 +49,7 @@ import asyncrl  # noqa: E402
 from asyncrl import Dispatch, Execute, register  # noqa: E402
 from asyncrl.pipelines.job.config import JobConfig  # noqa: E402
 from asyncrl.pipelines.job.presets import grpo_toy  # noqa: E402
-from asyncrl.pipelines.loop.trainer import GRPOTrainer  # noqa: E402
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer  # noqa: E402
 from asyncrl.roles import ModelConfig, PolicyWorker, RewardWorker, RolloutWorker  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """What the per-sample ledger costs the controller, per trained sample, at large batch sizes.
 
-The real :class:`~asyncrl.pipelines.journaling.run_journal.RunJournal` of a streaming run is driven for
+The real :class:`~asyncrl.pipelines.run.run_journal.RunJournal` of a streaming run is driven for
 ``--steps`` steps of ``--rows`` rows each (``B = rows / G`` prompt groups of ``G = 8``): per step ``B`` ``group``
 records, one ``step`` record and its ledger measurement (the training pool's answer, a small per-row
 ``TensorDict``, arrives as a resolved future: the worker's side is not the controller's), then ``end`` with its
@@ -29,7 +29,7 @@ from tensordict import TensorDict
 
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.journaling.ledger import check_ledger
-from asyncrl.pipelines.journaling.run_journal import RunJournal
+from asyncrl.pipelines.run.run_journal import RunJournal
 from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch
 
 G = 8

@@ -311,7 +311,7 @@ class Bench:
         return cfg.validate(simulated_policy=True)  # SimPolicy: the groups' policy is simulated too
 
     async def run(self, variant: str, k: int) -> dict[str, Any]:
-        from asyncrl.pipelines.loop.trainer import make_trainer
+        from asyncrl.pipelines.trainers.trainer import make_trainer
 
         a = self.args
         cfg = self.config(variant, k)
@@ -376,7 +376,7 @@ async def replica_run(args: argparse.Namespace, workers: str | int, out: str, gr
                       ) -> dict[str, Any]:
     """One streaming run (see :func:`replica_config`): per-step tokens and end times; with `grow_at`, a
     ``scale_rollout(2)`` once that many steps are done, and the step at which the new pool took over."""
-    from asyncrl.pipelines.loop.trainer import make_trainer
+    from asyncrl.pipelines.trainers.trainer import make_trainer
 
     cfg = replica_config(args, workers, out)
     marks: list[float] = []

@@ -258,7 +258,7 @@ async def measure(quick: bool, phases: set[str]) -> list[dict[str, Any]]:
             add("close", "plain Ray", stats)
     if "trainer" in phases:  # examples/fit_in_app.py's run: grpo_toy, 64 responses per step, two workers
         from asyncrl.pipelines.job.presets import grpo_toy
-        from asyncrl.pipelines.loop.trainer import make_trainer
+        from asyncrl.pipelines.trainers.trainer import make_trainer
 
         cfg = grpo_toy()
         t = cfg.trainer

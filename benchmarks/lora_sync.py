@@ -51,8 +51,8 @@ import asyncrl  # noqa: E402
 from asyncrl import Dispatch, register  # noqa: E402
 from asyncrl.pipelines.loop import stages  # noqa: E402
 from asyncrl.roles import ModelConfig, OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker  # noqa: E402
-from asyncrl.roles.training.lora import LoraConfig  # noqa: E402
-from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS  # noqa: E402
+from asyncrl.roles.modeling.lora import LoraConfig  # noqa: E402
+from asyncrl.roles.modeling.strategy import EVERY_RANK_GIVES_RANK_ZEROS  # noqa: E402
 
 FULL, ADAPTER = "full (object_store)", "adapter"
 LAYOUTS = {"one": ("ddp", 1), "ddp2": ("ddp", 2), "fsdp2": ("fsdp2", 2), "fsdp2:per-tensor": ("fsdp2", 2)}
@@ -134,7 +134,7 @@ class PerTensorAdapterPolicy(LoraBenchPolicy):
 
     @register(EVERY_RANK_GIVES_RANK_ZEROS)
     def export_adapter(self, dtype: str | None = None) -> Any:
-        from asyncrl.roles.training.lora import adapter_delta
+        from asyncrl.roles.modeling.lora import adapter_delta
 
         return adapter_delta(self.model, self._version, self._base_digest(dtype))
 

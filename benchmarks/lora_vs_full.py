@@ -32,7 +32,7 @@ QUICK = ["trainer.batch_size=4", "algorithm.group_size=2", "rollout.max_new_toke
 
 def _run(run_dir: Path, overrides: list[str]) -> float:
     """Train one run into `run_dir`; its wall-clock seconds (written beside it, for --summarize-only)."""
-    cmd = [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--preset", "grpo_smollm_arith",
+    cmd = [sys.executable, "-m", "asyncrl.pipelines.commands.cli", "train", "--preset", "grpo_smollm_arith",
            f"trainer.output_dir={run_dir}", "trainer.progress=false", "trainer.checkpoint_at_end=false", *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd)

@@ -74,7 +74,7 @@ def config(k: int, mode: str, seed: int, args: argparse.Namespace, tmp: str) -> 
 
 
 async def run(name: str, k: int, mode: str, seed: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
-    from asyncrl.pipelines.loop.trainer import GRPOTrainer
+    from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
     async with GRPOTrainer(config(k, mode, seed, args, tmp)) as trainer:  # worker start-up is not timed
         t0 = time.perf_counter()

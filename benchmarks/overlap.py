@@ -255,7 +255,7 @@ class SimBench:
 
     async def run_sync(self, costs: dict[str, float], steps: int) -> dict[str, Any]:
         from asyncrl.pipelines.datasets.data import PromptLoader, get_task
-        from asyncrl.pipelines.loop.sync import sequential_fit
+        from asyncrl.pipelines.trainers.sync import sequential_fit
         from asyncrl.roles import load_tokenizer
 
         cfg = self.config(steps, 0, "sync")
@@ -273,7 +273,7 @@ class SimBench:
 
     async def run_async(self, costs: dict[str, float], steps: int, k: int, trace: bool = True,
                         precompute: bool = False) -> dict[str, Any]:
-        from asyncrl.pipelines.loop.trainer import PPOTrainer
+        from asyncrl.pipelines.trainers.trainer import PPOTrainer
 
         cfg = self.config(steps, k, f"async-k{k}", trace, precompute)
         await self.configure(costs)
@@ -730,7 +730,7 @@ def real_config(preset: str, k: int, steps: int | None, quick: bool, tmp: str) -
 
 
 async def real_run(preset: str, k: int, steps: int | None, quick: bool, tmp: str) -> dict[str, Any]:
-    from asyncrl.pipelines.loop.trainer import make_trainer
+    from asyncrl.pipelines.trainers.trainer import make_trainer
 
     cfg = real_config(preset, k, steps, quick, tmp)
     trainer = make_trainer(cfg)

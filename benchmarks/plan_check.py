@@ -22,7 +22,7 @@ from pathlib import Path
 
 from _common import load_note, run_header, write_result
 
-from asyncrl.pipelines.twin.plan import (REPEATS, STEP_WALL_S, Candidate, Outcome, brute_force, evaluate, remeasure,
+from asyncrl.pipelines.commands.plan import (REPEATS, STEP_WALL_S, Candidate, Outcome, brute_force, evaluate, remeasure,
                                          render, run_plan, search)
 from asyncrl.pipelines.twin.profile import PROFILES, load_profile
 

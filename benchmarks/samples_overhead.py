@@ -22,7 +22,7 @@ from _common import load_note, run_header, write_result
 
 from asyncrl.pipelines.job.presets import grpo_toy
 from asyncrl.pipelines.observe.samples import SamplesWriter, read_samples
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles.modeling.models import tokenizer_for
 
 

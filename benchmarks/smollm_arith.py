@@ -131,7 +131,7 @@ def main() -> None:
     else:
         default = Path(args.out).parent / "smollm_arith_quick_run" if args.quick else Path("runs/smollm_arith")
         run_dir = Path(args.run_dir) if args.run_dir else default
-        cmd = [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--preset", "grpo_smollm_arith",
+        cmd = [sys.executable, "-m", "asyncrl.pipelines.commands.cli", "train", "--preset", "grpo_smollm_arith",
                f"trainer.output_dir={run_dir}", "trainer.progress=false", *overrides]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd)

@@ -50,7 +50,7 @@ def command(mode: str, seed: int, run_dir: Path, overrides: list[str]) -> list[s
 def start(mode: str, seed: int, run_dir: Path, overrides: list[str]) -> tuple[subprocess.Popen, float, float]:
     """Start one run; returns the process, its start time and the load then."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "asyncrl.pipelines.job.cli", *command(mode, seed, run_dir, overrides)]
+    argv = [sys.executable, "-m", "asyncrl.pipelines.commands.cli", *command(mode, seed, run_dir, overrides)]
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), time.time(), os.getloadavg()[0]
 

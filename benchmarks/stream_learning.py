@@ -71,7 +71,7 @@ def config(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
 
 async def run(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     """One training run; its per-step history and loop seconds (worker start-up not timed)."""
-    from asyncrl.pipelines.loop.trainer import GRPOTrainer
+    from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
     async with GRPOTrainer(config(variant, seed, args, tmp)) as trainer:
         t0 = time.perf_counter()

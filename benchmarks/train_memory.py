@@ -112,9 +112,9 @@ class MemoryProbe(PolicyWorker):
         super().__init__(*args, **kwargs)
 
     def _distribute(self, model: torch.nn.Module, who: str) -> None:
-        from asyncrl.roles._util import DataParallel
+        from asyncrl.roles.modeling.parallel import DataParallel
         from asyncrl.roles.training.policy import _adam
-        from asyncrl.roles.training.strategy import TrainStrategy
+        from asyncrl.roles.modeling.strategy import TrainStrategy
 
         cfg = self.optim_config
         self.dp = DataParallel(self.rank, self.world_size, self.placement.device)

@@ -4,7 +4,7 @@ prediction of six configurations, side by side.
 1. Calibration: two real batch-mode runs at ``max_staleness=0`` (the synchronous loop: each stage runs alone,
    so its time is its cost), with 1 and 2 rollout workers (two rows-per-rank values separate a decoding step's
    fixed cost from its per-row cost). ``asyncrl profile`` fits the twin's cost model to them
-   (:mod:`asyncrl.pipelines.twin.fit`), once per ``--devices`` kind: ``shared`` (the costs burned as CPU work on
+   (:mod:`asyncrl.pipelines.commands.fit`), once per ``--devices`` kind: ``shared`` (the costs burned as CPU work on
    the cores the run shares: a twin of this machine) and ``separate`` (the costs slept: a device per simulated
    GPU).
 2. Six configurations, each run for real and then in the twin of each kind, one after the other (the fitted
@@ -39,8 +39,8 @@ from asyncrl.pipelines.job.presets import grpo_smollm_arith, grpo_toy
 from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.observe.metrics import read_jsonl
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
-from asyncrl.pipelines.twin.fit import write_fitted
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
+from asyncrl.pipelines.commands.fit import write_fitted
 from asyncrl.pipelines.twin.profile import TwinConfig
 from asyncrl.pipelines.twin.workers import TwinPolicy
 

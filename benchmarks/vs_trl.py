@@ -164,7 +164,7 @@ names every setting it compares."""
 
 def asyncrl_command(overrides: list[str], args: argparse.Namespace, run_dir: Path, seed: int) -> list[str]:
     """The ``asyncrl train`` command line of one asyncrl run (:data:`NEUTRAL`, then the variant's `overrides`)."""
-    return [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--preset", "grpo_smollm_arith",
+    return [sys.executable, "-m", "asyncrl.pipelines.commands.cli", "train", "--preset", "grpo_smollm_arith",
            f"trainer.output_dir={run_dir}", f"trainer.seed={seed}", "trainer.progress=false", "trainer.plot=false",
            "trainer.tensorboard=false", "trainer.checkpoint_at_end=false", f"trainer.steps={args.steps}",
            f"trainer.batch_size={args.prompts * args.group}", f"algorithm.group_size={args.group}",

@@ -22,7 +22,7 @@ import asyncrl
 from asyncrl import Dispatch, ResourcePool, Worker, colocate, register
 from asyncrl.pipelines.job.presets import grpo_toy
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker, load_tokenizer
 
 

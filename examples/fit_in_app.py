@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, fields
 import asyncrl
 from asyncrl.pipelines.supervision.heartbeat import LoopLag
 from asyncrl.pipelines.job.presets import grpo_toy
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 
 @dataclass

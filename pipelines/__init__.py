@@ -1,6 +1,6 @@
 """asyncrl.pipelines: the async RL trainers, the synchronous baseline and the main job.
 
-See docs/pipelines.md. ``asyncrl train`` runs :func:`asyncrl.pipelines.job.cli.main`.
+See docs/pipelines.md. ``asyncrl train`` runs :func:`asyncrl.pipelines.commands.cli.main`.
 """
 
 from asyncrl.pipelines.loop.buffer import BufferStatistics, StaleSampleError, StalenessBuffer
@@ -16,9 +16,9 @@ from asyncrl.pipelines.job.config import (
 from asyncrl.pipelines.job import presets
 from asyncrl.pipelines.job.presets import grpo_toy, load_config, ppo_toy, tiny_test
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.loop.sync import run_sequential, sequential_fit
+from asyncrl.pipelines.trainers.sync import run_sequential, sequential_fit
 from asyncrl.pipelines.observe.trace import Tracer
-from asyncrl.pipelines.loop.trainer import GRPOTrainer, PPOTrainer, RolloutBatch, Trainer, build_groups, make_trainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer, PPOTrainer, RolloutBatch, Trainer, build_groups, make_trainer
 
 __all__ = [
     "AdvantageWorker",

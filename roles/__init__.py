@@ -9,7 +9,7 @@ from asyncrl.roles.agentic.environments import Environment, StepResult, register
 from asyncrl.roles.agentic.episodes import LLM, Sample, Trajectory, register_episode
 from asyncrl.roles.agentic.tools import Tool, tool
 from asyncrl.roles.scoring import arithmetic
-from asyncrl.roles.training import functional
+from asyncrl.roles import functional
 from asyncrl.roles.training.critic import CriticWorker
 from asyncrl.roles.engines import Completion, GenerationEngine, SamplingParams, make_engine, register_engine
 from asyncrl.roles.errors import (

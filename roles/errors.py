@@ -138,5 +138,5 @@ class HandedOverError(RolesError, RuntimeError):
 
 class ReplicaLostError(RolesError, RuntimeError):
     """Raised by every call of a simulated rollout replica that died (the cluster twin's chaos,
-    ``asyncrl.pipelines.twin.chaos``): its engine is gone while the process hosting it, and its other replicas,
+    ``asyncrl.pipelines.commands.chaos``): its engine is gone while the process hosting it, and its other replicas,
     live on. The supervisor takes it for that rank's death (a worker fault of its group)."""

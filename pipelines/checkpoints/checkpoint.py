@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 
 __all__ = ["CheckpointError", "checkpoint_dir", "checkpoints", "latest_checkpoint", "resolve_resume", "check_own",
            "read_state", "verify", "fsync_tree", "file_sha256", "write_manifest", "commit", "prune", "batch_to_plain", "plain_to_batch", "rng_state", "set_rng_state"]

@@ -23,7 +23,7 @@ import torch
 
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.job.config import config_fingerprint, fingerprint_diff
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.datasets.datafiles import check_code_digests, code_digests, data_digests
 from asyncrl.pipelines.loop.loop_state import RolloutBatch
 

@@ -37,9 +37,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from asyncrl.pipelines.job import configlib
+from asyncrl.pipelines import configlib
 from asyncrl.pipelines.checkpoints.checkpoint import CheckpointError, checkpoint_dir, checkpoints, verify
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.roles.modeling.models import ModelConfig, build_model, tokenizer_for
 
 __all__ = ["DTYPES", "ExportResult", "export_policy", "find_checkpoint", "pin_tokenizer", "read_policy_state"]

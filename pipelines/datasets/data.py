@@ -30,7 +30,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from asyncrl.roles.registry import Registry
 from asyncrl.pipelines.datasets.datafiles import file_records
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.roles import PromptTooLongError, toy_dataset
 from asyncrl.roles.scoring.arithmetic import extract_answer, is_correct, make_problems
 

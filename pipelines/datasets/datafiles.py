@@ -12,7 +12,7 @@ string), ``reward_model.ground_truth`` (the answer the reward sees; a dotted key
 ``data_source`` and ``extra_info`` (optional; passed to a verl-style ``compute_score``).
 ``data.prompt_key`` and ``data.answer_key`` rename the first two.
 
-Every error is a :class:`~asyncrl.pipelines.job.configlib.ConfigError` naming the key and the fix, raised
+Every error is a :class:`~asyncrl.pipelines.configlib.ConfigError` naming the key and the fix, raised
 when the config is validated (before Ray starts). Files are read once per process (cached by path,
 size and modification time).
 """
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 
 __all__ = ["Record", "FORMATS", "file_format", "read_rows", "read_records", "file_records", "content_digest",
            "data_digests", "code_digests", "check_code_digests", "module_source"]

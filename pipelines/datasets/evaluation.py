@@ -36,7 +36,7 @@ import structlog
 
 from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, Range, Section
 from asyncrl.pipelines.datasets.data import get_task, make_loader, task_pairs
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 
 __all__ = ["EvalConfig", "Evaluator"]
 

@@ -16,13 +16,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from asyncrl.pipelines.job import configlib
-from asyncrl.pipelines.rollout.admission import StreamConfig
-from asyncrl.pipelines.job.configlib import ConfigError
-from asyncrl.pipelines.rollout.elastic import WorkerRange, parse_workers
-from asyncrl.pipelines.rollout.modes import RolloutMode, rollout_mode, rollout_mode_names
+from asyncrl.pipelines import configlib
+from asyncrl.pipelines.configlib import ConfigError
+from asyncrl.pipelines.job.elastic import WorkerRange, parse_workers
+from asyncrl.pipelines.job.modes import RolloutMode, rollout_mode, rollout_mode_names
 from asyncrl.pipelines.datasets.evaluation import EvalConfig
-from asyncrl.pipelines.rollout.sampling import FilterGroupsConfig
 from asyncrl.pipelines.twin.profile import TwinConfig, check_twin
 from asyncrl.roles import ModelConfig, OptimConfig, RewardConfig, RolloutConfig
 from asyncrl.roles.fields import MAX_ROWS, MAX_SEED, MAX_WORKERS, Range, Section, check_bounds
@@ -30,7 +28,7 @@ from asyncrl.pipelines.datasets.data import task_names, task_pairs
 from asyncrl.pipelines.job.validation import check_worker_sections
 from asyncrl.roles.modeling.models import meta_model
 from asyncrl.roles.scoring.reward import RewardFnSpecError, is_reward_path, load_reward_fn
-from asyncrl.roles.training.lora import check_targets
+from asyncrl.roles.modeling.lora import check_targets
 from asyncrl.runtime import loop_factory
 
 LOGGERS = ("wandb",)
@@ -95,6 +93,16 @@ class DataConfig(Section):
 
 
 @dataclass(kw_only=True)
+class FilterGroupsConfig(Section):
+    """``algorithm.filter_groups`` (verl's name): dynamic sampling for GRPO."""
+
+    enable: bool = False
+    """Drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+    max_num_gen_batches: Annotated[int, Range(ge=1, le=1000)] = 10
+    """Most generate calls per step (the first included); then the batch is filled with dropped groups."""
+
+
+@dataclass(kw_only=True)
 class AlgorithmConfig(Section):
     """The RL algorithm: advantage estimator and loss settings."""
 
@@ -145,6 +153,19 @@ class RestartConfig(Section):
 
 
 @dataclass(kw_only=True)
+class StreamConfig(Section):
+    """``trainer.stream``: streaming rollout (``trainer.rollout_mode=stream``)."""
+
+    max_groups_in_flight: Annotated[int, Range(ge=1, le=MAX_ROWS)] | None = None
+    """Most prompt groups generating at once (a memory bound; with `drop_stale`, generating or waiting
+    for a step); None: ``(max_staleness + 1) * groups per step``, what admission control allows anyway.
+    Must be at least one step's groups."""
+    drop_stale: bool = False
+    """Keep the staleness bound by dropping finished groups that are too old (counted in
+    ``stream/dropped_groups``) instead of pausing the sampler. Off: nothing is ever dropped."""
+
+
+@dataclass(kw_only=True)
 class TrainerConfig(Section):
     """The controller: how many steps, how much data per step, staleness and placement."""
 
@@ -164,7 +185,7 @@ class TrainerConfig(Section):
     buffer_capacity: Annotated[int, Range(ge=1, le=MAX_BUFFERED)] | None = None
     """Batches the rollout→train buffer holds; None = max_staleness + 1."""
     rollout_mode: str = "batch"
-    """A registered rollout mode (:mod:`asyncrl.pipelines.rollout.modes`; docs/rollout_modes.md shows how to
+    """A registered rollout mode (:mod:`asyncrl.pipelines.job.modes`; docs/rollout_modes.md shows how to
     add one). ``batch``: each step's prompts are generated as one batch; ``stream``: prompt groups are kept in
     flight, and a step trains the first finished groups that fill it, within ``max_staleness`` per
     trajectory (docs/streaming.md; loads the newest weights: ``rollout_weights`` ``auto`` or ``latest``)."""

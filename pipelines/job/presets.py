@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from asyncrl.pipelines.job import configlib
+from asyncrl.pipelines import configlib
 from asyncrl.pipelines.job.config import AlgorithmConfig, DataConfig, EvalConfig, JobConfig, TrainerConfig, TwinConfig
 from asyncrl.roles import (SMOLLM2_135M_INSTRUCT, ModelConfig, OptimConfig, RewardConfig, RolloutConfig,
                            RolloutCorrectionConfig)

@@ -20,13 +20,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.roles.engines import engine_names
 from asyncrl.roles.engines.base import engine_options
 from asyncrl.roles.errors import TokenizerNotFoundError
 from asyncrl.roles.modeling.models import _TOKENIZER_FILES, has_chat_template, is_gguf_spec, qwen2_tokenizer_dir
 from asyncrl.roles.scoring.reward import reward_fn_names
-from asyncrl.roles.training.strategy import layer_classes
+from asyncrl.roles.modeling.strategy import layer_classes
 
 __all__ = ["check_worker_sections"]
 

@@ -31,7 +31,7 @@ over before it was closed, and the decoding step (tokens kept) at which each han
 A stream run on the HF engine also writes ``"rounds": "rounds.jsonl"`` in its ``run`` record and keeps
 its engines' round log (which requests decoded together, under which version, for how many steps) in
 that side file next to the journal: too large for one line per event, and only a replay reads it
-(:mod:`asyncrl.pipelines.journaling.stream_replay`). It is append-only like the journal and rewinds with it.
+(:mod:`asyncrl.pipelines.rollout.stream_replay`). It is append-only like the journal and rewinds with it.
 
 Together these records are the run's per-sample ledger (:mod:`asyncrl.pipelines.journaling.ledger`): a
 sample is one row of a prompt group -- ``(group, row, seed)``; batch ``i`` holds groups ``i * B .. i * B + B - 1``
@@ -54,7 +54,7 @@ records are the consumption order.
 In ``rollout_weights: latest`` mode the version a batch gets depends on timing, so two
 runs with the same seeds differ. Everything else a step computes is a function of (weights,
 batch, seed), so following the journal's versions reproduces the run bit for bit
-(:mod:`asyncrl.pipelines.journaling.replay`, ``asyncrl replay RUN``). A resumed or restarted run
+(:mod:`asyncrl.pipelines.commands.replay`, ``asyncrl replay RUN``). A resumed or restarted run
 rewinds the journal to its checkpoint and follows the versions recorded after it, so the
 steps it recomputes are the ones the interrupted run computed.
 """
@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection
 
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 
 __all__ = ["Journal", "JournalData", "JournalError", "read_journal", "JOURNAL"]
 

@@ -1,5 +1,5 @@
 """A streaming run's round log, ``rounds.jsonl``: which requests shared each decoding round of the HF engine
-and under which weight version (what :mod:`asyncrl.pipelines.journaling.stream_replay` re-runs). Recorded when
+and under which weight version (what :mod:`asyncrl.pipelines.rollout.stream_replay` re-runs). Recorded when
 :func:`records_rounds`; written by the run journal after each step."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The loop state: everything the rollout and train loops share and change, in one object.
 
-One per attempt (:class:`~asyncrl.pipelines.loop.run.Run`): a restart (:mod:`asyncrl.pipelines.supervision.supervisor`)
+One per attempt (:class:`~asyncrl.pipelines.run.run.Run`): a restart (:mod:`asyncrl.pipelines.supervision.supervisor`)
 starts a new attempt with a fresh one, a checkpoint restored into it, and hands it back to the trainer, which goes
 on from it; nothing else in the trainer changes while the loops run.
 
@@ -188,7 +188,7 @@ def batch_seed(config: Any, index: int) -> int:
 
 class Rollout(Protocol):
     """What the train loop, the checkpoints and precompute-ahead need from a rollout producer (what a
-    :class:`~asyncrl.pipelines.rollout.modes.RolloutMode` builds)."""
+    :class:`~asyncrl.pipelines.job.modes.RolloutMode` builds)."""
 
     async def run(self) -> None:
         """Produce batches until the run has all it needs."""

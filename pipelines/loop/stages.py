@@ -13,7 +13,7 @@ metrics, weight-sync receipts. The canonical order of one batch::
 
 ``advantages`` runs on a small pipelines-owned :class:`AdvantageWorker` colocated with
 the policy: it merges the stage outputs into the training batch and applies the pure
-functions of ``asyncrl.roles.training.functional`` (GRPO group normalisation, or GAE), so no
+functions of ``asyncrl.roles.functional`` (GRPO group normalisation, or GAE), so no
 advantage math and no batch bytes touch the controller.
 """
 
@@ -28,12 +28,12 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Broadcast, Dispatch, DispatchMode, Execute, GroupFuture, Worker, WorkerGroup, register
 from asyncrl.dispatch import Sharded, World, collect_dp
 from asyncrl.errors import DispatchError
-from asyncrl.roles.training import functional as F
+from asyncrl.roles import functional as F
 from asyncrl.pipelines.journaling.ledger import row_facts
 from asyncrl.pipelines.observe.samples import pick_rows, trajectory_rows
-from asyncrl.pipelines.rollout.stream_batch import concat_groups, version_stats
+from asyncrl.pipelines.loop.stream_batch import concat_groups, version_stats
 from asyncrl.roles import PolicyWorker
-from asyncrl.roles._util import DataParallel
+from asyncrl.roles.modeling.parallel import DataParallel
 
 __all__ = [
     "AdvantageWorker",
@@ -133,7 +133,7 @@ class AdvantageWorker(Worker):
                       uid_base: int) -> TensorDict:
         """Streaming rollout: one step's batch from its finished groups' ``generate`` and ``score``
         results (pass their futures: they are fetched here, worker to worker); see
-        :func:`asyncrl.pipelines.rollout.stream_batch.concat_groups`."""
+        :func:`asyncrl.pipelines.loop.stream_batch.concat_groups`."""
         return concat_groups(parts, scores, pad_id=pad_id, uid_base=uid_base)
 
     @register(SHARDS, summary=row_facts)
@@ -149,7 +149,7 @@ class AdvantageWorker(Worker):
     @register(Dispatch.ONE_TO_ALL, Execute.RANK_ZERO)
     def version_stats(self, batch: TensorDictBase, step: int, max_staleness: int) -> dict[str, float]:
         """Streaming rollout: the per-trajectory version metrics of a step's batch (small); see
-        :func:`asyncrl.pipelines.rollout.stream_batch.version_stats`."""
+        :func:`asyncrl.pipelines.loop.stream_batch.version_stats`."""
         return version_stats(batch, step, max_staleness)
 
     @register(Dispatch.DP_COMPUTE)

@@ -30,25 +30,11 @@ leaves without training (every ``U_u`` only shrinks, so the invariant holds) and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from asyncrl.pipelines.job.configlib import ConfigError
-from asyncrl.roles.fields import MAX_ROWS, Range, Section
+from asyncrl.pipelines.configlib import ConfigError
 
-__all__ = ["Admission", "AdmissionStats", "StreamConfig", "check_stream", "groups_in_flight"]
-
-
-@dataclass(kw_only=True)
-class StreamConfig(Section):
-    """``trainer.stream``: streaming rollout (``trainer.rollout_mode=stream``)."""
-
-    max_groups_in_flight: Annotated[int, Range(ge=1, le=MAX_ROWS)] | None = None
-    """Most prompt groups generating at once (a memory bound; with `drop_stale`, generating or waiting
-    for a step); None: ``(max_staleness + 1) * groups per step``, what admission control allows anyway.
-    Must be at least one step's groups."""
-    drop_stale: bool = False
-    """Keep the staleness bound by dropping finished groups that are too old (counted in
-    ``stream/dropped_groups``) instead of pausing the sampler. Off: nothing is ever dropped."""
+__all__ = ["Admission", "AdmissionStats", "check_stream", "groups_in_flight"]
 
 
 def groups_in_flight(job: Any) -> int:
@@ -130,7 +116,7 @@ class Admission:
         groups_per_step: ``B``.
         max_staleness: ``k`` (>= 1).
         max_in_flight: most admitted, unfinished groups (>= ``B``).
-        drop_stale: keep the bound by dropping (see :class:`StreamConfig`).
+        drop_stale: keep the bound by dropping (see :class:`~asyncrl.pipelines.job.config.StreamConfig`).
         next_step: ``p`` at the start (a resumed run's first step).
     """
 

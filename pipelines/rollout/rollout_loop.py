@@ -32,16 +32,16 @@ from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.rollout.sampling import fill_batch
 from asyncrl.pipelines.job.config import JobConfig
 from asyncrl.pipelines.loop.loop_state import Generating, LoopState, ModeCheckpoint, Rollout, RolloutBatch, batch_seed
-from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode
+from asyncrl.pipelines.job.modes import RolloutMode, register_rollout_mode
 
 if TYPE_CHECKING:
-    from asyncrl.pipelines.loop.build import Workers
+    from asyncrl.pipelines.run.build import Workers
     from asyncrl.pipelines.datasets.data import PromptLoader
     from asyncrl.pipelines.datasets.evaluation import Evaluator
     from asyncrl.pipelines.loop.precompute import Precompute
-    from asyncrl.pipelines.observe.reporting import RunReport
-    from asyncrl.pipelines.journaling.run_journal import RunJournal
-    from asyncrl.pipelines.loop.run import Run
+    from asyncrl.pipelines.run.reporting import RunReport
+    from asyncrl.pipelines.run.run_journal import RunJournal
+    from asyncrl.pipelines.run.run import Run
     from asyncrl.pipelines.supervision.supervisor import Supervisor
     from asyncrl.pipelines.observe.trace import Tracer
     from asyncrl.pipelines.loop.weights import WeightSync
@@ -51,10 +51,10 @@ __all__ = ["Rollout", "RolloutServices", "BatchRollout", "BatchMode", "batch_see
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutServices:
-    """What a rollout producer is built with (:meth:`~asyncrl.pipelines.rollout.modes.RolloutMode.build`): the
+    """What a rollout producer is built with (:meth:`~asyncrl.pipelines.job.modes.RolloutMode.build`): the
     run's parts it reports to or waits on, built once by the trainer (not the trainer). The attempt's groups and
     loop state are read through :attr:`current` at each use: a restart starts a new
-    :class:`~asyncrl.pipelines.loop.run.Run` and keeps the producer."""
+    :class:`~asyncrl.pipelines.run.run.Run` and keeps the producer."""
 
     config: JobConfig
     """The run's configuration."""

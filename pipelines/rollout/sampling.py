@@ -18,26 +18,15 @@ common width) and handed to the training pool as one batch. Metrics per step: ``
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Sequence
+from typing import Any, Callable
 
 import anyio.to_thread
 import torch
 from tensordict import TensorDict
 
-from asyncrl.roles.fields import Range, Section
+from asyncrl.pipelines.loop.stream_batch import select_groups
 
-__all__ = ["FilterGroupsConfig", "group_stds", "informative_groups", "extra_indices", "select_groups", "fill_batch"]
-
-
-@dataclass(kw_only=True)
-class FilterGroupsConfig(Section):
-    """``algorithm.filter_groups`` (verl's name): dynamic sampling for GRPO."""
-
-    enable: bool = False
-    """Drop groups whose rewards are all equal and sample more prompts until the batch is full."""
-    max_num_gen_batches: Annotated[int, Range(ge=1, le=1000)] = 10
-    """Most generate calls per step (the first included); then the batch is filled with dropped groups."""
+__all__ = ["group_stds", "informative_groups", "extra_indices", "fill_batch"]
 
 
 def group_stds(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -58,39 +47,6 @@ def extra_indices(num_rows: int, prompts: int, *, seed: int, step: int, call: in
     if prompts <= num_rows:
         return rng.sample(range(num_rows), prompts)
     return [rng.randrange(num_rows) for _ in range(prompts)]
-
-
-_LEFT_PADDED = ("prompt_ids", "prompt_mask", "input_ids", "attention_mask")
-
-
-def _left_pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    if t.shape[1] == width:
-        return t
-    pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), value, dtype=t.dtype)
-    return torch.cat([pad, t], dim=1)
-
-
-def select_groups(batches: Sequence[TensorDict], picks: Sequence[tuple[int, int]], group_size: int, *,
-                  pad_id: int, uid_base: int, width: int | None = None) -> TensorDict:
-    """One batch of the groups `picks` (``(batch number, group number)`` each, in that order) of
-    `batches`; prompts are re-padded on the left to a common width (at least `width`), and ``uid`` renumbered
-    ``uid_base, uid_base + 1, ...`` per group."""
-    rows = [batches[b][g * group_size:(g + 1) * group_size] for b, g in picks]
-    prompt_w = max([int(r["prompt_ids"].shape[1]) for r in rows] + [width or 0])
-    fixed = []
-    for r in rows:
-        r = r.clone(recurse=False)
-        extra = prompt_w - int(r["prompt_ids"].shape[1])
-        if extra:
-            for k in _LEFT_PADDED:
-                if k in r.keys():
-                    t = r.get(k)
-                    r[k] = _left_pad(t, t.shape[1] + extra, pad_id if k.endswith("ids") else 0)
-        fixed.append(r)
-    out = torch.cat(fixed, dim=0) if len(fixed) > 1 else fixed[0]
-    n = len(picks)
-    out["uid"] = torch.arange(n, dtype=torch.long).repeat_interleave(group_size) + uid_base
-    return out
 
 
 async def fill_batch(*, step: int, first: tuple[Any, Any, torch.Tensor], loader: Any, group_size: int,

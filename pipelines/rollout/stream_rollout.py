@@ -48,7 +48,7 @@ an exact replay) sends each group to the whole rollout group instead, its rows s
 replay re-issues them (:data:`ROUTE_GROUPS`).
 
 Replay: after each take the engines' round log goes to the journal's side file, and ``asyncrl replay``
-follows it with :class:`~asyncrl.pipelines.journaling.stream_replay.StreamReplay` (a subclass of this one).
+follows it with :class:`~asyncrl.pipelines.rollout.stream_replay.StreamReplay` (a subclass of this one).
 """
 
 from __future__ import annotations

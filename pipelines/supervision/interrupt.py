@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM keep the run's progress.
 
 The first SIGINT or SIGTERM asks the trainer to stop after the step in progress
-(:meth:`~asyncrl.pipelines.loop.trainer.Trainer.request_stop`): it finishes that step, writes a
+(:meth:`~asyncrl.pipelines.trainers.trainer.Trainer.request_stop`): it finishes that step, writes a
 checkpoint, releases every worker and ``fit()`` returns with ``trainer.interrupted`` set
 (the step reached and the checkpoint to resume from). A second signal abandons the step in
 progress: the run is cancelled at once, every worker is released, no new checkpoint is

@@ -8,7 +8,7 @@ The loops run inside :meth:`Supervisor.run`. Two recoveries (which faults qualif
   pool's processes are killed and new ones start in the same bundles; the loop then loads the
   version the batch needs and generates it again. Training goes on from the buffer.
 * **Restart** -- any other worker fault ends the loops. The supervisor asks for a new attempt
-  (:meth:`~asyncrl.pipelines.loop.run.Attempts.restart`, a new :class:`~asyncrl.pipelines.loop.run.Run`):
+  (:meth:`~asyncrl.pipelines.run.run.Attempts.restart`, a new :class:`~asyncrl.pipelines.run.run.Run`):
   every group closed, new actors in the same placement groups (pools of their own are placed again,
   waiting for capacity: a lost node took its bundles), a new loop state restored from the newest
   checkpoint this run saved (or the run's start), the journal rewound so the steps after the
@@ -30,7 +30,7 @@ import structlog
 
 from asyncrl import WorkerDiedError
 from asyncrl.pipelines.loop.deadlines import unwrap, with_deadlines
-from asyncrl.pipelines.rollout.elastic import RolloutRangeError
+from asyncrl.pipelines.job.elastic import RolloutRangeError
 from asyncrl.pipelines.loop.loop_state import RolloutBatch
 from asyncrl.pipelines.supervision.recovery import describe, fault_origin, fault_record, is_worker_fault, root_cause
 from asyncrl.pipelines.loop.stages import Groups
@@ -38,8 +38,8 @@ from asyncrl.pipelines.loop.stages import Groups
 if TYPE_CHECKING:
     from pathlib import Path
     from asyncrl.pipelines.job.config import JobConfig
-    from asyncrl.pipelines.loop.build import Workers
-    from asyncrl.pipelines.loop.run import Run
+    from asyncrl.pipelines.run.build import Workers
+    from asyncrl.pipelines.run.run import Run
     from asyncrl.pipelines.loop.weights import WeightSync
 
 __all__ = ["Supervisor", "first_error"]
@@ -73,7 +73,7 @@ class Supervisor:
         config: the run's configuration (``trainer.restart``'s policy, the rollout pool's range).
         current: the attempt the loops run now (its groups and loop state).
         restart: starts a new attempt from a checkpoint (None: the run's start) after a fault
-            (:meth:`~asyncrl.pipelines.loop.run.Attempts.restart`).
+            (:meth:`~asyncrl.pipelines.run.run.Attempts.restart`).
         last_checkpoint: the newest checkpoint of this run (a restart goes on from it).
         workers: the run's workers (the rollout pool is replaced or resized through them).
         weights: the weight sync (a new rollout pool's engines are prepared through it).
@@ -87,7 +87,7 @@ class Supervisor:
         self._config, self._current, self._new_run, self._last_checkpoint = config, current, restart, last_checkpoint
         self._workers, self._weights, self._owns_groups, self._fitting = workers, weights, owns_groups, fitting
         self.restarts: list[dict[str, Any]] = []
-        """One record per recovery (see :attr:`~asyncrl.pipelines.loop.trainer.Trainer.restarts`)."""
+        """One record per recovery (see :attr:`~asyncrl.pipelines.trainers.trainer.Trainer.restarts`)."""
         self._pending: list[dict[str, Any]] = []  # recoveries whose interruption is still being measured
         self._scale: tuple[int, float, str, asyncio.Future[None]] | None = None  # a pending resize
 
@@ -204,7 +204,7 @@ class Supervisor:
         mode: between two batches (the batch in flight finishes first); the new workers load the next batch's
         weight version before they generate it. Streaming: beside the groups in flight, which drain or are
         handed over (:mod:`~asyncrl.pipelines.rollout.stream_scale`). Raises ``ValueError`` for a bad `n`,
-        :class:`~asyncrl.pipelines.rollout.elastic.RolloutRangeError` for `n` outside ``trainer.rollout_workers``'s
+        :class:`~asyncrl.pipelines.job.elastic.RolloutRangeError` for `n` outside ``trainer.rollout_workers``'s
         range, and ``RuntimeError`` where the run cannot scale (a shared or colocated pool, not generating)."""
         t = self._config.trainer
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

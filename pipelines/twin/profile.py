@@ -50,7 +50,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.roles.fields import MAX_SEED, MAX_WORKERS, Range, Section
 
 __all__ = ["TwinConfig", "Profile", "ModelSize", "RolloutCosts", "TrainCosts", "LengthModel", "Devices", "ProfileError",

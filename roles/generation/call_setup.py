@@ -7,7 +7,7 @@ Batch generation (``generate``, ``stream_generate``, ``submit``) and request-lev
 holds usable weights; each prompt plus ``max_new_tokens`` fits the model's context, never truncated), derive its
 sampling parameters the same way (from the config, the call's seed, the weight version and the prompts) and mark
 the rows they return with this replica. The gate a call waits at while weights change is the
-:class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights`' (``weights.gate()``).
+:class:`~asyncrl.roles.generation.rollout_weights.RolloutWeights`' (``weights.gate()``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from asyncrl.roles.errors import PromptTooLongError
 
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig
-    from asyncrl.roles.weights.rollout_weights import RolloutWeights
+    from asyncrl.roles.generation.rollout_weights import RolloutWeights
 
 __all__ = ["CallSetup"]
 
@@ -37,7 +37,7 @@ class CallSetup:
 
     Args:
         config: the rollout's settings (the sampling defaults and the seed).
-        weights: the worker's :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` (asleep, usable
+        weights: the worker's :class:`~asyncrl.roles.generation.rollout_weights.RolloutWeights` (asleep, usable
             weights, the version a call's seed derives from).
         rank: the rollout rank (the ``replica`` field; named in errors).
         context_length: the model's context (what a prompt plus ``max_new_tokens`` must fit).

@@ -12,7 +12,7 @@ This module holds the worker's construction and batch generation (``generate``,
 (:mod:`asyncrl.roles.generation.rollout_config`, re-exported here). The rest are objects the worker holds, each
 built with the values and callables it uses:
 
-* ``self.weights``, a :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` -- weight sync: the
+* ``self.weights``, a :class:`~asyncrl.roles.generation.rollout_weights.RolloutWeights` -- weight sync: the
   ``update_weights`` transaction (and its partial-rollout path), the receiving side of the weight transports and
   ``sleep``/``wake_up``; generation reads its version and waits at its gate;
 * ``self.call_setup``, a :class:`~asyncrl.roles.generation.call_setup.CallSetup` -- what batch and request-level
@@ -53,7 +53,7 @@ from asyncrl.roles.modeling.threads import core_share_for, release_core_share
 from asyncrl.roles.generation.call_setup import CallSetup
 from asyncrl.roles.generation.rollout_config import RolloutConfig
 from asyncrl.roles.generation.rollout_requests import RequestGeneration
-from asyncrl.roles.weights.rollout_weights import Adoptable, RolloutWeights, unpack_weights
+from asyncrl.roles.generation.rollout_weights import Adoptable, RolloutWeights, unpack_weights
 from asyncrl.roles.errors import ReplicaLostError
 
 __all__ = ["RolloutConfig", "RolloutWorker", "unpack_weights"]
@@ -325,7 +325,7 @@ class RolloutWorker(Worker):
         td.set("index", torch.tensor(rows, dtype=torch.long) + self.rank * n)
         return {"rows": td, "done": done}
 
-    # ---- weight sync: the registered face of self.weights (roles/weights/rollout_weights.py) ----
+    # ---- weight sync: the registered face of self.weights (roles/generation/rollout_weights.py) ----
 
     @register(Dispatch.ONE_TO_ALL)
     async def update_weights(self, weights: Any, version: int | None = None, *,
@@ -384,7 +384,7 @@ class RolloutWorker(Worker):
     async def _engine_load(self, state: dict[str, torch.Tensor]) -> None:
         """Load `state` into the engine (what ``self.weights`` calls for every load; subclasses that inject
         faults wrap it): an engine with its own loop loads it there (vLLM), the HF engine adopts an
-        :class:`~asyncrl.roles.weights.rollout_weights.Adoptable` state as its parameters (no copy), and
+        :class:`~asyncrl.roles.generation.rollout_weights.Adoptable` state as its parameters (no copy), and
         copies anything else."""
         aload = getattr(self.engine, "aload_weights", None)  # engines with their own loop (vLLM)
         adopt = getattr(self.engine, "adopt_weights", None)  # the HF engine: no copy (docs/performance.md)

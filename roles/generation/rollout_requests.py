@@ -22,7 +22,7 @@ through the row's ``llm`` -- so a new kind of row is one such function::
 It owns the request batcher, the calls in flight and the round-log replay; what it shares with batch generation
 (the prompt check, the sampling parameters, the replica field) is the worker's
 :class:`~asyncrl.roles.generation.call_setup.CallSetup`, and each token's version and the gate a call waits at come
-from the worker's :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` (its ``weights``).
+from the worker's :class:`~asyncrl.roles.generation.rollout_weights.RolloutWeights` (its ``weights``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class RequestGeneration:
     Args:
         call_setup: the worker's :class:`~asyncrl.roles.generation.call_setup.CallSetup`, shared with batch
             generation: the rollout's settings, rank, context and
-            :class:`~asyncrl.roles.weights.rollout_weights.RolloutWeights` (each token's version, the gate a call
+            :class:`~asyncrl.roles.generation.rollout_weights.RolloutWeights` (each token's version, the gate a call
             starts behind, the updates ``statistics`` reports), the prompt check, the sampling parameters and the
             replica field.
         engine: the worker's current engine (``restart_engine`` replaces it, after :meth:`drop_batcher`).

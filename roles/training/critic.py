@@ -8,7 +8,7 @@ from tensordict import TensorDict, TensorDictBase
 from asyncrl import Dispatch, register
 
 from asyncrl.roles._util import mini_batches, require, require_token_budget, split_micro_batches
-from asyncrl.roles.training import functional as F
+from asyncrl.roles import functional as F
 from asyncrl.roles.modeling.device import place_model, resolve_placement
 from asyncrl.roles.modeling.models import ModelConfig, build_value_model, set_gradient_checkpointing, set_torch_threads
 from asyncrl.roles.modeling.threads import computing, core_share_for, release_core_share

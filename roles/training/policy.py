@@ -33,14 +33,15 @@ from tensordict import TensorDict, TensorDictBase
 
 from asyncrl import Dispatch, Execute, Worker, register
 
-from asyncrl.roles.training import functional as F
-from asyncrl.roles._util import DataParallel, mini_batches, require, require_token_budget, response_log_probs, split_micro_batches, with_fields
+from asyncrl.roles import functional as F
+from asyncrl.roles.modeling.parallel import DataParallel
+from asyncrl.roles._util import mini_batches, require, require_token_budget, response_log_probs, split_micro_batches, with_fields
 from asyncrl.roles.modeling.device import Placement, place_model, resolve_placement
 from asyncrl.roles.errors import CheckpointFormatError, StaleBatchError
 from asyncrl.roles.fields import MAX_ROWS, Range, Section, check_bounds
-from asyncrl.roles.training.lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
+from asyncrl.roles.modeling.lora import LoraConfig, LoraDelta, adapter_delta, apply_lora, base_digest, merged_state
 from asyncrl.roles.modeling.models import ModelConfig, load_model, set_gradient_checkpointing, set_torch_threads, tensor_checksum
-from asyncrl.roles.training.strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy, full_tensor
+from asyncrl.roles.modeling.strategy import EVERY_RANK_GIVES_RANK_ZEROS, STRATEGIES, TrainStrategy, full_tensor
 from asyncrl.roles.modeling.threads import computing, core_share_for, release_core_share
 from asyncrl.roles.weights.transfer import STAGE, WeightHandle, WeightSource
 from asyncrl.roles.weights.weight_channel import _cast
@@ -170,7 +171,7 @@ class OptimConfig(Section):
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Off-policy correction of the actor loss (unused by the critic)."""
     strategy: Literal["ddp", "fsdp2"] = "ddp"
-    """How the model is spread over several training ranks (verl's ``strategy``; asyncrl.roles.training.strategy):
+    """How the model is spread over several training ranks (verl's ``strategy``; asyncrl.roles.modeling.strategy):
     ``ddp`` replicates it (torch's DistributedDataParallel, ~16 bytes per parameter on every rank);
     ``fsdp2`` shards parameters, gradients and optimizer state over the ranks (torch's ``fully_shard`` per
     decoder layer). The same math either way; one rank is the plain model. The reference follows the actor's."""
@@ -188,7 +189,7 @@ class OptimConfig(Section):
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters (policy only; ``lora.rank > 0``, needs ``peft``): only the adapters train, the
     reference log-probs are the base model's (the adapter disabled, no reference worker), the rollout gets
-    the merged weights. See asyncrl.roles.training.lora."""
+    the merged weights. See asyncrl.roles.modeling.lora."""
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ValueError for settings no update can run with (`world_size`: ranks of the group)."""
@@ -310,7 +311,7 @@ class _Trainable(Worker):
         return StateDictOptions(ignore_frozen_params=self._lora, strict=not self._lora)
 
     def _base_digest(self, dtype: str | None) -> str:
-        """LoRA: :func:`~asyncrl.roles.training.lora.base_digest` of the frozen base (in `dtype`), computed once per dtype."""
+        """LoRA: :func:`~asyncrl.roles.modeling.lora.base_digest` of the frozen base (in `dtype`), computed once per dtype."""
         if self._base_digests is None:
             self._base_digests = {}
         if dtype not in self._base_digests:
@@ -712,7 +713,7 @@ class PolicyWorker(_Trainable):
 
     @register(EVERY_RANK_GIVES_RANK_ZEROS)
     def export_adapter(self, dtype: str | None = None) -> LoraDelta:
-        """The current version as its LoRA factors only (:class:`~asyncrl.roles.training.lora.LoraDelta`), for
+        """The current version as its LoRA factors only (:class:`~asyncrl.roles.modeling.lora.LoraDelta`), for
         ``RolloutWorker.update_weights`` of an HF rollout that merges them into its copy of the base
         (``trainer.weight_sync=adapter``); `dtype`: the rollout's weight dtype (its base is checked in it)."""
         if not self._lora:

@@ -46,9 +46,9 @@ from asyncrl import Dispatch
 from asyncrl.dispatch import dispatch_one_to_all
 
 from asyncrl.roles.errors import WeightsLostError, WeightSyncError
-from asyncrl.roles.training.lora import MergedWeights, merged_state
+from asyncrl.roles.modeling.lora import MergedWeights, merged_state
 from asyncrl.roles.modeling.models import StateSlots
-from asyncrl.roles.training.strategy import TrainStrategy, is_sharded
+from asyncrl.roles.modeling.strategy import TrainStrategy, is_sharded
 from asyncrl.roles.weights.weight_channel import (
     _DTYPE,
     WeightChannel,
@@ -381,7 +381,7 @@ class WeightSource:
     host memory except for ``local``.
 
     Args:
-        strategy: the policy's :class:`~asyncrl.roles.training.strategy.TrainStrategy` (its ``module`` is the model).
+        strategy: the policy's :class:`~asyncrl.roles.modeling.strategy.TrainStrategy` (its ``module`` is the model).
         rank: the policy rank this runs on.
         device: the device the policy's weights live on (``local`` and ``collective`` snapshots go there).
         lora: the model is a peft model with LoRA adapters: the weights leave merged (:meth:`export_state`).

@@ -141,7 +141,7 @@ def test_the_asyncrl_command_sets_trainer_seed_before_the_variants_overrides():
 
     args = argparse.Namespace(prompts=2, group=2, max_new_tokens=8, steps=3, rounds=1, held_out=4, seeds=[2])
     cmd = vs_trl.asyncrl_command(["model.num_threads=follow"], args, Path("/r"), 2)
-    assert cmd[1:] == ["-m", "asyncrl.pipelines.job.cli", "train", "--preset", "grpo_smollm_arith",
+    assert cmd[1:] == ["-m", "asyncrl.pipelines.commands.cli", "train", "--preset", "grpo_smollm_arith",
                        "trainer.output_dir=/r", "trainer.seed=2", "trainer.progress=false", "trainer.plot=false",
                        "trainer.tensorboard=false", "trainer.checkpoint_at_end=false", "trainer.steps=3",
                        "trainer.batch_size=4", "algorithm.group_size=2", "rollout.max_new_tokens=8",

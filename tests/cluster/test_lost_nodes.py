@@ -26,8 +26,8 @@ from asyncrl import Dispatch, register
 from asyncrl.pipelines.checkpoints.checkpoint import checkpoint_dir
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.journaling.journal import read_journal
-from asyncrl.pipelines.journaling.replay import compare_metrics
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.commands.replay import compare_metrics
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.reliability.conftest import until
 from tests.reliability.faults import Fault, FaultyPolicy, FaultyRollout

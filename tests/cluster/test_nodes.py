@@ -17,8 +17,8 @@ import ray
 import asyncrl
 from asyncrl import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.journaling.replay import replay
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.commands.replay import replay
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 
 

@@ -137,7 +137,7 @@ def test_the_console_script_is_the_pipelines_cli():
     import tomllib
 
     target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["asyncrl"]
-    assert target == "asyncrl.pipelines.job.cli:main"
+    assert target == "asyncrl.pipelines.commands.cli:main"
     module, attr = target.split(":")
     assert callable(getattr(importlib.import_module(module), attr))
 
@@ -180,7 +180,7 @@ def test_each_core_module_is_controller_side_or_worker_side():
 def test_the_trainer_enters_through_the_groups_async_resource_base():
     """``Trainer`` is an ``AsyncResource``, as the groups and pools are: ``async with`` runs the
     base's ``__aenter__`` (set up, or close on a failed set-up), not a copy of it."""
-    from asyncrl.pipelines.loop.trainer import Trainer
+    from asyncrl.pipelines.trainers.trainer import Trainer
     from asyncrl.resources import AsyncResource
 
     assert issubclass(Trainer, AsyncResource)

@@ -15,31 +15,34 @@ from tests.core.test_import_cycles import PACKAGES, _modules  # (one reading of 
 
 LAYERS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "asyncrl.pipelines": [
-        ("commands", ("job.cli", "journaling.replay", "twin.plan", "twin.chaos", "twin.fit")),
-        ("trainers", ("loop.trainer", "loop.sync")),
-        ("a run's parts", ("loop.build", "loop.run", "rollout", "supervision", "checkpoints", "journaling", "observe",
-                           "twin")),
+        ("commands", ("commands",)),
+        ("trainers", ("trainers",)),
+        ("rollout modes", ("rollout",)),
+        ("supervision", ("supervision",)),
+        ("a run", ("run",)),
+        ("checkpoints", ("checkpoints",)),
         ("the loops' vocabulary", ("loop",)),
-        ("records", ("journaling.journal", "journaling.ledger", "observe.metrics", "observe.samples", "observe.trace",
-                     "rollout.stream_batch")),
+        ("records", ("journaling", "observe")),
         ("the job's configuration", ("job",)),
-        ("config sections and data", ("rollout.admission", "rollout.elastic", "rollout.sampling", "rollout.modes",
-                                      "datasets", "twin.profile")),
-        ("config library", ("job.configlib",)),
+        ("data and the twin's model", ("datasets", "twin")),
+        ("config library", ("configlib",)),
     ],
     "asyncrl.roles": [
         ("rollout worker", ("generation",)),
         ("trained workers", ("training",)),
-        ("weight sync", ("weights", "training.lora", "training.strategy", "generation.rollout_config")),
-        ("engines, episodes, rewards", ("engines", "agentic", "scoring")),
+        ("weight transfer", ("weights",)),
+        ("episodes and agents", ("agentic",)),
+        ("engines and rewards", ("engines", "scoring")),
         ("worker helpers", ("_util",)),
-        ("models and math", ("modeling", "training.functional", "registry", "errors", "fields")),
+        ("models", ("modeling",)),
+        ("math and registries", ("functional", "registry")),
+        ("errors and config fields", ("errors", "fields")),
     ],
 }
-"""Per package, its layers from the top down: a name and its parts, each a sub-package or a single module (the
-longest name that matches a module wins, so a module can sit below the rest of its sub-package). A module may
-import its own layer and every layer below it (the cycle test keeps one layer's parts from importing each other
-both ways); the package's ``__init__`` (its public face) may import every layer, and no part imports the face."""
+"""Per package, its layers from the top down: a name and its parts, each a sub-package or a module at the
+package's top. A module may import its own sub-package, and every layer below its own; never a layer above,
+and never another part of its own layer (so no two sub-packages import each other, either way). The
+package's ``__init__`` (its public face) may import every layer, and no part imports the face."""
 
 LAZY: dict[tuple[str, str], str] = {}
 """``(importing module, imported module): reason`` for each project import made inside a function (none today:
@@ -111,7 +114,8 @@ def _layer(module: str) -> tuple[str, int, str] | None:
 
 
 def against_the_order(imports: list[Import]) -> list[str]:
-    """A line per import that reaches a layer above the importer's, or the package's face from inside."""
+    """A line per import that reaches a layer above the importer's, another part of its own layer, or the
+    package's face from inside."""
     bad = []
     for imp in imports:
         src = _layer(imp.importer)
@@ -122,11 +126,11 @@ def against_the_order(imports: list[Import]) -> list[str]:
             bad.append(f"{imp.importer}:{imp.line} imports {imp.target}: a part never imports its package's face")
             continue
         dst = _layer(imp.target)
-        if dst is None or dst[0] != pkg or dst[1] >= i:
+        if dst is None or dst[0] != pkg or dst[1] > i or (dst[1] == i and dst[2] == part):
             continue
         layers = LAYERS[pkg]
         bad.append(f"{imp.importer}:{imp.line} imports {imp.target} ({dst[2]}, layer {layers[dst[1]][0]!r}): "
-                   f"in {pkg}, {part} (layer {layers[i][0]!r}) may import only its own layer and those below")
+                   f"in {pkg}, {part} (layer {layers[i][0]!r}) may import only itself and the layers below")
     return bad
 
 
@@ -146,14 +150,33 @@ def test_every_module_is_in_a_layer():
 
 
 def test_the_order_refuses_an_upward_import():
-    up = Import("asyncrl.pipelines.job.config", "asyncrl.pipelines.loop.trainer", 1, lazy=True)
-    down = Import("asyncrl.pipelines.loop.trainer", "asyncrl.pipelines.job.config", 1, lazy=False)
+    up = Import("asyncrl.pipelines.job.config", "asyncrl.pipelines.trainers.trainer", 1, lazy=True)
+    down = Import("asyncrl.pipelines.trainers.trainer", "asyncrl.pipelines.job.config", 1, lazy=False)
     face = Import("asyncrl.roles.fields", "asyncrl.roles", 1, lazy=False)
     assert against_the_order([down]) == []
     [msg] = against_the_order([up])
-    assert "asyncrl.pipelines.job.config:1 imports asyncrl.pipelines.loop.trainer" in msg
-    assert "job (layer \"the job's configuration\") may import only its own layer and those below" in msg
+    assert "asyncrl.pipelines.job.config:1 imports asyncrl.pipelines.trainers.trainer" in msg
+    assert "job (layer \"the job's configuration\") may import only itself and the layers below" in msg
     assert against_the_order([face])
+
+
+def test_the_order_refuses_an_import_between_two_parts_of_one_layer():
+    sideways = Import("asyncrl.pipelines.journaling.ledger", "asyncrl.pipelines.observe.metrics", 1, lazy=False)
+    within = Import("asyncrl.pipelines.journaling.ledger", "asyncrl.pipelines.journaling.journal", 1, lazy=False)
+    assert against_the_order([within]) == []
+    [msg] = against_the_order([sideways])
+    assert "journaling (layer 'records') may import only itself and the layers below" in msg
+
+
+def test_each_part_is_a_whole_sub_package_or_a_top_module():
+    """A layer holds sub-packages whole: no sub-package is split between two layers, so the sub-packages
+    themselves have an order, not only their modules."""
+    for pkg, layers in LAYERS.items():
+        parts = [part for _, names in layers for part in names]
+        assert all("." not in part for part in parts), f"{pkg}: a part names a module inside a sub-package"
+        assert len(parts) == len(set(parts))
+        tops = {m[len(pkg) + 1:].split(".")[0] for m in _modules() if m.startswith(pkg + ".")}
+        assert tops == set(parts), f"{pkg}: sub-packages and top modules not in LAYERS: {tops ^ set(parts)}"
 
 
 def test_no_import_goes_against_the_layers():

@@ -43,9 +43,9 @@ def test_the_wheel_holds_every_module_and_imports_outside_the_repository(tmp_pat
         import sys
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
         sys.path.insert(0, {str(site)!r})
-        import asyncrl, asyncrl.roles.engines.hf, asyncrl.pipelines.loop.trainer, asyncrl.pipelines.observe.viewer
+        import asyncrl, asyncrl.roles.engines.hf, asyncrl.pipelines.trainers.trainer, asyncrl.pipelines.observe.viewer
         assert "uPlot" in asyncrl.pipelines.observe.viewer.render_html(None)  # the page's package data is installed
-        print(asyncrl.__file__, asyncrl.roles.engines.hf.__file__, asyncrl.pipelines.loop.trainer.__file__)
+        print(asyncrl.__file__, asyncrl.roles.engines.hf.__file__, asyncrl.pipelines.trainers.trainer.__file__)
     """)
     proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import importlib
 
 import pytest
 
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 from asyncrl.pipelines.observe.metrics import read_jsonl
 
 

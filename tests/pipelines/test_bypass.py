@@ -22,7 +22,7 @@ from asyncrl.pipelines.job.presets import load_config
 from asyncrl.pipelines.job.presets import grpo_toy, tiny_test
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 from .fakes import R, FakePolicy, FakeReward, FakeRollout, Recorder, _step
 

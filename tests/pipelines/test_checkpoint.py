@@ -11,7 +11,7 @@ from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 
 class Crash(Exception):
@@ -87,7 +87,7 @@ def test_resume_errors_are_raised_before_any_worker_starts(tmp_path):
         GRPOTrainer(tiny_test(), resume=tmp_path / "empty")
     other = ckpt.checkpoint_dir(tmp_path / "run", 1)
     other.mkdir(parents=True)
-    from asyncrl.pipelines.job.configlib import to_dict
+    from asyncrl.pipelines.configlib import to_dict
 
     cfg = tiny_test()
     cfg.actor.lr = 0.5
@@ -100,7 +100,7 @@ def _fake_checkpoint(run, cfg, **extra):
     """A complete-looking checkpoint of `cfg` at step 1 (files are placeholders: only the controller's
     resume checks read them)."""
     from asyncrl.pipelines.job.config import config_fingerprint
-    from asyncrl.pipelines.job.configlib import to_dict
+    from asyncrl.pipelines.configlib import to_dict
 
     d = ckpt.checkpoint_dir(run, 1)
     (d / "policy").mkdir(parents=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 from asyncrl.pipelines.job.config import ConfigError, JobConfig, config_fingerprint
 from asyncrl.pipelines.job.presets import load_config
 from asyncrl.pipelines.job.presets import grpo_toy, ppo_toy, tiny_test
@@ -230,7 +230,7 @@ class _Outer:
 
 
 def test_a_config_whose_constructor_refuses_a_value_is_a_config_error_naming_the_section():
-    from asyncrl.pipelines.job import configlib
+    from asyncrl.pipelines import configlib
 
     with pytest.raises(ConfigError, match=r"^inner: n must be >= 1, got 0$"):
         configlib.apply_overrides(_Outer(), ["inner.n=0"])
@@ -286,7 +286,7 @@ def test_bad_placements_exit_2_with_one_line_naming_the_key(overrides, line, cap
 
 
 def test_placements_give_each_pool_its_own_placement_groups_and_the_default_keeps_one():
-    from asyncrl.pipelines.loop.build import run_pools
+    from asyncrl.pipelines.run.build import run_pools
 
     default = grpo_toy()
     (pool,) = run_pools(default)  # today's layout: one pool on one node, split between the two

@@ -171,7 +171,7 @@ def test_validate_refuses_the_values_an_audit_found_it_accepted():
 
 def test_the_simulated_engine_trains_only_a_simulated_policy():
     from asyncrl import Worker
-    from asyncrl.pipelines.loop.trainer import make_trainer
+    from asyncrl.pipelines.trainers.trainer import make_trainer
 
     cfg = grpo_toy()
     cfg.rollout.engine = "sim"

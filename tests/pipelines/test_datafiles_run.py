@@ -12,7 +12,7 @@ import pytest
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from tests.pipelines.datafiles_util import ROWS, write, write_model_dir, write_reward_file
 
 STEPS = 4

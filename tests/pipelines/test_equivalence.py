@@ -12,8 +12,8 @@ import copy
 import pytest
 
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.sync import run_sequential
-from asyncrl.pipelines.loop.trainer import GRPOTrainer, PPOTrainer
+from asyncrl.pipelines.trainers.sync import run_sequential
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer, PPOTrainer
 
 COMPARED = ("version", "reward/mean", "staleness/mean", "staleness/max", "batch/version")
 

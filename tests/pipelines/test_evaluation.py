@@ -13,8 +13,8 @@ from asyncrl.pipelines.datasets.data import make_loader, task_pairs
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import grpo_smollm_arith, grpo_smollm_arith_vllm, tiny_test
-from asyncrl.pipelines.loop.sync import run_sequential
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.sync import run_sequential
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import PromptTooLongError, load_tokenizer, tiny_tokenizer
 from asyncrl.roles.scoring.arithmetic import is_held_out
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from asyncrl.pipelines.checkpoints import export
 from asyncrl.pipelines.checkpoints.checkpoint import CheckpointError, checkpoint_dir, write_manifest
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def _trained_policy(run):
     """The tokenizer and the policy of `run`'s newest checkpoint as training builds them (a PolicyWorker that
     loads the checkpoint, the tokenizer its config names)."""
     from asyncrl.pipelines.checkpoints.checkpoint import verify
-    from asyncrl.pipelines.job import configlib
+    from asyncrl.pipelines import configlib
     from asyncrl.roles import PolicyWorker
     from asyncrl.roles.modeling.models import ModelConfig, tokenizer_for
 

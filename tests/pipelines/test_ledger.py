@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.journaling.journal import Journal, read_journal
 from asyncrl.pipelines.journaling.ledger import LEDGER, LedgerFile, check_ledger, read_samples, row_facts
@@ -250,7 +250,7 @@ def test_row_facts_measure_replica_and_the_oldest_and_newest_model_token_version
 
 def test_asyncrl_ledger_exits_0_when_it_holds_1_naming_the_sample_when_not_and_2_without_a_journal(
         tmp_path, capsys):
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
 
     j = batch_run(tmp_path / "ok")
     j.left(batches=[], groups=[])

@@ -10,7 +10,7 @@ import ray
 from ray.util import placement_group_table
 
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 
 def _alive() -> tuple[int, int]:

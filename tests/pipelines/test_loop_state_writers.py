@@ -24,7 +24,7 @@ OWNERS: dict[str, str | None] = {
     "exports": WEIGHTS, "exported": WEIGHTS, "rollout_version": WEIGHTS,
     # the counters the loops wait on and a checkpoint's resume point: LoopState's named transitions
     "policy_version": STATE, "start_step": STATE, "next_gen": STATE, "rollout_done": STATE, "restored": STATE,
-    "taken": "asyncrl.pipelines.loop.trainer",  # the train loop, after each take
+    "taken": "asyncrl.pipelines.trainers.trainer",  # the train loop, after each take
     "generating": "asyncrl.pipelines.rollout.rollout_loop",  # the batch rollout's batch in flight
     "precomputed": "asyncrl.pipelines.loop.precompute",
     "rollout_state": "asyncrl.pipelines.rollout.stream_rollout",  # the mode's Rollout.restore (streaming's)

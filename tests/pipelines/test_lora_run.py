@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from asyncrl.pipelines.checkpoints.checkpoint import checkpoint_dir
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 from asyncrl.pipelines.checkpoints.export import read_policy_state
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles.modeling.models import state_dict_checksums
 
 

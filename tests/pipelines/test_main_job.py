@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from tests.pipelines.test_tensorboard import tensorboard_scalars
 

@@ -34,7 +34,7 @@ def test_a_file_that_lost_nothing_is_kept_as_it_was(tmp_path):
 
 
 def test_a_resume_after_a_torn_row_leaves_no_gap_in_the_steps(ray_cluster, tmp_path):
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
 
     out = tmp_path / "run"
     assert main(["train", "--preset", "grpo_toy", "trainer.steps=2", "model.num_layers=1", "model.hidden_size=32",

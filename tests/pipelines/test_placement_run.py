@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.journaling.replay import compare_metrics
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.commands.replay import compare_metrics
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 
 @pytest.mark.slow  # two runs: about 25 s on the loaded 2-core machine

@@ -22,7 +22,7 @@ from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.loop.loop_state import Generating
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.stages import AdvantageWorker, Groups
-from asyncrl.pipelines.loop.trainer import GRPOTrainer, PPOTrainer, RolloutBatch
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer, PPOTrainer, RolloutBatch
 
 from .fakes import FakePolicy, FakeReward, FakeRollout, Recorder
 

@@ -17,8 +17,8 @@ from asyncrl.pipelines.job.presets import load_config, tiny_test
 from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch, batch_seed
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
-from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode, rollout_mode
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
+from asyncrl.pipelines.job.modes import RolloutMode, register_rollout_mode, rollout_mode
 
 
 class LockstepRollout:
@@ -139,7 +139,7 @@ def test_a_mode_checks_its_own_config():
 
 def test_an_unknown_mode_names_the_registered_ones_and_how_to_register():
     message = ("trainer.rollout_mode: no rollout mode named 'lockstpe'; known: ['batch', 'lockstep', 'stream']. "
-               "Register one with @asyncrl.pipelines.rollout.modes.register_rollout_mode(name) on a RolloutMode "
+               "Register one with @asyncrl.pipelines.job.modes.register_rollout_mode(name) on a RolloutMode "
                "subclass, in a module imported before the config is validated (docs/rollout_modes.md)")
     with pytest.raises(ConfigError) as e:
         load_config(None, ["trainer.rollout_mode=lockstpe"])

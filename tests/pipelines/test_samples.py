@@ -12,7 +12,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from asyncrl.pipelines.job.presets import grpo_agents_toy, tiny_test
 from asyncrl.pipelines.observe.samples import SamplesWriter, pick_rows, read_samples, trajectory_rows
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 
 class CharTokenizer:

@@ -11,7 +11,8 @@ from tensordict import NonTensorStack, TensorDict
 
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config
-from asyncrl.pipelines.rollout.sampling import extra_indices, group_stds, informative_groups, select_groups
+from asyncrl.pipelines.loop.stream_batch import select_groups
+from asyncrl.pipelines.rollout.sampling import extra_indices, group_stds, informative_groups
 
 
 def test_groups_whose_rewards_are_all_equal_carry_no_signal():

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from asyncrl.pipelines.job.config import ConfigError
-from asyncrl.pipelines.rollout.elastic import RolloutRangeError, WorkerRange
+from asyncrl.pipelines.job.elastic import RolloutRangeError, WorkerRange
 from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.journaling.replay import compare_metrics
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.commands.replay import compare_metrics
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.journaling.ledger import check_ledger
 
 STEPS = 8

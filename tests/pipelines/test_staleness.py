@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 from .fakes import Recorder, fake_groups
 

@@ -11,7 +11,7 @@ from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.journaling.ledger import check_ledger
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 STREAM_KEYS = {"staleness/max", "staleness/mean", "stream/multi_version_frac", "stream/tokens_staleness_0",
                "stream/tokens_staleness_1", "stream/in_flight", "stream/buffered", "stream/peak_in_flight",
@@ -161,7 +161,7 @@ async def test_drop_stale_drops_a_group_that_finished_past_the_bound_and_counts_
 def test_stream_mode_learns_char_class(ray_cluster, tmp_path, partial):
     """The main job (grpo_toy, 60 steps) in stream mode reaches the reward batch mode reaches
     (tests/pipelines/test_main_job.py: first 5 steps < 0.3, last 5 > 0.8), within the bound."""
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
     from asyncrl.pipelines.observe.metrics import read_jsonl
 
     out = tmp_path / "run"

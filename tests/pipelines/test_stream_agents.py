@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.loop.stages import AdvantageWorker
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 
 from asyncrl import Dispatch, Execute, register

@@ -11,7 +11,7 @@ import asyncio
 
 import torch
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.rollout.stream_batch import concat_groups
+from asyncrl.pipelines.loop.stream_batch import concat_groups
 from asyncrl.roles import PolicyWorker, RolloutConfig, RolloutWorker
 from tensordict import TensorDict
 

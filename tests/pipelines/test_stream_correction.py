@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
-from asyncrl.roles.training import functional as F
+from asyncrl.roles import functional as F
 from asyncrl.roles.training.policy import RolloutCorrectionConfig
 
 

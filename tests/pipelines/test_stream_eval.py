@@ -7,7 +7,7 @@ import pytest
 from asyncrl.pipelines.job.config import EvalConfig
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.observe.metrics import read_jsonl
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 from tests.pipelines.test_stream import stream_config
 

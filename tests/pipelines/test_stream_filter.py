@@ -39,7 +39,7 @@ async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tm
     then trains the equal-reward groups, every one of them counted as padding."""
     import anyio
     from asyncrl.pipelines.job.presets import tiny_test
-    from asyncrl.pipelines.loop.trainer import GRPOTrainer
+    from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
     from asyncrl.pipelines.journaling.ledger import check_ledger
 
@@ -83,7 +83,7 @@ async def test_out_of_budget_groups_with_equal_rewards_are_trained_as_padding(tm
 
 @pytest.mark.slow  # a real run, ~20 s on a loaded 2-core machine
 async def test_stream_mode_trains_only_groups_with_reward_variance(ray_cluster, tmp_path):
-    from asyncrl.pipelines.loop.trainer import GRPOTrainer
+    from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
     rows = [{"prompt": f"say {w}", "reward_model": {"ground_truth": w}, "data_source": "const" if i % 2 else "vary"}
             for i, w in enumerate(["cat", "dog", "sun", "sea", "red", "blue", "tree", "bird"])]

@@ -28,8 +28,8 @@ import pytest
 
 from asyncrl import Dispatch, register
 from asyncrl.pipelines.journaling.journal import JournalError, read_journal
-from asyncrl.pipelines.journaling.replay import replay_config
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.commands.replay import replay_config
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
 from asyncrl.roles import PolicyWorker

@@ -12,7 +12,7 @@ import torch
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.job.presets import tiny_test, twin
 from asyncrl.pipelines.loop.deadlines import unwrap
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.rollout import stream_rollout
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from asyncrl import Dispatch, register
-from asyncrl.pipelines.rollout.elastic import RolloutRangeError
+from asyncrl.pipelines.job.elastic import RolloutRangeError
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.roles import RolloutWorker
 from asyncrl.roles.errors import PreemptedError

@@ -5,7 +5,7 @@ weights (checksums, bit for bit, and the policy's once the final version is load
 from __future__ import annotations
 
 import pytest
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 from tests.pipelines.test_stream import journal, stream_config
 

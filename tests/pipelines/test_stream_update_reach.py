@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 from tensordict import TensorDict, TensorDictBase
 

@@ -11,11 +11,11 @@ import pytest
 
 from asyncrl import WorkerDiedError
 from asyncrl.pipelines.loop.loop_state import LoopState, RolloutBatch
-from asyncrl.pipelines.loop.run import Run
+from asyncrl.pipelines.run.run import Run
 from asyncrl.pipelines.supervision.supervisor import Supervisor
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.rollout.rollout_loop import BatchRollout, Rollout
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 from .fakes import Recorder, fake_groups
 
@@ -116,5 +116,5 @@ async def test_a_restart_hands_the_new_attempt_to_the_trainer_and_the_supervisor
 
 
 def test_the_trainer_module_stays_a_readable_loop() -> None:
-    source = Path(__file__).resolve().parents[2] / "pipelines" / "loop" / "trainer.py"
+    source = Path(__file__).resolve().parents[2] / "pipelines" / "trainers" / "trainer.py"
     assert len(source.read_text().splitlines()) <= 400

@@ -13,7 +13,7 @@ import yaml
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config, twin
 from asyncrl.pipelines.journaling.ledger import check_ledger
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.twin.profile import (PROFILES, ProfileError, TwinConfig, dump_profile, engine_kwargs,
                                             load_profile)
 from asyncrl.pipelines.twin.workers import train_costs

@@ -1,4 +1,4 @@
-"""Chaos in the cluster twin (pipelines/twin/chaos.py), the default suite's fast versions of the chaos table
+"""Chaos in the cluster twin (pipelines/commands/chaos.py), the default suite's fast versions of the chaos table
 (benchmarks/chaos.py): seeded schedules, and real runs at 4 simulated replicas, 2 per process -- a replica that dies
 is replaced alone (simulated death, the real controller's recovery), a rollout process SIGKILLed while it holds a
 group is replaced alone (a real fault: the other process keeps its pid), a rollout process SIGKILLed while the
@@ -24,7 +24,7 @@ import pytest
 
 from asyncrl import Dispatch, register
 from asyncrl.pipelines.job.presets import twin
-from asyncrl.pipelines.twin.chaos import KINDS, ChaosPolicy, ChaosRollout, plan, run_chaos
+from asyncrl.pipelines.commands.chaos import KINDS, ChaosPolicy, ChaosRollout, plan, run_chaos
 from asyncrl.roles import StaleWeightsError
 from tests.reliability.conftest import wait_for_file
 

@@ -1,4 +1,4 @@
-"""Fitting a twin profile to runs (pipelines/twin/fit.py, ``asyncrl profile``): run directories written record by
+"""Fitting a twin profile to runs (pipelines/commands/fit.py, ``asyncrl profile``): run directories written record by
 record with known costs give exactly those costs back, in a profile that loads with a source for every number;
 runs it cannot fit are refused naming the fix. The real runs it is fitted to: benchmarks/twin_vs_real.py."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.journaling.journal import Journal
 from asyncrl.pipelines.journaling.ledger import LEDGER, LedgerFile
-from asyncrl.pipelines.loop.build import build_data
-from asyncrl.pipelines.twin.fit import FitError, fit_profile, run_costs, write_fitted
+from asyncrl.pipelines.run.build import build_data
+from asyncrl.pipelines.commands.fit import FitError, fit_profile, run_costs, write_fitted
 from asyncrl.pipelines.twin.profile import load_profile
 from asyncrl.pipelines.twin.workers import train_costs
 
@@ -98,7 +98,7 @@ def test_one_rows_per_rank_value_fits_no_per_row_cost_and_says_so(tmp_path):
 
 
 def test_the_written_profile_loads_with_a_source_for_every_number_and_the_cli_writes_it(tmp_path, capsys):
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
 
     make_run(tmp_path / "one", workers=1)
     written = write_fitted([tmp_path / "one"], tmp_path / "p.yaml", skip=1)
@@ -110,7 +110,7 @@ def test_the_written_profile_loads_with_a_source_for_every_number_and_the_cli_wr
 
 
 def test_runs_that_cannot_be_fitted_are_refused_naming_the_fix(tmp_path, capsys):
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
 
     make_run(tmp_path / "stream", workers=1, mode="stream")
     with pytest.raises(FitError, match="add a run with trainer.rollout_mode=batch"):
@@ -141,7 +141,7 @@ def test_a_shared_devices_fit_keeps_the_costs_burns_the_export_and_says_what_it_
 
 
 def test_twin_runs_of_the_calibration_runs_calibrate_the_work_in_each_measured_second(tmp_path, capsys):
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
 
     runs = [tmp_path / "one", tmp_path / "two"]
     make_run(runs[0], workers=1)

@@ -1,4 +1,4 @@
-"""``asyncrl plan`` (pipelines/twin/plan.py): the candidate space, the cost model's G and T, the coordinate search
+"""``asyncrl plan`` (pipelines/commands/plan.py): the candidate space, the cost model's G and T, the coordinate search
 against every candidate on a known landscape, and the command's refusals. One real twin run of a candidate at the
 smallest budget checks what a run reports (slow); the plans of the shipped profiles are in docs/scale.md."""
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from asyncrl.pipelines.twin.plan import (Candidate, Outcome, brute_force, candidates, estimate, evaluate,
+from asyncrl.pipelines.commands.plan import (Candidate, Outcome, brute_force, candidates, estimate, evaluate,
                                          median_of, remeasure, render, search)
 from asyncrl.pipelines.twin.profile import load_profile
 
@@ -91,7 +91,7 @@ def test_bad_budgets_and_sizes_are_one_line_errors(capsys, tmp_path):
 
     import yaml
 
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
     from asyncrl.pipelines.twin.profile import load_profile
 
     assert main(["plan", "qwen2_7b_h100_vllm", "--gpus", "1"]) == 2
@@ -122,7 +122,7 @@ async def test_a_candidate_runs_in_the_twin_and_reports_its_throughput_idle_time
 
 
 def test_a_stream_needs_no_rollout_replica_count_that_divides_the_prompts():
-    from asyncrl.pipelines.job.configlib import ConfigError
+    from asyncrl.pipelines.configlib import ConfigError
     from asyncrl.pipelines.job.presets import twin
 
     cfg = twin()

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from asyncrl.pipelines.observe import viewer
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 
 HOSTILE = "</script><script>window.__pwned = 1</script><img src=x onerror='window.__pwned=2'>\x00\x07\x1b[31m\u2028"
 

@@ -16,11 +16,11 @@ import time
 import pytest
 
 from asyncrl.pipelines.observe import viewer
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.observe.samples import read_samples
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from tests.pipelines.test_samples import check_run
 from tests.pipelines.test_viewer import HOSTILE, make_run, sample
 

@@ -20,8 +20,8 @@ from asyncrl.roles import RolloutWorker
 from asyncrl.pipelines import load_config
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import grpo_toy, tiny_test
-from asyncrl.pipelines.loop.sync import run_sequential
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.sync import run_sequential
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 class CountingRollout(RolloutWorker):
     """The rollout worker, counting the times it actually went to sleep."""

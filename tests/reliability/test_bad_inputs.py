@@ -24,7 +24,7 @@ from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 CALL_BOUND_S = 10.0
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

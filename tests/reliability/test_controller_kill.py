@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from tests.reliability.conftest import wait_for_file
 from tests.reliability.gated_reward import gated_reward
 
@@ -59,7 +59,7 @@ def _weights(run: Path, step: int) -> str:
 
 
 def _cli(cfg_file: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--config", str(cfg_file), *extra]
+    return [sys.executable, "-m", "asyncrl.pipelines.commands.cli", "train", "--config", str(cfg_file), *extra]
 
 
 @pytest.mark.slow

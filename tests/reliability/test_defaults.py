@@ -17,7 +17,7 @@ import yaml
 
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.job.config import RestartConfig, TrainerConfig
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
@@ -134,7 +134,7 @@ async def test_a_killed_controller_resumes_from_a_checkpoint_at_most_checkpoint_
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(to_dict(cfg.validate())))
     run = tmp_path / "run"
-    cli = [sys.executable, "-m", "asyncrl.pipelines.job.cli", "train", "--config", str(cfg_file)]
+    cli = [sys.executable, "-m", "asyncrl.pipelines.commands.cli", "train", "--config", str(cfg_file)]
     env = {**os.environ, "RAY_ADDRESS": ""}
     with (tmp_path / "killed.log").open("w") as log:
         proc = subprocess.Popen(cli, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)

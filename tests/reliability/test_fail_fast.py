@@ -34,11 +34,11 @@ import pytest
 import yaml
 
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
-from asyncrl.pipelines.job.cli import main
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.commands.cli import main
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles.scoring.reward import RewardConfig
 from tests.reliability.conftest import wait_for_file
 from tests.reliability.gated_reward import gated_reward
@@ -60,7 +60,7 @@ BAD = [
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.pipelines.job.cli", *args]
+    return [sys.executable, "-m", "asyncrl.pipelines.commands.cli", *args]
 
 
 def _env() -> dict[str, str]:
@@ -153,7 +153,7 @@ SECOND_FIT = """
 import sys
 import asyncrl
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from tests.reliability.faults import BuggyReward
 
 cfg = tiny_test()
@@ -256,7 +256,7 @@ ABANDON = """
 import os, signal, sys, threading, time
 from asyncrl.pipelines.supervision.interrupt import RunAbandoned
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from tests.reliability.faults import DelayedPolicy
 
 cfg = tiny_test()

@@ -26,7 +26,7 @@ from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer, is_worker_fault
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer, is_worker_fault
 from tests.reliability.conftest import live_actors, placement_groups, settled, wait_for_file
 from tests.reliability.faults import BuggyReward, Fault, FaultyPolicy, FaultyRollout
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 
 
 def fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

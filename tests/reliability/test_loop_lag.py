@@ -20,7 +20,7 @@ from asyncrl.pipelines.observe import report
 from asyncrl.pipelines.supervision.heartbeat import LoopLag
 from asyncrl.pipelines.job.presets import tiny_test
 from asyncrl.pipelines.observe.trace import Tracer
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
 LOOP_STALL_BOUND_S = 5.0
 """The worst heartbeat delay allowed during ``fit()``: a no-freeze bound (see the module docstring)."""

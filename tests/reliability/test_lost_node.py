@@ -38,9 +38,9 @@ from asyncrl import Dispatch, register
 from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.journaling.replay import compare_metrics
+from asyncrl.pipelines.commands.replay import compare_metrics
 from asyncrl.pipelines.rollout.rollout_loop import batch_seed
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import PolicyWorker, RolloutWorker
 from tests.cluster.harness import OneHostCluster
 from tests.reliability.conftest import live_actors, settled, until

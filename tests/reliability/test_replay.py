@@ -15,12 +15,12 @@ import json
 
 import pytest
 
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 from asyncrl.pipelines.journaling.journal import Journal, JournalError, read_journal
 from asyncrl.pipelines.observe.metrics import read_jsonl
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.journaling.replay import compare_metrics
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.commands.replay import compare_metrics
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from tests.pipelines.fakes import Recorder, fake_groups
 from tests.reliability.faults import DelayedPolicy, DelayedRollout
 

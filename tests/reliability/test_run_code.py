@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.pipelines.job.cli import main
+from asyncrl.pipelines.commands.cli import main
 
 REWARD = '''
 import os
@@ -140,7 +140,7 @@ def test_a_reward_module_changed_since_the_run_is_refused_before_it_is_imported(
 
     from asyncrl.pipelines.datasets.datafiles import code_digests, content_digest
     from asyncrl.pipelines.job.config import JobConfig, config_fingerprint
-    from asyncrl.pipelines.job.configlib import from_dict
+    from asyncrl.pipelines.configlib import from_dict
 
     _, out = run
     pkg = tmp_path / "site"
@@ -195,7 +195,7 @@ def _other_run(run_dir, tmp_path):
 
     from asyncrl.pipelines.checkpoints import checkpoint as ckpt
     from asyncrl.pipelines.job.config import JobConfig, config_fingerprint
-    from asyncrl.pipelines.job.configlib import from_dict
+    from asyncrl.pipelines.configlib import from_dict
 
     other = tmp_path / "other"
     shutil.copytree(run_dir, other)

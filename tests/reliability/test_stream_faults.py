@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.journaling.ledger import check_ledger
 from asyncrl.roles import RolloutWorker
 

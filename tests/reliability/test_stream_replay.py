@@ -1,5 +1,5 @@
 """A streaming partial-rollout run replays bit for bit: ``asyncrl replay`` follows the
-journal's admissions and step groups while the engines re-run their recorded rounds (pipelines/journaling/stream_replay.py).
+journal's admissions and step groups while the engines re-run their recorded rounds (pipelines/rollout/stream_replay.py).
 
 * Real Ray, the tiny model on ``char_class``: stream mode, ``partial_rollout=recompute``, ``max_staleness=2``,
   a weight update landing mid-generation every time (tests/pipelines/mid_update.py: a group held between two
@@ -27,13 +27,13 @@ from typing import Any
 
 import pytest
 from asyncrl.pipelines.job.config import config_fingerprint
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journaling.journal import JournalError, read_journal
 from asyncrl.pipelines.job.presets import tiny_test
-from asyncrl.pipelines.journaling.replay import replay
+from asyncrl.pipelines.commands.replay import replay
 from asyncrl.pipelines.journaling.rounds import read_rounds
 from asyncrl.pipelines.loop.stages import AdvantageWorker
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.roles import RolloutWorker
 
 import asyncrl

@@ -130,7 +130,7 @@ def test_gae_over_an_episode_is_gae_over_its_model_tokens_alone():
     """PPO on episodes: the terminal reward sits on the last model token and GAE skips environment
     tokens (verl's observation-token skipping), so the advantages equal those of the compacted row."""
     from asyncrl.pipelines.loop.stages import terminal_rewards
-    from asyncrl.roles.training import functional as F
+    from asyncrl.roles import functional as F
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
     values = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,7 @@ import ray
 import asyncrl
 from asyncrl import Dispatch, register
 from asyncrl.roles import OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker
-from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.functional import grpo_advantages
 from asyncrl.roles.modeling.models import state_dict_checksums
 
 

@@ -32,7 +32,7 @@ from asyncrl.roles.modeling.device import (
     resolve_device,
     resolve_precision,
 )
-from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.functional import grpo_advantages
 from asyncrl.roles.modeling.models import state_dict_checksums
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

@@ -33,7 +33,7 @@ def test_response_log_probs_runs_the_lm_head_on_the_response_positions_only_with
     import torch
 
     from asyncrl.roles._util import response_log_probs
-    from asyncrl.roles.training.functional import entropy_from_logits
+    from asyncrl.roles.functional import entropy_from_logits
     from asyncrl.roles.modeling.models import position_ids_from_mask
 
     model, tok = load_model(model_config)

@@ -1,4 +1,4 @@
-"""FSDP2's collectives over gloo as point-to-point exchanges (asyncrl.roles.training.strategy): at 3 ranks on real Ray
+"""FSDP2's collectives over gloo as point-to-point exchanges (asyncrl.roles.modeling.strategy): at 3 ranks on real Ray
 processes, the all-gather equals gloo's own and the reduce-scatter is the sum of every rank's chunk in rank order, each
 also run beside the compute (an asynchronous all-gather FSDP2 waits for, a reduce-scatter whose sum is written a unit
 later); a model trained with the exchanges beside its compute ends bit for bit where the synchronous ones take it, a
@@ -26,7 +26,7 @@ class CollectiveProbe(Worker):
     """Runs the exchange collectives and gloo's own on the group's default process group."""
 
     def __init__(self) -> None:
-        from asyncrl.roles._util import DataParallel
+        from asyncrl.roles.modeling.parallel import DataParallel
 
         self.dp = DataParallel(self.rank, self.world_size)
 
@@ -34,7 +34,7 @@ class CollectiveProbe(Worker):
     def gather_and_scatter(self) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
 
-        from asyncrl.roles.training.strategy import _ExchangeAllGather, _ExchangeReduceScatter
+        from asyncrl.roles.modeling.strategy import _ExchangeAllGather, _ExchangeReduceScatter
 
         group, world = self.dp.grad_group(), self.world_size
         shard, grads = _inputs(self.rank, world)
@@ -57,7 +57,7 @@ class CollectiveProbe(Worker):
         (window 1: each new one finishes the one before it; the rest at a drain)."""
         import torch.distributed as dist
 
-        from asyncrl.roles.training.strategy import _ExchangeAllGather, _ExchangeReduceScatter, _InFlight
+        from asyncrl.roles.modeling.strategy import _ExchangeAllGather, _ExchangeReduceScatter, _InFlight
 
         world, flight = self.world_size, _InFlight()
         out = torch.full((world * 5,), float("nan"))
@@ -139,9 +139,9 @@ class TrainProbe(Worker):
         """Two clipped AdamW steps, after a step that raises in its last micro-batch's `fail` (``forward``: on
         entering the second cell, with the third's all-gather prefetched; ``backward``: in the second cell's, after
         the cells above posted their reduce-scatters). The whole weights and what stays in flight after the failure."""
-        from asyncrl.roles._util import DataParallel
+        from asyncrl.roles.modeling.parallel import DataParallel
         from asyncrl.roles.modeling.device import Placement
-        from asyncrl.roles.training.strategy import TrainStrategy
+        from asyncrl.roles.modeling.strategy import TrainStrategy
 
         net = Chain(checkpointed)
         engine = TrainStrategy(net, Placement(torch.device("cpu"), torch.float32, None),
@@ -189,9 +189,9 @@ class UnitGatherProbe(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def gather(self) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
-        from asyncrl.roles._util import DataParallel
+        from asyncrl.roles.modeling.parallel import DataParallel
         from asyncrl.roles.modeling.device import Placement
-        from asyncrl.roles.training.strategy import TrainStrategy
+        from asyncrl.roles.modeling.strategy import TrainStrategy
 
         net = Net()
         engine = TrainStrategy(net, Placement(torch.device("cpu"), torch.float32, None),

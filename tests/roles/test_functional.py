@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.roles.training import functional as F
+from asyncrl.roles import functional as F
 
 
 def t(x):

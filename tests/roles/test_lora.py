@@ -15,7 +15,7 @@ import asyncrl
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config
 from asyncrl.roles import CheckpointFormatError, ModelConfig, OptimConfig, PolicyWorker
-from asyncrl.roles.training.lora import LoraConfig
+from asyncrl.roles.modeling.lora import LoraConfig
 from asyncrl.roles.modeling.models import load_model, state_dict_checksums
 from asyncrl.roles.training.policy import _log_probs
 
@@ -128,7 +128,7 @@ def test_target_modules_that_match_nothing_are_refused_listing_the_linear_layers
     with pytest.raises(ConfigError, match="critic.lora.rank=2: LoRA adapts the policy only"):
         load_config(None, ["algorithm.name=ppo", "algorithm.group_size=1", "critic.lora.rank=2"])
     cfg = load_config(None, ["actor.lora.rank=2", "actor.lora.target_modules=[q_proj,v_proj]", "actor.kl_coef=0.1"])
-    from asyncrl.pipelines.loop.build import role_specs
+    from asyncrl.pipelines.run.build import role_specs
 
     assert sorted(role_specs(cfg, None)[1]) == ["advantage", "policy"]  # no ReferenceWorker
 
@@ -253,7 +253,7 @@ def test_an_adapter_written_for_vllm_is_the_peft_adapter_of_the_policys_weights(
 
     from peft import PeftModel
 
-    from asyncrl.roles.training.lora import save_adapter
+    from asyncrl.roles.modeling.lora import save_adapter
 
     w, _ = trained
     path = save_adapter(w.export_adapter(), str(tmp_path / "v2"))
@@ -268,7 +268,7 @@ def test_an_adapter_written_for_vllm_is_the_peft_adapter_of_the_policys_weights(
 def test_an_adapter_sync_into_vllm_is_configured_or_refused_in_one_line():
     """``trainer.weight_sync=adapter`` with ``rollout.engine=vllm``: the engine starts serving adapters of the
     policy's rank (rounded up to one vLLM builds kernels for); what it cannot do is a config error."""
-    from asyncrl.pipelines.loop.build import rollout_config
+    from asyncrl.pipelines.run.build import rollout_config
     from asyncrl.roles.engines.vllm_engine import vllm_lora_rank
 
     lora = ["trainer.weight_sync=adapter", "actor.lora.rank=4", "rollout.engine=vllm"]

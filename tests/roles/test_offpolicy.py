@@ -11,8 +11,8 @@ import torch
 from asyncrl.roles import OptimConfig, PolicyWorker, RolloutConfig, RolloutCorrectionConfig, RolloutWorker, StaleBatchError
 from asyncrl.roles.engines import SamplingParams
 from asyncrl.roles.engines.hf import HFEngine
-from asyncrl.roles.training import functional as F
-from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles import functional as F
+from asyncrl.roles.functional import grpo_advantages
 
 # ---------------------------------------------------------------- behaviour log-probs
 

@@ -15,7 +15,7 @@ from asyncrl.roles import (
     StaleWeightsError,
     sync_weights,
 )
-from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.functional import grpo_advantages
 
 
 @pytest.fixture(scope="module")

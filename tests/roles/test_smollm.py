@@ -30,7 +30,7 @@ from asyncrl.roles import (
     load_model,
 )
 from asyncrl.roles.scoring.arithmetic import compute_score, make_problems
-from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.functional import grpo_advantages
 from asyncrl.roles.modeling.gguf import gguf_model_dir, resolve_gguf
 from asyncrl.roles.modeling.models import state_dict_checksums, tokenizer_for
 
@@ -176,7 +176,7 @@ def test_concurrent_first_conversions_convert_once(tmp_path):
 
 
 def test_the_preset_trains_one_step_and_evaluates_before_and_after(ray_cluster, tmp_path):
-    from asyncrl.pipelines.job.cli import main
+    from asyncrl.pipelines.commands.cli import main
     from asyncrl.pipelines.observe.metrics import read_jsonl
 
     out = tmp_path / "run"

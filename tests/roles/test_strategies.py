@@ -21,7 +21,7 @@ from asyncrl import Dispatch, register
 from asyncrl.roles import (CheckpointFormatError, CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker,
                            RolloutConfig, RolloutCorrectionConfig, RolloutWorker, open_weight_channel, sync_weights)
 from asyncrl.roles.modeling.models import ModelConfig, tensor_checksum
-from asyncrl.roles.training.functional import LOSS_AGG_MODES
+from asyncrl.roles.functional import LOSS_AGG_MODES
 
 
 class StrategyProbe(PolicyWorker):
@@ -75,7 +75,7 @@ class StrategyProbe(PolicyWorker):
     @register(Dispatch.ONE_TO_ALL)
     def unit_bytes(self) -> list[int]:
         """Bytes of each FSDP unit's own parameters whole (the root's, then each decoder layer's)."""
-        from asyncrl.roles.training.lora import MergedWeights
+        from asyncrl.roles.modeling.lora import MergedWeights
 
         layout = self.weights.export_layout()  # (DTensor shards: numel() is the whole tensor's)
         sources = MergedWeights(self.model).sources if self._lora else {n: n for n in layout}  # the modules read
@@ -321,9 +321,9 @@ def test_optimizer_impl_picks_torchs_fused_adamw_and_refuses_another(model_confi
 
 
 def test_fsdp2_on_a_model_without_decoder_layers_says_to_use_ddp(model_config):
-    from asyncrl.roles._util import DataParallel
+    from asyncrl.roles.modeling.parallel import DataParallel
     from asyncrl.roles.modeling.device import resolve_placement
-    from asyncrl.roles.training.strategy import TrainStrategy
+    from asyncrl.roles.modeling.strategy import TrainStrategy
 
     placement = resolve_placement(model_config, 0, trained=True, who="test")
     with pytest.raises(ValueError, match=r"PolicyWorker: strategy=fsdp2 shards a model per decoder layer, but Linear "
@@ -333,7 +333,7 @@ def test_fsdp2_on_a_model_without_decoder_layers_says_to_use_ddp(model_config):
 
 def test_the_layers_fsdp2_shards_are_read_from_a_model_directory(model_config, tmp_path):
     from asyncrl.roles import load_model, save_model_dir
-    from asyncrl.roles.training.strategy import layer_classes
+    from asyncrl.roles.modeling.strategy import layer_classes
 
     model, tok = load_model(model_config)
     save_model_dir(model, tok, str(tmp_path))

@@ -169,7 +169,7 @@ def test_bad_thread_settings_are_refused_with_the_choices(bad, restore_threads):
 async def test_rollout_and_policy_are_busy_exactly_while_they_compute(prompt_batch, restore_threads):
     """A third share on the same machine sees the rollout busy while it decodes and the policy while it
     updates; each computes on every core alone and on half when the third is busy."""
-    from asyncrl.roles.training.functional import grpo_advantages
+    from asyncrl.roles.functional import grpo_advantages
 
     mc = ModelConfig(seed=0, device="cpu", dtype="float32", autocast="off", num_threads="follow")
     rollout = RolloutWorker(mc, RolloutConfig(max_new_tokens=4))

@@ -17,7 +17,7 @@ from asyncrl.pipelines.job.config import ConfigError, JobConfig
 from asyncrl.roles import (CriticWorker, OptimConfig, PolicyWorker, ReferenceWorker, RolloutConfig,
                            RolloutCorrectionConfig, RolloutWorker)
 from asyncrl.roles._util import row_extents, split_micro_batches, token_budget_micro_batches
-from asyncrl.roles.training.functional import LOSS_AGG_MODES
+from asyncrl.roles.functional import LOSS_AGG_MODES
 
 RESPONSE_LENGTHS = [12, 1, 2, 1, 9, 1, 3, 1, 2, 12, 1, 4]  # a long tail: two rows of 12, most of 1-2
 

@@ -17,7 +17,7 @@ from asyncrl import Dispatch, register
 from asyncrl.pipelines.loop.stages import AdvantageWorker, compute_advantages
 from asyncrl.roles import (CriticWorker, OptimConfig, PolicyWorker, RolloutCorrectionConfig, StaleBatchError)
 from asyncrl.roles._util import mini_batches
-from asyncrl.roles.training.functional import LOSS_AGG_MODES
+from asyncrl.roles.functional import LOSS_AGG_MODES
 
 
 class PolicyProbe(PolicyWorker):

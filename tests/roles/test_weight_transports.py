@@ -39,7 +39,7 @@ from asyncrl.roles import (
     open_weight_channel,
     sync_weights,
 )
-from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.functional import grpo_advantages
 from asyncrl.roles.modeling.models import state_dict_checksums
 from asyncrl.pipelines.supervision.recovery import fault_origin, is_worker_fault
 

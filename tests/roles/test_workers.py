@@ -35,7 +35,7 @@ from asyncrl.roles import (
     tiny_tokenizer,
 )
 from asyncrl.roles.engines import Completion
-from asyncrl.roles.training.functional import grpo_advantages
+from asyncrl.roles.functional import grpo_advantages
 from asyncrl.roles.modeling.models import qwen2_tokenizer_dir
 
 

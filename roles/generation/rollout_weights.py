@@ -15,7 +15,7 @@ update pauses request-level generations in flight instead of waiting for them.
 :class:`~asyncrl.roles.weights.transfer.WeightHandle` from ``stage_weights`` -- ``object_store`` (read
 from the store as zero-copy views), ``local`` (the colocated policy's snapshot in this process)
 or ``collective`` (received over the weight channel first, then loaded in the same
-transaction) -- or, from a LoRA policy, a :class:`~asyncrl.roles.training.lora.LoraDelta` (``export_adapter``:
+transaction) -- or, from a LoRA policy, a :class:`~asyncrl.roles.modeling.lora.LoraDelta` (``export_adapter``:
 the factors alone), which the HF engine merges into its copy of the base weights (:meth:`_merge_adapter`).
 Floating tensors are cast to the rollout's dtype (e.g. the policy's float32 master weights into a bf16
 rollout). What a handle brought, the HF engine adopts as its
@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mappi
 import torch
 
 from asyncrl.roles.errors import StaleWeightsError, WeightSyncError
-from asyncrl.roles.training.lora import LoraDelta, digest, merge_delta
+from asyncrl.roles.modeling.lora import LoraDelta, digest, merge_delta
 from asyncrl.roles.modeling.models import state_dict_checksums
 from asyncrl.roles.weights.transfer import SNAPSHOTS, WeightHandle, fetch_stored
 from asyncrl.roles.weights.weight_channel import OK, STALE, WeightChannel, layout_of, member_info
 from asyncrl.roles.engines.batcher import PauseInfo
-from asyncrl.roles.training.lora import save_adapter
+from asyncrl.roles.modeling.lora import save_adapter
 
 if TYPE_CHECKING:
     from asyncrl.roles.generation.rollout_config import RolloutConfig

@@ -16,8 +16,8 @@ from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.checkpoints.checkpointing import Checkpointer
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.job.config import JobConfig
-from asyncrl.pipelines.journaling.run_journal import RunJournal
-from asyncrl.pipelines.loop.build import Workers
+from asyncrl.pipelines.run.run_journal import RunJournal
+from asyncrl.pipelines.run.build import Workers
 from asyncrl.pipelines.loop.deadlines import with_deadlines
 from asyncrl.pipelines.loop.loop_state import LoopState
 from asyncrl.pipelines.loop.stages import Groups

@@ -7,10 +7,42 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from asyncrl.pipelines.rollout.sampling import select_groups
 from tensordict import TensorDict, TensorDictBase
 
-__all__ = ["concat_groups", "version_stats"]
+__all__ = ["concat_groups", "select_groups", "version_stats"]
+
+
+_LEFT_PADDED = ("prompt_ids", "prompt_mask", "input_ids", "attention_mask")
+
+
+def _left_pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), value, dtype=t.dtype)
+    return torch.cat([pad, t], dim=1)
+
+
+def select_groups(batches: Sequence[TensorDict], picks: Sequence[tuple[int, int]], group_size: int, *,
+                  pad_id: int, uid_base: int, width: int | None = None) -> TensorDict:
+    """One batch of the groups `picks` (``(batch number, group number)`` each, in that order) of
+    `batches`; prompts are re-padded on the left to a common width (at least `width`), and ``uid`` renumbered
+    ``uid_base, uid_base + 1, ...`` per group."""
+    rows = [batches[b][g * group_size:(g + 1) * group_size] for b, g in picks]
+    prompt_w = max([int(r["prompt_ids"].shape[1]) for r in rows] + [width or 0])
+    fixed = []
+    for r in rows:
+        r = r.clone(recurse=False)
+        extra = prompt_w - int(r["prompt_ids"].shape[1])
+        if extra:
+            for k in _LEFT_PADDED:
+                if k in r.keys():
+                    t = r.get(k)
+                    r[k] = _left_pad(t, t.shape[1] + extra, pad_id if k.endswith("ids") else 0)
+        fixed.append(r)
+    out = torch.cat(fixed, dim=0) if len(fixed) > 1 else fixed[0]
+    n = len(picks)
+    out["uid"] = torch.arange(n, dtype=torch.long).repeat_interleave(group_size) + uid_base
+    return out
 
 
 def concat_groups(parts: Sequence[TensorDictBase], scores: Sequence[TensorDictBase | None], *, pad_id: int,

@@ -32,7 +32,7 @@ from asyncrl.pipelines.twin.profile import Profile, load_profile
 import asyncrl
 from asyncrl.pipelines.job.presets import twin
 from asyncrl.pipelines.journaling.ledger import check_ledger, read_ledger_rows
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.twin.profile import tokens_per_id
 from asyncrl.pipelines.twin.workers import train_costs
 from asyncrl.roles.engines.sim import draw_length

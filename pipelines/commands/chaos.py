@@ -44,7 +44,7 @@ from asyncrl import Dispatch, register
 from asyncrl.roles import ReplicaLostError, RolloutWorker
 from asyncrl.pipelines.twin.workers import TwinPolicy
 from asyncrl.pipelines.journaling.ledger import check_ledger
-from asyncrl.pipelines.loop.trainer import GRPOTrainer
+from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.loop.deadlines import unwrap
 
 __all__ = ["KINDS", "ChaosEvent", "ChaosPlan", "ChaosResult", "ChaosRollout", "ChaosPolicy", "plan", "run_chaos",

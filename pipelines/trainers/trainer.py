@@ -5,18 +5,18 @@ The two loops and the buffer between them are drawn in docs/pipelines.md ("How t
 * The **rollout loop** (:class:`~asyncrl.pipelines.rollout.rollout_loop.BatchRollout`) consumes prompt
   batches and exported weights; produces ``RolloutBatch`` items; waits for the version gate and
   for buffer space. The train loop reaches it through ``take``/``upcoming`` only, so another producer
-  (built by ``trainer.rollout_mode``'s mode, :mod:`asyncrl.pipelines.rollout.modes`) can replace it.
+  (built by ``trainer.rollout_mode``'s mode, :mod:`asyncrl.pipelines.job.modes`) can replace it.
 * The **train loop** (:meth:`Trainer._train_loop`, below) consumes ``RolloutBatch`` items;
   produces one policy version per step (an ``export_weights`` future) and metrics; waits for
   the buffer.
 
 Batch t is generated with weights ``max(0, t - max_staleness)`` (``fixed_lag``) or the newest exported
-(``latest``): ``max_staleness=0`` is the synchronous loop (``pipelines/loop/sync.py``). Per batch the stages
+(``latest``): ``max_staleness=0`` is the synchronous loop (``pipelines/trainers/sync.py``). Per batch the stages
 keep the canonical order (generate, score, log-probs, advantages, updates, export); the train loop is the only
 producer of versions. Payloads move worker to worker as futures; the controller awaits scores, metrics and
 weight-sync receipts only.
 
-An attempt's groups, loop state and history are one :class:`~asyncrl.pipelines.loop.run.Run` (a restart starts
+An attempt's groups, loop state and history are one :class:`~asyncrl.pipelines.run.run.Run` (a restart starts
 a new one and hands it back, :meth:`Trainer._resume`). The rest observes the loops from the side, one visible
 line each: recovery, checkpoints, the journal, precompute-ahead, weight sync, group building and per-call
 deadlines, each in its own module.
@@ -45,22 +45,22 @@ from asyncrl.resources import AsyncResource
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.loop.buffer import StalenessBuffer
-from asyncrl.pipelines.loop.build import Workers, build_data, build_groups, build_rollout_part, simulated_policy
+from asyncrl.pipelines.run.build import Workers, build_data, build_groups, build_rollout_part, simulated_policy
 from asyncrl.pipelines.checkpoints.checkpointing import Checkpointer
 from asyncrl.pipelines.job.config import ConfigError, JobConfig
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.datasets.data import PromptLoader
 from asyncrl.pipelines.loop.deadlines import with_deadlines
 from asyncrl.pipelines.datasets.evaluation import Evaluator
 from asyncrl.pipelines.supervision.interrupt import Interruption, RunAbandoned, handle_signals
 from asyncrl.pipelines.loop.loop_state import LoopState, Rollout, RolloutBatch
 from asyncrl.pipelines.loop.precompute import Precompute
-from asyncrl.pipelines.loop.run import Attempts, Run
+from asyncrl.pipelines.run.run import Attempts, Run
 from asyncrl.pipelines.supervision.recovery import is_worker_fault
-from asyncrl.pipelines.observe.reporting import RunReport
+from asyncrl.pipelines.run.reporting import RunReport
 from asyncrl.pipelines.rollout.rollout_loop import RolloutServices  # (its module registers rollout_mode=batch)
-from asyncrl.pipelines.journaling.run_journal import RunJournal, weights_digest
-from asyncrl.pipelines.journaling import stream_replay as _stream_mode  # noqa: F401  (registers rollout_mode=stream)
+from asyncrl.pipelines.run.run_journal import RunJournal, weights_digest
+from asyncrl.pipelines.rollout import stream_replay as _stream_mode  # noqa: F401  (registers rollout_mode=stream)
 from asyncrl.pipelines.loop.stages import Groups
 from asyncrl.pipelines.supervision.supervisor import Supervisor, first_error
 from asyncrl.pipelines.observe.trace import Tracer
@@ -91,7 +91,7 @@ class Trainer(AsyncResource):
             across restarts.
         replay: a run journal (or a run directory holding ``journal.jsonl``) whose batches this
             run generates with exactly the recorded weight versions (see
-            :mod:`asyncrl.pipelines.journaling.replay`); the config must be the journal's.
+            :mod:`asyncrl.pipelines.commands.replay`); the config must be the journal's.
     """
 
     algorithm: ClassVar[str | None] = None

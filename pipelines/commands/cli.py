@@ -44,18 +44,18 @@ import asyncrl
 from asyncrl.pipelines.checkpoints import checkpoint as ckpt
 from asyncrl.pipelines.checkpoints.export import export_policy
 from asyncrl.pipelines.datasets.datafiles import check_code_digests
-from asyncrl.pipelines.job import configlib
+from asyncrl.pipelines import configlib
 from asyncrl.pipelines.job.config import ConfigError, JobConfig, config_fingerprint
 from asyncrl.pipelines.job.presets import PRESETS, load_config
 from asyncrl.pipelines.journaling.journal import JournalError
 from asyncrl.pipelines.journaling.ledger import check_ledger, read_samples
-from asyncrl.pipelines.journaling.replay import replay
-from asyncrl.pipelines.loop.trainer import make_trainer
+from asyncrl.pipelines.commands.replay import replay
+from asyncrl.pipelines.trainers.trainer import make_trainer
 from asyncrl.pipelines.observe import viewer
 from asyncrl.pipelines.supervision.interrupt import RunAbandoned
 from asyncrl.pipelines.supervision.recovery import describe, is_worker_fault
-from asyncrl.pipelines.twin.fit import write_fitted
-from asyncrl.pipelines.twin.plan import STEP_WALL_S, run_plan
+from asyncrl.pipelines.commands.fit import write_fitted
+from asyncrl.pipelines.commands.plan import STEP_WALL_S, run_plan
 from asyncrl.roles import RolesError
 
 __all__ = ["main", "build_parser"]

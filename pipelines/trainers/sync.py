@@ -23,12 +23,12 @@ from typing import Any
 
 from asyncrl.pipelines.loop import stages
 from asyncrl.pipelines.job.config import JobConfig
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.datasets.data import PromptLoader
 from asyncrl.pipelines.loop.stages import Groups
 import asyncrl
 from asyncrl.pipelines.datasets.data import make_loader, task_pairs
-from asyncrl.pipelines.loop.trainer import build_groups
+from asyncrl.pipelines.trainers.trainer import build_groups
 from asyncrl.roles.modeling.models import tokenizer_for
 
 __all__ = ["sequential_fit"]

@@ -51,14 +51,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.pipelines.journaling.journal import read_journal
 from asyncrl.pipelines.journaling.ledger import LEDGER, read_ledger_rows
 from asyncrl.pipelines.twin.profile import (Devices, LengthModel, ModelSize, Profile, RolloutCosts, TrainCosts,
                                             dump_profile, load_profile)
 from asyncrl.pipelines.job.config import JobConfig
-from asyncrl.pipelines.job.configlib import from_dict
-from asyncrl.pipelines.loop.build import build_data
+from asyncrl.pipelines.configlib import from_dict
+from asyncrl.pipelines.run.build import build_data
 from asyncrl.roles.modeling.models import meta_model, resolve_model_dir
 
 __all__ = ["FitError", "RunCosts", "run_costs", "fit_profile", "write_fitted", "DEVICES"]

@@ -13,7 +13,7 @@ occupancy. On CPU the replay is bit-identical::
 
 A streaming run (``trainer.rollout_mode=stream``, HF engine) replays too: its journal also records each
 group's admission, each step's groups and the engines' decoding rounds, which the replay follows
-(:mod:`asyncrl.pipelines.journaling.stream_replay`, which also lists the stream runs it refuses); it is compared
+(:mod:`asyncrl.pipelines.rollout.stream_replay`, which also lists the stream runs it refuses); it is compared
 the same way, plus the groups of every step.
 
 What it cannot replay: a run whose workers draw randomness outside (weights, batch, seed)
@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from asyncrl.pipelines.job.config import JobConfig, config_fingerprint
-from asyncrl.pipelines.job.configlib import from_dict
+from asyncrl.pipelines.configlib import from_dict
 from asyncrl.pipelines.datasets.datafiles import check_code_digests
 from asyncrl.pipelines.journaling.journal import JOURNAL, JournalError, read_journal
 from asyncrl.pipelines.observe.metrics import read_jsonl
-from asyncrl.pipelines.loop.trainer import make_trainer, weights_digest
+from asyncrl.pipelines.trainers.trainer import make_trainer, weights_digest
 
 __all__ = ["ReplayResult", "replay", "replay_config", "compare_metrics"]
 
@@ -132,7 +132,7 @@ async def replay(run_dir: str | Path, *, output_dir: str | Path | None = None,
                  reporting: Mapping[str, Any] | None = None) -> ReplayResult:
     """Replay `run_dir` from its journal in this process (Ray is started if needed) and compare.
 
-    `worker_overrides` replaces worker classes as in :class:`~asyncrl.pipelines.loop.trainer.Trainer`
+    `worker_overrides` replaces worker classes as in :class:`~asyncrl.pipelines.trainers.trainer.Trainer`
     (e.g. to replay under different stage delays); `reporting` sets trainer reporting keys
     (``trace``, ``plot``, ``progress``, ``tensorboard``)."""
     run = Path(run_dir)

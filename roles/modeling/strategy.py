@@ -50,7 +50,7 @@ from torch import nn
 from asyncrl import Dispatch
 from asyncrl.dispatch import dispatch_one_to_all
 
-from asyncrl.roles._util import DataParallel
+from asyncrl.roles.modeling.parallel import DataParallel
 from asyncrl.roles.modeling.device import Placement
 
 __all__ = ["EVERY_RANK_GIVES_RANK_ZEROS", "STRATEGIES", "Strategy", "TrainStrategy", "decoder_layers", "is_sharded",

@@ -12,7 +12,7 @@ import anyio.to_thread
 import structlog
 
 from asyncrl.pipelines.loop import stages
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.observe.metrics import MetricsWriter
 from asyncrl.pipelines.observe.samples import SamplesWriter
 from asyncrl.pipelines.observe.report import draw_report

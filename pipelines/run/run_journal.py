@@ -23,7 +23,7 @@ import structlog
 
 from asyncrl.pipelines.job.config import config_fingerprint, fingerprint_diff
 from asyncrl.pipelines.datasets.datafiles import code_digests
-from asyncrl.pipelines.job.configlib import to_dict
+from asyncrl.pipelines.configlib import to_dict
 from asyncrl.pipelines.journaling.journal import JOURNAL, Journal, JournalData, JournalError, read_journal
 from asyncrl.pipelines.journaling.ledger import LEDGER, LedgerFile
 from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed

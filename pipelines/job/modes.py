@@ -15,7 +15,7 @@ A rollout mode is a :class:`RolloutMode` subclass registered under a name with
     precompute             rollout.upcoming(step)          which batch the next step trains, when decided
 
 The built-in ``batch`` (:mod:`asyncrl.pipelines.rollout.rollout_loop`) and ``stream``
-(:mod:`asyncrl.pipelines.journaling.stream_replay`) register themselves the same way when their modules are
+(:mod:`asyncrl.pipelines.rollout.stream_replay`) register themselves the same way when their modules are
 imported, which importing ``asyncrl.pipelines`` (any of its modules) does, through the trainer. This module
 names none of them: they import the config, which imports this registry. docs/rollout_modes.md shows a mode
 written from scratch.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal, TypeVar
 
-from asyncrl.pipelines.job.configlib import ConfigError
+from asyncrl.pipelines.configlib import ConfigError
 from asyncrl.roles.registry import Registry
 
 __all__ = ["RolloutMode", "register_rollout_mode", "rollout_mode", "rollout_mode_names"]
@@ -51,7 +51,7 @@ class RolloutMode:
     (``trainer.rollout_autoscale``, ``preempt_rollout``, an elastic pool started beside the old one)."""
     replaces_processes: bool = False
     """True when the producer replaces a lost rollout process alone (the pool's group then gets the core's
-    ``"process"`` restart policy, where :func:`~asyncrl.pipelines.loop.build.rollout_restart` allows it); False:
+    ``"process"`` restart policy, where :func:`~asyncrl.pipelines.run.build.rollout_restart` allows it); False:
     a lost process breaks the pool's group, and the pool is replaced."""
 
     def check(self, job: Any) -> None:
@@ -75,7 +75,7 @@ class RolloutMode:
 
 M = TypeVar("M", bound=type[RolloutMode])
 
-_HOW = ("Register one with @asyncrl.pipelines.rollout.modes.register_rollout_mode(name) on a RolloutMode subclass, "
+_HOW = ("Register one with @asyncrl.pipelines.job.modes.register_rollout_mode(name) on a RolloutMode subclass, "
         "in a module imported before the config is validated (docs/rollout_modes.md)")
 _MODES: Registry[type[RolloutMode]] = Registry("rollout mode", how_to_register=_HOW, error=ConfigError)
 """The modes by name (each module that defines one registers it on import)."""

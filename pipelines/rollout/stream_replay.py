@@ -16,7 +16,7 @@ per rollout rank]}``; ``epoch`` numbers the rollout pools: it counts replacement
              step t trains the journal's groups of step t, in its order
 
 so the replay regenerates every token, behaviour log-prob and token version bit for bit, trains the
-same batches and reaches the same weights (``asyncrl replay RUN``; :mod:`asyncrl.pipelines.journaling.replay`).
+same batches and reaches the same weights (``asyncrl replay RUN``; :mod:`asyncrl.pipelines.commands.replay`).
 
 What it refuses, before any worker starts (:class:`~asyncrl.pipelines.journaling.journal.JournalError`, naming
 what is missing and the fix): a journal written before rounds were recorded, or by an engine that
@@ -70,7 +70,7 @@ from asyncrl.pipelines.rollout.admission import Admission, check_stream
 from asyncrl.pipelines.journaling.journal import JOURNAL, JournalData, JournalError
 from asyncrl.pipelines.loop.loop_state import RolloutBatch, batch_seed
 from asyncrl.pipelines.journaling.rounds import ROUNDS, RoundFile, read_rounds, recording_rollout, records_rounds
-from asyncrl.pipelines.rollout.modes import RolloutMode, register_rollout_mode
+from asyncrl.pipelines.job.modes import RolloutMode, register_rollout_mode
 from asyncrl.pipelines.rollout.stream_rollout import StreamRollout, _Attempt
 from asyncrl.pipelines.loop.deadlines import unwrap, with_deadlines
 from asyncrl.pipelines.loop.stages import Groups

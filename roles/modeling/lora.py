@@ -30,7 +30,7 @@ from torch import nn
 
 from asyncrl.roles.fields import Range, Section, check_bounds
 from asyncrl.roles.modeling.models import tensor_checksum
-from asyncrl.roles.training.strategy import full_tensor
+from asyncrl.roles.modeling.strategy import full_tensor
 
 __all__ = ["LoraConfig", "LoraDelta", "MergedWeights", "adapter_delta", "apply_lora", "base_digest", "check_targets",
            "digest", "linear_layer_names", "merge_delta", "merged_state", "save_adapter"]

@@ -1,0 +1,1 @@
+"""The command line's commands: ``asyncrl train`` and the rest (`cli`), replay, the twin's plan, fit and chaos."""

@@ -20,6 +20,7 @@ controller that keeps the rule. The twin's efficiency over this one's is the sha
     python benchmarks/admission_ceiling.py --replicas 1,64,256                 # the twin's tail, k = 2
     python benchmarks/admission_ceiling.py --replicas 1,64 --staleness 1,2,4,8
     python benchmarks/admission_ceiling.py --replicas 1,64 --fixed-lengths
+    python benchmarks/admission_ceiling.py --quick                              # the mechanism only, seconds
 """
 
 from __future__ import annotations
@@ -275,8 +276,13 @@ def main(argv: list[str] | None = None) -> None:
                         "trained samples over all their time")
     a.add_argument("--baseline-seeds", type=int, default=40, help="runs of each N = 1 cell")
     a.add_argument("--fixed-lengths", action="store_true")
+    a.add_argument("--quick", action="store_true",
+                   help="N = 1, 2 at max_staleness 2, 5 steps, 2 runs at N = 1: the mechanism only")
     a.add_argument("--out", default=None)
     args = a.parse_args(argv)
+    if args.quick:
+        args.replicas, args.staleness, args.steps, args.baseline_steps, args.warmup = "1,2", "2", 5, 5, 1
+        args.seeds, args.baseline_seeds = 1, 2
     replicas = [int(x) for x in args.replicas.split(",")]
     ks = [int(x) for x in args.staleness.split(",")]
     if replicas[0] != 1 or args.warmup + 2 > args.steps:

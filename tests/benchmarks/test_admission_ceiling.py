@@ -59,3 +59,13 @@ def test_with_the_tail_every_trained_token_is_within_the_bound_and_the_trainer_w
     r = ac.run_virtual(ac.simulate(ac.Workload(prof, 4, staleness=1, steps=6, warmup=1)))
     assert len(r.staleness_hist) == 2 and sum(r.staleness_hist) == pytest.approx(1.0)  # 0 or 1 version old
     assert r.idle > 0.0  # a step waits for its slowest group admitted k versions back
+
+
+def test_the_quick_run_prints_its_table(tmp_path):
+    out = tmp_path / "ceiling.md"
+    ac.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith("# The staleness rule's ceiling") and "virtual clock" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 2 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["1", "2"]  # max_staleness 2 at N = 1 and N = 2
+    assert rows[0].split(" | ")[3] == "1.00"  # N = 1 is its own baseline

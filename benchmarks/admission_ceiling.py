@@ -132,9 +132,6 @@ class Result:
     staleness_hist: list[float] = field(default_factory=list)
     """Share of the trained response ids 0..k versions old (each id's version: the weights its last token was
     decoded with, as the twin counts)."""
-    mean_tokens: float = 0.0
-    step_ends: list[float] = field(default_factory=list)
-    """The virtual time at each step's end (every step, the warm-up included)."""
 
 
 async def simulate(w: Workload) -> Result:
@@ -235,8 +232,7 @@ async def simulate(w: Workload) -> Result:
     step_s = span / len(steady)
     n = sum(stale)
     return Result(w.replicas, k, len(steady) * B * w.group / span, step_s,
-                  sum(waits[s] for s in steady) / span, [x / n for x in stale],
-                  statistics.fmean(tokens.values()) / w.group, ends)
+                  sum(waits[s] for s in steady) / span, [x / n for x in stale])
 
 
 def pooled(runs: list[Result]) -> Result:
@@ -247,7 +243,7 @@ def pooled(runs: list[Result]) -> Result:
     idle = sum(r.idle * s for r, s in zip(runs, spans)) / sum(spans)
     hist = [statistics.fmean(h) for h in zip(*(r.staleness_hist for r in runs))]
     return Result(runs[0].replicas, runs[0].staleness, len(runs) / sum(spans), statistics.fmean(r.step_s for r in runs),
-                  idle, hist, statistics.fmean(r.mean_tokens for r in runs), runs[0].step_ends)
+                  idle, hist)
 
 
 def fixed_lengths(p: Profile) -> Profile:

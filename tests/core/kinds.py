@@ -15,7 +15,9 @@ import subprocess
 import sys
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-from asyncrl import LocalWorkerGroup, RayWorkerGroup
+import pytest
+
+from asyncrl import CallCancelledError, CallTimeoutError, LocalWorkerGroup, RayWorkerGroup
 
 BACKENDS = ["ray", "ray-threaded", "local"]
 
@@ -54,6 +56,16 @@ async def until(predicate: Callable[[], Awaitable[bool]], deadline: float = 30.0
     async with asyncio.timeout(deadline):
         while not await predicate():
             await asyncio.sleep(0.02)
+
+
+async def cancelled_and_timed_out(cancelled: Any, timed: Any) -> None:
+    """Cancel `cancelled` and await both calls, held behind a blocked call: the cancelled one raises
+    ``CallCancelledError``, `timed` (issued with a short ``timeout``) ``CallTimeoutError``."""
+    assert cancelled.cancel()
+    with pytest.raises(CallCancelledError):
+        await cancelled
+    with pytest.raises(CallTimeoutError):
+        await timed
 
 
 async def run_script(code: str, timeout: float = 240) -> str:

@@ -23,7 +23,7 @@ from asyncrl import (
     WorkerDiedError,
 )
 from tests.core import kinds
-from tests.core.kinds import BACKENDS, expect_top, until
+from tests.core.kinds import BACKENDS, cancelled_and_timed_out, expect_top, until
 from tests.core.workers import Probe
 
 
@@ -305,11 +305,7 @@ async def test_a_consumer_cancelled_or_timed_out_while_waiting_its_turn(groups):
     cancelled = pair.log_rows(produced)
     timed = pair.log_rows.options(timeout=0.2)(produced)
     assert local.sent() == 4
-    assert cancelled.cancel()
-    with pytest.raises(CallCancelledError):
-        await cancelled
-    with pytest.raises(CallTimeoutError):
-        await timed
+    await cancelled_and_timed_out(cancelled, timed)
     await pair.unblock()
     assert await holding == [0, 1]
     after = pair.log_rows(produced)  # still within the window

@@ -14,9 +14,9 @@ import pytest_asyncio
 import torch
 from tensordict import TensorDict
 
-from asyncrl import CallCancelledError, CallTimeoutError, RemoteError, UpstreamError, WorkerDiedError
+from asyncrl import RemoteError, UpstreamError, WorkerDiedError
 from tests.core import kinds
-from tests.core.kinds import BACKENDS, expect_top, run_script, top_from, until
+from tests.core.kinds import BACKENDS, cancelled_and_timed_out, expect_top, run_script, top_from, until
 from tests.core.workers import FRAGILE_ENV, Probe
 
 RAY_KINDS = ["ray", "ray-threaded"]
@@ -150,11 +150,7 @@ async def test_cancel_of_a_call_with_top_level_values_waiting_for_its_turn(group
     cancelled = pair.sum_parts([[produced], [produced]])
     timed = pair.sum_parts.options(timeout=0.2)([[produced], [produced]])
     assert top_from(cancelled) == top_from(timed) == (("pair", "tag"),)
-    assert cancelled.cancel()
-    with pytest.raises(CallCancelledError):
-        await cancelled
-    with pytest.raises(CallTimeoutError):
-        await timed
+    await cancelled_and_timed_out(cancelled, timed)
     await pair.unblock()
     assert await holding == [0, 1]
     assert (await pair.sum_parts([[produced], [produced]]))["sum"].tolist() == [12, 12]
@@ -253,11 +249,7 @@ async def test_cancel_and_deadline_of_a_top_level_call_waiting_for_its_turn(grou
     cancelled = g.log_rows(produced)
     timed = g.log_rows.options(timeout=0.2)(produced)
     assert top_from(cancelled) == top_from(timed) == (("pair", "tag"),)
-    assert cancelled.cancel()
-    with pytest.raises(CallCancelledError):
-        await cancelled
-    with pytest.raises(CallTimeoutError):
-        await timed
+    await cancelled_and_timed_out(cancelled, timed)
     # No wait for the cancel messages to reach the worker: a later call runs after them
     # (control-before-call of docs/protocol.md), so unblocking now never lets a cancelled call run.
     await g.unblock()

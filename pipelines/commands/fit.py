@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -195,17 +196,17 @@ def run_costs(run: str | Path, *, skip: int = 1) -> RunCosts:
 
 
 def _lstsq(xs: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Non-negative least squares by elimination of negative terms (small problems); None when nothing fits."""
-    import torch
+    """Non-negative least squares by elimination of negative terms (small problems); None when nothing fits.
 
+    Solved in exact rational arithmetic (the normal equations over `fractions.Fraction`), so one set of calls
+    always fits to the same bits: LAPACK's least squares may round differently from one call to the next (its
+    blocking follows the arrays' memory alignment), and two fits of the same runs must be equal."""
     cols = list(range(len(xs[0])))
     while cols:
-        A = torch.tensor([[x[c] for c in cols] for x in xs], dtype=torch.float64)
-        b = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
-        if torch.linalg.matrix_rank(A) < len(cols):
+        sol = _normal_solve(xs, ys, cols)
+        if sol is None:  # the last column is (nearly) a combination of the others: not separable
             cols = cols[:-1]
             continue
-        sol = torch.linalg.lstsq(A, b).solution.squeeze(1).tolist()
         if all(v >= 0 for v in sol):
             out = [0.0] * len(xs[0])
             for c, v in zip(cols, sol):
@@ -213,6 +214,29 @@ def _lstsq(xs: list[list[float]], ys: list[float]) -> list[float] | None:
             return out
         cols = [c for c, v in zip(cols, sol) if v >= 0]
     return None
+
+
+def _normal_solve(xs: list[list[float]], ys: list[float], cols: list[int]) -> list[float] | None:
+    """The least-squares solution over `cols` from the exact normal equations; None when a column's part not
+    explained by the ones before it is under 1e-12 of its own size (rank deficient, as a rank test with a
+    tolerance would say)."""
+    X = [[Fraction(x[c]) for c in cols] for x in xs]
+    Y = [Fraction(y) for y in ys]
+    k = len(cols)
+    M = [[sum((r[i] * r[j] for r in X), Fraction(0)) for j in range(k)] for i in range(k)]
+    v = [sum((r[i] * y for r, y in zip(X, Y)), Fraction(0)) for i in range(k)]
+    diag = [M[i][i] for i in range(k)]
+    for i in range(k):  # elimination in column order: a Gram matrix's pivots are the unexplained parts
+        if M[i][i] <= diag[i] * Fraction(1, 10**12) or M[i][i] == 0:
+            return None
+        for j in range(i + 1, k):
+            f = M[j][i] / M[i][i]
+            M[j] = [a - f * b for a, b in zip(M[j], M[i])]
+            v[j] -= f * v[i]
+    sol = [Fraction(0)] * k
+    for i in reversed(range(k)):
+        sol[i] = (v[i] - sum((M[i][j] * sol[j] for j in range(i + 1, k)), Fraction(0))) / M[i][i]
+    return [float(s) for s in sol]
 
 
 def _work_per_s(runs: list[RunCosts], twins: list[str | Path], skip: int) -> tuple[float, str]:

@@ -20,6 +20,7 @@ controller that keeps the rule. The twin's efficiency over this one's is the sha
     python benchmarks/admission_ceiling.py --replicas 1,64,256                 # the twin's tail, k = 2
     python benchmarks/admission_ceiling.py --replicas 1,64 --staleness 1,2,4,8
     python benchmarks/admission_ceiling.py --replicas 1,64 --fixed-lengths
+    python benchmarks/admission_ceiling.py --replicas 1,64,256 --bound admitted   # AReaL's bound: no tail wait
     python benchmarks/admission_ceiling.py --quick                              # the mechanism only, seconds
 """
 
@@ -109,6 +110,8 @@ class Workload:
     time_scale: float = 1.0
     seed: int = 0
     """Another draw of every response length per value."""
+    bound: str = "trained"
+    """``trainer.stream.bound``: ``trained`` (the twin's default) or ``admitted`` (AReaL's bound on admission)."""
 
     @property
     def groups_per_step(self) -> int:
@@ -142,7 +145,7 @@ async def simulate(w: Workload) -> Result:
     params = SamplingParams(max_new_tokens=max_new_ids(p, tw))
     per_id = tokens_per_id(p, tw)
     B, k = w.groups_per_step, w.staleness
-    adm = Admission(groups_per_step=B, max_staleness=k, max_in_flight=(k + 1) * B)
+    adm = Admission(groups_per_step=B, max_staleness=k, max_in_flight=(k + 1) * B, bound=w.bound)
     total = w.steps * B
     version = 0  # the version every replica holds (what admission reads, as the controller's rollout_version)
     exported = 0
@@ -214,6 +217,7 @@ async def simulate(w: Workload) -> Result:
         if step > w.warmup:
             for g in chosen:
                 for v in versions[g]:
+                    stale.extend([0] * (step - v + 1 - len(stale)))  # past k only with bound=admitted
                     stale[step - v] += 1
         share = sum(tokens[g] for g in chosen) / w.ranks
         c = train_costs(p, share, w.ranks)
@@ -241,7 +245,9 @@ def pooled(runs: list[Result]) -> Result:
     runs train as many ids, give or take the tail)."""
     spans = [1 / r.samples_s for r in runs]  # seconds per sample: every run trains as many samples
     idle = sum(r.idle * s for r, s in zip(runs, spans)) / sum(spans)
-    hist = [statistics.fmean(h) for h in zip(*(r.staleness_hist for r in runs))]
+    width = max(len(r.staleness_hist) for r in runs)
+    hist = [statistics.fmean(h) for h in zip(*(r.staleness_hist + [0.0] * (width - len(r.staleness_hist))
+                                               for r in runs))]
     return Result(runs[0].replicas, runs[0].staleness, len(runs) / sum(spans), statistics.fmean(r.step_s for r in runs),
                   idle, hist)
 
@@ -272,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
                         "trained samples over all their time")
     a.add_argument("--baseline-seeds", type=int, default=40, help="runs of each N = 1 cell")
     a.add_argument("--fixed-lengths", action="store_true")
+    a.add_argument("--bound", choices=("trained", "admitted"), default="trained",
+                   help="trainer.stream.bound: what max_staleness bounds (admitted: AReaL's bound on admission only)")
     a.add_argument("--quick", action="store_true",
                    help="N = 1, 2 at max_staleness 2, 5 steps, 2 runs at N = 1: the mechanism only")
     a.add_argument("--out", default=None)
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         base = None
         for n in replicas:
             w = Workload(prof, n, k, args.group, args.groups_per_replica, args.replicas_per_rank,
-                         args.baseline_steps if n == 1 else args.steps, args.warmup)
+                         args.baseline_steps if n == 1 else args.steps, args.warmup, bound=args.bound)
             t = time.perf_counter()
             seeds = args.baseline_seeds if n == 1 else args.seeds
             runs = [run_virtual(simulate(replace(w, seed=s))) for s in range(seeds)]
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         "# The staleness rule's ceiling: the twin's workload with a controller that costs nothing",
         run_header("admission_ceiling.py", f"virtual clock; profile {prof.name}"),
         f"{args.groups_per_replica} groups of {args.group} per replica per step, one training rank per "
-        f"{args.replicas_per_rank} replica(s); {args.steps} steps a run ({args.baseline_steps} at N = 1), all "
+        f"{args.replicas_per_rank} replica(s); trainer.stream.bound={args.bound}; {args.steps} steps a run ({args.baseline_steps} at N = 1), all "
         f"but the first {args.warmup + 1} measured; {args.seeds} run(s) per cell ({args.baseline_seeds} at N = 1), "
         "each another draw of the response lengths; samples/s: every run's trained samples over all their time.",
         "\n".join(lines)]) + "\n")

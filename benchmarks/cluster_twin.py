@@ -75,7 +75,7 @@ CURRENT = ("two-calls", "before", "columns", "after")  # with the tracer's amort
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
-           "staleness 0/1/2 (tokens %)", "trainer idle", "s/step"]
+           "staleness 0/1/2/.. (tokens %)", "trainer idle", "s/step"]
 
 
 def rss_mib(field: str = "VmHWM") -> float:
@@ -232,8 +232,9 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     per_id = tokens_per_id(load_profile(cfg.twin.profile), cfg.twin)
     del k
     tokens = sum(h["actor/tokens"] * cfg.trainer.train_workers for h in steady)
-    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady)
-             for d in range(cfg.trainer.max_staleness + 1)]
+    oldest = max([int(key.rsplit("_", 1)[1]) for h in steady for key in h if key.startswith("stream/tokens_staleness_")]
+                 + [cfg.trainer.max_staleness])  # past max_staleness only with trainer.stream.bound=admitted
+    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady) for d in range(oldest + 1)]
     in_flight = (cfg.trainer.max_staleness + 1) * args.groups_per_replica * cfg.group_size  # admission's bound
     sync = reach_times(spans, exports, w)
     return {
@@ -335,7 +336,7 @@ def workload(args: argparse.Namespace) -> str:
         "sync: from a version's export finishing on the training rank to the controller holding every replica's "
         "receipt (median; each replica pulls the version from the object store and loads it between two decoding "
         "steps); "
-        "staleness: the trained response tokens generated 0/1/2 versions before their step; trainer idle: the "
+        "staleness: the trained response tokens generated 0, 1, 2, .. versions before their step; trainer idle: the "
         "train loop's wait for a batch / step time.")
 
 

@@ -163,6 +163,13 @@ class StreamConfig(Section):
     drop_stale: bool = False
     """Keep the staleness bound by dropping finished groups that are too old (counted in
     ``stream/dropped_groups``) instead of pausing the sampler. Off: nothing is ever dropped."""
+    bound: Literal["trained", "admitted"] = "trained"
+    """What ``trainer.max_staleness`` bounds. ``trained``: every trained group was admitted at most ``k`` versions
+    before its step (a step waits for the groups that would pass it; docs/streaming.md). ``admitted``: AReaL's bound
+    (its ``max_head_offpolicyness``): at most ``(k + 1)`` steps of groups are admitted and untrained, and a step
+    trains the ``B`` finished groups admitted earliest without waiting for a long one, which is trained when it
+    finishes, possibly more than ``k`` versions old (the per-token correction weights it). More samples per second
+    under a long-tailed length distribution (docs/scale.md), older tokens."""
 
 
 @dataclass(kw_only=True)

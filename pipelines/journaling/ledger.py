@@ -24,7 +24,9 @@ oldest and newest of its model tokens), measured on the training pool from the b
 * **nothing trained twice** -- no sample in two steps, none both trained and dropped, every step ``0 .. steps - 1``
   present, each with a batch of ``trainer.batch_size`` admitted samples;
 * **the staleness bound** -- every trained token's version ``v`` satisfies ``step - max_staleness <= v <= step``
-  (measured; no token older than its sample's admission version), and the admission version too.
+  (measured; no token older than its sample's admission version), and the admission version too. A run with
+  ``trainer.stream.bound=admitted`` bounds admission only: its tokens are checked for ``admission version <= v <=
+  step``, and their ages are counted, not bounded.
 
 ``asyncrl ledger RUN`` runs it (exit 0 when it holds, 1 when not, 2 when RUN has no journal).
 """
@@ -300,6 +302,7 @@ def check_ledger(run: str | Path, *, finished: bool = True, limit: int = 5) -> L
     samples, data, by_step = read_samples(run)
     cfg = _config(data)
     k = int(cfg["trainer"]["max_staleness"])
+    bounded = (cfg["trainer"].get("stream") or {}).get("bound", "trained") != "admitted"  # (older journals: trained)
     batch_size = int(cfg["trainer"]["batch_size"])
     run_dir = Path(run) if Path(run).is_dir() else Path(run).parent
     measured = read_ledger_rows(run_dir / LEDGER)
@@ -338,13 +341,13 @@ def check_ledger(run: str | Path, *, finished: bool = True, limit: int = 5) -> L
                     ghosts.add(s.group)
                     bad("unadmitted", f"step {p} trained group {s.group}, which the journal never admitted")
                 continue
-            if not 0 <= p - s.admitted <= k:
+            if not 0 <= p - s.admitted <= (k if bounded else p):
                 bad("stale", f"{s.name} admitted at version {s.admitted} was trained at step {p} "
                              f"(max_staleness={k})")
             if s.versions is not None:
                 lo, hi = s.versions
                 replicas.add(s.replica if s.replica is not None else -1)
-                if p - lo > k or hi > p or lo < s.admitted:
+                if (bounded and p - lo > k) or hi > p or lo < s.admitted:
                     bad("stale", f"{s.name} trained at step {p} has tokens of versions {lo}..{hi} (admitted at "
                                  f"{s.admitted}, max_staleness={k})")
                 rep.staleness[p - lo] = rep.staleness.get(p - lo, 0) + 1

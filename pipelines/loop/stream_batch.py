@@ -75,7 +75,7 @@ def version_stats(batch: TensorDictBase, step: int, max_staleness: int) -> dict[
     ``staleness/max`` and ``staleness/mean`` (``step`` minus the version of each row's first token),
     ``stream/multi_version_frac`` (rows whose tokens come from more than one version) and
     ``stream/tokens_staleness_{d}`` (response tokens generated ``d`` versions before the step,
-    ``d = 0 .. max_staleness``)."""
+    ``d = 0 .. max_staleness``, and up to the oldest token's when one is older: ``trainer.stream.bound=admitted``)."""
     mask = batch["response_mask"].bool()
     first = batch["version"].long()
     stale = (step - first).double()
@@ -85,6 +85,8 @@ def version_stats(batch: TensorDictBase, step: int, max_staleness: int) -> dict[
         low = torch.where(mask, tv, torch.full_like(tv, 1 << 40)).min(1).values
         high = torch.where(mask, tv, torch.full_like(tv, -1)).max(1).values
         out["stream/multi_version_frac"] = float(((high > low) & mask.any(1)).double().mean())
-        for d in range(max_staleness + 1):
-            out[f"stream/tokens_staleness_{d}"] = float(((step - tv == d) & mask).sum())
+        age = step - tv
+        oldest = int(age[mask].max()) if bool(mask.any()) else 0  # past max_staleness only with bound=admitted
+        for d in range(max(max_staleness, oldest) + 1):
+            out[f"stream/tokens_staleness_{d}"] = float(((age == d) & mask).sum())
     return out

@@ -20,7 +20,11 @@ Invariant (between operations)::
 
 Then a group admitted at ``v0`` is trained at a step ``p <= v0 + k`` (the invariant at ``u = p - k - 1``
 says no group with ``v0 <= p - k - 1`` is left), so ``staleness = p - v0 <= k``, and every admitted group
-is trained exactly once. With ``drop_stale`` the bound is kept by dropping instead: admission only
+is trained exactly once. With ``bound="admitted"`` (AReaL's bound on admission, its ``max_head_offpolicyness``)
+admission is the same, but a take needs no ``need_u``: it trains the ``B`` finished groups admitted earliest (finish
+order among equals), so a step never waits for one long group, which is trained when it finishes, possibly more
+than ``k`` versions after its first token (the per-token correction weights it: docs/correctness.md). With
+``drop_stale`` the bound is kept by dropping instead: admission only
 respects ``max_in_flight`` (over generating and buffered groups), and a finished group with
 ``p - v0 > k`` is dropped when a step looks for its groups. With dynamic sampling
 (``algorithm.filter_groups``) a finished group whose rewards are all equal may be **rejected**: it
@@ -34,7 +38,10 @@ from typing import Any
 
 from asyncrl.pipelines.configlib import ConfigError
 
-__all__ = ["Admission", "AdmissionStats", "check_stream", "groups_in_flight"]
+__all__ = ["Admission", "AdmissionStats", "BOUNDS", "check_stream", "groups_in_flight"]
+
+BOUNDS = ("trained", "admitted")
+"""``trainer.stream.bound``'s values (:class:`Admission`'s `bound`)."""
 
 
 def groups_in_flight(job: Any) -> int:
@@ -64,6 +71,10 @@ def check_stream(job: Any) -> None:
         raise ConfigError(f"trainer.stream.max_groups_in_flight={cap} is below one step's {B} prompt groups "
                           f"(trainer.batch_size / algorithm.group_size), so admission control could never fill a "
                           f"step; set it to at least {B}, or null for (max_staleness + 1) * {B}")
+    if t.stream.bound == "admitted" and t.stream.drop_stale:
+        raise ConfigError("trainer.stream.drop_stale=true keeps the bound on trained groups by dropping the ones past "
+                          "it; with trainer.stream.bound=admitted no finished group is past the bound (it is trained "
+                          "when it finishes). Set one of them: drop_stale=false, or bound=trained")
     if job.actor.rollout_correction.bypass_mode == "behaviour":
         raise ConfigError(f"{why} with actor.rollout_correction.bypass_mode=behaviour: a streamed step mixes groups "
                           "admitted at different versions, and with partial rollout one trajectory's tokens come from "
@@ -118,6 +129,8 @@ class Admission:
         max_in_flight: most admitted, unfinished groups (>= ``B``).
         drop_stale: keep the bound by dropping (see :class:`~asyncrl.pipelines.job.config.StreamConfig`).
         next_step: ``p`` at the start (a resumed run's first step).
+        bound: ``trained`` (every trained group at most ``k`` versions after its admission) or ``admitted`` (the
+            bound on admission only: module docstring).
     """
 
     groups_per_step: int
@@ -125,6 +138,7 @@ class Admission:
     max_in_flight: int
     drop_stale: bool = False
     next_step: int = 0
+    bound: str = "trained"
     _groups: dict[int, _Group] = field(default_factory=dict)
     _finished: list[int] = field(default_factory=list)  # finish order
     _admitted: int = 0
@@ -141,6 +155,9 @@ class Admission:
         if self.groups_per_step < 1 or self.max_staleness < 1 or self.max_in_flight < self.groups_per_step:
             raise ValueError(f"Admission needs groups_per_step >= 1, max_staleness >= 1 and max_in_flight >= "
                              f"groups_per_step, got {self.groups_per_step}, {self.max_staleness}, {self.max_in_flight}")
+        if self.bound not in BOUNDS or (self.bound == "admitted" and self.drop_stale):
+            raise ValueError(f"Admission's bound is one of {BOUNDS} (drop_stale only with 'trained'), got "
+                             f"{self.bound!r} with drop_stale={self.drop_stale}")
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -225,6 +242,15 @@ class Admission:
             self._discard(chosen)
             self._step_done(chosen)
             return chosen, self._drain_dropped()
+        if self.bound == "admitted":  # the B finished groups admitted earliest; nobody waits for a long one
+            if len(self._finished) < B:
+                return None
+            order = {g: i for i, g in enumerate(self._finished)}
+            chosen = sorted(self._finished, key=lambda g: (self._groups[g].v0, order[g]))[:B]
+            chosen.sort(key=order.__getitem__)  # (in finish order, as every take returns them)
+            self._discard(chosen)
+            self._step_done(chosen)
+            return chosen, []
         need = self._needs()
         if need is None:
             return None

@@ -180,7 +180,8 @@ class StreamRollout:
         s, cfg = sv.current().state, sv.config
         B, t = cfg.prompts_per_step, cfg.trainer
         resume = s.rollout_state or {}
-        adm = Admission(B, t.max_staleness, groups_in_flight(cfg), t.stream.drop_stale, next_step=s.start_step)
+        adm = Admission(B, t.max_staleness, groups_in_flight(cfg), t.stream.drop_stale, next_step=s.start_step,
+                        bound=t.stream.bound)
         a = self._attempt = _Attempt(s, adm, sorted(resume.get("pending", [])),
                                      int(resume.get("next_group", s.start_step * B)))
         await self._notify()

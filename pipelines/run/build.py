@@ -61,8 +61,12 @@ def role_specs(cfg: JobConfig, overrides: Mapping[str, Any] | None) -> tuple[dic
         "rollout": (RolloutWorker, (cfg.model, rollout_config(cfg)), {}),
         "reward": (RewardWorker, (cfg.worker_reward(),), {}),
     }
+    # the policy refuses rows older than the bound; streaming with bound=admitted trains a long group when it
+    # finishes, older than max_staleness, so there it refuses only rows older than the run (or from the future)
+    admitted = t.rollout_mode == "stream" and t.stream.bound == "admitted"
     train_roles: dict[str, Any] = {
-        "policy": (PolicyWorker, (cfg.model, cfg.worker_actor()), {"max_staleness": t.max_staleness}),
+        "policy": (PolicyWorker, (cfg.model, cfg.worker_actor()),
+                   {"max_staleness": max(t.max_staleness, t.steps) if admitted else t.max_staleness}),
         "advantage": AdvantageWorker,
     }
     if reference_worker(cfg):

@@ -69,3 +69,14 @@ def test_the_quick_run_prints_its_table(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| 2 |")]
     assert [r.split(" | ")[1] for r in rows] == ["1", "2"]  # max_staleness 2 at N = 1 and N = 2
     assert rows[0].split(" | ")[3] == "1.00"  # N = 1 is its own baseline
+
+
+def test_the_admitted_bound_trains_past_the_tail_with_older_tokens():
+    """The same draw of lengths under ``bound=admitted``: no step waits for its slowest group admitted k versions
+    back, so the trainer waits less and trains more per second, and some tokens are older than k."""
+    prof = load_profile("qwen2_7b_h100_vllm")
+    trained, admitted = (ac.run_virtual(ac.simulate(ac.Workload(prof, 4, staleness=1, steps=12, warmup=1, bound=b)))
+                         for b in ("trained", "admitted"))
+    assert admitted.samples_s > 1.2 * trained.samples_s and admitted.idle < trained.idle
+    assert len(trained.staleness_hist) == 2 and len(admitted.staleness_hist) > 2
+    assert sum(admitted.staleness_hist) == pytest.approx(1.0) and sum(admitted.staleness_hist[2:]) > 0.0

@@ -90,6 +90,47 @@ def test_bad_parameters_are_refused():
         Admission(groups_per_step=4, max_staleness=0, max_in_flight=8)
 
 
+def test_the_admitted_bound_trains_what_finished_and_a_long_group_when_it_finishes():
+    """``bound="admitted"`` (AReaL's): the same admissions as the trained bound, but the step the trained bound
+    holds for group 0 (admitted at version 0, max_staleness 1) trains the groups that finished; group 0 is trained
+    when it finishes, 2 versions after its admission, before a later group that finished first."""
+    runs = {b: Admission(groups_per_step=2, max_staleness=1, max_in_flight=8, bound=b) for b in ("trained", "admitted")}
+    for a in runs.values():
+        for g in range(4):
+            a.admit(g, 0)
+        assert not a.can_admit(0)
+        a.finish(1)
+        a.finish(2)
+        assert a.take() == ([1, 2], [])
+        a.admit(4, 1)
+        a.admit(5, 1)
+        assert not a.can_admit(1)  # U_1 = 4: admission is bounded alike
+        a.finish(3)
+        a.finish(4)
+    assert runs["trained"].take() is None  # group 0 (v0 = 0) must be trained at step 1: the step waits for it
+    a = runs["admitted"]
+    assert a.take() == ([3, 4], [])  # step 1: what finished; group 0 still generating
+    assert not a.can_admit(1)  # U_1 = 2 (groups 0, 5) = (1 + 1 - 2 + 1) * 2: group 0 holds a place
+    assert a.can_admit(2)
+    a.admit(6, 2)
+    a.admit(7, 2)
+    assert not a.can_admit(2)  # U_2 = 4 = (2 + 1 - 2 + 1) * 2
+    a.finish(6)
+    a.finish(5)
+    a.finish(0)
+    assert a.take() == ([5, 0], [])  # step 2: the earliest admitted (0 at v0 0, 5 at 1; not 6 at 2), finish order
+    assert a.take() is None and a.pending() == {6: 2, 7: 2}
+    st_ = a.statistics()
+    assert (st_.trained, st_.admitted, st_.dropped) == (6, 8, 0)
+
+
+def test_a_bound_that_does_not_exist_or_drops_under_the_admitted_bound_is_refused():
+    with pytest.raises(ValueError, match=r"bound is one of \('trained', 'admitted'\).*got 'tokens'"):
+        Admission(groups_per_step=2, max_staleness=1, max_in_flight=8, bound="tokens")
+    with pytest.raises(ValueError, match="drop_stale only with 'trained'"):
+        Admission(groups_per_step=2, max_staleness=1, max_in_flight=8, drop_stale=True, bound="admitted")
+
+
 def _invariant_holds(a: Admission) -> bool:
     B, k, p = a.groups_per_step, a.max_staleness, a.next_step
     pending = a.pending()
@@ -199,3 +240,44 @@ def test_a_take_answers_as_the_full_scan_of_finished_groups_does(B, k, steps, op
             expected = _scan_take(a)
             got = a.take()
             assert (got[0] if got is not None else None) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 4), k=st.integers(1, 3), steps=st.integers(1, 8),
+       ops=st.lists(st.integers(0, 99), min_size=300, max_size=300))
+def test_under_the_admitted_bound_every_group_is_trained_once_and_no_step_waits_for_one(B, k, steps, ops):
+    """Random interleavings under ``bound="admitted"``: at most ``(k + 1) * B`` groups admitted and untrained, a take
+    answers as soon as ``B`` groups finished (the ``B`` admitted earliest), each group trained exactly once."""
+    a = Admission(groups_per_step=B, max_staleness=k, max_in_flight=(k + 1) * B, bound="admitted")
+    version, nxt, trained, running = 0, 0, [], []
+    v0: dict[int, int] = {}
+    it = iter(ops)
+    for _ in range(len(ops) + 8 * steps * B + 8 * steps):
+        if a.next_step >= steps:
+            break
+        op = next(it, None)
+        choice = op % 4 if op is not None else (0 if nxt < steps * B and a.can_admit(version) else 2 if running
+                                                else 1 if version < a.next_step else 3)
+        if choice == 0 and nxt < steps * B and a.can_admit(version):
+            a.admit(nxt, version)
+            v0[nxt], nxt = version, nxt + 1
+            running.append(nxt - 1)
+        elif choice == 1 and version < a.next_step:
+            version += 1
+        elif choice == 2 and running:
+            a.finish(running.pop((op or 0) % len(running)))
+        else:
+            finished = [g for g in a.pending() if g not in running]
+            got = a.take()
+            assert (got is None) == (len(finished) < B)
+            if got is not None:
+                chosen = got[0]
+                left = [g for g in finished if g not in chosen]
+                assert max((v0[g] for g in chosen), default=0) <= min((v0[g] for g in left), default=1 << 30)
+                trained += chosen
+            elif not running and nxt < steps * B and not a.can_admit(version):
+                version = a.next_step  # the sampler waits for the newest weights
+        assert len(a.pending()) <= (k + 1) * B
+    else:
+        pytest.fail(f"trained only {a.next_step} of {steps} steps (admitted {nxt}, generating {running})")
+    assert len(trained) == len(set(trained)) == steps * B

@@ -71,6 +71,9 @@ async def test_stream_mode_trains_every_group_once_within_the_staleness_bound(ra
      "trainer.colocated=false"),
     (["trainer.rollout_mode=stream", "trainer.rollout_weights=latest", "trainer.precompute_log_probs=true"],
      "trainer.precompute_log_probs"),
+    (["trainer.rollout_mode=stream", "trainer.stream.bound=admitted", "trainer.stream.drop_stale=true"],
+     "Set one of them: drop_stale=false, or bound=trained"),
+    (["trainer.rollout_mode=stream", "trainer.stream.bound=tokens"], "trainer.stream.bound"),
 ])
 def test_settings_streaming_cannot_run_are_config_errors_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -156,6 +159,48 @@ async def test_drop_stale_drops_a_group_that_finished_past_the_bound_and_counts_
     assert rep.dropped["stale"] == len(drops) * cfg.group_size and rep.trained == 6 * B * cfg.group_size
 
 
+async def test_the_admitted_bound_trains_on_past_a_long_group_and_trains_it_once_when_it_finishes(tmp_path):
+    """``trainer.stream.bound=admitted``: group 0 (admitted at version 0) finishes only once version 2 is loaded,
+    and step 3's update waits for it (fakes.HeldRollout, HeldPolicy). Under the trained bound step 1 would wait for
+    it (a deadlock here); under this one step 1 trains the groups that finished, and group 0 is trained once, at
+    step 2 or later, older than max_staleness=1 (the policy is told the run's steps as its refusal bound). The ledger holds: nothing lost, nothing trained twice."""
+    from .fakes import HeldPolicy, HeldRollout, Recorder, fake_groups
+
+    cfg = tiny_test()
+    t = cfg.trainer
+    t.steps, t.max_staleness, t.rollout_mode, t.stream.bound = 6, 1, "stream", "admitted"
+    t.checkpoint_at_end, t.output_dir = False, str(tmp_path)
+    cfg.validate()
+    B = cfg.prompts_per_step
+    rec = Recorder()
+    async with fake_groups(rec, 0, B, 0.01, t.steps, rollout=HeldRollout, policy=HeldPolicy) as groups, \
+            GRPOTrainer(cfg, groups=groups) as trainer:
+        history = await trainer.fit()
+    assert [r["version"] for r in history] == list(range(1, 7))
+    recs = journal(tmp_path)
+    trained = [g for r in recs if r["kind"] == "step" for g in r["groups"]]
+    at = [r["step"] for r in recs if r["kind"] == "step" and 0 in r["groups"]]
+    assert len(trained) == len(set(trained)) == 6 * B and len(at) == 1 and at[0] >= 2  # once, after version 2 loaded
+    assert not [r for r in recs if r["kind"] == "group_drop"] and history[-1]["stream/dropped_groups"] == 0
+    assert history[at[0]]["staleness/max"] == at[0] > t.max_staleness
+    rep = check_ledger(tmp_path)
+    assert rep.ok, rep.render()
+    assert rep.trained == 6 * B * cfg.group_size and at[0] in rep.staleness  # group 0's rows: step - 0 old
+
+
+@pytest.mark.parametrize("mode, bound, refused_past", [("stream", "trained", 2), ("stream", "admitted", 40),
+                                                       ("batch", "admitted", 2)])
+def test_the_policy_refuses_rows_past_the_bound_the_run_keeps(mode, bound, refused_past):
+    """The PolicyWorker's refusal of old rows (StaleBatchError) follows the bound: max_staleness, or, in stream mode
+    with bound=admitted (a long group is trained when it finishes), only rows older than the run's 40 steps."""
+    from asyncrl.pipelines.run.build import role_specs
+
+    cfg = load_config(None, ["trainer.steps=40", "trainer.max_staleness=2", f"trainer.rollout_mode={mode}",
+                             f"trainer.stream.bound={bound}"])
+    _, train = role_specs(cfg, None)
+    assert train["policy"][2] == {"max_staleness": refused_past}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("partial", ["off", "recompute"])
 def test_stream_mode_learns_char_class(ray_cluster, tmp_path, partial):
@@ -174,3 +219,21 @@ def test_stream_mode_learns_char_class(ray_cluster, tmp_path, partial):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.3 and last > 0.8, (first, last)
     assert all(r["staleness/max"] <= 1 for r in rows)
+
+
+def test_the_token_staleness_histogram_reaches_the_oldest_token_when_one_is_past_the_bound():
+    """``stream/tokens_staleness_{d}`` for d = 0..max_staleness, and on to the oldest token's age when a row is older
+    (bound=admitted); masked tokens are not counted."""
+    import torch
+    from asyncrl.pipelines.loop.stream_batch import version_stats
+    from tensordict import TensorDict
+
+    batch = TensorDict({"response_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]),
+                        "version": torch.tensor([1, 4]),
+                        "token_versions": torch.tensor([[1, 2, 4, 0], [4, 4, 0, 0]])}, batch_size=[2])
+    out = version_stats(batch, 5, 1)
+    assert {k: v for k, v in out.items() if k.startswith("stream/tokens_staleness_")} == {
+        "stream/tokens_staleness_0": 0.0, "stream/tokens_staleness_1": 3.0, "stream/tokens_staleness_2": 0.0,
+        "stream/tokens_staleness_3": 1.0, "stream/tokens_staleness_4": 1.0}
+    assert (out["staleness/max"], out["stream/multi_version_frac"]) == (4.0, 0.5)
+    assert set(version_stats(batch, 4, 4)) == set(version_stats(batch, 4, 1)) | {"stream/tokens_staleness_4"}

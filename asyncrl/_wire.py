@@ -366,12 +366,20 @@ columns (:func:`_reduce_text_td`); False: tensordict's own reduction, every text
 (what the code did before; ``benchmarks/cluster_twin.py`` measures both)."""
 
 
+SMALL_TENSOR_BYTES = 1 << 16
+"""A tensor column of such a TensorDict (:data:`TEXT_TENSORDICTS`) of at most this many bytes crosses in-band, as its
+bytes (:func:`_rebuild_text_td` makes a writable tensor of them): Ray's zero-copy reducer costs the controller more
+than the copy for a prompt group's few kilobytes. 0: every tensor by that reducer (what the code did before;
+``benchmarks/cluster_twin.py`` measures both)."""
+
+
 def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
     """`td` as ``(_rebuild_text_td, (rows, keys, columns))`` when it is a plain ``TensorDict`` (one batch
     dimension, no device, names, lock or consolidated storage) whose every value is a tensor or a
     ``NonTensorStack`` of strings (one per row, stacked on dimension 0); else None (tensordict's reduction). The
-    tensors are pickled as before (Ray's zero-copy reducer); a text column crosses as one list of strings, not as
-    a pickled ``NonTensorData`` per cell (about ten times the CPU, on the controller, per routed prompt group)."""
+    tensors are pickled as before (Ray's zero-copy reducer), or, up to :data:`SMALL_TENSOR_BYTES`, as a tuple of their
+    bytes, dtype and shape; a text column crosses as one list of strings, not as a pickled ``NonTensorData`` per cell
+    (about ten times the CPU, on the controller, per routed prompt group)."""
     if (td.batch_dims != 1 or td.device is not None or td.is_locked or td._has_names()
             or getattr(td, "_consolidated", None)):
         return None
@@ -383,7 +391,10 @@ def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
     for k, v in td._tensordict.items():
         t = type(v)
         if t is torch.Tensor:
-            columns.append(v)
+            small = (0 < SMALL_TENSOR_BYTES and v.nbytes <= SMALL_TENSOR_BYTES and not v.requires_grad
+                     and v.device.type == "cpu")
+            columns.append((v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), v.dtype, tuple(v.shape))
+                           if small else v)
         elif t is NonTensorStack:
             cells: Any = v.tensordicts  # NonTensorData cells: their text is `_non_tensordict["data"]`
             if v.stack_dim != 0 or len(cells) != n or v.batch_dims != 1 or v.device is not None:
@@ -401,10 +412,17 @@ def _reduce_text_td(td: Any) -> tuple[Any, ...] | None:
 
 
 def _rebuild_text_td(n: int, keys: list[str], columns: list[Any]) -> Any:
-    """The TensorDict :func:`_reduce_text_td` took apart: its tensors, and its text columns as
-    ``NonTensorStack`` s of strings, in its key order."""
-    return TensorDict({k: NonTensorStack(*c) if type(c) is list else c for k, c in zip(keys, columns)},
-                      batch_size=[n])
+    """The TensorDict :func:`_reduce_text_td` took apart: its tensors (a small one from its bytes), and its text
+    columns as ``NonTensorStack`` s of strings, in its key order."""
+    return TensorDict({k: NonTensorStack(*c) if type(c) is list else _from_bytes(*c) if type(c) is tuple else c
+                       for k, c in zip(keys, columns)}, batch_size=[n])
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A writable tensor of `shape` and `dtype` holding a copy of `data` (its bytes, :func:`_reduce_text_td`)."""
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 @functools.cache

@@ -37,9 +37,13 @@ Figures per N (steady state: the steps after ``--warmup``):
 * ``columns``: as ``before``, and a take that is not ready answers from its per-version counts
   (``Admission._needs``), the prompt rows crossing as their columns (``_wire.TEXT_TENSORDICTS``) (the rows named
   ``after`` in docs/scale.md's tables before its section on top-level group results);
-* ``after``: the code: as ``columns``, and a step's ``concat_shard`` takes its groups' results as top-level Ray
+* ``top-values``: as ``columns``, and a step's ``concat_shard`` takes its groups' results as top-level Ray
   arguments, not nested refs (``_call.TOP_VALUES``), and the step's ledger facts ride in its reply instead of a
-  ``ledger_rows`` call to every training rank (``run_journal.FACTS_IN_REPLY``).
+  ``ledger_rows`` call to every training rank (``run_journal.FACTS_IN_REPLY``) (the rows named ``after`` in
+  docs/scale.md's tables before its section on a group's prompt rows);
+* ``after``: the code: as ``top-values``, and a group's prompt rows cut from the step's batch by one split in a
+  thread (``stream_rollout.SPLIT_STEP_PROMPTS``), their small tensors crossing in-band as bytes
+  (``_wire.SMALL_TENSOR_BYTES``).
 
     python benchmarks/cluster_twin.py --variants columns,after   # N = 1,4,16,64,256
     python benchmarks/cluster_twin.py --variants unrouted,after --replicas 1,4,16,64   # the first fixes
@@ -70,8 +74,8 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
-VARIANTS = ("unrouted", "routed", "sharded", "two-calls", "before", "columns", "after")
-CURRENT = ("two-calls", "before", "columns", "after")  # with the tracer's amortised sweep and balance_batch
+VARIANTS = ("unrouted", "routed", "sharded", "two-calls", "before", "columns", "top-values", "after")
+CURRENT = ("two-calls", "before", "columns", "top-values", "after")  # with the tracer's amortised sweep and balance_batch
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
@@ -273,12 +277,15 @@ def set_variant(variant: str) -> Any:
 
     saved = sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch
     kept = _wire.TEXT_TENSORDICTS, Admission._needs, _call.TOP_VALUES, run_journal.FACTS_IN_REPLY
+    cut = sr.SPLIT_STEP_PROMPTS, _wire.SMALL_TENSOR_BYTES
     sr.ROUTE_GROUPS = variant != "unrouted"
     sr.SHARD_STEP_BATCH = variant in ("sharded", *CURRENT)
-    sr.SCORE_IN_GENERATE = variant in ("before", "columns", "after")
-    _wire.TEXT_TENSORDICTS = variant in ("columns", "after")
-    _call.TOP_VALUES = run_journal.FACTS_IN_REPLY = variant == "after"
-    if variant not in ("columns", "after"):  # a take as it was: every finished group scanned at every try
+    sr.SCORE_IN_GENERATE = variant in ("before", "columns", "top-values", "after")
+    _wire.TEXT_TENSORDICTS = variant in ("columns", "top-values", "after")
+    _call.TOP_VALUES = run_journal.FACTS_IN_REPLY = variant in ("top-values", "after")
+    if variant != "after":
+        sr.SPLIT_STEP_PROMPTS, _wire.SMALL_TENSOR_BYTES = False, 0
+    if variant not in ("columns", "top-values", "after"):  # a take as it was: every finished group scanned at every try
         def needs(self: Any) -> dict[int, int]:
             B, k, p = self.groups_per_step, self.max_staleness, self.next_step
             return {u: max(0, self._untrained_upto(u) - max(0, u + k - p) * B) for u in sorted(self._by_v0)}
@@ -295,6 +302,7 @@ def set_variant(variant: str) -> Any:
         sr.ROUTE_GROUPS, sr.SHARD_STEP_BATCH, sr.SCORE_IN_GENERATE, trace.Tracer.watch = saved  # type: ignore[method-assign]
         (_wire.TEXT_TENSORDICTS, Admission._needs,  # type: ignore[method-assign]
          _call.TOP_VALUES, run_journal.FACTS_IN_REPLY) = kept
+        sr.SPLIT_STEP_PROMPTS, _wire.SMALL_TENSOR_BYTES = cut
 
     return undo
 
@@ -385,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
     p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
     p.add_argument("--variants-upto", type=int, default=64,
-                   help="run the variants other than 'two-calls', 'before', 'columns' and 'after' only up to this N "
+                   help="run the variants other than 'two-calls', 'before', 'columns', 'top-values' and 'after' only "
+                        "up to this N "
                         "(the unrouted code splits every group across every replica: at 256 a step takes many minutes)")
     p.add_argument("--fixed-lengths", action="store_true",
                    help="every response the profile's median length (no long tail): what the controller, Ray, "

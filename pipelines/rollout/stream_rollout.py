@@ -88,6 +88,22 @@ SHARD_STEP_BATCH = True
 """Build a step's batch in shards, one per training rank (``stages.concat_sharded``). False: on one rank, which
 every training rank then reads whole (what the code did before; ``benchmarks/cluster_twin.py`` measures both)."""
 
+SPLIT_STEP_PROMPTS = True
+"""Cut a step's prompt rows into its groups' by one ``split`` in the thread that builds them. False: each group slices
+its rows from the step's batch on the loop (about 3.5 times the CPU; what the code did before;
+``benchmarks/cluster_twin.py`` measures both)."""
+
+
+class _Slices:
+    """A step's groups' prompt rows as slices of its batch, cut when asked (:data:`SPLIT_STEP_PROMPTS` off)."""
+
+    def __init__(self, whole: Any, group: int) -> None:
+        self._whole, self._group = whole, group
+
+    def __getitem__(self, slot: int) -> Any:
+        return self._whole[slot * self._group:(slot + 1) * self._group]
+
+
 SCORE_IN_GENERATE = True
 """Score each prompt group in its generate call (``generate_requests(compute_reward=True)``: the reward worker of
 the replica's process scores the rows there) and read the scores from the call's reply (``GroupFuture.summary``):
@@ -165,7 +181,7 @@ class StreamRollout:
         """Group calls issued again after a rollout-pool fault or a hand-over (over the whole run)."""
         self.scaler = StreamScaler(services, self)
         """Resizes of the rollout pool beside the groups in flight (``scale_rollout``, preemption, autoscaling)."""
-        self._prompt_batches: dict[int, Any] = {}  # step -> its prompt rows (_step_prompts)
+        self._prompt_batches: dict[int, Any] = {}  # step -> its prompt rows, one TensorDict per group (_step_prompts)
         self._prompt_widths: dict[int, int] = {}  # step -> its prompt rows' width (_prompt_width)
         self._prompts_lock = anyio.Lock()
         self.handovers: list[tuple[int, dict[str, dict[str, Any]]]] = []
@@ -218,7 +234,7 @@ class StreamRollout:
         assert loader is not None
         B, G = cfg.prompts_per_step, cfg.group_size
         slot = g % B
-        prompts = (await self._step_prompts(g // B))[slot * G:(slot + 1) * G]
+        prompts = (await self._step_prompts(g // B))[slot]
         elastic = cfg.trainer.rollout_range.elastic
         while True:
             epoch = a.epoch
@@ -323,11 +339,12 @@ class StreamRollout:
             await self._step_prompts(step)
         return self._prompt_widths[step]
 
-    async def _step_prompts(self, step: int) -> Any:
-        """The prompt rows of step `step`'s batch, built once for its groups and in a thread (a step's batch
-        grows with its rows: built per group, that was quadratic in the groups per step; built on the loop, it
-        stalled every call in flight). The last few steps' are kept: groups are admitted in index order, at
-        most ``max_staleness + 1`` steps apart."""
+    async def _step_prompts(self, step: int) -> list[Any]:
+        """The prompt rows of step `step`'s batch, one TensorDict per group (slot), built and split once for its
+        groups and in a thread (a step's batch grows with its rows: built per group, that was quadratic in the groups
+        per step; built on the loop, it stalled every call in flight; one split is a fraction of the CPU of a slice
+        per group). The last few steps' are kept: groups are admitted in index order, at most
+        ``max_staleness + 1`` steps apart."""
         got = self._prompt_batches.get(step)
         if got is None:
             async with self._prompts_lock:  # one build per step, however many of its groups ask at once
@@ -335,9 +352,14 @@ class StreamRollout:
                 if got is None:
                     loader = self._services.loader()
                     assert loader is not None
-                    built = await anyio.to_thread.run_sync(loader.batch, step)
-                    self._prompt_batches[step] = got = built
-                    self._prompt_widths[step] = int(built["prompt_ids"].shape[1])
+                    def build() -> tuple[Any, int]:
+                        whole = loader.batch(step)
+                        G = loader.group_size
+                        rows = list(whole.split(G)) if SPLIT_STEP_PROMPTS else _Slices(whole, G)
+                        return rows, int(whole["prompt_ids"].shape[1])
+
+                    got, self._prompt_widths[step] = await anyio.to_thread.run_sync(build)
+                    self._prompt_batches[step] = got
                     keep = self._services.config.trainer.max_staleness + 2
                     for old in [s for s in self._prompt_batches if s < step - keep]:
                         del self._prompt_batches[old]

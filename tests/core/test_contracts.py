@@ -326,6 +326,36 @@ async def test_a_tensordict_of_tensors_and_text_arrives_as_tensordicts_own_pickl
         ["z", "Tensor", [1.0, 1.0, 1.0]]]]]]]
 
 
+def test_a_small_tensor_column_crosses_as_its_bytes_and_arrives_equal_and_writable():
+    """Up to ``_wire.SMALL_TENSOR_BYTES`` a tensor column of such a TensorDict is pickled in-band as its bytes, dtype
+    and shape (a slice, a transposed view, bfloat16, bool, an empty column alike); a larger one goes to Ray's
+    reducer as before; either way it arrives equal, and the small one writable."""
+    import pickle
+
+    from tensordict import NonTensorStack
+
+    from asyncrl import _wire
+
+    whole = torch.arange(40, dtype=torch.float32).reshape(4, 10)
+    td = TensorDict({"ids": torch.arange(20).reshape(10, 2)[3:7], "half": whole.t()[2:6].to(torch.bfloat16),
+                     "flag": torch.tensor([True, False, True, True]), "none": torch.zeros(4, 0, dtype=torch.int32),
+                     "big": torch.ones(4, (1 << 14) + 1), "text": NonTensorStack(*"wxyz")}, batch_size=[4])
+    fn, (n, keys, columns) = _wire._reduce_text_td(td)
+    kinds = {k: type(c).__name__ for k, c in zip(keys, columns)}
+    assert kinds == {"ids": "tuple", "half": "tuple", "flag": "tuple", "none": "tuple", "big": "Tensor", "text": "list"}
+    back = fn(*pickle.loads(pickle.dumps((n, keys, columns))))
+    assert list(back.keys()) == list(td.keys()) and back.batch_size == td.batch_size
+    for k in ("ids", "half", "flag", "none", "big"):
+        assert back[k].dtype == td[k].dtype and back[k].shape == td[k].shape and back[k].equal(td[k]), k
+    back["ids"][0, 0] = -1  # its own memory: writable, the sender's rows untouched
+    assert int(td["ids"][0, 0]) == 6 and list(back["text"]) == list("wxyz")
+    try:
+        _wire.SMALL_TENSOR_BYTES = 0
+        assert all(type(c) is not tuple for c in _wire._reduce_text_td(td)[1][2])
+    finally:
+        _wire.SMALL_TENSOR_BYTES = 1 << 16
+
+
 def test_a_call_crosses_as_its_typed_message_in_field_order():
     """The call message (`CallMsg`) crosses Ray as one plain list in field order, which
     Ray encodes with msgpack, and the host rebuilds the same message from it."""

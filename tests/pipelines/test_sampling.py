@@ -117,11 +117,18 @@ async def test_out_of_generate_calls_the_batch_is_padded_with_the_first_dropped_
                        "sampling/padded_groups": 1.0, "sampling/min_group_std": 0.0}
 
 
-def test_a_stream_group_is_its_slice_of_the_step_batch_and_the_step_is_built_once(monkeypatch):
+@pytest.mark.parametrize("split", [True, False])
+def test_a_stream_group_is_its_slice_of_the_step_batch_and_the_step_is_built_once(monkeypatch, split):
+    """Split in the thread that builds the step's batch (``SPLIT_STEP_PROMPTS``) or sliced per group (as before),
+    each group's rows are its slice of the step's batch, and the batch is built once however many groups ask."""
     import threading
     from types import SimpleNamespace
 
     import anyio
+
+    from asyncrl.pipelines.rollout import stream_rollout
+
+    monkeypatch.setattr(stream_rollout, "SPLIT_STEP_PROMPTS", split)
 
     from asyncrl.pipelines.datasets.data import PromptLoader, make_loader, task_pairs
     from asyncrl.pipelines.job.presets import tiny_test
@@ -143,7 +150,7 @@ def test_a_stream_group_is_its_slice_of_the_step_batch_and_the_step_is_built_onc
         out: list = [None] * 4
 
         async def one(slot: int) -> None:
-            out[slot] = (await StreamRollout._step_prompts(stream, step))[slot * 2:(slot + 1) * 2]
+            out[slot] = (await StreamRollout._step_prompts(stream, step))[slot]
 
         async with anyio.create_task_group() as tg:
             for slot in range(4):

@@ -339,7 +339,7 @@ class StreamRollout:
             await self._step_prompts(step)
         return self._prompt_widths[step]
 
-    async def _step_prompts(self, step: int) -> list[Any]:
+    async def _step_prompts(self, step: int) -> Any:
         """The prompt rows of step `step`'s batch, one TensorDict per group (slot), built and split once for its
         groups and in a thread (a step's batch grows with its rows: built per group, that was quadratic in the groups
         per step; built on the loop, it stalled every call in flight; one split is a fraction of the CPU of a slice

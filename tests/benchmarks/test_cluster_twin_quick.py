@@ -9,7 +9,7 @@ from .test_overlap_quick import tables
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
-           "staleness 0/1/2 (tokens %)", "trainer idle", "s/step"]
+           "staleness 0/1/2/.. (tokens %)", "trainer idle", "s/step"]
 
 
 @pytest.mark.slow  # two twin runs per variant on real Ray: a minute or two on the shared 2-core machine

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import selectors
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import run_header, write_result  # noqa: E402
 
-from asyncrl.pipelines.rollout.admission import Admission  # noqa: E402
+from asyncrl.pipelines.rollout.admission import BOUNDS, Admission  # noqa: E402
 from asyncrl.pipelines.twin.profile import (  # noqa: E402
     Profile, TwinConfig, engine_kwargs, load_profile, max_new_ids, tokens_per_id)
 from asyncrl.pipelines.twin.workers import train_costs  # noqa: E402
@@ -245,9 +246,7 @@ def pooled(runs: list[Result]) -> Result:
     runs train as many ids, give or take the tail)."""
     spans = [1 / r.samples_s for r in runs]  # seconds per sample: every run trains as many samples
     idle = sum(r.idle * s for r, s in zip(runs, spans)) / sum(spans)
-    width = max(len(r.staleness_hist) for r in runs)
-    hist = [statistics.fmean(h) for h in zip(*(r.staleness_hist + [0.0] * (width - len(r.staleness_hist))
-                                               for r in runs))]
+    hist = [statistics.fmean(h) for h in itertools.zip_longest(*(r.staleness_hist for r in runs), fillvalue=0.0)]
     return Result(runs[0].replicas, runs[0].staleness, len(runs) / sum(spans), statistics.fmean(r.step_s for r in runs),
                   idle, hist)
 
@@ -278,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                         "trained samples over all their time")
     a.add_argument("--baseline-seeds", type=int, default=40, help="runs of each N = 1 cell")
     a.add_argument("--fixed-lengths", action="store_true")
-    a.add_argument("--bound", choices=("trained", "admitted"), default="trained",
+    a.add_argument("--bound", choices=BOUNDS, default="trained",
                    help="trainer.stream.bound: what max_staleness bounds (admitted: AReaL's bound on admission only)")
     a.add_argument("--quick", action="store_true",
                    help="N = 1, 2 at max_staleness 2, 5 steps, 2 runs at N = 1: the mechanism only")
@@ -319,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         "# The staleness rule's ceiling: the twin's workload with a controller that costs nothing",
         run_header("admission_ceiling.py", f"virtual clock; profile {prof.name}"),
         f"{args.groups_per_replica} groups of {args.group} per replica per step, one training rank per "
-        f"{args.replicas_per_rank} replica(s); trainer.stream.bound={args.bound}; {args.steps} steps a run ({args.baseline_steps} at N = 1), all "
+        f"{args.replicas_per_rank} replica(s); trainer.stream.bound={args.bound}; {args.steps} steps a run "
+        f"({args.baseline_steps} at N = 1), all "
         f"but the first {args.warmup + 1} measured; {args.seeds} run(s) per cell ({args.baseline_seeds} at N = 1), "
         "each another draw of the response lengths; samples/s: every run's trained samples over all their time.",
         "\n".join(lines)]) + "\n")

@@ -75,7 +75,8 @@ from _common import load_note, run_header, write_result  # noqa: E402  (benchmar
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
 VARIANTS = ("unrouted", "routed", "sharded", "two-calls", "before", "columns", "top-values", "after")
-CURRENT = ("two-calls", "before", "columns", "top-values", "after")  # with the tracer's amortised sweep and balance_batch
+# with the tracer's amortised sweep and balance_batch
+CURRENT = ("two-calls", "before", "columns", "top-values", "after")
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",

@@ -227,7 +227,7 @@ def _normal_solve(xs: list[list[float]], ys: list[float], cols: list[int]) -> li
     v = [sum((r[i] * y for r, y in zip(X, Y)), Fraction(0)) for i in range(k)]
     diag = [M[i][i] for i in range(k)]
     for i in range(k):  # elimination in column order: a Gram matrix's pivots are the unexplained parts
-        if M[i][i] <= diag[i] * Fraction(1, 10**12) or M[i][i] == 0:
+        if M[i][i] <= diag[i] * Fraction(1, 10**12):  # (diag >= 0: a zero column is refused too)
             return None
         for j in range(i + 1, k):
             f = M[j][i] / M[i][i]

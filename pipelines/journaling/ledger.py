@@ -341,7 +341,7 @@ def check_ledger(run: str | Path, *, finished: bool = True, limit: int = 5) -> L
                     ghosts.add(s.group)
                     bad("unadmitted", f"step {p} trained group {s.group}, which the journal never admitted")
                 continue
-            if not 0 <= p - s.admitted <= (k if bounded else p):
+            if p < s.admitted or (bounded and p - s.admitted > k):
                 bad("stale", f"{s.name} admitted at version {s.admitted} was trained at step {p} "
                              f"(max_staleness={k})")
             if s.versions is not None:

@@ -245,9 +245,9 @@ class Admission:
         if self.bound == "admitted":  # the B finished groups admitted earliest; nobody waits for a long one
             if len(self._finished) < B:
                 return None
-            order = {g: i for i, g in enumerate(self._finished)}
-            chosen = sorted(self._finished, key=lambda g: (self._groups[g].v0, order[g]))[:B]
-            chosen.sort(key=order.__getitem__)  # (in finish order, as every take returns them)
+            done = self._finished
+            first = sorted(range(len(done)), key=lambda i: (self._groups[done[i]].v0, i))[:B]
+            chosen = [done[i] for i in sorted(first)]  # (in finish order, as every take returns them)
             self._discard(chosen)
             self._step_done(chosen)
             return chosen, []

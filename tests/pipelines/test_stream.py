@@ -163,7 +163,8 @@ async def test_the_admitted_bound_trains_on_past_a_long_group_and_trains_it_once
     """``trainer.stream.bound=admitted``: group 0 (admitted at version 0) finishes only once version 2 is loaded,
     and step 3's update waits for it (fakes.HeldRollout, HeldPolicy). Under the trained bound step 1 would wait for
     it (a deadlock here); under this one step 1 trains the groups that finished, and group 0 is trained once, at
-    step 2 or later, older than max_staleness=1 (the policy is told the run's steps as its refusal bound). The ledger holds: nothing lost, nothing trained twice."""
+    step 2 or later, older than max_staleness=1 (the policy is told the run's steps as its refusal bound). The
+    ledger holds: nothing lost, nothing trained twice."""
     from .fakes import HeldPolicy, HeldRollout, Recorder, fake_groups
 
     cfg = tiny_test()

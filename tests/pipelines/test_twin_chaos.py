@@ -76,15 +76,19 @@ class HoldingRollout(ChaosRollout):
 class LoadHoldingRollout(ChaosRollout):
     """The twin's rollout worker that records every weight load of its process (``loads_<rank>_<pid>`` in `gate`, a
     line per load: ``loaded <version>`` or ``refused <version>``), and whose rank `hold_rank` holds the group load of
-    version `hold_version` once it has loaded it, once a run (marker ``held`` with its pid): its process is
-    SIGKILLed while the weight loop's group load is in flight, after the other process's ranks loaded that version.
+    version `hold_version` once it has loaded it and its process's other ranks `peers` recorded that they loaded it
+    too, once a run (marker ``held`` with its pid): its process is SIGKILLed while the weight loop's group load is in
+    flight, after every rank of the process loaded that version (the ranks of a process load concurrently, each on
+    its own lane: without the wait a peer could still be loading when the kill comes).
     A rank that refuses a version writes ``retried``; a process started after the hold (the replacement) waits for
     it before it starts (its catch-up load comes after the weight loop's retry) and writes ``caught_up`` once it
     loaded weights."""
 
-    def __init__(self, *args: Any, gate: str, hold_rank: int, hold_version: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gate: str, hold_rank: int, hold_version: int, peers: tuple[int, ...] = (),
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._hold_dir, self._hold_rank, self._hold_version = Path(gate), hold_rank, hold_version
+        self._peers = tuple(peers)
         self._new = (self._hold_dir / "held").exists()  # started after the hold: the replacement
         if self._new:
             deadline = time.monotonic() + HOLD_S
@@ -110,6 +114,10 @@ class LoadHoldingRollout(ChaosRollout):
             (self._hold_dir / "caught_up").touch()
         elif (self.rank == self._hold_rank and got["version"] == self._hold_version
               and not (self._hold_dir / "held").exists()):
+            pid, loaded = os.getpid(), ("loaded", got["version"])
+            async with asyncio.timeout(HOLD_S):  # the process's other ranks loaded it too (files they write)
+                while not all(loaded in _loads(self._hold_dir, r, pid) for r in self._peers):
+                    await asyncio.sleep(0.05)
             (self._hold_dir / "held.tmp").write_text(str(os.getpid()))
             os.rename(self._hold_dir / "held.tmp", self._hold_dir / "held")  # (whole, once it exists)
             await asyncio.sleep(HOLD_S)
@@ -254,7 +262,7 @@ async def test_a_process_lost_during_a_weight_load_leaves_no_error_unretrieved(r
     gate.mkdir()
     cfg = chaos_config(tmp_path / "run")
     chaos = plan("none", 0, replicas=4, replicas_per_process=2, train_ranks=2, steps=8)
-    hooks = {"gate": str(gate), "hold_rank": 2, "hold_version": 4}
+    hooks = {"gate": str(gate), "hold_rank": 2, "hold_version": 4, "peers": (3,)}
     run = asyncio.ensure_future(run_chaos(cfg, chaos, rollout=(LoadHoldingRollout, hooks),
                                           policy=(SaveHoldingPolicy, {"gate": str(gate), "hold_version": 4})))
     killed = await _kill_held(gate)

@@ -110,6 +110,14 @@ def make_host_class() -> Any:
         async def update_weights(self, replica: int, weights: Any) -> dict[str, int]:
             return {"version": int(weights["version"])}
 
+        async def generate_many(self, replica: int, many: list[Any]) -> Any:
+            """Several groups in one call, each yielded as it is done (a Ray streaming generator)."""
+            for prompts in many:
+                yield {"scores": prompts["input_ids"][:, 0].float(), "version": 0}
+
+        async def generate_one(self, replica: int, prompts: Any) -> Any:
+            return {"scores": prompts["input_ids"][:, 0].float(), "version": 0}
+
     return PlainHost
 
 
@@ -161,6 +169,40 @@ async def plain_run(n: int, ranks: int, plan: dict[str, Any], steps: int, warmup
             "step_s": (t1 - t0) / (steps - 1 - warmup)}
 
 
+async def per_group(group: int, groups: int = 2048, per_call: int = 4, rounds: int = 2) -> list[dict[str, Any]]:
+    """Plain Ray, replies as fast as they come: the caller's CPU per prompt group with one call per group, and with
+    `per_call` groups per call whose replies stream back one by one (``num_returns="streaming"``), alternating
+    `rounds` times. Whether several groups per call would cut the controller's CPU per group."""
+    import torch
+
+    Host = make_host_class()
+    hosts = [Host.remote() for _ in range(2)]
+    await asyncio.gather(*[h.rank_call.remote(0) for h in hosts])
+    prompts = {"input_ids": torch.randint(0, 1000, (group, PROMPT_IDS)),
+               "attention_mask": torch.ones(group, PROMPT_IDS, dtype=torch.int64),
+               "text": [f"prompt {i}: what is {i} + {i}?" for i in range(group)]}
+
+    async def drain(gen: Any) -> list[Any]:
+        return [await ref async for ref in gen]
+
+    out = []
+    for _ in range(rounds):
+        for mode in ("one call per group", f"{per_call} groups per call, streamed"):
+            c0 = time.process_time()
+            for start in range(0, groups, 128):
+                if mode == "one call per group":
+                    await asyncio.gather(*[hosts[j % 2].generate_one.remote(j, prompts) for j in range(128)])
+                else:
+                    await asyncio.gather(*[drain(hosts[j % 2].generate_many.options(num_returns="streaming").remote(
+                        j, [prompts] * per_call)) for j in range(128 // per_call)])
+            out.append({"mode": mode, "us_per_group": (time.process_time() - c0) / groups * 1e6})
+    import ray
+
+    for h in hosts:
+        ray.kill(h)
+    return out
+
+
 def ray_put(x: Any) -> Any:
     import ray
 
@@ -170,7 +212,9 @@ def ray_put(x: Any) -> Any:
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
     import cluster_twin as ct
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    args.per_group = await per_group(args.group)
+    print("plain Ray per group:", args.per_group, flush=True)
     for n in args.replicas:
         counts, undo = counting()
         try:
@@ -243,7 +287,10 @@ def main(argv: list[str] | None = None) -> None:
         "training ranks' + weight loads), issued by a plain Ray driver on actors laid out as the twin's processes, "
         "the generate replies spread over 0.8 of the twin's step time (module docstring). us/call: CPU per "
         "trained sample / Ray calls per trained sample.",
-        table(rows)]) + "\n")
+        table(rows),
+        "Plain Ray, every reply at once (no pacing): the caller's CPU per prompt group of "
+        f"{args.group}, 2,048 groups a row, alternating: " + "; ".join(
+            f"{x['mode']} {x['us_per_group']:.0f} us" for x in args.per_group) + "."]) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ engine) with the same seeds and ``max_staleness=1``; only the rollout schedule c
   ``rollout_weights=latest``)
 * ``stream+recompute`` -- streaming with ``rollout.partial_rollout=recompute`` (weight updates reach
   generations in flight)
+* ``stream+admitted``  -- streaming under AReaL's bound on admission (``trainer.stream.bound=admitted``: a
+  step trains the groups that finished first, a long group later, older than ``max_staleness``; not run by
+  default: ``--variants``)
 * ``sync``             -- ``max_staleness=0`` (not run by default: ``--variants``)
 
 Off-policy correction is the default (``auto``: ``tis`` at ``max_staleness >= 1``). The learning
@@ -40,7 +43,7 @@ import asyncrl  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "stream_learning.md")
 
-VARIANTS = ("batch", "stream", "stream+recompute", "sync")
+VARIANTS = ("batch", "stream", "stream+recompute", "stream+admitted", "sync")
 DEFAULT = VARIANTS[:3]
 COLLAPSE_NOTE = (
     "Collapses at lr 1e-2 (either mode, chance per seed; not a streaming bug): see "
@@ -64,6 +67,8 @@ def config(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
         t.rollout_mode, t.rollout_weights = "stream", "latest"
     if variant.endswith("+recompute"):
         cfg.rollout.partial_rollout = "recompute"
+    if variant.endswith("+admitted"):
+        t.stream.bound = "admitted"
     cfg.actor.lr = args.lr
     cfg.model.seed = seed
     return cfg.validate()
@@ -109,7 +114,8 @@ def plot(runs: list[dict[str, Any]], path: str, window: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {"batch": "tab:blue", "stream": "tab:red", "stream+recompute": "tab:orange", "sync": "black"}
+    colors = {"batch": "tab:blue", "stream": "tab:red", "stream+recompute": "tab:orange",
+              "stream+admitted": "tab:green", "sync": "black"}
     for name in dict.fromkeys(r["name"] for r in runs):
         rs = [r for r in runs if r["name"] == name]
         n = min(len(r["history"]) for r in rs)

@@ -25,7 +25,6 @@ import functools
 import gc
 import os
 import pickle
-import socket
 import threading
 import time
 import traceback
@@ -38,13 +37,7 @@ from asyncrl._wire import CallCancelled, CallMsg, Payload, arrived, has_deferred
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
 from asyncrl.worker import RoleSpec, Worker, WorkerContext, _CONTEXT
-from asyncrl.runtime import quiet_tensor_warnings
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+from asyncrl.runtime import free_port, quiet_tensor_warnings
 
 
 def node_ip() -> str:

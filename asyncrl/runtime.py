@@ -19,13 +19,15 @@ import contextlib
 import logging
 import os
 import queue
+import random
+import socket
 import sys
 import threading
 from typing import Any, Callable, Coroutine, Iterator, Literal, TypeVar
 
 import structlog
 
-__all__ = ["init", "ainit", "shutdown", "ashutdown", "run", "loop_factory", "EventLoop"]
+__all__ = ["init", "ainit", "shutdown", "ashutdown", "run", "loop_factory", "EventLoop", "free_port"]
 
 _T = TypeVar("_T")
 
@@ -329,3 +331,37 @@ def run(main: Coroutine[Any, Any, _T], *, loop: str = "auto") -> _T:
         return await main
 
     return anyio.run(main_, backend="asyncio", backend_options={"loop_factory": factory} if factory else {})
+
+
+PORTS_BELOW_EPHEMERAL = (20000, 32768)
+"""Where :func:`free_port` looks first: above Ray's worker ports (10002-19999 by default) and below Linux's default
+ephemeral range (32768-60999), from which every outgoing connection on the host takes its local port."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return PORTS_BELOW_EPHEMERAL[1]
+
+
+def free_port(tries: int = 64) -> int:
+    """A TCP port free on this host now, for a server that binds it a moment later (a ``torch.distributed``
+    rendezvous, a weight channel).
+
+    Picked at random below the kernel's ephemeral range (:data:`PORTS_BELOW_EPHEMERAL`) and checked by binding it:
+    between the check and the server's bind the port is up for grabs, and on a busy host (Ray's many gRPC
+    connections) an outgoing connection takes a port in the ephemeral range often; one outside it is taken only by
+    another server binding that very port. Falls back to a port the kernel picks (``bind(("", 0))``) when `tries`
+    random ports were all taken."""
+    lo, hi = PORTS_BELOW_EPHEMERAL[0], min(PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+    candidates = [random.randrange(lo, hi) for _ in range(tries)] if hi > lo else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError("no free TCP port on this host")  # (bind to port 0 failed: the kernel has none)

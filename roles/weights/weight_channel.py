@@ -41,6 +41,7 @@ import torch
 
 from asyncrl.roles.errors import StaleWeightsError, WeightsLostError, WeightSyncError
 from asyncrl.roles.modeling.device import device_uuid
+from asyncrl.runtime import free_port
 
 __all__ = ["WeightChannel", "bucketed_snapshot", "channel_backend", "free_port", "layout_hash", "layout_of",
            "member_info"]
@@ -68,13 +69,6 @@ def layout_hash(layout: list[tuple[str, tuple[int, ...], str]]) -> int:
     """A 62-bit hash of a layout (fits an int64 header field)."""
     h = hashlib.sha256(repr(layout).encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 62) - 1)
-
-
-def free_port() -> int:
-    """A TCP port free on this host now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 _DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,

@@ -64,3 +64,41 @@ def test_error_after_ray_start_surfaces_as_itself() -> None:
     assert proc.returncode == 1
     assert "ValueError: the user's own error" in proc.stderr
     assert "Failed to connect to GCS" not in proc.stderr
+
+
+def test_free_port_picks_a_bindable_port_below_the_kernels_ephemeral_range() -> None:
+    """Outgoing connections take their local ports from the ephemeral range: a rendezvous port picked there can
+    be taken between the pick and the server's bind (an EADDRINUSE seen on a busy machine)."""
+    import socket
+
+    from asyncrl.runtime import PORTS_BELOW_EPHEMERAL, _ephemeral_low, free_port
+
+    for _ in range(20):
+        port = free_port()
+        assert PORTS_BELOW_EPHEMERAL[0] <= port < min(PORTS_BELOW_EPHEMERAL[1], _ephemeral_low())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))  # free: it binds
+
+
+def test_free_port_falls_back_to_the_kernels_pick_when_its_candidates_are_taken(monkeypatch) -> None:
+    import random
+    import socket
+
+    from asyncrl.runtime import PORTS_BELOW_EPHEMERAL, free_port
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks: list[int] = []
+
+        def randrange(lo: int, hi: int) -> int:
+            assert (lo, hi)[0] == PORTS_BELOW_EPHEMERAL[0]
+            picks.append(taken)
+            return taken
+
+        monkeypatch.setattr(random, "randrange", randrange)
+        port = free_port(tries=3)
+        assert picks == [taken] * 3 and port != taken
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))

@@ -125,6 +125,7 @@ async def plain_run(n: int, ranks: int, plan: dict[str, Any], steps: int, warmup
                     group: int, per_process: int) -> dict[str, Any]:
     """The plain Ray driver: `steps` steps of `plan`'s calls; CPU over the steps after `warmup`."""
     import cluster_twin as ct
+    import ray
     import torch
 
     Host = make_host_class()
@@ -154,7 +155,7 @@ async def plain_run(n: int, ranks: int, plan: dict[str, Any], steps: int, warmup
                     prev = host.rank_call.remote(i, *(mine if prev is None else [prev]))
             last.append(prev)
         await asyncio.gather(*[x for x in last if x is not None])
-        weights = ray_put({"version": step + 1, "w": torch.zeros(16)})
+        weights = ray.put({"version": step + 1, "w": torch.zeros(16)})
         await asyncio.gather(*[rollout[r // per_process].update_weights.remote(r % per_process, weights)
                                for r in range(plan["weights"])])
         if step == warmup or step == steps - 1:
@@ -162,8 +163,6 @@ async def plain_run(n: int, ranks: int, plan: dict[str, Any], steps: int, warmup
     (t0, c0, th0), (t1, c1, th1) = marks
     samples = (steps - 1 - warmup) * plan["generate"] * group
     for h in rollout + train:
-        import ray
-
         ray.kill(h)
     return {"cpu_us": (c1 - c0) / samples * 1e6, "threads": ct.cpu_by_thread(th0, th1, samples),
             "step_s": (t1 - t0) / (steps - 1 - warmup)}
@@ -173,6 +172,7 @@ async def per_group(group: int, groups: int = 2048, per_call: int = 4, rounds: i
     """Plain Ray, replies as fast as they come: the caller's CPU per prompt group with one call per group, and with
     `per_call` groups per call whose replies stream back one by one (``num_returns="streaming"``), alternating
     `rounds` times. Whether several groups per call would cut the controller's CPU per group."""
+    import ray
     import torch
 
     Host = make_host_class()
@@ -189,24 +189,16 @@ async def per_group(group: int, groups: int = 2048, per_call: int = 4, rounds: i
     for _ in range(rounds):
         for mode in ("one call per group", f"{per_call} groups per call, streamed"):
             c0 = time.process_time()
-            for start in range(0, groups, 128):
+            for _ in range(0, groups, 128):
                 if mode == "one call per group":
                     await asyncio.gather(*[hosts[j % 2].generate_one.remote(j, prompts) for j in range(128)])
                 else:
                     await asyncio.gather(*[drain(hosts[j % 2].generate_many.options(num_returns="streaming").remote(
                         j, [prompts] * per_call)) for j in range(128 // per_call)])
             out.append({"mode": mode, "us_per_group": (time.process_time() - c0) / groups * 1e6})
-    import ray
-
     for h in hosts:
         ray.kill(h)
     return out
-
-
-def ray_put(x: Any) -> Any:
-    import ray
-
-    return ray.put(x)
 
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -240,35 +240,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import cluster_twin as ct
+
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--replicas", default="64", help="comma-separated rollout replica counts")
-    p.add_argument("--profile", default="qwen2_7b_h100_vllm")
-    p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady state")
-    p.add_argument("--staleness", type=int, default=2)
-    p.add_argument("--group", type=int, default=8, help="responses per prompt group")
-    p.add_argument("--groups-per-replica", type=int, default=4, help="prompt groups per replica per step")
-    p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
-    p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override of every twin run (repeatable), e.g. trainer.stream.bound=admitted")
+    ct.add_twin_args(p, steps=8)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.replicas = [int(x) for x in args.replicas.split(",")]
     if args.warmup + 2 > args.steps:
         p.error("--steps must exceed --warmup + 1")
-    import asyncrl
-
-    top = max(args.replicas)
-    procs = sum(-(-n // args.per_process) for n in (top, max(1, top // args.replicas_per_rank)))
-    load0 = os.getloadavg()[0]
-    asyncrl.init(num_cpus=procs + 4)
-    try:
-        rows = asyncrl.run(amain(args))
-    finally:
-        asyncrl.shutdown()
+    rows, load0 = ct.run_on_ray(args, amain)
     write_result(args.out or RESULTS, "\n\n".join([
         "# The controller's CPU against plain Ray making the same calls",
         run_header("call_floor.py", load_note(load0, os.getloadavg()[0])),

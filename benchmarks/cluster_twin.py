@@ -378,21 +378,44 @@ def fixed_lengths(name: str) -> Path:
     return dump_profile(fixed, Path(tempfile.mkdtemp(prefix="asyncrl-twin-profile-")) / f"{fixed.name}.yaml")
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="N = 1,2, before and after, 4 short steps: the mechanism only")
-    p.add_argument("--replicas", default="1,4,16,64,256", help="comma-separated rollout replica counts, from 1")
-    p.add_argument("--variants", default="after", help=f"comma-separated, of {','.join(VARIANTS)}")
+def add_twin_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The twin runs' options (profile, time scale, steps, workload, layout, overrides), shared with
+    ``call_floor.py``."""
     p.add_argument("--profile", default="qwen2_7b_h100_vllm")
     p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the steady state")
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--group", type=int, default=8, help="responses per prompt group")
     p.add_argument("--groups-per-replica", type=int, default=4, help="prompt groups per replica per step")
     p.add_argument("--replicas-per-rank", type=int, default=1, help="rollout replicas per training rank")
     p.add_argument("--per-process", type=int, default=32, help="simulated replicas (and ranks) per process")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of every twin run (repeatable), e.g. trainer.balance_batch=false")
+
+
+def run_on_ray(args: argparse.Namespace, amain: Any) -> tuple[list[dict[str, Any]], float]:
+    """``amain(args)`` on an embedded Ray sized for the largest run's processes; its rows and the 1-minute load
+    average at the start."""
+    import asyncrl
+
+    top = max(args.replicas)
+    procs = sum(-(-n // args.per_process) for n in (top, max(1, top // args.replicas_per_rank)))
+    load0 = os.getloadavg()[0]
+    asyncrl.init(num_cpus=procs + 4)
+    try:
+        return asyncrl.run(amain(args)), load0
+    finally:
+        asyncrl.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="N = 1,2, before and after, 4 short steps: the mechanism only")
+    p.add_argument("--replicas", default="1,4,16,64,256", help="comma-separated rollout replica counts, from 1")
+    p.add_argument("--variants", default="after", help=f"comma-separated, of {','.join(VARIANTS)}")
+    add_twin_args(p, steps=6)
     p.add_argument("--variants-upto", type=int, default=64,
                    help="run the variants other than 'two-calls', 'before', 'columns', 'top-values' and 'after' only "
                         "up to this N "
@@ -400,8 +423,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fixed-lengths", action="store_true",
                    help="every response the profile's median length (no long tail): what the controller, Ray, "
                         "admission and the weight sync do alone, without the workload's stragglers")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override of every run (repeatable), e.g. trainer.balance_batch=false")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick:
@@ -414,16 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or args.replicas[0] != 1 or args.warmup + 2 > args.steps:
         p.error(f"--variants of {VARIANTS}; --replicas must start at 1; --steps must exceed --warmup + 1")
-    import asyncrl
-
-    top = max(args.replicas)
-    procs = sum(-(-n // args.per_process) for n in (top, max(1, top // args.replicas_per_rank)))
-    load0 = os.getloadavg()[0]
-    asyncrl.init(num_cpus=procs + 4)
-    try:
-        rows = asyncrl.run(amain(args))
-    finally:
-        asyncrl.shutdown()
+    rows, load0 = run_on_ray(args, amain)
     write_result(args.out or RESULTS, "\n\n".join([
         "# Cluster twin: the real controller at 1-256 simulated replicas",
         run_header("cluster_twin.py", load_note(load0, os.getloadavg()[0])), workload(args), table(rows),

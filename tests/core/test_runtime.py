@@ -93,7 +93,7 @@ def test_free_port_falls_back_to_the_kernels_pick_when_its_candidates_are_taken(
         picks: list[int] = []
 
         def randrange(lo: int, hi: int) -> int:
-            assert (lo, hi)[0] == PORTS_BELOW_EPHEMERAL[0]
+            assert lo == PORTS_BELOW_EPHEMERAL[0]
             picks.append(taken)
             return taken
 

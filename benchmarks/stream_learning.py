@@ -13,13 +13,24 @@ engine) with the same seeds and ``max_staleness=1``; only the rollout schedule c
 * ``stream+admitted``  -- streaming under AReaL's bound on admission (``trainer.stream.bound=admitted``: a
   step trains the groups that finished first, a long group later, older than ``max_staleness``; not run by
   default: ``--variants``)
+* ``stream+admitted+uncorrected`` -- the same without off-policy correction
+  (``actor.rollout_correction.mode=none``; not run by default)
 * ``sync``             -- ``max_staleness=0`` (not run by default: ``--variants``)
+
+Late groups (``--late-share P --late-s D``): the toy's responses are at most 8 tokens, so no group outlives
+``max_staleness`` on its own and the two bounds cannot differ. With these flags the rollout worker is
+:class:`LateRollout`: a prompt group whose seed draws below ``P`` answers ``D`` seconds after its generation
+ended. Its tokens keep the version they were generated with, so it stands for a long generation: under
+``trainer.stream.bound=trained`` (the default) a step waits for it; under ``admitted`` a later step trains it,
+older than ``max_staleness`` (the table's ``tokens > k``). The same groups are late in every variant.
 
 Off-policy correction is the default (``auto``: ``tis`` at ``max_staleness >= 1``). The learning
 rate is the off-policy benchmark's (``--lr``, default 1e-2), where staleness matters on this task.
 
     python benchmarks/stream_learning.py            # 3 variants x 4 seeds x 60 steps
     python benchmarks/stream_learning.py --quick    # batch and stream, 1 seed, 4 tiny steps
+    python benchmarks/stream_learning.py --steps 80 --seeds 8 --lr 3e-3 --late-share 0.125 --late-s 1 \
+        --variants stream,stream+admitted,stream+admitted+uncorrected   # learning on tokens older than k
 
 Writes ``benchmarks/results/stream_learning.md`` and ``stream_learning.png`` (``--out``/``--png``).
 """
@@ -27,7 +38,9 @@ Writes ``benchmarks/results/stream_learning.md`` and ``stream_learning.png`` (``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -39,17 +52,70 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from _common import learning_row, load_note, parse_variants, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
+from asyncrl import Dispatch, register  # noqa: E402
+from asyncrl.roles.generation.rollout import RolloutWorker  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "stream_learning.md")
 
-VARIANTS = ("batch", "stream", "stream+recompute", "stream+admitted", "sync")
+VARIANTS = ("batch", "stream", "stream+recompute", "stream+admitted", "stream+admitted+uncorrected", "sync")
 DEFAULT = VARIANTS[:3]
 COLLAPSE_NOTE = (
     "Collapses at lr 1e-2 (either mode, chance per seed; not a streaming bug): see "
     "[stream_collapse.md](stream_collapse.md).")
 COLUMNS = ["variant", "seeds", "reward first 5", "reward last 10", "steps to 0.5", "steps to 0.9", "s to 0.5",
-           "s to 0.9", "loop s", "ms/step", "staleness mean", "rows spanning versions"]
+           "s to 0.9", "loop s", "ms/step", "staleness mean", "staleness max", "tokens > k", "rows spanning versions"]
+K = 1  # max_staleness of every variant but sync
+
+
+class LateRollout(RolloutWorker):
+    """The real rollout worker, some of whose prompt groups answer late (module docstring): a group whose seed
+    (``random.Random(seed)``'s first draw) falls below `late_share` answers `late_s` seconds after its
+    generation ended, with the tokens and versions it generated; with `late_versions`, as soon as this replica
+    has loaded a version `late_versions` past its rows' first token's (or after `late_s`, whichever comes first:
+    under the trained bound a step waits for the group, so the versions cannot pass)."""
+
+    def __init__(self, *args: Any, late_share: float = 0.0, late_s: float = 0.0, late_versions: int = 0,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.late_share, self.late_s, self.late_versions = late_share, late_s, late_versions
+        self._loaded: asyncio.Event | None = None  # set at each weight load (created on the actor's loop)
+
+    @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
+    async def generate_requests(self, batch: Any, max_new_tokens: int | None = None, temperature: float | None = None,
+                                seed: int | None = None, resume: dict[str, dict[str, Any]] | None = None,
+                                compute_reward: bool = False) -> Any:
+        """:meth:`RolloutWorker.generate_requests`, its reply late for a late group."""
+        out = await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
+        if is_late(seed, self.late_share):
+            due = int(out["version"].min()) + self.late_versions
+            try:
+                async with asyncio.timeout(self.late_s):
+                    while not self.late_versions or self.version < due:
+                        await self._next_load()
+            except TimeoutError:
+                pass
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    async def update_weights(self, weights: Any, version: int | None = None, *,
+                             expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
+        """:meth:`RolloutWorker.update_weights`, then the late groups waiting for a version are told."""
+        out = await super().update_weights(weights, version, expected_checksums=expected_checksums)
+        if self._loaded is not None:
+            self._loaded.set()
+            self._loaded = None
+        return out
+
+    async def _next_load(self) -> None:
+        if self._loaded is None:
+            self._loaded = asyncio.Event()
+        await self._loaded.wait()
+
+
+def is_late(seed: int | None, share: float) -> bool:
+    """Whether the group of sampling seed `seed` answers late (the same groups in every variant)."""
+    return share > 0 and random.Random(seed).random() < share
 
 
 def config(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
@@ -58,7 +124,7 @@ def config(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
 
     cfg = tiny_test() if args.quick else grpo_toy()
     t = cfg.trainer
-    t.steps, t.seed, t.max_staleness = args.steps, seed, 0 if variant == "sync" else 1
+    t.steps, t.seed, t.max_staleness = args.steps, seed, 0 if variant == "sync" else K
     t.colocated, t.rollout_workers, t.train_workers, t.cpus_per_worker = False, 1, 1, 1.0
     t.progress = t.plot = t.tensorboard = t.trace = t.checkpoint_at_end = False
     t.checkpoint_every_s = None
@@ -67,8 +133,10 @@ def config(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> Any:
         t.rollout_mode, t.rollout_weights = "stream", "latest"
     if variant.endswith("+recompute"):
         cfg.rollout.partial_rollout = "recompute"
-    if variant.endswith("+admitted"):
+    if "+admitted" in variant:
         t.stream.bound = "admitted"
+    if variant.endswith("+uncorrected"):
+        cfg.actor.rollout_correction.mode = "none"
     cfg.actor.lr = args.lr
     cfg.model.seed = seed
     return cfg.validate()
@@ -78,7 +146,9 @@ async def run(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> di
     """One training run; its per-step history and loop seconds (worker start-up not timed)."""
     from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
-    async with GRPOTrainer(config(variant, seed, args, tmp)) as trainer:
+    late = ({"rollout": (LateRollout, {"late_share": args.late_share, "late_s": args.late_s,
+                                       "late_versions": args.late_versions})} if args.late_share else None)
+    async with GRPOTrainer(config(variant, seed, args, tmp), worker_overrides=late) as trainer:
         t0 = time.perf_counter()
         hist = await trainer.fit()
         loop_s = time.perf_counter() - t0
@@ -93,6 +163,14 @@ def _spanning(rows: list[dict[str, Any]]) -> str:
     return f"{statistics.mean(got):.3f}" if got else "n/a"
 
 
+def old_tokens(rows: list[dict[str, Any]], k: int = K) -> str:
+    """The share of trained response tokens more than `k` versions old (``stream/tokens_staleness_{d}``)."""
+    counts = [(int(key.rsplit("_", 1)[1]), float(v)) for h in rows for key, v in h.items()
+              if key.startswith("stream/tokens_staleness_")]
+    total = sum(v for _, v in counts)
+    return f"{100 * sum(v for d, v in counts if d > k) / total:.1f} %" if total else "n/a"
+
+
 def table(runs: list[dict[str, Any]]) -> str:
     out = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
     for name in dict.fromkeys(r["name"] for r in runs):
@@ -101,8 +179,10 @@ def table(runs: list[dict[str, Any]]) -> str:
         first5, last10, steps, secs, loop, ms, rows = (lr[k] for k in ("first5", "last10", "steps", "secs", "loop",
                                                                         "ms", "rows"))
         stale = statistics.mean(float(h["staleness/mean"]) for h in rows)
+        oldest = max(int(h["staleness/max"]) for h in rows)
         out.append(f"| {name} | {len(rs)} | {first5:.3f} | {last10:.3f} | {steps[0.5]} | {steps[0.9]} | "
-                   f"{secs[0.5]} | {secs[0.9]} | {loop:.1f} | {ms:.0f} | {stale:.2f} | {_spanning(rows)} |")
+                   f"{secs[0.5]} | {secs[0.9]} | {loop:.1f} | {ms:.0f} | {stale:.2f} | {oldest} | {old_tokens(rows)} | "
+                   f"{_spanning(rows)} |")
     return "\n".join(out)
 
 
@@ -115,7 +195,7 @@ def plot(runs: list[dict[str, Any]], path: str, window: int) -> None:
 
     fig, (ax_step, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = {"batch": "tab:blue", "stream": "tab:red", "stream+recompute": "tab:orange",
-              "stream+admitted": "tab:green", "sync": "black"}
+              "stream+admitted": "tab:green", "stream+admitted+uncorrected": "tab:purple", "sync": "black"}
     for name in dict.fromkeys(r["name"] for r in runs):
         rs = [r for r in runs if r["name"] == name]
         n = min(len(r["history"]) for r in rs)
@@ -152,9 +232,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 4)")
     p.add_argument("--lr", type=float, default=1e-2, help="actor learning rate (default 1e-2)")
     p.add_argument("--variants", default=None, help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--late-share", type=float, default=0.0,
+                   help="share of prompt groups whose reply comes --late-s seconds after their generation (default 0)")
+    p.add_argument("--late-s", type=float, default=1.0, help="how late a late group answers (default 1 s)")
+    p.add_argument("--late-versions", type=int, default=0,
+                   help="a late group answers once its replica loaded this many versions past its rows' (or after "
+                        "--late-s); 0: after --late-s (default)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--png", default=None, help="the plot (default: next to --out)")
     args = p.parse_args(argv)
+    if not 0.0 <= args.late_share <= 1.0 or args.late_s < 0 or args.late_versions < 0:
+        p.error(f"--late-share must be in [0, 1], --late-s and --late-versions >= 0; got {args.late_share}, "
+                f"{args.late_s} and {args.late_versions}")
     args.steps = args.steps or (4 if args.quick else 60)
     args.seeds = args.seeds or (1 if args.quick else 4)
     if args.variants:
@@ -181,7 +270,13 @@ def main(argv: list[str] | None = None) -> None:
         "seconds) at which the 5-step mean reward reaches X (`-`: not reached; `- (i/n)`: only i of n seeds did); "
         "`staleness mean` = the trainer's `staleness/mean` (versions between a batch's oldest generating weights "
         "and the policy it trains); `rows spanning versions` = the share of a batch's rows whose tokens come from more than one "
-        "weight version (`stream/multi_version_frac`; n/a: batch mode).",
+        "weight version (`stream/multi_version_frac`; n/a: batch mode); `staleness max` = the largest "
+        "`staleness/max` of any step; `tokens > k` = the share of trained response tokens more than max_staleness "
+        "versions old (`stream/tokens_staleness_*`; n/a: batch mode)."
+        + (f" Late groups: {args.late_share:g} of the prompt groups (by seed, the same in every variant) answer "
+           f"{args.late_s:g} s after their generation ended"
+           + (f", or once their replica loaded {args.late_versions} versions past their rows' if sooner"
+              if args.late_versions else "") + " (`LateRollout`)." if args.late_share else ""),
         table(runs),
         f"![reward vs step and vs wall clock]({os.path.basename(png)})",
         COLLAPSE_NOTE,

@@ -146,8 +146,9 @@ async def run(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> di
     """One training run; its per-step history and loop seconds (worker start-up not timed)."""
     from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
-    late = ({"rollout": (LateRollout, {"late_share": args.late_share, "late_s": args.late_s,
-                                       "late_versions": args.late_versions})} if args.late_share else None)
+    share = getattr(args, "late_share", 0.0)
+    late = ({"rollout": (LateRollout, {"late_share": share, "late_s": args.late_s,
+                                       "late_versions": getattr(args, "late_versions", 0)})} if share else None)
     async with GRPOTrainer(config(variant, seed, args, tmp), worker_overrides=late) as trainer:
         t0 = time.perf_counter()
         hist = await trainer.fit()
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
         args.variants = parse_variants(p, args.variants, VARIANTS)
     else:
         args.variants = ("batch", "stream") if args.quick else DEFAULT
+    if args.late_share and (unlate := [v for v in args.variants if not v.startswith("stream")]):
+        p.error(f"--late-share delays the streaming calls (generate_requests), which {unlate} do not make; "
+                "pick stream variants with --variants, e.g. stream,stream+admitted")
     out = args.out
     png = args.png or os.path.splitext(out)[0] + ".png"
     load0 = os.getloadavg()[0]

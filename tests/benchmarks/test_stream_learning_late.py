@@ -40,6 +40,18 @@ def test_old_tokens_is_the_share_of_trained_tokens_older_than_k():
     assert sl.old_tokens([{"reward/mean": 0.5}]) == "n/a"  # batch mode records no token ages
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--late-share", "0.1", "--variants", "batch,stream"], "which ['batch'] do not make"),
+    (["--late-share", "0.1"], "which ['batch'] do not make"),  # the default variants include batch
+    (["--late-share", "1.5", "--variants", "stream"], "--late-share must be in [0, 1]"),
+    (["--late-share", "0.1", "--late-versions", "-1", "--variants", "stream"], "got 0.1, 1.0 and -1"),
+])
+def test_late_flags_the_run_cannot_honour_are_usage_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        sl.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 async def test_a_late_group_holds_a_step_under_the_trained_bound_and_is_trained_older_than_k_under_admitted(
         ray_cluster, late_by_value, tmp_path):
     # tiny_test: 2 groups of 4 per step; group 1 (admitted at version 0) is late: it answers once its replica

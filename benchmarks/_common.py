@@ -49,6 +49,16 @@ def first_step(hist: list[dict[str, Any]], level: float, window: int = 5) -> tup
     return None
 
 
+TOKEN_AGES = "stream/tokens_staleness_"
+
+
+def token_ages(rows: list[dict[str, Any]], at_least: int = 0) -> list[float]:
+    """Trained response tokens by age, summed over the steps `rows`: entry ``d`` holds ``stream/tokens_staleness_{d}``
+    (tokens ``d`` versions old), up to the oldest any step recorded and at least up to `at_least`."""
+    ages = [int(key[len(TOKEN_AGES):]) for h in rows for key in h if key.startswith(TOKEN_AGES)]
+    return [sum(h.get(f"{TOKEN_AGES}{d}", 0.0) for h in rows) for d in range(max(ages + [at_least]) + 1)]
+
+
 def mean_over_seeds(xs: list[float | None]) -> str:
     """Mean over seeds, or '-' when a seed never got there (then how many did, e.g. '- (1/2)')."""
     got = [x for x in xs if x is not None]

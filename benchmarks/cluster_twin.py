@@ -70,7 +70,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _common import load_note, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+from _common import load_note, run_header, token_ages, write_result  # noqa: E402  (benchmarks/ is the script dir)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "cluster_twin.md")
@@ -231,15 +231,11 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     steady = hist[w + 1:]
     (t0, c0), (t1, c1) = marks[w], marks[-1]
     samples = len(steady) * cfg.trainer.batch_size
-    k = cfg.twin.tokens_per_id
     from asyncrl.pipelines.twin.profile import load_profile, tokens_per_id
 
     per_id = tokens_per_id(load_profile(cfg.twin.profile), cfg.twin)
-    del k
     tokens = sum(h["actor/tokens"] * cfg.trainer.train_workers for h in steady)
-    oldest = max([int(key.rsplit("_", 1)[1]) for h in steady for key in h if key.startswith("stream/tokens_staleness_")]
-                 + [cfg.trainer.max_staleness])  # past max_staleness only with trainer.stream.bound=admitted
-    stale = [sum(h.get(f"stream/tokens_staleness_{d}", 0.0) for h in steady) for d in range(oldest + 1)]
+    stale = token_ages(steady, cfg.trainer.max_staleness)  # past max_staleness only with trainer.stream.bound=admitted
     in_flight = (cfg.trainer.max_staleness + 1) * args.groups_per_replica * cfg.group_size  # admission's bound
     sync = reach_times(spans, exports, w)
     return {

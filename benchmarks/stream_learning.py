@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -50,7 +51,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _common import learning_row, load_note, parse_variants, run_header, write_result  # noqa: E402  (benchmarks/ is the script dir)
+from _common import learning_row, load_note, parse_variants, run_header, token_ages, write_result  # noqa: E402  (benchmarks/ is the script dir)
 import asyncrl  # noqa: E402
 from asyncrl import Dispatch, register  # noqa: E402
 from asyncrl.roles.generation.rollout import RolloutWorker  # noqa: E402
@@ -79,7 +80,7 @@ class LateRollout(RolloutWorker):
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.late_share, self.late_s, self.late_versions = late_share, late_s, late_versions
-        self._loaded: asyncio.Event | None = None  # set at each weight load (created on the actor's loop)
+        self._loaded = asyncio.Condition()  # notified at each weight load
 
     @register(Dispatch.DP_COMPUTE, concurrent=True, summary=("scores", "response_length"))
     async def generate_requests(self, batch: Any, max_new_tokens: int | None = None, temperature: float | None = None,
@@ -87,14 +88,15 @@ class LateRollout(RolloutWorker):
                                 compute_reward: bool = False) -> Any:
         """:meth:`RolloutWorker.generate_requests`, its reply late for a late group."""
         out = await super().generate_requests(batch, max_new_tokens, temperature, seed, resume, compute_reward)
-        if is_late(seed, self.late_share):
-            due = int(out["version"].min()) + self.late_versions
-            try:
-                async with asyncio.timeout(self.late_s):
-                    while not self.late_versions or self.version < due:
-                        await self._next_load()
-            except TimeoutError:
-                pass
+        if not is_late(seed, self.late_share):
+            return out
+        if not self.late_versions:
+            await asyncio.sleep(self.late_s)  # the lateness itself: a long generation's extra time
+            return out
+        due = int(out["version"].min()) + self.late_versions
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.late_s), self._loaded:
+                await self._loaded.wait_for(lambda: self.version >= due)
         return out
 
     @register(Dispatch.ONE_TO_ALL)
@@ -102,15 +104,9 @@ class LateRollout(RolloutWorker):
                              expected_checksums: dict[str, str] | None = None) -> dict[str, Any]:
         """:meth:`RolloutWorker.update_weights`, then the late groups waiting for a version are told."""
         out = await super().update_weights(weights, version, expected_checksums=expected_checksums)
-        if self._loaded is not None:
-            self._loaded.set()
-            self._loaded = None
+        async with self._loaded:
+            self._loaded.notify_all()
         return out
-
-    async def _next_load(self) -> None:
-        if self._loaded is None:
-            self._loaded = asyncio.Event()
-        await self._loaded.wait()
 
 
 def is_late(seed: int | None, share: float) -> bool:
@@ -146,9 +142,8 @@ async def run(variant: str, seed: int, args: argparse.Namespace, tmp: str) -> di
     """One training run; its per-step history and loop seconds (worker start-up not timed)."""
     from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 
-    share = getattr(args, "late_share", 0.0)
-    late = ({"rollout": (LateRollout, {"late_share": share, "late_s": args.late_s,
-                                       "late_versions": getattr(args, "late_versions", 0)})} if share else None)
+    late = ({"rollout": (LateRollout, {"late_share": args.late_share, "late_s": args.late_s,
+                                       "late_versions": args.late_versions})} if args.late_share else None)
     async with GRPOTrainer(config(variant, seed, args, tmp), worker_overrides=late) as trainer:
         t0 = time.perf_counter()
         hist = await trainer.fit()
@@ -166,10 +161,8 @@ def _spanning(rows: list[dict[str, Any]]) -> str:
 
 def old_tokens(rows: list[dict[str, Any]], k: int = K) -> str:
     """The share of trained response tokens more than `k` versions old (``stream/tokens_staleness_{d}``)."""
-    counts = [(int(key.rsplit("_", 1)[1]), float(v)) for h in rows for key, v in h.items()
-              if key.startswith("stream/tokens_staleness_")]
-    total = sum(v for _, v in counts)
-    return f"{100 * sum(v for d, v in counts if d > k) / total:.1f} %" if total else "n/a"
+    ages = token_ages(rows)
+    return f"{100 * sum(ages[k + 1:]) / sum(ages):.1f} %" if sum(ages) else "n/a"
 
 
 def table(runs: list[dict[str, Any]]) -> str:

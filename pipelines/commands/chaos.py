@@ -285,7 +285,8 @@ async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fire
     t0 = time.perf_counter()
     while trainer.groups is None:
         await asyncio.sleep(0.02)
-    pids.extend(await trainer.groups.rollout.pid())
+    if not pids:  # (run_chaos notes them before the run starts)
+        pids.extend(await trainer.groups.rollout.pid())
     wave_pids: dict[int, list[int]] = {}
     wave_t: dict[int, float] = {}
     for ev in chaos.events:
@@ -384,6 +385,10 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
     pids: tuple[list[int], list[int]] = ([], [])
     starts: list[float] = []
     async with trainer:
+        # the processes as the run starts, noted before it does: a fault the run's own workers bring about (a
+        # test's hooks) may come before a driver that asked once the run had started got its answer
+        if trainer.groups is not None:
+            pids[0].extend(await trainer.groups.rollout.pid())
         driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired, pids[0]))
         try:
             history = await trainer.fit()

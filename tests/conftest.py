@@ -38,7 +38,7 @@ def ray_cluster():
 
 # ---- two test processes (pytest-xdist: ``-n 2``, the README's test command) ----------------------------------------
 #
-# The suite is mostly worker-process start-ups (each imports torch: ~3.5 s of CPU) and runs that use one process
+# The suite is mostly worker-process start-ups (each imports torch: 3.6-4.4 s of CPU) and runs that use one process
 # at a time, so one test process leaves a core idle for a fifth of the time on the 2-core machine; two keep both
 # busy. Each test process has its own session Ray (``ray_cluster``). Tests go to the processes a scope at a time:
 # a test module (its module-scoped fixtures and runs are made once), except these folders, whose session- or

@@ -384,13 +384,15 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
     t0 = time.perf_counter()
     pids: tuple[list[int], list[int]] = ([], [])
     starts: list[float] = []
+    driver: asyncio.Task[None] | None = None
+    driven: Any = None
     async with trainer:
-        # the processes as the run starts, noted before it does: a fault the run's own workers bring about (a
-        # test's hooks) may come before a driver that asked once the run had started got its answer
-        if trainer.groups is not None:
-            pids[0].extend(await trainer.groups.rollout.pid())
-        driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired, pids[0]))
         try:
+            # the processes as the run starts, noted before it does: a fault the run's own workers bring about (a
+            # test's hooks) may come before a driver that asked once the run had started got its answer
+            if trainer.groups is not None:
+                pids[0].extend(await trainer.groups.rollout.pid())
+            driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired, pids[0]))
             history = await trainer.fit()
             end, starts = await _pids_at_end(trainer.groups.rollout)
             pids[1].extend(end)
@@ -398,8 +400,9 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
             error = f"{type(e).__name__}: {e}"[:300]
             Path(cfg.trainer.output_dir, "chaos_error.log").write_text(traceback.format_exc())
         finally:
-            driver.cancel()
-            [driven] = await asyncio.gather(driver, return_exceptions=True)
+            if driver is not None:
+                driver.cancel()
+                [driven] = await asyncio.gather(driver, return_exceptions=True)
     if isinstance(driven, Exception) and error is None:  # (its faults did not all fire: not a run that held)
         error = f"the chaos driver failed: {type(driven).__name__}: {driven}"[:300]
     res = check_chaos(trainer, history, chaos, fired=fired, error=error, wall_s=time.perf_counter() - t0)

@@ -51,15 +51,16 @@ def test_two_test_processes_run_each_module_and_each_whole_folder_in_one_process
     tree = tmp_path / "tree"
     (tree / "tests").mkdir(parents=True)
     (tree / "tests" / "conftest.py").write_text("from suite_conftest import pytest_xdist_make_scheduler  # noqa\n")
-    modules = [f"tests/{folder}/test_{folder}_{i}.py" for folder in ("benchmarks", "cluster", "core", "roles") for i in range(3)]
+    folders = ("benchmarks", "cluster", "core", "roles")
+    modules = [f"tests/{folder}/test_{folder}_{i}.py" for folder in folders for i in range(3)]
     for m in modules:
         (tree / m).parent.mkdir(exist_ok=True)
         (tree / m).write_text(RECORD)
     (tree / "suite_conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     record = tmp_path / "record.jsonl"
     env = {**os.environ, "RECORD": str(record), "PYTHONPATH": str(tree)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           "-o", "addopts=", "tests"], cwd=tree, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-o", "addopts=",
+                           "tests"], cwd=tree, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     tests = [(nodeid, worker) for kind, nodeid, worker in rows if kind == "test"]

@@ -277,16 +277,11 @@ async def _fire(trainer: Any, ev: ChaosEvent, replicas_per_process: int, t0: flo
     return rec
 
 
-async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fired: list[dict[str, Any]],
-                 pids: list[int]) -> None:
-    """Fire `chaos`'s events as the run reaches them (see :class:`ChaosEvent`), after noting the rollout ranks'
-    process ids in `pids`. A wave (the events of one step) takes its targets' processes as they are at its first
-    event: a recovery its first signal starts does not move the rest of the wave onto the new processes."""
+async def _drive(trainer: Any, chaos: ChaosPlan, replicas_per_process: int, fired: list[dict[str, Any]]) -> None:
+    """Fire `chaos`'s events as the run reaches them (see :class:`ChaosEvent`). A wave (the events of one step)
+    takes its targets' processes as they are at its first event: a recovery its first signal starts does not move
+    the rest of the wave onto the new processes."""
     t0 = time.perf_counter()
-    while trainer.groups is None:
-        await asyncio.sleep(0.02)
-    if not pids:  # (run_chaos notes them before the run starts)
-        pids.extend(await trainer.groups.rollout.pid())
     wave_pids: dict[int, list[int]] = {}
     wave_t: dict[int, float] = {}
     for ev in chaos.events:
@@ -388,11 +383,11 @@ async def run_chaos(cfg: Any, chaos: ChaosPlan, *,
     driven: Any = None
     async with trainer:
         try:
-            # the processes as the run starts, noted before it does: a fault the run's own workers bring about (a
-            # test's hooks) may come before a driver that asked once the run had started got its answer
-            if trainer.groups is not None:
-                pids[0].extend(await trainer.groups.rollout.pid())
-            driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired, pids[0]))
+            # the rollout processes as the run starts (its groups are up once the trainer is entered), noted before
+            # it does: a fault the run's own workers bring about (a test's hooks) may come before an answer asked
+            # for once the run had started
+            pids[0].extend(await trainer.groups.rollout.pid())
+            driver = asyncio.create_task(_drive(trainer, chaos, cfg.twin.replicas_per_process, fired))
             history = await trainer.fit()
             end, starts = await _pids_at_end(trainer.groups.rollout)
             pids[1].extend(end)

@@ -9,6 +9,7 @@ test_pipelining and test_protocol (`tests/core/kinds.py`).
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import weakref
 
@@ -123,3 +124,30 @@ async def test_the_ordered_thread_drops_a_calls_arguments_when_it_returns(ray_cl
         t = torch.arange(12.0).reshape(4, 3)
         assert (await wg.rowsum(t)).flatten().tolist() == [3.0, 12.0, 21.0, 30.0]
         assert await wg.alive() == [[False], [False]]
+
+
+class Threads(Worker):
+    """Reports what its process was given to run torch with."""
+
+    @register()
+    def threads(self) -> tuple[str | None, int]:
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+class ThreadsAsync(Threads):
+    @register(concurrent=True)
+    async def noop(self) -> None:  # a concurrent method: the async host
+        return None
+
+
+@pytest.mark.parametrize("cls, per_process, kind", [(Threads, 1, "threaded"), (ThreadsAsync, 1, "async"),
+                                                     (Threads, 2, "ranks")])
+async def test_each_host_runs_torch_with_its_slots_cpus(ray_cluster, cls, per_process, kind):
+    """A host's process gets OMP_NUM_THREADS from its bundle's CPUs (Ray's own default for an actor: asyncrl sets no
+    runtime_env), and torch runs a plain def method with the rank's share of them, on every host kind; two ranks in
+    a process share its CPUs. Two CPUs a bundle, so that neither is the default of 1."""
+    async with asyncrl.ResourcePool([2], cpus_per_bundle=2, name=f"threads-{kind}") as pool:
+        async with RayWorkerGroup(cls, pool, ranks_per_process=per_process, name=f"threads-{kind}") as wg:
+            if kind != "ranks":
+                assert await host_kinds(wg) == [kind, kind]
+            assert await wg.threads() == [("2", 2 // per_process)] * 2

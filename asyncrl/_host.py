@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable
 from asyncrl import batch as B
 from asyncrl._deferred import input_pad, resolve_on_worker, take_local_inputs, take_top_inputs
 from asyncrl._lanes import CONTROL_WAIT, NEVER_RAN, Lane, OrderedThread, Ticket, shallow
-from asyncrl._wire import CallCancelled, CallMsg, Payload, arrived, has_deferred, has_local
+from asyncrl._wire import CallCancelled, CallMsg, Payload, arrived, as_columns, has_deferred, has_local
 from asyncrl.errors import RemoteError
 from asyncrl.register import registered_methods
 from asyncrl.worker import RoleSpec, Worker, WorkerContext, _CONTEXT
@@ -185,8 +185,9 @@ class _HostBase:
         when the method started (its turn and inputs there) and when it returned; then, for a
         data-parallel method registered with ``summary`` fields, those fields of the result."""
         keep = msg.keep
+        out = (result if self._local else as_columns(result)) if keep else None  # (Ray pickles it: as its columns)
         if not msg.want_meta:
-            return result if keep else None
+            return out
         meta = (*(self._meta(spec, msg.method, args, kwargs, result, pad) if data_parallel else (None, 0)), *times)
         fields = self._methods[spec.role][msg.method].summary
         if fields and data_parallel:  # the result's small fields ride in the reply (GroupFuture.summary)
@@ -196,7 +197,7 @@ class _HostBase:
             # container it keeps (a buffer it refills) and changes its keys in a later call
             # does not change what this call's consumers read.
             ticket.outcome = (True, shallow(result), meta)
-        return (result if keep else None), meta
+        return out, meta
 
     def _keeps(self, ticket: Ticket, want_meta: bool, keep: bool) -> None:
         """Mark an ordered call whose outcome its lane keeps for same-process consumers:

@@ -84,16 +84,31 @@ NEVER_RAN: tuple[bool, Any] = (False, CallCancelled("cancelled before it ran"))
 def shallow(value: Any) -> Any:
     """A container of its own over `value`'s values, what the lane keeps of a result and
     what each same-process consumer gets: a TensorDict, dict or list is copied one level
-    (nested TensorDicts too: their own keys), tensors are shared."""
+    (nested TensorDicts too: their own keys); tensors are shared, and so are text columns
+    (tensordict's non-tensor data and stacks): like tensors, inputs are read-only."""
     from tensordict import TensorDictBase
 
     if isinstance(value, TensorDictBase):
-        return value.copy()
+        return _shallow_td(value)
     if type(value) is dict:
         return dict(value)
     if type(value) is list:
         return list(value)
     return value
+
+
+def _shallow_td(td: Any) -> Any:
+    """`shallow` of a TensorDict. ``td.copy()`` (tensordict's one-level clone) also clones every cell of a text
+    column, a container per row: 0.86 ms for 32 rows and three text columns against 36 us here, paid by every
+    ordered call that returns such a batch (the lane keeps a copy) and by each same-process consumer."""
+    from tensordict import TensorDict, TensorDictBase, is_non_tensor
+
+    if type(td) is not TensorDict:  # a lazy stack of rows, a tensorclass: tensordict's own copy
+        return td if is_non_tensor(td) else td.copy()
+    src = {k: (_shallow_td(v) if isinstance(v, TensorDictBase) else v) for k, v in td.items()}
+    names = td.names
+    return TensorDict(src, batch_size=td.batch_size, device=td.device,
+                      names=None if all(n is None for n in names) else names)
 
 
 class ControlOrder:

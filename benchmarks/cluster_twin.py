@@ -80,7 +80,7 @@ CURRENT = ("two-calls", "before", "columns", "top-values", "after")
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
-           "staleness 0/1/2/.. (tokens %)", "trainer idle", "s/step"]
+           "staleness 0/1/2/.. (tokens %)", "trainer idle", "s/step", "workers CPU us/sample", "machine busy"]
 
 
 def rss_mib(field: str = "VmHWM") -> float:
@@ -117,6 +117,34 @@ def thread_cpu() -> dict[str, float]:
         fields = stat.rpartition(")")[2].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def workers_cpu() -> dict[int, float]:
+    """CPU seconds so far of each of the run's worker processes on this machine (Ray actors hosting asyncrl workers:
+    the simulated replicas and training ranks), by pid."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read(64)
+            if not (cmd.startswith(b"ray::") and b"Host" in cmd.split(b"\0")[0]):
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # the process ended
+            continue
+        out[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def machine_busy_s() -> tuple[float, float]:
+    """(busy CPU seconds of every core so far, the cores' count): /proc/stat's first line, idle and iowait left out."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), float(os.cpu_count() or 1)
 
 
 def cpu_by_thread(before: dict[str, float], after: dict[str, float], samples: int, top: int = 4) -> str:
@@ -208,6 +236,8 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
     cfg.trainer.balance_batch = cfg.trainer.balance_batch and variant in CURRENT
     marks: list[tuple[float, float]] = []  # (monotonic, process CPU s) at each step's end
     threads: list[dict[str, float]] = []  # CPU per thread at the steady window's start and end
+    workers: list[dict[int, float]] = []  # CPU per worker process, and the machine's, at the same two points
+    machine: list[tuple[float, float]] = []
     lag = LoopLag()
     restore = set_variant(variant)
     reset_peak_rss()
@@ -216,6 +246,8 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
         marks.append((time.monotonic(), time.process_time()))
         if step in (args.warmup, args.steps - 1):
             threads.append(thread_cpu())
+            workers.append(workers_cpu())
+            machine.append(machine_busy_s())
 
     try:
         trainer = GRPOTrainer(cfg, on_step=on_step)
@@ -248,6 +280,8 @@ async def run_one(args: argparse.Namespace, n: int, variant: str) -> dict[str, A
         "idle": sum(h["time/wait_rollout"] for h in steady) / sum(h["time/step"] for h in steady),
         "step_s": (t1 - t0) / len(steady), "per_id": per_id,
         "threads": cpu_by_thread(threads[0], threads[-1], samples),
+        "workers_us": sum(c - workers[0][p] for p, c in workers[-1].items() if p in workers[0]) / samples * 1e6,
+        "busy": (machine[-1][0] - machine[0][0]) / (machine[0][1] * (t1 - t0)),
     }
 
 
@@ -316,6 +350,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['tokens_s']:.0f}", f"{r['ideal_tokens_s']:.0f}", f"{r['tokens_s'] / r['ideal_tokens_s']:.2f}",
             f"{r['cpu_us']:.0f}", f"{r['lag_p99_ms']:.1f}", f"{r['rss_mib']:.0f}", f"{r['sync_ms']:.0f}", sync,
             "/".join(f"{100 * x:.0f}" for x in r["stale"]), f"{r['idle']:.2f}", f"{r['step_s']:.2f}",
+            f"{r['workers_us']:.0f}", f"{r['busy']:.2f}",
         ]) + " |")
     return "\n".join(out)
 
@@ -342,7 +377,9 @@ def workload(args: argparse.Namespace) -> str:
         "receipt (median; each replica pulls the version from the object store and loads it between two decoding "
         "steps); "
         "staleness: the trained response tokens generated 0, 1, 2, .. versions before their step; trainer idle: the "
-        "train loop's wait for a batch / step time.")
+        "train loop's wait for a batch / step time; workers CPU: the CPU of the run's worker processes (the "
+        "simulated replicas and training ranks, with Ray's threads in them) per trained sample; machine busy: the "
+        "share of every core busy over the window (the controller, Ray and any other job included).")
 
 
 async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -355,7 +392,8 @@ async def amain(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(r)
             print(f"N={n} {v}: {r['samples_s']:.1f} samples/s, {r['tokens_s']:.0f} tokens/s (ideal "
                   f"{r['ideal_tokens_s']:.0f}), ctrl {r['cpu_us']:.0f} us/sample, lag p99 {r['lag_p99_ms']:.1f} ms, "
-                  f"sync {r['sync_ms']:.0f} ms, idle {r['idle']:.2f}, load {load:.1f}; CPU us/sample by thread: "
+                  f"sync {r['sync_ms']:.0f} ms, idle {r['idle']:.2f}, workers {r['workers_us']:.0f} us/sample, "
+                  f"machine busy {r['busy']:.2f}, load {load:.1f}; CPU us/sample by thread: "
                   f"{r['threads']}", flush=True)
     return rows
 

@@ -168,9 +168,8 @@ class RayBackend:
             ).remote(**args))
         # No runtime_env: Ray gives an actor's process OMP_NUM_THREADS = its CPUs (at least 1) unless the cluster's
         # environment sets it, and the host sets torch's threads from its slot (_host.WorkerHost._set_threads). A
-        # runtime_env with that env var costs each process about 0.5 s more CPU to start (a group of 4 trivial
-        # workers: 15.5 s of CPU and 7.8 s against 13.5 s and 6.8 s without), and Ray's prestarted workers, which
-        # have the default env, could not host them.
+        # runtime_env of the actor's own with that env var cost each process about 0.5 s more CPU to start (a group
+        # of 4 trivial workers: 15.5 s of the machine's CPU and 7.8 s of wall time, against 13.5 s and 6.8 s).
         return hosts
 
     async def admin(self, host: Any, method: str, *args: Any) -> Any:

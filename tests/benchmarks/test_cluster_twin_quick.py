@@ -9,7 +9,7 @@ from .test_overlap_quick import tables
 
 COLUMNS = ["N", "variant", "train ranks", "samples/step", "samples/s", "vs N x 1", "tokens/s", "ideal tokens/s",
            "vs ideal", "ctrl CPU us/sample", "loop lag p99 ms", "ctrl RSS MiB", "weight sync ms", "sync vs N=1",
-           "staleness 0/1/2/.. (tokens %)", "trainer idle", "s/step"]
+           "staleness 0/1/2/.. (tokens %)", "trainer idle", "s/step", "workers CPU us/sample", "machine busy"]
 
 
 @pytest.mark.slow  # two twin runs per variant on real Ray: a minute or two on the shared 2-core machine
@@ -24,3 +24,4 @@ def test_cluster_twin_quick(quick_runs):
         assert float(r[4]) > 0 and float(r[9]) > 0
         assert 97 <= sum(int(x) for x in r[14].split("/")) <= 103  # the staleness histogram, in percent (rounded)
         assert 0.0 <= float(r[15]) <= 1.0
+        assert float(r[17]) > 0 and 0.0 < float(r[18]) <= 1.05  # the worker processes' CPU; the cores' busy share

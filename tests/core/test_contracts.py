@@ -326,6 +326,24 @@ async def test_a_tensordict_of_tensors_and_text_arrives_as_tensordicts_own_pickl
         ["z", "Tensor", [1.0, 1.0, 1.0]]]]]]]
 
 
+async def test_a_result_of_tensors_and_text_arrives_as_it_was_returned(wg):
+    """A worker's result that is a plain TensorDict of tensors and text (a generated group's rows) goes into Ray's
+    object store as its columns (``_wire.as_columns``: not a pickled ``NonTensorData`` per text cell) and is read as
+    that TensorDict, in key order, at the controller and by another call (worker to worker)."""
+    from asyncrl import _wire
+
+    td = TensorDict({"x": torch.arange(4)}, batch_size=[4])
+    stored = _wire.as_columns(TensorDict({"t": torch.ones(2)}, batch_size=[2]))
+    assert type(stored).__name__ == "_Columns" and _wire.as_columns([1]) == [1]
+    got = await wg.text_rows(td)
+    assert type(got) is TensorDict and list(got.keys()) == ["ids", "big", "stop"]
+    assert got["ids"].tolist() == [0, 10, 20, 30] and got["stop"] == ["stop0", "stop1", "stop2", "stop3"]
+    assert got["big"].shape == (4, 20_000) and got["big"][:, 7].tolist() == [0.0, 1.0, 2.0, 3.0]
+    layout = await wg.td_layout(wg.text_rows(td).select("ids", "stop"))
+    assert layout == ["TensorDict", [4], [["ids", "Tensor", [0, 10, 20, 30]],
+                                          ["stop", "NonTensorStack", ["stop0", "stop1", "stop2", "stop3"]]]]
+
+
 def test_a_small_tensor_column_crosses_as_its_bytes_and_arrives_equal_and_writable():
     """Up to ``_wire.SMALL_TENSOR_BYTES`` a tensor column of such a TensorDict is pickled in-band as its bytes, dtype
     and shape (a slice, a transposed view, bfloat16, bool, an empty column alike); a larger one goes to Ray's

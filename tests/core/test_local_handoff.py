@@ -392,3 +392,29 @@ def test_the_environment_sets_the_default(monkeypatch):
         default_local_results()
     monkeypatch.delenv("ASYNCRL_LOCAL_RESULTS")
     assert default_local_results() == 4
+
+
+def test_shallow_gives_containers_of_their_own_and_shares_tensors_and_text_columns():
+    """What the lane keeps of a result and what each same-process consumer gets (``_lanes.shallow``): a TensorDict
+    of its own at every level, its batch size and dim names kept; the tensors and the text columns are the
+    producer's own objects (a text column cloned per row cost 24x as much as the rest of the copy)."""
+    from tensordict import LazyStackedTensorDict
+
+    from asyncrl._lanes import shallow
+
+    td = batch(4)
+    td["one"] = "same for every row"
+    td["nested"] = TensorDict({"z": torch.zeros(4)}, batch_size=[4])
+    td.refine_names("rows")
+    out = shallow(td)
+    assert out is not td and out["nested"] is not td["nested"]
+    assert out.batch_size == td.batch_size and out.names == ["rows"]
+    for key in ("x", "prompt", "one", ("nested", "z")):
+        assert out.get(key) is td.get(key), key
+    out["new"], out["nested", "new"] = torch.ones(4), torch.ones(4)
+    assert "new" not in td.keys() and "new" not in td["nested"].keys()
+    assert out["prompt"] == ["p0", "p1", "p2", "p3"] and out["one"] == "same for every row"
+    stacked = LazyStackedTensorDict(*[TensorDict({"a": torch.zeros(2)}, [2]) for _ in range(3)], stack_dim=0)
+    copied = shallow(stacked)  # a stack of TensorDicts: tensordict's own one-level copy
+    assert isinstance(copied, LazyStackedTensorDict) and copied.tensordicts[0] is not stacked.tensordicts[0]
+    assert shallow({"a": 1}) == {"a": 1} and shallow([1]) == [1] and shallow(3) == 3

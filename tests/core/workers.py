@@ -129,6 +129,15 @@ class Probe(Worker):
         return out
 
     @register(Dispatch.DP_COMPUTE)
+    def text_rows(self, batch: TensorDict) -> TensorDict:
+        """A generated group's kind of result: small and large tensors and a text column, per row."""
+        from tensordict import NonTensorStack
+
+        x = batch["x"]
+        return TensorDict({"ids": x * 10, "big": x[:, None].float().expand(-1, 20_000).clone(),
+                           "stop": NonTensorStack(*[f"stop{int(v)}" for v in x])}, batch_size=batch.batch_size)
+
+    @register(Dispatch.DP_COMPUTE)
     def inc(self, batch: TensorDict) -> TensorDict:
         return TensorDict({"y": batch["y"] + 1}, batch_size=batch.batch_size)
 

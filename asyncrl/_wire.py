@@ -424,16 +424,19 @@ class _Columns:
         return self.reduced
 
 
+def _text_reduction(obj: Any) -> tuple[Any, ...] | None:
+    """How a call argument or a result crosses when it is a plain TensorDict that :func:`_reduce_text_td` can take
+    apart (and :data:`TEXT_TENSORDICTS` is on); None: as pickle would send it."""
+    return _reduce_text_td(obj) if TEXT_TENSORDICTS and type(obj) is TensorDict else None
+
+
 def as_columns(value: Any) -> Any:
     """`value` as a Ray host returns it: a plain TensorDict of tensors and text columns (a generated group's rows,
-    with their text) as its columns, as :data:`TEXT_TENSORDICTS` sends such an argument; anything else as it is.
+    with their text) as its columns, as such an argument crosses (:func:`_text_reduction`); anything else as it is.
     Pickled by tensordict, every text cell is a ``NonTensorData`` of its own: a simulated rollout of 32 replicas per
     process spent a fifth of its CPU pickling its results so."""
-    if TEXT_TENSORDICTS and type(value) is TensorDict:
-        reduced = _reduce_text_td(value)
-        if reduced is not None:
-            return _Columns(reduced)
-    return value
+    reduced = _text_reduction(value)
+    return value if reduced is None else _Columns(reduced)
 
 
 def _rebuild_text_td(n: int, keys: list[str], columns: list[Any]) -> Any:
@@ -456,11 +459,8 @@ def _pickler_class() -> type:
 
     class _Pickler(cloudpickle.CloudPickler):
         def reducer_override(self, obj: Any) -> Any:
-            if type(obj) is TensorDict and TEXT_TENSORDICTS:
-                reduced = _reduce_text_td(obj)
-                if reduced is not None:
-                    return reduced
-            return super().reducer_override(obj)
+            reduced = _text_reduction(obj)
+            return super().reducer_override(obj) if reduced is None else reduced
 
     return _Pickler
 

@@ -101,42 +101,40 @@ def reset_peak_rss() -> None:
         pass
 
 
+def _stat_cpu_s(path: str) -> float:
+    """User + system CPU seconds of the process or thread whose ``stat`` file is `path` (OSError once it ended)."""
+    with open(path) as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu() -> dict[str, float]:
     """CPU seconds of each of this process's threads so far, summed by thread name (the main thread: ``loop``)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     me = str(os.getpid())
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
+            cpu = _stat_cpu_s(f"/proc/self/task/{tid}/stat")
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = "loop" if tid == me else f.read().strip()
         except OSError:  # the thread ended
             continue
-        fields = stat.rpartition(")")[2].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + cpu
     return out
 
 
 def workers_cpu() -> dict[int, float]:
     """CPU seconds so far of each of the run's worker processes on this machine (Ray actors hosting asyncrl workers:
     the simulated replicas and training ranks), by pid."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, float] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read(64)
-            if not (cmd.startswith(b"ray::") and b"Host" in cmd.split(b"\0")[0]):
-                continue
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
+                cmd = f.read(64).split(b"\0")[0]
+            if cmd.startswith(b"ray::") and b"Host" in cmd:
+                out[int(pid)] = _stat_cpu_s(f"/proc/{pid}/stat")
         except OSError:  # the process ended
             continue
-        out[int(pid)] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 

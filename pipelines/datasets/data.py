@@ -91,6 +91,10 @@ register_task(Task("char_class", _roles_task("char_class"), reward_fn="char_clas
 holding tokens of that class (a random tiny model scores ~0.05)."""
 register_task(Task("echo_word", _roles_task("echo_word"), reward_fn="echo_word"))
 """``say cat`` -> ``cat``; reward 1 when the first word of the response is the word."""
+register_task(Task("echo_number", _roles_task("echo_number"), reward_fn="echo_word"))
+"""``say 48213`` -> ``48213`` (``echo_word``'s reward); unlike the two tasks above, every one of the
+``num_prompts`` prompts is distinct. The cluster twin's preset uses it: its simulated engine draws a response
+length around each prompt's own median (docs/scale.md), so the prompts must be as many as a real dataset's."""
 
 
 def _arith(split: str) -> Callable[..., Pairs]:

@@ -77,12 +77,14 @@ class DataConfig(Section):
     filter_overlong_prompts: bool = False
     """Drop prompts longer than `max_prompt_length` (the count is logged) instead of refusing the data."""
     task: str = "char_class"
-    """Name of a task in :mod:`asyncrl.pipelines.datasets.data` (``char_class``, ``echo_word``, ``arith``); its answers
+    """Name of a task in :mod:`asyncrl.pipelines.datasets.data` (``char_class``, ``echo_word``, ``echo_number``,
+    ``arith``); its answers
     go with the reward function."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to the task's generator, e.g. ``{"levels": [1, 2], "ops": ["add", "mul"]}`` for ``arith``."""
     num_prompts: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 64
-    """Distinct prompts in the dataset; the loader cycles through them in epochs."""
+    """Prompts in the dataset (``char_class`` and ``echo_word`` draw theirs from 2 and 8 distinct ones); the loader
+    cycles through them in epochs."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by ``trainer.seed`` and the epoch)."""
     chat_template: bool = False

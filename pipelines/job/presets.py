@@ -131,6 +131,10 @@ def twin() -> JobConfig:
     cfg.model = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=0,
                             num_threads=1)
     cfg.twin = TwinConfig(profile="qwen2_7b_h100_vllm", time_scale=0.01)
+    # distinct prompts: the engine draws each response's length around its prompt's own median (the profile's
+    # prompt_sigma), so a task of two prompts (char_class) would be a workload of two medians, not the profile's
+    cfg.data = DataConfig(task="echo_number", num_prompts=64)
+    cfg.reward = RewardConfig(fn="echo_word")  # (unused by the twin's own reward worker; it fits the task)
     cfg.rollout.partial_rollout = "keep"  # weight versions reach generations in flight (the KV cache kept)
     cfg.trainer = TrainerConfig(steps=10, batch_size=64, max_staleness=2, rollout_mode="stream", rollout_workers=4,
                                 train_workers=2, seed=0, progress=False, plot=False, tensorboard=False,

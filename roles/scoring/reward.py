@@ -271,14 +271,19 @@ _CLASSES = {"digits": set("0123456789"), "vowels": set("aeiou")}
 
 
 def toy_dataset(task: str, n: int, seed: int = 0) -> list[dict[str, str]]:
-    """`n` ``{"prompt", "answer"}`` rows of a built-in toy task (``char_class``, ``echo_word``)."""
+    """`n` ``{"prompt", "answer"}`` rows of a built-in toy task (``char_class``, ``echo_word``, ``echo_number``).
+
+    ``char_class`` and ``echo_word`` draw their few prompts with replacement (2 and 8 distinct); every
+    ``echo_number`` prompt is distinct."""
     rng = random.Random(seed)
     if task == "char_class":
         names = sorted(_CLASSES)
         return [{"prompt": f"write {c}:", "answer": c} for c in (rng.choice(names) for _ in range(n))]
     if task == "echo_word":
         return [{"prompt": f"say {w}", "answer": w} for w in (rng.choice(TOY_WORDS) for _ in range(n))]
-    raise UnknownNameError(f"no toy task {task!r}; known: char_class, echo_word")
+    if task == "echo_number":
+        return [{"prompt": f"say {k}", "answer": str(k)} for k in rng.sample(range(max(10**6, 10 * n)), n)]
+    raise UnknownNameError(f"no toy task {task!r}; known: char_class, echo_word, echo_number")
 
 
 def _answers(x: RewardInput, name: str) -> list[str]:

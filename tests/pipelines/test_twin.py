@@ -33,6 +33,33 @@ def test_every_shipped_profile_loads_with_a_source_for_every_number():
         assert sorted(in_file) == sorted(p.sources)  # every number in the file has its source
 
 
+def test_the_twin_presets_prompts_are_distinct_so_each_draws_its_own_median():
+    """The engine draws a response's length around its prompt's own median (the profile's ``prompt_sigma``,
+    from the prompt's ids). ``char_class`` has two prompts, so a twin on it drew every length around two medians;
+    the preset's ``echo_number`` gives each prompt its own, spread as the profile says."""
+    import math
+    import statistics
+
+    from asyncrl.pipelines.datasets.data import get_task
+    from asyncrl.roles.engines.sim import draw_length
+    from asyncrl.roles.modeling.models import tokenizer_for
+
+    cfg = twin()
+    tok, lengths = tokenizer_for(cfg.model), load_profile(cfg.twin.profile).lengths
+
+    def factors(task: str) -> list[float]:  # each prompt's median over the profile's, from a draw without spread
+        prompts = [p for p, _ in get_task(task).make(256, 0)]
+        return [draw_length(0, tok(p)["input_ids"], 10**12, median_tokens=1e9, sigma=0.0,
+                            prompt_sigma=lengths.prompt_sigma) / 1e9 for p in prompts]
+
+    assert cfg.data.task == "echo_number" and lengths.prompt_sigma == 0.5
+    assert len(set(factors("char_class"))) == 2
+    ours = factors(cfg.data.task)
+    assert len(set(ours)) == 256
+    spread = statistics.stdev(math.log(f) for f in ours)
+    assert 0.4 < spread < 0.6, spread  # the profile's 0.5
+
+
 def test_a_profile_written_by_dump_loads_back_equal(tmp_path):
     p = load_profile("qwen2_7b_h100_vllm")
     again = load_profile(str(dump_profile(p, tmp_path / "mine.yaml")))

@@ -78,8 +78,7 @@ class DataConfig(Section):
     """Drop prompts longer than `max_prompt_length` (the count is logged) instead of refusing the data."""
     task: str = "char_class"
     """Name of a task in :mod:`asyncrl.pipelines.datasets.data` (``char_class``, ``echo_word``, ``echo_number``,
-    ``arith``); its answers
-    go with the reward function."""
+    ``arith``); its answers go with the reward function."""
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to the task's generator, e.g. ``{"levels": [1, 2], "ops": ["add", "mul"]}`` for ``arith``."""
     num_prompts: Annotated[int, Range(ge=1, le=MAX_ROWS)] = 64

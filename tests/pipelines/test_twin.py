@@ -5,11 +5,14 @@ the staleness bound, every group trained once."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import pytest
 import yaml
 
+from asyncrl.pipelines.datasets.data import get_task
 from asyncrl.pipelines.job.config import ConfigError
 from asyncrl.pipelines.job.presets import load_config, twin
 from asyncrl.pipelines.journaling.ledger import check_ledger
@@ -17,6 +20,8 @@ from asyncrl.pipelines.trainers.trainer import GRPOTrainer
 from asyncrl.pipelines.twin.profile import (PROFILES, ProfileError, TwinConfig, dump_profile, engine_kwargs,
                                             load_profile)
 from asyncrl.pipelines.twin.workers import train_costs
+from asyncrl.roles.engines.sim import draw_length
+from asyncrl.roles.modeling.models import tokenizer_for
 
 
 def test_every_shipped_profile_loads_with_a_source_for_every_number():
@@ -37,13 +42,6 @@ def test_the_twin_presets_prompts_are_distinct_so_each_draws_its_own_median():
     """The engine draws a response's length around its prompt's own median (the profile's ``prompt_sigma``,
     from the prompt's ids). ``char_class`` has two prompts, so a twin on it drew every length around two medians;
     the preset's ``echo_number`` gives each prompt its own, spread as the profile says."""
-    import math
-    import statistics
-
-    from asyncrl.pipelines.datasets.data import get_task
-    from asyncrl.roles.engines.sim import draw_length
-    from asyncrl.roles.modeling.models import tokenizer_for
-
     cfg = twin()
     tok, lengths = tokenizer_for(cfg.model), load_profile(cfg.twin.profile).lengths
 
